@@ -1,0 +1,10 @@
+DROP TABLE providers;
+DROP TABLE nodes;
+DROP TABLE sessions;
+DROP TABLE users;
+DROP TABLE record_counts;
+DROP TABLE events;
+DROP TABLE attempts;
+DROP TABLE step_runs;
+DROP TABLE records;
+DROP TABLE pipeline_versions;

@@ -1,0 +1,167 @@
+//! Start-up and supervision: connect, migrate, serve, heartbeat, and shut
+//! down gracefully when the token is cancelled. `main` and the tests call
+//! the same [`run`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::domain::{Clock, SystemClock};
+use crate::store::{ConnectOptions, Db, NodeBeat, Store, migrate};
+
+/// How often a node tells the others it is alive.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// What every handler and background task shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub db: Db,
+    pub config: Arc<Config>,
+    /// This process's id among the nodes sharing the database.
+    pub node_id: Arc<str>,
+    /// Cancelled when the process starts shutting down.
+    pub shutdown: CancellationToken,
+}
+
+/// Connects to the configured database.
+pub async fn connect(config: &Config) -> anyhow::Result<Db> {
+    let opts = ConnectOptions {
+        max_connections: config.database.max_connections,
+        acquire_timeout: config.database.acquire_timeout.0,
+    };
+    Db::connect(config.database.url.expose(), &opts)
+        .await
+        .with_context(|| format!("cannot open database {}", config.database.url))
+}
+
+/// A node id unique across restarts and machines: host, pid, and a random tail.
+pub fn new_node_id() -> String {
+    let host = hostname();
+    let tail = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}-{}-{}", std::process::id(), &tail[..8])
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// Runs the control plane on `listener` until `shutdown` is cancelled:
+/// migrates the database, serves HTTP, keeps the node's heartbeat, then
+/// drains within the configured grace period.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let db = connect(&config).await?;
+    let applied = migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    if !applied.is_empty() {
+        tracing::info!(versions = ?applied, "applied migrations");
+    }
+    let grace = config.server.shutdown_grace.0;
+    let state = AppState {
+        db: db.clone(),
+        config: Arc::new(config),
+        node_id: new_node_id().into(),
+        shutdown: shutdown.clone(),
+    };
+
+    let tasks = TaskTracker::new();
+    tasks.spawn(heartbeat(state.clone()));
+
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, node.id = %state.node_id, backend = db.backend().as_str(), "ballast listening");
+    let app = crate::web::router(state.clone());
+    let server = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = tokio::spawn(async move { server.await });
+
+    shutdown.cancelled().await;
+    tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down");
+    tasks.close();
+    let drained = tokio::time::timeout(grace, async {
+        let served = server.await;
+        tasks.wait().await;
+        served
+    })
+    .await;
+    match drained {
+        Ok(Ok(Ok(()))) => tracing::info!("stopped cleanly"),
+        Ok(Ok(Err(e))) => tracing::error!(error = %e, "server failed"),
+        Ok(Err(e)) => tracing::error!(error = %e, "server task panicked"),
+        Err(_) => tracing::warn!(
+            tasks = tasks.len(),
+            "grace period over; stopping with work still running"
+        ),
+    }
+    db.close().await;
+    Ok(())
+}
+
+/// Registers this node and beats until shutdown, then deregisters.
+async fn heartbeat(state: AppState) {
+    let clock = SystemClock;
+    let beat = NodeBeat {
+        id: state.node_id.to_string(),
+        hostname: hostname(),
+        pid: i64::from(std::process::id()),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at: clock.now_ms(),
+        draining: false,
+    };
+    loop {
+        if let Err(e) = state.db.heartbeat(&beat, clock.now_ms()).await {
+            tracing::warn!(error = %e, "heartbeat failed");
+        }
+        tokio::select! {
+            () = tokio::time::sleep(HEARTBEAT_EVERY) => {}
+            () = state.shutdown.cancelled() => break,
+        }
+    }
+    if let Err(e) = state.db.remove_node(&beat.id).await {
+        tracing::warn!(error = %e, "could not deregister node");
+    }
+}
+
+/// Cancels `token` on SIGINT or SIGTERM.
+pub fn cancel_on_signals(token: CancellationToken) {
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = ctrl_c => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = ctrl_c.await;
+        }
+        token.cancel();
+    });
+}

@@ -1,0 +1,4 @@
+//! Authentication building blocks: password hashing now; sessions, tokens
+//! and the request extractors join as the control plane grows.
+
+pub mod password;

@@ -1,0 +1,314 @@
+//! The command line: `serve`, `migrate`, `user`, `check-config`.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::password;
+use crate::config::{Config, Loaded};
+use crate::domain::{Clock, Role, SystemClock, time::format_ms};
+use crate::store::{Db, NewUser, Store, StoreError, UserChange, migrate};
+
+/// Environment variable that supplies a password to `user add` and `user passwd`.
+pub const PASSWORD_ENV: &str = "BALLAST_PASSWORD";
+
+/// Durable workflows over unreliable third-party APIs, with a control plane.
+#[derive(Debug, Parser)]
+#[command(name = "ballast", version, propagate_version = true)]
+pub struct Cli {
+    /// Configuration file (TOML). Without it, `./ballast.toml` is read if it
+    /// exists; `BALLAST_*` environment variables override either.
+    #[arg(long, global = true, env = "BALLAST_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the control plane (and, as they land, the workers): migrates the
+    /// database, serves HTTP, stops gracefully on SIGINT/SIGTERM.
+    Serve {
+        /// Address to listen on, overriding `server.bind` (default 127.0.0.1:8080).
+        #[arg(long, value_name = "ADDR")]
+        bind: Option<SocketAddr>,
+    },
+    /// Apply, revert or list the schema migrations embedded in this binary.
+    Migrate {
+        #[command(subcommand)]
+        action: MigrateCommand,
+    },
+    /// Manage control-plane users.
+    User {
+        #[command(subcommand)]
+        action: UserCommand,
+    },
+    /// Validate the configuration, print where each part came from, and exit
+    /// non-zero on the first problem.
+    CheckConfig,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MigrateCommand {
+    /// Apply pending migrations (all, or up to `--to`).
+    Up {
+        /// Stop after this version.
+        #[arg(long, value_name = "N")]
+        to: Option<i64>,
+    },
+    /// Revert migrations: the latest one, or every one newer than `--to`
+    /// (`--to 0` empties the database).
+    Down {
+        /// Keep this version and older.
+        #[arg(long, value_name = "N")]
+        to: Option<i64>,
+    },
+    /// List every migration and whether it is applied.
+    Status,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum UserCommand {
+    /// Create a user. The password is prompted for, or read from
+    /// BALLAST_PASSWORD when set (for scripts).
+    Add {
+        /// Login name: 1-64 characters of a-z, 0-9, `.`, `_`, `-`.
+        username: String,
+        /// What the user may do.
+        #[arg(long, default_value = "viewer", value_parser = ["viewer", "operator", "admin"])]
+        role: String,
+    },
+    /// Set a user's password (prompted, or BALLAST_PASSWORD); ends their sessions.
+    Passwd { username: String },
+    /// List users.
+    List,
+    /// Disable a user; ends their sessions.
+    Disable { username: String },
+    /// Enable a disabled user.
+    Enable { username: String },
+}
+
+/// Runs one command to completion.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let Loaded {
+        mut config,
+        file,
+        env,
+    } = Config::load(cli.config.as_deref())?;
+    match cli.command {
+        Command::CheckConfig => {
+            check_config(&config, file, &env);
+            Ok(())
+        }
+        Command::Serve { bind } => {
+            if let Some(bind) = bind {
+                config.server.bind = bind;
+            }
+            let listener = tokio::net::TcpListener::bind(config.server.bind)
+                .await
+                .with_context(|| {
+                    format!(
+                        "cannot listen on {} (is another process using it? pick another with --bind)",
+                        config.server.bind
+                    )
+                })?;
+            let shutdown = CancellationToken::new();
+            crate::app::cancel_on_signals(shutdown.clone());
+            crate::app::run(config, listener, shutdown).await
+        }
+        Command::Migrate { action } => {
+            let db = crate::app::connect(&config).await?;
+            let result = migrate_command(&db, action).await;
+            db.close().await;
+            result
+        }
+        Command::User { action } => {
+            let db = crate::app::connect(&config).await?;
+            let applied = migrate::up(&db, None)
+                .await
+                .context("cannot migrate the database")?;
+            if !applied.is_empty() {
+                eprintln!("applied migrations {applied:?}");
+            }
+            let result = user_command(&db, action).await;
+            db.close().await;
+            result
+        }
+    }
+}
+
+fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
+    match file {
+        Some(f) => println!("config file: {}", f.display()),
+        None => println!("config file: none (defaults)"),
+    }
+    if !env.is_empty() {
+        println!("overridden by: {}", env.join(", "));
+    }
+    println!("server.bind: {}", config.server.bind);
+    println!("database.url: {}", config.database.url);
+    println!("configuration is valid");
+}
+
+async fn migrate_command(db: &Db, action: MigrateCommand) -> anyhow::Result<()> {
+    let backend = db.backend().as_str();
+    match action {
+        MigrateCommand::Up { to } => {
+            let applied = migrate::up(db, to).await?;
+            for v in &applied {
+                println!("applied {v:04}");
+            }
+            println!(
+                "{backend}: {} applied; schema at version {}",
+                applied.len(),
+                current_version(db).await?
+            );
+        }
+        MigrateCommand::Down { to } => {
+            let target = match to {
+                Some(t) => t,
+                None => {
+                    // The latest applied version goes; the one before stays.
+                    let status = migrate::status(db).await?;
+                    let applied: Vec<i64> = status
+                        .iter()
+                        .filter(|m| m.applied)
+                        .map(|m| m.version)
+                        .collect();
+                    applied.iter().rev().nth(1).copied().unwrap_or(0)
+                }
+            };
+            let reverted = migrate::down(db, target).await?;
+            for v in &reverted {
+                println!("reverted {v:04}");
+            }
+            println!(
+                "{backend}: {} reverted; schema at version {}",
+                reverted.len(),
+                current_version(db).await?
+            );
+        }
+        MigrateCommand::Status => {
+            println!("{:<8} {:<10} DESCRIPTION", "VERSION", "STATE");
+            for m in migrate::status(db).await? {
+                let state = if m.applied { "applied" } else { "pending" };
+                let desc = m
+                    .description
+                    .unwrap_or_else(|| "(unknown: applied by a newer ballast)".into());
+                println!("{:<8} {:<10} {desc}", format!("{:04}", m.version), state);
+            }
+            println!(
+                "{backend}: binary knows up to version {}",
+                migrate::latest_version(db.backend())
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn current_version(db: &Db) -> anyhow::Result<i64> {
+    Ok(migrate::status(db)
+        .await?
+        .iter()
+        .filter(|m| m.applied)
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0))
+}
+
+async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
+    let now = SystemClock.now_ms();
+    match action {
+        UserCommand::Add { username, role } => {
+            let role: Role = role.parse().map_err(anyhow::Error::msg)?;
+            crate::store::validate_username(&username)?;
+            if db.user_by_name(&username).await?.is_some() {
+                bail!(
+                    "user `{username}` already exists (use `ballast user passwd {username}` to change the password)"
+                );
+            }
+            let pw = read_new_password(&username)?;
+            let hash = password::hash_blocking(pw).await?;
+            let user = db
+                .create_user(
+                    &NewUser {
+                        username,
+                        password_hash: hash,
+                        role,
+                    },
+                    now,
+                )
+                .await?;
+            println!("added user {} with role {}", user.username, user.role);
+        }
+        UserCommand::Passwd { username } => {
+            let user = find_user(db, &username).await?;
+            let pw = read_new_password(&username)?;
+            let hash = password::hash_blocking(pw).await?;
+            db.update_user(user.id, &UserChange::Password(hash), now)
+                .await?;
+            println!("password changed for {username}; their sessions are ended");
+        }
+        UserCommand::List => {
+            println!("{:<24} {:<9} {:<9} CREATED", "USERNAME", "ROLE", "STATUS");
+            for u in db.list_users().await? {
+                let status = if u.disabled { "disabled" } else { "active" };
+                println!(
+                    "{:<24} {:<9} {:<9} {}",
+                    u.username,
+                    u.role,
+                    status,
+                    format_ms(u.created_at)
+                );
+            }
+        }
+        UserCommand::Disable { username } => {
+            let user = find_user(db, &username).await?;
+            db.update_user(user.id, &UserChange::Disabled(true), now)
+                .await?;
+            println!("disabled {username}; their sessions are ended");
+        }
+        UserCommand::Enable { username } => {
+            let user = find_user(db, &username).await?;
+            db.update_user(user.id, &UserChange::Disabled(false), now)
+                .await?;
+            println!("enabled {username}");
+        }
+    }
+    Ok(())
+}
+
+async fn find_user(db: &Db, username: &str) -> anyhow::Result<crate::domain::User> {
+    db.user_by_name(username).await?.ok_or_else(|| {
+        StoreError::NotFound {
+            what: "user",
+            key: username.to_owned(),
+        }
+        .into()
+    })
+}
+
+/// The new password from `BALLAST_PASSWORD`, or typed twice at the terminal.
+fn read_new_password(username: &str) -> anyhow::Result<String> {
+    let pw = match std::env::var(PASSWORD_ENV) {
+        Ok(pw) => pw,
+        Err(_) => {
+            if !std::io::stdin().is_terminal() {
+                bail!("no terminal to prompt for a password: set {PASSWORD_ENV}");
+            }
+            let first = rpassword::prompt_password(format!("password for {username}: "))?;
+            let again = rpassword::prompt_password("again: ")?;
+            if first != again {
+                bail!("the passwords do not match");
+            }
+            first
+        }
+    };
+    password::check_policy(&pw)?;
+    Ok(pw)
+}

@@ -1,0 +1,466 @@
+//! Configuration: typed, layered defaults → TOML file → `BALLAST_*`
+//! environment variables, strict about unknown keys, quiet about secrets.
+
+mod duration;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+pub use duration::{HumanDuration, parse_duration};
+
+use crate::store::Backend;
+
+/// The file read when `--config` is not given, if it exists.
+pub const DEFAULT_FILE: &str = "ballast.toml";
+
+/// Everything `ballast` reads at start-up.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub database: DatabaseConfig,
+}
+
+/// `[server]`: the control plane's HTTP listener.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address to listen on. Env: `BALLAST_SERVER_BIND`.
+    pub bind: SocketAddr,
+    /// The URL people reach the dashboard at; decides cookie security.
+    /// Env: `BALLAST_SERVER_PUBLIC_URL`.
+    pub public_url: Option<String>,
+    /// How long a graceful shutdown waits for in-flight work.
+    /// Env: `BALLAST_SERVER_SHUTDOWN_GRACE`.
+    pub shutdown_grace: HumanDuration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            public_url: None,
+            shutdown_grace: HumanDuration::secs(10),
+        }
+    }
+}
+
+/// `[database]`: where records live.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// `sqlite://FILE?mode=rwc` or `postgres://user@host/db`.
+    /// Env: `BALLAST_DATABASE_URL`.
+    pub url: DatabaseUrl,
+    /// Connection pool size. Env: `BALLAST_DATABASE_MAX_CONNECTIONS`.
+    pub max_connections: u32,
+    /// How long to wait for a pooled connection.
+    /// Env: `BALLAST_DATABASE_ACQUIRE_TIMEOUT`.
+    pub acquire_timeout: HumanDuration,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: DatabaseUrl("sqlite://ballast.db?mode=rwc".into()),
+            max_connections: 10,
+            acquire_timeout: HumanDuration::secs(10),
+        }
+    }
+}
+
+/// A database URL. It may carry a password, so `Debug` and `Display` show
+/// it with the password masked; [`expose`](Self::expose) gives the real one.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct DatabaseUrl(String);
+
+impl DatabaseUrl {
+    pub fn new(url: impl Into<String>) -> Self {
+        DatabaseUrl(url.into())
+    }
+
+    /// The URL with its password, for connecting only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL with any password replaced by `***`.
+    pub fn redacted(&self) -> String {
+        let url = &self.0;
+        let Some(scheme_end) = url.find("://") else {
+            return url.clone();
+        };
+        let rest = &url[scheme_end + 3..];
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let authority = &rest[..authority_end];
+        let Some(at) = authority.rfind('@') else {
+            return url.clone();
+        };
+        let userinfo = &authority[..at];
+        let user = userinfo.split(':').next().unwrap_or("");
+        if !userinfo.contains(':') {
+            return url.clone();
+        }
+        format!("{}://{user}:***@{}", &url[..scheme_end], &rest[at + 1..])
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.redacted())
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+/// A configuration problem, precise enough to fix without guessing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {}: {message}", file.display())]
+    Read { file: PathBuf, message: String },
+    #[error("{}:{line}:{column}: {}{message}", file.display(), key.as_ref().map(|k| format!("key `{k}`: ")).unwrap_or_default())]
+    Parse {
+        file: PathBuf,
+        line: usize,
+        column: usize,
+        key: Option<String>,
+        message: String,
+    },
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("config `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+/// Where the configuration came from, for `check-config`.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub config: Config,
+    /// The file read, if any.
+    pub file: Option<PathBuf>,
+    /// The environment variables that overrode a value.
+    pub env: Vec<String>,
+}
+
+impl Config {
+    /// Loads defaults, then `file` (or `ballast.toml` if present), then the
+    /// process environment, then validates.
+    pub fn load(file: Option<&Path>) -> Result<Loaded, ConfigError> {
+        Self::load_with(file, &|var| std::env::var(var).ok())
+    }
+
+    /// [`load`](Self::load) with the environment given as a lookup, for tests.
+    pub fn load_with(
+        file: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Loaded, ConfigError> {
+        let path = match file {
+            Some(p) => Some(p.to_path_buf()),
+            None => Some(PathBuf::from(DEFAULT_FILE)).filter(|p| p.exists()),
+        };
+        let mut config = match &path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read {
+                    file: p.clone(),
+                    message: e.to_string(),
+                })?;
+                Self::parse(&text, p)?
+            }
+            None => Config::default(),
+        };
+        let env = config.apply_env(env)?;
+        config.validate()?;
+        Ok(Loaded {
+            config,
+            file: path,
+            env,
+        })
+    }
+
+    /// Parses TOML text; errors point at `file`'s line, column and key.
+    pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let offset = e.span().map_or(0, |s| s.start);
+            let (line, column) = line_col(text, offset);
+            ConfigError::Parse {
+                file: file.to_path_buf(),
+                line,
+                column,
+                key: key_at(text, offset),
+                message: e.message().trim().to_owned(),
+            }
+        })
+    }
+
+    fn apply_env(
+        &mut self,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Vec<String>, ConfigError> {
+        type Setter = fn(&mut Config, &str) -> Result<(), String>;
+        let setters: [(&str, Setter); 6] = [
+            ("BALLAST_SERVER_BIND", |c, v| {
+                c.server.bind = v
+                    .parse()
+                    .map_err(|_| format!("invalid address `{v}`, expected e.g. 127.0.0.1:8080"))?;
+                Ok(())
+            }),
+            ("BALLAST_SERVER_PUBLIC_URL", |c, v| {
+                c.server.public_url = Some(v.to_owned());
+                Ok(())
+            }),
+            ("BALLAST_SERVER_SHUTDOWN_GRACE", |c, v| {
+                c.server.shutdown_grace = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+            ("BALLAST_DATABASE_URL", |c, v| {
+                c.database.url = DatabaseUrl::new(v);
+                Ok(())
+            }),
+            ("BALLAST_DATABASE_MAX_CONNECTIONS", |c, v| {
+                c.database.max_connections =
+                    v.parse().map_err(|_| format!("invalid number `{v}`"))?;
+                Ok(())
+            }),
+            ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", |c, v| {
+                c.database.acquire_timeout = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+        ];
+        let mut applied = Vec::new();
+        for (var, set) in setters {
+            if let Some(value) = env(var) {
+                set(self, &value).map_err(|message| ConfigError::Env {
+                    var: var.to_owned(),
+                    message,
+                })?;
+                applied.push(var.to_owned());
+            }
+        }
+        Ok(applied)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| ConfigError::Invalid {
+            key: key.to_owned(),
+            message,
+        };
+        if Backend::of_url(self.database.url.expose()).is_none() {
+            return Err(invalid(
+                "database.url",
+                format!(
+                    "`{}` is not a sqlite: or postgres:// URL",
+                    self.database.url.redacted()
+                ),
+            ));
+        }
+        if self.database.max_connections == 0 {
+            return Err(invalid(
+                "database.max_connections",
+                "must be at least 1".into(),
+            ));
+        }
+        if let Some(url) = &self.server.public_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid(
+                    "server.public_url",
+                    format!("`{url}` must start with http:// or https://"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// 1-based line and column of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before
+        .rfind('\n')
+        .map_or(before.len(), |nl| before.len() - nl - 1)
+        + 1;
+    (line, column)
+}
+
+/// The dotted key whose line holds `offset`: the `key = …` on that line (or
+/// the nearest line above with one), under the last `[table]` header.
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let offset = offset.min(text.len());
+    let line_start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let lines_up_to: Vec<&str> = text[..line_start].lines().collect();
+    let current = text[line_start..].lines().next().unwrap_or("");
+    let key_of = |line: &str| -> Option<String> {
+        let t = line.trim();
+        if t.starts_with('[') || t.starts_with('#') {
+            return None;
+        }
+        let (k, _) = t.split_once('=')?;
+        let k = k.trim().trim_matches('"');
+        (!k.is_empty()).then(|| k.to_owned())
+    };
+    let table_of = |line: &str| -> Option<String> {
+        let t = line.trim();
+        let inner = t
+            .strip_prefix("[[")
+            .and_then(|r| r.strip_suffix("]]"))
+            .or_else(|| t.strip_prefix('[').and_then(|r| r.strip_suffix(']')))?;
+        Some(inner.trim().to_owned())
+    };
+    if let Some(table) = table_of(current) {
+        return Some(table);
+    }
+    let key = key_of(current).or_else(|| {
+        lines_up_to
+            .iter()
+            .rev()
+            .take_while(|l| table_of(l).is_none())
+            .find_map(|l| key_of(l))
+    })?;
+    let table = lines_up_to.iter().rev().find_map(|l| table_of(l));
+    Some(match table {
+        Some(t) => format!("{t}.{key}"),
+        None => key,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn defaults_are_local_and_sqlite() {
+        let c = parse("").unwrap_or_default();
+        assert_eq!(c.server.bind.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.database.url.expose(), "sqlite://ballast.db?mode=rwc");
+    }
+
+    #[test]
+    fn unknown_key_names_file_line_and_key() {
+        let err = parse("[server]\nbind = \"127.0.0.1:9\"\nbnd = 1\n").err();
+        let Some(ConfigError::Parse {
+            line, key, message, ..
+        }) = err.clone()
+        else {
+            panic!("expected a parse error, got {err:?}");
+        };
+        assert_eq!(line, 3);
+        assert_eq!(key.as_deref(), Some("server.bnd"));
+        assert!(message.contains("bnd"), "{message}");
+        let shown = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            shown.starts_with("test.toml:3:1: key `server.bnd`"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn bad_value_names_its_key() {
+        let err = parse("[database]\nmax_connections = \"many\"\n").err();
+        let Some(ConfigError::Parse { line, key, .. }) = err.clone() else {
+            panic!("expected a parse error, got {err:?}");
+        };
+        assert_eq!(
+            (line, key.as_deref()),
+            (2, Some("database.max_connections"))
+        );
+    }
+
+    #[test]
+    fn unknown_table_is_refused() {
+        let err = parse("[servr]\nbind = \"1.2.3.4:5\"\n").err();
+        assert!(
+            matches!(err, Some(ConfigError::Parse { line: 1, .. })),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn bad_duration_is_refused() {
+        let err = parse("[server]\nshutdown_grace = \"ten seconds\"\n").err();
+        assert!(
+            matches!(&err, Some(ConfigError::Parse { line: 2, key: Some(k), .. }) if k == "server.shutdown_grace"),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let dir = tempfile::tempdir().ok();
+        let path = dir
+            .as_ref()
+            .map(|d| d.path().join("b.toml"))
+            .unwrap_or_default();
+        std::fs::write(&path, "[database]\nurl = \"sqlite://x.db\"\n").ok();
+        let env =
+            |v: &str| (v == "BALLAST_DATABASE_URL").then(|| "postgres://u:pw@h/db".to_owned());
+        let loaded = Config::load_with(Some(&path), &env);
+        let loaded = loaded.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(loaded.config.database.url.expose(), "postgres://u:pw@h/db");
+        assert_eq!(loaded.env, vec!["BALLAST_DATABASE_URL".to_owned()]);
+    }
+
+    #[test]
+    fn bad_env_names_the_variable() {
+        let env = |v: &str| (v == "BALLAST_DATABASE_MAX_CONNECTIONS").then(|| "lots".to_owned());
+        let err = Config::load_with(Some(Path::new("/nonexistent/none.toml")), &env).err();
+        assert!(matches!(err, Some(ConfigError::Read { .. })), "{err:?}");
+        let dir = tempfile::tempdir().ok();
+        let path = dir
+            .as_ref()
+            .map(|d| d.path().join("b.toml"))
+            .unwrap_or_default();
+        std::fs::write(&path, "").ok();
+        let err = Config::load_with(Some(&path), &env)
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some("environment variable BALLAST_DATABASE_MAX_CONNECTIONS: invalid number `lots`")
+        );
+    }
+
+    #[test]
+    fn unsupported_database_is_refused_by_field() {
+        let err = parse("[database]\nurl = \"mysql://x\"\n").map(|c| c.validate());
+        assert!(
+            matches!(err, Ok(Err(ConfigError::Invalid { ref key, .. })) if key == "database.url"),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn passwords_never_print() {
+        let url =
+            DatabaseUrl::new("postgres://ballast:hunter2@db.internal:5432/ballast?sslmode=require");
+        let c = Config {
+            database: DatabaseConfig {
+                url: url.clone(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        for shown in [format!("{c:?}"), url.to_string(), url.redacted()] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+        assert_eq!(
+            url.redacted(),
+            "postgres://ballast:***@db.internal:5432/ballast?sslmode=require"
+        );
+        assert_eq!(
+            DatabaseUrl::new("postgres://postgres@127.0.0.1/test").redacted(),
+            "postgres://postgres@127.0.0.1/test"
+        );
+    }
+}

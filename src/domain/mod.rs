@@ -1,0 +1,12 @@
+//! Pure types and rules of Ballast: record states, the transition table,
+//! the stored shapes of records, steps, attempts and events. No I/O here.
+
+pub mod model;
+pub mod state;
+pub mod time;
+
+pub use model::*;
+pub use state::{
+    OperatorAction, RecordState, ReversalPolicy, TransitionError, Trigger, WorkResult, transition,
+};
+pub use time::{Clock, SystemClock, UnixMs};

@@ -1,0 +1,366 @@
+//! The stored shapes: records, step runs, attempts, events, users, sessions,
+//! nodes and provider state. Plain data; the store reads and writes them.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::state::RecordState;
+use super::time::UnixMs;
+
+/// Declares a closed set of snake_case names with `as_str`, `Display`,
+/// `FromStr` and `ALL`, so that every stored enum parses the same way.
+macro_rules! named_enum {
+    ($(#[$meta:meta])* pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name { $($(#[$vmeta])* $variant,)+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text,)+ }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(format!(concat!("unknown ", stringify!($name), " `{}`"), other)),
+                }
+            }
+        }
+    };
+}
+
+named_enum! {
+    /// Where one step of one record is.
+    pub enum StepState {
+        Pending => "pending",
+        Running => "running",
+        /// A provider job is in flight.
+        Waiting => "waiting",
+        Retrying => "retrying",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        /// Not run: an upstream optional step failed or the record ended.
+        Skipped => "skipped",
+    }
+}
+
+named_enum! {
+    /// What a provider reply means, after the provider's rules.
+    pub enum Outcome {
+        Success => "success",
+        /// A half-state: poll again.
+        Pending => "pending",
+        Retry => "retry",
+        Fail => "fail",
+        /// Nothing matched: bounded retries, then parked with the evidence.
+        Unknown => "unknown",
+    }
+}
+
+named_enum! {
+    /// What a user may do. Each role includes the ones before it.
+    pub enum Role {
+        Viewer => "viewer",
+        Operator => "operator",
+        Admin => "admin",
+    }
+}
+
+named_enum! {
+    /// A provider's circuit breaker.
+    pub enum BreakerState {
+        Closed => "closed",
+        Open => "open",
+        HalfOpen => "half_open",
+    }
+}
+
+/// One unit of work travelling through one pipeline.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Record {
+    pub id: i64,
+    pub pipeline: String,
+    /// The pipeline definition this record was started with.
+    pub pipeline_version: Option<i64>,
+    /// The caller's key; unique per pipeline, makes enqueue idempotent.
+    pub external_key: Option<String>,
+    pub state: RecordState,
+    pub input: Value,
+    /// When the record next needs a worker: due time, or lease expiry while
+    /// running. `None` exactly when the record is at rest.
+    pub next_run_at: Option<UnixMs>,
+    pub lease_owner: Option<String>,
+    pub lease_until: Option<UnixMs>,
+    /// Incremented by every claim; a worker's writes must carry the token it
+    /// claimed with, so a stale worker cannot overwrite a newer claim.
+    pub lease_token: i64,
+    /// The step the record is at (last worked on), for filters and display.
+    pub step: Option<String>,
+    pub provider: Option<String>,
+    /// Stable code of the last failure, if any.
+    pub error_code: Option<String>,
+    /// Human-readable reason for parking, failing or cancelling.
+    pub reason: Option<String>,
+    pub created_at: UnixMs,
+    pub updated_at: UnixMs,
+    pub finished_at: Option<UnixMs>,
+}
+
+/// One step of one record.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepRun {
+    pub record_id: i64,
+    pub step: String,
+    pub state: StepState,
+    /// Bumped by replay, so a replayed call gets a new idempotency key.
+    pub generation: i32,
+    pub attempts: i32,
+    pub idempotency_key: String,
+    /// The provider's job id, committed before the first poll.
+    pub job_id: Option<String>,
+    pub output: Option<Value>,
+    pub error_code: Option<String>,
+    pub reason: Option<String>,
+    pub next_run_at: Option<UnixMs>,
+    pub deadline_at: Option<UnixMs>,
+    pub started_at: Option<UnixMs>,
+    pub finished_at: Option<UnixMs>,
+    pub updated_at: UnixMs,
+}
+
+/// The idempotency key sent with every mutating call of a step: stable across
+/// retries and restarts, new only when an operator replays the step.
+pub fn idempotency_key(record_id: i64, step: &str, generation: i32) -> String {
+    format!("ballast-{record_id}-{step}-{generation}")
+}
+
+/// One HTTP exchange (or transport failure) for one step of one record.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Attempt {
+    pub id: i64,
+    pub record_id: i64,
+    pub step: String,
+    pub provider: Option<String>,
+    pub attempt_no: i32,
+    pub node: Option<String>,
+    pub started_at: UnixMs,
+    pub duration_ms: i64,
+    pub http_status: Option<i32>,
+    pub outcome: Outcome,
+    pub error_code: Option<String>,
+    /// At most [`EXCERPT_MAX_BYTES`] of the reply or error, for evidence.
+    pub excerpt: Option<String>,
+}
+
+/// The longest body excerpt kept with an attempt.
+pub const EXCERPT_MAX_BYTES: usize = 4096;
+
+/// Cuts `text` to at most `max` bytes on a character boundary.
+pub fn excerpt(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// One state transition or operator action, kept forever.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Event {
+    pub id: i64,
+    pub record_id: Option<i64>,
+    pub at: UnixMs,
+    /// Stable snake_case kind: a trigger kind (`claimed`, `parked`, `retry`…)
+    /// or an action on something else (`provider_paused`, `user_added`…).
+    pub kind: String,
+    /// `system`, `node:<id>` or a username.
+    pub actor: String,
+    /// True for actions a person took; these form the audit log.
+    pub audit: bool,
+    pub from_state: Option<RecordState>,
+    pub to_state: Option<RecordState>,
+    pub step: Option<String>,
+    pub reason: Option<String>,
+    pub detail: Option<Value>,
+}
+
+/// A control-plane user. The hash never leaves the store except for
+/// verification, and is never printed.
+#[derive(Clone, PartialEq, Serialize)]
+pub struct User {
+    pub id: i64,
+    pub username: String,
+    #[serde(skip)]
+    pub password_hash: String,
+    pub role: Role,
+    pub disabled: bool,
+    pub created_at: UnixMs,
+    pub updated_at: UnixMs,
+}
+
+impl fmt::Debug for User {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("User")
+            .field("id", &self.id)
+            .field("username", &self.username)
+            .field("password_hash", &"[redacted]")
+            .field("role", &self.role)
+            .field("disabled", &self.disabled)
+            .finish()
+    }
+}
+
+/// A login session (the JWT's id), revocable server-side.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Session {
+    pub id: String,
+    pub user_id: i64,
+    pub created_at: UnixMs,
+    pub expires_at: UnixMs,
+    pub revoked_at: Option<UnixMs>,
+}
+
+impl Session {
+    pub fn is_live(&self, now: UnixMs) -> bool {
+        self.revoked_at.is_none() && now < self.expires_at
+    }
+}
+
+/// A running `ballast` process, seen through its heartbeats.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Node {
+    pub id: String,
+    pub hostname: String,
+    pub pid: i64,
+    pub version: String,
+    pub started_at: UnixMs,
+    pub heartbeat_at: UnixMs,
+    /// Set when the node is shutting down and no longer claims work.
+    pub draining: bool,
+}
+
+/// Shared state of one provider: breaker and operator pause. Every node
+/// reads it, so a breaker opened on one node defers work on all.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProviderState {
+    pub provider: String,
+    pub breaker: BreakerState,
+    pub breaker_changed_at: UnixMs,
+    pub open_until: Option<UnixMs>,
+    pub paused: bool,
+    pub paused_by: Option<String>,
+    pub paused_reason: Option<String>,
+    /// Breaker window figures, as the engine keeps them.
+    pub stats: Option<Value>,
+    pub updated_at: UnixMs,
+}
+
+impl ProviderState {
+    /// A provider nobody has touched yet: breaker closed, not paused.
+    pub fn new(provider: &str, now: UnixMs) -> Self {
+        ProviderState {
+            provider: provider.to_owned(),
+            breaker: BreakerState::Closed,
+            breaker_changed_at: now,
+            open_until: None,
+            paused: false,
+            paused_by: None,
+            paused_reason: None,
+            stats: None,
+            updated_at: now,
+        }
+    }
+}
+
+/// A pinned pipeline definition; records keep the version they started with.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PipelineVersion {
+    pub id: i64,
+    pub pipeline: String,
+    pub hash: String,
+    pub definition: Value,
+    pub created_at: UnixMs,
+}
+
+/// How many records of one pipeline are in one state.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct StateCount {
+    pub pipeline: String,
+    pub state: RecordState,
+    pub count: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_enums_round_trip() {
+        for s in StepState::ALL {
+            assert_eq!(s.as_str().parse::<StepState>().as_ref(), Ok(s));
+        }
+        for o in Outcome::ALL {
+            assert_eq!(o.as_str().parse::<Outcome>().as_ref(), Ok(o));
+        }
+        assert_eq!("admin".parse::<Role>(), Ok(Role::Admin));
+        assert!("root".parse::<Role>().is_err());
+        assert!(Role::Admin > Role::Operator && Role::Operator > Role::Viewer);
+    }
+
+    #[test]
+    fn excerpt_respects_char_boundaries() {
+        assert_eq!(excerpt("héllo", 2), "h");
+        assert_eq!(excerpt("héllo", 3), "hé");
+        assert_eq!(excerpt("abc", 10), "abc");
+    }
+
+    #[test]
+    fn idempotency_keys_are_stable_and_change_on_replay() {
+        assert_eq!(
+            idempotency_key(7, "submit", 0),
+            idempotency_key(7, "submit", 0)
+        );
+        assert_ne!(
+            idempotency_key(7, "submit", 0),
+            idempotency_key(7, "submit", 1)
+        );
+        assert_ne!(
+            idempotency_key(7, "submit", 0),
+            idempotency_key(8, "submit", 0)
+        );
+    }
+
+    #[test]
+    fn user_debug_hides_the_hash() {
+        let u = User {
+            id: 1,
+            username: "a".into(),
+            password_hash: "$argon2id$secret".into(),
+            role: Role::Viewer,
+            disabled: false,
+            created_at: 0,
+            updated_at: 0,
+        };
+        assert!(!format!("{u:?}").contains("argon2id"));
+    }
+}

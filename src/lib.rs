@@ -1,0 +1,10 @@
+//! Ballast: durable workflows over unreliable third-party APIs, with a
+//! control plane to see and steer every record. See `ARCHITECTURE.md`.
+
+pub mod app;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod domain;
+pub mod store;
+pub mod web;

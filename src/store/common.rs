@@ -1,0 +1,803 @@
+//! The part of the [`Store`](super::Store) implementation both backends share.
+//!
+//! SQLite and PostgreSQL accept the same SQL for almost everything Ballast
+//! does (`$n` placeholders, `ON CONFLICT`, `RETURNING`, partial indexes), so
+//! the logic is written once here and instantiated per backend by
+//! `common_store!`. What really differs stays in `sqlite.rs` and
+//! `postgres.rs`: connecting, how a write transaction begins (a single
+//! writer with `BEGIN IMMEDIATE` against row locks), the row-lock clause,
+//! counter sharding, and claiming (`FOR UPDATE SKIP LOCKED`).
+//!
+//! Each backend provides, as inherent items:
+//! - `async fn begin_write(&self) -> Result<Transaction<'static, DB>, sqlx::Error>`
+//! - `fn reader(&self) -> &Pool<DB>`
+//! - `fn counter_shard() -> i32`
+//! - `async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>>`
+
+/// Instantiates the shared store logic. `lock` is appended to row reads made
+/// inside a write transaction; `audit` is the spelling of "audit is true"
+/// that matches the backend's partial indexes.
+macro_rules! common_store {
+    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal) => {
+        use serde_json::Value as JsonValue;
+        use sqlx::types::Json;
+        use sqlx::Transaction;
+
+        use $crate::domain::{
+            idempotency_key, transition, Attempt, Event, Node, OperatorAction, PipelineVersion,
+            ProviderState, Record, RecordState, Session, StateCount, StepRun, Trigger,
+            UnixMs, User,
+        };
+        use $crate::store::counts::CountDeltas;
+        use $crate::store::filter::{push_audit_filter, push_record_filter};
+        use $crate::store::rows::{
+            ATTEMPT_COLUMNS, EVENT_COLUMNS, PROVIDER_COLUMNS, RECORD_COLUMNS, STEP_COLUMNS,
+            USER_COLUMNS,
+        };
+        use $crate::store::{
+            into_page, node_actor, page_limit, validate_username, worked_state, ActionRequest,
+            AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent, NewRecord,
+            NewUser, NodeBeat, Page, RecordFilter, Store, StoreError, StoreResult, UserChange,
+        };
+
+        type Tx = Transaction<'static, $db>;
+
+        /// Maps a unique-constraint violation to `Conflict`.
+        fn conflict_or(e: sqlx::Error, what: &'static str, key: &str) -> StoreError {
+            match &e {
+                sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict {
+                    what,
+                    key: key.to_owned(),
+                },
+                _ => StoreError::Database(e),
+            }
+        }
+
+        impl $store {
+            /// Adds counter deltas inside the caller's transaction.
+            pub(crate) async fn apply_counts(tx: &mut Tx, deltas: &CountDeltas) -> StoreResult<()> {
+                for (pipeline, state, n) in deltas.nonzero() {
+                    sqlx::query(
+                        "INSERT INTO record_counts (pipeline, state, shard, n) VALUES ($1, $2, $3, $4) \
+                         ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n",
+                    )
+                    .bind(pipeline.to_owned())
+                    .bind(state.as_str())
+                    .bind(Self::counter_shard())
+                    .bind(n)
+                    .execute(&mut **tx)
+                    .await?;
+                }
+                Ok(())
+            }
+
+            /// Appends one event inside the caller's transaction.
+            pub(crate) async fn insert_event(tx: &mut Tx, e: &EventRow<'_>) -> StoreResult<Event> {
+                let row = sqlx::query(concat!(
+                    "INSERT INTO events (record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING ",
+                    "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
+                ))
+                .bind(e.record_id)
+                .bind(e.at)
+                .bind(e.kind.to_owned())
+                .bind(e.actor.to_owned())
+                .bind(e.audit)
+                .bind(e.from.map(|s| s.as_str()))
+                .bind(e.to.map(|s| s.as_str()))
+                .bind(e.step.map(str::to_owned))
+                .bind(e.reason.map(str::to_owned))
+                .bind(e.detail.map(|d| Json(d.clone())))
+                .fetch_one(&mut **tx)
+                .await?;
+                map::event(&row)
+            }
+
+            async fn lock_record(tx: &mut Tx, id: i64) -> StoreResult<Option<Record>> {
+                let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE id = $1{}", $lock);
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(id)
+                    .fetch_optional(&mut **tx)
+                    .await?;
+                row.as_ref().map(map::record).transpose()
+            }
+
+            async fn upsert_step(tx: &mut Tx, record_id: i64, s: &$crate::store::StepWrite, now: UnixMs) -> StoreResult<()> {
+                sqlx::query(
+                    "INSERT INTO step_runs (record_id, step, state, generation, attempts, idempotency_key, \
+                       job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
+                     ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, \
+                       generation = excluded.generation, attempts = excluded.attempts, \
+                       idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
+                       output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
+                       next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
+                       started_at = excluded.started_at, finished_at = excluded.finished_at, \
+                       updated_at = excluded.updated_at",
+                )
+                .bind(record_id)
+                .bind(s.step.clone())
+                .bind(s.state.as_str())
+                .bind(s.generation)
+                .bind(s.attempts)
+                .bind(idempotency_key(record_id, &s.step, s.generation))
+                .bind(s.job_id.clone())
+                .bind(s.output.clone().map(Json))
+                .bind(s.error_code.clone())
+                .bind(s.reason.clone())
+                .bind(s.next_run_at)
+                .bind(s.deadline_at)
+                .bind(s.started_at)
+                .bind(s.finished_at)
+                .bind(now)
+                .execute(&mut **tx)
+                .await?;
+                Ok(())
+            }
+
+            async fn insert_attempt(tx: &mut Tx, record_id: i64, a: &$crate::store::NewAttempt) -> StoreResult<()> {
+                let excerpt = a
+                    .excerpt
+                    .as_deref()
+                    .map(|e| $crate::domain::excerpt(e, $crate::domain::EXCERPT_MAX_BYTES).to_owned());
+                sqlx::query(
+                    "INSERT INTO attempts (record_id, step, provider, attempt_no, node, started_at, \
+                       duration_ms, http_status, outcome, error_code, excerpt) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                )
+                .bind(record_id)
+                .bind(a.step.clone())
+                .bind(a.provider.clone())
+                .bind(a.attempt_no)
+                .bind(a.node.clone())
+                .bind(a.started_at)
+                .bind(a.duration_ms)
+                .bind(a.http_status)
+                .bind(a.outcome.as_str())
+                .bind(a.error_code.clone())
+                .bind(excerpt)
+                .execute(&mut **tx)
+                .await?;
+                Ok(())
+            }
+
+            /// Writes the events and counter moves of a claim: `old_states`
+            /// maps each claimed id to the state it was taken from. A record
+            /// taken from `running` had an expired lease, recorded first.
+            pub(crate) async fn finish_claim(
+                tx: &mut Tx,
+                claimed: &[Record],
+                old_states: &std::collections::HashMap<i64, String>,
+                req: &ClaimRequest,
+            ) -> StoreResult<()> {
+                let mut deltas = CountDeltas::default();
+                let actor = node_actor(&req.owner);
+                for rec in claimed {
+                    let old = old_states.get(&rec.id).map_or("", String::as_str);
+                    let old: RecordState = $crate::store::rows::parse(old, "record state")?;
+                    let mut from = old;
+                    let mut steps = vec![Trigger::Claim];
+                    if old == RecordState::Running {
+                        steps.insert(0, Trigger::LeaseExpired);
+                    }
+                    for trigger in steps {
+                        let to = transition(from, trigger)?;
+                        let event = EventRow {
+                            record_id: Some(rec.id),
+                            at: req.now,
+                            kind: trigger.kind(),
+                            actor: &actor,
+                            audit: false,
+                            from: Some(from),
+                            to: Some(to),
+                            step: None,
+                            reason: None,
+                            detail: None,
+                        };
+                        Self::insert_event(tx, &event).await?;
+                        from = to;
+                    }
+                    deltas.moved(&rec.pipeline, Some(old), from);
+                }
+                Self::apply_counts(tx, &deltas).await
+            }
+
+            /// Moves one record whose row the transaction holds and writes
+            /// the event; the caller applies `deltas`.
+            #[allow(clippy::too_many_arguments)]
+            async fn move_record(
+                tx: &mut Tx,
+                rec: &Record,
+                to: RecordState,
+                next_run_at: Option<UnixMs>,
+                now: UnixMs,
+                event: EventRow<'_>,
+                error_code: Option<&str>,
+                deltas: &mut CountDeltas,
+            ) -> StoreResult<Record> {
+                let finished_at = if to.is_terminal() { Some(now) } else { None };
+                let sql = format!(
+                    "UPDATE records SET state = $1, next_run_at = $2, lease_owner = NULL, lease_until = NULL, \
+                     error_code = $3, reason = $4, step = COALESCE($5, step), updated_at = $6, finished_at = $7 \
+                     WHERE id = $8 RETURNING {RECORD_COLUMNS}"
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(to.as_str())
+                    .bind(next_run_at)
+                    .bind(error_code.map(str::to_owned))
+                    .bind(event.reason.map(str::to_owned))
+                    .bind(event.step.map(str::to_owned))
+                    .bind(now)
+                    .bind(finished_at)
+                    .bind(rec.id)
+                    .fetch_one(&mut **tx)
+                    .await?;
+                Self::insert_event(tx, &event).await?;
+                deltas.moved(&rec.pipeline, Some(rec.state), to);
+                map::record(&row)
+            }
+        }
+
+        impl Store for $store {
+            async fn ping(&self) -> StoreResult<()> {
+                sqlx::query("SELECT 1").execute(self.reader()).await?;
+                Ok(())
+            }
+
+            async fn create_record(&self, new: NewRecord, now: UnixMs) -> StoreResult<Created> {
+                if new.pipeline.is_empty() {
+                    return Err(StoreError::Invalid("pipeline name is empty".into()));
+                }
+                let mut tx = self.begin_write().await?;
+                let sql = format!(
+                    "INSERT INTO records (pipeline, pipeline_version, external_key, state, input, next_run_at, \
+                       created_at, updated_at) VALUES ($1, $2, $3, 'pending', $4, $5, $6, $6) \
+                     ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"
+                );
+                let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(new.pipeline.clone())
+                    .bind(new.pipeline_version)
+                    .bind(new.external_key.clone())
+                    .bind(Json(new.input.clone()))
+                    .bind(new.run_at)
+                    .bind(now)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                let Some(row) = inserted else {
+                    // The external key exists: the enqueue is a repeat.
+                    let sql = format!(
+                        "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
+                    );
+                    let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .bind(new.pipeline.clone())
+                        .bind(new.external_key.clone())
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    return Ok(Created { record: map::record(&row)?, created: false });
+                };
+                let record = map::record(&row)?;
+                Self::insert_event(
+                    &mut tx,
+                    &EventRow {
+                        record_id: Some(record.id),
+                        at: now,
+                        kind: "created",
+                        actor: "system",
+                        audit: false,
+                        from: None,
+                        to: Some(RecordState::Pending),
+                        step: None,
+                        reason: None,
+                        detail: None,
+                    },
+                )
+                .await?;
+                let mut deltas = CountDeltas::default();
+                deltas.moved(&record.pipeline, None, RecordState::Pending);
+                Self::apply_counts(&mut tx, &deltas).await?;
+                tx.commit().await?;
+                Ok(Created { record, created: true })
+            }
+
+            async fn get_record(&self, id: i64) -> StoreResult<Option<Record>> {
+                let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE id = $1");
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(id)
+                    .fetch_optional(self.reader())
+                    .await?;
+                row.as_ref().map(map::record).transpose()
+            }
+
+            async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
+                let limit = page_limit(filter.limit);
+                let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {RECORD_COLUMNS} FROM records"));
+                push_record_filter(&mut qb, filter);
+                qb.push(" ORDER BY id DESC LIMIT ").push_bind(i64::from(limit) + 1);
+                let rows = qb.build().fetch_all(self.reader()).await?;
+                Ok(into_page(map::all(&rows, map::record)?, limit, |r| r.id))
+            }
+
+            async fn state_counts(&self) -> StoreResult<Vec<StateCount>> {
+                let rows = sqlx::query(
+                    "SELECT pipeline, state, CAST(SUM(n) AS BIGINT) AS n FROM record_counts \
+                     GROUP BY pipeline, state HAVING SUM(n) <> 0 ORDER BY pipeline, state",
+                )
+                .fetch_all(self.reader())
+                .await?;
+                let mut counts = map::all(&rows, map::state_count)?;
+                counts.sort();
+                Ok(counts)
+            }
+
+            async fn recount_states(&self) -> StoreResult<Vec<StateCount>> {
+                let rows = sqlx::query(
+                    "SELECT pipeline, state, COUNT(*) AS n FROM records GROUP BY pipeline, state",
+                )
+                .fetch_all(self.reader())
+                .await?;
+                let mut counts = map::all(&rows, map::state_count)?;
+                counts.sort();
+                Ok(counts)
+            }
+
+            async fn claim_due(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
+                if req.owner.is_empty() {
+                    return Err(StoreError::Invalid("lease owner is empty".into()));
+                }
+                self.claim_due_impl(req).await
+            }
+
+            async fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> StoreResult<Vec<i64>> {
+                let mut tx = self.begin_write().await?;
+                let mut held = Vec::with_capacity(leases.len());
+                for lease in leases {
+                    let done = sqlx::query(
+                        "UPDATE records SET lease_until = $1, next_run_at = $1 \
+                         WHERE id = $2 AND state = 'running' AND lease_owner = $3 AND lease_token = $4",
+                    )
+                    .bind(until)
+                    .bind(lease.record_id)
+                    .bind(lease.owner.clone())
+                    .bind(lease.token)
+                    .execute(&mut *tx)
+                    .await?;
+                    if done.rows_affected() == 1 {
+                        held.push(lease.record_id);
+                    }
+                }
+                tx.commit().await?;
+                Ok(held)
+            }
+
+            async fn release(&self, leases: &[Lease], now: UnixMs) -> StoreResult<u64> {
+                let mut tx = self.begin_write().await?;
+                let mut deltas = CountDeltas::default();
+                let mut released = 0;
+                for lease in leases {
+                    let Some(rec) = Self::lock_record(&mut tx, lease.record_id).await? else { continue };
+                    if rec.lease() != Some(lease.clone()) {
+                        continue;
+                    }
+                    let to = transition(rec.state, Trigger::Release)?;
+                    let actor = node_actor(&lease.owner);
+                    let event = EventRow {
+                        record_id: Some(rec.id),
+                        at: now,
+                        kind: Trigger::Release.kind(),
+                        actor: &actor,
+                        audit: false,
+                        from: Some(rec.state),
+                        to: Some(to),
+                        step: None,
+                        reason: Some("node shutting down"),
+                        detail: None,
+                    };
+                    Self::move_record(&mut tx, &rec, to, Some(now), now, event, rec.error_code.as_deref(), &mut deltas).await?;
+                    released += 1;
+                }
+                Self::apply_counts(&mut tx, &deltas).await?;
+                tx.commit().await?;
+                Ok(released)
+            }
+
+            async fn commit(&self, c: &Commit) -> StoreResult<Record> {
+                let mut tx = self.begin_write().await?;
+                let rec = Self::lock_record(&mut tx, c.lease.record_id).await?;
+                let Some(rec) = rec.filter(|r| r.lease().as_ref() == Some(&c.lease)) else {
+                    return Err(StoreError::LeaseLost { record_id: c.lease.record_id });
+                };
+                for step in &c.steps {
+                    Self::upsert_step(&mut tx, rec.id, step, c.now).await?;
+                }
+                for attempt in &c.attempts {
+                    Self::insert_attempt(&mut tx, rec.id, attempt).await?;
+                }
+                let record = match c.result {
+                    None => {
+                        let sql = format!(
+                            "UPDATE records SET step = COALESCE($1, step), provider = COALESCE($2, provider), \
+                             error_code = $3, reason = $4, updated_at = $5 WHERE id = $6 RETURNING {RECORD_COLUMNS}"
+                        );
+                        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                            .bind(c.step.clone())
+                            .bind(c.provider.clone())
+                            .bind(c.error_code.clone())
+                            .bind(c.reason.clone())
+                            .bind(c.now)
+                            .bind(rec.id)
+                            .fetch_one(&mut *tx)
+                            .await?;
+                        map::record(&row)?
+                    }
+                    Some(result) => {
+                        let to = worked_state(result)?;
+                        let next = to.is_scheduled().then(|| c.next_run_at.unwrap_or(c.now));
+                        let actor = node_actor(&c.lease.owner);
+                        let event = EventRow {
+                            record_id: Some(rec.id),
+                            at: c.now,
+                            kind: Trigger::Worked(result).kind(),
+                            actor: &actor,
+                            audit: false,
+                            from: Some(rec.state),
+                            to: Some(to),
+                            step: c.step.as_deref(),
+                            reason: c.reason.as_deref(),
+                            detail: None,
+                        };
+                        let mut deltas = CountDeltas::default();
+                        if c.provider.is_some() {
+                            sqlx::query("UPDATE records SET provider = $1 WHERE id = $2")
+                                .bind(c.provider.clone())
+                                .bind(rec.id)
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                        let moved = Self::move_record(&mut tx, &rec, to, next, c.now, event, c.error_code.as_deref(), &mut deltas).await?;
+                        Self::apply_counts(&mut tx, &deltas).await?;
+                        moved
+                    }
+                };
+                tx.commit().await?;
+                Ok(record)
+            }
+
+            async fn act(&self, req: &ActionRequest) -> StoreResult<Record> {
+                if req.action == OperatorAction::ReplayFrom && req.steps.is_empty() {
+                    return Err(StoreError::Invalid("replay needs the step to replay from".into()));
+                }
+                let mut tx = self.begin_write().await?;
+                let rec = Self::lock_record(&mut tx, req.record_id).await?.ok_or_else(|| {
+                    StoreError::NotFound { what: "record", key: req.record_id.to_string() }
+                })?;
+                let to = transition(rec.state, Trigger::Operator(req.action))?;
+                match req.action {
+                    OperatorAction::Retry => {
+                        // A fresh attempt budget (and deadline) for every
+                        // step that has not finished; a submitted job keeps
+                        // its id, so it is polled, not paid for again.
+                        sqlx::query(
+                            "UPDATE step_runs SET attempts = 0, deadline_at = NULL, next_run_at = NULL, \
+                             error_code = NULL, reason = NULL, updated_at = $1, \
+                             state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
+                             WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",
+                        )
+                        .bind(req.now)
+                        .bind(rec.id)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    OperatorAction::ReplayFrom => {
+                        for step in &req.steps {
+                            let generation: Option<i32> = sqlx::query_scalar(
+                                "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
+                            )
+                            .bind(rec.id)
+                            .bind(step.clone())
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                            let mut write = $crate::store::StepWrite::pending(step);
+                            write.generation = generation.map_or(0, |g| g + 1);
+                            Self::upsert_step(&mut tx, rec.id, &write, req.now).await?;
+                        }
+                    }
+                    OperatorAction::Park | OperatorAction::Resume | OperatorAction::Cancel => {}
+                }
+                let next = to.is_scheduled().then_some(req.now);
+                let detail = (req.action == OperatorAction::ReplayFrom)
+                    .then(|| serde_json::json!({ "steps": req.steps }));
+                // Parking and cancelling keep the last error code for
+                // filtering; moving on clears it.
+                let error_code = match to {
+                    RecordState::Parked | RecordState::Cancelled => rec.error_code.clone(),
+                    _ => None,
+                };
+                let event = EventRow {
+                    record_id: Some(rec.id),
+                    at: req.now,
+                    kind: req.action.as_str(),
+                    actor: &req.actor,
+                    audit: true,
+                    from: Some(rec.state),
+                    to: Some(to),
+                    step: req.steps.first().map(String::as_str),
+                    reason: req.reason.as_deref(),
+                    detail: detail.as_ref(),
+                };
+                let mut deltas = CountDeltas::default();
+                let moved = Self::move_record(&mut tx, &rec, to, next, req.now, event, error_code.as_deref(), &mut deltas).await?;
+                Self::apply_counts(&mut tx, &deltas).await?;
+                tx.commit().await?;
+                Ok(moved)
+            }
+
+            async fn step_runs(&self, record_id: i64) -> StoreResult<Vec<StepRun>> {
+                let sql = format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
+                map::all(&rows, map::step_run)
+            }
+
+            async fn attempts(&self, record_id: i64) -> StoreResult<Vec<Attempt>> {
+                let sql = format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE record_id = $1 ORDER BY id");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
+                map::all(&rows, map::attempt)
+            }
+
+            async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
+                let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE record_id = $1 ORDER BY id");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
+                map::all(&rows, map::event)
+            }
+
+            async fn audit_log(&self, filter: &AuditFilter) -> StoreResult<Page<Event>> {
+                let limit = page_limit(filter.limit);
+                let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {EVENT_COLUMNS} FROM events"));
+                push_audit_filter(&mut qb, filter, $audit);
+                qb.push(" ORDER BY id DESC LIMIT ").push_bind(i64::from(limit) + 1);
+                let rows = qb.build().fetch_all(self.reader()).await?;
+                Ok(into_page(map::all(&rows, map::event)?, limit, |e| e.id))
+            }
+
+            async fn append_event(&self, e: &NewEvent) -> StoreResult<Event> {
+                let mut tx = self.begin_write().await?;
+                let event = Self::insert_event(
+                    &mut tx,
+                    &EventRow {
+                        record_id: e.record_id,
+                        at: e.at,
+                        kind: &e.kind,
+                        actor: &e.actor,
+                        audit: e.audit,
+                        from: None,
+                        to: None,
+                        step: e.step.as_deref(),
+                        reason: e.reason.as_deref(),
+                        detail: e.detail.as_ref(),
+                    },
+                )
+                .await?;
+                tx.commit().await?;
+                Ok(event)
+            }
+
+            async fn pin_pipeline(&self, pipeline: &str, hash: &str, definition: &JsonValue, now: UnixMs) -> StoreResult<i64> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query(
+                    "INSERT INTO pipeline_versions (pipeline, hash, definition, created_at) VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (pipeline, hash) DO NOTHING",
+                )
+                .bind(pipeline.to_owned())
+                .bind(hash.to_owned())
+                .bind(Json(definition.clone()))
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                let id: i64 = sqlx::query_scalar("SELECT id FROM pipeline_versions WHERE pipeline = $1 AND hash = $2")
+                    .bind(pipeline.to_owned())
+                    .bind(hash.to_owned())
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(id)
+            }
+
+            async fn pipeline_version(&self, id: i64) -> StoreResult<Option<PipelineVersion>> {
+                let row = sqlx::query("SELECT id, pipeline, hash, definition, created_at FROM pipeline_versions WHERE id = $1")
+                    .bind(id)
+                    .fetch_optional(self.reader())
+                    .await?;
+                row.as_ref().map(map::pipeline_version).transpose()
+            }
+
+            async fn create_user(&self, user: &NewUser, now: UnixMs) -> StoreResult<User> {
+                validate_username(&user.username)?;
+                let mut tx = self.begin_write().await?;
+                let sql = format!(
+                    "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $5) RETURNING {USER_COLUMNS}"
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(user.username.clone())
+                    .bind(user.password_hash.clone())
+                    .bind(user.role.as_str())
+                    .bind(false)
+                    .bind(now)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(|e| conflict_or(e, "user", &user.username))?;
+                let created = map::user(&row)?;
+                tx.commit().await?;
+                Ok(created)
+            }
+
+            async fn user_by_name(&self, username: &str) -> StoreResult<Option<User>> {
+                let sql = format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1");
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(username.to_owned()).fetch_optional(self.reader()).await?;
+                row.as_ref().map(map::user).transpose()
+            }
+
+            async fn user_by_id(&self, id: i64) -> StoreResult<Option<User>> {
+                let sql = format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1");
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(self.reader()).await?;
+                row.as_ref().map(map::user).transpose()
+            }
+
+            async fn list_users(&self) -> StoreResult<Vec<User>> {
+                let sql = format!("SELECT {USER_COLUMNS} FROM users ORDER BY username");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
+                map::all(&rows, map::user)
+            }
+
+            async fn update_user(&self, id: i64, change: &UserChange, now: UnixMs) -> StoreResult<User> {
+                let mut tx = self.begin_write().await?;
+                let set = match change {
+                    UserChange::Password(_) => "password_hash",
+                    UserChange::Role(_) => "role",
+                    UserChange::Disabled(_) => "disabled",
+                };
+                let sql = format!("UPDATE users SET {set} = $1, updated_at = $2 WHERE id = $3 RETURNING {USER_COLUMNS}");
+                let query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                let query = match change {
+                    UserChange::Password(hash) => query.bind(hash.clone()),
+                    UserChange::Role(role) => query.bind(role.as_str()),
+                    UserChange::Disabled(disabled) => query.bind(*disabled),
+                };
+                let row = query
+                    .bind(now)
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await?
+                    .ok_or_else(|| StoreError::NotFound { what: "user", key: id.to_string() })?;
+                let user = map::user(&row)?;
+                sqlx::query("UPDATE sessions SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL")
+                    .bind(now)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(user)
+            }
+
+            async fn create_session(&self, s: &Session) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at, revoked_at) VALUES ($1, $2, $3, $4, $5)")
+                    .bind(s.id.clone())
+                    .bind(s.user_id)
+                    .bind(s.created_at)
+                    .bind(s.expires_at)
+                    .bind(s.revoked_at)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| conflict_or(e, "session", &s.id))?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn session(&self, id: &str) -> StoreResult<Option<Session>> {
+                let row = sqlx::query("SELECT id, user_id, created_at, expires_at, revoked_at FROM sessions WHERE id = $1")
+                    .bind(id.to_owned())
+                    .fetch_optional(self.reader())
+                    .await?;
+                row.as_ref().map(map::session).transpose()
+            }
+
+            async fn revoke_session(&self, id: &str, now: UnixMs) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("UPDATE sessions SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2")
+                    .bind(now)
+                    .bind(id.to_owned())
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn purge_sessions(&self, before: UnixMs) -> StoreResult<u64> {
+                let mut tx = self.begin_write().await?;
+                let done = sqlx::query("DELETE FROM sessions WHERE expires_at < $1")
+                    .bind(before)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(done.rows_affected())
+            }
+
+            async fn heartbeat(&self, b: &NodeBeat, now: UnixMs) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query(
+                    "INSERT INTO nodes (id, hostname, pid, version, started_at, heartbeat_at, draining) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7) \
+                     ON CONFLICT (id) DO UPDATE SET hostname = excluded.hostname, pid = excluded.pid, \
+                       version = excluded.version, heartbeat_at = excluded.heartbeat_at, draining = excluded.draining",
+                )
+                .bind(b.id.clone())
+                .bind(b.hostname.clone())
+                .bind(b.pid)
+                .bind(b.version.clone())
+                .bind(b.started_at)
+                .bind(now)
+                .bind(b.draining)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn list_nodes(&self) -> StoreResult<Vec<Node>> {
+                let rows = sqlx::query(
+                    "SELECT id, hostname, pid, version, started_at, heartbeat_at, draining FROM nodes ORDER BY id",
+                )
+                .fetch_all(self.reader())
+                .await?;
+                map::all(&rows, map::node)
+            }
+
+            async fn remove_node(&self, id: &str) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("DELETE FROM nodes WHERE id = $1").bind(id.to_owned()).execute(&mut *tx).await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn provider_state(&self, provider: &str) -> StoreResult<Option<ProviderState>> {
+                let sql = format!("SELECT {PROVIDER_COLUMNS} FROM providers WHERE provider = $1");
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(provider.to_owned()).fetch_optional(self.reader()).await?;
+                row.as_ref().map(map::provider_state).transpose()
+            }
+
+            async fn provider_states(&self) -> StoreResult<Vec<ProviderState>> {
+                let sql = format!("SELECT {PROVIDER_COLUMNS} FROM providers ORDER BY provider");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
+                map::all(&rows, map::provider_state)
+            }
+
+            async fn save_provider_state(&self, p: &ProviderState) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query(
+                    "INSERT INTO providers (provider, breaker, breaker_changed_at, open_until, paused, paused_by, \
+                       paused_reason, stats, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+                     ON CONFLICT (provider) DO UPDATE SET breaker = excluded.breaker, \
+                       breaker_changed_at = excluded.breaker_changed_at, open_until = excluded.open_until, \
+                       paused = excluded.paused, paused_by = excluded.paused_by, \
+                       paused_reason = excluded.paused_reason, stats = excluded.stats, updated_at = excluded.updated_at",
+                )
+                .bind(p.provider.clone())
+                .bind(p.breaker.as_str())
+                .bind(p.breaker_changed_at)
+                .bind(p.open_until)
+                .bind(p.paused)
+                .bind(p.paused_by.clone())
+                .bind(p.paused_reason.clone())
+                .bind(p.stats.clone().map(Json))
+                .bind(p.updated_at)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+        }
+    };
+}
+
+pub(crate) use common_store;

@@ -1,0 +1,64 @@
+//! List filters as SQL, shared by both backends through `QueryBuilder`.
+
+use sqlx::{Database, Encode, QueryBuilder, Type};
+
+use super::{AuditFilter, RecordFilter};
+
+/// Appends ` WHERE …` for a records filter (no ORDER BY / LIMIT).
+pub(crate) fn push_record_filter<DB>(qb: &mut QueryBuilder<DB>, f: &RecordFilter)
+where
+    DB: Database,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+{
+    qb.push(" WHERE 1 = 1");
+    let eq = [
+        ("pipeline", &f.pipeline),
+        ("provider", &f.provider),
+        ("step", &f.step),
+        ("error_code", &f.error_code),
+    ];
+    for (column, value) in eq {
+        if let Some(v) = value {
+            qb.push(format_args!(" AND {column} = "))
+                .push_bind(v.clone());
+        }
+    }
+    if let Some(state) = f.state {
+        qb.push(" AND state = ")
+            .push_bind(state.as_str().to_owned());
+    }
+    if let Some(prefix) = &f.key_prefix {
+        // A range on a byte-ordered column: uses the index, unlike LIKE.
+        qb.push(" AND external_key >= ").push_bind(prefix.clone());
+        qb.push(" AND external_key < ")
+            .push_bind(format!("{prefix}\u{10FFFF}"));
+    }
+    if let Some(before) = f.before {
+        qb.push(" AND id < ").push_bind(before);
+    }
+}
+
+/// Appends ` WHERE …` for the audit log (operator actions only).
+/// `audit_predicate` is the backend's spelling of "audit is true" that its
+/// partial indexes were declared with.
+pub(crate) fn push_audit_filter<DB>(
+    qb: &mut QueryBuilder<DB>,
+    f: &AuditFilter,
+    audit_predicate: &str,
+) where
+    DB: Database,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+{
+    qb.push(format_args!(" WHERE {audit_predicate}"));
+    if let Some(actor) = &f.actor {
+        qb.push(" AND actor = ").push_bind(actor.clone());
+    }
+    if let Some(kind) = &f.kind {
+        qb.push(" AND kind = ").push_bind(kind.clone());
+    }
+    if let Some(before) = f.before {
+        qb.push(" AND id < ").push_bind(before);
+    }
+}

@@ -1,0 +1,188 @@
+//! Versioned, reversible schema migrations, embedded in the binary: one
+//! folder per backend under `migrations/`, the same version numbers in both.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use sqlx::SqlSafeStr;
+use sqlx::migrate::{Migrate, Migration, MigrationType, Migrator};
+
+use super::{Backend, Db, StoreResult};
+
+/// One migration as shipped: (version, description, up SQL, down SQL).
+type Shipped = (i64, &'static str, &'static str, &'static str);
+
+/// Embeds `migrations/<backend>/<file>.{up,down}.sql` for each
+/// `version "file" "description"`.
+macro_rules! shipped {
+    ($backend:literal: $( $version:literal $file:literal $name:literal ),* $(,)?) => {
+        &[ $( (
+            $version,
+            $name,
+            include_str!(concat!("../../migrations/", $backend, "/", $file, ".up.sql")),
+            include_str!(concat!("../../migrations/", $backend, "/", $file, ".down.sql")),
+        ) ),* ]
+    };
+}
+
+// A new migration is a new line in both lists, never an edit of a file
+// that has landed.
+const SQLITE: &[Shipped] = shipped!("sqlite": 1 "0001_core" "core");
+const POSTGRES: &[Shipped] = shipped!("postgres": 1 "0001_core" "core");
+
+fn shipped(backend: Backend) -> &'static [Shipped] {
+    match backend {
+        Backend::Sqlite => SQLITE,
+        Backend::Postgres => POSTGRES,
+    }
+}
+
+/// The sqlx migrator for one backend.
+pub fn migrator(backend: Backend) -> Migrator {
+    let mut migrations = Vec::new();
+    for (version, name, up, down) in shipped(backend) {
+        for (kind, sql) in [
+            (MigrationType::ReversibleUp, up),
+            (MigrationType::ReversibleDown, down),
+        ] {
+            migrations.push(Migration::new(
+                *version,
+                Cow::Borrowed(*name),
+                kind,
+                sqlx::AssertSqlSafe(*sql).into_sql_str(),
+                false,
+            ));
+        }
+    }
+    Migrator::with_migrations(migrations)
+}
+
+/// The newest schema version this binary knows.
+pub fn latest_version(backend: Backend) -> i64 {
+    shipped(backend).iter().map(|m| m.0).max().unwrap_or(0)
+}
+
+/// One line of `ballast migrate status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationStatus {
+    pub version: i64,
+    /// `None` for a version applied by a newer binary.
+    pub description: Option<String>,
+    pub applied: bool,
+}
+
+/// Every known and every applied migration, in version order.
+pub async fn status(db: &Db) -> StoreResult<Vec<MigrationStatus>> {
+    let applied: Vec<i64> = match db {
+        Db::Sqlite(s) => applied_versions(&mut *s.writer().acquire().await?).await?,
+        Db::Postgres(s) => applied_versions(&mut *s.pool().acquire().await?).await?,
+    };
+    let mut all: BTreeMap<i64, MigrationStatus> = shipped(db.backend())
+        .iter()
+        .map(|(v, name, _, _)| {
+            (
+                *v,
+                MigrationStatus {
+                    version: *v,
+                    description: Some((*name).to_owned()),
+                    applied: false,
+                },
+            )
+        })
+        .collect();
+    for v in applied {
+        all.entry(v)
+            .or_insert(MigrationStatus {
+                version: v,
+                description: None,
+                applied: true,
+            })
+            .applied = true;
+    }
+    Ok(all.into_values().collect())
+}
+
+async fn applied_versions<C: Migrate>(conn: &mut C) -> StoreResult<Vec<i64>> {
+    conn.ensure_migrations_table("_sqlx_migrations").await?;
+    Ok(conn
+        .list_applied_migrations("_sqlx_migrations")
+        .await?
+        .into_iter()
+        .map(|m| m.version)
+        .collect())
+}
+
+fn applied_set(status: &[MigrationStatus]) -> Vec<i64> {
+    status
+        .iter()
+        .filter(|m| m.applied)
+        .map(|m| m.version)
+        .collect()
+}
+
+/// Applies pending migrations up to `to` (all when `None`); returns the
+/// versions applied. Fails, changing nothing, when the database has a
+/// migration this binary does not know (it is newer than the binary).
+pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
+    let before = applied_set(&status(db).await?);
+    let m = migrator(db.backend());
+    match (db, to) {
+        (Db::Sqlite(s), None) => m.run(s.writer()).await?,
+        (Db::Sqlite(s), Some(t)) => m.run_to(t, s.writer()).await?,
+        (Db::Postgres(s), None) => m.run(s.pool()).await?,
+        (Db::Postgres(s), Some(t)) => m.run_to(t, s.pool()).await?,
+    }
+    let after = applied_set(&status(db).await?);
+    Ok(after.into_iter().filter(|v| !before.contains(v)).collect())
+}
+
+/// Reverts applied migrations newer than `to`; returns the versions reverted,
+/// newest first.
+pub async fn down(db: &Db, to: i64) -> StoreResult<Vec<i64>> {
+    let before = applied_set(&status(db).await?);
+    let m = migrator(db.backend());
+    match db {
+        Db::Sqlite(s) => m.undo(s.writer(), to).await?,
+        Db::Postgres(s) => m.undo(s.pool(), to).await?,
+    }
+    let after = applied_set(&status(db).await?);
+    let mut reverted: Vec<i64> = before.into_iter().filter(|v| !after.contains(v)).collect();
+    reverted.reverse();
+    Ok(reverted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every file in `migrations/<backend>` is embedded, with an up and a
+    /// down, and both backends ship the same versions.
+    #[test]
+    fn every_migration_file_is_embedded() {
+        for (backend, dir) in [(Backend::Sqlite, "sqlite"), (Backend::Postgres, "postgres")] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("migrations")
+                .join(dir);
+            let mut files: Vec<String> = std::fs::read_dir(&path)
+                .map(|d| {
+                    d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            files.sort();
+            let mut expected: Vec<String> = shipped(backend)
+                .iter()
+                .flat_map(|(v, name, _, _)| {
+                    [
+                        format!("{v:04}_{name}.down.sql"),
+                        format!("{v:04}_{name}.up.sql"),
+                    ]
+                })
+                .collect();
+            expected.sort();
+            assert_eq!(files, expected, "migrations/{dir}");
+        }
+        let versions = |b| shipped(b).iter().map(|m| m.0).collect::<Vec<_>>();
+        assert_eq!(versions(Backend::Sqlite), versions(Backend::Postgres));
+    }
+}

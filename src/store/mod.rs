@@ -1,0 +1,634 @@
+//! Persistence: the [`Store`] contract, its request types, and [`Db`], the
+//! handle the rest of Ballast holds, dispatching to SQLite or PostgreSQL.
+//!
+//! Handlers and workers never touch `sqlx`; they call these methods. Every
+//! state change is written with its event and its counter deltas in one
+//! transaction.
+
+mod common;
+mod counts;
+mod filter;
+pub mod migrate;
+mod postgres;
+mod rows;
+mod sqlite;
+
+use std::future::Future;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::domain::{
+    Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState, Record,
+    RecordState, Role, Session, StateCount, StepRun, StepState, TransitionError, UnixMs, User,
+    WorkResult,
+};
+
+pub use postgres::PgStore;
+pub use sqlite::SqliteStore;
+
+/// Why a store call failed. Each variant has a stable [`code`](Self::code).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{what} `{key}` not found")]
+    NotFound { what: &'static str, key: String },
+    #[error("{what} `{key}` already exists")]
+    Conflict { what: &'static str, key: String },
+    #[error(transparent)]
+    Transition(#[from] TransitionError),
+    /// The worker's lease was taken over (expired and reclaimed) or released;
+    /// its write is refused so that no work is committed twice.
+    #[error("lease on record {record_id} is no longer held by this worker")]
+    LeaseLost { record_id: i64 },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// A stored value the code does not understand (a newer binary wrote it,
+    /// or someone edited the database by hand).
+    #[error("unreadable stored value: {0}")]
+    Corrupt(String),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migration error: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl StoreError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            StoreError::NotFound { .. } => "not_found",
+            StoreError::Conflict { .. } => "conflict",
+            StoreError::Transition(e) => e.code(),
+            StoreError::LeaseLost { .. } => "lease_lost",
+            StoreError::Invalid(_) => "invalid_request",
+            StoreError::Corrupt(_) => "corrupt_row",
+            StoreError::Database(_) => "database_error",
+            StoreError::Migrate(_) => "migration_error",
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A record to enqueue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewRecord {
+    pub pipeline: String,
+    pub pipeline_version: Option<i64>,
+    /// Idempotency key of the enqueue: a second create with the same
+    /// (pipeline, external_key) returns the first record.
+    pub external_key: Option<String>,
+    pub input: Value,
+    /// When the record becomes due.
+    pub run_at: UnixMs,
+}
+
+/// The answer to an enqueue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Created {
+    pub record: Record,
+    /// False when the external key already existed.
+    pub created: bool,
+}
+
+/// Filters for the records list. Newest first, keyset-paginated on `id`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RecordFilter {
+    pub pipeline: Option<String>,
+    pub state: Option<RecordState>,
+    pub provider: Option<String>,
+    pub step: Option<String>,
+    pub error_code: Option<String>,
+    /// Prefix of the external key.
+    pub key_prefix: Option<String>,
+    /// Only records with an id below this (the previous page's `next`).
+    pub before: Option<i64>,
+    pub limit: u32,
+}
+
+/// Filters for the audit log (operator actions only).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AuditFilter {
+    pub actor: Option<String>,
+    pub kind: Option<String>,
+    pub before: Option<i64>,
+    pub limit: u32,
+}
+
+/// One page of a keyset-paginated list.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    /// Pass as `before` to get the next page; `None` on the last page.
+    pub next: Option<i64>,
+}
+
+/// The largest page any list returns.
+pub const MAX_PAGE: u32 = 500;
+
+/// Ask for up to `limit` due records, leased to `owner` for `lease`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimRequest {
+    pub owner: String,
+    pub now: UnixMs,
+    pub lease: Duration,
+    pub limit: u32,
+}
+
+/// Proof that a worker holds a record: its writes are refused without it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub record_id: i64,
+    pub owner: String,
+    pub token: i64,
+}
+
+impl Record {
+    /// The lease this record carries, if it is running.
+    pub fn lease(&self) -> Option<Lease> {
+        self.lease_owner.as_ref().map(|owner| Lease {
+            record_id: self.id,
+            owner: owner.clone(),
+            token: self.lease_token,
+        })
+    }
+}
+
+/// The full new state of one step run; the store derives its idempotency
+/// key from (record, step, generation).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepWrite {
+    pub step: String,
+    pub state: StepState,
+    pub generation: i32,
+    pub attempts: i32,
+    pub job_id: Option<String>,
+    pub output: Option<Value>,
+    pub error_code: Option<String>,
+    pub reason: Option<String>,
+    pub next_run_at: Option<UnixMs>,
+    pub deadline_at: Option<UnixMs>,
+    pub started_at: Option<UnixMs>,
+    pub finished_at: Option<UnixMs>,
+}
+
+impl StepWrite {
+    /// A fresh step run in `pending`.
+    pub fn pending(step: &str) -> Self {
+        StepWrite {
+            step: step.to_owned(),
+            state: StepState::Pending,
+            generation: 0,
+            attempts: 0,
+            job_id: None,
+            output: None,
+            error_code: None,
+            reason: None,
+            next_run_at: None,
+            deadline_at: None,
+            started_at: None,
+            finished_at: None,
+        }
+    }
+}
+
+impl From<&StepRun> for StepWrite {
+    fn from(s: &StepRun) -> Self {
+        StepWrite {
+            step: s.step.clone(),
+            state: s.state,
+            generation: s.generation,
+            attempts: s.attempts,
+            job_id: s.job_id.clone(),
+            output: s.output.clone(),
+            error_code: s.error_code.clone(),
+            reason: s.reason.clone(),
+            next_run_at: s.next_run_at,
+            deadline_at: s.deadline_at,
+            started_at: s.started_at,
+            finished_at: s.finished_at,
+        }
+    }
+}
+
+/// One attempt to append to the failure history.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewAttempt {
+    pub step: String,
+    pub provider: Option<String>,
+    pub attempt_no: i32,
+    pub node: Option<String>,
+    pub started_at: UnixMs,
+    pub duration_ms: i64,
+    pub http_status: Option<i32>,
+    pub outcome: Outcome,
+    pub error_code: Option<String>,
+    pub excerpt: Option<String>,
+}
+
+/// What a worker writes about a record it holds, in one transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Commit {
+    pub lease: Lease,
+    pub now: UnixMs,
+    /// `None` is a checkpoint: steps and attempts are saved (a provider job
+    /// id before its first poll, say) and the worker keeps the lease.
+    pub result: Option<WorkResult>,
+    /// When the record is due again, for results that keep it scheduled;
+    /// `now` when not given.
+    pub next_run_at: Option<UnixMs>,
+    pub step: Option<String>,
+    pub provider: Option<String>,
+    pub error_code: Option<String>,
+    pub reason: Option<String>,
+    pub steps: Vec<StepWrite>,
+    pub attempts: Vec<NewAttempt>,
+}
+
+impl Commit {
+    /// A commit with nothing but the result.
+    pub fn new(lease: Lease, now: UnixMs, result: Option<WorkResult>) -> Self {
+        Commit {
+            lease,
+            now,
+            result,
+            next_run_at: None,
+            step: None,
+            provider: None,
+            error_code: None,
+            reason: None,
+            steps: Vec::new(),
+            attempts: Vec::new(),
+        }
+    }
+}
+
+/// An operator's action on one record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActionRequest {
+    pub record_id: i64,
+    pub action: OperatorAction,
+    pub actor: String,
+    pub reason: Option<String>,
+    pub now: UnixMs,
+    /// For `ReplayFrom`: the chosen step followed by every step downstream of
+    /// it (the caller knows the pipeline graph). Ignored otherwise.
+    pub steps: Vec<String>,
+}
+
+/// An event that is not a record transition (provider paused, user added…).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub record_id: Option<i64>,
+    pub at: UnixMs,
+    pub kind: String,
+    pub actor: String,
+    pub audit: bool,
+    pub step: Option<String>,
+    pub reason: Option<String>,
+    pub detail: Option<Value>,
+}
+
+/// A user to create; the password is already hashed.
+#[derive(Clone, PartialEq)]
+pub struct NewUser {
+    pub username: String,
+    pub password_hash: String,
+    pub role: Role,
+}
+
+/// A node's heartbeat.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeBeat {
+    pub id: String,
+    pub hostname: String,
+    pub pid: i64,
+    pub version: String,
+    pub started_at: UnixMs,
+    pub draining: bool,
+}
+
+/// A change of one user.
+#[derive(Clone, PartialEq)]
+pub enum UserChange {
+    Password(String),
+    Role(Role),
+    Disabled(bool),
+}
+
+/// The storage contract, implemented by [`SqliteStore`] and [`PgStore`] and
+/// checked by one conformance suite against both.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// A cheap round trip, for readiness checks.
+    fn ping(&self) -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- records -------------------------------------------------------
+    fn create_record(
+        &self,
+        new: NewRecord,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<Created>> + Send;
+    fn get_record(&self, id: i64) -> impl Future<Output = StoreResult<Option<Record>>> + Send;
+    fn list_records(
+        &self,
+        filter: &RecordFilter,
+    ) -> impl Future<Output = StoreResult<Page<Record>>> + Send;
+    /// Records per (pipeline, state) from the maintained counters; cheap at
+    /// any table size.
+    fn state_counts(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
+    /// The same figures by scanning the records table. For repair and tests
+    /// only: slow on big tables.
+    fn recount_states(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
+
+    // --- work ----------------------------------------------------------
+    /// Leases up to `limit` due records (and records whose lease expired),
+    /// oldest due first. Two claimers never get the same record.
+    fn claim_due(
+        &self,
+        req: &ClaimRequest,
+    ) -> impl Future<Output = StoreResult<Vec<Record>>> + Send;
+    /// Pushes the expiry of held leases to `until`; returns the ids still held.
+    fn extend_leases(
+        &self,
+        leases: &[Lease],
+        until: UnixMs,
+    ) -> impl Future<Output = StoreResult<Vec<i64>>> + Send;
+    /// Gives leases back (graceful shutdown): due now, no attempt spent.
+    /// Returns how many were still held.
+    fn release(
+        &self,
+        leases: &[Lease],
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+    /// Writes a worker's pass: steps, attempts, and the transition with its
+    /// event. Refused with `LeaseLost` when the lease is not held.
+    fn commit(&self, commit: &Commit) -> impl Future<Output = StoreResult<Record>> + Send;
+    /// An operator action through the transition table, audited.
+    fn act(&self, req: &ActionRequest) -> impl Future<Output = StoreResult<Record>> + Send;
+
+    // --- history -------------------------------------------------------
+    fn step_runs(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<StepRun>>> + Send;
+    fn attempts(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<Attempt>>> + Send;
+    fn record_events(&self, record_id: i64)
+    -> impl Future<Output = StoreResult<Vec<Event>>> + Send;
+    fn audit_log(
+        &self,
+        filter: &AuditFilter,
+    ) -> impl Future<Output = StoreResult<Page<Event>>> + Send;
+    fn append_event(&self, event: &NewEvent) -> impl Future<Output = StoreResult<Event>> + Send;
+
+    // --- pipelines -----------------------------------------------------
+    /// Stores a pipeline definition once per (name, hash) and returns its id.
+    fn pin_pipeline(
+        &self,
+        pipeline: &str,
+        hash: &str,
+        definition: &Value,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<i64>> + Send;
+    fn pipeline_version(
+        &self,
+        id: i64,
+    ) -> impl Future<Output = StoreResult<Option<PipelineVersion>>> + Send;
+
+    // --- users and sessions --------------------------------------------
+    fn create_user(
+        &self,
+        user: &NewUser,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<User>> + Send;
+    fn user_by_name(
+        &self,
+        username: &str,
+    ) -> impl Future<Output = StoreResult<Option<User>>> + Send;
+    fn user_by_id(&self, id: i64) -> impl Future<Output = StoreResult<Option<User>>> + Send;
+    fn list_users(&self) -> impl Future<Output = StoreResult<Vec<User>>> + Send;
+    /// Changes a user and revokes all their sessions, in one transaction, so
+    /// the change takes effect on the next request.
+    fn update_user(
+        &self,
+        id: i64,
+        change: &UserChange,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<User>> + Send;
+    fn create_session(&self, session: &Session) -> impl Future<Output = StoreResult<()>> + Send;
+    fn session(&self, id: &str) -> impl Future<Output = StoreResult<Option<Session>>> + Send;
+    fn revoke_session(&self, id: &str, now: UnixMs)
+    -> impl Future<Output = StoreResult<()>> + Send;
+    /// Deletes sessions that expired before `before`; returns how many.
+    fn purge_sessions(&self, before: UnixMs) -> impl Future<Output = StoreResult<u64>> + Send;
+
+    // --- nodes ---------------------------------------------------------
+    fn heartbeat(
+        &self,
+        beat: &NodeBeat,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+    fn list_nodes(&self) -> impl Future<Output = StoreResult<Vec<Node>>> + Send;
+    fn remove_node(&self, id: &str) -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- providers -----------------------------------------------------
+    fn provider_state(
+        &self,
+        provider: &str,
+    ) -> impl Future<Output = StoreResult<Option<ProviderState>>> + Send;
+    fn provider_states(&self) -> impl Future<Output = StoreResult<Vec<ProviderState>>> + Send;
+    fn save_provider_state(
+        &self,
+        state: &ProviderState,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+}
+
+/// Connection settings shared by both backends.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Which database a URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    pub fn of_url(url: &str) -> Option<Backend> {
+        if url.starts_with("sqlite:") {
+            Some(Backend::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Some(Backend::Postgres)
+        } else {
+            None
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+/// The store the application holds: one of the two backends.
+#[derive(Clone, Debug)]
+pub enum Db {
+    Sqlite(SqliteStore),
+    Postgres(PgStore),
+}
+
+impl Db {
+    /// Connects to the database a URL names (`sqlite:…` or `postgres://…`).
+    /// Does not migrate.
+    pub async fn connect(url: &str, opts: &ConnectOptions) -> StoreResult<Db> {
+        match Backend::of_url(url) {
+            Some(Backend::Sqlite) => Ok(Db::Sqlite(SqliteStore::connect(url, opts).await?)),
+            Some(Backend::Postgres) => Ok(Db::Postgres(PgStore::connect(url, opts).await?)),
+            None => Err(StoreError::Invalid(
+                "database url must start with `sqlite:` or `postgres://`".into(),
+            )),
+        }
+    }
+
+    pub fn backend(&self) -> Backend {
+        match self {
+            Db::Sqlite(_) => Backend::Sqlite,
+            Db::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// Closes every pooled connection; pending calls finish first.
+    pub async fn close(&self) {
+        match self {
+            Db::Sqlite(s) => s.close().await,
+            Db::Postgres(s) => s.close().await,
+        }
+    }
+}
+
+/// Implements [`Store`] for [`Db`] by forwarding each call to the backend.
+macro_rules! forward {
+    ($( fn $name:ident(&self $(, $arg:ident : $ty:ty)*) -> $ret:ty; )*) => {
+        impl Store for Db {
+            $(
+                async fn $name(&self $(, $arg: $ty)*) -> StoreResult<$ret> {
+                    match self {
+                        Db::Sqlite(s) => s.$name($($arg),*).await,
+                        Db::Postgres(s) => s.$name($($arg),*).await,
+                    }
+                }
+            )*
+        }
+    };
+}
+
+forward! {
+    fn ping(&self) -> ();
+    fn create_record(&self, new: NewRecord, now: UnixMs) -> Created;
+    fn get_record(&self, id: i64) -> Option<Record>;
+    fn list_records(&self, filter: &RecordFilter) -> Page<Record>;
+    fn state_counts(&self) -> Vec<StateCount>;
+    fn recount_states(&self) -> Vec<StateCount>;
+    fn claim_due(&self, req: &ClaimRequest) -> Vec<Record>;
+    fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> Vec<i64>;
+    fn release(&self, leases: &[Lease], now: UnixMs) -> u64;
+    fn commit(&self, commit: &Commit) -> Record;
+    fn act(&self, req: &ActionRequest) -> Record;
+    fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
+    fn attempts(&self, record_id: i64) -> Vec<Attempt>;
+    fn record_events(&self, record_id: i64) -> Vec<Event>;
+    fn audit_log(&self, filter: &AuditFilter) -> Page<Event>;
+    fn append_event(&self, event: &NewEvent) -> Event;
+    fn pin_pipeline(&self, pipeline: &str, hash: &str, definition: &Value, now: UnixMs) -> i64;
+    fn pipeline_version(&self, id: i64) -> Option<PipelineVersion>;
+    fn create_user(&self, user: &NewUser, now: UnixMs) -> User;
+    fn user_by_name(&self, username: &str) -> Option<User>;
+    fn user_by_id(&self, id: i64) -> Option<User>;
+    fn list_users(&self) -> Vec<User>;
+    fn update_user(&self, id: i64, change: &UserChange, now: UnixMs) -> User;
+    fn create_session(&self, session: &Session) -> ();
+    fn session(&self, id: &str) -> Option<Session>;
+    fn revoke_session(&self, id: &str, now: UnixMs) -> ();
+    fn purge_sessions(&self, before: UnixMs) -> u64;
+    fn heartbeat(&self, beat: &NodeBeat, now: UnixMs) -> ();
+    fn list_nodes(&self) -> Vec<Node>;
+    fn remove_node(&self, id: &str) -> ();
+    fn provider_state(&self, provider: &str) -> Option<ProviderState>;
+    fn provider_states(&self) -> Vec<ProviderState>;
+    fn save_provider_state(&self, state: &ProviderState) -> ();
+}
+
+/// An event row as the store writes it, transitions included.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EventRow<'a> {
+    pub record_id: Option<i64>,
+    pub at: UnixMs,
+    pub kind: &'a str,
+    pub actor: &'a str,
+    pub audit: bool,
+    pub from: Option<RecordState>,
+    pub to: Option<RecordState>,
+    pub step: Option<&'a str>,
+    pub reason: Option<&'a str>,
+    pub detail: Option<&'a Value>,
+}
+
+/// The actor name written for a worker's events.
+pub(crate) fn node_actor(owner: &str) -> String {
+    format!("node:{owner}")
+}
+
+/// Clamps a requested page size to `1..=MAX_PAGE` (0 means the default, 50).
+pub(crate) fn page_limit(limit: u32) -> u32 {
+    match limit {
+        0 => 50,
+        n => n.min(MAX_PAGE),
+    }
+}
+
+/// Splits a `limit + 1` fetch into a page and its cursor.
+pub(crate) fn into_page<T>(mut items: Vec<T>, limit: u32, id: impl Fn(&T) -> i64) -> Page<T> {
+    let limit = limit as usize;
+    let next = if items.len() > limit {
+        items.truncate(limit);
+        items.last().map(&id)
+    } else {
+        None
+    };
+    Page { items, next }
+}
+
+/// The state a record takes when a worker commits `result`, checked against
+/// the transition table (the record is `running` while leased).
+pub(crate) fn worked_state(result: WorkResult) -> StoreResult<RecordState> {
+    Ok(crate::domain::transition(
+        RecordState::Running,
+        crate::domain::Trigger::Worked(result),
+    )?)
+}
+
+/// Usernames are lowercase ASCII letters, digits and `._-`, 1 to 64 long.
+pub fn validate_username(name: &str) -> StoreResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "username `{name}` must be 1-64 characters of a-z, 0-9, `.`, `_` or `-`"
+        )))
+    }
+}

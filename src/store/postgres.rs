@@ -1,0 +1,96 @@
+//! The PostgreSQL backend, for several nodes sharing one database.
+//!
+//! Claims lock due rows with `FOR UPDATE SKIP LOCKED`, so concurrent
+//! claimers on any number of nodes take disjoint batches without waiting on
+//! each other; every other write locks the record row it changes.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Pool, Postgres, Row};
+
+use super::ConnectOptions;
+use super::common::common_store;
+use super::rows::row_mappers;
+
+row_mappers!(sqlx::postgres::PgRow);
+
+/// How many rows each (pipeline, state) counter is spread over, so that
+/// concurrent transactions rarely wait on the same counter row.
+const COUNTER_SHARDS: i32 = 16;
+
+/// Records and everything else, in one PostgreSQL database.
+#[derive(Clone, Debug)]
+pub struct PgStore {
+    pool: PgPool,
+}
+
+impl PgStore {
+    pub async fn connect(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
+        let options = PgConnectOptions::from_str(url)?.application_name("ballast");
+        let pool = PgPoolOptions::new()
+            .max_connections(opts.max_connections.max(1))
+            .acquire_timeout(opts.acquire_timeout)
+            .connect_with(options)
+            .await?;
+        Ok(PgStore { pool })
+    }
+
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn reader(&self) -> &Pool<Postgres> {
+        &self.pool
+    }
+
+    async fn begin_write(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+        self.pool.begin().await
+    }
+
+    fn counter_shard() -> i32 {
+        fastrand::i32(0..COUNTER_SHARDS)
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
+        let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
+        let mut tx = self.begin_write().await?;
+        let sql = format!(
+            "WITH due AS ( \
+               SELECT id AS due_id, state AS old_state, next_run_at AS old_due FROM records \
+               WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
+               ORDER BY next_run_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+             UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
+               lease_token = records.lease_token + 1, updated_at = $1 \
+             FROM due WHERE records.id = due.due_id \
+             RETURNING {RECORD_COLUMNS}, old_state, old_due"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(req.now)
+            .bind(i64::from(req.limit))
+            .bind(req.owner.clone())
+            .bind(lease_until)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut old_states = HashMap::with_capacity(rows.len());
+        let mut due_at = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let id: i64 = row.try_get("id")?;
+            old_states.insert(id, row.try_get::<String, _>("old_state")?);
+            due_at.insert(id, row.try_get::<i64, _>("old_due")?);
+        }
+        let mut claimed = map::all(&rows, map::record)?;
+        // Hand records out in due order, as selected.
+        claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
+        Self::finish_claim(&mut tx, &claimed, &old_states, req).await?;
+        tx.commit().await?;
+        Ok(claimed)
+    }
+}
+
+common_store!(PgStore, Postgres, lock = " FOR UPDATE", audit = "audit");

@@ -1,0 +1,122 @@
+//! The SQLite backend: one file, WAL mode, a single writer connection.
+//!
+//! All writes go through one pooled connection and begin with
+//! `BEGIN IMMEDIATE`, so writers in this process queue in order instead of
+//! failing with `SQLITE_BUSY`, and a second process (a CLI command next to a
+//! running server) waits on the busy timeout. Reads use their own pool and
+//! never block the writer under WAL.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Pool, Sqlite};
+
+use super::ConnectOptions;
+use super::common::common_store;
+use super::rows::row_mappers;
+
+row_mappers!(sqlx::sqlite::SqliteRow);
+
+/// Records and everything else, in one SQLite file.
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    writer: SqlitePool,
+    reader: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Opens (creating if the URL says `mode=rwc`) the database file.
+    pub async fn connect(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
+        let options = SqliteConnectOptions::from_str(url)?
+            .journal_mode(SqliteJournalMode::Wal)
+            // Durable commits: a transaction that returned is on disk.
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(opts.acquire_timeout)
+            .connect_with(options.clone())
+            .await?;
+        // An in-memory database exists once per connection: share the writer.
+        let reader = if in_memory {
+            writer.clone()
+        } else {
+            SqlitePoolOptions::new()
+                .max_connections(opts.max_connections.max(1))
+                .acquire_timeout(opts.acquire_timeout)
+                .connect_with(options)
+                .await?
+        };
+        Ok(SqliteStore { writer, reader })
+    }
+
+    pub(crate) fn writer(&self) -> &SqlitePool {
+        &self.writer
+    }
+
+    fn reader(&self) -> &Pool<Sqlite> {
+        &self.reader
+    }
+
+    async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        self.writer.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    /// One writer: no contention to spread.
+    fn counter_shard() -> i32 {
+        0
+    }
+
+    pub async fn close(&self) {
+        self.reader.close().await;
+        self.writer.close().await;
+    }
+
+    /// The single writer makes select-then-update atomic: no other claimer
+    /// can run between the two statements.
+    async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
+        let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
+        let mut tx = self.begin_write().await?;
+        let due: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, state FROM records WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
+             ORDER BY next_run_at, id LIMIT $2",
+        )
+        .bind(req.now)
+        .bind(i64::from(req.limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        if due.is_empty() {
+            tx.commit().await?;
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
+        let old_states: std::collections::HashMap<i64, String> = due.into_iter().collect();
+        let sql = format!(
+            "UPDATE records SET state = 'running', lease_owner = $1, lease_until = $2, next_run_at = $2, \
+             lease_token = lease_token + 1, updated_at = $3 \
+             WHERE id IN (SELECT value FROM json_each($4)) RETURNING {RECORD_COLUMNS}"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(req.owner.clone())
+            .bind(lease_until)
+            .bind(req.now)
+            .bind(Json(&ids))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut claimed = map::all(&rows, map::record)?;
+        // Hand records out in due order, as selected.
+        let order: std::collections::HashMap<i64, usize> =
+            ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        claimed.sort_by_key(|r| order.get(&r.id).copied());
+        Self::finish_claim(&mut tx, &claimed, &old_states, req).await?;
+        tx.commit().await?;
+        Ok(claimed)
+    }
+}
+
+common_store!(SqliteStore, Sqlite, lock = "", audit = "audit = 1");

@@ -1,0 +1,371 @@
+//! The `ballast` binary as an operator uses it.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ballast::store::Backend;
+
+use crate::helpers::{TestDb, http_get};
+
+const PASSWORD: &str = "correct horse battery staple";
+
+/// Runs `ballast ARGS` in `dir` with only the given BALLAST_* variables.
+fn ballast(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ballast"));
+    cmd.current_dir(dir).args(args).stdin(Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("BALLAST_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("BALLAST_LOG", "warn");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A database URL for the CLI on `backend`, and the guard keeping it alive.
+async fn database(backend: Backend, test: &str) -> Option<TestDb> {
+    TestDb::new(backend, test).await
+}
+
+#[test]
+fn help_explains_each_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["--help"], "Durable workflows"),
+        (&["serve", "--help"], "stops gracefully on SIGINT/SIGTERM"),
+        (&["migrate", "--help"], "embedded in this binary"),
+        (&["migrate", "down", "--help"], "--to 0"),
+        (&["user", "--help"], "Manage control-plane users"),
+        (&["user", "add", "--help"], "BALLAST_PASSWORD"),
+        (&["check-config", "--help"], "Validate the configuration"),
+    ];
+    for (args, phrase) in cases {
+        let out = ballast(dir.path(), &[], args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        assert!(
+            stdout(&out).contains(phrase),
+            "{args:?} should mention {phrase:?}:\n{}",
+            stdout(&out)
+        );
+    }
+}
+
+async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
+    let Some(t) = database(backend, "user_add_stores_only_an_argon2id_hash").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        ("BALLAST_DATABASE_URL", t.url.as_str()),
+        ("BALLAST_PASSWORD", PASSWORD),
+    ];
+    let out = ballast(
+        dir.path(),
+        &env,
+        &["user", "add", "alice", "--role", "operator"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("added user alice with role operator"),
+        "{}",
+        stdout(&out)
+    );
+
+    let list = ballast(dir.path(), &env, &["user", "list"]);
+    assert!(list.status.success(), "{}", stderr(&list));
+    let line = stdout(&list)
+        .lines()
+        .find(|l| l.starts_with("alice"))
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(
+        line.contains("operator") && line.contains("active"),
+        "{}",
+        stdout(&list)
+    );
+
+    use ballast::store::Store;
+    let user = t.db.user_by_name("alice").await.unwrap().unwrap();
+    assert!(
+        user.password_hash.starts_with("$argon2id$"),
+        "{}",
+        user.password_hash
+    );
+    assert!(!user.password_hash.contains(PASSWORD));
+    assert!(ballast::auth::password::verify(
+        PASSWORD,
+        &user.password_hash
+    ));
+
+    let dup = ballast(dir.path(), &env, &["user", "add", "alice"]);
+    assert!(!dup.status.success());
+    assert!(stderr(&dup).contains("already exists"), "{}", stderr(&dup));
+
+    let short = ballast(
+        dir.path(),
+        &[env[0], ("BALLAST_PASSWORD", "short")],
+        &["user", "add", "bob"],
+    );
+    assert!(!short.status.success());
+    assert!(stderr(&short).contains("at least 10"), "{}", stderr(&short));
+
+    let no_tty = ballast(dir.path(), &env[..1], &["user", "add", "carol"]);
+    assert!(!no_tty.status.success());
+    assert!(
+        stderr(&no_tty).contains("BALLAST_PASSWORD"),
+        "{}",
+        stderr(&no_tty)
+    );
+
+    let disabled = ballast(dir.path(), &env, &["user", "disable", "alice"]);
+    assert!(disabled.status.success(), "{}", stderr(&disabled));
+    assert!(stdout(&ballast(dir.path(), &env, &["user", "list"])).contains("disabled"));
+    let missing = ballast(dir.path(), &env, &["user", "passwd", "nobody"]);
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("user `nobody` not found"),
+        "{}",
+        stderr(&missing)
+    );
+}
+
+#[tokio::test]
+async fn sqlite_user_add_stores_only_an_argon2id_hash() {
+    user_add_stores_only_an_argon2id_hash(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn postgres_user_add_stores_only_an_argon2id_hash() {
+    user_add_stores_only_an_argon2id_hash(Backend::Postgres).await;
+}
+
+async fn migrate_round_trip(backend: Backend) {
+    let Some(t) = database(backend, "migrate_round_trip").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("BALLAST_DATABASE_URL", t.url.as_str())];
+    let run = |args: &[&str]| {
+        let out = ballast(dir.path(), &env, args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        stdout(&out)
+    };
+    let pending = run(&["migrate", "status"]);
+    assert!(pending.contains("0001     pending    core"), "{pending}");
+    let up = run(&["migrate", "up"]);
+    assert!(up.contains("applied 0001"), "{up}");
+    assert!(
+        up.contains(&format!(
+            "{}: 1 applied; schema at version 1",
+            backend.as_str()
+        )),
+        "{up}"
+    );
+    assert!(run(&["migrate", "up"]).contains("0 applied"));
+    let down = run(&["migrate", "down", "--to", "0"]);
+    assert!(
+        down.contains("reverted 0001") && down.contains("schema at version 0"),
+        "{down}"
+    );
+    assert!(run(&["migrate", "up"]).contains("applied 0001"));
+    let status = run(&["migrate", "status"]);
+    assert!(status.contains("0001     applied    core"), "{status}");
+    // Without --to, down reverts the latest migration only.
+    let down = run(&["migrate", "down"]);
+    assert!(down.contains("reverted 0001"), "{down}");
+}
+
+#[tokio::test]
+async fn sqlite_migrate_round_trip() {
+    migrate_round_trip(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn postgres_migrate_round_trip() {
+    migrate_round_trip(Backend::Postgres).await;
+}
+
+#[test]
+fn bad_config_is_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "unknown.toml",
+            "[server]\nbind = \"127.0.0.1:9000\"\nbnd = \"oops\"\n",
+            "unknown.toml:3:1: key `server.bnd`",
+        ),
+        (
+            "syntax.toml",
+            "[database]\nurl = \"sqlite://x.db\n",
+            "syntax.toml:2:",
+        ),
+        (
+            "type.toml",
+            "[database]\nmax_connections = -3\n",
+            "type.toml:2:19: key `database.max_connections`",
+        ),
+        ("table.toml", "[databse]\nurl = \"x\"\n", "table.toml:1:"),
+        (
+            "scheme.toml",
+            "[database]\nurl = \"mysql://x\"\n",
+            "config `database.url`",
+        ),
+    ];
+    for (file, text, expected) in cases {
+        std::fs::write(dir.path().join(file), text).unwrap();
+        let out = ballast(dir.path(), &[], &["--config", file, "check-config"]);
+        assert!(!out.status.success(), "{file} was accepted");
+        let err = stderr(&out);
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{file}: one line expected:\n{err}"
+        );
+        assert!(err.starts_with("error: "), "{file}: {err}");
+        assert!(
+            err.contains(expected),
+            "{file}: expected {expected:?} in {err}"
+        );
+    }
+    let missing = ballast(
+        dir.path(),
+        &[],
+        &["--config", "absent.toml", "check-config"],
+    );
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("config file absent.toml"),
+        "{}",
+        stderr(&missing)
+    );
+    let env = ballast(
+        dir.path(),
+        &[("BALLAST_SERVER_BIND", "everywhere")],
+        &["check-config"],
+    );
+    assert!(
+        stderr(&env).contains("environment variable BALLAST_SERVER_BIND"),
+        "{}",
+        stderr(&env)
+    );
+}
+
+#[test]
+fn check_config_reports_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ballast(dir.path(), &[], &["check-config"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("config file: none (defaults)"));
+    assert!(stdout(&out).contains("database.url: sqlite://ballast.db?mode=rwc"));
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        "[database]\nurl = \"postgres://u:s3cret@db/x\"\n",
+    )
+    .unwrap();
+    let out = ballast(
+        dir.path(),
+        &[("BALLAST_SERVER_BIND", "127.0.0.1:9999")],
+        &["check-config"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("config file: ballast.toml"), "{text}");
+    assert!(
+        text.contains("overridden by: BALLAST_SERVER_BIND"),
+        "{text}"
+    );
+    assert!(text.contains("server.bind: 127.0.0.1:9999"), "{text}");
+    assert!(
+        !text.contains("s3cret") && text.contains("postgres://u:***@db/x"),
+        "{text}"
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn serve_answers_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
+        .current_dir(dir.path())
+        .args(["serve", "--bind", &addr.to_string()])
+        .env_remove("BALLAST_DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "serve did not start"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "serve exited early");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http_get(addr, "/readyz").await.0, 200);
+    assert!(
+        dir.path().join("ballast.db").exists(),
+        "the default database is a file in the working directory"
+    );
+
+    // The port is taken now: a second server says so in one line.
+    let taken = ballast(dir.path(), &[], &["serve", "--bind", &addr.to_string()]);
+    assert!(!taken.status.success());
+    assert!(
+        stderr(&taken).contains(&format!("cannot listen on {addr}")),
+        "{}",
+        stderr(&taken)
+    );
+
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(15),
+            "serve ignored SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut log = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(status.success(), "exit {status:?}: {log}");
+    assert!(log.contains("stopped cleanly"), "{log}");
+}

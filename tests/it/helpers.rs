@@ -1,0 +1,167 @@
+//! Test databases (a fresh one per test, on either backend) and the app.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ballast::store::{Backend, ConnectOptions, Db, migrate};
+use sqlx::Connection;
+use tempfile::TempDir;
+
+/// The admin URL of the PostgreSQL used by tests.
+pub fn pg_admin_url() -> String {
+    std::env::var("BALLAST_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// `admin` with its database name replaced by `name`.
+fn with_database(admin: &str, name: &str) -> String {
+    let (base, query) = match admin.split_once('?') {
+        Some((b, q)) => (b, format!("?{q}")),
+        None => (admin, String::new()),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let host_part = match base[scheme_end..].find('/') {
+        Some(i) => &base[..scheme_end + i],
+        None => base,
+    };
+    format!("{host_part}/{name}{query}")
+}
+
+/// A fresh, empty database that disappears with the value.
+pub struct TestDb {
+    pub db: Db,
+    pub url: String,
+    _dir: Option<TempDir>,
+    pg_name: Option<String>,
+}
+
+impl TestDb {
+    /// A new SQLite file in a temporary directory.
+    pub async fn sqlite() -> TestDb {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("test.db").display());
+        let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+        TestDb {
+            db,
+            url,
+            _dir: Some(dir),
+            pg_name: None,
+        }
+    }
+
+    /// A new PostgreSQL database, or `None` (with a printed SKIP line) when
+    /// PostgreSQL is unreachable outside CI. In CI, unreachable is a failure.
+    pub async fn postgres(test: &str) -> Option<TestDb> {
+        let admin = pg_admin_url();
+        let mut conn = match sqlx::PgConnection::connect(&admin).await {
+            Ok(c) => c,
+            Err(e) if !in_ci() => {
+                println!("SKIP {test}: PostgreSQL unreachable at {admin}: {e}");
+                return None;
+            }
+            Err(e) => panic!("CI=true and PostgreSQL is unreachable at {admin}: {e}"),
+        };
+        let name = format!("ballast_it_{}", uuid::Uuid::new_v4().simple());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn.close().await.ok();
+        let url = with_database(&admin, &name);
+        let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+        Some(TestDb {
+            db,
+            url,
+            _dir: None,
+            pg_name: Some(name),
+        })
+    }
+
+    /// A fresh database of `backend`, see [`sqlite`](Self::sqlite) and
+    /// [`postgres`](Self::postgres).
+    pub async fn new(backend: Backend, test: &str) -> Option<TestDb> {
+        match backend {
+            Backend::Sqlite => Some(TestDb::sqlite().await),
+            Backend::Postgres => TestDb::postgres(test).await,
+        }
+    }
+
+    /// The same, migrated to the latest schema.
+    pub async fn migrated(backend: Backend, test: &str) -> Option<TestDb> {
+        let t = TestDb::new(backend, test).await?;
+        migrate::up(&t.db, None).await.unwrap();
+        Some(t)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let Some(name) = self.pg_name.take() else {
+            return;
+        };
+        // Drop runs inside the test's runtime, which this blocks: clean up on
+        // a thread with its own runtime, and let FORCE end the pool's
+        // connections (closing the pool from here would wait on the blocked
+        // runtime forever).
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&pg_admin_url()).await {
+                    let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                        .execute(&mut conn)
+                        .await
+                        .ok();
+                }
+            });
+        });
+        cleanup.join().ok();
+    }
+}
+
+/// Minimal HTTP/1.1 GET on loopback: (status, body).
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+            .await
+            .expect("connect timed out")
+            .expect("connect failed");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response))
+        .await
+        .expect("read timed out")
+        .unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn with_database_replaces_the_name() {
+    assert_eq!(
+        with_database("postgres://u@h:5432/postgres", "x"),
+        "postgres://u@h:5432/x"
+    );
+    assert_eq!(
+        with_database("postgres://u@h/db?sslmode=disable", "x"),
+        "postgres://u@h/x?sslmode=disable"
+    );
+    assert_eq!(with_database("postgres://u@h", "x"), "postgres://u@h/x");
+}

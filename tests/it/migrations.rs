@@ -1,0 +1,101 @@
+//! Migrations go up, down to zero and up again on both backends, and a
+//! database migrated by a newer binary is refused.
+
+use ballast::store::{Backend, NewRecord, Store, StoreError, migrate};
+
+use crate::helpers::TestDb;
+
+async fn up_down_up(backend: Backend) {
+    let Some(t) = TestDb::new(backend, "up_down_up").await else {
+        return;
+    };
+    let db = &t.db;
+    let latest = migrate::latest_version(backend);
+    assert!(latest >= 1);
+    let status = migrate::status(db).await.unwrap();
+    assert!(status.iter().all(|m| !m.applied), "{status:?}");
+
+    let applied = migrate::up(db, None).await.unwrap();
+    assert_eq!(applied.last(), Some(&latest));
+    assert!(
+        migrate::up(db, None).await.unwrap().is_empty(),
+        "up is idempotent"
+    );
+    let rec = NewRecord {
+        pipeline: "p".into(),
+        pipeline_version: None,
+        external_key: None,
+        input: serde_json::json!({}),
+        run_at: 0,
+    };
+    db.create_record(rec.clone(), 0).await.unwrap();
+
+    let reverted = migrate::down(db, 0).await.unwrap();
+    assert_eq!(reverted.first(), Some(&latest), "newest first");
+    assert!(
+        migrate::status(db)
+            .await
+            .unwrap()
+            .iter()
+            .all(|m| !m.applied)
+    );
+    let gone = db.create_record(rec.clone(), 0).await;
+    assert!(
+        matches!(gone, Err(StoreError::Database(_))),
+        "tables are gone: {gone:?}"
+    );
+
+    assert_eq!(migrate::up(db, None).await.unwrap().last(), Some(&latest));
+    let again = db.create_record(rec, 0).await.unwrap();
+    assert_eq!(again.record.id, 1, "a clean schema starts ids over");
+    assert!(migrate::status(db).await.unwrap().iter().all(|m| m.applied));
+}
+
+async fn newer_database_is_refused(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "newer_database_is_refused").await else {
+        return;
+    };
+    // Pretend a newer ballast applied version 9999.
+    let sql = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+               VALUES (9999, 'from the future', TRUE, X'00', 0)";
+    let sql_pg = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+               VALUES (9999, 'from the future', TRUE, '\\x00', 0)";
+    match &t.db {
+        ballast::store::Db::Sqlite(_) => {
+            let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+        ballast::store::Db::Postgres(_) => {
+            let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
+            sqlx::query(sql_pg).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+    }
+    let status = migrate::status(&t.db).await.unwrap();
+    let future = status.iter().find(|m| m.version == 9999).unwrap();
+    assert!(future.applied && future.description.is_none());
+    let err = migrate::up(&t.db, None).await.unwrap_err();
+    assert_eq!(err.code(), "migration_error");
+    assert!(err.to_string().contains("9999"), "{err}");
+}
+
+#[tokio::test]
+async fn sqlite_up_down_up() {
+    up_down_up(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn postgres_up_down_up() {
+    up_down_up(Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn sqlite_newer_database_is_refused() {
+    newer_database_is_refused(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn postgres_newer_database_is_refused() {
+    newer_database_is_refused(Backend::Postgres).await;
+}

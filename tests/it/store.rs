@@ -1,0 +1,1087 @@
+//! The store conformance suite: every test runs against SQLite
+//! (`store::sqlite::*`) and PostgreSQL (`store::postgres::*`).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use ballast::domain::{
+    OperatorAction, Outcome, ProviderState, RecordState, Role, Session, StepState, TransitionError,
+    WorkResult, idempotency_key,
+};
+use ballast::store::{
+    ActionRequest, AuditFilter, ClaimRequest, Commit, Db, NewAttempt, NewEvent, NewRecord, NewUser,
+    NodeBeat, RecordFilter, StepWrite, Store, StoreError, UserChange,
+};
+use serde_json::json;
+
+/// Generates `sqlite::$name` and `postgres::$name` for each test function.
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let t = crate::helpers::TestDb::migrated(ballast::store::Backend::Sqlite, stringify!($name)).await.unwrap();
+                    super::$name(&t.db).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    let Some(t) = crate::helpers::TestDb::migrated(ballast::store::Backend::Postgres, stringify!($name)).await else { return };
+                    super::$name(&t.db).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    create_and_read_back,
+    create_is_idempotent_on_external_key,
+    claim_takes_due_records_in_order,
+    concurrent_claimers_never_share_a_record,
+    expired_lease_is_reclaimable_and_unexpired_is_not,
+    commit_writes_steps_attempts_and_transition,
+    checkpoint_keeps_the_lease,
+    release_gives_work_back_without_spending_attempts,
+    extend_leases_reports_what_is_held,
+    operator_actions_follow_the_table_and_are_audited,
+    counters_match_a_recount_after_random_operations,
+    list_filters_and_keyset_pagination,
+    users_and_sessions,
+    nodes_providers_and_pipelines,
+);
+
+const T0: i64 = 1_800_000_000_000;
+
+fn new_record(pipeline: &str, key: Option<&str>, run_at: i64) -> NewRecord {
+    NewRecord {
+        pipeline: pipeline.to_owned(),
+        pipeline_version: None,
+        external_key: key.map(str::to_owned),
+        input: json!({ "key": key, "n": 1 }),
+        run_at,
+    }
+}
+
+fn claim(owner: &str, now: i64, limit: u32) -> ClaimRequest {
+    ClaimRequest {
+        owner: owner.to_owned(),
+        now,
+        lease: Duration::from_secs(30),
+        limit,
+    }
+}
+
+async fn assert_counts_consistent(db: &Db) {
+    assert_eq!(
+        db.state_counts().await.unwrap(),
+        db.recount_states().await.unwrap()
+    );
+}
+
+async fn create_and_read_back(db: &Db) {
+    let c = db
+        .create_record(new_record("p", Some("k1"), T0), T0)
+        .await
+        .unwrap();
+    assert!(c.created);
+    let r = db.get_record(c.record.id).await.unwrap().unwrap();
+    assert_eq!(r, c.record);
+    assert_eq!(r.state, RecordState::Pending);
+    assert_eq!(r.input, json!({ "key": "k1", "n": 1 }));
+    assert_eq!(r.next_run_at, Some(T0));
+    assert!(db.get_record(r.id + 1000).await.unwrap().is_none());
+    let events = db.record_events(r.id).await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(
+        (events[0].kind.as_str(), events[0].to_state),
+        ("created", Some(RecordState::Pending))
+    );
+    let counts = db.state_counts().await.unwrap();
+    assert_eq!(counts.len(), 1);
+    assert_eq!(
+        (
+            counts[0].pipeline.as_str(),
+            counts[0].state,
+            counts[0].count
+        ),
+        ("p", RecordState::Pending, 1)
+    );
+    db.ping().await.unwrap();
+}
+
+async fn create_is_idempotent_on_external_key(db: &Db) {
+    let a = db
+        .create_record(new_record("p", Some("same"), T0), T0)
+        .await
+        .unwrap();
+    let mut again = new_record("p", Some("same"), T0 + 5);
+    again.input = json!({ "different": true });
+    let b = db.create_record(again, T0 + 5).await.unwrap();
+    assert!(a.created && !b.created);
+    assert_eq!(
+        a.record, b.record,
+        "the repeat returns the first record unchanged"
+    );
+    // The key is per pipeline, and records without a key never collide.
+    let other = db
+        .create_record(new_record("q", Some("same"), T0), T0)
+        .await
+        .unwrap();
+    assert!(other.created);
+    let n1 = db
+        .create_record(new_record("p", None, T0), T0)
+        .await
+        .unwrap();
+    let n2 = db
+        .create_record(new_record("p", None, T0), T0)
+        .await
+        .unwrap();
+    assert!(n1.created && n2.created && n1.record.id != n2.record.id);
+    assert_eq!(db.record_events(a.record.id).await.unwrap().len(), 1);
+    assert_counts_consistent(db).await;
+    let total: i64 = db
+        .state_counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(total, 4);
+}
+
+async fn claim_takes_due_records_in_order(db: &Db) {
+    let late = db
+        .create_record(new_record("p", Some("late"), T0 + 20), T0)
+        .await
+        .unwrap()
+        .record;
+    let early = db
+        .create_record(new_record("p", Some("early"), T0 + 10), T0)
+        .await
+        .unwrap()
+        .record;
+    let future = db
+        .create_record(new_record("p", Some("future"), T0 + 10_000), T0)
+        .await
+        .unwrap()
+        .record;
+    let got = db.claim_due(&claim("w1", T0 + 100, 10)).await.unwrap();
+    assert_eq!(
+        got.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![early.id, late.id]
+    );
+    for r in &got {
+        assert_eq!(r.state, RecordState::Running);
+        assert_eq!(r.lease_owner.as_deref(), Some("w1"));
+        assert_eq!(r.lease_until, Some(T0 + 100 + 30_000));
+        assert_eq!(r.lease_token, 1);
+    }
+    assert!(
+        db.claim_due(&claim("w2", T0 + 100, 10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        db.get_record(future.id).await.unwrap().unwrap().state,
+        RecordState::Pending
+    );
+    // The limit is honoured.
+    for i in 0..5 {
+        db.create_record(new_record("p", Some(&format!("b{i}")), T0), T0)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        db.claim_due(&claim("w3", T0 + 100, 3)).await.unwrap().len(),
+        3
+    );
+    let kinds: Vec<String> = db
+        .record_events(early.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, vec!["created", "claimed"]);
+    assert_counts_consistent(db).await;
+}
+
+async fn concurrent_claimers_never_share_a_record(db: &Db) {
+    const N: usize = 300;
+    for i in 0..N {
+        db.create_record(new_record("p", Some(&format!("r{i}")), T0), T0)
+            .await
+            .unwrap();
+    }
+    let mut tasks = Vec::new();
+    for w in 0..4 {
+        let db = db.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let got = db
+                    .claim_due(&claim(&format!("w{w}"), T0 + 1, 7))
+                    .await
+                    .unwrap();
+                if got.is_empty() {
+                    break;
+                }
+                mine.extend(got.into_iter().map(|r| (r.id, r.lease_owner)));
+                tokio::task::yield_now().await;
+            }
+            mine
+        }));
+    }
+    let mut seen = HashSet::new();
+    let mut per_worker = Vec::new();
+    for t in tasks {
+        let mine = t.await.unwrap();
+        per_worker.push(mine.len());
+        for (id, owner) in mine {
+            assert!(seen.insert(id), "record {id} claimed twice");
+            let stored = db.get_record(id).await.unwrap().unwrap();
+            assert_eq!(stored.lease_owner, owner, "the stored owner is the claimer");
+        }
+    }
+    assert_eq!(
+        seen.len(),
+        N,
+        "every record claimed once; per worker: {per_worker:?}"
+    );
+    assert_counts_consistent(db).await;
+}
+
+async fn expired_lease_is_reclaimable_and_unexpired_is_not(db: &Db) {
+    let rec = db
+        .create_record(new_record("p", Some("x"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let a = db.claim_due(&claim("a", T0, 10)).await.unwrap().remove(0);
+    let lease_a = a.lease().unwrap();
+    // Not yet expired: nobody else gets it.
+    assert!(
+        db.claim_due(&claim("b", T0 + 29_999, 10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Expired: b takes it over, with a new token.
+    let b = db.claim_due(&claim("b", T0 + 30_000, 10)).await.unwrap();
+    assert_eq!(b.len(), 1);
+    let lease_b = b[0].lease().unwrap();
+    assert_eq!(lease_b.record_id, rec.id);
+    assert_eq!(lease_b.token, lease_a.token + 1);
+    // a wakes up late: its write is refused, b's goes through.
+    let stale = db
+        .commit(&Commit::new(
+            lease_a.clone(),
+            T0 + 31_000,
+            Some(WorkResult::Completed),
+        ))
+        .await;
+    assert!(
+        matches!(stale, Err(StoreError::LeaseLost { record_id }) if record_id == rec.id),
+        "{stale:?}"
+    );
+    let done = db
+        .commit(&Commit::new(
+            lease_b,
+            T0 + 31_000,
+            Some(WorkResult::Completed),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(done.state, RecordState::Succeeded);
+    let kinds: Vec<String> = db
+        .record_events(rec.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            "created",
+            "claimed",
+            "lease_expired",
+            "claimed",
+            "completed"
+        ]
+    );
+    assert_counts_consistent(db).await;
+}
+
+fn attempt(step: &str, no: i32, status: i32, outcome: Outcome, excerpt: &str) -> NewAttempt {
+    NewAttempt {
+        step: step.to_owned(),
+        provider: Some("prov".into()),
+        attempt_no: no,
+        node: Some("w1".into()),
+        started_at: T0,
+        duration_ms: 42,
+        http_status: Some(status),
+        outcome,
+        error_code: (outcome != Outcome::Success).then(|| "provider_5xx".to_owned()),
+        excerpt: Some(excerpt.to_owned()),
+    }
+}
+
+async fn commit_writes_steps_attempts_and_transition(db: &Db) {
+    let rec = db
+        .create_record(new_record("p", Some("x"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let r = db.claim_due(&claim("w1", T0, 1)).await.unwrap().remove(0);
+    let mut step = StepWrite::pending("fetch");
+    step.state = StepState::Retrying;
+    step.attempts = 1;
+    step.error_code = Some("provider_5xx".into());
+    step.started_at = Some(T0);
+    let mut c = Commit::new(
+        r.lease().unwrap(),
+        T0 + 50,
+        Some(WorkResult::RetryScheduled),
+    );
+    c.next_run_at = Some(T0 + 5_000);
+    c.step = Some("fetch".into());
+    c.provider = Some("prov".into());
+    c.error_code = Some("provider_5xx".into());
+    c.steps = vec![step.clone()];
+    c.attempts = vec![attempt("fetch", 1, 503, Outcome::Retry, &"é".repeat(5000))];
+    let after = db.commit(&c).await.unwrap();
+    assert_eq!(after.state, RecordState::Retrying);
+    assert_eq!(after.next_run_at, Some(T0 + 5_000));
+    assert_eq!(after.lease_owner, None);
+    assert_eq!(after.error_code.as_deref(), Some("provider_5xx"));
+    assert_eq!(
+        (after.step.as_deref(), after.provider.as_deref()),
+        (Some("fetch"), Some("prov"))
+    );
+
+    let steps = db.step_runs(rec.id).await.unwrap();
+    assert_eq!(steps.len(), 1);
+    assert_eq!(steps[0].state, StepState::Retrying);
+    assert_eq!(
+        steps[0].idempotency_key,
+        idempotency_key(rec.id, "fetch", 0)
+    );
+    let attempts = db.attempts(rec.id).await.unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].http_status, Some(503));
+    assert_eq!(attempts[0].outcome, Outcome::Retry);
+    let excerpt = attempts[0].excerpt.clone().unwrap();
+    assert!(
+        excerpt.len() <= 4096 && excerpt.len() >= 4094,
+        "excerpt cut to 4 KiB: {}",
+        excerpt.len()
+    );
+
+    // Not due before its time; due after.
+    assert!(
+        db.claim_due(&claim("w1", T0 + 4_999, 1))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let r = db
+        .claim_due(&claim("w1", T0 + 5_000, 1))
+        .await
+        .unwrap()
+        .remove(0);
+    step.state = StepState::Succeeded;
+    step.attempts = 2;
+    step.output = Some(json!({ "email": "a@b.c" }));
+    let mut c = Commit::new(r.lease().unwrap(), T0 + 5_100, Some(WorkResult::Completed));
+    c.steps = vec![step];
+    c.attempts = vec![attempt("fetch", 2, 200, Outcome::Success, "{}")];
+    let done = db.commit(&c).await.unwrap();
+    assert_eq!(done.state, RecordState::Succeeded);
+    assert_eq!(done.next_run_at, None);
+    assert_eq!(done.finished_at, Some(T0 + 5_100));
+    assert_eq!(done.error_code, None);
+    assert_eq!(
+        db.step_runs(rec.id).await.unwrap()[0].output,
+        Some(json!({ "email": "a@b.c" }))
+    );
+    assert_eq!(db.attempts(rec.id).await.unwrap().len(), 2);
+    let events = db.record_events(rec.id).await.unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.kind.as_str(), last.from_state, last.to_state),
+        (
+            "completed",
+            Some(RecordState::Running),
+            Some(RecordState::Succeeded)
+        )
+    );
+    assert_eq!(last.actor, "node:w1");
+    assert!(!last.audit);
+    // A finished record cannot be committed again with the old lease.
+    assert!(matches!(
+        db.commit(&c).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert_counts_consistent(db).await;
+}
+
+async fn checkpoint_keeps_the_lease(db: &Db) {
+    let rec = db
+        .create_record(new_record("p", Some("x"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let r = db.claim_due(&claim("w1", T0, 1)).await.unwrap().remove(0);
+    let mut step = StepWrite::pending("render");
+    step.state = StepState::Waiting;
+    step.job_id = Some("job-123".into());
+    let mut c = Commit::new(r.lease().unwrap(), T0 + 10, None);
+    c.steps = vec![step];
+    let mid = db.commit(&c).await.unwrap();
+    assert_eq!(mid.state, RecordState::Running);
+    assert_eq!(mid.lease(), r.lease());
+    assert_eq!(
+        db.step_runs(rec.id).await.unwrap()[0].job_id.as_deref(),
+        Some("job-123")
+    );
+    let mut c = Commit::new(r.lease().unwrap(), T0 + 20, Some(WorkResult::Waiting));
+    c.next_run_at = Some(T0 + 2_000);
+    let waiting = db.commit(&c).await.unwrap();
+    assert_eq!(
+        (waiting.state, waiting.next_run_at),
+        (RecordState::Waiting, Some(T0 + 2_000))
+    );
+    assert_counts_consistent(db).await;
+}
+
+async fn release_gives_work_back_without_spending_attempts(db: &Db) {
+    let rec = db
+        .create_record(new_record("p", Some("x"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let r = db.claim_due(&claim("w1", T0, 1)).await.unwrap().remove(0);
+    let other = db
+        .create_record(new_record("p", Some("y"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let o = db.claim_due(&claim("w2", T0, 1)).await.unwrap().remove(0);
+    assert_eq!(o.id, other.id);
+    // w1 releases its own lease and, wrongly, one it does not hold.
+    let mut forged = o.lease().unwrap();
+    forged.owner = "w1".into();
+    let released = db
+        .release(&[r.lease().unwrap(), forged], T0 + 5)
+        .await
+        .unwrap();
+    assert_eq!(released, 1);
+    let back = db.get_record(rec.id).await.unwrap().unwrap();
+    assert_eq!(
+        (back.state, back.next_run_at, back.lease_owner),
+        (RecordState::Pending, Some(T0 + 5), None)
+    );
+    assert!(db.attempts(rec.id).await.unwrap().is_empty());
+    assert_eq!(
+        db.get_record(other.id).await.unwrap().unwrap().state,
+        RecordState::Running
+    );
+    let last = db.record_events(rec.id).await.unwrap().pop().unwrap();
+    assert_eq!(last.kind, "released");
+    // Released work is due at once for the next claimer.
+    assert_eq!(
+        db.claim_due(&claim("w3", T0 + 5, 5)).await.unwrap().len(),
+        1
+    );
+    assert_counts_consistent(db).await;
+}
+
+async fn extend_leases_reports_what_is_held(db: &Db) {
+    db.create_record(new_record("p", Some("x"), T0), T0)
+        .await
+        .unwrap();
+    db.create_record(new_record("p", Some("y"), T0), T0)
+        .await
+        .unwrap();
+    let got = db.claim_due(&claim("w1", T0, 2)).await.unwrap();
+    let mut leases: Vec<_> = got.iter().map(|r| r.lease().unwrap()).collect();
+    leases[1].token += 1; // a lease from a claim that never happened
+    let held = db.extend_leases(&leases, T0 + 60_000).await.unwrap();
+    assert_eq!(held, vec![got[0].id]);
+    let r = db.get_record(got[0].id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.lease_until, r.next_run_at),
+        (Some(T0 + 60_000), Some(T0 + 60_000))
+    );
+    // The extension protects it past the old expiry.
+    assert!(
+        db.claim_due(&claim("w2", T0 + 45_000, 5))
+            .await
+            .unwrap()
+            .iter()
+            .all(|r| r.id != got[0].id)
+    );
+}
+
+fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
+    ActionRequest {
+        record_id: id,
+        action: a,
+        actor: "alice".into(),
+        reason: Some(format!("{a} by test")),
+        now,
+        steps: Vec::new(),
+    }
+}
+
+async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
+    let rec = db
+        .create_record(new_record("p", Some("x"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let parked = db
+        .act(&action(rec.id, OperatorAction::Park, T0 + 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        (parked.state, parked.next_run_at),
+        (RecordState::Parked, None)
+    );
+    assert_eq!(parked.reason.as_deref(), Some("park by test"));
+    // Parked records are not claimed.
+    assert!(
+        db.claim_due(&claim("w", T0 + 10, 5))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Refused: not allowed in this state, and nothing changes.
+    let err = db
+        .act(&action(rec.id, OperatorAction::Park, T0 + 2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Transition(TransitionError::NotAllowed { .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(err.code(), "transition_not_allowed");
+    assert_eq!(
+        db.get_record(rec.id).await.unwrap().unwrap().state,
+        RecordState::Parked
+    );
+
+    // Retry gives the step a fresh attempt budget; a submitted job keeps its id.
+    let resumed = db
+        .act(&action(rec.id, OperatorAction::Resume, T0 + 3))
+        .await
+        .unwrap();
+    assert_eq!(
+        (resumed.state, resumed.next_run_at),
+        (RecordState::Pending, Some(T0 + 3))
+    );
+    let r = db
+        .claim_due(&claim("w", T0 + 3, 1))
+        .await
+        .unwrap()
+        .remove(0);
+    let busy = db
+        .act(&action(rec.id, OperatorAction::Cancel, T0 + 4))
+        .await
+        .unwrap_err();
+    assert_eq!(busy.code(), "record_busy");
+    let mut step = StepWrite::pending("submit");
+    step.state = StepState::Failed;
+    step.attempts = 8;
+    step.job_id = Some("job-9".into());
+    let mut c = Commit::new(r.lease().unwrap(), T0 + 5, Some(WorkResult::Parked));
+    c.steps = vec![step];
+    c.reason = Some("attempts exhausted".into());
+    c.error_code = Some("attempts_exhausted".into());
+    db.commit(&c).await.unwrap();
+    let retried = db
+        .act(&action(rec.id, OperatorAction::Retry, T0 + 6))
+        .await
+        .unwrap();
+    assert_eq!(
+        (retried.state, retried.error_code.clone()),
+        (RecordState::Pending, None)
+    );
+    let s = db.step_runs(rec.id).await.unwrap().remove(0);
+    assert_eq!(
+        (s.attempts, s.state, s.job_id.as_deref()),
+        (0, StepState::Waiting, Some("job-9"))
+    );
+
+    // Replay re-runs a step under a new idempotency key.
+    let r = db
+        .claim_due(&claim("w", T0 + 6, 1))
+        .await
+        .unwrap()
+        .remove(0);
+    db.commit(&Commit::new(
+        r.lease().unwrap(),
+        T0 + 7,
+        Some(WorkResult::Completed),
+    ))
+    .await
+    .unwrap();
+    let mut replay = action(rec.id, OperatorAction::ReplayFrom, T0 + 8);
+    assert!(
+        matches!(db.act(&replay).await, Err(StoreError::Invalid(_))),
+        "replay needs a step"
+    );
+    replay.steps = vec!["submit".into(), "notify".into()];
+    let replayed = db.act(&replay).await.unwrap();
+    assert_eq!(replayed.state, RecordState::Pending);
+    let steps = db.step_runs(rec.id).await.unwrap();
+    let submit = steps.iter().find(|s| s.step == "submit").unwrap();
+    assert_eq!(
+        (submit.generation, submit.job_id.clone(), submit.attempts),
+        (1, None, 0)
+    );
+    assert_eq!(submit.idempotency_key, idempotency_key(rec.id, "submit", 1));
+    assert_ne!(submit.idempotency_key, idempotency_key(rec.id, "submit", 0));
+    assert!(
+        steps
+            .iter()
+            .any(|s| s.step == "notify" && s.generation == 0)
+    );
+
+    let cancelled = db
+        .act(&action(rec.id, OperatorAction::Cancel, T0 + 9))
+        .await
+        .unwrap();
+    assert_eq!(
+        (cancelled.state, cancelled.finished_at),
+        (RecordState::Cancelled, Some(T0 + 9))
+    );
+    let missing = db
+        .act(&action(rec.id + 999, OperatorAction::Cancel, T0))
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), "not_found");
+
+    // The audit log holds the operator actions, newest first, and filters.
+    let audit = db
+        .audit_log(&AuditFilter {
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, vec!["cancel", "replay", "retry", "resume", "park"]);
+    assert!(audit.items.iter().all(|e| e.audit && e.actor == "alice"));
+    assert_eq!(
+        audit.items[1].detail,
+        Some(json!({ "steps": ["submit", "notify"] }))
+    );
+    let only = db
+        .audit_log(&AuditFilter {
+            kind: Some("retry".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(only.items.len(), 1);
+    let nobody = db
+        .audit_log(&AuditFilter {
+            actor: Some("mallory".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(nobody.items.is_empty());
+    let paged = db
+        .audit_log(&AuditFilter {
+            limit: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(paged.items.len(), 2);
+    let rest = db
+        .audit_log(&AuditFilter {
+            limit: 50,
+            before: paged.next,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(rest.items.len(), 3);
+    assert_counts_consistent(db).await;
+}
+
+/// Random creates, claims, commits, releases, expiries and operator actions;
+/// the maintained counters must equal a recount at every checkpoint.
+async fn counters_match_a_recount_after_random_operations(db: &Db) {
+    let seed = std::env::var("BALLAST_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_u64);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let pipelines = ["alpha", "beta", "gamma"];
+    let mut now = T0;
+    let mut held = Vec::new();
+    for round in 0..400 {
+        now += rng.i64(0..20_000);
+        match rng.u8(0..10) {
+            0..=2 => {
+                let key = format!("k{}", rng.u32(0..150));
+                let p = pipelines[rng.usize(0..pipelines.len())];
+                db.create_record(new_record(p, Some(&key), now + rng.i64(0..5_000)), now)
+                    .await
+                    .unwrap();
+            }
+            3..=4 => {
+                let got = db
+                    .claim_due(&claim(&format!("w{}", rng.u8(0..3)), now, rng.u32(1..8)))
+                    .await
+                    .unwrap();
+                held.extend(got.into_iter().map(|r| r.lease().unwrap()));
+            }
+            5..=6 if !held.is_empty() => {
+                let lease = held.swap_remove(rng.usize(0..held.len()));
+                let result = WorkResult::ALL[rng.usize(0..WorkResult::ALL.len())];
+                let mut c = Commit::new(lease, now, Some(result));
+                c.next_run_at = Some(now + rng.i64(0..10_000));
+                match db.commit(&c).await {
+                    Ok(_) | Err(StoreError::LeaseLost { .. }) => {}
+                    Err(e) => panic!("round {round}: {e}"),
+                }
+            }
+            7 if !held.is_empty() => {
+                let n = rng.usize(1..=held.len());
+                let leases: Vec<_> = held.drain(..n).collect();
+                db.release(&leases, now).await.unwrap();
+            }
+            _ => {
+                let page = db
+                    .list_records(&RecordFilter {
+                        limit: 500,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                if let Some(r) =
+                    (!page.items.is_empty()).then(|| &page.items[rng.usize(0..page.items.len())])
+                {
+                    let a = OperatorAction::ALL[rng.usize(0..OperatorAction::ALL.len())];
+                    let mut req = action(r.id, a, now);
+                    req.steps = vec!["s1".into()];
+                    match db.act(&req).await {
+                        Ok(_) | Err(StoreError::Transition(_)) => {}
+                        Err(e) => panic!("round {round}: {e}"),
+                    }
+                }
+            }
+        }
+        if round % 50 == 49 {
+            assert_counts_consistent(db).await;
+        }
+    }
+    assert_counts_consistent(db).await;
+    let total: i64 = db
+        .state_counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.count)
+        .sum();
+    assert!(
+        total > 50,
+        "the run exercised enough records: {total} (seed {seed})"
+    );
+}
+
+async fn list_filters_and_keyset_pagination(db: &Db) {
+    let mut ids = Vec::new();
+    for i in 0..25 {
+        let p = if i % 5 == 0 { "beta" } else { "alpha" };
+        ids.push(
+            db.create_record(new_record(p, Some(&format!("order-{i:03}")), T0), T0)
+                .await
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    ids.reverse();
+    let mut seen = Vec::new();
+    let mut before = None;
+    loop {
+        let page = db
+            .list_records(&RecordFilter {
+                limit: 10,
+                before,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        seen.extend(page.items.iter().map(|r| r.id));
+        match page.next {
+            Some(n) => before = Some(n),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ids, "pages cover every record once, newest first");
+
+    let beta = db
+        .list_records(&RecordFilter {
+            pipeline: Some("beta".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(beta.items.len(), 5);
+    assert!(beta.items.iter().all(|r| r.pipeline == "beta"));
+    let prefix = db
+        .list_records(&RecordFilter {
+            key_prefix: Some("order-01".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(prefix.items.len(), 10);
+    let exact = db
+        .list_records(&RecordFilter {
+            key_prefix: Some("order-007".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(exact.items.len(), 1);
+
+    // State and error-code filters see a parked record.
+    let r = db.claim_due(&claim("w", T0, 1)).await.unwrap().remove(0);
+    let mut c = Commit::new(r.lease().unwrap(), T0, Some(WorkResult::Parked));
+    c.error_code = Some("unknown_reply".into());
+    c.step = Some("fetch".into());
+    c.provider = Some("acme".into());
+    db.commit(&c).await.unwrap();
+    let filter = RecordFilter {
+        state: Some(RecordState::Parked),
+        error_code: Some("unknown_reply".into()),
+        provider: Some("acme".into()),
+        step: Some("fetch".into()),
+        limit: 50,
+        ..Default::default()
+    };
+    let parked = db.list_records(&filter).await.unwrap();
+    assert_eq!(
+        parked.items.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![r.id]
+    );
+    let none = db
+        .list_records(&RecordFilter {
+            state: Some(RecordState::Failed),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(none.items.is_empty() && none.next.is_none());
+}
+
+async fn users_and_sessions(db: &Db) {
+    let u = db
+        .create_user(
+            &NewUser {
+                username: "alice".into(),
+                password_hash: "$argon2id$fake".into(),
+                role: Role::Operator,
+            },
+            T0,
+        )
+        .await
+        .unwrap();
+    assert_eq!((u.role, u.disabled), (Role::Operator, false));
+    let dup = db
+        .create_user(
+            &NewUser {
+                username: "alice".into(),
+                password_hash: "x".into(),
+                role: Role::Viewer,
+            },
+            T0,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(dup.code(), "conflict");
+    let bad = db
+        .create_user(
+            &NewUser {
+                username: "Alice Smith".into(),
+                password_hash: "x".into(),
+                role: Role::Viewer,
+            },
+            T0,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), "invalid_request");
+    assert_eq!(db.user_by_name("alice").await.unwrap().unwrap().id, u.id);
+    assert_eq!(
+        db.user_by_id(u.id).await.unwrap().unwrap().username,
+        "alice"
+    );
+    assert!(db.user_by_name("bob").await.unwrap().is_none());
+
+    let s = Session {
+        id: "jti-1".into(),
+        user_id: u.id,
+        created_at: T0,
+        expires_at: T0 + 3_600_000,
+        revoked_at: None,
+    };
+    db.create_session(&s).await.unwrap();
+    let s2 = Session {
+        id: "jti-2".into(),
+        ..s.clone()
+    };
+    db.create_session(&s2).await.unwrap();
+    assert!(db.session("jti-1").await.unwrap().unwrap().is_live(T0 + 1));
+    db.revoke_session("jti-1", T0 + 2).await.unwrap();
+    assert!(!db.session("jti-1").await.unwrap().unwrap().is_live(T0 + 3));
+    assert!(db.session("jti-2").await.unwrap().unwrap().is_live(T0 + 3));
+    // A role change ends every session of the user.
+    let changed = db
+        .update_user(u.id, &UserChange::Role(Role::Admin), T0 + 4)
+        .await
+        .unwrap();
+    assert_eq!(changed.role, Role::Admin);
+    assert!(!db.session("jti-2").await.unwrap().unwrap().is_live(T0 + 5));
+    let disabled = db
+        .update_user(u.id, &UserChange::Disabled(true), T0 + 6)
+        .await
+        .unwrap();
+    assert!(disabled.disabled);
+    let pw = db
+        .update_user(u.id, &UserChange::Password("$argon2id$new".into()), T0 + 7)
+        .await
+        .unwrap();
+    assert_eq!(pw.password_hash, "$argon2id$new");
+    assert_eq!(
+        db.update_user(u.id + 50, &UserChange::Disabled(true), T0)
+            .await
+            .unwrap_err()
+            .code(),
+        "not_found"
+    );
+    assert_eq!(db.list_users().await.unwrap().len(), 1);
+    assert_eq!(db.purge_sessions(T0 + 3_600_001).await.unwrap(), 2);
+    assert!(db.session("jti-2").await.unwrap().is_none());
+}
+
+async fn nodes_providers_and_pipelines(db: &Db) {
+    let beat = NodeBeat {
+        id: "n1".into(),
+        hostname: "h".into(),
+        pid: 42,
+        version: "0.1.0".into(),
+        started_at: T0,
+        draining: false,
+    };
+    db.heartbeat(&beat, T0).await.unwrap();
+    db.heartbeat(
+        &NodeBeat {
+            draining: true,
+            ..beat.clone()
+        },
+        T0 + 5_000,
+    )
+    .await
+    .unwrap();
+    let nodes = db.list_nodes().await.unwrap();
+    assert_eq!(nodes.len(), 1);
+    assert_eq!(
+        (
+            nodes[0].heartbeat_at,
+            nodes[0].draining,
+            nodes[0].started_at
+        ),
+        (T0 + 5_000, true, T0)
+    );
+    db.remove_node("n1").await.unwrap();
+    assert!(db.list_nodes().await.unwrap().is_empty());
+
+    assert!(db.provider_state("acme").await.unwrap().is_none());
+    let mut p = ProviderState::new("acme", T0);
+    db.save_provider_state(&p).await.unwrap();
+    p.paused = true;
+    p.paused_by = Some("alice".into());
+    p.breaker = ballast::domain::BreakerState::Open;
+    p.open_until = Some(T0 + 30_000);
+    p.stats = Some(json!({ "calls": 50, "failures": 30 }));
+    db.save_provider_state(&p).await.unwrap();
+    assert_eq!(db.provider_state("acme").await.unwrap(), Some(p.clone()));
+    assert_eq!(db.provider_states().await.unwrap(), vec![p]);
+
+    let def = json!({ "steps": [{ "name": "fetch" }] });
+    let v1 = db.pin_pipeline("enrich", "h1", &def, T0).await.unwrap();
+    assert_eq!(
+        db.pin_pipeline("enrich", "h1", &def, T0 + 1).await.unwrap(),
+        v1
+    );
+    let v2 = db
+        .pin_pipeline("enrich", "h2", &json!({}), T0)
+        .await
+        .unwrap();
+    assert_ne!(v1, v2);
+    let pv = db.pipeline_version(v1).await.unwrap().unwrap();
+    assert_eq!(
+        (pv.pipeline.as_str(), pv.definition.clone()),
+        ("enrich", def)
+    );
+    let mut rec = new_record("enrich", Some("pinned"), T0);
+    rec.pipeline_version = Some(v1);
+    assert_eq!(
+        db.create_record(rec, T0)
+            .await
+            .unwrap()
+            .record
+            .pipeline_version,
+        Some(v1)
+    );
+
+    let e = db
+        .append_event(&NewEvent {
+            record_id: None,
+            at: T0,
+            kind: "provider_paused".into(),
+            actor: "alice".into(),
+            audit: true,
+            step: None,
+            reason: Some("maintenance".into()),
+            detail: Some(json!({ "provider": "acme" })),
+        })
+        .await
+        .unwrap();
+    assert!(e.id > 0 && e.audit);
+    let audit = db
+        .audit_log(&AuditFilter {
+            actor: Some("alice".into()),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(audit.items, vec![e]);
+}
