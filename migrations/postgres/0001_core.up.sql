@@ -1,6 +1,14 @@
 -- Ballast core schema (PostgreSQL). Timestamps are BIGINT unix milliseconds,
 -- the same representation as on SQLite, so ordering and arithmetic agree.
 
+-- One row per installation fact. `installation_id` makes idempotency keys
+-- unique across installations that share a provider account.
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+INSERT INTO meta (key, value) VALUES ('installation_id', substr(md5(random()::text || clock_timestamp()::text), 1, 16));
+
 CREATE TABLE pipeline_versions (
     id          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     pipeline    TEXT    NOT NULL,
@@ -38,7 +46,8 @@ CREATE TABLE records (
     CHECK ((lease_until IS NOT NULL) = (state = 'running'))
 );
 -- Claiming: due records (and expired leases) in due order.
-CREATE INDEX records_due ON records (next_run_at) WHERE next_run_at IS NOT NULL;
+CREATE INDEX records_due ON records (next_run_at, id) WHERE next_run_at IS NOT NULL;
+CREATE INDEX records_pipeline ON records (pipeline, id);
 CREATE INDEX records_state ON records (state, id);
 CREATE INDEX records_pipeline_state ON records (pipeline, state, id);
 CREATE INDEX records_provider ON records (provider, id) WHERE provider IS NOT NULL;
@@ -49,6 +58,7 @@ CREATE INDEX records_external_key ON records (external_key) WHERE external_key I
 CREATE TABLE step_runs (
     record_id       BIGINT  NOT NULL REFERENCES records (id) ON DELETE CASCADE,
     step            TEXT    NOT NULL,
+    provider        TEXT,
     state           TEXT    NOT NULL CHECK (state IN
                       ('pending', 'running', 'waiting', 'retrying',
                        'succeeded', 'failed', 'skipped')),
@@ -66,8 +76,8 @@ CREATE TABLE step_runs (
     updated_at      BIGINT  NOT NULL,
     PRIMARY KEY (record_id, step)
 );
--- Callbacks name the provider's job id.
-CREATE INDEX step_runs_job ON step_runs (job_id) WHERE job_id IS NOT NULL;
+-- Callbacks name the provider's job id; ids are only unique per provider.
+CREATE INDEX step_runs_job ON step_runs (provider, job_id) WHERE job_id IS NOT NULL;
 
 CREATE TABLE attempts (
     id          BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -85,9 +95,11 @@ CREATE TABLE attempts (
 );
 CREATE INDEX attempts_record ON attempts (record_id, id);
 
+-- Events are kept forever: no foreign key, so deleting a record (retention)
+-- never deletes its audit trail.
 CREATE TABLE events (
     id         BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    record_id  BIGINT  REFERENCES records (id) ON DELETE CASCADE,
+    record_id  BIGINT,
     at         BIGINT  NOT NULL,
     kind       TEXT    NOT NULL,
     actor      TEXT    NOT NULL,

@@ -8,3 +8,4 @@ DROP TABLE attempts;
 DROP TABLE step_runs;
 DROP TABLE records;
 DROP TABLE pipeline_versions;
+DROP TABLE meta;

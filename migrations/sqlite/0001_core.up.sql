@@ -1,5 +1,13 @@
 -- Ballast core schema (SQLite). Timestamps are INTEGER unix milliseconds.
 
+-- One row per installation fact. `installation_id` makes idempotency keys
+-- unique across installations that share a provider account.
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+INSERT INTO meta (key, value) VALUES ('installation_id', lower(hex(randomblob(8))));
+
 CREATE TABLE pipeline_versions (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     pipeline    TEXT    NOT NULL,
@@ -37,7 +45,8 @@ CREATE TABLE records (
     CHECK ((lease_until IS NOT NULL) = (state = 'running'))
 );
 -- Claiming: due records (and expired leases) in due order.
-CREATE INDEX records_due ON records (next_run_at) WHERE next_run_at IS NOT NULL;
+CREATE INDEX records_due ON records (next_run_at, id) WHERE next_run_at IS NOT NULL;
+CREATE INDEX records_pipeline ON records (pipeline, id);
 CREATE INDEX records_state ON records (state, id);
 CREATE INDEX records_pipeline_state ON records (pipeline, state, id);
 CREATE INDEX records_provider ON records (provider, id) WHERE provider IS NOT NULL;
@@ -48,6 +57,7 @@ CREATE INDEX records_external_key ON records (external_key) WHERE external_key I
 CREATE TABLE step_runs (
     record_id       INTEGER NOT NULL REFERENCES records (id) ON DELETE CASCADE,
     step            TEXT    NOT NULL,
+    provider        TEXT,
     state           TEXT    NOT NULL CHECK (state IN
                       ('pending', 'running', 'waiting', 'retrying',
                        'succeeded', 'failed', 'skipped')),
@@ -65,8 +75,8 @@ CREATE TABLE step_runs (
     updated_at      INTEGER NOT NULL,
     PRIMARY KEY (record_id, step)
 );
--- Callbacks name the provider's job id.
-CREATE INDEX step_runs_job ON step_runs (job_id) WHERE job_id IS NOT NULL;
+-- Callbacks name the provider's job id; ids are only unique per provider.
+CREATE INDEX step_runs_job ON step_runs (provider, job_id) WHERE job_id IS NOT NULL;
 
 CREATE TABLE attempts (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -84,9 +94,11 @@ CREATE TABLE attempts (
 );
 CREATE INDEX attempts_record ON attempts (record_id, id);
 
+-- Events are kept forever: no foreign key, so deleting a record (retention)
+-- never deletes its audit trail.
 CREATE TABLE events (
     id         INTEGER PRIMARY KEY AUTOINCREMENT,
-    record_id  INTEGER REFERENCES records (id) ON DELETE CASCADE,
+    record_id  INTEGER,
     at         INTEGER NOT NULL,
     kind       TEXT    NOT NULL,
     actor      TEXT    NOT NULL,

@@ -1,7 +1,10 @@
 //! Pure types and rules of Ballast: record states, the transition table,
 //! the stored shapes of records, steps, attempts and events. No I/O here.
 
+pub mod backoff;
+pub mod breaker;
 pub mod model;
+pub mod rules;
 pub mod state;
 pub mod time;
 

@@ -128,6 +128,7 @@ pub struct Record {
 pub struct StepRun {
     pub record_id: i64,
     pub step: String,
+    pub provider: Option<String>,
     pub state: StepState,
     /// Bumped by replay, so a replayed call gets a new idempotency key.
     pub generation: i32,
@@ -146,9 +147,11 @@ pub struct StepRun {
 }
 
 /// The idempotency key sent with every mutating call of a step: stable across
-/// retries and restarts, new only when an operator replays the step.
-pub fn idempotency_key(record_id: i64, step: &str, generation: i32) -> String {
-    format!("ballast-{record_id}-{step}-{generation}")
+/// retries and restarts, new only when an operator replays the step. The
+/// installation id keeps two installations (staging and production on one
+/// provider account, or a rebuilt database whose ids restart) apart.
+pub fn idempotency_key(installation: &str, record_id: i64, step: &str, generation: i32) -> String {
+    format!("ballast-{installation}-{record_id}-{step}-{generation}")
 }
 
 /// One HTTP exchange (or transport failure) for one step of one record.
@@ -336,18 +339,11 @@ mod tests {
 
     #[test]
     fn idempotency_keys_are_stable_and_change_on_replay() {
-        assert_eq!(
-            idempotency_key(7, "submit", 0),
-            idempotency_key(7, "submit", 0)
-        );
-        assert_ne!(
-            idempotency_key(7, "submit", 0),
-            idempotency_key(7, "submit", 1)
-        );
-        assert_ne!(
-            idempotency_key(7, "submit", 0),
-            idempotency_key(8, "submit", 0)
-        );
+        let k = |i, r, g| idempotency_key(i, r, "submit", g);
+        assert_eq!(k("a1", 7, 0), k("a1", 7, 0));
+        assert_ne!(k("a1", 7, 0), k("a1", 7, 1));
+        assert_ne!(k("a1", 7, 0), k("a1", 8, 0));
+        assert_ne!(k("a1", 7, 0), k("b2", 7, 0));
     }
 
     #[test]

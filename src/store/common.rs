@@ -102,12 +102,19 @@ macro_rules! common_store {
                 row.as_ref().map(map::record).transpose()
             }
 
-            async fn upsert_step(tx: &mut Tx, record_id: i64, s: &$crate::store::StepWrite, now: UnixMs) -> StoreResult<()> {
+            async fn upsert_step(
+                tx: &mut Tx,
+                installation: &str,
+                record_id: i64,
+                s: &$crate::store::StepWrite,
+                now: UnixMs,
+            ) -> StoreResult<()> {
                 sqlx::query(
                     "INSERT INTO step_runs (record_id, step, state, generation, attempts, idempotency_key, \
-                       job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
-                     ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, \
+                       job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, \
+                       provider) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                     ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
                        generation = excluded.generation, attempts = excluded.attempts, \
                        idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
                        output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
@@ -120,7 +127,7 @@ macro_rules! common_store {
                 .bind(s.state.as_str())
                 .bind(s.generation)
                 .bind(s.attempts)
-                .bind(idempotency_key(record_id, &s.step, s.generation))
+                .bind(idempotency_key(installation, record_id, &s.step, s.generation))
                 .bind(s.job_id.clone())
                 .bind(s.output.clone().map(Json))
                 .bind(s.error_code.clone())
@@ -130,6 +137,7 @@ macro_rules! common_store {
                 .bind(s.started_at)
                 .bind(s.finished_at)
                 .bind(now)
+                .bind(s.provider.clone())
                 .execute(&mut **tx)
                 .await?;
                 Ok(())
@@ -244,6 +252,18 @@ macro_rules! common_store {
                 Ok(())
             }
 
+            async fn installation_id(&self) -> StoreResult<String> {
+                let id = self
+                    .installation
+                    .get_or_try_init(|| async {
+                        sqlx::query_scalar::<_, String>("SELECT value FROM meta WHERE key = 'installation_id'")
+                            .fetch_one(self.reader())
+                            .await
+                    })
+                    .await?;
+                Ok(id.clone())
+            }
+
             async fn create_record(&self, new: NewRecord, now: UnixMs) -> StoreResult<Created> {
                 if new.pipeline.is_empty() {
                     return Err(StoreError::Invalid("pipeline name is empty".into()));
@@ -351,6 +371,10 @@ macro_rules! common_store {
             async fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> StoreResult<Vec<i64>> {
                 let mut tx = self.begin_write().await?;
                 let mut held = Vec::with_capacity(leases.len());
+                // Rows are locked in id order in every multi-row write, so two
+                // of them can never deadlock on PostgreSQL.
+                let mut leases: Vec<&Lease> = leases.iter().collect();
+                leases.sort_by_key(|l| l.record_id);
                 for lease in leases {
                     let done = sqlx::query(
                         "UPDATE records SET lease_until = $1, next_run_at = $1 \
@@ -374,9 +398,11 @@ macro_rules! common_store {
                 let mut tx = self.begin_write().await?;
                 let mut deltas = CountDeltas::default();
                 let mut released = 0;
+                let mut leases: Vec<&Lease> = leases.iter().collect();
+                leases.sort_by_key(|l| l.record_id);
                 for lease in leases {
                     let Some(rec) = Self::lock_record(&mut tx, lease.record_id).await? else { continue };
-                    if rec.lease() != Some(lease.clone()) {
+                    if rec.lease().as_ref() != Some(lease) {
                         continue;
                     }
                     let to = transition(rec.state, Trigger::Release)?;
@@ -402,13 +428,14 @@ macro_rules! common_store {
             }
 
             async fn commit(&self, c: &Commit) -> StoreResult<Record> {
+                let installation = self.installation_id().await?;
                 let mut tx = self.begin_write().await?;
                 let rec = Self::lock_record(&mut tx, c.lease.record_id).await?;
                 let Some(rec) = rec.filter(|r| r.lease().as_ref() == Some(&c.lease)) else {
                     return Err(StoreError::LeaseLost { record_id: c.lease.record_id });
                 };
                 for step in &c.steps {
-                    Self::upsert_step(&mut tx, rec.id, step, c.now).await?;
+                    Self::upsert_step(&mut tx, &installation, rec.id, step, c.now).await?;
                 }
                 for attempt in &c.attempts {
                     Self::insert_attempt(&mut tx, rec.id, attempt).await?;
@@ -467,6 +494,7 @@ macro_rules! common_store {
                 if req.action == OperatorAction::ReplayFrom && req.steps.is_empty() {
                     return Err(StoreError::Invalid("replay needs the step to replay from".into()));
                 }
+                let installation = self.installation_id().await?;
                 let mut tx = self.begin_write().await?;
                 let rec = Self::lock_record(&mut tx, req.record_id).await?.ok_or_else(|| {
                     StoreError::NotFound { what: "record", key: req.record_id.to_string() }
@@ -499,7 +527,7 @@ macro_rules! common_store {
                             .await?;
                             let mut write = $crate::store::StepWrite::pending(step);
                             write.generation = generation.map_or(0, |g| g + 1);
-                            Self::upsert_step(&mut tx, rec.id, &write, req.now).await?;
+                            Self::upsert_step(&mut tx, &installation, rec.id, &write, req.now).await?;
                         }
                     }
                     OperatorAction::Park | OperatorAction::Resume | OperatorAction::Cancel => {}
@@ -521,7 +549,9 @@ macro_rules! common_store {
                     audit: true,
                     from: Some(rec.state),
                     to: Some(to),
-                    step: req.steps.first().map(String::as_str),
+                    step: (req.action == OperatorAction::ReplayFrom)
+                        .then(|| req.steps.first().map(String::as_str))
+                        .flatten(),
                     reason: req.reason.as_deref(),
                     detail: detail.as_ref(),
                 };

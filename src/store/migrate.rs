@@ -74,8 +74,23 @@ pub struct MigrationStatus {
 /// Every known and every applied migration, in version order.
 pub async fn status(db: &Db) -> StoreResult<Vec<MigrationStatus>> {
     let applied: Vec<i64> = match db {
-        Db::Sqlite(s) => applied_versions(&mut *s.writer().acquire().await?).await?,
-        Db::Postgres(s) => applied_versions(&mut *s.pool().acquire().await?).await?,
+        Db::Sqlite(s) => {
+            let mut conn = s.writer().acquire().await?;
+            let exists: Option<String> = sqlx::query_scalar(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+            )
+            .fetch_optional(&mut *conn)
+            .await?;
+            applied_versions(&mut *conn, exists.is_some()).await?
+        }
+        Db::Postgres(s) => {
+            let mut conn = s.pool().acquire().await?;
+            let exists: bool =
+                sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+                    .fetch_one(&mut *conn)
+                    .await?;
+            applied_versions(&mut *conn, exists).await?
+        }
     };
     let mut all: BTreeMap<i64, MigrationStatus> = shipped(db.backend())
         .iter()
@@ -102,8 +117,12 @@ pub async fn status(db: &Db) -> StoreResult<Vec<MigrationStatus>> {
     Ok(all.into_values().collect())
 }
 
-async fn applied_versions<C: Migrate>(conn: &mut C) -> StoreResult<Vec<i64>> {
-    conn.ensure_migrations_table("_sqlx_migrations").await?;
+/// Reads applied versions without creating the migrations table: creating it
+/// here, outside sqlx's migration lock, would race two nodes starting at once.
+async fn applied_versions<C: Migrate>(conn: &mut C, exists: bool) -> StoreResult<Vec<i64>> {
+    if !exists {
+        return Ok(Vec::new());
+    }
     Ok(conn
         .list_applied_migrations("_sqlx_migrations")
         .await?

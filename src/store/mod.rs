@@ -158,6 +158,7 @@ impl Record {
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepWrite {
     pub step: String,
+    pub provider: Option<String>,
     pub state: StepState,
     pub generation: i32,
     pub attempts: i32,
@@ -176,6 +177,7 @@ impl StepWrite {
     pub fn pending(step: &str) -> Self {
         StepWrite {
             step: step.to_owned(),
+            provider: None,
             state: StepState::Pending,
             generation: 0,
             attempts: 0,
@@ -195,6 +197,7 @@ impl From<&StepRun> for StepWrite {
     fn from(s: &StepRun) -> Self {
         StepWrite {
             step: s.step.clone(),
+            provider: s.provider.clone(),
             state: s.state,
             generation: s.generation,
             attempts: s.attempts,
@@ -320,6 +323,9 @@ pub enum UserChange {
 pub trait Store: Clone + Send + Sync + 'static {
     /// A cheap round trip, for readiness checks.
     fn ping(&self) -> impl Future<Output = StoreResult<()>> + Send;
+    /// This installation's id (made by the first migration), part of every
+    /// idempotency key.
+    fn installation_id(&self) -> impl Future<Output = StoreResult<String>> + Send;
 
     // --- records -------------------------------------------------------
     fn create_record(
@@ -534,6 +540,7 @@ macro_rules! forward {
 
 forward! {
     fn ping(&self) -> ();
+    fn installation_id(&self) -> String;
     fn create_record(&self, new: NewRecord, now: UnixMs) -> Created;
     fn get_record(&self, id: i64) -> Option<Record>;
     fn list_records(&self, filter: &RecordFilter) -> Page<Record>;

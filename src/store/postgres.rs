@@ -24,6 +24,7 @@ const COUNTER_SHARDS: i32 = 16;
 #[derive(Clone, Debug)]
 pub struct PgStore {
     pool: PgPool,
+    installation: std::sync::Arc<tokio::sync::OnceCell<String>>,
 }
 
 impl PgStore {
@@ -34,7 +35,10 @@ impl PgStore {
             .acquire_timeout(opts.acquire_timeout)
             .connect_with(options)
             .await?;
-        Ok(PgStore { pool })
+        Ok(PgStore {
+            pool,
+            installation: Default::default(),
+        })
     }
 
     pub(crate) fn pool(&self) -> &PgPool {
@@ -64,7 +68,7 @@ impl PgStore {
             "WITH due AS ( \
                SELECT id AS due_id, state AS old_state, next_run_at AS old_due FROM records \
                WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
-               ORDER BY next_run_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+               ORDER BY next_run_at, id LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED) \
              UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
                lease_token = records.lease_token + 1, updated_at = $1 \
              FROM due WHERE records.id = due.due_id \
@@ -93,4 +97,11 @@ impl PgStore {
     }
 }
 
-common_store!(PgStore, Postgres, lock = " FOR UPDATE", audit = "audit");
+// `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
+// run that references a record must not wait behind a lock on that record.
+common_store!(
+    PgStore,
+    Postgres,
+    lock = " FOR NO KEY UPDATE",
+    audit = "audit"
+);

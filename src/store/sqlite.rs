@@ -25,6 +25,7 @@ row_mappers!(sqlx::sqlite::SqliteRow);
 pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
+    installation: std::sync::Arc<tokio::sync::OnceCell<String>>,
 }
 
 impl SqliteStore {
@@ -52,7 +53,11 @@ impl SqliteStore {
                 .connect_with(options)
                 .await?
         };
-        Ok(SqliteStore { writer, reader })
+        Ok(SqliteStore {
+            writer,
+            reader,
+            installation: Default::default(),
+        })
     }
 
     pub(crate) fn writer(&self) -> &SqlitePool {

@@ -60,7 +60,13 @@ impl TestDb {
         let mut conn = match sqlx::PgConnection::connect(&admin).await {
             Ok(c) => c,
             Err(e) if !in_ci() => {
-                println!("SKIP {test}: PostgreSQL unreachable at {admin}: {e}");
+                // Straight to the process's stderr: libtest captures
+                // `println!` of passing tests, and a skip must be seen.
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIP {test}: PostgreSQL unreachable at {admin}: {e}"
+                );
                 return None;
             }
             Err(e) => panic!("CI=true and PostgreSQL is unreachable at {admin}: {e}"),

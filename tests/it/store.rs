@@ -372,7 +372,7 @@ async fn commit_writes_steps_attempts_and_transition(db: &Db) {
     assert_eq!(steps[0].state, StepState::Retrying);
     assert_eq!(
         steps[0].idempotency_key,
-        idempotency_key(rec.id, "fetch", 0)
+        idempotency_key(&db.installation_id().await.unwrap(), rec.id, "fetch", 0)
     );
     let attempts = db.attempts(rec.id).await.unwrap();
     assert_eq!(attempts.len(), 1);
@@ -476,6 +476,13 @@ async fn release_gives_work_back_without_spending_attempts(db: &Db) {
         .record;
     let o = db.claim_due(&claim("w2", T0, 1)).await.unwrap().remove(0);
     assert_eq!(o.id, other.id);
+    // w1 had made two attempts at a step before shutting down.
+    let mut step = StepWrite::pending("fetch");
+    step.state = StepState::Retrying;
+    step.attempts = 2;
+    let mut checkpoint = Commit::new(r.lease().unwrap(), T0 + 1, None);
+    checkpoint.steps = vec![step];
+    db.commit(&checkpoint).await.unwrap();
     // w1 releases its own lease and, wrongly, one it does not hold.
     let mut forged = o.lease().unwrap();
     forged.owner = "w1".into();
@@ -489,7 +496,12 @@ async fn release_gives_work_back_without_spending_attempts(db: &Db) {
         (back.state, back.next_run_at, back.lease_owner),
         (RecordState::Pending, Some(T0 + 5), None)
     );
-    assert!(db.attempts(rec.id).await.unwrap().is_empty());
+    let steps = db.step_runs(rec.id).await.unwrap();
+    assert_eq!(
+        (steps[0].attempts, steps[0].state),
+        (2, StepState::Retrying),
+        "the release spent no attempt"
+    );
     assert_eq!(
         db.get_record(other.id).await.unwrap().unwrap().state,
         RecordState::Running
@@ -644,6 +656,8 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
     );
     replay.steps = vec!["submit".into(), "notify".into()];
     let replayed = db.act(&replay).await.unwrap();
+    let inst = db.installation_id().await.unwrap();
+    assert_eq!(inst.len(), 16, "{inst}");
     assert_eq!(replayed.state, RecordState::Pending);
     let steps = db.step_runs(rec.id).await.unwrap();
     let submit = steps.iter().find(|s| s.step == "submit").unwrap();
@@ -651,8 +665,14 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
         (submit.generation, submit.job_id.clone(), submit.attempts),
         (1, None, 0)
     );
-    assert_eq!(submit.idempotency_key, idempotency_key(rec.id, "submit", 1));
-    assert_ne!(submit.idempotency_key, idempotency_key(rec.id, "submit", 0));
+    assert_eq!(
+        submit.idempotency_key,
+        idempotency_key(&inst, rec.id, "submit", 1)
+    );
+    assert_ne!(
+        submit.idempotency_key,
+        idempotency_key(&inst, rec.id, "submit", 0)
+    );
     assert!(
         steps
             .iter()
@@ -850,6 +870,28 @@ async fn list_filters_and_keyset_pagination(db: &Db) {
         .unwrap();
     assert_eq!(beta.items.len(), 5);
     assert!(beta.items.iter().all(|r| r.pipeline == "beta"));
+    // A cursor combined with a filter pages through the filtered set.
+    let alpha = |before| RecordFilter {
+        pipeline: Some("alpha".into()),
+        before,
+        limit: 7,
+        ..Default::default()
+    };
+    let p1 = db.list_records(&alpha(None)).await.unwrap();
+    let p2 = db.list_records(&alpha(p1.next)).await.unwrap();
+    let p3 = db.list_records(&alpha(p2.next)).await.unwrap();
+    let alpha_ids: Vec<i64> = [p1.items, p2.items, p3.items]
+        .concat()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    let expected: Vec<i64> = ids
+        .iter()
+        .copied()
+        .filter(|id| (id - ids[ids.len() - 1]) % 5 != 0)
+        .collect();
+    assert_eq!(alpha_ids, expected);
+    assert_eq!(p3.next, None);
     let prefix = db
         .list_records(&RecordFilter {
             key_prefix: Some("order-01".into()),
@@ -1084,4 +1126,68 @@ async fn nodes_providers_and_pipelines(db: &Db) {
         .await
         .unwrap();
     assert_eq!(audit.items, vec![e]);
+}
+
+/// Two processes on one SQLite file (a CLI next to a server, or two
+/// servers by mistake) each have their own writer connection; `BEGIN
+/// IMMEDIATE` and the busy timeout must still keep their claims disjoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_two_handles_on_one_file_never_share_a_claim() {
+    let t = crate::helpers::TestDb::migrated(ballast::store::Backend::Sqlite, "two_handles")
+        .await
+        .unwrap();
+    let second = Db::connect(&t.url, &ballast::store::ConnectOptions::default())
+        .await
+        .unwrap();
+    for i in 0..200 {
+        t.db.create_record(new_record("p", Some(&format!("r{i}")), T0), T0)
+            .await
+            .unwrap();
+    }
+    let mut tasks = Vec::new();
+    for (w, db) in [t.db.clone(), second.clone(), t.db.clone(), second.clone()]
+        .into_iter()
+        .enumerate()
+    {
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let got = db
+                    .claim_due(&claim(&format!("w{w}"), T0 + 1, 5))
+                    .await
+                    .unwrap();
+                if got.is_empty() {
+                    break mine;
+                }
+                mine.extend(got.into_iter().map(|r| r.id));
+            }
+        }));
+    }
+    let mut seen = HashSet::new();
+    for task in tasks {
+        for id in task.await.unwrap() {
+            assert!(seen.insert(id), "record {id} claimed twice");
+        }
+    }
+    assert_eq!(seen.len(), 200);
+    assert_counts_consistent(&t.db).await;
+    second.close().await;
+}
+
+/// Each installation has its own id, so idempotency keys never collide
+/// between two databases whose record ids coincide.
+#[tokio::test]
+async fn installations_have_distinct_ids() {
+    let a = crate::helpers::TestDb::migrated(ballast::store::Backend::Sqlite, "inst_a")
+        .await
+        .unwrap();
+    let b = crate::helpers::TestDb::migrated(ballast::store::Backend::Sqlite, "inst_b")
+        .await
+        .unwrap();
+    let (ia, ib) = (
+        a.db.installation_id().await.unwrap(),
+        b.db.installation_id().await.unwrap(),
+    );
+    assert_ne!(ia, ib);
+    assert_eq!(ia, a.db.installation_id().await.unwrap(), "stable");
 }

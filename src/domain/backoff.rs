@@ -1,0 +1,205 @@
+//! Retry timing: capped exponential backoff with full jitter, `Retry-After`
+//! honoured when it asks for longer, and a retry budget that keeps retries a
+//! bounded fraction of calls so they never multiply an outage.
+
+use std::time::Duration;
+
+/// Capped exponential backoff with full jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The ceiling of the first retry's delay.
+    pub base: Duration,
+    /// No delay ever exceeds this (Retry-After aside).
+    pub cap: Duration,
+}
+
+impl Backoff {
+    /// The largest delay before retry number `retry` (1 for the first
+    /// retry): `min(cap, base · 2^(retry-1))`.
+    pub fn ceiling(&self, retry: u32) -> Duration {
+        let exp = retry.saturating_sub(1).min(63);
+        let factor = 1u128 << exp;
+        let ms = self.base.as_millis().saturating_mul(factor);
+        Duration::from_millis(u64::try_from(ms.min(self.cap.as_millis())).unwrap_or(u64::MAX))
+    }
+
+    /// Full jitter: uniform in `[0, ceiling(retry)]`, drawn with `unit`, a
+    /// random number in `[0, 1)` (passed in so the rule stays pure).
+    pub fn delay(&self, retry: u32, unit: f64) -> Duration {
+        let unit = if unit.is_finite() {
+            unit.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let ceiling = self.ceiling(retry).as_millis() as f64;
+        Duration::from_millis((ceiling * unit).round() as u64)
+    }
+
+    /// The wait before retry number `retry`: the jittered backoff, or the
+    /// provider's `Retry-After` when that is later.
+    pub fn wait(&self, retry: u32, unit: f64, retry_after: Option<Duration>) -> Duration {
+        let jittered = self.delay(retry, unit);
+        match retry_after {
+            Some(ra) if ra > jittered => ra,
+            _ => jittered,
+        }
+    }
+}
+
+/// A retry budget in the style of a token bucket: every first attempt
+/// deposits `ratio` tokens, every retry withdraws one, and `floor_per_sec`
+/// tokens trickle in so a quiet provider can still be retried. The balance
+/// is capped so a long calm spell cannot bank an avalanche.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryBudget {
+    pub ratio: f64,
+    pub floor_per_sec: f64,
+    max_balance: f64,
+    balance: f64,
+    last_ms: i64,
+}
+
+impl RetryBudget {
+    pub fn new(ratio: f64, floor_per_sec: f64, now_ms: i64) -> Self {
+        let ratio = if ratio.is_finite() {
+            ratio.max(0.0)
+        } else {
+            0.0
+        };
+        let floor = if floor_per_sec.is_finite() {
+            floor_per_sec.max(0.0)
+        } else {
+            0.0
+        };
+        // Ten seconds of floor, or a hundred calls' worth, whichever is more.
+        let max_balance = (floor * 10.0).max(ratio * 100.0).max(1.0);
+        RetryBudget {
+            ratio,
+            floor_per_sec: floor,
+            max_balance,
+            balance: max_balance.min(floor * 10.0),
+            last_ms: now_ms,
+        }
+    }
+
+    fn refill(&mut self, now_ms: i64) {
+        let elapsed = (now_ms - self.last_ms).max(0) as f64 / 1000.0;
+        self.balance = (self.balance + elapsed * self.floor_per_sec).min(self.max_balance);
+        self.last_ms = self.last_ms.max(now_ms);
+    }
+
+    /// A first attempt was made.
+    pub fn on_call(&mut self, now_ms: i64) {
+        self.refill(now_ms);
+        self.balance = (self.balance + self.ratio).min(self.max_balance);
+    }
+
+    /// Asks to spend one retry; false means "not now, defer instead".
+    pub fn try_retry(&mut self, now_ms: i64) -> bool {
+        self.refill(now_ms);
+        if self.balance >= 1.0 {
+            self.balance -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn ceilings_double_then_cap() {
+        let b = Backoff {
+            base: ms(500),
+            cap: ms(120_000),
+        };
+        let got: Vec<u64> = (1..=10).map(|n| b.ceiling(n).as_millis() as u64).collect();
+        assert_eq!(
+            got,
+            vec![
+                500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 120000, 120000
+            ]
+        );
+        assert_eq!(b.ceiling(u32::MAX), ms(120_000));
+        assert_eq!(b.ceiling(0), ms(500));
+    }
+
+    #[test]
+    fn retry_after_wins_when_later() {
+        let b = Backoff {
+            base: ms(100),
+            cap: ms(1000),
+        };
+        assert_eq!(b.wait(3, 0.5, Some(ms(30_000))), ms(30_000));
+        assert_eq!(b.wait(3, 0.5, Some(ms(1))), ms(200));
+        assert_eq!(b.wait(3, 0.5, None), ms(200));
+    }
+
+    #[test]
+    fn budget_caps_retries_to_a_fraction_of_calls() {
+        let mut budget = RetryBudget::new(0.2, 0.0, 0);
+        let mut retries = 0;
+        for _ in 0..1000 {
+            budget.on_call(0);
+            // Every call fails and wants a retry.
+            if budget.try_retry(0) {
+                retries += 1;
+            }
+        }
+        assert!(
+            (199..=201).contains(&retries),
+            "{retries} retries for 1000 calls"
+        );
+    }
+
+    #[test]
+    fn budget_floor_trickles_in_over_time() {
+        let mut budget = RetryBudget::new(0.0, 2.0, 0);
+        let mut granted = 0;
+        for t in 0..100 {
+            while budget.try_retry(10_000 + t * 1000) {
+                granted += 1;
+            }
+        }
+        // 20 banked (10 s of floor) + 2 per second for ~99 s.
+        assert!((210..=220).contains(&granted), "{granted}");
+    }
+
+    proptest! {
+        #[test]
+        fn delays_stay_within_the_full_jitter_bounds(
+            base in 1u64..10_000, cap in 1u64..600_000, retry in 0u32..100, unit in 0.0f64..1.0,
+        ) {
+            let b = Backoff { base: ms(base), cap: ms(cap) };
+            let upper = (u128::from(base) << retry.saturating_sub(1).min(63)).min(u128::from(cap));
+            let d = b.delay(retry, unit).as_millis();
+            prop_assert!(d <= upper, "{} > {}", d, upper);
+        }
+
+        #[test]
+        fn waits_respect_retry_after(
+            base in 1u64..10_000, cap in 1u64..600_000, retry in 0u32..40, unit in 0.0f64..1.0, ra in proptest::option::of(0u64..1_000_000),
+        ) {
+            let b = Backoff { base: ms(base), cap: ms(cap) };
+            let w = b.wait(retry, unit, ra.map(ms));
+            if let Some(ra) = ra {
+                prop_assert!(w >= ms(ra));
+            }
+            prop_assert!(w <= b.ceiling(retry).max(ra.map(ms).unwrap_or_default()));
+        }
+
+        #[test]
+        fn odd_units_never_escape_the_bounds(unit in proptest::num::f64::ANY) {
+            let b = Backoff { base: ms(100), cap: ms(1000) };
+            prop_assert!(b.delay(5, unit) <= ms(1000));
+        }
+    }
+}
