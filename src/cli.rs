@@ -152,6 +152,20 @@ fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
     }
     println!("server.bind: {}", config.server.bind);
     println!("database.url: {}", config.database.url);
+    for (name, p) in &config.providers {
+        let limits: Vec<String> = p.rate_limits.iter().map(|r| format!("{r:?}")).collect();
+        println!(
+            "provider {name}: {} (concurrency {}, limits [{}], {} rules)",
+            p.base_url,
+            p.concurrency,
+            limits.join(", "),
+            p.rules.len()
+        );
+    }
+    for (name, p) in &config.pipelines {
+        let steps: Vec<&str> = p.steps.iter().map(|s| s.name.as_str()).collect();
+        println!("pipeline {name}: {}", steps.join(" → "));
+    }
     println!("configuration is valid");
 }
 

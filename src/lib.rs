@@ -6,5 +6,6 @@ pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod domain;
+pub mod pipeline;
 pub mod store;
 pub mod web;

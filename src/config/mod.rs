@@ -2,6 +2,8 @@
 //! environment variables, strict about unknown keys, quiet about secrets.
 
 mod duration;
+pub mod pipeline;
+pub mod provider;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -22,6 +24,31 @@ pub const DEFAULT_FILE: &str = "ballast.toml";
 pub struct Config {
     pub server: ServerConfig,
     pub database: DatabaseConfig,
+    /// `[providers.NAME]`: the third-party APIs.
+    pub providers: std::collections::BTreeMap<String, provider::ProviderConfig>,
+    /// `[pipelines.NAME]`: the workflows over them.
+    pub pipelines: std::collections::BTreeMap<String, pipeline::PipelineConfig>,
+}
+
+/// A secret value (a credential from the environment): never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The value, for sending it where it belongs only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
 }
 
 /// `[server]`: the control plane's HTTP listener.
@@ -176,12 +203,12 @@ impl Config {
             }
             None => Config::default(),
         };
-        let env = config.apply_env(env)?;
-        config.validate()?;
+        let applied = config.apply_env(env)?;
+        config.validate(env)?;
         Ok(Loaded {
             config,
             file: path,
-            env,
+            env: applied,
         })
     }
 
@@ -247,7 +274,27 @@ impl Config {
         Ok(applied)
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks everything, providers and pipelines included; `env` supplies
+    /// the credentials that providers name.
+    pub fn validate(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        self.validate_core()?;
+        for (name, p) in &self.providers {
+            if !name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+            {
+                return Err(ConfigError::Invalid {
+                    key: format!("providers.{name}"),
+                    message: "provider names are a-z, 0-9, `_`, `-`".into(),
+                });
+            }
+            p.validate(name, env)?;
+        }
+        crate::pipeline::compile(self)?;
+        Ok(())
+    }
+
+    fn validate_core(&self) -> Result<(), ConfigError> {
         let invalid = |key: &str, message: String| ConfigError::Invalid {
             key: key.to_owned(),
             message,
@@ -433,7 +480,7 @@ mod tests {
 
     #[test]
     fn unsupported_database_is_refused_by_field() {
-        let err = parse("[database]\nurl = \"mysql://x\"\n").map(|c| c.validate());
+        let err = parse("[database]\nurl = \"mysql://x\"\n").map(|c| c.validate(&|_| None));
         assert!(
             matches!(err, Ok(Err(ConfigError::Invalid { ref key, .. })) if key == "database.url"),
             "{err:?}"

@@ -369,3 +369,77 @@ async fn serve_answers_and_stops_on_sigterm() {
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("stopped cleanly"), "{log}");
 }
+
+#[test]
+fn check_config_validates_providers_and_pipelines() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"
+[providers.renderer]
+base_url = "https://api.renderer.example"
+auth = { header = "Authorization", value_env = "RENDERER_TOKEN", scheme = "Bearer" }
+rate_limits = ["20/s", "10000/day"]
+retry = { max_attempts = 8, base = "500ms", cap = "2m", deadline = "30m", budget = 0.2 }
+breaker = { window = 50, min_calls = 20, failure_rate = 0.5, slow_call = "5s", open_for = "30s", probes = 3 }
+
+[[providers.renderer.rules]]
+when = { status = "2xx", field = "/status", in = ["queued", "running"] }
+outcome = "pending"
+[[providers.renderer.rules]]
+when = { status = "2xx", field = "/status", equals = "succeeded" }
+outcome = "success"
+
+[providers.crm]
+base_url = "https://crm.example"
+
+[pipelines.render_video]
+[[pipelines.render_video.steps]]
+name = "submit"
+provider = "renderer"
+kind = "submit_poll"
+request = { method = "POST", path = "/v1/jobs", body = '{"source": {{ input.url | tojson }}}' }
+job_id = "/id"
+poll = { path = "/v1/jobs/{{ job_id }}", every = "2s", deadline = "20m" }
+outputs = { video_url = "/result/url" }
+
+[[pipelines.render_video.steps]]
+name = "notify"
+provider = "crm"
+kind = "request"
+needs = ["submit"]
+required = false
+request = { method = "POST", path = "/notes", body = '{"text": "ready: {{ steps.submit.output.video_url }}"}' }
+"#;
+    std::fs::write(dir.path().join("ballast.toml"), good).unwrap();
+    let out = ballast(
+        dir.path(),
+        &[("RENDERER_TOKEN", "tok-123")],
+        &["check-config"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("pipeline render_video: submit → notify"),
+        "{text}"
+    );
+    assert!(text.contains("limits [20/1s, 10000/86400s]"), "{text}");
+    assert!(!text.contains("tok-123"));
+
+    let missing = ballast(dir.path(), &[], &["check-config"]);
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("providers.renderer.auth.value_env"),
+        "{}",
+        stderr(&missing)
+    );
+
+    let bad = good.replace("steps.submit.output", "steps.notify.output");
+    std::fs::write(dir.path().join("ballast.toml"), bad).unwrap();
+    let out = ballast(dir.path(), &[("RENDERER_TOKEN", "x")], &["check-config"]);
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("pipelines.render_video.steps[notify].request.body"),
+        "{err}"
+    );
+}

@@ -1,0 +1,141 @@
+//! `[pipelines.NAME]`: the steps a record goes through, as an operator
+//! writes them. `crate::pipeline` compiles and checks them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::HumanDuration;
+use crate::domain::ReversalPolicy;
+
+/// One pipeline as configured.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineConfig {
+    #[serde(default)]
+    pub description: Option<String>,
+    pub steps: Vec<StepConfig>,
+}
+
+/// How a step talks to its provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// One call; its reply is the result.
+    Request,
+    /// Submit a job, keep its id, poll until it ends.
+    SubmitPoll,
+    /// Submit a job, wait for a signed webhook naming it.
+    Callback,
+}
+
+/// `[[pipelines.NAME.steps]]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepConfig {
+    pub name: String,
+    pub provider: String,
+    #[serde(default = "defaults::kind")]
+    pub kind: StepKind,
+    /// Steps that must succeed first; independent steps run in parallel.
+    #[serde(default)]
+    pub needs: Vec<String>,
+    /// A failed optional step is recorded and the record goes on.
+    #[serde(default = "defaults::yes")]
+    pub required: bool,
+    pub request: RequestConfig,
+    /// JSON pointer to the provider's job id in the submit reply.
+    #[serde(default)]
+    pub job_id: Option<String>,
+    #[serde(default)]
+    pub poll: Option<PollConfig>,
+    #[serde(default)]
+    pub callback: Option<CallbackConfig>,
+    /// Output name → JSON pointer into the final reply.
+    #[serde(default)]
+    pub outputs: BTreeMap<String, String>,
+    #[serde(default = "defaults::on_reversal")]
+    pub on_reversal: ReversalPolicy,
+}
+
+/// The call: method, path under the provider's base URL, headers and body,
+/// each a template over `input`, `steps.<name>.output` and `record`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestConfig {
+    #[serde(default = "defaults::post")]
+    pub method: String,
+    pub path: String,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    #[serde(default)]
+    pub body: Option<String>,
+}
+
+/// `poll = { path = "/v1/jobs/{{ job_id }}", every = "2s", deadline = "20m" }`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollConfig {
+    #[serde(default = "defaults::get")]
+    pub method: String,
+    pub path: String,
+    #[serde(default = "defaults::every")]
+    pub every: HumanDuration,
+    #[serde(default = "defaults::poll_deadline")]
+    pub deadline: HumanDuration,
+}
+
+/// What to do when a callback has not come by its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallbackFallback {
+    /// Ask the provider with the step's `poll` request.
+    Poll,
+    /// Park the record for a human.
+    Park,
+}
+
+/// `callback = { job_id = "/job_id", deadline = "1h", fallback = "park" }`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallbackConfig {
+    /// JSON pointer to the job id in the webhook body.
+    pub job_id: String,
+    #[serde(default = "defaults::callback_deadline")]
+    pub deadline: HumanDuration,
+    #[serde(default = "defaults::fallback")]
+    pub fallback: CallbackFallback,
+}
+
+mod defaults {
+    use super::*;
+    use std::time::Duration;
+
+    pub fn kind() -> StepKind {
+        StepKind::Request
+    }
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn on_reversal() -> ReversalPolicy {
+        ReversalPolicy::Park
+    }
+    pub fn post() -> String {
+        "POST".into()
+    }
+    pub fn get() -> String {
+        "GET".into()
+    }
+    pub fn every() -> HumanDuration {
+        HumanDuration(Duration::from_secs(2))
+    }
+    pub fn poll_deadline() -> HumanDuration {
+        HumanDuration(Duration::from_secs(20 * 60))
+    }
+    pub fn callback_deadline() -> HumanDuration {
+        HumanDuration(Duration::from_secs(3600))
+    }
+    pub fn fallback() -> CallbackFallback {
+        CallbackFallback::Park
+    }
+}

@@ -1,0 +1,565 @@
+//! `[providers.NAME]`: one third-party API — where it is, how to
+//! authenticate, its limits, retry and breaker policies, and the ordered
+//! rules that turn its replies into outcomes.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::{ConfigError, HumanDuration, parse_duration};
+use crate::domain::Outcome;
+use crate::domain::backoff::Backoff;
+use crate::domain::breaker::BreakerPolicy;
+use crate::domain::rules::{FieldTest, ReplyError, Rule, StatusMatch, When, default_rules};
+
+/// One provider as configured.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderConfig {
+    /// Scheme, host and optional path prefix, e.g. `https://api.example.com/v2`.
+    pub base_url: String,
+    /// A header carrying a credential taken from the environment.
+    #[serde(default)]
+    pub auth: Option<AuthConfig>,
+    /// Per-attempt timeout for the whole exchange.
+    #[serde(default = "defaults::timeout")]
+    pub timeout: HumanDuration,
+    #[serde(default = "defaults::connect_timeout")]
+    pub connect_timeout: HumanDuration,
+    /// Largest reply body read, in bytes; larger is `body_too_large`.
+    #[serde(default = "defaults::max_body")]
+    pub max_body: u64,
+    /// Calls in flight at once, across the cluster's share of this node.
+    #[serde(default = "defaults::concurrency")]
+    pub concurrency: u32,
+    /// Every window holds at once, e.g. `["20/s", "10000/day"]`.
+    #[serde(default)]
+    pub rate_limits: Vec<RateLimit>,
+    #[serde(default)]
+    pub retry: RetryConfig,
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+    /// Environment variables holding webhook signing secrets (several, for
+    /// rotation).
+    #[serde(default)]
+    pub webhook_secrets_env: Vec<String>,
+    /// Append the built-in rules (transport failures, 408, 429 and 5xx are
+    /// retried) after this provider's own.
+    #[serde(default = "defaults::yes")]
+    pub default_rules: bool,
+    /// Ordered reply rules; first match wins; unmatched is `unknown`.
+    #[serde(default)]
+    pub rules: Vec<RuleConfig>,
+}
+
+/// `auth = { header = "Authorization", value_env = "TOKEN", scheme = "Bearer" }`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    pub header: String,
+    /// The environment variable holding the credential (never the credential).
+    pub value_env: String,
+    /// Written before the credential, e.g. `Bearer`.
+    #[serde(default)]
+    pub scheme: Option<String>,
+}
+
+/// `retry = { max_attempts = 8, base = "500ms", cap = "2m", deadline = "30m", budget = 0.2 }`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Attempts per step (the first one included) before parking.
+    pub max_attempts: u32,
+    pub base: HumanDuration,
+    pub cap: HumanDuration,
+    /// Overall time for one step, from its first attempt; then parked.
+    pub deadline: HumanDuration,
+    /// Retries may be at most this fraction of calls to the provider.
+    pub budget: f64,
+    /// Retries per second allowed regardless of the fraction.
+    pub budget_floor: f64,
+    /// Attempts for replies no rule matched before parking with the evidence.
+    pub unknown_attempts: u32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_attempts: 5,
+            base: HumanDuration(Duration::from_millis(500)),
+            cap: HumanDuration(Duration::from_secs(120)),
+            deadline: HumanDuration(Duration::from_secs(1800)),
+            budget: 0.2,
+            budget_floor: 1.0,
+            unknown_attempts: 3,
+        }
+    }
+}
+
+impl RetryConfig {
+    pub fn backoff(&self) -> Backoff {
+        Backoff {
+            base: self.base.0,
+            cap: self.cap.0,
+        }
+    }
+}
+
+/// `breaker = { window = 50, min_calls = 20, failure_rate = 0.5, slow_call = "5s", open_for = "30s", probes = 3 }`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    pub window: u32,
+    pub min_calls: u32,
+    pub failure_rate: f64,
+    pub slow_call: HumanDuration,
+    pub slow_rate: f64,
+    pub open_for: HumanDuration,
+    pub probes: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        let p = BreakerPolicy::default();
+        BreakerConfig {
+            window: p.window,
+            min_calls: p.min_calls,
+            failure_rate: p.failure_rate,
+            slow_call: HumanDuration(p.slow_call),
+            slow_rate: p.slow_rate,
+            open_for: HumanDuration(p.open_for),
+            probes: p.probes,
+        }
+    }
+}
+
+impl BreakerConfig {
+    pub fn policy(&self) -> BreakerPolicy {
+        BreakerPolicy {
+            window: self.window,
+            min_calls: self.min_calls,
+            failure_rate: self.failure_rate,
+            slow_call: self.slow_call.0,
+            slow_rate: self.slow_rate,
+            open_for: self.open_for.0,
+            probes: self.probes,
+        }
+    }
+}
+
+/// `"20/s"`, `"600/min"`, `"10000/day"`, `"5/10s"`: at most `count` calls in
+/// any `per`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    pub count: u32,
+    pub per: Duration,
+}
+
+impl fmt::Debug for RateLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, HumanDuration(self.per))
+    }
+}
+
+impl std::str::FromStr for RateLimit {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad =
+            || format!("invalid rate limit `{s}`: expected e.g. `20/s`, `600/min`, `10000/day`");
+        let (count, per) = s.split_once('/').ok_or_else(bad)?;
+        let count: u32 = count.trim().parse().map_err(|_| bad())?;
+        let per = match per.trim() {
+            "s" | "sec" | "second" => Duration::from_secs(1),
+            "m" | "min" | "minute" => Duration::from_secs(60),
+            "h" | "hour" => Duration::from_secs(3600),
+            "d" | "day" => Duration::from_secs(86_400),
+            other => parse_duration(other).map_err(|_| bad())?,
+        };
+        if count == 0 || per.is_zero() {
+            return Err(bad());
+        }
+        Ok(RateLimit { count, per })
+    }
+}
+
+impl<'de> Deserialize<'de> for RateLimit {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// One or several values: `status = "5xx"` or `status = ["429", "503"]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    pub fn to_vec(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(t) => vec![t.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// `[[providers.NAME.rules]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleConfig {
+    #[serde(default)]
+    pub when: WhenConfig,
+    pub outcome: Outcome,
+}
+
+/// The conditions of a rule; all given must hold.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WhenConfig {
+    pub status: Option<OneOrMany<StatusMatch>>,
+    /// `timeout`, `connect`, `reset`, `tls`, `body_too_large`, `body_not_json`.
+    pub error: Option<OneOrMany<String>>,
+    /// A JSON pointer into the reply body, tested by one of the next three.
+    pub field: Option<String>,
+    pub equals: Option<Value>,
+    #[serde(rename = "in")]
+    pub one_of: Option<Vec<Value>>,
+    pub exists: Option<bool>,
+}
+
+mod defaults {
+    use super::HumanDuration;
+    use std::time::Duration;
+
+    pub fn timeout() -> HumanDuration {
+        HumanDuration(Duration::from_secs(10))
+    }
+    pub fn connect_timeout() -> HumanDuration {
+        HumanDuration(Duration::from_secs(3))
+    }
+    pub fn max_body() -> u64 {
+        1024 * 1024
+    }
+    pub fn concurrency() -> u32 {
+        16
+    }
+    pub fn yes() -> bool {
+        true
+    }
+}
+
+/// Checks a JSON pointer's syntax (RFC 6901): empty or starting with `/`.
+pub fn check_pointer(pointer: &str) -> Result<(), String> {
+    if pointer.is_empty() || pointer.starts_with('/') {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{pointer}` is not a JSON pointer (it must start with `/`)"
+        ))
+    }
+}
+
+impl ProviderConfig {
+    /// Validates and compiles the rules; errors name `providers.NAME.FIELD`.
+    pub fn compile_rules(&self, name: &str) -> Result<Vec<Rule>, ConfigError> {
+        let mut rules = Vec::with_capacity(self.rules.len() + 3);
+        for (i, r) in self.rules.iter().enumerate() {
+            let key = format!("providers.{name}.rules[{i}].when");
+            let invalid = |message: String| ConfigError::Invalid {
+                key: key.clone(),
+                message,
+            };
+            let w = &r.when;
+            let errors = match &w.error {
+                None => Vec::new(),
+                Some(e) => e
+                    .to_vec()
+                    .iter()
+                    .map(|s| s.parse::<ReplyError>())
+                    .collect::<Result<_, _>>()
+                    .map_err(invalid)?,
+            };
+            let tests = [
+                w.equals.clone().map(FieldTest::Equals),
+                w.one_of.clone().map(FieldTest::In),
+                w.exists.map(FieldTest::Exists),
+            ];
+            let mut tests = tests.into_iter().flatten();
+            let field = match (&w.field, tests.next(), tests.next()) {
+                (None, None, _) => None,
+                (Some(_), None, _) => {
+                    return Err(invalid(
+                        "`field` needs one of `equals`, `in` or `exists`".into(),
+                    ));
+                }
+                (None, Some(_), _) => {
+                    return Err(invalid(
+                        "`equals`, `in` and `exists` need a `field` (a JSON pointer)".into(),
+                    ));
+                }
+                (Some(_), Some(_), Some(_)) => {
+                    return Err(invalid(
+                        "give only one of `equals`, `in` or `exists`".into(),
+                    ));
+                }
+                (Some(f), Some(t), None) => {
+                    check_pointer(f).map_err(invalid)?;
+                    Some((f.clone(), t))
+                }
+            };
+            let status = w.status.as_ref().map(OneOrMany::to_vec).unwrap_or_default();
+            rules.push(Rule {
+                when: When {
+                    status,
+                    error: errors,
+                    field,
+                },
+                outcome: r.outcome,
+            });
+        }
+        if self.default_rules {
+            rules.extend(default_rules());
+        }
+        Ok(rules)
+    }
+
+    /// Checks everything but the rules; errors name `providers.NAME.FIELD`.
+    pub fn validate(
+        &self,
+        name: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: String| ConfigError::Invalid {
+            key: format!("providers.{name}.{field}"),
+            message,
+        };
+        if !(self.base_url.starts_with("http://") || self.base_url.starts_with("https://")) {
+            return Err(invalid(
+                "base_url",
+                format!("`{}` must start with http:// or https://", self.base_url),
+            ));
+        }
+        if let Some(auth) = &self.auth {
+            if auth.header.trim().is_empty() {
+                return Err(invalid("auth.header", "must not be empty".into()));
+            }
+            if env(&auth.value_env).is_none() {
+                return Err(invalid(
+                    "auth.value_env",
+                    format!("environment variable {} is not set", auth.value_env),
+                ));
+            }
+        }
+        for var in &self.webhook_secrets_env {
+            if env(var).is_none() {
+                return Err(invalid(
+                    "webhook_secrets_env",
+                    format!("environment variable {var} is not set"),
+                ));
+            }
+        }
+        if self.timeout.0.is_zero() {
+            return Err(invalid("timeout", "must be more than 0".into()));
+        }
+        if self.concurrency == 0 {
+            return Err(invalid("concurrency", "must be at least 1".into()));
+        }
+        let r = &self.retry;
+        if r.max_attempts == 0 {
+            return Err(invalid("retry.max_attempts", "must be at least 1".into()));
+        }
+        if r.base.0.is_zero() || r.cap.0 < r.base.0 {
+            return Err(invalid(
+                "retry.cap",
+                format!(
+                    "must be at least `retry.base` ({}), and base more than 0",
+                    r.base
+                ),
+            ));
+        }
+        if !(0.0..=1.0).contains(&r.budget) {
+            return Err(invalid(
+                "retry.budget",
+                format!("{} is not a fraction between 0 and 1", r.budget),
+            ));
+        }
+        if !(r.budget_floor >= 0.0 && r.budget_floor.is_finite()) {
+            return Err(invalid("retry.budget_floor", "must be 0 or more".into()));
+        }
+        let b = &self.breaker;
+        for (field, rate) in [
+            ("breaker.failure_rate", b.failure_rate),
+            ("breaker.slow_rate", b.slow_rate),
+        ] {
+            if !(rate > 0.0 && rate <= 1.0) {
+                return Err(invalid(
+                    field,
+                    format!("{rate} is not a fraction in (0, 1]"),
+                ));
+            }
+        }
+        if b.window == 0 || b.min_calls == 0 || b.min_calls > b.window {
+            return Err(invalid(
+                "breaker.min_calls",
+                "must be between 1 and `breaker.window`".into(),
+            ));
+        }
+        if b.probes == 0 {
+            return Err(invalid("breaker.probes", "must be at least 1".into()));
+        }
+        self.compile_rules(name)?;
+        Ok(())
+    }
+
+    /// The credential header, read from the environment at call time.
+    pub fn auth_header(
+        &self,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Option<(String, crate::config::Secret)> {
+        let auth = self.auth.as_ref()?;
+        let value = env(&auth.value_env)?;
+        let value = match &auth.scheme {
+            Some(s) => format!("{s} {value}"),
+            None => value,
+        };
+        Some((auth.header.clone(), crate::config::Secret::new(value)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn provider(extra: &str) -> Result<ProviderConfig, toml::de::Error> {
+        toml::from_str(&format!("base_url = \"https://api.example.com\"\n{extra}"))
+    }
+
+    #[test]
+    fn rate_limits_parse() {
+        let ok = |s: &str| s.parse::<RateLimit>().ok();
+        assert_eq!(
+            ok("20/s"),
+            Some(RateLimit {
+                count: 20,
+                per: Duration::from_secs(1)
+            })
+        );
+        assert_eq!(
+            ok("10000/day"),
+            Some(RateLimit {
+                count: 10_000,
+                per: Duration::from_secs(86_400)
+            })
+        );
+        assert_eq!(
+            ok("5/10s"),
+            Some(RateLimit {
+                count: 5,
+                per: Duration::from_secs(10)
+            })
+        );
+        for bad in ["0/s", "20", "x/s", "20/fortnight", "20/0s"] {
+            assert!(bad.parse::<RateLimit>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn rules_compile_with_defaults_after() {
+        let p = provider(
+            r#"
+[[rules]]
+when = { status = "2xx", field = "/status", in = ["queued", "running"] }
+outcome = "pending"
+[[rules]]
+when = { status = ["400", "404"] }
+outcome = "fail"
+"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let rules = p.compile_rules("r").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rules.len(), 2 + default_rules().len());
+        assert_eq!(
+            rules[1].when.status,
+            vec![StatusMatch::Code(400), StatusMatch::Code(404)]
+        );
+    }
+
+    #[test]
+    fn bad_rules_name_their_place() {
+        let cases = [
+            (
+                "[[rules]]\nwhen = { field = \"/s\" }\noutcome = \"success\"",
+                "needs one of",
+            ),
+            (
+                "[[rules]]\nwhen = { equals = 1 }\noutcome = \"success\"",
+                "need a `field`",
+            ),
+            (
+                "[[rules]]\nwhen = { field = \"s\", equals = 1 }\noutcome = \"success\"",
+                "JSON pointer",
+            ),
+            (
+                "[[rules]]\nwhen = { error = \"dns\" }\noutcome = \"retry\"",
+                "unknown error class `dns`",
+            ),
+        ];
+        for (text, expected) in cases {
+            let p = provider(text).unwrap_or_else(|e| panic!("{e}"));
+            let err = p
+                .compile_rules("acme")
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                err.starts_with("config `providers.acme.rules[0].when`"),
+                "{err}"
+            );
+            assert!(err.contains(expected), "{err}");
+        }
+    }
+
+    #[test]
+    fn validation_names_fields_and_missing_secrets() {
+        let env = |v: &str| (v == "TOKEN").then(|| "t0k3n".to_owned());
+        let p = provider(
+            "auth = { header = \"Authorization\", value_env = \"TOKEN\", scheme = \"Bearer\" }",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(p.validate("acme", &env).is_ok());
+        let (h, v) = p.auth_header(&env).unwrap_or_else(|| panic!("no header"));
+        assert_eq!((h.as_str(), v.expose()), ("Authorization", "Bearer t0k3n"));
+        assert!(!format!("{v:?}").contains("t0k3n"));
+        let missing = provider("auth = { header = \"X-Key\", value_env = \"NOPE\" }")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let err = missing
+            .validate("acme", &env)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(
+            err,
+            "config `providers.acme.auth.value_env`: environment variable NOPE is not set"
+        );
+        let budget = provider("retry = { budget = 1.5 }").unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            budget
+                .validate("acme", &env)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+                .contains("retry.budget")
+        );
+        assert!(
+            provider("retry = { tries = 3 }").is_err(),
+            "unknown keys are refused"
+        );
+    }
+}
