@@ -27,6 +27,8 @@ pub struct AppState {
     pub node_id: Arc<str>,
     /// Cancelled when the process starts shutting down.
     pub shutdown: CancellationToken,
+    /// The workers, when the configuration has pipelines.
+    pub engine: Option<crate::engine::Engine>,
 }
 
 /// Connects to the configured database.
@@ -72,15 +74,32 @@ pub async fn run(
         tracing::info!(versions = ?applied, "applied migrations");
     }
     let grace = config.server.shutdown_grace.0;
+    let config = Arc::new(config);
+    let node_id: Arc<str> = new_node_id().into();
+    let engine = if config.pipelines.is_empty() {
+        None
+    } else {
+        let opts = crate::engine::EngineOptions::new(node_id.to_string());
+        Some(
+            crate::engine::Engine::new(db.clone(), config.clone(), opts)
+                .await
+                .context("cannot start the workers")?,
+        )
+    };
     let state = AppState {
         db: db.clone(),
-        config: Arc::new(config),
-        node_id: new_node_id().into(),
+        config,
+        node_id,
         shutdown: shutdown.clone(),
+        engine: engine.clone(),
     };
 
     let tasks = TaskTracker::new();
     tasks.spawn(heartbeat(state.clone()));
+    if let Some(engine) = engine {
+        let stop = shutdown.clone();
+        tasks.spawn(async move { engine.run(stop, grace).await });
+    }
 
     let addr = listener.local_addr()?;
     tracing::info!(%addr, node.id = %state.node_id, backend = db.backend().as_str(), "ballast listening");
@@ -95,7 +114,8 @@ pub async fn run(
     shutdown.cancelled().await;
     tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down");
     tasks.close();
-    let drained = tokio::time::timeout(grace, async {
+    // The workers use `grace` for in-flight calls, then release leases.
+    let drained = tokio::time::timeout(grace + Duration::from_secs(5), async {
         let served = server.await;
         tasks.wait().await;
         served

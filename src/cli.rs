@@ -51,6 +51,34 @@ pub enum Command {
     /// Validate the configuration, print where each part came from, and exit
     /// non-zero on the first problem.
     CheckConfig,
+    /// Enqueue one record; repeating it with the same --key returns the
+    /// record already enqueued instead of creating another.
+    Enqueue {
+        /// The pipeline to run.
+        pipeline: String,
+        /// External key: idempotency of the enqueue, unique per pipeline.
+        #[arg(long)]
+        key: Option<String>,
+        /// The record's input, a JSON value.
+        #[arg(long, default_value = "{}")]
+        input: String,
+    },
+    /// Run the chaos simulator: a provider that fails like real ones, for
+    /// trying pipelines and for tests and benchmarks.
+    Sim {
+        /// Port on 127.0.0.1.
+        #[arg(long, default_value_t = 8090)]
+        port: u16,
+        /// `chaos` (the default mix: ~87% good answers) or `clean`.
+        #[arg(long, default_value = "chaos", value_parser = ["chaos", "clean"])]
+        profile: String,
+        /// Seed of the failure mix, so a run repeats.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Multiplies every latency (0 for instant answers).
+        #[arg(long, default_value_t = 1.0)]
+        latency_scale: f64,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -120,6 +148,58 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let shutdown = CancellationToken::new();
             crate::app::cancel_on_signals(shutdown.clone());
             crate::app::run(config, listener, shutdown).await
+        }
+        Command::Enqueue {
+            pipeline,
+            key,
+            input,
+        } => {
+            let input: serde_json::Value = serde_json::from_str(&input)
+                .map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
+            let db = crate::app::connect(&config).await?;
+            migrate::up(&db, None)
+                .await
+                .context("cannot migrate the database")?;
+            let engine = crate::engine::Engine::new(
+                db.clone(),
+                std::sync::Arc::new(config),
+                crate::engine::EngineOptions::new("cli"),
+            )
+            .await?;
+            let created = engine.enqueue(&pipeline, key.as_deref(), input).await;
+            db.close().await;
+            let created = created?;
+            if created.created {
+                println!("enqueued record {} in {pipeline}", created.record.id);
+            } else {
+                println!(
+                    "already enqueued: record {} ({}) has key {:?}",
+                    created.record.id,
+                    created.record.state,
+                    created.record.external_key.unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        Command::Sim {
+            port,
+            profile,
+            seed,
+            latency_scale,
+        } => {
+            let mut p = match profile.as_str() {
+                "clean" => crate::sim::Profile::clean(seed),
+                _ => crate::sim::Profile::chaos(seed),
+            };
+            p.latency_scale = latency_scale;
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .with_context(|| format!("cannot listen on 127.0.0.1:{port}"))?;
+            let sim = crate::sim::SimHandle::start(p, listener).await?;
+            println!("simulator ({profile}, seed {seed}) on {}", sim.base_url());
+            tokio::signal::ctrl_c().await?;
+            sim.stop();
+            Ok(())
         }
         Command::Migrate { action } => {
             let db = crate::app::connect(&config).await?;

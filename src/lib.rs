@@ -6,6 +6,8 @@ pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod domain;
+pub mod engine;
 pub mod pipeline;
+pub mod sim;
 pub mod store;
 pub mod web;

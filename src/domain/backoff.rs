@@ -203,3 +203,59 @@ mod tests {
         }
     }
 }
+
+/// Parses a `Retry-After` value, delay-seconds or an HTTP date, into a wait
+/// from `now`. A date in the past is no wait; nonsense is `None`.
+pub fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let v = value.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod retry_after_tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    #[test]
+    fn seconds_and_dates() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_445_412_480); // Wed, 21 Oct 2015 07:28:00 GMT
+        assert_eq!(
+            parse_retry_after("120", now),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:27:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            parse_retry_after("Wednesday, 21-Oct-15 07:28:10 GMT", now),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-5", now), None);
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(s in ".{0,40}") {
+            let _ = parse_retry_after(&s, SystemTime::now());
+        }
+
+        #[test]
+        fn formatted_dates_round_trip(secs in 0u64..100_000) {
+            let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+            let at = now + Duration::from_secs(secs);
+            prop_assert_eq!(parse_retry_after(&httpdate::fmt_http_date(at), now), Some(Duration::from_secs(secs)));
+        }
+    }
+}

@@ -136,6 +136,23 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }
 
+/// Compiles a pinned definition (as stored when a record started) with its
+/// own templates, so records finish on the pipeline they began with.
+pub fn compile_pinned(
+    name: &str,
+    definition: &Value,
+    config: &Config,
+) -> Result<(Arc<Pipeline>, Arc<Templates>), ConfigError> {
+    let p: PipelineConfig =
+        serde_json::from_value(definition.clone()).map_err(|e| ConfigError::Invalid {
+            key: format!("pipelines.{name}"),
+            message: format!("pinned definition unreadable: {e}"),
+        })?;
+    let mut templates = Templates::new();
+    let pipeline = compile_one(name, &p, config, &mut templates)?;
+    Ok((Arc::new(pipeline), Arc::new(templates)))
+}
+
 /// Compiles and checks every pipeline against the configured providers.
 pub fn compile(config: &Config) -> Result<Pipelines, ConfigError> {
     let mut templates = Templates::new();

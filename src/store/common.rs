@@ -361,6 +361,12 @@ macro_rules! common_store {
                 Ok(counts)
             }
 
+            async fn next_due_at(&self) -> StoreResult<Option<UnixMs>> {
+                Ok(sqlx::query_scalar("SELECT MIN(next_run_at) FROM records WHERE next_run_at IS NOT NULL")
+                    .fetch_one(self.reader())
+                    .await?)
+            }
+
             async fn claim_due(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
                 if req.owner.is_empty() {
                     return Err(StoreError::Invalid("lease owner is empty".into()));

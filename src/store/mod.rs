@@ -346,6 +346,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn recount_states(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
 
     // --- work ----------------------------------------------------------
+    /// The earliest `next_run_at` of any record (due work or a lease
+    /// expiry), so workers can sleep exactly until then.
+    fn next_due_at(&self) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
     /// Leases up to `limit` due records (and records whose lease expired),
     /// oldest due first. Two claimers never get the same record.
     fn claim_due(
@@ -546,6 +549,7 @@ forward! {
     fn list_records(&self, filter: &RecordFilter) -> Page<Record>;
     fn state_counts(&self) -> Vec<StateCount>;
     fn recount_states(&self) -> Vec<StateCount>;
+    fn next_due_at(&self) -> Option<UnixMs>;
     fn claim_due(&self, req: &ClaimRequest) -> Vec<Record>;
     fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> Vec<i64>;
     fn release(&self, leases: &[Lease], now: UnixMs) -> u64;

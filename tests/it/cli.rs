@@ -443,3 +443,67 @@ request = { method = "POST", path = "/notes", body = '{"text": "ready: {{ steps.
         "{err}"
     );
 }
+
+#[test]
+fn enqueue_is_idempotent_on_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = r#"
+[providers.p]
+base_url = "http://127.0.0.1:9"
+[[pipelines.orders.steps]]
+name = "charge"
+provider = "p"
+request = { path = "/charge", body = '{{ input | tojson }}' }
+"#;
+    std::fs::write(dir.path().join("ballast.toml"), config).unwrap();
+    let first = ballast(
+        dir.path(),
+        &[],
+        &[
+            "enqueue",
+            "orders",
+            "--key",
+            "o-1",
+            "--input",
+            r#"{"amount": 5}"#,
+        ],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(
+        stdout(&first).contains("enqueued record 1 in orders"),
+        "{}",
+        stdout(&first)
+    );
+    let again = ballast(
+        dir.path(),
+        &[],
+        &[
+            "enqueue",
+            "orders",
+            "--key",
+            "o-1",
+            "--input",
+            r#"{"amount": 7}"#,
+        ],
+    );
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(
+        stdout(&again).contains("already enqueued: record 1 (pending)"),
+        "{}",
+        stdout(&again)
+    );
+    let bad = ballast(dir.path(), &[], &["enqueue", "orders", "--input", "{oops"]);
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("--input is not JSON"),
+        "{}",
+        stderr(&bad)
+    );
+    let unknown = ballast(dir.path(), &[], &["enqueue", "refunds"]);
+    assert!(!unknown.status.success());
+    assert!(
+        stderr(&unknown).contains("unknown pipeline `refunds`"),
+        "{}",
+        stderr(&unknown)
+    );
+}

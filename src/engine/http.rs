@@ -1,0 +1,177 @@
+//! One HTTP exchange with a provider, turned into a [`Reply`] whatever
+//! happens: timeouts, resets, oversized or non-JSON bodies all become data.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use futures_util::StreamExt;
+use serde_json::Value;
+
+use crate::domain::backoff::parse_retry_after;
+use crate::domain::rules::{Reply, ReplyError};
+use crate::domain::{EXCERPT_MAX_BYTES, excerpt};
+use crate::pipeline::HttpMethod;
+
+/// A request ready to send.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub method: HttpMethod,
+    pub url: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Option<String>,
+    pub timeout: Duration,
+    pub max_body: u64,
+}
+
+/// What came back, with the evidence kept for the attempt history.
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    pub reply: Reply,
+    pub http_status: Option<u16>,
+    pub retry_after: Option<Duration>,
+    pub took: Duration,
+    /// The start of the body, or the transport error, for people.
+    pub excerpt: String,
+}
+
+/// Sends `call` and reads the reply, never failing: every outcome is a
+/// [`Reply`].
+pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
+    let started = Instant::now();
+    let method = match call.method {
+        HttpMethod::Get => reqwest::Method::GET,
+        HttpMethod::Post => reqwest::Method::POST,
+        HttpMethod::Put => reqwest::Method::PUT,
+        HttpMethod::Patch => reqwest::Method::PATCH,
+        HttpMethod::Delete => reqwest::Method::DELETE,
+    };
+    let mut req = client.request(method, &call.url);
+    for (k, v) in &call.headers {
+        req = req.header(k, v);
+    }
+    if let Some(body) = &call.body {
+        req = req
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.clone());
+    }
+    let failed = |e: ReplyError, msg: String, started: Instant| Exchange {
+        reply: Reply::Failed(e),
+        http_status: None,
+        retry_after: None,
+        took: started.elapsed(),
+        excerpt: excerpt(&msg, EXCERPT_MAX_BYTES).to_owned(),
+    };
+    // One deadline for the whole exchange, body included.
+    let deadline = tokio::time::Instant::now() + call.timeout;
+    let resp = match tokio::time::timeout_at(deadline, req.send()).await {
+        Err(_) => {
+            return failed(
+                ReplyError::Timeout,
+                format!("no reply within {:?}", call.timeout),
+                started,
+            );
+        }
+        Ok(Err(e)) => return failed(classify_error(&e), error_chain(&e), started),
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status().as_u16();
+    let retry_after = resp
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_retry_after(v, SystemTime::now()));
+    let mut body: Vec<u8> = Vec::new();
+    let mut stream = resp.bytes_stream();
+    let mut body_error = None;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Err(_) => {
+                return Exchange {
+                    http_status: Some(status),
+                    retry_after,
+                    ..failed(
+                        ReplyError::Timeout,
+                        format!("body not complete within {:?}", call.timeout),
+                        started,
+                    )
+                };
+            }
+            Ok(None) => break,
+            Ok(Some(Ok(chunk))) => {
+                if body.len() as u64 + chunk.len() as u64 > call.max_body {
+                    body_error = Some(ReplyError::BodyTooLarge);
+                    break;
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(Some(Err(e))) => {
+                let mut x = failed(ReplyError::Reset, error_chain(&e), started);
+                x.http_status = Some(status);
+                x.excerpt = excerpt(
+                    &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
+                    EXCERPT_MAX_BYTES,
+                )
+                .to_owned();
+                return x;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&body);
+    let json = if body_error.is_none() {
+        match serde_json::from_slice::<Value>(&body) {
+            Ok(v) => Some(v),
+            Err(_) => {
+                body_error = Some(ReplyError::BodyNotJson);
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let shown = match body_error {
+        Some(ReplyError::BodyTooLarge) => format!(
+            "body over {} bytes; starts: {}",
+            call.max_body,
+            excerpt(&text, 512)
+        ),
+        Some(ReplyError::BodyNotJson) if body.is_empty() => "empty body".to_owned(),
+        _ => text.into_owned(),
+    };
+    Exchange {
+        reply: Reply::Http {
+            status,
+            json,
+            body_error,
+        },
+        http_status: Some(status),
+        retry_after,
+        took: started.elapsed(),
+        excerpt: excerpt(&shown, EXCERPT_MAX_BYTES).to_owned(),
+    }
+}
+
+/// Maps a transport error to its class.
+fn classify_error(e: &reqwest::Error) -> ReplyError {
+    let chain = error_chain(e).to_ascii_lowercase();
+    if e.is_timeout() {
+        ReplyError::Timeout
+    } else if chain.contains("certificate") || chain.contains("tls") || chain.contains("handshake")
+    {
+        ReplyError::Tls
+    } else if e.is_connect() {
+        ReplyError::Connect
+    } else {
+        ReplyError::Reset
+    }
+}
+
+/// The error and its sources on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

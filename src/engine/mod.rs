@@ -1,0 +1,666 @@
+//! The durable engine: workers claim due records with leases, run their
+//! ready steps against providers (independent steps in parallel), and
+//! commit every attempt and transition. Retries are scheduled in the
+//! database, never looped; a lost lease means the result is dropped, not
+//! committed twice.
+//!
+//! The unit of work is [`Engine::execute_next`]: claim a batch, process it,
+//! return how many records were handled. [`Engine::run`] repeats it,
+//! sleeping until new work is signalled or the earliest record is due.
+
+pub mod http;
+pub mod limits;
+mod step;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::domain::{
+    BreakerState, Clock, ProviderState, Record, StepRun, StepState, SystemClock, UnixMs, WorkResult,
+};
+use crate::pipeline::{Pipeline, Pipelines, Templates};
+use crate::store::{
+    ClaimRequest, Commit, Created, Db, Lease, NewRecord, StepWrite, Store, StoreError,
+};
+
+use limits::ProviderRuntime;
+
+/// How the engine runs on this node.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Appears as `lease_owner` and in events as `node:<id>`.
+    pub node_id: String,
+    /// Records claimed per round trip.
+    pub batch: u32,
+    /// Records processed at once on this node.
+    pub max_in_flight: usize,
+    /// How long a claim holds; the keeper extends it while work runs.
+    pub lease: Duration,
+    /// The longest the loop sleeps without a signal (other nodes' work).
+    pub idle_max: Duration,
+    /// How often shared provider state (breakers, pauses) is re-read.
+    pub provider_sync: Duration,
+}
+
+impl EngineOptions {
+    pub fn new(node_id: impl Into<String>) -> Self {
+        EngineOptions {
+            node_id: node_id.into(),
+            batch: 50,
+            max_in_flight: 256,
+            lease: Duration::from_secs(30),
+            idle_max: Duration::from_secs(2),
+            provider_sync: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Errors that stop the engine from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+type Compiled = (Arc<Pipeline>, Arc<Templates>);
+
+struct Inner {
+    db: Db,
+    config: Arc<Config>,
+    opts: EngineOptions,
+    clock: Arc<dyn Clock>,
+    pipelines: Pipelines,
+    /// Pinned version id of each current pipeline.
+    current: Mutex<HashMap<String, i64>>,
+    /// Compiled pipelines by pinned version id.
+    pinned: Mutex<HashMap<i64, Compiled>>,
+    providers: HashMap<String, Arc<ProviderRuntime>>,
+    installation: String,
+    wake: Notify,
+    /// Leases this node holds, with a token cancelled if one is lost.
+    held: Mutex<HashMap<i64, (Lease, CancellationToken)>>,
+    slots: Arc<Semaphore>,
+}
+
+/// A handle on the engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Engine {
+    /// Compiles the configuration's pipelines and providers and pins the
+    /// current pipeline definitions.
+    pub async fn new(
+        db: Db,
+        config: Arc<Config>,
+        opts: EngineOptions,
+    ) -> Result<Engine, EngineError> {
+        Self::with_clock(db, config, opts, Arc::new(SystemClock)).await
+    }
+
+    pub async fn with_clock(
+        db: Db,
+        config: Arc<Config>,
+        opts: EngineOptions,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Engine, EngineError> {
+        let pipelines =
+            crate::pipeline::compile(&config).map_err(|e| EngineError::Config(e.to_string()))?;
+        let now = clock.now_ms();
+        let mut providers = HashMap::new();
+        for (name, p) in &config.providers {
+            let rt = ProviderRuntime::new(name, p, now).map_err(EngineError::Config)?;
+            providers.insert(name.clone(), Arc::new(rt));
+        }
+        let mut current = HashMap::new();
+        let mut pinned = HashMap::new();
+        for (name, p) in &pipelines.pipelines {
+            let id = db.pin_pipeline(name, &p.hash, &p.definition, now).await?;
+            current.insert(name.clone(), id);
+            pinned.insert(id, (p.clone(), pipelines.templates.clone()));
+        }
+        let installation = db.installation_id().await?;
+        let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                db,
+                config,
+                opts,
+                clock,
+                pipelines,
+                current: Mutex::new(current),
+                pinned: Mutex::new(pinned),
+                providers,
+                installation,
+                wake: Notify::new(),
+                held: Mutex::default(),
+                slots,
+            }),
+        })
+    }
+
+    pub fn db(&self) -> &Db {
+        &self.inner.db
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.inner.opts.node_id
+    }
+
+    /// Enqueues a record, idempotent on (pipeline, external key), and wakes
+    /// the workers.
+    pub async fn enqueue(
+        &self,
+        pipeline: &str,
+        key: Option<&str>,
+        input: Value,
+    ) -> Result<Created, StoreError> {
+        let version = lock(&self.inner.current).get(pipeline).copied();
+        let Some(version) = version else {
+            return Err(StoreError::Invalid(format!(
+                "unknown pipeline `{pipeline}`"
+            )));
+        };
+        let now = self.inner.clock.now_ms();
+        let created = self
+            .inner
+            .db
+            .create_record(
+                NewRecord {
+                    pipeline: pipeline.to_owned(),
+                    pipeline_version: Some(version),
+                    external_key: key.map(str::to_owned),
+                    input,
+                    run_at: now,
+                },
+                now,
+            )
+            .await?;
+        if created.created {
+            self.inner.wake.notify_one();
+        }
+        Ok(created)
+    }
+
+    /// The current compiled pipeline called `name`.
+    pub fn pipeline(&self, name: &str) -> Option<Arc<Pipeline>> {
+        self.inner.pipelines.pipelines.get(name).cloned()
+    }
+
+    /// Wakes the loop (new work arrived).
+    pub fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// Claims one batch and processes it to completion; returns how many
+    /// records it handled. Tests drive the engine with this until it is idle.
+    pub async fn execute_next(&self) -> Result<usize, StoreError> {
+        let claimed = self.claim(self.inner.opts.batch).await?;
+        let n = claimed.len();
+        let mut tasks = tokio::task::JoinSet::new();
+        for rec in claimed {
+            let engine = self.clone();
+            tasks.spawn(async move { engine.process(rec).await });
+        }
+        while tasks.join_next().await.is_some() {}
+        Ok(n)
+    }
+
+    async fn claim(&self, limit: u32) -> Result<Vec<Record>, StoreError> {
+        let i = &self.inner;
+        let req = ClaimRequest {
+            owner: i.opts.node_id.clone(),
+            now: i.clock.now_ms(),
+            lease: i.opts.lease,
+            limit,
+        };
+        let claimed = i.db.claim_due(&req).await?;
+        let mut held = lock(&i.held);
+        for rec in &claimed {
+            if let Some(lease) = rec.lease() {
+                held.insert(rec.id, (lease, CancellationToken::new()));
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Runs until `shutdown`: claims while there are free slots, sleeps
+    /// until signalled or the earliest record is due, keeps leases alive,
+    /// and on shutdown stops claiming, lets in-flight work finish within
+    /// `grace`, and gives back what is left without spending attempts.
+    pub async fn run(&self, shutdown: CancellationToken, grace: Duration) {
+        let i = &self.inner;
+        let tasks = TaskTracker::new();
+        let keeper = tokio::spawn(self.clone().keep_leases(shutdown.clone()));
+        let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
+        while !shutdown.is_cancelled() {
+            let free = i.slots.available_permits();
+            let mut claimed_full = false;
+            if free > 0 {
+                let want = (free as u32).min(i.opts.batch);
+                match self.claim(want).await {
+                    Ok(records) => {
+                        claimed_full = records.len() as u32 == want;
+                        for rec in records {
+                            let Ok(permit) = i.slots.clone().acquire_owned().await else {
+                                break;
+                            };
+                            let engine = self.clone();
+                            tasks.spawn(async move {
+                                engine.process(rec).await;
+                                drop(permit);
+                            });
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claim failed; retrying shortly");
+                    }
+                }
+            }
+            if claimed_full && i.slots.available_permits() > 0 {
+                continue;
+            }
+            let sleep = self.idle_sleep().await;
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = i.wake.notified() => {}
+                () = tokio::time::sleep(sleep) => {}
+                // A slot freed while we were full.
+                Ok(p) = i.slots.clone().acquire_owned(), if free == 0 => drop(p),
+            }
+        }
+        tasks.close();
+        if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
+            tracing::warn!(
+                in_flight = tasks.len(),
+                "grace period over; releasing leases of unfinished work"
+            );
+        }
+        // Whatever is still held goes back, due now, with no attempt spent.
+        let leases: Vec<Lease> = lock(&i.held)
+            .drain()
+            .map(|(_, (l, token))| {
+                token.cancel();
+                l
+            })
+            .collect();
+        if !leases.is_empty() {
+            match i.db.release(&leases, i.clock.now_ms()).await {
+                Ok(n) => tracing::info!(released = n, "released leases"),
+                Err(e) => tracing::warn!(error = %e, "could not release leases; they will expire"),
+            }
+        }
+        keeper.abort();
+        sync.abort();
+    }
+
+    /// Until the earliest due record, within `[10ms, idle_max]`.
+    async fn idle_sleep(&self) -> Duration {
+        let i = &self.inner;
+        let max = i.opts.idle_max;
+        match i.db.next_due_at().await {
+            Ok(Some(at)) => {
+                let wait = (at - i.clock.now_ms()).max(10);
+                Duration::from_millis(wait as u64).min(max)
+            }
+            Ok(None) => max,
+            Err(_) => max,
+        }
+    }
+
+    /// Extends every held lease well before it expires; cancels the work of
+    /// any lease that was lost.
+    async fn keep_leases(self, shutdown: CancellationToken) {
+        let i = &self.inner;
+        let every = i.opts.lease / 3;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            let leases: Vec<Lease> = lock(&i.held).values().map(|(l, _)| l.clone()).collect();
+            if leases.is_empty() {
+                continue;
+            }
+            let until = i.clock.now_ms() + i.opts.lease.as_millis() as i64;
+            match i.db.extend_leases(&leases, until).await {
+                Ok(kept) => {
+                    let mut held = lock(&i.held);
+                    for l in leases {
+                        if !kept.contains(&l.record_id) {
+                            if let Some((_, token)) = held.remove(&l.record_id) {
+                                tracing::warn!(
+                                    record.id = l.record_id,
+                                    "lease lost; dropping the work"
+                                );
+                                token.cancel();
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "lease extension failed"),
+            }
+        }
+    }
+
+    /// Reads shared provider state (operator pauses, breakers opened by
+    /// other nodes) and publishes this node's breaker changes.
+    async fn sync_providers(self, shutdown: CancellationToken) {
+        loop {
+            self.sync_providers_once().await;
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(self.inner.opts.provider_sync) => {}
+            }
+        }
+    }
+
+    /// One round of [`sync_providers`](Self::sync_providers).
+    pub async fn sync_providers_once(&self) {
+        let i = &self.inner;
+        let Ok(states) = i.db.provider_states().await else {
+            return;
+        };
+        let now = i.clock.now_ms();
+        for s in states {
+            if let Some(rt) = i.providers.get(&s.provider) {
+                rt.set_paused(s.paused);
+                if s.breaker == BreakerState::Open && s.open_until.is_some_and(|u| u > now) {
+                    let mut b = rt.breaker();
+                    if b.state() == BreakerState::Closed {
+                        b.force_open(s.open_until.unwrap_or(now), now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes a breaker change so every node and the dashboard see it.
+    async fn publish_breaker(&self, rt: &ProviderRuntime) {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        let (state, changed, until, figures) = {
+            let b = rt.breaker();
+            (
+                b.state(),
+                b.changed_at(),
+                b.open_until(),
+                b.window_figures(),
+            )
+        };
+        let mut ps = match i.db.provider_state(&rt.name).await {
+            Ok(Some(ps)) => ps,
+            _ => ProviderState::new(&rt.name, now),
+        };
+        ps.breaker = state;
+        ps.breaker_changed_at = changed;
+        ps.open_until = until;
+        ps.stats = Some(json!({ "calls": figures.0, "failures": figures.1, "slow": figures.2 }));
+        ps.updated_at = now;
+        if let Err(e) = i.db.save_provider_state(&ps).await {
+            tracing::warn!(provider.name = %rt.name, error = %e, "could not publish breaker state");
+        }
+    }
+
+    async fn compiled(&self, rec: &Record) -> Option<Compiled> {
+        let i = &self.inner;
+        let version = match rec.pipeline_version {
+            Some(v) => v,
+            None => *lock(&i.current).get(&rec.pipeline)?,
+        };
+        if let Some(c) = lock(&i.pinned).get(&version).cloned() {
+            return Some(c);
+        }
+        let pv = i.db.pipeline_version(version).await.ok()??;
+        let compiled =
+            crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config).ok()?;
+        lock(&i.pinned).insert(version, compiled.clone());
+        Some(compiled)
+    }
+
+    /// One pass over one leased record; always ends with a commit (or a
+    /// dropped result when the lease was lost).
+    async fn process(&self, rec: Record) {
+        let i = &self.inner;
+        let Some(lease) = rec.lease() else { return };
+        let token = lock(&i.held)
+            .get(&rec.id)
+            .map(|(_, t)| t.clone())
+            .unwrap_or_default();
+        let commit = tokio::select! {
+            c = self.pass(&rec, lease.clone()) => c,
+            () = token.cancelled() => None,
+        };
+        lock(&i.held).remove(&rec.id);
+        let Some(commit) = commit else { return };
+        match i.db.commit(&commit).await {
+            Ok(after) => {
+                if after.state == crate::domain::RecordState::Pending {
+                    i.wake.notify_one();
+                }
+            }
+            Err(StoreError::LeaseLost { record_id }) => {
+                tracing::warn!(
+                    record.id = record_id,
+                    "lease lost before commit; result dropped"
+                );
+            }
+            Err(e) => {
+                // The lease will expire and another pass will redo the work;
+                // idempotency keys keep that from paying twice.
+                tracing::error!(record.id = rec.id, error = %e, "commit failed");
+            }
+        }
+    }
+
+    /// Works out and runs the record's ready steps; returns what to commit.
+    async fn pass(&self, rec: &Record, lease: Lease) -> Option<Commit> {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        let Some((pipeline, templates)) = self.compiled(rec).await else {
+            let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+            c.error_code = Some("unknown_pipeline".into());
+            c.reason = Some(format!(
+                "pipeline `{}` is not configured on this node",
+                rec.pipeline
+            ));
+            return Some(c);
+        };
+        let runs: HashMap<String, StepRun> = match i.db.step_runs(rec.id).await {
+            Ok(r) => r.into_iter().map(|s| (s.step.clone(), s)).collect(),
+            Err(e) => {
+                tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");
+                let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
+                c.next_run_at = Some(now + 1000);
+                return Some(c);
+            }
+        };
+        let mut states: HashMap<String, StepWrite> = pipeline
+            .steps
+            .iter()
+            .map(|s| {
+                let w = runs.get(&s.name).map(StepWrite::from).unwrap_or_else(|| {
+                    let mut w = StepWrite::pending(&s.name);
+                    w.provider = Some(s.provider.clone());
+                    w
+                });
+                (s.name.clone(), w)
+            })
+            .collect();
+        let mut changed: Vec<String> = Vec::new();
+
+        // Steps behind a failed or skipped step never run.
+        for s in &pipeline.steps {
+            let blocked = s.needs.iter().any(|n| {
+                states
+                    .get(n)
+                    .is_some_and(|w| matches!(w.state, StepState::Failed | StepState::Skipped))
+            });
+            let st = states.get_mut(&s.name)?;
+            if blocked && !is_done(st.state) {
+                st.state = StepState::Skipped;
+                st.reason = Some("an upstream step did not succeed".into());
+                st.finished_at = Some(now);
+                changed.push(s.name.clone());
+            }
+        }
+
+        let ready: Vec<&crate::pipeline::Step> = pipeline
+            .steps
+            .iter()
+            .filter(|s| {
+                let w = &states[&s.name];
+                !is_done(w.state)
+                    && w.next_run_at.is_none_or(|t| t <= now)
+                    && s.needs.iter().all(|n| {
+                        states
+                            .get(n)
+                            .is_some_and(|d| d.state == StepState::Succeeded)
+                    })
+            })
+            .collect();
+
+        let ctx = step::context(rec, &states);
+        let outputs = futures_util::future::join_all(ready.iter().map(|s| {
+            let rt = i.providers.get(&s.provider).cloned();
+            let write = states[&s.name].clone();
+            let ctx = ctx.clone();
+            let templates = templates.clone();
+            let run = step::StepRun {
+                record: rec,
+                step: s,
+                write,
+                ctx,
+                templates,
+                node: &i.opts.node_id,
+                installation: &i.installation,
+                now,
+            };
+            async move { run.execute(rt.as_deref()).await }
+        }))
+        .await;
+
+        let mut attempts = Vec::new();
+        let mut park_reason: Option<(String, String)> = None;
+        let mut breaker_moved = Vec::new();
+        for out in outputs {
+            if let Some(p) = out.park {
+                park_reason.get_or_insert(p);
+            }
+            if let Some(name) = out.breaker_moved {
+                breaker_moved.push(name);
+            }
+            attempts.extend(out.attempt);
+            changed.push(out.write.step.clone());
+            states.insert(out.write.step.clone(), out.write);
+        }
+        for name in breaker_moved {
+            if let Some(rt) = i.providers.get(&name) {
+                self.publish_breaker(rt).await;
+            }
+        }
+
+        // The record's verdict from its steps.
+        let now = i.clock.now_ms();
+        let required_failed = pipeline
+            .steps
+            .iter()
+            .find(|s| s.required && states[&s.name].state == StepState::Failed);
+        let all_done = pipeline
+            .steps
+            .iter()
+            .all(|s| is_done(states[&s.name].state));
+        let (result, next) = if park_reason.is_some() {
+            (WorkResult::Parked, None)
+        } else if required_failed.is_some() {
+            (WorkResult::Failed, None)
+        } else if all_done {
+            (WorkResult::Completed, None)
+        } else {
+            // Something is runnable now (a step just unblocked), or later.
+            let runnable_now = pipeline.steps.iter().any(|s| {
+                let w = &states[&s.name];
+                !is_done(w.state)
+                    && w.next_run_at.is_none_or(|t| t <= now)
+                    && s.needs
+                        .iter()
+                        .all(|n| states[n].state == StepState::Succeeded)
+            });
+            let pending: Vec<&StepWrite> = pipeline
+                .steps
+                .iter()
+                .map(|s| &states[&s.name])
+                .filter(|w| !is_done(w.state))
+                .collect();
+            let next = pending.iter().filter_map(|w| w.next_run_at).min();
+            if runnable_now {
+                (WorkResult::Advanced, Some(now))
+            } else if pending.iter().any(|w| w.state == StepState::Waiting) {
+                (WorkResult::Waiting, next)
+            } else if pending.iter().any(|w| w.state == StepState::Retrying) {
+                (WorkResult::RetryScheduled, next)
+            } else {
+                (WorkResult::Deferred, next)
+            }
+        };
+        let mut commit = Commit::new(lease, now, Some(result));
+        commit.next_run_at = next;
+        let last = attempts.last().cloned();
+        changed.sort();
+        changed.dedup();
+        commit.steps = changed
+            .iter()
+            .filter_map(|n| states.get(n).cloned())
+            .collect();
+        commit.attempts = attempts;
+        if let Some(a) = &last {
+            commit.step = Some(a.step.clone());
+            commit.provider = a.provider.clone();
+        }
+        match (&park_reason, required_failed) {
+            (Some((code, reason)), _) => {
+                commit.error_code = Some(code.clone());
+                commit.reason = Some(reason.clone());
+            }
+            (None, Some(s)) => {
+                let w = &states[&s.name];
+                commit.step = Some(s.name.clone());
+                commit.error_code = w.error_code.clone();
+                commit.reason = w
+                    .reason
+                    .clone()
+                    .or_else(|| Some(format!("step `{}` failed", s.name)));
+            }
+            (None, None) => {
+                commit.error_code = last.as_ref().and_then(|a| a.error_code.clone());
+            }
+        }
+        Some(commit)
+    }
+}
+
+fn is_done(state: StepState) -> bool {
+    matches!(
+        state,
+        StepState::Succeeded | StepState::Failed | StepState::Skipped
+    )
+}
+
+/// `now` for callers that have no clock of their own.
+pub fn now_ms() -> UnixMs {
+    SystemClock.now_ms()
+}

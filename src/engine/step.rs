@@ -1,0 +1,434 @@
+//! One pass over one ready step: protections first (pause, breaker, rate
+//! limit, retry budget, concurrency), then one exchange, then the step's
+//! new state from the reply's outcome. Nothing here writes to the store.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+
+use super::http::{Call, exchange};
+use super::limits::ProviderRuntime;
+use crate::config::pipeline::StepKind;
+use crate::domain::rules::classify;
+use crate::domain::{Outcome, Record, StepState, UnixMs, idempotency_key};
+use crate::pipeline::{RequestSpec, Step, Templates};
+use crate::store::{NewAttempt, StepWrite};
+
+/// Template context: `input`, `record`, and each succeeded step's output.
+pub fn context(rec: &Record, states: &HashMap<String, StepWrite>) -> Value {
+    let mut steps = Map::new();
+    for (name, w) in states {
+        if w.state == StepState::Succeeded {
+            steps.insert(
+                name.clone(),
+                json!({ "output": w.output.clone().unwrap_or(Value::Null) }),
+            );
+        }
+    }
+    json!({
+        "input": rec.input,
+        "record": { "id": rec.id, "key": rec.external_key, "pipeline": rec.pipeline },
+        "steps": steps,
+    })
+}
+
+/// The result of one step pass.
+pub struct StepOutput {
+    pub write: StepWrite,
+    pub attempt: Option<NewAttempt>,
+    /// (error code, reason) when the record must be parked.
+    pub park: Option<(String, String)>,
+    /// The provider whose breaker changed state during this pass.
+    pub breaker_moved: Option<String>,
+}
+
+/// Everything one step pass needs.
+pub struct StepRun<'a> {
+    pub record: &'a Record,
+    pub step: &'a Step,
+    pub write: StepWrite,
+    pub ctx: Value,
+    pub templates: std::sync::Arc<Templates>,
+    pub node: &'a str,
+    pub installation: &'a str,
+    pub now: UnixMs,
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+impl StepRun<'_> {
+    fn out(self, write: StepWrite) -> StepOutput {
+        StepOutput {
+            write,
+            attempt: None,
+            park: None,
+            breaker_moved: None,
+        }
+    }
+
+    /// Defers the step to `at` without spending an attempt.
+    fn defer(self, at: UnixMs, why: &str) -> StepOutput {
+        let mut w = self.write.clone();
+        w.next_run_at = Some(at.max(self.now + 1));
+        w.reason = Some(why.to_owned());
+        self.out(w)
+    }
+
+    fn park_or_fail(
+        &self,
+        w: &mut StepWrite,
+        code: &str,
+        reason: String,
+    ) -> Option<(String, String)> {
+        w.error_code = Some(code.to_owned());
+        w.reason = Some(reason.clone());
+        w.next_run_at = None;
+        if self.step.required {
+            Some((code.to_owned(), reason))
+        } else {
+            // An optional step's failure is recorded and the record goes on.
+            w.state = StepState::Failed;
+            w.finished_at = Some(self.now);
+            None
+        }
+    }
+
+    pub async fn execute(self, rt: Option<&ProviderRuntime>) -> StepOutput {
+        let now = self.now;
+        let Some(rt) = rt else {
+            let mut w = self.write.clone();
+            let park = self.park_or_fail(
+                &mut w,
+                "unknown_provider",
+                format!("provider `{}` is not configured", self.step.provider),
+            );
+            return StepOutput {
+                write: w,
+                attempt: None,
+                park,
+                breaker_moved: None,
+            };
+        };
+        let polling = self.step.kind != StepKind::Request && self.write.job_id.is_some();
+        let retry = &rt.config.retry;
+        let mut w = self.write.clone();
+        w.provider = Some(rt.name.clone());
+        if w.started_at.is_none() {
+            w.started_at = Some(now);
+            w.deadline_at = Some(now + ms(retry.deadline.0));
+        }
+        if w.deadline_at.is_some_and(|d| now >= d) {
+            let what = if polling {
+                "the job did not finish"
+            } else {
+                "the step did not succeed"
+            };
+            let reason = format!("deadline passed: {what} within its deadline");
+            let park = self.park_or_fail(&mut w, "deadline_passed", reason);
+            return StepOutput {
+                write: w,
+                attempt: None,
+                park,
+                breaker_moved: None,
+            };
+        }
+        if rt.is_paused() {
+            return self.defer(now + 5_000, "provider paused by an operator");
+        }
+        let is_retry = !polling && w.attempts > 0;
+
+        // Rate limit first: waiting here must not hold a breaker probe.
+        loop {
+            let t = super::now_ms();
+            let verdict = rt.limiter().try_acquire(t);
+            match verdict {
+                Ok(()) => break,
+                Err(at) if at - t <= 1_000 => {
+                    tokio::time::sleep(Duration::from_millis((at - t).max(1) as u64)).await
+                }
+                Err(at) => return self.defer(at, "provider rate limit"),
+            }
+        }
+        let permit = match rt.breaker().try_acquire(super::now_ms()) {
+            Ok(p) => p,
+            Err(r) => return self.defer(r.until, "provider circuit breaker open"),
+        };
+        if is_retry && !rt.budget().try_retry(now) {
+            // Release a probe we would not use.
+            if permit.probe {
+                rt.breaker()
+                    .record(permit, false, Duration::ZERO, super::now_ms());
+            }
+            return self.defer(now + 1_000, "provider retry budget exhausted");
+        }
+        if !is_retry && !polling {
+            rt.budget().on_call(now);
+        }
+        let Ok(_slot) = rt.concurrency.clone().acquire_owned().await else {
+            return self.defer(now + 1_000, "provider concurrency closed");
+        };
+
+        let spec: &RequestSpec = match (&self.step.poll, polling) {
+            (Some(p), true) => &p.request,
+            _ => &self.step.request,
+        };
+        let mut ctx = self.ctx.clone();
+        if let (Some(job), Some(obj)) = (&w.job_id, ctx.as_object_mut()) {
+            obj.insert("job_id".into(), json!(job));
+        }
+        let call = match self.build_call(rt, spec, &ctx, w.generation) {
+            Ok(c) => c,
+            Err(e) => {
+                if permit.probe {
+                    rt.breaker()
+                        .record(permit, false, Duration::ZERO, super::now_ms());
+                }
+                // A template that cannot render will not render next time:
+                // the step fails, with the reason.
+                w.state = StepState::Failed;
+                w.finished_at = Some(now);
+                w.error_code = Some("template_error".into());
+                w.reason = Some(e);
+                w.next_run_at = None;
+                return self.out(w);
+            }
+        };
+        if !polling {
+            w.attempts += 1;
+        }
+        let started = super::now_ms();
+        let x = exchange(&rt.client, &call).await;
+        let c = classify(&rt.rules, &x.reply);
+        let after = super::now_ms();
+
+        let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
+        let breaker_moved = {
+            let mut b = rt.breaker();
+            let before = b.state();
+            b.record(permit, failed, x.took, after);
+            (b.state() != before).then(|| rt.name.clone())
+        };
+        if x.http_status == Some(429) {
+            // The whole provider slows down, not just this record.
+            let pause = x.retry_after.unwrap_or(retry.base.0);
+            rt.limiter().pause_until(after + ms(pause));
+        }
+        let attempt = NewAttempt {
+            step: self.step.name.clone(),
+            provider: Some(rt.name.clone()),
+            attempt_no: w.attempts.max(1),
+            node: Some(self.node.to_owned()),
+            started_at: started,
+            duration_ms: ms(x.took),
+            http_status: x.http_status.map(i32::from),
+            outcome: c.outcome,
+            error_code: c.error_code.map(str::to_owned),
+            excerpt: Some(x.excerpt.clone()),
+        };
+        let mut park = None;
+        let json = match &x.reply {
+            crate::domain::rules::Reply::Http { json, .. } => json.clone(),
+            _ => None,
+        };
+        let mut outcome = c.outcome;
+        let mut code = c.error_code.map(str::to_owned);
+        let mut attempt = attempt;
+
+        let submitting = self.step.kind != StepKind::Request && !polling;
+        // A submit is accepted when the provider says done or "queued":
+        // either way there must be a job id to follow.
+        if outcome == Outcome::Success || (submitting && outcome == Outcome::Pending) {
+            if submitting {
+                // Submitted: keep the job id; it is committed before any poll.
+                let pointer = self.step.job_id.as_deref().unwrap_or("/id");
+                match json.as_ref().and_then(|j| j.pointer(pointer)) {
+                    Some(id) => {
+                        let id = match id {
+                            Value::String(s) => s.clone(),
+                            other => other.to_string(),
+                        };
+                        w.job_id = Some(id);
+                        w.state = StepState::Waiting;
+                        w.error_code = None;
+                        w.reason = None;
+                        let (every, deadline) = self
+                            .step
+                            .poll
+                            .as_ref()
+                            .map_or((Duration::from_secs(2), Duration::from_secs(1200)), |p| {
+                                (p.every, p.deadline)
+                            });
+                        let deadline = match &self.step.callback {
+                            Some(cb) => cb.deadline.0,
+                            None => deadline,
+                        };
+                        w.next_run_at = Some(after + ms(every));
+                        w.deadline_at = Some(after + ms(deadline));
+                        return StepOutput {
+                            write: w,
+                            attempt: Some(attempt),
+                            park: None,
+                            breaker_moved,
+                        };
+                    }
+                    None => {
+                        outcome = Outcome::Unknown;
+                        code = Some("job_id_missing".into());
+                    }
+                }
+            } else {
+                let mut out = Map::new();
+                let mut missing = None;
+                for (name, pointer) in &self.step.outputs {
+                    match json.as_ref().and_then(|j| j.pointer(pointer)) {
+                        Some(v) => {
+                            out.insert(name.clone(), v.clone());
+                        }
+                        None => missing = Some(name.clone()),
+                    }
+                }
+                match missing {
+                    None => {
+                        w.state = StepState::Succeeded;
+                        w.output = Some(Value::Object(out));
+                        w.finished_at = Some(after);
+                        w.next_run_at = None;
+                        w.error_code = None;
+                        w.reason = None;
+                        return StepOutput {
+                            write: w,
+                            attempt: Some(attempt),
+                            park: None,
+                            breaker_moved,
+                        };
+                    }
+                    Some(name) => {
+                        outcome = Outcome::Unknown;
+                        code = Some("output_missing".into());
+                        w.reason = Some(format!("output `{name}` not found in the reply"));
+                    }
+                }
+            }
+            attempt.outcome = outcome;
+            attempt.error_code = code.clone();
+        }
+
+        let backoff = retry.backoff();
+        match outcome {
+            Outcome::Success => {}
+            Outcome::Pending => {
+                // A half-state: ask again later, without spending an attempt.
+                let every = self.step.poll.as_ref().map_or(backoff.base, |p| p.every);
+                w.state = StepState::Waiting;
+                w.next_run_at = Some(after + ms(every));
+                if !polling {
+                    w.attempts -= 1;
+                }
+            }
+            Outcome::Fail => {
+                w.state = StepState::Failed;
+                w.finished_at = Some(after);
+                w.next_run_at = None;
+                w.error_code = code.clone();
+                w.reason = Some(format!(
+                    "provider refused the call ({})",
+                    x.http_status
+                        .map_or_else(|| "no status".to_owned(), |s| format!("HTTP {s}"))
+                ));
+            }
+            Outcome::Retry | Outcome::Unknown => {
+                w.error_code = code.clone();
+                let code = code.clone().unwrap_or_else(|| "unknown_reply".into());
+                let limit = if outcome == Outcome::Unknown {
+                    retry.max_attempts.min(retry.unknown_attempts.max(1))
+                } else {
+                    retry.max_attempts
+                };
+                let wait = backoff.wait(w.attempts.max(1) as u32, fastrand::f64(), x.retry_after);
+                let next = after + ms(wait);
+                if polling {
+                    // A failed poll: the job is still out there; ask again.
+                    w.state = StepState::Waiting;
+                    w.next_run_at = Some(next);
+                } else if w.attempts as u32 >= limit {
+                    let what = if outcome == Outcome::Unknown {
+                        "replies no rule understood"
+                    } else {
+                        "failed attempts"
+                    };
+                    let reason = format!("{} {what}; last: {code}", w.attempts);
+                    w.state = StepState::Retrying;
+                    park = self.park_or_fail(&mut w, &code, reason);
+                } else if w.deadline_at.is_some_and(|d| next > d) {
+                    w.state = StepState::Retrying;
+                    park = self.park_or_fail(
+                        &mut w,
+                        "deadline_passed",
+                        format!("next retry would pass the step deadline; last: {code}"),
+                    );
+                } else {
+                    w.state = StepState::Retrying;
+                    w.next_run_at = Some(next);
+                }
+            }
+        }
+        StepOutput {
+            write: w,
+            attempt: Some(attempt),
+            park,
+            breaker_moved,
+        }
+    }
+
+    fn build_call(
+        &self,
+        rt: &ProviderRuntime,
+        spec: &RequestSpec,
+        ctx: &Value,
+        generation: i32,
+    ) -> Result<Call, String> {
+        let render = |id: &str| {
+            self.templates
+                .render(id, ctx)
+                .map_err(|e| format!("template: {e}"))
+        };
+        let path = render(&spec.path)?;
+        let base = rt.config.base_url.trim_end_matches('/');
+        let url = if path.starts_with('/') {
+            format!("{base}{path}")
+        } else {
+            format!("{base}/{path}")
+        };
+        let mut headers = Vec::new();
+        for (name, id) in &spec.headers {
+            headers.push((name.clone(), render(id)?));
+        }
+        if let Some((h, v)) = rt.config.auth_header(&|var| std::env::var(var).ok()) {
+            headers.push((h, v.expose().to_owned()));
+        }
+        if spec.method != crate::pipeline::HttpMethod::Get {
+            let key = idempotency_key(
+                self.installation,
+                self.record.id,
+                &self.step.name,
+                generation,
+            );
+            headers.push(("Idempotency-Key".into(), key));
+        }
+        let body = match &spec.body {
+            Some(id) => Some(render(id)?),
+            None => None,
+        };
+        Ok(Call {
+            method: spec.method,
+            url,
+            headers,
+            body,
+            timeout: rt.config.timeout.0,
+            max_body: rt.config.max_body,
+        })
+    }
+}

@@ -1,0 +1,477 @@
+//! The chaos simulator: a real HTTP provider with a seeded, configurable
+//! failure mix, a ledger of side effects per idempotency key, and figures
+//! for tests and benchmarks. Served by `ballast sim`, and mounted in-process
+//! by tests and the demo.
+//!
+//! Routes (chaos applies to `/v1/*` only):
+//! - `POST /v1/charge`: a synchronous call with a side effect.
+//! - `POST /v1/jobs`, `GET /v1/jobs/{id}`: an asynchronous job to poll.
+//! - `GET /_sim/ledger`: effects per key and per `ref`, double charges.
+//! - `GET /_sim/stats`: requests, and the most in any one second.
+//! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now.
+
+mod profile;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+pub use profile::{Fault, Profile};
+
+/// What happened at the provider, for tests to count.
+#[derive(Debug, Default)]
+struct Ledger {
+    /// Effects applied per idempotency key.
+    by_key: HashMap<String, u32>,
+    /// Effects applied per business reference (`ref` in the body): more than
+    /// one is a double charge, whatever keys were sent.
+    by_ref: HashMap<String, u32>,
+    effects: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    id: String,
+    ready_at: Instant,
+    fate: JobFate,
+    /// Polls that saw it finished (a flip happens after the first).
+    seen_done: u32,
+    input: Value,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobFate {
+    Succeed,
+    Fail,
+    Never,
+    /// Succeeds, then changes its mind.
+    Flip,
+}
+
+/// Shared simulator state.
+struct Sim {
+    profile: Profile,
+    rng: Mutex<fastrand::Rng>,
+    ledger: Mutex<Ledger>,
+    jobs: Mutex<HashMap<String, Job>>,
+    /// Job ids per idempotency key, so a resubmission gets the same job.
+    jobs_by_key: Mutex<HashMap<String, String>>,
+    started: Instant,
+    /// Requests per whole second since start, at arrival.
+    per_second: Mutex<Vec<u32>>,
+    outage: Mutex<Option<(Instant, f64)>>,
+    next_id: Mutex<u64>,
+}
+
+/// A handle on a running simulator.
+#[derive(Clone)]
+pub struct SimHandle {
+    sim: Arc<Sim>,
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+}
+
+/// Ledger figures.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct LedgerFigures {
+    pub keys: usize,
+    pub refs: usize,
+    pub effects: u64,
+    /// Business references charged more than once.
+    pub double_charges: usize,
+}
+
+/// Traffic figures.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct StatsFigures {
+    pub requests: u64,
+    /// The most requests that arrived in any one wall-clock second.
+    pub max_per_second: u32,
+}
+
+impl SimHandle {
+    /// Serves a simulator with `profile` on `listener` until the handle's
+    /// `stop` (or the returned server future's end).
+    pub async fn start(
+        profile: Profile,
+        listener: tokio::net::TcpListener,
+    ) -> std::io::Result<SimHandle> {
+        let addr = listener.local_addr()?;
+        let sim = Arc::new(Sim {
+            rng: Mutex::new(fastrand::Rng::with_seed(profile.seed)),
+            profile,
+            ledger: Mutex::default(),
+            jobs: Mutex::default(),
+            jobs_by_key: Mutex::default(),
+            started: Instant::now(),
+            per_second: Mutex::default(),
+            outage: Mutex::default(),
+            next_id: Mutex::new(0),
+        });
+        let shutdown = CancellationToken::new();
+        let app = router(sim.clone());
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                tracing::warn!(error = %e, "simulator stopped");
+            }
+        });
+        Ok(SimHandle {
+            sim,
+            addr,
+            shutdown,
+        })
+    }
+
+    /// Starts on a free loopback port.
+    pub async fn spawn(profile: Profile) -> std::io::Result<SimHandle> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start(profile, listener).await
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn ledger(&self) -> LedgerFigures {
+        self.sim.ledger_figures()
+    }
+
+    pub fn stats(&self) -> StatsFigures {
+        self.sim.stats_figures()
+    }
+
+    /// Every request fails (or `brownout` of them do) for `for_ms` from now.
+    pub fn outage(&self, for_ms: u64, brownout: f64) {
+        self.sim.set_outage(for_ms, brownout);
+    }
+
+    pub fn stop(&self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn router(sim: Arc<Sim>) -> Router {
+    Router::new()
+        .route("/v1/charge", post(charge))
+        .route("/v1/jobs", post(submit_job))
+        .route("/v1/jobs/{id}", get(poll_job))
+        .route(
+            "/_sim/ledger",
+            get(|State(s): State<Arc<Sim>>| async move { Json(s.ledger_figures()) }),
+        )
+        .route(
+            "/_sim/stats",
+            get(|State(s): State<Arc<Sim>>| async move { Json(s.stats_figures()) }),
+        )
+        .route("/_sim/outage", post(outage))
+        .with_state(sim)
+}
+
+impl Sim {
+    fn lock<'a, T>(m: &'a Mutex<T>) -> std::sync::MutexGuard<'a, T> {
+        // A panicking handler must not take the simulator down with it.
+        m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn ledger_figures(&self) -> LedgerFigures {
+        let l = Self::lock(&self.ledger);
+        LedgerFigures {
+            keys: l.by_key.len(),
+            refs: l.by_ref.len(),
+            effects: l.effects,
+            double_charges: l.by_ref.values().filter(|n| **n > 1).count(),
+        }
+    }
+
+    fn stats_figures(&self) -> StatsFigures {
+        let s = Self::lock(&self.per_second);
+        StatsFigures {
+            requests: s.iter().map(|n| u64::from(*n)).sum(),
+            max_per_second: s.iter().copied().max().unwrap_or(0),
+        }
+    }
+
+    fn set_outage(&self, for_ms: u64, brownout: f64) {
+        *Self::lock(&self.outage) = Some((
+            Instant::now() + Duration::from_millis(for_ms),
+            brownout.clamp(0.0, 1.0),
+        ));
+    }
+
+    fn count_request(&self) {
+        let second = self.started.elapsed().as_secs() as usize;
+        let mut s = Self::lock(&self.per_second);
+        if s.len() <= second {
+            s.resize(second + 1, 0);
+        }
+        s[second] += 1;
+    }
+
+    fn next_id(&self, prefix: &str) -> String {
+        let mut n = Self::lock(&self.next_id);
+        *n += 1;
+        format!("{prefix}_{:06}", *n)
+    }
+
+    /// Draws this request's fate: an outage first, then the profile's mix.
+    fn draw(&self) -> (Fault, Duration, bool) {
+        let mut rng = Self::lock(&self.rng);
+        let outage = *Self::lock(&self.outage);
+        let fault = match outage {
+            Some((until, brownout))
+                if Instant::now() < until && rng.f64() < brownout.max(f64::EPSILON) =>
+            {
+                Fault::ServerError(503)
+            }
+            _ => self.profile.draw_fault(&mut rng),
+        };
+        let latency = self.profile.draw_latency(&mut rng);
+        let effect_anyway = rng.bool();
+        (fault, latency, effect_anyway)
+    }
+
+    /// Applies a side effect once per idempotency key (unless the profile
+    /// ignores keys); returns the number of times this key has applied.
+    fn apply_effect(&self, key: Option<&str>, reference: Option<&str>) -> u32 {
+        let mut l = Self::lock(&self.ledger);
+        if let Some(k) = key {
+            if !self.profile.ignore_keys {
+                if let Some(n) = l.by_key.get(k) {
+                    return *n;
+                }
+            }
+        }
+        l.effects += 1;
+        if let Some(k) = key {
+            *l.by_key.entry(k.to_owned()).or_default() += 1;
+        }
+        if let Some(r) = reference {
+            *l.by_ref.entry(r.to_owned()).or_default() += 1;
+        }
+        1
+    }
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+fn reference(body: &Value) -> Option<String> {
+    body.get("ref").map(|r| match r {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    })
+}
+
+/// Runs `respond` under the chaos profile: delay, then either the real
+/// answer or the drawn fault. `effect` applies the side effect; it runs for
+/// real answers and, half the time, before a hang or reset (the provider did
+/// the work but the client never heard).
+async fn with_chaos(sim: &Sim, effect: impl FnOnce() -> Response) -> Response {
+    sim.count_request();
+    let (fault, latency, effect_anyway) = sim.draw();
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    match fault {
+        Fault::None => effect(),
+        Fault::RateLimited(retry_after) => {
+            let mut resp = (
+                StatusCode::TOO_MANY_REQUESTS,
+                Json(json!({ "error": "rate_limited" })),
+            )
+                .into_response();
+            if let Some(ra) = retry_after {
+                if let Ok(v) = HeaderValue::from_str(&ra) {
+                    resp.headers_mut().insert(header::RETRY_AFTER, v);
+                }
+            }
+            resp
+        }
+        Fault::ServerError(code) => {
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, Json(json!({ "error": "upstream trouble" }))).into_response()
+        }
+        Fault::ClientError(code) => {
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_REQUEST);
+            (status, Json(json!({ "error": "invalid_request", "message": "the provider refuses this input" }))).into_response()
+        }
+        Fault::Hang => {
+            if effect_anyway {
+                let _ = effect();
+            }
+            tokio::time::sleep(sim.profile.hang).await;
+            (StatusCode::GATEWAY_TIMEOUT, "too late").into_response()
+        }
+        Fault::Reset => {
+            if effect_anyway {
+                let _ = effect();
+            }
+            // Half a body, then the connection breaks.
+            let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+                Ok(Bytes::from_static(b"{\"id\": \"partial")),
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "simulated reset",
+                )),
+            ];
+            let mut resp = Response::new(Body::from_stream(futures_util::stream::iter(chunks)));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            resp
+        }
+        Fault::Truncated => {
+            let _ = effect();
+            (
+                [(header::CONTENT_TYPE, "application/json")],
+                "{\"id\": \"ch_1\", \"status\": \"succ",
+            )
+                .into_response()
+        }
+        Fault::Html => (
+            [(header::CONTENT_TYPE, "text/html")],
+            "<html><body><h1>502 Bad Gateway</h1><script>alert(1)</script></body></html>",
+        )
+            .into_response(),
+        Fault::Empty => StatusCode::OK.into_response(),
+        Fault::Oversized => {
+            let big = format!("{{\"padding\": \"{}\"}}", "x".repeat(3 * 1024 * 1024));
+            ([(header::CONTENT_TYPE, "application/json")], big).into_response()
+        }
+    }
+}
+
+async fn charge(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    body: Option<Json<Value>>,
+) -> Response {
+    let body = body.map(|Json(b)| b).unwrap_or(Value::Null);
+    let key = idempotency_key(&headers);
+    let reference = reference(&body);
+    let id = sim.next_id("ch");
+    let s = sim.clone();
+    with_chaos(&sim, move || {
+        let times = s.apply_effect(key.as_deref(), reference.as_deref());
+        let amount = body.get("amount").cloned().unwrap_or(json!(0));
+        (
+            StatusCode::OK,
+            Json(
+                json!({ "id": id, "status": "succeeded", "amount": amount, "replayed": times > 1 }),
+            ),
+        )
+            .into_response()
+    })
+    .await
+}
+
+async fn submit_job(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    body: Option<Json<Value>>,
+) -> Response {
+    let body = body.map(|Json(b)| b).unwrap_or(Value::Null);
+    let key = idempotency_key(&headers);
+    let reference = reference(&body);
+    let s = sim.clone();
+    with_chaos(&sim, move || {
+        // The same key gets the same job back, as real providers do.
+        if let Some(k) = key.as_deref().filter(|_| !s.profile.ignore_keys) {
+            if let Some(id) = Sim::lock(&s.jobs_by_key).get(k).cloned() {
+                return (
+                    StatusCode::OK,
+                    Json(json!({ "id": id, "status": "queued" })),
+                )
+                    .into_response();
+            }
+        }
+        s.apply_effect(key.as_deref(), reference.as_deref());
+        let id = s.next_id("job");
+        let (fate, ready_in) = {
+            let mut rng = Sim::lock(&s.rng);
+            (
+                s.profile.draw_job_fate(&mut rng),
+                s.profile.draw_job_time(&mut rng),
+            )
+        };
+        let fate = match fate {
+            0 => JobFate::Succeed,
+            1 => JobFate::Fail,
+            2 => JobFate::Never,
+            _ => JobFate::Flip,
+        };
+        let job = Job {
+            id: id.clone(),
+            ready_at: Instant::now() + ready_in,
+            fate,
+            seen_done: 0,
+            input: body,
+        };
+        Sim::lock(&s.jobs).insert(id.clone(), job);
+        if let Some(k) = key {
+            Sim::lock(&s.jobs_by_key).insert(k, id.clone());
+        }
+        (
+            StatusCode::ACCEPTED,
+            Json(json!({ "id": id, "status": "queued" })),
+        )
+            .into_response()
+    })
+    .await
+}
+
+async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Response {
+    let s = sim.clone();
+    with_chaos(&sim, move || {
+        let mut jobs = Sim::lock(&s.jobs);
+        let Some(job) = jobs.get_mut(&id) else {
+            return (StatusCode::NOT_FOUND, Json(json!({ "error": "no such job" }))).into_response();
+        };
+        let now = Instant::now();
+        let body = if now < job.ready_at || job.fate == JobFate::Never {
+            json!({ "id": job.id, "status": "running" })
+        } else {
+            job.seen_done += 1;
+            match job.fate {
+                JobFate::Fail => json!({ "id": job.id, "status": "failed", "error": "render failed" }),
+                JobFate::Flip if job.seen_done > 1 => {
+                    json!({ "id": job.id, "status": "failed", "error": "result withdrawn" })
+                }
+                _ => json!({
+                    "id": job.id,
+                    "status": "succeeded",
+                    "result": { "url": format!("https://cdn.example/{}.mp4", job.id), "input": job.input },
+                }),
+            }
+        };
+        (StatusCode::OK, Json(body)).into_response()
+    })
+    .await
+}
+
+async fn outage(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {
+    let for_ms = body.get("for_ms").and_then(Value::as_u64).unwrap_or(10_000);
+    let brownout = body.get("brownout").and_then(Value::as_f64).unwrap_or(1.0);
+    sim.set_outage(for_ms, brownout);
+    StatusCode::NO_CONTENT
+}

@@ -1,0 +1,227 @@
+//! The simulator's failure mix: what fraction of calls fail how, how slow
+//! answers are, and how asynchronous jobs end. Seeded, so a run repeats.
+
+use std::time::Duration;
+
+/// One request's fate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    None,
+    /// 429, with a `Retry-After` value (seconds or an HTTP date) or none.
+    RateLimited(Option<String>),
+    ServerError(u16),
+    ClientError(u16),
+    /// Answers only after the profile's `hang`, past any sane client timeout.
+    Hang,
+    /// Breaks the connection mid-body.
+    Reset,
+    /// 200 with truncated JSON.
+    Truncated,
+    /// 200 with an HTML error page.
+    Html,
+    /// 200 with no body.
+    Empty,
+    /// 200 with a body past any sane size limit.
+    Oversized,
+}
+
+/// A failure mix. Probabilities are per request and add up to at most 1.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub seed: u64,
+    /// Median latency; latencies are log-normal around it.
+    pub latency_median: Duration,
+    /// Log-normal spread (σ); 1.1 puts p99 near 13× the median.
+    pub latency_sigma: f64,
+    /// Multiplies every latency: 0 for benchmarks, 0.01 for fast tests.
+    pub latency_scale: f64,
+    pub p_rate_limited: f64,
+    pub p_server_error: f64,
+    pub p_hang: f64,
+    pub p_reset: f64,
+    pub p_malformed: f64,
+    pub p_client_error: f64,
+    /// How long a hang lasts.
+    pub hang: Duration,
+    /// Longest `Retry-After` sent, in seconds.
+    pub retry_after_max_secs: u64,
+    /// Async jobs: time to finish is uniform in this range.
+    pub job_time: (Duration, Duration),
+    pub p_job_fail: f64,
+    pub p_job_never: f64,
+    pub p_job_flip: f64,
+    /// Apply every request's side effect, keys or not (a provider that does
+    /// not honour idempotency keys).
+    pub ignore_keys: bool,
+}
+
+impl Profile {
+    /// The default chaos mix of the design: ~87% good answers.
+    pub fn chaos(seed: u64) -> Profile {
+        Profile {
+            seed,
+            latency_median: Duration::from_millis(150),
+            latency_sigma: 1.1,
+            latency_scale: 1.0,
+            p_rate_limited: 0.04,
+            p_server_error: 0.03,
+            p_hang: 0.015,
+            p_reset: 0.01,
+            p_malformed: 0.02,
+            p_client_error: 0.01,
+            hang: Duration::from_secs(60),
+            retry_after_max_secs: 30,
+            job_time: (Duration::from_millis(500), Duration::from_secs(20)),
+            p_job_fail: 0.02,
+            p_job_never: 0.01,
+            p_job_flip: 0.01,
+            ignore_keys: false,
+        }
+    }
+
+    /// Every answer good and instant.
+    pub fn clean(seed: u64) -> Profile {
+        Profile {
+            latency_scale: 0.0,
+            p_rate_limited: 0.0,
+            p_server_error: 0.0,
+            p_hang: 0.0,
+            p_reset: 0.0,
+            p_malformed: 0.0,
+            p_client_error: 0.0,
+            job_time: (Duration::ZERO, Duration::ZERO),
+            p_job_fail: 0.0,
+            p_job_never: 0.0,
+            p_job_flip: 0.0,
+            ..Profile::chaos(seed)
+        }
+    }
+
+    /// The chaos mix, every duration multiplied by `scale` (for tests).
+    pub fn chaos_scaled(seed: u64, scale: f64) -> Profile {
+        let d = |d: Duration| d.mul_f64(scale.max(0.0));
+        let base = Profile::chaos(seed);
+        Profile {
+            latency_scale: scale,
+            hang: d(base.hang),
+            job_time: (d(base.job_time.0), d(base.job_time.1)),
+            ..base
+        }
+    }
+
+    pub(super) fn draw_fault(&self, rng: &mut fastrand::Rng) -> Fault {
+        let mut u = rng.f64();
+        let mut pick = |p: f64| {
+            if u < p {
+                true
+            } else {
+                u -= p;
+                false
+            }
+        };
+        if pick(self.p_rate_limited) {
+            return Fault::RateLimited(self.draw_retry_after(rng));
+        }
+        if pick(self.p_server_error) {
+            return Fault::ServerError([500, 502, 503][rng.usize(0..3)]);
+        }
+        if pick(self.p_hang) {
+            return Fault::Hang;
+        }
+        if pick(self.p_reset) {
+            return Fault::Reset;
+        }
+        if pick(self.p_malformed) {
+            return [
+                Fault::Truncated,
+                Fault::Html,
+                Fault::Empty,
+                Fault::Oversized,
+            ][rng.usize(0..4)]
+            .clone();
+        }
+        if pick(self.p_client_error) {
+            return Fault::ClientError([400, 404, 422][rng.usize(0..3)]);
+        }
+        Fault::None
+    }
+
+    /// Seconds most of the time, an HTTP date sometimes, nothing sometimes.
+    fn draw_retry_after(&self, rng: &mut fastrand::Rng) -> Option<String> {
+        let max = self.retry_after_max_secs.max(1);
+        // Scaled like latencies, so fast test profiles ask for short waits.
+        let secs = ((rng.u64(1..=max) as f64) * self.latency_scale.clamp(0.0, 1.0)).round() as u64;
+        match rng.u8(0..10) {
+            0..=5 => Some(secs.to_string()),
+            6..=7 => {
+                let at = std::time::SystemTime::now() + Duration::from_secs(secs);
+                Some(httpdate::fmt_http_date(at))
+            }
+            _ => None,
+        }
+    }
+
+    pub(super) fn draw_latency(&self, rng: &mut fastrand::Rng) -> Duration {
+        if self.latency_scale <= 0.0 {
+            return Duration::ZERO;
+        }
+        // Box–Muller: a standard normal from two uniforms.
+        let (u1, u2) = (rng.f64().max(f64::MIN_POSITIVE), rng.f64());
+        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+        let ms = self.latency_median.as_secs_f64() * 1000.0 * (self.latency_sigma * z).exp();
+        Duration::from_secs_f64((ms * self.latency_scale / 1000.0).clamp(0.0, 120.0))
+    }
+
+    /// 0 succeed, 1 fail, 2 never finish, 3 flip after succeeding.
+    pub(super) fn draw_job_fate(&self, rng: &mut fastrand::Rng) -> u8 {
+        let u = rng.f64();
+        if u < self.p_job_fail {
+            1
+        } else if u < self.p_job_fail + self.p_job_never {
+            2
+        } else if u < self.p_job_fail + self.p_job_never + self.p_job_flip {
+            3
+        } else {
+            0
+        }
+    }
+
+    pub(super) fn draw_job_time(&self, rng: &mut fastrand::Rng) -> Duration {
+        let (lo, hi) = self.job_time;
+        if hi <= lo {
+            return lo;
+        }
+        lo + (hi - lo).mul_f64(rng.f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chaos_mix_is_about_87_percent_good() {
+        let p = Profile::chaos(7);
+        let mut rng = fastrand::Rng::with_seed(7);
+        let n = 100_000;
+        let good = (0..n)
+            .filter(|_| p.draw_fault(&mut rng) == Fault::None)
+            .count();
+        let share = good as f64 / n as f64;
+        assert!((0.86..0.885).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn latency_median_and_tail_are_as_described() {
+        let p = Profile::chaos(1);
+        let mut rng = fastrand::Rng::with_seed(1);
+        let mut ms: Vec<u128> = (0..20_000)
+            .map(|_| p.draw_latency(&mut rng).as_millis())
+            .collect();
+        ms.sort_unstable();
+        let (p50, p99) = (ms[10_000], ms[19_800]);
+        assert!((120..=180).contains(&p50), "p50 {p50}");
+        assert!((1_300..=2_700).contains(&p99), "p99 {p99}");
+        assert_eq!(Profile::clean(1).draw_latency(&mut rng), Duration::ZERO);
+    }
+}

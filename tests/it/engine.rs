@@ -1,0 +1,318 @@
+//! The engine against the chaos simulator, on both backends: records end in
+//! a defined state with their history, nothing is charged twice, and a
+//! crashed node's work is resumed by another.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ballast::config::Config;
+use ballast::domain::RecordState;
+use ballast::engine::{Engine, EngineOptions};
+use ballast::sim::{Profile, SimHandle};
+use ballast::store::{Backend, ConnectOptions, Db, RecordFilter, Store};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::helpers::TestDb;
+
+/// A provider on the simulator and a three-step pipeline: a charge
+/// (request), a render (submit, then poll), an optional notification.
+fn config(base_url: &str) -> Arc<Config> {
+    let text = format!(
+        r#"
+[providers.sim]
+base_url = "{base_url}"
+timeout = "300ms"
+concurrency = 64
+retry = {{ max_attempts = 8, base = "20ms", cap = "300ms", deadline = "60s", budget = 0.5, budget_floor = 100.0, unknown_attempts = 4 }}
+breaker = {{ window = 200, min_calls = 100, failure_rate = 0.9, open_for = "500ms", probes = 2 }}
+
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+[[providers.sim.rules]]
+when = {{ status = ["400", "404", "422"] }}
+outcome = "fail"
+
+[[pipelines.chain.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-charge", "amount": {{{{ input.amount }}}}}}' }}
+outputs = {{ charge_id = "/id" }}
+
+[[pipelines.chain.steps]]
+name = "render"
+provider = "sim"
+kind = "submit_poll"
+needs = ["charge"]
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}-render", "charge": {{{{ steps.charge.output.charge_id | tojson }}}}}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "50ms", deadline = "20s" }}
+outputs = {{ url = "/result/url" }}
+
+[[pipelines.chain.steps]]
+name = "notify"
+provider = "sim"
+needs = ["render"]
+required = false
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-notify", "amount": 0}}' }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("engine-test.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    Arc::new(config)
+}
+
+fn options(node: &str) -> EngineOptions {
+    let mut o = EngineOptions::new(node);
+    o.lease = Duration::from_secs(2);
+    o.idle_max = Duration::from_millis(100);
+    o.provider_sync = Duration::from_millis(200);
+    o
+}
+
+/// Waits until every record is at rest; returns how long it took.
+async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let counts = db.state_counts().await.unwrap();
+        let at_rest: i64 = counts
+            .iter()
+            .filter(|c| c.state.is_at_rest())
+            .map(|c| c.count)
+            .sum();
+        if at_rest == total {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "not done after {limit:?}: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Outcome counts, every record's history checked on the way.
+async fn audit_outcomes(db: &Db) -> (i64, i64, i64, usize) {
+    let (mut ok, mut failed, mut parked, mut attempts) = (0, 0, 0, 0);
+    let mut reasons: std::collections::BTreeMap<String, usize> = Default::default();
+    let mut before = None;
+    loop {
+        let page = db
+            .list_records(&RecordFilter {
+                limit: 500,
+                before,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        for r in &page.items {
+            match r.state {
+                RecordState::Succeeded => ok += 1,
+                RecordState::Failed => failed += 1,
+                RecordState::Parked => parked += 1,
+                other => panic!("record {} ended {other}", r.id),
+            }
+            if r.state != RecordState::Succeeded {
+                *reasons
+                    .entry(format!(
+                        "{} {}",
+                        r.state,
+                        r.error_code.clone().unwrap_or_default()
+                    ))
+                    .or_default() += 1;
+                assert!(
+                    r.reason.is_some(),
+                    "record {} is {} without a reason",
+                    r.id,
+                    r.state
+                );
+                assert!(
+                    r.error_code.is_some(),
+                    "record {} is {} without an error code",
+                    r.id,
+                    r.state
+                );
+            }
+            let history = db.attempts(r.id).await.unwrap();
+            assert!(!history.is_empty(), "record {} has no attempts", r.id);
+            attempts += history.len();
+        }
+        match page.next {
+            Some(n) => before = Some(n),
+            None => break,
+        }
+    }
+    println!("not succeeded, by state and code: {reasons:?}");
+    (ok, failed, parked, attempts)
+}
+
+async fn chaos_run(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "chaos_run").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::chaos_scaled(42, 0.01))
+        .await
+        .unwrap();
+    let engine = Engine::new(t.db.clone(), config(&sim.base_url()), options("n1"))
+        .await
+        .unwrap();
+    const N: i64 = 1000;
+    for i in 0..N {
+        engine
+            .enqueue("chain", Some(&format!("order-{i}")), json!({ "amount": i }))
+            .await
+            .unwrap();
+    }
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(5)).await }
+    });
+    let took = wait_at_rest(&t.db, N, Duration::from_secs(240)).await;
+    stop.cancel();
+    run.await.unwrap();
+
+    let (ok, failed, parked, attempts) = audit_outcomes(&t.db).await;
+    let ledger = sim.ledger();
+    let stats = sim.stats();
+    println!(
+        "{} chaos: {N} records in {took:?}: {ok} succeeded, {failed} failed, {parked} parked; \
+         {attempts} attempts ({:.2}/record), simulator saw {} requests; {} effects, {} double charges",
+        backend.as_str(),
+        attempts as f64 / N as f64,
+        stats.requests,
+        ledger.effects,
+        ledger.double_charges
+    );
+    assert_eq!(ok + failed + parked, N);
+    assert!(
+        ok as f64 > 0.8 * N as f64,
+        "most records succeed under the chaos mix"
+    );
+    assert!(
+        parked > 0,
+        "the chaos mix parks some records (never-finishing jobs)"
+    );
+    assert_eq!(ledger.double_charges, 0, "nothing charged twice");
+    assert_eq!(
+        stats.requests as usize, attempts,
+        "every exchange is in the attempt history"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_chaos_run() {
+    chaos_run(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_chaos_run() {
+    chaos_run(Backend::Postgres).await;
+}
+
+/// Starts an engine on its own runtime, so that "crashing" it (shutting the
+/// runtime down without notice) kills every task it had, as `kill -9` would.
+fn start_node(url: String, config: Arc<Config>, node: String) -> tokio::runtime::Runtime {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.spawn(async move {
+        let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+        let engine = Engine::new(db, config, options(&node)).await.unwrap();
+        engine
+            .run(CancellationToken::new(), Duration::from_secs(1))
+            .await;
+    });
+    rt
+}
+
+async fn crash_and_resume(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "crash_and_resume").await else {
+        return;
+    };
+    let mut profile = Profile::chaos_scaled(7, 0.02);
+    profile.p_job_never = 0.0;
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let config = config(&sim.base_url());
+    let enqueuer = Engine::new(t.db.clone(), config.clone(), options("enqueuer"))
+        .await
+        .unwrap();
+    const N: i64 = 300;
+    for i in 0..N {
+        enqueuer
+            .enqueue("chain", Some(&format!("c-{i}")), json!({ "amount": i }))
+            .await
+            .unwrap();
+    }
+    let mut rng = fastrand::Rng::with_seed(99);
+    for round in 0..4 {
+        let node = start_node(t.url.clone(), config.clone(), format!("crashy-{round}"));
+        tokio::time::sleep(Duration::from_millis(rng.u64(300..1200))).await;
+        node.shutdown_background();
+    }
+    let restart_ms = ballast::engine::now_ms();
+    let last = start_node(t.url.clone(), config.clone(), "survivor".into());
+    let took = wait_at_rest(&t.db, N, Duration::from_secs(180)).await;
+    last.shutdown_background();
+
+    let (ok, failed, parked, attempts) = audit_outcomes(&t.db).await;
+    let ledger = sim.ledger();
+    // Leases taken over, and when the survivor first claimed anything.
+    let (mut expired, mut first_claim) = (0, i64::MAX);
+    let page =
+        t.db.list_records(&RecordFilter {
+            limit: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    for r in page.items {
+        for e in t.db.record_events(r.id).await.unwrap() {
+            expired += usize::from(e.kind == "lease_expired");
+            if e.kind == "claimed" && e.actor == "node:survivor" {
+                first_claim = first_claim.min(e.at);
+            }
+        }
+    }
+    let resume_ms = first_claim - restart_ms;
+    println!(
+        "{} crash: {N} records, 4 crashes, then done {took:?} after the last restart \
+         (first claim {resume_ms} ms after the restart): {ok} succeeded, {failed} failed, {parked} parked; \
+         {attempts} attempts; {expired} leases reclaimed; {} double charges",
+        backend.as_str(),
+        ledger.double_charges
+    );
+    assert_eq!(ok + failed + parked, N, "no record lost");
+    assert!(expired > 0, "crashes left leases that were reclaimed");
+    // Due work is claimed at once; expired leases within the lease (2 s).
+    assert!(
+        resume_ms < 5_000,
+        "resumed {resume_ms} ms after the restart"
+    );
+    assert_eq!(
+        ledger.double_charges, 0,
+        "nothing charged twice across crashes"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_crash_and_resume() {
+    crash_and_resume(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crash_and_resume() {
+    crash_and_resume(Backend::Postgres).await;
+}
