@@ -49,7 +49,8 @@ pub fn new_node_id() -> String {
     format!("{host}-{}-{}", std::process::id(), &tail[..8])
 }
 
-fn hostname() -> String {
+/// This machine's name, for node listings.
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())
@@ -95,10 +96,12 @@ pub async fn run(
     };
 
     let tasks = TaskTracker::new();
-    tasks.spawn(heartbeat(state.clone()));
     if let Some(engine) = engine {
         let stop = shutdown.clone();
+        // The engine keeps the node's heartbeat while it runs.
         tasks.spawn(async move { engine.run(stop, grace).await });
+    } else {
+        tasks.spawn(heartbeat(state.clone()));
     }
 
     let addr = listener.local_addr()?;

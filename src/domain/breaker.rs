@@ -156,6 +156,13 @@ impl Breaker {
         }
     }
 
+    /// Gives back a permit whose call was never made (no verdict either way).
+    pub fn release(&mut self, permit: Permit) {
+        if permit.probe && self.state == BreakerState::HalfOpen {
+            self.probes_out = self.probes_out.saturating_sub(1);
+        }
+    }
+
     /// Records the result of a call made under `permit`.
     pub fn record(&mut self, permit: Permit, failed: bool, took: Duration, now: UnixMs) {
         let slow = took >= self.policy.slow_call;

@@ -12,13 +12,26 @@ use crate::domain::backoff::RetryBudget;
 use crate::domain::breaker::Breaker;
 use crate::domain::rules::Rule;
 
-/// A sliding-log limiter over several windows at once. Any interval of a
-/// window's length (plus a small guard for network jitter) holds at most
-/// its count of calls, which a token bucket does not promise.
+/// A sliding-log limiter over several windows at once, exact at the
+/// provider whatever the network does.
+///
+/// A call occupies every window from the moment it is granted until one
+/// window length after it *completed*. Its arrival at the provider lies
+/// somewhere between the two, so for any two calls where the later one was
+/// granted after the earlier one's window ran out, their arrivals are at
+/// least a window apart: no interval of a window's length at the provider
+/// ever holds more than the window's count. (Logging grant times instead
+/// lets jitter between grant and arrival bunch calls up.) The price is the
+/// provider's latency per window, small beside the window itself.
 #[derive(Debug)]
 pub struct Limiter {
+    /// (limit, window in ms, completion times still inside the window).
     windows: Vec<(RateLimit, i64, VecDeque<UnixMs>)>,
+    /// Granted calls that have not completed: inside every window.
+    in_flight: usize,
     paused_until: UnixMs,
+    /// This node's share of the cluster's limits (1 / live nodes).
+    share: f64,
 }
 
 impl Limiter {
@@ -27,44 +40,69 @@ impl Limiter {
             .iter()
             .map(|l| {
                 let per = i64::try_from(l.per.as_millis()).unwrap_or(i64::MAX / 4);
-                // 2% of the window (at least 5 ms): arrivals at the provider
-                // can bunch up by a few milliseconds of jitter.
-                let guard = (per / 50).max(5);
                 (
                     *l,
-                    per + guard,
+                    per,
                     VecDeque::with_capacity(l.count.min(100_000) as usize),
                 )
             })
             .collect();
         Limiter {
             windows,
+            in_flight: 0,
             paused_until: 0,
+            share: 1.0,
         }
     }
 
-    /// Takes a slot now, or says when one frees up.
+    /// Takes `share` of every window's count (at least one call), so the
+    /// nodes together stay within the provider's limits.
+    pub fn set_share(&mut self, share: f64) {
+        self.share = if share.is_finite() {
+            share.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+    }
+
+    /// Grants a call now, or says when to ask again. A granted call must be
+    /// followed by [`complete`](Self::complete) or [`abandon`](Self::abandon).
     pub fn try_acquire(&mut self, now: UnixMs) -> Result<(), UnixMs> {
         if now < self.paused_until {
             return Err(self.paused_until);
         }
         let mut wait_until = None;
-        for (limit, span, log) in &mut self.windows {
-            while log.front().is_some_and(|t| *t <= now - *span) {
+        let share = self.share;
+        for (limit, per, log) in &mut self.windows {
+            while log.front().is_some_and(|t| *t <= now - *per) {
                 log.pop_front();
             }
-            if log.len() >= limit.count as usize {
-                let free_at = log.front().map_or(now, |t| t + *span + 1);
+            let count = ((f64::from(limit.count) * share).floor() as usize).max(1);
+            if log.len() + self.in_flight >= count {
+                // The oldest completion leaves first; with only calls in
+                // flight, look again shortly.
+                let free_at = log.front().map_or(now + 5, |t| t + *per + 1);
                 wait_until = Some(wait_until.map_or(free_at, |w: UnixMs| w.max(free_at)));
             }
         }
         if let Some(w) = wait_until {
             return Err(w);
         }
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// A granted call finished (whatever its outcome) at `now`.
+    pub fn complete(&mut self, now: UnixMs) {
+        self.in_flight = self.in_flight.saturating_sub(1);
         for (_, _, log) in &mut self.windows {
             log.push_back(now);
         }
-        Ok(())
+    }
+
+    /// A granted call was never sent.
+    pub fn abandon(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
     }
 
     /// The provider asked us to slow down (429 with Retry-After).
@@ -145,23 +183,34 @@ mod tests {
     use std::time::Duration;
 
     proptest! {
-        /// Whatever the arrival pattern, no window of the configured length
-        /// ever holds more than the configured count of granted calls.
+        /// Whatever the arrival pattern and however long calls take, no
+        /// window at the provider (calls arrive anywhere between grant and
+        /// completion) ever holds more than the configured count.
         #[test]
-        fn no_window_exceeds_its_limit(gaps in proptest::collection::vec(0i64..40, 1..2000)) {
+        fn no_window_exceeds_its_limit(
+            calls in proptest::collection::vec((0i64..40, 0i64..300, 0.0f64..1.0), 1..1500),
+        ) {
             let limit = RateLimit { count: 20, per: Duration::from_secs(1) };
             let mut l = Limiter::new(&[limit]);
             let mut now = 0;
-            let mut granted = Vec::new();
-            for g in gaps {
-                now += g;
+            let mut arrivals = Vec::new();
+            let mut pending: Vec<i64> = Vec::new(); // completion times
+            for (gap, latency, frac) in calls {
+                now += gap;
+                pending.sort_unstable();
+                while pending.first().is_some_and(|c| *c <= now) {
+                    let c = pending.remove(0);
+                    l.complete(c);
+                }
                 if l.try_acquire(now).is_ok() {
-                    granted.push(now);
+                    arrivals.push(now + (latency as f64 * frac) as i64);
+                    pending.push(now + latency);
                 }
             }
-            for (i, t) in granted.iter().enumerate() {
-                let in_window = granted[i..].iter().take_while(|u| **u < t + 1000).count();
-                prop_assert!(in_window <= 20, "{} calls in [{}, {})", in_window, t, t + 1000);
+            arrivals.sort_unstable();
+            for (i, t) in arrivals.iter().enumerate() {
+                let in_window = arrivals[i..].iter().take_while(|u| **u < t + 1000).count();
+                prop_assert!(in_window <= 20, "{} arrivals in [{}, {})", in_window, t, t + 1000);
             }
         }
     }
@@ -177,7 +226,11 @@ mod tests {
         let mut granted = 0;
         while now < 30_000 {
             match l.try_acquire(now) {
-                Ok(()) => granted += 1,
+                Ok(()) => {
+                    // An instant provider: each call completes at once.
+                    l.complete(now);
+                    granted += 1;
+                }
                 Err(at) => {
                     assert!(at > now);
                     now = at;

@@ -27,7 +27,7 @@ use crate::domain::{
 };
 use crate::pipeline::{Pipeline, Pipelines, Templates};
 use crate::store::{
-    ClaimRequest, Commit, Created, Db, Lease, NewRecord, StepWrite, Store, StoreError,
+    ClaimRequest, Commit, Created, Db, Lease, NewRecord, NodeBeat, StepWrite, Store, StoreError,
 };
 
 use limits::ProviderRuntime;
@@ -85,6 +85,7 @@ struct Inner {
     pinned: Mutex<HashMap<i64, Compiled>>,
     providers: HashMap<String, Arc<ProviderRuntime>>,
     installation: String,
+    started_at: UnixMs,
     wake: Notify,
     /// Leases this node holds, with a token cancelled if one is lost.
     held: Mutex<HashMap<i64, (Lease, CancellationToken)>>,
@@ -146,6 +147,7 @@ impl Engine {
                 pinned: Mutex::new(pinned),
                 providers,
                 installation,
+                started_at: now,
                 wake: Notify::new(),
                 held: Mutex::default(),
                 slots,
@@ -169,6 +171,18 @@ impl Engine {
         key: Option<&str>,
         input: Value,
     ) -> Result<Created, StoreError> {
+        self.enqueue_at(pipeline, key, input, self.inner.clock.now_ms())
+            .await
+    }
+
+    /// [`enqueue`](Self::enqueue), due at `run_at` instead of now.
+    pub async fn enqueue_at(
+        &self,
+        pipeline: &str,
+        key: Option<&str>,
+        input: Value,
+        run_at: UnixMs,
+    ) -> Result<Created, StoreError> {
         let version = lock(&self.inner.current).get(pipeline).copied();
         let Some(version) = version else {
             return Err(StoreError::Invalid(format!(
@@ -185,7 +199,7 @@ impl Engine {
                     pipeline_version: Some(version),
                     external_key: key.map(str::to_owned),
                     input,
-                    run_at: now,
+                    run_at,
                 },
                 now,
             )
@@ -247,6 +261,15 @@ impl Engine {
         let tasks = TaskTracker::new();
         let keeper = tokio::spawn(self.clone().keep_leases(shutdown.clone()));
         let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
+        let listen = match &i.db {
+            Db::Postgres(pg) => {
+                let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
+                Some(tokio::spawn(async move {
+                    pg.listen_for_work(|| engine.wake(), stop).await
+                }))
+            }
+            Db::Sqlite(_) => None,
+        };
         while !shutdown.is_cancelled() {
             let free = i.slots.available_permits();
             let mut claimed_full = false;
@@ -306,6 +329,12 @@ impl Engine {
         }
         keeper.abort();
         sync.abort();
+        if let Some(l) = listen {
+            l.abort();
+        }
+        if let Err(e) = i.db.remove_node(&i.opts.node_id).await {
+            tracing::warn!(error = %e, "could not deregister the node");
+        }
     }
 
     /// Until the earliest due record, within `[10ms, idle_max]`.
@@ -369,13 +398,38 @@ impl Engine {
         }
     }
 
-    /// One round of [`sync_providers`](Self::sync_providers).
+    /// One round of [`sync_providers`](Self::sync_providers): heartbeat,
+    /// take this node's share of provider limits from the live node count,
+    /// and read pauses and breakers.
     pub async fn sync_providers_once(&self) {
         let i = &self.inner;
+        let now = i.clock.now_ms();
+        let beat = NodeBeat {
+            id: i.opts.node_id.clone(),
+            hostname: crate::app::hostname(),
+            pid: i64::from(std::process::id()),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            started_at: i.started_at,
+            draining: false,
+        };
+        if let Err(e) = i.db.heartbeat(&beat, now).await {
+            tracing::warn!(error = %e, "heartbeat failed");
+        }
+        if let Ok(nodes) = i.db.list_nodes().await {
+            // Live: seen within three sync rounds (and never less than 6 s).
+            let horizon = (3 * i.opts.provider_sync.as_millis() as i64).max(6_000);
+            let live = nodes
+                .iter()
+                .filter(|n| n.heartbeat_at >= now - horizon && !n.draining)
+                .count()
+                .max(1);
+            for rt in i.providers.values() {
+                rt.limiter().set_share(1.0 / live as f64);
+            }
+        }
         let Ok(states) = i.db.provider_states().await else {
             return;
         };
-        let now = i.clock.now_ms();
         for s in states {
             if let Some(rt) = i.providers.get(&s.provider) {
                 rt.set_paused(s.paused);

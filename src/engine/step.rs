@@ -15,6 +15,43 @@ use crate::domain::{Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
 use crate::store::{NewAttempt, StepWrite};
 
+/// A granted rate-limit slot; dropping it marks the call complete, whether
+/// it finished, failed before sending, or was cancelled mid-flight.
+struct Flight<'a>(&'a ProviderRuntime);
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        self.0.limiter().complete(super::now_ms());
+    }
+}
+
+/// A breaker permit; dropping it unused gives a half-open probe back.
+struct Probe<'a> {
+    rt: &'a ProviderRuntime,
+    permit: Option<crate::domain::breaker::Permit>,
+}
+
+impl Probe<'_> {
+    /// Records the call's verdict; true when the breaker changed state.
+    fn record(mut self, failed: bool, took: Duration, now: UnixMs) -> bool {
+        let Some(permit) = self.permit.take() else {
+            return false;
+        };
+        let mut b = self.rt.breaker();
+        let before = b.state();
+        b.record(permit, failed, took, now);
+        b.state() != before
+    }
+}
+
+impl Drop for Probe<'_> {
+    fn drop(&mut self) {
+        if let Some(permit) = self.permit.take() {
+            self.rt.breaker().release(permit);
+        }
+    }
+}
+
 /// Template context: `input`, `record`, and each succeeded step's output.
 pub fn context(rec: &Record, states: &HashMap<String, StepWrite>) -> Value {
     let mut steps = Map::new();
@@ -140,7 +177,12 @@ impl StepRun<'_> {
         }
         let is_retry = !polling && w.attempts > 0;
 
-        // Rate limit first: waiting here must not hold a breaker probe.
+        // Order matters: take a concurrency slot first, so that everything
+        // after it (rate limit, breaker, budget) is decided just before the
+        // call goes out, not while queued behind other calls.
+        let Ok(_slot) = rt.concurrency.clone().acquire_owned().await else {
+            return self.defer(now + 1_000, "provider concurrency closed");
+        };
         loop {
             let t = super::now_ms();
             let verdict = rt.limiter().try_acquire(t);
@@ -152,24 +194,22 @@ impl StepRun<'_> {
                 Err(at) => return self.defer(at, "provider rate limit"),
             }
         }
-        let permit = match rt.breaker().try_acquire(super::now_ms()) {
-            Ok(p) => p,
+        // From here on the call counts against the limits until its guard
+        // drops, even if this pass is cancelled mid-call (lease lost).
+        let _flight = Flight(rt);
+        let probe = match rt.breaker().try_acquire(super::now_ms()) {
+            Ok(p) => Probe {
+                rt,
+                permit: Some(p),
+            },
             Err(r) => return self.defer(r.until, "provider circuit breaker open"),
         };
-        if is_retry && !rt.budget().try_retry(now) {
-            // Release a probe we would not use.
-            if permit.probe {
-                rt.breaker()
-                    .record(permit, false, Duration::ZERO, super::now_ms());
-            }
-            return self.defer(now + 1_000, "provider retry budget exhausted");
+        if is_retry && !rt.budget().try_retry(super::now_ms()) {
+            return self.defer(super::now_ms() + 1_000, "provider retry budget exhausted");
         }
         if !is_retry && !polling {
             rt.budget().on_call(now);
         }
-        let Ok(_slot) = rt.concurrency.clone().acquire_owned().await else {
-            return self.defer(now + 1_000, "provider concurrency closed");
-        };
 
         let spec: &RequestSpec = match (&self.step.poll, polling) {
             (Some(p), true) => &p.request,
@@ -182,10 +222,6 @@ impl StepRun<'_> {
         let call = match self.build_call(rt, spec, &ctx, w.generation) {
             Ok(c) => c,
             Err(e) => {
-                if permit.probe {
-                    rt.breaker()
-                        .record(permit, false, Duration::ZERO, super::now_ms());
-                }
                 // A template that cannot render will not render next time:
                 // the step fails, with the reason.
                 w.state = StepState::Failed;
@@ -201,16 +237,11 @@ impl StepRun<'_> {
         }
         let started = super::now_ms();
         let x = exchange(&rt.client, &call).await;
-        let c = classify(&rt.rules, &x.reply);
         let after = super::now_ms();
+        let c = classify(&rt.rules, &x.reply);
 
         let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
-        let breaker_moved = {
-            let mut b = rt.breaker();
-            let before = b.state();
-            b.record(permit, failed, x.took, after);
-            (b.state() != before).then(|| rt.name.clone())
-        };
+        let breaker_moved = probe.record(failed, x.took, after).then(|| rt.name.clone());
         if x.http_status == Some(429) {
             // The whole provider slows down, not just this record.
             let pause = x.retry_after.unwrap_or(retry.base.0);

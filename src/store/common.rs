@@ -316,6 +316,7 @@ macro_rules! common_store {
                 let mut deltas = CountDeltas::default();
                 deltas.moved(&record.pipeline, None, RecordState::Pending);
                 Self::apply_counts(&mut tx, &deltas).await?;
+                Self::notify_work(&mut tx).await?;
                 tx.commit().await?;
                 Ok(Created { record, created: true })
             }
@@ -429,6 +430,9 @@ macro_rules! common_store {
                     released += 1;
                 }
                 Self::apply_counts(&mut tx, &deltas).await?;
+                if released > 0 {
+                    Self::notify_work(&mut tx).await?;
+                }
                 tx.commit().await?;
                 Ok(released)
             }
@@ -564,6 +568,9 @@ macro_rules! common_store {
                 let mut deltas = CountDeltas::default();
                 let moved = Self::move_record(&mut tx, &rec, to, next, req.now, event, error_code.as_deref(), &mut deltas).await?;
                 Self::apply_counts(&mut tx, &deltas).await?;
+                if next.is_some() {
+                    Self::notify_work(&mut tx).await?;
+                }
                 tx.commit().await?;
                 Ok(moved)
             }

@@ -16,6 +16,9 @@ use super::rows::row_mappers;
 
 row_mappers!(sqlx::postgres::PgRow);
 
+/// The LISTEN/NOTIFY channel that says "there is due work".
+const WORK_CHANNEL: &str = "ballast_work";
+
 /// How many rows each (pipeline, state) counter is spread over, so that
 /// concurrent transactions rarely wait on the same counter row.
 const COUNTER_SHARDS: i32 = 16;
@@ -51,6 +54,53 @@ impl PgStore {
 
     async fn begin_write(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
         self.pool.begin().await
+    }
+
+    /// Wakes idle workers on every node (delivered at commit).
+    async fn notify_work(tx: &mut Transaction<'static, Postgres>) -> StoreResult<()> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(WORK_CHANNEL)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// Waits for work notifications from any node; each one calls `wake`.
+    /// Reconnects after errors until `stop`.
+    pub async fn listen_for_work(
+        &self,
+        wake: impl Fn() + Send,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            let listener = async {
+                let mut l = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
+                l.listen(WORK_CHANNEL).await?;
+                Ok::<_, sqlx::Error>(l)
+            };
+            let mut listener = match listener.await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot listen for work; retrying");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+                    }
+                }
+            };
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    n = listener.recv() => match n {
+                        Ok(_) => wake(),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "work notifications interrupted");
+                            break;
+                        }
+                    },
+                }
+            }
+        }
     }
 
     fn counter_shard() -> i32 {

@@ -316,3 +316,304 @@ async fn sqlite_crash_and_resume() {
 async fn postgres_crash_and_resume() {
     crash_and_resume(Backend::Postgres).await;
 }
+
+/// One provider on the simulator with the given extra settings, and a
+/// one-step pipeline `pay` that charges it.
+fn single_step(base_url: &str, provider_extra: &str) -> Arc<Config> {
+    let text = format!(
+        r#"
+[providers.sim]
+base_url = "{base_url}"
+timeout = "500ms"
+{provider_extra}
+
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}", "amount": 1}}' }}
+outputs = {{ id = "/id" }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("single.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    Arc::new(config)
+}
+
+async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
+    for i in 0..n {
+        engine
+            .enqueue(pipeline, Some(&format!("k-{i}")), json!({}))
+            .await
+            .unwrap();
+    }
+}
+
+fn run_in_background(engine: &Engine) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(2)).await }
+    });
+    (stop, handle)
+}
+
+async fn breaker_protects_a_failing_provider(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "breaker").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(3)).await.unwrap();
+    let config = single_step(
+        &sim.base_url(),
+        r#"concurrency = 4
+retry = { max_attempts = 1000, base = "10ms", cap = "50ms", deadline = "10m", budget = 1.0, budget_floor = 1000.0 }
+breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", probes = 1 }"#,
+    );
+    let engine = Engine::new(t.db.clone(), config, options("b1"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 50).await;
+    sim.outage(60_000, 1.0);
+    let (stop, run) = run_in_background(&engine);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let during = sim.stats().requests;
+    let shared = t.db.provider_state("sim").await.unwrap().map(|p| p.breaker);
+    let counts = t.db.state_counts().await.unwrap();
+    // 10 calls to judge, at most 4 more already in flight, then one probe
+    // per open interval (2 or 3 in 2.5 s).
+    println!(
+        "{} breaker: {during} calls reached the provider in 2.5 s of full outage; shared state {shared:?}",
+        backend.as_str()
+    );
+    assert!(
+        during <= 10 + 4 + 4,
+        "the breaker let {during} calls through"
+    );
+    assert_eq!(
+        shared,
+        Some(ballast::domain::BreakerState::Open),
+        "other nodes and the dashboard see it open"
+    );
+    assert!(
+        counts
+            .iter()
+            .all(|c| !matches!(c.state, RecordState::Parked | RecordState::Failed)),
+        "records are deferred, not parked: {counts:?}"
+    );
+    // The outage ends; a probe succeeds; everything completes.
+    sim.outage(0, 1.0);
+    wait_at_rest(&t.db, 50, Duration::from_secs(30)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let counts = t.db.state_counts().await.unwrap();
+    assert_eq!(counts.len(), 1, "{counts:?}");
+    assert_eq!(
+        (counts[0].state, counts[0].count),
+        (RecordState::Succeeded, 50)
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_breaker_protects_a_failing_provider() {
+    breaker_protects_a_failing_provider(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_breaker_protects_a_failing_provider() {
+    breaker_protects_a_failing_provider(Backend::Postgres).await;
+}
+
+async fn retry_storm_stays_within_budget(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "retry_storm").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(4)).await.unwrap();
+    // No breaker to speak of: the budget alone must hold retries back.
+    let config = single_step(
+        &sim.base_url(),
+        r#"concurrency = 32
+retry = { max_attempts = 1000, base = "5ms", cap = "20ms", deadline = "10m", budget = 0.2, budget_floor = 5.0 }
+breaker = { window = 1000, min_calls = 1000, failure_rate = 1.0 }"#,
+    );
+    let engine = Engine::new(t.db.clone(), config, options("s1"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 100).await;
+    sim.outage(60_000, 1.0);
+    let started = Instant::now();
+    let (stop, run) = run_in_background(&engine);
+    tokio::time::sleep(Duration::from_millis(2_800)).await;
+    let calls = sim.stats().requests;
+    let secs = started.elapsed().as_secs_f64();
+    // 100 first calls; retries at most 20% of them, plus the floor (5/s)
+    // and its starting bank (10 s of floor).
+    let allowed = 100.0 + 0.2 * 100.0 + 5.0 * secs + 50.0;
+    println!(
+        "{} retry storm: {calls} calls in {secs:.1} s of 100% 503 for 100 records (the budget allows {allowed:.0})",
+        backend.as_str()
+    );
+    assert!(calls as f64 <= allowed + 5.0, "{calls} calls > {allowed}");
+    sim.outage(0, 1.0);
+    wait_at_rest(&t.db, 100, Duration::from_secs(60)).await;
+    stop.cancel();
+    run.await.unwrap();
+    assert_eq!(sim.ledger().double_charges, 0);
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_retry_storm_stays_within_budget() {
+    retry_storm_stays_within_budget(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retry_storm_stays_within_budget() {
+    retry_storm_stays_within_budget(Backend::Postgres).await;
+}
+
+async fn rate_limit_holds_at_the_provider(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "rate_limit").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(5)).await.unwrap();
+    let config = single_step(
+        &sim.base_url(),
+        "concurrency = 32\nrate_limits = [\"40/s\"]",
+    );
+    let engine = Engine::new(t.db.clone(), config, options("r1"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 160).await;
+    let (stop, run) = run_in_background(&engine);
+    let took = wait_at_rest(&t.db, 160, Duration::from_secs(30)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let stats = sim.stats();
+    println!(
+        "{} rate limit 40/s: {} calls in {took:?} ({:.1}/s), busiest second {}",
+        backend.as_str(),
+        stats.requests,
+        stats.requests as f64 / took.as_secs_f64(),
+        stats.max_per_second
+    );
+    assert!(
+        stats.max_per_second <= 40,
+        "a second saw {} calls",
+        stats.max_per_second
+    );
+    assert!(
+        took >= Duration::from_millis(2_900),
+        "160 calls at 40/s take at least 3 s: {took:?}"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_rate_limit_holds_at_the_provider() {
+    rate_limit_holds_at_the_provider(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rate_limit_holds_at_the_provider() {
+    rate_limit_holds_at_the_provider(Backend::Postgres).await;
+}
+
+/// Two nodes on one PostgreSQL database share 2,000 records: none is
+/// handled by both, and the provider's limit holds for the two together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_engines_share_the_work_and_the_limit() {
+    let Some(t) = TestDb::migrated(Backend::Postgres, "two_engines").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(6)).await.unwrap();
+    let config = single_step(
+        &sim.base_url(),
+        "concurrency = 32\nrate_limits = [\"200/s\"]",
+    );
+    let a_db = Db::connect(&t.url, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let b_db = Db::connect(&t.url, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let a = Engine::new(a_db, config.clone(), options("node-a"))
+        .await
+        .unwrap();
+    let b = Engine::new(b_db, config.clone(), options("node-b"))
+        .await
+        .unwrap();
+    let (stop_a, run_a) = run_in_background(&a);
+    let (stop_b, run_b) = run_in_background(&b);
+    // Scheduled for later, so that all 2,000 fall due at one moment, after
+    // both nodes have heartbeated and taken their half of the limit.
+    let later = ballast::engine::now_ms() + 600_000;
+    for i in 0..2000 {
+        a.enqueue_at("pay", Some(&format!("k-{i}")), json!({}), later)
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
+    sqlx::query("UPDATE records SET next_run_at = $1 WHERE state = 'pending'")
+        .bind(ballast::engine::now_ms())
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    a.wake();
+    b.wake();
+    let took = wait_at_rest(&t.db, 2000, Duration::from_secs(90)).await;
+    stop_a.cancel();
+    stop_b.cancel();
+    run_a.await.unwrap();
+    run_b.await.unwrap();
+
+    let mut per_node = std::collections::BTreeMap::<String, usize>::new();
+    let mut before = None;
+    loop {
+        let page =
+            t.db.list_records(&RecordFilter {
+                limit: 500,
+                before,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        for r in &page.items {
+            assert_eq!(r.state, RecordState::Succeeded);
+            let attempts = t.db.attempts(r.id).await.unwrap();
+            assert_eq!(
+                attempts.len(),
+                1,
+                "record {} was called {} times",
+                r.id,
+                attempts.len()
+            );
+            *per_node
+                .entry(attempts[0].node.clone().unwrap_or_default())
+                .or_default() += 1;
+        }
+        match page.next {
+            Some(n) => before = Some(n),
+            None => break,
+        }
+    }
+    let stats = sim.stats();
+    println!(
+        "two engines: 2000 records in {took:?}, per node {per_node:?}; busiest second at the provider {} (limit 200)",
+        stats.max_per_second
+    );
+    assert_eq!(sim.ledger().double_charges, 0);
+    assert_eq!(stats.requests, 2000, "exactly one call per record");
+    assert!(
+        stats.max_per_second <= 200,
+        "the cluster exceeded the limit: {}",
+        stats.max_per_second
+    );
+    assert_eq!(per_node.len(), 2, "both nodes worked: {per_node:?}");
+    sim.stop();
+}
