@@ -1,3 +1,4 @@
+DROP TABLE callbacks;
 DROP TABLE providers;
 DROP TABLE nodes;
 DROP TABLE sessions;

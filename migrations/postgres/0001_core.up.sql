@@ -147,6 +147,21 @@ CREATE TABLE sessions (
 CREATE INDEX sessions_user ON sessions (user_id);
 CREATE INDEX sessions_expires ON sessions (expires_at);
 
+-- Webhook deliveries for `callback` steps, kept as evidence. A delivery is
+-- processed by the engine in the same transaction as the step result it
+-- leads to; duplicates and late arrivals stay here, marked.
+CREATE TABLE callbacks (
+    id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    provider     TEXT    NOT NULL,
+    job_id       TEXT    NOT NULL,
+    record_id    BIGINT  REFERENCES records (id) ON DELETE CASCADE,
+    step         TEXT,
+    received_at  BIGINT  NOT NULL,
+    body         JSONB    NOT NULL,
+    processed_at BIGINT
+);
+CREATE INDEX callbacks_pending ON callbacks (record_id, step, id) WHERE processed_at IS NULL;
+
 CREATE TABLE nodes (
     id           TEXT    PRIMARY KEY,
     hostname     TEXT    NOT NULL,

@@ -146,6 +146,21 @@ CREATE TABLE sessions (
 CREATE INDEX sessions_user ON sessions (user_id);
 CREATE INDEX sessions_expires ON sessions (expires_at);
 
+-- Webhook deliveries for `callback` steps, kept as evidence. A delivery is
+-- processed by the engine in the same transaction as the step result it
+-- leads to; duplicates and late arrivals stay here, marked.
+CREATE TABLE callbacks (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    provider     TEXT    NOT NULL,
+    job_id       TEXT    NOT NULL,
+    record_id    INTEGER REFERENCES records (id) ON DELETE CASCADE,
+    step         TEXT,
+    received_at  INTEGER  NOT NULL,
+    body         TEXT    NOT NULL,
+    processed_at INTEGER
+);
+CREATE INDEX callbacks_pending ON callbacks (record_id, step, id) WHERE processed_at IS NULL;
+
 CREATE TABLE nodes (
     id           TEXT    PRIMARY KEY,
     hostname     TEXT    NOT NULL,

@@ -2,3 +2,4 @@
 //! and the request extractors join as the control plane grows.
 
 pub mod password;
+pub mod webhook;

@@ -45,6 +45,9 @@ pub struct ProviderConfig {
     /// rotation).
     #[serde(default)]
     pub webhook_secrets_env: Vec<String>,
+    /// The header carrying a webhook's signature (`sha256=<hex>`).
+    #[serde(default = "defaults::signature_header")]
+    pub webhook_signature_header: String,
     /// Append the built-in rules (transport failures, 408, 429 and 5xx are
     /// retried) after this provider's own.
     #[serde(default = "defaults::yes")]
@@ -252,6 +255,9 @@ mod defaults {
     }
     pub fn yes() -> bool {
         true
+    }
+    pub fn signature_header() -> String {
+        "x-signature".into()
     }
 }
 

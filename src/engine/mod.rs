@@ -62,6 +62,22 @@ impl EngineOptions {
     }
 }
 
+/// What became of a webhook delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delivery {
+    /// Attached to the step waiting on the job.
+    Accepted { record_id: i64 },
+    /// It contradicted a finished step; the step's reversal policy applied.
+    Reversed {
+        record_id: i64,
+        state: crate::domain::RecordState,
+    },
+    /// No step knows this job yet; kept, and applied once the job id is committed.
+    Unmatched { job_id: String },
+    /// The body names no job id where the provider's callback steps look.
+    NoJobId,
+}
+
 /// Errors that stop the engine from starting.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -213,6 +229,175 @@ impl Engine {
     /// The current compiled pipeline called `name`.
     pub fn pipeline(&self, name: &str) -> Option<Arc<Pipeline>> {
         self.inner.pipelines.pipelines.get(name).cloned()
+    }
+
+    /// The webhook secrets of `provider`, from the environment.
+    pub fn webhook_secrets(&self, provider: &str) -> Option<(String, Vec<Vec<u8>>)> {
+        let rt = self.inner.providers.get(provider)?;
+        let secrets = rt
+            .config
+            .webhook_secrets_env
+            .iter()
+            .filter_map(|var| std::env::var(var).ok())
+            .map(String::into_bytes)
+            .collect();
+        Some((rt.config.webhook_signature_header.clone(), secrets))
+    }
+
+    /// Takes a verified webhook delivery from `provider`: finds the job it
+    /// names, stores it, wakes the record, and applies a reversal when it
+    /// contradicts a step already succeeded.
+    pub async fn deliver(&self, provider: &str, body: Value) -> Result<Delivery, StoreError> {
+        let i = &self.inner;
+        let Some(rt) = i.providers.get(provider) else {
+            return Err(StoreError::NotFound {
+                what: "provider",
+                key: provider.to_owned(),
+            });
+        };
+        let job_id = i
+            .pipelines
+            .pipelines
+            .values()
+            .flat_map(|p| p.steps.iter())
+            .find_map(|s| {
+                let cb = s.callback.as_ref().filter(|_| s.provider == provider)?;
+                match body.pointer(&cb.job_id)? {
+                    Value::String(j) => Some(j.clone()),
+                    Value::Null => None,
+                    other => Some(other.to_string()),
+                }
+            });
+        let Some(job_id) = job_id else {
+            return Ok(Delivery::NoJobId);
+        };
+        let now = i.clock.now_ms();
+        let cb = crate::store::NewCallback {
+            provider: provider.to_owned(),
+            job_id: job_id.clone(),
+            body: body.clone(),
+            now,
+        };
+        let Some(found) = i.db.record_callback(&cb).await? else {
+            return Ok(Delivery::Unmatched { job_id });
+        };
+        if matches!(
+            found.step_state,
+            StepState::Succeeded | StepState::Failed | StepState::Skipped
+        ) {
+            // The step is settled: this delivery is a duplicate, a stale
+            // progress report, or a contradiction.
+            let reversed = self
+                .judge_late_delivery(
+                    rt,
+                    found.record_id,
+                    &found.step,
+                    found.step_state,
+                    &job_id,
+                    &body,
+                    now,
+                )
+                .await?;
+            i.db.mark_callbacks(&[found.callback_id], now).await?;
+            if let Some(state) = reversed {
+                return Ok(Delivery::Reversed {
+                    record_id: found.record_id,
+                    state,
+                });
+            }
+            return Ok(Delivery::Accepted {
+                record_id: found.record_id,
+            });
+        }
+        self.wake();
+        Ok(Delivery::Accepted {
+            record_id: found.record_id,
+        })
+    }
+
+    /// A delivery for a settled step: when its outcome contradicts the
+    /// step's result, applies the step's reversal policy. Returns the
+    /// record's new state when it reversed.
+    #[allow(clippy::too_many_arguments)]
+    async fn judge_late_delivery(
+        &self,
+        rt: &ProviderRuntime,
+        record_id: i64,
+        step_name: &str,
+        step_state: StepState,
+        job_id: &str,
+        body: &Value,
+        now: UnixMs,
+    ) -> Result<Option<crate::domain::RecordState>, StoreError> {
+        let i = &self.inner;
+        let reply = crate::domain::rules::Reply::Http {
+            status: 200,
+            json: Some(body.clone()),
+            body_error: None,
+        };
+        let verdict = crate::domain::rules::classify(&rt.rules, &reply).outcome;
+        let contradicts = match step_state {
+            StepState::Succeeded => verdict == crate::domain::Outcome::Fail,
+            StepState::Failed => verdict == crate::domain::Outcome::Success,
+            _ => false,
+        };
+        if !contradicts {
+            return Ok(None);
+        }
+        let rec = i.db.get_record(record_id).await?;
+        let pipeline = match rec {
+            Some(r) => self.compiled(&r).await.map(|c| c.0),
+            None => None,
+        };
+        let step = pipeline.as_ref().and_then(|p| p.step(step_name));
+        let policy = step.map_or(crate::domain::ReversalPolicy::Park, |s| s.on_reversal);
+        let steps = pipeline
+            .as_ref()
+            .and_then(|p| p.from_step(step_name))
+            .unwrap_or_default();
+        let req = crate::store::ReverseRequest {
+            record_id,
+            step: step_name.to_owned(),
+            policy,
+            reason: format!("provider reversed step `{step_name}` after it was {step_state}"),
+            detail: Some(json!({ "job_id": job_id, "callback": body })),
+            now,
+            steps,
+        };
+        let after = i.db.reverse(&req).await?;
+        self.wake();
+        Ok(Some(after.state))
+    }
+
+    /// After a commit that settled callback steps, judges deliveries that
+    /// arrived while the pass ran (they found the step still waiting).
+    async fn reconcile_late_deliveries(
+        &self,
+        record_id: i64,
+        settled: &[(String, String, String, StepState)],
+    ) {
+        let i = &self.inner;
+        for (step, provider, job, state) in settled {
+            let Some(rt) = i.providers.get(provider) else {
+                continue;
+            };
+            let Ok(pending) = i.db.pending_callbacks(provider, job).await else {
+                continue;
+            };
+            for cb in pending {
+                let now = i.clock.now_ms();
+                if let Err(e) = self
+                    .judge_late_delivery(rt, record_id, step, *state, job, &cb.body, now)
+                    .await
+                {
+                    // Left unprocessed: the provider's retry or the next
+                    // delivery will judge it again.
+                    tracing::warn!(record.id = record_id, error = %e, "late delivery not judged yet");
+                    continue;
+                }
+                let _ = i.db.mark_callbacks(&[cb.id], now).await;
+            }
+        }
     }
 
     /// Wakes the loop (new work arrived).
@@ -495,23 +680,46 @@ impl Engine {
             .get(&rec.id)
             .map(|(_, t)| t.clone())
             .unwrap_or_default();
-        let commit = tokio::select! {
-            c = self.pass(&rec, lease.clone()) => c,
-            () = token.cancelled() => None,
-        };
+        // A pass is not aborted when its lease is lost: a call already sent
+        // is let finish so that its exchange still lands in the history.
+        let commit = self.pass(&rec, lease.clone()).await;
         lock(&i.held).remove(&rec.id);
+        if token.is_cancelled() {
+            tracing::warn!(record.id = rec.id, "lease lost during the pass");
+        }
         let Some(commit) = commit else { return };
         match i.db.commit(&commit).await {
             Ok(after) => {
                 if after.state == crate::domain::RecordState::Pending {
                     i.wake.notify_one();
                 }
+                let settled: Vec<(String, String, String, StepState)> = commit
+                    .steps
+                    .iter()
+                    .filter(|w| is_done(w.state))
+                    .filter_map(|w| {
+                        Some((
+                            w.step.clone(),
+                            w.provider.clone()?,
+                            w.job_id.clone()?,
+                            w.state,
+                        ))
+                    })
+                    .collect();
+                if !settled.is_empty() {
+                    self.reconcile_late_deliveries(rec.id, &settled).await;
+                }
             }
             Err(StoreError::LeaseLost { record_id }) => {
+                // Another worker owns the record now: its state is theirs,
+                // but the exchanges made are still history.
                 tracing::warn!(
                     record.id = record_id,
-                    "lease lost before commit; result dropped"
+                    "lease lost before commit; result dropped, attempts kept"
                 );
+                if let Err(e) = i.db.append_attempts(record_id, &commit.attempts).await {
+                    tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
+                }
             }
             Err(e) => {
                 // The lease will expire and another pass will redo the work;
@@ -573,13 +781,34 @@ impl Engine {
             }
         }
 
+        // Deliveries for callback steps make them ready at once.
+        let mut deliveries: HashMap<String, Vec<crate::store::PendingCallback>> = HashMap::new();
+        for s in &pipeline.steps {
+            let w = &states[&s.name];
+            if s.kind == crate::config::pipeline::StepKind::Callback
+                && w.state == StepState::Waiting
+            {
+                if let Some(job) = &w.job_id {
+                    match i.db.pending_callbacks(&s.provider, job).await {
+                        Ok(found) if !found.is_empty() => {
+                            deliveries.insert(s.name.clone(), found);
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(record.id = rec.id, error = %e, "cannot read callbacks")
+                        }
+                    }
+                }
+            }
+        }
+
         let ready: Vec<&crate::pipeline::Step> = pipeline
             .steps
             .iter()
             .filter(|s| {
                 let w = &states[&s.name];
                 !is_done(w.state)
-                    && w.next_run_at.is_none_or(|t| t <= now)
+                    && (w.next_run_at.is_none_or(|t| t <= now) || deliveries.contains_key(&s.name))
                     && s.needs.iter().all(|n| {
                         states
                             .get(n)
@@ -603,12 +832,15 @@ impl Engine {
                 node: &i.opts.node_id,
                 installation: &i.installation,
                 now,
+                callbacks: deliveries.get(&s.name).cloned().unwrap_or_default(),
+                max_wait: i.opts.lease / 4,
             };
             async move { run.execute(rt.as_deref()).await }
         }))
         .await;
 
         let mut attempts = Vec::new();
+        let mut callbacks_done = Vec::new();
         let mut park_reason: Option<(String, String)> = None;
         let mut breaker_moved = Vec::new();
         for out in outputs {
@@ -618,7 +850,8 @@ impl Engine {
             if let Some(name) = out.breaker_moved {
                 breaker_moved.push(name);
             }
-            attempts.extend(out.attempt);
+            attempts.extend(out.attempts);
+            callbacks_done.extend(out.callbacks_done);
             changed.push(out.write.step.clone());
             states.insert(out.write.step.clone(), out.write);
         }
@@ -681,6 +914,7 @@ impl Engine {
             .filter_map(|n| states.get(n).cloned())
             .collect();
         commit.attempts = attempts;
+        commit.callbacks_done = callbacks_done;
         if let Some(a) = &last {
             commit.step = Some(a.step.clone());
             commit.provider = a.provider.clone();

@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 
 use super::http::{Call, exchange};
 use super::limits::ProviderRuntime;
-use crate::config::pipeline::StepKind;
+use crate::config::pipeline::{CallbackFallback, StepKind};
 use crate::domain::rules::classify;
 use crate::domain::{Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
@@ -73,11 +73,13 @@ pub fn context(rec: &Record, states: &HashMap<String, StepWrite>) -> Value {
 /// The result of one step pass.
 pub struct StepOutput {
     pub write: StepWrite,
-    pub attempt: Option<NewAttempt>,
+    pub attempts: Vec<NewAttempt>,
     /// (error code, reason) when the record must be parked.
     pub park: Option<(String, String)>,
     /// The provider whose breaker changed state during this pass.
     pub breaker_moved: Option<String>,
+    /// Webhook deliveries applied by this pass.
+    pub callbacks_done: Vec<i64>,
 }
 
 /// Everything one step pass needs.
@@ -90,6 +92,10 @@ pub struct StepRun<'a> {
     pub node: &'a str,
     pub installation: &'a str,
     pub now: UnixMs,
+    /// Webhook deliveries waiting for this step (callback steps only).
+    pub callbacks: Vec<crate::store::PendingCallback>,
+    /// The longest this pass may wait for a slot or the rate limit.
+    pub max_wait: Duration,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -100,9 +106,10 @@ impl StepRun<'_> {
     fn out(self, write: StepWrite) -> StepOutput {
         StepOutput {
             write,
-            attempt: None,
+            attempts: Vec::new(),
             park: None,
             breaker_moved: None,
+            callbacks_done: Vec::new(),
         }
     }
 
@@ -144,12 +151,53 @@ impl StepRun<'_> {
             );
             return StepOutput {
                 write: w,
-                attempt: None,
+                attempts: Vec::new(),
                 park,
                 breaker_moved: None,
+                callbacks_done: Vec::new(),
             };
         };
-        let polling = self.step.kind != StepKind::Request && self.write.job_id.is_some();
+        // A callback step with a job waits for deliveries; once its
+        // callback deadline has passed it falls back to polling (or parks).
+        let callback_overdue = match (&self.step.callback, self.step.kind) {
+            (Some(cb), StepKind::Callback) if self.write.job_id.is_some() => {
+                let poll_extra = match cb.fallback {
+                    CallbackFallback::Poll => self.step.poll.as_ref().map_or(0, |p| ms(p.deadline)),
+                    CallbackFallback::Park => 0,
+                };
+                let due = self.write.deadline_at.map_or(now, |d| d - poll_extra);
+                if !self.callbacks.is_empty() {
+                    return self.apply_callbacks(rt);
+                }
+                if now < due {
+                    let mut w = self.write.clone();
+                    w.next_run_at = Some(due);
+                    return self.out(w);
+                }
+                if cb.fallback == CallbackFallback::Park {
+                    let mut w = self.write.clone();
+                    let park = self.park_or_fail(
+                        &mut w,
+                        "callback_timeout",
+                        "no callback arrived before the callback deadline".into(),
+                    );
+                    return StepOutput {
+                        write: w,
+                        attempts: Vec::new(),
+                        park,
+                        breaker_moved: None,
+                        callbacks_done: Vec::new(),
+                    };
+                }
+                true
+            }
+            _ => false,
+        };
+        let polling = match self.step.kind {
+            StepKind::Request => false,
+            StepKind::SubmitPoll => self.write.job_id.is_some(),
+            StepKind::Callback => callback_overdue,
+        };
         let retry = &rt.config.retry;
         let mut w = self.write.clone();
         w.provider = Some(rt.name.clone());
@@ -167,9 +215,10 @@ impl StepRun<'_> {
             let park = self.park_or_fail(&mut w, "deadline_passed", reason);
             return StepOutput {
                 write: w,
-                attempt: None,
+                attempts: Vec::new(),
                 park,
                 breaker_moved: None,
+                callbacks_done: Vec::new(),
             };
         }
         if rt.is_paused() {
@@ -180,15 +229,25 @@ impl StepRun<'_> {
         // Order matters: take a concurrency slot first, so that everything
         // after it (rate limit, breaker, budget) is decided just before the
         // call goes out, not while queued behind other calls.
-        let Ok(_slot) = rt.concurrency.clone().acquire_owned().await else {
-            return self.defer(now + 1_000, "provider concurrency closed");
+        // Waiting for a slot or the rate limit is bounded: a record that
+        // cannot be served soon goes back to the queue (no attempt spent)
+        // instead of sitting on a lease while others could take it.
+        let wait_until = tokio::time::Instant::now() + self.max_wait;
+        let slot =
+            tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()).await;
+        let Ok(Ok(_slot)) = slot else {
+            return self.defer(super::now_ms() + 50, "provider concurrency cap reached");
         };
         loop {
             let t = super::now_ms();
             let verdict = rt.limiter().try_acquire(t);
             match verdict {
                 Ok(()) => break,
-                Err(at) if at - t <= 1_000 => {
+                Err(at)
+                    if tokio::time::Instant::now()
+                        + Duration::from_millis((at - t).max(1) as u64)
+                        <= wait_until =>
+                {
                     tokio::time::sleep(Duration::from_millis((at - t).max(1) as u64)).await
                 }
                 Err(at) => return self.defer(at, "provider rate limit"),
@@ -292,17 +351,28 @@ impl StepRun<'_> {
                             .map_or((Duration::from_secs(2), Duration::from_secs(1200)), |p| {
                                 (p.every, p.deadline)
                             });
-                        let deadline = match &self.step.callback {
-                            Some(cb) => cb.deadline.0,
-                            None => deadline,
-                        };
-                        w.next_run_at = Some(after + ms(every));
-                        w.deadline_at = Some(after + ms(deadline));
+                        match &self.step.callback {
+                            Some(cb) if self.step.kind == StepKind::Callback => {
+                                // Wake at the callback deadline; a delivery
+                                // before then wakes the record earlier.
+                                let extra = match cb.fallback {
+                                    CallbackFallback::Poll => deadline,
+                                    CallbackFallback::Park => Duration::ZERO,
+                                };
+                                w.next_run_at = Some(after + ms(cb.deadline.0));
+                                w.deadline_at = Some(after + ms(cb.deadline.0) + ms(extra));
+                            }
+                            _ => {
+                                w.next_run_at = Some(after + ms(every));
+                                w.deadline_at = Some(after + ms(deadline));
+                            }
+                        }
                         return StepOutput {
                             write: w,
-                            attempt: Some(attempt),
+                            attempts: vec![attempt],
                             park: None,
                             breaker_moved,
+                            callbacks_done: Vec::new(),
                         };
                     }
                     None => {
@@ -331,9 +401,10 @@ impl StepRun<'_> {
                         w.reason = None;
                         return StepOutput {
                             write: w,
-                            attempt: Some(attempt),
+                            attempts: vec![attempt],
                             park: None,
                             breaker_moved,
+                            callbacks_done: Vec::new(),
                         };
                     }
                     Some(name) => {
@@ -408,9 +479,115 @@ impl StepRun<'_> {
         }
         StepOutput {
             write: w,
-            attempt: Some(attempt),
+            attempts: vec![attempt],
             park,
             breaker_moved,
+            callbacks_done: Vec::new(),
+        }
+    }
+
+    /// Applies webhook deliveries in arrival order: the first terminal one
+    /// decides; each is kept in the attempt history as evidence.
+    fn apply_callbacks(self, rt: &ProviderRuntime) -> StepOutput {
+        let mut w = self.write.clone();
+        let mut attempts = Vec::new();
+        let mut done = Vec::new();
+        let mut decided = false;
+        for cb in &self.callbacks {
+            if decided {
+                // Later deliveries are judged after this pass commits: one
+                // may contradict the result just reached (a reversal).
+                break;
+            }
+            done.push(cb.id);
+            let reply = crate::domain::rules::Reply::Http {
+                status: 200,
+                json: Some(cb.body.clone()),
+                body_error: None,
+            };
+            let c = classify(&rt.rules, &reply);
+            let mut outcome = c.outcome;
+            let mut code = c.error_code.map(str::to_owned);
+            if !decided {
+                match outcome {
+                    Outcome::Success => {
+                        let mut out = Map::new();
+                        let missing = self.step.outputs.iter().find_map(|(name, pointer)| match cb
+                            .body
+                            .pointer(pointer)
+                        {
+                            Some(v) => {
+                                out.insert(name.clone(), v.clone());
+                                None
+                            }
+                            None => Some(name.clone()),
+                        });
+                        match missing {
+                            None => {
+                                w.state = StepState::Succeeded;
+                                w.output = Some(Value::Object(out));
+                                w.finished_at = Some(self.now);
+                                w.next_run_at = None;
+                                w.error_code = None;
+                                w.reason = None;
+                                decided = true;
+                            }
+                            Some(name) => {
+                                outcome = Outcome::Unknown;
+                                code = Some("output_missing".into());
+                                w.error_code = code.clone();
+                                w.reason = Some(format!("callback lacks output `{name}`"));
+                            }
+                        }
+                    }
+                    Outcome::Fail => {
+                        w.state = StepState::Failed;
+                        w.finished_at = Some(self.now);
+                        w.next_run_at = None;
+                        w.error_code = code.clone();
+                        w.reason = Some("the provider reported failure in its callback".into());
+                        decided = true;
+                    }
+                    // A progress report, or one we do not understand: keep
+                    // waiting; the evidence is in the history.
+                    _ => {}
+                }
+            }
+            attempts.push(NewAttempt {
+                step: self.step.name.clone(),
+                provider: Some(rt.name.clone()),
+                attempt_no: w.attempts.max(1),
+                node: Some(self.node.to_owned()),
+                started_at: cb.received_at,
+                duration_ms: 0,
+                http_status: None,
+                outcome,
+                error_code: code,
+                excerpt: Some(
+                    crate::domain::excerpt(&cb.body.to_string(), crate::domain::EXCERPT_MAX_BYTES)
+                        .to_owned(),
+                ),
+            });
+        }
+        if !decided {
+            let poll_extra = match self.step.callback.as_ref().map(|c| c.fallback) {
+                Some(CallbackFallback::Poll) => {
+                    self.step.poll.as_ref().map_or(0, |p| ms(p.deadline))
+                }
+                _ => 0,
+            };
+            w.next_run_at = Some(
+                w.deadline_at
+                    .map_or(self.now, |d| d - poll_extra)
+                    .max(self.now + 1),
+            );
+        }
+        StepOutput {
+            write: w,
+            attempts,
+            park: None,
+            breaker_moved: None,
+            callbacks_done: done,
         }
     }
 

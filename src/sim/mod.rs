@@ -72,6 +72,8 @@ struct Sim {
     per_second: Mutex<Vec<u32>>,
     outage: Mutex<Option<(Instant, f64)>>,
     next_id: Mutex<u64>,
+    client: reqwest::Client,
+    callbacks_sent: Mutex<u64>,
 }
 
 /// A handle on a running simulator.
@@ -118,6 +120,8 @@ impl SimHandle {
             per_second: Mutex::default(),
             outage: Mutex::default(),
             next_id: Mutex::new(0),
+            client: reqwest::Client::new(),
+            callbacks_sent: Mutex::new(0),
         });
         let shutdown = CancellationToken::new();
         let app = router(sim.clone());
@@ -149,6 +153,11 @@ impl SimHandle {
 
     pub fn ledger(&self) -> LedgerFigures {
         self.sim.ledger_figures()
+    }
+
+    /// Callbacks sent so far.
+    pub fn callbacks_sent(&self) -> u64 {
+        *Sim::lock(&self.sim.callbacks_sent)
     }
 
     pub fn stats(&self) -> StatsFigures {
@@ -420,6 +429,10 @@ async fn submit_job(
             2 => JobFate::Never,
             _ => JobFate::Flip,
         };
+        let callback_url = body
+            .get("callback_url")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         let job = Job {
             id: id.clone(),
             ready_at: Instant::now() + ready_in,
@@ -427,6 +440,9 @@ async fn submit_job(
             seen_done: 0,
             input: body,
         };
+        if let Some(url) = callback_url {
+            tokio::spawn(send_callbacks(s.clone(), job.clone(), url));
+        }
         Sim::lock(&s.jobs).insert(id.clone(), job);
         if let Some(k) = key {
             Sim::lock(&s.jobs_by_key).insert(k, id.clone());
@@ -467,6 +483,72 @@ async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Respon
         (StatusCode::OK, Json(body)).into_response()
     })
     .await
+}
+
+/// Sends a job's callbacks when it finishes, with the profile's mischief:
+/// duplicates, a stale progress report after the final word, lost
+/// deliveries, and flips (success, then a contradicting failure).
+async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
+    tokio::time::sleep_until(job.ready_at.into()).await;
+    let (dup, late, lost) = {
+        let mut rng = Sim::lock(&sim.rng);
+        let p = &sim.profile;
+        (
+            rng.f64() < p.p_callback_duplicate,
+            rng.f64() < p.p_callback_late_progress,
+            rng.f64() < p.p_callback_lost,
+        )
+    };
+    let done = json!({
+        "job_id": job.id,
+        "status": "succeeded",
+        "result": { "url": format!("https://cdn.example/{}.mp4", job.id) },
+    });
+    let mut sends = match job.fate {
+        JobFate::Never => return,
+        _ if lost => return,
+        JobFate::Fail => {
+            vec![json!({ "job_id": job.id, "status": "failed", "error": "render failed" })]
+        }
+        JobFate::Succeed => vec![done],
+        JobFate::Flip => vec![
+            done,
+            json!({ "job_id": job.id, "status": "failed", "error": "result withdrawn" }),
+        ],
+    };
+    if dup {
+        sends.insert(0, sends[0].clone());
+    }
+    if late {
+        sends.push(json!({ "job_id": job.id, "status": "running" }));
+    }
+    for body in sends {
+        let text = body.to_string();
+        let mut req = sim
+            .client
+            .post(&url)
+            .header("content-type", "application/json");
+        if let Some(secret) = &sim.profile.callback_secret {
+            req = req.header(
+                "x-signature",
+                crate::auth::webhook::sign(secret.as_bytes(), text.as_bytes()),
+            );
+        }
+        // A provider retries failed deliveries a few times.
+        for attempt in 0..5u64 {
+            match req.try_clone().map(|r| r.body(text.clone())) {
+                Some(r) => match r.send().await {
+                    Ok(resp) if resp.status().is_success() || resp.status().is_client_error() => {
+                        break;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(100 * (attempt + 1))).await,
+                },
+                None => break,
+            }
+        }
+        *Sim::lock(&sim.callbacks_sent) += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 async fn outage(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {

@@ -53,6 +53,14 @@ pub struct Profile {
     /// Apply every request's side effect, keys or not (a provider that does
     /// not honour idempotency keys).
     pub ignore_keys: bool,
+    /// Signs callbacks (`x-signature: sha256=<hex>`) when set.
+    pub callback_secret: Option<String>,
+    /// A finished job's callback is sent twice.
+    pub p_callback_duplicate: f64,
+    /// A stale "running" callback arrives after the final one.
+    pub p_callback_late_progress: f64,
+    /// A finished job's callback is never sent.
+    pub p_callback_lost: f64,
 }
 
 impl Profile {
@@ -76,6 +84,10 @@ impl Profile {
             p_job_never: 0.01,
             p_job_flip: 0.01,
             ignore_keys: false,
+            callback_secret: None,
+            p_callback_duplicate: 0.05,
+            p_callback_late_progress: 0.1,
+            p_callback_lost: 0.02,
         }
     }
 
@@ -93,6 +105,9 @@ impl Profile {
             p_job_fail: 0.0,
             p_job_never: 0.0,
             p_job_flip: 0.0,
+            p_callback_duplicate: 0.0,
+            p_callback_late_progress: 0.0,
+            p_callback_lost: 0.0,
             ..Profile::chaos(seed)
         }
     }

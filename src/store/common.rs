@@ -450,6 +450,14 @@ macro_rules! common_store {
                 for attempt in &c.attempts {
                     Self::insert_attempt(&mut tx, rec.id, attempt).await?;
                 }
+                for id in &c.callbacks_done {
+                    sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
+                        .bind(c.now)
+                        .bind(rec.id)
+                        .bind(*id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
                 let record = match c.result {
                     None => {
                         let sql = format!(
@@ -573,6 +581,148 @@ macro_rules! common_store {
                 }
                 tx.commit().await?;
                 Ok(moved)
+            }
+
+            async fn record_callback(&self, cb: &$crate::store::NewCallback) -> StoreResult<Option<$crate::store::CallbackMatch>> {
+                let mut tx = self.begin_write().await?;
+                let found: Option<(i64, String, String)> = sqlx::query_as(
+                    "SELECT record_id, step, state FROM step_runs WHERE provider = $1 AND job_id = $2 \
+                     ORDER BY updated_at DESC LIMIT 1",
+                )
+                .bind(cb.provider.clone())
+                .bind(cb.job_id.clone())
+                .fetch_optional(&mut *tx)
+                .await?;
+                let callback_id: i64 = sqlx::query_scalar(
+                    "INSERT INTO callbacks (provider, job_id, record_id, step, received_at, body) \
+                     VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+                )
+                .bind(cb.provider.clone())
+                .bind(cb.job_id.clone())
+                .bind(found.as_ref().map(|f| f.0))
+                .bind(found.as_ref().map(|f| f.1.clone()))
+                .bind(cb.now)
+                .bind(Json(cb.body.clone()))
+                .fetch_one(&mut *tx)
+                .await?;
+                let Some((record_id, step, step_state)) = found else {
+                    tx.commit().await?;
+                    return Ok(None);
+                };
+                let rec = Self::lock_record(&mut tx, record_id).await?.ok_or_else(|| StoreError::NotFound {
+                    what: "record",
+                    key: record_id.to_string(),
+                })?;
+                if rec.state == RecordState::Waiting {
+                    sqlx::query("UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting'")
+                        .bind(cb.now)
+                        .bind(record_id)
+                        .execute(&mut *tx)
+                        .await?;
+                    Self::notify_work(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(Some($crate::store::CallbackMatch {
+                    callback_id,
+                    record_id,
+                    step,
+                    step_state: $crate::store::rows::parse(&step_state, "step state")?,
+                    record_state: rec.state,
+                }))
+            }
+
+            async fn pending_callbacks(&self, provider: &str, job_id: &str) -> StoreResult<Vec<$crate::store::PendingCallback>> {
+                let rows: Vec<(i64, Json<JsonValue>, i64)> = sqlx::query_as(
+                    "SELECT id, body, received_at FROM callbacks \
+                     WHERE provider = $1 AND job_id = $2 AND processed_at IS NULL ORDER BY id",
+                )
+                .bind(provider.to_owned())
+                .bind(job_id.to_owned())
+                .fetch_all(self.reader())
+                .await?;
+                Ok(rows
+                    .into_iter()
+                    .map(|(id, body, received_at)| $crate::store::PendingCallback { id, body: body.0, received_at })
+                    .collect())
+            }
+
+            async fn mark_callbacks(&self, ids: &[i64], now: UnixMs) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                for id in ids {
+                    sqlx::query("UPDATE callbacks SET processed_at = COALESCE(processed_at, $1) WHERE id = $2")
+                        .bind(now)
+                        .bind(*id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn reverse(&self, req: &$crate::store::ReverseRequest) -> StoreResult<Record> {
+                let installation = self.installation_id().await?;
+                let mut tx = self.begin_write().await?;
+                let rec = Self::lock_record(&mut tx, req.record_id).await?.ok_or_else(|| {
+                    StoreError::NotFound { what: "record", key: req.record_id.to_string() }
+                })?;
+                let trigger = Trigger::Reversed(req.policy);
+                let to = transition(rec.state, trigger)?;
+                let mut detail = req.detail.clone().unwrap_or(serde_json::json!({}));
+                if let Some(obj) = detail.as_object_mut() {
+                    obj.insert("policy".into(), serde_json::to_value(req.policy).unwrap_or_default());
+                }
+                let event = EventRow {
+                    record_id: Some(rec.id),
+                    at: req.now,
+                    kind: trigger.kind(),
+                    actor: "provider",
+                    audit: false,
+                    from: Some(rec.state),
+                    to: Some(to),
+                    step: Some(&req.step),
+                    reason: Some(&req.reason),
+                    detail: Some(&detail),
+                };
+                if to == rec.state {
+                    Self::insert_event(&mut tx, &event).await?;
+                    tx.commit().await?;
+                    return Ok(rec);
+                }
+                if req.policy == $crate::domain::ReversalPolicy::Rerun {
+                    for step in &req.steps {
+                        let generation: Option<i32> = sqlx::query_scalar(
+                            "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
+                        )
+                        .bind(rec.id)
+                        .bind(step.clone())
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                        let mut write = $crate::store::StepWrite::pending(step);
+                        write.generation = generation.map_or(0, |g| g + 1);
+                        Self::upsert_step(&mut tx, &installation, rec.id, &write, req.now).await?;
+                    }
+                }
+                let next = to.is_scheduled().then_some(req.now);
+                let mut deltas = CountDeltas::default();
+                let moved = Self::move_record(&mut tx, &rec, to, next, req.now, event, Some("provider_reversed"), &mut deltas).await?;
+                Self::apply_counts(&mut tx, &deltas).await?;
+                if next.is_some() {
+                    Self::notify_work(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(moved)
+            }
+
+            async fn append_attempts(&self, record_id: i64, attempts: &[$crate::store::NewAttempt]) -> StoreResult<()> {
+                if attempts.is_empty() {
+                    return Ok(());
+                }
+                let mut tx = self.begin_write().await?;
+                for a in attempts {
+                    Self::insert_attempt(&mut tx, record_id, a).await?;
+                }
+                tx.commit().await?;
+                Ok(())
             }
 
             async fn step_runs(&self, record_id: i64) -> StoreResult<Vec<StepRun>> {

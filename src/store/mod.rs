@@ -245,6 +245,8 @@ pub struct Commit {
     pub reason: Option<String>,
     pub steps: Vec<StepWrite>,
     pub attempts: Vec<NewAttempt>,
+    /// Webhook deliveries this pass applied, marked processed with it.
+    pub callbacks_done: Vec<i64>,
 }
 
 impl Commit {
@@ -261,8 +263,50 @@ impl Commit {
             reason: None,
             steps: Vec::new(),
             attempts: Vec::new(),
+            callbacks_done: Vec::new(),
         }
     }
+}
+
+/// A webhook delivery for a `callback` step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewCallback {
+    pub provider: String,
+    pub job_id: String,
+    pub body: Value,
+    pub now: UnixMs,
+}
+
+/// A stored delivery not yet applied to its step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingCallback {
+    pub id: i64,
+    pub body: Value,
+    pub received_at: UnixMs,
+}
+
+/// The step a delivery belongs to, as it stood when the delivery arrived.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallbackMatch {
+    /// The stored delivery.
+    pub callback_id: i64,
+    pub record_id: i64,
+    pub step: String,
+    pub step_state: StepState,
+    pub record_state: RecordState,
+}
+
+/// A provider contradicted a result already handled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReverseRequest {
+    pub record_id: i64,
+    pub step: String,
+    pub policy: crate::domain::ReversalPolicy,
+    pub reason: String,
+    pub detail: Option<Value>,
+    pub now: UnixMs,
+    /// For `Rerun`: the reversed step and every step downstream of it.
+    pub steps: Vec<String>,
 }
 
 /// An operator's action on one record.
@@ -374,7 +418,38 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// An operator action through the transition table, audited.
     fn act(&self, req: &ActionRequest) -> impl Future<Output = StoreResult<Record>> + Send;
 
+    // --- callbacks -----------------------------------------------------
+    /// Stores a delivery, attaches it to the step waiting on that job (if
+    /// any) and makes a waiting record due now. Deliveries that arrive
+    /// before the job id is committed are kept and found later by job id.
+    fn record_callback(
+        &self,
+        cb: &NewCallback,
+    ) -> impl Future<Output = StoreResult<Option<CallbackMatch>>> + Send;
+    /// Marks deliveries applied (or judged irrelevant) without a commit.
+    fn mark_callbacks(
+        &self,
+        ids: &[i64],
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Deliveries for a job not yet applied, oldest first.
+    fn pending_callbacks(
+        &self,
+        provider: &str,
+        job_id: &str,
+    ) -> impl Future<Output = StoreResult<Vec<PendingCallback>>> + Send;
+    /// Applies a provider's reversal through the transition table, audited
+    /// as a `reversed` event.
+    fn reverse(&self, req: &ReverseRequest) -> impl Future<Output = StoreResult<Record>> + Send;
+
     // --- history -------------------------------------------------------
+    /// Appends attempts outside any lease: the history of exchanges made by
+    /// a worker that lost its lease before committing.
+    fn append_attempts(
+        &self,
+        record_id: i64,
+        attempts: &[NewAttempt],
+    ) -> impl Future<Output = StoreResult<()>> + Send;
     fn step_runs(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<StepRun>>> + Send;
     fn attempts(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<Attempt>>> + Send;
     fn record_events(&self, record_id: i64)
@@ -555,6 +630,11 @@ forward! {
     fn release(&self, leases: &[Lease], now: UnixMs) -> u64;
     fn commit(&self, commit: &Commit) -> Record;
     fn act(&self, req: &ActionRequest) -> Record;
+    fn record_callback(&self, cb: &NewCallback) -> Option<CallbackMatch>;
+    fn pending_callbacks(&self, provider: &str, job_id: &str) -> Vec<PendingCallback>;
+    fn mark_callbacks(&self, ids: &[i64], now: UnixMs) -> ();
+    fn reverse(&self, req: &ReverseRequest) -> Record;
+    fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
     fn attempts(&self, record_id: i64) -> Vec<Attempt>;
     fn record_events(&self, record_id: i64) -> Vec<Event>;

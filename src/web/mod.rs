@@ -2,6 +2,7 @@
 //! dashboard, API, webhooks and metrics join here, one router per area.
 
 mod health;
+mod hooks;
 
 use axum::Router;
 
@@ -9,5 +10,8 @@ use crate::app::AppState;
 
 /// Every route of the control plane, with its layers.
 pub fn router(state: AppState) -> Router {
-    Router::new().merge(health::router()).with_state(state)
+    Router::new()
+        .merge(health::router())
+        .merge(hooks::router())
+        .with_state(state)
 }

@@ -586,13 +586,24 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
         for r in &page.items {
             assert_eq!(r.state, RecordState::Succeeded);
             let attempts = t.db.attempts(r.id).await.unwrap();
-            assert_eq!(
-                attempts.len(),
-                1,
-                "record {} was called {} times",
-                r.id,
-                attempts.len()
-            );
+            if attempts.len() != 1 {
+                let events: Vec<(String, String, i64)> =
+                    t.db.record_events(r.id)
+                        .await
+                        .unwrap()
+                        .into_iter()
+                        .map(|e| (e.kind, e.actor, e.at))
+                        .collect();
+                let calls: Vec<(Option<String>, i64, i64)> = attempts
+                    .iter()
+                    .map(|a| (a.node.clone(), a.started_at, a.duration_ms))
+                    .collect();
+                panic!(
+                    "record {} was called {} times: events {events:?}, calls {calls:?}",
+                    r.id,
+                    attempts.len()
+                );
+            }
             *per_node
                 .entry(attempts[0].node.clone().unwrap_or_default())
                 .or_default() += 1;

@@ -7,7 +7,7 @@ use ballast::config::{Config, DatabaseUrl};
 use ballast::store::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{TestDb, http_get};
+use crate::helpers::{TestDb, http_get, http_post};
 
 #[tokio::test]
 async fn serves_probes_and_shuts_down_gracefully() {
@@ -165,4 +165,208 @@ outputs = {{ id = "/id", amount = "/amount" }}
     shutdown.cancel();
     let stopped = tokio::time::timeout(Duration::from_secs(15), server).await;
     assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}
+
+/// `callback` steps end by signed webhooks: duplicates and stale progress
+/// reports are harmless, lost callbacks fall back to polling, and a provider
+/// that withdraws a result it gave parks the record with a `reversed` event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callbacks_complete_steps_and_reversals_park_records() {
+    use ballast::store::{RecordFilter, Store};
+    // The webhook secret comes from an environment variable; HOME exists
+    // everywhere, and tests may not set variables (`unsafe` is forbidden).
+    let secret = std::env::var("HOME").expect("HOME is set");
+    let mut profile = ballast::sim::Profile::clean(11);
+    profile.job_time = (Duration::from_millis(50), Duration::from_millis(300));
+    profile.p_job_flip = 0.5;
+    profile.p_callback_duplicate = 0.3;
+    profile.p_callback_late_progress = 0.3;
+    profile.p_callback_lost = 0.2;
+    profile.callback_secret = Some(secret.clone());
+    let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
+    let t = TestDb::sqlite().await;
+    let text = format!(
+        r#"
+[database]
+url = "{}"
+[providers.sim]
+base_url = "{}"
+webhook_secrets_env = ["HOME"]
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+[[pipelines.render.steps]]
+name = "render"
+provider = "sim"
+kind = "callback"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}", "callback_url": {{{{ input.hook | tojson }}}}}}' }}
+job_id = "/id"
+callback = {{ job_id = "/job_id", deadline = "2s", fallback = "poll" }}
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "100ms", deadline = "10s" }}
+outputs = {{ url = "/result/url" }}
+on_reversal = "park"
+"#,
+        t.url,
+        sim.base_url()
+    );
+    let config = Config::parse(&text, std::path::Path::new("callbacks.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(ballast::app::run(
+        config.clone(),
+        listener,
+        shutdown.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let hook = format!("http://{addr}/hooks/sim");
+
+    // The webhook refuses what it must.
+    let body = br#"{"job_id": "job_x", "status": "succeeded"}"#;
+    let good = ballast::auth::webhook::sign(secret.as_bytes(), body);
+    assert_eq!(
+        http_post(addr, "/hooks/sim", &[], body).await.0,
+        401,
+        "unsigned"
+    );
+    assert_eq!(
+        http_post(addr, "/hooks/sim", &[("x-signature", "sha256=00")], body)
+            .await
+            .0,
+        401,
+        "forged"
+    );
+    assert_eq!(
+        http_post(addr, "/hooks/nope", &[("x-signature", &good)], body)
+            .await
+            .0,
+        404,
+        "unknown provider"
+    );
+    let not_json = b"<html>";
+    let signed = ballast::auth::webhook::sign(secret.as_bytes(), not_json);
+    assert_eq!(
+        http_post(addr, "/hooks/sim", &[("x-signature", &signed)], not_json)
+            .await
+            .0,
+        400
+    );
+    let big = vec![b'x'; 2 * 1024 * 1024];
+    assert_eq!(
+        http_post(addr, "/hooks/sim", &[], &big).await.0,
+        413,
+        "oversized"
+    );
+    let (status, reply) = http_post(addr, "/hooks/sim", &[("x-signature", &good)], body).await;
+    assert_eq!(
+        (status, reply.contains("stored")),
+        (202, true),
+        "an unknown job is kept: {reply}"
+    );
+
+    let enq = ballast::engine::Engine::new(
+        t.db.clone(),
+        std::sync::Arc::new(config),
+        ballast::engine::EngineOptions::new("t"),
+    )
+    .await
+    .unwrap();
+    const N: i64 = 40;
+    for i in 0..N {
+        enq.enqueue(
+            "render",
+            Some(&format!("v-{i}")),
+            serde_json::json!({ "hook": hook }),
+        )
+        .await
+        .unwrap();
+    }
+    let started = std::time::Instant::now();
+    loop {
+        let counts = t.db.state_counts().await.unwrap();
+        let at_rest: i64 = counts
+            .iter()
+            .filter(|c| c.state.is_at_rest())
+            .map(|c| c.count)
+            .sum();
+        if at_rest == N {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{counts:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Let late deliveries (flips, stale progress) arrive: wait until the
+    // simulator has sent nothing new for a second.
+    let mut sent = sim.callbacks_sent();
+    loop {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let now_sent = sim.callbacks_sent();
+        if now_sent == sent {
+            break;
+        }
+        sent = now_sent;
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "callbacks never settled"
+        );
+    }
+    // A reversal applied just now may still be committing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let page =
+        t.db.list_records(&RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (mut ok, mut reversed, mut by_poll) = (0, 0, 0);
+    for r in &page.items {
+        let events = t.db.record_events(r.id).await.unwrap();
+        let attempts = t.db.attempts(r.id).await.unwrap();
+        if attempts.iter().filter(|a| a.http_status.is_some()).count() > 1 {
+            by_poll += 1;
+        }
+        match r.state {
+            ballast::domain::RecordState::Succeeded => ok += 1,
+            ballast::domain::RecordState::Parked => {
+                assert_eq!(
+                    r.error_code.as_deref(),
+                    Some("provider_reversed"),
+                    "record {}",
+                    r.id
+                );
+                let rev = events
+                    .iter()
+                    .find(|e| e.kind == "reversed")
+                    .expect("a reversed event");
+                assert_eq!(rev.actor, "provider");
+                assert_eq!(
+                    rev.from_state,
+                    Some(ballast::domain::RecordState::Succeeded)
+                );
+                reversed += 1;
+            }
+            other => panic!("record {} ended {other}: {:?}", r.id, r.reason),
+        }
+    }
+    println!(
+        "callbacks: {N} records, {ok} succeeded, {reversed} parked by a reversal, {by_poll} finished by polling after a lost callback; \
+         {} callbacks sent; {} double charges",
+        sim.callbacks_sent(),
+        sim.ledger().double_charges
+    );
+    assert!(reversed > 0, "flips were reversed");
+    assert!(by_poll > 0, "lost callbacks fell back to polling");
+    assert_eq!(ok + reversed, N);
+    assert_eq!(sim.ledger().double_charges, 0);
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(15), server).await;
 }
