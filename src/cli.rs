@@ -63,6 +63,12 @@ pub enum Command {
         #[arg(long, default_value = "{}")]
         input: String,
     },
+    /// Pause, resume or list providers. A paused provider gets no calls;
+    /// its records wait, spending no attempts.
+    Provider {
+        #[command(subcommand)]
+        action: ProviderCommand,
+    },
     /// Run the chaos simulator: a provider that fails like real ones, for
     /// trying pipelines and for tests and benchmarks.
     Sim {
@@ -78,7 +84,29 @@ pub enum Command {
         /// Multiplies every latency (0 for instant answers).
         #[arg(long, default_value_t = 1.0)]
         latency_scale: f64,
+        /// A scheduled outage, AFTER+LASTS[@FRACTION] from the start:
+        /// `30s+10s` fails everything for 10 s, `1m+2m@0.5` half of it.
+        #[arg(long, value_name = "AFTER+LASTS[@F]")]
+        outage: Vec<crate::sim::Outage>,
+        /// Sign callbacks with the secret in this environment variable.
+        #[arg(long, value_name = "VAR")]
+        callback_secret_env: Option<String>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ProviderCommand {
+    /// Stop calling a provider until it is resumed.
+    Pause {
+        name: String,
+        /// Why, for the audit log and the dashboard.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Call a paused provider again.
+    Resume { name: String },
+    /// Show every provider's breaker and pause state.
+    List,
 }
 
 #[derive(Debug, Subcommand)]
@@ -181,17 +209,35 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Provider { action } => {
+            let db = crate::app::connect(&config).await?;
+            migrate::up(&db, None)
+                .await
+                .context("cannot migrate the database")?;
+            let result = provider_command(&db, &config, action).await;
+            db.close().await;
+            result
+        }
         Command::Sim {
             port,
             profile,
             seed,
             latency_scale,
+            outage,
+            callback_secret_env,
         } => {
             let mut p = match profile.as_str() {
                 "clean" => crate::sim::Profile::clean(seed),
                 _ => crate::sim::Profile::chaos(seed),
             };
             p.latency_scale = latency_scale;
+            p.outages = outage;
+            p.callback_secret = match callback_secret_env {
+                Some(var) => {
+                    Some(std::env::var(&var).with_context(|| format!("{var} is not set"))?)
+                }
+                None => None,
+            };
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
                 .await
                 .with_context(|| format!("cannot listen on 127.0.0.1:{port}"))?;
@@ -300,6 +346,65 @@ async fn migrate_command(db: &Db, action: MigrateCommand) -> anyhow::Result<()> 
                 "{backend}: binary knows up to version {}",
                 migrate::latest_version(db.backend())
             );
+        }
+    }
+    Ok(())
+}
+
+/// Who is at the terminal, for the audit log.
+fn cli_actor() -> String {
+    format!(
+        "cli:{}",
+        std::env::var("USER").unwrap_or_else(|_| "unknown".into())
+    )
+}
+
+async fn provider_command(db: &Db, config: &Config, action: ProviderCommand) -> anyhow::Result<()> {
+    let now = SystemClock.now_ms();
+    let known = |name: &str| -> anyhow::Result<()> {
+        if config.providers.contains_key(name) {
+            Ok(())
+        } else {
+            bail!(
+                "unknown provider `{name}` (configured: {})",
+                config
+                    .providers
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    };
+    match action {
+        ProviderCommand::Pause { name, reason } => {
+            known(&name)?;
+            crate::engine::set_provider_paused(db, &name, true, &cli_actor(), reason, now).await?;
+            println!(
+                "paused {name}: its records wait, spending no attempts, until `ballast provider resume {name}`"
+            );
+        }
+        ProviderCommand::Resume { name } => {
+            known(&name)?;
+            crate::engine::set_provider_paused(db, &name, false, &cli_actor(), None, now).await?;
+            println!("resumed {name}");
+        }
+        ProviderCommand::List => {
+            println!(
+                "{:<20} {:<10} {:<8} REASON",
+                "PROVIDER", "BREAKER", "PAUSED"
+            );
+            let states = db.provider_states().await?;
+            for name in config.providers.keys() {
+                let s = states.iter().find(|s| &s.provider == name);
+                println!(
+                    "{:<20} {:<10} {:<8} {}",
+                    name,
+                    s.map_or("closed", |s| s.breaker.as_str()),
+                    s.is_some_and(|s| s.paused),
+                    s.and_then(|s| s.paused_reason.clone()).unwrap_or_default()
+                );
+            }
         }
     }
     Ok(())

@@ -444,6 +444,8 @@ impl Engine {
     pub async fn run(&self, shutdown: CancellationToken, grace: Duration) {
         let i = &self.inner;
         let tasks = TaskTracker::new();
+        // Know pauses, open breakers and peers before the first claim.
+        self.sync_providers_once().await;
         let keeper = tokio::spawn(self.clone().keep_leases(shutdown.clone()));
         let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
         let listen = match &i.db {
@@ -575,11 +577,11 @@ impl Engine {
     /// other nodes) and publishes this node's breaker changes.
     async fn sync_providers(self, shutdown: CancellationToken) {
         loop {
-            self.sync_providers_once().await;
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(self.inner.opts.provider_sync) => {}
             }
+            self.sync_providers_once().await;
         }
     }
 
@@ -692,6 +694,16 @@ impl Engine {
             Ok(after) => {
                 if after.state == crate::domain::RecordState::Pending {
                     i.wake.notify_one();
+                }
+                if after.state.is_at_rest() {
+                    metrics::counter!(
+                        "ballast_records_finished_total",
+                        &[
+                            ("pipeline", after.pipeline.clone()),
+                            ("state", after.state.as_str().to_owned()),
+                        ]
+                    )
+                    .increment(1);
                 }
                 let settled: Vec<(String, String, String, StepState)> = commit
                     .steps
@@ -946,6 +958,44 @@ fn is_done(state: StepState) -> bool {
         state,
         StepState::Succeeded | StepState::Failed | StepState::Skipped
     )
+}
+
+/// Pauses or resumes a provider for every node (they see it within one
+/// provider-sync round), audited as `provider_paused` / `provider_resumed`.
+pub async fn set_provider_paused(
+    db: &Db,
+    provider: &str,
+    paused: bool,
+    actor: &str,
+    reason: Option<String>,
+    now: UnixMs,
+) -> Result<ProviderState, StoreError> {
+    let mut state = db
+        .provider_state(provider)
+        .await?
+        .unwrap_or_else(|| ProviderState::new(provider, now));
+    state.paused = paused;
+    state.paused_by = paused.then(|| actor.to_owned());
+    state.paused_reason = if paused { reason.clone() } else { None };
+    state.updated_at = now;
+    db.save_provider_state(&state).await?;
+    db.append_event(&crate::store::NewEvent {
+        record_id: None,
+        at: now,
+        kind: if paused {
+            "provider_paused"
+        } else {
+            "provider_resumed"
+        }
+        .into(),
+        actor: actor.to_owned(),
+        audit: true,
+        step: None,
+        reason,
+        detail: Some(json!({ "provider": provider })),
+    })
+    .await?;
+    Ok(state)
 }
 
 /// `now` for callers that have no clock of their own.

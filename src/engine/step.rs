@@ -115,6 +115,14 @@ impl StepRun<'_> {
 
     /// Defers the step to `at` without spending an attempt.
     fn defer(self, at: UnixMs, why: &str) -> StepOutput {
+        metrics::counter!(
+            "ballast_deferrals_total",
+            &[
+                ("provider", self.step.provider.clone()),
+                ("reason", why.to_owned()),
+            ]
+        )
+        .increment(1);
         let mut w = self.write.clone();
         w.next_run_at = Some(at.max(self.now + 1));
         w.reason = Some(why.to_owned());
@@ -298,6 +306,21 @@ impl StepRun<'_> {
         let x = exchange(&rt.client, &call).await;
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);
+        let labels = [
+            ("provider", rt.name.clone()),
+            ("step", self.step.name.clone()),
+        ];
+        metrics::counter!(
+            "ballast_attempts_total",
+            &[
+                ("provider", rt.name.clone()),
+                ("step", self.step.name.clone()),
+                ("outcome", c.outcome.as_str().to_owned()),
+            ]
+        )
+        .increment(1);
+        metrics::histogram!("ballast_attempt_duration_seconds", &labels)
+            .record(x.took.as_secs_f64());
 
         let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
         let breaker_moved = probe.record(failed, x.took, after).then(|| rt.name.clone());

@@ -27,7 +27,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-pub use profile::{Fault, Profile};
+pub use profile::{Fault, Outage, Profile};
 
 /// What happened at the provider, for tests to count.
 #[derive(Debug, Default)]
@@ -241,12 +241,18 @@ impl Sim {
     fn draw(&self) -> (Fault, Duration, bool) {
         let mut rng = Self::lock(&self.rng);
         let outage = *Self::lock(&self.outage);
-        let fault = match outage {
-            Some((until, brownout))
-                if Instant::now() < until && rng.f64() < brownout.max(f64::EPSILON) =>
-            {
-                Fault::ServerError(503)
-            }
+        let elapsed = self.started.elapsed();
+        let scheduled = self
+            .profile
+            .outages
+            .iter()
+            .find(|o| elapsed >= o.after && elapsed < o.after + o.lasts)
+            .map(|o| o.brownout);
+        let manual = outage
+            .filter(|(until, _)| Instant::now() < *until)
+            .map(|(_, b)| b);
+        let fault = match manual.or(scheduled) {
+            Some(brownout) if rng.f64() < brownout.max(f64::EPSILON) => Fault::ServerError(503),
             _ => self.profile.draw_fault(&mut rng),
         };
         let latency = self.profile.draw_latency(&mut rng);

@@ -61,6 +61,41 @@ pub struct Profile {
     pub p_callback_late_progress: f64,
     /// A finished job's callback is never sent.
     pub p_callback_lost: f64,
+    /// Scheduled outages, from the simulator's start.
+    pub outages: Vec<Outage>,
+}
+
+/// A scheduled outage: from `after` the start, for `lasts`, this fraction
+/// of requests fail with 503 (1.0 is a full outage, less a brownout).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outage {
+    pub after: Duration,
+    pub lasts: Duration,
+    pub brownout: f64,
+}
+
+impl std::str::FromStr for Outage {
+    type Err = String;
+
+    /// `AFTER+LASTS` or `AFTER+LASTS@FRACTION`, e.g. `30s+10s` or `1m+2m@0.5`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad =
+            || format!("invalid outage `{s}`: expected AFTER+LASTS[@FRACTION], e.g. 30s+10s@0.5");
+        let (times, brownout) = match s.split_once('@') {
+            Some((t, f)) => (t, f.parse::<f64>().map_err(|_| bad())?),
+            None => (s, 1.0),
+        };
+        let (after, lasts) = times.split_once('+').ok_or_else(bad)?;
+        let parse = |d: &str| crate::config::parse_duration(d).map_err(|_| bad());
+        if !(0.0..=1.0).contains(&brownout) {
+            return Err(bad());
+        }
+        Ok(Outage {
+            after: parse(after)?,
+            lasts: parse(lasts)?,
+            brownout,
+        })
+    }
 }
 
 impl Profile {
@@ -88,6 +123,7 @@ impl Profile {
             p_callback_duplicate: 0.05,
             p_callback_late_progress: 0.1,
             p_callback_lost: 0.02,
+            outages: Vec::new(),
         }
     }
 
@@ -224,6 +260,20 @@ mod tests {
             .count();
         let share = good as f64 / n as f64;
         assert!((0.86..0.885).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn outages_parse() {
+        let o: Outage = "30s+10s".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (o.after, o.lasts, o.brownout),
+            (Duration::from_secs(30), Duration::from_secs(10), 1.0)
+        );
+        let b: Outage = "1m+2m@0.5".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((b.after, b.brownout), (Duration::from_secs(60), 0.5));
+        for bad in ["30s", "30s+", "x+1s", "1s+1s@2", "1s+1s@x"] {
+            assert!(bad.parse::<Outage>().is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -507,3 +507,39 @@ request = { path = "/charge", body = '{{ input | tojson }}' }
         stderr(&unknown)
     );
 }
+
+#[test]
+fn providers_are_paused_and_resumed_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        "[providers.acme]\nbase_url = \"https://acme.example\"\n",
+    )
+    .unwrap();
+    let paused = ballast(
+        dir.path(),
+        &[("USER", "ops")],
+        &["provider", "pause", "acme", "--reason", "vendor incident"],
+    );
+    assert!(paused.status.success(), "{}", stderr(&paused));
+    let list = stdout(&ballast(dir.path(), &[], &["provider", "list"]));
+    let line = list
+        .lines()
+        .find(|l| l.starts_with("acme"))
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        line.contains("true") && line.contains("vendor incident"),
+        "{list}"
+    );
+    let resumed = ballast(dir.path(), &[], &["provider", "resume", "acme"]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert!(stdout(&ballast(dir.path(), &[], &["provider", "list"])).contains("false"));
+    let unknown = ballast(dir.path(), &[], &["provider", "pause", "nope"]);
+    assert!(!unknown.status.success());
+    assert!(
+        stderr(&unknown).contains("unknown provider `nope`"),
+        "{}",
+        stderr(&unknown)
+    );
+}

@@ -628,3 +628,133 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
     assert_eq!(per_node.len(), 2, "both nodes worked: {per_node:?}");
     sim.stop();
 }
+
+/// Attempts, their durations and finished records are recorded as metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_recorded() {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    let handle = HANDLE.get_or_init(|| {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .expect("one recorder per process")
+    });
+    let t = TestDb::migrated(Backend::Sqlite, "metrics").await.unwrap();
+    let sim = SimHandle::spawn(Profile::clean(8)).await.unwrap();
+    // A provider name no other test uses, so the figures are this test's.
+    let text = format!(
+        r#"
+[providers.metered]
+base_url = "{}"
+[[providers.metered.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[pipelines.metered.steps]]
+name = "charge"
+provider = "metered"
+request = {{ path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
+"#,
+        sim.base_url()
+    );
+    let config = Arc::new(Config::parse(&text, Path::new("metrics.toml")).unwrap());
+    let engine = Engine::new(t.db.clone(), config, options("m1"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "metered", 3).await;
+    while engine.execute_next().await.unwrap() > 0 {}
+    let text = handle.render();
+    assert!(
+        text.contains(
+            r#"ballast_attempts_total{provider="metered",step="charge",outcome="success"} 3"#
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"ballast_records_finished_total{pipeline="metered",state="succeeded"} 3"#),
+        "{text}"
+    );
+    assert!(text.contains("ballast_attempt_duration_seconds"), "{text}");
+    sim.stop();
+}
+
+/// An operator's pause reaches the engine through the shared provider
+/// state: no calls go out, records wait without spending attempts, and
+/// resuming lets them finish. Both actions are audited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_providers_get_no_calls() {
+    let t = TestDb::migrated(Backend::Sqlite, "pause").await.unwrap();
+    let sim = SimHandle::spawn(Profile::clean(9)).await.unwrap();
+    let engine = Engine::new(
+        t.db.clone(),
+        single_step(&sim.base_url(), ""),
+        options("p1"),
+    )
+    .await
+    .unwrap();
+    let now = ballast::engine::now_ms();
+    ballast::engine::set_provider_paused(
+        &t.db,
+        "sim",
+        true,
+        "alice",
+        Some("maintenance".into()),
+        now,
+    )
+    .await
+    .unwrap();
+    enqueue_n(&engine, "pay", 10).await;
+    let (stop, run) = run_in_background(&engine);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(sim.stats().requests, 0, "a paused provider is not called");
+    let counts = t.db.state_counts().await.unwrap();
+    assert!(
+        counts.iter().all(|c| !c.state.is_at_rest()),
+        "records wait: {counts:?}"
+    );
+    ballast::engine::set_provider_paused(&t.db, "sim", false, "alice", None, now + 1)
+        .await
+        .unwrap();
+    wait_at_rest(&t.db, 10, Duration::from_secs(20)).await;
+    stop.cancel();
+    run.await.unwrap();
+    assert_eq!(sim.stats().requests, 10);
+    let audit =
+        t.db.audit_log(&ballast::store::AuditFilter {
+            actor: Some("alice".into()),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, ["provider_resumed", "provider_paused"]);
+    sim.stop();
+}
+
+/// The simulator's scheduled outages fail requests for their span only.
+#[tokio::test]
+async fn scheduled_outages_come_and_go() {
+    let mut profile = Profile::clean(10);
+    profile.outages = vec!["0s+600ms".parse().unwrap()];
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/charge", sim.base_url());
+    let during = client
+        .post(&url)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(during.as_u16(), 503);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let after = client
+        .post(&url)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(after.as_u16(), 200);
+    sim.stop();
+}
