@@ -11,6 +11,9 @@ use crate::domain::rules::{Reply, ReplyError};
 use crate::domain::{EXCERPT_MAX_BYTES, excerpt};
 use crate::pipeline::HttpMethod;
 
+/// The longest `Retry-After` honoured.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
 /// A request ready to send.
 #[derive(Debug, Clone)]
 pub struct Call {
@@ -78,7 +81,10 @@ pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_retry_after(v, SystemTime::now()));
+        .and_then(|v| parse_retry_after(v, SystemTime::now()))
+        // Honoured, but bounded: a provider asking for years is asking for
+        // an hour, and the step's deadline decides the rest.
+        .map(|d| d.min(MAX_RETRY_AFTER));
     let mut body: Vec<u8> = Vec::new();
     let mut stream = resp.bytes_stream();
     let mut body_error = None;

@@ -297,8 +297,11 @@ impl Engine {
                     &body,
                     now,
                 )
-                .await?;
+                .await;
+            // Judged or not, this row is done: on failure the provider is
+            // told to retry (503), and its retry is a new delivery.
             i.db.mark_callbacks(&[found.callback_id], now).await?;
+            let reversed = reversed?;
             if let Some(state) = reversed {
                 return Ok(Delivery::Reversed {
                     record_id: found.record_id,
@@ -386,13 +389,32 @@ impl Engine {
             };
             for cb in pending {
                 let now = i.clock.now_ms();
-                if let Err(e) = self
-                    .judge_late_delivery(rt, record_id, step, *state, job, &cb.body, now)
-                    .await
-                {
-                    // Left unprocessed: the provider's retry or the next
-                    // delivery will judge it again.
-                    tracing::warn!(record.id = record_id, error = %e, "late delivery not judged yet");
+                // The record may be held by a worker for a moment (it moved
+                // on to its next step): try again a few times.
+                let mut judged = false;
+                for attempt in 0..10u64 {
+                    match self
+                        .judge_late_delivery(rt, record_id, step, *state, job, &cb.body, now)
+                        .await
+                    {
+                        Ok(_) => {
+                            judged = true;
+                            break;
+                        }
+                        Err(StoreError::Transition(_)) => {
+                            tokio::time::sleep(Duration::from_millis(200 * (attempt + 1))).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(record.id = record_id, error = %e, "late delivery not judged");
+                            break;
+                        }
+                    }
+                }
+                if !judged {
+                    tracing::warn!(
+                        record.id = record_id,
+                        "late delivery could not be judged; kept unprocessed"
+                    );
                     continue;
                 }
                 let _ = i.db.mark_callbacks(&[cb.id], now).await;
@@ -557,7 +579,10 @@ impl Engine {
                 Ok(kept) => {
                     let mut held = lock(&i.held);
                     for l in leases {
-                        if !kept.contains(&l.record_id) {
+                        let same = held
+                            .get(&l.record_id)
+                            .is_some_and(|(h, _)| h.token == l.token);
+                        if !kept.contains(&l.record_id) && same {
                             if let Some((_, token)) = held.remove(&l.record_id) {
                                 tracing::warn!(
                                     record.id = l.record_id,
@@ -643,16 +668,13 @@ impl Engine {
                 b.window_figures(),
             )
         };
-        let mut ps = match i.db.provider_state(&rt.name).await {
-            Ok(Some(ps)) => ps,
-            _ => ProviderState::new(&rt.name, now),
-        };
+        let mut ps = ProviderState::new(&rt.name, now);
         ps.breaker = state;
         ps.breaker_changed_at = changed;
         ps.open_until = until;
         ps.stats = Some(json!({ "calls": figures.0, "failures": figures.1, "slow": figures.2 }));
         ps.updated_at = now;
-        if let Err(e) = i.db.save_provider_state(&ps).await {
+        if let Err(e) = i.db.save_breaker(&ps).await {
             tracing::warn!(provider.name = %rt.name, error = %e, "could not publish breaker state");
         }
     }
@@ -685,7 +707,16 @@ impl Engine {
         // A pass is not aborted when its lease is lost: a call already sent
         // is let finish so that its exchange still lands in the history.
         let commit = self.pass(&rec, lease.clone()).await;
-        lock(&i.held).remove(&rec.id);
+        {
+            // Only our lease: the record may have been claimed again since.
+            let mut held = lock(&i.held);
+            if held
+                .get(&rec.id)
+                .is_some_and(|(l, _)| l.token == lease.token)
+            {
+                held.remove(&rec.id);
+            }
+        }
         if token.is_cancelled() {
             tracing::warn!(record.id = rec.id, "lease lost during the pass");
         }
@@ -720,6 +751,27 @@ impl Engine {
                     .collect();
                 if !settled.is_empty() {
                     self.reconcile_late_deliveries(rec.id, &settled).await;
+                }
+                // Deliveries that arrived during the pass (or before the job
+                // id was committed) found no waiting record to wake: wake it.
+                if after.state == crate::domain::RecordState::Waiting {
+                    for w in commit
+                        .steps
+                        .iter()
+                        .filter(|w| w.state == StepState::Waiting)
+                    {
+                        let (Some(p), Some(job)) = (&w.provider, &w.job_id) else {
+                            continue;
+                        };
+                        if i.db
+                            .pending_callbacks(p, job)
+                            .await
+                            .is_ok_and(|c| !c.is_empty())
+                        {
+                            let _ = i.db.wake_record(rec.id, i.clock.now_ms()).await;
+                            self.wake();
+                        }
+                    }
                 }
             }
             Err(StoreError::LeaseLost { record_id }) => {
@@ -970,15 +1022,15 @@ pub async fn set_provider_paused(
     reason: Option<String>,
     now: UnixMs,
 ) -> Result<ProviderState, StoreError> {
-    let mut state = db
-        .provider_state(provider)
-        .await?
-        .unwrap_or_else(|| ProviderState::new(provider, now));
-    state.paused = paused;
-    state.paused_by = paused.then(|| actor.to_owned());
-    state.paused_reason = if paused { reason.clone() } else { None };
-    state.updated_at = now;
-    db.save_provider_state(&state).await?;
+    let state = db
+        .set_provider_pause(
+            provider,
+            paused,
+            paused.then_some(actor),
+            if paused { reason.as_deref() } else { None },
+            now,
+        )
+        .await?;
     db.append_event(&crate::store::NewEvent {
         record_id: None,
         at: now,

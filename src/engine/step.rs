@@ -17,11 +17,18 @@ use crate::store::{NewAttempt, StepWrite};
 
 /// A granted rate-limit slot; dropping it marks the call complete, whether
 /// it finished, failed before sending, or was cancelled mid-flight.
-struct Flight<'a>(&'a ProviderRuntime);
+struct Flight<'a> {
+    rt: &'a ProviderRuntime,
+    sent: bool,
+}
 
 impl Drop for Flight<'_> {
     fn drop(&mut self) {
-        self.0.limiter().complete(super::now_ms());
+        if self.sent {
+            self.rt.limiter().complete(super::now_ms());
+        } else {
+            self.rt.limiter().abandon();
+        }
     }
 }
 
@@ -263,7 +270,7 @@ impl StepRun<'_> {
         }
         // From here on the call counts against the limits until its guard
         // drops, even if this pass is cancelled mid-call (lease lost).
-        let _flight = Flight(rt);
+        let mut flight = Flight { rt, sent: false };
         let probe = match rt.breaker().try_acquire(super::now_ms()) {
             Ok(p) => Probe {
                 rt,
@@ -303,6 +310,9 @@ impl StepRun<'_> {
             w.attempts += 1;
         }
         let started = super::now_ms();
+        // From here the call may reach the provider, even if this pass is
+        // cancelled: it counts as sent.
+        flight.sent = true;
         let x = exchange(&rt.client, &call).await;
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);

@@ -411,8 +411,11 @@ async fn submit_job(
     let s = sim.clone();
     with_chaos(&sim, move || {
         // The same key gets the same job back, as real providers do.
+        // One lock across check and insert: two concurrent submits with one
+        // key must get one job, as from a real provider.
+        let mut by_key = Sim::lock(&s.jobs_by_key);
         if let Some(k) = key.as_deref().filter(|_| !s.profile.ignore_keys) {
-            if let Some(id) = Sim::lock(&s.jobs_by_key).get(k).cloned() {
+            if let Some(id) = by_key.get(k).cloned() {
                 return (
                     StatusCode::OK,
                     Json(json!({ "id": id, "status": "queued" })),
@@ -451,7 +454,7 @@ async fn submit_job(
         }
         Sim::lock(&s.jobs).insert(id.clone(), job);
         if let Some(k) = key {
-            Sim::lock(&s.jobs_by_key).insert(k, id.clone());
+            by_key.insert(k, id.clone());
         }
         (
             StatusCode::ACCEPTED,

@@ -210,6 +210,23 @@ macro_rules! common_store {
                 Self::apply_counts(tx, &deltas).await
             }
 
+            /// Resets `steps` to run again from scratch, each under a new
+            /// generation (so a new idempotency key): replays and reruns.
+            async fn rerun_steps(tx: &mut Tx, installation: &str, record_id: i64, steps: &[String], now: UnixMs) -> StoreResult<()> {
+                for step in steps {
+                    let generation: Option<i32> =
+                        sqlx::query_scalar("SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2")
+                            .bind(record_id)
+                            .bind(step.clone())
+                            .fetch_optional(&mut **tx)
+                            .await?;
+                    let mut write = $crate::store::StepWrite::pending(step);
+                    write.generation = generation.map_or(0, |g| g + 1);
+                    Self::upsert_step(tx, installation, record_id, &write, now).await?;
+                }
+                Ok(())
+            }
+
             /// Moves one record whose row the transaction holds and writes
             /// the event; the caller applies `deltas`.
             #[allow(clippy::too_many_arguments)]
@@ -535,18 +552,7 @@ macro_rules! common_store {
                         .await?;
                     }
                     OperatorAction::ReplayFrom => {
-                        for step in &req.steps {
-                            let generation: Option<i32> = sqlx::query_scalar(
-                                "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
-                            )
-                            .bind(rec.id)
-                            .bind(step.clone())
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                            let mut write = $crate::store::StepWrite::pending(step);
-                            write.generation = generation.map_or(0, |g| g + 1);
-                            Self::upsert_step(&mut tx, &installation, rec.id, &write, req.now).await?;
-                        }
+                        Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now).await?;
                     }
                     OperatorAction::Park | OperatorAction::Resume | OperatorAction::Cancel => {}
                 }
@@ -634,7 +640,7 @@ macro_rules! common_store {
             async fn pending_callbacks(&self, provider: &str, job_id: &str) -> StoreResult<Vec<$crate::store::PendingCallback>> {
                 let rows: Vec<(i64, Json<JsonValue>, i64)> = sqlx::query_as(
                     "SELECT id, body, received_at FROM callbacks \
-                     WHERE provider = $1 AND job_id = $2 AND processed_at IS NULL ORDER BY id",
+                     WHERE provider = $1 AND job_id = $2 AND processed_at IS NULL ORDER BY id LIMIT 100",
                 )
                 .bind(provider.to_owned())
                 .bind(job_id.to_owned())
@@ -644,6 +650,22 @@ macro_rules! common_store {
                     .into_iter()
                     .map(|(id, body, received_at)| $crate::store::PendingCallback { id, body: body.0, received_at })
                     .collect())
+            }
+
+            async fn wake_record(&self, record_id: i64, now: UnixMs) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                let done = sqlx::query(
+                    "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND next_run_at > $1",
+                )
+                .bind(now)
+                .bind(record_id)
+                .execute(&mut *tx)
+                .await?;
+                if done.rows_affected() > 0 {
+                    Self::notify_work(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(())
             }
 
             async fn mark_callbacks(&self, ids: &[i64], now: UnixMs) -> StoreResult<()> {
@@ -689,18 +711,7 @@ macro_rules! common_store {
                     return Ok(rec);
                 }
                 if req.policy == $crate::domain::ReversalPolicy::Rerun {
-                    for step in &req.steps {
-                        let generation: Option<i32> = sqlx::query_scalar(
-                            "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
-                        )
-                        .bind(rec.id)
-                        .bind(step.clone())
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                        let mut write = $crate::store::StepWrite::pending(step);
-                        write.generation = generation.map_or(0, |g| g + 1);
-                        Self::upsert_step(&mut tx, &installation, rec.id, &write, req.now).await?;
-                    }
+                    Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now).await?;
                 }
                 let next = to.is_scheduled().then_some(req.now);
                 let mut deltas = CountDeltas::default();
@@ -963,6 +974,56 @@ macro_rules! common_store {
                 let sql = format!("SELECT {PROVIDER_COLUMNS} FROM providers ORDER BY provider");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
                 map::all(&rows, map::provider_state)
+            }
+
+            async fn set_provider_pause(
+                &self,
+                provider: &str,
+                paused: bool,
+                by: Option<&str>,
+                reason: Option<&str>,
+                now: UnixMs,
+            ) -> StoreResult<ProviderState> {
+                let mut tx = self.begin_write().await?;
+                let sql = format!(
+                    "INSERT INTO providers (provider, breaker, breaker_changed_at, paused, paused_by, paused_reason, updated_at) \
+                     VALUES ($1, 'closed', $5, $2, $3, $4, $5) \
+                     ON CONFLICT (provider) DO UPDATE SET paused = excluded.paused, paused_by = excluded.paused_by, \
+                       paused_reason = excluded.paused_reason, updated_at = excluded.updated_at \
+                     RETURNING {PROVIDER_COLUMNS}"
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(provider.to_owned())
+                    .bind(paused)
+                    .bind(by.map(str::to_owned))
+                    .bind(reason.map(str::to_owned))
+                    .bind(now)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let state = map::provider_state(&row)?;
+                tx.commit().await?;
+                Ok(state)
+            }
+
+            async fn save_breaker(&self, p: &ProviderState) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query(
+                    "INSERT INTO providers (provider, breaker, breaker_changed_at, open_until, stats, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6) \
+                     ON CONFLICT (provider) DO UPDATE SET breaker = excluded.breaker, \
+                       breaker_changed_at = excluded.breaker_changed_at, open_until = excluded.open_until, \
+                       stats = excluded.stats, updated_at = excluded.updated_at",
+                )
+                .bind(p.provider.clone())
+                .bind(p.breaker.as_str())
+                .bind(p.breaker_changed_at)
+                .bind(p.open_until)
+                .bind(p.stats.clone().map(Json))
+                .bind(p.updated_at)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(())
             }
 
             async fn save_provider_state(&self, p: &ProviderState) -> StoreResult<()> {

@@ -426,6 +426,12 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         cb: &NewCallback,
     ) -> impl Future<Output = StoreResult<Option<CallbackMatch>>> + Send;
+    /// Makes a waiting record due now (a delivery arrived for it).
+    fn wake_record(
+        &self,
+        record_id: i64,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
     /// Marks deliveries applied (or judged irrelevant) without a commit.
     fn mark_callbacks(
         &self,
@@ -520,6 +526,18 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         state: &ProviderState,
     ) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Sets only the pause columns (so a concurrent breaker update cannot
+    /// undo an operator's pause, nor the reverse).
+    fn set_provider_pause(
+        &self,
+        provider: &str,
+        paused: bool,
+        by: Option<&str>,
+        reason: Option<&str>,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<ProviderState>> + Send;
+    /// Sets only the breaker columns.
+    fn save_breaker(&self, state: &ProviderState) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
 /// Connection settings shared by both backends.
@@ -633,6 +651,7 @@ forward! {
     fn record_callback(&self, cb: &NewCallback) -> Option<CallbackMatch>;
     fn pending_callbacks(&self, provider: &str, job_id: &str) -> Vec<PendingCallback>;
     fn mark_callbacks(&self, ids: &[i64], now: UnixMs) -> ();
+    fn wake_record(&self, record_id: i64, now: UnixMs) -> ();
     fn reverse(&self, req: &ReverseRequest) -> Record;
     fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
@@ -657,6 +676,8 @@ forward! {
     fn provider_state(&self, provider: &str) -> Option<ProviderState>;
     fn provider_states(&self) -> Vec<ProviderState>;
     fn save_provider_state(&self, state: &ProviderState) -> ();
+    fn set_provider_pause(&self, provider: &str, paused: bool, by: Option<&str>, reason: Option<&str>, now: UnixMs) -> ProviderState;
+    fn save_breaker(&self, state: &ProviderState) -> ();
 }
 
 /// An event row as the store writes it, transitions included.

@@ -758,3 +758,88 @@ async fn scheduled_outages_come_and_go() {
     assert_eq!(after.as_u16(), 200);
     sim.stop();
 }
+
+/// Graceful shutdown: in-flight calls finish and commit within the grace
+/// period; everything else is released, due at once, with no attempt
+/// spent and no lease left behind.
+async fn graceful_shutdown_releases_work(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "graceful").await else {
+        return;
+    };
+    let mut profile = Profile::clean(12);
+    profile.latency_scale = 1.0;
+    profile.latency_sigma = 0.0; // every call takes the median, 150 ms
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let config = single_step(&sim.base_url(), "concurrency = 4");
+    let engine = Engine::new(t.db.clone(), config, options("g1"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 40).await;
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(3)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .unwrap()
+        .unwrap();
+
+    let page =
+        t.db.list_records(&RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut attempts = 0;
+    let (mut done, mut released) = (0, 0);
+    for r in &page.items {
+        assert!(
+            r.lease_owner.is_none(),
+            "record {} still leased after shutdown",
+            r.id
+        );
+        let history = t.db.attempts(r.id).await.unwrap();
+        attempts += history.len();
+        match r.state {
+            RecordState::Succeeded => done += 1,
+            RecordState::Pending => {
+                assert!(history.is_empty(), "a released record spent an attempt");
+                released += 1;
+            }
+            other => panic!("record {} is {other} after shutdown", r.id),
+        }
+    }
+    println!(
+        "{} graceful: {done} finished in flight, {released} released, {attempts} attempts",
+        backend.as_str()
+    );
+    assert!(
+        done > 0 && released > 0,
+        "{done} finished, {released} released"
+    );
+    assert_eq!(
+        attempts as u64,
+        sim.stats().requests,
+        "every call made is in the history"
+    );
+    assert_eq!(
+        t.db.list_nodes().await.unwrap().len(),
+        0,
+        "the node deregistered"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_graceful_shutdown_releases_work() {
+    graceful_shutdown_releases_work(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_graceful_shutdown_releases_work() {
+    graceful_shutdown_releases_work(Backend::Postgres).await;
+}
