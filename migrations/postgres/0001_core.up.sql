@@ -64,6 +64,8 @@ CREATE TABLE step_runs (
                        'succeeded', 'failed', 'skipped')),
     generation      INTEGER NOT NULL DEFAULT 0,
     attempts        INTEGER NOT NULL DEFAULT 0,
+    -- Replies no rule understood, counted apart: they park after fewer tries.
+    unknowns        INTEGER NOT NULL DEFAULT 0,
     idempotency_key TEXT    NOT NULL,
     job_id          TEXT,
     output          JSONB,

@@ -133,6 +133,8 @@ pub struct StepRun {
     /// Bumped by replay, so a replayed call gets a new idempotency key.
     pub generation: i32,
     pub attempts: i32,
+    /// Replies (calls or polls) that no rule understood.
+    pub unknowns: i32,
     pub idempotency_key: String,
     /// The provider's job id, committed before the first poll.
     pub job_id: Option<String>,

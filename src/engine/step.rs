@@ -477,35 +477,35 @@ impl StepRun<'_> {
             Outcome::Retry | Outcome::Unknown => {
                 w.error_code = code.clone();
                 let code = code.clone().unwrap_or_else(|| "unknown_reply".into());
-                let limit = if outcome == Outcome::Unknown {
-                    retry.max_attempts.min(retry.unknown_attempts.max(1))
+                // Replies nobody understands are counted apart (calls and
+                // polls alike) and park sooner; plain failures spend the
+                // attempt budget of calls.
+                let exhausted = if outcome == Outcome::Unknown {
+                    w.unknowns += 1;
+                    (w.unknowns as u32 >= retry.unknown_attempts.max(1))
+                        .then(|| format!("{} replies no rule understood; last: {code}", w.unknowns))
+                } else if !polling && w.attempts as u32 >= retry.max_attempts {
+                    Some(format!("{} failed attempts; last: {code}", w.attempts))
                 } else {
-                    retry.max_attempts
+                    None
                 };
                 let wait = backoff.wait(w.attempts.max(1) as u32, fastrand::f64(), x.retry_after);
                 let next = after + ms(wait);
-                if polling {
-                    // A failed poll: the job is still out there; ask again.
-                    w.state = StepState::Waiting;
-                    w.next_run_at = Some(next);
-                } else if w.attempts as u32 >= limit {
-                    let what = if outcome == Outcome::Unknown {
-                        "replies no rule understood"
-                    } else {
-                        "failed attempts"
-                    };
-                    let reason = format!("{} {what}; last: {code}", w.attempts);
-                    w.state = StepState::Retrying;
+                w.state = if polling {
+                    StepState::Waiting
+                } else {
+                    StepState::Retrying
+                };
+                if let Some(reason) = exhausted {
                     park = self.park_or_fail(&mut w, &code, reason);
                 } else if w.deadline_at.is_some_and(|d| next > d) {
-                    w.state = StepState::Retrying;
                     park = self.park_or_fail(
                         &mut w,
                         "deadline_passed",
-                        format!("next retry would pass the step deadline; last: {code}"),
+                        format!("next try would pass the step deadline; last: {code}"),
                     );
                 } else {
-                    w.state = StepState::Retrying;
+                    // A failed poll asks again later: the job is still out there.
                     w.next_run_at = Some(next);
                 }
             }

@@ -112,9 +112,10 @@ macro_rules! common_store {
                 sqlx::query(
                     "INSERT INTO step_runs (record_id, step, state, generation, attempts, idempotency_key, \
                        job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, \
-                       provider) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                       provider, unknowns) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                      ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
+                       unknowns = excluded.unknowns, \
                        generation = excluded.generation, attempts = excluded.attempts, \
                        idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
                        output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
@@ -138,6 +139,7 @@ macro_rules! common_store {
                 .bind(s.finished_at)
                 .bind(now)
                 .bind(s.provider.clone())
+                .bind(s.unknowns)
                 .execute(&mut **tx)
                 .await?;
                 Ok(())
@@ -541,7 +543,7 @@ macro_rules! common_store {
                         // step that has not finished; a submitted job keeps
                         // its id, so it is polled, not paid for again.
                         sqlx::query(
-                            "UPDATE step_runs SET attempts = 0, deadline_at = NULL, next_run_at = NULL, \
+                            "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
                              error_code = NULL, reason = NULL, updated_at = $1, \
                              state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
                              WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",

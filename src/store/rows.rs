@@ -11,7 +11,7 @@ pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> Result<T, s
 pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, state, input, \
      next_run_at, lease_owner, lease_until, lease_token, step, provider, error_code, reason, \
      created_at, updated_at, finished_at";
-pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, idempotency_key, \
+pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
      job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at";
 pub(crate) const ATTEMPT_COLUMNS: &str = "id, record_id, step, provider, attempt_no, node, started_at, \
      duration_ms, http_status, outcome, error_code, excerpt";
@@ -79,6 +79,7 @@ macro_rules! row_mappers {
                     state: parse(&r.try_get::<String, _>("state")?, "step state")?,
                     generation: r.try_get("generation")?,
                     attempts: r.try_get("attempts")?,
+                    unknowns: r.try_get("unknowns")?,
                     idempotency_key: r.try_get("idempotency_key")?,
                     job_id: r.try_get("job_id")?,
                     output: json(r, "output")?,

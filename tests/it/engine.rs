@@ -843,3 +843,52 @@ async fn sqlite_graceful_shutdown_releases_work() {
 async fn postgres_graceful_shutdown_releases_work() {
     graceful_shutdown_releases_work(Backend::Postgres).await;
 }
+
+/// Replies no rule understands are retried a bounded number of times, then
+/// the record is parked with the evidence kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_replies_park_after_their_own_bound() {
+    let t = TestDb::migrated(Backend::Sqlite, "unknowns").await.unwrap();
+    let mut profile = Profile::clean(13);
+    profile.p_malformed = 1.0;
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let config = single_step(
+        &sim.base_url(),
+        r#"retry = { max_attempts = 10, base = "5ms", cap = "20ms", unknown_attempts = 3 }"#,
+    );
+    let engine = Engine::new(t.db.clone(), config, options("u1"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 5).await;
+    let (stop, run) = run_in_background(&engine);
+    wait_at_rest(&t.db, 5, Duration::from_secs(20)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let page =
+        t.db.list_records(&RecordFilter {
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    for r in page.items {
+        assert_eq!(r.state, RecordState::Parked, "record {}", r.id);
+        assert!(
+            r.reason
+                .as_deref()
+                .unwrap_or("")
+                .contains("3 replies no rule understood"),
+            "{:?}",
+            r.reason
+        );
+        let history = t.db.attempts(r.id).await.unwrap();
+        assert_eq!(history.len(), 3, "three tries, then parked");
+        assert!(
+            history
+                .iter()
+                .all(|a| a.excerpt.is_some() && a.error_code.is_some()),
+            "evidence kept"
+        );
+    }
+    sim.stop();
+}
