@@ -1022,32 +1022,8 @@ pub async fn set_provider_paused(
     reason: Option<String>,
     now: UnixMs,
 ) -> Result<ProviderState, StoreError> {
-    let state = db
-        .set_provider_pause(
-            provider,
-            paused,
-            paused.then_some(actor),
-            if paused { reason.as_deref() } else { None },
-            now,
-        )
-        .await?;
-    db.append_event(&crate::store::NewEvent {
-        record_id: None,
-        at: now,
-        kind: if paused {
-            "provider_paused"
-        } else {
-            "provider_resumed"
-        }
-        .into(),
-        actor: actor.to_owned(),
-        audit: true,
-        step: None,
-        reason,
-        detail: Some(json!({ "provider": provider })),
-    })
-    .await?;
-    Ok(state)
+    db.set_provider_pause(provider, paused, actor, reason.as_deref(), now)
+        .await
 }
 
 /// `now` for callers that have no clock of their own.

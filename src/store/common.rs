@@ -982,7 +982,7 @@ macro_rules! common_store {
                 &self,
                 provider: &str,
                 paused: bool,
-                by: Option<&str>,
+                actor: &str,
                 reason: Option<&str>,
                 now: UnixMs,
             ) -> StoreResult<ProviderState> {
@@ -997,12 +997,29 @@ macro_rules! common_store {
                 let row = sqlx::query(sqlx::AssertSqlSafe(sql))
                     .bind(provider.to_owned())
                     .bind(paused)
-                    .bind(by.map(str::to_owned))
-                    .bind(reason.map(str::to_owned))
+                    .bind(paused.then(|| actor.to_owned()))
+                    .bind(reason.filter(|_| paused).map(str::to_owned))
                     .bind(now)
                     .fetch_one(&mut *tx)
                     .await?;
                 let state = map::provider_state(&row)?;
+                let detail = serde_json::json!({ "provider": provider });
+                Self::insert_event(
+                    &mut tx,
+                    &EventRow {
+                        record_id: None,
+                        at: now,
+                        kind: if paused { "provider_paused" } else { "provider_resumed" },
+                        actor,
+                        audit: true,
+                        from: None,
+                        to: None,
+                        step: None,
+                        reason,
+                        detail: Some(&detail),
+                    },
+                )
+                .await?;
                 tx.commit().await?;
                 Ok(state)
             }

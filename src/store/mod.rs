@@ -531,11 +531,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<()>> + Send;
     /// Sets only the pause columns (so a concurrent breaker update cannot
     /// undo an operator's pause, nor the reverse).
+    /// Writes the audit event (`provider_paused` / `provider_resumed`, by
+    /// `actor`) in the same transaction.
     fn set_provider_pause(
         &self,
         provider: &str,
         paused: bool,
-        by: Option<&str>,
+        actor: &str,
         reason: Option<&str>,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<ProviderState>> + Send;
@@ -679,7 +681,7 @@ forward! {
     fn provider_state(&self, provider: &str) -> Option<ProviderState>;
     fn provider_states(&self) -> Vec<ProviderState>;
     fn save_provider_state(&self, state: &ProviderState) -> ();
-    fn set_provider_pause(&self, provider: &str, paused: bool, by: Option<&str>, reason: Option<&str>, now: UnixMs) -> ProviderState;
+    fn set_provider_pause(&self, provider: &str, paused: bool, actor: &str, reason: Option<&str>, now: UnixMs) -> ProviderState;
     fn save_breaker(&self, state: &ProviderState) -> ();
 }
 
