@@ -140,14 +140,7 @@ pub async fn run(
 /// Registers this node and beats until shutdown, then deregisters.
 async fn heartbeat(state: AppState) {
     let clock = SystemClock;
-    let beat = NodeBeat {
-        id: state.node_id.to_string(),
-        hostname: hostname(),
-        pid: i64::from(std::process::id()),
-        version: env!("CARGO_PKG_VERSION").to_owned(),
-        started_at: clock.now_ms(),
-        draining: false,
-    };
+    let beat = NodeBeat::this_process(&state.node_id, clock.now_ms());
     loop {
         if let Err(e) = state.db.heartbeat(&beat, clock.now_ms()).await {
             tracing::warn!(error = %e, "heartbeat failed");

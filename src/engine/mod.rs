@@ -103,8 +103,8 @@ struct Inner {
     installation: String,
     started_at: UnixMs,
     wake: Notify,
-    /// Leases this node holds, with a token cancelled if one is lost.
-    held: Mutex<HashMap<i64, (Lease, CancellationToken)>>,
+    /// Leases this node holds, kept alive by the keeper.
+    held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
 }
 
@@ -372,6 +372,60 @@ impl Engine {
         Ok(Some(after.state))
     }
 
+    /// Stops keeping `lease` alive, unless the record was claimed again
+    /// since (then the newer lease stays).
+    fn forget_lease(&self, lease: &Lease) {
+        let mut held = lock(&self.inner.held);
+        if held
+            .get(&lease.record_id)
+            .is_some_and(|l| l.token == lease.token)
+        {
+            held.remove(&lease.record_id);
+        }
+    }
+
+    /// After a commit, the deliveries of its callback steps that the pass
+    /// could not see: those that arrived while it ran, or before the job id
+    /// was committed. Settled steps judge them (a contradiction is a
+    /// reversal); waiting steps get their record woken to apply them.
+    async fn follow_up_deliveries(
+        &self,
+        rec: &Record,
+        state: crate::domain::RecordState,
+        steps: &[StepWrite],
+    ) {
+        let i = &self.inner;
+        let Some((pipeline, _)) = self.compiled(rec).await else {
+            return;
+        };
+        let is_callback = |name: &str| {
+            pipeline
+                .step(name)
+                .is_some_and(|s| s.kind == crate::config::pipeline::StepKind::Callback)
+        };
+        let mut settled = Vec::new();
+        for w in steps.iter().filter(|w| is_callback(&w.step)) {
+            let (Some(provider), Some(job)) = (&w.provider, &w.job_id) else {
+                continue;
+            };
+            if is_done(w.state) {
+                settled.push((w.step.clone(), provider.clone(), job.clone(), w.state));
+            } else if w.state == StepState::Waiting
+                && state == crate::domain::RecordState::Waiting
+                && i.db
+                    .pending_callbacks(provider, job)
+                    .await
+                    .is_ok_and(|c| !c.is_empty())
+            {
+                let _ = i.db.wake_record(rec.id, i.clock.now_ms()).await;
+                self.wake();
+            }
+        }
+        if !settled.is_empty() {
+            self.reconcile_late_deliveries(rec.id, &settled).await;
+        }
+    }
+
     /// After a commit that settled callback steps, judges deliveries that
     /// arrived while the pass ran (they found the step still waiting).
     async fn reconcile_late_deliveries(
@@ -453,7 +507,7 @@ impl Engine {
         let mut held = lock(&i.held);
         for rec in &claimed {
             if let Some(lease) = rec.lease() {
-                held.insert(rec.id, (lease, CancellationToken::new()));
+                held.insert(rec.id, lease);
             }
         }
         Ok(claimed)
@@ -523,13 +577,7 @@ impl Engine {
             );
         }
         // Whatever is still held goes back, due now, with no attempt spent.
-        let leases: Vec<Lease> = lock(&i.held)
-            .drain()
-            .map(|(_, (l, token))| {
-                token.cancel();
-                l
-            })
-            .collect();
+        let leases: Vec<Lease> = lock(&i.held).drain().map(|(_, l)| l).collect();
         if !leases.is_empty() {
             match i.db.release(&leases, i.clock.now_ms()).await {
                 Ok(n) => tracing::info!(released = n, "released leases"),
@@ -570,27 +618,19 @@ impl Engine {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(every) => {}
             }
-            let leases: Vec<Lease> = lock(&i.held).values().map(|(l, _)| l.clone()).collect();
+            let leases: Vec<Lease> = lock(&i.held).values().cloned().collect();
             if leases.is_empty() {
                 continue;
             }
             let until = i.clock.now_ms() + i.opts.lease.as_millis() as i64;
             match i.db.extend_leases(&leases, until).await {
                 Ok(kept) => {
-                    let mut held = lock(&i.held);
-                    for l in leases {
-                        let same = held
-                            .get(&l.record_id)
-                            .is_some_and(|(h, _)| h.token == l.token);
-                        if !kept.contains(&l.record_id) && same {
-                            if let Some((_, token)) = held.remove(&l.record_id) {
-                                tracing::warn!(
-                                    record.id = l.record_id,
-                                    "lease lost; dropping the work"
-                                );
-                                token.cancel();
-                            }
-                        }
+                    for l in leases.iter().filter(|l| !kept.contains(&l.record_id)) {
+                        tracing::warn!(
+                            record.id = l.record_id,
+                            "lease lost; the pass's result will be dropped"
+                        );
+                        self.forget_lease(l);
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "lease extension failed"),
@@ -616,14 +656,7 @@ impl Engine {
     pub async fn sync_providers_once(&self) {
         let i = &self.inner;
         let now = i.clock.now_ms();
-        let beat = NodeBeat {
-            id: i.opts.node_id.clone(),
-            hostname: crate::app::hostname(),
-            pid: i64::from(std::process::id()),
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            started_at: i.started_at,
-            draining: false,
-        };
+        let beat = NodeBeat::this_process(&i.opts.node_id, i.started_at);
         if let Err(e) = i.db.heartbeat(&beat, now).await {
             tracing::warn!(error = %e, "heartbeat failed");
         }
@@ -700,26 +733,10 @@ impl Engine {
     async fn process(&self, rec: Record) {
         let i = &self.inner;
         let Some(lease) = rec.lease() else { return };
-        let token = lock(&i.held)
-            .get(&rec.id)
-            .map(|(_, t)| t.clone())
-            .unwrap_or_default();
         // A pass is not aborted when its lease is lost: a call already sent
         // is let finish so that its exchange still lands in the history.
         let commit = self.pass(&rec, lease.clone()).await;
-        {
-            // Only our lease: the record may have been claimed again since.
-            let mut held = lock(&i.held);
-            if held
-                .get(&rec.id)
-                .is_some_and(|(l, _)| l.token == lease.token)
-            {
-                held.remove(&rec.id);
-            }
-        }
-        if token.is_cancelled() {
-            tracing::warn!(record.id = rec.id, "lease lost during the pass");
-        }
+        self.forget_lease(&lease);
         let Some(commit) = commit else { return };
         match i.db.commit(&commit).await {
             Ok(after) => {
@@ -736,43 +753,8 @@ impl Engine {
                     )
                     .increment(1);
                 }
-                let settled: Vec<(String, String, String, StepState)> = commit
-                    .steps
-                    .iter()
-                    .filter(|w| is_done(w.state))
-                    .filter_map(|w| {
-                        Some((
-                            w.step.clone(),
-                            w.provider.clone()?,
-                            w.job_id.clone()?,
-                            w.state,
-                        ))
-                    })
-                    .collect();
-                if !settled.is_empty() {
-                    self.reconcile_late_deliveries(rec.id, &settled).await;
-                }
-                // Deliveries that arrived during the pass (or before the job
-                // id was committed) found no waiting record to wake: wake it.
-                if after.state == crate::domain::RecordState::Waiting {
-                    for w in commit
-                        .steps
-                        .iter()
-                        .filter(|w| w.state == StepState::Waiting)
-                    {
-                        let (Some(p), Some(job)) = (&w.provider, &w.job_id) else {
-                            continue;
-                        };
-                        if i.db
-                            .pending_callbacks(p, job)
-                            .await
-                            .is_ok_and(|c| !c.is_empty())
-                        {
-                            let _ = i.db.wake_record(rec.id, i.clock.now_ms()).await;
-                            self.wake();
-                        }
-                    }
-                }
+                self.follow_up_deliveries(&rec, after.state, &commit.steps)
+                    .await;
             }
             Err(StoreError::LeaseLost { record_id }) => {
                 // Another worker owns the record now: its state is theirs,
@@ -870,14 +852,8 @@ impl Engine {
             .steps
             .iter()
             .filter(|s| {
-                let w = &states[&s.name];
-                !is_done(w.state)
-                    && (w.next_run_at.is_none_or(|t| t <= now) || deliveries.contains_key(&s.name))
-                    && s.needs.iter().all(|n| {
-                        states
-                            .get(n)
-                            .is_some_and(|d| d.state == StepState::Succeeded)
-                    })
+                is_runnable(s, &states, now)
+                    || (deliveries.contains_key(&s.name) && unblocked(s, &states))
             })
             .collect();
 
@@ -943,14 +919,7 @@ impl Engine {
             (WorkResult::Completed, None)
         } else {
             // Something is runnable now (a step just unblocked), or later.
-            let runnable_now = pipeline.steps.iter().any(|s| {
-                let w = &states[&s.name];
-                !is_done(w.state)
-                    && w.next_run_at.is_none_or(|t| t <= now)
-                    && s.needs
-                        .iter()
-                        .all(|n| states[n].state == StepState::Succeeded)
-            });
+            let runnable_now = pipeline.steps.iter().any(|s| is_runnable(s, &states, now));
             let pending: Vec<&StepWrite> = pipeline
                 .steps
                 .iter()
@@ -1003,6 +972,25 @@ impl Engine {
         }
         Some(commit)
     }
+}
+
+/// Every step `s` needs has succeeded and `s` itself is not finished.
+fn unblocked(s: &crate::pipeline::Step, states: &HashMap<String, StepWrite>) -> bool {
+    states.get(&s.name).is_some_and(|w| !is_done(w.state))
+        && s.needs.iter().all(|n| {
+            states
+                .get(n)
+                .is_some_and(|d| d.state == StepState::Succeeded)
+        })
+}
+
+/// [`unblocked`], and due by `now`.
+fn is_runnable(
+    s: &crate::pipeline::Step,
+    states: &HashMap<String, StepWrite>,
+    now: UnixMs,
+) -> bool {
+    unblocked(s, states) && states[&s.name].next_run_at.is_none_or(|t| t <= now)
 }
 
 fn is_done(state: StepState) -> bool {

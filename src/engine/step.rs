@@ -110,7 +110,28 @@ fn ms(d: Duration) -> i64 {
 }
 
 impl StepRun<'_> {
-    fn out(self, write: StepWrite) -> StepOutput {
+    /// Parks the record (required step) or fails the step (optional), with
+    /// no exchange made.
+    fn give_up(&self, mut w: StepWrite, code: &str, reason: String) -> StepOutput {
+        let park = self.park_or_fail(&mut w, code, reason);
+        StepOutput {
+            park,
+            ..self.output(w)
+        }
+    }
+
+    /// When a callback step stops waiting for deliveries: its deadline, less
+    /// the polling time that follows it when the fallback is to poll.
+    fn callback_due(&self) -> Option<UnixMs> {
+        let cb = self.step.callback.as_ref()?;
+        let poll_extra = match cb.fallback {
+            CallbackFallback::Poll => self.step.poll.as_ref().map_or(0, |p| ms(p.deadline)),
+            CallbackFallback::Park => 0,
+        };
+        self.write.deadline_at.map(|d| d - poll_extra)
+    }
+
+    fn output(&self, write: StepWrite) -> StepOutput {
         StepOutput {
             write,
             attempts: Vec::new(),
@@ -133,7 +154,7 @@ impl StepRun<'_> {
         let mut w = self.write.clone();
         w.next_run_at = Some(at.max(self.now + 1));
         w.reason = Some(why.to_owned());
-        self.out(w)
+        self.output(w)
     }
 
     fn park_or_fail(
@@ -158,51 +179,25 @@ impl StepRun<'_> {
     pub async fn execute(self, rt: Option<&ProviderRuntime>) -> StepOutput {
         let now = self.now;
         let Some(rt) = rt else {
-            let mut w = self.write.clone();
-            let park = self.park_or_fail(
-                &mut w,
-                "unknown_provider",
-                format!("provider `{}` is not configured", self.step.provider),
-            );
-            return StepOutput {
-                write: w,
-                attempts: Vec::new(),
-                park,
-                breaker_moved: None,
-                callbacks_done: Vec::new(),
-            };
+            let reason = format!("provider `{}` is not configured", self.step.provider);
+            return self.give_up(self.write.clone(), "unknown_provider", reason);
         };
         // A callback step with a job waits for deliveries; once its
         // callback deadline has passed it falls back to polling (or parks).
         let callback_overdue = match (&self.step.callback, self.step.kind) {
             (Some(cb), StepKind::Callback) if self.write.job_id.is_some() => {
-                let poll_extra = match cb.fallback {
-                    CallbackFallback::Poll => self.step.poll.as_ref().map_or(0, |p| ms(p.deadline)),
-                    CallbackFallback::Park => 0,
-                };
-                let due = self.write.deadline_at.map_or(now, |d| d - poll_extra);
+                let due = self.callback_due().unwrap_or(now);
                 if !self.callbacks.is_empty() {
                     return self.apply_callbacks(rt);
                 }
                 if now < due {
                     let mut w = self.write.clone();
                     w.next_run_at = Some(due);
-                    return self.out(w);
+                    return self.output(w);
                 }
                 if cb.fallback == CallbackFallback::Park {
-                    let mut w = self.write.clone();
-                    let park = self.park_or_fail(
-                        &mut w,
-                        "callback_timeout",
-                        "no callback arrived before the callback deadline".into(),
-                    );
-                    return StepOutput {
-                        write: w,
-                        attempts: Vec::new(),
-                        park,
-                        breaker_moved: None,
-                        callbacks_done: Vec::new(),
-                    };
+                    let reason = "no callback arrived before the callback deadline".into();
+                    return self.give_up(self.write.clone(), "callback_timeout", reason);
                 }
                 true
             }
@@ -227,14 +222,7 @@ impl StepRun<'_> {
                 "the step did not succeed"
             };
             let reason = format!("deadline passed: {what} within its deadline");
-            let park = self.park_or_fail(&mut w, "deadline_passed", reason);
-            return StepOutput {
-                write: w,
-                attempts: Vec::new(),
-                park,
-                breaker_moved: None,
-                callbacks_done: Vec::new(),
-            };
+            return self.give_up(w, "deadline_passed", reason);
         }
         if rt.is_paused() {
             return self.defer(now + 5_000, "provider paused by an operator");
@@ -303,7 +291,7 @@ impl StepRun<'_> {
                 w.error_code = Some("template_error".into());
                 w.reason = Some(e);
                 w.next_run_at = None;
-                return self.out(w);
+                return self.output(w);
             }
         };
         if !polling {
@@ -603,17 +591,7 @@ impl StepRun<'_> {
             });
         }
         if !decided {
-            let poll_extra = match self.step.callback.as_ref().map(|c| c.fallback) {
-                Some(CallbackFallback::Poll) => {
-                    self.step.poll.as_ref().map_or(0, |p| ms(p.deadline))
-                }
-                _ => 0,
-            };
-            w.next_run_at = Some(
-                w.deadline_at
-                    .map_or(self.now, |d| d - poll_extra)
-                    .max(self.now + 1),
-            );
+            w.next_run_at = Some(self.callback_due().unwrap_or(self.now).max(self.now + 1));
         }
         StepOutput {
             write: w,

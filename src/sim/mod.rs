@@ -282,6 +282,17 @@ impl Sim {
     }
 }
 
+/// A mutating request's body (null when absent), idempotency key and
+/// business reference.
+fn request_parts(
+    headers: &HeaderMap,
+    body: Option<Json<Value>>,
+) -> (Value, Option<String>, Option<String>) {
+    let body = body.map(|Json(b)| b).unwrap_or(Value::Null);
+    let reference = reference(&body);
+    (body, idempotency_key(headers), reference)
+}
+
 fn idempotency_key(headers: &HeaderMap) -> Option<String> {
     headers
         .get("idempotency-key")
@@ -381,9 +392,7 @@ async fn charge(
     headers: HeaderMap,
     body: Option<Json<Value>>,
 ) -> Response {
-    let body = body.map(|Json(b)| b).unwrap_or(Value::Null);
-    let key = idempotency_key(&headers);
-    let reference = reference(&body);
+    let (body, key, reference) = request_parts(&headers, body);
     let id = sim.next_id("ch");
     let s = sim.clone();
     with_chaos(&sim, move || {
@@ -405,9 +414,7 @@ async fn submit_job(
     headers: HeaderMap,
     body: Option<Json<Value>>,
 ) -> Response {
-    let body = body.map(|Json(b)| b).unwrap_or(Value::Null);
-    let key = idempotency_key(&headers);
-    let reference = reference(&body);
+    let (body, key, reference) = request_parts(&headers, body);
     let s = sim.clone();
     with_chaos(&sim, move || {
         // The same key gets the same job back, as real providers do.

@@ -357,6 +357,20 @@ pub struct NodeBeat {
     pub draining: bool,
 }
 
+impl NodeBeat {
+    /// This process, as node `id`, running since `started_at`.
+    pub fn this_process(id: &str, started_at: UnixMs) -> NodeBeat {
+        NodeBeat {
+            id: id.to_owned(),
+            hostname: crate::app::hostname(),
+            pid: i64::from(std::process::id()),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            started_at,
+            draining: false,
+        }
+    }
+}
+
 /// A change of one user.
 #[derive(Clone, PartialEq)]
 pub enum UserChange {

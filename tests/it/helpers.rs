@@ -147,16 +147,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .await
         .expect("read timed out")
         .unwrap();
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    parse_response(&response)
 }
 
 #[test]
@@ -197,6 +188,11 @@ pub async fn http_post(
     let mut response = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response)).await;
     let response = String::from_utf8_lossy(&response).into_owned();
+    parse_response(&response)
+}
+
+/// (status, body) of a raw HTTP/1.1 response; status 0 when unreadable.
+fn parse_response(response: &str) -> (u16, String) {
     let status = response
         .split_whitespace()
         .nth(1)
