@@ -29,6 +29,8 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// The workers, when the configuration has pipelines.
     pub engine: Option<crate::engine::Engine>,
+    /// The control plane's keys and per-user limits.
+    pub web: Arc<crate::web::WebContext>,
 }
 
 /// Connects to the configured database.
@@ -87,15 +89,20 @@ pub async fn run(
                 .context("cannot start the workers")?,
         )
     };
+    let web = crate::web::context(&config, &db)
+        .await
+        .context("cannot set up the control plane")?;
     let state = AppState {
         db: db.clone(),
         config,
         node_id,
         shutdown: shutdown.clone(),
         engine: engine.clone(),
+        web,
     };
 
     let tasks = TaskTracker::new();
+    tasks.spawn(crate::web::housekeeping(state.clone()));
     if let Some(engine) = engine {
         let stop = shutdown.clone();
         // The engine keeps the node's heartbeat while it runs.

@@ -1,36 +1,95 @@
-//! Webhook signatures: HMAC-SHA256 over the raw body, hex-encoded, sent as
-//! `sha256=<hex>` (the bare hex is accepted too). Several secrets may be
+//! Webhook signatures: HMAC-SHA256 over `"{timestamp}.{raw body}"`, sent as
+//! `t=<unix seconds>,v1=<hex>` (several `v1=` entries may be present while a
+//! provider rotates). A signature outside the tolerance window is refused,
+//! so a captured delivery cannot be replayed later; several secrets may be
 //! valid at once, so a secret can be rotated without dropping deliveries.
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
-/// The signature header value for `body` under `secret`.
-pub fn sign(secret: &[u8], body: &[u8]) -> String {
-    // HMAC accepts keys of any length, so this cannot fail.
-    let mut mac = match <Hmac<Sha256> as KeyInit>::new_from_slice(secret) {
-        Ok(m) => m,
-        Err(_) => return String::new(),
-    };
-    mac.update(body);
-    format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+/// Why a signature was refused; each has a stable code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SignatureError {
+    #[error("the signature header is missing or malformed (expected t=<unix seconds>,v1=<hex>)")]
+    Malformed,
+    #[error("the signature's timestamp is outside the tolerance window")]
+    Stale,
+    #[error("the signature does not match")]
+    Mismatch,
 }
 
-/// True when `header` is a valid signature of `body` under any of
-/// `secrets`. Comparison is constant-time.
-pub fn verify(secrets: &[Vec<u8>], header: &str, body: &[u8]) -> bool {
-    let hex_sig = header.trim();
-    let hex_sig = hex_sig.strip_prefix("sha256=").unwrap_or(hex_sig);
-    let Ok(sig) = hex::decode(hex_sig) else {
-        return false;
+impl SignatureError {
+    pub fn code(self) -> &'static str {
+        match self {
+            SignatureError::Malformed => "bad_signature_header",
+            SignatureError::Stale => "stale_signature",
+            SignatureError::Mismatch => "bad_signature",
+        }
+    }
+}
+
+fn mac(secret: &[u8], timestamp: i64, body: &[u8]) -> Option<Hmac<Sha256>> {
+    // HMAC accepts keys of any length; this fails for none.
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(secret).ok()?;
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    Some(mac)
+}
+
+/// The signature header value for `body` under `secret` at `timestamp`
+/// (unix seconds).
+pub fn sign(secret: &[u8], timestamp: i64, body: &[u8]) -> String {
+    match mac(secret, timestamp, body) {
+        Some(m) => format!(
+            "t={timestamp},v1={}",
+            hex::encode(m.finalize().into_bytes())
+        ),
+        None => String::new(),
+    }
+}
+
+/// Checks `header` against `body` under any of `secrets`: the timestamp
+/// within `tolerance_s` of `now_s`, then a constant-time comparison.
+pub fn verify(
+    secrets: &[Vec<u8>],
+    header: &str,
+    body: &[u8],
+    now_s: i64,
+    tolerance_s: i64,
+) -> Result<(), SignatureError> {
+    let mut timestamp = None;
+    let mut signatures = Vec::new();
+    for part in header.split(',') {
+        match part.trim().split_once('=') {
+            Some(("t", v)) => timestamp = v.parse::<i64>().ok(),
+            Some(("v1", v)) => {
+                if let Ok(sig) = hex::decode(v) {
+                    signatures.push(sig);
+                }
+            }
+            _ => {}
+        }
+    }
+    let Some(timestamp) = timestamp else {
+        return Err(SignatureError::Malformed);
     };
-    secrets.iter().any(|secret| {
-        let Ok(mut mac) = <Hmac<Sha256> as KeyInit>::new_from_slice(secret) else {
-            return false;
-        };
-        mac.update(body);
-        mac.verify_slice(&sig).is_ok()
-    })
+    if signatures.is_empty() || signatures.len() > 8 {
+        return Err(SignatureError::Malformed);
+    }
+    if (now_s - timestamp).abs() > tolerance_s {
+        return Err(SignatureError::Stale);
+    }
+    let ok = secrets.iter().any(|secret| {
+        signatures
+            .iter()
+            .any(|sig| mac(secret, timestamp, body).is_some_and(|m| m.verify_slice(sig).is_ok()))
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(SignatureError::Mismatch)
+    }
 }
 
 #[cfg(test)]
@@ -38,27 +97,74 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    const NOW: i64 = 1_800_000_000;
+
     #[test]
-    fn signs_and_verifies_with_rotation() {
+    fn signs_and_verifies_with_rotation_and_a_window() {
         let body = br#"{"id":"job_1","status":"succeeded"}"#;
-        let sig = sign(b"old-secret", body);
-        assert!(sig.starts_with("sha256=") && sig.len() == 7 + 64);
-        let secrets = vec![b"new-secret".to_vec(), b"old-secret".to_vec()];
-        assert!(verify(&secrets, &sig, body));
+        let sig = sign(b"old-secret", NOW, body);
         assert!(
-            verify(&secrets, sig.trim_start_matches("sha256="), body),
-            "bare hex"
+            sig.starts_with(&format!("t={NOW},v1=")) && sig.len() == 16 + 64,
+            "{sig}"
         );
-        assert!(!verify(&secrets, &sig, b"{}"), "another body");
-        assert!(!verify(&[b"other".to_vec()], &sig, body), "another secret");
-        assert!(!verify(&secrets, "sha256=zz", body));
-        assert!(!verify(&[], &sig, body), "no secrets, nothing verifies");
+        let secrets = vec![b"new-secret".to_vec(), b"old-secret".to_vec()];
+        assert_eq!(verify(&secrets, &sig, body, NOW, 300), Ok(()));
+        assert_eq!(verify(&secrets, &sig, body, NOW + 300, 300), Ok(()));
+        assert_eq!(
+            verify(&secrets, &sig, body, NOW + 301, 300),
+            Err(SignatureError::Stale)
+        );
+        assert_eq!(
+            verify(&secrets, &sig, body, NOW - 301, 300),
+            Err(SignatureError::Stale)
+        );
+        assert_eq!(
+            verify(&secrets, &sig, b"{}", NOW, 300),
+            Err(SignatureError::Mismatch),
+            "another body"
+        );
+        assert_eq!(
+            verify(&[b"other".to_vec()], &sig, body, NOW, 300),
+            Err(SignatureError::Mismatch)
+        );
+        assert_eq!(
+            verify(&[], &sig, body, NOW, 300),
+            Err(SignatureError::Mismatch),
+            "no secrets"
+        );
+        // Moving the timestamp breaks the signature: it is signed too.
+        let moved = sig.replace(&format!("t={NOW}"), &format!("t={}", NOW + 1));
+        assert_eq!(
+            verify(&secrets, &moved, body, NOW, 300),
+            Err(SignatureError::Mismatch)
+        );
+        // A provider signing with two secrets during rotation.
+        let new = sign(b"new-secret", NOW, body);
+        let both = format!("{sig},v1={}", &new[new.find("v1=").unwrap() + 3..]);
+        assert_eq!(
+            verify(&[b"new-secret".to_vec()], &both, body, NOW, 300),
+            Ok(())
+        );
+        for bad in [
+            "",
+            "sha256=00",
+            "v1=00",
+            "t=1",
+            "t=x,v1=00",
+            &sig[sig.find(',').unwrap() + 1..],
+        ] {
+            assert_eq!(
+                verify(&secrets, bad, body, NOW, 300),
+                Err(SignatureError::Malformed),
+                "{bad:?}"
+            );
+        }
     }
 
     proptest! {
         #[test]
-        fn garbage_headers_never_verify(header in ".{0,100}", body in proptest::collection::vec(any::<u8>(), 0..64)) {
-            prop_assert!(!verify(&[b"s".to_vec()], &header, &body) || header.contains(&sign(b"s", &body)[7..]));
+        fn garbage_headers_never_verify(header in ".{0,120}", body in proptest::collection::vec(any::<u8>(), 0..64)) {
+            prop_assert!(verify(&[b"s".to_vec()], &header, &body, NOW, 300).is_err());
         }
     }
 }

@@ -63,6 +63,27 @@ pub struct ServerConfig {
     /// How long a graceful shutdown waits for in-flight work.
     /// Env: `BALLAST_SERVER_SHUTDOWN_GRACE`.
     pub shutdown_grace: HumanDuration,
+    /// Session cookies carry `Secure` and the `__Host-` prefix. May be turned
+    /// off only when the dashboard is served over plain HTTP on localhost.
+    /// Env: `BALLAST_SERVER_SECURE_COOKIES`.
+    pub secure_cookies: bool,
+    /// How long a login lasts. Env: `BALLAST_SERVER_SESSION_TTL`.
+    pub session_ttl: HumanDuration,
+    /// Peers whose `X-Forwarded-For` is believed (reverse proxies that
+    /// overwrite it). Others' client address is the peer address.
+    /// Env: `BALLAST_SERVER_TRUSTED_PROXIES` (comma-separated).
+    pub trusted_proxies: Vec<std::net::IpAddr>,
+    /// The key that signs session tokens, at least 32 bytes. When unset, a
+    /// key is generated once and kept in the database, shared by all nodes.
+    /// Environment only: `BALLAST_SECRET_KEY`.
+    #[serde(skip)]
+    pub secret_key: Option<Secret>,
+    /// A bearer token that may read `/metrics` (API tokens may too).
+    /// Environment only: `BALLAST_METRICS_TOKEN`.
+    #[serde(skip)]
+    pub metrics_token: Option<Secret>,
+    /// `[server.limits]`: how much one client can do.
+    pub limits: WebLimits,
 }
 
 impl Default for ServerConfig {
@@ -71,7 +92,78 @@ impl Default for ServerConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
             public_url: None,
             shutdown_grace: HumanDuration::secs(10),
+            secure_cookies: true,
+            session_ttl: HumanDuration::secs(8 * 3600),
+            trusted_proxies: Vec::new(),
+            secret_key: None,
+            metrics_token: None,
+            limits: WebLimits::default(),
         }
+    }
+}
+
+/// `[server.limits]`: rate limits and caps of the control plane.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WebLimits {
+    /// Login attempts per client address per minute.
+    pub logins_per_minute: u32,
+    /// Failed logins on one account name within `lockout` that lock it…
+    pub account_failures: u32,
+    /// …for this long.
+    pub lockout: HumanDuration,
+    /// API requests per second per token (bursts of twice as many).
+    pub api_per_second: u32,
+    /// Records one bulk action may touch.
+    pub bulk_max: u32,
+    /// Bulk actions per user per minute.
+    pub bulk_per_minute: u32,
+    /// The largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for WebLimits {
+    fn default() -> Self {
+        WebLimits {
+            logins_per_minute: 10,
+            account_failures: 5,
+            lockout: HumanDuration::secs(15 * 60),
+            api_per_second: 50,
+            bulk_max: 1000,
+            bulk_per_minute: 10,
+            max_body_bytes: 256 * 1024,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// True when the dashboard is reached over plain HTTP on this machine
+    /// only, the one case where cookies may go without `Secure`.
+    pub fn is_plain_localhost(&self) -> bool {
+        match &self.public_url {
+            Some(url) => {
+                let Some(rest) = url.strip_prefix("http://") else {
+                    return false;
+                };
+                let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+                let host = match host.rsplit_once(':') {
+                    Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+                    _ => host,
+                };
+                matches!(host, "localhost" | "127.0.0.1" | "[::1]")
+            }
+            None => self.bind.ip().is_loopback(),
+        }
+    }
+
+    /// The origin (`scheme://host[:port]`) of `public_url`, if set.
+    pub fn public_origin(&self) -> Option<String> {
+        let url = self.public_url.as_deref()?;
+        let scheme_end = url.find("://")? + 3;
+        let end = url[scheme_end..]
+            .find(['/', '?', '#'])
+            .map_or(url.len(), |i| scheme_end + i);
+        Some(url[..end].to_ascii_lowercase())
     }
 }
 
@@ -232,7 +324,34 @@ impl Config {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
         type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 6] = [
+        let setters: [(&str, Setter); 11] = [
+            ("BALLAST_SERVER_SECURE_COOKIES", |c, v| {
+                c.server.secure_cookies = v
+                    .parse()
+                    .map_err(|_| format!("invalid boolean `{v}`, expected true or false"))?;
+                Ok(())
+            }),
+            ("BALLAST_SERVER_SESSION_TTL", |c, v| {
+                c.server.session_ttl = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+            ("BALLAST_SERVER_TRUSTED_PROXIES", |c, v| {
+                c.server.trusted_proxies = v
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse().map_err(|_| format!("invalid IP address `{s}`")))
+                    .collect::<Result<_, _>>()?;
+                Ok(())
+            }),
+            ("BALLAST_SECRET_KEY", |c, v| {
+                c.server.secret_key = Some(Secret::new(v));
+                Ok(())
+            }),
+            ("BALLAST_METRICS_TOKEN", |c, v| {
+                c.server.metrics_token = Some(Secret::new(v));
+                Ok(())
+            }),
             ("BALLAST_SERVER_BIND", |c, v| {
                 c.server.bind = v
                     .parse()
@@ -321,6 +440,51 @@ impl Config {
                     format!("`{url}` must start with http:// or https://"),
                 ));
             }
+        }
+        if !self.server.secure_cookies && !self.server.is_plain_localhost() {
+            return Err(invalid(
+                "server.secure_cookies",
+                "may be false only when the dashboard is served over plain HTTP on localhost \
+                 (public_url http://localhost… or http://127.0.0.1…, or no public_url and a loopback bind)"
+                    .into(),
+            ));
+        }
+        if self.server.session_ttl.0.as_secs() < 60 {
+            return Err(invalid("server.session_ttl", "must be at least 1m".into()));
+        }
+        if let Some(key) = &self.server.secret_key {
+            if key.expose().len() < 32 {
+                return Err(invalid(
+                    "server.secret_key (BALLAST_SECRET_KEY)",
+                    "must be at least 32 bytes".into(),
+                ));
+            }
+        }
+        if let Some(token) = &self.server.metrics_token {
+            if token.expose().len() < 16 {
+                return Err(invalid(
+                    "server.metrics_token (BALLAST_METRICS_TOKEN)",
+                    "must be at least 16 characters".into(),
+                ));
+            }
+        }
+        let l = &self.server.limits;
+        for (key, value) in [
+            ("server.limits.logins_per_minute", l.logins_per_minute),
+            ("server.limits.account_failures", l.account_failures),
+            ("server.limits.api_per_second", l.api_per_second),
+            ("server.limits.bulk_max", l.bulk_max),
+            ("server.limits.bulk_per_minute", l.bulk_per_minute),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1".into()));
+            }
+        }
+        if l.max_body_bytes < 1024 {
+            return Err(invalid(
+                "server.limits.max_body_bytes",
+                "must be at least 1024".into(),
+            ));
         }
         Ok(())
     }

@@ -45,9 +45,15 @@ pub struct ProviderConfig {
     /// rotation).
     #[serde(default)]
     pub webhook_secrets_env: Vec<String>,
-    /// The header carrying a webhook's signature (`sha256=<hex>`).
+    /// The header carrying a webhook's signature (`t=<unix>,v1=<hex>`).
     #[serde(default = "defaults::signature_header")]
     pub webhook_signature_header: String,
+    /// How far a signature's timestamp may be from now.
+    #[serde(default = "defaults::webhook_tolerance")]
+    pub webhook_tolerance: HumanDuration,
+    /// The header naming a delivery; a delivery id is applied once.
+    #[serde(default = "defaults::delivery_header")]
+    pub webhook_delivery_header: String,
     /// Append the built-in rules (transport failures, 408, 429 and 5xx are
     /// retried) after this provider's own.
     #[serde(default = "defaults::yes")]
@@ -258,6 +264,14 @@ mod defaults {
     }
     pub fn signature_header() -> String {
         "x-signature".into()
+    }
+
+    pub fn webhook_tolerance() -> HumanDuration {
+        HumanDuration::secs(300)
+    }
+
+    pub fn delivery_header() -> String {
+        "x-delivery-id".into()
     }
 }
 

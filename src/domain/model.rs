@@ -251,6 +251,21 @@ impl Session {
     }
 }
 
+/// A bearer token for the JSON API and metrics. The token itself is shown
+/// once at creation; only its SHA-256 is stored.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ApiToken {
+    pub id: i64,
+    pub name: String,
+    /// The token's first characters, to recognise it in lists.
+    pub prefix: String,
+    pub role: Role,
+    pub created_by: String,
+    pub created_at: UnixMs,
+    pub last_used_at: Option<UnixMs>,
+    pub revoked_at: Option<UnixMs>,
+}
+
 /// A running `ballast` process, seen through its heartbeats.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Node {

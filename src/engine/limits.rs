@@ -55,6 +55,19 @@ impl Limiter {
         }
     }
 
+    /// Calls in flight, and per limit its text and the calls it counts now.
+    pub fn usage(&self, now: UnixMs) -> (usize, Vec<(String, usize, u32)>) {
+        let used = self
+            .windows
+            .iter()
+            .map(|(limit, per, log)| {
+                let recent = log.iter().filter(|t| **t > now - per).count();
+                (format!("{limit:?}"), recent + self.in_flight, limit.count)
+            })
+            .collect();
+        (self.in_flight, used)
+    }
+
     /// Takes `share` of every window's count (at least one call), so the
     /// nodes together stay within the provider's limits.
     pub fn set_share(&mut self, share: f64) {

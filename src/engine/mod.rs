@@ -10,6 +10,7 @@
 
 pub mod http;
 pub mod limits;
+pub mod stats;
 mod step;
 
 use std::collections::HashMap;
@@ -106,6 +107,26 @@ struct Inner {
     /// Leases this node holds, kept alive by the keeper.
     held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
+    stats: stats::StatsRecorder,
+}
+
+/// How a provider's webhooks are checked; secrets read from the environment.
+pub struct WebhookSettings {
+    pub signature_header: String,
+    pub delivery_header: String,
+    pub tolerance_s: i64,
+    pub secrets: Vec<Vec<u8>>,
+}
+
+/// A provider as one node sees it: limiter use and breaker window.
+#[derive(Debug, Clone)]
+pub struct ProviderLive {
+    pub in_flight: usize,
+    /// (limit, calls it counts now, its count).
+    pub limits: Vec<(String, usize, u32)>,
+    pub window_calls: usize,
+    pub window_failed: usize,
+    pub window_slow: usize,
 }
 
 /// A handle on the engine; cheap to clone.
@@ -152,6 +173,7 @@ impl Engine {
         }
         let installation = db.installation_id().await?;
         let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
+        let opts_node = opts.node_id.clone();
         Ok(Engine {
             inner: Arc::new(Inner {
                 db,
@@ -167,6 +189,7 @@ impl Engine {
                 wake: Notify::new(),
                 held: Mutex::default(),
                 slots,
+                stats: stats::StatsRecorder::new(&opts_node),
             }),
         })
     }
@@ -226,13 +249,110 @@ impl Engine {
         Ok(created)
     }
 
+    /// The step names of the pipeline a record runs (its pinned version).
+    pub async fn steps_of(&self, rec: &Record) -> Vec<String> {
+        self.compiled(rec)
+            .await
+            .map(|c| c.0.steps.iter().map(|s| s.name.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// An operator action on one record, through the transition table and
+    /// audited. For a replay, `step` names where to start; the steps
+    /// downstream of it come from the record's pinned pipeline.
+    pub async fn act(
+        &self,
+        record_id: i64,
+        action: crate::domain::OperatorAction,
+        actor: &str,
+        reason: Option<String>,
+        step: Option<&str>,
+    ) -> Result<Record, StoreError> {
+        let i = &self.inner;
+        let mut steps = Vec::new();
+        if action == crate::domain::OperatorAction::ReplayFrom {
+            let rec =
+                i.db.get_record(record_id)
+                    .await?
+                    .ok_or(StoreError::NotFound {
+                        what: "record",
+                        key: record_id.to_string(),
+                    })?;
+            let Some(step) = step else {
+                return Err(StoreError::Invalid(
+                    "replay needs a step to start from".into(),
+                ));
+            };
+            let compiled = self.compiled(&rec).await;
+            steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
+                StoreError::Invalid(format!("pipeline `{}` has no step `{step}`", rec.pipeline))
+            })?;
+        }
+        let req = crate::store::ActionRequest {
+            record_id,
+            action,
+            actor: actor.to_owned(),
+            reason,
+            now: i.clock.now_ms(),
+            steps,
+        };
+        let after = i.db.act(&req).await?;
+        if after.next_run_at.is_some() {
+            i.wake.notify_one();
+        }
+        Ok(after)
+    }
+
+    /// What this node sees of a provider right now, for the dashboard.
+    pub fn provider_live(&self, name: &str) -> Option<ProviderLive> {
+        let rt = self.inner.providers.get(name)?;
+        let now = self.inner.clock.now_ms();
+        let (in_flight, limits) = rt.limiter().usage(now);
+        let (calls, failed, slow) = rt.breaker().window_figures();
+        Some(ProviderLive {
+            in_flight,
+            limits,
+            window_calls: calls,
+            window_failed: failed,
+            window_slow: slow,
+        })
+    }
+
+    /// Closes a provider's breaker on this node and in the shared state,
+    /// audited as `breaker_reset`.
+    pub async fn reset_breaker(&self, name: &str, actor: &str) -> Result<(), StoreError> {
+        let i = &self.inner;
+        let Some(rt) = i.providers.get(name) else {
+            return Err(StoreError::NotFound {
+                what: "provider",
+                key: name.to_owned(),
+            });
+        };
+        let now = i.clock.now_ms();
+        rt.breaker().reset(now);
+        self.publish_breaker(rt).await;
+        i.db.append_event(&crate::store::NewEvent {
+            record_id: None,
+            at: now,
+            kind: "breaker_reset".into(),
+            actor: actor.to_owned(),
+            audit: true,
+            step: None,
+            reason: None,
+            detail: Some(json!({ "provider": name })),
+        })
+        .await?;
+        self.wake();
+        Ok(())
+    }
+
     /// The current compiled pipeline called `name`.
     pub fn pipeline(&self, name: &str) -> Option<Arc<Pipeline>> {
         self.inner.pipelines.pipelines.get(name).cloned()
     }
 
-    /// The webhook secrets of `provider`, from the environment.
-    pub fn webhook_secrets(&self, provider: &str) -> Option<(String, Vec<Vec<u8>>)> {
+    /// How `provider`'s webhooks are verified (secrets from the environment).
+    pub fn webhook_settings(&self, provider: &str) -> Option<WebhookSettings> {
         let rt = self.inner.providers.get(provider)?;
         let secrets = rt
             .config
@@ -241,7 +361,12 @@ impl Engine {
             .filter_map(|var| std::env::var(var).ok())
             .map(String::into_bytes)
             .collect();
-        Some((rt.config.webhook_signature_header.clone(), secrets))
+        Some(WebhookSettings {
+            signature_header: rt.config.webhook_signature_header.clone(),
+            delivery_header: rt.config.webhook_delivery_header.clone(),
+            tolerance_s: i64::try_from(rt.config.webhook_tolerance.0.as_secs()).unwrap_or(300),
+            secrets,
+        })
     }
 
     /// Takes a verified webhook delivery from `provider`: finds the job it
@@ -524,6 +649,7 @@ impl Engine {
         self.sync_providers_once().await;
         let keeper = tokio::spawn(self.clone().keep_leases(shutdown.clone()));
         let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
+        let flusher = tokio::spawn(self.clone().flush_stats(shutdown.clone()));
         let listen = match &i.db {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
@@ -586,11 +712,42 @@ impl Engine {
         }
         keeper.abort();
         sync.abort();
+        flusher.abort();
+        // The last seconds' figures.
+        i.stats.flush(&i.db, i.clock.now_ms()).await;
         if let Some(l) = listen {
             l.abort();
         }
         if let Err(e) = i.db.remove_node(&i.opts.node_id).await {
             tracing::warn!(error = %e, "could not deregister the node");
+        }
+    }
+
+    /// Writes this node's statistics now (tests, shutdown).
+    pub async fn flush_stats_now(&self) {
+        let i = &self.inner;
+        i.stats.flush(&i.db, i.clock.now_ms()).await;
+    }
+
+    /// Writes this node's statistics every few seconds; purges old ones
+    /// now and then.
+    async fn flush_stats(self, shutdown: CancellationToken) {
+        let i = &self.inner;
+        let mut rounds: u64 = 0;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = tokio::time::sleep(stats::FLUSH_EVERY) => {}
+            }
+            let now = i.clock.now_ms();
+            i.stats.flush(&i.db, now).await;
+            rounds += 1;
+            // At start and about hourly after.
+            if rounds % 720 == 1 {
+                if let Err(e) = i.db.purge_stats(now - stats::KEEP_MS).await {
+                    tracing::warn!(error = %e, "could not purge old statistics");
+                }
+            }
         }
     }
 
@@ -743,7 +900,15 @@ impl Engine {
                 if after.state == crate::domain::RecordState::Pending {
                     i.wake.notify_one();
                 }
+                i.stats.attempts(&after.pipeline, &commit.attempts);
                 if after.state.is_at_rest() {
+                    i.stats.finished(
+                        commit.now,
+                        &after.pipeline,
+                        after.step.as_deref().unwrap_or(""),
+                        after.provider.as_deref().unwrap_or(""),
+                        after.state,
+                    );
                     metrics::counter!(
                         "ballast_records_finished_total",
                         &[

@@ -532,22 +532,30 @@ async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
             json!({ "job_id": job.id, "status": "failed", "error": "result withdrawn" }),
         ],
     };
-    if dup {
-        sends.insert(0, sends[0].clone());
-    }
     if late {
         sends.push(json!({ "job_id": job.id, "status": "running" }));
     }
-    for body in sends {
+    // Each message has its delivery id; a redelivery repeats it.
+    let mut sends: Vec<(String, Value)> = sends
+        .into_iter()
+        .enumerate()
+        .map(|(n, body)| (format!("dlv-{}-{n}", job.id), body))
+        .collect();
+    if dup {
+        sends.insert(0, sends[0].clone());
+    }
+    for (delivery_id, body) in sends {
         let text = body.to_string();
         let mut req = sim
             .client
             .post(&url)
-            .header("content-type", "application/json");
+            .header("content-type", "application/json")
+            .header("x-delivery-id", delivery_id);
         if let Some(secret) = &sim.profile.callback_secret {
+            let now_s = crate::engine::now_ms() / 1000;
             req = req.header(
                 "x-signature",
-                crate::auth::webhook::sign(secret.as_bytes(), text.as_bytes()),
+                crate::auth::webhook::sign(secret.as_bytes(), now_s, text.as_bytes()),
             );
         }
         // A provider retries failed deliveries a few times.

@@ -31,7 +31,7 @@ macro_rules! common_store {
         use $crate::store::counts::CountDeltas;
         use $crate::store::filter::{push_audit_filter, push_record_filter};
         use $crate::store::rows::{
-            ATTEMPT_COLUMNS, EVENT_COLUMNS, PROVIDER_COLUMNS, RECORD_COLUMNS, STEP_COLUMNS,
+            API_TOKEN_COLUMNS, ATTEMPT_COLUMNS, EVENT_COLUMNS, ROLLUP_COLUMNS, PROVIDER_COLUMNS, RECORD_COLUMNS, STEP_COLUMNS,
             USER_COLUMNS,
         };
         use $crate::store::{
@@ -1068,6 +1068,215 @@ macro_rules! common_store {
                 .await?;
                 tx.commit().await?;
                 Ok(())
+            }
+            async fn ensure_meta(&self, key: &str, value: &str) -> StoreResult<String> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING")
+                    .bind(key.to_owned())
+                    .bind(value.to_owned())
+                    .execute(&mut *tx)
+                    .await?;
+                let stored: String = sqlx::query_scalar("SELECT value FROM meta WHERE key = $1")
+                    .bind(key.to_owned())
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(stored)
+            }
+
+            async fn create_api_token(&self, t: &$crate::store::NewApiToken, now: UnixMs) -> StoreResult<$crate::domain::ApiToken> {
+                if t.name.trim().is_empty() || t.name.len() > 100 {
+                    return Err(StoreError::Invalid("a token needs a name of 1-100 characters".into()));
+                }
+                let mut tx = self.begin_write().await?;
+                let sql = format!(
+                    "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6) RETURNING {API_TOKEN_COLUMNS}"
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(t.name.clone())
+                    .bind(t.token_hash.clone())
+                    .bind(t.prefix.clone())
+                    .bind(t.role.as_str())
+                    .bind(t.created_by.clone())
+                    .bind(now)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(|e| conflict_or(e, "api token", &t.prefix))?;
+                let token = map::api_token(&row)?;
+                let detail = serde_json::json!({ "token_id": token.id, "name": token.name, "role": token.role.as_str() });
+                Self::insert_event(&mut tx, &EventRow {
+                    record_id: None, at: now, kind: "token_created", actor: &t.created_by, audit: true,
+                    from: None, to: None, step: None, reason: None, detail: Some(&detail),
+                }).await?;
+                tx.commit().await?;
+                Ok(token)
+            }
+
+            async fn api_token_by_hash(&self, hash: &str) -> StoreResult<Option<$crate::domain::ApiToken>> {
+                let sql = format!("SELECT {API_TOKEN_COLUMNS} FROM api_tokens WHERE token_hash = $1 AND revoked_at IS NULL");
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(hash.to_owned()).fetch_optional(self.reader()).await?;
+                row.as_ref().map(map::api_token).transpose()
+            }
+
+            async fn list_api_tokens(&self) -> StoreResult<Vec<$crate::domain::ApiToken>> {
+                let sql = format!("SELECT {API_TOKEN_COLUMNS} FROM api_tokens ORDER BY id DESC");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
+                map::all(&rows, map::api_token)
+            }
+
+            async fn revoke_api_token(&self, id: i64, actor: &str, now: UnixMs) -> StoreResult<$crate::domain::ApiToken> {
+                let mut tx = self.begin_write().await?;
+                let sql = format!(
+                    "UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2 RETURNING {API_TOKEN_COLUMNS}"
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(now)
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await?
+                    .ok_or_else(|| StoreError::NotFound { what: "api token", key: id.to_string() })?;
+                let token = map::api_token(&row)?;
+                let detail = serde_json::json!({ "token_id": token.id, "name": token.name });
+                Self::insert_event(&mut tx, &EventRow {
+                    record_id: None, at: now, kind: "token_revoked", actor, audit: true,
+                    from: None, to: None, step: None, reason: None, detail: Some(&detail),
+                }).await?;
+                tx.commit().await?;
+                Ok(token)
+            }
+
+            async fn touch_api_token(&self, id: i64, now: UnixMs) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("UPDATE api_tokens SET last_used_at = $1 WHERE id = $2 AND (last_used_at IS NULL OR last_used_at < $3)")
+                    .bind(now)
+                    .bind(id)
+                    .bind(now - 60_000)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn login_locked_until(&self, username: &str, now: UnixMs) -> StoreResult<Option<UnixMs>> {
+                let until: Option<Option<i64>> = sqlx::query_scalar("SELECT locked_until FROM login_throttle WHERE username = $1")
+                    .bind(username.to_owned())
+                    .fetch_optional(self.reader())
+                    .await?;
+                Ok(until.flatten().filter(|u| *u > now))
+            }
+
+            async fn login_failed(&self, username: &str, now: UnixMs, policy: $crate::store::LoginPolicy) -> StoreResult<Option<UnixMs>> {
+                let mut tx = self.begin_write().await?;
+                // One statement, so concurrent failures on several nodes all count.
+                let until: Option<i64> = sqlx::query_scalar(
+                    "INSERT INTO login_throttle (username, failures, window_start, locked_until) \
+                     VALUES ($1, 1, $2, CASE WHEN $4 <= 1 THEN $2 + $5 END) \
+                     ON CONFLICT (username) DO UPDATE SET \
+                       failures = CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END, \
+                       window_start = CASE WHEN login_throttle.window_start < $3 THEN $2 ELSE login_throttle.window_start END, \
+                       locked_until = CASE \
+                         WHEN (CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END) >= $4 \
+                         THEN $2 + $5 ELSE login_throttle.locked_until END \
+                     RETURNING locked_until",
+                )
+                .bind(username.to_owned())
+                .bind(now)
+                .bind(now - policy.window_ms)
+                .bind(policy.max_failures)
+                .bind(policy.lock_ms)
+                .fetch_one(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(until.filter(|u| *u > now))
+            }
+
+            async fn login_succeeded(&self, username: &str) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("DELETE FROM login_throttle WHERE username = $1")
+                    .bind(username.to_owned())
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn claim_delivery(&self, provider: &str, delivery_id: &str, now: UnixMs) -> StoreResult<bool> {
+                let mut tx = self.begin_write().await?;
+                let done = sqlx::query(
+                    "INSERT INTO webhook_deliveries (provider, delivery_id, received_at) VALUES ($1, $2, $3) \
+                     ON CONFLICT (provider, delivery_id) DO NOTHING",
+                )
+                .bind(provider.to_owned())
+                .bind(delivery_id.to_owned())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("DELETE FROM webhook_deliveries WHERE provider = $1 AND delivery_id = $2")
+                    .bind(provider.to_owned())
+                    .bind(delivery_id.to_owned())
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn save_rollups(&self, rows: &[$crate::store::StepRollup]) -> StoreResult<()> {
+                if rows.is_empty() {
+                    return Ok(());
+                }
+                let mut tx = self.begin_write().await?;
+                for r in rows {
+                    let latency = serde_json::to_string(&r.latency).map_err(|e| StoreError::Invalid(e.to_string()))?;
+                    let sql = format!(
+                        "INSERT INTO step_rollups ({ROLLUP_COLUMNS}) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+                         ON CONFLICT (minute, node, pipeline, step, provider) DO UPDATE SET \
+                           calls = excluded.calls, succeeded = excluded.succeeded, failed = excluded.failed, \
+                           retried = excluded.retried, unknown = excluded.unknown, \
+                           records_succeeded = excluded.records_succeeded, records_failed = excluded.records_failed, \
+                           records_parked = excluded.records_parked, latency = excluded.latency"
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .bind(r.minute)
+                        .bind(r.node.clone())
+                        .bind(r.pipeline.clone())
+                        .bind(r.step.clone())
+                        .bind(r.provider.clone())
+                        .bind(r.calls)
+                        .bind(r.succeeded)
+                        .bind(r.failed)
+                        .bind(r.retried)
+                        .bind(r.unknown)
+                        .bind(r.records_succeeded)
+                        .bind(r.records_failed)
+                        .bind(r.records_parked)
+                        .bind(latency)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+
+            async fn rollups_since(&self, since: UnixMs) -> StoreResult<Vec<$crate::store::StepRollup>> {
+                let sql = format!("SELECT {ROLLUP_COLUMNS} FROM step_rollups WHERE minute >= $1 ORDER BY minute");
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(since).fetch_all(self.reader()).await?;
+                map::all(&rows, map::rollup)
+            }
+
+            async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64> {
+                let mut tx = self.begin_write().await?;
+                let a = sqlx::query("DELETE FROM step_rollups WHERE minute < $1").bind(before).execute(&mut *tx).await?;
+                let b = sqlx::query("DELETE FROM webhook_deliveries WHERE received_at < $1").bind(before).execute(&mut *tx).await?;
+                tx.commit().await?;
+                Ok(a.rows_affected() + b.rows_affected())
             }
         }
     };

@@ -27,8 +27,14 @@ macro_rules! shipped {
 
 // A new migration is a new line in both lists, never an edit of a file
 // that has landed.
-const SQLITE: &[Shipped] = shipped!("sqlite": 1 "0001_core" "core");
-const POSTGRES: &[Shipped] = shipped!("postgres": 1 "0001_core" "core");
+const SQLITE: &[Shipped] = shipped!("sqlite":
+    1 "0001_core" "core",
+    2 "0002_control_plane" "control_plane",
+);
+const POSTGRES: &[Shipped] = shipped!("postgres":
+    1 "0001_core" "core",
+    2 "0002_control_plane" "control_plane",
+);
 
 fn shipped(backend: Backend) -> &'static [Shipped] {
     match backend {

@@ -19,9 +19,9 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::domain::{
-    Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState, Record,
-    RecordState, Role, Session, StateCount, StepRun, StepState, TransitionError, UnixMs, User,
-    WorkResult,
+    ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
+    Record, RecordState, Role, Session, StateCount, StepRun, StepState, TransitionError, UnixMs,
+    User, WorkResult,
 };
 
 pub use postgres::PgStore;
@@ -379,6 +379,53 @@ pub enum UserChange {
     Disabled(bool),
 }
 
+/// An API token to store; the caller made the token and hashed it.
+#[derive(Clone, PartialEq)]
+pub struct NewApiToken {
+    pub name: String,
+    /// Hex SHA-256 of the token.
+    pub token_hash: String,
+    pub prefix: String,
+    pub role: Role,
+    pub created_by: String,
+}
+
+/// How failed logins lock an account name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoginPolicy {
+    /// Failures counted within this window…
+    pub window_ms: i64,
+    /// …up to this many lock the name…
+    pub max_failures: i64,
+    /// …for this long.
+    pub lock_ms: i64,
+}
+
+/// One node's step statistics for one minute. Nodes write only their own
+/// rows, so writers never contend; the overview sums over nodes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepRollup {
+    /// Start of the minute, unix ms.
+    pub minute: UnixMs,
+    pub node: String,
+    pub pipeline: String,
+    pub step: String,
+    pub provider: String,
+    /// Attempts (HTTP exchanges) made.
+    pub calls: i64,
+    /// Attempts by outcome.
+    pub succeeded: i64,
+    pub failed: i64,
+    pub retried: i64,
+    pub unknown: i64,
+    /// Records that finished at this step in this minute, by result.
+    pub records_succeeded: i64,
+    pub records_failed: i64,
+    pub records_parked: i64,
+    /// Attempt counts per latency bucket (`engine::stats::LATENCY_BUCKETS_MS`).
+    pub latency: Vec<i64>,
+}
+
 /// The storage contract, implemented by [`SqliteStore`] and [`PgStore`] and
 /// checked by one conformance suite against both.
 pub trait Store: Clone + Send + Sync + 'static {
@@ -557,6 +604,82 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<ProviderState>> + Send;
     /// Sets only the breaker columns.
     fn save_breaker(&self, state: &ProviderState) -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- installation facts ----------------------------------------------
+    /// The stored value of `key`, storing `value` first if there is none
+    /// (so concurrent first starts agree on one value).
+    fn ensure_meta(
+        &self,
+        key: &str,
+        value: &str,
+    ) -> impl Future<Output = StoreResult<String>> + Send;
+
+    // --- API tokens ----------------------------------------------------
+    /// Stores a token and its audit event (`token_created`) in one transaction.
+    fn create_api_token(
+        &self,
+        token: &NewApiToken,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<ApiToken>> + Send;
+    /// A token that is not revoked, by the hash of its secret.
+    fn api_token_by_hash(
+        &self,
+        hash: &str,
+    ) -> impl Future<Output = StoreResult<Option<ApiToken>>> + Send;
+    fn list_api_tokens(&self) -> impl Future<Output = StoreResult<Vec<ApiToken>>> + Send;
+    /// Revokes a token with its audit event (`token_revoked`).
+    fn revoke_api_token(
+        &self,
+        id: i64,
+        actor: &str,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<ApiToken>> + Send;
+    /// Notes a use; writes at most once a minute per token.
+    fn touch_api_token(&self, id: i64, now: UnixMs)
+    -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- login throttling ----------------------------------------------
+    /// Until when `username` is locked, if it is.
+    fn login_locked_until(
+        &self,
+        username: &str,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
+    /// Counts a failed login; returns the lock's end if the name is now locked.
+    fn login_failed(
+        &self,
+        username: &str,
+        now: UnixMs,
+        policy: LoginPolicy,
+    ) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
+    /// Forgets the failures of `username` (it logged in).
+    fn login_succeeded(&self, username: &str) -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- webhook deliveries --------------------------------------------
+    /// Takes a delivery id; false when it was taken before (a redelivery).
+    fn claim_delivery(
+        &self,
+        provider: &str,
+        delivery_id: &str,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
+    /// Gives a delivery id back (its processing failed; the retry must work).
+    fn forget_delivery(
+        &self,
+        provider: &str,
+        delivery_id: &str,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- statistics ----------------------------------------------------
+    /// Writes (replaces) this node's rows for the given minutes.
+    fn save_rollups(&self, rows: &[StepRollup]) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Every node's rows from `since` on.
+    fn rollups_since(
+        &self,
+        since: UnixMs,
+    ) -> impl Future<Output = StoreResult<Vec<StepRollup>>> + Send;
+    /// Deletes rollups and delivery ids older than `before`; returns how many.
+    fn purge_stats(&self, before: UnixMs) -> impl Future<Output = StoreResult<u64>> + Send;
 }
 
 /// Connection settings shared by both backends.
@@ -697,6 +820,20 @@ forward! {
     fn save_provider_state(&self, state: &ProviderState) -> ();
     fn set_provider_pause(&self, provider: &str, paused: bool, actor: &str, reason: Option<&str>, now: UnixMs) -> ProviderState;
     fn save_breaker(&self, state: &ProviderState) -> ();
+    fn ensure_meta(&self, key: &str, value: &str) -> String;
+    fn create_api_token(&self, token: &NewApiToken, now: UnixMs) -> ApiToken;
+    fn api_token_by_hash(&self, hash: &str) -> Option<ApiToken>;
+    fn list_api_tokens(&self) -> Vec<ApiToken>;
+    fn revoke_api_token(&self, id: i64, actor: &str, now: UnixMs) -> ApiToken;
+    fn touch_api_token(&self, id: i64, now: UnixMs) -> ();
+    fn login_locked_until(&self, username: &str, now: UnixMs) -> Option<UnixMs>;
+    fn login_failed(&self, username: &str, now: UnixMs, policy: LoginPolicy) -> Option<UnixMs>;
+    fn login_succeeded(&self, username: &str) -> ();
+    fn claim_delivery(&self, provider: &str, delivery_id: &str, now: UnixMs) -> bool;
+    fn forget_delivery(&self, provider: &str, delivery_id: &str) -> ();
+    fn save_rollups(&self, rows: &[StepRollup]) -> ();
+    fn rollups_since(&self, since: UnixMs) -> Vec<StepRollup>;
+    fn purge_stats(&self, before: UnixMs) -> u64;
 }
 
 /// An event row as the store writes it, transitions included.

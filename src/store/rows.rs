@@ -19,6 +19,10 @@ pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
 pub(crate) const USER_COLUMNS: &str =
     "id, username, password_hash, role, disabled, created_at, updated_at";
+pub(crate) const API_TOKEN_COLUMNS: &str =
+    "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at";
+pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
+     failed, retried, unknown, records_succeeded, records_failed, records_parked, latency";
 pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at, open_until, paused, \
      paused_by, paused_reason, stats, updated_at";
 
@@ -135,6 +139,41 @@ macro_rules! row_mappers {
                     disabled: r.try_get("disabled")?,
                     created_at: r.try_get("created_at")?,
                     updated_at: r.try_get("updated_at")?,
+                })
+            }
+
+            pub(crate) fn api_token(r: &R) -> StoreResult<ApiToken> {
+                Ok(ApiToken {
+                    id: r.try_get("id")?,
+                    name: r.try_get("name")?,
+                    prefix: r.try_get("prefix")?,
+                    role: parse(&r.try_get::<String, _>("role")?, "role")?,
+                    created_by: r.try_get("created_by")?,
+                    created_at: r.try_get("created_at")?,
+                    last_used_at: r.try_get("last_used_at")?,
+                    revoked_at: r.try_get("revoked_at")?,
+                })
+            }
+
+            pub(crate) fn rollup(r: &R) -> StoreResult<$crate::store::StepRollup> {
+                let latency: String = r.try_get("latency")?;
+                Ok($crate::store::StepRollup {
+                    minute: r.try_get("minute")?,
+                    node: r.try_get("node")?,
+                    pipeline: r.try_get("pipeline")?,
+                    step: r.try_get("step")?,
+                    provider: r.try_get("provider")?,
+                    calls: r.try_get("calls")?,
+                    succeeded: r.try_get("succeeded")?,
+                    failed: r.try_get("failed")?,
+                    retried: r.try_get("retried")?,
+                    unknown: r.try_get("unknown")?,
+                    records_succeeded: r.try_get("records_succeeded")?,
+                    records_failed: r.try_get("records_failed")?,
+                    records_parked: r.try_get("records_parked")?,
+                    latency: serde_json::from_str(&latency).map_err(|e| {
+                        $crate::store::StoreError::Corrupt(format!("rollup latency: {e}"))
+                    })?,
                 })
             }
 

@@ -1,5 +1,6 @@
 //! `POST /hooks/{provider}`: signed webhook deliveries for `callback` steps.
-//! Open without login by design; the signature is the authentication.
+//! Open without login by design; the signature (with a timestamp inside the
+//! tolerance window) is the authentication, and each delivery id counts once.
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
@@ -11,6 +12,7 @@ use serde_json::{Value, json};
 use crate::app::AppState;
 use crate::auth::webhook;
 use crate::engine::Delivery;
+use crate::store::Store;
 
 /// The largest delivery accepted; larger is refused with 413.
 pub const MAX_BODY: usize = 1024 * 1024;
@@ -38,14 +40,14 @@ async fn receive(
             "no such provider",
         );
     };
-    let Some((header, secrets)) = engine.webhook_secrets(&provider) else {
+    let Some(settings) = engine.webhook_settings(&provider) else {
         return refuse(
             StatusCode::NOT_FOUND,
             "unknown_provider",
             "no such provider",
         );
     };
-    if secrets.is_empty() {
+    if settings.secrets.is_empty() {
         return refuse(
             StatusCode::FORBIDDEN,
             "webhooks_not_configured",
@@ -53,16 +55,19 @@ async fn receive(
         );
     }
     let signature = headers
-        .get(header.as_str())
+        .get(settings.signature_header.as_str())
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    if !webhook::verify(&secrets, signature, &body) {
-        tracing::warn!(provider.name = %provider, "webhook with a bad or missing signature refused");
-        return refuse(
-            StatusCode::UNAUTHORIZED,
-            "bad_signature",
-            "the signature does not match",
-        );
+    let now_s = crate::engine::now_ms() / 1000;
+    if let Err(e) = webhook::verify(
+        &settings.secrets,
+        signature,
+        &body,
+        now_s,
+        settings.tolerance_s,
+    ) {
+        tracing::warn!(provider.name = %provider, error = e.code(), "webhook refused");
+        return refuse(StatusCode::UNAUTHORIZED, e.code(), &e.to_string());
     }
     let Ok(json) = serde_json::from_slice::<Value>(&body) else {
         return refuse(
@@ -71,7 +76,44 @@ async fn receive(
             "the body is not JSON",
         );
     };
-    match engine.deliver(&provider, json).await {
+    // Each delivery id is applied once: a redelivery changes nothing.
+    let delivery = headers
+        .get(settings.delivery_header.as_str())
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|d| !d.is_empty() && d.len() <= 200)
+        .map(str::to_owned);
+    if let Some(id) = &delivery {
+        match state
+            .db
+            .claim_delivery(&provider, id, crate::engine::now_ms())
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                return (
+                    StatusCode::OK,
+                    Json(json!({ "status": "duplicate", "delivery_id": id })),
+                );
+            }
+            Err(e) => {
+                tracing::error!(provider.name = %provider, error = %e, "could not record a delivery id");
+                return refuse(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    e.code(),
+                    "could not store the delivery; retry later",
+                );
+            }
+        }
+    }
+    let result = engine.deliver(&provider, json).await;
+    if let (Err(_), Some(id)) = (&result, &delivery) {
+        // Processing failed: let the provider's retry of this id through.
+        if let Err(e) = state.db.forget_delivery(&provider, id).await {
+            tracing::warn!(provider.name = %provider, error = %e, "could not release a delivery id");
+        }
+    }
+    match result {
         Ok(Delivery::Accepted { record_id }) => (
             StatusCode::ACCEPTED,
             Json(json!({ "status": "accepted", "record_id": record_id })),

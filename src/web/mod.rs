@@ -1,17 +1,103 @@
-//! The HTTP control plane. For now: health and readiness probes; the
-//! dashboard, API, webhooks and metrics join here, one router per area.
+//! The HTTP control plane: one router per area, merged here with the layers
+//! every response passes through.
+//!
+//! - open: `/healthz`, `/readyz`, `/login`, `/static/*`, signed `/hooks/*`;
+//! - dashboard pages and fragments: a session cookie, CSRF on every write;
+//! - `/api/v1`: bearer API tokens, rate-limited per token;
+//! - `/metrics`: the metrics token or an API token.
 
+mod api;
+mod assets;
+pub mod auth;
+pub mod error;
 mod health;
 mod hooks;
+pub mod metrics;
+pub mod pages;
+pub mod security;
+pub mod stats_view;
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::middleware::{from_fn, from_fn_with_state};
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
 use crate::app::AppState;
 
+pub use auth::AuthKeys;
+
+/// What the control plane keeps beside the store: keys and per-user limits.
+pub struct WebContext {
+    pub keys: AuthKeys,
+    /// Bulk actions per user.
+    pub bulk_limiter: DefaultKeyedRateLimiter<String>,
+}
+
+impl WebContext {
+    pub fn new(keys: AuthKeys, limits: &crate::config::WebLimits) -> Self {
+        let per_minute =
+            std::num::NonZeroU32::new(limits.bulk_per_minute).unwrap_or(std::num::NonZeroU32::MIN);
+        WebContext {
+            keys,
+            bulk_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
+        }
+    }
+}
+
 /// Every route of the control plane, with its layers.
 pub fn router(state: AppState) -> Router {
+    let limits = state.config.server.limits.clone();
+    let trusted = state.web.keys.trusted_proxies.clone();
+    let dashboard = pages::router(&state)
+        .layer(from_fn_with_state(state.clone(), security::csrf))
+        .layer(from_fn(security::page_errors));
     Router::new()
         .merge(health::router())
         .merge(hooks::router())
+        .merge(assets::router())
+        .merge(metrics::router())
+        .merge(dashboard)
+        .nest("/api/v1", api::router(&limits, trusted))
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(from_fn(security::headers))
         .with_state(state)
+}
+
+/// Forgets idle rate-limit keys now and then, so memory stays bounded.
+pub async fn housekeeping(state: AppState) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(60)) => {}
+            () = state.shutdown.cancelled() => break,
+        }
+        state.web.bulk_limiter.retain_recent();
+    }
+}
+
+/// Builds the shared web context: the signing secret from the configuration
+/// or the database, and the dummy hash for unknown users.
+pub async fn context(
+    config: &crate::config::Config,
+    db: &crate::store::Db,
+) -> anyhow::Result<Arc<WebContext>> {
+    use crate::store::Store;
+    let secret = match &config.server.secret_key {
+        Some(key) => key.expose().as_bytes().to_vec(),
+        None => {
+            let fresh = format!(
+                "{}{}",
+                uuid::Uuid::new_v4().simple(),
+                uuid::Uuid::new_v4().simple()
+            );
+            db.ensure_meta("session_secret", &fresh).await?.into_bytes()
+        }
+    };
+    let dummy = crate::auth::password::hash_blocking(uuid::Uuid::new_v4().to_string())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let keys = AuthKeys::new(&secret, &config.server, dummy).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(Arc::new(WebContext::new(keys, &config.server.limits)))
 }

@@ -164,11 +164,18 @@ async fn migrate_round_trip(backend: Backend) {
     };
     let pending = run(&["migrate", "status"]);
     assert!(pending.contains("0001     pending    core"), "{pending}");
+    assert!(
+        pending.contains("0002     pending    control_plane"),
+        "{pending}"
+    );
     let up = run(&["migrate", "up"]);
-    assert!(up.contains("applied 0001"), "{up}");
+    assert!(
+        up.contains("applied 0001") && up.contains("applied 0002"),
+        "{up}"
+    );
     assert!(
         up.contains(&format!(
-            "{}: 1 applied; schema at version 1",
+            "{}: 2 applied; schema at version 2",
             backend.as_str()
         )),
         "{up}"
@@ -184,7 +191,10 @@ async fn migrate_round_trip(backend: Backend) {
     assert!(status.contains("0001     applied    core"), "{status}");
     // Without --to, down reverts the latest migration only.
     let down = run(&["migrate", "down"]);
-    assert!(down.contains("reverted 0001"), "{down}");
+    assert!(
+        down.contains("reverted 0002") && !down.contains("reverted 0001"),
+        "{down}"
+    );
 }
 
 #[tokio::test]

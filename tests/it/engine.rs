@@ -632,13 +632,8 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
 /// Attempts, their durations and finished records are recorded as metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_recorded() {
-    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
-        std::sync::OnceLock::new();
-    let handle = HANDLE.get_or_init(|| {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .install_recorder()
-            .expect("one recorder per process")
-    });
+    // The process-wide recorder the control plane serves at /metrics.
+    let handle = ballast::web::metrics::handle().expect("recorder installed");
     let t = TestDb::migrated(Backend::Sqlite, "metrics").await.unwrap();
     let sim = SimHandle::spawn(Profile::clean(8)).await.unwrap();
     // A provider name no other test uses, so the figures are this test's.

@@ -230,7 +230,8 @@ on_reversal = "park"
 
     // The webhook refuses what it must.
     let body = br#"{"job_id": "job_x", "status": "succeeded"}"#;
-    let good = ballast::auth::webhook::sign(secret.as_bytes(), body);
+    let now_s = ballast::engine::now_ms() / 1000;
+    let good = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body);
     assert_eq!(
         http_post(addr, "/hooks/sim", &[], body).await.0,
         401,
@@ -251,13 +252,36 @@ on_reversal = "park"
         "unknown provider"
     );
     let not_json = b"<html>";
-    let signed = ballast::auth::webhook::sign(secret.as_bytes(), not_json);
+    let signed = ballast::auth::webhook::sign(secret.as_bytes(), now_s, not_json);
     assert_eq!(
         http_post(addr, "/hooks/sim", &[("x-signature", &signed)], not_json)
             .await
             .0,
         400
     );
+    // A signature from outside the tolerance window (a replay) is refused.
+    let old = ballast::auth::webhook::sign(secret.as_bytes(), now_s - 3600, body);
+    let (status, text) = http_post(addr, "/hooks/sim", &[("x-signature", &old)], body).await;
+    assert_eq!(status, 401);
+    assert!(text.contains("stale_signature"), "{text}");
+    // Each delivery id is applied once.
+    let first = http_post(
+        addr,
+        "/hooks/sim",
+        &[("x-signature", &good), ("x-delivery-id", "d-test-1")],
+        body,
+    )
+    .await;
+    assert_eq!(first.0, 202, "{}", first.1);
+    let again = http_post(
+        addr,
+        "/hooks/sim",
+        &[("x-signature", &good), ("x-delivery-id", "d-test-1")],
+        body,
+    )
+    .await;
+    assert_eq!(again.0, 200);
+    assert!(again.1.contains("duplicate"), "{}", again.1);
     let big = vec![b'x'; 2 * 1024 * 1024];
     assert_eq!(
         http_post(addr, "/hooks/sim", &[], &big).await.0,

@@ -4,9 +4,11 @@
 //! tests print a SKIP line, except under `CI=true`, where they fail.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod api;
 mod cli;
 mod engine;
 mod helpers;
 mod http;
 mod migrations;
 mod store;
+mod web;

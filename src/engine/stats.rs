@@ -1,0 +1,220 @@
+//! Per-minute step statistics for the overview: attempts by outcome, a
+//! latency histogram, and records finished, kept in memory per node and
+//! written to `step_rollups` every few seconds. Each node writes only its
+//! own rows (absolute values, so a rewrite is harmless), and the dashboard
+//! sums them: no hot rows, no scans of the attempts table.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::domain::{Outcome, RecordState, UnixMs};
+use crate::store::{Db, NewAttempt, StepRollup, Store};
+
+/// Upper bounds of the latency buckets, in milliseconds; the last bucket
+/// holds everything slower.
+pub const LATENCY_BUCKETS_MS: [i64; 14] = [
+    5,
+    10,
+    25,
+    50,
+    100,
+    250,
+    500,
+    1_000,
+    2_500,
+    5_000,
+    10_000,
+    30_000,
+    60_000,
+    i64::MAX,
+];
+
+/// How often a node writes its figures.
+pub const FLUSH_EVERY: Duration = Duration::from_secs(5);
+/// How long rollups are kept.
+pub const KEEP_MS: i64 = 8 * 24 * 3600 * 1000;
+
+type Key = (UnixMs, String, String, String);
+
+/// This node's figures for the current and recent minutes.
+pub struct StatsRecorder {
+    node: String,
+    rows: Mutex<HashMap<Key, (StepRollup, bool)>>,
+}
+
+fn minute(ms: UnixMs) -> UnixMs {
+    ms - ms.rem_euclid(60_000)
+}
+
+/// The bucket index of a latency.
+pub fn bucket(ms: i64) -> usize {
+    LATENCY_BUCKETS_MS
+        .iter()
+        .position(|b| ms <= *b)
+        .unwrap_or(LATENCY_BUCKETS_MS.len() - 1)
+}
+
+impl StatsRecorder {
+    pub fn new(node: &str) -> Self {
+        StatsRecorder {
+            node: node.to_owned(),
+            rows: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn with_row(
+        &self,
+        at: UnixMs,
+        pipeline: &str,
+        step: &str,
+        provider: &str,
+        f: impl FnOnce(&mut StepRollup),
+    ) {
+        let key = (
+            minute(at),
+            pipeline.to_owned(),
+            step.to_owned(),
+            provider.to_owned(),
+        );
+        let mut rows = self
+            .rows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (row, dirty) = rows.entry(key).or_insert_with(|| {
+            (
+                StepRollup {
+                    minute: minute(at),
+                    node: self.node.clone(),
+                    pipeline: pipeline.to_owned(),
+                    step: step.to_owned(),
+                    provider: provider.to_owned(),
+                    latency: vec![0; LATENCY_BUCKETS_MS.len()],
+                    ..StepRollup::default()
+                },
+                true,
+            )
+        });
+        f(row);
+        *dirty = true;
+    }
+
+    /// Counts the attempts a commit wrote.
+    pub fn attempts(&self, pipeline: &str, attempts: &[NewAttempt]) {
+        for a in attempts {
+            let provider = a.provider.as_deref().unwrap_or("");
+            self.with_row(a.started_at, pipeline, &a.step, provider, |r| {
+                r.calls += 1;
+                match a.outcome {
+                    Outcome::Success | Outcome::Pending => r.succeeded += 1,
+                    Outcome::Fail => r.failed += 1,
+                    Outcome::Retry => r.retried += 1,
+                    Outcome::Unknown => r.unknown += 1,
+                }
+                if let Some(slot) = r.latency.get_mut(bucket(a.duration_ms)) {
+                    *slot += 1;
+                }
+            });
+        }
+    }
+
+    /// Counts a record that came to rest at `step`.
+    pub fn finished(
+        &self,
+        at: UnixMs,
+        pipeline: &str,
+        step: &str,
+        provider: &str,
+        state: RecordState,
+    ) {
+        self.with_row(at, pipeline, step, provider, |r| match state {
+            RecordState::Succeeded => r.records_succeeded += 1,
+            RecordState::Failed => r.records_failed += 1,
+            RecordState::Parked => r.records_parked += 1,
+            _ => {}
+        });
+    }
+
+    /// Writes changed rows; forgets rows of minutes long past.
+    pub async fn flush(&self, db: &Db, now: UnixMs) {
+        let dirty: Vec<StepRollup> = {
+            let mut rows = self
+                .rows
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let out = rows
+                .values_mut()
+                .filter(|(_, d)| *d)
+                .map(|(r, d)| {
+                    *d = false;
+                    r.clone()
+                })
+                .collect();
+            rows.retain(|k, (_, d)| *d || k.0 >= minute(now) - 120_000);
+            out
+        };
+        if let Err(e) = db.save_rollups(&dirty).await {
+            tracing::warn!(error = %e, rows = dirty.len(), "could not save statistics; retrying");
+            let mut rows = self
+                .rows
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for r in dirty {
+                let key = (
+                    r.minute,
+                    r.pipeline.clone(),
+                    r.step.clone(),
+                    r.provider.clone(),
+                );
+                if let Some((_, d)) = rows.get_mut(&key) {
+                    *d = true;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_every_latency() {
+        assert_eq!(bucket(0), 0);
+        assert_eq!(bucket(5), 0);
+        assert_eq!(bucket(6), 1);
+        assert_eq!(bucket(999_999), LATENCY_BUCKETS_MS.len() - 1);
+        assert_eq!(bucket(-1), 0);
+    }
+
+    #[test]
+    fn attempts_fold_into_minute_rows() {
+        let s = StatsRecorder::new("n1");
+        let a = |at, outcome, ms| NewAttempt {
+            step: "fetch".into(),
+            provider: Some("p".into()),
+            attempt_no: 1,
+            node: None,
+            started_at: at,
+            duration_ms: ms,
+            http_status: Some(200),
+            outcome,
+            error_code: None,
+            excerpt: None,
+        };
+        s.attempts(
+            "pl",
+            &[
+                a(60_000, Outcome::Success, 7),
+                a(60_500, Outcome::Retry, 300),
+                a(120_000, Outcome::Success, 1),
+            ],
+        );
+        let rows = s.rows.lock().unwrap();
+        let first = &rows[&(60_000, "pl".to_owned(), "fetch".to_owned(), "p".to_owned())].0;
+        assert_eq!((first.calls, first.succeeded, first.retried), (2, 1, 1));
+        assert_eq!(first.latency[bucket(7)], 1);
+        assert_eq!(first.latency[bucket(300)], 1);
+        assert_eq!(rows.len(), 2);
+    }
+}

@@ -1,0 +1,178 @@
+//! `/api/v1`: the JSON API, for bearer API tokens with the same roles and
+//! the same action rules as the dashboard. Rate-limited per token. Errors
+//! are `{"error": code, "message": text}` with stable codes.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+use crate::app::AppState;
+use crate::config::WebLimits;
+use crate::store::Store;
+
+use super::auth::{ApiKey, Bearer, Operator, Viewer};
+use super::error::{WebError, WebResult};
+use super::pages::records::{ListQuery, act_one, parse_action};
+
+pub fn router(limits: &WebLimits, trusted: Arc<[std::net::IpAddr]>) -> Router<AppState> {
+    let per_second = u64::from(limits.api_per_second.max(1));
+    let routes = Router::new()
+        .route("/records", post(enqueue).get(list))
+        .route("/records/{id}", get(get_one))
+        .route("/records/{id}/actions", post(act));
+    let config = GovernorConfigBuilder::default()
+        .key_extractor(ApiKey { trusted })
+        .per_millisecond((1000 / per_second).max(1))
+        .burst_size(u32::try_from(per_second * 2).unwrap_or(u32::MAX))
+        .finish();
+    match config {
+        Some(config) => routes.layer(GovernorLayer::new(Arc::new(config)).error_handler(|_| {
+            let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        })),
+        None => routes,
+    }
+}
+
+/// `Json` whose rejections are API errors with stable codes.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = WebError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, WebError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(ApiJson(v)),
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(WebError::bad(
+                "unsupported_media_type",
+                "send the body as application/json",
+            )),
+            Err(JsonRejection::JsonSyntaxError(e)) => {
+                Err(WebError::bad("malformed_json", e.body_text()))
+            }
+            Err(JsonRejection::JsonDataError(e)) => {
+                Err(WebError::bad("invalid_body", e.body_text()))
+            }
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(WebError::TooLarge),
+            Err(e) => Err(WebError::bad("invalid_body", e.body_text())),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnqueueBody {
+    pipeline: String,
+    /// Makes the call idempotent: the same key returns the same record.
+    key: Option<String>,
+    #[serde(default)]
+    input: Value,
+}
+
+async fn enqueue(
+    caller: Bearer<Operator>,
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<EnqueueBody>,
+) -> WebResult<Response> {
+    let engine = state
+        .engine
+        .as_ref()
+        .ok_or_else(|| WebError::bad("no_workers", "this node has no pipelines configured"))?;
+    if !state.config.pipelines.contains_key(&body.pipeline) {
+        return Err(WebError::bad(
+            "unknown_pipeline",
+            format!("unknown pipeline `{}`", body.pipeline),
+        ));
+    }
+    if let Some(k) = &body.key {
+        if k.is_empty() || k.len() > 200 {
+            return Err(WebError::bad("invalid_key", "key must be 1-200 characters"));
+        }
+    }
+    let created = engine
+        .enqueue(&body.pipeline, body.key.as_deref(), body.input)
+        .await?;
+    tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued via API");
+    let status = if created.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        Json(json!({ "created": created.created, "record": created.record })),
+    )
+        .into_response())
+}
+
+async fn list(
+    _caller: Bearer<Viewer>,
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> WebResult<Json<Value>> {
+    let page = state.db.list_records(&q.to_filter()?).await?;
+    Ok(Json(json!({ "items": page.items, "next": page.next })))
+}
+
+async fn get_one(
+    _caller: Bearer<Viewer>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> WebResult<Json<Value>> {
+    let record = state
+        .db
+        .get_record(id)
+        .await?
+        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    let (steps, attempts, events) = tokio::try_join!(
+        state.db.step_runs(id),
+        state.db.attempts(id),
+        state.db.record_events(id)
+    )?;
+    Ok(Json(json!({
+        "record": record,
+        "steps": steps,
+        "attempts": attempts,
+        "events": events,
+    })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ActBody {
+    action: String,
+    reason: Option<String>,
+    step: Option<String>,
+}
+
+async fn act(
+    caller: Bearer<Operator>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    ApiJson(body): ApiJson<ActBody>,
+) -> WebResult<Json<Value>> {
+    let action = parse_action(&body.action)?;
+    let reason = body.reason.filter(|r| !r.trim().is_empty());
+    let record = act_one(
+        &state,
+        id,
+        action,
+        &caller.actor,
+        reason,
+        body.step.as_deref(),
+    )
+    .await?;
+    Ok(Json(json!({ "record": record })))
+}

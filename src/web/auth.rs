@@ -1,0 +1,478 @@
+//! Who is asking: session cookies (a JWT naming a server-side session),
+//! bearer API tokens, the role extractors, CSRF tokens and the client
+//! address. Every route states its minimum role through an extractor, so a
+//! handler without one cannot be reached by accident without a session.
+
+use std::marker::PhantomData;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use axum::extract::{ConnectInfo, FromRequestParts};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, Request, header};
+use axum_extra::extract::cookie::{Cookie, SameSite};
+use hmac::{Hmac, KeyInit, Mac};
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::app::AppState;
+use crate::domain::{Clock, Role, Session, SystemClock, UnixMs, User};
+use crate::store::Store;
+
+use super::error::WebError;
+
+/// The session cookie's name: `__Host-` binds it to this host, path `/`
+/// and HTTPS. Without `Secure` (plain-HTTP localhost) the prefix is not
+/// allowed, so the name changes with it.
+pub const SECURE_COOKIE: &str = "__Host-ballast_session";
+pub const PLAIN_COOKIE: &str = "ballast_session";
+/// The header htmx sends the CSRF token in.
+pub const CSRF_HEADER: &str = "x-csrf-token";
+/// The form field plain forms send it in.
+pub const CSRF_FIELD: &str = "csrf";
+/// API tokens start with this, so a leaked one is recognisable.
+pub const TOKEN_PREFIX: &str = "blt_";
+
+/// Keys and settings of the control plane's authentication.
+pub struct AuthKeys {
+    encoding: EncodingKey,
+    decoding: DecodingKey,
+    csrf_key: Vec<u8>,
+    pub secure: bool,
+    pub session_ttl_ms: i64,
+    pub trusted_proxies: Arc<[IpAddr]>,
+    /// A hash of a random password: unknown users are verified against it so
+    /// that they cost the same time as known ones.
+    pub dummy_hash: String,
+    /// `/metrics` bearer token from the configuration.
+    pub metrics_token: Option<String>,
+}
+
+impl AuthKeys {
+    pub fn new(
+        secret: &[u8],
+        config: &crate::config::ServerConfig,
+        dummy_hash: String,
+    ) -> Result<Self, WebError> {
+        // Session signing and CSRF derivation use separate keys derived from
+        // the one secret, so a CSRF token never helps forge a session.
+        let derive = |label: &[u8]| -> Option<Vec<u8>> {
+            let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(secret).ok()?;
+            mac.update(label);
+            Some(mac.finalize().into_bytes().to_vec())
+        };
+        let (Some(session_key), Some(csrf_key)) =
+            (derive(b"ballast session v1"), derive(b"ballast csrf v1"))
+        else {
+            return Err(WebError::Internal("cannot derive keys".into()));
+        };
+        let encoding = EncodingKey::from_secret(&session_key)
+            .map_err(|e| WebError::Internal(format!("jwt key: {e}")))?;
+        let decoding = DecodingKey::from_secret(&session_key)
+            .map_err(|e| WebError::Internal(format!("jwt key: {e}")))?;
+        Ok(AuthKeys {
+            encoding,
+            decoding,
+            csrf_key,
+            secure: config.secure_cookies,
+            session_ttl_ms: i64::try_from(config.session_ttl.0.as_millis()).unwrap_or(i64::MAX),
+            trusted_proxies: config.trusted_proxies.clone().into(),
+            dummy_hash,
+            metrics_token: config.metrics_token.as_ref().map(|s| s.expose().to_owned()),
+        })
+    }
+
+    pub fn cookie_name(&self) -> &'static str {
+        if self.secure {
+            SECURE_COOKIE
+        } else {
+            PLAIN_COOKIE
+        }
+    }
+
+    /// The signed token for a session.
+    pub fn issue(&self, session: &Session) -> Result<String, WebError> {
+        let claims = Claims {
+            sub: session.user_id.to_string(),
+            sid: session.id.clone(),
+            iat: session.created_at / 1000,
+            nbf: session.created_at / 1000,
+            exp: session.expires_at / 1000,
+        };
+        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.encoding)
+            .map_err(|e| WebError::Internal(format!("jwt: {e}")))
+    }
+
+    /// The claims of a token that is HS256, correctly signed, and within its
+    /// validity window. Anything else is `Unauthenticated`.
+    pub fn verify(&self, token: &str) -> Result<Claims, WebError> {
+        let mut validation = Validation::new(Algorithm::HS256);
+        validation.algorithms = vec![Algorithm::HS256];
+        validation.validate_nbf = true;
+        validation.validate_exp = true;
+        validation.leeway = 5;
+        validation.set_required_spec_claims(&["exp", "nbf", "sub"]);
+        jsonwebtoken::decode::<Claims>(token, &self.decoding, &validation)
+            .map(|d| d.claims)
+            .map_err(|_| WebError::Unauthenticated)
+    }
+
+    /// The session cookie carrying `token`.
+    pub fn session_cookie(&self, token: String) -> Cookie<'static> {
+        Cookie::build((self.cookie_name(), token))
+            .path("/")
+            .http_only(true)
+            .secure(self.secure)
+            .same_site(SameSite::Strict)
+            .max_age(cookie_age(self.session_ttl_ms))
+            .build()
+    }
+
+    /// A cookie that deletes the session cookie.
+    pub fn clear_cookie(&self) -> Cookie<'static> {
+        Cookie::build((self.cookie_name(), ""))
+            .path("/")
+            .http_only(true)
+            .secure(self.secure)
+            .same_site(SameSite::Strict)
+            .max_age(cookie_age(0))
+            .build()
+    }
+
+    /// The CSRF token of a session: a MAC of its id, so it needs no storage
+    /// and dies with the session.
+    pub fn csrf_token(&self, session_id: &str) -> String {
+        match <Hmac<Sha256> as KeyInit>::new_from_slice(&self.csrf_key) {
+            Ok(mut mac) => {
+                mac.update(session_id.as_bytes());
+                hex::encode(&mac.finalize().into_bytes()[..20])
+            }
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Constant-time check of a presented CSRF token.
+    pub fn csrf_ok(&self, session_id: &str, presented: &str) -> bool {
+        use subtle::ConstantTimeEq;
+        let expected = self.csrf_token(session_id);
+        !expected.is_empty() && bool::from(expected.as_bytes().ct_eq(presented.as_bytes()))
+    }
+}
+
+fn cookie_age(ms: i64) -> time::Duration {
+    time::Duration::milliseconds(ms)
+}
+
+/// What a session token says.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Claims {
+    pub sub: String,
+    pub sid: String,
+    pub iat: i64,
+    pub nbf: i64,
+    pub exp: i64,
+}
+
+/// Makes an API token: `blt_` and 40 hex digits of randomness. Returns
+/// (token, its hash, its display prefix).
+pub fn new_api_token() -> (String, String, String) {
+    let raw = format!(
+        "{TOKEN_PREFIX}{}{}",
+        uuid::Uuid::new_v4().simple(),
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let hash = hash_token(&raw);
+    let prefix = raw[..TOKEN_PREFIX.len() + 6].to_owned();
+    (raw, hash, prefix)
+}
+
+/// The stored form of an API token.
+pub fn hash_token(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// The caller: a user with a live session, or an API token.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The name written into audit events.
+    pub actor: String,
+    pub role: Role,
+    /// The session id, for CSRF checks and logout; `None` for API tokens.
+    pub session_id: Option<String>,
+    /// The session's CSRF token, for pages to embed.
+    pub csrf: String,
+    pub user: Option<User>,
+}
+
+impl Caller {
+    pub fn can(&self, role: Role) -> bool {
+        rank(self.role) >= rank(role)
+    }
+}
+
+/// Roles include the ones below them.
+pub fn rank(role: Role) -> u8 {
+    match role {
+        Role::Viewer => 0,
+        Role::Operator => 1,
+        Role::Admin => 2,
+    }
+}
+
+/// A minimum role, as a type for [`Authed`].
+pub trait MinRole: Send + Sync + 'static {
+    const ROLE: Role;
+}
+pub struct Viewer;
+pub struct Operator;
+pub struct Admin;
+impl MinRole for Viewer {
+    const ROLE: Role = Role::Viewer;
+}
+impl MinRole for Operator {
+    const ROLE: Role = Role::Operator;
+}
+impl MinRole for Admin {
+    const ROLE: Role = Role::Admin;
+}
+
+/// A dashboard caller with a live session and at least role `R`.
+pub struct Authed<R: MinRole>(pub Caller, PhantomData<R>);
+
+impl<R: MinRole> std::ops::Deref for Authed<R> {
+    type Target = Caller;
+    fn deref(&self) -> &Caller {
+        &self.0
+    }
+}
+
+impl<R: MinRole> FromRequestParts<AppState> for Authed<R> {
+    type Rejection = WebError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, WebError> {
+        let caller = match parts.extensions.get::<Caller>() {
+            Some(c) => c.clone(),
+            None => {
+                let c = session_caller(&parts.headers, state).await?;
+                parts.extensions.insert(c.clone());
+                c
+            }
+        };
+        if !caller.can(R::ROLE) {
+            return Err(WebError::Forbidden);
+        }
+        Ok(Authed(caller, PhantomData))
+    }
+}
+
+/// An API caller with a bearer token of at least role `R`.
+pub struct Bearer<R: MinRole>(pub Caller, PhantomData<R>);
+
+impl<R: MinRole> std::ops::Deref for Bearer<R> {
+    type Target = Caller;
+    fn deref(&self) -> &Caller {
+        &self.0
+    }
+}
+
+impl<R: MinRole> FromRequestParts<AppState> for Bearer<R> {
+    type Rejection = WebError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, WebError> {
+        let caller = token_caller(&parts.headers, state).await?;
+        if !caller.can(R::ROLE) {
+            return Err(WebError::Forbidden);
+        }
+        Ok(Bearer(caller, PhantomData))
+    }
+}
+
+/// The session cookie's value, if any.
+fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| Cookie::parse(pair.trim().to_owned()).ok())
+        .find(|c| c.name() == name)
+        .map(|c| c.value().to_owned())
+}
+
+/// Resolves the session cookie to a caller: a valid token, a live session
+/// in the store (so logout and user changes apply at once), an enabled user.
+pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Caller, WebError> {
+    let keys = &state.web.keys;
+    let token = cookie_value(headers, keys.cookie_name()).ok_or(WebError::Unauthenticated)?;
+    let claims = keys.verify(&token)?;
+    let now = SystemClock.now_ms();
+    let session = state
+        .db
+        .session(&claims.sid)
+        .await?
+        .filter(|s| s.is_live(now) && s.user_id.to_string() == claims.sub)
+        .ok_or(WebError::Unauthenticated)?;
+    let user = state
+        .db
+        .user_by_id(session.user_id)
+        .await?
+        .filter(|u| !u.disabled)
+        .ok_or(WebError::Unauthenticated)?;
+    Ok(Caller {
+        actor: user.username.clone(),
+        role: user.role,
+        csrf: keys.csrf_token(&session.id),
+        session_id: Some(session.id),
+        user: Some(user),
+    })
+}
+
+/// Resolves `Authorization: Bearer …` to a caller.
+pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Caller, WebError> {
+    let token = bearer(headers).ok_or(WebError::Unauthenticated)?;
+    if !token.starts_with(TOKEN_PREFIX) || token.len() > 100 {
+        return Err(WebError::Unauthenticated);
+    }
+    let found = state
+        .db
+        .api_token_by_hash(&hash_token(token))
+        .await?
+        .ok_or(WebError::Unauthenticated)?;
+    let now = SystemClock.now_ms();
+    if let Err(e) = state.db.touch_api_token(found.id, now).await {
+        tracing::warn!(error = %e, "could not note an API token's use");
+    }
+    Ok(Caller {
+        actor: format!("token:{}", found.name),
+        role: found.role,
+        session_id: None,
+        csrf: String::new(),
+        user: None,
+    })
+}
+
+/// The bearer token of a request.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
+}
+
+/// The client's address: the peer, or, when the peer is a trusted proxy,
+/// the last address in `X-Forwarded-For` that is not a trusted proxy.
+pub fn client_ip(headers: &HeaderMap, peer: Option<IpAddr>, trusted: &[IpAddr]) -> Option<IpAddr> {
+    let peer = peer?;
+    if !trusted.contains(&peer) {
+        return Some(peer);
+    }
+    let forwarded = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .collect::<Vec<_>>();
+    for hop in forwarded.iter().rev() {
+        match hop.parse::<IpAddr>() {
+            Ok(ip) if trusted.contains(&ip) => continue,
+            Ok(ip) => return Some(ip),
+            // An unparsable hop: stop believing the chain here.
+            Err(_) => return Some(peer),
+        }
+    }
+    Some(peer)
+}
+
+/// tower_governor key: the client address (see [`client_ip`]).
+#[derive(Clone)]
+pub struct ClientIpKey {
+    pub trusted: Arc<[IpAddr]>,
+}
+
+impl tower_governor::key_extractor::KeyExtractor for ClientIpKey {
+    type Key = IpAddr;
+
+    fn extract<T>(&self, req: &Request<T>) -> Result<IpAddr, tower_governor::GovernorError> {
+        let peer = req
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0.ip());
+        client_ip(req.headers(), peer, &self.trusted)
+            .ok_or(tower_governor::GovernorError::UnableToExtractKey)
+    }
+}
+
+/// tower_governor key for the API: the token's hash, or the client address
+/// for requests without one (which fail authentication anyway).
+#[derive(Clone)]
+pub struct ApiKey {
+    pub trusted: Arc<[IpAddr]>,
+}
+
+impl tower_governor::key_extractor::KeyExtractor for ApiKey {
+    type Key = String;
+
+    fn extract<T>(&self, req: &Request<T>) -> Result<String, tower_governor::GovernorError> {
+        if let Some(token) = bearer(req.headers()) {
+            return Ok(hash_token(token));
+        }
+        ClientIpKey {
+            trusted: self.trusted.clone(),
+        }
+        .extract(req)
+        .map(|ip| ip.to_string())
+    }
+}
+
+/// A new session for `user`, valid for the configured lifetime.
+pub fn new_session(user: &User, now: UnixMs, ttl_ms: i64) -> Session {
+    Session {
+        id: uuid::Uuid::new_v4().simple().to_string(),
+        user_id: user.id,
+        created_at: now,
+        expires_at: now.saturating_add(ttl_ms),
+        revoked_at: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_ip_trusts_forwarded_only_from_proxies() {
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", "6.6.6.6, 10.0.0.7".parse().unwrap());
+        let proxy: IpAddr = "10.0.0.1".parse().unwrap();
+        let stranger: IpAddr = "9.9.9.9".parse().unwrap();
+        assert_eq!(client_ip(&h, Some(stranger), &[proxy]), Some(stranger));
+        assert_eq!(
+            client_ip(&h, Some(proxy), &[proxy]),
+            Some("10.0.0.7".parse().unwrap()),
+            "the hop the proxy saw, not the spoofable first entry"
+        );
+        let second: IpAddr = "10.0.0.7".parse().unwrap();
+        assert_eq!(
+            client_ip(&h, Some(proxy), &[proxy, second]),
+            Some("6.6.6.6".parse().unwrap())
+        );
+        assert_eq!(
+            client_ip(&HeaderMap::new(), Some(proxy), &[proxy]),
+            Some(proxy)
+        );
+    }
+
+    #[test]
+    fn api_tokens_are_random_and_hashed() {
+        let (a, ha, pa) = new_api_token();
+        let (b, _, _) = new_api_token();
+        assert_ne!(a, b);
+        assert!(a.starts_with(TOKEN_PREFIX) && a.len() == 4 + 40, "{a}");
+        assert_eq!(ha, hash_token(&a));
+        assert!(a.starts_with(&pa));
+        assert!(!ha.contains(&a));
+    }
+}

@@ -1,0 +1,130 @@
+//! `WebError`: every way a control-plane request can fail, with a status
+//! and a stable snake_case code. Handlers return it; the page layer turns it
+//! into an HTML page or an htmx fragment, the API layer into JSON.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::store::StoreError;
+
+/// A failed request. Internal errors keep their detail for the log only.
+#[derive(Debug, thiserror::Error)]
+pub enum WebError {
+    /// No valid session or token.
+    #[error("log in to continue")]
+    Unauthenticated,
+    /// Authenticated, but the role does not allow it.
+    #[error("your role does not allow this")]
+    Forbidden,
+    /// A state-changing request without a matching CSRF token or origin.
+    #[error("the request did not come from this dashboard (CSRF check failed)")]
+    Csrf,
+    #[error("{0}")]
+    NotFound(String),
+    /// Bad input, with a stable code and a message for people.
+    #[error("{message}")]
+    BadRequest { code: &'static str, message: String },
+    /// The request is valid but the record's state does not allow it.
+    #[error("{message}")]
+    Conflict { code: &'static str, message: String },
+    #[error("{0}")]
+    TooManyRequests(String),
+    #[error("the request body is too large")]
+    TooLarge,
+    #[error("internal error")]
+    Internal(String),
+}
+
+/// What the page and API layers need to render an error, attached to the
+/// response as an extension.
+#[derive(Debug, Clone)]
+pub struct ErrorInfo {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl WebError {
+    pub fn bad(code: &'static str, message: impl Into<String>) -> Self {
+        WebError::BadRequest {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            WebError::Unauthenticated => StatusCode::UNAUTHORIZED,
+            WebError::Forbidden | WebError::Csrf => StatusCode::FORBIDDEN,
+            WebError::NotFound(_) => StatusCode::NOT_FOUND,
+            WebError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            WebError::Conflict { .. } => StatusCode::CONFLICT,
+            WebError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
+            WebError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            WebError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            WebError::Unauthenticated => "unauthenticated",
+            WebError::Forbidden => "forbidden",
+            WebError::Csrf => "csrf_failed",
+            WebError::NotFound(_) => "not_found",
+            WebError::BadRequest { code, .. } | WebError::Conflict { code, .. } => code,
+            WebError::TooManyRequests(_) => "rate_limited",
+            WebError::TooLarge => "body_too_large",
+            WebError::Internal(_) => "internal_error",
+        }
+    }
+}
+
+impl From<StoreError> for WebError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound { what, key } => {
+                WebError::NotFound(format!("{what} `{key}` not found"))
+            }
+            StoreError::Conflict { what, key } => WebError::Conflict {
+                code: "conflict",
+                message: format!("{what} `{key}` already exists"),
+            },
+            StoreError::Transition(t) => WebError::Conflict {
+                code: t.code(),
+                message: t.to_string(),
+            },
+            StoreError::Invalid(m) => WebError::bad("invalid_request", m),
+            other => WebError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<askama::Error> for WebError {
+    fn from(e: askama::Error) -> Self {
+        WebError::Internal(format!("template: {e}"))
+    }
+}
+
+impl IntoResponse for WebError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if let WebError::Internal(detail) = &self {
+            // Logged once, here; the client sees an opaque message.
+            tracing::error!(error = %detail, "request failed");
+        }
+        let info = ErrorInfo {
+            code: self.code(),
+            message: self.to_string(),
+        };
+        let mut response = (
+            status,
+            Json(json!({ "error": info.code, "message": info.message })),
+        )
+            .into_response();
+        response.extensions_mut().insert(info);
+        response
+    }
+}
+
+pub type WebResult<T> = Result<T, WebError>;

@@ -1,0 +1,327 @@
+//! Admin pages: users (add, change role, disable, reset password) and API
+//! tokens (create — shown once —, list, revoke). Every change is audited;
+//! user changes revoke the user's sessions in the same transaction.
+
+use askama::Template;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::app::AppState;
+use crate::auth::password;
+use crate::domain::{Clock, Role, SystemClock};
+use crate::store::{NewApiToken, NewEvent, NewUser, Store, UserChange};
+use crate::web::auth::{self, Admin, Authed};
+use crate::web::error::{WebError, WebResult};
+
+use super::{Nav, html, when, when_opt};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/admin/users", get(users).post(add_user))
+        .route("/admin/users/{id}/role", post(set_role))
+        .route("/admin/users/{id}/disable", post(disable))
+        .route("/admin/users/{id}/enable", post(enable))
+        .route("/admin/users/{id}/password", post(reset_password))
+        .route("/admin/tokens", get(tokens).post(create_token))
+        .route("/admin/tokens/{id}/revoke", post(revoke_token))
+}
+
+const ROLES: [&str; 3] = ["viewer", "operator", "admin"];
+
+struct UserView {
+    id: i64,
+    username: String,
+    role: &'static str,
+    disabled: bool,
+}
+
+#[derive(Template)]
+#[template(path = "pages/users.html")]
+struct UsersPage {
+    nav: Nav,
+    users: Vec<UserView>,
+    roles: [&'static str; 3],
+}
+
+async fn users(caller: Authed<Admin>, State(state): State<AppState>) -> WebResult<Response> {
+    let users = state.db.list_users().await?;
+    html(&UsersPage {
+        nav: Nav::new(&caller, "users"),
+        users: users
+            .iter()
+            .map(|u| UserView {
+                id: u.id,
+                username: u.username.clone(),
+                role: u.role.as_str(),
+                disabled: u.disabled,
+            })
+            .collect(),
+        roles: ROLES,
+    })
+}
+
+fn parse_role(s: &str) -> WebResult<Role> {
+    s.parse::<Role>()
+        .map_err(|_| WebError::bad("unknown_role", format!("unknown role `{s}`")))
+}
+
+async fn audit(
+    state: &AppState,
+    actor: &str,
+    kind: &str,
+    detail: serde_json::Value,
+) -> WebResult<()> {
+    state
+        .db
+        .append_event(&NewEvent {
+            record_id: None,
+            at: SystemClock.now_ms(),
+            kind: kind.to_owned(),
+            actor: actor.to_owned(),
+            audit: true,
+            step: None,
+            reason: None,
+            detail: Some(detail),
+        })
+        .await?;
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct AddUser {
+    username: String,
+    role: String,
+    password: String,
+}
+
+async fn add_user(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Form(f): Form<AddUser>,
+) -> WebResult<Response> {
+    let role = parse_role(&f.role)?;
+    password::check_policy(&f.password)
+        .map_err(|e| WebError::bad("weak_password", e.to_string()))?;
+    let hash = password::hash_blocking(f.password)
+        .await
+        .map_err(|e| WebError::Internal(e.to_string()))?;
+    let user = state
+        .db
+        .create_user(
+            &NewUser {
+                username: f.username.trim().to_owned(),
+                password_hash: hash,
+                role,
+            },
+            SystemClock.now_ms(),
+        )
+        .await?;
+    audit(
+        &state,
+        &caller.actor,
+        "user_added",
+        json!({ "user": user.username, "role": role.as_str() }),
+    )
+    .await?;
+    Ok(Redirect::to("/admin/users").into_response())
+}
+
+async fn change(
+    state: &AppState,
+    actor: &str,
+    id: i64,
+    change: UserChange,
+    what: serde_json::Value,
+) -> WebResult<Response> {
+    let user = state
+        .db
+        .update_user(id, &change, SystemClock.now_ms())
+        .await?;
+    let mut detail = what;
+    detail["user"] = json!(user.username);
+    audit(state, actor, "user_changed", detail).await?;
+    Ok(Redirect::to("/admin/users").into_response())
+}
+
+#[derive(Deserialize)]
+struct RoleForm {
+    role: String,
+}
+
+async fn set_role(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Form(f): Form<RoleForm>,
+) -> WebResult<Response> {
+    let role = parse_role(&f.role)?;
+    change(
+        &state,
+        &caller.actor,
+        id,
+        UserChange::Role(role),
+        json!({ "role": role.as_str() }),
+    )
+    .await
+}
+
+async fn disable(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> WebResult<Response> {
+    if caller.user.as_ref().is_some_and(|u| u.id == id) {
+        return Err(WebError::bad(
+            "cannot_disable_self",
+            "you cannot disable your own account",
+        ));
+    }
+    change(
+        &state,
+        &caller.actor,
+        id,
+        UserChange::Disabled(true),
+        json!({ "disabled": true }),
+    )
+    .await
+}
+
+async fn enable(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> WebResult<Response> {
+    change(
+        &state,
+        &caller.actor,
+        id,
+        UserChange::Disabled(false),
+        json!({ "disabled": false }),
+    )
+    .await
+}
+
+#[derive(Deserialize)]
+struct PasswordForm {
+    password: String,
+}
+
+async fn reset_password(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Form(f): Form<PasswordForm>,
+) -> WebResult<Response> {
+    password::check_policy(&f.password)
+        .map_err(|e| WebError::bad("weak_password", e.to_string()))?;
+    let hash = password::hash_blocking(f.password)
+        .await
+        .map_err(|e| WebError::Internal(e.to_string()))?;
+    change(
+        &state,
+        &caller.actor,
+        id,
+        UserChange::Password(hash),
+        json!({ "password": "reset" }),
+    )
+    .await
+}
+
+struct TokenView {
+    id: i64,
+    name: String,
+    prefix: String,
+    role: &'static str,
+    created: String,
+    created_by: String,
+    last_used: String,
+    revoked: bool,
+}
+
+#[derive(Template)]
+#[template(path = "pages/tokens.html")]
+struct TokensPage {
+    nav: Nav,
+    tokens: Vec<TokenView>,
+    roles: [&'static str; 3],
+    /// (name, token) right after creation: the only time it is shown.
+    created: Option<(String, String)>,
+}
+
+async fn tokens_page(
+    state: &AppState,
+    caller: &Authed<Admin>,
+    created: Option<(String, String)>,
+) -> WebResult<Response> {
+    let tokens = state.db.list_api_tokens().await?;
+    html(&TokensPage {
+        nav: Nav::new(caller, "tokens"),
+        tokens: tokens
+            .iter()
+            .map(|t| TokenView {
+                id: t.id,
+                name: t.name.clone(),
+                prefix: t.prefix.clone(),
+                role: t.role.as_str(),
+                created: when(t.created_at),
+                created_by: t.created_by.clone(),
+                last_used: when_opt(t.last_used_at),
+                revoked: t.revoked_at.is_some(),
+            })
+            .collect(),
+        roles: ROLES,
+        created,
+    })
+}
+
+async fn tokens(caller: Authed<Admin>, State(state): State<AppState>) -> WebResult<Response> {
+    tokens_page(&state, &caller, None).await
+}
+
+#[derive(Deserialize)]
+struct TokenForm {
+    name: String,
+    role: String,
+}
+
+async fn create_token(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Form(f): Form<TokenForm>,
+) -> WebResult<Response> {
+    let role = parse_role(&f.role)?;
+    let (token, hash, prefix) = auth::new_api_token();
+    let name = f.name.trim().to_owned();
+    state
+        .db
+        .create_api_token(
+            &NewApiToken {
+                name: name.clone(),
+                token_hash: hash,
+                prefix,
+                role,
+                created_by: caller.actor.clone(),
+            },
+            SystemClock.now_ms(),
+        )
+        .await?;
+    let mut r = tokens_page(&state, &caller, Some((name, token))).await?;
+    *r.status_mut() = axum::http::StatusCode::CREATED;
+    Ok(r)
+}
+
+async fn revoke_token(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> WebResult<Response> {
+    state
+        .db
+        .revoke_api_token(id, &caller.actor, SystemClock.now_ms())
+        .await?;
+    Ok(Redirect::to("/admin/tokens").into_response())
+}

@@ -1,0 +1,171 @@
+//! `/login` and `/logout`. Failed logins are limited per client address
+//! (tower_governor) and per account name (a counter in the store, shared by
+//! all nodes); unknown names cost the same argon2 time as known ones.
+
+use std::sync::Arc;
+
+use askama::Template;
+use axum::extract::{Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use serde::Deserialize;
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+use crate::app::AppState;
+use crate::auth::password;
+use crate::domain::{Clock, SystemClock};
+use crate::store::{LoginPolicy, Store};
+use crate::web::auth::{self, ClientIpKey};
+use crate::web::error::{WebError, WebResult};
+
+use super::{html, safe_next};
+
+pub fn router(state: &AppState) -> Router<AppState> {
+    let per_minute = u64::from(state.config.server.limits.logins_per_minute.max(1));
+    // A burst of `per_minute`, refilled evenly over the minute.
+    let limit = GovernorConfigBuilder::default()
+        .key_extractor(ClientIpKey {
+            trusted: state.web.keys.trusted_proxies.clone(),
+        })
+        .per_millisecond((60_000 / per_minute).max(1))
+        .burst_size(u32::try_from(per_minute).unwrap_or(u32::MAX))
+        .methods(vec![axum::http::Method::POST])
+        .finish()
+        .map(Arc::new);
+    let mut submit = post(submit);
+    if let Some(limit) = limit {
+        let cleaner = limit.limiter().clone();
+        tokio::spawn({
+            let stop = state.shutdown.clone();
+            async move {
+                loop {
+                    tokio::select! {
+                        () = tokio::time::sleep(std::time::Duration::from_secs(60)) => cleaner.retain_recent(),
+                        () = stop.cancelled() => break,
+                    }
+                }
+            }
+        });
+        submit = submit.layer(GovernorLayer::new(limit).error_handler(|_| {
+            let mut r = WebError::TooManyRequests(
+                "too many login attempts from your address; wait a minute".into(),
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
+            r
+        }));
+    }
+    Router::new()
+        .route("/login", get(page).merge(submit))
+        .route("/logout", post(logout))
+}
+
+#[derive(Template)]
+#[template(path = "pages/login.html")]
+struct LoginPage {
+    error: Option<String>,
+    next: String,
+    username: String,
+}
+
+#[derive(Deserialize)]
+struct NextQuery {
+    next: Option<String>,
+}
+
+async fn page(Query(q): Query<NextQuery>) -> WebResult<Response> {
+    html(&LoginPage {
+        error: None,
+        next: safe_next(q.next.as_deref(), "/"),
+        username: String::new(),
+    })
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    username: String,
+    password: String,
+    next: Option<String>,
+}
+
+async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> WebResult<Response> {
+    let username = form.username.trim().to_ascii_lowercase();
+    let next = safe_next(form.next.as_deref(), "/");
+    let refuse = |status: StatusCode, message: &str| -> WebResult<Response> {
+        let mut r = html(&LoginPage {
+            error: Some(message.to_owned()),
+            next: next.clone(),
+            username: username.clone(),
+        })?;
+        *r.status_mut() = status;
+        Ok(r)
+    };
+    if username.is_empty() || username.len() > 64 || form.password.len() > password::MAX_LEN {
+        return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
+    }
+    let now = SystemClock.now_ms();
+    if state.db.login_locked_until(&username, now).await?.is_some() {
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            "Too many failed logins for this account. Try again later.",
+        );
+    }
+    let user = state.db.user_by_name(&username).await?;
+    // Always one argon2 verification, against a dummy hash when the user is
+    // unknown or disabled, so timing does not tell which names exist.
+    let hash = match &user {
+        Some(u) if !u.disabled => u.password_hash.clone(),
+        _ => state.web.keys.dummy_hash.clone(),
+    };
+    let matches = password::verify_blocking(form.password, hash).await;
+    let user = match user {
+        Some(u) if matches && !u.disabled => u,
+        _ => {
+            let l = &state.config.server.limits;
+            let lock_ms = i64::try_from(l.lockout.0.as_millis()).unwrap_or(i64::MAX);
+            let policy = LoginPolicy {
+                window_ms: lock_ms,
+                max_failures: i64::from(l.account_failures),
+                lock_ms,
+            };
+            state.db.login_failed(&username, now, policy).await?;
+            tracing::warn!(user = %username, "failed login");
+            return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
+        }
+    };
+    state.db.login_succeeded(&username).await?;
+    let keys = &state.web.keys;
+    let session = auth::new_session(&user, now, keys.session_ttl_ms);
+    state.db.create_session(&session).await?;
+    let token = keys.issue(&session)?;
+    tracing::info!(user = %username, "logged in");
+    let mut r = Redirect::to(&next).into_response();
+    set_cookie(&mut r, &keys.session_cookie(token))?;
+    Ok(r)
+}
+
+/// Ends the session server-side, so the token is dead even if kept.
+async fn logout(
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+) -> WebResult<Response> {
+    if let Ok(caller) = auth::session_caller(&headers, &state).await {
+        if let Some(sid) = caller.session_id {
+            state.db.revoke_session(&sid, SystemClock.now_ms()).await?;
+        }
+    }
+    let mut r = Redirect::to("/login").into_response();
+    set_cookie(&mut r, &state.web.keys.clear_cookie())?;
+    Ok(r)
+}
+
+fn set_cookie(r: &mut Response, cookie: &axum_extra::extract::cookie::Cookie<'_>) -> WebResult<()> {
+    let value = HeaderValue::from_str(&cookie.to_string())
+        .map_err(|e| WebError::Internal(format!("cookie: {e}")))?;
+    r.headers_mut().append(header::SET_COOKIE, value);
+    Ok(())
+}

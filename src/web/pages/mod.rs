@@ -1,0 +1,138 @@
+//! Dashboard pages: server-rendered Askama templates, htmx for the live and
+//! partial parts. A handler answers an htmx request with its fragment (a
+//! named block of the page's template) and a plain request with the page.
+
+mod admin;
+mod audit;
+mod login;
+mod overview;
+mod providers;
+pub mod records;
+
+use askama::Template;
+use axum::Router;
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Response};
+
+use crate::app::AppState;
+use crate::domain::{Role, UnixMs, time::format_ms};
+
+use super::auth::Caller;
+use super::error::{ErrorInfo, WebResult};
+
+pub fn router(state: &AppState) -> Router<AppState> {
+    Router::new()
+        .merge(login::router(state))
+        .merge(overview::router())
+        .merge(records::router())
+        .merge(providers::router())
+        .merge(audit::router())
+        .merge(admin::router())
+}
+
+/// What the layout needs about the caller: the menu and the CSRF token.
+pub struct Nav {
+    pub username: String,
+    pub role: &'static str,
+    pub csrf: String,
+    pub operator: bool,
+    pub admin: bool,
+    /// The menu entry to highlight.
+    pub active: &'static str,
+}
+
+impl Nav {
+    pub fn new(caller: &Caller, active: &'static str) -> Nav {
+        Nav {
+            username: caller.actor.clone(),
+            role: caller.role.as_str(),
+            csrf: caller.csrf.clone(),
+            operator: caller.can(Role::Operator),
+            admin: caller.can(Role::Admin),
+            active,
+        }
+    }
+}
+
+/// A rendered template as an HTML response.
+pub fn html<T: Template>(t: &T) -> WebResult<Response> {
+    Ok(Html(t.render()?).into_response())
+}
+
+/// A timestamp for people (UTC).
+pub fn when(ms: UnixMs) -> String {
+    format_ms(ms)
+        .replace('T', " ")
+        .trim_end_matches('Z')
+        .to_owned()
+}
+
+/// An optional timestamp for people.
+pub fn when_opt(ms: Option<UnixMs>) -> String {
+    ms.map(when).unwrap_or_default()
+}
+
+/// A duration in milliseconds, short.
+pub fn millis(ms: i64) -> String {
+    if ms < 1000 {
+        format!("{ms} ms")
+    } else if ms < 60_000 {
+        format!("{:.1} s", ms as f64 / 1000.0)
+    } else {
+        format!("{:.1} min", ms as f64 / 60_000.0)
+    }
+}
+
+#[derive(Template)]
+#[template(path = "partials/flash.html")]
+struct Flash<'a> {
+    kind: &'a str,
+    message: &'a str,
+}
+
+#[derive(Template)]
+#[template(path = "pages/error.html")]
+struct ErrorPage<'a> {
+    status: u16,
+    code: &'a str,
+    message: &'a str,
+}
+
+/// An error as a message for the page's flash area (htmx requests).
+pub fn render_flash(_status: StatusCode, info: &ErrorInfo) -> Html<String> {
+    let t = Flash {
+        kind: "error",
+        message: &info.message,
+    };
+    Html(t.render().unwrap_or_else(|_| "error".to_owned()))
+}
+
+/// An error as a whole page (plain requests).
+pub fn render_error_page(status: StatusCode, info: &ErrorInfo) -> Html<String> {
+    let t = ErrorPage {
+        status: status.as_u16(),
+        code: info.code,
+        message: &info.message,
+    };
+    Html(t.render().unwrap_or_else(|_| "error".to_owned()))
+}
+
+/// A success message for the flash area.
+pub fn flash_ok(message: &str) -> WebResult<Html<String>> {
+    Ok(Html(
+        Flash {
+            kind: "ok",
+            message,
+        }
+        .render()?,
+    ))
+}
+
+/// Where to send a browser after a plain form post: back where it was,
+/// when that is a path on this site.
+pub fn safe_next(next: Option<&str>, fallback: &str) -> String {
+    match next {
+        Some(n) if n.starts_with('/') && !n.starts_with("//") && !n.contains('\\') => n.to_owned(),
+        _ => fallback.to_owned(),
+    }
+}

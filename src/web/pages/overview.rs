@@ -1,0 +1,117 @@
+//! `/`: the overview. Counts come from maintained counters, statistics from
+//! per-minute rollups, never from scans; the live part refreshes itself.
+
+use std::collections::BTreeMap;
+
+use askama::Template;
+use axum::Router;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::routing::get;
+
+use crate::app::AppState;
+use crate::domain::{Clock, RecordState, SystemClock};
+use crate::store::Store;
+use crate::web::auth::{Authed, Viewer};
+use crate::web::error::WebResult;
+use crate::web::security::is_htmx;
+
+use super::{Nav, html, when};
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/", get(overview))
+}
+
+pub struct PipelineCounts {
+    pub name: String,
+    /// Counts in `RecordState::ALL` order.
+    pub counts: Vec<(&'static str, i64)>,
+    pub total: i64,
+}
+
+pub struct ProviderRow {
+    pub name: String,
+    pub breaker: &'static str,
+    pub paused: bool,
+}
+
+#[derive(Template)]
+#[template(path = "pages/overview.html", blocks = ["live"])]
+struct OverviewPage {
+    nav: Nav,
+    updated: String,
+    states: Vec<&'static str>,
+    pipelines: Vec<PipelineCounts>,
+    providers: Vec<ProviderRow>,
+    nodes: usize,
+    stats: super::super::stats_view::Stats,
+}
+
+async fn overview(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> WebResult<Response> {
+    let now = SystemClock.now_ms();
+    let (counts, provider_states, nodes, rollups) = tokio::try_join!(
+        state.db.state_counts(),
+        state.db.provider_states(),
+        state.db.list_nodes(),
+        state.db.rollups_since(now - 24 * 3600 * 1000),
+    )?;
+    let mut by_pipeline: BTreeMap<String, BTreeMap<RecordState, i64>> = state
+        .config
+        .pipelines
+        .keys()
+        .map(|p| (p.clone(), BTreeMap::new()))
+        .collect();
+    for c in counts {
+        *by_pipeline
+            .entry(c.pipeline)
+            .or_default()
+            .entry(c.state)
+            .or_default() += c.count;
+    }
+    let pipelines = by_pipeline
+        .into_iter()
+        .map(|(name, m)| {
+            let counts: Vec<_> = RecordState::ALL
+                .iter()
+                .map(|s| (s.as_str(), m.get(s).copied().unwrap_or(0)))
+                .collect();
+            PipelineCounts {
+                total: counts.iter().map(|c| c.1).sum(),
+                name,
+                counts,
+            }
+        })
+        .collect();
+    let providers = state
+        .config
+        .providers
+        .keys()
+        .map(|name| {
+            let ps = provider_states.iter().find(|p| &p.provider == name);
+            ProviderRow {
+                name: name.clone(),
+                breaker: ps.map_or("closed", |p| p.breaker.as_str()),
+                paused: ps.is_some_and(|p| p.paused),
+            }
+        })
+        .collect();
+    let stats = super::super::stats_view::Stats::build(&rollups, now);
+    let t = OverviewPage {
+        nav: Nav::new(&caller, "overview"),
+        updated: when(now),
+        states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
+        pipelines,
+        providers,
+        nodes: nodes.len(),
+        stats,
+    };
+    if is_htmx(&headers) {
+        return html(&t.as_live());
+    }
+    html(&t)
+}

@@ -1,0 +1,200 @@
+//! `/providers`: health, breaker, limits and use, with pause, resume and
+//! breaker reset for admins.
+
+use askama::Template;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use serde::Deserialize;
+
+use crate::app::AppState;
+use crate::store::Store;
+use crate::web::auth::{Admin, Authed, Viewer};
+use crate::web::error::{WebError, WebResult};
+use crate::web::security::is_htmx;
+
+use super::{Nav, html, when, when_opt};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/providers", get(list))
+        .route("/providers/{name}/pause", post(pause))
+        .route("/providers/{name}/resume", post(resume))
+        .route("/providers/{name}/reset-breaker", post(reset_breaker))
+}
+
+struct ProviderView {
+    name: String,
+    base_url: String,
+    breaker: &'static str,
+    breaker_since: String,
+    open_until: String,
+    paused: bool,
+    paused_by: String,
+    paused_reason: String,
+    limits: String,
+    concurrency: u32,
+    in_flight: usize,
+    recent_calls: String,
+    window: String,
+}
+
+#[derive(Template)]
+#[template(path = "pages/providers.html", blocks = ["list"])]
+struct ProvidersPage {
+    nav: Nav,
+    providers: Vec<ProviderView>,
+}
+
+async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<ProvidersPage> {
+    let shared = state.db.provider_states().await?;
+    let providers = state
+        .config
+        .providers
+        .iter()
+        .map(|(name, cfg)| {
+            let ps = shared.iter().find(|p| &p.provider == name);
+            let live = state.engine.as_ref().and_then(|e| e.provider_live(name));
+            ProviderView {
+                name: name.clone(),
+                base_url: cfg.base_url.clone(),
+                breaker: ps.map_or("closed", |p| p.breaker.as_str()),
+                breaker_since: ps.map(|p| when(p.breaker_changed_at)).unwrap_or_default(),
+                open_until: when_opt(ps.and_then(|p| p.open_until)),
+                paused: ps.is_some_and(|p| p.paused),
+                paused_by: ps.and_then(|p| p.paused_by.clone()).unwrap_or_default(),
+                paused_reason: ps.and_then(|p| p.paused_reason.clone()).unwrap_or_default(),
+                limits: if cfg.rate_limits.is_empty() {
+                    "none".into()
+                } else {
+                    cfg.rate_limits
+                        .iter()
+                        .map(|l| format!("{l:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+                concurrency: cfg.concurrency,
+                in_flight: live.as_ref().map_or(0, |l| l.in_flight),
+                recent_calls: live
+                    .as_ref()
+                    .map(|l| {
+                        l.limits
+                            .iter()
+                            .map(|(limit, used, _)| format!("{used} of {limit}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    })
+                    .unwrap_or_default(),
+                window: live
+                    .as_ref()
+                    .map(|l| {
+                        format!(
+                            "{} calls, {} failed, {} slow",
+                            l.window_calls, l.window_failed, l.window_slow
+                        )
+                    })
+                    .unwrap_or_default(),
+            }
+        })
+        .collect();
+    Ok(ProvidersPage {
+        nav: Nav::new(caller, "providers"),
+        providers,
+    })
+}
+
+async fn list(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> WebResult<Response> {
+    let t = page(&state, &caller).await?;
+    if is_htmx(&headers) {
+        return html(&t.as_list());
+    }
+    html(&t)
+}
+
+#[derive(Deserialize)]
+struct PauseForm {
+    reason: Option<String>,
+}
+
+fn known(state: &AppState, name: &str) -> WebResult<()> {
+    if state.config.providers.contains_key(name) {
+        Ok(())
+    } else {
+        Err(WebError::NotFound(format!("provider `{name}` not found")))
+    }
+}
+
+async fn after_change(
+    state: &AppState,
+    caller: &crate::web::auth::Caller,
+    headers: &HeaderMap,
+) -> WebResult<Response> {
+    if is_htmx(headers) {
+        return html(&page(state, caller).await?.as_list());
+    }
+    Ok(Redirect::to("/providers").into_response())
+}
+
+async fn pause(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    Form(form): Form<PauseForm>,
+) -> WebResult<Response> {
+    known(&state, &name)?;
+    let reason = form.reason.filter(|r| !r.trim().is_empty());
+    crate::engine::set_provider_paused(
+        &state.db,
+        &name,
+        true,
+        &caller.actor,
+        reason,
+        crate::engine::now_ms(),
+    )
+    .await?;
+    after_change(&state, &caller, &headers).await
+}
+
+async fn resume(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> WebResult<Response> {
+    known(&state, &name)?;
+    crate::engine::set_provider_paused(
+        &state.db,
+        &name,
+        false,
+        &caller.actor,
+        None,
+        crate::engine::now_ms(),
+    )
+    .await?;
+    if let Some(e) = &state.engine {
+        e.wake();
+    }
+    after_change(&state, &caller, &headers).await
+}
+
+async fn reset_breaker(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> WebResult<Response> {
+    known(&state, &name)?;
+    let engine = state
+        .engine
+        .as_ref()
+        .ok_or_else(|| WebError::bad("no_workers", "this node runs no workers"))?;
+    engine.reset_breaker(&name, &caller.actor).await?;
+    after_change(&state, &caller, &headers).await
+}

@@ -1,0 +1,548 @@
+//! Records: the filtered list with bulk actions, one record's detail with
+//! its timeline and attempts, and the operator actions.
+
+use askama::Template;
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+
+use crate::app::AppState;
+use crate::domain::{OperatorAction, Record, RecordState, Trigger, transition};
+use crate::store::{MAX_PAGE, RecordFilter, Store};
+use crate::web::auth::{Authed, Operator, Viewer};
+use crate::web::error::{WebError, WebResult};
+use crate::web::security::is_htmx;
+
+use super::{Nav, html, millis, when, when_opt};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/records", get(list))
+        .route("/records/bulk", post(bulk))
+        .route("/records/{id}", get(detail))
+        .route("/records/{id}/actions", post(act))
+}
+
+/// The list's filters, as the form and the API send them. Empty fields
+/// mean "any".
+#[derive(Debug, Default, Deserialize, Clone)]
+pub struct ListQuery {
+    pub pipeline: Option<String>,
+    pub state: Option<String>,
+    pub provider: Option<String>,
+    pub step: Option<String>,
+    pub error_code: Option<String>,
+    /// External key prefix.
+    pub q: Option<String>,
+    pub before: Option<i64>,
+    pub limit: Option<u32>,
+}
+
+fn non_empty(v: &Option<String>) -> Option<String> {
+    v.as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
+impl ListQuery {
+    pub fn to_filter(&self) -> WebResult<RecordFilter> {
+        let state = match non_empty(&self.state) {
+            Some(s) => Some(
+                s.parse::<RecordState>()
+                    .map_err(|_| WebError::bad("bad_filter", format!("unknown state `{s}`")))?,
+            ),
+            None => None,
+        };
+        Ok(RecordFilter {
+            pipeline: non_empty(&self.pipeline),
+            state,
+            provider: non_empty(&self.provider),
+            step: non_empty(&self.step),
+            error_code: non_empty(&self.error_code),
+            key_prefix: non_empty(&self.q),
+            before: self.before,
+            limit: self.limit.unwrap_or(50).min(MAX_PAGE),
+        })
+    }
+
+    /// The filters as a query string (without the cursor), for links.
+    fn query_string(&self) -> String {
+        let mut s = form_urlencoded::Serializer::new(String::new());
+        for (k, v) in [
+            ("pipeline", &self.pipeline),
+            ("state", &self.state),
+            ("provider", &self.provider),
+            ("step", &self.step),
+            ("error_code", &self.error_code),
+            ("q", &self.q),
+        ] {
+            if let Some(v) = non_empty(v) {
+                s.append_pair(k, &v);
+            }
+        }
+        s.finish()
+    }
+}
+
+pub struct RecordRow {
+    pub id: i64,
+    pub pipeline: String,
+    pub key: String,
+    pub state: &'static str,
+    pub step: String,
+    pub provider: String,
+    pub error_code: String,
+    pub reason: String,
+    pub updated: String,
+}
+
+impl From<&Record> for RecordRow {
+    fn from(r: &Record) -> Self {
+        RecordRow {
+            id: r.id,
+            pipeline: r.pipeline.clone(),
+            key: r.external_key.clone().unwrap_or_default(),
+            state: r.state.as_str(),
+            step: r.step.clone().unwrap_or_default(),
+            provider: r.provider.clone().unwrap_or_default(),
+            error_code: r.error_code.clone().unwrap_or_default(),
+            reason: crate::domain::excerpt(r.reason.as_deref().unwrap_or(""), 160).to_owned(),
+            updated: when(r.updated_at),
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "pages/records.html", blocks = ["list"])]
+struct RecordsPage {
+    nav: Nav,
+    f: ListQuery,
+    filters: String,
+    pipelines: Vec<String>,
+    providers: Vec<String>,
+    states: Vec<&'static str>,
+    rows: Vec<RecordRow>,
+    next: Option<i64>,
+    bulk_max: u32,
+}
+
+impl RecordsPage {
+    fn sel(&self, field: &Option<String>, value: &str) -> bool {
+        field.as_deref() == Some(value)
+    }
+
+    fn val(&self, field: &Option<String>) -> String {
+        field.clone().unwrap_or_default()
+    }
+}
+
+async fn list(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<ListQuery>,
+) -> WebResult<Response> {
+    let filter = q.to_filter()?;
+    let page = state.db.list_records(&filter).await?;
+    let t = RecordsPage {
+        nav: Nav::new(&caller, "records"),
+        filters: q.query_string(),
+        f: q,
+        pipelines: state.config.pipelines.keys().cloned().collect(),
+        providers: state.config.providers.keys().cloned().collect(),
+        states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
+        rows: page.items.iter().map(RecordRow::from).collect(),
+        next: page.next,
+        bulk_max: state.config.server.limits.bulk_max,
+    };
+    if is_htmx(&headers) {
+        return html(&t.as_list());
+    }
+    html(&t)
+}
+
+struct StepView {
+    name: String,
+    state: &'static str,
+    provider: String,
+    attempts: i32,
+    job_id: String,
+    output: String,
+    error_code: String,
+    reason: String,
+    started: String,
+    finished: String,
+}
+
+struct AttemptView {
+    at: String,
+    step: String,
+    attempt_no: i32,
+    duration: String,
+    status: String,
+    outcome: &'static str,
+    error_code: String,
+    excerpt: String,
+}
+
+struct EventView {
+    at: String,
+    kind: String,
+    actor: String,
+    audit: bool,
+    change: String,
+    step: String,
+    reason: String,
+}
+
+#[derive(Template)]
+#[template(path = "pages/record.html", blocks = ["detail"])]
+struct RecordPage {
+    nav: Nav,
+    r: RecordRow,
+    created: String,
+    finished: String,
+    next_run: String,
+    input: String,
+    steps: Vec<StepView>,
+    attempts: Vec<AttemptView>,
+    events: Vec<EventView>,
+    actions: Vec<&'static str>,
+    replay_steps: Vec<String>,
+}
+
+fn pretty(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_default()
+}
+
+/// The operator actions a record's state allows, by the transition table.
+pub fn allowed_actions(state: RecordState) -> Vec<OperatorAction> {
+    OperatorAction::ALL
+        .into_iter()
+        .filter(|a| transition(state, Trigger::Operator(*a)).is_ok())
+        .collect()
+}
+
+async fn record_page(
+    state: &AppState,
+    caller: &crate::web::auth::Caller,
+    id: i64,
+) -> WebResult<RecordPage> {
+    let rec = state
+        .db
+        .get_record(id)
+        .await?
+        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    let (steps, attempts, events) = tokio::try_join!(
+        state.db.step_runs(id),
+        state.db.attempts(id),
+        state.db.record_events(id)
+    )?;
+    let replay_steps = match &state.engine {
+        Some(e) => e.steps_of(&rec).await,
+        None => steps.iter().map(|s| s.step.clone()).collect(),
+    };
+    let actions = if caller.can(crate::domain::Role::Operator) {
+        allowed_actions(rec.state)
+            .into_iter()
+            .map(|a| a.as_str())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(RecordPage {
+        nav: Nav::new(caller, "records"),
+        r: RecordRow::from(&rec),
+        created: when(rec.created_at),
+        finished: when_opt(rec.finished_at),
+        next_run: when_opt(rec.next_run_at),
+        input: pretty(&rec.input),
+        steps: steps
+            .iter()
+            .map(|s| StepView {
+                name: s.step.clone(),
+                state: s.state.as_str(),
+                provider: s.provider.clone().unwrap_or_default(),
+                attempts: s.attempts,
+                job_id: s.job_id.clone().unwrap_or_default(),
+                output: s.output.as_ref().map(pretty).unwrap_or_default(),
+                error_code: s.error_code.clone().unwrap_or_default(),
+                reason: s.reason.clone().unwrap_or_default(),
+                started: when_opt(s.started_at),
+                finished: when_opt(s.finished_at),
+            })
+            .collect(),
+        attempts: attempts
+            .iter()
+            .rev()
+            .map(|a| AttemptView {
+                at: when(a.started_at),
+                step: a.step.clone(),
+                attempt_no: a.attempt_no,
+                duration: millis(a.duration_ms),
+                status: a
+                    .http_status
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|| "—".into()),
+                outcome: a.outcome.as_str(),
+                error_code: a.error_code.clone().unwrap_or_default(),
+                excerpt: a.excerpt.clone().unwrap_or_default(),
+            })
+            .collect(),
+        events: events
+            .iter()
+            .rev()
+            .map(|e| EventView {
+                at: when(e.at),
+                kind: e.kind.clone(),
+                actor: e.actor.clone(),
+                audit: e.audit,
+                change: match (e.from_state, e.to_state) {
+                    (Some(f), Some(t)) if f != t => format!("{f} → {t}"),
+                    (_, Some(t)) => t.to_string(),
+                    _ => String::new(),
+                },
+                step: e.step.clone().unwrap_or_default(),
+                reason: e.reason.clone().unwrap_or_default(),
+            })
+            .collect(),
+        actions,
+        replay_steps,
+    })
+}
+
+async fn detail(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> WebResult<Response> {
+    let t = record_page(&state, &caller, id).await?;
+    if is_htmx(&headers) {
+        return html(&t.as_detail());
+    }
+    html(&t)
+}
+
+#[derive(Deserialize)]
+struct ActForm {
+    action: String,
+    reason: Option<String>,
+    step: Option<String>,
+}
+
+/// One action on one record, through the engine (which knows the pipeline
+/// graph for replays and wakes the workers) or the store.
+pub async fn act_one(
+    state: &AppState,
+    id: i64,
+    action: OperatorAction,
+    actor: &str,
+    reason: Option<String>,
+    step: Option<&str>,
+) -> WebResult<Record> {
+    if action == OperatorAction::Park && reason.is_none() {
+        return Err(WebError::bad("reason_required", "parking needs a reason"));
+    }
+    let rec = match &state.engine {
+        Some(engine) => engine.act(id, action, actor, reason, step).await?,
+        None => {
+            if action == OperatorAction::ReplayFrom {
+                return Err(WebError::bad(
+                    "replay_unavailable",
+                    "replay needs the pipeline definitions (no pipelines configured)",
+                ));
+            }
+            let req = crate::store::ActionRequest {
+                record_id: id,
+                action,
+                actor: actor.to_owned(),
+                reason,
+                now: crate::engine::now_ms(),
+                steps: Vec::new(),
+            };
+            state.db.act(&req).await?
+        }
+    };
+    tracing::info!(record.id = id, action = %action, actor, "operator action");
+    Ok(rec)
+}
+
+pub fn parse_action(s: &str) -> WebResult<OperatorAction> {
+    s.parse::<OperatorAction>()
+        .map_err(|_| WebError::bad("unknown_action", format!("unknown action `{s}`")))
+}
+
+async fn act(
+    caller: Authed<Operator>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+    axum::Form(form): axum::Form<ActForm>,
+) -> WebResult<Response> {
+    let action = parse_action(&form.action)?;
+    let reason = non_empty(&form.reason);
+    let step = non_empty(&form.step);
+    act_one(&state, id, action, &caller.actor, reason, step.as_deref()).await?;
+    if is_htmx(&headers) {
+        let t = record_page(&state, &caller, id).await?;
+        return html(&t.as_detail());
+    }
+    Ok(Redirect::to(&format!("/records/{id}")).into_response())
+}
+
+/// A bulk request: explicit ids, or every record matching the filters.
+#[derive(Debug, Deserialize)]
+struct BulkForm {
+    #[serde(default)]
+    ids: Vec<i64>,
+    #[serde(default)]
+    all_matching: Option<String>,
+    action: String,
+    reason: Option<String>,
+    step: Option<String>,
+    /// `preview` (the default) counts; `apply` acts.
+    mode: Option<String>,
+    // The list's filters, for `all_matching` (the step filter is named
+    // apart from the replay step).
+    pipeline: Option<String>,
+    state: Option<String>,
+    provider: Option<String>,
+    filter_step: Option<String>,
+    error_code: Option<String>,
+    q: Option<String>,
+}
+
+impl BulkForm {
+    fn filter(&self) -> ListQuery {
+        ListQuery {
+            pipeline: self.pipeline.clone(),
+            state: self.state.clone(),
+            provider: self.provider.clone(),
+            step: self.filter_step.clone(),
+            error_code: self.error_code.clone(),
+            q: self.q.clone(),
+            before: None,
+            limit: None,
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "pages/bulk.html", blocks = ["result"])]
+struct BulkPage {
+    nav: Nav,
+    action: &'static str,
+    reason: String,
+    step: String,
+    applied: bool,
+    matched: usize,
+    allowed_ids: Vec<i64>,
+    refused: usize,
+    failed: Vec<String>,
+}
+
+async fn bulk(
+    caller: Authed<Operator>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum_extra::extract::Form(form): axum_extra::extract::Form<BulkForm>,
+) -> WebResult<Response> {
+    let action = parse_action(&form.action)?;
+    let reason = non_empty(&form.reason)
+        .ok_or_else(|| WebError::bad("reason_required", "a bulk action needs a reason"))?;
+    let step = non_empty(&form.step);
+    let targets = bulk_targets(&state, &form).await?;
+    let apply = form.mode.as_deref() == Some("apply");
+    let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets
+        .iter()
+        .partition(|r| transition(r.state, Trigger::Operator(action)).is_ok());
+    let mut failed = Vec::new();
+    if apply {
+        if state.web.bulk_limiter.check_key(&caller.actor).is_err() {
+            return Err(WebError::TooManyRequests(
+                "too many bulk actions; wait a minute".into(),
+            ));
+        }
+        for r in &allowed {
+            if let Err(e) = act_one(
+                &state,
+                r.id,
+                action,
+                &caller.actor,
+                Some(reason.clone()),
+                step.as_deref(),
+            )
+            .await
+            {
+                failed.push(format!("record {}: {e}", r.id));
+            }
+        }
+        tracing::info!(action = %action, actor = %caller.actor, records = allowed.len(), failed = failed.len(), "bulk action");
+    }
+    let t = BulkPage {
+        nav: Nav::new(&caller, "records"),
+        action: action.as_str(),
+        reason,
+        step: step.unwrap_or_default(),
+        applied: apply,
+        matched: targets.len(),
+        allowed_ids: allowed.iter().map(|r| r.id).collect(),
+        refused: refused.len(),
+        failed,
+    };
+    if is_htmx(&headers) {
+        return html(&t.as_result());
+    }
+    html(&t)
+}
+
+/// The records a bulk request names, refused when more than the cap.
+async fn bulk_targets(state: &AppState, form: &BulkForm) -> WebResult<Vec<Record>> {
+    let cap = state.config.server.limits.bulk_max as usize;
+    let too_many = |n: String| {
+        WebError::bad(
+            "bulk_too_large",
+            format!(
+                "{n} records selected; one bulk action may touch at most {cap}. Narrow the filter."
+            ),
+        )
+    };
+    let mut out = Vec::new();
+    if form.all_matching.is_some() {
+        let mut filter = form.filter().to_filter()?;
+        filter.limit = MAX_PAGE;
+        filter.before = None;
+        loop {
+            let page = state.db.list_records(&filter).await?;
+            out.extend(page.items);
+            if out.len() > cap {
+                return Err(too_many(format!("more than {cap}")));
+            }
+            match page.next {
+                Some(n) => filter.before = Some(n),
+                None => break,
+            }
+        }
+    } else {
+        let mut ids = form.ids.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.is_empty() {
+            return Err(WebError::bad("nothing_selected", "select records first"));
+        }
+        if ids.len() > cap {
+            return Err(too_many(ids.len().to_string()));
+        }
+        for id in ids {
+            if let Some(r) = state.db.get_record(id).await? {
+                out.push(r);
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,224 @@
+//! The overview's figures, summed from every node's per-minute rollups:
+//! success rate and p50/p95 latency per step and per provider over the last
+//! hour and day, and records finished per minute as small server-side SVG
+//! bar charts.
+
+use std::collections::BTreeMap;
+
+use crate::domain::UnixMs;
+use crate::engine::stats::LATENCY_BUCKETS_MS;
+use crate::store::StepRollup;
+
+const HOUR: i64 = 3600 * 1000;
+
+/// Figures over one window.
+#[derive(Debug, Clone, Default)]
+pub struct Window {
+    pub calls: i64,
+    pub ok: i64,
+    pub latency: Vec<i64>,
+}
+
+impl Window {
+    fn add(&mut self, r: &StepRollup) {
+        self.calls += r.calls;
+        self.ok += r.succeeded;
+        if self.latency.len() < r.latency.len() {
+            self.latency.resize(r.latency.len(), 0);
+        }
+        for (a, b) in self.latency.iter_mut().zip(&r.latency) {
+            *a += b;
+        }
+    }
+
+    /// Share of attempts that succeeded (or reported progress), as text.
+    pub fn success_rate(&self) -> String {
+        if self.calls == 0 {
+            return "—".into();
+        }
+        format!("{:.1}%", 100.0 * self.ok as f64 / self.calls as f64)
+    }
+
+    /// The latency bucket holding quantile `q`, as "≤ N ms".
+    pub fn quantile(&self, q: f64) -> String {
+        let total: i64 = self.latency.iter().sum();
+        if total == 0 {
+            return "—".into();
+        }
+        let want = (q * total as f64).ceil() as i64;
+        let mut seen = 0;
+        for (i, n) in self.latency.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                return match LATENCY_BUCKETS_MS.get(i) {
+                    Some(&b) if b == i64::MAX => "> 60 s".into(),
+                    Some(&b) => format!("≤ {}", super::pages::millis(b)),
+                    None => "—".into(),
+                };
+            }
+        }
+        "—".into()
+    }
+
+    pub fn p50(&self) -> String {
+        self.quantile(0.5)
+    }
+
+    pub fn p95(&self) -> String {
+        self.quantile(0.95)
+    }
+}
+
+/// One row of the step or provider table.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub label: String,
+    pub hour: Window,
+    pub day: Window,
+}
+
+/// One bar of a chart, in SVG user units.
+#[derive(Debug, Clone)]
+pub struct Bar {
+    pub x: i64,
+    pub y: i64,
+    pub h: i64,
+    pub title: String,
+}
+
+/// Records finished per minute over the last hour, for one pipeline.
+#[derive(Debug, Clone)]
+pub struct Chart {
+    pub pipeline: String,
+    pub bars: Vec<Bar>,
+    pub max: i64,
+    pub parked_hour: i64,
+    pub finished_hour: i64,
+}
+
+/// Chart geometry: 60 bars of 4 units in a 240 × 40 box.
+pub const CHART_H: i64 = 40;
+
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    pub steps: Vec<Row>,
+    pub providers: Vec<Row>,
+    pub charts: Vec<Chart>,
+}
+
+impl Stats {
+    pub fn build(rollups: &[StepRollup], now: UnixMs) -> Stats {
+        let hour_start = now - HOUR;
+        let mut steps: BTreeMap<(String, String, String), Row> = BTreeMap::new();
+        let mut providers: BTreeMap<String, Row> = BTreeMap::new();
+        let mut per_minute: BTreeMap<String, [i64; 60]> = BTreeMap::new();
+        let mut parked: BTreeMap<String, i64> = BTreeMap::new();
+        let this_minute = now - now.rem_euclid(60_000);
+        for r in rollups {
+            let in_hour = r.minute >= hour_start - 60_000;
+            if r.calls > 0 {
+                let key = (r.pipeline.clone(), r.step.clone(), r.provider.clone());
+                let row = steps.entry(key).or_insert_with(|| Row {
+                    label: format!("{} / {} ({})", r.pipeline, r.step, r.provider),
+                    hour: Window::default(),
+                    day: Window::default(),
+                });
+                row.day.add(r);
+                if in_hour {
+                    row.hour.add(r);
+                }
+                let p = providers.entry(r.provider.clone()).or_insert_with(|| Row {
+                    label: r.provider.clone(),
+                    hour: Window::default(),
+                    day: Window::default(),
+                });
+                p.day.add(r);
+                if in_hour {
+                    p.hour.add(r);
+                }
+            }
+            let finished = r.records_succeeded + r.records_failed + r.records_parked;
+            let ago = (this_minute - r.minute) / 60_000;
+            if (0..60).contains(&ago) {
+                let bars = per_minute.entry(r.pipeline.clone()).or_insert([0; 60]);
+                bars[(59 - ago) as usize] += finished;
+                *parked.entry(r.pipeline.clone()).or_default() += r.records_parked;
+            }
+        }
+        let charts = per_minute
+            .into_iter()
+            .map(|(pipeline, counts)| {
+                let max = counts.iter().copied().max().unwrap_or(0).max(1);
+                let bars = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| {
+                        let h = (n * CHART_H + max - 1) / max;
+                        Bar {
+                            x: i as i64 * 4,
+                            y: CHART_H - h,
+                            h,
+                            title: format!("{} min ago: {n}", 59 - i),
+                        }
+                    })
+                    .collect();
+                Chart {
+                    parked_hour: parked.get(&pipeline).copied().unwrap_or(0),
+                    finished_hour: counts.iter().sum(),
+                    pipeline,
+                    bars,
+                    max,
+                }
+            })
+            .collect();
+        Stats {
+            steps: steps.into_values().collect(),
+            providers: providers.into_values().collect(),
+            charts,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roll(minute: i64, calls: i64, ok: i64, fast: i64, parked: i64) -> StepRollup {
+        let mut latency = vec![0; LATENCY_BUCKETS_MS.len()];
+        latency[0] = fast;
+        latency[7] = calls - fast;
+        StepRollup {
+            minute,
+            node: "n".into(),
+            pipeline: "p".into(),
+            step: "s".into(),
+            provider: "x".into(),
+            calls,
+            succeeded: ok,
+            records_parked: parked,
+            records_succeeded: ok,
+            latency,
+            ..StepRollup::default()
+        }
+    }
+
+    #[test]
+    fn sums_nodes_and_windows() {
+        let now = 10 * HOUR;
+        let rows = [
+            roll(now - 2 * HOUR, 100, 50, 100, 0),
+            roll(now - 60_000, 10, 9, 8, 1),
+            roll(now - 60_000, 10, 10, 10, 2),
+        ];
+        let s = Stats::build(&rows, now);
+        assert_eq!(s.steps.len(), 1);
+        let st = &s.steps[0];
+        assert_eq!((st.hour.calls, st.hour.ok), (20, 19));
+        assert_eq!((st.day.calls, st.day.ok), (120, 69));
+        assert_eq!(st.hour.success_rate(), "95.0%");
+        assert_eq!(st.hour.p50(), "≤ 5 ms");
+        assert_eq!(st.hour.p95(), "≤ 1.0 s");
+        assert_eq!(s.charts[0].parked_hour, 3);
+        assert_eq!(s.charts[0].bars[58].h, CHART_H);
+    }
+}

@@ -1,0 +1,287 @@
+//! The JSON API and the overview against a real engine and the simulator:
+//! idempotent enqueue, lists with filters, actions with the page's rules,
+//! stable error codes, body limits, and live statistics.
+
+use std::time::Duration;
+
+use ballast::domain::Role;
+use ballast::sim::{Profile, SimHandle};
+use ballast::store::{Backend, Store};
+use serde_json::{Value, json};
+
+use crate::web::WebApp;
+
+fn pipeline(base_url: &str) -> String {
+    format!(
+        r#"
+[providers.sim]
+base_url = "{base_url}"
+timeout = "2s"
+retry = {{ max_attempts = 3, base = "20ms", cap = "100ms", deadline = "20s" }}
+[[providers.sim.rules]]
+when = {{ status = "2xx" }}
+outcome = "success"
+[[providers.sim.rules]]
+when = {{ status = ["400", "404", "422"] }}
+outcome = "fail"
+[[pipelines.leads.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}", "amount": 1}}' }}
+outputs = {{ charge_id = "/id" }}
+"#
+    )
+}
+
+async fn api_round_trip(backend: Backend) {
+    let sim = SimHandle::spawn(Profile::clean(3)).await.unwrap();
+    let Some(app) = WebApp::spawn(backend, "api", &pipeline(&sim.base_url())).await else {
+        sim.stop();
+        return;
+    };
+    let op = app.token(Role::Operator).await;
+    let viewer = app.token(Role::Viewer).await;
+    let post = |path: &str, body: Value, token: &str| {
+        app.client
+            .post(app.url(path))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    // Enqueue is idempotent on the external key.
+    let first = post(
+        "/api/v1/records",
+        json!({"pipeline": "leads", "key": "lead-1", "input": {"email": "a@b.c"}}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(first.status(), 201);
+    let first: Value = first.json().await.unwrap();
+    let again = post(
+        "/api/v1/records",
+        json!({"pipeline": "leads", "key": "lead-1", "input": {"email": "other"}}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(again.status(), 200);
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(first["record"]["id"], again["record"]["id"]);
+    assert_eq!(again["created"], false);
+    assert_eq!(
+        again["record"]["input"]["email"], "a@b.c",
+        "the first input stands"
+    );
+    let id = first["record"]["id"].as_i64().unwrap();
+    for k in 2..=5 {
+        post(
+            "/api/v1/records",
+            json!({"pipeline": "leads", "key": format!("lead-{k}")}),
+            &op,
+        )
+        .await
+        .unwrap();
+    }
+    // The workers finish them.
+    let mut done = 0;
+    for _ in 0..200 {
+        let r: Value = app
+            .client
+            .get(app.url("/api/v1/records?state=succeeded&limit=10"))
+            .bearer_auth(&viewer)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        done = r["items"].as_array().unwrap().len();
+        if done == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(done, 5);
+    // Keyset pages.
+    let page: Value = app
+        .client
+        .get(app.url("/api/v1/records?limit=2&q=lead-"))
+        .bearer_auth(&viewer)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(page["items"].as_array().unwrap().len(), 2);
+    let next = page["next"].as_i64().unwrap();
+    let page2: Value = app
+        .client
+        .get(app.url(&format!("/api/v1/records?limit=2&q=lead-&before={next}")))
+        .bearer_auth(&viewer)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(page2["items"][0]["id"].as_i64().unwrap() < next);
+    // Detail carries the history.
+    let detail: Value = app
+        .client
+        .get(app.url(&format!("/api/v1/records/{id}")))
+        .bearer_auth(&viewer)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(detail["record"]["state"], "succeeded");
+    assert_eq!(detail["attempts"][0]["http_status"], 200);
+    assert!(detail["events"].as_array().unwrap().len() >= 2);
+    // Actions follow the same rules as the page.
+    let r = post(
+        &format!("/api/v1/records/{id}/actions"),
+        json!({"action": "resume"}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 409);
+    let e: Value = r.json().await.unwrap();
+    assert!(e["error"].as_str().unwrap().len() > 3, "{e}");
+    let r = post(
+        &format!("/api/v1/records/{id}/actions"),
+        json!({"action": "replay", "step": "charge", "reason": "re-run"}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let r = post(
+        &format!("/api/v1/records/{id}/actions"),
+        json!({"action": "replay", "step": "nope"}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 400);
+    // Stable error codes for bad input.
+    let bad = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    assert_eq!(
+        bad.json::<Value>().await.unwrap()["error"],
+        "malformed_json"
+    );
+    let bad = post(
+        "/api/v1/records",
+        json!({"pipeline": "leads", "surprise": 1}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(bad.json::<Value>().await.unwrap()["error"], "invalid_body");
+    let bad = post("/api/v1/records", json!({"pipeline": "nope"}), &op)
+        .await
+        .unwrap();
+    assert_eq!(
+        bad.json::<Value>().await.unwrap()["error"],
+        "unknown_pipeline"
+    );
+    let bad = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        bad.json::<Value>().await.unwrap()["error"],
+        "unsupported_media_type"
+    );
+    let huge = json!({"pipeline": "leads", "input": {"blob": "x".repeat(300 * 1024)}});
+    let r = post("/api/v1/records", huge, &op).await.unwrap();
+    assert_eq!(r.status(), 413);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"], "body_too_large");
+    let bad = app
+        .client
+        .get(app.url("/api/v1/records?state=sleeping"))
+        .bearer_auth(&viewer)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.json::<Value>().await.unwrap()["error"], "bad_filter");
+
+    // The overview shows counts and, once the node flushed, statistics.
+    assert!(
+        app_engine_flush(&app).await.is_some(),
+        "statistics were flushed"
+    );
+    app.user("v", Role::Viewer).await;
+    let login = app.login("v").await;
+    let mut html = String::new();
+    for _ in 0..100 {
+        html = app.get("/", Some(&login)).await.text().await.unwrap();
+        if html.contains("leads / charge (sim)") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        html.contains("leads / charge (sim)"),
+        "step statistics shown: {html}"
+    );
+    assert!(html.contains("100.0%"), "success rate");
+    assert!(html.contains("<rect"), "a throughput chart");
+    let live = app
+        .client
+        .get(app.url("/"))
+        .header("cookie", &login.cookie)
+        .header("hx-request", "true")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        live.starts_with("\n<div id=\"live\"") || live.trim_start().starts_with("<div id=\"live\""),
+        "the live fragment alone: {}",
+        &live[..80.min(live.len())]
+    );
+    app.stop().await;
+    sim.stop();
+}
+
+/// Statistics reach the database within the flush interval; wait for it.
+async fn app_engine_flush(app: &WebApp) -> Option<()> {
+    for _ in 0..80 {
+        let rows = app.t.db.rollups_since(0).await.ok()?;
+        if rows.iter().any(|r| r.calls > 0) {
+            return Some(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_round_trip_sqlite() {
+    api_round_trip(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_round_trip_postgres() {
+    api_round_trip(Backend::Postgres).await;
+}

@@ -1,0 +1,1405 @@
+//! The control plane over real HTTP: login and sessions, forged tokens,
+//! CSRF, the route × role matrix, headers, inert provider data, rate
+//! limits, actions and bulk actions, the API, API tokens and metrics.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ballast::config::Config;
+use ballast::domain::{OperatorAction, Outcome, Role};
+use ballast::store::{ActionRequest, Backend, NewAttempt, NewRecord, NewUser, Store};
+use reqwest::header::HeaderMap;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::helpers::TestDb;
+
+/// The secret tests sign with, to forge tokens with the right key.
+pub const SECRET: &str = "test-secret-key-that-is-long-enough-0123456789";
+
+/// A running control plane on a fresh database.
+pub struct WebApp {
+    pub addr: SocketAddr,
+    pub t: TestDb,
+    pub client: reqwest::Client,
+    shutdown: CancellationToken,
+    server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+/// A logged-in browser: its cookie header and CSRF token.
+#[derive(Clone, Debug)]
+pub struct Login {
+    pub cookie: String,
+    pub csrf: String,
+}
+
+pub fn password_of(user: &str) -> String {
+    format!("pw-{user}-0123456789")
+}
+
+impl WebApp {
+    /// Starts the app with `extra` TOML appended to the configuration.
+    pub async fn spawn(backend: Backend, test: &str, extra: &str) -> Option<WebApp> {
+        let t = TestDb::new(backend, test).await?;
+        Some(Self::spawn_on(t, extra).await)
+    }
+
+    pub async fn spawn_on(t: TestDb, extra: &str) -> WebApp {
+        let text = format!("[database]\nurl = \"{}\"\n{extra}", t.url);
+        let mut config = Config::parse(&text, std::path::Path::new("web.toml")).unwrap();
+        config.server.secret_key = Some(ballast::config::Secret::new(SECRET));
+        config.server.metrics_token =
+            Some(ballast::config::Secret::new("metrics-token-0123456789"));
+        config.validate(&|v| std::env::var(v).ok()).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(ballast::app::run(config, listener, shutdown.clone()));
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
+        let app = WebApp {
+            addr,
+            t,
+            client,
+            shutdown,
+            server: Some(server),
+        };
+        for _ in 0..200 {
+            if let Ok(r) = app.client.get(app.url("/readyz")).send().await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        app
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn origin(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn user(&self, name: &str, role: Role) -> i64 {
+        let hash = ballast::auth::password::hash(&password_of(name)).unwrap();
+        let u = NewUser {
+            username: name.to_owned(),
+            password_hash: hash,
+            role,
+        };
+        self.t
+            .db
+            .create_user(&u, ballast::engine::now_ms())
+            .await
+            .unwrap()
+            .id
+    }
+
+    pub async fn try_login(&self, name: &str, password: &str) -> reqwest::Response {
+        self.client
+            .post(self.url("/login"))
+            .header("origin", self.origin())
+            .form(&[("username", name), ("password", password), ("next", "/")])
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Logs in and reads the CSRF token off the overview page.
+    pub async fn login(&self, name: &str) -> Login {
+        let r = self.try_login(name, &password_of(name)).await;
+        assert_eq!(r.status(), 303, "login of {name}");
+        let cookie = session_cookie(r.headers()).expect("a session cookie");
+        let page = self
+            .client
+            .get(self.url("/"))
+            .header("cookie", &cookie)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(page.status(), 200);
+        let html = page.text().await.unwrap();
+        Login {
+            cookie,
+            csrf: csrf_in(&html).expect("a CSRF token in the page"),
+        }
+    }
+
+    pub async fn get(&self, path: &str, login: Option<&Login>) -> reqwest::Response {
+        let mut req = self.client.get(self.url(path));
+        if let Some(l) = login {
+            req = req.header("cookie", &l.cookie);
+        }
+        req.send().await.unwrap()
+    }
+
+    /// A form post the way the dashboard sends it: cookie, CSRF header,
+    /// and this site's origin.
+    pub async fn post(
+        &self,
+        path: &str,
+        login: Option<&Login>,
+        form: &[(&str, &str)],
+    ) -> reqwest::Response {
+        let mut req = self
+            .client
+            .post(self.url(path))
+            .header("origin", self.origin())
+            .form(form);
+        if let Some(l) = login {
+            req = req
+                .header("cookie", &l.cookie)
+                .header("x-csrf-token", &l.csrf);
+        }
+        req.send().await.unwrap()
+    }
+
+    /// An API token of `role`, made through the store.
+    pub async fn token(&self, role: Role) -> String {
+        let (token, hash, prefix) = ballast::web::auth::new_api_token();
+        self.t
+            .db
+            .create_api_token(
+                &ballast::store::NewApiToken {
+                    name: format!("t-{}", role.as_str()),
+                    token_hash: hash,
+                    prefix,
+                    role,
+                    created_by: "test".into(),
+                },
+                ballast::engine::now_ms(),
+            )
+            .await
+            .unwrap();
+        token
+    }
+
+    /// A record with no pipeline behind it, in `pending`.
+    pub async fn record(&self, key: &str) -> i64 {
+        let new = NewRecord {
+            pipeline: "manual".into(),
+            pipeline_version: None,
+            external_key: Some(key.into()),
+            input: json!({ "lead": key }),
+            run_at: ballast::engine::now_ms() + 3_600_000,
+        };
+        self.t
+            .db
+            .create_record(new, ballast::engine::now_ms())
+            .await
+            .unwrap()
+            .record
+            .id
+    }
+
+    pub async fn park(&self, id: i64) {
+        let req = ActionRequest {
+            record_id: id,
+            action: OperatorAction::Park,
+            actor: "setup".into(),
+            reason: Some("setup".into()),
+            now: ballast::engine::now_ms(),
+            steps: Vec::new(),
+        };
+        self.t.db.act(&req).await.unwrap();
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(s) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(15), s).await;
+        }
+    }
+}
+
+impl Drop for WebApp {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// `name=value` of the session cookie a response sets.
+pub fn session_cookie(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.contains("ballast_session="))
+        .and_then(|v| v.split(';').next())
+        .map(str::to_owned)
+}
+
+/// The CSRF token a page embeds in its forms.
+pub fn csrf_in(html: &str) -> Option<String> {
+    let at = html.find(r#"name="csrf" value=""#)? + r#"name="csrf" value=""#.len();
+    let end = html[at..].find('"')?;
+    Some(html[at..at + end].to_owned())
+}
+
+async fn both(test: &str, f: impl AsyncFn(Backend, &str)) {
+    f(Backend::Sqlite, test).await;
+    f(Backend::Postgres, test).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn login_sets_a_hardened_cookie_and_logout_revokes_it() {
+    both("login", async |backend, test| {
+        let Some(app) = WebApp::spawn(backend, test, "").await else {
+            return;
+        };
+        app.user("alice", Role::Operator).await;
+        // Anonymous pages send the browser to the login page.
+        let r = app.get("/", None).await;
+        assert_eq!(r.status(), 303);
+        assert_eq!(r.headers()["location"], "/login");
+        // Wrong password and unknown user read the same.
+        let wrong = app.try_login("alice", "not-the-password").await;
+        assert_eq!(wrong.status(), 401);
+        let wrong = wrong.text().await.unwrap();
+        let unknown = app.try_login("mallory", "whatever-password").await;
+        assert_eq!(unknown.status(), 401);
+        assert!(wrong.contains("Unknown user or wrong password"));
+        assert!(
+            unknown
+                .text()
+                .await
+                .unwrap()
+                .contains("Unknown user or wrong password")
+        );
+
+        let r = app.try_login("alice", &password_of("alice")).await;
+        assert_eq!(r.status(), 303);
+        let set = r.headers()["set-cookie"].to_str().unwrap().to_owned();
+        for attr in [
+            "__Host-ballast_session=",
+            "HttpOnly",
+            "SameSite=Strict",
+            "Secure",
+            "Path=/",
+            "Max-Age=",
+        ] {
+            assert!(set.contains(attr), "{attr} missing from {set}");
+        }
+        assert!(!set.contains("Domain"), "{set}");
+        let login = app.login("alice").await;
+        assert_eq!(app.get("/records", Some(&login)).await.status(), 200);
+
+        // Logout kills the session server-side: the old cookie is useless.
+        let out = app.post("/logout", Some(&login), &[]).await;
+        assert_eq!(out.status(), 303);
+        assert!(
+            out.headers()["set-cookie"]
+                .to_str()
+                .unwrap()
+                .contains("Max-Age=0")
+        );
+        let after = app.get("/records", Some(&login)).await;
+        assert_eq!(after.status(), 303, "revoked session");
+        // htmx requests get a redirect header instead.
+        let hx = app
+            .client
+            .get(app.url("/records"))
+            .header("cookie", &login.cookie)
+            .header("hx-request", "true")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(hx.status(), 401);
+        assert_eq!(hx.headers()["hx-redirect"], "/login");
+        app.stop().await;
+    })
+    .await;
+}
+
+fn forge(claims: &Value, alg: jsonwebtoken::Algorithm, key: &[u8]) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(alg),
+        claims,
+        &jsonwebtoken::EncodingKey::from_secret(key).unwrap(),
+    )
+    .unwrap()
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    // URL-safe base64 without padding, by hand (no extra dependency).
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n =
+            chunk.iter().fold(0u32, |acc, b| acc << 8 | u32::from(*b)) << (8 * (3 - chunk.len()));
+        for i in 0..=chunk.len() {
+            let _ = out.write_char(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_expired_and_confused_tokens_are_refused() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "jwt", "").await else {
+        return;
+    };
+    app.user("alice", Role::Admin).await;
+    let login = app.login("alice").await;
+    let token = login.cookie.split_once('=').unwrap().1.to_owned();
+    // Read the real claims to reuse the live session id.
+    let payload = token.split('.').nth(1).unwrap();
+    let claims: Value = {
+        let pad = "=".repeat((4 - payload.len() % 4) % 4);
+        let std = format!("{payload}{pad}")
+            .replace('-', "+")
+            .replace('_', "/");
+        let bytes = base64_decode(&std);
+        serde_json::from_slice(&bytes).unwrap()
+    };
+    // The session key is derived from the secret; forging with the raw
+    // secret or another key must fail, and so must every variant below.
+    let now = ballast::engine::now_ms() / 1000;
+    let with = |f: &dyn Fn(&mut Value)| {
+        let mut c = claims.clone();
+        f(&mut c);
+        c
+    };
+    let derived = {
+        use hmac::{Hmac, KeyInit, Mac};
+        let mut mac = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(SECRET.as_bytes()).unwrap();
+        mac.update(b"ballast session v1");
+        mac.finalize().into_bytes().to_vec()
+    };
+    // Sanity: a token made with the derived key is accepted, so the
+    // refusals below are about what they change, not about the key.
+    let good = forge(&claims, jsonwebtoken::Algorithm::HS256, &derived);
+    let ok = app
+        .get(
+            "/",
+            Some(&Login {
+                cookie: format!("__Host-ballast_session={good}"),
+                csrf: String::new(),
+            }),
+        )
+        .await;
+    assert_eq!(ok.status(), 200, "a correctly signed token works");
+
+    let header_none = b64(br#"{"alg":"none","typ":"JWT"}"#);
+    let body = b64(claims.to_string().as_bytes());
+    let cases: Vec<(&str, String)> = vec![
+        ("alg none", format!("{header_none}.{body}.")),
+        ("alg none, no dot", format!("{header_none}.{body}")),
+        (
+            "raw secret as key",
+            forge(&claims, jsonwebtoken::Algorithm::HS256, SECRET.as_bytes()),
+        ),
+        (
+            "other key",
+            forge(
+                &claims,
+                jsonwebtoken::Algorithm::HS256,
+                b"another-key-another-key-another-key",
+            ),
+        ),
+        (
+            "HS384 with the right key",
+            forge(&claims, jsonwebtoken::Algorithm::HS384, &derived),
+        ),
+        (
+            "HS512 with the right key",
+            forge(&claims, jsonwebtoken::Algorithm::HS512, &derived),
+        ),
+        ("RS256 header, HMAC body", {
+            let h = b64(br#"{"alg":"RS256","typ":"JWT"}"#);
+            let sig = good.rsplit('.').next().unwrap();
+            format!("{h}.{body}.{sig}")
+        }),
+        (
+            "expired",
+            forge(
+                &with(&|c| c["exp"] = json!(now - 120)),
+                jsonwebtoken::Algorithm::HS256,
+                &derived,
+            ),
+        ),
+        (
+            "not yet valid",
+            forge(
+                &with(&|c| c["nbf"] = json!(now + 600)),
+                jsonwebtoken::Algorithm::HS256,
+                &derived,
+            ),
+        ),
+        (
+            "no exp",
+            forge(
+                &with(&|c| {
+                    c.as_object_mut().unwrap().remove("exp");
+                }),
+                jsonwebtoken::Algorithm::HS256,
+                &derived,
+            ),
+        ),
+        (
+            "other user, same session",
+            forge(
+                &with(&|c| c["sub"] = json!("999")),
+                jsonwebtoken::Algorithm::HS256,
+                &derived,
+            ),
+        ),
+        (
+            "unknown session",
+            forge(
+                &with(&|c| c["sid"] = json!("nope")),
+                jsonwebtoken::Algorithm::HS256,
+                &derived,
+            ),
+        ),
+        ("tampered payload", {
+            let mut parts: Vec<String> = token.split('.').map(str::to_owned).collect();
+            parts[1] = b64(with(&|c| c["sub"] = json!("2")).to_string().as_bytes());
+            parts.join(".")
+        }),
+        ("garbage", "not.a.jwt".to_owned()),
+    ];
+    let total = cases.len();
+    for (name, forged) in cases {
+        let l = Login {
+            cookie: format!("__Host-ballast_session={forged}"),
+            csrf: login.csrf.clone(),
+        };
+        let r = app.get("/", Some(&l)).await;
+        assert_eq!(r.status(), 303, "{name} must be refused");
+        let r = app
+            .post(
+                "/admin/tokens",
+                Some(&l),
+                &[("name", "x"), ("role", "admin")],
+            )
+            .await;
+        assert!(
+            r.status() == 401 || r.status() == 303,
+            "{name} must not act: {}",
+            r.status()
+        );
+    }
+    assert!(total >= 14);
+    app.stop().await;
+}
+
+fn base64_decode(s: &str) -> Vec<u8> {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = Vec::new();
+    let mut buf = 0u32;
+    let mut bits = 0;
+    for c in s.bytes().filter(|c| *c != b'=') {
+        let v = T.iter().position(|t| *t == c).unwrap() as u32;
+        buf = buf << 6 | v;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((buf >> bits) as u8);
+        }
+    }
+    out
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Who {
+    Anonymous,
+    As(Role),
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_checks_the_role_server_side() {
+    let Some(app) = WebApp::spawn(
+        Backend::Sqlite,
+        "matrix",
+        "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n",
+    )
+    .await
+    else {
+        return;
+    };
+    for (name, role) in [
+        ("viewer", Role::Viewer),
+        ("operator", Role::Operator),
+        ("admin", Role::Admin),
+    ] {
+        app.user(name, role).await;
+    }
+    let victim = app.user("victim", Role::Viewer).await;
+    let rec = app.record("m-1").await;
+    app.park(rec).await;
+    let logins = [
+        (Role::Viewer, app.login("viewer").await),
+        (Role::Operator, app.login("operator").await),
+        (Role::Admin, app.login("admin").await),
+    ];
+    let tokens = [
+        (Role::Viewer, app.token(Role::Viewer).await),
+        (Role::Operator, app.token(Role::Operator).await),
+        (Role::Admin, app.token(Role::Admin).await),
+    ];
+    let rank = |r: Role| match r {
+        Role::Viewer => 0,
+        Role::Operator => 1,
+        Role::Admin => 2,
+    };
+    let r = rec.to_string();
+    // (method, path, form, minimum role).
+    type Case<'a> = (&'a str, String, Vec<(&'a str, &'a str)>, Role);
+    let pages: Vec<Case> = vec![
+        ("GET", "/".into(), vec![], Role::Viewer),
+        ("GET", "/records".into(), vec![], Role::Viewer),
+        ("GET", format!("/records/{r}"), vec![], Role::Viewer),
+        ("GET", "/providers".into(), vec![], Role::Viewer),
+        ("GET", "/audit".into(), vec![], Role::Viewer),
+        (
+            "POST",
+            format!("/records/{r}/actions"),
+            vec![("action", "park"), ("reason", "matrix")],
+            Role::Operator,
+        ),
+        (
+            "POST",
+            "/records/bulk".into(),
+            vec![("action", "park"), ("reason", "matrix"), ("ids", &r)],
+            Role::Operator,
+        ),
+        (
+            "POST",
+            "/providers/p/pause".into(),
+            vec![("reason", "matrix")],
+            Role::Admin,
+        ),
+        ("POST", "/providers/p/resume".into(), vec![], Role::Admin),
+        (
+            "POST",
+            "/providers/p/reset-breaker".into(),
+            vec![],
+            Role::Admin,
+        ),
+        ("GET", "/admin/users".into(), vec![], Role::Admin),
+        (
+            "POST",
+            "/admin/users".into(),
+            vec![
+                ("username", "new-user"),
+                ("role", "viewer"),
+                ("password", "long-enough-pw"),
+            ],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            format!("/admin/users/{victim}/role"),
+            vec![("role", "viewer")],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            format!("/admin/users/{victim}/disable"),
+            vec![],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            format!("/admin/users/{victim}/enable"),
+            vec![],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            format!("/admin/users/{victim}/password"),
+            vec![("password", "another-long-pw")],
+            Role::Admin,
+        ),
+        ("GET", "/admin/tokens".into(), vec![], Role::Admin),
+        (
+            "POST",
+            "/admin/tokens".into(),
+            vec![("name", "matrix"), ("role", "viewer")],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            "/admin/tokens/999/revoke".into(),
+            vec![],
+            Role::Admin,
+        ),
+    ];
+    let mut checked = 0;
+    for (method, path, form, min) in &pages {
+        for htmx in [false, true] {
+            for who in [
+                Who::Anonymous,
+                Who::As(Role::Viewer),
+                Who::As(Role::Operator),
+                Who::As(Role::Admin),
+            ] {
+                let login = match who {
+                    Who::Anonymous => None,
+                    Who::As(role) => logins.iter().find(|l| l.0 == role).map(|l| &l.1),
+                };
+                let mut req = if *method == "GET" {
+                    app.client.get(app.url(path))
+                } else {
+                    app.client
+                        .post(app.url(path))
+                        .header("origin", app.origin())
+                        .form(form)
+                };
+                if let Some(l) = login {
+                    req = req
+                        .header("cookie", &l.cookie)
+                        .header("x-csrf-token", &l.csrf);
+                }
+                if htmx {
+                    req = req.header("hx-request", "true");
+                }
+                let status = req.send().await.unwrap().status().as_u16();
+                let expected_ok = matches!(who, Who::As(role) if rank(role) >= rank(*min));
+                match who {
+                    Who::Anonymous => assert_eq!(
+                        status,
+                        if htmx { 401 } else { 303 },
+                        "{method} {path} anonymous htmx={htmx}"
+                    ),
+                    _ if expected_ok => assert!(
+                        !matches!(status, 401 | 403) && status < 500,
+                        "{method} {path} as {who:?} htmx={htmx}: {status}"
+                    ),
+                    _ => assert_eq!(status, 403, "{method} {path} as {who:?} htmx={htmx}"),
+                }
+                checked += 1;
+            }
+        }
+    }
+    // The API: bearer tokens only, same roles.
+    let api: Vec<(&str, String, Option<Value>, Role)> = vec![
+        ("GET", "/api/v1/records".into(), None, Role::Viewer),
+        ("GET", format!("/api/v1/records/{r}"), None, Role::Viewer),
+        (
+            "POST",
+            format!("/api/v1/records/{r}/actions"),
+            Some(json!({"action": "retry"})),
+            Role::Operator,
+        ),
+        (
+            "POST",
+            "/api/v1/records".into(),
+            Some(json!({"pipeline": "none"})),
+            Role::Operator,
+        ),
+        ("GET", "/metrics".into(), None, Role::Viewer),
+    ];
+    for (method, path, body, min) in &api {
+        for who in [
+            Who::Anonymous,
+            Who::As(Role::Viewer),
+            Who::As(Role::Operator),
+            Who::As(Role::Admin),
+        ] {
+            let mut req = if *method == "GET" {
+                app.client.get(app.url(path))
+            } else {
+                app.client.post(app.url(path)).json(body.as_ref().unwrap())
+            };
+            if let Who::As(role) = who {
+                let t = &tokens.iter().find(|t| t.0 == role).unwrap().1;
+                req = req.bearer_auth(t);
+            }
+            let resp = req.send().await.unwrap();
+            let status = resp.status().as_u16();
+            match who {
+                Who::Anonymous => assert_eq!(status, 401, "{method} {path} anonymous"),
+                Who::As(role) if rank(role) >= rank(*min) => assert!(
+                    !matches!(status, 401 | 403) && status < 500,
+                    "{method} {path} as {role:?}: {status}"
+                ),
+                Who::As(role) => {
+                    assert_eq!(status, 403, "{method} {path} as {role:?}");
+                    let body: Value = resp.json().await.unwrap();
+                    assert_eq!(body["error"], "forbidden");
+                }
+            }
+            checked += 1;
+        }
+    }
+    // A session cookie is not an API credential, and a token is not a session.
+    let l = &logins[2].1;
+    let r = app
+        .client
+        .get(app.url("/api/v1/records"))
+        .header("cookie", &l.cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = app
+        .client
+        .get(app.url("/records"))
+        .bearer_auth(&tokens[2].1)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 303);
+    println!("route x role matrix: {checked} cases checked");
+    assert!(checked > 150);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_need_the_csrf_token_and_this_origin() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "csrf", "").await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    let login = app.login("op").await;
+    let rec = app.record("c-1").await;
+    let path = format!("/records/{rec}/actions");
+    let form = [("action", "park"), ("reason", "csrf test")];
+    let send = |origin: Option<&str>, token: Option<&str>, in_form: bool| {
+        let mut req = app
+            .client
+            .post(app.url(&path))
+            .header("cookie", &login.cookie);
+        if let Some(o) = origin {
+            req = req.header("origin", o);
+        }
+        let mut fields: Vec<(&str, &str)> = form.to_vec();
+        if let Some(t) = token {
+            if in_form {
+                fields.push(("csrf", t));
+            } else {
+                req = req.header("x-csrf-token", t);
+            }
+        }
+        req.form(&fields).send()
+    };
+    let own = app.origin();
+    assert_eq!(
+        send(Some(&own), None, false).await.unwrap().status(),
+        403,
+        "no token"
+    );
+    assert_eq!(
+        send(Some(&own), Some("0000"), false)
+            .await
+            .unwrap()
+            .status(),
+        403,
+        "wrong token"
+    );
+    assert_eq!(
+        send(None, Some(&login.csrf), false).await.unwrap().status(),
+        403,
+        "no origin"
+    );
+    assert_eq!(
+        send(Some("https://evil.example"), Some(&login.csrf), false)
+            .await
+            .unwrap()
+            .status(),
+        403,
+        "foreign origin"
+    );
+    assert_eq!(
+        send(Some("null"), Some(&login.csrf), true)
+            .await
+            .unwrap()
+            .status(),
+        403,
+        "opaque origin"
+    );
+    // Another user's token does not work with this cookie.
+    app.user("op2", Role::Operator).await;
+    let other = app.login("op2").await;
+    assert_eq!(
+        send(Some(&own), Some(&other.csrf), false)
+            .await
+            .unwrap()
+            .status(),
+        403,
+        "another session's token"
+    );
+    assert_eq!(
+        app.t
+            .db
+            .get_record(rec)
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "pending",
+        "nothing applied"
+    );
+    // The form field works for plain forms (JavaScript off).
+    let ok = send(Some(&own), Some(&login.csrf), true).await.unwrap();
+    assert_eq!(ok.status(), 303);
+    assert_eq!(
+        app.t
+            .db
+            .get_record(rec)
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "parked"
+    );
+    // Actions refuse GET.
+    let r = app.get(&path, Some(&login)).await;
+    assert_eq!(r.status(), 405);
+    // The login form checks the origin too (login CSRF).
+    let r = app
+        .client
+        .post(app.url("/login"))
+        .header("origin", "https://evil.example")
+        .form(&[("username", "op"), ("password", &password_of("op"))])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_carries_the_security_headers() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "headers", "").await else {
+        return;
+    };
+    app.user("v", Role::Viewer).await;
+    let login = app.login("v").await;
+    let token = app.token(Role::Viewer).await;
+    let mut responses = vec![
+        ("page", app.get("/", Some(&login)).await),
+        ("login", app.get("/login", None).await),
+        ("redirect", app.get("/records", None).await),
+        ("404", app.get("/records/424242", Some(&login)).await),
+        ("no route", app.get("/nope", None).await),
+        ("health", app.get("/healthz", None).await),
+        ("static", app.get("/static/htmx.min.js", None).await),
+        ("api 401", app.get("/api/v1/records", None).await),
+        ("csrf 403", app.post("/records/bulk", None, &[]).await),
+    ];
+    responses.push((
+        "api",
+        app.client
+            .get(app.url("/api/v1/records"))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap(),
+    ));
+    for (name, r) in &responses {
+        let h = r.headers();
+        let csp = h
+            .get("content-security-policy")
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or_else(|| panic!("{name}: no CSP"));
+        assert!(
+            !csp.contains("unsafe-inline") && !csp.contains("unsafe-eval"),
+            "{name}: {csp}"
+        );
+        assert!(
+            csp.contains("frame-ancestors 'none'") && csp.contains("script-src 'self'"),
+            "{name}: {csp}"
+        );
+        assert_eq!(h["x-content-type-options"], "nosniff", "{name}");
+        assert_eq!(h["referrer-policy"], "no-referrer", "{name}");
+    }
+    assert_eq!(responses[0].1.headers()["cache-control"], "no-store");
+    assert_eq!(responses[3].1.status(), 404);
+    // Pages load nothing from elsewhere, and no inline script or style.
+    let html = app.get("/", Some(&login)).await.text().await.unwrap();
+    assert!(
+        !html.contains("<script>") && !html.contains("style=") && !html.contains(" on"),
+        "inline code in the page"
+    );
+    assert!(
+        !html.contains("http://") && !html.contains("https://"),
+        "external resources"
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_data_renders_as_inert_text() {
+    both("xss", async |backend, test| {
+        let Some(app) = WebApp::spawn(backend, test, "").await else { return };
+        app.user("v", Role::Viewer).await;
+        let login = app.login("v").await;
+        let id = app.record("<script>alert('key')</script>").await;
+        let payload = r#"<script>alert(1)</script><img src=x onerror="alert(2)"><div hx-get="/admin/users" hx-trigger="load">x</div><a href="javascript:alert(3)">y</a>"#;
+        app.t
+            .db
+            .append_attempts(
+                id,
+                &[NewAttempt {
+                    step: "fetch".into(),
+                    provider: Some("p".into()),
+                    attempt_no: 1,
+                    node: None,
+                    started_at: ballast::engine::now_ms(),
+                    duration_ms: 12,
+                    http_status: Some(500),
+                    outcome: Outcome::Retry,
+                    error_code: Some("http_5xx".into()),
+                    excerpt: Some(payload.into()),
+                }],
+            )
+            .await
+            .unwrap();
+        let req = ActionRequest {
+            record_id: id,
+            action: OperatorAction::Park,
+            actor: "setup".into(),
+            reason: Some(payload.into()),
+            now: ballast::engine::now_ms(),
+            steps: Vec::new(),
+        };
+        app.t.db.act(&req).await.unwrap();
+        for path in [format!("/records/{id}"), "/records".into(), "/audit".into()] {
+            let html = app.get(&path, Some(&login)).await.text().await.unwrap();
+            let shown = if path == "/records" { "&#60;script&#62;alert(&#39;key&#39;)" } else { "&#60;script&#62;alert(1)&#60;/script&#62;" };
+            assert!(html.contains(shown), "{path}: escaped text shown");
+            for live in ["<script>alert", "<img src=x", "<div hx-get=\"/admin", "href=\"javascript:"] {
+                assert!(!html.contains(live), "{path}: live markup `{live}`");
+            }
+        }
+        app.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_are_limited_per_address_and_per_account() {
+    let extra = "[server.limits]\nlogins_per_minute = 4\naccount_failures = 3\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "throttle", extra).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    // Per account: three failures lock the name, even for the right password.
+    for _ in 0..3 {
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
+    }
+    let locked = app.try_login("alice", &password_of("alice")).await;
+    assert_eq!(locked.status(), 429);
+    assert!(
+        locked
+            .text()
+            .await
+            .unwrap()
+            .contains("Too many failed logins")
+    );
+    // Per address: the fifth attempt in a minute is refused before any check,
+    // and a spoofed X-Forwarded-For does not help (no trusted proxy).
+    let r = app
+        .client
+        .post(app.url("/login"))
+        .header("origin", app.origin())
+        .header("x-forwarded-for", "203.0.113.9")
+        .form(&[("username", "bob"), ("password", "x")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "60");
+    assert!(r.text().await.unwrap().contains("too many login attempts"));
+    // Unknown accounts are throttled the same way (no enumeration by lockout).
+    let now = ballast::engine::now_ms();
+    let policy = ballast::store::LoginPolicy {
+        window_ms: 60_000,
+        max_failures: 2,
+        lock_ms: 60_000,
+    };
+    assert_eq!(
+        app.t.db.login_failed("ghost", now, policy).await.unwrap(),
+        None
+    );
+    assert!(
+        app.t
+            .db
+            .login_failed("ghost", now, policy)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_proxy_forwards_the_client_address() {
+    let extra =
+        "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n[server.limits]\nlogins_per_minute = 2\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "proxy", extra).await else {
+        return;
+    };
+    let attempt = |ip: &'static str| {
+        app.client
+            .post(app.url("/login"))
+            .header("origin", app.origin())
+            .header("x-forwarded-for", ip)
+            .form(&[("username", "nobody"), ("password", "x")])
+            .send()
+    };
+    for _ in 0..2 {
+        assert_eq!(attempt("198.51.100.1").await.unwrap().status(), 401);
+    }
+    assert_eq!(
+        attempt("198.51.100.1").await.unwrap().status(),
+        429,
+        "that client is limited"
+    );
+    assert_eq!(
+        attempt("198.51.100.2").await.unwrap().status(),
+        401,
+        "another client is not"
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_follow_the_transition_table_and_are_audited() {
+    both("actions", async |backend, test| {
+        let Some(app) = WebApp::spawn(
+            backend,
+            test,
+            "[server.limits]\nbulk_max = 5\nbulk_per_minute = 2\n",
+        )
+        .await
+        else {
+            return;
+        };
+        app.user("op", Role::Operator).await;
+        let login = app.login("op").await;
+        let id = app.record("a-1").await;
+        app.park(id).await;
+        // The detail page offers what the state allows.
+        let html = app
+            .get(&format!("/records/{id}"), Some(&login))
+            .await
+            .text()
+            .await
+            .unwrap();
+        for a in ["retry", "resume", "cancel"] {
+            assert!(
+                html.contains(&format!(r#"data-action="{a}""#)),
+                "{a} offered"
+            );
+        }
+        assert!(
+            !html.contains(r#"data-action="park""#),
+            "park is not offered on a parked record"
+        );
+        // Retry through htmx: the fragment comes back with the new state.
+        let r = app
+            .client
+            .post(app.url(&format!("/records/{id}/actions")))
+            .header("cookie", &login.cookie)
+            .header("x-csrf-token", &login.csrf)
+            .header("origin", app.origin())
+            .header("hx-request", "true")
+            .form(&[("action", "retry")])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let frag = r.text().await.unwrap();
+        assert!(frag.contains(r#"id="record-state">pending"#), "{frag}");
+        assert!(!frag.contains("<html"), "a fragment, not a page");
+        // An action the state does not allow is refused, readably, and nothing changes.
+        let r = app
+            .client
+            .post(app.url(&format!("/records/{id}/actions")))
+            .header("cookie", &login.cookie)
+            .header("x-csrf-token", &login.csrf)
+            .header("origin", app.origin())
+            .header("hx-request", "true")
+            .form(&[("action", "resume")])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 409);
+        assert_eq!(r.headers()["hx-retarget"], "#flash");
+        let msg = r.text().await.unwrap();
+        assert!(
+            msg.contains("flash error") && msg.contains("resume"),
+            "{msg}"
+        );
+        // Park needs a reason.
+        assert_eq!(
+            app.post(
+                &format!("/records/{id}/actions"),
+                Some(&login),
+                &[("action", "park")]
+            )
+            .await
+            .status(),
+            400
+        );
+
+        // Bulk: a dry run counts, needs a reason, and changes nothing.
+        let ids: Vec<i64> = {
+            let mut v = Vec::new();
+            for k in 0..4 {
+                v.push(app.record(&format!("b-{k}")).await);
+            }
+            v
+        };
+        app.park(ids[0]).await;
+        let id_strs: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+        let mut form: Vec<(&str, &str)> = id_strs.iter().map(|i| ("ids", i.as_str())).collect();
+        form.push(("action", "park"));
+        let no_reason = app.post("/records/bulk", Some(&login), &form).await;
+        assert_eq!(no_reason.status(), 400);
+        form.push(("reason", "vendor outage"));
+        let preview = app
+            .post("/records/bulk", Some(&login), &form)
+            .await
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            preview.contains(r#"<strong id="bulk-count">3</strong> of 4"#),
+            "{preview}"
+        );
+        assert_eq!(
+            app.t
+                .db
+                .get_record(ids[1])
+                .await
+                .unwrap()
+                .unwrap()
+                .state
+                .as_str(),
+            "pending",
+            "a dry run changes nothing"
+        );
+        form.push(("mode", "apply"));
+        let applied = app
+            .post("/records/bulk", Some(&login), &form)
+            .await
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            applied.contains("Applied <strong>park</strong> to 3 record(s)"),
+            "{applied}"
+        );
+        for id in &ids[1..] {
+            let events = app.t.db.record_events(*id).await.unwrap();
+            let e = events
+                .iter()
+                .find(|e| e.audit && e.kind == "park")
+                .expect("an audited event per record");
+            assert_eq!(
+                (e.actor.as_str(), e.reason.as_deref()),
+                ("op", Some("vendor outage"))
+            );
+        }
+        // The audit log page shows them, filterable by actor.
+        let audit = app
+            .get("/audit?actor=op&kind=park", Some(&login))
+            .await
+            .text()
+            .await
+            .unwrap();
+        assert!(audit.matches("vendor outage").count() >= 3);
+        // Capped per request…
+        let many: Vec<String> = (0..6).map(|i| (ids[0] + 100 + i).to_string()).collect();
+        let mut big: Vec<(&str, &str)> = many.iter().map(|i| ("ids", i.as_str())).collect();
+        big.extend([("action", "retry"), ("reason", "too many")]);
+        let r = app.post("/records/bulk", Some(&login), &big).await;
+        assert_eq!(r.status(), 400);
+        // …and rate-limited per user (2 per minute here; one used above).
+        let mut again: Vec<(&str, &str)> = id_strs.iter().map(|i| ("ids", i.as_str())).collect();
+        again.extend([("action", "retry"), ("reason", "again"), ("mode", "apply")]);
+        assert_eq!(
+            app.post("/records/bulk", Some(&login), &again)
+                .await
+                .status(),
+            200
+        );
+        assert_eq!(
+            app.post("/records/bulk", Some(&login), &again)
+                .await
+                .status(),
+            429
+        );
+        app.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_changes_take_effect_on_the_next_request() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "revoke", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let bob = app.user("bob", Role::Operator).await;
+    let admin = app.login("admin").await;
+    for (path, form) in [
+        (format!("/admin/users/{bob}/role"), vec![("role", "viewer")]),
+        (
+            format!("/admin/users/{bob}/password"),
+            vec![("password", "a-brand-new-password")],
+        ),
+        (format!("/admin/users/{bob}/disable"), vec![]),
+    ] {
+        if path.ends_with("disable") {
+            // Disabling needs a live session to kill.
+        }
+        let session = if path.ends_with("password") || path.ends_with("disable") {
+            // Log in again with whatever the password is now.
+            let pw = if path.ends_with("disable") {
+                "a-brand-new-password".to_owned()
+            } else {
+                password_of("bob")
+            };
+            let r = app.try_login("bob", &pw).await;
+            assert_eq!(r.status(), 303, "{path}");
+            Login {
+                cookie: session_cookie(r.headers()).unwrap(),
+                csrf: String::new(),
+            }
+        } else {
+            app.login("bob").await
+        };
+        assert_eq!(app.get("/records", Some(&session)).await.status(), 200);
+        let r = app.post(&path, Some(&admin), &form).await;
+        assert_eq!(r.status(), 303, "{path}");
+        assert_eq!(
+            app.get("/records", Some(&session)).await.status(),
+            303,
+            "{path}: old session ended"
+        );
+    }
+    assert_eq!(
+        app.try_login("bob", "a-brand-new-password").await.status(),
+        401,
+        "disabled"
+    );
+    let audit = app
+        .t
+        .db
+        .audit_log(&ballast::store::AuditFilter {
+            actor: Some("admin".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        audit
+            .items
+            .iter()
+            .filter(|e| e.kind == "user_changed")
+            .count(),
+        3
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_tokens_are_shown_once_and_revocable() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "tokens", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let admin = app.login("admin").await;
+    let r = app
+        .post(
+            "/admin/tokens",
+            Some(&admin),
+            &[("name", "ci"), ("role", "viewer")],
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    let html = r.text().await.unwrap();
+    let at = html.find("blt_").unwrap();
+    let token = html[at..at + 44].to_owned();
+    let ok = app
+        .client
+        .get(app.url("/api/v1/records"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    // Listed by prefix only; the database keeps a hash.
+    let list = app
+        .get("/admin/tokens", Some(&admin))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(!list.contains(&token) && list.contains(&token[..10]));
+    let stored = app.t.db.list_api_tokens().await.unwrap();
+    assert!(stored[0].last_used_at.is_some());
+    let id = stored[0].id;
+    assert_eq!(
+        app.post(&format!("/admin/tokens/{id}/revoke"), Some(&admin), &[])
+            .await
+            .status(),
+        303
+    );
+    let gone = app
+        .client
+        .get(app.url("/api/v1/records"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 401);
+    let body: Value = gone.json().await.unwrap();
+    assert_eq!(body["error"], "unauthenticated");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_need_a_token() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "metrics-auth", "").await else {
+        return;
+    };
+    assert_eq!(app.get("/metrics", None).await.status(), 401);
+    let wrong = app
+        .client
+        .get(app.url("/metrics"))
+        .bearer_auth("metrics-token-wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let ok = app
+        .client
+        .get(app.url("/metrics"))
+        .bearer_auth("metrics-token-0123456789")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(
+        ok.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let token = app.token(Role::Viewer).await;
+    let ok = app
+        .client
+        .get(app.url("/metrics"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    app.stop().await;
+}
