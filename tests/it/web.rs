@@ -913,7 +913,7 @@ async fn every_response_carries_the_security_headers() {
             "{name}: {csp}"
         );
         assert_eq!(h["x-content-type-options"], "nosniff", "{name}");
-        assert_eq!(h["referrer-policy"], "no-referrer", "{name}");
+        assert_eq!(h["referrer-policy"], "same-origin", "{name}");
     }
     assert_eq!(responses[0].1.headers()["cache-control"], "no-store");
     assert_eq!(responses[3].1.status(), 404);

@@ -1,0 +1,483 @@
+//! End-to-end tests in a real headless Chromium, driven over WebDriver
+//! (chromedriver + fantoccini): log in, read a parked record's history, retry
+//! it, bulk-park with a reason and find it in the audit log, a viewer's view
+//! and a forged action, an XSS payload that must not run, and the overview
+//! refreshing itself. Screenshots go to `target/screenshots/`.
+//!
+//! Without `chromium` and `chromedriver` the test prints a SKIP line; under
+//! `CI=true` their absence is a failure.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ballast::domain::{OperatorAction, Outcome, Role};
+use ballast::store::{ActionRequest, Backend, NewAttempt, Store};
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::json;
+
+use crate::web::{WebApp, password_of};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+struct Driver {
+    child: Child,
+    _profile: tempfile::TempDir,
+    client: Client,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+async fn driver(test: &str) -> Option<Driver> {
+    if !(std::path::Path::new(CHROMIUM).exists() && std::path::Path::new(CHROMEDRIVER).exists()) {
+        assert!(
+            !in_ci(),
+            "CI=true and {CHROMIUM} or {CHROMEDRIVER} is missing"
+        );
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIP {test}: no {CHROMIUM} / {CHROMEDRIVER} (apt-get install chromium chromium-driver)"
+        );
+        return None;
+    }
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let child = Command::new(CHROMEDRIVER)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("chromedriver starts");
+    let profile = tempfile::tempdir().unwrap();
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        json!({
+            "binary": CHROMIUM,
+            "args": [
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run", "--disable-quic",
+                "--window-size=1400,1000",
+                format!("--user-data-dir={}", profile.path().display()),
+            ]
+        }),
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    let mut last = None;
+    for _ in 0..100 {
+        match ClientBuilder::rustls()
+            .unwrap()
+            .capabilities(caps.clone())
+            .connect(&url)
+            .await
+        {
+            Ok(client) => {
+                return Some(Driver {
+                    child,
+                    _profile: profile,
+                    client,
+                });
+            }
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("cannot start a browser session: {last:?}");
+}
+
+fn screenshots() -> PathBuf {
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"))
+        .join("screenshots");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+async fn shot(c: &Client, name: &str) {
+    let png = c.screenshot().await.unwrap();
+    assert!(png.len() > 1000, "a real picture");
+    std::fs::write(screenshots().join(format!("{name}.png")), png).unwrap();
+}
+
+async fn login(c: &Client, app: &WebApp, user: &str) {
+    c.goto(&app.url("/login")).await.unwrap();
+    c.find(Locator::Css("input[name=username]"))
+        .await
+        .unwrap()
+        .send_keys(user)
+        .await
+        .unwrap();
+    c.find(Locator::Css("input[name=password]"))
+        .await
+        .unwrap()
+        .send_keys(&password_of(user))
+        .await
+        .unwrap();
+    c.find(Locator::Css("form button[type=submit]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    if c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("#live"))
+        .await
+        .is_err()
+    {
+        let url = c.current_url().await.unwrap();
+        let src = c.source().await.unwrap_or_default();
+        panic!(
+            "no overview after login: at {url}: {}",
+            &src[..src.len().min(1500)]
+        );
+    }
+}
+
+async fn text_of(c: &Client, css: &str) -> String {
+    c.find(Locator::Css(css))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn wait_text(c: &Client, css: &str, want: &str) {
+    for _ in 0..100 {
+        if let Ok(e) = c.find(Locator::Css(css)).await {
+            if e.text().await.unwrap_or_default().contains(want) {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("`{css}` never showed `{want}`");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_works_in_a_real_browser() {
+    let Some(d) = driver("browser").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "browser", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    app.user("viewer", Role::Viewer).await;
+
+    // A parked record whose provider answered with a script.
+    let parked = app.record("lead-xss").await;
+    let payload = r#"<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"><b hx-get="/admin/users" hx-trigger="load">boom</b>"#;
+    let now = ballast::engine::now_ms();
+    let attempts: Vec<NewAttempt> = (1..=3)
+        .map(|n| NewAttempt {
+            step: "enrich".into(),
+            provider: Some("crm".into()),
+            attempt_no: n,
+            node: None,
+            started_at: now - 60_000 + i64::from(n) * 1000,
+            duration_ms: 120 * i64::from(n),
+            http_status: Some(503),
+            outcome: Outcome::Retry,
+            error_code: Some("http_5xx".into()),
+            excerpt: Some(payload.into()),
+        })
+        .collect();
+    app.t.db.append_attempts(parked, &attempts).await.unwrap();
+    app.t
+        .db
+        .act(&ActionRequest {
+            record_id: parked,
+            action: OperatorAction::Park,
+            actor: "system".into(),
+            reason: Some("attempts exhausted: provider kept answering 503".into()),
+            now,
+            steps: Vec::new(),
+        })
+        .await
+        .unwrap();
+    let mut pending = Vec::new();
+    for k in 0..4 {
+        pending.push(app.record(&format!("lead-{k}")).await);
+    }
+
+    // Log in; the overview shows the counts.
+    login(c, &app, "admin").await;
+    shot(c, "overview").await;
+    assert!(text_of(c, "#counts").await.contains("manual"));
+
+    // The records list, filtered to parked ones.
+    c.goto(&app.url("/records?state=parked")).await.unwrap();
+    wait_text(c, "#records-list", "lead-xss").await;
+    shot(c, "records").await;
+
+    // The parked record's failure history, with the payload as text.
+    c.goto(&app.url(&format!("/records/{parked}")))
+        .await
+        .unwrap();
+    wait_text(c, "#attempts", "http_5xx").await;
+    let attempts_text = text_of(c, "#attempts").await;
+    assert!(
+        attempts_text.contains("<script>window.__pwned = 1</script>"),
+        "the payload shows as text"
+    );
+    assert!(text_of(c, ".facts").await.contains("attempts exhausted"));
+    shot(c, "record-detail").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pwned = c
+        .execute(
+            "return window.__pwned === undefined ? null : window.__pwned;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(pwned, serde_json::Value::Null, "the payload did not run");
+    assert!(
+        c.find_all(Locator::Css("#attempts img, #attempts script, #attempts b"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Retry it and watch the state change in place (htmx).
+    c.execute("window.__marker = 'same page';", vec![])
+        .await
+        .unwrap();
+    c.find(Locator::Css("button[data-action=retry]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "#record-state", "pending").await;
+    let marker = c
+        .execute("return window.__marker || null;", vec![])
+        .await
+        .unwrap();
+    assert_eq!(marker, json!("same page"), "swapped without a reload");
+    assert_eq!(
+        app.t
+            .db
+            .get_record(parked)
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "pending"
+    );
+    // Someone else cancels it meanwhile; the page's own cancel is then
+    // refused, with a readable message in the page.
+    app.t
+        .db
+        .act(&ActionRequest {
+            record_id: parked,
+            action: OperatorAction::Cancel,
+            actor: "someone-else".into(),
+            reason: None,
+            now: ballast::engine::now_ms(),
+            steps: Vec::new(),
+        })
+        .await
+        .unwrap();
+    c.find(Locator::Css("button[data-action=cancel]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let flash = c
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("#flash .flash.error"))
+        .await
+        .expect("an error message in the page");
+    assert!(flash.text().await.unwrap().len() > 10);
+    assert_eq!(
+        app.t
+            .db
+            .get_record(parked)
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "cancelled"
+    );
+
+    // Bulk-park two records with a reason: dry run, then apply.
+    c.goto(&app.url("/records?state=pending")).await.unwrap();
+    wait_text(c, "#records-list", "lead-0").await;
+    for id in &pending[..2] {
+        c.find(Locator::Css(&format!("input[name=ids][value='{id}']")))
+            .await
+            .unwrap()
+            .click()
+            .await
+            .unwrap();
+    }
+    c.find(Locator::Css("#bulk select[name=action]"))
+        .await
+        .unwrap()
+        .select_by_value("park")
+        .await
+        .unwrap();
+    c.find(Locator::Css("#bulk input[name=reason]"))
+        .await
+        .unwrap()
+        .send_keys("vendor outage INC-42")
+        .await
+        .unwrap();
+    c.find(Locator::Css("#bulk button[value=preview]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "#bulk-count", "2").await;
+    assert_eq!(
+        app.t
+            .db
+            .get_record(pending[0])
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "pending",
+        "dry run"
+    );
+    c.find(Locator::Css("#bulk-result button[value=apply]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "#bulk-result", "Applied").await;
+    for id in &pending[..2] {
+        assert_eq!(
+            app.t
+                .db
+                .get_record(*id)
+                .await
+                .unwrap()
+                .unwrap()
+                .state
+                .as_str(),
+            "parked"
+        );
+    }
+    c.goto(&app.url("/audit?actor=admin&kind=park"))
+        .await
+        .unwrap();
+    let audit = text_of(c, "#audit-list").await;
+    assert_eq!(audit.matches("vendor outage INC-42").count(), 2, "{audit}");
+
+    // Log out; a viewer sees no action buttons, and a forged action is refused.
+    c.goto(&app.url("/")).await.unwrap();
+    c.find(Locator::Css("form.whoami button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("input[name=username]"))
+        .await
+        .unwrap();
+    login(c, &app, "viewer").await;
+    c.goto(&app.url(&format!("/records/{}", pending[2])))
+        .await
+        .unwrap();
+    wait_text(c, "#record-state", "pending").await;
+    assert!(
+        c.find_all(Locator::Css("button[data-action]"))
+            .await
+            .unwrap()
+            .is_empty(),
+        "no action buttons"
+    );
+    let status = c
+        .execute(
+            &format!(
+                "const token = JSON.parse(document.body.getAttribute('hx-headers'))['X-CSRF-Token'];
+                 return fetch('/records/{}/actions', {{method: 'POST', headers: {{'X-CSRF-Token': token, 'Content-Type': 'application/x-www-form-urlencoded'}}, body: 'action=cancel'}}).then(r => r.status);",
+                pending[2]
+            ),
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, json!(403), "a viewer's forged action");
+    assert_eq!(
+        app.t
+            .db
+            .get_record(pending[2])
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str(),
+        "pending"
+    );
+
+    // The overview refreshes itself.
+    c.goto(&app.url("/")).await.unwrap();
+    c.execute("window.__marker = 'still here';", vec![])
+        .await
+        .unwrap();
+    let before = text_of(c, "#counts").await;
+    app.record("lead-live").await;
+    let mut after = before.clone();
+    for _ in 0..100 {
+        after = text_of(c, "#counts").await;
+        if after != before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_ne!(before, after, "the counts changed without a reload");
+    let marker = c
+        .execute("return window.__marker || null;", vec![])
+        .await
+        .unwrap();
+    assert_eq!(marker, json!("still here"));
+
+    // An expired session sends the browser to the login page.
+    app.t
+        .db
+        .update_user(
+            app.t.db.user_by_name("viewer").await.unwrap().unwrap().id,
+            &ballast::store::UserChange::Role(Role::Viewer),
+            ballast::engine::now_ms(),
+        )
+        .await
+        .unwrap();
+    c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("input[name=username]"))
+        .await
+        .expect("the live refresh found the session gone");
+
+    let Driver { client, .. } = &d;
+    client.clone().close().await.unwrap();
+    app.stop().await;
+}
