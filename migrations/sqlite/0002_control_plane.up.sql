@@ -1,4 +1,4 @@
--- Control plane (SQLite): API tokens, login throttling, webhook delivery ids,
+-- Control plane (SQLite): API tokens, per-provider counters, login throttling, webhook delivery ids,
 -- per-minute step statistics for the overview.
 
 -- Bearer tokens for the JSON API and metrics. Only a SHA-256 of the token is
@@ -13,6 +13,16 @@ CREATE TABLE api_tokens (
     created_at   INTEGER NOT NULL,
     last_used_at INTEGER,
     revoked_at   INTEGER
+);
+
+-- Records per (provider of the current step, state), maintained with every
+-- state change like `record_counts`; sharded the same way.
+CREATE TABLE provider_counts (
+    provider TEXT    NOT NULL,
+    state    TEXT    NOT NULL,
+    shard    INTEGER NOT NULL,
+    n        INTEGER NOT NULL,
+    PRIMARY KEY (provider, state, shard)
 );
 
 -- Failed logins per account name (known or not), shared by all nodes.

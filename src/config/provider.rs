@@ -438,6 +438,16 @@ impl ProviderConfig {
         Ok(())
     }
 
+    /// The raw credential, for scrubbing it from anything stored: providers
+    /// sometimes echo the key they were sent in an error body.
+    pub fn credential(
+        &self,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Option<crate::config::Secret> {
+        let auth = self.auth.as_ref()?;
+        env(&auth.value_env).map(crate::config::Secret::new)
+    }
+
     /// The credential header, read from the environment at call time.
     pub fn auth_header(
         &self,

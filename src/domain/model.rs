@@ -189,6 +189,18 @@ pub fn excerpt(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
+/// `text` with every occurrence of a secret replaced by `[redacted]`.
+/// Secrets shorter than 6 bytes are left alone (they would match noise).
+pub fn redact(text: &str, secrets: &[&str]) -> String {
+    let mut out = text.to_owned();
+    for s in secrets.iter().filter(|s| s.len() >= 6) {
+        if out.contains(s) {
+            out = out.replace(s, "[redacted]");
+        }
+    }
+    out
+}
+
 /// One state transition or operator action, kept forever.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Event {
@@ -333,6 +345,19 @@ pub struct StateCount {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redact_scrubs_secrets() {
+        let text = r#"{"error": "invalid key sk_live_123456", "echo": "Bearer sk_live_123456"}"#;
+        let out = redact(text, &["sk_live_123456", "abc"]);
+        assert!(!out.contains("sk_live_123456"), "{out}");
+        assert_eq!(out.matches("[redacted]").count(), 2);
+        assert_eq!(
+            redact("abc abc", &["abc"]),
+            "abc abc",
+            "too short to redact"
+        );
+    }
 
     #[test]
     fn named_enums_round_trip() {

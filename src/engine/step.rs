@@ -337,7 +337,11 @@ impl StepRun<'_> {
             http_status: x.http_status.map(i32::from),
             outcome: c.outcome,
             error_code: c.error_code.map(str::to_owned),
-            excerpt: Some(x.excerpt.clone()),
+            // A provider may echo the credential it was sent; never store it.
+            excerpt: Some(match rt.config.credential(&|var| std::env::var(var).ok()) {
+                Some(key) => crate::domain::redact(&x.excerpt, &[key.expose()]),
+                None => x.excerpt.clone(),
+            }),
         };
         let mut park = None;
         let json = match &x.reply {

@@ -68,6 +68,18 @@ macro_rules! common_store {
                     .execute(&mut **tx)
                     .await?;
                 }
+                for (provider, state, n) in deltas.provider_nonzero() {
+                    sqlx::query(
+                        "INSERT INTO provider_counts (provider, state, shard, n) VALUES ($1, $2, $3, $4) \
+                         ON CONFLICT (provider, state, shard) DO UPDATE SET n = provider_counts.n + excluded.n",
+                    )
+                    .bind(provider.to_owned())
+                    .bind(state.as_str())
+                    .bind(Self::counter_shard())
+                    .bind(n)
+                    .execute(&mut **tx)
+                    .await?;
+                }
                 Ok(())
             }
 
@@ -208,6 +220,10 @@ macro_rules! common_store {
                         from = to;
                     }
                     deltas.moved(&rec.pipeline, Some(old), from);
+                    deltas.provider_moved(
+                        rec.provider.as_deref().map(|p| (p, old)),
+                        rec.provider.as_deref().map(|p| (p, from)),
+                    );
                 }
                 Self::apply_counts(tx, &deltas).await
             }
@@ -260,8 +276,9 @@ macro_rules! common_store {
                     .fetch_one(&mut **tx)
                     .await?;
                 Self::insert_event(tx, &event).await?;
-                deltas.moved(&rec.pipeline, Some(rec.state), to);
-                map::record(&row)
+                let after = map::record(&row)?;
+                deltas.record_moved(rec, &after);
+                Ok(after)
             }
         }
 
@@ -362,6 +379,30 @@ macro_rules! common_store {
                 let rows = sqlx::query(
                     "SELECT pipeline, state, CAST(SUM(n) AS BIGINT) AS n FROM record_counts \
                      GROUP BY pipeline, state HAVING SUM(n) <> 0 ORDER BY pipeline, state",
+                )
+                .fetch_all(self.reader())
+                .await?;
+                let mut counts = map::all(&rows, map::state_count)?;
+                counts.sort();
+                Ok(counts)
+            }
+
+            async fn provider_counts(&self) -> StoreResult<Vec<StateCount>> {
+                let rows = sqlx::query(
+                    "SELECT provider AS pipeline, state, CAST(SUM(n) AS BIGINT) AS n FROM provider_counts \
+                     GROUP BY provider, state HAVING SUM(n) <> 0 ORDER BY provider, state",
+                )
+                .fetch_all(self.reader())
+                .await?;
+                let mut counts = map::all(&rows, map::state_count)?;
+                counts.sort();
+                Ok(counts)
+            }
+
+            async fn recount_providers(&self) -> StoreResult<Vec<StateCount>> {
+                let rows = sqlx::query(
+                    "SELECT provider AS pipeline, state, COUNT(*) AS n FROM records \
+                     WHERE provider IS NOT NULL GROUP BY provider, state",
                 )
                 .fetch_all(self.reader())
                 .await?;
@@ -492,7 +533,12 @@ macro_rules! common_store {
                             .bind(rec.id)
                             .fetch_one(&mut *tx)
                             .await?;
-                        map::record(&row)?
+                        let after = map::record(&row)?;
+                        // The step (and so the provider) may have changed.
+                        let mut deltas = CountDeltas::default();
+                        deltas.record_moved(&rec, &after);
+                        Self::apply_counts(&mut tx, &deltas).await?;
+                        after
                     }
                     Some(result) => {
                         let to = worked_state(result)?;

@@ -452,6 +452,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// The same figures by scanning the records table. For repair and tests
     /// only: slow on big tables.
     fn recount_states(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
+    /// Records per (provider of their current step, state), from maintained
+    /// counters; `StateCount::pipeline` holds the provider name.
+    fn provider_counts(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
+    /// The same by scanning; for repair and tests only.
+    fn recount_providers(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
 
     // --- work ----------------------------------------------------------
     /// The earliest `next_run_at` of any record (due work or a lease
@@ -784,6 +789,8 @@ forward! {
     fn list_records(&self, filter: &RecordFilter) -> Page<Record>;
     fn state_counts(&self) -> Vec<StateCount>;
     fn recount_states(&self) -> Vec<StateCount>;
+    fn provider_counts(&self) -> Vec<StateCount>;
+    fn recount_providers(&self) -> Vec<StateCount>;
     fn next_due_at(&self) -> Option<UnixMs>;
     fn claim_due(&self, req: &ClaimRequest) -> Vec<Record>;
     fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> Vec<i64>;

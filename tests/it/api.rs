@@ -285,3 +285,128 @@ async fn api_round_trip_sqlite() {
 async fn api_round_trip_postgres() {
     api_round_trip(Backend::Postgres).await;
 }
+
+/// A provider that echoes the credential it was sent in its error body, as
+/// some do. The key must not reach the database, the pages or the API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_keys_are_never_stored_or_shown() {
+    use axum::http::HeaderMap;
+    // The planted key: an environment variable every `cargo test` run has
+    // (tests may not set variables; `unsafe` is forbidden).
+    let key = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it");
+    assert!(key.len() >= 6);
+    let echo = axum::Router::new().fallback(|headers: HeaderMap| async move {
+        let got = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({ "error": format!("key {got} is over quota") })),
+        )
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let echo_addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, echo).await });
+    let extra = format!(
+        r#"
+[providers.echo]
+base_url = "http://{echo_addr}"
+auth = {{ header = "Authorization", value_env = "CARGO_MANIFEST_DIR", scheme = "Bearer" }}
+retry = {{ max_attempts = 2, base = "10ms", cap = "20ms", deadline = "20s" }}
+[[pipelines.leaky.steps]]
+name = "call"
+provider = "echo"
+request = {{ method = "POST", path = "/v1/x", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
+"#
+    );
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "secrets", &extra).await else {
+        return;
+    };
+    let op = app.token(Role::Admin).await;
+    let created: Value = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .json(&json!({"pipeline": "leaky", "key": "k1"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = created["record"]["id"].as_i64().unwrap();
+    let mut state = String::new();
+    for _ in 0..100 {
+        state = app
+            .t
+            .db
+            .get_record(id)
+            .await
+            .unwrap()
+            .unwrap()
+            .state
+            .as_str()
+            .to_owned();
+        if state == "parked" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(state, "parked");
+    let attempts = app.t.db.attempts(id).await.unwrap();
+    assert_eq!(attempts.len(), 2);
+    for a in &attempts {
+        let e = a.excerpt.as_deref().unwrap_or("");
+        assert!(e.contains("key Bearer [redacted] is over quota"), "{e}");
+    }
+    app.user("admin", Role::Admin).await;
+    let login = app.login("admin").await;
+    let mut checked = 0;
+    for path in [
+        format!("/records/{id}"),
+        "/records".into(),
+        "/providers".into(),
+        "/".into(),
+        "/audit".into(),
+    ] {
+        let html = app.get(&path, Some(&login)).await.text().await.unwrap();
+        assert!(!html.contains(&key), "{path} shows the key");
+        checked += 1;
+    }
+    let api = app
+        .client
+        .get(app.url(&format!("/api/v1/records/{id}")))
+        .bearer_auth(&op)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!api.contains(&key) && api.contains("[redacted]"));
+    // Not in any file of the database (main file and WAL).
+    app.t.db.ping().await.unwrap();
+    let path = app
+        .t
+        .url
+        .trim_start_matches("sqlite://")
+        .split('?')
+        .next()
+        .unwrap()
+        .to_owned();
+    let dir = std::path::Path::new(&path).parent().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        assert!(
+            !bytes.windows(key.len()).any(|w| w == key.as_bytes()),
+            "the key is in the database files"
+        );
+        checked += 1;
+    }
+    println!(
+        "planted provider key: searched {checked} pages, API answers and database files; found 0 times"
+    );
+    app.stop().await;
+}

@@ -89,6 +89,12 @@ async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
             .map(|c| c.count)
             .sum();
         if at_rest == total {
+            // The counters the dashboard reads agree with a full scan.
+            assert_eq!(counts, db.recount_states().await.unwrap());
+            assert_eq!(
+                db.provider_counts().await.unwrap(),
+                db.recount_providers().await.unwrap()
+            );
             return started.elapsed();
         }
         assert!(

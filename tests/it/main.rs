@@ -11,5 +11,6 @@ mod engine;
 mod helpers;
 mod http;
 mod migrations;
+mod scale;
 mod store;
 mod web;

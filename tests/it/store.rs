@@ -53,6 +53,11 @@ conformance!(
     list_filters_and_keyset_pagination,
     users_and_sessions,
     nodes_providers_and_pipelines,
+    api_tokens_are_stored_hashed_and_revocable,
+    login_failures_lock_a_name_for_a_while,
+    delivery_ids_are_taken_once,
+    rollups_are_replaced_per_node_and_purged,
+    meta_values_are_set_once,
 );
 
 const T0: i64 = 1_800_000_000_000;
@@ -80,6 +85,11 @@ async fn assert_counts_consistent(db: &Db) {
     assert_eq!(
         db.state_counts().await.unwrap(),
         db.recount_states().await.unwrap()
+    );
+    assert_eq!(
+        db.provider_counts().await.unwrap(),
+        db.recount_providers().await.unwrap(),
+        "per-provider counters"
     );
 }
 
@@ -1190,4 +1200,182 @@ async fn installations_have_distinct_ids() {
     );
     assert_ne!(ia, ib);
     assert_eq!(ia, a.db.installation_id().await.unwrap(), "stable");
+}
+
+async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
+    use ballast::store::NewApiToken;
+    let new = |name: &str, hash: &str| NewApiToken {
+        name: name.into(),
+        token_hash: hash.into(),
+        prefix: "blt_abcd".into(),
+        role: Role::Operator,
+        created_by: "admin".into(),
+    };
+    let t = db.create_api_token(&new("ci", "h1"), T0).await.unwrap();
+    assert_eq!(
+        (t.name.as_str(), t.role, t.revoked_at),
+        ("ci", Role::Operator, None)
+    );
+    assert!(matches!(
+        db.create_api_token(&new("again", "h1"), T0).await,
+        Err(StoreError::Conflict { .. })
+    ));
+    assert!(matches!(
+        db.create_api_token(&new(" ", "h2"), T0).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert_eq!(
+        db.api_token_by_hash("h1").await.unwrap().map(|t| t.id),
+        Some(t.id)
+    );
+    assert_eq!(db.api_token_by_hash("nope").await.unwrap(), None);
+    db.touch_api_token(t.id, T0 + 1).await.unwrap();
+    db.touch_api_token(t.id, T0 + 2).await.unwrap();
+    let listed = db.list_api_tokens().await.unwrap();
+    assert_eq!(
+        listed[0].last_used_at,
+        Some(T0 + 1),
+        "touches are coalesced per minute"
+    );
+    let revoked = db.revoke_api_token(t.id, "admin", T0 + 5).await.unwrap();
+    assert_eq!(revoked.revoked_at, Some(T0 + 5));
+    assert_eq!(
+        db.api_token_by_hash("h1").await.unwrap(),
+        None,
+        "revoked tokens do not authenticate"
+    );
+    assert!(matches!(
+        db.revoke_api_token(999, "admin", T0).await,
+        Err(StoreError::NotFound { .. })
+    ));
+    let audit = db.audit_log(&AuditFilter::default()).await.unwrap();
+    let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, vec!["token_revoked", "token_created"]);
+}
+
+async fn login_failures_lock_a_name_for_a_while(db: &Db) {
+    use ballast::store::LoginPolicy;
+    let policy = LoginPolicy {
+        window_ms: 60_000,
+        max_failures: 3,
+        lock_ms: 10_000,
+    };
+    assert_eq!(db.login_locked_until("alice", T0).await.unwrap(), None);
+    assert_eq!(db.login_failed("alice", T0, policy).await.unwrap(), None);
+    assert_eq!(
+        db.login_failed("alice", T0 + 1, policy).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        db.login_failed("alice", T0 + 2, policy).await.unwrap(),
+        Some(T0 + 2 + 10_000)
+    );
+    assert_eq!(
+        db.login_locked_until("alice", T0 + 3).await.unwrap(),
+        Some(T0 + 10_002)
+    );
+    assert_eq!(
+        db.login_locked_until("bob", T0 + 3).await.unwrap(),
+        None,
+        "per name"
+    );
+    assert_eq!(
+        db.login_locked_until("alice", T0 + 10_003).await.unwrap(),
+        None,
+        "the lock ends"
+    );
+    // Failures outside the window start a new count.
+    assert_eq!(
+        db.login_failed("alice", T0 + 120_000, policy)
+            .await
+            .unwrap(),
+        None
+    );
+    db.login_succeeded("alice").await.unwrap();
+    assert_eq!(
+        db.login_failed("alice", T0 + 120_001, policy)
+            .await
+            .unwrap(),
+        None
+    );
+    // Concurrent failures all count.
+    let db2 = db.clone();
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let db = db2.clone();
+            tokio::spawn(async move { db.login_failed("carol", T0, policy).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(
+        db.login_locked_until("carol", T0 + 1)
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+async fn delivery_ids_are_taken_once(db: &Db) {
+    assert!(db.claim_delivery("p", "d1", T0).await.unwrap());
+    assert!(
+        !db.claim_delivery("p", "d1", T0 + 1).await.unwrap(),
+        "a redelivery"
+    );
+    assert!(
+        db.claim_delivery("q", "d1", T0).await.unwrap(),
+        "ids are per provider"
+    );
+    db.forget_delivery("p", "d1").await.unwrap();
+    assert!(
+        db.claim_delivery("p", "d1", T0 + 2).await.unwrap(),
+        "given back after a failure"
+    );
+    assert_eq!(
+        db.purge_stats(T0 + 1).await.unwrap(),
+        1,
+        "old ids are purged"
+    );
+    assert!(!db.claim_delivery("p", "d1", T0 + 3).await.unwrap());
+}
+
+async fn rollups_are_replaced_per_node_and_purged(db: &Db) {
+    use ballast::store::StepRollup;
+    let row = |node: &str, minute: i64, calls: i64| StepRollup {
+        minute,
+        node: node.into(),
+        pipeline: "p".into(),
+        step: "s".into(),
+        provider: "x".into(),
+        calls,
+        succeeded: calls,
+        latency: vec![calls, 0, 1],
+        ..StepRollup::default()
+    };
+    db.save_rollups(&[row("n1", T0, 3), row("n2", T0, 4)])
+        .await
+        .unwrap();
+    db.save_rollups(&[row("n1", T0, 5)]).await.unwrap();
+    db.save_rollups(&[row("n1", T0 + 60_000, 1)]).await.unwrap();
+    let all = db.rollups_since(T0).await.unwrap();
+    assert_eq!(all.len(), 3);
+    let n1: Vec<_> = all
+        .iter()
+        .filter(|r| r.node == "n1" && r.minute == T0)
+        .collect();
+    assert_eq!(
+        (n1[0].calls, n1[0].latency.clone()),
+        (5, vec![5, 0, 1]),
+        "replaced, not added"
+    );
+    assert_eq!(db.rollups_since(T0 + 1).await.unwrap().len(), 1);
+    assert_eq!(db.purge_stats(T0 + 1).await.unwrap(), 2);
+    assert_eq!(db.rollups_since(0).await.unwrap().len(), 1);
+}
+
+async fn meta_values_are_set_once(db: &Db) {
+    let a = db.ensure_meta("session_secret", "first").await.unwrap();
+    let b = db.ensure_meta("session_secret", "second").await.unwrap();
+    assert_eq!((a.as_str(), b.as_str()), ("first", "first"));
 }

@@ -1403,3 +1403,70 @@ async fn metrics_need_a_token() {
     assert_eq!(ok.status(), 200);
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_is_rate_limited_per_token() {
+    let extra = "[server.limits]\napi_per_second = 1\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "api-limit", extra).await else {
+        return;
+    };
+    let a = app.token(Role::Viewer).await;
+    let b = app.token(Role::Viewer).await;
+    let get = |t: &str| {
+        app.client
+            .get(app.url("/api/v1/records"))
+            .bearer_auth(t)
+            .send()
+    };
+    // A burst of two, then refused until the bucket refills.
+    assert_eq!(get(&a).await.unwrap().status(), 200);
+    assert_eq!(get(&a).await.unwrap().status(), 200);
+    let r = get(&a).await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(r.json::<Value>().await.unwrap()["error"], "rate_limited");
+    assert_eq!(
+        get(&b).await.unwrap().status(),
+        200,
+        "another token has its own budget"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(get(&a).await.unwrap().status(), 200, "refilled");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_users_cost_the_same_time_as_known_ones() {
+    let extra = "[server.limits]\nlogins_per_minute = 1000\naccount_failures = 1000\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "login-timing", extra).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    let mut known = Vec::new();
+    let mut unknown = Vec::new();
+    for i in 0..7 {
+        for (name, out) in [("alice", &mut known), (&*format!("ghost{i}"), &mut unknown)] {
+            let start = std::time::Instant::now();
+            assert_eq!(
+                app.try_login(name, "wrong-password-123").await.status(),
+                401
+            );
+            out.push(start.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (k, u) = (median(&mut known), median(&mut unknown));
+    println!(
+        "login with a wrong password: known user {k:.1} ms, unknown user {u:.1} ms (medians of 7)"
+    );
+    // Both pay one argon2 verification; without the dummy hash the unknown
+    // name would answer in well under a tenth of the time.
+    assert!(
+        u > k * 0.5 && u < k * 2.0,
+        "known {k:.1} ms vs unknown {u:.1} ms"
+    );
+    app.stop().await;
+}

@@ -43,37 +43,29 @@ struct OverviewPage {
     updated: String,
     states: Vec<&'static str>,
     pipelines: Vec<PipelineCounts>,
+    /// Records by the provider of their current step.
+    by_provider: Vec<PipelineCounts>,
     providers: Vec<ProviderRow>,
     nodes: usize,
     stats: super::super::stats_view::Stats,
 }
 
-async fn overview(
-    caller: Authed<Viewer>,
-    State(state): State<AppState>,
-    headers: HeaderMap,
-) -> WebResult<Response> {
-    let now = SystemClock.now_ms();
-    let (counts, provider_states, nodes, rollups) = tokio::try_join!(
-        state.db.state_counts(),
-        state.db.provider_states(),
-        state.db.list_nodes(),
-        state.db.rollups_since(now - 24 * 3600 * 1000),
-    )?;
-    let mut by_pipeline: BTreeMap<String, BTreeMap<RecordState, i64>> = state
-        .config
-        .pipelines
-        .keys()
-        .map(|p| (p.clone(), BTreeMap::new()))
-        .collect();
+/// Counts by state for each name (configured ones always, others when they
+/// have records), in `RecordState::ALL` order.
+fn table<'a>(
+    configured: impl Iterator<Item = &'a String>,
+    counts: Vec<crate::domain::StateCount>,
+) -> Vec<PipelineCounts> {
+    let mut by_name: BTreeMap<String, BTreeMap<RecordState, i64>> =
+        configured.map(|p| (p.clone(), BTreeMap::new())).collect();
     for c in counts {
-        *by_pipeline
+        *by_name
             .entry(c.pipeline)
             .or_default()
             .entry(c.state)
             .or_default() += c.count;
     }
-    let pipelines = by_pipeline
+    by_name
         .into_iter()
         .map(|(name, m)| {
             let counts: Vec<_> = RecordState::ALL
@@ -86,7 +78,24 @@ async fn overview(
                 counts,
             }
         })
-        .collect();
+        .collect()
+}
+
+async fn overview(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> WebResult<Response> {
+    let now = SystemClock.now_ms();
+    let (counts, per_provider, provider_states, nodes, rollups) = tokio::try_join!(
+        state.db.state_counts(),
+        state.db.provider_counts(),
+        state.db.provider_states(),
+        state.db.list_nodes(),
+        state.db.rollups_since(now - 24 * 3600 * 1000),
+    )?;
+    let pipelines = table(state.config.pipelines.keys(), counts);
+    let by_provider = table(state.config.providers.keys(), per_provider);
     let providers = state
         .config
         .providers
@@ -106,6 +115,7 @@ async fn overview(
         updated: when(now),
         states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
         pipelines,
+        by_provider,
         providers,
         nodes: nodes.len(),
         stats,
