@@ -368,11 +368,51 @@ macro_rules! common_store {
 
             async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
                 let limit = page_limit(filter.limit);
-                let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {RECORD_COLUMNS} FROM records"));
-                push_record_filter(&mut qb, filter);
-                qb.push(" ORDER BY id DESC LIMIT ").push_bind(i64::from(limit) + 1);
-                let rows = qb.build().fetch_all(self.reader()).await?;
-                Ok(into_page(map::all(&rows, map::record)?, limit, |r| r.id))
+                let query = |f: &RecordFilter, floor: Option<i64>, n: i64| {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {RECORD_COLUMNS} FROM records"));
+                    push_record_filter(&mut qb, f, floor);
+                    qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
+                    qb
+                };
+                if !$crate::store::filter::needs_windows(filter) {
+                    let rows = query(filter, None, i64::from(limit) + 1).build().fetch_all(self.reader()).await?;
+                    return Ok(into_page(map::all(&rows, map::record)?, limit, |r| r.id));
+                }
+                // Several filters and no index for them together: search
+                // windows of ids from the top down, at most LIST_SCAN_IDS ids
+                // per call, so a search that matches little stays bounded.
+                // A short page with a `next` says "keep searching from here".
+                use $crate::store::{LIST_SCAN_IDS, LIST_WINDOW_IDS};
+                let top = match filter.before {
+                    Some(b) => b,
+                    None => {
+                        let max: Option<i64> = sqlx::query_scalar("SELECT MAX(id) FROM records")
+                            .fetch_one(self.reader())
+                            .await?;
+                        max.unwrap_or(0) + 1
+                    }
+                };
+                let stop = (top - LIST_SCAN_IDS).max(1);
+                let mut upper = top;
+                let mut items: Vec<Record> = Vec::new();
+                loop {
+                    let lower = (upper - LIST_WINDOW_IDS).max(stop);
+                    let mut f = filter.clone();
+                    f.before = Some(upper);
+                    let want = i64::from(limit) + 1 - items.len() as i64;
+                    let rows = query(&f, Some(lower), want).build().fetch_all(self.reader()).await?;
+                    items.extend(map::all(&rows, map::record)?);
+                    if items.len() > limit as usize {
+                        return Ok(into_page(items, limit, |r| r.id));
+                    }
+                    if lower <= 1 {
+                        return Ok(Page { items, next: None });
+                    }
+                    if lower <= stop {
+                        return Ok(Page { items, next: Some(lower) });
+                    }
+                    upper = lower;
+                }
             }
 
             async fn state_counts(&self) -> StoreResult<Vec<StateCount>> {

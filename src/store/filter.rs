@@ -4,9 +4,30 @@ use sqlx::{Database, Encode, QueryBuilder, Type};
 
 use super::{AuditFilter, RecordFilter};
 
-/// Appends ` WHERE …` for a records filter (no ORDER BY / LIMIT).
-pub(crate) fn push_record_filter<DB>(qb: &mut QueryBuilder<DB>, f: &RecordFilter)
-where
+/// True when no single index serves the filter, so a search that matches
+/// little could walk a whole index: such lists are searched in id windows.
+pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
+    let set = [
+        f.pipeline.is_some(),
+        f.provider.is_some(),
+        f.step.is_some(),
+        f.error_code.is_some(),
+        f.state.is_some(),
+        f.key_prefix.is_some(),
+    ];
+    let n = set.iter().filter(|b| **b).count();
+    // (pipeline, state) has its own index.
+    let pipeline_state = n == 2 && f.pipeline.is_some() && f.state.is_some();
+    n >= 2 && !pipeline_state
+}
+
+/// Appends ` WHERE …` for a records filter (no ORDER BY / LIMIT); `floor`
+/// bounds the ids searched from below (inclusive).
+pub(crate) fn push_record_filter<DB>(
+    qb: &mut QueryBuilder<DB>,
+    f: &RecordFilter,
+    floor: Option<i64>,
+) where
     DB: Database,
     for<'q> String: Encode<'q, DB> + Type<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
@@ -36,6 +57,9 @@ where
     }
     if let Some(before) = f.before {
         qb.push(" AND id < ").push_bind(before);
+    }
+    if let Some(floor) = floor {
+        qb.push(" AND id >= ").push_bind(floor);
     }
 }
 

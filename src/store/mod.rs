@@ -118,12 +118,20 @@ pub struct AuditFilter {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page<T> {
     pub items: Vec<T>,
-    /// Pass as `before` to get the next page; `None` on the last page.
+    /// Pass as `before` to get the next page; `None` on the last page. A
+    /// records page with several filters may hold fewer items than asked
+    /// and still have a `next`: the search stopped at its budget there.
     pub next: Option<i64>,
 }
 
 /// The largest page any list returns.
 pub const MAX_PAGE: u32 = 500;
+
+/// How many ids one records-list call searches at most when its filters
+/// have no common index; the page then ends early with a `next` cursor.
+pub const LIST_SCAN_IDS: i64 = 100_000;
+/// The id window searched per query within that budget.
+pub const LIST_WINDOW_IDS: i64 = 20_000;
 
 /// Ask for up to `limit` due records, leased to `owner` for `lease`.
 #[derive(Debug, Clone, PartialEq)]

@@ -127,6 +127,8 @@ struct RecordsPage {
     states: Vec<&'static str>,
     rows: Vec<RecordRow>,
     next: Option<i64>,
+    /// The search stopped at its budget before filling the page.
+    partial: bool,
     bulk_max: u32,
 }
 
@@ -155,6 +157,7 @@ async fn list(
         pipelines: state.config.pipelines.keys().cloned().collect(),
         providers: state.config.providers.keys().cloned().collect(),
         states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
+        partial: page.next.is_some() && (page.items.len() as u32) < filter.limit.max(1),
         rows: page.items.iter().map(RecordRow::from).collect(),
         next: page.next,
         bulk_max: state.config.server.limits.bulk_max,
