@@ -77,7 +77,7 @@ pub fn verify(
     if signatures.is_empty() || signatures.len() > 8 {
         return Err(SignatureError::Malformed);
     }
-    if (now_s - timestamp).abs() > tolerance_s {
+    if now_s.abs_diff(timestamp) > tolerance_s.unsigned_abs() {
         return Err(SignatureError::Stale);
     }
     let ok = secrets.iter().any(|secret| {

@@ -163,7 +163,19 @@ impl ServerConfig {
         let end = url[scheme_end..]
             .find(['/', '?', '#'])
             .map_or(url.len(), |i| scheme_end + i);
-        Some(url[..end].to_ascii_lowercase())
+        let origin = url[..end].to_ascii_lowercase();
+        // Browsers leave default ports out of `Origin`.
+        let origin = origin
+            .strip_suffix(":443")
+            .filter(|o| o.starts_with("https://"))
+            .or_else(|| {
+                origin
+                    .strip_suffix(":80")
+                    .filter(|o| o.starts_with("http://"))
+            })
+            .map(str::to_owned)
+            .unwrap_or(origin);
+        Some(origin)
     }
 }
 
@@ -438,6 +450,12 @@ impl Config {
                 return Err(invalid(
                     "server.public_url",
                     format!("`{url}` must start with http:// or https://"),
+                ));
+            }
+            if self.server.public_origin().is_some_and(|o| o.contains('@')) {
+                return Err(invalid(
+                    "server.public_url",
+                    format!("`{url}` must not carry a user name or password"),
                 ));
             }
         }

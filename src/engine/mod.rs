@@ -77,6 +77,8 @@ pub enum Delivery {
     Unmatched { job_id: String },
     /// The body names no job id where the provider's callback steps look.
     NoJobId,
+    /// This delivery id was applied before; nothing changed.
+    Duplicate,
 }
 
 /// Errors that stop the engine from starting.
@@ -372,7 +374,12 @@ impl Engine {
     /// Takes a verified webhook delivery from `provider`: finds the job it
     /// names, stores it, wakes the record, and applies a reversal when it
     /// contradicts a step already succeeded.
-    pub async fn deliver(&self, provider: &str, body: Value) -> Result<Delivery, StoreError> {
+    pub async fn deliver(
+        &self,
+        provider: &str,
+        body: Value,
+        delivery_id: Option<&str>,
+    ) -> Result<Delivery, StoreError> {
         let i = &self.inner;
         let Some(rt) = i.providers.get(provider) else {
             return Err(StoreError::NotFound {
@@ -402,8 +409,15 @@ impl Engine {
             job_id: job_id.clone(),
             body: body.clone(),
             now,
+            delivery_id: delivery_id.map(str::to_owned),
         };
-        let Some(found) = i.db.record_callback(&cb).await? else {
+        let found = match i.db.record_callback(&cb).await {
+            Err(StoreError::Conflict { .. }) if delivery_id.is_some() => {
+                return Ok(Delivery::Duplicate);
+            }
+            other => other?,
+        };
+        let Some(found) = found else {
             return Ok(Delivery::Unmatched { job_id });
         };
         if matches!(
@@ -729,25 +743,16 @@ impl Engine {
         i.stats.flush(&i.db, i.clock.now_ms()).await;
     }
 
-    /// Writes this node's statistics every few seconds; purges old ones
-    /// now and then.
+    /// Writes this node's statistics every few seconds (the control plane
+    /// purges old ones).
     async fn flush_stats(self, shutdown: CancellationToken) {
         let i = &self.inner;
-        let mut rounds: u64 = 0;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = tokio::time::sleep(stats::FLUSH_EVERY) => {}
             }
-            let now = i.clock.now_ms();
-            i.stats.flush(&i.db, now).await;
-            rounds += 1;
-            // At start and about hourly after.
-            if rounds % 720 == 1 {
-                if let Err(e) = i.db.purge_stats(now - stats::KEEP_MS).await {
-                    tracing::warn!(error = %e, "could not purge old statistics");
-                }
-            }
+            i.stats.flush(&i.db, i.clock.now_ms()).await;
         }
     }
 

@@ -679,6 +679,20 @@ macro_rules! common_store {
 
             async fn record_callback(&self, cb: &$crate::store::NewCallback) -> StoreResult<Option<$crate::store::CallbackMatch>> {
                 let mut tx = self.begin_write().await?;
+                if let Some(id) = &cb.delivery_id {
+                    let taken = sqlx::query(
+                        "INSERT INTO webhook_deliveries (provider, delivery_id, received_at) VALUES ($1, $2, $3) \
+                         ON CONFLICT (provider, delivery_id) DO NOTHING",
+                    )
+                    .bind(cb.provider.clone())
+                    .bind(id.clone())
+                    .bind(cb.now)
+                    .execute(&mut *tx)
+                    .await?;
+                    if taken.rows_affected() == 0 {
+                        return Err(StoreError::Conflict { what: "webhook delivery", key: id.clone() });
+                    }
+                }
                 let found: Option<(i64, String, String)> = sqlx::query_as(
                     "SELECT record_id, step, state FROM step_runs WHERE provider = $1 AND job_id = $2 \
                      ORDER BY updated_at DESC LIMIT 1",
@@ -967,6 +981,15 @@ macro_rules! common_store {
                     .bind(id)
                     .execute(&mut *tx)
                     .await?;
+                // Tokens a user made carry at most the access they had: a
+                // user disabled or given another role loses them too.
+                if matches!(change, UserChange::Role(_) | UserChange::Disabled(true)) {
+                    sqlx::query("UPDATE api_tokens SET revoked_at = $1 WHERE created_by = $2 AND revoked_at IS NULL")
+                        .bind(now)
+                        .bind(user.username.clone())
+                        .execute(&mut *tx)
+                        .await?;
+                }
                 tx.commit().await?;
                 Ok(user)
             }
@@ -1252,10 +1275,10 @@ macro_rules! common_store {
                 Ok(until.flatten().filter(|u| *u > now))
             }
 
-            async fn login_failed(&self, username: &str, now: UnixMs, policy: $crate::store::LoginPolicy) -> StoreResult<Option<UnixMs>> {
+            async fn count_login_attempt(&self, username: &str, now: UnixMs, policy: $crate::store::LoginPolicy) -> StoreResult<i64> {
                 let mut tx = self.begin_write().await?;
-                // One statement, so concurrent failures on several nodes all count.
-                let until: Option<i64> = sqlx::query_scalar(
+                // One statement, so concurrent attempts on several nodes all count.
+                let count: i64 = sqlx::query_scalar(
                     "INSERT INTO login_throttle (username, failures, window_start, locked_until) \
                      VALUES ($1, 1, $2, CASE WHEN $4 <= 1 THEN $2 + $5 END) \
                      ON CONFLICT (username) DO UPDATE SET \
@@ -1264,7 +1287,7 @@ macro_rules! common_store {
                        locked_until = CASE \
                          WHEN (CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END) >= $4 \
                          THEN $2 + $5 ELSE login_throttle.locked_until END \
-                     RETURNING locked_until",
+                     RETURNING failures",
                 )
                 .bind(username.to_owned())
                 .bind(now)
@@ -1274,7 +1297,7 @@ macro_rules! common_store {
                 .fetch_one(&mut *tx)
                 .await?;
                 tx.commit().await?;
-                Ok(until.filter(|u| *u > now))
+                Ok(count)
             }
 
             async fn login_succeeded(&self, username: &str) -> StoreResult<()> {
@@ -1285,21 +1308,6 @@ macro_rules! common_store {
                     .await?;
                 tx.commit().await?;
                 Ok(())
-            }
-
-            async fn claim_delivery(&self, provider: &str, delivery_id: &str, now: UnixMs) -> StoreResult<bool> {
-                let mut tx = self.begin_write().await?;
-                let done = sqlx::query(
-                    "INSERT INTO webhook_deliveries (provider, delivery_id, received_at) VALUES ($1, $2, $3) \
-                     ON CONFLICT (provider, delivery_id) DO NOTHING",
-                )
-                .bind(provider.to_owned())
-                .bind(delivery_id.to_owned())
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                tx.commit().await?;
-                Ok(done.rows_affected() == 1)
             }
 
             async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {
@@ -1361,8 +1369,14 @@ macro_rules! common_store {
                 let mut tx = self.begin_write().await?;
                 let a = sqlx::query("DELETE FROM step_rollups WHERE minute < $1").bind(before).execute(&mut *tx).await?;
                 let b = sqlx::query("DELETE FROM webhook_deliveries WHERE received_at < $1").bind(before).execute(&mut *tx).await?;
+                let c = sqlx::query(
+                    "DELETE FROM login_throttle WHERE window_start < $1 AND (locked_until IS NULL OR locked_until < $1)",
+                )
+                .bind(before)
+                .execute(&mut *tx)
+                .await?;
                 tx.commit().await?;
-                Ok(a.rows_affected() + b.rows_affected())
+                Ok(a.rows_affected() + b.rows_affected() + c.rows_affected())
             }
         }
     };

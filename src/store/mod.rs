@@ -286,6 +286,9 @@ pub struct NewCallback {
     pub job_id: String,
     pub body: Value,
     pub now: UnixMs,
+    /// The provider's delivery id, taken in the same transaction as the
+    /// delivery is stored: a second delivery with the id is `Conflict`.
+    pub delivery_id: Option<String>,
 }
 
 /// A stored delivery not yet applied to its step.
@@ -496,8 +499,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn act(&self, req: &ActionRequest) -> impl Future<Output = StoreResult<Record>> + Send;
 
     // --- callbacks -----------------------------------------------------
-    /// Stores a delivery, attaches it to the step waiting on that job (if
-    /// any) and makes a waiting record due now. Deliveries that arrive
+    /// Stores a delivery (and takes its delivery id: a repeated id is
+    /// `Conflict`, nothing stored), attaches it to the step waiting on that
+    /// job (if any) and makes a waiting record due now. Deliveries that arrive
     /// before the job id is committed are kept and found later by job id.
     fn record_callback(
         &self,
@@ -569,7 +573,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<Option<User>>> + Send;
     fn user_by_id(&self, id: i64) -> impl Future<Output = StoreResult<Option<User>>> + Send;
     fn list_users(&self) -> impl Future<Output = StoreResult<Vec<User>>> + Send;
-    /// Changes a user and revokes all their sessions, in one transaction, so
+    /// Changes a user and revokes all their sessions (and, for a role change
+    /// or disabling, the API tokens they created), in one transaction, so
     /// the change takes effect on the next request.
     fn update_user(
         &self,
@@ -658,25 +663,22 @@ pub trait Store: Clone + Send + Sync + 'static {
         username: &str,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
-    /// Counts a failed login; returns the lock's end if the name is now locked.
-    fn login_failed(
+    /// Counts a login attempt on `username` before its password is checked
+    /// (so parallel guesses cannot all slip past the limit), locking the
+    /// name once `max_failures` attempts fall within the window; returns the
+    /// attempts counted in the window, this one included.
+    fn count_login_attempt(
         &self,
         username: &str,
         now: UnixMs,
         policy: LoginPolicy,
-    ) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
-    /// Forgets the failures of `username` (it logged in).
+    ) -> impl Future<Output = StoreResult<i64>> + Send;
+    /// Forgets the attempts of `username` (it logged in).
     fn login_succeeded(&self, username: &str) -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- webhook deliveries --------------------------------------------
-    /// Takes a delivery id; false when it was taken before (a redelivery).
-    fn claim_delivery(
-        &self,
-        provider: &str,
-        delivery_id: &str,
-        now: UnixMs,
-    ) -> impl Future<Output = StoreResult<bool>> + Send;
-    /// Gives a delivery id back (its processing failed; the retry must work).
+    /// Gives a delivery id back (its processing failed after the delivery
+    /// was stored; the provider's retry must get through).
     fn forget_delivery(
         &self,
         provider: &str,
@@ -691,7 +693,8 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         since: UnixMs,
     ) -> impl Future<Output = StoreResult<Vec<StepRollup>>> + Send;
-    /// Deletes rollups and delivery ids older than `before`; returns how many.
+    /// Deletes rollups, delivery ids and login counters older than
+    /// `before`; returns how many rows.
     fn purge_stats(&self, before: UnixMs) -> impl Future<Output = StoreResult<u64>> + Send;
 }
 
@@ -842,9 +845,8 @@ forward! {
     fn revoke_api_token(&self, id: i64, actor: &str, now: UnixMs) -> ApiToken;
     fn touch_api_token(&self, id: i64, now: UnixMs) -> ();
     fn login_locked_until(&self, username: &str, now: UnixMs) -> Option<UnixMs>;
-    fn login_failed(&self, username: &str, now: UnixMs, policy: LoginPolicy) -> Option<UnixMs>;
+    fn count_login_attempt(&self, username: &str, now: UnixMs, policy: LoginPolicy) -> i64;
     fn login_succeeded(&self, username: &str) -> ();
-    fn claim_delivery(&self, provider: &str, delivery_id: &str, now: UnixMs) -> bool;
     fn forget_delivery(&self, provider: &str, delivery_id: &str) -> ();
     fn save_rollups(&self, rows: &[StepRollup]) -> ();
     fn rollups_since(&self, since: UnixMs) -> Vec<StepRollup>;

@@ -20,30 +20,50 @@ use crate::app::AppState;
 use crate::config::WebLimits;
 use crate::store::Store;
 
-use super::auth::{ApiKey, Bearer, Operator, Viewer};
+use super::auth::{ApiKey, Bearer, ClientIpKey, Operator, Viewer};
 use super::error::{WebError, WebResult};
 use super::pages::records::{ListQuery, act_one, parse_action};
 
-pub fn router(limits: &WebLimits, trusted: Arc<[std::net::IpAddr]>) -> Router<AppState> {
+/// The API's routes with two limits: per token (`api_per_second`, bursts of
+/// twice that) and, outside it, per client address (four times as much), so
+/// that inventing tokens does not buy more requests.
+pub fn router(state: &AppState) -> Router<AppState> {
+    let limits: &WebLimits = &state.config.server.limits;
+    let trusted: Arc<[std::net::IpAddr]> = state.web.keys.trusted_proxies.clone();
     let per_second = u64::from(limits.api_per_second.max(1));
-    let routes = Router::new()
+    let mut routes = Router::new()
         .route("/records", post(enqueue).get(list))
         .route("/records/{id}", get(get_one))
         .route("/records/{id}/actions", post(act));
-    let config = GovernorConfigBuilder::default()
-        .key_extractor(ApiKey { trusted })
+    let refuse = |_| {
+        let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    };
+    let per_token = GovernorConfigBuilder::default()
+        .key_extractor(ApiKey {
+            trusted: trusted.clone(),
+        })
         .per_millisecond((1000 / per_second).max(1))
         .burst_size(u32::try_from(per_second * 2).unwrap_or(u32::MAX))
         .finish();
-    match config {
-        Some(config) => routes.layer(GovernorLayer::new(Arc::new(config)).error_handler(|_| {
-            let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            r
-        })),
-        None => routes,
+    if let Some(config) = per_token {
+        let limiter = config.limiter().clone();
+        super::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
+        routes = routes.layer(GovernorLayer::new(Arc::new(config)).error_handler(refuse));
     }
+    let per_address = GovernorConfigBuilder::default()
+        .key_extractor(ClientIpKey { trusted })
+        .per_millisecond((250 / per_second).max(1))
+        .burst_size(u32::try_from(per_second * 8).unwrap_or(u32::MAX))
+        .finish();
+    if let Some(config) = per_address {
+        let limiter = config.limiter().clone();
+        super::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
+        routes = routes.layer(GovernorLayer::new(Arc::new(config)).error_handler(refuse));
+    }
+    routes
 }
 
 /// `Json` whose rejections are API errors with stable codes.

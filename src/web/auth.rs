@@ -187,6 +187,15 @@ pub fn new_api_token() -> (String, String, String) {
     (raw, hash, prefix)
 }
 
+/// True for strings shaped like the tokens [`new_api_token`] makes.
+pub fn well_formed(token: &str) -> bool {
+    token.len() == TOKEN_PREFIX.len() + 40
+        && token.starts_with(TOKEN_PREFIX)
+        && token[TOKEN_PREFIX.len()..]
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit())
+}
+
 /// The stored form of an API token.
 pub fn hash_token(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
@@ -331,7 +340,7 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
 /// Resolves `Authorization: Bearer …` to a caller.
 pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Caller, WebError> {
     let token = bearer(headers).ok_or(WebError::Unauthenticated)?;
-    if !token.starts_with(TOKEN_PREFIX) || token.len() > 100 {
+    if !well_formed(token) {
         return Err(WebError::Unauthenticated);
     }
     let found = state
@@ -340,8 +349,11 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
         .await?
         .ok_or(WebError::Unauthenticated)?;
     let now = SystemClock.now_ms();
-    if let Err(e) = state.db.touch_api_token(found.id, now).await {
-        tracing::warn!(error = %e, "could not note an API token's use");
+    // A write at most once a minute per token, not one per request.
+    if found.last_used_at.is_none_or(|t| t < now - 60_000) {
+        if let Err(e) = state.db.touch_api_token(found.id, now).await {
+            tracing::warn!(error = %e, "could not note an API token's use");
+        }
     }
     Ok(Caller {
         actor: format!("token:{}", found.name),
@@ -364,7 +376,8 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// The client's address: the peer, or, when the peer is a trusted proxy,
 /// the last address in `X-Forwarded-For` that is not a trusted proxy.
 pub fn client_ip(headers: &HeaderMap, peer: Option<IpAddr>, trusted: &[IpAddr]) -> Option<IpAddr> {
-    let peer = peer?;
+    // A dual-stack listener sees IPv4 clients as ::ffff:a.b.c.d.
+    let peer = peer?.to_canonical();
     if !trusted.contains(&peer) {
         return Some(peer);
     }
@@ -376,7 +389,7 @@ pub fn client_ip(headers: &HeaderMap, peer: Option<IpAddr>, trusted: &[IpAddr]) 
         .map(str::trim)
         .collect::<Vec<_>>();
     for hop in forwarded.iter().rev() {
-        match hop.parse::<IpAddr>() {
+        match hop.parse::<IpAddr>().map(|ip| ip.to_canonical()) {
             Ok(ip) if trusted.contains(&ip) => continue,
             Ok(ip) => return Some(ip),
             // An unparsable hop: stop believing the chain here.
@@ -416,7 +429,9 @@ impl tower_governor::key_extractor::KeyExtractor for ApiKey {
     type Key = String;
 
     fn extract<T>(&self, req: &Request<T>) -> Result<String, tower_governor::GovernorError> {
-        if let Some(token) = bearer(req.headers()) {
+        // Only strings shaped like our tokens get a bucket of their own;
+        // anything else counts against the client's address.
+        if let Some(token) = bearer(req.headers()).filter(|t| well_formed(t)) {
             return Ok(hash_token(token));
         }
         ClientIpKey {
@@ -471,6 +486,7 @@ mod tests {
         let (b, _, _) = new_api_token();
         assert_ne!(a, b);
         assert!(a.starts_with(TOKEN_PREFIX) && a.len() == 4 + 40, "{a}");
+        assert!(well_formed(&a) && !well_formed("blt_xyz") && !well_formed(&format!("{a}0")));
         assert_eq!(ha, hash_token(&a));
         assert!(a.starts_with(&pa));
         assert!(!ha.contains(&a));

@@ -76,39 +76,18 @@ async fn receive(
             "the body is not JSON",
         );
     };
-    // Each delivery id is applied once: a redelivery changes nothing.
+    // Each delivery id is applied once (taken in the transaction that
+    // stores the delivery): a redelivery changes nothing.
     let delivery = headers
         .get(settings.delivery_header.as_str())
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|d| !d.is_empty() && d.len() <= 200)
         .map(str::to_owned);
-    if let Some(id) = &delivery {
-        match state
-            .db
-            .claim_delivery(&provider, id, crate::engine::now_ms())
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => {
-                return (
-                    StatusCode::OK,
-                    Json(json!({ "status": "duplicate", "delivery_id": id })),
-                );
-            }
-            Err(e) => {
-                tracing::error!(provider.name = %provider, error = %e, "could not record a delivery id");
-                return refuse(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    e.code(),
-                    "could not store the delivery; retry later",
-                );
-            }
-        }
-    }
-    let result = engine.deliver(&provider, json).await;
+    let result = engine.deliver(&provider, json, delivery.as_deref()).await;
     if let (Err(_), Some(id)) = (&result, &delivery) {
-        // Processing failed: let the provider's retry of this id through.
+        // Processing failed after the delivery was stored: let the
+        // provider's retry of this id through.
         if let Err(e) = state.db.forget_delivery(&provider, id).await {
             tracing::warn!(provider.name = %provider, error = %e, "could not release a delivery id");
         }
@@ -126,6 +105,7 @@ async fn receive(
             StatusCode::ACCEPTED,
             Json(json!({ "status": "stored", "job_id": job_id })),
         ),
+        Ok(Delivery::Duplicate) => (StatusCode::OK, Json(json!({ "status": "duplicate" }))),
         Ok(Delivery::NoJobId) => refuse(
             StatusCode::UNPROCESSABLE_ENTITY,
             "job_id_missing",

@@ -50,7 +50,6 @@ impl WebContext {
 /// Every route of the control plane, with its layers.
 pub fn router(state: AppState) -> Router {
     let limits = state.config.server.limits.clone();
-    let trusted = state.web.keys.trusted_proxies.clone();
     let dashboard = pages::router(&state)
         .layer(from_fn_with_state(state.clone(), security::csrf))
         .layer(from_fn(security::page_errors));
@@ -60,19 +59,54 @@ pub fn router(state: AppState) -> Router {
         .merge(assets::router())
         .merge(metrics::router())
         .merge(dashboard)
-        .nest("/api/v1", api::router(&limits, trusted))
+        .nest("/api/v1", api::router(&state))
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(from_fn(security::headers))
         .with_state(state)
 }
 
-/// Forgets idle rate-limit keys now and then, so memory stays bounded.
+/// Runs `clean` every minute until shutdown: rate limiters forget idle
+/// keys, so their memory stays bounded whatever keys clients send.
+pub(crate) fn clean_every_minute(
+    stop: tokio_util::sync::CancellationToken,
+    clean: impl Fn() + Send + 'static,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(60)) => clean(),
+                () = stop.cancelled() => break,
+            }
+        }
+    });
+}
+
+/// How long ended sessions, old delivery ids, statistics and login
+/// counters are kept.
+const KEEP_MS: i64 = crate::engine::stats::KEEP_MS;
+
+/// Background upkeep of the control plane: idle rate-limit keys are
+/// forgotten every minute; expired sessions, old statistics, delivery ids
+/// and login counters are purged hourly (every node does it; the deletes are
+/// idempotent).
 pub async fn housekeeping(state: AppState) {
+    use crate::store::Store;
+    let mut minutes: u64 = 0;
     loop {
+        if minutes % 60 == 0 {
+            let now = crate::engine::now_ms();
+            if let Err(e) = state.db.purge_sessions(now).await {
+                tracing::warn!(error = %e, "could not purge sessions");
+            }
+            if let Err(e) = state.db.purge_stats(now - KEEP_MS).await {
+                tracing::warn!(error = %e, "could not purge old statistics");
+            }
+        }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(60)) => {}
             () = state.shutdown.cancelled() => break,
         }
+        minutes += 1;
         state.web.bulk_limiter.retain_recent();
     }
 }

@@ -133,10 +133,39 @@ pub async fn csrf(State(state): State<AppState>, req: Request, next: Next) -> Re
 pub async fn page_errors(req: Request, next: Next) -> Response {
     let htmx = is_htmx(req.headers());
     let response = next.run(req).await;
-    let Some(info) = response.extensions().get::<ErrorInfo>().cloned() else {
-        return response;
-    };
     let status = response.status();
+    let info = match response.extensions().get::<ErrorInfo>().cloned() {
+        Some(info) => info,
+        // axum's own rejections (a form or path that does not parse, a
+        // method not allowed) carry no ErrorInfo: give them a message.
+        None if (status.is_client_error() || status.is_server_error())
+            && !response
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|t| t.starts_with("text/html")) =>
+        {
+            ErrorInfo {
+                code: match status {
+                    StatusCode::NOT_FOUND => "not_found",
+                    StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+                    StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+                    s if s.is_server_error() => "internal_error",
+                    _ => "invalid_request",
+                },
+                message: match status {
+                    StatusCode::NOT_FOUND => "There is nothing here.".to_owned(),
+                    StatusCode::METHOD_NOT_ALLOWED => {
+                        "This address does not take that kind of request.".to_owned()
+                    }
+                    StatusCode::PAYLOAD_TOO_LARGE => "The request is too large.".to_owned(),
+                    s if s.is_server_error() => "Something went wrong on the server.".to_owned(),
+                    _ => "The request was not filled in as expected.".to_owned(),
+                },
+            }
+        }
+        None => return response,
+    };
     if status == StatusCode::UNAUTHORIZED {
         if htmx {
             let mut r = StatusCode::UNAUTHORIZED.into_response();

@@ -1261,14 +1261,22 @@ async fn login_failures_lock_a_name_for_a_while(db: &Db) {
         lock_ms: 10_000,
     };
     assert_eq!(db.login_locked_until("alice", T0).await.unwrap(), None);
-    assert_eq!(db.login_failed("alice", T0, policy).await.unwrap(), None);
     assert_eq!(
-        db.login_failed("alice", T0 + 1, policy).await.unwrap(),
-        None
+        db.count_login_attempt("alice", T0, policy).await.unwrap(),
+        1
     );
     assert_eq!(
-        db.login_failed("alice", T0 + 2, policy).await.unwrap(),
-        Some(T0 + 2 + 10_000)
+        db.count_login_attempt("alice", T0 + 1, policy)
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(db.login_locked_until("alice", T0 + 1).await.unwrap(), None);
+    assert_eq!(
+        db.count_login_attempt("alice", T0 + 2, policy)
+            .await
+            .unwrap(),
+        3
     );
     assert_eq!(
         db.login_locked_until("alice", T0 + 3).await.unwrap(),
@@ -1284,60 +1292,98 @@ async fn login_failures_lock_a_name_for_a_while(db: &Db) {
         None,
         "the lock ends"
     );
-    // Failures outside the window start a new count.
+    // Attempts outside the window start a new count.
     assert_eq!(
-        db.login_failed("alice", T0 + 120_000, policy)
+        db.count_login_attempt("alice", T0 + 120_000, policy)
             .await
             .unwrap(),
-        None
+        1
     );
     db.login_succeeded("alice").await.unwrap();
     assert_eq!(
-        db.login_failed("alice", T0 + 120_001, policy)
+        db.count_login_attempt("alice", T0 + 120_001, policy)
             .await
             .unwrap(),
-        None
+        1,
+        "a success clears"
     );
-    // Concurrent failures all count.
-    let db2 = db.clone();
+    // Concurrent attempts all count: exactly one sees each number.
     let tasks: Vec<_> = (0..6)
         .map(|_| {
-            let db = db2.clone();
-            tokio::spawn(async move { db.login_failed("carol", T0, policy).await.unwrap() })
+            let db = db.clone();
+            tokio::spawn(async move { db.count_login_attempt("carol", T0, policy).await.unwrap() })
         })
         .collect();
+    let mut seen = Vec::new();
     for t in tasks {
-        t.await.unwrap();
+        seen.push(t.await.unwrap());
     }
+    seen.sort_unstable();
+    assert_eq!(seen, vec![1, 2, 3, 4, 5, 6]);
     assert!(
         db.login_locked_until("carol", T0 + 1)
             .await
             .unwrap()
             .is_some()
     );
+    assert_eq!(
+        db.purge_stats(T0 + 200_000).await.unwrap(),
+        2,
+        "old counters are purged"
+    );
 }
 
 async fn delivery_ids_are_taken_once(db: &Db) {
-    assert!(db.claim_delivery("p", "d1", T0).await.unwrap());
+    use ballast::store::NewCallback;
+    let cb = |provider: &str, id: &str, now: i64| NewCallback {
+        provider: provider.into(),
+        job_id: "job-1".into(),
+        body: json!({ "job_id": "job-1", "status": "succeeded" }),
+        now,
+        delivery_id: Some(id.into()),
+    };
+    assert_eq!(
+        db.record_callback(&cb("p", "d1", T0)).await.unwrap(),
+        None,
+        "stored, no step yet"
+    );
     assert!(
-        !db.claim_delivery("p", "d1", T0 + 1).await.unwrap(),
+        matches!(
+            db.record_callback(&cb("p", "d1", T0 + 1)).await,
+            Err(StoreError::Conflict { .. })
+        ),
         "a redelivery"
     );
-    assert!(
-        db.claim_delivery("q", "d1", T0).await.unwrap(),
-        "ids are per provider"
+    assert_eq!(
+        db.pending_callbacks("p", "job-1").await.unwrap().len(),
+        1,
+        "stored once"
     );
+    db.record_callback(&cb("q", "d1", T0)).await.unwrap();
     db.forget_delivery("p", "d1").await.unwrap();
-    assert!(
-        db.claim_delivery("p", "d1", T0 + 2).await.unwrap(),
+    db.record_callback(&cb("p", "d1", T0 + 2)).await.unwrap();
+    assert_eq!(
+        db.pending_callbacks("p", "job-1").await.unwrap().len(),
+        2,
         "given back after a failure"
+    );
+    let without = NewCallback {
+        delivery_id: None,
+        ..cb("p", "", T0 + 3)
+    };
+    db.record_callback(&without).await.unwrap();
+    db.record_callback(&without).await.unwrap();
+    assert_eq!(
+        db.pending_callbacks("p", "job-1").await.unwrap().len(),
+        4,
+        "no id, no deduplication"
     );
     assert_eq!(
         db.purge_stats(T0 + 1).await.unwrap(),
         1,
         "old ids are purged"
     );
-    assert!(!db.claim_delivery("p", "d1", T0 + 3).await.unwrap());
+    assert!(db.record_callback(&cb("p", "d1", T0 + 3)).await.is_err());
 }
 
 async fn rollups_are_replaced_per_node_and_purged(db: &Db) {

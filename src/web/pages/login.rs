@@ -37,18 +37,8 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .map(Arc::new);
     let mut submit = post(submit);
     if let Some(limit) = limit {
-        let cleaner = limit.limiter().clone();
-        tokio::spawn({
-            let stop = state.shutdown.clone();
-            async move {
-                loop {
-                    tokio::select! {
-                        () = tokio::time::sleep(std::time::Duration::from_secs(60)) => cleaner.retain_recent(),
-                        () = stop.cancelled() => break,
-                    }
-                }
-            }
-        });
+        let limiter = limit.limiter().clone();
+        crate::web::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
         submit = submit.layer(GovernorLayer::new(limit).error_handler(|_| {
             let mut r = WebError::TooManyRequests(
                 "too many login attempts from your address; wait a minute".into(),
@@ -108,11 +98,27 @@ async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> W
         return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
     }
     let now = SystemClock.now_ms();
-    if state.db.login_locked_until(&username, now).await?.is_some() {
-        return refuse(
+    let locked = || {
+        refuse(
             StatusCode::TOO_MANY_REQUESTS,
             "Too many failed logins for this account. Try again later.",
-        );
+        )
+    };
+    if state.db.login_locked_until(&username, now).await?.is_some() {
+        return locked();
+    }
+    // Counted before the password is checked, so that parallel guesses
+    // cannot all pass the lock check first; a success clears the count.
+    let l = &state.config.server.limits;
+    let lock_ms = i64::try_from(l.lockout.0.as_millis()).unwrap_or(i64::MAX);
+    let policy = LoginPolicy {
+        window_ms: lock_ms,
+        max_failures: i64::from(l.account_failures),
+        lock_ms,
+    };
+    let attempts = state.db.count_login_attempt(&username, now, policy).await?;
+    if attempts > policy.max_failures {
+        return locked();
     }
     let user = state.db.user_by_name(&username).await?;
     // Always one argon2 verification, against a dummy hash when the user is
@@ -125,15 +131,7 @@ async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> W
     let user = match user {
         Some(u) if matches && !u.disabled => u,
         _ => {
-            let l = &state.config.server.limits;
-            let lock_ms = i64::try_from(l.lockout.0.as_millis()).unwrap_or(i64::MAX);
-            let policy = LoginPolicy {
-                window_ms: lock_ms,
-                max_failures: i64::from(l.account_failures),
-                lock_ms,
-            };
-            state.db.login_failed(&username, now, policy).await?;
-            tracing::warn!(user = %username, "failed login");
+            tracing::warn!(user = %username, attempts, "failed login");
             return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
         }
     };

@@ -132,7 +132,40 @@ pub fn flash_ok(message: &str) -> WebResult<Html<String>> {
 /// when that is a path on this site.
 pub fn safe_next(next: Option<&str>, fallback: &str) -> String {
     match next {
-        Some(n) if n.starts_with('/') && !n.starts_with("//") && !n.contains('\\') => n.to_owned(),
+        // Browsers drop tabs and newlines from URLs and read `\` as `/`, so
+        // any of those could turn a path into `//elsewhere`: refuse them.
+        Some(n)
+            if n.starts_with('/')
+                && !n.starts_with("//")
+                && !n.bytes().any(|b| b <= b' ' || b == 0x7f || b == b'\\') =>
+        {
+            n.to_owned()
+        }
         _ => fallback.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::safe_next;
+
+    #[test]
+    fn next_stays_on_this_site() {
+        for ok in ["/", "/records?state=parked", "/records/12"] {
+            assert_eq!(safe_next(Some(ok), "/"), ok);
+        }
+        for bad in [
+            "//evil.example",
+            "/\t/evil.example",
+            "/\\evil.example",
+            "/\n/evil.example",
+            "https://evil.example",
+            "evil",
+            "/ /x",
+            "",
+        ] {
+            assert_eq!(safe_next(Some(bad), "/"), "/", "{bad:?}");
+        }
+        assert_eq!(safe_next(None, "/x"), "/x");
     }
 }

@@ -34,6 +34,8 @@ pub struct ProviderRow {
     pub name: String,
     pub breaker: &'static str,
     pub paused: bool,
+    /// Rate-limit use as this node sees it ("12 of 20/1s").
+    pub limit_use: String,
 }
 
 #[derive(Template)]
@@ -102,10 +104,20 @@ async fn overview(
         .keys()
         .map(|name| {
             let ps = provider_states.iter().find(|p| &p.provider == name);
+            let live = state.engine.as_ref().and_then(|e| e.provider_live(name));
             ProviderRow {
                 name: name.clone(),
                 breaker: ps.map_or("closed", |p| p.breaker.as_str()),
                 paused: ps.is_some_and(|p| p.paused),
+                limit_use: live
+                    .map(|l| {
+                        l.limits
+                            .iter()
+                            .map(|(limit, used, _)| format!("{used} of {limit}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect();

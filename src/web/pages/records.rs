@@ -439,6 +439,8 @@ impl BulkForm {
 #[template(path = "pages/bulk.html", blocks = ["result"])]
 struct BulkPage {
     nav: Nav,
+    /// What the selection was: ids ticked, or the filter used.
+    scope: String,
     action: &'static str,
     reason: String,
     step: String,
@@ -482,13 +484,25 @@ async fn bulk(
             )
             .await
             {
+                tracing::warn!(record.id = r.id, action = %action, error = ?e, "bulk action refused for one record");
                 failed.push(format!("record {}: {e}", r.id));
             }
         }
         tracing::info!(action = %action, actor = %caller.actor, records = allowed.len(), failed = failed.len(), "bulk action");
     }
+    let scope = if form.all_matching.is_some() {
+        let q = form.filter().query_string();
+        if q.is_empty() {
+            "every record".to_owned()
+        } else {
+            format!("every record matching {}", q.replace('&', ", "))
+        }
+    } else {
+        "the records ticked in the list".to_owned()
+    };
     let t = BulkPage {
         nav: Nav::new(&caller, "records"),
+        scope,
         action: action.as_str(),
         reason,
         step: step.unwrap_or_default(),
