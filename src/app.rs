@@ -11,9 +11,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
-use crate::domain::{Clock, SystemClock};
-use crate::store::{ConnectOptions, Db, NodeBeat, Store, migrate};
+use crate::config::{Config, Secret};
+use crate::domain::{Clock, Role, SystemClock};
+use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, Store, StoreError, migrate};
 
 /// How often a node tells the others it is alive.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
@@ -41,7 +41,60 @@ pub async fn connect(config: &Config) -> anyhow::Result<Db> {
     };
     Db::connect(config.database.url.expose(), &opts)
         .await
-        .with_context(|| format!("cannot open database {}", config.database.url))
+        .with_context(|| {
+            format!(
+                "cannot open database {} (is it running and reachable? check database.url or BALLAST_DATABASE_URL)",
+                config.database.url
+            )
+        })
+}
+
+/// What start-up did about the first user.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Bootstrap {
+    /// There were users already.
+    NotNeeded,
+    /// `admin` was created with the configured password.
+    Configured,
+    /// `admin` was created with this random password, to show once.
+    Generated(String),
+}
+
+/// On a database without users, creates `admin` (role admin) with the
+/// configured password or a random one. There is never a default password.
+/// Several nodes starting at once agree: the second create conflicts.
+pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Result<Bootstrap> {
+    if !db.list_users().await?.is_empty() {
+        return Ok(Bootstrap::NotNeeded);
+    }
+    let (password, generated) = match configured {
+        Some(p) => (p.expose().to_owned(), false),
+        None => {
+            // 26 characters from a 62-letter alphabet: ~150 bits.
+            let alphabet: Vec<char> = ('a'..='z').chain('A'..='Z').chain('0'..='9').collect();
+            let pw: String = (0..26)
+                .map(|_| alphabet[fastrand::usize(..alphabet.len())])
+                .collect();
+            (pw, true)
+        }
+    };
+    let hash = crate::auth::password::hash_blocking(password.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let user = NewUser {
+        username: "admin".into(),
+        password_hash: hash,
+        role: Role::Admin,
+    };
+    match db.create_user(&user, SystemClock.now_ms()).await {
+        Ok(_) => Ok(if generated {
+            Bootstrap::Generated(password)
+        } else {
+            Bootstrap::Configured
+        }),
+        Err(StoreError::Conflict { .. }) => Ok(Bootstrap::NotNeeded),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// A node id unique across restarts and machines: host, pid, and a random tail.
@@ -69,12 +122,36 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    run_with(config, listener, shutdown, |_| {}).await
+}
+
+/// [`run`], calling `on_start` with the state once everything is up (the
+/// demo starts its generator there).
+pub async fn run_with(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    on_start: impl FnOnce(&AppState),
+) -> anyhow::Result<()> {
     let db = connect(&config).await?;
     let applied = migrate::up(&db, None)
         .await
         .context("cannot migrate the database")?;
     if !applied.is_empty() {
         tracing::info!(versions = ?applied, "applied migrations");
+    }
+    match bootstrap_admin(&db, config.server.admin_password.as_ref()).await? {
+        Bootstrap::NotNeeded => {}
+        Bootstrap::Configured => {
+            tracing::info!("created user `admin` with the password from BALLAST_ADMIN_PASSWORD");
+        }
+        Bootstrap::Generated(password) => {
+            // Straight to the terminal, not the structured log: shown once.
+            eprintln!(
+                "\nballast: first start: created user `admin` with password\n\n    {password}\n\n  \
+                 It is shown only this once. Change it with `ballast user passwd admin`.\n"
+            );
+        }
     }
     let grace = config.server.shutdown_grace.0;
     let config = Arc::new(config);
@@ -113,6 +190,14 @@ pub async fn run(
 
     let addr = listener.local_addr()?;
     tracing::info!(%addr, node.id = %state.node_id, backend = db.backend().as_str(), "ballast listening");
+    let url = state
+        .config
+        .server
+        .public_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{addr}/"));
+    eprintln!("ballast: dashboard at {url}");
+    on_start(&state);
     let app = crate::web::router(state.clone());
     let server = axum::serve(
         listener,

@@ -37,6 +37,14 @@ pub enum Command {
         /// Address to listen on, overriding `server.bind` (default 127.0.0.1:8080).
         #[arg(long, value_name = "ADDR")]
         bind: Option<SocketAddr>,
+        /// Demo mode: chaos simulators in-process, demo pipelines and a
+        /// generator feeding them, on `ballast-demo.db` unless a database is
+        /// configured.
+        #[arg(long)]
+        demo: bool,
+        /// Records per second the demo generator enqueues.
+        #[arg(long, value_name = "N", default_value_t = 2.0, requires = "demo")]
+        demo_rate: f64,
     },
     /// Apply, revert or list the schema migrations embedded in this binary.
     Migrate {
@@ -161,7 +169,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             check_config(&config, file, &env);
             Ok(())
         }
-        Command::Serve { bind } => {
+        Command::Serve {
+            bind,
+            demo,
+            demo_rate,
+        } => {
             if let Some(bind) = bind {
                 config.server.bind = bind;
             }
@@ -175,7 +187,25 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 })?;
             let shutdown = CancellationToken::new();
             crate::app::cancel_on_signals(shutdown.clone());
-            crate::app::run(config, listener, shutdown).await
+            if !demo {
+                return crate::app::run(config, listener, shutdown).await;
+            }
+            let demo = crate::demo::prepare(&mut config, demo_rate).await?;
+            eprintln!(
+                "ballast: demo mode: simulated providers, demo pipelines, {demo_rate} records/s, database {}",
+                config.database.url
+            );
+            let hook = format!("http://{}/hooks/render-api", listener.local_addr()?);
+            let stop = shutdown.clone();
+            crate::app::run_with(config, listener, shutdown, move |state| {
+                match state.engine.clone() {
+                    Some(engine) => {
+                        tokio::spawn(crate::demo::generate(engine, demo, hook, stop));
+                    }
+                    None => tracing::error!("demo mode without workers"),
+                }
+            })
+            .await
         }
         Command::Enqueue {
             pipeline,

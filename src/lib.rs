@@ -5,6 +5,7 @@ pub mod app;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod domain;
 pub mod engine;
 pub mod pipeline;

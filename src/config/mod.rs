@@ -78,6 +78,11 @@ pub struct ServerConfig {
     /// Environment only: `BALLAST_SECRET_KEY`.
     #[serde(skip)]
     pub secret_key: Option<Secret>,
+    /// The first admin's password, used only when the database has no users
+    /// yet; without it a random one is printed once.
+    /// Environment only: `BALLAST_ADMIN_PASSWORD`.
+    #[serde(skip)]
+    pub admin_password: Option<Secret>,
     /// A bearer token that may read `/metrics` (API tokens may too).
     /// Environment only: `BALLAST_METRICS_TOKEN`.
     #[serde(skip)]
@@ -96,6 +101,7 @@ impl Default for ServerConfig {
             session_ttl: HumanDuration::secs(8 * 3600),
             trusted_proxies: Vec::new(),
             secret_key: None,
+            admin_password: None,
             metrics_token: None,
             limits: WebLimits::default(),
         }
@@ -336,7 +342,12 @@ impl Config {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
         type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 11] = [
+        let setters: [(&str, Setter); 12] = [
+            ("BALLAST_ADMIN_PASSWORD", |c, v| {
+                crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
+                c.server.admin_password = Some(Secret::new(v));
+                Ok(())
+            }),
             ("BALLAST_SERVER_SECURE_COOKIES", |c, v| {
                 c.server.secure_cookies = v
                     .parse()

@@ -45,6 +45,10 @@ pub struct ProviderConfig {
     /// rotation).
     #[serde(default)]
     pub webhook_secrets_env: Vec<String>,
+    /// Secrets set by the program itself (the demo's simulator), never from
+    /// a file: operators name environment variables instead.
+    #[serde(skip)]
+    pub webhook_secrets_inline: Vec<crate::config::Secret>,
     /// The header carrying a webhook's signature (`t=<unix>,v1=<hex>`).
     #[serde(default = "defaults::signature_header")]
     pub webhook_signature_header: String,

@@ -361,6 +361,12 @@ impl Engine {
             .webhook_secrets_env
             .iter()
             .filter_map(|var| std::env::var(var).ok())
+            .chain(
+                rt.config
+                    .webhook_secrets_inline
+                    .iter()
+                    .map(|s| s.expose().to_owned()),
+            )
             .map(String::into_bytes)
             .collect();
         Some(WebhookSettings {

@@ -53,7 +53,8 @@ pub struct Profile {
     /// Apply every request's side effect, keys or not (a provider that does
     /// not honour idempotency keys).
     pub ignore_keys: bool,
-    /// Signs callbacks (`x-signature: sha256=<hex>`) when set.
+    /// Signs callbacks (`x-signature: t=<unix>,v1=<hex>`, with an
+    /// `x-delivery-id`) when set.
     pub callback_secret: Option<String>,
     /// A finished job's callback is sent twice.
     pub p_callback_duplicate: f64,

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use sqlx::SqlSafeStr;
 use sqlx::migrate::{Migrate, Migration, MigrationType, Migrator};
 
-use super::{Backend, Db, StoreResult};
+use super::{Backend, Db, StoreError, StoreResult};
 
 /// One migration as shipped: (version, description, up SQL, down SQL).
 type Shipped = (i64, &'static str, &'static str, &'static str);
@@ -149,7 +149,14 @@ fn applied_set(status: &[MigrationStatus]) -> Vec<i64> {
 /// versions applied. Fails, changing nothing, when the database has a
 /// migration this binary does not know (it is newer than the binary).
 pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
-    let before = applied_set(&status(db).await?);
+    let now = status(db).await?;
+    if let Some(unknown) = now.iter().find(|m| m.applied && m.description.is_none()) {
+        return Err(StoreError::NewerSchema {
+            version: unknown.version,
+            known: latest_version(db.backend()),
+        });
+    }
+    let before = applied_set(&now);
     let m = migrator(db.backend());
     match (db, to) {
         (Db::Sqlite(s), None) => m.run(s.writer()).await?,

@@ -50,6 +50,12 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("migration error: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The database was migrated by a newer binary.
+    #[error(
+        "the database has schema version {version}, newer than this binary knows ({known}): \
+         run the newer ballast that migrated it, or restore a backup taken before that upgrade"
+    )]
+    NewerSchema { version: i64, known: i64 },
 }
 
 impl StoreError {
@@ -63,6 +69,7 @@ impl StoreError {
             StoreError::Corrupt(_) => "corrupt_row",
             StoreError::Database(_) => "database_error",
             StoreError::Migrate(_) => "migration_error",
+            StoreError::NewerSchema { .. } => "schema_too_new",
         }
     }
 }

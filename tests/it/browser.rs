@@ -481,3 +481,178 @@ async fn the_dashboard_works_in_a_real_browser() {
     client.clone().close().await.unwrap();
     app.stop().await;
 }
+
+/// The README's run command: `serve --demo` prints the dashboard's address
+/// and the admin's password, and within a minute or so the dashboard shows
+/// records succeeded, failed, parked and in flight, and the render
+/// provider's breaker open during its scheduled outage. Screenshots of it
+/// go to `target/screenshots/demo-*.png`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_shows_every_outcome_within_a_minute() {
+    use std::io::BufRead;
+    use std::sync::{Arc, Mutex};
+    let Some(d) = driver("demo").await else {
+        return;
+    };
+    let c = &d.client;
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
+        .current_dir(dir.path())
+        .args([
+            "serve",
+            "--demo",
+            "--demo-rate",
+            "4",
+            "--bind",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env_remove("BALLAST_DATABASE_URL")
+        .env_remove("BALLAST_ADMIN_PASSWORD")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let stderr = child.stderr.take().unwrap();
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let mut l = sink.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+    });
+    let base = format!("http://127.0.0.1:{port}");
+    let mut password = None;
+    for _ in 0..300 {
+        let text = log.lock().unwrap().clone();
+        if text.contains(&format!("dashboard at {base}/")) {
+            password = text
+                .lines()
+                .skip_while(|l| !l.contains("created user `admin` with password"))
+                .map(str::trim)
+                .find(|l| !l.is_empty() && !l.contains("created user"))
+                .map(str::to_owned);
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the demo exited: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let password =
+        password.unwrap_or_else(|| panic!("no password printed: {}", log.lock().unwrap()));
+    assert!(password.len() >= 20, "{password}");
+    assert!(dir.path().join("ballast-demo.db").exists());
+
+    c.goto(&format!("{base}/login")).await.unwrap();
+    c.find(Locator::Css("input[name=username]"))
+        .await
+        .unwrap()
+        .send_keys("admin")
+        .await
+        .unwrap();
+    c.find(Locator::Css("input[name=password]"))
+        .await
+        .unwrap()
+        .send_keys(&password)
+        .await
+        .unwrap();
+    c.find(Locator::Css("form button[type=submit]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("#live"))
+        .await
+        .expect("logged in");
+
+    // Wait for every kind of outcome.
+    let started = std::time::Instant::now();
+    let mut seen_open = false;
+    let mut totals = std::collections::BTreeMap::new();
+    loop {
+        c.goto(&format!("{base}/")).await.unwrap();
+        totals.clear();
+        for cell in c
+            .find_all(Locator::Css("#counts a[data-state]"))
+            .await
+            .unwrap()
+        {
+            let state = cell.attr("data-state").await.unwrap().unwrap_or_default();
+            let n: i64 = cell.text().await.unwrap().trim().parse().unwrap_or(0);
+            *totals.entry(state).or_insert(0) += n;
+        }
+        let breaker = c
+            .find(Locator::Css("#provider-stats"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        seen_open |= breaker.contains("open");
+        let has = |s: &str| totals.get(s).copied().unwrap_or(0) > 0;
+        let in_flight = ["pending", "running", "waiting", "retrying"]
+            .iter()
+            .any(|s| has(s));
+        if has("succeeded") && has("failed") && has("parked") && in_flight && seen_open {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not every outcome after two minutes: {totals:?}, breaker opened: {seen_open}"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    println!(
+        "demo: every outcome after {:.0} s: {totals:?}",
+        started.elapsed().as_secs_f64()
+    );
+    shot(c, "demo-overview").await;
+    c.goto(&format!("{base}/records?state=parked"))
+        .await
+        .unwrap();
+    shot(c, "demo-records").await;
+    let first = c.find(Locator::Css("#records-list tbody a")).await.unwrap();
+    first.click().await.unwrap();
+    c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("#attempts"))
+        .await
+        .unwrap();
+    let reason = text_of(c, ".facts").await;
+    assert!(reason.contains("Reason"), "{reason}");
+    shot(c, "demo-record").await;
+    c.goto(&format!("{base}/providers")).await.unwrap();
+    shot(c, "demo-providers").await;
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let stopped = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "the demo ignored SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(status.success(), "{}", log.lock().unwrap());
+    d.client.clone().close().await.unwrap();
+}

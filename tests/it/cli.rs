@@ -342,6 +342,14 @@ async fn serve_answers_and_stops_on_sigterm() {
         dir.path().join("ballast.db").exists(),
         "the default database is a file in the working directory"
     );
+    // The first start created one admin; `user list` sees it.
+    let users = ballast(dir.path(), &[], &["user", "list"]);
+    assert_eq!(
+        stdout(&users).matches("admin").count(),
+        2,
+        "{}",
+        stdout(&users)
+    );
 
     // The port is taken now: a second server says so in one line.
     let taken = ballast(dir.path(), &[], &["serve", "--bind", &addr.to_string()]);
@@ -378,6 +386,159 @@ async fn serve_answers_and_stops_on_sigterm() {
         .unwrap();
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("stopped cleanly"), "{log}");
+    assert!(
+        log.contains(&format!("dashboard at http://{addr}/")),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("created user `admin` with password").count(),
+        1,
+        "{log}"
+    );
+    let password = log
+        .lines()
+        .skip_while(|l| !l.contains("created user `admin`"))
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.contains("created user"))
+        .unwrap()
+        .to_owned();
+    assert!(
+        password.len() >= 20 && password.chars().all(|c| c.is_ascii_alphanumeric()),
+        "{password}"
+    );
+    assert!(
+        !log.contains("\u{1b}["),
+        "no terminal colours in a log file"
+    );
+
+    // A second start creates no other admin and prints no password.
+    let out = serve_briefly(dir.path(), &[]).await;
+    assert!(!out.contains("created user"), "{out}");
+    let users = ballast(dir.path(), &[], &["user", "list"]);
+    assert_eq!(
+        stdout(&users)
+            .lines()
+            .filter(|l| l.contains("admin"))
+            .count(),
+        1
+    );
+}
+
+/// Runs `ballast serve` until it answers, then stops it; returns its stderr.
+async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
+    let port = free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ballast"));
+    cmd.current_dir(dir)
+        .args(["serve", "--bind", &addr.to_string()])
+        .env_remove("BALLAST_DATABASE_URL")
+        .env_remove("BALLAST_ADMIN_PASSWORD")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "serve did not start"
+        );
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn the_first_admin_can_come_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let weak = ballast(
+        dir.path(),
+        &[("BALLAST_ADMIN_PASSWORD", "short")],
+        &["serve"],
+    );
+    assert!(!weak.status.success());
+    assert!(
+        stderr(&weak).contains("BALLAST_ADMIN_PASSWORD"),
+        "{}",
+        stderr(&weak)
+    );
+    assert_eq!(stderr(&weak).trim().lines().count(), 1, "{}", stderr(&weak));
+    assert!(!dir.path().join("ballast.db").exists(), "nothing written");
+    let log = serve_briefly(
+        dir.path(),
+        &[("BALLAST_ADMIN_PASSWORD", "a-long-enough-password")],
+    )
+    .await;
+    assert!(
+        log.contains("password from BALLAST_ADMIN_PASSWORD"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("a-long-enough-password"),
+        "the password is not echoed"
+    );
+}
+
+#[tokio::test]
+async fn startup_errors_are_one_line_each() {
+    let dir = tempfile::tempdir().unwrap();
+    // Database unreachable.
+    let out = ballast(
+        dir.path(),
+        &[
+            (
+                "BALLAST_DATABASE_URL",
+                "postgres://nobody@127.0.0.1:1/nowhere",
+            ),
+            ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", "2s"),
+        ],
+        &["serve", "--bind", "127.0.0.1:0"],
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    let last = err.trim().lines().last().unwrap_or_default().to_owned();
+    assert!(
+        last.starts_with("error: cannot open database postgres://nobody@127.0.0.1:1/nowhere"),
+        "{err}"
+    );
+    assert!(last.contains("is it running"), "says what to do: {last}");
+    // A database migrated by a newer binary.
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("new.db").display());
+    let up = ballast(
+        dir.path(),
+        &[("BALLAST_DATABASE_URL", &url)],
+        &["migrate", "up"],
+    );
+    assert!(up.status.success(), "{}", stderr(&up));
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) VALUES (9999, 'future', TRUE, X'00', 0)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let out = ballast(
+        dir.path(),
+        &[("BALLAST_DATABASE_URL", &url)],
+        &["serve", "--bind", "127.0.0.1:0"],
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    let last = err.trim().lines().last().unwrap_or_default();
+    assert!(
+        last.contains("schema version 9999, newer than this binary knows"),
+        "{err}"
+    );
+    assert!(last.contains("run the newer ballast"), "{err}");
 }
 
 #[test]

@@ -1,0 +1,242 @@
+//! `ballast serve --demo`: two chaos simulators mounted in-process, three
+//! providers and two pipelines that look like real work, and a generator
+//! that enqueues records at a steady rate, so the dashboard shows every
+//! kind of outcome within a minute — retries, rate-limit deferrals, parked
+//! records with readable reasons, a breaker opening during a scheduled
+//! outage of the render provider.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, DatabaseUrl, Secret};
+use crate::sim::{Outage, Profile, SimHandle};
+
+/// The database the demo uses when none is configured.
+pub const DEMO_DB: &str = "sqlite://ballast-demo.db?mode=rwc";
+
+/// The running simulators; they stop with the handle.
+pub struct Demo {
+    pub sims: Vec<SimHandle>,
+    pub rate: f64,
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        for s in &self.sims {
+            s.stop();
+        }
+    }
+}
+
+/// The demo's providers and pipelines over simulators at `apis` (requests)
+/// and `render` (jobs with signed callbacks). Written as TOML so that it is
+/// checked exactly like an operator's file.
+pub fn demo_toml(apis: &str, render: &str) -> String {
+    let rules = |p: &str| {
+        format!(
+            r#"
+[[providers.{p}.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
+[[providers.{p}.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.{p}.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+[[providers.{p}.rules]]
+when = {{ status = ["400", "404", "422"] }}
+outcome = "fail"
+"#
+        )
+    };
+    format!(
+        r#"
+# A paid people-data API: rate-limited, sometimes 429s. Each lookup costs
+# money, so one attempt only: a failed one is parked for a person to decide.
+[providers.people-api]
+base_url = "{apis}"
+timeout = "3s"
+concurrency = 16
+rate_limits = ["8/s"]
+retry = {{ max_attempts = 1, base = "500ms", cap = "8s", deadline = "2m" }}
+{people_rules}
+# An AI model behind an async job API: submit, then poll.
+[providers.llm]
+base_url = "{apis}"
+timeout = "3s"
+concurrency = 8
+rate_limits = ["15/s"]
+retry = {{ max_attempts = 4, base = "500ms", cap = "8s", deadline = "3m" }}
+{llm_rules}
+# The CRM: the last, optional step.
+[providers.crm]
+base_url = "{apis}"
+timeout = "3s"
+rate_limits = ["5/s"]
+retry = {{ max_attempts = 3, base = "1s", cap = "5s", deadline = "1m" }}
+{crm_rules}
+# A video renderer that calls back when done; it has scheduled outages.
+[providers.render-api]
+base_url = "{render}"
+timeout = "3s"
+concurrency = 8
+rate_limits = ["4/s"]
+retry = {{ max_attempts = 5, base = "1s", cap = "10s", deadline = "3m" }}
+breaker = {{ window = 20, min_calls = 8, failure_rate = 0.5, open_for = "15s", probes = 2 }}
+{render_rules}
+[[pipelines.lead-enrichment.steps]]
+name = "fetch"
+provider = "people-api"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-fetch", "amount": 0, "email": {{{{ input.email | tojson }}}}}}' }}
+outputs = {{ person_id = "/id" }}
+
+[[pipelines.lead-enrichment.steps]]
+name = "analyse"
+provider = "llm"
+kind = "submit_poll"
+needs = ["fetch"]
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}-analyse", "person": {{{{ steps.fetch.output.person_id | tojson }}}}}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "2s", deadline = "30s" }}
+outputs = {{ summary = "/result/url" }}
+
+[[pipelines.lead-enrichment.steps]]
+name = "crm-update"
+provider = "crm"
+needs = ["analyse"]
+required = false
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-crm", "amount": 0}}' }}
+
+[[pipelines.media-render.steps]]
+name = "render"
+provider = "render-api"
+kind = "callback"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}-render", "video": {{{{ input.video | tojson }}}}, "callback_url": {{{{ input.callback_url | tojson }}}}}}' }}
+job_id = "/id"
+callback = {{ job_id = "/job_id", deadline = "45s", fallback = "poll" }}
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "2s", deadline = "2m" }}
+outputs = {{ url = "/result/url" }}
+on_reversal = "park"
+
+[[pipelines.media-render.steps]]
+name = "publish"
+provider = "crm"
+needs = ["render"]
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-publish", "amount": 1, "url": {{{{ steps.render.output.url | tojson }}}}}}' }}
+"#,
+        people_rules = rules("people-api"),
+        llm_rules = rules("llm"),
+        crm_rules = rules("crm"),
+        render_rules = rules("render-api"),
+    )
+}
+
+/// Starts the simulators and adds the demo's providers and pipelines to
+/// `config` (the operator's own stay), with the demo database unless one is
+/// configured. `serve_addr` is where the callbacks go.
+pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
+    if !(0.0..=1000.0).contains(&rate) {
+        anyhow::bail!("--demo-rate must be between 0 and 1000 records per second");
+    }
+    let mut apis = Profile::chaos(7);
+    apis.latency_scale = 0.5;
+    apis.retry_after_max_secs = 5;
+    apis.hang = Duration::from_secs(10);
+    apis.job_time = (Duration::from_millis(500), Duration::from_secs(8));
+    let mut render = Profile::chaos(11);
+    render.latency_scale = 0.5;
+    render.retry_after_max_secs = 5;
+    render.hang = Duration::from_secs(10);
+    render.job_time = (Duration::from_secs(1), Duration::from_secs(10));
+    let secret = uuid::Uuid::new_v4().simple().to_string();
+    render.callback_secret = Some(secret.clone());
+    // An outage 20 s in, and every five minutes after: the breaker opens.
+    render.outages = (0..12)
+        .map(|i| Outage {
+            after: Duration::from_secs(20 + 300 * i),
+            lasts: Duration::from_secs(25),
+            brownout: 1.0,
+        })
+        .collect();
+    let apis = SimHandle::spawn(apis)
+        .await
+        .context("cannot start the demo simulator")?;
+    let render = SimHandle::spawn(render)
+        .await
+        .context("cannot start the demo simulator")?;
+    let text = demo_toml(&apis.base_url(), &render.base_url());
+    let demo = Config::parse(&text, std::path::Path::new("demo.toml"))
+        .map_err(|e| anyhow::anyhow!("the demo configuration is broken: {e}"))?;
+    for (name, mut p) in demo.providers {
+        if name == "render-api" {
+            p.webhook_secrets_inline = vec![Secret::new(secret.clone())];
+        }
+        config.providers.entry(name).or_insert(p);
+    }
+    for (name, p) in demo.pipelines {
+        config.pipelines.entry(name).or_insert(p);
+    }
+    if config.database.url == crate::config::DatabaseConfig::default().url {
+        config.database.url = DatabaseUrl::new(DEMO_DB);
+    }
+    // Plain HTTP on this machine: cookies without `Secure`, so every
+    // browser keeps them on http://127.0.0.1.
+    if config.server.public_url.is_none() && config.server.bind.ip().is_loopback() {
+        config.server.secure_cookies = false;
+    }
+    config
+        .validate(&|v| std::env::var(v).ok())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(Demo {
+        sims: vec![apis, render],
+        rate,
+    })
+}
+
+/// Enqueues demo records at `demo.rate` per second until `stop`: leads and
+/// videos, each with an external key.
+pub async fn generate(
+    engine: crate::engine::Engine,
+    demo: Demo,
+    callback_url: String,
+    stop: CancellationToken,
+) {
+    if demo.rate <= 0.0 {
+        stop.cancelled().await;
+        return;
+    }
+    let every = Duration::from_secs_f64(1.0 / demo.rate);
+    let mut n: u64 = 0;
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let companies = [
+        "acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "tyrell",
+    ];
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = tokio::time::sleep(every) => {}
+        }
+        n += 1;
+        let key = format!("{}-{n}", &run[..6]);
+        let (pipeline, input) = if n % 3 == 0 {
+            (
+                "media-render",
+                json!({ "video": format!("vid_{key}"), "callback_url": callback_url }),
+            )
+        } else {
+            let company = companies[(n as usize) % companies.len()];
+            (
+                "lead-enrichment",
+                json!({ "email": format!("lead{n}@{company}.example"), "company": company }),
+            )
+        };
+        if let Err(e) = engine.enqueue(pipeline, Some(&key), input).await {
+            tracing::warn!(error = %e, "demo generator could not enqueue");
+        }
+    }
+    drop(demo);
+}
