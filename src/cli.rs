@@ -59,6 +59,10 @@ pub enum Command {
     /// Validate the configuration, print where each part came from, and exit
     /// non-zero on the first problem.
     CheckConfig,
+    /// Replace the generated session signing key (kept in the database) and
+    /// end every session. Restart every node afterwards. Not needed when
+    /// BALLAST_SECRET_KEY is set: change that variable instead.
+    RotateSecret,
     /// Enqueue one record; repeating it with the same --key returns the
     /// record already enqueued instead of creating another.
     Enqueue {
@@ -207,6 +211,30 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             })
             .await
         }
+        Command::RotateSecret => {
+            let db = crate::app::connect(&config).await?;
+            migrate::up(&db, None)
+                .await
+                .context("cannot migrate the database")?;
+            let revoked = db
+                .rotate_meta_secret(
+                    crate::web::SESSION_SECRET_KEY,
+                    &crate::web::new_session_secret(),
+                    SystemClock.now_ms(),
+                )
+                .await;
+            db.close().await;
+            let revoked = revoked?;
+            println!(
+                "new session signing key stored; {revoked} session(s) ended. Restart every ballast node to use it."
+            );
+            if config.server.secret_key.is_some() {
+                println!(
+                    "note: BALLAST_SECRET_KEY is set and takes precedence over the stored key"
+                );
+            }
+            Ok(())
+        }
         Command::Enqueue {
             pipeline,
             key,
@@ -329,9 +357,25 @@ async fn migrate_command(db: &Db, action: MigrateCommand) -> anyhow::Result<()> 
     let backend = db.backend().as_str();
     match action {
         MigrateCommand::Up { to } => {
-            let applied = migrate::up(db, to).await?;
-            for v in &applied {
-                println!("applied {v:04}");
+            // One migration at a time, each announced before it runs, so a
+            // long one shows where it is.
+            let pending: Vec<(i64, String)> = migrate::status(db)
+                .await?
+                .into_iter()
+                .filter(|m| !m.applied && to.is_none_or(|t| m.version <= t))
+                .map(|m| (m.version, m.description.unwrap_or_default()))
+                .collect();
+            let total = pending.len();
+            let mut applied = Vec::new();
+            for (i, (v, name)) in pending.into_iter().enumerate() {
+                println!("[{}/{total}] applying {v:04} {name}…", i + 1);
+                let started = std::time::Instant::now();
+                applied.extend(migrate::up(db, Some(v)).await?);
+                println!(
+                    "[{}/{total}] applied {v:04} in {} ms",
+                    i + 1,
+                    started.elapsed().as_millis()
+                );
             }
             println!(
                 "{backend}: {} applied; schema at version {}",

@@ -477,7 +477,10 @@ impl StepRun<'_> {
                     (w.unknowns as u32 >= retry.unknown_attempts.max(1))
                         .then(|| format!("{} replies no rule understood; last: {code}", w.unknowns))
                 } else if !polling && w.attempts as u32 >= retry.max_attempts {
-                    Some(format!("{} failed attempts; last: {code}", w.attempts))
+                    Some(format!(
+                        "attempts exhausted ({} of {}); last error: {code}",
+                        w.attempts, retry.max_attempts
+                    ))
                 } else {
                     None
                 };

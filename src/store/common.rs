@@ -1193,6 +1193,21 @@ macro_rules! common_store {
                 Ok(stored)
             }
 
+            async fn rotate_meta_secret(&self, key: &str, value: &str, now: UnixMs) -> StoreResult<u64> {
+                let mut tx = self.begin_write().await?;
+                sqlx::query("INSERT INTO meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+                    .bind(key.to_owned())
+                    .bind(value.to_owned())
+                    .execute(&mut *tx)
+                    .await?;
+                let revoked = sqlx::query("UPDATE sessions SET revoked_at = $1 WHERE revoked_at IS NULL")
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(revoked.rows_affected())
+            }
+
             async fn create_api_token(&self, t: &$crate::store::NewApiToken, now: UnixMs) -> StoreResult<$crate::domain::ApiToken> {
                 if t.name.trim().is_empty() || t.name.len() > 100 {
                     return Err(StoreError::Invalid("a token needs a name of 1-100 characters".into()));

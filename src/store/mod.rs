@@ -639,6 +639,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         value: &str,
     ) -> impl Future<Output = StoreResult<String>> + Send;
 
+    /// Replaces the stored value of `key` and revokes every session, in one
+    /// transaction (a new session signing key makes them all invalid).
+    fn rotate_meta_secret(
+        &self,
+        key: &str,
+        value: &str,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+
     // --- API tokens ----------------------------------------------------
     /// Stores a token and its audit event (`token_created`) in one transaction.
     fn create_api_token(
@@ -846,6 +855,7 @@ forward! {
     fn set_provider_pause(&self, provider: &str, paused: bool, actor: &str, reason: Option<&str>, now: UnixMs) -> ProviderState;
     fn save_breaker(&self, state: &ProviderState) -> ();
     fn ensure_meta(&self, key: &str, value: &str) -> String;
+    fn rotate_meta_secret(&self, key: &str, value: &str, now: UnixMs) -> u64;
     fn create_api_token(&self, token: &NewApiToken, now: UnixMs) -> ApiToken;
     fn api_token_by_hash(&self, hash: &str) -> Option<ApiToken>;
     fn list_api_tokens(&self) -> Vec<ApiToken>;

@@ -111,6 +111,18 @@ pub async fn housekeeping(state: AppState) {
     }
 }
 
+/// Where the generated session signing key is kept (table `meta`).
+pub const SESSION_SECRET_KEY: &str = "session_secret";
+
+/// A fresh random signing key (256 bits, hex).
+pub fn new_session_secret() -> String {
+    format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
 /// Builds the shared web context: the signing secret from the configuration
 /// or the database, and the dummy hash for unknown users.
 pub async fn context(
@@ -121,12 +133,10 @@ pub async fn context(
     let secret = match &config.server.secret_key {
         Some(key) => key.expose().as_bytes().to_vec(),
         None => {
-            let fresh = format!(
-                "{}{}",
-                uuid::Uuid::new_v4().simple(),
-                uuid::Uuid::new_v4().simple()
-            );
-            db.ensure_meta("session_secret", &fresh).await?.into_bytes()
+            let fresh = new_session_secret();
+            db.ensure_meta(SESSION_SECRET_KEY, &fresh)
+                .await?
+                .into_bytes()
         }
     };
     let dummy = crate::auth::password::hash_blocking(uuid::Uuid::new_v4().to_string())

@@ -170,7 +170,9 @@ async fn migrate_round_trip(backend: Backend) {
     );
     let up = run(&["migrate", "up"]);
     assert!(
-        up.contains("applied 0001") && up.contains("applied 0002"),
+        up.contains("[1/2] applying 0001 core")
+            && up.contains("applied 0001")
+            && up.contains("[2/2] applied 0002"),
         "{up}"
     );
     assert!(
@@ -713,4 +715,45 @@ fn providers_are_paused_and_resumed_from_the_command_line() {
         "{}",
         stderr(&unknown)
     );
+}
+
+/// Every example under `examples/` is a valid configuration once the
+/// variables it names are set, and says which ones it needs when not.
+#[test]
+fn the_examples_load() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 3, "{files:?}");
+    let env = |v: &str| {
+        !v.starts_with("BALLAST_")
+            && (v.ends_with("_KEY") || v.ends_with("_TOKEN") || v.ends_with("_SECRET"))
+    };
+    for f in &files {
+        let loaded =
+            ballast::config::Config::load_with(Some(f), &|v| env(v).then(|| "set".to_owned()))
+                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert!(!loaded.config.providers.is_empty() && !loaded.config.pipelines.is_empty());
+        let without = ballast::config::Config::load_with(Some(f), &|_| None).unwrap_err();
+        assert!(
+            without.to_string().contains("is not set"),
+            "{}: {without}",
+            f.display()
+        );
+        let out = ballast(
+            f.parent().unwrap(),
+            &[
+                ("ENRICH_API_KEY", "k"),
+                ("TRANSCRIBE_TOKEN", "t"),
+                ("KYC_TOKEN", "t"),
+                ("KYC_HOOK_SECRET", "s"),
+            ],
+            &["check-config", "--config", f.to_str().unwrap()],
+        );
+        assert!(out.status.success(), "{}: {}", f.display(), stderr(&out));
+    }
 }

@@ -45,9 +45,17 @@ impl WebApp {
     }
 
     pub async fn spawn_on(t: TestDb, extra: &str) -> WebApp {
+        Self::spawn_with(t, extra, true).await
+    }
+
+    /// `fixed_secret`: sign sessions with [`SECRET`]; otherwise the key is
+    /// generated and kept in the database, as in production by default.
+    pub async fn spawn_with(t: TestDb, extra: &str, fixed_secret: bool) -> WebApp {
         let text = format!("[database]\nurl = \"{}\"\n{extra}", t.url);
         let mut config = Config::parse(&text, std::path::Path::new("web.toml")).unwrap();
-        config.server.secret_key = Some(ballast::config::Secret::new(SECRET));
+        if fixed_secret {
+            config.server.secret_key = Some(ballast::config::Secret::new(SECRET));
+        }
         // The first start creates `admin`; give it the tests' password.
         config.server.admin_password = Some(ballast::config::Secret::new(password_of("admin")));
         config.server.metrics_token =
@@ -217,6 +225,15 @@ impl WebApp {
             steps: Vec::new(),
         };
         self.t.db.act(&req).await.unwrap();
+    }
+
+    /// Stops the server and hands back its database.
+    pub async fn stop_keeping_db(mut self) -> TestDb {
+        self.shutdown.cancel();
+        if let Some(s) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(15), s).await;
+        }
+        std::mem::replace(&mut self.t, TestDb::sqlite().await)
     }
 
     pub async fn stop(mut self) {
@@ -1540,4 +1557,50 @@ async fn unknown_users_cost_the_same_time_as_known_ones() {
         "known {k:.1} ms vs unknown {u:.1} ms"
     );
     app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_survive_a_restart_until_the_key_is_rotated() {
+    both("restart", async |backend, test| {
+        let Some(t) = TestDb::new(backend, test).await else {
+            return;
+        };
+        let app = WebApp::spawn_with(t, "", false).await;
+        app.user("alice", Role::Viewer).await;
+        let login = app.login("alice").await;
+        let t = app.stop_keeping_db().await;
+        let app = WebApp::spawn_with(t, "", false).await;
+        assert_eq!(
+            app.get("/records", Some(&login)).await.status(),
+            200,
+            "same key after a restart"
+        );
+        // `ballast rotate-secret` does this: a new key, every session ended.
+        let n = app
+            .t
+            .db
+            .rotate_meta_secret(
+                ballast::web::SESSION_SECRET_KEY,
+                &ballast::web::new_session_secret(),
+                ballast::engine::now_ms(),
+            )
+            .await
+            .unwrap();
+        assert!(n >= 1);
+        assert_eq!(
+            app.get("/records", Some(&login)).await.status(),
+            303,
+            "ended at once"
+        );
+        let t = app.stop_keeping_db().await;
+        let app = WebApp::spawn_with(t, "", false).await;
+        let again = app.login("alice").await;
+        assert_eq!(
+            app.get("/records", Some(&again)).await.status(),
+            200,
+            "the new key signs new sessions"
+        );
+        app.stop().await;
+    })
+    .await;
 }
