@@ -12,13 +12,15 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 # Dependencies first, so that code changes do not rebuild them.
 COPY Cargo.toml Cargo.lock build.rs* ./
-RUN mkdir src && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+RUN mkdir src benches && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+    && echo 'fn main() {}' > benches/engine.rs \
     && cargo build --release --locked || true
 COPY src src
 COPY templates templates
 COPY static static
 COPY migrations migrations
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked \
+COPY benches benches
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin ballast \
     && strip target/release/ballast
 
 FROM debian:bookworm-slim

@@ -133,6 +133,8 @@ pub async fn run_with(
     shutdown: CancellationToken,
     on_start: impl FnOnce(&AppState),
 ) -> anyhow::Result<()> {
+    // Metrics are recorded from the start, not from the first scrape.
+    let _ = crate::web::metrics::handle();
     let db = connect(&config).await?;
     let applied = migrate::up(&db, None)
         .await

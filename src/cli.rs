@@ -1,4 +1,5 @@
-//! The command line: `serve`, `migrate`, `user`, `check-config`.
+//! The command line: `serve` (with `--demo`), `migrate`, `user`,
+//! `check-config`, `rotate-secret`, `enqueue`, `provider`, `sim`.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -31,8 +32,9 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the control plane (and, as they land, the workers): migrates the
-    /// database, serves HTTP, stops gracefully on SIGINT/SIGTERM.
+    /// Run the control plane and the workers: migrates the database, creates
+    /// the first admin on an empty one, serves HTTP, stops gracefully on
+    /// SIGINT/SIGTERM.
     Serve {
         /// Address to listen on, overriding `server.bind` (default 127.0.0.1:8080).
         #[arg(long, value_name = "ADDR")]

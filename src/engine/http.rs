@@ -36,6 +36,41 @@ pub struct Exchange {
     pub excerpt: String,
 }
 
+/// A provider that answers in-process, without a socket: benchmarks use it
+/// to measure Ballast's own cost per record (like a job queue's no-op job).
+pub trait InProcessProvider: Send + Sync + 'static {
+    /// The HTTP status and JSON body the provider gives `call`.
+    fn answer(&self, call: &Call) -> (u16, Value);
+}
+
+/// An [`InProcessProvider`] for [`EngineOptions`](super::EngineOptions).
+#[derive(Clone)]
+pub struct InProcess(pub std::sync::Arc<dyn InProcessProvider>);
+
+impl std::fmt::Debug for InProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InProcess")
+    }
+}
+
+/// [`exchange`] with an in-process provider.
+pub fn exchange_in_process(provider: &dyn InProcessProvider, call: &Call) -> Exchange {
+    let started = Instant::now();
+    let (status, json) = provider.answer(call);
+    let text = json.to_string();
+    Exchange {
+        reply: Reply::Http {
+            status,
+            json: Some(json),
+            body_error: None,
+        },
+        http_status: Some(status),
+        retry_after: None,
+        took: started.elapsed(),
+        excerpt: excerpt(&text, EXCERPT_MAX_BYTES).to_owned(),
+    }
+}
+
 /// Sends `call` and reads the reply, never failing: every outcome is a
 /// [`Reply`].
 pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {

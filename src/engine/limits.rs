@@ -136,6 +136,8 @@ pub struct ProviderRuntime {
     budget: Mutex<RetryBudget>,
     /// Paused by an operator (read from the shared provider state).
     paused: Mutex<bool>,
+    /// Answers calls in-process instead of over HTTP (benchmarks).
+    pub in_process: Option<super::http::InProcess>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -165,6 +167,7 @@ impl ProviderRuntime {
             )),
             paused: Mutex::new(false),
             config: config.clone(),
+            in_process: None,
         })
     }
 

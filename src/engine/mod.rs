@@ -48,6 +48,9 @@ pub struct EngineOptions {
     pub idle_max: Duration,
     /// How often shared provider state (breakers, pauses) is re-read.
     pub provider_sync: Duration,
+    /// Every provider answered in-process instead of over HTTP: for
+    /// benchmarks of the engine's own cost.
+    pub in_process: Option<http::InProcess>,
 }
 
 impl EngineOptions {
@@ -59,6 +62,7 @@ impl EngineOptions {
             lease: Duration::from_secs(30),
             idle_max: Duration::from_secs(2),
             provider_sync: Duration::from_secs(2),
+            in_process: None,
         }
     }
 }
@@ -163,7 +167,8 @@ impl Engine {
         let now = clock.now_ms();
         let mut providers = HashMap::new();
         for (name, p) in &config.providers {
-            let rt = ProviderRuntime::new(name, p, now).map_err(EngineError::Config)?;
+            let mut rt = ProviderRuntime::new(name, p, now).map_err(EngineError::Config)?;
+            rt.in_process = opts.in_process.clone();
             providers.insert(name.clone(), Arc::new(rt));
         }
         let mut current = HashMap::new();

@@ -301,7 +301,10 @@ impl StepRun<'_> {
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         flight.sent = true;
-        let x = exchange(&rt.client, &call).await;
+        let x = match &rt.in_process {
+            Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call),
+            None => exchange(&rt.client, &call).await,
+        };
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);
         let labels = [

@@ -129,7 +129,11 @@ async fn overview(
         pipelines,
         by_provider,
         providers,
-        nodes: nodes.len(),
+        // Nodes heard from lately; a crashed node's row stays until it ages out.
+        nodes: nodes
+            .iter()
+            .filter(|n| n.heartbeat_at > now - 3 * crate::app::HEARTBEAT_EVERY.as_millis() as i64)
+            .count(),
         stats,
     };
     if is_htmx(&headers) {

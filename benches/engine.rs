@@ -1,0 +1,416 @@
+//! The engine benchmark: `cargo bench --bench engine` (add `-- --quick` for
+//! a short run). Starts the engine on SQLite and on PostgreSQL (when
+//! reachable: `BALLAST_TEST_POSTGRES_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/postgres`) and prints a table:
+//!
+//! - A: overhead. A one-step pipeline whose provider answers in-process
+//!   (no socket), full attempt history and events written: records/s, CPU
+//!   seconds of this process per 1,000 records, single-enqueue rate.
+//! - A': the same against the built-in simulator over loopback, no latency.
+//! - B: latency-bound. Simulator latency 50 ms, 100 in flight: records/s
+//!   and the ratio to the ideal 2,000/s.
+//! - C: rate-limit fidelity. A provider limited to 200/s: calls per whole
+//!   second of the run as a fraction of the limit, and the most calls the
+//!   simulator saw in any one second.
+//!
+//! Each figure is the median of the runs (3, or 1 with --quick) with the
+//! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
+//! PostgreSQL defaults). The machine is shared: compare ratios in one run.
+
+// A measuring tool: a broken set-up should stop it loudly.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ballast::config::Config;
+use ballast::domain::RecordState;
+use ballast::engine::http::{Call, InProcess, InProcessProvider};
+use ballast::engine::{Engine, EngineOptions};
+use ballast::sim::{Profile, SimHandle};
+use ballast::store::{Backend, ConnectOptions, Db, Store, migrate};
+use serde_json::{Value, json};
+use sqlx::Connection;
+use tokio_util::sync::CancellationToken;
+
+struct Ok200;
+
+impl InProcessProvider for Ok200 {
+    fn answer(&self, _call: &Call) -> (u16, Value) {
+        (200, json!({ "id": "x1", "status": "succeeded" }))
+    }
+}
+
+/// A fresh database; dropped (PostgreSQL) when the guard goes.
+struct Fresh {
+    db: Db,
+    url: String,
+    pg_name: Option<String>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+fn pg_admin() -> String {
+    std::env::var("BALLAST_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+async fn fresh(backend: Backend) -> Option<Fresh> {
+    match backend {
+        Backend::Sqlite => {
+            let dir = tempfile::tempdir().ok()?;
+            let url = format!(
+                "sqlite://{}?mode=rwc",
+                dir.path().join("bench.db").display()
+            );
+            let db = Db::connect(&url, &ConnectOptions::default()).await.ok()?;
+            migrate::up(&db, None).await.ok()?;
+            Some(Fresh {
+                db,
+                url,
+                pg_name: None,
+                _dir: Some(dir),
+            })
+        }
+        Backend::Postgres => {
+            let admin = pg_admin();
+            let mut conn = sqlx::PgConnection::connect(&admin).await.ok()?;
+            let name = format!("ballast_bench_{}", uuid::Uuid::new_v4().simple());
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                .execute(&mut conn)
+                .await
+                .ok()?;
+            let base = admin
+                .rsplit_once('/')
+                .map_or(admin.as_str(), |(b, _)| b)
+                .to_owned();
+            let url = format!("{base}/{name}");
+            let opts = ConnectOptions {
+                max_connections: 20,
+                ..ConnectOptions::default()
+            };
+            let db = Db::connect(&url, &opts).await.ok()?;
+            migrate::up(&db, None).await.ok()?;
+            Some(Fresh {
+                db,
+                url,
+                pg_name: Some(name),
+                _dir: None,
+            })
+        }
+    }
+}
+
+impl Fresh {
+    async fn drop_now(self) {
+        self.db.close().await;
+        if let Some(name) = self.pg_name {
+            if let Ok(mut conn) = sqlx::PgConnection::connect(&pg_admin()).await {
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                )))
+                .execute(&mut conn)
+                .await;
+            }
+        }
+    }
+}
+
+fn config(url: &str, base_url: &str, concurrency: u32, rate_limit: Option<&str>) -> Config {
+    let limits = rate_limit
+        .map(|l| format!("rate_limits = [\"{l}\"]"))
+        .unwrap_or_default();
+    let text = format!(
+        r#"
+[database]
+url = "{url}"
+[providers.p]
+base_url = "{base_url}"
+timeout = "10s"
+concurrency = {concurrency}
+{limits}
+retry = {{ max_attempts = 5, base = "50ms", cap = "1s", deadline = "10m" }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[pipelines.one.steps]]
+name = "call"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}", "amount": 1}}' }}
+"#
+    );
+    let config = Config::parse(&text, std::path::Path::new("bench.toml")).expect("bench config");
+    config.validate(&|_| None).expect("bench config is valid");
+    config
+}
+
+/// This process's CPU time (user + system), in seconds.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after ')'.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+struct Run {
+    processed_per_s: f64,
+    cpu_per_1000: f64,
+    enqueue_per_s: f64,
+    /// Calls per second over whole seconds: a sliding one-second window may
+    /// hold `limit` calls in any second, so over `t` seconds at most
+    /// `limit × ceil(t)` calls are allowed.
+    calls_per_whole_s: f64,
+    max_per_second: u32,
+}
+
+/// Enqueues `n` records one by one, runs the engine until all succeeded.
+async fn run_once(
+    backend: Backend,
+    n: usize,
+    provider: Provider,
+    in_flight: usize,
+    rate_limit: Option<&str>,
+) -> Option<Run> {
+    let fresh = fresh(backend).await?;
+    let sim = match &provider {
+        Provider::InProcess => None,
+        Provider::Sim(profile) => Some(SimHandle::spawn((**profile).clone()).await.ok()?),
+    };
+    let base = sim
+        .as_ref()
+        .map_or("http://in-process.invalid".to_owned(), |s| s.base_url());
+    let cfg = Arc::new(config(&fresh.url, &base, in_flight as u32, rate_limit));
+    let mut opts = EngineOptions::new(format!("bench-{}", uuid::Uuid::new_v4().simple()));
+    opts.max_in_flight = in_flight;
+    opts.batch = 100;
+    if matches!(provider, Provider::InProcess) {
+        opts.in_process = Some(InProcess(Arc::new(Ok200)));
+    }
+    let engine = Engine::new(fresh.db.clone(), cfg, opts).await.ok()?;
+    let started = Instant::now();
+    for i in 0..n {
+        engine
+            .enqueue("one", Some(&format!("k{i}")), json!({}))
+            .await
+            .ok()?;
+    }
+    let enqueue_per_s = n as f64 / started.elapsed().as_secs_f64();
+    let stop = CancellationToken::new();
+    let cpu0 = cpu_seconds();
+    let started = Instant::now();
+    let runner = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(5)).await }
+    });
+    loop {
+        let done: i64 = fresh
+            .db
+            .state_counts()
+            .await
+            .ok()?
+            .iter()
+            .filter(|c| c.state == RecordState::Succeeded)
+            .map(|c| c.count)
+            .sum();
+        if done as usize >= n {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            eprintln!("bench: gave up after 10 minutes with {done}/{n} done");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu0;
+    stop.cancel();
+    let _ = runner.await;
+    let stats = sim.as_ref().map(|s| s.stats());
+    if let Some(s) = &sim {
+        s.stop();
+    }
+    fresh.drop_now().await;
+    Some(Run {
+        processed_per_s: n as f64 / took,
+        cpu_per_1000: cpu / n as f64 * 1000.0,
+        enqueue_per_s,
+        calls_per_whole_s: stats
+            .as_ref()
+            .map_or(0.0, |s| s.requests as f64 / took.ceil()),
+        max_per_second: stats.map_or(0, |s| s.max_per_second),
+    })
+}
+
+#[derive(Clone)]
+enum Provider {
+    InProcess,
+    Sim(Box<Profile>),
+}
+
+fn median_spread(mut v: Vec<f64>) -> String {
+    v.sort_by(f64::total_cmp);
+    let m = v[v.len() / 2];
+    if v.len() == 1 {
+        format!("{m:.0}")
+    } else {
+        format!("{m:.0} ({:.0}–{:.0})", v[0], v[v.len() - 1])
+    }
+}
+
+fn median_spread_f(mut v: Vec<f64>, digits: usize) -> String {
+    v.sort_by(f64::total_cmp);
+    let m = v[v.len() / 2];
+    if v.len() == 1 {
+        format!("{m:.digits$}")
+    } else {
+        format!(
+            "{m:.digits$} ({:.digits$}–{:.digits$})",
+            v[0],
+            v[v.len() - 1]
+        )
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let runs = if quick { 1 } else { 3 };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        println!(
+            "ballast engine benchmark ({}; {} run(s) per figure; median (min–max))",
+            if quick { "quick" } else { "full" },
+            runs
+        );
+        println!(
+            "machine: {} cores, {}",
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            std::env::consts::ARCH
+        );
+        let zero = {
+            let mut p = Profile::clean(1);
+            p.latency_scale = 0.0;
+            p
+        };
+        let slow = {
+            let mut p = Profile::clean(2);
+            p.latency_scale = 1.0;
+            p.latency_median = Duration::from_millis(50);
+            p.latency_sigma = 0.0;
+            p
+        };
+        let (n_a, n_b, n_c) = if quick {
+            (2_000, 1_000, 1_000)
+        } else {
+            (20_000, 5_000, 6_000)
+        };
+        for backend in [Backend::Sqlite, Backend::Postgres] {
+            if fresh(backend)
+                .await
+                .map(|f| {
+                    let _ = f;
+                })
+                .is_none()
+            {
+                println!("\n{}: SKIP (unreachable)", backend.as_str());
+                continue;
+            }
+            println!("\n{} ", backend.as_str());
+            println!(
+                "{:<44} {:>22} {:>18} {:>18}",
+                "scenario", "records/s", "CPU s / 1000", "enqueue/s (single)"
+            );
+            for (name, provider, n, in_flight) in [
+                (
+                    format!("A  overhead, in-process, {n_a} records"),
+                    Provider::InProcess,
+                    n_a,
+                    256,
+                ),
+                (
+                    format!("A' overhead, simulator on loopback, {n_a}"),
+                    Provider::Sim(Box::new(zero.clone())),
+                    n_a,
+                    256,
+                ),
+            ] {
+                let mut rs = Vec::new();
+                for _ in 0..runs {
+                    if let Some(r) = run_once(backend, n, provider.clone(), in_flight, None).await {
+                        rs.push(r);
+                    }
+                }
+                if rs.is_empty() {
+                    println!("{name:<44} failed");
+                    continue;
+                }
+                println!(
+                    "{name:<44} {:>22} {:>18} {:>18}",
+                    median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
+                    median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
+                    median_spread(rs.iter().map(|r| r.enqueue_per_s).collect()),
+                );
+            }
+            let mut rs = Vec::new();
+            for _ in 0..runs {
+                if let Some(r) = run_once(
+                    backend,
+                    n_b,
+                    Provider::Sim(Box::new(slow.clone())),
+                    100,
+                    None,
+                )
+                .await
+                {
+                    rs.push(r);
+                }
+            }
+            if !rs.is_empty() {
+                let rate: Vec<f64> = rs.iter().map(|r| r.processed_per_s).collect();
+                let ratio: Vec<f64> = rate.iter().map(|r| r / 2000.0 * 100.0).collect();
+                println!(
+                    "{:<44} {:>22} {:>18}",
+                    format!("B  50 ms latency, 100 in flight, {n_b}"),
+                    median_spread(rate),
+                    format!("{}% of ideal", median_spread_f(ratio, 1)),
+                );
+            }
+            let mut rs = Vec::new();
+            for _ in 0..runs {
+                if let Some(r) = run_once(
+                    backend,
+                    n_c,
+                    Provider::Sim(Box::new(zero.clone())),
+                    256,
+                    Some("200/s"),
+                )
+                .await
+                {
+                    rs.push(r);
+                }
+            }
+            if !rs.is_empty() {
+                let frac: Vec<f64> = rs
+                    .iter()
+                    .map(|r| r.calls_per_whole_s / 200.0 * 100.0)
+                    .collect();
+                let max = rs.iter().map(|r| r.max_per_second).max().unwrap_or(0);
+                println!(
+                    "{:<44} {:>22} {:>18}",
+                    format!("C  limit 200/s, {n_c} records"),
+                    format!("{}% of limit", median_spread_f(frac, 1)),
+                    format!("max {max} in 1 s"),
+                );
+            }
+        }
+    });
+}
