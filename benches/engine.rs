@@ -5,7 +5,8 @@
 //!
 //! - A: overhead. A one-step pipeline whose provider answers in-process
 //!   (no socket), full attempt history and events written: records/s, CPU
-//!   seconds of this process per 1,000 records, single-enqueue rate.
+//!   seconds of this process per 1,000 records; enqueue rates, one by one
+//!   (half the records) and in batches of 500 (the other half).
 //! - A': the same against the built-in simulator over loopback, no latency.
 //! - B: latency-bound. Simulator latency 50 ms, 100 in flight: records/s
 //!   and the ratio to the ideal 2,000/s.
@@ -162,6 +163,7 @@ struct Run {
     processed_per_s: f64,
     cpu_per_1000: f64,
     enqueue_per_s: f64,
+    batch_enqueue_per_s: f64,
     /// Calls per second over whole seconds: a sliding one-second window may
     /// hold `limit` calls in any second, so over `t` seconds at most
     /// `limit × ceil(t)` calls are allowed.
@@ -193,14 +195,27 @@ async fn run_once(
         opts.in_process = Some(InProcess(Arc::new(Ok200)));
     }
     let engine = Engine::new(fresh.db.clone(), cfg, opts).await.ok()?;
+    // Half the records one by one, half in batches of 500.
+    let half = n / 2;
     let started = Instant::now();
-    for i in 0..n {
+    for i in 0..half {
         engine
             .enqueue("one", Some(&format!("k{i}")), json!({}))
             .await
             .ok()?;
     }
-    let enqueue_per_s = n as f64 / started.elapsed().as_secs_f64();
+    let enqueue_per_s = half as f64 / started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let mut i = half;
+    while i < n {
+        let end = (i + 500).min(n);
+        let items = (i..end)
+            .map(|k| (Some(format!("k{k}")), json!({})))
+            .collect();
+        engine.enqueue_many("one", items).await.ok()?;
+        i = end;
+    }
+    let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
     let stop = CancellationToken::new();
     let cpu0 = cpu_seconds();
     let started = Instant::now();
@@ -240,6 +255,7 @@ async fn run_once(
         processed_per_s: n as f64 / took,
         cpu_per_1000: cpu / n as f64 * 1000.0,
         enqueue_per_s,
+        batch_enqueue_per_s,
         calls_per_whole_s: stats
             .as_ref()
             .map_or(0.0, |s| s.requests as f64 / took.ceil()),
@@ -326,8 +342,8 @@ fn main() {
             }
             println!("\n{} ", backend.as_str());
             println!(
-                "{:<44} {:>22} {:>18} {:>18}",
-                "scenario", "records/s", "CPU s / 1000", "enqueue/s (single)"
+                "{:<44} {:>22} {:>18} {:>18} {:>20}",
+                "scenario", "records/s", "CPU s / 1000", "enqueue/s (single)", "enqueue/s (batch)"
             );
             for (name, provider, n, in_flight) in [
                 (
@@ -354,10 +370,11 @@ fn main() {
                     continue;
                 }
                 println!(
-                    "{name:<44} {:>22} {:>18} {:>18}",
+                    "{name:<44} {:>22} {:>18} {:>18} {:>20}",
                     median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
                     median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
                     median_spread(rs.iter().map(|r| r.enqueue_per_s).collect()),
+                    median_spread(rs.iter().map(|r| r.batch_enqueue_per_s).collect()),
                 );
             }
             let mut rs = Vec::new();

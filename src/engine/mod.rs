@@ -256,6 +256,37 @@ impl Engine {
         Ok(created)
     }
 
+    /// Enqueues many records of one pipeline in one transaction (keys make
+    /// each idempotent, as for [`enqueue`](Self::enqueue)).
+    pub async fn enqueue_many(
+        &self,
+        pipeline: &str,
+        items: Vec<(Option<String>, Value)>,
+    ) -> Result<Vec<Created>, StoreError> {
+        let version = lock(&self.inner.current).get(pipeline).copied();
+        let Some(version) = version else {
+            return Err(StoreError::Invalid(format!(
+                "unknown pipeline `{pipeline}`"
+            )));
+        };
+        let now = self.inner.clock.now_ms();
+        let batch = items
+            .into_iter()
+            .map(|(key, input)| NewRecord {
+                pipeline: pipeline.to_owned(),
+                pipeline_version: Some(version),
+                external_key: key,
+                input,
+                run_at: now,
+            })
+            .collect();
+        let created = self.inner.db.create_records(batch, now).await?;
+        if created.iter().any(|c| c.created) {
+            self.inner.wake.notify_one();
+        }
+        Ok(created)
+    }
+
     /// The step names of the pipeline a record runs (its pinned version).
     pub async fn steps_of(&self, rec: &Record) -> Vec<String> {
         self.compiled(rec)

@@ -245,6 +245,57 @@ macro_rules! common_store {
                 Ok(())
             }
 
+            /// Inserts one record with its `created` event (or finds the one
+            /// with the same external key) inside the caller's transaction;
+            /// the caller applies `deltas`.
+            async fn insert_record(tx: &mut Tx, new: NewRecord, now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Created> {
+                let sql = format!(
+                    "INSERT INTO records (pipeline, pipeline_version, external_key, state, input, next_run_at, \
+                       created_at, updated_at) VALUES ($1, $2, $3, 'pending', $4, $5, $6, $6) \
+                     ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"
+                );
+                let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(new.pipeline.clone())
+                    .bind(new.pipeline_version)
+                    .bind(new.external_key.clone())
+                    .bind(Json(new.input.clone()))
+                    .bind(new.run_at)
+                    .bind(now)
+                    .fetch_optional(&mut **tx)
+                    .await?;
+                let Some(row) = inserted else {
+                    // The external key exists: the enqueue is a repeat.
+                    let sql = format!(
+                        "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
+                    );
+                    let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .bind(new.pipeline.clone())
+                        .bind(new.external_key.clone())
+                        .fetch_one(&mut **tx)
+                        .await?;
+                    return Ok(Created { record: map::record(&row)?, created: false });
+                };
+                let record = map::record(&row)?;
+                Self::insert_event(
+                    tx,
+                    &EventRow {
+                        record_id: Some(record.id),
+                        at: now,
+                        kind: "created",
+                        actor: "system",
+                        audit: false,
+                        from: None,
+                        to: Some(RecordState::Pending),
+                        step: None,
+                        reason: None,
+                        detail: None,
+                    },
+                )
+                .await?;
+                deltas.moved(&record.pipeline, None, RecordState::Pending);
+                Ok(Created { record, created: true })
+            }
+
             /// Moves one record whose row the transaction holds and writes
             /// the event; the caller applies `deltas`.
             #[allow(clippy::too_many_arguments)]
@@ -301,60 +352,32 @@ macro_rules! common_store {
             }
 
             async fn create_record(&self, new: NewRecord, now: UnixMs) -> StoreResult<Created> {
-                if new.pipeline.is_empty() {
+                let mut created = self.create_records(vec![new], now).await?;
+                created.pop().ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
+            }
+
+            async fn create_records(&self, batch: Vec<NewRecord>, now: UnixMs) -> StoreResult<Vec<Created>> {
+                if batch.iter().any(|n| n.pipeline.is_empty()) {
                     return Err(StoreError::Invalid("pipeline name is empty".into()));
                 }
+                if batch.len() > $crate::store::MAX_BATCH {
+                    return Err(StoreError::Invalid(format!(
+                        "at most {} records per batch",
+                        $crate::store::MAX_BATCH
+                    )));
+                }
                 let mut tx = self.begin_write().await?;
-                let sql = format!(
-                    "INSERT INTO records (pipeline, pipeline_version, external_key, state, input, next_run_at, \
-                       created_at, updated_at) VALUES ($1, $2, $3, 'pending', $4, $5, $6, $6) \
-                     ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"
-                );
-                let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(new.pipeline.clone())
-                    .bind(new.pipeline_version)
-                    .bind(new.external_key.clone())
-                    .bind(Json(new.input.clone()))
-                    .bind(new.run_at)
-                    .bind(now)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                let Some(row) = inserted else {
-                    // The external key exists: the enqueue is a repeat.
-                    let sql = format!(
-                        "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
-                    );
-                    let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-                        .bind(new.pipeline.clone())
-                        .bind(new.external_key.clone())
-                        .fetch_one(&mut *tx)
-                        .await?;
-                    tx.commit().await?;
-                    return Ok(Created { record: map::record(&row)?, created: false });
-                };
-                let record = map::record(&row)?;
-                Self::insert_event(
-                    &mut tx,
-                    &EventRow {
-                        record_id: Some(record.id),
-                        at: now,
-                        kind: "created",
-                        actor: "system",
-                        audit: false,
-                        from: None,
-                        to: Some(RecordState::Pending),
-                        step: None,
-                        reason: None,
-                        detail: None,
-                    },
-                )
-                .await?;
                 let mut deltas = CountDeltas::default();
-                deltas.moved(&record.pipeline, None, RecordState::Pending);
+                let mut out = Vec::with_capacity(batch.len());
+                for new in batch {
+                    out.push(Self::insert_record(&mut tx, new, now, &mut deltas).await?);
+                }
                 Self::apply_counts(&mut tx, &deltas).await?;
-                Self::notify_work(&mut tx).await?;
+                if out.iter().any(|c| c.created) {
+                    Self::notify_work(&mut tx).await?;
+                }
                 tx.commit().await?;
-                Ok(Created { record, created: true })
+                Ok(out)
             }
 
             async fn get_record(&self, id: i64) -> StoreResult<Option<Record>> {

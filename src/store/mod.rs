@@ -131,6 +131,9 @@ pub struct Page<T> {
     pub next: Option<i64>,
 }
 
+/// The most records one batch enqueue takes.
+pub const MAX_BATCH: usize = 1000;
+
 /// The largest page any list returns.
 pub const MAX_PAGE: u32 = 500;
 
@@ -459,6 +462,14 @@ pub trait Store: Clone + Send + Sync + 'static {
         new: NewRecord,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<Created>> + Send;
+    /// Enqueues many records in one transaction (one commit, one wake-up):
+    /// the same per record as [`create_record`](Self::create_record), in
+    /// order; at most [`MAX_BATCH`].
+    fn create_records(
+        &self,
+        batch: Vec<NewRecord>,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<Vec<Created>>> + Send;
     fn get_record(&self, id: i64) -> impl Future<Output = StoreResult<Option<Record>>> + Send;
     fn list_records(
         &self,
@@ -812,6 +823,7 @@ forward! {
     fn ping(&self) -> ();
     fn installation_id(&self) -> String;
     fn create_record(&self, new: NewRecord, now: UnixMs) -> Created;
+    fn create_records(&self, batch: Vec<NewRecord>, now: UnixMs) -> Vec<Created>;
     fn get_record(&self, id: i64) -> Option<Record>;
     fn list_records(&self, filter: &RecordFilter) -> Page<Record>;
     fn state_counts(&self) -> Vec<StateCount>;

@@ -58,6 +58,7 @@ conformance!(
     delivery_ids_are_taken_once,
     rollups_are_replaced_per_node_and_purged,
     meta_values_are_set_once,
+    batch_enqueue_is_one_transaction_and_idempotent,
 );
 
 const T0: i64 = 1_800_000_000_000;
@@ -1424,4 +1425,49 @@ async fn meta_values_are_set_once(db: &Db) {
     let a = db.ensure_meta("session_secret", "first").await.unwrap();
     let b = db.ensure_meta("session_secret", "second").await.unwrap();
     assert_eq!((a.as_str(), b.as_str()), ("first", "first"));
+}
+
+async fn batch_enqueue_is_one_transaction_and_idempotent(db: &Db) {
+    db.create_record(new_record("p", Some("old"), T0), T0)
+        .await
+        .unwrap();
+    let batch = vec![
+        new_record("p", Some("a"), T0),
+        new_record("p", Some("old"), T0),
+        new_record("p", Some("a"), T0),
+        new_record("p", None, T0),
+    ];
+    let out = db.create_records(batch, T0).await.unwrap();
+    let created: Vec<bool> = out.iter().map(|c| c.created).collect();
+    assert_eq!(created, vec![true, false, false, true]);
+    assert_eq!(
+        out[0].record.id, out[2].record.id,
+        "a repeat within the batch finds the first"
+    );
+    assert_eq!(out[1].record.external_key.as_deref(), Some("old"));
+    assert_counts_consistent(db).await;
+    assert_eq!(db.recount_states().await.unwrap()[0].count, 3);
+    let too_many = (0..=ballast::store::MAX_BATCH)
+        .map(|_| new_record("p", None, T0))
+        .collect();
+    assert!(matches!(
+        db.create_records(too_many, T0).await,
+        Err(StoreError::Invalid(_))
+    ));
+    let bad = vec![new_record("p", Some("z"), T0), new_record("", None, T0)];
+    assert!(db.create_records(bad, T0).await.is_err());
+    assert!(
+        db.list_records(&RecordFilter {
+            key_prefix: Some("z".into()),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items
+        .is_empty(),
+        "a refused batch writes nothing"
+    );
+    let events = db.record_events(out[0].record.id).await.unwrap();
+    assert_eq!(events.iter().filter(|e| e.kind == "created").count(), 1);
 }
