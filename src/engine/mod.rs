@@ -135,6 +135,17 @@ pub struct ProviderLive {
     pub window_slow: usize,
 }
 
+impl ProviderLive {
+    /// Rate-limit use for people: "12 of 20/1s, 300 of 10000/1day".
+    pub fn limit_use(&self) -> String {
+        self.limits
+            .iter()
+            .map(|(limit, used, _)| format!("{used} of {limit}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// A handle on the engine; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {

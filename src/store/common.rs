@@ -56,29 +56,22 @@ macro_rules! common_store {
         impl $store {
             /// Adds counter deltas inside the caller's transaction.
             pub(crate) async fn apply_counts(tx: &mut Tx, deltas: &CountDeltas) -> StoreResult<()> {
-                for (pipeline, state, n) in deltas.nonzero() {
-                    sqlx::query(
-                        "INSERT INTO record_counts (pipeline, state, shard, n) VALUES ($1, $2, $3, $4) \
-                         ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n",
-                    )
-                    .bind(pipeline.to_owned())
-                    .bind(state.as_str())
-                    .bind(Self::counter_shard())
-                    .bind(n)
-                    .execute(&mut **tx)
-                    .await?;
-                }
-                for (provider, state, n) in deltas.provider_nonzero() {
-                    sqlx::query(
-                        "INSERT INTO provider_counts (provider, state, shard, n) VALUES ($1, $2, $3, $4) \
-                         ON CONFLICT (provider, state, shard) DO UPDATE SET n = provider_counts.n + excluded.n",
-                    )
-                    .bind(provider.to_owned())
-                    .bind(state.as_str())
-                    .bind(Self::counter_shard())
-                    .bind(n)
-                    .execute(&mut **tx)
-                    .await?;
+                const PIPELINES: &str = "INSERT INTO record_counts (pipeline, state, shard, n) VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n";
+                const PROVIDERS: &str = "INSERT INTO provider_counts (provider, state, shard, n) VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (provider, state, shard) DO UPDATE SET n = provider_counts.n + excluded.n";
+                let rows = deltas
+                    .nonzero()
+                    .map(|d| (PIPELINES, d))
+                    .chain(deltas.provider_nonzero().map(|d| (PROVIDERS, d)));
+                for (sql, (name, state, n)) in rows {
+                    sqlx::query(sql)
+                        .bind(name.to_owned())
+                        .bind(state.as_str())
+                        .bind(Self::counter_shard())
+                        .bind(n)
+                        .execute(&mut **tx)
+                        .await?;
                 }
                 Ok(())
             }

@@ -177,6 +177,25 @@ impl WebApp {
         req.send().await.unwrap()
     }
 
+    /// The same post as htmx sends it (`HX-Request: true`).
+    pub async fn htmx_post(
+        &self,
+        path: &str,
+        login: &Login,
+        form: &[(&str, &str)],
+    ) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .header("cookie", &login.cookie)
+            .header("x-csrf-token", &login.csrf)
+            .header("origin", self.origin())
+            .header("hx-request", "true")
+            .form(form)
+            .send()
+            .await
+            .unwrap()
+    }
+
     /// An API token of `role`, made through the store.
     pub async fn token(&self, role: Role) -> String {
         let (token, hash, prefix) = ballast::web::auth::new_api_token();
@@ -1162,32 +1181,24 @@ async fn actions_follow_the_transition_table_and_are_audited() {
         );
         // Retry through htmx: the fragment comes back with the new state.
         let r = app
-            .client
-            .post(app.url(&format!("/records/{id}/actions")))
-            .header("cookie", &login.cookie)
-            .header("x-csrf-token", &login.csrf)
-            .header("origin", app.origin())
-            .header("hx-request", "true")
-            .form(&[("action", "retry")])
-            .send()
-            .await
-            .unwrap();
+            .htmx_post(
+                &format!("/records/{id}/actions"),
+                &login,
+                &[("action", "retry")],
+            )
+            .await;
         assert_eq!(r.status(), 200);
         let frag = r.text().await.unwrap();
         assert!(frag.contains(r#"id="record-state">pending"#), "{frag}");
         assert!(!frag.contains("<html"), "a fragment, not a page");
         // An action the state does not allow is refused, readably, and nothing changes.
         let r = app
-            .client
-            .post(app.url(&format!("/records/{id}/actions")))
-            .header("cookie", &login.cookie)
-            .header("x-csrf-token", &login.csrf)
-            .header("origin", app.origin())
-            .header("hx-request", "true")
-            .form(&[("action", "resume")])
-            .send()
-            .await
-            .unwrap();
+            .htmx_post(
+                &format!("/records/{id}/actions"),
+                &login,
+                &[("action", "resume")],
+            )
+            .await;
         assert_eq!(r.status(), 409);
         assert_eq!(r.headers()["hx-retarget"], "#flash");
         let msg = r.text().await.unwrap();

@@ -109,15 +109,7 @@ async fn overview(
                 name: name.clone(),
                 breaker: ps.map_or("closed", |p| p.breaker.as_str()),
                 paused: ps.is_some_and(|p| p.paused),
-                limit_use: live
-                    .map(|l| {
-                        l.limits
-                            .iter()
-                            .map(|(limit, used, _)| format!("{used} of {limit}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    })
-                    .unwrap_or_default(),
+                limit_use: live.map(|l| l.limit_use()).unwrap_or_default(),
             }
         })
         .collect();

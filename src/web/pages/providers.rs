@@ -77,16 +77,7 @@ async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<
                 },
                 concurrency: cfg.concurrency,
                 in_flight: live.as_ref().map_or(0, |l| l.in_flight),
-                recent_calls: live
-                    .as_ref()
-                    .map(|l| {
-                        l.limits
-                            .iter()
-                            .map(|(limit, used, _)| format!("{used} of {limit}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    })
-                    .unwrap_or_default(),
+                recent_calls: live.as_ref().map(|l| l.limit_use()).unwrap_or_default(),
                 window: live
                     .as_ref()
                     .map(|l| {
