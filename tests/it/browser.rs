@@ -149,13 +149,22 @@ async fn login(c: &Client, app: &WebApp, user: &str) {
     }
 }
 
+/// The text of the element `css` selects. The overview replaces its live
+/// part every 5 s, so an element found may go stale before it is read:
+/// find it again then.
 async fn text_of(c: &Client, css: &str) -> String {
-    c.find(Locator::Css(css))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    let mut last = None;
+    for _ in 0..5 {
+        match c.find(Locator::Css(css)).await {
+            Ok(e) => match e.text().await {
+                Ok(t) => return t,
+                Err(err) => last = Some(err),
+            },
+            Err(err) => last = Some(err),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("cannot read `{css}`: {last:?}");
 }
 
 async fn wait_text(c: &Client, css: &str, want: &str) {
@@ -592,17 +601,24 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
             .await
             .unwrap()
         {
-            let state = cell.attr("data-state").await.unwrap().unwrap_or_default();
-            let n: i64 = cell.text().await.unwrap().trim().parse().unwrap_or(0);
+            // A cell swapped out by the live refresh reads as nothing; the
+            // next round reads it again.
+            let state = cell
+                .attr("data-state")
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            let n: i64 = cell
+                .text()
+                .await
+                .unwrap_or_default()
+                .trim()
+                .parse()
+                .unwrap_or(0);
             *totals.entry(state).or_insert(0) += n;
         }
-        let breaker = c
-            .find(Locator::Css("#provider-stats"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let breaker = text_of(c, "#provider-stats").await;
         seen_open |= breaker.contains("open");
         let has = |s: &str| totals.get(s).copied().unwrap_or(0) > 0;
         let in_flight = ["pending", "running", "waiting", "retrying"]
