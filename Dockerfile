@@ -12,6 +12,8 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 # Dependencies first, so that code changes do not rebuild them.
 COPY Cargo.toml Cargo.lock build.rs* ./
+# sqlx-core with TCP_NODELAY, patched in by Cargo.toml.
+COPY vendor vendor
 RUN mkdir src benches && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
     && echo 'fn main() {}' > benches/engine.rs \
     && cargo build --release --locked || true

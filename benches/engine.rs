@@ -10,11 +10,16 @@
 //! - A': the same against the built-in simulator over loopback, no latency.
 //! - B: latency-bound. Simulator latency 50 ms, 100 in flight: records/s
 //!   and the ratio to the ideal 2,000/s.
+//! - A with 2,000 and with 200,000 records queued (all batch-enqueued):
+//!   the rate must not fall as the backlog grows.
+//! - B1000: the same latency, 1,000 in flight, 20,000 records: the ratio to
+//!   the ideal 20,000/s.
 //! - C: rate-limit fidelity. A provider limited to 200/s: calls per whole
 //!   second of the run as a fraction of the limit, and the most calls the
 //!   simulator saw in any one second.
 //!
-//! Each figure is the median of the runs (3, or 1 with --quick) with the
+//! `-- --only A,backlog,B,B1000,C` and `-- --backend sqlite|postgres` run a
+//! part (to profile one figure). Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
 
@@ -171,16 +176,36 @@ struct Run {
     max_per_second: u32,
 }
 
-/// Enqueues `n` records one by one, runs the engine until all succeeded.
-async fn run_once(
+/// One measured run's set-up.
+struct Setup {
     backend: Backend,
     n: usize,
     provider: Provider,
     in_flight: usize,
-    rate_limit: Option<&str>,
-) -> Option<Run> {
+    rate_limit: Option<&'static str>,
+    /// Half the records enqueued one by one (measured), the rest in batches;
+    /// otherwise all in batches.
+    single_enqueue: bool,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Enqueues the records, runs the engine until all succeeded.
+async fn run_once(setup: &Setup) -> Option<Run> {
+    let Setup {
+        backend,
+        n,
+        ref provider,
+        in_flight,
+        rate_limit,
+        single_enqueue,
+    } = *setup;
     let fresh = fresh(backend).await?;
-    let sim = match &provider {
+    let sim = match provider {
         Provider::InProcess => None,
         Provider::Sim(profile) => Some(SimHandle::spawn((**profile).clone()).await.ok()?),
     };
@@ -196,7 +221,7 @@ async fn run_once(
     }
     let engine = Engine::new(fresh.db.clone(), cfg, opts).await.ok()?;
     // Half the records one by one, half in batches of 500.
-    let half = n / 2;
+    let half = if single_enqueue { n / 2 } else { 0 };
     let started = Instant::now();
     for i in 0..half {
         engine
@@ -204,7 +229,7 @@ async fn run_once(
             .await
             .ok()?;
     }
-    let enqueue_per_s = half as f64 / started.elapsed().as_secs_f64();
+    let enqueue_per_s = half as f64 / started.elapsed().as_secs_f64().max(1e-9);
     let started = Instant::now();
     let mut i = half;
     while i < n {
@@ -293,9 +318,55 @@ fn median_spread_f(mut v: Vec<f64>, digits: usize) -> String {
     }
 }
 
+/// Which scenarios and backends to run: `--only A,B1000` and
+/// `--backend sqlite` narrow a run (for profiling one figure).
+struct Filter {
+    only: Option<Vec<String>>,
+    backend: Option<String>,
+}
+
+impl Filter {
+    fn from_args(args: &[String]) -> Filter {
+        let value = |flag: &str| {
+            args.iter().enumerate().find_map(|(i, a)| {
+                a.strip_prefix(&format!("{flag}="))
+                    .map(str::to_owned)
+                    .or_else(|| (a == flag).then(|| args.get(i + 1).cloned()).flatten())
+            })
+        };
+        Filter {
+            only: value("--only").map(|v| v.split(',').map(str::to_owned).collect()),
+            backend: value("--backend"),
+        }
+    }
+
+    fn wants(&self, scenario: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|s| s == scenario))
+    }
+
+    fn wants_backend(&self, backend: Backend) -> bool {
+        self.backend
+            .as_deref()
+            .is_none_or(|b| b == backend.as_str())
+    }
+}
+
+async fn runs_of(runs: usize, setup: &Setup) -> Vec<Run> {
+    let mut rs = Vec::new();
+    for _ in 0..runs {
+        if let Some(r) = run_once(setup).await {
+            rs.push(r);
+        }
+    }
+    rs
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let filter = Filter::from_args(&args);
     let runs = if quick { 1 } else { 3 };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -324,19 +395,16 @@ fn main() {
             p.latency_sigma = 0.0;
             p
         };
-        let (n_a, n_b, n_c) = if quick {
-            (2_000, 1_000, 1_000)
+        let (n_a, n_b, n_b1000, n_c, backlog) = if quick {
+            (2_000, 1_000, 4_000, 1_000, 20_000)
         } else {
-            (20_000, 5_000, 6_000)
+            (20_000, 5_000, 20_000, 6_000, 200_000)
         };
         for backend in [Backend::Sqlite, Backend::Postgres] {
-            if fresh(backend)
-                .await
-                .map(|f| {
-                    let _ = f;
-                })
-                .is_none()
-            {
+            if !filter.wants_backend(backend) {
+                continue;
+            }
+            if fresh(backend).await.is_none() {
                 println!("\n{}: SKIP (unreachable)", backend.as_str());
                 continue;
             }
@@ -345,26 +413,30 @@ fn main() {
                 "{:<44} {:>22} {:>18} {:>18} {:>20}",
                 "scenario", "records/s", "CPU s / 1000", "enqueue/s (single)", "enqueue/s (batch)"
             );
-            for (name, provider, n, in_flight) in [
+            let setup = |n, provider, in_flight, rate_limit, single_enqueue| Setup {
+                backend,
+                n,
+                provider,
+                in_flight,
+                rate_limit,
+                single_enqueue,
+            };
+            for (key, name, provider) in [
                 (
+                    "A",
                     format!("A  overhead, in-process, {n_a} records"),
                     Provider::InProcess,
-                    n_a,
-                    256,
                 ),
                 (
+                    "A'",
                     format!("A' overhead, simulator on loopback, {n_a}"),
                     Provider::Sim(Box::new(zero.clone())),
-                    n_a,
-                    256,
                 ),
             ] {
-                let mut rs = Vec::new();
-                for _ in 0..runs {
-                    if let Some(r) = run_once(backend, n, provider.clone(), in_flight, None).await {
-                        rs.push(r);
-                    }
+                if !filter.wants(key) {
+                    continue;
                 }
+                let rs = runs_of(runs, &setup(n_a, provider, 256, None, true)).await;
                 if rs.is_empty() {
                     println!("{name:<44} failed");
                     continue;
@@ -377,56 +449,87 @@ fn main() {
                     median_spread(rs.iter().map(|r| r.batch_enqueue_per_s).collect()),
                 );
             }
-            let mut rs = Vec::new();
-            for _ in 0..runs {
-                if let Some(r) = run_once(
-                    backend,
-                    n_b,
-                    Provider::Sim(Box::new(slow.clone())),
-                    100,
-                    None,
-                )
-                .await
-                {
-                    rs.push(r);
+            if filter.wants("backlog") {
+                // The same work behind a small and a large queue: claims and
+                // commits must not cost more with more records waiting.
+                let mut rates = Vec::new();
+                for n in [2_000, backlog] {
+                    let rs = runs_of(runs, &setup(n, Provider::InProcess, 256, None, false)).await;
+                    let rate: Vec<f64> = rs.iter().map(|r| r.processed_per_s).collect();
+                    if rate.is_empty() {
+                        continue;
+                    }
+                    rates.push(median(&rate));
+                    println!(
+                        "{:<44} {:>22} {:>18}",
+                        format!("A  with {n} queued (batch-enqueued)"),
+                        median_spread(rate),
+                        median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
+                    );
+                }
+                if let [small, large] = rates[..] {
+                    println!(
+                        "{:<44} {:>22}",
+                        "   large / small backlog",
+                        format!("{:.2}", large / small)
+                    );
                 }
             }
-            if !rs.is_empty() {
+            for (key, n, in_flight, ideal) in [
+                ("B", n_b, 100, 2_000.0),
+                ("B1000", n_b1000, 1_000, 20_000.0),
+            ] {
+                if !filter.wants(key) {
+                    continue;
+                }
+                let rs = runs_of(
+                    runs,
+                    &setup(
+                        n,
+                        Provider::Sim(Box::new(slow.clone())),
+                        in_flight,
+                        None,
+                        key == "B",
+                    ),
+                )
+                .await;
+                if rs.is_empty() {
+                    continue;
+                }
                 let rate: Vec<f64> = rs.iter().map(|r| r.processed_per_s).collect();
-                let ratio: Vec<f64> = rate.iter().map(|r| r / 2000.0 * 100.0).collect();
+                let ratio: Vec<f64> = rate.iter().map(|r| r / ideal * 100.0).collect();
                 println!(
                     "{:<44} {:>22} {:>18}",
-                    format!("B  50 ms latency, 100 in flight, {n_b}"),
+                    format!("{key:<2} 50 ms latency, {in_flight} in flight, {n}"),
                     median_spread(rate),
                     format!("{}% of ideal", median_spread_f(ratio, 1)),
                 );
             }
-            let mut rs = Vec::new();
-            for _ in 0..runs {
-                if let Some(r) = run_once(
-                    backend,
-                    n_c,
-                    Provider::Sim(Box::new(zero.clone())),
-                    256,
-                    Some("200/s"),
+            if filter.wants("C") {
+                let rs = runs_of(
+                    runs,
+                    &setup(
+                        n_c,
+                        Provider::Sim(Box::new(zero.clone())),
+                        256,
+                        Some("200/s"),
+                        true,
+                    ),
                 )
-                .await
-                {
-                    rs.push(r);
+                .await;
+                if !rs.is_empty() {
+                    let frac: Vec<f64> = rs
+                        .iter()
+                        .map(|r| r.calls_per_whole_s / 200.0 * 100.0)
+                        .collect();
+                    let max = rs.iter().map(|r| r.max_per_second).max().unwrap_or(0);
+                    println!(
+                        "{:<44} {:>22} {:>18}",
+                        format!("C  limit 200/s, {n_c} records"),
+                        format!("{}% of limit", median_spread_f(frac, 1)),
+                        format!("max {max} in 1 s"),
+                    );
                 }
-            }
-            if !rs.is_empty() {
-                let frac: Vec<f64> = rs
-                    .iter()
-                    .map(|r| r.calls_per_whole_s / 200.0 * 100.0)
-                    .collect();
-                let max = rs.iter().map(|r| r.max_per_second).max().unwrap_or(0);
-                println!(
-                    "{:<44} {:>22} {:>18}",
-                    format!("C  limit 200/s, {n_c} records"),
-                    format!("{}% of limit", median_spread_f(frac, 1)),
-                    format!("max {max} in 1 s"),
-                );
             }
         }
     });

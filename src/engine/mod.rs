@@ -8,6 +8,7 @@
 //! return how many records were handled. [`Engine::run`] repeats it,
 //! sleeping until new work is signalled or the earliest record is due.
 
+mod committer;
 pub mod http;
 pub mod limits;
 pub mod stats;
@@ -114,6 +115,8 @@ struct Inner {
     held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
     stats: stats::StatsRecorder,
+    /// Group commit of finished passes.
+    committer: committer::Committer,
 }
 
 /// How a provider's webhooks are checked; secrets read from the environment.
@@ -192,8 +195,10 @@ impl Engine {
         let installation = db.installation_id().await?;
         let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
         let opts_node = opts.node_id.clone();
+        let committer = committer::Committer::spawn(db.clone());
         Ok(Engine {
             inner: Arc::new(Inner {
+                committer,
                 db,
                 config,
                 opts,
@@ -679,15 +684,17 @@ impl Engine {
         let claimed = self.claim(self.inner.opts.batch).await?;
         let n = claimed.len();
         let mut tasks = tokio::task::JoinSet::new();
-        for rec in claimed {
+        for (rec, runs) in claimed {
             let engine = self.clone();
-            tasks.spawn(async move { engine.process(rec).await });
+            tasks.spawn(async move { engine.process(rec, runs).await });
         }
         while tasks.join_next().await.is_some() {}
         Ok(n)
     }
 
-    async fn claim(&self, limit: u32) -> Result<Vec<Record>, StoreError> {
+    /// Claims up to `limit` due records and reads their step runs in one
+    /// query (a record whose runs could not be read reads them in its pass).
+    async fn claim(&self, limit: u32) -> Result<Vec<(Record, Option<Vec<StepRun>>)>, StoreError> {
         let i = &self.inner;
         let req = ClaimRequest {
             owner: i.opts.node_id.clone(),
@@ -696,13 +703,38 @@ impl Engine {
             limit,
         };
         let claimed = i.db.claim_due(&req).await?;
-        let mut held = lock(&i.held);
-        for rec in &claimed {
-            if let Some(lease) = rec.lease() {
-                held.insert(rec.id, lease);
+        {
+            let mut held = lock(&i.held);
+            for rec in &claimed {
+                if let Some(lease) = rec.lease() {
+                    held.insert(rec.id, lease);
+                }
             }
         }
-        Ok(claimed)
+        if claimed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+        let mut runs: Option<HashMap<i64, Vec<StepRun>>> = match i.db.step_runs_of(&ids).await {
+            Ok(all) => {
+                let mut by_record: HashMap<i64, Vec<StepRun>> = HashMap::with_capacity(ids.len());
+                for run in all {
+                    by_record.entry(run.record_id).or_default().push(run);
+                }
+                Some(by_record)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the claimed records' steps; each pass reads its own");
+                None
+            }
+        };
+        Ok(claimed
+            .into_iter()
+            .map(|rec| {
+                let r = runs.as_mut().map(|m| m.remove(&rec.id).unwrap_or_default());
+                (rec, r)
+            })
+            .collect())
     }
 
     /// Runs until `shutdown`: claims while there are free slots, sleeps
@@ -734,13 +766,13 @@ impl Engine {
                 match self.claim(want).await {
                     Ok(records) => {
                         claimed_full = records.len() as u32 == want;
-                        for rec in records {
+                        for (rec, runs) in records {
                             let Ok(permit) = i.slots.clone().acquire_owned().await else {
                                 break;
                             };
                             let engine = self.clone();
                             tasks.spawn(async move {
-                                engine.process(rec).await;
+                                engine.process(rec, runs).await;
                                 drop(permit);
                             });
                         }
@@ -753,7 +785,13 @@ impl Engine {
             if claimed_full && i.slots.available_permits() > 0 {
                 continue;
             }
-            let sleep = self.idle_sleep().await;
+            // With every slot taken, a freed slot is the signal: no need to
+            // ask the database when work is due.
+            let sleep = if free == 0 {
+                i.opts.idle_max
+            } else {
+                self.idle_sleep().await
+            };
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = i.wake.notified() => {}
@@ -945,15 +983,22 @@ impl Engine {
 
     /// One pass over one leased record; always ends with a commit (or a
     /// dropped result when the lease was lost).
-    async fn process(&self, rec: Record) {
+    async fn process(&self, rec: Record, runs: Option<Vec<StepRun>>) {
         let i = &self.inner;
         let Some(lease) = rec.lease() else { return };
         // A pass is not aborted when its lease is lost: a call already sent
         // is let finish so that its exchange still lands in the history.
-        let commit = self.pass(&rec, lease.clone()).await;
+        let commit = self.pass(&rec, lease.clone(), runs).await;
         self.forget_lease(&lease);
         let Some(commit) = commit else { return };
-        match i.db.commit(&commit).await {
+        let Some((commit, result)) = i.committer.commit(commit).await else {
+            tracing::error!(
+                record.id = rec.id,
+                "commit lost with the committer; the lease will expire"
+            );
+            return;
+        };
+        match result {
             Ok(after) => {
                 if after.state == crate::domain::RecordState::Pending {
                     i.wake.notify_one();
@@ -999,7 +1044,7 @@ impl Engine {
     }
 
     /// Works out and runs the record's ready steps; returns what to commit.
-    async fn pass(&self, rec: &Record, lease: Lease) -> Option<Commit> {
+    async fn pass(&self, rec: &Record, lease: Lease, runs: Option<Vec<StepRun>>) -> Option<Commit> {
         let i = &self.inner;
         let now = i.clock.now_ms();
         let Some((pipeline, templates)) = self.compiled(rec).await else {
@@ -1011,7 +1056,11 @@ impl Engine {
             ));
             return Some(c);
         };
-        let runs: HashMap<String, StepRun> = match i.db.step_runs(rec.id).await {
+        let runs = match runs {
+            Some(runs) => Ok(runs),
+            None => i.db.step_runs(rec.id).await,
+        };
+        let runs: HashMap<String, StepRun> = match runs {
             Ok(r) => r.into_iter().map(|s| (s.step.clone(), s)).collect(),
             Err(e) => {
                 tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");

@@ -36,7 +36,7 @@ macro_rules! common_store {
         };
         use $crate::store::{
             into_page, node_actor, page_limit, validate_username, worked_state, ActionRequest,
-            AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent, NewRecord,
+            AuditFilter, ClaimRequest, Commit, Created, ROWS_PER_STATEMENT, EventRow, Lease, NewEvent, NewRecord,
             NewUser, NodeBeat, Page, RecordFilter, Store, StoreError, StoreResult, UserChange,
         };
 
@@ -114,65 +114,163 @@ macro_rules! common_store {
                 s: &$crate::store::StepWrite,
                 now: UnixMs,
             ) -> StoreResult<()> {
-                sqlx::query(
-                    "INSERT INTO step_runs (record_id, step, state, generation, attempts, idempotency_key, \
-                       job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, \
-                       provider, unknowns) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
-                     ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
-                       unknowns = excluded.unknowns, \
-                       generation = excluded.generation, attempts = excluded.attempts, \
-                       idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
-                       output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
-                       next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
-                       started_at = excluded.started_at, finished_at = excluded.finished_at, \
-                       updated_at = excluded.updated_at",
-                )
-                .bind(record_id)
-                .bind(s.step.clone())
-                .bind(s.state.as_str())
-                .bind(s.generation)
-                .bind(s.attempts)
-                .bind(idempotency_key(installation, record_id, &s.step, s.generation))
-                .bind(s.job_id.clone())
-                .bind(s.output.clone().map(Json))
-                .bind(s.error_code.clone())
-                .bind(s.reason.clone())
-                .bind(s.next_run_at)
-                .bind(s.deadline_at)
-                .bind(s.started_at)
-                .bind(s.finished_at)
-                .bind(now)
-                .bind(s.provider.clone())
-                .bind(s.unknowns)
-                .execute(&mut **tx)
-                .await?;
+                Self::upsert_steps(tx, installation, &[(record_id, s, now)]).await
+            }
+
+            /// Writes step runs as multi-row upserts; one row per (record,
+            /// step) in `steps`.
+            async fn upsert_steps(
+                tx: &mut Tx,
+                installation: &str,
+                steps: &[(i64, &$crate::store::StepWrite, UnixMs)],
+            ) -> StoreResult<()> {
+                for chunk in steps.chunks(ROWS_PER_STATEMENT) {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO step_runs (record_id, step, state, generation, attempts, idempotency_key, \
+                           job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, \
+                           provider, unknowns) ",
+                    );
+                    qb.push_values(chunk, |mut b, (record_id, s, now)| {
+                        b.push_bind(*record_id)
+                            .push_bind(s.step.clone())
+                            .push_bind(s.state.as_str())
+                            .push_bind(s.generation)
+                            .push_bind(s.attempts)
+                            .push_bind(idempotency_key(installation, *record_id, &s.step, s.generation))
+                            .push_bind(s.job_id.clone())
+                            .push_bind(s.output.clone().map(Json))
+                            .push_bind(s.error_code.clone())
+                            .push_bind(s.reason.clone())
+                            .push_bind(s.next_run_at)
+                            .push_bind(s.deadline_at)
+                            .push_bind(s.started_at)
+                            .push_bind(s.finished_at)
+                            .push_bind(*now)
+                            .push_bind(s.provider.clone())
+                            .push_bind(s.unknowns);
+                    });
+                    qb.push(
+                        " ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
+                           unknowns = excluded.unknowns, \
+                           generation = excluded.generation, attempts = excluded.attempts, \
+                           idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
+                           output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
+                           next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
+                           started_at = excluded.started_at, finished_at = excluded.finished_at, \
+                           updated_at = excluded.updated_at",
+                    );
+                    qb.build().persistent(false).execute(&mut **tx).await?;
+                }
                 Ok(())
             }
 
-            async fn insert_attempt(tx: &mut Tx, record_id: i64, a: &$crate::store::NewAttempt) -> StoreResult<()> {
-                let excerpt = a
-                    .excerpt
-                    .as_deref()
-                    .map(|e| $crate::domain::excerpt(e, $crate::domain::EXCERPT_MAX_BYTES).to_owned());
-                sqlx::query(
-                    "INSERT INTO attempts (record_id, step, provider, attempt_no, node, started_at, \
-                       duration_ms, http_status, outcome, error_code, excerpt) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-                )
-                .bind(record_id)
-                .bind(a.step.clone())
-                .bind(a.provider.clone())
-                .bind(a.attempt_no)
-                .bind(a.node.clone())
-                .bind(a.started_at)
-                .bind(a.duration_ms)
-                .bind(a.http_status)
-                .bind(a.outcome.as_str())
-                .bind(a.error_code.clone())
-                .bind(excerpt)
-                .execute(&mut **tx)
-                .await?;
+            /// Appends attempts as multi-row inserts.
+            async fn insert_attempts(tx: &mut Tx, attempts: &[(i64, &$crate::store::NewAttempt)]) -> StoreResult<()> {
+                for chunk in attempts.chunks(ROWS_PER_STATEMENT) {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO attempts (record_id, step, provider, attempt_no, node, started_at, \
+                           duration_ms, http_status, outcome, error_code, excerpt) ",
+                    );
+                    qb.push_values(chunk, |mut b, (record_id, a)| {
+                        let excerpt = a
+                            .excerpt
+                            .as_deref()
+                            .map(|e| $crate::domain::excerpt(e, $crate::domain::EXCERPT_MAX_BYTES).to_owned());
+                        b.push_bind(*record_id)
+                            .push_bind(a.step.clone())
+                            .push_bind(a.provider.clone())
+                            .push_bind(a.attempt_no)
+                            .push_bind(a.node.clone())
+                            .push_bind(a.started_at)
+                            .push_bind(a.duration_ms)
+                            .push_bind(a.http_status)
+                            .push_bind(a.outcome.as_str())
+                            .push_bind(a.error_code.clone())
+                            .push_bind(excerpt);
+                    });
+                    qb.build().persistent(false).execute(&mut **tx).await?;
+                }
+                Ok(())
+            }
+
+            /// Appends events as multi-row inserts (callers that need the
+            /// stored event back use `insert_event`).
+            pub(crate) async fn insert_events(tx: &mut Tx, events: &[EventRow<'_>]) -> StoreResult<()> {
+                for chunk in events.chunks(ROWS_PER_STATEMENT) {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO events (record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail) ",
+                    );
+                    qb.push_values(chunk, |mut b, e| {
+                        b.push_bind(e.record_id)
+                            .push_bind(e.at)
+                            .push_bind(e.kind.to_owned())
+                            .push_bind(e.actor.to_owned())
+                            .push_bind(e.audit)
+                            .push_bind(e.from.map(|s| s.as_str()))
+                            .push_bind(e.to.map(|s| s.as_str()))
+                            .push_bind(e.step.map(str::to_owned))
+                            .push_bind(e.reason.map(str::to_owned))
+                            .push_bind(e.detail.map(|d| Json(d.clone())));
+                    });
+                    qb.build().persistent(false).execute(&mut **tx).await?;
+                }
+                Ok(())
+            }
+
+            /// Reads and (on PostgreSQL) locks records, in id order, so that
+            /// two multi-row writers can never deadlock.
+            async fn lock_records(tx: &mut Tx, ids: &[i64]) -> StoreResult<std::collections::HashMap<i64, Record>> {
+                let mut out = std::collections::HashMap::with_capacity(ids.len());
+                let mut ids = ids.to_vec();
+                ids.sort_unstable();
+                for chunk in ids.chunks(ROWS_PER_STATEMENT) {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {RECORD_COLUMNS} FROM records WHERE id IN ("));
+                    let mut list = qb.separated(", ");
+                    for id in chunk {
+                        list.push_bind(*id);
+                    }
+                    list.push_unseparated(")");
+                    qb.push(" ORDER BY id");
+                    qb.push($lock);
+                    let rows = qb.build().persistent(false).fetch_all(&mut **tx).await?;
+                    for row in &rows {
+                        let rec = map::record(row)?;
+                        out.insert(rec.id, rec);
+                    }
+                }
+                Ok(out)
+            }
+
+            /// Writes the worker-owned columns of records whose rows the
+            /// transaction holds, many per statement.
+            async fn update_records(tx: &mut Tx, records: &[Record]) -> StoreResult<()> {
+                for chunk in records.chunks(ROWS_PER_STATEMENT) {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(
+                        "WITH v (id, state, next_run_at, lease_owner, lease_until, step, provider, error_code, \
+                           reason, updated_at, finished_at) AS (",
+                    );
+                    qb.push_values(chunk, |mut b, r| {
+                        b.push_bind(r.id)
+                            .push_bind(r.state.as_str())
+                            .push_bind(r.next_run_at)
+                            .push_bind(r.lease_owner.clone())
+                            .push_bind(r.lease_until)
+                            .push_bind(r.step.clone())
+                            .push_bind(r.provider.clone())
+                            .push_bind(r.error_code.clone())
+                            .push_bind(r.reason.clone())
+                            .push_bind(r.updated_at)
+                            .push_bind(r.finished_at);
+                    });
+                    qb.push(
+                        ") UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
+                           lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
+                           provider = v.provider, error_code = v.error_code, reason = v.reason, \
+                           updated_at = v.updated_at, finished_at = v.finished_at \
+                         FROM v WHERE records.id = v.id",
+                    );
+                    qb.build().persistent(false).execute(&mut **tx).await?;
+                }
                 Ok(())
             }
 
@@ -187,6 +285,7 @@ macro_rules! common_store {
             ) -> StoreResult<()> {
                 let mut deltas = CountDeltas::default();
                 let actor = node_actor(&req.owner);
+                let mut events = Vec::with_capacity(claimed.len());
                 for rec in claimed {
                     let old = old_states.get(&rec.id).map_or("", String::as_str);
                     let old: RecordState = $crate::store::rows::parse(old, "record state")?;
@@ -197,7 +296,7 @@ macro_rules! common_store {
                     }
                     for trigger in steps {
                         let to = transition(from, trigger)?;
-                        let event = EventRow {
+                        events.push(EventRow {
                             record_id: Some(rec.id),
                             at: req.now,
                             kind: trigger.kind(),
@@ -208,8 +307,7 @@ macro_rules! common_store {
                             step: None,
                             reason: None,
                             detail: None,
-                        };
-                        Self::insert_event(tx, &event).await?;
+                        });
                         from = to;
                     }
                     deltas.moved(&rec.pipeline, Some(old), from);
@@ -218,6 +316,7 @@ macro_rules! common_store {
                         rec.provider.as_deref().map(|p| (p, from)),
                     );
                 }
+                Self::insert_events(tx, &events).await?;
                 Self::apply_counts(tx, &deltas).await
             }
 
@@ -238,41 +337,56 @@ macro_rules! common_store {
                 Ok(())
             }
 
-            /// Inserts one record with its `created` event (or finds the one
-            /// with the same external key) inside the caller's transaction;
-            /// the caller applies `deltas`.
-            async fn insert_record(tx: &mut Tx, new: NewRecord, now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Created> {
-                let sql = format!(
-                    "INSERT INTO records (pipeline, pipeline_version, external_key, state, input, next_run_at, \
-                       created_at, updated_at) VALUES ($1, $2, $3, 'pending', $4, $5, $6, $6) \
-                     ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"
-                );
-                let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .bind(new.pipeline.clone())
-                    .bind(new.pipeline_version)
-                    .bind(new.external_key.clone())
-                    .bind(Json(new.input.clone()))
-                    .bind(new.run_at)
-                    .bind(now)
-                    .fetch_optional(&mut **tx)
-                    .await?;
-                let Some(row) = inserted else {
-                    // The external key exists: the enqueue is a repeat.
-                    let sql = format!(
-                        "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
+            /// Inserts a batch of records with multi-row statements and
+            /// their `created` events (or finds the record with the same
+            /// external key) inside the caller's transaction; the caller
+            /// applies `deltas`. Results are in the order of `batch`.
+            async fn insert_records(tx: &mut Tx, batch: &[NewRecord], now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Vec<Created>> {
+                let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
+                for (c, chunk) in batch.chunks(ROWS_PER_STATEMENT).enumerate() {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO records (pipeline, pipeline_version, external_key, state, input, next_run_at, \
+                           created_at, updated_at) ",
                     );
-                    let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-                        .bind(new.pipeline.clone())
-                        .bind(new.external_key.clone())
-                        .fetch_one(&mut **tx)
-                        .await?;
-                    return Ok(Created { record: map::record(&row)?, created: false });
-                };
-                let record = map::record(&row)?;
-                Self::insert_event(
-                    tx,
-                    &EventRow {
-                        record_id: Some(record.id),
+                    qb.push_values(chunk, |mut b, new| {
+                        b.push_bind(new.pipeline.clone())
+                            .push_bind(new.pipeline_version)
+                            .push_bind(new.external_key.clone())
+                            .push_bind("pending")
+                            .push_bind(Json(new.input.clone()))
+                            .push_bind(new.run_at)
+                            .push_bind(now)
+                            .push_bind(now);
+                    });
+                    qb.push(format!(" ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"));
+                    let rows = qb.build().persistent(false).fetch_all(&mut **tx).await?;
+                    let mut inserted = map::all(&rows, map::record)?;
+                    // Ids are taken in the order of the VALUES list, so the
+                    // inserted rows, by id, are the batch minus its repeats
+                    // (a repeated key can never match a later inserted row:
+                    // its key already exists).
+                    inserted.sort_unstable_by_key(|r| r.id);
+                    let mut inserted = inserted.into_iter().peekable();
+                    for (k, new) in chunk.iter().enumerate() {
+                        let next_is_this = inserted
+                            .peek()
+                            .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
+                        if next_is_this {
+                            if let Some(record) = inserted.next() {
+                                deltas.moved(&record.pipeline, None, RecordState::Pending);
+                                out[c * ROWS_PER_STATEMENT + k] = Some(Created { record, created: true });
+                            }
+                        }
+                    }
+                    if inserted.next().is_some() {
+                        return Err(StoreError::Invalid("inserted records did not match the batch".into()));
+                    }
+                }
+                let events: Vec<EventRow<'_>> = out
+                    .iter()
+                    .flatten()
+                    .map(|c| EventRow {
+                        record_id: Some(c.record.id),
                         at: now,
                         kind: "created",
                         actor: "system",
@@ -282,11 +396,28 @@ macro_rules! common_store {
                         step: None,
                         reason: None,
                         detail: None,
-                    },
-                )
-                .await?;
-                deltas.moved(&record.pipeline, None, RecordState::Pending);
-                Ok(Created { record, created: true })
+                    })
+                    .collect();
+                Self::insert_events(tx, &events).await?;
+                // Repeats: the record with that key, from before or from
+                // earlier in this batch.
+                let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2");
+                let mut done = Vec::with_capacity(batch.len());
+                for (slot, new) in out.into_iter().zip(batch) {
+                    let created = match slot {
+                        Some(c) => c,
+                        None => {
+                            let row = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                                .bind(new.pipeline.clone())
+                                .bind(new.external_key.clone())
+                                .fetch_one(&mut **tx)
+                                .await?;
+                            Created { record: map::record(&row)?, created: false }
+                        }
+                    };
+                    done.push(created);
+                }
+                Ok(done)
             }
 
             /// Moves one record whose row the transaction holds and writes
@@ -361,10 +492,7 @@ macro_rules! common_store {
                 }
                 let mut tx = self.begin_write().await?;
                 let mut deltas = CountDeltas::default();
-                let mut out = Vec::with_capacity(batch.len());
-                for new in batch {
-                    out.push(Self::insert_record(&mut tx, new, now, &mut deltas).await?);
-                }
+                let out = Self::insert_records(&mut tx, &batch, now, &mut deltas).await?;
                 Self::apply_counts(&mut tx, &deltas).await?;
                 if out.iter().any(|c| c.created) {
                     Self::notify_work(&mut tx).await?;
@@ -554,79 +682,96 @@ macro_rules! common_store {
             }
 
             async fn commit(&self, c: &Commit) -> StoreResult<Record> {
+                let mut results = self.commit_many(std::slice::from_ref(c)).await?;
+                results.pop().unwrap_or(Err(StoreError::LeaseLost { record_id: c.lease.record_id }))
+            }
+
+            async fn commit_many(&self, commits: &[Commit]) -> StoreResult<Vec<StoreResult<Record>>> {
+                if commits.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let mut ids: Vec<i64> = commits.iter().map(|c| c.lease.record_id).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                if ids.len() != commits.len() {
+                    return Err(StoreError::Invalid("a group of commits names one record twice".into()));
+                }
                 let installation = self.installation_id().await?;
+                let actors: Vec<String> = commits.iter().map(|c| node_actor(&c.lease.owner)).collect();
                 let mut tx = self.begin_write().await?;
-                let rec = Self::lock_record(&mut tx, c.lease.record_id).await?;
-                let Some(rec) = rec.filter(|r| r.lease().as_ref() == Some(&c.lease)) else {
-                    return Err(StoreError::LeaseLost { record_id: c.lease.record_id });
-                };
-                for step in &c.steps {
-                    Self::upsert_step(&mut tx, &installation, rec.id, step, c.now).await?;
-                }
-                for attempt in &c.attempts {
-                    Self::insert_attempt(&mut tx, rec.id, attempt).await?;
-                }
-                for id in &c.callbacks_done {
-                    sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
-                        .bind(c.now)
-                        .bind(rec.id)
-                        .bind(*id)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                let record = match c.result {
-                    None => {
-                        let sql = format!(
-                            "UPDATE records SET step = COALESCE($1, step), provider = COALESCE($2, provider), \
-                             error_code = $3, reason = $4, updated_at = $5 WHERE id = $6 RETURNING {RECORD_COLUMNS}"
-                        );
-                        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-                            .bind(c.step.clone())
-                            .bind(c.provider.clone())
-                            .bind(c.error_code.clone())
-                            .bind(c.reason.clone())
-                            .bind(c.now)
-                            .bind(rec.id)
-                            .fetch_one(&mut *tx)
-                            .await?;
-                        let after = map::record(&row)?;
-                        // The step (and so the provider) may have changed.
-                        let mut deltas = CountDeltas::default();
-                        deltas.record_moved(&rec, &after);
-                        Self::apply_counts(&mut tx, &deltas).await?;
-                        after
+                let held = Self::lock_records(&mut tx, &ids).await?;
+                let mut results = Vec::with_capacity(commits.len());
+                let mut moved = Vec::with_capacity(commits.len());
+                let mut steps = Vec::new();
+                let mut attempts = Vec::new();
+                let mut callbacks = Vec::new();
+                let mut events = Vec::with_capacity(commits.len());
+                let mut deltas = CountDeltas::default();
+                for (c, actor) in commits.iter().zip(&actors) {
+                    let Some(rec) = held.get(&c.lease.record_id).filter(|r| r.lease().as_ref() == Some(&c.lease)) else {
+                        results.push(Err(StoreError::LeaseLost { record_id: c.lease.record_id }));
+                        continue;
+                    };
+                    let mut after = rec.clone();
+                    after.updated_at = c.now;
+                    after.error_code = c.error_code.clone();
+                    after.reason = c.reason.clone();
+                    if c.step.is_some() {
+                        after.step = c.step.clone();
                     }
-                    Some(result) => {
-                        let to = worked_state(result)?;
-                        let next = to.is_scheduled().then(|| c.next_run_at.unwrap_or(c.now));
-                        let actor = node_actor(&c.lease.owner);
-                        let event = EventRow {
+                    if c.provider.is_some() {
+                        after.provider = c.provider.clone();
+                    }
+                    // `None` is a checkpoint: the record stays leased.
+                    if let Some(result) = c.result {
+                        let to = match worked_state(result) {
+                            Ok(to) => to,
+                            Err(e) => {
+                                results.push(Err(e));
+                                continue;
+                            }
+                        };
+                        after.state = to;
+                        after.next_run_at = to.is_scheduled().then(|| c.next_run_at.unwrap_or(c.now));
+                        after.lease_owner = None;
+                        after.lease_until = None;
+                        after.finished_at = to.is_terminal().then_some(c.now);
+                        events.push(EventRow {
                             record_id: Some(rec.id),
                             at: c.now,
                             kind: Trigger::Worked(result).kind(),
-                            actor: &actor,
+                            actor,
                             audit: false,
                             from: Some(rec.state),
                             to: Some(to),
                             step: c.step.as_deref(),
                             reason: c.reason.as_deref(),
                             detail: None,
-                        };
-                        let mut deltas = CountDeltas::default();
-                        if c.provider.is_some() {
-                            sqlx::query("UPDATE records SET provider = $1 WHERE id = $2")
-                                .bind(c.provider.clone())
-                                .bind(rec.id)
-                                .execute(&mut *tx)
-                                .await?;
-                        }
-                        let moved = Self::move_record(&mut tx, &rec, to, next, c.now, event, c.error_code.as_deref(), &mut deltas).await?;
-                        Self::apply_counts(&mut tx, &deltas).await?;
-                        moved
+                        });
                     }
-                };
+                    // The step (and so the provider) may have changed too.
+                    deltas.record_moved(rec, &after);
+                    steps.extend(c.steps.iter().map(|s| (rec.id, s, c.now)));
+                    attempts.extend(c.attempts.iter().map(|a| (rec.id, a)));
+                    callbacks.extend(c.callbacks_done.iter().map(|id| (rec.id, *id, c.now)));
+                    moved.push(after.clone());
+                    results.push(Ok(after));
+                }
+                Self::upsert_steps(&mut tx, &installation, &steps).await?;
+                Self::insert_attempts(&mut tx, &attempts).await?;
+                for (record_id, id, now) in callbacks {
+                    sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
+                        .bind(now)
+                        .bind(record_id)
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                Self::update_records(&mut tx, &moved).await?;
+                Self::insert_events(&mut tx, &events).await?;
+                Self::apply_counts(&mut tx, &deltas).await?;
                 tx.commit().await?;
-                Ok(record)
+                Ok(results)
             }
 
             async fn act(&self, req: &ActionRequest) -> StoreResult<Record> {
@@ -847,9 +992,8 @@ macro_rules! common_store {
                     return Ok(());
                 }
                 let mut tx = self.begin_write().await?;
-                for a in attempts {
-                    Self::insert_attempt(&mut tx, record_id, a).await?;
-                }
+                let rows: Vec<_> = attempts.iter().map(|a| (record_id, a)).collect();
+                Self::insert_attempts(&mut tx, &rows).await?;
                 tx.commit().await?;
                 Ok(())
             }
@@ -858,6 +1002,21 @@ macro_rules! common_store {
                 let sql = format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
                 map::all(&rows, map::step_run)
+            }
+
+            async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
+                let mut out = Vec::new();
+                for chunk in record_ids.chunks(ROWS_PER_STATEMENT) {
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id IN ("));
+                    let mut list = qb.separated(", ");
+                    for id in chunk {
+                        list.push_bind(*id);
+                    }
+                    list.push_unseparated(") ORDER BY record_id, step");
+                    let rows = qb.build().persistent(false).fetch_all(self.reader()).await?;
+                    out.extend(map::all(&rows, map::step_run)?);
+                }
+                Ok(out)
             }
 
             async fn attempts(&self, record_id: i64) -> StoreResult<Vec<Attempt>> {

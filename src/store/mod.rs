@@ -513,6 +513,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Writes a worker's pass: steps, attempts, and the transition with its
     /// event. Refused with `LeaseLost` when the lease is not held.
     fn commit(&self, commit: &Commit) -> impl Future<Output = StoreResult<Record>> + Send;
+    /// Group commit: many workers' passes in one transaction, their rows
+    /// written by multi-row statements. Each commit gets its own result (a
+    /// lost lease refuses that one commit, not the group); an error of the
+    /// whole group (the database) comes back as `Err`, nothing written. The
+    /// commits must name distinct records.
+    fn commit_many(
+        &self,
+        commits: &[Commit],
+    ) -> impl Future<Output = StoreResult<Vec<StoreResult<Record>>>> + Send;
     /// An operator action through the transition table, audited.
     fn act(&self, req: &ActionRequest) -> impl Future<Output = StoreResult<Record>> + Send;
 
@@ -556,6 +565,11 @@ pub trait Store: Clone + Send + Sync + 'static {
         attempts: &[NewAttempt],
     ) -> impl Future<Output = StoreResult<()>> + Send;
     fn step_runs(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<StepRun>>> + Send;
+    /// The step runs of many records in one query (a claimed batch).
+    fn step_runs_of(
+        &self,
+        record_ids: &[i64],
+    ) -> impl Future<Output = StoreResult<Vec<StepRun>>> + Send;
     fn attempts(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<Attempt>>> + Send;
     fn record_events(&self, record_id: i64)
     -> impl Future<Output = StoreResult<Vec<Event>>> + Send;
@@ -835,6 +849,7 @@ forward! {
     fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> Vec<i64>;
     fn release(&self, leases: &[Lease], now: UnixMs) -> u64;
     fn commit(&self, commit: &Commit) -> Record;
+    fn commit_many(&self, commits: &[Commit]) -> Vec<StoreResult<Record>>;
     fn act(&self, req: &ActionRequest) -> Record;
     fn record_callback(&self, cb: &NewCallback) -> Option<CallbackMatch>;
     fn pending_callbacks(&self, provider: &str, job_id: &str) -> Vec<PendingCallback>;
@@ -843,6 +858,7 @@ forward! {
     fn reverse(&self, req: &ReverseRequest) -> Record;
     fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
+    fn step_runs_of(&self, record_ids: &[i64]) -> Vec<StepRun>;
     fn attempts(&self, record_id: i64) -> Vec<Attempt>;
     fn record_events(&self, record_id: i64) -> Vec<Event>;
     fn audit_log(&self, filter: &AuditFilter) -> Page<Event>;
@@ -881,6 +897,10 @@ forward! {
     fn rollups_since(&self, since: UnixMs) -> Vec<StepRollup>;
     fn purge_stats(&self, before: UnixMs) -> u64;
 }
+
+/// Rows per multi-row statement: well under SQLite's 32,766 bound
+/// parameters at the widest row (17 columns).
+pub(crate) const ROWS_PER_STATEMENT: usize = 250;
 
 /// An event row as the store writes it, transitions included.
 #[derive(Debug, Clone, Copy)]

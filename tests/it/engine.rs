@@ -203,9 +203,12 @@ async fn chaos_run(backend: Backend) {
         ok as f64 > 0.8 * N as f64,
         "most records succeed under the chaos mix"
     );
+    // Never-finishing jobs end parked at the poll deadline, or failed when
+    // one of their many polls meets an injected 4xx first: which of the two
+    // depends on how fast the engine polls.
     assert!(
-        parked > 0,
-        "the chaos mix parks some records (never-finishing jobs)"
+        failed + parked > 0,
+        "the chaos mix finishes some records unsuccessfully"
     );
     assert_eq!(ledger.double_charges, 0, "nothing charged twice");
     assert_eq!(

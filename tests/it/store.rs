@@ -59,6 +59,7 @@ conformance!(
     rollups_are_replaced_per_node_and_purged,
     meta_values_are_set_once,
     batch_enqueue_is_one_transaction_and_idempotent,
+    group_commit_writes_each_pass_and_refuses_only_stale_ones,
 );
 
 const T0: i64 = 1_800_000_000_000;
@@ -1470,4 +1471,110 @@ async fn batch_enqueue_is_one_transaction_and_idempotent(db: &Db) {
     );
     let events = db.record_events(out[0].record.id).await.unwrap();
     assert_eq!(events.iter().filter(|e| e.kind == "created").count(), 1);
+}
+
+/// `commit_many` over more records than one multi-row statement holds:
+/// every pass lands as `commit` would write it, a stale lease refuses only
+/// its own pass, and a group naming a record twice is refused whole.
+async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
+    let n = 300;
+    let batch = (0..n)
+        .map(|i| new_record("p", Some(&format!("g{i}")), T0))
+        .collect();
+    db.create_records(batch, T0).await.unwrap();
+    let claimed = db.claim_due(&claim("w1", T0, n)).await.unwrap();
+    assert_eq!(claimed.len(), n as usize);
+    let results = [
+        Some(WorkResult::Completed),
+        Some(WorkResult::RetryScheduled),
+        Some(WorkResult::Parked),
+        Some(WorkResult::Waiting),
+        None,
+    ];
+    let mut commits = Vec::new();
+    for (i, r) in claimed.iter().enumerate() {
+        let result = results[i % results.len()];
+        let mut lease = r.lease().unwrap();
+        if i == 7 {
+            lease.token -= 1; // a stale worker's pass
+        }
+        let mut c = Commit::new(lease, T0 + 100 + i as i64, result);
+        c.next_run_at = Some(T0 + 10_000);
+        c.step = Some("fetch".into());
+        c.provider = Some(format!("prov{}", i % 3));
+        if result == Some(WorkResult::Parked) {
+            c.error_code = Some("unknown_reply".into());
+            c.reason = Some(format!("parked {i}"));
+        }
+        let mut step = StepWrite::pending("fetch");
+        step.state = StepState::Succeeded;
+        step.attempts = 1;
+        step.output = Some(json!({ "i": i }));
+        c.steps = vec![step];
+        c.attempts = (0..1 + i % 2)
+            .map(|k| attempt("fetch", k as i32 + 1, 200, Outcome::Success, "{}"))
+            .collect();
+        commits.push(c);
+    }
+    let twice = vec![commits[0].clone(), commits[0].clone()];
+    assert!(matches!(
+        db.commit_many(&twice).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(db.attempts(claimed[0].id).await.unwrap().is_empty());
+
+    let out = db.commit_many(&commits).await.unwrap();
+    assert_eq!(out.len(), commits.len());
+    for (i, (c, r)) in commits.iter().zip(&out).enumerate() {
+        let id = c.lease.record_id;
+        if i == 7 {
+            assert!(matches!(r, Err(StoreError::LeaseLost { record_id }) if *record_id == id));
+            assert!(db.attempts(id).await.unwrap().is_empty());
+            assert_eq!(
+                db.get_record(id).await.unwrap().unwrap().state,
+                RecordState::Running
+            );
+            continue;
+        }
+        let after = r.as_ref().unwrap();
+        assert_eq!(
+            Some(after),
+            db.get_record(id).await.unwrap().as_ref(),
+            "the record returned is the record stored ({i})"
+        );
+        let expected = match c.result {
+            None => RecordState::Running,
+            Some(WorkResult::Completed) => RecordState::Succeeded,
+            Some(WorkResult::RetryScheduled) => RecordState::Retrying,
+            Some(WorkResult::Parked) => RecordState::Parked,
+            Some(_) => RecordState::Waiting,
+        };
+        assert_eq!(after.state, expected);
+        assert_eq!(after.provider, c.provider);
+        assert_eq!(db.attempts(id).await.unwrap().len(), c.attempts.len());
+        let steps = db.step_runs(id).await.unwrap();
+        assert_eq!(steps[0].output, Some(json!({ "i": i })));
+        let events = db.record_events(id).await.unwrap();
+        let worked = usize::from(c.result.is_some());
+        assert_eq!(events.len(), 2 + worked, "created, claimed, and the result");
+    }
+    let parked = out
+        .iter()
+        .flatten()
+        .find(|r| r.state == RecordState::Parked)
+        .unwrap();
+    assert_eq!(parked.error_code.as_deref(), Some("unknown_reply"));
+    assert!(parked.next_run_at.is_none() && parked.finished_at.is_none());
+    let done = out
+        .iter()
+        .flatten()
+        .find(|r| r.state == RecordState::Succeeded)
+        .unwrap();
+    assert!(done.finished_at.is_some() && done.next_run_at.is_none());
+    let step_runs = db
+        .step_runs_of(&claimed.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await
+        .unwrap();
+    assert_eq!(step_runs.len(), n as usize - 1);
+    assert_counts_consistent(db).await;
 }
