@@ -18,7 +18,14 @@
 //!   second of the run as a fraction of the limit, and the most calls the
 //!   simulator saw in any one second.
 //!
-//! `-- --only A,backlog,B,B1000,C` and `-- --backend sqlite|postgres` run a
+//! - D: a three-step pipeline (charge, render submit + poll, optional
+//!   notify) against the simulator's chaos profile, latency scaled to 1%:
+//!   records/s to rest and simulator calls per record.
+//! - F: memory. Records whose one step submits a job that never finishes
+//!   (in-process provider; polls every 10 minutes): peak RSS of this process
+//!   while 100,000 are taken to `waiting`.
+//!
+//! `-- --only A,backlog,B,B1000,C,D,F` and `-- --backend sqlite|postgres` run a
 //! part (to profile one figure). Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
@@ -40,6 +47,15 @@ use sqlx::Connection;
 use tokio_util::sync::CancellationToken;
 
 struct Ok200;
+
+/// Every call answers "still running": submitted jobs wait on polls.
+struct StillRunning;
+
+impl InProcessProvider for StillRunning {
+    fn answer(&self, _call: &Call) -> (u16, Value) {
+        (200, json!({ "id": "j1", "status": "running" }))
+    }
+}
 
 impl InProcessProvider for Ok200 {
     fn answer(&self, _call: &Call) -> (u16, Value) {
@@ -121,10 +137,82 @@ impl Fresh {
     }
 }
 
-fn config(url: &str, base_url: &str, concurrency: u32, rate_limit: Option<&str>) -> Config {
+/// What the records go through.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// One request step (`one`).
+    One,
+    /// Charge, render (submit + poll), optional notify (`chain`).
+    Chain,
+    /// One submit-and-poll step whose job never finishes (`wait`).
+    Waiting,
+}
+
+impl Kind {
+    fn pipeline(self) -> &'static str {
+        match self {
+            Kind::One => "one",
+            Kind::Chain => "chain",
+            Kind::Waiting => "wait",
+        }
+    }
+}
+
+fn config(
+    url: &str,
+    base_url: &str,
+    concurrency: u32,
+    rate_limit: Option<&str>,
+    kind: Kind,
+) -> Config {
     let limits = rate_limit
         .map(|l| format!("rate_limits = [\"{l}\"]"))
         .unwrap_or_default();
+    let pipeline = match kind {
+        Kind::One => {
+            r#"
+[[pipelines.one.steps]]
+name = "call"
+provider = "p"
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}", "amount": 1}' }
+"#
+        }
+        Kind::Chain => {
+            r#"
+[[pipelines.chain.steps]]
+name = "charge"
+provider = "p"
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-charge", "amount": {{ input.amount }}}' }
+outputs = { charge_id = "/id" }
+[[pipelines.chain.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+needs = ["charge"]
+request = { method = "POST", path = "/v1/jobs", body = '{"ref": "{{ record.id }}-render", "charge": {{ steps.charge.output.charge_id | tojson }}}' }
+job_id = "/id"
+poll = { path = "/v1/jobs/{{ job_id }}", every = "50ms", deadline = "20s" }
+outputs = { url = "/result/url" }
+[[pipelines.chain.steps]]
+name = "notify"
+provider = "p"
+needs = ["render"]
+required = false
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-notify", "amount": 0}' }
+"#
+        }
+        Kind::Waiting => {
+            r#"
+[[pipelines.wait.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+request = { method = "POST", path = "/v1/jobs", body = '{"ref": "{{ record.id }}"}' }
+job_id = "/id"
+poll = { path = "/v1/jobs/{{ job_id }}", every = "10m", deadline = "1h" }
+"#
+        }
+    };
     let text = format!(
         r#"
 [database]
@@ -134,15 +222,20 @@ base_url = "{base_url}"
 timeout = "10s"
 concurrency = {concurrency}
 {limits}
-retry = {{ max_attempts = 5, base = "50ms", cap = "1s", deadline = "10m" }}
+retry = {{ max_attempts = 8, base = "20ms", cap = "300ms", deadline = "10m", unknown_attempts = 4 }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
 [[providers.p.rules]]
 when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
 outcome = "success"
-[[pipelines.one.steps]]
-name = "call"
-provider = "p"
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}", "amount": 1}}' }}
-"#
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+[[providers.p.rules]]
+when = {{ status = ["400", "404", "422"] }}
+outcome = "fail"
+{pipeline}"#
     );
     let config = Config::parse(&text, std::path::Path::new("bench.toml")).expect("bench config");
     config.validate(&|_| None).expect("bench config is valid");
@@ -174,6 +267,10 @@ struct Run {
     /// `limit × ceil(t)` calls are allowed.
     calls_per_whole_s: f64,
     max_per_second: u32,
+    /// Simulator requests per record (every exchange is an attempt).
+    requests_per_record: f64,
+    /// This process's peak RSS during the run, MiB (reset at its start).
+    peak_rss_mib: f64,
 }
 
 /// One measured run's set-up.
@@ -186,6 +283,22 @@ struct Setup {
     /// Half the records enqueued one by one (measured), the rest in batches;
     /// otherwise all in batches.
     single_enqueue: bool,
+    kind: Kind,
+}
+
+/// Resets this process's peak RSS (`VmHWM`) to its current RSS.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak RSS since the last reset, MiB.
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -203,6 +316,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         in_flight,
         rate_limit,
         single_enqueue,
+        kind,
     } = *setup;
     let fresh = fresh(backend).await?;
     let sim = match provider {
@@ -212,12 +326,22 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     let base = sim
         .as_ref()
         .map_or("http://in-process.invalid".to_owned(), |s| s.base_url());
-    let cfg = Arc::new(config(&fresh.url, &base, in_flight as u32, rate_limit));
+    let cfg = Arc::new(config(
+        &fresh.url,
+        &base,
+        in_flight as u32,
+        rate_limit,
+        kind,
+    ));
+    let pipeline = kind.pipeline();
     let mut opts = EngineOptions::new(format!("bench-{}", uuid::Uuid::new_v4().simple()));
     opts.max_in_flight = in_flight;
     opts.batch = 100;
     if matches!(provider, Provider::InProcess) {
-        opts.in_process = Some(InProcess(Arc::new(Ok200)));
+        opts.in_process = Some(match kind {
+            Kind::Waiting => InProcess(Arc::new(StillRunning)),
+            _ => InProcess(Arc::new(Ok200)),
+        });
     }
     let engine = Engine::new(fresh.db.clone(), cfg, opts).await.ok()?;
     // Half the records one by one, half in batches of 500.
@@ -225,7 +349,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     let started = Instant::now();
     for i in 0..half {
         engine
-            .enqueue("one", Some(&format!("k{i}")), json!({}))
+            .enqueue(pipeline, Some(&format!("k{i}")), json!({ "amount": i }))
             .await
             .ok()?;
     }
@@ -235,14 +359,15 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     while i < n {
         let end = (i + 500).min(n);
         let items = (i..end)
-            .map(|k| (Some(format!("k{k}")), json!({})))
+            .map(|k| (Some(format!("k{k}")), json!({ "amount": k })))
             .collect();
-        engine.enqueue_many("one", items).await.ok()?;
+        engine.enqueue_many(pipeline, items).await.ok()?;
         i = end;
     }
     let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
     let stop = CancellationToken::new();
     let cpu0 = cpu_seconds();
+    reset_peak_rss();
     let started = Instant::now();
     let runner = tokio::spawn({
         let (engine, stop) = (engine.clone(), stop.clone());
@@ -255,7 +380,11 @@ async fn run_once(setup: &Setup) -> Option<Run> {
             .await
             .ok()?
             .iter()
-            .filter(|c| c.state == RecordState::Succeeded)
+            .filter(|c| match kind {
+                Kind::One => c.state == RecordState::Succeeded,
+                Kind::Chain => c.state.is_at_rest(),
+                Kind::Waiting => c.state == RecordState::Waiting,
+            })
             .map(|c| c.count)
             .sum();
         if done as usize >= n {
@@ -269,6 +398,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     }
     let took = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
+    let peak_rss_mib = peak_rss_mib();
     stop.cancel();
     let _ = runner.await;
     let stats = sim.as_ref().map(|s| s.stats());
@@ -284,7 +414,9 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         calls_per_whole_s: stats
             .as_ref()
             .map_or(0.0, |s| s.requests as f64 / took.ceil()),
-        max_per_second: stats.map_or(0, |s| s.max_per_second),
+        max_per_second: stats.as_ref().map_or(0, |s| s.max_per_second),
+        requests_per_record: stats.map_or(0.0, |s| s.requests as f64 / n as f64),
+        peak_rss_mib,
     })
 }
 
@@ -364,6 +496,13 @@ async fn runs_of(runs: usize, setup: &Setup) -> Vec<Run> {
 }
 
 fn main() {
+    // RUST_LOG=ballast::engine=debug shows claims and group commits.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let filter = Filter::from_args(&args);
@@ -395,11 +534,12 @@ fn main() {
             p.latency_sigma = 0.0;
             p
         };
-        let (n_a, n_b, n_b1000, n_c, backlog) = if quick {
-            (2_000, 1_000, 4_000, 1_000, 20_000)
+        let (n_a, n_b, n_b1000, n_c, backlog, n_d, n_f) = if quick {
+            (2_000, 1_000, 4_000, 1_000, 20_000, 1_000, 10_000)
         } else {
-            (20_000, 5_000, 20_000, 6_000, 200_000)
+            (20_000, 5_000, 20_000, 6_000, 200_000, 5_000, 100_000)
         };
+        let chaos = Profile::chaos_scaled(42, 0.01);
         for backend in [Backend::Sqlite, Backend::Postgres] {
             if !filter.wants_backend(backend) {
                 continue;
@@ -420,6 +560,7 @@ fn main() {
                 in_flight,
                 rate_limit,
                 single_enqueue,
+                kind: Kind::One,
             };
             for (key, name, provider) in [
                 (
@@ -528,6 +669,47 @@ fn main() {
                         format!("C  limit 200/s, {n_c} records"),
                         format!("{}% of limit", median_spread_f(frac, 1)),
                         format!("max {max} in 1 s"),
+                    );
+                }
+            }
+            if filter.wants("D") {
+                let mut d = setup(
+                    n_d,
+                    Provider::Sim(Box::new(chaos.clone())),
+                    256,
+                    None,
+                    false,
+                );
+                d.kind = Kind::Chain;
+                let rs = runs_of(runs, &d).await;
+                if !rs.is_empty() {
+                    println!(
+                        "{:<44} {:>22} {:>18}",
+                        format!("D  3 steps under chaos, {n_d} records"),
+                        median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
+                        format!(
+                            "{} calls/record",
+                            median_spread_f(rs.iter().map(|r| r.requests_per_record).collect(), 2)
+                        ),
+                    );
+                }
+            }
+            if filter.wants("F") {
+                let mut f = setup(n_f, Provider::InProcess, 256, None, false);
+                f.kind = Kind::Waiting;
+                let rs = runs_of(runs, &f).await;
+                if !rs.is_empty() {
+                    println!(
+                        "{:<44} {:>22} {:>18}",
+                        format!("F  {n_f} records waiting on polls"),
+                        format!(
+                            "{} MiB peak RSS",
+                            median_spread(rs.iter().map(|r| r.peak_rss_mib).collect())
+                        ),
+                        format!(
+                            "{} records/s",
+                            median_spread(rs.iter().map(|r| r.processed_per_s).collect())
+                        ),
                     );
                 }
             }

@@ -76,6 +76,7 @@ async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>) {
         }
         let (commits, waiters): (Vec<Commit>, Vec<_>) =
             group.into_iter().map(|j| (j.commit, j.done)).unzip();
+        let started = std::time::Instant::now();
         let results = match db.commit_many(&commits).await {
             Ok(results) => results,
             Err(e) if commits.len() == 1 => vec![Err(e)],
@@ -89,6 +90,11 @@ async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>) {
                 each
             }
         };
+        tracing::debug!(
+            group = commits.len(),
+            took_us = started.elapsed().as_micros() as u64,
+            "group committed"
+        );
         for ((commit, done), result) in commits.into_iter().zip(waiters).zip(results) {
             // A worker that stopped waiting (shutdown) is not an error.
             let _ = done.send((commit, result));

@@ -14,7 +14,7 @@ pub mod limits;
 pub mod stats;
 mod step;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -702,7 +702,14 @@ impl Engine {
             lease: i.opts.lease,
             limit,
         };
+        let started = std::time::Instant::now();
         let claimed = i.db.claim_due(&req).await?;
+        tracing::debug!(
+            want = limit,
+            claimed = claimed.len(),
+            took_us = started.elapsed().as_micros() as u64,
+            "claimed"
+        );
         {
             let mut held = lock(&i.held);
             for rec in &claimed {
@@ -758,46 +765,55 @@ impl Engine {
             }
             Db::Sqlite(_) => None,
         };
+        // Claimed records waiting for a slot. Claims run ahead of the slots
+        // by up to one batch, so a freed slot is refilled at once and claims
+        // stay large; buffered records are leased (the keeper extends them,
+        // shutdown releases them).
+        let batch = i.opts.batch.max(1) as usize;
+        let mut ready: VecDeque<(Record, Option<Vec<StepRun>>)> = VecDeque::new();
         while !shutdown.is_cancelled() {
-            let free = i.slots.available_permits();
-            let mut claimed_full = false;
-            if free > 0 {
-                let want = (free as u32).min(i.opts.batch);
+            while !ready.is_empty() {
+                let Ok(permit) = i.slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                let Some((rec, runs)) = ready.pop_front() else {
+                    break;
+                };
+                let engine = self.clone();
+                tasks.spawn(async move {
+                    engine.process(rec, runs).await;
+                    drop(permit);
+                });
+            }
+            let mut claimed_any = false;
+            if ready.len() < batch.div_ceil(2) {
+                let want = (batch - ready.len()) as u32;
                 match self.claim(want).await {
                     Ok(records) => {
-                        claimed_full = records.len() as u32 == want;
-                        for (rec, runs) in records {
-                            let Ok(permit) = i.slots.clone().acquire_owned().await else {
-                                break;
-                            };
-                            let engine = self.clone();
-                            tasks.spawn(async move {
-                                engine.process(rec, runs).await;
-                                drop(permit);
-                            });
-                        }
+                        claimed_any = !records.is_empty();
+                        ready.extend(records);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "claim failed; retrying shortly");
                     }
                 }
             }
-            if claimed_full && i.slots.available_permits() > 0 {
+            if claimed_any && i.slots.available_permits() > 0 {
                 continue;
             }
-            // With every slot taken, a freed slot is the signal: no need to
-            // ask the database when work is due.
-            let sleep = if free == 0 {
+            let busy = !ready.is_empty();
+            // With work buffered, a freed slot is the signal: no need to ask
+            // the database when work is due.
+            let sleep = if busy {
                 i.opts.idle_max
             } else {
                 self.idle_sleep().await
             };
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                () = i.wake.notified() => {}
+                () = i.wake.notified(), if !busy => {}
                 () = tokio::time::sleep(sleep) => {}
-                // A slot freed while we were full.
-                Ok(p) = i.slots.clone().acquire_owned(), if free == 0 => drop(p),
+                Ok(p) = i.slots.clone().acquire_owned(), if busy => drop(p),
             }
         }
         tasks.close();
