@@ -20,7 +20,8 @@
 //!
 //! - D: a three-step pipeline (charge, render submit + poll, optional
 //!   notify) against the simulator's chaos profile, latency scaled to 1%:
-//!   records/s to rest and simulator calls per record.
+//!   records/s to rest (jobs that never finish park at a 2 s poll deadline)
+//!   and simulator calls per record.
 //! - F: memory. Records whose one step submits a job that never finishes
 //!   (in-process provider; polls every 10 minutes): peak RSS of this process
 //!   while 100,000 are taken to `waiting`.
@@ -191,7 +192,7 @@ kind = "submit_poll"
 needs = ["charge"]
 request = { method = "POST", path = "/v1/jobs", body = '{"ref": "{{ record.id }}-render", "charge": {{ steps.charge.output.charge_id | tojson }}}' }
 job_id = "/id"
-poll = { path = "/v1/jobs/{{ job_id }}", every = "50ms", deadline = "20s" }
+poll = { path = "/v1/jobs/{{ job_id }}", every = "50ms", deadline = "2s" }
 outputs = { url = "/result/url" }
 [[pipelines.chain.steps]]
 name = "notify"
@@ -222,7 +223,7 @@ base_url = "{base_url}"
 timeout = "10s"
 concurrency = {concurrency}
 {limits}
-retry = {{ max_attempts = 8, base = "20ms", cap = "300ms", deadline = "10m", unknown_attempts = 4 }}
+retry = {{ max_attempts = 8, base = "20ms", cap = "300ms", deadline = "10m", unknown_attempts = 4, budget = 0.5, budget_floor = 100.0 }}
 [[providers.p.rules]]
 when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
 outcome = "pending"

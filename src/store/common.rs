@@ -54,24 +54,27 @@ macro_rules! common_store {
         }
 
         impl $store {
-            /// Adds counter deltas inside the caller's transaction.
+            /// Adds counter deltas inside the caller's transaction: one
+            /// multi-row upsert per counter table (the deltas are unique per
+            /// key, so no row is touched twice by one statement).
             pub(crate) async fn apply_counts(tx: &mut Tx, deltas: &CountDeltas) -> StoreResult<()> {
-                const PIPELINES: &str = "INSERT INTO record_counts (pipeline, state, shard, n) VALUES ($1, $2, $3, $4) \
-                     ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n";
-                const PROVIDERS: &str = "INSERT INTO provider_counts (provider, state, shard, n) VALUES ($1, $2, $3, $4) \
-                     ON CONFLICT (provider, state, shard) DO UPDATE SET n = provider_counts.n + excluded.n";
-                let rows = deltas
-                    .nonzero()
-                    .map(|d| (PIPELINES, d))
-                    .chain(deltas.provider_nonzero().map(|d| (PROVIDERS, d)));
-                for (sql, (name, state, n)) in rows {
-                    sqlx::query(sql)
-                        .bind(name.to_owned())
-                        .bind(state.as_str())
-                        .bind(Self::counter_shard())
-                        .bind(n)
-                        .execute(&mut **tx)
-                        .await?;
+                let tables = [
+                    ("record_counts", "pipeline", deltas.nonzero().collect::<Vec<_>>()),
+                    ("provider_counts", "provider", deltas.provider_nonzero().collect::<Vec<_>>()),
+                ];
+                for (table, key, rows) in tables {
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("INSERT INTO {table} ({key}, state, shard, n) "));
+                    qb.push_values(&rows, |mut b, (name, state, n)| {
+                        b.push_bind(name.to_string())
+                            .push_bind(state.as_str())
+                            .push_bind(Self::counter_shard())
+                            .push_bind(*n);
+                    });
+                    qb.push(format!(" ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n"));
+                    qb.build().persistent(false).execute(&mut **tx).await?;
                 }
                 Ok(())
             }
