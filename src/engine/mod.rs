@@ -779,6 +779,11 @@ impl Engine {
                 let Some((rec, runs)) = ready.pop_front() else {
                     break;
                 };
+                // The keeper drops leases it could not extend (a database
+                // outage while the record waited): another node may own it.
+                if !lock(&i.held).contains_key(&rec.id) {
+                    continue;
+                }
                 let engine = self.clone();
                 tasks.spawn(async move {
                     engine.process(rec, runs).await;
