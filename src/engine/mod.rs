@@ -245,31 +245,12 @@ impl Engine {
         input: Value,
         run_at: UnixMs,
     ) -> Result<Created, StoreError> {
-        let version = lock(&self.inner.current).get(pipeline).copied();
-        let Some(version) = version else {
-            return Err(StoreError::Invalid(format!(
-                "unknown pipeline `{pipeline}`"
-            )));
-        };
-        let now = self.inner.clock.now_ms();
-        let created = self
-            .inner
-            .db
-            .create_record(
-                NewRecord {
-                    pipeline: pipeline.to_owned(),
-                    pipeline_version: Some(version),
-                    external_key: key.map(str::to_owned),
-                    input,
-                    run_at,
-                },
-                now,
-            )
+        let mut created = self
+            .create(pipeline, vec![(key.map(str::to_owned), input)], run_at)
             .await?;
-        if created.created {
-            self.inner.wake.notify_one();
-        }
-        Ok(created)
+        created
+            .pop()
+            .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
     }
 
     /// Enqueues many records of one pipeline in one transaction (keys make
@@ -278,6 +259,18 @@ impl Engine {
         &self,
         pipeline: &str,
         items: Vec<(Option<String>, Value)>,
+    ) -> Result<Vec<Created>, StoreError> {
+        self.create(pipeline, items, self.inner.clock.now_ms())
+            .await
+    }
+
+    /// Creates records pinned to the pipeline's current version, due at
+    /// `run_at`, and wakes the workers if any is new.
+    async fn create(
+        &self,
+        pipeline: &str,
+        items: Vec<(Option<String>, Value)>,
+        run_at: UnixMs,
     ) -> Result<Vec<Created>, StoreError> {
         let version = lock(&self.inner.current).get(pipeline).copied();
         let Some(version) = version else {
@@ -293,7 +286,7 @@ impl Engine {
                 pipeline_version: Some(version),
                 external_key: key,
                 input,
-                run_at: now,
+                run_at,
             })
             .collect();
         let created = self.inner.db.create_records(batch, now).await?;

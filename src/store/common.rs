@@ -79,26 +79,33 @@ macro_rules! common_store {
                 Ok(())
             }
 
-            /// Appends one event inside the caller's transaction.
+            /// Appends one event inside the caller's transaction and
+            /// returns it as stored.
             pub(crate) async fn insert_event(tx: &mut Tx, e: &EventRow<'_>) -> StoreResult<Event> {
-                let row = sqlx::query(concat!(
-                    "INSERT INTO events (record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING ",
-                    "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
-                ))
-                .bind(e.record_id)
-                .bind(e.at)
-                .bind(e.kind.to_owned())
-                .bind(e.actor.to_owned())
-                .bind(e.audit)
-                .bind(e.from.map(|s| s.as_str()))
-                .bind(e.to.map(|s| s.as_str()))
-                .bind(e.step.map(str::to_owned))
-                .bind(e.reason.map(str::to_owned))
-                .bind(e.detail.map(|d| Json(d.clone())))
-                .fetch_one(&mut **tx)
-                .await?;
+                let mut qb = Self::events_insert(std::slice::from_ref(e));
+                qb.push(concat!(" RETURNING ", "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"));
+                let row = qb.build().fetch_one(&mut **tx).await?;
                 map::event(&row)
+            }
+
+            /// `INSERT INTO events … VALUES` for `events`, one row each.
+            fn events_insert(events: &[EventRow<'_>]) -> sqlx::QueryBuilder<$db> {
+                let mut qb = sqlx::QueryBuilder::<$db>::new(
+                    "INSERT INTO events (record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail) ",
+                );
+                qb.push_values(events, |mut b, e| {
+                    b.push_bind(e.record_id)
+                        .push_bind(e.at)
+                        .push_bind(e.kind.to_owned())
+                        .push_bind(e.actor.to_owned())
+                        .push_bind(e.audit)
+                        .push_bind(e.from.map(|s| s.as_str()))
+                        .push_bind(e.to.map(|s| s.as_str()))
+                        .push_bind(e.step.map(str::to_owned))
+                        .push_bind(e.reason.map(str::to_owned))
+                        .push_bind(e.detail.map(|d| Json(d.clone())));
+                });
+                qb
             }
 
             async fn lock_record(tx: &mut Tx, id: i64) -> StoreResult<Option<Record>> {
@@ -200,22 +207,7 @@ macro_rules! common_store {
             /// stored event back use `insert_event`).
             pub(crate) async fn insert_events(tx: &mut Tx, events: &[EventRow<'_>]) -> StoreResult<()> {
                 for chunk in events.chunks(ROWS_PER_STATEMENT) {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(
-                        "INSERT INTO events (record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail) ",
-                    );
-                    qb.push_values(chunk, |mut b, e| {
-                        b.push_bind(e.record_id)
-                            .push_bind(e.at)
-                            .push_bind(e.kind.to_owned())
-                            .push_bind(e.actor.to_owned())
-                            .push_bind(e.audit)
-                            .push_bind(e.from.map(|s| s.as_str()))
-                            .push_bind(e.to.map(|s| s.as_str()))
-                            .push_bind(e.step.map(str::to_owned))
-                            .push_bind(e.reason.map(str::to_owned))
-                            .push_bind(e.detail.map(|d| Json(d.clone())));
-                    });
-                    qb.build().persistent(false).execute(&mut **tx).await?;
+                    Self::events_insert(chunk).build().persistent(false).execute(&mut **tx).await?;
                 }
                 Ok(())
             }
