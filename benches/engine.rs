@@ -22,11 +22,14 @@
 //!   notify) against the simulator's chaos profile, latency scaled to 1%:
 //!   records/s to rest (jobs that never finish park at a 2 s poll deadline)
 //!   and simulator calls per record.
+//! - E: the control plane over 1,000,000 seeded records (100,000 with
+//!   --quick): p50 / p99 of each page over 200 requests (50) one at a time
+//!   from a client on loopback, with the seeding time.
 //! - F: memory. Records whose one step submits a job that never finishes
 //!   (in-process provider; polls every 10 minutes): peak RSS of this process
 //!   while 100,000 are taken to `waiting`.
 //!
-//! `-- --only A,backlog,B,B1000,C,D,F` and `-- --backend sqlite|postgres` run a
+//! `-- --only A,backlog,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
 //! part (to profile one figure). Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
@@ -46,6 +49,9 @@ use ballast::store::{Backend, ConnectOptions, Db, Store, migrate};
 use serde_json::{Value, json};
 use sqlx::Connection;
 use tokio_util::sync::CancellationToken;
+
+#[path = "support/seed.rs"]
+mod seed;
 
 struct Ok200;
 
@@ -486,6 +492,139 @@ impl Filter {
     }
 }
 
+/// E: the control plane over a store seeded with `n` records. Returns the
+/// seeding time and, per page, p50 and p99 in ms over `requests` requests
+/// from a client on loopback (one at a time, after one warm-up request).
+async fn pages_at_scale(
+    backend: Backend,
+    n: i64,
+    requests: usize,
+) -> Option<(f64, Vec<(String, f64, f64)>)> {
+    let fresh = fresh(backend).await?;
+    let started = Instant::now();
+    seed::seed(&fresh.url, backend, n).await.expect("seeding");
+    let seeded = started.elapsed().as_secs_f64();
+    let password = "bench-admin-password-0123";
+    let text = format!("[database]\nurl = \"{}\"\n", fresh.url);
+    let mut config = Config::parse(&text, std::path::Path::new("bench.toml")).unwrap();
+    config.server.admin_password = Some(ballast::config::Secret::new(password));
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(ballast::app::run(config, listener, shutdown.clone()));
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    for _ in 0..400 {
+        if let Ok(r) = client.get(format!("{base}/readyz")).send().await {
+            if r.status() == 200 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let login = client
+        .post(format!("{base}/login"))
+        .header("origin", &base)
+        .form(&[("username", "admin"), ("password", password), ("next", "/")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), 303, "bench login");
+    let cookie = login
+        .headers()
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.contains("ballast_session="))
+        .and_then(|v| v.split(';').next())
+        .expect("a session cookie")
+        .to_owned();
+    let (token, hash, prefix) = ballast::web::auth::new_api_token();
+    fresh
+        .db
+        .create_api_token(
+            &ballast::store::NewApiToken {
+                name: "bench".into(),
+                token_hash: hash,
+                prefix,
+                role: ballast::domain::Role::Viewer,
+                created_by: "bench".into(),
+            },
+            ballast::engine::now_ms(),
+        )
+        .await
+        .unwrap();
+    let parked = fresh
+        .db
+        .list_records(&ballast::store::RecordFilter {
+            state: Some(RecordState::Parked),
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items[0]
+        .id;
+    // The seed's shape: a tenth of the records in each state, pipelines
+    // p0..p2, providers prov0..prov3, error codes on failed and parked.
+    let pages = [
+        ("overview", "/".to_owned()),
+        ("records, first page", "/records".to_owned()),
+        (
+            "records, state + pipeline",
+            "/records?state=parked&pipeline=p1".to_owned(),
+        ),
+        (
+            "records, provider + error code",
+            "/records?provider=prov2&error_code=http_5xx".to_owned(),
+        ),
+        ("records, key prefix", "/records?q=key-4242".to_owned()),
+        (
+            "records, deep keyset page",
+            format!("/records?before={}", n / 100),
+        ),
+        // No record is both succeeded and carrying an error code: an index
+        // walk that finds nothing to stop at (bounded by the scan budget).
+        (
+            "records, filter matching nothing",
+            "/records?state=succeeded&error_code=http_5xx".to_owned(),
+        ),
+        ("record detail", format!("/records/{parked}")),
+        ("audit log", "/audit".to_owned()),
+        ("API list", "/api/v1/records?limit=50".to_owned()),
+    ];
+    let mut out = Vec::new();
+    for (name, path) in pages {
+        let mut times = Vec::with_capacity(requests);
+        for i in 0..=requests {
+            let req = client.get(format!("{base}{path}"));
+            let req = if path.starts_with("/api") {
+                req.bearer_auth(&token)
+            } else {
+                req.header("cookie", &cookie)
+            };
+            let start = Instant::now();
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 200, "{path}");
+            r.bytes().await.unwrap();
+            if i > 0 {
+                times.push(start.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let p = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+        out.push((name.to_owned(), p(0.5), p(0.99)));
+    }
+    shutdown.cancel();
+    let _ = server.await;
+    fresh.drop_now().await;
+    Some((seeded, out))
+}
+
 async fn runs_of(runs: usize, setup: &Setup) -> Vec<Run> {
     let mut rs = Vec::new();
     for _ in 0..runs {
@@ -539,6 +678,11 @@ fn main() {
             (2_000, 1_000, 4_000, 1_000, 20_000, 1_000, 10_000)
         } else {
             (20_000, 5_000, 20_000, 6_000, 200_000, 5_000, 100_000)
+        };
+        let (n_e, e_requests) = if quick {
+            (100_000, 50)
+        } else {
+            (1_000_000, 200)
         };
         let chaos = Profile::chaos_scaled(42, 0.01);
         for backend in [Backend::Sqlite, Backend::Postgres] {
@@ -712,6 +856,26 @@ fn main() {
                             median_spread(rs.iter().map(|r| r.processed_per_s).collect())
                         ),
                     );
+                }
+            }
+            if filter.wants("E") {
+                match pages_at_scale(backend, n_e, e_requests).await {
+                    Some((seeded, pages)) => {
+                        println!(
+                            "{:<44} {:>22}",
+                            format!("E  {n_e} records seeded"),
+                            format!("in {seeded:.1} s"),
+                        );
+                        for (name, p50, p99) in pages {
+                            println!(
+                                "{:<44} {:>22} {:>18}",
+                                format!("E  {name}"),
+                                format!("p50 {p50:.1} ms"),
+                                format!("p99 {p99:.1} ms"),
+                            );
+                        }
+                    }
+                    None => println!("E  failed"),
                 }
             }
         }

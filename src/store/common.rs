@@ -16,18 +16,21 @@
 
 /// Instantiates the shared store logic. `lock` is appended to row reads made
 /// inside a write transaction; `audit` is the spelling of "audit is true"
-/// that matches the backend's partial indexes.
+/// that matches the backend's partial indexes; `rows` is the table of JSON
+/// rows (columns `value` and `key`, the position) read from parameter `$1`
+/// (see `batch.rs`).
 macro_rules! common_store {
-    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal) => {
+    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, rows = $rows:literal) => {
         use serde_json::Value as JsonValue;
         use sqlx::types::Json;
         use sqlx::Transaction;
 
         use $crate::domain::{
-            idempotency_key, transition, Attempt, Event, Node, OperatorAction, PipelineVersion,
+            transition, Attempt, Event, Node, OperatorAction, PipelineVersion,
             ProviderState, Record, RecordState, Session, StateCount, StepRun, Trigger,
             UnixMs, User,
         };
+        use $crate::store::batch;
         use $crate::store::counts::CountDeltas;
         use $crate::store::filter::{push_audit_filter, push_record_filter};
         use $crate::store::rows::{
@@ -36,7 +39,7 @@ macro_rules! common_store {
         };
         use $crate::store::{
             into_page, node_actor, page_limit, validate_username, worked_state, ActionRequest,
-            AuditFilter, ClaimRequest, Commit, Created, ROWS_PER_STATEMENT, EventRow, Lease, NewEvent, NewRecord,
+            AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent, NewRecord,
             NewUser, NodeBeat, Page, RecordFilter, Store, StoreError, StoreResult, UserChange,
         };
 
@@ -55,9 +58,10 @@ macro_rules! common_store {
 
         impl $store {
             /// Adds counter deltas inside the caller's transaction: one
-            /// multi-row upsert per counter table (the deltas are unique per
-            /// key, so no row is touched twice by one statement).
+            /// upsert per counter table (the deltas are unique per key, so
+            /// no row is touched twice by one statement).
             pub(crate) async fn apply_counts(tx: &mut Tx, deltas: &CountDeltas) -> StoreResult<()> {
+                let shard = Self::counter_shard();
                 let tables = [
                     ("record_counts", "pipeline", deltas.nonzero().collect::<Vec<_>>()),
                     ("provider_counts", "provider", deltas.provider_nonzero().collect::<Vec<_>>()),
@@ -66,15 +70,17 @@ macro_rules! common_store {
                     if rows.is_empty() {
                         continue;
                     }
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("INSERT INTO {table} ({key}, state, shard, n) "));
-                    qb.push_values(&rows, |mut b, (name, state, n)| {
-                        b.push_bind(name.to_string())
-                            .push_bind(state.as_str())
-                            .push_bind(Self::counter_shard())
-                            .push_bind(*n);
-                    });
-                    qb.push(format!(" ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n"));
-                    qb.build().persistent(false).execute(&mut **tx).await?;
+                    let rows: Vec<batch::CountJson<'_>> = rows
+                        .iter()
+                        .map(|(name, state, n)| batch::CountJson { name, state: state.as_str(), shard, n: *n })
+                        .collect();
+                    let (_, select) = batch::select(batch::COUNT_COLS);
+                    let sql = format!(
+                        "INSERT INTO {table} ({key}, state, shard, n) SELECT {select} FROM {} WHERE true \
+                         ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
+                        $rows
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
                 }
                 Ok(())
             }
@@ -82,30 +88,21 @@ macro_rules! common_store {
             /// Appends one event inside the caller's transaction and
             /// returns it as stored.
             pub(crate) async fn insert_event(tx: &mut Tx, e: &EventRow<'_>) -> StoreResult<Event> {
-                let mut qb = Self::events_insert(std::slice::from_ref(e));
-                qb.push(concat!(" RETURNING ", "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"));
-                let row = qb.build().fetch_one(&mut **tx).await?;
+                let sql = format!(
+                    "{} RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail",
+                    Self::events_insert()
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(Json([batch::EventJson::from(e)]))
+                    .fetch_one(&mut **tx)
+                    .await?;
                 map::event(&row)
             }
 
-            /// `INSERT INTO events … VALUES` for `events`, one row each.
-            fn events_insert(events: &[EventRow<'_>]) -> sqlx::QueryBuilder<$db> {
-                let mut qb = sqlx::QueryBuilder::<$db>::new(
-                    "INSERT INTO events (record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail) ",
-                );
-                qb.push_values(events, |mut b, e| {
-                    b.push_bind(e.record_id)
-                        .push_bind(e.at)
-                        .push_bind(e.kind.to_owned())
-                        .push_bind(e.actor.to_owned())
-                        .push_bind(e.audit)
-                        .push_bind(e.from.map(|s| s.as_str()))
-                        .push_bind(e.to.map(|s| s.as_str()))
-                        .push_bind(e.step.map(str::to_owned))
-                        .push_bind(e.reason.map(str::to_owned))
-                        .push_bind(e.detail.map(|d| Json(d.clone())));
-                });
-                qb
+            /// `INSERT INTO events … SELECT` from the JSON rows in `$1`.
+            fn events_insert() -> String {
+                let (cols, select) = batch::select(batch::EVENT_COLS);
+                format!("INSERT INTO events ({cols}) SELECT {select} FROM {} ORDER BY key", $rows)
             }
 
             async fn lock_record(tx: &mut Tx, id: i64) -> StoreResult<Option<Record>> {
@@ -127,145 +124,95 @@ macro_rules! common_store {
                 Self::upsert_steps(tx, installation, &[(record_id, s, now)]).await
             }
 
-            /// Writes step runs as multi-row upserts; one row per (record,
-            /// step) in `steps`.
+            /// Writes step runs in one upsert; one row per (record, step) in
+            /// `steps`.
             async fn upsert_steps(
                 tx: &mut Tx,
                 installation: &str,
                 steps: &[(i64, &$crate::store::StepWrite, UnixMs)],
             ) -> StoreResult<()> {
-                for chunk in steps.chunks(ROWS_PER_STATEMENT) {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(
-                        "INSERT INTO step_runs (record_id, step, state, generation, attempts, idempotency_key, \
-                           job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, \
-                           provider, unknowns) ",
-                    );
-                    qb.push_values(chunk, |mut b, (record_id, s, now)| {
-                        b.push_bind(*record_id)
-                            .push_bind(s.step.clone())
-                            .push_bind(s.state.as_str())
-                            .push_bind(s.generation)
-                            .push_bind(s.attempts)
-                            .push_bind(idempotency_key(installation, *record_id, &s.step, s.generation))
-                            .push_bind(s.job_id.clone())
-                            .push_bind(s.output.clone().map(Json))
-                            .push_bind(s.error_code.clone())
-                            .push_bind(s.reason.clone())
-                            .push_bind(s.next_run_at)
-                            .push_bind(s.deadline_at)
-                            .push_bind(s.started_at)
-                            .push_bind(s.finished_at)
-                            .push_bind(*now)
-                            .push_bind(s.provider.clone())
-                            .push_bind(s.unknowns);
-                    });
-                    qb.push(
-                        " ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
-                           unknowns = excluded.unknowns, \
-                           generation = excluded.generation, attempts = excluded.attempts, \
-                           idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
-                           output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
-                           next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
-                           started_at = excluded.started_at, finished_at = excluded.finished_at, \
-                           updated_at = excluded.updated_at",
-                    );
-                    qb.build().persistent(false).execute(&mut **tx).await?;
+                if steps.is_empty() {
+                    return Ok(());
                 }
+                let rows: Vec<batch::StepJson<'_>> = steps
+                    .iter()
+                    .map(|(record_id, s, now)| batch::StepJson::new(installation, *record_id, s, *now))
+                    .collect();
+                let (cols, select) = batch::select(batch::STEP_COLS);
+                let sql = format!(
+                    "INSERT INTO step_runs ({cols}) SELECT {select} FROM {} WHERE true \
+                     ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
+                       unknowns = excluded.unknowns, \
+                       generation = excluded.generation, attempts = excluded.attempts, \
+                       idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
+                       output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
+                       next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
+                       started_at = excluded.started_at, finished_at = excluded.finished_at, \
+                       updated_at = excluded.updated_at",
+                    $rows
+                );
+                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
-            /// Appends attempts as multi-row inserts.
+            /// Appends attempts in one insert.
             async fn insert_attempts(tx: &mut Tx, attempts: &[(i64, &$crate::store::NewAttempt)]) -> StoreResult<()> {
-                for chunk in attempts.chunks(ROWS_PER_STATEMENT) {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(
-                        "INSERT INTO attempts (record_id, step, provider, attempt_no, node, started_at, \
-                           duration_ms, http_status, outcome, error_code, excerpt) ",
-                    );
-                    qb.push_values(chunk, |mut b, (record_id, a)| {
-                        let excerpt = a
-                            .excerpt
-                            .as_deref()
-                            .map(|e| $crate::domain::excerpt(e, $crate::domain::EXCERPT_MAX_BYTES).to_owned());
-                        b.push_bind(*record_id)
-                            .push_bind(a.step.clone())
-                            .push_bind(a.provider.clone())
-                            .push_bind(a.attempt_no)
-                            .push_bind(a.node.clone())
-                            .push_bind(a.started_at)
-                            .push_bind(a.duration_ms)
-                            .push_bind(a.http_status)
-                            .push_bind(a.outcome.as_str())
-                            .push_bind(a.error_code.clone())
-                            .push_bind(excerpt);
-                    });
-                    qb.build().persistent(false).execute(&mut **tx).await?;
+                if attempts.is_empty() {
+                    return Ok(());
                 }
+                let rows: Vec<batch::AttemptJson<'_>> =
+                    attempts.iter().map(|(record_id, a)| batch::AttemptJson::new(*record_id, a)).collect();
+                let (cols, select) = batch::select(batch::ATTEMPT_COLS);
+                let sql = format!("INSERT INTO attempts ({cols}) SELECT {select} FROM {} ORDER BY key", $rows);
+                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
-            /// Appends events as multi-row inserts (callers that need the
-            /// stored event back use `insert_event`).
+            /// Appends events in one insert (callers that need the stored
+            /// event back use `insert_event`).
             pub(crate) async fn insert_events(tx: &mut Tx, events: &[EventRow<'_>]) -> StoreResult<()> {
-                for chunk in events.chunks(ROWS_PER_STATEMENT) {
-                    Self::events_insert(chunk).build().persistent(false).execute(&mut **tx).await?;
+                if events.is_empty() {
+                    return Ok(());
                 }
+                let rows: Vec<batch::EventJson<'_>> = events.iter().map(batch::EventJson::from).collect();
+                sqlx::query(sqlx::AssertSqlSafe(Self::events_insert())).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
             /// Reads and (on PostgreSQL) locks records, in id order, so that
             /// two multi-row writers can never deadlock.
             async fn lock_records(tx: &mut Tx, ids: &[i64]) -> StoreResult<std::collections::HashMap<i64, Record>> {
+                let sql = format!(
+                    "SELECT {RECORD_COLUMNS} FROM records WHERE id IN (SELECT CAST(value AS BIGINT) FROM {}) ORDER BY id{}",
+                    $rows, $lock
+                );
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(ids)).fetch_all(&mut **tx).await?;
                 let mut out = std::collections::HashMap::with_capacity(ids.len());
-                let mut ids = ids.to_vec();
-                ids.sort_unstable();
-                for chunk in ids.chunks(ROWS_PER_STATEMENT) {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {RECORD_COLUMNS} FROM records WHERE id IN ("));
-                    let mut list = qb.separated(", ");
-                    for id in chunk {
-                        list.push_bind(*id);
-                    }
-                    list.push_unseparated(")");
-                    qb.push(" ORDER BY id");
-                    qb.push($lock);
-                    let rows = qb.build().persistent(false).fetch_all(&mut **tx).await?;
-                    for row in &rows {
-                        let rec = map::record(row)?;
-                        out.insert(rec.id, rec);
-                    }
+                for row in &rows {
+                    let rec = map::record(row)?;
+                    out.insert(rec.id, rec);
                 }
                 Ok(out)
             }
 
             /// Writes the worker-owned columns of records whose rows the
-            /// transaction holds, many per statement.
+            /// transaction holds, in one statement.
             async fn update_records(tx: &mut Tx, records: &[Record]) -> StoreResult<()> {
-                for chunk in records.chunks(ROWS_PER_STATEMENT) {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(
-                        "WITH v (id, state, next_run_at, lease_owner, lease_until, step, provider, error_code, \
-                           reason, updated_at, finished_at) AS (",
-                    );
-                    qb.push_values(chunk, |mut b, r| {
-                        b.push_bind(r.id)
-                            .push_bind(r.state.as_str())
-                            .push_bind(r.next_run_at)
-                            .push_bind(r.lease_owner.clone())
-                            .push_bind(r.lease_until)
-                            .push_bind(r.step.clone())
-                            .push_bind(r.provider.clone())
-                            .push_bind(r.error_code.clone())
-                            .push_bind(r.reason.clone())
-                            .push_bind(r.updated_at)
-                            .push_bind(r.finished_at);
-                    });
-                    qb.push(
-                        ") UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
-                           lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
-                           provider = v.provider, error_code = v.error_code, reason = v.reason, \
-                           updated_at = v.updated_at, finished_at = v.finished_at \
-                         FROM v WHERE records.id = v.id",
-                    );
-                    qb.build().persistent(false).execute(&mut **tx).await?;
+                if records.is_empty() {
+                    return Ok(());
                 }
+                let rows: Vec<batch::RecordUpdateJson<'_>> = records.iter().map(batch::RecordUpdateJson::from).collect();
+                let sql = format!(
+                    "WITH v AS (SELECT {} FROM {}) \
+                     UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
+                       lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
+                       provider = v.provider, error_code = v.error_code, reason = v.reason, \
+                       updated_at = v.updated_at, finished_at = v.finished_at \
+                     FROM v WHERE records.id = v.id",
+                    batch::select_as(batch::RECORD_UPDATE_COLS),
+                    $rows
+                );
+                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
@@ -338,44 +285,34 @@ macro_rules! common_store {
             /// applies `deltas`. Results are in the order of `batch`.
             async fn insert_records(tx: &mut Tx, batch: &[NewRecord], now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Vec<Created>> {
                 let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
-                for (c, chunk) in batch.chunks(ROWS_PER_STATEMENT).enumerate() {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(
-                        "INSERT INTO records (pipeline, pipeline_version, external_key, state, input, next_run_at, \
-                           created_at, updated_at) ",
-                    );
-                    qb.push_values(chunk, |mut b, new| {
-                        b.push_bind(new.pipeline.clone())
-                            .push_bind(new.pipeline_version)
-                            .push_bind(new.external_key.clone())
-                            .push_bind("pending")
-                            .push_bind(Json(new.input.clone()))
-                            .push_bind(new.run_at)
-                            .push_bind(now)
-                            .push_bind(now);
-                    });
-                    qb.push(format!(" ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"));
-                    let rows = qb.build().persistent(false).fetch_all(&mut **tx).await?;
-                    let mut inserted = map::all(&rows, map::record)?;
-                    // Ids are taken in the order of the VALUES list, so the
-                    // inserted rows, by id, are the batch minus its repeats
-                    // (a repeated key can never match a later inserted row:
-                    // its key already exists).
-                    inserted.sort_unstable_by_key(|r| r.id);
-                    let mut inserted = inserted.into_iter().peekable();
-                    for (k, new) in chunk.iter().enumerate() {
-                        let next_is_this = inserted
-                            .peek()
-                            .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
-                        if next_is_this {
-                            if let Some(record) = inserted.next() {
-                                deltas.moved(&record.pipeline, None, RecordState::Pending);
-                                out[c * ROWS_PER_STATEMENT + k] = Some(Created { record, created: true });
-                            }
+                let rows: Vec<batch::NewRecordJson<'_>> = batch.iter().map(|r| batch::NewRecordJson::new(r, now)).collect();
+                let (cols, select) = batch::select(batch::NEW_RECORD_COLS);
+                let sql = format!(
+                    "INSERT INTO records ({cols}) SELECT {select} FROM {} WHERE true ORDER BY key \
+                     ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}",
+                    $rows
+                );
+                let inserted = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).fetch_all(&mut **tx).await?;
+                let mut inserted = map::all(&inserted, map::record)?;
+                // Ids are taken in the order of the rows (ORDER BY their
+                // position), so the inserted rows, by id, are the batch minus
+                // its repeats (a repeated key can never match a later
+                // inserted row: its key already exists).
+                inserted.sort_unstable_by_key(|r| r.id);
+                let mut inserted = inserted.into_iter().peekable();
+                for (slot, new) in out.iter_mut().zip(batch) {
+                    let next_is_this = inserted
+                        .peek()
+                        .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
+                    if next_is_this {
+                        if let Some(record) = inserted.next() {
+                            deltas.moved(&record.pipeline, None, RecordState::Pending);
+                            *slot = Some(Created { record, created: true });
                         }
                     }
-                    if inserted.next().is_some() {
-                        return Err(StoreError::Invalid("inserted records did not match the batch".into()));
-                    }
+                }
+                if inserted.next().is_some() {
+                    return Err(StoreError::Invalid("inserted records did not match the batch".into()));
                 }
                 let events: Vec<EventRow<'_>> = out
                     .iter()
@@ -1000,18 +937,13 @@ macro_rules! common_store {
             }
 
             async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
-                let mut out = Vec::new();
-                for chunk in record_ids.chunks(ROWS_PER_STATEMENT) {
-                    let mut qb = sqlx::QueryBuilder::<$db>::new(format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id IN ("));
-                    let mut list = qb.separated(", ");
-                    for id in chunk {
-                        list.push_bind(*id);
-                    }
-                    list.push_unseparated(") ORDER BY record_id, step");
-                    let rows = qb.build().persistent(false).fetch_all(self.reader()).await?;
-                    out.extend(map::all(&rows, map::step_run)?);
-                }
-                Ok(out)
+                let sql = format!(
+                    "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id IN (SELECT CAST(value AS BIGINT) FROM {}) \
+                     ORDER BY record_id, step",
+                    $rows
+                );
+                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(record_ids)).fetch_all(self.reader()).await?;
+                map::all(&rows, map::step_run)
             }
 
             async fn attempts(&self, record_id: i64) -> StoreResult<Vec<Attempt>> {

@@ -5,6 +5,7 @@
 //! state change is written with its event and its counter deltas in one
 //! transaction.
 
+mod batch;
 mod common;
 mod counts;
 mod filter;
@@ -897,10 +898,6 @@ forward! {
     fn rollups_since(&self, since: UnixMs) -> Vec<StepRollup>;
     fn purge_stats(&self, before: UnixMs) -> u64;
 }
-
-/// Rows per multi-row statement: well under SQLite's 32,766 bound
-/// parameters at the widest row (17 columns).
-pub(crate) const ROWS_PER_STATEMENT: usize = 250;
 
 /// An event row as the store writes it, transitions included.
 #[derive(Debug, Clone, Copy)]

@@ -153,5 +153,6 @@ common_store!(
     PgStore,
     Postgres,
     lock = " FOR NO KEY UPDATE",
-    audit = "audit"
+    audit = "audit",
+    rows = "jsonb_array_elements($1) WITH ORDINALITY AS j(value, key)"
 );

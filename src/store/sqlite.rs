@@ -130,4 +130,10 @@ impl SqliteStore {
     }
 }
 
-common_store!(SqliteStore, Sqlite, lock = "", audit = "audit = 1");
+common_store!(
+    SqliteStore,
+    Sqlite,
+    lock = "",
+    audit = "audit = 1",
+    rows = "json_each($1)"
+);

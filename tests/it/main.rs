@@ -12,5 +12,7 @@ mod helpers;
 mod http;
 mod migrations;
 mod scale;
+#[path = "../../benches/support/seed.rs"]
+mod seed;
 mod store;
 mod web;
