@@ -689,9 +689,12 @@ fn main() {
             if !filter.wants_backend(backend) {
                 continue;
             }
-            if fresh(backend).await.is_none() {
-                println!("\n{}: SKIP (unreachable)", backend.as_str());
-                continue;
+            match fresh(backend).await {
+                Some(probe) => probe.drop_now().await,
+                None => {
+                    println!("\n{}: SKIP (unreachable)", backend.as_str());
+                    continue;
+                }
             }
             println!("\n{} ", backend.as_str());
             println!(

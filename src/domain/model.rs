@@ -201,6 +201,26 @@ pub fn redact(text: &str, secrets: &[&str]) -> String {
     out
 }
 
+/// [`redact`] over every string (and object key) of a JSON value.
+pub fn redact_json(value: &mut serde_json::Value, secrets: &[&str]) {
+    use serde_json::Value;
+    let hit = |s: &str| secrets.iter().any(|k| k.len() >= 6 && s.contains(k));
+    match value {
+        Value::String(s) if hit(s) => *s = redact(s, secrets),
+        Value::Array(items) => items.iter_mut().for_each(|v| redact_json(v, secrets)),
+        Value::Object(map) => {
+            if map.keys().any(|k| hit(k)) {
+                *map = std::mem::take(map)
+                    .into_iter()
+                    .map(|(k, v)| (redact(&k, secrets), v))
+                    .collect();
+            }
+            map.values_mut().for_each(|v| redact_json(v, secrets));
+        }
+        _ => {}
+    }
+}
+
 /// One state transition or operator action, kept forever.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Event {
@@ -357,6 +377,23 @@ mod tests {
             "abc abc",
             "too short to redact"
         );
+    }
+
+    #[test]
+    fn redact_json_reaches_every_string_and_key() {
+        let key = "sk_live_123456";
+        let mut v = serde_json::json!({
+            "echo": format!("Bearer {key}"),
+            "nested": [{ "note": key, "n": 1 }],
+            key: "as a key",
+            "clean": "untouched",
+        });
+        redact_json(&mut v, &[key]);
+        let text = v.to_string();
+        assert!(!text.contains(key), "{text}");
+        assert_eq!(text.matches("[redacted]").count(), 3, "{text}");
+        assert_eq!(v["clean"], "untouched");
+        assert_eq!(v["nested"][0]["n"], 1);
     }
 
     #[test]

@@ -36,6 +36,25 @@ pub struct Exchange {
     pub excerpt: String,
 }
 
+impl Exchange {
+    /// Replaces `secret` with `[redacted]` in the excerpt and every string
+    /// of the parsed body.
+    pub fn scrub(&mut self, secret: &str) {
+        if secret.len() < 6 {
+            return;
+        }
+        if self.excerpt.contains(secret) {
+            self.excerpt = crate::domain::redact(&self.excerpt, &[secret]);
+        }
+        if let Reply::Http {
+            json: Some(json), ..
+        } = &mut self.reply
+        {
+            crate::domain::redact_json(json, &[secret]);
+        }
+    }
+}
+
 /// A provider that answers in-process, without a socket: benchmarks use it
 /// to measure Ballast's own cost per record (like a job queue's no-op job).
 pub trait InProcessProvider: Send + Sync + 'static {

@@ -301,10 +301,16 @@ impl StepRun<'_> {
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         flight.sent = true;
-        let x = match &rt.in_process {
+        let mut x = match &rt.in_process {
             Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call),
             None => exchange(&rt.client, &call).await,
         };
+        // A provider may echo the credential it was sent (in an error, in a
+        // field a step keeps as output): cut it out before anything reads
+        // the reply, so it reaches no output, job id, excerpt or log.
+        if let Some(key) = rt.config.credential(&|var| std::env::var(var).ok()) {
+            x.scrub(key.expose());
+        }
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);
         let labels = [
@@ -340,11 +346,7 @@ impl StepRun<'_> {
             http_status: x.http_status.map(i32::from),
             outcome: c.outcome,
             error_code: c.error_code.map(str::to_owned),
-            // A provider may echo the credential it was sent; never store it.
-            excerpt: Some(match rt.config.credential(&|var| std::env::var(var).ok()) {
-                Some(key) => crate::domain::redact(&x.excerpt, &[key.expose()]),
-                None => x.excerpt.clone(),
-            }),
+            excerpt: Some(x.excerpt.clone()),
         };
         let mut park = None;
         let json = match &x.reply {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use ballast::store::Backend;
 
-use crate::helpers::{TestDb, http_get};
+use crate::helpers::{TestDb, free_port, http_get};
 
 const PASSWORD: &str = "correct horse battery staple";
 
@@ -303,14 +303,6 @@ fn check_config_reports_sources() {
         !text.contains("s3cret") && text.contains("postgres://u:***@db/x"),
         "{text}"
     );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[tokio::test]

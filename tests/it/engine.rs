@@ -79,7 +79,7 @@ fn options(node: &str) -> EngineOptions {
 }
 
 /// Waits until every record is at rest; returns how long it took.
-async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
+pub async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         let counts = db.state_counts().await.unwrap();
@@ -228,6 +228,22 @@ async fn postgres_chaos_run() {
     chaos_run(Backend::Postgres).await;
 }
 
+/// Whether `node` holds the lease of any running record.
+async fn holds_leases(db: &Db, node: &str) -> bool {
+    let running = db
+        .list_records(&RecordFilter {
+            state: Some(ballast::domain::RecordState::Running),
+            limit: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    running
+        .items
+        .iter()
+        .any(|r| r.lease_owner.as_deref() == Some(node))
+}
+
 /// Starts an engine on its own runtime, so that "crashing" it (shutting the
 /// runtime down without notice) kills every task it had, as `kill -9` would.
 fn start_node(url: String, config: Arc<Config>, node: String) -> tokio::runtime::Runtime {
@@ -265,9 +281,21 @@ async fn crash_and_resume(backend: Backend) {
             .unwrap();
     }
     let mut rng = fastrand::Rng::with_seed(99);
+    let mut crashes_holding_work = 0;
     for round in 0..4 {
-        let node = start_node(t.url.clone(), config.clone(), format!("crashy-{round}"));
+        let name = format!("crashy-{round}");
+        let node = start_node(t.url.clone(), config.clone(), name.clone());
         tokio::time::sleep(Duration::from_millis(rng.u64(300..1200))).await;
+        // Crash while the node holds work (a fast node may have nothing in
+        // flight at a random moment: the rest waits on backoff or polls).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if holds_leases(&t.db, &name).await {
+                crashes_holding_work += 1;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         node.shutdown_background();
     }
     let restart_ms = ballast::engine::now_ms();
@@ -303,6 +331,10 @@ async fn crash_and_resume(backend: Backend) {
         ledger.double_charges
     );
     assert_eq!(ok + failed + parked, N, "no record lost");
+    assert!(
+        crashes_holding_work > 0,
+        "no crash caught the node holding work"
+    );
     assert!(expired > 0, "crashes left leases that were reclaimed");
     // Due work is claimed at once; expired leases within the lease (2 s).
     assert!(

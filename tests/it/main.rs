@@ -8,6 +8,7 @@ mod api;
 mod browser;
 mod cli;
 mod engine;
+mod faults;
 mod helpers;
 mod http;
 mod migrations;
