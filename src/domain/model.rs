@@ -201,24 +201,55 @@ pub fn redact(text: &str, secrets: &[&str]) -> String {
     out
 }
 
-/// [`redact`] over every string (and object key) of a JSON value.
-pub fn redact_json(value: &mut serde_json::Value, secrets: &[&str]) {
+/// Replaces every string and object key of `value` for which `f` gives a
+/// replacement.
+pub fn rewrite_json_strings(value: &mut serde_json::Value, f: &dyn Fn(&str) -> Option<String>) {
     use serde_json::Value;
-    let hit = |s: &str| secrets.iter().any(|k| k.len() >= 6 && s.contains(k));
     match value {
-        Value::String(s) if hit(s) => *s = redact(s, secrets),
-        Value::Array(items) => items.iter_mut().for_each(|v| redact_json(v, secrets)),
+        Value::String(s) => {
+            if let Some(new) = f(s) {
+                *s = new;
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rewrite_json_strings(v, f)),
         Value::Object(map) => {
-            if map.keys().any(|k| hit(k)) {
+            if map.keys().any(|k| f(k).is_some()) {
                 *map = std::mem::take(map)
                     .into_iter()
-                    .map(|(k, v)| (redact(&k, secrets), v))
+                    .map(|(k, v)| (f(&k).unwrap_or(k), v))
                     .collect();
             }
-            map.values_mut().for_each(|v| redact_json(v, secrets));
+            map.values_mut().for_each(|v| rewrite_json_strings(v, f));
         }
         _ => {}
     }
+}
+
+/// [`redact`] over every string (and object key) of a JSON value.
+pub fn redact_json(value: &mut serde_json::Value, secrets: &[&str]) {
+    rewrite_json_strings(value, &|s| {
+        secrets
+            .iter()
+            .any(|k| k.len() >= 6 && s.contains(k))
+            .then(|| redact(s, secrets))
+    });
+}
+
+/// Whether any string or object key of `value` holds a NUL character.
+pub fn json_has_nul(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(json_has_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || json_has_nul(v)),
+        _ => false,
+    }
+}
+
+/// `text` with NUL characters replaced by U+FFFD: PostgreSQL stores no NUL
+/// in text or JSON, and both backends keep the same evidence.
+pub fn nul_free(text: &str) -> Option<String> {
+    text.contains('\0').then(|| text.replace('\0', "\u{FFFD}"))
 }
 
 /// One state transition or operator action, kept forever.

@@ -37,6 +37,20 @@ pub struct Exchange {
 }
 
 impl Exchange {
+    /// Replaces NUL characters in the excerpt and every string of the parsed
+    /// body with U+FFFD (see [`crate::domain::nul_free`]).
+    pub fn replace_nul(&mut self) {
+        if let Some(clean) = crate::domain::nul_free(&self.excerpt) {
+            self.excerpt = clean;
+        }
+        if let Reply::Http {
+            json: Some(json), ..
+        } = &mut self.reply
+        {
+            crate::domain::rewrite_json_strings(json, &crate::domain::nul_free);
+        }
+    }
+
     /// Replaces `secret` with `[redacted]` in the excerpt and every string
     /// of the parsed body.
     pub fn scrub(&mut self, secret: &str) {

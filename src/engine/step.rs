@@ -305,6 +305,7 @@ impl StepRun<'_> {
             Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call),
             None => exchange(&rt.client, &call).await,
         };
+        x.replace_nul();
         // A provider may echo the credential it was sent (in an error, in a
         // field a step keeps as output): cut it out before anything reads
         // the reply, so it reaches no output, job id, excerpt or log.

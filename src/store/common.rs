@@ -416,6 +416,13 @@ macro_rules! common_store {
                 if batch.iter().any(|n| n.pipeline.is_empty()) {
                     return Err(StoreError::Invalid("pipeline name is empty".into()));
                 }
+                // Refused on both backends alike (PostgreSQL cannot store it).
+                let nul = |s: &str| s.contains('\0');
+                if batch.iter().any(|n| {
+                    nul(&n.pipeline) || n.external_key.as_deref().is_some_and(nul) || $crate::domain::json_has_nul(&n.input)
+                }) {
+                    return Err(StoreError::Invalid("a NUL character (\\u0000) in the pipeline, key or input".into()));
+                }
                 if batch.len() > $crate::store::MAX_BATCH {
                     return Err(StoreError::Invalid(format!(
                         "at most {} records per batch",

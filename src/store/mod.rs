@@ -48,7 +48,7 @@ pub enum StoreError {
     #[error("unreadable stored value: {0}")]
     Corrupt(String),
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     #[error("migration error: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     /// The database was migrated by a newer binary.
@@ -57,6 +57,23 @@ pub enum StoreError {
          run the newer ballast that migrated it, or restore a backup taken before that upgrade"
     )]
     NewerSchema { version: i64, known: i64 },
+}
+
+impl From<sqlx::Error> for StoreError {
+    /// Text the database cannot hold (PostgreSQL refuses NUL characters in
+    /// text and JSON: SQLSTATE 22P05, 22021) is the request's fault: it
+    /// becomes `Invalid`, a 4xx at the API, not an internal error.
+    fn from(e: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(d) = &e {
+            if matches!(d.code().as_deref(), Some("22P05" | "22021")) {
+                return StoreError::Invalid(format!(
+                    "text the database cannot store: {}",
+                    d.message()
+                ));
+            }
+        }
+        StoreError::Database(e)
+    }
 }
 
 impl StoreError {

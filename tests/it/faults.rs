@@ -339,3 +339,233 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
         "the key leaked"
     );
 }
+
+/// A provider answering garbage: NUL characters in JSON strings and in raw
+/// bytes, invalid UTF-8, an empty body, a body over the size limit, a
+/// truncated JSON document, deeply nested JSON, a reset connection.
+async fn garbage_provider() -> String {
+    let app = axum::Router::new().route(
+        "/v1/garbage",
+        axum::routing::post(|body: String| async move {
+            let n = serde_json::from_str::<Value>(&body)
+                .ok()
+                .and_then(|v| v["n"].as_i64())
+                .unwrap_or(0);
+            let json = [(axum::http::header::CONTENT_TYPE, "application/json")];
+            match n % 8 {
+                0 => (
+                    json,
+                    r#"{"status": "succeeded", "id": "a\u0000b", "note": "nul \u0000 inside"}"#
+                        .to_owned(),
+                )
+                    .into_response(),
+                1 => (StatusCode::BAD_GATEWAY, b"raw\x00nul\x00bytes".to_vec()).into_response(),
+                2 => (
+                    json,
+                    b"{\"status\": \"succeeded\", \"id\": \"\xff\xfe\"}".to_vec(),
+                )
+                    .into_response(),
+                3 => (StatusCode::OK, Vec::<u8>::new()).into_response(),
+                4 => (json, "x".repeat(3 * 1024 * 1024)).into_response(),
+                5 => (json, r#"{"status": "succ"#.to_owned()).into_response(),
+                6 => (json, format!("{}1{}", "[".repeat(5_000), "]".repeat(5_000))).into_response(),
+                _ => (
+                    json,
+                    r#"{"status": "succeeded", "id": "ok", "output": {"k\u0000ey": "v"}}"#
+                        .to_owned(),
+                )
+                    .into_response(),
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+/// Every garbage reply becomes a defined state with its evidence kept, on
+/// both backends (PostgreSQL refuses NUL characters in text and JSON, so
+/// what a provider sends must not reach it as is), and nothing is stuck.
+async fn garbage_replies_become_states(backend: ballast::store::Backend) {
+    let Some(t) = crate::helpers::TestDb::migrated(backend, "garbage").await else {
+        return;
+    };
+    let base = garbage_provider().await;
+    let text = format!(
+        r#"
+[providers.junk]
+base_url = "{base}"
+timeout = "2s"
+retry = {{ max_attempts = 2, base = "10ms", cap = "20ms", deadline = "30s", budget_floor = 100.0, unknown_attempts = 2 }}
+# Garbage is the point here: keep the breaker out of the way.
+breaker = {{ window = 1000, min_calls = 1000 }}
+[[providers.junk.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.junk.steps]]
+name = "call"
+provider = "junk"
+request = {{ method = "POST", path = "/v1/garbage", body = '{{{{ input | tojson }}}}' }}
+outputs = {{ id = "/id" }}
+"#
+    );
+    let config = ballast::config::Config::parse(&text, Path::new("garbage.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let mut opts = ballast::engine::EngineOptions::new("garbage");
+    opts.lease = Duration::from_secs(2);
+    opts.idle_max = Duration::from_millis(50);
+    let engine = ballast::engine::Engine::new(t.db.clone(), Arc::new(config), opts)
+        .await
+        .unwrap();
+    const N: i64 = 32;
+    for n in 0..N {
+        engine
+            .enqueue("junk", Some(&format!("g-{n}")), json!({ "n": n }))
+            .await
+            .unwrap();
+    }
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(1)).await }
+    });
+    crate::engine::wait_at_rest(&t.db, N, Duration::from_secs(60)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let mut by_outcome = std::collections::BTreeMap::<String, usize>::new();
+    let records =
+        t.db.list_records(&ballast::store::RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items;
+    for r in &records {
+        let attempts = t.db.attempts(r.id).await.unwrap();
+        assert!(!attempts.is_empty(), "record {} has its attempts", r.id);
+        assert!(
+            attempts.iter().all(|a| a.excerpt.is_some()),
+            "evidence kept for record {}",
+            r.id
+        );
+        *by_outcome
+            .entry(format!(
+                "{} {}",
+                r.state.as_str(),
+                r.error_code.as_deref().unwrap_or("-")
+            ))
+            .or_default() += 1;
+    }
+    println!(
+        "{} garbage: {N} records at rest: {by_outcome:?}",
+        backend.as_str()
+    );
+    // The two replies with NUL characters in their JSON succeeded, their
+    // output kept with U+FFFD in place of NUL; everything else failed or
+    // parked with the reason classified.
+    assert_eq!(by_outcome.get("succeeded -"), Some(&8), "{by_outcome:?}");
+    for r in &records {
+        let n: i64 = r.external_key.as_deref().unwrap()[2..].parse().unwrap();
+        let expected = match n % 8 {
+            0 | 7 => None,
+            1 => Some("provider_5xx"),
+            4 => Some("body_too_large"),
+            _ => Some("body_not_json"),
+        };
+        let attempts = t.db.attempts(r.id).await.unwrap();
+        let codes: Vec<Option<&str>> = attempts.iter().map(|a| a.error_code.as_deref()).collect();
+        assert!(
+            codes.iter().all(|c| *c == expected),
+            "record {n}: {codes:?}, expected {expected:?}"
+        );
+        if n % 8 == 0 {
+            let steps = t.db.step_runs(r.id).await.unwrap();
+            assert_eq!(steps[0].output, Some(json!({ "id": "a\u{FFFD}b" })));
+        }
+        if n % 8 == 1 {
+            assert!(
+                attempts[0]
+                    .excerpt
+                    .as_deref()
+                    .unwrap()
+                    .contains("raw\u{FFFD}nul")
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_garbage_replies_become_states() {
+    garbage_replies_become_states(ballast::store::Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_garbage_replies_become_states() {
+    garbage_replies_become_states(ballast::store::Backend::Postgres).await;
+}
+
+/// NUL characters in a request (which PostgreSQL cannot store) get a 4xx
+/// with a stable code, never a 500, and store nothing.
+async fn nul_characters_in_requests_are_refused(backend: ballast::store::Backend) {
+    let Some(app) = crate::web::WebApp::spawn(
+        backend,
+        "nulapi",
+        "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n[[pipelines.orders.steps]]\nname = \"a\"\nprovider = \"p\"\nrequest = { path = \"/x\" }\n",
+    )
+    .await
+    else {
+        return;
+    };
+    let token = app.token(Role::Operator).await;
+    let post = |path: &str, body: &'static str| {
+        app.client
+            .post(app.url(path))
+            .bearer_auth(&token)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for body in [
+        r#"{"pipeline": "orders", "key": "k1", "input": {"a": "x\u0000y"}}"#,
+        r#"{"pipeline": "orders", "key": "k\u0000", "input": {}}"#,
+        r#"{"pipeline": "orders", "key": "k2", "input": {"\u0000": 1}}"#,
+    ] {
+        let r = post("/api/v1/records", body).await.unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"], "invalid_request", "{v}");
+    }
+    let counts = app.t.db.state_counts().await.unwrap();
+    assert!(
+        counts.iter().all(|c| c.count == 0),
+        "nothing stored: {counts:?}"
+    );
+    // An operator's reason with a NUL: stored as is on SQLite, refused as
+    // a bad request (not an internal error) on PostgreSQL.
+    let id = app.record("k3").await;
+    let r = post(
+        &format!("/api/v1/records/{id}/actions"),
+        r#"{"action": "cancel", "reason": "nul \u0000 here"}"#,
+    )
+    .await
+    .unwrap();
+    let expected = match backend {
+        ballast::store::Backend::Sqlite => 200,
+        ballast::store::Backend::Postgres => 400,
+    };
+    assert_eq!(r.status(), expected);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_nul_characters_in_requests_are_refused() {
+    nul_characters_in_requests_are_refused(ballast::store::Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_nul_characters_in_requests_are_refused() {
+    nul_characters_in_requests_are_refused(ballast::store::Backend::Postgres).await;
+}
