@@ -161,7 +161,10 @@ pub async fn run_with(
     let engine = if config.pipelines.is_empty() {
         None
     } else {
-        let opts = crate::engine::EngineOptions::new(node_id.to_string());
+        let mut opts = crate::engine::EngineOptions::new(node_id.to_string());
+        opts.lease = config.engine.lease.0;
+        opts.batch = config.engine.batch;
+        opts.max_in_flight = config.engine.max_in_flight as usize;
         Some(
             crate::engine::Engine::new(db.clone(), config.clone(), opts)
                 .await

@@ -24,6 +24,8 @@ pub const DEFAULT_FILE: &str = "ballast.toml";
 pub struct Config {
     pub server: ServerConfig,
     pub database: DatabaseConfig,
+    /// `[engine]`: how this node's workers take and hold work.
+    pub engine: EngineConfig,
     /// `[providers.NAME]`: the third-party APIs.
     pub providers: std::collections::BTreeMap<String, provider::ProviderConfig>,
     /// `[pipelines.NAME]`: the workflows over them.
@@ -182,6 +184,30 @@ impl ServerConfig {
             .map(str::to_owned)
             .unwrap_or(origin);
         Some(origin)
+    }
+}
+
+/// `[engine]`: how this node's workers take and hold work.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// How long a claimed record is held without a word from its worker
+    /// (the worker extends it while alive); after that another node takes
+    /// it over, and the stale worker's write is refused.
+    pub lease: HumanDuration,
+    /// Records claimed per database round trip.
+    pub batch: u32,
+    /// Records this node works on at once.
+    pub max_in_flight: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            lease: HumanDuration::secs(30),
+            batch: 50,
+            max_in_flight: 256,
+        }
     }
 }
 
@@ -450,6 +476,18 @@ impl Config {
                 ),
             ));
         }
+        if self.engine.lease.0 < std::time::Duration::from_secs(1) {
+            return Err(invalid("engine.lease", "must be at least 1s".into()));
+        }
+        if !(1..=1000).contains(&self.engine.batch) {
+            return Err(invalid("engine.batch", "must be between 1 and 1000".into()));
+        }
+        if !(1..=100_000).contains(&self.engine.max_in_flight) {
+            return Err(invalid(
+                "engine.max_in_flight",
+                "must be between 1 and 100000".into(),
+            ));
+        }
         if self.database.max_connections == 0 {
             return Err(invalid(
                 "database.max_connections",
@@ -669,6 +707,29 @@ mod tests {
             err.as_deref(),
             Some("environment variable BALLAST_DATABASE_MAX_CONNECTIONS: invalid number `lots`")
         );
+    }
+
+    #[test]
+    fn engine_settings_are_checked_by_field() {
+        let ok = parse("[engine]\nlease = \"5s\"\nbatch = 200\nmax_in_flight = 1000\n");
+        let ok = ok.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ok.validate(&|_| None).ok(), Some(()));
+        assert_eq!(
+            (ok.engine.lease.0, ok.engine.batch, ok.engine.max_in_flight),
+            (std::time::Duration::from_secs(5), 200, 1000)
+        );
+        for (text, field) in [
+            ("[engine]\nlease = \"500ms\"\n", "engine.lease"),
+            ("[engine]\nbatch = 0\n", "engine.batch"),
+            ("[engine]\nbatch = 5000\n", "engine.batch"),
+            ("[engine]\nmax_in_flight = 0\n", "engine.max_in_flight"),
+        ] {
+            let err = parse(text).map(|c| c.validate(&|_| None));
+            assert!(
+                matches!(err, Ok(Err(ConfigError::Invalid { ref key, .. })) if key == field),
+                "{text}: {err:?}"
+            );
+        }
     }
 
     #[test]

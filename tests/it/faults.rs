@@ -86,6 +86,21 @@ impl Drop for Serve {
     }
 }
 
+/// Up to 500 records, newest first, in `state` when given.
+async fn records_in(
+    db: &Db,
+    state: Option<ballast::domain::RecordState>,
+) -> Vec<ballast::domain::Record> {
+    db.list_records(&ballast::store::RecordFilter {
+        state,
+        limit: 500,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .items
+}
+
 /// Counts `needle` in `haystack` (bytes).
 fn occurrences(haystack: &[u8], needle: &[u8]) -> usize {
     haystack
@@ -228,17 +243,7 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
     )
     .await
     .unwrap();
-    let ids: Vec<i64> = db
-        .list_records(&ballast::store::RecordFilter {
-            limit: 500,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .map(|r| r.id)
-        .collect();
+    let ids: Vec<i64> = records_in(&db, None).await.iter().map(|r| r.id).collect();
     let mut html_paths: Vec<String> = [
         "/",
         "/records",
@@ -435,14 +440,7 @@ outputs = {{ id = "/id" }}
     stop.cancel();
     run.await.unwrap();
     let mut by_outcome = std::collections::BTreeMap::<String, usize>::new();
-    let records =
-        t.db.list_records(&ballast::store::RecordFilter {
-            limit: 100,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .items;
+    let records = records_in(&t.db, None).await;
     for r in &records {
         let attempts = t.db.attempts(r.id).await.unwrap();
         assert!(!attempts.is_empty(), "record {} has its attempts", r.id);
@@ -568,4 +566,207 @@ async fn sqlite_nul_characters_in_requests_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_nul_characters_in_requests_are_refused() {
     nul_characters_in_requests_are_refused(ballast::store::Backend::Postgres).await;
+}
+
+/// Sends `signal` (`STOP`, `CONT`, `TERM`) to a child.
+fn signal(child: &Child, signal: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill -{signal}");
+}
+
+/// The nodes holding leases of running records.
+async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
+    records_in(db, Some(ballast::domain::RecordState::Running))
+        .await
+        .into_iter()
+        .filter_map(|r| r.lease_owner)
+        .collect()
+}
+
+/// Item 3, stale worker: a `ballast serve` frozen (SIGSTOP) past its lease
+/// while its calls are in flight; a second node takes its records over and
+/// finishes them; the first, resumed, has every late write refused. Each
+/// record is completed once, and the simulator sees no double charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_worker_cannot_commit_stale_work() {
+    let Some(t) = crate::helpers::TestDb::new(ballast::store::Backend::Postgres, "stale").await
+    else {
+        return;
+    };
+    let mut profile = ballast::sim::Profile::clean(3);
+    profile.latency_scale = 1.0;
+    profile.latency_median = Duration::from_millis(400);
+    profile.latency_sigma = 0.0;
+    let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
+    let config = format!(
+        r#"
+[database]
+url = "{}"
+[engine]
+lease = "2s"
+[providers.sim]
+base_url = "{}"
+timeout = "5s"
+[[providers.sim.rules]]
+when = {{ status = "2xx" }}
+outcome = "success"
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}", "amount": 1}}' }}
+"#,
+        t.url,
+        sim.base_url()
+    );
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    for d in &dirs {
+        std::fs::write(d.path().join("ballast.toml"), &config).unwrap();
+    }
+    let env = [("BALLAST_ADMIN_PASSWORD", "stale-worker-admin-pw")];
+    let a = Serve::start(dirs[0].path(), &env).await;
+    let db = Db::connect(&t.url, &ConnectOptions::default())
+        .await
+        .unwrap();
+    const N: i64 = 120;
+    let batch: Vec<ballast::store::NewRecord> = (0..N)
+        .map(|n| ballast::store::NewRecord {
+            pipeline: "pay".into(),
+            pipeline_version: None,
+            external_key: Some(format!("s-{n}")),
+            input: json!({}),
+            run_at: ballast::engine::now_ms(),
+        })
+        .collect();
+    db.create_records(batch, ballast::engine::now_ms())
+        .await
+        .unwrap();
+    // Freeze A while it holds records with calls in flight.
+    let started = Instant::now();
+    let holder = loop {
+        if let Some(h) = lease_holders(&db).await.into_iter().next() {
+            break h;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "A took no work"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    signal(&a.child, "STOP");
+    let frozen_with = records_in(&db, Some(ballast::domain::RecordState::Running))
+        .await
+        .len();
+    let frozen_at = Instant::now();
+    let b = Serve::start(dirs[1].path(), &env).await;
+    crate::engine::wait_at_rest(&db, N, Duration::from_secs(60)).await;
+    let b_done = frozen_at.elapsed();
+    // Resume A: whatever it finishes now was taken over long ago.
+    signal(&a.child, "CONT");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    a.stop().await;
+    b.stop().await;
+
+    let mut completed = std::collections::BTreeMap::<i64, usize>::new();
+    let mut taken_over = 0;
+    for r in records_in(&db, None).await {
+        assert_eq!(r.state, ballast::domain::RecordState::Succeeded, "{}", r.id);
+        for e in db.record_events(r.id).await.unwrap() {
+            if e.kind == "completed" {
+                *completed.entry(r.id).or_default() += 1;
+            }
+            taken_over += usize::from(e.kind == "lease_expired");
+        }
+    }
+    let a_log = std::fs::read_to_string(dirs[0].path().join("serve.log")).unwrap();
+    let refused = a_log.matches("lease lost before commit").count();
+    let ledger = sim.ledger();
+    println!(
+        "stale worker: A ({holder}) frozen holding {frozen_with} records; B finished all {N} \
+         {b_done:?} after the freeze, taking over {taken_over}; A resumed: {refused} stale \
+         writes refused; completions per record max {}; {} double charges",
+        completed.values().max().copied().unwrap_or(0),
+        ledger.double_charges
+    );
+    db.close().await;
+    assert_eq!(completed.len() as i64, N, "every record completed");
+    assert!(completed.values().all(|n| *n == 1), "0 double commits");
+    assert!(taken_over > 0, "B took A's records over");
+    assert!(refused > 0, "A's stale writes were refused");
+    assert_eq!(ledger.double_charges, 0);
+}
+
+/// Item 6, brute force from many addresses: without a trusted proxy a
+/// spoofed `X-Forwarded-For` per attempt buys nothing (the peer address is
+/// limited); behind a trusted proxy, attempts really from many addresses
+/// still lock the account after its failure budget, so the right password
+/// is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brute_force_from_many_addresses_is_limited() {
+    const TRIES: usize = 200;
+    let attempt = |app: &crate::web::WebApp, ip: String, password: &str| {
+        app.client
+            .post(app.url("/login"))
+            .header("origin", app.origin())
+            .header("x-forwarded-for", ip)
+            .form(&[("username", "alice"), ("password", password)])
+            .send()
+    };
+    let mut figures = Vec::new();
+    for (trusted, extra) in [
+        (
+            false,
+            "[server.limits]\nlogins_per_minute = 10\naccount_failures = 1000\n",
+        ),
+        (
+            true,
+            "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n[server.limits]\nlogins_per_minute = 10\naccount_failures = 5\n",
+        ),
+    ] {
+        let Some(app) =
+            crate::web::WebApp::spawn(ballast::store::Backend::Sqlite, "bruteforce", extra).await
+        else {
+            return;
+        };
+        app.user("alice", Role::Viewer).await;
+        let (mut checked, mut limited) = (0, 0);
+        for i in 0..TRIES {
+            let ip = format!("198.51.{}.{}", i / 250, i % 250 + 1);
+            let r = attempt(&app, ip, "guess-123456").await.unwrap();
+            match r.status().as_u16() {
+                401 => checked += 1,
+                429 => limited += 1,
+                s => panic!("unexpected status {s}"),
+            }
+        }
+        let right = attempt(
+            &app,
+            "203.0.113.77".into(),
+            &crate::web::password_of("alice"),
+        )
+        .await
+        .unwrap()
+        .status()
+        .as_u16();
+        figures.push(format!(
+            "{}: {TRIES} guesses from {TRIES} addresses, {checked} checked, {limited} refused; \
+             then the right password: {right}",
+            if trusted {
+                "behind a trusted proxy"
+            } else {
+                "spoofed X-Forwarded-For"
+            }
+        ));
+        if trusted {
+            assert_eq!(checked, 5, "the account's failure budget");
+        } else {
+            assert_eq!(checked, 10, "the peer address's budget");
+        }
+        assert_eq!(checked + limited, TRIES);
+        assert_eq!(right, 429, "locked out, right password or not");
+        app.stop().await;
+    }
+    println!("brute force: {}", figures.join("; "));
 }
