@@ -19,6 +19,10 @@ row_mappers!(sqlx::postgres::PgRow);
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
 
+/// How long a session may sit inside a transaction waiting for Ballast
+/// before the server ends it (see `PgStore::connect`).
+const IDLE_IN_TRANSACTION_TIMEOUT: &str = "10s";
+
 /// How many rows each (pipeline, state) counter is spread over, so that
 /// concurrent transactions rarely wait on the same counter row.
 const COUNTER_SHARDS: i32 = 16;
@@ -32,7 +36,18 @@ pub struct PgStore {
 
 impl PgStore {
     pub async fn connect(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
-        let options = PgConnectOptions::from_str(url)?.application_name("ballast");
+        // A Ballast process that stops mid-transaction (frozen, swapped out,
+        // a VM paused) would hold its row locks for as long as it stays
+        // stopped: claims skip locked rows, so records it was claiming would
+        // wait for it. The server ends such a session instead; the locks go
+        // and the records are claimed by another node. Ballast's own
+        // transactions never wait on the client for long.
+        let options = PgConnectOptions::from_str(url)?
+            .application_name("ballast")
+            .options([(
+                "idle_in_transaction_session_timeout",
+                IDLE_IN_TRANSACTION_TIMEOUT,
+            )]);
         let pool = PgPoolOptions::new()
             .max_connections(opts.max_connections.max(1))
             .acquire_timeout(opts.acquire_timeout)

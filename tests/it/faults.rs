@@ -589,7 +589,10 @@ async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
 /// Item 3, stale worker: a `ballast serve` frozen (SIGSTOP) past its lease
 /// while its calls are in flight; a second node takes its records over and
 /// finishes them; the first, resumed, has every late write refused. Each
-/// record is completed once, and the simulator sees no double charge.
+/// record is completed once, and the simulator sees no double charge. A
+/// freeze inside a claim's transaction holds row locks that claims skip:
+/// the server ends such a session (`idle_in_transaction_session_timeout`),
+/// or those records would wait for the frozen node forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_worker_cannot_commit_stale_work() {
     let Some(t) = crate::helpers::TestDb::new(ballast::store::Backend::Postgres, "stale").await
