@@ -69,13 +69,16 @@ async fn receive(
         tracing::warn!(provider.name = %provider, error = e.code(), "webhook refused");
         return refuse(StatusCode::UNAUTHORIZED, e.code(), &e.to_string());
     }
-    let Ok(json) = serde_json::from_slice::<Value>(&body) else {
+    let Ok(mut json) = serde_json::from_slice::<Value>(&body) else {
         return refuse(
             StatusCode::BAD_REQUEST,
             "body_not_json",
             "the body is not JSON",
         );
     };
+    // Kept like a reply's body: NUL characters (which PostgreSQL cannot
+    // store, and a provider would redeliver forever) become U+FFFD.
+    crate::domain::rewrite_json_strings(&mut json, &crate::domain::nul_free);
     // Each delivery id is applied once (taken in the transaction that
     // stores the delivery): a redelivery changes nothing.
     let delivery = headers

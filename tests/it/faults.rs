@@ -773,3 +773,60 @@ async fn brute_force_from_many_addresses_is_limited() {
     }
     println!("brute force: {}", figures.join("; "));
 }
+
+/// A signed webhook whose JSON carries NUL characters is kept (NUL as
+/// U+FFFD), on both backends: refusing it with a 5xx would have the
+/// provider redeliver it forever.
+async fn webhooks_with_nul_characters_are_kept(backend: ballast::store::Backend) {
+    let Some(t) = crate::helpers::TestDb::migrated(backend, "nulhook").await else {
+        return;
+    };
+    // The secret comes from a variable every environment has (tests may
+    // not set variables: `unsafe` is forbidden).
+    let secret = std::env::var("HOME").expect("HOME is set");
+    let text = format!(
+        r#"
+[database]
+url = "{}"
+[providers.sim]
+base_url = "http://127.0.0.1:9"
+webhook_secrets_env = ["HOME"]
+[[pipelines.render.steps]]
+name = "render"
+provider = "sim"
+kind = "callback"
+request = {{ method = "POST", path = "/v1/jobs" }}
+job_id = "/id"
+callback = {{ job_id = "/job_id", deadline = "2s" }}
+"#,
+        t.url
+    );
+    let config = ballast::config::Config::parse(&text, Path::new("nulhook.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(ballast::app::run(config, listener, shutdown.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let body =
+        br#"{"job_id": "job\u0000x", "status": "succeeded", "note": {"a\u0000": "b\u0000"}}"#;
+    let now_s = ballast::engine::now_ms() / 1000;
+    let signature = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body);
+    let (status, reply) =
+        crate::helpers::http_post(addr, "/hooks/sim", &[("x-signature", &signature)], body).await;
+    shutdown.cancel();
+    let _ = server.await;
+    println!("{} webhook with NUL: {status} {reply}", backend.as_str());
+    assert_eq!(status, 202, "{reply}");
+    assert!(reply.contains("job\u{FFFD}x"), "{reply}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_webhooks_with_nul_characters_are_kept() {
+    webhooks_with_nul_characters_are_kept(ballast::store::Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_webhooks_with_nul_characters_are_kept() {
+    webhooks_with_nul_characters_are_kept(ballast::store::Backend::Postgres).await;
+}
