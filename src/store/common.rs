@@ -76,7 +76,7 @@ macro_rules! common_store {
                         .collect();
                     let (_, select) = batch::select(batch::COUNT_COLS);
                     let sql = format!(
-                        "INSERT INTO {table} ({key}, state, shard, n) SELECT {select} FROM {} WHERE true \
+                        "INSERT INTO {table} ({key}, state, shard, n) SELECT {select} FROM {} WHERE true ORDER BY key \
                          ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
                         $rows
                     );

@@ -36,19 +36,26 @@ pub struct PgStore {
 
 impl PgStore {
     pub async fn connect(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
-        // A Ballast process that stops mid-transaction (frozen, swapped out,
-        // a VM paused) would hold its row locks for as long as it stays
-        // stopped: claims skip locked rows, so records it was claiming would
-        // wait for it. The server ends such a session instead; the locks go
-        // and the records are claimed by another node. Ballast's own
-        // transactions never wait on the client for long.
-        let options = PgConnectOptions::from_str(url)?
-            .application_name("ballast")
-            .options([(
-                "idle_in_transaction_session_timeout",
-                IDLE_IN_TRANSACTION_TIMEOUT,
-            )]);
+        let options = PgConnectOptions::from_str(url)?.application_name("ballast");
         let pool = PgPoolOptions::new()
+            // A Ballast process that stops mid-transaction (frozen, swapped
+            // out, a VM paused) would hold its row locks for as long as it
+            // stays stopped: claims skip locked rows, so records it was
+            // claiming would wait for it. The server ends such a session
+            // instead; the locks go and another node claims the records.
+            // Set per connection with `SET`, not as a startup parameter,
+            // which connection poolers such as PgBouncer refuse; Ballast's
+            // own transactions never wait on the client for long.
+            .after_connect(|conn, _meta| {
+                Box::pin(async move {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}'"
+                    )))
+                    .execute(conn)
+                    .await
+                    .map(|_| ())
+                })
+            })
             .max_connections(opts.max_connections.max(1))
             .acquire_timeout(opts.acquire_timeout)
             .connect_with(options)

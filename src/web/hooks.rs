@@ -114,6 +114,11 @@ async fn receive(
             "job_id_missing",
             "no job id in the body",
         ),
+        // A delivery the store refuses as such: a redelivery cannot help.
+        Err(crate::store::StoreError::Invalid(m)) => {
+            tracing::warn!(provider.name = %provider, error = %m, "webhook refused by the store");
+            refuse(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", &m)
+        }
         Err(e) => {
             tracing::error!(provider.name = %provider, error = %e, "webhook delivery failed");
             // 503 so the provider retries the delivery later.

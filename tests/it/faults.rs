@@ -360,7 +360,7 @@ async fn garbage_provider() -> String {
             match n % 8 {
                 0 => (
                     json,
-                    r#"{"status": "succeeded", "id": "a\u0000b", "note": "nul \u0000 inside"}"#
+                    r#"{"status": "succeeded", "id": "a\u0000b", "note": "nul \u0000 inside", "output": {}}"#
                         .to_owned(),
                 )
                     .into_response(),
@@ -413,7 +413,7 @@ outcome = "success"
 name = "call"
 provider = "junk"
 request = {{ method = "POST", path = "/v1/garbage", body = '{{{{ input | tojson }}}}' }}
-outputs = {{ id = "/id" }}
+outputs = {{ id = "/id", output = "/output" }}
 "#
     );
     let config = ballast::config::Config::parse(&text, Path::new("garbage.toml")).unwrap();
@@ -481,7 +481,17 @@ outputs = {{ id = "/id" }}
         );
         if n % 8 == 0 {
             let steps = t.db.step_runs(r.id).await.unwrap();
-            assert_eq!(steps[0].output, Some(json!({ "id": "a\u{FFFD}b" })));
+            assert_eq!(
+                steps[0].output,
+                Some(json!({ "id": "a\u{FFFD}b", "output": {} }))
+            );
+        }
+        if n % 8 == 7 {
+            let steps = t.db.step_runs(r.id).await.unwrap();
+            assert_eq!(
+                steps[0].output,
+                Some(json!({ "id": "ok", "output": { "k\u{FFFD}ey": "v" } }))
+            );
         }
         if n % 8 == 1 {
             assert!(
@@ -735,6 +745,7 @@ async fn brute_force_from_many_addresses_is_limited() {
         };
         app.user("alice", Role::Viewer).await;
         let (mut checked, mut limited) = (0, 0);
+        let started = Instant::now();
         for i in 0..TRIES {
             let ip = format!("198.51.{}.{}", i / 250, i % 250 + 1);
             let r = attempt(&app, ip, "guess-123456").await.unwrap();
@@ -764,11 +775,16 @@ async fn brute_force_from_many_addresses_is_limited() {
         ));
         if trusted {
             assert_eq!(checked, 5, "the account's failure budget");
+            assert_eq!(right, 429, "locked out, right password or not");
         } else {
-            assert_eq!(checked, 10, "the peer address's budget");
+            // 10 a minute: one more per 6 s the loop took (a loaded machine).
+            let refilled = (started.elapsed().as_secs() / 6) as usize;
+            assert!(
+                (10..=10 + refilled).contains(&checked),
+                "the peer address's budget: {checked} checked, {refilled} refilled"
+            );
         }
         assert_eq!(checked + limited, TRIES);
-        assert_eq!(right, 429, "locked out, right password or not");
         app.stop().await;
     }
     println!("brute force: {}", figures.join("; "));

@@ -132,7 +132,6 @@ impl Drop for TestDb {
     }
 }
 
-/// Minimal HTTP/1.1 GET on loopback: (status, body).
 /// A port nobody listens on (yet).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -142,6 +141,7 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Minimal HTTP/1.1 GET on loopback: (status, body).
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream =
