@@ -64,23 +64,22 @@ fn seed_sql(backend: Backend, n: i64) -> Vec<String> {
 pub async fn seed(url: &str, backend: Backend, n: i64) -> Result<(), sqlx::Error> {
     let sqls = seed_sql(backend, n);
     match backend {
-        Backend::Sqlite => {
-            let mut c = sqlx::SqliteConnection::connect(url).await?;
-            for s in sqls {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(s))
-                    .execute(&mut c)
-                    .await?;
-            }
-            c.close().await
-        }
-        Backend::Postgres => {
-            let mut c = sqlx::PgConnection::connect(url).await?;
-            for s in sqls {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(s))
-                    .execute(&mut c)
-                    .await?;
-            }
-            c.close().await
-        }
+        Backend::Sqlite => run_all::<sqlx::SqliteConnection>(url, sqls).await,
+        Backend::Postgres => run_all::<sqlx::PgConnection>(url, sqls).await,
     }
+}
+
+/// Runs `sqls` in order on one new connection to `url`.
+async fn run_all<C>(url: &str, sqls: Vec<String>) -> Result<(), sqlx::Error>
+where
+    C: Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+{
+    let mut c = C::connect(url).await?;
+    for s in sqls {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(s))
+            .execute(&mut c)
+            .await?;
+    }
+    c.close().await
 }

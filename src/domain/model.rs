@@ -225,16 +225,6 @@ pub fn rewrite_json_strings(value: &mut serde_json::Value, f: &dyn Fn(&str) -> O
     }
 }
 
-/// [`redact`] over every string (and object key) of a JSON value.
-pub fn redact_json(value: &mut serde_json::Value, secrets: &[&str]) {
-    rewrite_json_strings(value, &|s| {
-        secrets
-            .iter()
-            .any(|k| k.len() >= 6 && s.contains(k))
-            .then(|| redact(s, secrets))
-    });
-}
-
 /// Whether any string or object key of `value` holds a NUL character.
 pub fn json_has_nul(value: &serde_json::Value) -> bool {
     use serde_json::Value;
@@ -246,10 +236,15 @@ pub fn json_has_nul(value: &serde_json::Value) -> bool {
     }
 }
 
-/// `text` with NUL characters replaced by U+FFFD: PostgreSQL stores no NUL
-/// in text or JSON, and both backends keep the same evidence.
-pub fn nul_free(text: &str) -> Option<String> {
-    text.contains('\0').then(|| text.replace('\0', "\u{FFFD}"))
+/// `text` as it may be stored, when that differs: NUL characters replaced
+/// by U+FFFD (PostgreSQL stores no NUL in text or JSON, and both backends
+/// keep the same evidence) and `secrets` by `[redacted]` (see [`redact`]).
+pub fn storable_text(text: &str, secrets: &[&str]) -> Option<String> {
+    let has_secret = secrets.iter().any(|k| k.len() >= 6 && text.contains(k));
+    if !has_secret && !text.contains('\0') {
+        return None;
+    }
+    Some(redact(&text.replace('\0', "\u{FFFD}"), secrets))
 }
 
 /// One state transition or operator action, kept forever.
@@ -411,7 +406,7 @@ mod tests {
     }
 
     #[test]
-    fn redact_json_reaches_every_string_and_key() {
+    fn storable_text_reaches_every_string_and_key() {
         let key = "sk_live_123456";
         let mut v = serde_json::json!({
             "echo": format!("Bearer {key}"),
@@ -419,7 +414,7 @@ mod tests {
             key: "as a key",
             "clean": "untouched",
         });
-        redact_json(&mut v, &[key]);
+        rewrite_json_strings(&mut v, &|s| storable_text(s, &[key]));
         let text = v.to_string();
         assert!(!text.contains(key), "{text}");
         assert_eq!(text.matches("[redacted]").count(), 3, "{text}");

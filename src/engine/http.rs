@@ -37,34 +37,19 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    /// Replaces NUL characters in the excerpt and every string of the parsed
-    /// body with U+FFFD (see [`crate::domain::nul_free`]).
-    pub fn replace_nul(&mut self) {
-        if let Some(clean) = crate::domain::nul_free(&self.excerpt) {
+    /// Makes the excerpt and every string of the parsed body storable (see
+    /// [`crate::domain::storable_text`]): NUL characters become U+FFFD and
+    /// `secrets` become `[redacted]`.
+    pub fn make_storable(&mut self, secrets: &[&str]) {
+        let storable = |s: &str| crate::domain::storable_text(s, secrets);
+        if let Some(clean) = storable(&self.excerpt) {
             self.excerpt = clean;
         }
         if let Reply::Http {
             json: Some(json), ..
         } = &mut self.reply
         {
-            crate::domain::rewrite_json_strings(json, &crate::domain::nul_free);
-        }
-    }
-
-    /// Replaces `secret` with `[redacted]` in the excerpt and every string
-    /// of the parsed body.
-    pub fn scrub(&mut self, secret: &str) {
-        if secret.len() < 6 {
-            return;
-        }
-        if self.excerpt.contains(secret) {
-            self.excerpt = crate::domain::redact(&self.excerpt, &[secret]);
-        }
-        if let Reply::Http {
-            json: Some(json), ..
-        } = &mut self.reply
-        {
-            crate::domain::redact_json(json, &[secret]);
+            crate::domain::rewrite_json_strings(json, &storable);
         }
     }
 }

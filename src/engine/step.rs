@@ -305,13 +305,12 @@ impl StepRun<'_> {
             Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call),
             None => exchange(&rt.client, &call).await,
         };
-        x.replace_nul();
         // A provider may echo the credential it was sent (in an error, in a
-        // field a step keeps as output): cut it out before anything reads
-        // the reply, so it reaches no output, job id, excerpt or log.
-        if let Some(key) = rt.config.credential(&|var| std::env::var(var).ok()) {
-            x.scrub(key.expose());
-        }
+        // field a step keeps as output), or send NUL characters: make the
+        // reply storable before anything reads it, so the key reaches no
+        // output, job id, excerpt or log.
+        let key = rt.config.credential(&|var| std::env::var(var).ok());
+        x.make_storable(key.as_ref().map(|k| k.expose()).as_slice());
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);
         let labels = [

@@ -36,12 +36,10 @@ fn expr(c: &str, ty: Ty) -> String {
     }
 }
 
-/// `(column list, select list)` reading `cols` out of the JSON rows, for
-/// `INSERT INTO t (<columns>) SELECT <select> FROM <rows>`.
-pub(crate) fn select(cols: &[(&str, Ty)]) -> (String, String) {
-    let names: Vec<&str> = cols.iter().map(|(c, _)| *c).collect();
+/// The expressions reading `cols` out of the JSON rows, comma-separated.
+pub(crate) fn select(cols: &[(&str, Ty)]) -> String {
     let exprs: Vec<String> = cols.iter().map(|(c, ty)| expr(c, *ty)).collect();
-    (names.join(", "), exprs.join(", "))
+    exprs.join(", ")
 }
 
 /// The select list with each expression named after its column, for a
@@ -53,33 +51,45 @@ pub(crate) fn select_as(cols: &[(&str, Ty)]) -> String {
         .join(", ")
 }
 
-pub(crate) const EVENT_COLS: &[(&str, Ty)] = &[
-    ("record_id", Ty::Int),
-    ("at", Ty::Int),
-    ("kind", Ty::Text),
-    ("actor", Ty::Text),
-    ("audit", Ty::Bool),
-    ("from_state", Ty::Text),
-    ("to_state", Ty::Text),
-    ("step", Ty::Text),
-    ("reason", Ty::Text),
-    ("detail", Ty::Json),
-];
-
-#[derive(Serialize)]
-pub(crate) struct EventJson<'a> {
-    record_id: Option<i64>,
-    at: UnixMs,
-    kind: &'a str,
-    actor: &'a str,
-    audit: bool,
-    from_state: Option<&'static str>,
-    to_state: Option<&'static str>,
-    step: Option<&'a str>,
-    reason: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    detail: Option<&'a Value>,
+/// `INSERT INTO table (<cols>) SELECT … FROM <rows> WHERE true ORDER BY key
+/// <tail>`: rows in their array order (ids follow it), `WHERE true` so that
+/// SQLite parses a following `ON CONFLICT`.
+pub(crate) fn insert(table: &str, cols: &[(&str, Ty)], rows: &str, tail: &str) -> String {
+    let names: Vec<&str> = cols.iter().map(|(c, _)| *c).collect();
+    format!(
+        "INSERT INTO {table} ({}) SELECT {} FROM {rows} WHERE true ORDER BY key {tail}",
+        names.join(", "),
+        select(cols)
+    )
 }
+
+/// A serialisable row and the columns it fills, from one list: each field
+/// is a column of the same name, read as the given [`Ty`].
+macro_rules! json_row {
+    ($(#[$m:meta])* $name:ident, $cols:ident { $($(#[$fm:meta])* $field:ident: $ty:ty => $kind:ident,)* }) => {
+        $(#[$m])*
+        #[derive(Serialize)]
+        pub(crate) struct $name<'a> {
+            $($(#[$fm])* pub(crate) $field: $ty,)*
+        }
+
+        pub(crate) const $cols: &[(&str, Ty)] = &[$((stringify!($field), Ty::$kind)),*];
+    };
+}
+
+json_row!(EventJson, EVENT_COLS {
+    record_id: Option<i64> => Int,
+    at: UnixMs => Int,
+    kind: &'a str => Text,
+    actor: &'a str => Text,
+    audit: bool => Bool,
+    from_state: Option<&'static str> => Text,
+    to_state: Option<&'static str> => Text,
+    step: Option<&'a str> => Text,
+    reason: Option<&'a str> => Text,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<&'a Value> => Json,
+});
 
 impl<'a> From<&EventRow<'a>> for EventJson<'a> {
     fn from(e: &EventRow<'a>) -> Self {
@@ -98,47 +108,26 @@ impl<'a> From<&EventRow<'a>> for EventJson<'a> {
     }
 }
 
-pub(crate) const STEP_COLS: &[(&str, Ty)] = &[
-    ("record_id", Ty::Int),
-    ("step", Ty::Text),
-    ("state", Ty::Text),
-    ("generation", Ty::Int),
-    ("attempts", Ty::Int),
-    ("idempotency_key", Ty::Text),
-    ("job_id", Ty::Text),
-    ("output", Ty::Json),
-    ("error_code", Ty::Text),
-    ("reason", Ty::Text),
-    ("next_run_at", Ty::Int),
-    ("deadline_at", Ty::Int),
-    ("started_at", Ty::Int),
-    ("finished_at", Ty::Int),
-    ("updated_at", Ty::Int),
-    ("provider", Ty::Text),
-    ("unknowns", Ty::Int),
-];
-
-#[derive(Serialize)]
-pub(crate) struct StepJson<'a> {
-    record_id: i64,
-    step: &'a str,
-    state: &'static str,
-    generation: i32,
-    attempts: i32,
-    idempotency_key: String,
-    job_id: Option<&'a str>,
+json_row!(StepJson, STEP_COLS {
+    record_id: i64 => Int,
+    step: &'a str => Text,
+    state: &'static str => Text,
+    generation: i32 => Int,
+    attempts: i32 => Int,
+    idempotency_key: String => Text,
+    job_id: Option<&'a str> => Text,
     #[serde(skip_serializing_if = "Option::is_none")]
-    output: Option<&'a Value>,
-    error_code: Option<&'a str>,
-    reason: Option<&'a str>,
-    next_run_at: Option<UnixMs>,
-    deadline_at: Option<UnixMs>,
-    started_at: Option<UnixMs>,
-    finished_at: Option<UnixMs>,
-    updated_at: UnixMs,
-    provider: Option<&'a str>,
-    unknowns: i32,
-}
+    output: Option<&'a Value> => Json,
+    error_code: Option<&'a str> => Text,
+    reason: Option<&'a str> => Text,
+    next_run_at: Option<UnixMs> => Int,
+    deadline_at: Option<UnixMs> => Int,
+    started_at: Option<UnixMs> => Int,
+    finished_at: Option<UnixMs> => Int,
+    updated_at: UnixMs => Int,
+    provider: Option<&'a str> => Text,
+    unknowns: i32 => Int,
+});
 
 impl<'a> StepJson<'a> {
     pub(crate) fn new(installation: &str, record_id: i64, s: &'a StepWrite, now: UnixMs) -> Self {
@@ -169,34 +158,19 @@ impl<'a> StepJson<'a> {
     }
 }
 
-pub(crate) const ATTEMPT_COLS: &[(&str, Ty)] = &[
-    ("record_id", Ty::Int),
-    ("step", Ty::Text),
-    ("provider", Ty::Text),
-    ("attempt_no", Ty::Int),
-    ("node", Ty::Text),
-    ("started_at", Ty::Int),
-    ("duration_ms", Ty::Int),
-    ("http_status", Ty::Int),
-    ("outcome", Ty::Text),
-    ("error_code", Ty::Text),
-    ("excerpt", Ty::Text),
-];
-
-#[derive(Serialize)]
-pub(crate) struct AttemptJson<'a> {
-    record_id: i64,
-    step: &'a str,
-    provider: Option<&'a str>,
-    attempt_no: i32,
-    node: Option<&'a str>,
-    started_at: UnixMs,
-    duration_ms: i64,
-    http_status: Option<i32>,
-    outcome: &'static str,
-    error_code: Option<&'a str>,
-    excerpt: Option<&'a str>,
-}
+json_row!(AttemptJson, ATTEMPT_COLS {
+    record_id: i64 => Int,
+    step: &'a str => Text,
+    provider: Option<&'a str> => Text,
+    attempt_no: i32 => Int,
+    node: Option<&'a str> => Text,
+    started_at: UnixMs => Int,
+    duration_ms: i64 => Int,
+    http_status: Option<i32> => Int,
+    outcome: &'static str => Text,
+    error_code: Option<&'a str> => Text,
+    excerpt: Option<&'a str> => Text,
+});
 
 impl<'a> AttemptJson<'a> {
     pub(crate) fn new(record_id: i64, a: &'a NewAttempt) -> Self {
@@ -219,35 +193,21 @@ impl<'a> AttemptJson<'a> {
     }
 }
 
-/// The worker-owned columns of a record, as `update_records` writes them.
-pub(crate) const RECORD_UPDATE_COLS: &[(&str, Ty)] = &[
-    ("id", Ty::Int),
-    ("state", Ty::Text),
-    ("next_run_at", Ty::Int),
-    ("lease_owner", Ty::Text),
-    ("lease_until", Ty::Int),
-    ("step", Ty::Text),
-    ("provider", Ty::Text),
-    ("error_code", Ty::Text),
-    ("reason", Ty::Text),
-    ("updated_at", Ty::Int),
-    ("finished_at", Ty::Int),
-];
-
-#[derive(Serialize)]
-pub(crate) struct RecordUpdateJson<'a> {
-    id: i64,
-    state: &'static str,
-    next_run_at: Option<UnixMs>,
-    lease_owner: Option<&'a str>,
-    lease_until: Option<UnixMs>,
-    step: Option<&'a str>,
-    provider: Option<&'a str>,
-    error_code: Option<&'a str>,
-    reason: Option<&'a str>,
-    updated_at: UnixMs,
-    finished_at: Option<UnixMs>,
-}
+json_row!(
+    /// The worker-owned columns of a record, as `update_records` writes them.
+    RecordUpdateJson, RECORD_UPDATE_COLS {
+    id: i64 => Int,
+    state: &'static str => Text,
+    next_run_at: Option<UnixMs> => Int,
+    lease_owner: Option<&'a str> => Text,
+    lease_until: Option<UnixMs> => Int,
+    step: Option<&'a str> => Text,
+    provider: Option<&'a str> => Text,
+    error_code: Option<&'a str> => Text,
+    reason: Option<&'a str> => Text,
+    updated_at: UnixMs => Int,
+    finished_at: Option<UnixMs> => Int,
+});
 
 impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
     fn from(r: &'a Record) -> Self {
@@ -267,28 +227,16 @@ impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
     }
 }
 
-pub(crate) const NEW_RECORD_COLS: &[(&str, Ty)] = &[
-    ("pipeline", Ty::Text),
-    ("pipeline_version", Ty::Int),
-    ("external_key", Ty::Text),
-    ("state", Ty::Text),
-    ("input", Ty::Json),
-    ("next_run_at", Ty::Int),
-    ("created_at", Ty::Int),
-    ("updated_at", Ty::Int),
-];
-
-#[derive(Serialize)]
-pub(crate) struct NewRecordJson<'a> {
-    pipeline: &'a str,
-    pipeline_version: Option<i64>,
-    external_key: Option<&'a str>,
-    state: &'static str,
-    input: &'a Value,
-    next_run_at: UnixMs,
-    created_at: UnixMs,
-    updated_at: UnixMs,
-}
+json_row!(NewRecordJson, NEW_RECORD_COLS {
+    pipeline: &'a str => Text,
+    pipeline_version: Option<i64> => Int,
+    external_key: Option<&'a str> => Text,
+    state: &'static str => Text,
+    input: &'a Value => Json,
+    next_run_at: UnixMs => Int,
+    created_at: UnixMs => Int,
+    updated_at: UnixMs => Int,
+});
 
 impl<'a> NewRecordJson<'a> {
     pub(crate) fn new(r: &'a NewRecord, now: UnixMs) -> Self {
@@ -305,17 +253,12 @@ impl<'a> NewRecordJson<'a> {
     }
 }
 
-pub(crate) const COUNT_COLS: &[(&str, Ty)] = &[
-    ("name", Ty::Text),
-    ("state", Ty::Text),
-    ("shard", Ty::Int),
-    ("n", Ty::Int),
-];
-
-#[derive(Serialize)]
-pub(crate) struct CountJson<'a> {
-    pub name: &'a str,
-    pub state: &'static str,
-    pub shard: i32,
-    pub n: i64,
-}
+json_row!(
+    /// A counter delta; `name` fills the table's key column (pipeline or
+    /// provider), so `apply_counts` names the columns itself.
+    CountJson, COUNT_COLS {
+    name: &'a str => Text,
+    state: &'static str => Text,
+    shard: i32 => Int,
+    n: i64 => Int,
+});

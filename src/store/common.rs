@@ -14,6 +14,15 @@
 //! - `fn counter_shard() -> i32`
 //! - `async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>>`
 
+/// A statement text built once per call site (and so once per backend:
+/// `common_store!` expands every call site for each), then reused.
+macro_rules! cached_sql {
+    ($build:expr) => {{
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        SQL.get_or_init(|| $build).as_str()
+    }};
+}
+
 /// Instantiates the shared store logic. `lock` is appended to row reads made
 /// inside a write transaction; `audit` is the spelling of "audit is true"
 /// that matches the backend's partial indexes; `rows` is the table of JSON
@@ -63,10 +72,10 @@ macro_rules! common_store {
             pub(crate) async fn apply_counts(tx: &mut Tx, deltas: &CountDeltas) -> StoreResult<()> {
                 let shard = Self::counter_shard();
                 let tables = [
-                    ("record_counts", "pipeline", deltas.nonzero().collect::<Vec<_>>()),
-                    ("provider_counts", "provider", deltas.provider_nonzero().collect::<Vec<_>>()),
+                    (cached_sql!(Self::counts_sql("record_counts", "pipeline")), deltas.nonzero().collect::<Vec<_>>()),
+                    (cached_sql!(Self::counts_sql("provider_counts", "provider")), deltas.provider_nonzero().collect::<Vec<_>>()),
                 ];
-                for (table, key, rows) in tables {
+                for (sql, rows) in tables {
                     if rows.is_empty() {
                         continue;
                     }
@@ -74,35 +83,35 @@ macro_rules! common_store {
                         .iter()
                         .map(|(name, state, n)| batch::CountJson { name, state: state.as_str(), shard, n: *n })
                         .collect();
-                    let (_, select) = batch::select(batch::COUNT_COLS);
-                    let sql = format!(
-                        "INSERT INTO {table} ({key}, state, shard, n) SELECT {select} FROM {} WHERE true ORDER BY key \
-                         ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
-                        $rows
-                    );
-                    sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
+                    sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 }
                 Ok(())
+            }
+
+            /// The counter upsert into `table`, whose key column is `key`.
+            fn counts_sql(table: &str, key: &str) -> String {
+                format!(
+                    "INSERT INTO {table} ({key}, state, shard, n) SELECT {} FROM {} WHERE true ORDER BY key \
+                     ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
+                    batch::select(batch::COUNT_COLS),
+                    $rows
+                )
             }
 
             /// Appends one event inside the caller's transaction and
             /// returns it as stored.
             pub(crate) async fn insert_event(tx: &mut Tx, e: &EventRow<'_>) -> StoreResult<Event> {
-                let sql = format!(
-                    "{} RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail",
-                    Self::events_insert()
-                );
-                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                let sql = cached_sql!(batch::insert(
+                    "events",
+                    batch::EVENT_COLS,
+                    $rows,
+                    "RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
+                ));
+                let row = sqlx::query(sql)
                     .bind(Json([batch::EventJson::from(e)]))
                     .fetch_one(&mut **tx)
                     .await?;
                 map::event(&row)
-            }
-
-            /// `INSERT INTO events … SELECT` from the JSON rows in `$1`.
-            fn events_insert() -> String {
-                let (cols, select) = batch::select(batch::EVENT_COLS);
-                format!("INSERT INTO events ({cols}) SELECT {select} FROM {} ORDER BY key", $rows)
             }
 
             async fn lock_record(tx: &mut Tx, id: i64) -> StoreResult<Option<Record>> {
@@ -138,20 +147,20 @@ macro_rules! common_store {
                     .iter()
                     .map(|(record_id, s, now)| batch::StepJson::new(installation, *record_id, s, *now))
                     .collect();
-                let (cols, select) = batch::select(batch::STEP_COLS);
-                let sql = format!(
-                    "INSERT INTO step_runs ({cols}) SELECT {select} FROM {} WHERE true \
-                     ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
+                let sql = cached_sql!(batch::insert(
+                    "step_runs",
+                    batch::STEP_COLS,
+                    $rows,
+                    "ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
                        unknowns = excluded.unknowns, \
                        generation = excluded.generation, attempts = excluded.attempts, \
                        idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
                        output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
                        next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
                        started_at = excluded.started_at, finished_at = excluded.finished_at, \
-                       updated_at = excluded.updated_at",
-                    $rows
-                );
-                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
+                       updated_at = excluded.updated_at"
+                ));
+                sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
@@ -162,9 +171,8 @@ macro_rules! common_store {
                 }
                 let rows: Vec<batch::AttemptJson<'_>> =
                     attempts.iter().map(|(record_id, a)| batch::AttemptJson::new(*record_id, a)).collect();
-                let (cols, select) = batch::select(batch::ATTEMPT_COLS);
-                let sql = format!("INSERT INTO attempts ({cols}) SELECT {select} FROM {} ORDER BY key", $rows);
-                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
+                let sql = cached_sql!(batch::insert("attempts", batch::ATTEMPT_COLS, $rows, ""));
+                sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
@@ -175,18 +183,19 @@ macro_rules! common_store {
                     return Ok(());
                 }
                 let rows: Vec<batch::EventJson<'_>> = events.iter().map(batch::EventJson::from).collect();
-                sqlx::query(sqlx::AssertSqlSafe(Self::events_insert())).bind(Json(&rows)).execute(&mut **tx).await?;
+                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, $rows, ""));
+                sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
             /// Reads and (on PostgreSQL) locks records, in id order, so that
             /// two multi-row writers can never deadlock.
             async fn lock_records(tx: &mut Tx, ids: &[i64]) -> StoreResult<std::collections::HashMap<i64, Record>> {
-                let sql = format!(
+                let sql = cached_sql!(format!(
                     "SELECT {RECORD_COLUMNS} FROM records WHERE id IN (SELECT CAST(value AS BIGINT) FROM {}) ORDER BY id{}",
                     $rows, $lock
-                );
-                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(ids)).fetch_all(&mut **tx).await?;
+                ));
+                let rows = sqlx::query(sql).bind(Json(ids)).fetch_all(&mut **tx).await?;
                 let mut out = std::collections::HashMap::with_capacity(ids.len());
                 for row in &rows {
                     let rec = map::record(row)?;
@@ -202,7 +211,7 @@ macro_rules! common_store {
                     return Ok(());
                 }
                 let rows: Vec<batch::RecordUpdateJson<'_>> = records.iter().map(batch::RecordUpdateJson::from).collect();
-                let sql = format!(
+                let sql = cached_sql!(format!(
                     "WITH v AS (SELECT {} FROM {}) \
                      UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
                        lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
@@ -211,8 +220,8 @@ macro_rules! common_store {
                      FROM v WHERE records.id = v.id",
                     batch::select_as(batch::RECORD_UPDATE_COLS),
                     $rows
-                );
-                sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).execute(&mut **tx).await?;
+                ));
+                sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
 
@@ -286,13 +295,13 @@ macro_rules! common_store {
             async fn insert_records(tx: &mut Tx, batch: &[NewRecord], now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Vec<Created>> {
                 let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
                 let rows: Vec<batch::NewRecordJson<'_>> = batch.iter().map(|r| batch::NewRecordJson::new(r, now)).collect();
-                let (cols, select) = batch::select(batch::NEW_RECORD_COLS);
-                let sql = format!(
-                    "INSERT INTO records ({cols}) SELECT {select} FROM {} WHERE true ORDER BY key \
-                     ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}",
-                    $rows
-                );
-                let inserted = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(&rows)).fetch_all(&mut **tx).await?;
+                let sql = cached_sql!(batch::insert(
+                    "records",
+                    batch::NEW_RECORD_COLS,
+                    $rows,
+                    &format!("ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}")
+                ));
+                let inserted = sqlx::query(sql).bind(Json(&rows)).fetch_all(&mut **tx).await?;
                 let mut inserted = map::all(&inserted, map::record)?;
                 // Ids are taken in the order of the rows (ORDER BY their
                 // position), so the inserted rows, by id, are the batch minus
@@ -944,12 +953,12 @@ macro_rules! common_store {
             }
 
             async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
-                let sql = format!(
+                let sql = cached_sql!(format!(
                     "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id IN (SELECT CAST(value AS BIGINT) FROM {}) \
                      ORDER BY record_id, step",
                     $rows
-                );
-                let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(Json(record_ids)).fetch_all(self.reader()).await?;
+                ));
+                let rows = sqlx::query(sql).bind(Json(record_ids)).fetch_all(self.reader()).await?;
                 map::all(&rows, map::step_run)
             }
 
@@ -1506,4 +1515,4 @@ macro_rules! common_store {
     };
 }
 
-pub(crate) use common_store;
+pub(crate) use {cached_sql, common_store};

@@ -11,7 +11,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Pool, Postgres, Row};
 
 use super::ConnectOptions;
-use super::common::common_store;
+use super::common::{cached_sql, common_store};
 use super::rows::row_mappers;
 
 row_mappers!(sqlx::postgres::PgRow);
@@ -19,9 +19,9 @@ row_mappers!(sqlx::postgres::PgRow);
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
 
-/// How long a session may sit inside a transaction waiting for Ballast
-/// before the server ends it (see `PgStore::connect`).
-const IDLE_IN_TRANSACTION_TIMEOUT: &str = "10s";
+/// Each session's limit on sitting inside a transaction waiting for
+/// Ballast, after which the server ends it (see `PgStore::connect`).
+const SET_IDLE_IN_TRANSACTION_TIMEOUT: &str = "SET idle_in_transaction_session_timeout = '10s'";
 
 /// How many rows each (pipeline, state) counter is spread over, so that
 /// concurrent transactions rarely wait on the same counter row.
@@ -48,12 +48,10 @@ impl PgStore {
             // own transactions never wait on the client for long.
             .after_connect(|conn, _meta| {
                 Box::pin(async move {
-                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                        "SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}'"
-                    )))
-                    .execute(conn)
-                    .await
-                    .map(|_| ())
+                    sqlx::raw_sql(SET_IDLE_IN_TRANSACTION_TIMEOUT)
+                        .execute(conn)
+                        .await
+                        .map(|_| ())
                 })
             })
             .max_connections(opts.max_connections.max(1))

@@ -15,7 +15,7 @@ use sqlx::sqlite::{
 use sqlx::{Pool, Sqlite};
 
 use super::ConnectOptions;
-use super::common::common_store;
+use super::common::{cached_sql, common_store};
 use super::rows::row_mappers;
 
 row_mappers!(sqlx::sqlite::SqliteRow);

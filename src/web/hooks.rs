@@ -78,7 +78,7 @@ async fn receive(
     };
     // Kept like a reply's body: NUL characters (which PostgreSQL cannot
     // store, and a provider would redeliver forever) become U+FFFD.
-    crate::domain::rewrite_json_strings(&mut json, &crate::domain::nul_free);
+    crate::domain::rewrite_json_strings(&mut json, &|s| crate::domain::storable_text(s, &[]));
     // Each delivery id is applied once (taken in the transaction that
     // stores the delivery): a redelivery changes nothing.
     let delivery = headers

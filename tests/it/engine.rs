@@ -228,22 +228,6 @@ async fn postgres_chaos_run() {
     chaos_run(Backend::Postgres).await;
 }
 
-/// Whether `node` holds the lease of any running record.
-async fn holds_leases(db: &Db, node: &str) -> bool {
-    let running = db
-        .list_records(&RecordFilter {
-            state: Some(ballast::domain::RecordState::Running),
-            limit: 500,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    running
-        .items
-        .iter()
-        .any(|r| r.lease_owner.as_deref() == Some(node))
-}
-
 /// Starts an engine on its own runtime, so that "crashing" it (shutting the
 /// runtime down without notice) kills every task it had, as `kill -9` would.
 fn start_node(url: String, config: Arc<Config>, node: String) -> tokio::runtime::Runtime {
@@ -290,7 +274,7 @@ async fn crash_and_resume(backend: Backend) {
         // flight at a random moment: the rest waits on backoff or polls).
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            if holds_leases(&t.db, &name).await {
+            if crate::helpers::lease_holders(&t.db).await.contains(&name) {
                 crashes_holding_work += 1;
                 break;
             }

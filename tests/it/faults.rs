@@ -13,7 +13,7 @@ use ballast::domain::Role;
 use ballast::store::{ConnectOptions, Db, Store};
 use serde_json::{Value, json};
 
-use crate::helpers::free_port;
+use crate::helpers::{free_port, lease_holders, records_in};
 
 /// A `ballast serve` child in `dir` (its `ballast.toml`, its `ballast.db`),
 /// logging to `dir/serve.log`; killed when dropped.
@@ -86,19 +86,17 @@ impl Drop for Serve {
     }
 }
 
-/// Up to 500 records, newest first, in `state` when given.
-async fn records_in(
-    db: &Db,
-    state: Option<ballast::domain::RecordState>,
-) -> Vec<ballast::domain::Record> {
-    db.list_records(&ballast::store::RecordFilter {
-        state,
-        limit: 500,
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .items
+/// `n` records of `pipeline` due now, keyed `k-0`…, with `input(i)`.
+fn due_now(pipeline: &str, n: i64, input: impl Fn(i64) -> Value) -> Vec<ballast::store::NewRecord> {
+    (0..n)
+        .map(|i| ballast::store::NewRecord {
+            pipeline: pipeline.into(),
+            pipeline_version: None,
+            external_key: Some(format!("k-{i}")),
+            input: input(i),
+            run_at: ballast::engine::now_ms(),
+        })
+        .collect()
 }
 
 /// Counts `needle` in `haystack` (bytes).
@@ -202,18 +200,12 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
         .await
         .unwrap();
     const N: i64 = 30;
-    let batch: Vec<ballast::store::NewRecord> = (0..N)
-        .map(|n| ballast::store::NewRecord {
-            pipeline: "leak".into(),
-            pipeline_version: None,
-            external_key: Some(format!("k-{n}")),
-            input: json!({ "n": n }),
-            run_at: ballast::engine::now_ms(),
-        })
-        .collect();
-    db.create_records(batch, ballast::engine::now_ms())
-        .await
-        .unwrap();
+    db.create_records(
+        due_now("leak", N, |n| json!({ "n": n })),
+        ballast::engine::now_ms(),
+    )
+    .await
+    .unwrap();
     crate::engine::wait_at_rest(&db, N, Duration::from_secs(60)).await;
 
     // Every page, fragment and API answer an admin can reach.
@@ -587,15 +579,6 @@ fn signal(child: &Child, signal: &str) {
     assert!(ok.success(), "kill -{signal}");
 }
 
-/// The nodes holding leases of running records.
-async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
-    records_in(db, Some(ballast::domain::RecordState::Running))
-        .await
-        .into_iter()
-        .filter_map(|r| r.lease_owner)
-        .collect()
-}
-
 /// Item 3, stale worker: a `ballast serve` frozen (SIGSTOP) past its lease
 /// while its calls are in flight; a second node takes its records over and
 /// finishes them; the first, resumed, has every late write refused. Each
@@ -644,16 +627,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
         .await
         .unwrap();
     const N: i64 = 120;
-    let batch: Vec<ballast::store::NewRecord> = (0..N)
-        .map(|n| ballast::store::NewRecord {
-            pipeline: "pay".into(),
-            pipeline_version: None,
-            external_key: Some(format!("s-{n}")),
-            input: json!({}),
-            run_at: ballast::engine::now_ms(),
-        })
-        .collect();
-    db.create_records(batch, ballast::engine::now_ms())
+    db.create_records(due_now("pay", N, |_| json!({})), ballast::engine::now_ms())
         .await
         .unwrap();
     // Freeze A while it holds records with calls in flight.

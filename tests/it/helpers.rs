@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ballast::store::{Backend, ConnectOptions, Db, migrate};
+use ballast::store::{Backend, ConnectOptions, Db, Store, migrate};
 use sqlx::Connection;
 use tempfile::TempDir;
 
@@ -212,4 +212,28 @@ fn parse_response(response: &str) -> (u16, String) {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// Up to 500 records, newest first, in `state` when given.
+pub async fn records_in(
+    db: &Db,
+    state: Option<ballast::domain::RecordState>,
+) -> Vec<ballast::domain::Record> {
+    db.list_records(&ballast::store::RecordFilter {
+        state,
+        limit: 500,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .items
+}
+
+/// The nodes holding leases of running records.
+pub async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
+    records_in(db, Some(ballast::domain::RecordState::Running))
+        .await
+        .into_iter()
+        .filter_map(|r| r.lease_owner)
+        .collect()
 }
