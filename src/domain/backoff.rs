@@ -94,6 +94,19 @@ impl RetryBudget {
         self.balance = (self.balance + self.ratio).min(self.max_balance);
     }
 
+    /// A retry got an answer that was not a failure: it returns its token
+    /// and earns one more. The budget exists so that retries cannot
+    /// multiply the load on a provider that is failing; a retry that is
+    /// answered did no such harm. Without this, a backlog deferred during an
+    /// outage would come back at the floor rate (1/s by default: minutes
+    /// for a few hundred records); with it, retries double per round trip
+    /// while they are answered (up to the balance cap, as TCP's slow start
+    /// does), and stop growing as soon as they fail again.
+    pub fn on_retry_answered(&mut self, now_ms: i64) {
+        self.refill(now_ms);
+        self.balance = (self.balance + 2.0).min(self.max_balance);
+    }
+
     /// Asks to spend one retry; false means "not now, defer instead".
     pub fn try_retry(&mut self, now_ms: i64) -> bool {
         self.refill(now_ms);
@@ -171,6 +184,39 @@ mod tests {
         }
         // 20 banked (10 s of floor) + 2 per second for ~99 s.
         assert!((210..=220).contains(&granted), "{granted}");
+    }
+
+    #[test]
+    fn answered_retries_fund_the_next_after_an_outage() {
+        // An outage spent the balance: only the floor (1/s) is left.
+        let mut budget = RetryBudget::new(0.2, 1.0, 0);
+        while budget.try_retry(0) {}
+        // The provider is back; a backlog of 500 deferred retries. Each
+        // round trip, every granted retry is answered and refunded.
+        let (mut done, mut rounds, mut t) = (0, 0, 1_000);
+        while done < 500 {
+            let mut granted = 0;
+            while done + granted < 500 && budget.try_retry(t) {
+                granted += 1;
+            }
+            for _ in 0..granted {
+                budget.on_retry_answered(t);
+            }
+            done += granted;
+            rounds += 1;
+            t += 50;
+        }
+        // Doubling to the cap (20), then 20 a round trip; without refunds
+        // the floor alone would take 500 s.
+        assert!(rounds <= 40, "{rounds} round trips for 500 retries");
+        // Failed retries are not refunded: the cap still holds.
+        let mut budget = RetryBudget::new(0.2, 0.0, 0);
+        let mut retries = 0;
+        for _ in 0..1000 {
+            budget.on_call(0);
+            retries += usize::from(budget.try_retry(0));
+        }
+        assert!(retries <= 201, "{retries}");
     }
 
     proptest! {

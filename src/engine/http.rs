@@ -174,9 +174,30 @@ pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
             }
         }
     }
-    let text = String::from_utf8_lossy(&body);
+    let (reply, excerpt) = read_reply(status, &body, body_error, call.max_body);
+    Exchange {
+        reply,
+        http_status: Some(status),
+        retry_after,
+        took: started.elapsed(),
+        excerpt,
+    }
+}
+
+/// The reply a provider's status and body (as much of it as was read) make,
+/// and its excerpt for the attempt history. `body_error` is what went wrong
+/// while reading it (`BodyTooLarge`: it was cut at `max_body`); otherwise a
+/// body that is not JSON is `BodyNotJson`. Any bytes at all give a reply:
+/// the fuzz tests (`tests/it/fuzz.rs`) hold it to that.
+pub fn read_reply(
+    status: u16,
+    body: &[u8],
+    mut body_error: Option<ReplyError>,
+    max_body: u64,
+) -> (Reply, String) {
+    let text = String::from_utf8_lossy(body);
     let json = if body_error.is_none() {
-        match serde_json::from_slice::<Value>(&body) {
+        match serde_json::from_slice::<Value>(body) {
             Ok(v) => Some(v),
             Err(_) => {
                 body_error = Some(ReplyError::BodyNotJson);
@@ -188,24 +209,18 @@ pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
     };
     let shown = match body_error {
         Some(ReplyError::BodyTooLarge) => format!(
-            "body over {} bytes; starts: {}",
-            call.max_body,
+            "body over {max_body} bytes; starts: {}",
             excerpt(&text, 512)
         ),
         Some(ReplyError::BodyNotJson) if body.is_empty() => "empty body".to_owned(),
         _ => text.into_owned(),
     };
-    Exchange {
-        reply: Reply::Http {
-            status,
-            json,
-            body_error,
-        },
-        http_status: Some(status),
-        retry_after,
-        took: started.elapsed(),
-        excerpt: excerpt(&shown, EXCERPT_MAX_BYTES).to_owned(),
-    }
+    let reply = Reply::Http {
+        status,
+        json,
+        body_error,
+    };
+    (reply, excerpt(&shown, EXCERPT_MAX_BYTES).to_owned())
 }
 
 /// Maps a transport error to its class.

@@ -117,6 +117,9 @@ struct Inner {
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.
     committer: committer::Committer,
+    /// Cancelled when `run` stops claiming: passes already running finish
+    /// the calls they have in flight but start no new ones.
+    stopping: CancellationToken,
 }
 
 /// How a provider's webhooks are checked; secrets read from the environment.
@@ -210,6 +213,7 @@ impl Engine {
                 installation,
                 started_at: now,
                 wake: Notify::new(),
+                stopping: CancellationToken::new(),
                 held: Mutex::default(),
                 slots,
                 stats: stats::StatsRecorder::new(&opts_node),
@@ -814,6 +818,9 @@ impl Engine {
                 Ok(p) = i.slots.clone().acquire_owned(), if busy => drop(p),
             }
         }
+        // Calls in flight finish; passes waiting for a slot, the rate limit
+        // or their next step start no call and give their records back.
+        i.stopping.cancel();
         tasks.close();
         if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
             tracing::warn!(
@@ -1160,6 +1167,7 @@ impl Engine {
                 now,
                 callbacks: deliveries.get(&s.name).cloned().unwrap_or_default(),
                 max_wait: i.opts.lease / 4,
+                stopping: &i.stopping,
             };
             async move { run.execute(rt.as_deref()).await }
         }))

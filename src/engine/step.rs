@@ -103,6 +103,8 @@ pub struct StepRun<'a> {
     pub callbacks: Vec<crate::store::PendingCallback>,
     /// The longest this pass may wait for a slot or the rate limit.
     pub max_wait: Duration,
+    /// The node is shutting down: make no new call.
+    pub stopping: &'a tokio_util::sync::CancellationToken,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -139,6 +141,12 @@ impl StepRun<'_> {
             breaker_moved: None,
             callbacks_done: Vec::new(),
         }
+    }
+
+    /// Gives the step back, due now, without a call: the node is stopping.
+    fn shutting_down(self) -> StepOutput {
+        let now = self.now;
+        self.defer(now, "node shutting down")
     }
 
     /// Defers the step to `at` without spending an attempt.
@@ -236,8 +244,10 @@ impl StepRun<'_> {
         // cannot be served soon goes back to the queue (no attempt spent)
         // instead of sitting on a lease while others could take it.
         let wait_until = tokio::time::Instant::now() + self.max_wait;
-        let slot =
-            tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()).await;
+        let slot = tokio::select! {
+            slot = tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()) => slot,
+            () = self.stopping.cancelled() => return self.shutting_down(),
+        };
         let Ok(Ok(_slot)) = slot else {
             return self.defer(super::now_ms() + 50, "provider concurrency cap reached");
         };
@@ -251,7 +261,10 @@ impl StepRun<'_> {
                         + Duration::from_millis((at - t).max(1) as u64)
                         <= wait_until =>
                 {
-                    tokio::time::sleep(Duration::from_millis((at - t).max(1) as u64)).await
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis((at - t).max(1) as u64)) => {}
+                        () = self.stopping.cancelled() => return self.shutting_down(),
+                    }
                 }
                 Err(at) => return self.defer(at, "provider rate limit"),
             }
@@ -266,6 +279,9 @@ impl StepRun<'_> {
             },
             Err(r) => return self.defer(r.until, "provider circuit breaker open"),
         };
+        if self.stopping.is_cancelled() {
+            return self.shutting_down();
+        }
         if is_retry && !rt.budget().try_retry(super::now_ms()) {
             return self.defer(super::now_ms() + 1_000, "provider retry budget exhausted");
         }
@@ -331,6 +347,9 @@ impl StepRun<'_> {
 
         let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
         let breaker_moved = probe.record(failed, x.took, after).then(|| rt.name.clone());
+        if is_retry && !failed {
+            rt.budget().on_retry_answered(after);
+        }
         if x.http_status == Some(429) {
             // The whole provider slows down, not just this record.
             let pause = x.retry_after.unwrap_or(retry.base.0);

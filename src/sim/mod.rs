@@ -8,7 +8,9 @@
 //! - `POST /v1/jobs`, `GET /v1/jobs/{id}`: an asynchronous job to poll.
 //! - `GET /_sim/ledger`: effects per key and per `ref`, double charges.
 //! - `GET /_sim/stats`: requests, and the most in any one second.
-//! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now.
+//! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now;
+//!   503s unless `"status"` says 429 (with `"retry_after"`, the header's
+//!   text) or another 5xx.
 
 mod profile;
 
@@ -70,7 +72,9 @@ struct Sim {
     started: Instant,
     /// Requests per whole second since start, at arrival.
     per_second: Mutex<Vec<u32>>,
-    outage: Mutex<Option<(Instant, f64)>>,
+    /// A manual outage: until when, the share of requests it hits, and
+    /// what they get.
+    outage: Mutex<Option<(Instant, f64, Fault)>>,
     next_id: Mutex<u64>,
     client: reqwest::Client,
     callbacks_sent: Mutex<u64>,
@@ -164,9 +168,17 @@ impl SimHandle {
         self.sim.stats_figures()
     }
 
-    /// Every request fails (or `brownout` of them do) for `for_ms` from now.
+    /// Every request fails with a 503 (or `brownout` of them do) for
+    /// `for_ms` from now.
     pub fn outage(&self, for_ms: u64, brownout: f64) {
-        self.sim.set_outage(for_ms, brownout);
+        self.sim
+            .set_outage(for_ms, brownout, Fault::ServerError(503));
+    }
+
+    /// A storm: every request (or `brownout` of them) gets `fault` for
+    /// `for_ms` from now, e.g. `Fault::RateLimited(Some("2".into()))`.
+    pub fn storm(&self, for_ms: u64, brownout: f64, fault: Fault) {
+        self.sim.set_outage(for_ms, brownout, fault);
     }
 
     pub fn stop(&self) {
@@ -215,10 +227,11 @@ impl Sim {
         }
     }
 
-    fn set_outage(&self, for_ms: u64, brownout: f64) {
+    fn set_outage(&self, for_ms: u64, brownout: f64, fault: Fault) {
         *Self::lock(&self.outage) = Some((
             Instant::now() + Duration::from_millis(for_ms),
             brownout.clamp(0.0, 1.0),
+            fault,
         ));
     }
 
@@ -240,19 +253,19 @@ impl Sim {
     /// Draws this request's fate: an outage first, then the profile's mix.
     fn draw(&self) -> (Fault, Duration, bool) {
         let mut rng = Self::lock(&self.rng);
-        let outage = *Self::lock(&self.outage);
+        let outage = Self::lock(&self.outage).clone();
         let elapsed = self.started.elapsed();
         let scheduled = self
             .profile
             .outages
             .iter()
             .find(|o| elapsed >= o.after && elapsed < o.after + o.lasts)
-            .map(|o| o.brownout);
+            .map(|o| (o.brownout, Fault::ServerError(503)));
         let manual = outage
-            .filter(|(until, _)| Instant::now() < *until)
-            .map(|(_, b)| b);
+            .filter(|(until, _, _)| Instant::now() < *until)
+            .map(|(_, b, f)| (b, f));
         let fault = match manual.or(scheduled) {
-            Some(brownout) if rng.f64() < brownout.max(f64::EPSILON) => Fault::ServerError(503),
+            Some((brownout, fault)) if rng.f64() < brownout.max(f64::EPSILON) => fault,
             _ => self.profile.draw_fault(&mut rng),
         };
         let latency = self.profile.draw_latency(&mut rng);
@@ -578,6 +591,15 @@ async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
 async fn outage(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {
     let for_ms = body.get("for_ms").and_then(Value::as_u64).unwrap_or(10_000);
     let brownout = body.get("brownout").and_then(Value::as_f64).unwrap_or(1.0);
-    sim.set_outage(for_ms, brownout);
+    let fault = match body.get("status").and_then(Value::as_u64) {
+        Some(429) => Fault::RateLimited(
+            body.get("retry_after")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+        ),
+        Some(code @ 500..=599) => Fault::ServerError(code as u16),
+        _ => Fault::ServerError(503),
+    };
+    sim.set_outage(for_ms, brownout, fault);
     StatusCode::NO_CONTENT
 }

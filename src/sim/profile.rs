@@ -202,7 +202,12 @@ impl Profile {
     fn draw_retry_after(&self, rng: &mut fastrand::Rng) -> Option<String> {
         let max = self.retry_after_max_secs.max(1);
         // Scaled like latencies, so fast test profiles ask for short waits.
-        let secs = ((rng.u64(1..=max) as f64) * self.latency_scale.clamp(0.0, 1.0)).round() as u64;
+        // The header counts whole seconds: rounded down, a scaled wait of
+        // 0.6 s is no wait, as 12 ms would be. Rounded to nearest, it paused
+        // the whole provider for a second on every such 429 — 50 times the
+        // intended wait at scale 0.02, polls deferred until their deadlines
+        // passed.
+        let secs = ((rng.u64(1..=max) as f64) * self.latency_scale.clamp(0.0, 1.0)).floor() as u64;
         match rng.u8(0..10) {
             0..=5 => Some(secs.to_string()),
             6..=7 => {

@@ -27,9 +27,12 @@ macro_rules! cached_sql {
 /// inside a write transaction; `audit` is the spelling of "audit is true"
 /// that matches the backend's partial indexes; `rows` is the table of JSON
 /// rows (columns `value` and `key`, the position) read from parameter `$1`
-/// (see `batch.rs`).
+/// (see `batch.rs`); `any_of` is how `column <any_of.0>subquery<any_of.1>`
+/// matches a key against a subquery's values through the key's index
+/// whatever the statistics say (see `postgres.rs`).
 macro_rules! common_store {
-    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, rows = $rows:literal) => {
+    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, rows = $rows:literal,
+     any_of = ($any_open:literal, $any_close:literal)) => {
         use serde_json::Value as JsonValue;
         use sqlx::types::Json;
         use sqlx::Transaction;
@@ -192,8 +195,8 @@ macro_rules! common_store {
             /// two multi-row writers can never deadlock.
             async fn lock_records(tx: &mut Tx, ids: &[i64]) -> StoreResult<std::collections::HashMap<i64, Record>> {
                 let sql = cached_sql!(format!(
-                    "SELECT {RECORD_COLUMNS} FROM records WHERE id IN (SELECT CAST(value AS BIGINT) FROM {}) ORDER BY id{}",
-                    $rows, $lock
+                    "SELECT {RECORD_COLUMNS} FROM records WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{} ORDER BY id{}",
+                    $any_open, $rows, $any_close, $lock
                 ));
                 let rows = sqlx::query(sql).bind(Json(ids)).fetch_all(&mut **tx).await?;
                 let mut out = std::collections::HashMap::with_capacity(ids.len());
@@ -217,9 +220,11 @@ macro_rules! common_store {
                        lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
                        provider = v.provider, error_code = v.error_code, reason = v.reason, \
                        updated_at = v.updated_at, finished_at = v.finished_at \
-                     FROM v WHERE records.id = v.id",
+                     FROM v WHERE records.id = v.id AND records.id {}SELECT id FROM v{}",
                     batch::select_as(batch::RECORD_UPDATE_COLS),
-                    $rows
+                    $rows,
+                    $any_open,
+                    $any_close
                 ));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
@@ -954,9 +959,11 @@ macro_rules! common_store {
 
             async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
                 let sql = cached_sql!(format!(
-                    "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id IN (SELECT CAST(value AS BIGINT) FROM {}) \
+                    "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id {}SELECT CAST(value AS BIGINT) FROM {}{} \
                      ORDER BY record_id, step",
-                    $rows
+                    $any_open,
+                    $rows,
+                    $any_close
                 ));
                 let rows = sqlx::query(sql).bind(Json(record_ids)).fetch_all(self.reader()).await?;
                 map::all(&rows, map::step_run)

@@ -135,5 +135,6 @@ common_store!(
     Sqlite,
     lock = "",
     audit = "audit = 1",
-    rows = "json_each($1)"
+    rows = "json_each($1)",
+    any_of = ("IN (", ")")
 );

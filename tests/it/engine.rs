@@ -16,10 +16,17 @@ use tokio_util::sync::CancellationToken;
 
 use crate::helpers::TestDb;
 
-/// A provider on the simulator and a three-step pipeline: a charge
+/// A provider on the simulator and a three-step pipeline `chain`: a charge
 /// (request), a render (submit, then poll), an optional notification.
 fn config(base_url: &str) -> Arc<Config> {
-    let text = format!(
+    let config = Config::parse(&chain_toml(base_url), Path::new("engine-test.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    Arc::new(config)
+}
+
+/// [`config`]'s text, for tests that run `ballast serve` on it.
+pub fn chain_toml(base_url: &str) -> String {
+    format!(
         r#"
 [providers.sim]
 base_url = "{base_url}"
@@ -64,10 +71,7 @@ needs = ["render"]
 required = false
 request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-notify", "amount": 0}}' }}
 "#
-    );
-    let config = Config::parse(&text, Path::new("engine-test.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    Arc::new(config)
+    )
 }
 
 fn options(node: &str) -> EngineOptions {
@@ -78,17 +82,25 @@ fn options(node: &str) -> EngineOptions {
     o
 }
 
+/// Records at rest, from the counters.
+pub async fn at_rest(db: &Db) -> i64 {
+    at_rest_in(&db.state_counts().await.unwrap())
+}
+
+fn at_rest_in(counts: &[ballast::domain::StateCount]) -> i64 {
+    counts
+        .iter()
+        .filter(|c| c.state.is_at_rest())
+        .map(|c| c.count)
+        .sum()
+}
+
 /// Waits until every record is at rest; returns how long it took.
 pub async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         let counts = db.state_counts().await.unwrap();
-        let at_rest: i64 = counts
-            .iter()
-            .filter(|c| c.state.is_at_rest())
-            .map(|c| c.count)
-            .sum();
-        if at_rest == total {
+        if at_rest_in(&counts) == total {
             // The counters the dashboard reads agree with a full scan.
             assert_eq!(counts, db.recount_states().await.unwrap());
             assert_eq!(
@@ -911,4 +923,84 @@ async fn unknown_replies_park_after_their_own_bound() {
         );
     }
     sim.stop();
+}
+
+/// Statements are prepared once per connection, and PostgreSQL may keep a
+/// generic plan made with the statistics of that moment. Made while the
+/// tables were empty, the claimed batch's read of `step_runs` was a
+/// sequential scan that every claim repeated as the table grew (the
+/// benchmark's throughput fell with the backlog). Ballast's sessions plan
+/// each execution (`plan_cache_mode`), which this database's default
+/// (`force_generic_plan`, the worst case) must not override. While the
+/// tables are small a scan is the right plan; past a few thousand rows it
+/// must stop: 10,000 records, far below the ~1 M rows that a scan per claim
+/// reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_claims_and_commits_use_indexes_whatever_the_statistics() {
+    use sqlx::Connection;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "plans").await else {
+        return;
+    };
+    let name = t.url.rsplit('/').next().unwrap().to_owned();
+    let mut admin = sqlx::PgConnection::connect(&crate::helpers::pg_admin_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {name} SET plan_cache_mode = force_generic_plan"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let mut profile = Profile::clean(41);
+    profile.latency_scale = 0.0;
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    // Its own pool, opened after the setting: every connection has it.
+    let db = Db::connect(&t.url, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let engine = Engine::new(
+        db.clone(),
+        single_step(&sim.base_url(), "concurrency = 64"),
+        options("plans"),
+    )
+    .await
+    .unwrap();
+    const N: usize = 10_000;
+    for chunk in (0..N).collect::<Vec<_>>().chunks(500) {
+        let items = chunk
+            .iter()
+            .map(|i| (Some(format!("p-{i}")), json!({})))
+            .collect();
+        engine.enqueue_many("pay", items).await.unwrap();
+    }
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(2)).await }
+    });
+    wait_at_rest(&db, N as i64, Duration::from_secs(120)).await;
+    stop.cancel();
+    run.await.unwrap();
+    // Backends report their statistics when they exit.
+    db.close().await;
+    t.db.close().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut conn = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let scanned: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT relname::text, seq_scan, seq_tup_read FROM pg_stat_user_tables \
+         WHERE relname IN ('records', 'step_runs') ORDER BY relname",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    conn.close().await.ok();
+    println!("generic plans on empty tables, {N} records: sequential scans {scanned:?}");
+    // Scans while `step_runs` is small, and `wait_at_rest`'s recount of the
+    // records (a full scan) at the end; a scan per claim reads ~1,000,000.
+    for (table, _, rows) in &scanned {
+        assert!(
+            *rows < 30 * N as i64,
+            "{table}: {rows} rows read by sequential scans for {N} records"
+        );
+    }
 }

@@ -13,7 +13,7 @@ pub fn pg_admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 
-fn in_ci() -> bool {
+pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
@@ -227,6 +227,30 @@ pub async fn records_in(
     .await
     .unwrap()
     .items
+}
+
+/// Every record (in `state`, when given), newest first, all pages.
+pub async fn all_records(
+    db: &Db,
+    state: Option<ballast::domain::RecordState>,
+) -> Vec<ballast::domain::Record> {
+    let mut out = Vec::new();
+    loop {
+        let page = db
+            .list_records(&ballast::store::RecordFilter {
+                state,
+                limit: 500,
+                before: out.last().map(|r: &ballast::domain::Record| r.id),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let full = page.items.len() == 500;
+        out.extend(page.items);
+        if !full {
+            return out;
+        }
+    }
 }
 
 /// The nodes holding leases of running records.

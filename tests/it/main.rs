@@ -9,6 +9,7 @@ mod browser;
 mod cli;
 mod engine;
 mod faults;
+mod fuzz;
 mod helpers;
 mod http;
 mod migrations;
