@@ -118,8 +118,9 @@ struct Inner {
     /// Group commit of finished passes.
     committer: committer::Committer,
     /// Cancelled when `run` stops claiming: passes already running finish
-    /// the calls they have in flight but start no new ones.
-    stopping: CancellationToken,
+    /// the calls they have in flight but start no new ones. A new one per
+    /// `run`.
+    stopping: Mutex<CancellationToken>,
 }
 
 /// How a provider's webhooks are checked; secrets read from the environment.
@@ -213,7 +214,7 @@ impl Engine {
                 installation,
                 started_at: now,
                 wake: Notify::new(),
-                stopping: CancellationToken::new(),
+                stopping: Mutex::default(),
                 held: Mutex::default(),
                 slots,
                 stats: stats::StatsRecorder::new(&opts_node),
@@ -767,6 +768,8 @@ impl Engine {
         // stay large; buffered records are leased (the keeper extends them,
         // shutdown releases them).
         let batch = i.opts.batch.max(1) as usize;
+        let stopping = CancellationToken::new();
+        *lock(&i.stopping) = stopping.clone();
         let mut ready: VecDeque<(Record, Option<Vec<StepRun>>)> = VecDeque::new();
         while !shutdown.is_cancelled() {
             while !ready.is_empty() {
@@ -820,7 +823,7 @@ impl Engine {
         }
         // Calls in flight finish; passes waiting for a slot, the rate limit
         // or their next step start no call and give their records back.
-        i.stopping.cancel();
+        stopping.cancel();
         tasks.close();
         if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
             tracing::warn!(
@@ -1151,6 +1154,7 @@ impl Engine {
             .collect();
 
         let ctx = step::context(rec, &states);
+        let stopping = lock(&i.stopping).clone();
         let outputs = futures_util::future::join_all(ready.iter().map(|s| {
             let rt = i.providers.get(&s.provider).cloned();
             let write = states[&s.name].clone();
@@ -1167,7 +1171,7 @@ impl Engine {
                 now,
                 callbacks: deliveries.get(&s.name).cloned().unwrap_or_default(),
                 max_wait: i.opts.lease / 4,
-                stopping: &i.stopping,
+                stopping: &stopping,
             };
             async move { run.execute(rt.as_deref()).await }
         }))

@@ -347,9 +347,6 @@ impl StepRun<'_> {
 
         let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
         let breaker_moved = probe.record(failed, x.took, after).then(|| rt.name.clone());
-        if is_retry && !failed {
-            rt.budget().on_retry_answered(after);
-        }
         if x.http_status == Some(429) {
             // The whole provider slows down, not just this record.
             let pause = x.retry_after.unwrap_or(retry.base.0);
@@ -416,6 +413,9 @@ impl StepRun<'_> {
                                 w.deadline_at = Some(after + ms(deadline));
                             }
                         }
+                        if is_retry {
+                            rt.budget().on_retry_succeeded(after);
+                        }
                         return StepOutput {
                             write: w,
                             attempts: vec![attempt],
@@ -448,6 +448,9 @@ impl StepRun<'_> {
                         w.next_run_at = None;
                         w.error_code = None;
                         w.reason = None;
+                        if is_retry {
+                            rt.budget().on_retry_succeeded(after);
+                        }
                         return StepOutput {
                             write: w,
                             attempts: vec![attempt],
@@ -491,6 +494,9 @@ impl StepRun<'_> {
                 ));
             }
             Outcome::Retry | Outcome::Unknown => {
+                if is_retry {
+                    rt.budget().on_retry_failed(after);
+                }
                 w.error_code = code.clone();
                 let code = code.clone().unwrap_or_else(|| "unknown_reply".into());
                 // Replies nobody understands are counted apart (calls and

@@ -21,8 +21,9 @@ const WORK_CHANNEL: &str = "ballast_work";
 
 /// Set on each session (see `PgStore::connect`): the limit on sitting
 /// inside a transaction waiting for Ballast, after which the server ends
-/// it; and a plan per execution instead of a generic plan kept for the
-/// connection's life.
+/// it; and a plan per execution instead of a generic plan kept until the
+/// table's statistics next change (PostgreSQL 12 and later; behind a pooler
+/// in transaction mode, set both on the role instead: docs/operations.md).
 const SESSION_SETTINGS: &str = "SET idle_in_transaction_session_timeout = '10s'; \
                                 SET plan_cache_mode = force_custom_plan";
 
@@ -52,9 +53,9 @@ impl PgStore {
             //
             // Statements stay prepared (parsed once per connection), but are
             // planned on each execution. A generic plan is made once, with
-            // the statistics of that moment, and kept: made while the tables
-            // were small (a new installation; any table autoanalyze has not
-            // reached yet), the batched reads became sequential scans that
+            // the statistics of that moment, and kept until they change:
+            // made while the tables were small (a new installation; a table
+            // autoanalyze has not reached yet), the batched reads became sequential scans that
             // every claim repeated as the tables grew — 158 M rows read in
             // one 200,000-record benchmark run, the throughput falling with
             // the backlog. A custom plan sees the tables' current size. The
