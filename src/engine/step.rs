@@ -244,12 +244,19 @@ impl StepRun<'_> {
         // cannot be served soon goes back to the queue (no attempt spent)
         // instead of sitting on a lease while others could take it.
         let wait_until = tokio::time::Instant::now() + self.max_wait;
-        let slot = tokio::select! {
-            slot = tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()) => slot,
-            () = self.stopping.cancelled() => return self.shutting_down(),
-        };
-        let Ok(Ok(_slot)) = slot else {
-            return self.defer(super::now_ms() + 50, "provider concurrency cap reached");
+        // A free slot is taken at once; only a wait listens for shutdown.
+        let _slot = match rt.concurrency.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                let slot = tokio::select! {
+                    slot = tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()) => slot,
+                    () = self.stopping.cancelled() => return self.shutting_down(),
+                };
+                let Ok(Ok(slot)) = slot else {
+                    return self.defer(super::now_ms() + 50, "provider concurrency cap reached");
+                };
+                slot
+            }
         };
         loop {
             let t = super::now_ms();

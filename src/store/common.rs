@@ -29,10 +29,12 @@ macro_rules! cached_sql {
 /// rows (columns `value` and `key`, the position) read from parameter `$1`
 /// (see `batch.rs`); `any_of` is how `column <any_of.0>subquery<any_of.1>`
 /// matches a key against a subquery's values through the key's index
-/// whatever the statistics say (see `postgres.rs`).
+/// whatever the statistics say (see `postgres.rs`); `update_key` is added
+/// to the batched record update's join for the same reason (empty on
+/// SQLite, whose planner would then scan the JSON rows once per record).
 macro_rules! common_store {
     ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, rows = $rows:literal,
-     any_of = ($any_open:literal, $any_close:literal)) => {
+     any_of = ($any_open:literal, $any_close:literal), update_key = $update_key:literal) => {
         use serde_json::Value as JsonValue;
         use sqlx::types::Json;
         use sqlx::Transaction;
@@ -220,11 +222,10 @@ macro_rules! common_store {
                        lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
                        provider = v.provider, error_code = v.error_code, reason = v.reason, \
                        updated_at = v.updated_at, finished_at = v.finished_at \
-                     FROM v WHERE records.id = v.id AND records.id {}SELECT id FROM v{}",
+                     FROM v WHERE records.id = v.id{}",
                     batch::select_as(batch::RECORD_UPDATE_COLS),
                     $rows,
-                    $any_open,
-                    $any_close
+                    $update_key
                 ));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())

@@ -194,5 +194,6 @@ common_store!(
     lock = " FOR NO KEY UPDATE",
     audit = "audit",
     rows = "jsonb_array_elements($1) WITH ORDINALITY AS j(value, key)",
-    any_of = ("= ANY(ARRAY(", "))")
+    any_of = ("= ANY(ARRAY(", "))"),
+    update_key = " AND records.id = ANY(ARRAY(SELECT id FROM v))"
 );

@@ -136,5 +136,6 @@ common_store!(
     lock = "",
     audit = "audit = 1",
     rows = "json_each($1)",
-    any_of = ("IN (", ")")
+    any_of = ("IN (", ")"),
+    update_key = ""
 );
