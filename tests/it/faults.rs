@@ -1204,28 +1204,24 @@ impl PrivatePg {
         self.run(&self.bin.join("pg_ctl").display().to_string(), &all);
     }
 
-    /// The postmaster and every process it started.
-    fn pids(&self) -> Vec<String> {
+    /// The postmaster's pid.
+    fn postmaster(&self) -> String {
         let pid_file =
             std::fs::read_to_string(self.dir.path().join("data/postmaster.pid")).unwrap();
-        let main = pid_file.lines().next().unwrap().trim().to_owned();
-        let children = Command::new("pgrep").args(["-P", &main]).output().unwrap();
-        let mut pids = vec![main];
-        pids.extend(
-            String::from_utf8_lossy(&children.stdout)
-                .split_whitespace()
-                .map(str::to_owned),
-        );
-        pids
+        pid_file.lines().next().unwrap().trim().to_owned()
     }
 
-    /// SIGSTOP (`pause`) or SIGCONT every process of the server.
+    /// SIGSTOP (`pause`) or SIGCONT every process of the server. The
+    /// postmaster is stopped first, so that no backend is forked after the
+    /// children are listed; processes that exited meanwhile are skipped.
     fn freeze(&self, pause: bool) {
         let sig = if pause { "-STOP" } else { "-CONT" };
-        let pids = self.pids();
-        let mut args = vec![sig];
-        args.extend(pids.iter().map(String::as_str));
-        assert!(Command::new("kill").args(&args).status().unwrap().success());
+        let main = self.postmaster();
+        let _ = Command::new("kill").args([sig, &main]).status();
+        let children = Command::new("pgrep").args(["-P", &main]).output().unwrap();
+        for pid in String::from_utf8_lossy(&children.stdout).split_whitespace() {
+            let _ = Command::new("kill").args([sig, pid]).status();
+        }
     }
 }
 
