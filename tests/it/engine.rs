@@ -87,7 +87,8 @@ pub async fn at_rest(db: &Db) -> i64 {
     at_rest_in(&db.state_counts().await.unwrap())
 }
 
-fn at_rest_in(counts: &[ballast::domain::StateCount]) -> i64 {
+/// Records at rest in `counts`.
+pub fn at_rest_in(counts: &[ballast::domain::StateCount]) -> i64 {
     counts
         .iter()
         .filter(|c| c.state.is_at_rest())

@@ -86,17 +86,54 @@ impl Drop for Serve {
     }
 }
 
-/// `n` records of `pipeline` due now, keyed `k-0`…, with `input(i)`.
-fn due_now(pipeline: &str, n: i64, input: impl Fn(i64) -> Value) -> Vec<ballast::store::NewRecord> {
-    (0..n)
+/// Records of `pipeline` due now, one for each `i` in `range`, keyed
+/// `{prefix}{i}`, with `input(i)`.
+fn due_now(
+    pipeline: &str,
+    prefix: &str,
+    range: std::ops::Range<i64>,
+    input: impl Fn(i64) -> Value,
+) -> Vec<ballast::store::NewRecord> {
+    range
         .map(|i| ballast::store::NewRecord {
             pipeline: pipeline.into(),
             pipeline_version: None,
-            external_key: Some(format!("k-{i}")),
+            external_key: Some(format!("{prefix}{i}")),
             input: input(i),
             run_at: ballast::engine::now_ms(),
         })
         .collect()
+}
+
+/// Work arriving all along: `per_second / 10` records of `pipeline` (as
+/// [`due_now`] makes them) offered every 100 ms until `until` is cancelled;
+/// a batch the database refuses while it is away is offered again on the
+/// next tick. The task returns how many records were taken.
+fn feed(
+    db: &Db,
+    pipeline: &'static str,
+    prefix: &'static str,
+    per_second: i64,
+    input: fn(i64) -> Value,
+    until: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<i64> {
+    let db = db.clone();
+    tokio::spawn(async move {
+        let (tick, mut fed) = (Duration::from_millis(100), 0);
+        while !until.is_cancelled() {
+            let offered = Instant::now();
+            let batch = due_now(pipeline, prefix, fed..fed + per_second / 10, input);
+            if db
+                .create_records(batch, ballast::engine::now_ms())
+                .await
+                .is_ok()
+            {
+                fed += per_second / 10;
+            }
+            tokio::time::sleep(tick.saturating_sub(offered.elapsed())).await;
+        }
+        fed
+    })
 }
 
 /// Counts `needle` in `haystack` (bytes).
@@ -201,7 +238,7 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
         .unwrap();
     const N: i64 = 30;
     db.create_records(
-        due_now("leak", N, |n| json!({ "n": n })),
+        due_now("leak", "k-", 0..N, |n| json!({ "n": n })),
         ballast::engine::now_ms(),
     )
     .await
@@ -627,9 +664,12 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
         .await
         .unwrap();
     const N: i64 = 120;
-    db.create_records(due_now("pay", N, |_| json!({})), ballast::engine::now_ms())
-        .await
-        .unwrap();
+    db.create_records(
+        due_now("pay", "k-", 0..N, |_| json!({})),
+        ballast::engine::now_ms(),
+    )
+    .await
+    .unwrap();
     // Freeze A while it holds records with calls in flight.
     let started = Instant::now();
     let holder = loop {
@@ -889,7 +929,7 @@ async fn kill_loop(backend: ballast::store::Backend) {
     )
     .unwrap();
     let env = [("BALLAST_ADMIN_PASSWORD", "kill-loop-admin-pw")];
-    let records = due_now("chain", n, |i| json!({ "amount": i }));
+    let records = due_now("chain", "k-", 0..n, |i| json!({ "amount": i }));
     for chunk in records.chunks(500) {
         t.db.create_records(chunk.to_vec(), ballast::engine::now_ms())
             .await
@@ -1029,9 +1069,12 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     )
     .unwrap();
     const N: i64 = 100;
-    t.db.create_records(due_now("pay", N, |_| json!({})), ballast::engine::now_ms())
-        .await
-        .unwrap();
+    t.db.create_records(
+        due_now("pay", "k-", 0..N, |_| json!({})),
+        ballast::engine::now_ms(),
+    )
+    .await
+    .unwrap();
     let node = Serve::start(
         dir.path(),
         &[("BALLAST_ADMIN_PASSWORD", "sigterm-admin-pw")],
@@ -1239,13 +1282,7 @@ impl Drop for PrivatePg {
 /// Records at rest by the counters, or `None` while the database is away.
 async fn try_at_rest(db: &Db) -> Option<i64> {
     let counts = db.state_counts().await.ok()?;
-    Some(
-        counts
-            .iter()
-            .filter(|c| c.state.is_at_rest())
-            .map(|c| c.count)
-            .sum(),
-    )
+    Some(crate::engine::at_rest_in(&counts))
 }
 
 /// How long until more records are at rest than when the database came
@@ -1332,34 +1369,14 @@ async fn postgres_database_faults() {
     // Work arrives all along, `rate` records a second; a batch the database
     // refuses while it is away is offered again until it is taken.
     let feeding = tokio_util::sync::CancellationToken::new();
-    let feeder = tokio::spawn({
-        let (db, feeding) = (db.clone(), feeding.clone());
-        async move {
-            let mut fed = 0;
-            while !feeding.is_cancelled() {
-                let batch: Vec<_> = (fed..fed + rate / 10)
-                    .map(|i| ballast::store::NewRecord {
-                        pipeline: "chain".into(),
-                        pipeline_version: None,
-                        external_key: Some(format!("f-{i}")),
-                        input: json!({ "amount": i }),
-                        run_at: ballast::engine::now_ms(),
-                    })
-                    .collect();
-                let offered = Instant::now();
-                if db
-                    .create_records(batch, ballast::engine::now_ms())
-                    .await
-                    .is_ok()
-                {
-                    fed += rate / 10;
-                }
-                let tick = Duration::from_millis(100);
-                tokio::time::sleep(tick.saturating_sub(offered.elapsed())).await;
-            }
-            fed
-        }
-    });
+    let feeder = feed(
+        &db,
+        "chain",
+        "f-",
+        rate,
+        |i| json!({ "amount": i }),
+        feeding.clone(),
+    );
     let mut recoveries = Vec::new();
     let mut report = Vec::new();
     // Between faults, let the engine get some work done.
@@ -1463,7 +1480,7 @@ async fn all_attempts(db: &Db) -> Vec<ballast::domain::Attempt> {
 async fn storm_setup(
     db: &Db,
     base: &str,
-    per_second: u64,
+    per_second: i64,
     feed_for: Duration,
 ) -> (CancellationTokenGuard, tokio::task::JoinHandle<i64>) {
     let text = format!(
@@ -1497,34 +1514,15 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
         let stop = stop.clone();
         async move { engine.run(stop, Duration::from_secs(2)).await }
     });
-    let feeder = tokio::spawn({
-        let db = db.clone();
+    let feeding = tokio_util::sync::CancellationToken::new();
+    tokio::spawn({
+        let feeding = feeding.clone();
         async move {
-            let started = Instant::now();
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
-            let mut fed = 0;
-            while started.elapsed() < feed_for {
-                tick.tick().await;
-                let due = (started.elapsed().as_millis() as u64 * per_second / 1000) as i64;
-                let batch: Vec<_> = (fed..due.max(fed))
-                    .map(|i| ballast::store::NewRecord {
-                        pipeline: "pay".into(),
-                        pipeline_version: None,
-                        external_key: Some(format!("s-{i}")),
-                        input: json!({}),
-                        run_at: ballast::engine::now_ms(),
-                    })
-                    .collect();
-                if !batch.is_empty() {
-                    db.create_records(batch, ballast::engine::now_ms())
-                        .await
-                        .unwrap();
-                }
-                fed = due.max(fed);
-            }
-            fed
+            tokio::time::sleep(feed_for).await;
+            feeding.cancel();
         }
     });
+    let feeder = feed(db, "pay", "s-", per_second, |_| json!({}), feeding);
     (CancellationTokenGuard(stop), feeder)
 }
 
@@ -1555,7 +1553,7 @@ async fn a_503_storm_stays_within_the_retry_budget_and_recovers() {
     profile.latency_median = Duration::from_millis(20);
     profile.latency_sigma = 0.0;
     let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
-    const RATE: u64 = 50;
+    const RATE: i64 = 50;
     let (engine, feeder) = storm_setup(&t.db, &sim.base_url(), RATE, warm + storm + after).await;
     tokio::time::sleep(warm).await;
     let storm_from = ballast::engine::now_ms();
@@ -1746,26 +1744,19 @@ async fn soak(backend: ballast::store::Backend) {
     let node = Serve::start(dir.path(), &[("BALLAST_ADMIN_PASSWORD", "soak-admin-pw")]).await;
     let pid = node.child.id();
     let started = Instant::now();
-    let (mut fed, mut first, mut outages) = (0i64, None, 0);
+    let feeding = tokio_util::sync::CancellationToken::new();
+    let feeder = feed(
+        &t.db,
+        "chain",
+        "soak-",
+        50,
+        |i| json!({ "amount": i }),
+        feeding.clone(),
+    );
+    let (mut first, mut outages) = (None, 0);
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     while started.elapsed() < length {
         tick.tick().await;
-        let due = (started.elapsed().as_millis() as i64) * 50 / 1000;
-        if due > fed {
-            let batch = (fed..due)
-                .map(|i| ballast::store::NewRecord {
-                    pipeline: "chain".into(),
-                    pipeline_version: None,
-                    external_key: Some(format!("soak-{i}")),
-                    input: json!({ "amount": i }),
-                    run_at: ballast::engine::now_ms(),
-                })
-                .collect();
-            t.db.create_records(batch, ballast::engine::now_ms())
-                .await
-                .unwrap();
-            fed = due;
-        }
         let secs = started.elapsed().as_secs();
         // An outage of 10 s each minute (3 s at 8 s in the smoke run).
         let outage_due = if full {
@@ -1781,6 +1772,8 @@ async fn soak(backend: ballast::store::Backend) {
             first = Some(rss_and_fds(pid));
         }
     }
+    feeding.cancel();
+    let fed = feeder.await.unwrap();
     let end = rss_and_fds(pid);
     let (rss0, fds0) = first.unwrap();
     crate::engine::wait_at_rest(&t.db, fed, Duration::from_secs(300)).await;
