@@ -247,6 +247,10 @@ pub fn storable_text(text: &str, secrets: &[&str]) -> Option<String> {
     Some(redact(&text.replace('\0', "\u{FFFD}"), secrets))
 }
 
+/// The reason a stopping node gives work back with: a step it did not start
+/// (a `deferred` event) or a record it never began (`released`).
+pub const SHUTDOWN_REASON: &str = "node shutting down";
+
 /// One state transition or operator action, kept forever.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Event {

@@ -117,10 +117,33 @@ struct Inner {
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.
     committer: committer::Committer,
-    /// Cancelled when `run` stops claiming: passes already running finish
-    /// the calls they have in flight but start no new ones. A new one per
-    /// `run`.
-    stopping: Mutex<CancellationToken>,
+}
+
+/// Set when [`Engine::run`] stops claiming: passes already running finish
+/// the calls they have in flight but start no new ones. One per `run`;
+/// [`Engine::execute_next`] passes one that is never set. Every pass reads
+/// the flag (no lock); only a pass that waits listens to the token.
+#[derive(Debug, Default)]
+pub struct Stopping {
+    flag: std::sync::atomic::AtomicBool,
+    token: CancellationToken,
+}
+
+impl Stopping {
+    fn stop(&self) {
+        self.flag.store(true, std::sync::atomic::Ordering::Release);
+        self.token.cancel();
+    }
+
+    /// Whether the node has stopped claiming.
+    pub fn is_set(&self) -> bool {
+        self.flag.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Resolves once the node stops claiming.
+    pub async fn wait(&self) {
+        self.token.cancelled().await
+    }
 }
 
 /// How a provider's webhooks are checked; secrets read from the environment.
@@ -214,7 +237,6 @@ impl Engine {
                 installation,
                 started_at: now,
                 wake: Notify::new(),
-                stopping: Mutex::default(),
                 held: Mutex::default(),
                 slots,
                 stats: stats::StatsRecorder::new(&opts_node),
@@ -682,9 +704,10 @@ impl Engine {
         let claimed = self.claim(self.inner.opts.batch).await?;
         let n = claimed.len();
         let mut tasks = tokio::task::JoinSet::new();
+        let running = Arc::new(Stopping::default());
         for (rec, runs) in claimed {
-            let engine = self.clone();
-            tasks.spawn(async move { engine.process(rec, runs).await });
+            let (engine, running) = (self.clone(), running.clone());
+            tasks.spawn(async move { engine.process(rec, runs, &running).await });
         }
         while tasks.join_next().await.is_some() {}
         Ok(n)
@@ -768,8 +791,7 @@ impl Engine {
         // stay large; buffered records are leased (the keeper extends them,
         // shutdown releases them).
         let batch = i.opts.batch.max(1) as usize;
-        let stopping = CancellationToken::new();
-        *lock(&i.stopping) = stopping.clone();
+        let stopping = Arc::new(Stopping::default());
         let mut ready: VecDeque<(Record, Option<Vec<StepRun>>)> = VecDeque::new();
         while !shutdown.is_cancelled() {
             while !ready.is_empty() {
@@ -784,9 +806,9 @@ impl Engine {
                 if !lock(&i.held).contains_key(&rec.id) {
                     continue;
                 }
-                let engine = self.clone();
+                let (engine, stopping) = (self.clone(), stopping.clone());
                 tasks.spawn(async move {
-                    engine.process(rec, runs).await;
+                    engine.process(rec, runs, &stopping).await;
                     drop(permit);
                 });
             }
@@ -823,16 +845,31 @@ impl Engine {
         }
         // Calls in flight finish; passes waiting for a slot, the rate limit
         // or their next step start no call and give their records back.
-        stopping.cancel();
+        stopping.stop();
         tasks.close();
-        if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
-            tracing::warn!(
-                in_flight = tasks.len(),
-                "grace period over; releasing leases of unfinished work"
-            );
-        }
-        // Whatever is still held goes back, due now, with no attempt spent.
-        let leases: Vec<Lease> = lock(&i.held).drain().map(|(_, l)| l).collect();
+        let finished = tokio::time::timeout(grace, tasks.wait()).await.is_ok();
+        // Records never started go back, due now, with no attempt spent. A
+        // pass still running past the grace period may have a call on the
+        // wire: its record is not given back early (another node would call
+        // again while this call may still land); its lease expires.
+        let leases: Vec<Lease> = {
+            let mut held = lock(&i.held);
+            if finished {
+                held.drain().map(|(_, l)| l).collect()
+            } else {
+                let unstarted: Vec<Lease> = ready
+                    .iter()
+                    .filter_map(|(r, _)| held.remove(&r.id))
+                    .collect();
+                tracing::warn!(
+                    in_flight = held.len(),
+                    lease_ms = i.opts.lease.as_millis() as u64,
+                    "grace period over with calls in flight; their leases will expire"
+                );
+                held.clear();
+                unstarted
+            }
+        };
         if !leases.is_empty() {
             match i.db.release(&leases, i.clock.now_ms()).await {
                 Ok(n) => tracing::info!(released = n, "released leases"),
@@ -1007,12 +1044,12 @@ impl Engine {
 
     /// One pass over one leased record; always ends with a commit (or a
     /// dropped result when the lease was lost).
-    async fn process(&self, rec: Record, runs: Option<Vec<StepRun>>) {
+    async fn process(&self, rec: Record, runs: Option<Vec<StepRun>>, stopping: &Stopping) {
         let i = &self.inner;
         let Some(lease) = rec.lease() else { return };
         // A pass is not aborted when its lease is lost: a call already sent
         // is let finish so that its exchange still lands in the history.
-        let commit = self.pass(&rec, lease.clone(), runs).await;
+        let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
         self.forget_lease(&lease);
         let Some(commit) = commit else { return };
         let Some((commit, result)) = i.committer.commit(commit).await else {
@@ -1068,7 +1105,13 @@ impl Engine {
     }
 
     /// Works out and runs the record's ready steps; returns what to commit.
-    async fn pass(&self, rec: &Record, lease: Lease, runs: Option<Vec<StepRun>>) -> Option<Commit> {
+    async fn pass(
+        &self,
+        rec: &Record,
+        lease: Lease,
+        runs: Option<Vec<StepRun>>,
+        stopping: &Stopping,
+    ) -> Option<Commit> {
         let i = &self.inner;
         let now = i.clock.now_ms();
         let Some((pipeline, templates)) = self.compiled(rec).await else {
@@ -1154,7 +1197,6 @@ impl Engine {
             .collect();
 
         let ctx = step::context(rec, &states);
-        let stopping = lock(&i.stopping).clone();
         let outputs = futures_util::future::join_all(ready.iter().map(|s| {
             let rt = i.providers.get(&s.provider).cloned();
             let write = states[&s.name].clone();
@@ -1171,7 +1213,7 @@ impl Engine {
                 now,
                 callbacks: deliveries.get(&s.name).cloned().unwrap_or_default(),
                 max_wait: i.opts.lease / 4,
-                stopping: &stopping,
+                stopping,
             };
             async move { run.execute(rt.as_deref()).await }
         }))
@@ -1181,7 +1223,9 @@ impl Engine {
         let mut callbacks_done = Vec::new();
         let mut park_reason: Option<(String, String)> = None;
         let mut breaker_moved = Vec::new();
+        let mut stopped = false;
         for out in outputs {
+            stopped |= out.stopped;
             if let Some(p) = out.park {
                 park_reason.get_or_insert(p);
             }
@@ -1225,7 +1269,10 @@ impl Engine {
                 .filter(|w| !is_done(w.state))
                 .collect();
             let next = pending.iter().filter_map(|w| w.next_run_at).min();
-            if runnable_now {
+            if stopped {
+                // Given back by a stopping node: no step moved on.
+                (WorkResult::Deferred, next.or(Some(now)))
+            } else if runnable_now {
                 (WorkResult::Advanced, Some(now))
             } else if pending.iter().any(|w| w.state == StepState::Waiting) {
                 (WorkResult::Waiting, next)
@@ -1266,6 +1313,9 @@ impl Engine {
             }
             (None, None) => {
                 commit.error_code = last.as_ref().and_then(|a| a.error_code.clone());
+                if stopped && result == WorkResult::Deferred {
+                    commit.reason = Some(crate::domain::SHUTDOWN_REASON.into());
+                }
             }
         }
         Some(commit)

@@ -87,6 +87,8 @@ pub struct StepOutput {
     pub breaker_moved: Option<String>,
     /// Webhook deliveries applied by this pass.
     pub callbacks_done: Vec<i64>,
+    /// The step was given back because the node is stopping.
+    pub stopped: bool,
 }
 
 /// Everything one step pass needs.
@@ -104,7 +106,7 @@ pub struct StepRun<'a> {
     /// The longest this pass may wait for a slot or the rate limit.
     pub max_wait: Duration,
     /// The node is shutting down: make no new call.
-    pub stopping: &'a tokio_util::sync::CancellationToken,
+    pub stopping: &'a super::Stopping,
 }
 
 fn ms(d: Duration) -> i64 {
@@ -140,13 +142,17 @@ impl StepRun<'_> {
             park: None,
             breaker_moved: None,
             callbacks_done: Vec::new(),
+            stopped: false,
         }
     }
 
     /// Gives the step back, due now, without a call: the node is stopping.
     fn shutting_down(self) -> StepOutput {
         let now = self.now;
-        self.defer(now, "node shutting down")
+        StepOutput {
+            stopped: true,
+            ..self.defer(now, crate::domain::SHUTDOWN_REASON)
+        }
     }
 
     /// Defers the step to `at` without spending an attempt.
@@ -250,7 +256,7 @@ impl StepRun<'_> {
             Err(_) => {
                 let slot = tokio::select! {
                     slot = tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()) => slot,
-                    () = self.stopping.cancelled() => return self.shutting_down(),
+                    () = self.stopping.wait() => return self.shutting_down(),
                 };
                 let Ok(Ok(slot)) = slot else {
                     return self.defer(super::now_ms() + 50, "provider concurrency cap reached");
@@ -270,7 +276,7 @@ impl StepRun<'_> {
                 {
                     tokio::select! {
                         () = tokio::time::sleep(Duration::from_millis((at - t).max(1) as u64)) => {}
-                        () = self.stopping.cancelled() => return self.shutting_down(),
+                        () = self.stopping.wait() => return self.shutting_down(),
                     }
                 }
                 Err(at) => return self.defer(at, "provider rate limit"),
@@ -286,7 +292,7 @@ impl StepRun<'_> {
             },
             Err(r) => return self.defer(r.until, "provider circuit breaker open"),
         };
-        if self.stopping.is_cancelled() {
+        if self.stopping.is_set() {
             return self.shutting_down();
         }
         if is_retry && !rt.budget().try_retry(super::now_ms()) {
@@ -429,6 +435,7 @@ impl StepRun<'_> {
                             park: None,
                             breaker_moved,
                             callbacks_done: Vec::new(),
+                            stopped: false,
                         };
                     }
                     None => {
@@ -464,6 +471,7 @@ impl StepRun<'_> {
                             park: None,
                             breaker_moved,
                             callbacks_done: Vec::new(),
+                            stopped: false,
                         };
                     }
                     Some(name) => {
@@ -548,6 +556,7 @@ impl StepRun<'_> {
             park,
             breaker_moved,
             callbacks_done: Vec::new(),
+            stopped: false,
         }
     }
 
@@ -643,6 +652,7 @@ impl StepRun<'_> {
             park: None,
             breaker_moved: None,
             callbacks_done: done,
+            stopped: false,
         }
     }
 

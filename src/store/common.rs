@@ -621,7 +621,7 @@ macro_rules! common_store {
                         from: Some(rec.state),
                         to: Some(to),
                         step: None,
-                        reason: Some("node shutting down"),
+                        reason: Some($crate::domain::SHUTDOWN_REASON),
                         detail: None,
                     };
                     Self::move_record(&mut tx, &rec, to, Some(now), now, event, rec.error_code.as_deref(), &mut deltas).await?;
@@ -729,6 +729,7 @@ macro_rules! common_store {
             }
 
             async fn act(&self, req: &ActionRequest) -> StoreResult<Record> {
+                $crate::store::refuse_nul("reason", req.reason.as_deref())?;
                 if req.action == OperatorAction::ReplayFrom && req.steps.is_empty() {
                     return Err(StoreError::Invalid("replay needs the step to replay from".into()));
                 }
@@ -1221,6 +1222,7 @@ macro_rules! common_store {
                 reason: Option<&str>,
                 now: UnixMs,
             ) -> StoreResult<ProviderState> {
+                $crate::store::refuse_nul("reason", reason)?;
                 let mut tx = self.begin_write().await?;
                 let sql = format!(
                     "INSERT INTO providers (provider, breaker, breaker_changed_at, paused, paused_by, paused_reason, updated_at) \
@@ -1338,6 +1340,7 @@ macro_rules! common_store {
                 if t.name.trim().is_empty() || t.name.len() > 100 {
                     return Err(StoreError::Invalid("a token needs a name of 1-100 characters".into()));
                 }
+                $crate::store::refuse_nul("token name", Some(&t.name))?;
                 let mut tx = self.begin_write().await?;
                 let sql = format!(
                     "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at) \

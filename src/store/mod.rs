@@ -149,6 +149,18 @@ pub struct Page<T> {
     pub next: Option<i64>,
 }
 
+/// Refuses free text holding a NUL character, alike on both backends
+/// (PostgreSQL cannot store it in text; SQLite could, and would then
+/// disagree).
+pub(crate) fn refuse_nul(what: &str, text: Option<&str>) -> StoreResult<()> {
+    if text.is_some_and(|t| t.contains('\0')) {
+        return Err(StoreError::Invalid(format!(
+            "a NUL character (\\u0000) in the {what}"
+        )));
+    }
+    Ok(())
+}
+
 /// The most records one batch enqueue takes.
 pub const MAX_BATCH: usize = 1000;
 

@@ -82,11 +82,6 @@ fn options(node: &str) -> EngineOptions {
     o
 }
 
-/// Records at rest, from the counters.
-pub async fn at_rest(db: &Db) -> i64 {
-    at_rest_in(&db.state_counts().await.unwrap())
-}
-
 /// Records at rest in `counts`.
 pub fn at_rest_in(counts: &[ballast::domain::StateCount]) -> i64 {
     counts
@@ -792,6 +787,46 @@ async fn scheduled_outages_come_and_go() {
     sim.stop();
 }
 
+/// For the shutdown tests: 40 records of a one-step pipeline whose calls
+/// take `latency_ms`, 4 at a time, and an engine running them with `grace`
+/// until the returned token is cancelled.
+async fn draining(
+    t: &TestDb,
+    latency_ms: u64,
+    grace: Duration,
+) -> (SimHandle, CancellationToken, tokio::task::JoinHandle<()>) {
+    let mut profile = Profile::clean(12);
+    profile.latency_scale = 1.0;
+    profile.latency_median = Duration::from_millis(latency_ms);
+    profile.latency_sigma = 0.0;
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let config = single_step(&sim.base_url(), "concurrency = 4");
+    let engine = Engine::new(t.db.clone(), config, options("drain"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 40).await;
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, grace).await }
+    });
+    (sim, stop, run)
+}
+
+/// A record a stopping node gave back, due now with no attempt: its last
+/// event says so (`released`, or `deferred` when its pass had begun).
+pub async fn assert_given_back(db: &Db, record_id: i64) {
+    let events = db.record_events(record_id).await.unwrap();
+    let last = events.last().unwrap();
+    assert!(
+        matches!(last.kind.as_str(), "released" | "deferred")
+            && last.reason.as_deref() == Some(ballast::domain::SHUTDOWN_REASON),
+        "record {record_id} given back as `{}` ({:?})",
+        last.kind,
+        last.reason
+    );
+}
+
 /// Graceful shutdown: in-flight calls finish and commit within the grace
 /// period; everything else is released, due at once, with no attempt
 /// spent and no lease left behind.
@@ -799,20 +834,7 @@ async fn graceful_shutdown_releases_work(backend: Backend) {
     let Some(t) = TestDb::migrated(backend, "graceful").await else {
         return;
     };
-    let mut profile = Profile::clean(12);
-    profile.latency_scale = 1.0;
-    profile.latency_sigma = 0.0; // every call takes the median, 150 ms
-    let sim = SimHandle::spawn(profile).await.unwrap();
-    let config = single_step(&sim.base_url(), "concurrency = 4");
-    let engine = Engine::new(t.db.clone(), config, options("g1"))
-        .await
-        .unwrap();
-    enqueue_n(&engine, "pay", 40).await;
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let (engine, stop) = (engine.clone(), stop.clone());
-        async move { engine.run(stop, Duration::from_secs(3)).await }
-    });
+    let (sim, stop, run) = draining(&t, 150, Duration::from_secs(3)).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(10), run)
@@ -841,6 +863,7 @@ async fn graceful_shutdown_releases_work(backend: Backend) {
             RecordState::Succeeded => done += 1,
             RecordState::Pending => {
                 assert!(history.is_empty(), "a released record spent an attempt");
+                assert_given_back(&t.db, r.id).await;
                 released += 1;
             }
             other => panic!("record {} is {other} after shutdown", r.id),
@@ -875,6 +898,63 @@ async fn sqlite_graceful_shutdown_releases_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_graceful_shutdown_releases_work() {
     graceful_shutdown_releases_work(Backend::Postgres).await;
+}
+
+/// Past the grace period, a pass still in a call keeps its lease: giving
+/// the record back at once would let another node call again while this
+/// call may still land. Records not started go back at once; the calls in
+/// flight (400 ms, grace 50 ms) still finish into the history here, since
+/// the test's runtime outlives `run`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_past_grace_leaves_calls_in_flight_to_their_lease() {
+    let t = TestDb::migrated(Backend::Sqlite, "pastgrace")
+        .await
+        .unwrap();
+    let (sim, stop, run) = draining(&t, 400, Duration::from_millis(50)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sim.stats().requests < 4 {
+        assert!(Instant::now() < deadline, "no call made");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.cancel();
+    run.await.unwrap();
+    let records = crate::helpers::all_records(&t.db, None).await;
+    let leased: Vec<_> = records.iter().filter(|r| r.lease_owner.is_some()).collect();
+    assert_eq!(leased.len(), 4, "the 4 passes in a call keep their leases");
+    assert!(leased.iter().all(|r| r.state == RecordState::Running));
+    for r in records.iter().filter(|r| r.lease_owner.is_none()) {
+        assert_eq!(r.state, RecordState::Pending);
+        assert!(t.db.attempts(r.id).await.unwrap().is_empty());
+        if t.db
+            .record_events(r.id)
+            .await
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == "claimed")
+        {
+            assert_given_back(&t.db, r.id).await;
+        }
+    }
+    // The calls land and commit under the leases they kept: nothing was
+    // called twice.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for r in &leased {
+        loop {
+            let now = t.db.get_record(r.id).await.unwrap().unwrap();
+            if now.state == RecordState::Succeeded {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "record {} is {}",
+                r.id,
+                now.state
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(sim.stats().requests, 4);
+    sim.stop();
 }
 
 /// Replies no rule understands are retried a bounded number of times, then

@@ -315,12 +315,7 @@ on_reversal = "park"
     let started = std::time::Instant::now();
     loop {
         let counts = t.db.state_counts().await.unwrap();
-        let at_rest: i64 = counts
-            .iter()
-            .filter(|c| c.state.is_at_rest())
-            .map(|c| c.count)
-            .sum();
-        if at_rest == N {
+        if crate::engine::at_rest_in(&counts) == N {
             break;
         }
         assert!(started.elapsed() < Duration::from_secs(60), "{counts:?}");
