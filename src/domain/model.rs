@@ -189,16 +189,111 @@ pub fn excerpt(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
-/// `text` with every occurrence of a secret replaced by `[redacted]`.
+/// `text` with every occurrence of a secret replaced by `[redacted]`, also
+/// where the text spells it with JSON string escapes (`\/`, `\u0041`…), as
+/// the raw body of a provider echoing the key in a JSON string may.
 /// Secrets shorter than 6 bytes are left alone (they would match noise).
 pub fn redact(text: &str, secrets: &[&str]) -> String {
+    let secrets: Vec<&str> = secrets.iter().copied().filter(|s| s.len() >= 6).collect();
     let mut out = text.to_owned();
-    for s in secrets.iter().filter(|s| s.len() >= 6) {
+    for s in &secrets {
         if out.contains(s) {
             out = out.replace(s, "[redacted]");
         }
     }
+    if out.contains('\\') {
+        if let Some(clean) = redact_escaped(&out, &secrets) {
+            out = clean;
+        }
+    }
     out
+}
+
+/// [`redact`] for secrets spelt with JSON escapes: decodes the escapes,
+/// remembering where each decoded byte came from, finds the secrets in the
+/// decoded text and cuts the raw spans that spell them. `None`: none found.
+fn redact_escaped(text: &str, secrets: &[&str]) -> Option<String> {
+    let mut decoded = String::with_capacity(text.len());
+    // The raw offset each decoded byte came from, and the end.
+    let mut origin = Vec::with_capacity(text.len() + 1);
+    let mut i = 0;
+    while i < text.len() {
+        let (c, len) = json_char_at(text, i);
+        origin.extend(std::iter::repeat_n(i, c.len_utf8()));
+        decoded.push(c);
+        i += len;
+    }
+    origin.push(text.len());
+    let mut spans: Vec<(usize, usize)> = secrets
+        .iter()
+        .flat_map(|s| {
+            decoded
+                .match_indices(s)
+                .map(|(at, m)| (origin[at], origin[at + m.len()]))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if spans.is_empty() {
+        return None;
+    }
+    spans.sort_unstable();
+    let mut out = String::with_capacity(text.len());
+    let mut done = 0;
+    for (from, to) in spans {
+        if to <= done {
+            continue;
+        }
+        out.push_str(&text[done..from.max(done)]);
+        out.push_str("[redacted]");
+        done = to;
+    }
+    out.push_str(&text[done..]);
+    Some(out)
+}
+
+/// The character at byte `i` of `text` read as the inside of a JSON string
+/// (an escape decoded), and how many bytes it took.
+fn json_char_at(text: &str, i: usize) -> (char, usize) {
+    let rest = &text[i..];
+    let hex = |at: usize| {
+        rest.get(at..at + 4)
+            .filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|h| u32::from_str_radix(h, 16).ok())
+    };
+    if let Some(escaped) = rest.strip_prefix('\\') {
+        let simple = match escaped.as_bytes().first() {
+            Some(b'/') => Some('/'),
+            Some(b'\\') => Some('\\'),
+            Some(b'"') => Some('"'),
+            Some(b'n') => Some('\n'),
+            Some(b't') => Some('\t'),
+            Some(b'r') => Some('\r'),
+            Some(b'b') => Some('\u{8}'),
+            Some(b'f') => Some('\u{c}'),
+            _ => None,
+        };
+        if let Some(c) = simple {
+            return (c, 2);
+        }
+        if escaped.starts_with('u') {
+            if let Some(high) = hex(2) {
+                // A surrogate pair: two escapes, one character.
+                if (0xD800..0xDC00).contains(&high) && rest.get(6..8) == Some("\\u") {
+                    if let Some(low) = hex(8).filter(|l| (0xDC00..0xE000).contains(l)) {
+                        let cp = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00);
+                        if let Some(c) = char::from_u32(cp) {
+                            return (c, 12);
+                        }
+                    }
+                }
+                if let Some(c) = char::from_u32(high) {
+                    return (c, 6);
+                }
+            }
+        }
+    }
+    let c = rest.chars().next().unwrap_or('\0');
+    (c, c.len_utf8().max(1))
 }
 
 /// Replaces every string and object key of `value` for which `f` gives a
@@ -225,6 +320,32 @@ pub fn rewrite_json_strings(value: &mut serde_json::Value, f: &dyn Fn(&str) -> O
     }
 }
 
+/// Makes a parsed provider body (a reply or a webhook delivery) storable:
+/// [`storable_text`] for every string and object key (NUL to U+FFFD,
+/// `secrets` to `[redacted]`), and a number that spells a secret becomes
+/// the string `[redacted]`.
+pub fn scrub_json(value: &mut serde_json::Value, secrets: &[&str]) {
+    use serde_json::Value;
+    fn numbers(v: &mut Value, secrets: &[&str]) {
+        match v {
+            Value::Number(n) if secrets.contains(&n.to_string().as_str()) => {
+                *v = Value::String("[redacted]".into());
+            }
+            Value::Array(items) => items.iter_mut().for_each(|v| numbers(v, secrets)),
+            Value::Object(map) => map.values_mut().for_each(|v| numbers(v, secrets)),
+            _ => {}
+        }
+    }
+    let secrets: Vec<&str> = secrets.iter().copied().filter(|s| s.len() >= 6).collect();
+    rewrite_json_strings(value, &|s| storable_text(s, &secrets));
+    if secrets
+        .iter()
+        .any(|k| k.bytes().all(|b| b.is_ascii_digit()))
+    {
+        numbers(value, &secrets);
+    }
+}
+
 /// Whether any string or object key of `value` holds a NUL character.
 pub fn json_has_nul(value: &serde_json::Value) -> bool {
     use serde_json::Value;
@@ -240,11 +361,15 @@ pub fn json_has_nul(value: &serde_json::Value) -> bool {
 /// by U+FFFD (PostgreSQL stores no NUL in text or JSON, and both backends
 /// keep the same evidence) and `secrets` by `[redacted]` (see [`redact`]).
 pub fn storable_text(text: &str, secrets: &[&str]) -> Option<String> {
-    let has_secret = secrets.iter().any(|k| k.len() >= 6 && text.contains(k));
-    if !has_secret && !text.contains('\0') {
+    // A backslash may start an escaped spelling of a secret.
+    let may_hold_secret = secrets
+        .iter()
+        .any(|k| k.len() >= 6 && (text.contains(k) || text.contains('\\')));
+    if !may_hold_secret && !text.contains('\0') {
         return None;
     }
-    Some(redact(&text.replace('\0', "\u{FFFD}"), secrets))
+    let out = redact(&text.replace('\0', "\u{FFFD}"), secrets);
+    (out != text).then_some(out)
 }
 
 /// The reason a stopping node gives work back with: a step it did not start
@@ -424,6 +549,41 @@ mod tests {
         assert_eq!(text.matches("[redacted]").count(), 3, "{text}");
         assert_eq!(v["clean"], "untouched");
         assert_eq!(v["nested"][0]["n"], 1);
+    }
+
+    #[test]
+    fn redact_sees_through_json_escapes() {
+        let key = "sk/live\u{e9}\u{1F600}123";
+        let raw = r#"{"error": "bad key sk\/live\u00e9\ud83d\ude00123!", "k": "sk\u002Flive\u00E9\uD83D\uDE00123"}"#;
+        let out = redact(raw, &[key]);
+        assert_eq!(
+            out,
+            r#"{"error": "bad key [redacted]!", "k": "[redacted]"}"#
+        );
+        // Escapes that spell nothing secret are left as they are.
+        let clean = r#"{"a": "x\u0000y\/z\q"}"#;
+        assert_eq!(redact(clean, &[key]), clean);
+    }
+
+    #[test]
+    fn scrub_json_sees_through_escapes_and_numbers() {
+        let key = "sk/live\u{e9}123";
+        // The provider escaped the key: `\/` and `\u00e9` in the raw text.
+        let raw = r#"{"error": "bad key sk\/live\u00e9123", "n": 1}"#;
+        assert!(!raw.contains(key));
+        let mut v: serde_json::Value = serde_json::from_str(raw).unwrap();
+        scrub_json(&mut v, &[key]);
+        assert_eq!(v["error"], "bad key [redacted]");
+        assert_eq!(v["n"], 1);
+        let mut v = serde_json::json!({ "pin": 12345678, "other": 1234567 });
+        scrub_json(&mut v, &["12345678"]);
+        assert_eq!(
+            v,
+            serde_json::json!({ "pin": "[redacted]", "other": 1234567 })
+        );
+        let mut v = serde_json::json!({ "clean": "a\u{0}b" });
+        scrub_json(&mut v, &[key]);
+        assert_eq!(v["clean"], "a\u{FFFD}b");
     }
 
     #[test]

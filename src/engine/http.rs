@@ -1,5 +1,11 @@
 //! One HTTP exchange with a provider, turned into a [`Reply`] whatever
 //! happens: timeouts, resets, oversized or non-JSON bodies all become data.
+//!
+//! Every reply leaves here storable: the provider's credential (`secrets`;
+//! providers sometimes echo the key they were sent) is replaced by
+//! `[redacted]` in the whole body and error text before an excerpt is cut
+//! from it, and NUL characters by U+FFFD (PostgreSQL stores none), so the
+//! key reaches no output, job id, excerpt or log.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -36,21 +42,13 @@ pub struct Exchange {
     pub excerpt: String,
 }
 
-impl Exchange {
-    /// Makes the excerpt and every string of the parsed body storable (see
-    /// [`crate::domain::storable_text`]): NUL characters become U+FFFD and
-    /// `secrets` become `[redacted]`.
-    pub fn make_storable(&mut self, secrets: &[&str]) {
-        let storable = |s: &str| crate::domain::storable_text(s, secrets);
-        if let Some(clean) = storable(&self.excerpt) {
-            self.excerpt = clean;
-        }
-        if let Reply::Http {
-            json: Some(json), ..
-        } = &mut self.reply
-        {
-            crate::domain::rewrite_json_strings(json, &storable);
-        }
+/// At most [`EXCERPT_MAX_BYTES`] of `text` once it is storable: secrets
+/// and NUL characters replaced in the whole text first, so that a key
+/// straddling the cut cannot leave its start behind.
+fn storable_excerpt(text: &str, secrets: &[&str]) -> String {
+    match crate::domain::storable_text(text, secrets) {
+        Some(clean) => excerpt(&clean, EXCERPT_MAX_BYTES).to_owned(),
+        None => excerpt(text, EXCERPT_MAX_BYTES).to_owned(),
     }
 }
 
@@ -72,9 +70,14 @@ impl std::fmt::Debug for InProcess {
 }
 
 /// [`exchange`] with an in-process provider.
-pub fn exchange_in_process(provider: &dyn InProcessProvider, call: &Call) -> Exchange {
+pub fn exchange_in_process(
+    provider: &dyn InProcessProvider,
+    call: &Call,
+    secrets: &[&str],
+) -> Exchange {
     let started = Instant::now();
-    let (status, json) = provider.answer(call);
+    let (status, mut json) = provider.answer(call);
+    crate::domain::scrub_json(&mut json, secrets);
     let text = json.to_string();
     Exchange {
         reply: Reply::Http {
@@ -90,8 +93,8 @@ pub fn exchange_in_process(provider: &dyn InProcessProvider, call: &Call) -> Exc
 }
 
 /// Sends `call` and reads the reply, never failing: every outcome is a
-/// [`Reply`].
-pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
+/// [`Reply`], made storable (see the module's note) with `secrets`.
+pub async fn exchange(client: &reqwest::Client, call: &Call, secrets: &[&str]) -> Exchange {
     let started = Instant::now();
     let method = match call.method {
         HttpMethod::Get => reqwest::Method::GET,
@@ -114,7 +117,7 @@ pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
         http_status: None,
         retry_after: None,
         took: started.elapsed(),
-        excerpt: excerpt(&msg, EXCERPT_MAX_BYTES).to_owned(),
+        excerpt: storable_excerpt(&msg, secrets),
     };
     // One deadline for the whole exchange, body included.
     let deadline = tokio::time::Instant::now() + call.timeout;
@@ -165,16 +168,15 @@ pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
             Ok(Some(Err(e))) => {
                 let mut x = failed(ReplyError::Reset, error_chain(&e), started);
                 x.http_status = Some(status);
-                x.excerpt = excerpt(
+                x.excerpt = storable_excerpt(
                     &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
-                    EXCERPT_MAX_BYTES,
-                )
-                .to_owned();
+                    secrets,
+                );
                 return x;
             }
         }
     }
-    let (reply, excerpt) = read_reply(status, &body, body_error, call.max_body);
+    let (reply, excerpt) = read_reply(status, &body, body_error, call.max_body, secrets);
     Exchange {
         reply,
         http_status: Some(status),
@@ -185,18 +187,19 @@ pub async fn exchange(client: &reqwest::Client, call: &Call) -> Exchange {
 }
 
 /// The reply a provider's status and body (as much of it as was read) make,
-/// and its excerpt for the attempt history. `body_error` is what went wrong
-/// while reading it (`BodyTooLarge`: it was cut at `max_body`); otherwise a
-/// body that is not JSON is `BodyNotJson`. Any bytes at all give a reply:
-/// the fuzz tests (`tests/it/fuzz.rs`) hold it to that.
+/// and its excerpt for the attempt history, both storable (see the module's
+/// note). `body_error` is what went wrong while reading it (`BodyTooLarge`:
+/// it was cut at `max_body`); otherwise a body that is not JSON is
+/// `BodyNotJson`. Any bytes at all give a reply: the fuzz tests
+/// (`tests/it/fuzz.rs`) hold it to that.
 pub fn read_reply(
     status: u16,
     body: &[u8],
     mut body_error: Option<ReplyError>,
     max_body: u64,
+    secrets: &[&str],
 ) -> (Reply, String) {
-    let text = String::from_utf8_lossy(body);
-    let json = if body_error.is_none() {
+    let mut json = if body_error.is_none() {
         match serde_json::from_slice::<Value>(body) {
             Ok(v) => Some(v),
             Err(_) => {
@@ -206,6 +209,16 @@ pub fn read_reply(
         }
     } else {
         None
+    };
+    if let Some(j) = json.as_mut() {
+        crate::domain::scrub_json(j, secrets);
+    }
+    // The whole text is made storable before any cut (the raw text may
+    // spell a key with JSON escapes: `redact` sees through them).
+    let raw = String::from_utf8_lossy(body);
+    let text = match crate::domain::storable_text(&raw, secrets) {
+        Some(clean) => std::borrow::Cow::Owned(clean),
+        None => raw,
     };
     let shown = match body_error {
         Some(ReplyError::BodyTooLarge) => format!(

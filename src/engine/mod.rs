@@ -152,6 +152,8 @@ pub struct WebhookSettings {
     pub delivery_header: String,
     pub tolerance_s: i64,
     pub secrets: Vec<Vec<u8>>,
+    /// The provider's API key, scrubbed from delivery bodies like replies.
+    pub credential: Option<crate::config::Secret>,
 }
 
 /// A provider as one node sees it: limiter use and breaker window.
@@ -446,6 +448,7 @@ impl Engine {
             delivery_header: rt.config.webhook_delivery_header.clone(),
             tolerance_s: i64::try_from(rt.config.webhook_tolerance.0.as_secs()).unwrap_or(300),
             secrets,
+            credential: rt.config.credential(&|var| std::env::var(var).ok()),
         })
     }
 

@@ -330,16 +330,20 @@ impl StepRun<'_> {
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         flight.sent = true;
-        let mut x = match &rt.in_process {
-            Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call),
-            None => exchange(&rt.client, &call).await,
-        };
         // A provider may echo the credential it was sent (in an error, in a
-        // field a step keeps as output), or send NUL characters: make the
-        // reply storable before anything reads it, so the key reaches no
-        // output, job id, excerpt or log.
+        // field a step keeps as output), or send NUL characters: the reply
+        // comes back storable, so the key reaches no output, job id,
+        // excerpt or log.
         let key = rt.config.credential(&|var| std::env::var(var).ok());
-        x.make_storable(key.as_ref().map(|k| k.expose()).as_slice());
+        let secrets = key
+            .as_ref()
+            .map(|k| k.expose())
+            .into_iter()
+            .collect::<Vec<_>>();
+        let x = match &rt.in_process {
+            Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call, &secrets),
+            None => exchange(&rt.client, &call, &secrets).await,
+        };
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);
         let labels = [

@@ -77,8 +77,10 @@ async fn receive(
         );
     };
     // Kept like a reply's body: NUL characters (which PostgreSQL cannot
-    // store, and a provider would redeliver forever) become U+FFFD.
-    crate::domain::rewrite_json_strings(&mut json, &|s| crate::domain::storable_text(s, &[]));
+    // store, and a provider would redeliver forever) become U+FFFD, and the
+    // provider's API key, if it echoes it, `[redacted]`.
+    let key = settings.credential.as_ref().map(|k| k.expose());
+    crate::domain::scrub_json(&mut json, key.as_slice());
     // Each delivery id is applied once (taken in the transaction that
     // stores the delivery): a redelivery changes nothing.
     let delivery = headers

@@ -176,9 +176,33 @@ fn occurrences(haystack: &[u8], needle: &[u8]) -> usize {
         .count()
 }
 
+/// `text` spelt with JSON `\uXXXX` escapes, as a provider's JSON encoder may.
+fn json_escaped(text: &str) -> String {
+    text.chars()
+        .map(|c| format!("\\u{:04x}", c as u32))
+        .collect()
+}
+
+/// The spellings of `key`'s first 16 characters a leak would show: plain,
+/// JSON-escaped, and that escaped text inside a JSON string.
+fn key_spellings(key: &str) -> Vec<String> {
+    let escaped = json_escaped(&key[..16]);
+    let doubled = escaped.replace('\\', "\\\\");
+    vec![key[..16].to_owned(), escaped, doubled]
+}
+
+/// How often any of `needles` appears in `haystack`.
+fn hits(haystack: &[u8], needles: &[String]) -> usize {
+    needles
+        .iter()
+        .map(|n| occurrences(haystack, n.as_bytes()))
+        .sum()
+}
+
 /// A provider that echoes the credential it is sent, as careless real ones
 /// do: in a success body (into a step output), in a 401 error, in a plain
-/// text 500.
+/// text 500, spelt with JSON escapes in a 400, and in a 502 just where the
+/// excerpt is cut (4,096 bytes), 20 characters before the cut.
 async fn leaky_provider(seen_key: Arc<AtomicUsize>) -> String {
     let app = axum::Router::new().route(
         "/v1/echo",
@@ -198,7 +222,7 @@ async fn leaky_provider(seen_key: Arc<AtomicUsize>) -> String {
                     .ok()
                     .and_then(|v| v["n"].as_i64())
                     .unwrap_or(0);
-                match n % 3 {
+                match n % 5 {
                     0 => axum::Json(json!({
                         "status": "succeeded",
                         "id": format!("job-{n}"),
@@ -211,9 +235,20 @@ async fn leaky_provider(seen_key: Arc<AtomicUsize>) -> String {
                         axum::Json(json!({ "error": format!("invalid api key: {key}") })),
                     )
                         .into_response(),
-                    _ => (
+                    2 => (
                         StatusCode::INTERNAL_SERVER_ERROR,
                         format!("upstream failure for {auth}"),
+                    )
+                        .into_response(),
+                    3 => (
+                        StatusCode::BAD_REQUEST,
+                        [(axum::http::header::CONTENT_TYPE, "application/json")],
+                        format!(r#"{{"error": "bad key {}"}}"#, json_escaped(&key)),
+                    )
+                        .into_response(),
+                    _ => (
+                        StatusCode::BAD_GATEWAY,
+                        format!("{}{key} and more", "x".repeat(4096 - 20)),
                     )
                         .into_response(),
                 }
@@ -232,6 +267,7 @@ async fn leaky_provider(seen_key: Arc<AtomicUsize>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_planted_provider_key_is_found_nowhere() {
     let key = format!("sk_live_{}", uuid::Uuid::new_v4().simple());
+    let needles = key_spellings(&key);
     let seen = Arc::new(AtomicUsize::new(0));
     let provider = leaky_provider(seen.clone()).await;
     let dir = tempfile::tempdir().unwrap();
@@ -242,6 +278,7 @@ base_url = "{provider}"
 auth = {{ header = "Authorization", value_env = "LEAKY_API_KEY", scheme = "Bearer" }}
 timeout = "2s"
 retry = {{ max_attempts = 2, base = "10ms", cap = "20ms", deadline = "10s", budget_floor = 100.0 }}
+webhook_secrets_env = ["LEAKY_HOOK_SECRET"]
 [[providers.leaky.rules]]
 when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
 outcome = "success"
@@ -249,17 +286,28 @@ outcome = "success"
 when = {{ status = 401 }}
 outcome = "fail"
 
+
 [[pipelines.leak.steps]]
 name = "call"
 provider = "leaky"
 request = {{ method = "POST", path = "/v1/echo", body = '{{{{ input | tojson }}}}' }}
 outputs = {{ echo = "/echo", detail = "/detail" }}
+
+[[pipelines.hooked.steps]]
+name = "render"
+provider = "leaky"
+kind = "callback"
+request = {{ method = "POST", path = "/v1/echo" }}
+job_id = "/id"
+callback = {{ job_id = "/job_id", deadline = "2s" }}
 "#
     );
     std::fs::write(dir.path().join("ballast.toml"), config).unwrap();
     let password = "planted-key-admin-pw";
+    let hook_secret = "planted-key-hook-secret";
     let env = [
         ("LEAKY_API_KEY", key.as_str()),
+        ("LEAKY_HOOK_SECRET", hook_secret),
         ("BALLAST_ADMIN_PASSWORD", password),
         ("BALLAST_LOG", "debug"),
     ];
@@ -276,6 +324,25 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
     .await
     .unwrap();
     crate::engine::wait_at_rest(&db, N, Duration::from_secs(60)).await;
+    // Webhook deliveries echoing the key, plainly and escaped: kept (for a
+    // job not known yet), with the key cut out.
+    let mut hooks = 0;
+    for (i, echoed) in [key.clone(), json_escaped(&key)].iter().enumerate() {
+        let body =
+            format!(r#"{{"job_id": "later-{i}", "status": "running", "note": "key {echoed}"}}"#);
+        let now_s = ballast::engine::now_ms() / 1000;
+        let signature =
+            ballast::auth::webhook::sign(hook_secret.as_bytes(), now_s, body.as_bytes());
+        let r = reqwest::Client::new()
+            .post(format!("{}/hooks/leaky", serve.base))
+            .header("x-signature", signature)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+        hooks += 1;
+    }
 
     // Every page, fragment and API answer an admin can reach.
     let client = reqwest::Client::builder()
@@ -337,7 +404,7 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
             assert_eq!(r.status(), 200, "{path}");
             let body = r.bytes().await.unwrap();
             html_bytes += body.len();
-            html_hits += occurrences(&body, key.as_bytes());
+            html_hits += hits(&body, &needles);
         }
     }
     let (mut json_hits, mut json_bytes) = (0, 0);
@@ -351,7 +418,7 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
         assert_eq!(r.status(), 200, "{path}");
         let body = r.bytes().await.unwrap();
         json_bytes += body.len();
-        json_hits += occurrences(&body, key.as_bytes());
+        json_hits += hits(&body, &needles);
     }
     // The evidence is kept, with the key cut out of it.
     let redacted = {
@@ -376,16 +443,18 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
 
     let log = std::fs::read(dir.path().join("serve.log")).unwrap();
     let mut db_bytes = 0;
-    let mut db_hits = 0;
+    let (mut db_hits, mut hooks_kept) = (0, 0);
     for file in ["ballast.db", "ballast.db-wal", "ballast.db-shm"] {
         if let Ok(bytes) = std::fs::read(dir.path().join(file)) {
             db_bytes += bytes.len();
-            db_hits += occurrences(&bytes, key.as_bytes());
+            db_hits += hits(&bytes, &needles);
+            hooks_kept += occurrences(&bytes, b"later-");
         }
     }
-    let log_hits = occurrences(&log, key.as_bytes());
+    let log_hits = hits(&log, &needles);
     println!(
-        "planted key: {} calls carried it, {redacted} attempts kept evidence with it cut out; found \
+        "planted key: {} calls and {hooks} webhooks carried it, {redacted} attempts kept evidence \
+         with it cut out; found \
          {db_hits}× in {db_bytes} database bytes, {log_hits}× in {} log bytes (debug), \
          {html_hits}× in {} pages + {fragments} fragments ({html_bytes} bytes), \
          {json_hits}× in {} API answers ({json_bytes} bytes)",
@@ -399,6 +468,7 @@ outputs = {{ echo = "/echo", detail = "/detail" }}
         "the key was sent"
     );
     assert!(redacted > 0, "echoed keys were cut out of kept evidence");
+    assert!(hooks_kept > 0, "the deliveries were stored");
     assert_eq!(
         (db_hits, log_hits, html_hits, json_hits),
         (0, 0, 0, 0),

@@ -161,7 +161,31 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
                 b
             }),
         prop::collection::vec(any::<u8>(), 0..512),
+        prop::collection::vec(any::<u8>(), 0..12_000),
+        // The key echoed after up to 6,000 bytes, so that the excerpt's cut
+        // (4,096 bytes; 512 for a body over the limit) may land inside it,
+        // plainly or spelt with JSON escapes.
+        (0usize..6000, any::<bool>(), json_value()).prop_map(|(pad, escaped, v)| {
+            let key = if escaped {
+                escaped_secret()
+            } else {
+                SECRET.to_owned()
+            };
+            let pad = "x".repeat(pad);
+            format!(r#"{{"pad": "{pad}", "error": "bad key {key}", "rest": {v}}}"#).into_bytes()
+        }),
     ]
+}
+
+/// The provider key the reply targets plant.
+const SECRET: &str = "sk-fuzz-secret";
+
+/// [`SECRET`] spelt with JSON `\uXXXX` escapes.
+fn escaped_secret() -> String {
+    SECRET
+        .chars()
+        .map(|c| format!("\\u{:04x}", c as u32))
+        .collect()
 }
 
 /// The chain pipeline's provider rules, with the defaults after them.
@@ -177,32 +201,34 @@ fn fuzz_provider_replies_and_rules() {
     let strategy = (100u16..1000, body(), any::<bool>());
     fuzz("provider replies", strategy, |(status, body, cut)| {
         let error = cut.then_some(ReplyError::BodyTooLarge);
-        let (reply, excerpt) = ballast::engine::http::read_reply(*status, body, error, 512);
-        let mut x = ballast::engine::http::Exchange {
-            reply,
-            http_status: Some(*status),
-            retry_after: None,
-            took: Duration::ZERO,
-            excerpt,
-        };
-        x.make_storable(&["sk-fuzz-secret"]);
-        prop_assert!(x.excerpt.len() <= ballast::domain::EXCERPT_MAX_BYTES + 4);
-        prop_assert!(!x.excerpt.contains('\0'), "NUL kept in the excerpt");
+        let (reply, excerpt) =
+            ballast::engine::http::read_reply(*status, body, error, 1 << 20, &[SECRET]);
+        prop_assert!(excerpt.len() <= ballast::domain::EXCERPT_MAX_BYTES);
+        prop_assert!(!excerpt.contains('\0'), "NUL kept in the excerpt");
+        // Not the key, nor its start (a cut through it), plain or escaped.
+        let escaped = escaped_secret();
+        for spelling in [SECRET, escaped.as_str()] {
+            let cut_through = (7..spelling.len()).any(|k| excerpt.ends_with(&spelling[..k]));
+            prop_assert!(
+                !excerpt.contains(spelling) && !cut_through,
+                "key kept: {excerpt}"
+            );
+        }
         if let Reply::Http {
             json, body_error, ..
-        } = &x.reply
+        } = &reply
         {
             let parses = serde_json::from_slice::<Value>(body).is_ok();
             prop_assert_eq!(json.is_some(), parses && !cut);
             prop_assert_eq!(body_error.is_some(), !parses || *cut);
             if let Some(j) = json {
                 prop_assert!(!ballast::domain::json_has_nul(j), "NUL kept in the body");
-                prop_assert!(!j.to_string().contains("sk-fuzz-secret"), "secret kept");
+                prop_assert!(!j.to_string().contains(SECRET), "secret kept");
             }
         } else {
-            prop_assert!(false, "an HTTP reply became {:?}", x.reply);
+            prop_assert!(false, "an HTTP reply became {:?}", reply);
         }
-        let verdict = classify(&rules, &x.reply);
+        let verdict = classify(&rules, &reply);
         // Anything but success and half-states carries a stable code.
         prop_assert_eq!(
             verdict.error_code.is_none(),
