@@ -109,6 +109,10 @@ pub struct StepRun<'a> {
     pub stopping: &'a super::Stopping,
 }
 
+/// How long past its deadline a job's last poll may still be made (it
+/// waits for a provider pause, an open breaker, a free slot).
+pub const LAST_POLL_GRACE_MS: i64 = 60_000;
+
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
@@ -229,14 +233,21 @@ impl StepRun<'_> {
             w.started_at = Some(now);
             w.deadline_at = Some(now + ms(retry.deadline.0));
         }
-        if w.deadline_at.is_some_and(|d| now >= d) {
-            let what = if polling {
-                "the job did not finish"
-            } else {
-                "the step did not succeed"
-            };
-            let reason = format!("deadline passed: {what} within its deadline");
-            return self.give_up(w, "deadline_passed", reason);
+        // A job gets one last poll once its deadline has passed (it may
+        // have finished while the node could not ask: a pause, an open
+        // breaker, the database away); that poll decides. Only when it
+        // cannot be made within LAST_POLL_GRACE does the step give up
+        // unasked.
+        if let Some(d) = w.deadline_at.filter(|d| now >= *d) {
+            if !polling || now >= d + LAST_POLL_GRACE_MS {
+                let what = if polling {
+                    "the job did not finish within its deadline, and no last poll could be made"
+                } else {
+                    "the step did not succeed within its deadline"
+                };
+                let reason = format!("deadline passed: {what}");
+                return self.give_up(w, "deadline_passed", reason);
+            }
         }
         if rt.is_paused() {
             return self.defer(now + 5_000, "provider paused by an operator");
@@ -500,6 +511,19 @@ impl StepRun<'_> {
                 if !polling {
                     w.attempts -= 1;
                 }
+                match w.deadline_at {
+                    // The last poll, at or past the deadline: still running.
+                    Some(d) if polling && after >= d => {
+                        park = self.park_or_fail(
+                            &mut w,
+                            "deadline_passed",
+                            "deadline passed: the job had not finished when last polled".into(),
+                        );
+                    }
+                    // The last poll is made at the deadline itself.
+                    Some(d) if polling => w.next_run_at = w.next_run_at.map(|n| n.min(d)),
+                    _ => {}
+                }
             }
             Outcome::Fail => {
                 w.state = StepState::Failed;
@@ -542,6 +566,14 @@ impl StepRun<'_> {
                 };
                 if let Some(reason) = exhausted {
                     park = self.park_or_fail(&mut w, &code, reason);
+                } else if let Some(d) = w
+                    .deadline_at
+                    .filter(|d| polling && next > *d && next < d + LAST_POLL_GRACE_MS)
+                {
+                    // A poll that failed near the deadline: the last poll is
+                    // made at the deadline, and tried again within the grace
+                    // until the provider answers it.
+                    w.next_run_at = Some(if after < d { d } else { next });
                 } else if w.deadline_at.is_some_and(|d| next > d) {
                     park = self.park_or_fail(
                         &mut w,

@@ -306,13 +306,11 @@ async fn provider_keys_are_never_stored_or_shown() {
             axum::Json(json!({ "error": format!("key {got} is over quota") })),
         )
     });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let echo_addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, echo).await });
+    let echo_base = crate::helpers::serve_router(echo).await;
     let extra = format!(
         r#"
 [providers.echo]
-base_url = "http://{echo_addr}"
+base_url = "{echo_base}"
 auth = {{ header = "Authorization", value_env = "CARGO_MANIFEST_DIR", scheme = "Bearer" }}
 retry = {{ max_attempts = 2, base = "10ms", cap = "20ms", deadline = "20s" }}
 [[pipelines.leaky.steps]]

@@ -957,6 +957,111 @@ async fn shutdown_past_grace_leaves_calls_in_flight_to_their_lease() {
     sim.stop();
 }
 
+/// A provider of jobs whose first poll answers 429 with `Retry-After: 2`
+/// (the provider is paused past the poll deadline of 1 s); later polls
+/// answer the status the submit asked to finish with. Counts polls.
+async fn pausing_job_provider(polls: Arc<std::sync::atomic::AtomicUsize>) -> String {
+    use axum::response::IntoResponse;
+    use std::sync::atomic::Ordering;
+    let jobs = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let submit = {
+        let jobs = jobs.clone();
+        move |body: axum::Json<serde_json::Value>| async move {
+            let mut jobs = jobs.lock().unwrap();
+            jobs.push(body["finish"].as_str().unwrap_or("running").to_owned());
+            axum::Json(json!({ "id": jobs.len() - 1, "status": "queued" }))
+        }
+    };
+    let poll = move |axum::extract::Path(id): axum::extract::Path<usize>| async move {
+        let n = polls.fetch_add(1, Ordering::SeqCst);
+        if n < 2 {
+            let headers = [(axum::http::header::RETRY_AFTER, "2")];
+            return (
+                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                headers,
+                "slow down",
+            )
+                .into_response();
+        }
+        let status = jobs.lock().unwrap()[id].clone();
+        axum::Json(json!({ "status": status })).into_response()
+    };
+    let app = axum::Router::new()
+        .route("/v1/jobs", axum::routing::post(submit))
+        .route("/v1/jobs/{id}", axum::routing::get(poll));
+    crate::helpers::serve_router(app).await
+}
+
+/// A job's deadline passing while the node may not poll (the provider
+/// paused it with a 429) does not park the record unasked: one last poll
+/// is made once the pause ends, and it decides. A job that finished is
+/// done; one still running parks `deadline_passed`, after that one poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_gets_one_last_poll_past_its_deadline() {
+    let t = TestDb::migrated(Backend::Sqlite, "lastpoll").await.unwrap();
+    let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let base = pausing_job_provider(polls.clone()).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "1s"
+retry = {{ max_attempts = 3, base = "20ms", cap = "100ms", deadline = "60s" }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.job.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"finish": {{{{ input.finish | tojson }}}}}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "100ms", deadline = "1s" }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("lastpoll.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let engine = Engine::new(t.db.clone(), Arc::new(config), options("lastpoll"))
+        .await
+        .unwrap();
+    let done = engine
+        .enqueue("job", Some("done"), json!({ "finish": "succeeded" }))
+        .await
+        .unwrap();
+    let late = engine
+        .enqueue("job", Some("late"), json!({ "finish": "running" }))
+        .await
+        .unwrap();
+    let (stop, run) = run_in_background(&engine);
+    wait_at_rest(&t.db, 2, Duration::from_secs(30)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let done = t.db.get_record(done.record.id).await.unwrap().unwrap();
+    let late = t.db.get_record(late.record.id).await.unwrap().unwrap();
+    println!(
+        "last poll: {} polls; finished job {} ({:?}), running job {} ({:?})",
+        polls.load(std::sync::atomic::Ordering::SeqCst),
+        done.state,
+        done.reason,
+        late.state,
+        late.reason
+    );
+    assert_eq!(done.state, RecordState::Succeeded, "{:?}", done.reason);
+    assert_eq!(late.state, RecordState::Parked);
+    assert_eq!(late.error_code.as_deref(), Some("deadline_passed"));
+    assert!(
+        late.reason.as_deref().unwrap_or("").contains("last polled"),
+        "{:?}",
+        late.reason
+    );
+    // Two 429s, then one last poll each.
+    assert_eq!(polls.load(std::sync::atomic::Ordering::SeqCst), 4);
+}
+
 /// Replies no rule understands are retried a bounded number of times, then
 /// the record is parked with the evidence kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -255,10 +255,7 @@ async fn leaky_provider(seen_key: Arc<AtomicUsize>) -> String {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}")
+    crate::helpers::serve_router(app).await
 }
 
 /// A provider key planted in every reply is found nowhere Ballast writes:
@@ -514,10 +511,7 @@ async fn garbage_provider() -> String {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}")
+    crate::helpers::serve_router(app).await
 }
 
 /// Every garbage reply becomes a defined state with its evidence kept, on

@@ -261,3 +261,11 @@ pub async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
         .filter_map(|r| r.lease_owner)
         .collect()
 }
+
+/// Serves `app` on a free loopback port in the background; its base URL.
+pub async fn serve_router(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
