@@ -10,7 +10,7 @@
 //! - `GET /_sim/stats`: requests, and the most in any one second.
 //! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now;
 //!   503s unless `"status"` says 429 (with `"retry_after"`, the header's
-//!   text) or another 5xx.
+//!   text) or another 5xx; any other status is a 400.
 
 mod profile;
 
@@ -598,7 +598,9 @@ async fn outage(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusC
                 .map(str::to_owned),
         ),
         Some(code @ 500..=599) => Fault::ServerError(code as u16),
-        _ => Fault::ServerError(503),
+        None => Fault::ServerError(503),
+        // An outage answers 429 or a 5xx; anything else is a mistake.
+        Some(_) => return StatusCode::BAD_REQUEST,
     };
     sim.set_outage(for_ms, brownout, fault);
     StatusCode::NO_CONTENT

@@ -148,7 +148,7 @@ impl PgStore {
     async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
         let mut tx = self.begin_write().await?;
-        let sql = format!(
+        let sql = cached_sql!(format!(
             "WITH due AS ( \
                SELECT id AS due_id, state AS old_state, next_run_at AS old_due FROM records \
                WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
@@ -157,7 +157,7 @@ impl PgStore {
                lease_token = records.lease_token + 1, updated_at = $1 \
              FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due)) \
              RETURNING {RECORD_COLUMNS}, old_state, old_due"
-        );
+        ));
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(req.now)
             .bind(i64::from(req.limit))

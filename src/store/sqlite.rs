@@ -107,11 +107,11 @@ impl SqliteStore {
         }
         let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
         let old_states: std::collections::HashMap<i64, String> = due.into_iter().collect();
-        let sql = format!(
+        let sql = cached_sql!(format!(
             "UPDATE records SET state = 'running', lease_owner = $1, lease_until = $2, next_run_at = $2, \
              lease_token = lease_token + 1, updated_at = $3 \
              WHERE id IN (SELECT value FROM json_each($4)) RETURNING {RECORD_COLUMNS}"
-        );
+        ));
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(req.owner.clone())
             .bind(lease_until)

@@ -113,61 +113,6 @@ pub async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
     }
 }
 
-/// Outcome counts, every record's history checked on the way.
-async fn audit_outcomes(db: &Db) -> (i64, i64, i64, usize) {
-    let (mut ok, mut failed, mut parked, mut attempts) = (0, 0, 0, 0);
-    let mut reasons: std::collections::BTreeMap<String, usize> = Default::default();
-    let mut before = None;
-    loop {
-        let page = db
-            .list_records(&RecordFilter {
-                limit: 500,
-                before,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        for r in &page.items {
-            match r.state {
-                RecordState::Succeeded => ok += 1,
-                RecordState::Failed => failed += 1,
-                RecordState::Parked => parked += 1,
-                other => panic!("record {} ended {other}", r.id),
-            }
-            if r.state != RecordState::Succeeded {
-                *reasons
-                    .entry(format!(
-                        "{} {}",
-                        r.state,
-                        r.error_code.clone().unwrap_or_default()
-                    ))
-                    .or_default() += 1;
-                assert!(
-                    r.reason.is_some(),
-                    "record {} is {} without a reason",
-                    r.id,
-                    r.state
-                );
-                assert!(
-                    r.error_code.is_some(),
-                    "record {} is {} without an error code",
-                    r.id,
-                    r.state
-                );
-            }
-            let history = db.attempts(r.id).await.unwrap();
-            assert!(!history.is_empty(), "record {} has no attempts", r.id);
-            attempts += history.len();
-        }
-        match page.next {
-            Some(n) => before = Some(n),
-            None => break,
-        }
-    }
-    println!("not succeeded, by state and code: {reasons:?}");
-    (ok, failed, parked, attempts)
-}
-
 async fn chaos_run(backend: Backend) {
     let Some(t) = TestDb::migrated(backend, "chaos_run").await else {
         return;
@@ -194,7 +139,13 @@ async fn chaos_run(backend: Backend) {
     stop.cancel();
     run.await.unwrap();
 
-    let (ok, failed, parked, attempts) = audit_outcomes(&t.db).await;
+    let crate::helpers::Audit {
+        ok,
+        failed,
+        parked,
+        attempts,
+        ..
+    } = crate::helpers::audit_at_rest(&t.db).await;
     let ledger = sim.ledger();
     let stats = sim.stats();
     println!(
@@ -295,7 +246,13 @@ async fn crash_and_resume(backend: Backend) {
     let took = wait_at_rest(&t.db, N, Duration::from_secs(180)).await;
     last.shutdown_background();
 
-    let (ok, failed, parked, attempts) = audit_outcomes(&t.db).await;
+    let crate::helpers::Audit {
+        ok,
+        failed,
+        parked,
+        attempts,
+        ..
+    } = crate::helpers::audit_at_rest(&t.db).await;
     let ledger = sim.ledger();
     // Leases taken over, and when the survivor first claimed anything.
     let (mut expired, mut first_claim) = (0, i64::MAX);
@@ -1127,7 +1084,7 @@ async fn postgres_claims_and_commits_use_indexes_whatever_the_statistics() {
     let Some(t) = TestDb::migrated(Backend::Postgres, "plans").await else {
         return;
     };
-    let name = t.url.rsplit('/').next().unwrap().to_owned();
+    let name = t.pg_name().unwrap().to_owned();
     let mut admin = sqlx::PgConnection::connect(&crate::helpers::pg_admin_url())
         .await
         .unwrap();
@@ -1167,10 +1124,28 @@ async fn postgres_claims_and_commits_use_indexes_whatever_the_statistics() {
     wait_at_rest(&db, N as i64, Duration::from_secs(120)).await;
     stop.cancel();
     run.await.unwrap();
-    // Backends report their statistics when they exit.
+    // Backends report their statistics when they exit: wait until every
+    // one of this database's has.
     db.close().await;
     t.db.close().await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let closed = Instant::now();
+    loop {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
+                .bind(&name)
+                .fetch_one(&mut admin)
+                .await
+                .unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(
+            closed.elapsed() < Duration::from_secs(30),
+            "{left} sessions left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    admin.close().await.ok();
     let mut conn = sqlx::PgConnection::connect(&t.url).await.unwrap();
     let scanned: Vec<(String, i64, i64)> = sqlx::query_as(
         "SELECT relname::text, seq_scan, seq_tup_read FROM pg_stat_user_tables \

@@ -13,7 +13,7 @@ use ballast::domain::Role;
 use ballast::store::{ConnectOptions, Db, Store};
 use serde_json::{Value, json};
 
-use crate::helpers::{all_records, free_port, lease_holders, records_in};
+use crate::helpers::{all_records, audit_at_rest, free_port, lease_holders, running_leases};
 
 /// A `ballast serve` child in `dir` (its `ballast.toml`, its `ballast.db`),
 /// logging to `dir/serve.log` (appended to, so a restarted process's log
@@ -368,7 +368,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
     )
     .await
     .unwrap();
-    let ids: Vec<i64> = records_in(&db, None).await.iter().map(|r| r.id).collect();
+    let ids: Vec<i64> = all_records(&db, None).await.iter().map(|r| r.id).collect();
     let mut html_paths: Vec<String> = [
         "/",
         "/records",
@@ -565,7 +565,7 @@ outputs = {{ id = "/id", output = "/output" }}
     stop.cancel();
     run.await.unwrap();
     let mut by_outcome = std::collections::BTreeMap::<String, usize>::new();
-    let records = records_in(&t.db, None).await;
+    let records = all_records(&t.db, None).await;
     for r in &records {
         let attempts = t.db.attempts(r.id).await.unwrap();
         assert!(!attempts.is_empty(), "record {} has its attempts", r.id);
@@ -777,7 +777,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     signal(&a.child, "STOP");
-    let frozen_with = records_in(&db, Some(ballast::domain::RecordState::Running))
+    let frozen_with = all_records(&db, Some(ballast::domain::RecordState::Running))
         .await
         .len();
     let frozen_at = Instant::now();
@@ -786,13 +786,30 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     let b_done = frozen_at.elapsed();
     // Resume A: whatever it finishes now was taken over long ago.
     signal(&a.child, "CONT");
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Until A's refusals stop coming: a second without a new one (at most
+    // 10 s, waiting for the first).
+    let a_log = dirs[0].path().join("serve.log");
+    let refusals = || {
+        std::fs::read_to_string(&a_log)
+            .unwrap_or_default()
+            .matches("lease lost before commit")
+            .count()
+    };
+    let (resumed, mut seen, mut quiet) = (Instant::now(), refusals(), Instant::now());
+    while (seen == 0 || quiet.elapsed() < Duration::from_secs(1))
+        && resumed.elapsed() < Duration::from_secs(10)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if refusals() != seen {
+            (seen, quiet) = (refusals(), Instant::now());
+        }
+    }
     a.stop().await;
     b.stop().await;
 
     let mut completed = std::collections::BTreeMap::<i64, usize>::new();
     let mut taken_over = 0;
-    for r in records_in(&db, None).await {
+    for r in all_records(&db, None).await {
         assert_eq!(r.state, ballast::domain::RecordState::Succeeded, "{}", r.id);
         for e in db.record_events(r.id).await.unwrap() {
             if e.kind == "completed" {
@@ -801,8 +818,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
             taken_over += usize::from(e.kind == "lease_expired");
         }
     }
-    let a_log = std::fs::read_to_string(dirs[0].path().join("serve.log")).unwrap();
-    let refused = a_log.matches("lease lost before commit").count();
+    let refused = refusals();
     let ledger = sim.ledger();
     println!(
         "stale worker: A ({holder}) frozen holding {frozen_with} records; B finished all {N} \
@@ -902,16 +918,10 @@ async fn brute_force_from_many_addresses_is_limited() {
 /// U+FFFD), on both backends: refusing it with a 5xx would have the
 /// provider redeliver it forever.
 async fn webhooks_with_nul_characters_are_kept(backend: ballast::store::Backend) {
-    let Some(t) = crate::helpers::TestDb::migrated(backend, "nulhook").await else {
-        return;
-    };
     // The secret comes from a variable every environment has (tests may
     // not set variables: `unsafe` is forbidden).
     let secret = std::env::var("HOME").expect("HOME is set");
-    let text = format!(
-        r#"
-[database]
-url = "{}"
+    let extra = r#"
 [providers.sim]
 base_url = "http://127.0.0.1:9"
 webhook_secrets_env = ["HOME"]
@@ -919,27 +929,21 @@ webhook_secrets_env = ["HOME"]
 name = "render"
 provider = "sim"
 kind = "callback"
-request = {{ method = "POST", path = "/v1/jobs" }}
+request = { method = "POST", path = "/v1/jobs" }
 job_id = "/id"
-callback = {{ job_id = "/job_id", deadline = "2s" }}
-"#,
-        t.url
-    );
-    let config = ballast::config::Config::parse(&text, Path::new("nulhook.toml")).unwrap();
-    config.validate(&|v| std::env::var(v).ok()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(ballast::app::run(config, listener, shutdown.clone()));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+callback = { job_id = "/job_id", deadline = "2s" }
+"#;
+    let Some(app) = crate::web::WebApp::spawn(backend, "nulhook", extra).await else {
+        return;
+    };
     let body =
         br#"{"job_id": "job\u0000x", "status": "succeeded", "note": {"a\u0000": "b\u0000"}}"#;
     let now_s = ballast::engine::now_ms() / 1000;
     let signature = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body);
     let (status, reply) =
-        crate::helpers::http_post(addr, "/hooks/sim", &[("x-signature", &signature)], body).await;
-    shutdown.cancel();
-    let _ = server.await;
+        crate::helpers::http_post(app.addr, "/hooks/sim", &[("x-signature", &signature)], body)
+            .await;
+    app.stop().await;
     println!("{} webhook with NUL: {status} {reply}", backend.as_str());
     assert_eq!(status, 202, "{reply}");
     assert!(reply.contains("job\u{FFFD}x"), "{reply}");
@@ -953,40 +957,6 @@ async fn sqlite_webhooks_with_nul_characters_are_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_webhooks_with_nul_characters_are_kept() {
     webhooks_with_nul_characters_are_kept(ballast::store::Backend::Postgres).await;
-}
-
-/// Every running record's lease owner.
-async fn running_leases(db: &Db) -> std::collections::BTreeMap<i64, String> {
-    all_records(db, Some(ballast::domain::RecordState::Running))
-        .await
-        .into_iter()
-        .filter_map(|r| Some((r.id, r.lease_owner?)))
-        .collect()
-}
-
-/// Every record, checked at rest and free of leases: (succeeded, failed,
-/// parked, leases taken over). Prints why the others ended as they did.
-async fn audit_at_rest(db: &Db) -> (i64, i64, i64, usize) {
-    let (mut ok, mut failed, mut parked, mut taken_over) = (0, 0, 0, 0);
-    let mut why = std::collections::BTreeMap::<String, usize>::new();
-    for r in all_records(db, None).await {
-        match r.state {
-            ballast::domain::RecordState::Succeeded => ok += 1,
-            ballast::domain::RecordState::Failed => failed += 1,
-            ballast::domain::RecordState::Parked => parked += 1,
-            other => panic!("record {} ended {other}", r.id),
-        }
-        assert!(r.lease_owner.is_none(), "record {} still leased", r.id);
-        if r.state != ballast::domain::RecordState::Succeeded {
-            let code = r.error_code.clone().unwrap_or_default();
-            *why.entry(format!("{} {code}", r.state)).or_default() += 1;
-        }
-        for e in db.record_events(r.id).await.unwrap() {
-            taken_over += usize::from(e.kind == "lease_expired");
-        }
-    }
-    println!("  not succeeded, by code: {why:?}");
-    (ok, failed, parked, taken_over)
 }
 
 /// How many runs of the long items: `BALLAST_FAULTS=full` for the sizes
@@ -1100,7 +1070,13 @@ async fn kill_loop(backend: ballast::store::Backend) {
     let took = started.elapsed();
     last.stop().await;
 
-    let (ok, failed, parked, taken_over) = audit_at_rest(&t.db).await;
+    let crate::helpers::Audit {
+        ok,
+        failed,
+        parked,
+        taken_over,
+        ..
+    } = audit_at_rest(&t.db).await;
     let ledger = sim.ledger();
     let worst = resumes.iter().max().copied().unwrap_or_default();
     let orphans_worst = orphans_back.iter().max().copied().unwrap_or_default();
@@ -1257,7 +1233,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     let stopped_in = stopping.elapsed();
 
     let (mut done, mut released, mut untouched, mut attempts) = (0, 0, 0, 0);
-    for r in records_in(&t.db, None).await {
+    for r in all_records(&t.db, None).await {
         assert!(r.lease_owner.is_none(), "record {} still leased", r.id);
         let history = t.db.attempts(r.id).await.unwrap();
         attempts += history.len();
@@ -1612,7 +1588,13 @@ async fn postgres_database_faults() {
     let took = started.elapsed();
     node.stop().await;
     let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
-    let (ok, failed, parked, taken_over) = audit_at_rest(&db).await;
+    let crate::helpers::Audit {
+        ok,
+        failed,
+        parked,
+        taken_over,
+        ..
+    } = audit_at_rest(&db).await;
     let ledger = sim.ledger();
     println!(
         "postgres database faults: {n} records at rest in {took:.1?}: {ok} succeeded + \
@@ -1775,7 +1757,9 @@ async fn a_503_storm_stays_within_the_retry_budget_and_recovers() {
         .map(|a| a.started_at + a.duration_ms)
         .max()
         .unwrap_or(storm_to);
-    let (ok, failed, parked, _) = audit_at_rest(&t.db).await;
+    let crate::helpers::Audit {
+        ok, failed, parked, ..
+    } = audit_at_rest(&t.db).await;
     println!(
         "503 storm {storm:?} at {RATE} records/s: {firsts} first attempts and {retries} retries \
          during it (budget allows {allowed:.0}); baseline {baseline:.0} completions/s, back to \
@@ -1853,7 +1837,7 @@ async fn a_429_storm_honours_retry_after() {
             }
         }
     }
-    let (ok, _, _, _) = audit_at_rest(&t.db).await;
+    let ok = audit_at_rest(&t.db).await.ok;
     println!(
         "429 storm {storm:?} with Retry-After 2: {} 429s answered, {} calls in all; calls \
          sooner than 2 s after a 429: {early}; closest call after a 429: {closest} ms; {ok} of \
@@ -1959,7 +1943,9 @@ async fn soak(backend: ballast::store::Backend) {
     lags.sort_unstable();
     let pct = |p: f64| lags[((lags.len() - 1) as f64 * p) as usize];
     let growth = |a: f64, b: f64| (b - a) / a * 100.0;
-    let (ok, failed, parked, _) = audit_at_rest(&t.db).await;
+    let crate::helpers::Audit {
+        ok, failed, parked, ..
+    } = audit_at_rest(&t.db).await;
     println!(
         "{} soak {length:?}: {fed} records, {outages} outages; RSS {} → {} MiB ({:+.1}%), open \
          descriptors {fds0} → {} ({:+.1}%); queue lag p50 {} ms, p99 {} ms; {ok} succeeded, \

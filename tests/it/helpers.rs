@@ -96,6 +96,11 @@ impl TestDb {
         }
     }
 
+    /// The PostgreSQL database's name (`None` on SQLite).
+    pub fn pg_name(&self) -> Option<&str> {
+        self.pg_name.as_deref()
+    }
+
     /// The same, migrated to the latest schema.
     pub async fn migrated(backend: Backend, test: &str) -> Option<TestDb> {
         let t = TestDb::new(backend, test).await?;
@@ -214,52 +219,99 @@ fn parse_response(response: &str) -> (u16, String) {
     (status, body)
 }
 
-/// Up to 500 records, newest first, in `state` when given.
-pub async fn records_in(
-    db: &Db,
-    state: Option<ballast::domain::RecordState>,
-) -> Vec<ballast::domain::Record> {
-    db.list_records(&ballast::store::RecordFilter {
-        state,
-        limit: 500,
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .items
-}
-
 /// Every record (in `state`, when given), newest first, all pages.
 pub async fn all_records(
     db: &Db,
     state: Option<ballast::domain::RecordState>,
 ) -> Vec<ballast::domain::Record> {
-    let mut out = Vec::new();
+    let (mut out, mut before) = (Vec::new(), None);
     loop {
         let page = db
             .list_records(&ballast::store::RecordFilter {
                 state,
                 limit: 500,
-                before: out.last().map(|r: &ballast::domain::Record| r.id),
+                before,
                 ..Default::default()
             })
             .await
             .unwrap();
-        let full = page.items.len() == 500;
         out.extend(page.items);
-        if !full {
-            return out;
+        match page.next {
+            Some(next) => before = Some(next),
+            None => return out,
         }
     }
 }
 
-/// The nodes holding leases of running records.
-pub async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
-    records_in(db, Some(ballast::domain::RecordState::Running))
+/// Every running record's lease owner.
+pub async fn running_leases(db: &Db) -> std::collections::BTreeMap<i64, String> {
+    all_records(db, Some(ballast::domain::RecordState::Running))
         .await
         .into_iter()
-        .filter_map(|r| r.lease_owner)
+        .filter_map(|r| Some((r.id, r.lease_owner?)))
         .collect()
+}
+
+/// The nodes holding leases of running records.
+pub async fn lease_holders(db: &Db) -> std::collections::BTreeSet<String> {
+    running_leases(db).await.into_values().collect()
+}
+
+/// How a run's records ended, each checked on the way: at rest, free of
+/// leases, with attempts, and when not succeeded with a code and a reason.
+pub struct Audit {
+    pub ok: i64,
+    pub failed: i64,
+    pub parked: i64,
+    pub attempts: usize,
+    /// `lease_expired` events: leases another worker took over.
+    pub taken_over: usize,
+}
+
+/// [`Audit`]s every record; prints why those not succeeded ended so.
+pub async fn audit_at_rest(db: &Db) -> Audit {
+    use ballast::domain::RecordState;
+    let mut a = Audit {
+        ok: 0,
+        failed: 0,
+        parked: 0,
+        attempts: 0,
+        taken_over: 0,
+    };
+    let mut why = std::collections::BTreeMap::<String, usize>::new();
+    for r in all_records(db, None).await {
+        match r.state {
+            RecordState::Succeeded => a.ok += 1,
+            RecordState::Failed => a.failed += 1,
+            RecordState::Parked => a.parked += 1,
+            other => panic!("record {} ended {other}", r.id),
+        }
+        assert!(r.lease_owner.is_none(), "record {} still leased", r.id);
+        if r.state != RecordState::Succeeded {
+            let code = r.error_code.clone().unwrap_or_default();
+            *why.entry(format!("{} {code}", r.state)).or_default() += 1;
+            assert!(
+                !code.is_empty(),
+                "record {} is {} without a code",
+                r.id,
+                r.state
+            );
+            assert!(
+                r.reason.is_some(),
+                "record {} is {} without a reason",
+                r.id,
+                r.state
+            );
+        }
+        let history = db.attempts(r.id).await.unwrap();
+        assert!(!history.is_empty(), "record {} has no attempts", r.id);
+        a.attempts += history.len();
+        for e in db.record_events(r.id).await.unwrap() {
+            a.taken_over += usize::from(e.kind == "lease_expired");
+        }
+    }
+    println!("  not succeeded, by state and code: {why:?}");
+    a
 }
 
 /// Serves `app` on a free loopback port in the background; its base URL.
