@@ -342,7 +342,8 @@ async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
     }
 }
 
-fn run_in_background(engine: &Engine) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+/// Runs `engine` (grace 2 s) until the returned token is cancelled.
+pub fn run_in_background(engine: &Engine) -> (CancellationToken, tokio::task::JoinHandle<()>) {
     let stop = CancellationToken::new();
     let handle = tokio::spawn({
         let (engine, stop) = (engine.clone(), stop.clone());

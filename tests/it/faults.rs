@@ -70,9 +70,7 @@ impl Serve {
 
     /// SIGTERM, then waits for the exit.
     async fn stop(mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        signal(&self.child, "TERM");
         let started = Instant::now();
         while self.child.try_wait().unwrap().is_none() {
             assert!(
@@ -556,11 +554,7 @@ outputs = {{ id = "/id", output = "/output" }}
             .await
             .unwrap();
     }
-    let stop = tokio_util::sync::CancellationToken::new();
-    let run = tokio::spawn({
-        let (engine, stop) = (engine.clone(), stop.clone());
-        async move { engine.run(stop, Duration::from_secs(1)).await }
-    });
+    let (stop, run) = crate::engine::run_in_background(&engine);
     crate::engine::wait_at_rest(&t.db, N, Duration::from_secs(60)).await;
     stop.cancel();
     run.await.unwrap();
@@ -1666,11 +1660,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     let engine = ballast::engine::Engine::new(db.clone(), Arc::new(config), opts)
         .await
         .unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    tokio::spawn({
-        let stop = stop.clone();
-        async move { engine.run(stop, Duration::from_secs(2)).await }
-    });
+    let (stop, _run) = crate::engine::run_in_background(&engine);
     let feeding = tokio_util::sync::CancellationToken::new();
     tokio::spawn({
         let feeding = feeding.clone();
