@@ -346,14 +346,10 @@ impl StepRun<'_> {
         // comes back storable, so the key reaches no output, job id,
         // excerpt or log.
         let key = rt.config.credential(&|var| std::env::var(var).ok());
-        let secrets = key
-            .as_ref()
-            .map(|k| k.expose())
-            .into_iter()
-            .collect::<Vec<_>>();
+        let key = key.as_ref().map(|k| k.expose());
         let x = match &rt.in_process {
-            Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call, &secrets),
-            None => exchange(&rt.client, &call, &secrets).await,
+            Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call, key.as_slice()),
+            None => exchange(&rt.client, &call, key.as_slice()).await,
         };
         let after = super::now_ms();
         let c = classify(&rt.rules, &x.reply);

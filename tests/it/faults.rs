@@ -175,7 +175,7 @@ fn occurrences(haystack: &[u8], needle: &[u8]) -> usize {
 }
 
 /// `text` spelt with JSON `\uXXXX` escapes, as a provider's JSON encoder may.
-fn json_escaped(text: &str) -> String {
+pub fn json_escaped(text: &str) -> String {
     text.chars()
         .map(|c| format!("\\u{:04x}", c as u32))
         .collect()

@@ -182,10 +182,7 @@ const SECRET: &str = "sk-fuzz-secret";
 
 /// [`SECRET`] spelt with JSON `\uXXXX` escapes.
 fn escaped_secret() -> String {
-    SECRET
-        .chars()
-        .map(|c| format!("\\u{:04x}", c as u32))
-        .collect()
+    crate::faults::json_escaped(SECRET)
 }
 
 /// The chain pipeline's provider rules, with the defaults after them.
