@@ -33,7 +33,7 @@ macro_rules! cached_sql {
 /// to the batched record update's join for the same reason (empty on
 /// SQLite, whose planner would then scan the JSON rows once per record).
 macro_rules! common_store {
-    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, rows = $rows:literal,
+    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, dialect = $dialect:ident, rows = $rows:literal,
      any_of = ($any_open:literal, $any_close:literal), update_key = $update_key:literal) => {
         use serde_json::Value as JsonValue;
         use sqlx::types::Json;
@@ -98,7 +98,7 @@ macro_rules! common_store {
                 format!(
                     "INSERT INTO {table} ({key}, state, shard, n) SELECT {} FROM {} WHERE true ORDER BY key \
                      ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
-                    batch::select(batch::COUNT_COLS),
+                    batch::select(batch::COUNT_COLS, batch::Dialect::$dialect),
                     $rows
                 )
             }
@@ -106,9 +106,7 @@ macro_rules! common_store {
             /// Appends one event inside the caller's transaction and
             /// returns it as stored.
             pub(crate) async fn insert_event(tx: &mut Tx, e: &EventRow<'_>) -> StoreResult<Event> {
-                let sql = cached_sql!(batch::insert(
-                    "events",
-                    batch::EVENT_COLS,
+                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, batch::Dialect::$dialect,
                     $rows,
                     "RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
                 ));
@@ -152,9 +150,7 @@ macro_rules! common_store {
                     .iter()
                     .map(|(record_id, s, now)| batch::StepJson::new(installation, *record_id, s, *now))
                     .collect();
-                let sql = cached_sql!(batch::insert(
-                    "step_runs",
-                    batch::STEP_COLS,
+                let sql = cached_sql!(batch::insert("step_runs", batch::STEP_COLS, batch::Dialect::$dialect,
                     $rows,
                     "ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
                        unknowns = excluded.unknowns, \
@@ -176,7 +172,7 @@ macro_rules! common_store {
                 }
                 let rows: Vec<batch::AttemptJson<'_>> =
                     attempts.iter().map(|(record_id, a)| batch::AttemptJson::new(*record_id, a)).collect();
-                let sql = cached_sql!(batch::insert("attempts", batch::ATTEMPT_COLS, $rows, ""));
+                let sql = cached_sql!(batch::insert("attempts", batch::ATTEMPT_COLS, batch::Dialect::$dialect, $rows, ""));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
@@ -188,7 +184,7 @@ macro_rules! common_store {
                     return Ok(());
                 }
                 let rows: Vec<batch::EventJson<'_>> = events.iter().map(batch::EventJson::from).collect();
-                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, $rows, ""));
+                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, batch::Dialect::$dialect, $rows, ""));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
@@ -223,7 +219,7 @@ macro_rules! common_store {
                        provider = v.provider, error_code = v.error_code, reason = v.reason, \
                        updated_at = v.updated_at, finished_at = v.finished_at \
                      FROM v WHERE records.id = v.id{}",
-                    batch::select_as(batch::RECORD_UPDATE_COLS),
+                    batch::select_as(batch::RECORD_UPDATE_COLS, batch::Dialect::$dialect),
                     $rows,
                     $update_key
                 ));
@@ -301,9 +297,7 @@ macro_rules! common_store {
             async fn insert_records(tx: &mut Tx, batch: &[NewRecord], now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Vec<Created>> {
                 let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
                 let rows: Vec<batch::NewRecordJson<'_>> = batch.iter().map(|r| batch::NewRecordJson::new(r, now)).collect();
-                let sql = cached_sql!(batch::insert(
-                    "records",
-                    batch::NEW_RECORD_COLS,
+                let sql = cached_sql!(batch::insert("records", batch::NEW_RECORD_COLS, batch::Dialect::$dialect,
                     $rows,
                     &format!("ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}")
                 ));

@@ -193,6 +193,7 @@ common_store!(
     Postgres,
     lock = " FOR NO KEY UPDATE",
     audit = "audit",
+    dialect = Postgres,
     rows = "jsonb_array_elements($1) WITH ORDINALITY AS j(value, key)",
     any_of = ("= ANY(ARRAY(", "))"),
     update_key = " AND records.id = ANY(ARRAY(SELECT id FROM v))"

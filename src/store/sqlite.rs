@@ -135,6 +135,7 @@ common_store!(
     Sqlite,
     lock = "",
     audit = "audit = 1",
+    dialect = Sqlite,
     rows = "json_each($1)",
     any_of = ("IN (", ")"),
     update_key = ""

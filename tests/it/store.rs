@@ -1476,6 +1476,16 @@ async fn batch_enqueue_is_one_transaction_and_idempotent(db: &Db) {
 /// `commit_many` over more records than one multi-row statement holds:
 /// every pass lands as `commit` would write it, a stale lease refuses only
 /// its own pass, and a group naming a record twice is refused whole.
+/// A step's output in the group-commit test: none, a JSON `null` (kept
+/// apart from none), or an object.
+fn output_of(i: usize) -> Option<serde_json::Value> {
+    match i % 4 {
+        0 => None,
+        1 => Some(serde_json::Value::Null),
+        _ => Some(json!({ "i": i, "s": "a \"quoted\" ✓" })),
+    }
+}
+
 async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
     let n = 300;
     let batch = (0..n)
@@ -1504,12 +1514,14 @@ async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
         c.provider = Some(format!("prov{}", i % 3));
         if result == Some(WorkResult::Parked) {
             c.error_code = Some("unknown_reply".into());
-            c.reason = Some(format!("parked {i}"));
+            // Cells travel inside a JSON array: quotes, escapes and
+            // non-ASCII text come back as written.
+            c.reason = Some(format!("parked \"{i}\" ✓\n\\ {{}}"));
         }
         let mut step = StepWrite::pending("fetch");
         step.state = StepState::Succeeded;
         step.attempts = 1;
-        step.output = Some(json!({ "i": i }));
+        step.output = output_of(i);
         c.steps = vec![step];
         c.attempts = (0..1 + i % 2)
             .map(|k| attempt("fetch", k as i32 + 1, 200, Outcome::Success, "{}"))
@@ -1553,7 +1565,8 @@ async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
         assert_eq!(after.provider, c.provider);
         assert_eq!(db.attempts(id).await.unwrap().len(), c.attempts.len());
         let steps = db.step_runs(id).await.unwrap();
-        assert_eq!(steps[0].output, Some(json!({ "i": i })));
+        assert_eq!(steps[0].output, output_of(i), "output of {i}");
+        assert_eq!(after.reason, c.reason);
         let events = db.record_events(id).await.unwrap();
         let worked = usize::from(c.result.is_some());
         assert_eq!(events.len(), 2 + worked, "created, claimed, and the result");
