@@ -12,7 +12,9 @@
 //! - `async fn begin_write(&self) -> Result<Transaction<'static, DB>, sqlx::Error>`
 //! - `fn reader(&self) -> &Pool<DB>`
 //! - `fn counter_shard() -> i32`
-//! - `async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>>`
+//! - `async fn claim_in(tx: &mut Transaction<'static, DB>, req: &ClaimRequest) -> StoreResult<Claimed>`:
+//!   leases due records inside the caller's transaction, in due order, with
+//!   the state each was taken from
 
 /// A statement text built once per call site (and so once per backend:
 /// `common_store!` expands every call site for each), then reused.
@@ -227,18 +229,18 @@ macro_rules! common_store {
                 Ok(())
             }
 
-            /// Writes the events and counter moves of a claim: `old_states`
-            /// maps each claimed id to the state it was taken from. A record
-            /// taken from `running` had an expired lease, recorded first.
-            pub(crate) async fn finish_claim(
-                tx: &mut Tx,
+            /// The events and counter moves of a claim, added to the
+            /// caller's: `old_states` maps each claimed id to the state it
+            /// was taken from. A record taken from `running` had an expired
+            /// lease, recorded first.
+            fn claim_moves<'e>(
                 claimed: &[Record],
                 old_states: &std::collections::HashMap<i64, String>,
-                req: &ClaimRequest,
+                now: UnixMs,
+                actor: &'e str,
+                events: &mut Vec<EventRow<'e>>,
+                deltas: &mut CountDeltas,
             ) -> StoreResult<()> {
-                let mut deltas = CountDeltas::default();
-                let actor = node_actor(&req.owner);
-                let mut events = Vec::with_capacity(claimed.len());
                 for rec in claimed {
                     let old = old_states.get(&rec.id).map_or("", String::as_str);
                     let old: RecordState = $crate::store::rows::parse(old, "record state")?;
@@ -251,9 +253,9 @@ macro_rules! common_store {
                         let to = transition(from, trigger)?;
                         events.push(EventRow {
                             record_id: Some(rec.id),
-                            at: req.now,
+                            at: now,
                             kind: trigger.kind(),
-                            actor: &actor,
+                            actor,
                             audit: false,
                             from: Some(from),
                             to: Some(to),
@@ -269,8 +271,7 @@ macro_rules! common_store {
                         rec.provider.as_deref().map(|p| (p, from)),
                     );
                 }
-                Self::insert_events(tx, &events).await?;
-                Self::apply_counts(tx, &deltas).await
+                Ok(())
             }
 
             /// Resets `steps` to run again from scratch, each under a new
@@ -564,7 +565,18 @@ macro_rules! common_store {
                 if req.owner.is_empty() {
                     return Err(StoreError::Invalid("lease owner is empty".into()));
                 }
-                self.claim_due_impl(req).await
+                let actor = node_actor(&req.owner);
+                let mut tx = self.begin_write().await?;
+                let (claimed, old_states) = Self::claim_in(&mut tx, req).await?;
+                if !claimed.is_empty() {
+                    let mut events = Vec::with_capacity(claimed.len());
+                    let mut deltas = CountDeltas::default();
+                    Self::claim_moves(&claimed, &old_states, req.now, &actor, &mut events, &mut deltas)?;
+                    Self::insert_events(&mut tx, &events).await?;
+                    Self::apply_counts(&mut tx, &deltas).await?;
+                }
+                tx.commit().await?;
+                Ok(claimed)
             }
 
             async fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> StoreResult<Vec<i64>> {

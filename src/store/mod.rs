@@ -182,6 +182,9 @@ pub struct ClaimRequest {
     pub limit: u32,
 }
 
+/// Records a claim leased, in due order, and the state each was taken from.
+pub(crate) type Claimed = (Vec<Record>, std::collections::HashMap<i64, String>);
+
 /// Proof that a worker holds a record: its writes are refused without it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {

@@ -145,9 +145,11 @@ impl PgStore {
         self.pool.close().await;
     }
 
-    async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
+    async fn claim_in(
+        tx: &mut Transaction<'static, Postgres>,
+        req: &ClaimRequest,
+    ) -> StoreResult<crate::store::Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
-        let mut tx = self.begin_write().await?;
         let sql = cached_sql!(format!(
             "WITH due AS ( \
                SELECT id AS due_id, state AS old_state, next_run_at AS old_due FROM records \
@@ -163,7 +165,7 @@ impl PgStore {
             .bind(i64::from(req.limit))
             .bind(req.owner.clone())
             .bind(lease_until)
-            .fetch_all(&mut *tx)
+            .fetch_all(&mut **tx)
             .await?;
         let mut old_states = HashMap::with_capacity(rows.len());
         let mut due_at = HashMap::with_capacity(rows.len());
@@ -175,9 +177,7 @@ impl PgStore {
         let mut claimed = map::all(&rows, map::record)?;
         // Hand records out in due order, as selected.
         claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
-        Self::finish_claim(&mut tx, &claimed, &old_states, req).await?;
-        tx.commit().await?;
-        Ok(claimed)
+        Ok((claimed, old_states))
     }
 }
 

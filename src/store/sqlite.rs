@@ -90,20 +90,21 @@ impl SqliteStore {
 
     /// The single writer makes select-then-update atomic: no other claimer
     /// can run between the two statements.
-    async fn claim_due_impl(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
+    async fn claim_in(
+        tx: &mut Transaction<'static, Sqlite>,
+        req: &ClaimRequest,
+    ) -> StoreResult<crate::store::Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
-        let mut tx = self.begin_write().await?;
         let due: Vec<(i64, String)> = sqlx::query_as(
             "SELECT id, state FROM records WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
              ORDER BY next_run_at, id LIMIT $2",
         )
         .bind(req.now)
         .bind(i64::from(req.limit))
-        .fetch_all(&mut *tx)
+        .fetch_all(&mut **tx)
         .await?;
         if due.is_empty() {
-            tx.commit().await?;
-            return Ok(Vec::new());
+            return Ok(Default::default());
         }
         let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
         let old_states: std::collections::HashMap<i64, String> = due.into_iter().collect();
@@ -117,16 +118,14 @@ impl SqliteStore {
             .bind(lease_until)
             .bind(req.now)
             .bind(Json(&ids))
-            .fetch_all(&mut *tx)
+            .fetch_all(&mut **tx)
             .await?;
         let mut claimed = map::all(&rows, map::record)?;
         // Hand records out in due order, as selected.
         let order: std::collections::HashMap<i64, usize> =
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         claimed.sort_by_key(|r| order.get(&r.id).copied());
-        Self::finish_claim(&mut tx, &claimed, &old_states, req).await?;
-        tx.commit().await?;
-        Ok(claimed)
+        Ok((claimed, old_states))
     }
 }
 
@@ -136,7 +135,7 @@ common_store!(
     lock = "",
     audit = "audit = 1",
     dialect = Sqlite,
-    rows = "json_each($1)",
+    rows = "jsonb_each($1)",
     any_of = ("IN (", ")"),
     update_key = ""
 );
