@@ -114,6 +114,10 @@ struct Inner {
     /// Leases this node holds, kept alive by the keeper.
     held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
+    /// Passes done with their calls and waiting for their commit, bounded
+    /// apart from `slots` (as many again), so a slow database holds at most
+    /// twice `max_in_flight` records in memory.
+    committing: Arc<Semaphore>,
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.
     committer: committer::Committer,
@@ -223,6 +227,7 @@ impl Engine {
         }
         let installation = db.installation_id().await?;
         let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
+        let committing = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
         let opts_node = opts.node_id.clone();
         let committer = committer::Committer::spawn(db.clone());
         Ok(Engine {
@@ -241,6 +246,7 @@ impl Engine {
                 wake: Notify::new(),
                 held: Mutex::default(),
                 slots,
+                committing,
                 stats: stats::StatsRecorder::new(&opts_node),
             }),
         })
@@ -710,7 +716,7 @@ impl Engine {
         let running = Arc::new(Stopping::default());
         for (rec, runs) in claimed {
             let (engine, running) = (self.clone(), running.clone());
-            tasks.spawn(async move { engine.process(rec, runs, &running).await });
+            tasks.spawn(async move { engine.process(rec, runs, &running, None).await });
         }
         while tasks.join_next().await.is_some() {}
         Ok(n)
@@ -810,10 +816,8 @@ impl Engine {
                     continue;
                 }
                 let (engine, stopping) = (self.clone(), stopping.clone());
-                tasks.spawn(async move {
-                    engine.process(rec, runs, &stopping).await;
-                    drop(permit);
-                });
+                tasks
+                    .spawn(async move { engine.process(rec, runs, &stopping, Some(permit)).await });
             }
             let mut claimed_any = false;
             if ready.len() < batch.div_ceil(2) {
@@ -1047,7 +1051,18 @@ impl Engine {
 
     /// One pass over one leased record; always ends with a commit (or a
     /// dropped result when the lease was lost).
-    async fn process(&self, rec: Record, runs: Option<Vec<StepRun>>, stopping: &Stopping) {
+    /// Runs one pass over `rec` and commits it. `slot` is the record's
+    /// place among the node's `max_in_flight`: given up once the pass's
+    /// calls are done, so the next record starts while this one waits for
+    /// its group commit (a held slot idled through every commit: B, 50 ms
+    /// calls, lost that commit's milliseconds per record).
+    async fn process(
+        &self,
+        rec: Record,
+        runs: Option<Vec<StepRun>>,
+        stopping: &Stopping,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
         let i = &self.inner;
         let Some(lease) = rec.lease() else { return };
         // A pass is not aborted when its lease is lost: a call already sent
@@ -1055,6 +1070,9 @@ impl Engine {
         let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
         self.forget_lease(&lease);
         let Some(commit) = commit else { return };
+        // The semaphore is never closed; `None` would only skip the bound.
+        let _committing = i.committing.clone().acquire_owned().await.ok();
+        drop(slot);
         let Some((commit, result)) = i.committer.commit(commit).await else {
             tracing::error!(
                 record.id = rec.id,
