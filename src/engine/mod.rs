@@ -114,9 +114,9 @@ struct Inner {
     /// Leases this node holds, kept alive by the keeper.
     held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
-    /// Passes done with their calls and waiting for their commit, bounded
-    /// apart from `slots` (as many again), so a slow database holds at most
-    /// twice `max_in_flight` records in memory.
+    /// Passes done with their calls, committing and following up, bounded
+    /// apart from `slots` (as many again): a slow database holds about
+    /// twice `max_in_flight` records in memory, plus one claimed batch.
     committing: Arc<Semaphore>,
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.
@@ -1050,12 +1050,16 @@ impl Engine {
     }
 
     /// One pass over one leased record; always ends with a commit (or a
-    /// dropped result when the lease was lost).
-    /// Runs one pass over `rec` and commits it. `slot` is the record's
+    /// dropped result when the lease was lost). `slot` is the record's
     /// place among the node's `max_in_flight`: given up once the pass's
     /// calls are done, so the next record starts while this one waits for
     /// its group commit (a held slot idled through every commit: B, 50 ms
-    /// calls, lost that commit's milliseconds per record).
+    /// calls, lost that commit's milliseconds per record). The commit and
+    /// its follow-ups (late deliveries) run under the `committing` bound
+    /// instead. The keeper stops extending the lease before the commit, as
+    /// before: a commit that waits longer than the lease (a database stall
+    /// with a short `engine.lease`) can find the record claimed again and
+    /// is refused as a lost lease.
     async fn process(
         &self,
         rec: Record,

@@ -9,7 +9,8 @@
 //! Each row is a JSON array of its cells in column order: the statement
 //! reads cell `i` by position (`value->>i`). On SQLite, `jsonb_each` hands
 //! each row over in SQLite's binary JSON, so reading a cell neither renders
-//! the row back to text nor parses it again, as `json_each` rows did.
+//! the row back to text nor parses it again, as `json_each` rows did
+//! (`jsonb_each` needs SQLite 3.45 or later: sqlx's bundled SQLite is).
 //! Measured on a step-run upsert, µs per row written: 14.5 with objects
 //! read by key through `json_each`, 9.2 with arrays, 5.5 with arrays
 //! through `jsonb_each`. [`select`] writes the

@@ -1473,9 +1473,6 @@ async fn batch_enqueue_is_one_transaction_and_idempotent(db: &Db) {
     assert_eq!(events.iter().filter(|e| e.kind == "created").count(), 1);
 }
 
-/// `commit_many` over more records than one multi-row statement holds:
-/// every pass lands as `commit` would write it, a stale lease refuses only
-/// its own pass, and a group naming a record twice is refused whole.
 /// A step's output in the group-commit test: none, a JSON `null` (kept
 /// apart from none), or an object.
 fn output_of(i: usize) -> Option<serde_json::Value> {
@@ -1486,6 +1483,9 @@ fn output_of(i: usize) -> Option<serde_json::Value> {
     }
 }
 
+/// `commit_many` over more records than one multi-row statement holds:
+/// every pass lands as `commit` would write it, a stale lease refuses only
+/// its own pass, and a group naming a record twice is refused whole.
 async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
     let n = 300;
     let batch = (0..n)
