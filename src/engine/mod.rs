@@ -117,7 +117,7 @@ struct Inner {
     /// Passes done with their calls, committing and following up, bounded
     /// apart from `slots` (as many again): a slow database holds about
     /// twice `max_in_flight` records in memory, plus one claimed batch.
-    committing: Arc<Semaphore>,
+    committing: Semaphore,
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.
     committer: committer::Committer,
@@ -227,7 +227,7 @@ impl Engine {
         }
         let installation = db.installation_id().await?;
         let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
-        let committing = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
+        let committing = Semaphore::new(opts.max_in_flight.max(1));
         let opts_node = opts.node_id.clone();
         let committer = committer::Committer::spawn(db.clone());
         Ok(Engine {
@@ -1075,7 +1075,7 @@ impl Engine {
         self.forget_lease(&lease);
         let Some(commit) = commit else { return };
         // The semaphore is never closed; `None` would only skip the bound.
-        let _committing = i.committing.clone().acquire_owned().await.ok();
+        let _committing = i.committing.acquire().await.ok();
         drop(slot);
         let Some((commit, result)) = i.committer.commit(commit).await else {
             tracing::error!(

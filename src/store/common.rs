@@ -27,15 +27,15 @@ macro_rules! cached_sql {
 
 /// Instantiates the shared store logic. `lock` is appended to row reads made
 /// inside a write transaction; `audit` is the spelling of "audit is true"
-/// that matches the backend's partial indexes; `rows` is the table of JSON
-/// rows (columns `value` and `key`, the position) read from parameter `$1`
-/// (see `batch.rs`); `any_of` is how `column <any_of.0>subquery<any_of.1>`
+/// that matches the backend's partial indexes; `dialect` names the
+/// backend's [`batch::Dialect`](super::batch::Dialect), whose `rows()` is the
+/// table of JSON rows read from parameter `$1` (see `batch.rs`); `any_of` is how `column <any_of.0>subquery<any_of.1>`
 /// matches a key against a subquery's values through the key's index
 /// whatever the statistics say (see `postgres.rs`); `update_key` is added
 /// to the batched record update's join for the same reason (empty on
 /// SQLite, whose planner would then scan the JSON rows once per record).
 macro_rules! common_store {
-    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, dialect = $dialect:ident, rows = $rows:literal,
+    ($store:ty, $db:ty, lock = $lock:literal, audit = $audit:literal, dialect = $dialect:ident,
      any_of = ($any_open:literal, $any_close:literal), update_key = $update_key:literal) => {
         use serde_json::Value as JsonValue;
         use sqlx::types::Json;
@@ -47,6 +47,9 @@ macro_rules! common_store {
             UnixMs, User,
         };
         use $crate::store::batch;
+
+        /// This backend's spelling of batched rows.
+        const DIALECT: batch::Dialect = batch::Dialect::$dialect;
         use $crate::store::counts::CountDeltas;
         use $crate::store::filter::{push_audit_filter, push_record_filter};
         use $crate::store::rows::{
@@ -100,16 +103,15 @@ macro_rules! common_store {
                 format!(
                     "INSERT INTO {table} ({key}, state, shard, n) SELECT {} FROM {} WHERE true ORDER BY key \
                      ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
-                    batch::select(batch::COUNT_COLS, batch::Dialect::$dialect),
-                    $rows
+                    batch::select(batch::COUNT_COLS, DIALECT),
+                    DIALECT.rows()
                 )
             }
 
             /// Appends one event inside the caller's transaction and
             /// returns it as stored.
             pub(crate) async fn insert_event(tx: &mut Tx, e: &EventRow<'_>) -> StoreResult<Event> {
-                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, batch::Dialect::$dialect,
-                    $rows,
+                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, DIALECT,
                     "RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
                 ));
                 let row = sqlx::query(sql)
@@ -152,8 +154,7 @@ macro_rules! common_store {
                     .iter()
                     .map(|(record_id, s, now)| batch::StepJson::new(installation, *record_id, s, *now))
                     .collect();
-                let sql = cached_sql!(batch::insert("step_runs", batch::STEP_COLS, batch::Dialect::$dialect,
-                    $rows,
+                let sql = cached_sql!(batch::insert("step_runs", batch::STEP_COLS, DIALECT,
                     "ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
                        unknowns = excluded.unknowns, \
                        generation = excluded.generation, attempts = excluded.attempts, \
@@ -174,7 +175,7 @@ macro_rules! common_store {
                 }
                 let rows: Vec<batch::AttemptJson<'_>> =
                     attempts.iter().map(|(record_id, a)| batch::AttemptJson::new(*record_id, a)).collect();
-                let sql = cached_sql!(batch::insert("attempts", batch::ATTEMPT_COLS, batch::Dialect::$dialect, $rows, ""));
+                let sql = cached_sql!(batch::insert("attempts", batch::ATTEMPT_COLS, DIALECT, ""));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
@@ -186,7 +187,7 @@ macro_rules! common_store {
                     return Ok(());
                 }
                 let rows: Vec<batch::EventJson<'_>> = events.iter().map(batch::EventJson::from).collect();
-                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, batch::Dialect::$dialect, $rows, ""));
+                let sql = cached_sql!(batch::insert("events", batch::EVENT_COLS, DIALECT, ""));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
                 Ok(())
             }
@@ -196,7 +197,7 @@ macro_rules! common_store {
             async fn lock_records(tx: &mut Tx, ids: &[i64]) -> StoreResult<std::collections::HashMap<i64, Record>> {
                 let sql = cached_sql!(format!(
                     "SELECT {RECORD_COLUMNS} FROM records WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{} ORDER BY id{}",
-                    $any_open, $rows, $any_close, $lock
+                    $any_open, DIALECT.rows(), $any_close, $lock
                 ));
                 let rows = sqlx::query(sql).bind(Json(ids)).fetch_all(&mut **tx).await?;
                 let mut out = std::collections::HashMap::with_capacity(ids.len());
@@ -221,8 +222,8 @@ macro_rules! common_store {
                        provider = v.provider, error_code = v.error_code, reason = v.reason, \
                        updated_at = v.updated_at, finished_at = v.finished_at \
                      FROM v WHERE records.id = v.id{}",
-                    batch::select_as(batch::RECORD_UPDATE_COLS, batch::Dialect::$dialect),
-                    $rows,
+                    batch::select_as(batch::RECORD_UPDATE_COLS, DIALECT),
+                    DIALECT.rows(),
                     $update_key
                 ));
                 sqlx::query(sql).bind(Json(&rows)).execute(&mut **tx).await?;
@@ -298,8 +299,7 @@ macro_rules! common_store {
             async fn insert_records(tx: &mut Tx, batch: &[NewRecord], now: UnixMs, deltas: &mut CountDeltas) -> StoreResult<Vec<Created>> {
                 let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
                 let rows: Vec<batch::NewRecordJson<'_>> = batch.iter().map(|r| batch::NewRecordJson::new(r, now)).collect();
-                let sql = cached_sql!(batch::insert("records", batch::NEW_RECORD_COLS, batch::Dialect::$dialect,
-                    $rows,
+                let sql = cached_sql!(batch::insert("records", batch::NEW_RECORD_COLS, DIALECT,
                     &format!("ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}")
                 ));
                 let inserted = sqlx::query(sql).bind(Json(&rows)).fetch_all(&mut **tx).await?;
@@ -565,10 +565,10 @@ macro_rules! common_store {
                 if req.owner.is_empty() {
                     return Err(StoreError::Invalid("lease owner is empty".into()));
                 }
-                let actor = node_actor(&req.owner);
                 let mut tx = self.begin_write().await?;
                 let (claimed, old_states) = Self::claim_in(&mut tx, req).await?;
                 if !claimed.is_empty() {
+                    let actor = node_actor(&req.owner);
                     let mut events = Vec::with_capacity(claimed.len());
                     let mut deltas = CountDeltas::default();
                     Self::claim_moves(&claimed, &old_states, req.now, &actor, &mut events, &mut deltas)?;
@@ -970,7 +970,7 @@ macro_rules! common_store {
                     "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id {}SELECT CAST(value AS BIGINT) FROM {}{} \
                      ORDER BY record_id, step",
                     $any_open,
-                    $rows,
+                    DIALECT.rows(),
                     $any_close
                 ));
                 let rows = sqlx::query(sql).bind(Json(record_ids)).fetch_all(self.reader()).await?;

@@ -194,7 +194,6 @@ common_store!(
     lock = " FOR NO KEY UPDATE",
     audit = "audit",
     dialect = Postgres,
-    rows = "jsonb_array_elements($1) WITH ORDINALITY AS j(value, key)",
     any_of = ("= ANY(ARRAY(", "))"),
     update_key = " AND records.id = ANY(ARRAY(SELECT id FROM v))"
 );

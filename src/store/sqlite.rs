@@ -135,7 +135,6 @@ common_store!(
     lock = "",
     audit = "audit = 1",
     dialect = Sqlite,
-    rows = "jsonb_each($1)",
     any_of = ("IN (", ")"),
     update_key = ""
 );
