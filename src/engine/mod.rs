@@ -183,6 +183,15 @@ impl ProviderLive {
 }
 
 /// A handle on the engine; cheap to clone.
+/// A claim in flight beside the run loop's dispatch.
+type ClaimFuture<'a> = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<Vec<(Record, Option<Vec<StepRun>>)>, StoreError>>
+            + Send
+            + 'a,
+    >,
+>;
+
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
@@ -798,10 +807,17 @@ impl Engine {
         // Claimed records waiting for a slot. Claims run ahead of the slots
         // by up to one batch, so a freed slot is refilled at once and claims
         // stay large; buffered records are leased (the keeper extends them,
-        // shutdown releases them).
+        // shutdown releases them). A claim runs beside the dispatch, not in
+        // its way: slots freed while it waits for the database (behind a
+        // group commit, on SQLite's one writer) are refilled from the
+        // buffer at once.
         let batch = i.opts.batch.max(1) as usize;
         let stopping = Arc::new(Stopping::default());
         let mut ready: VecDeque<(Record, Option<Vec<StepRun>>)> = VecDeque::new();
+        let mut claiming: Option<ClaimFuture<'_>> = None;
+        // Set after a claim that leaves nothing to start: the next claim
+        // waits for a wake-up, a freed slot or this instant.
+        let mut waiting: Option<tokio::time::Instant> = None;
         while !shutdown.is_cancelled() {
             while !ready.is_empty() {
                 let Ok(permit) = i.slots.clone().try_acquire_owned() else {
@@ -819,35 +835,53 @@ impl Engine {
                 tasks
                     .spawn(async move { engine.process(rec, runs, &stopping, Some(permit)).await });
             }
-            let mut claimed_any = false;
-            if ready.len() < batch.div_ceil(2) {
+            if claiming.is_none() && waiting.is_none() && ready.len() < batch.div_ceil(2) {
                 let want = (batch - ready.len()) as u32;
-                match self.claim(want).await {
-                    Ok(records) => {
-                        claimed_any = !records.is_empty();
-                        ready.extend(records);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "claim failed; retrying shortly");
-                    }
-                }
-            }
-            if claimed_any && i.slots.available_permits() > 0 {
-                continue;
+                claiming = Some(Box::pin(self.claim(want)));
             }
             let busy = !ready.is_empty();
-            // With work buffered, a freed slot is the signal: no need to ask
-            // the database when work is due.
-            let sleep = if busy {
-                i.opts.idle_max
-            } else {
-                self.idle_sleep().await
-            };
+            let until = waiting.unwrap_or_else(tokio::time::Instant::now);
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                () = i.wake.notified(), if !busy => {}
-                () = tokio::time::sleep(sleep) => {}
-                Ok(p) = i.slots.clone().acquire_owned(), if busy => drop(p),
+                claimed = async {
+                    match claiming.as_mut() {
+                        Some(claim) => claim.await,
+                        None => std::future::pending().await,
+                    }
+                }, if claiming.is_some() => {
+                    claiming = None;
+                    let mut claimed_any = false;
+                    match claimed {
+                        Ok(records) => {
+                            claimed_any = !records.is_empty();
+                            ready.extend(records);
+                        }
+                        Err(e) => tracing::warn!(error = %e, "claim failed; retrying shortly"),
+                    }
+                    if !(claimed_any && i.slots.available_permits() > 0) {
+                        // With work buffered, a freed slot is the signal: no
+                        // need to ask the database when work is due.
+                        let sleep = if ready.is_empty() {
+                            self.idle_sleep().await
+                        } else {
+                            i.opts.idle_max
+                        };
+                        waiting = Some(tokio::time::Instant::now() + sleep);
+                    }
+                }
+                () = i.wake.notified(), if waiting.is_some() && !busy => waiting = None,
+                () = tokio::time::sleep_until(until), if waiting.is_some() => waiting = None,
+                Ok(p) = i.slots.clone().acquire_owned(), if busy => {
+                    drop(p);
+                    waiting = None;
+                }
+            }
+        }
+        // A claim cut short by shutdown may have taken records: they are
+        // given back with the rest.
+        if let Some(claim) = claiming.take() {
+            if let Ok(records) = claim.await {
+                ready.extend(records);
             }
         }
         // Calls in flight finish; passes waiting for a slot, the rate limit
