@@ -182,7 +182,6 @@ impl ProviderLive {
     }
 }
 
-/// A handle on the engine; cheap to clone.
 /// A claim in flight beside the run loop's dispatch.
 type ClaimFuture<'a> = std::pin::Pin<
     Box<
@@ -192,6 +191,7 @@ type ClaimFuture<'a> = std::pin::Pin<
     >,
 >;
 
+/// A handle on the engine; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
@@ -816,9 +816,10 @@ impl Engine {
         let mut ready: VecDeque<(Record, Option<Vec<StepRun>>)> = VecDeque::new();
         let mut claiming: Option<ClaimFuture<'_>> = None;
         // Set after a claim that leaves nothing to start: the next claim
-        // waits for a wake-up, a freed slot or this instant.
+        // waits for a wake-up, a freed slot (a pass started) or this instant.
         let mut waiting: Option<tokio::time::Instant> = None;
         while !shutdown.is_cancelled() {
+            let mut started = false;
             while !ready.is_empty() {
                 let Ok(permit) = i.slots.clone().try_acquire_owned() else {
                     break;
@@ -834,6 +835,10 @@ impl Engine {
                 let (engine, stopping) = (self.clone(), stopping.clone());
                 tasks
                     .spawn(async move { engine.process(rec, runs, &stopping, Some(permit)).await });
+                started = true;
+            }
+            if started {
+                waiting = None;
             }
             if claiming.is_none() && waiting.is_none() && ready.len() < batch.div_ceil(2) {
                 let want = (batch - ready.len()) as u32;
@@ -877,8 +882,8 @@ impl Engine {
                 }
             }
         }
-        // A claim cut short by shutdown may have taken records: they are
-        // given back with the rest.
+        // A claim in flight at shutdown is let finish: records it took are
+        // given back with the rest, not left leased.
         if let Some(claim) = claiming.take() {
             if let Ok(records) = claim.await {
                 ready.extend(records);

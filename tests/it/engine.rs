@@ -858,6 +858,161 @@ async fn postgres_graceful_shutdown_releases_work() {
     graceful_shutdown_releases_work(Backend::Postgres).await;
 }
 
+/// Another session holding the write lock on `records`: the engine's
+/// claims and commits wait behind it until `release`; reads go on.
+enum WriteLock {
+    Sqlite(sqlx::SqliteConnection),
+    Postgres(sqlx::PgConnection),
+}
+
+impl WriteLock {
+    async fn take(t: &TestDb, backend: Backend) -> WriteLock {
+        use sqlx::Connection;
+        match backend {
+            Backend::Sqlite => {
+                let mut c = sqlx::SqliteConnection::connect(&t.url).await.unwrap();
+                sqlx::raw_sql("BEGIN IMMEDIATE")
+                    .execute(&mut c)
+                    .await
+                    .unwrap();
+                WriteLock::Sqlite(c)
+            }
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&t.url).await.unwrap();
+                sqlx::raw_sql("BEGIN; LOCK TABLE records IN EXCLUSIVE MODE")
+                    .execute(&mut c)
+                    .await
+                    .unwrap();
+                WriteLock::Postgres(c)
+            }
+        }
+    }
+
+    /// Closing rolls the transaction back.
+    async fn release(self) {
+        use sqlx::Connection;
+        match self {
+            WriteLock::Sqlite(c) => c.close().await.unwrap(),
+            WriteLock::Postgres(c) => c.close().await.unwrap(),
+        }
+    }
+}
+
+/// A claim waiting on the database is not in the dispatch's way: a slot
+/// freed meanwhile starts the next buffered record at once. And a claim
+/// still in flight at shutdown is let finish, its records given back, not
+/// left leased for a whole lease.
+///
+/// Two slots, claims of four. A is claimed alone and B, C, D together
+/// 100 ms later, so their 300 ms calls end apart. With writes blocked, A's
+/// end starts C and a claim (the buffer is below half), which waits; B's
+/// end must start D while that claim still waits. Then the node stops with
+/// the claim in flight (E, F, G to take) and the lock goes.
+async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "claimbeside").await else {
+        return;
+    };
+    let mut profile = Profile::clean(44);
+    profile.latency_scale = 1.0;
+    profile.latency_median = Duration::from_millis(300);
+    profile.latency_sigma = 0.0;
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let config = single_step(&sim.base_url(), "concurrency = 8");
+    let mut o = options("beside");
+    o.lease = Duration::from_secs(10);
+    o.batch = 4;
+    o.max_in_flight = 2;
+    let engine = Engine::new(t.db.clone(), config, o).await.unwrap();
+    let requests = |n: u64| {
+        let sim = &sim;
+        async move {
+            let started = Instant::now();
+            while sim.stats().requests < n {
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "{n} requests never came"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    let items = |keys: &[&str]| -> Vec<(Option<String>, serde_json::Value)> {
+        keys.iter()
+            .map(|k| (Some((*k).to_owned()), json!({})))
+            .collect()
+    };
+    engine.enqueue_many("pay", items(&["a"])).await.unwrap();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(5)).await }
+    });
+    requests(1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    engine
+        .enqueue_many("pay", items(&["b", "c", "d"]))
+        .await
+        .unwrap();
+    requests(2).await;
+    engine
+        .enqueue_many("pay", items(&["e", "f", "g"]))
+        .await
+        .unwrap();
+    let lock = WriteLock::take(&t, backend).await;
+    // A ends at about +200 ms (C starts, the claim waits), B at +300 ms.
+    tokio::time::sleep(Duration::from_millis(550)).await;
+    assert_eq!(
+        sim.stats().requests,
+        4,
+        "D started while the claim waited on the database"
+    );
+    stop.cancel();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    lock.release().await;
+    tokio::time::timeout(Duration::from_secs(15), run)
+        .await
+        .unwrap()
+        .unwrap();
+
+    let records = crate::helpers::all_records(&t.db, None).await;
+    assert_eq!(records.len(), 7);
+    for r in &records {
+        assert!(r.lease_owner.is_none(), "record {} still leased", r.id);
+        match r.external_key.as_deref() {
+            Some("a" | "b" | "c" | "d") => assert_eq!(r.state, RecordState::Succeeded, "{r:?}"),
+            _ => {
+                assert_eq!(r.state, RecordState::Pending, "{r:?}");
+                assert!(t.db.attempts(r.id).await.unwrap().is_empty());
+                let kinds: Vec<String> =
+                    t.db.record_events(r.id)
+                        .await
+                        .unwrap()
+                        .into_iter()
+                        .map(|e| e.kind)
+                        .collect();
+                assert!(
+                    kinds.iter().any(|k| k == "claimed"),
+                    "record {} was never claimed ({kinds:?}): the claim in flight at shutdown was not let finish",
+                    r.id
+                );
+                assert_given_back(&t.db, r.id).await;
+            }
+        }
+    }
+    assert_eq!(sim.stats().requests, 4);
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_waiting_claim_neither_blocks_dispatch_nor_strands_records() {
+    a_waiting_claim_neither_blocks_dispatch_nor_strands_records(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiting_claim_neither_blocks_dispatch_nor_strands_records() {
+    a_waiting_claim_neither_blocks_dispatch_nor_strands_records(Backend::Postgres).await;
+}
+
 /// Past the grace period, a pass still in a call keeps its lease: giving
 /// the record back at once would let another node call again while this
 /// call may still land. Records not started go back at once; the calls in
