@@ -907,7 +907,9 @@ impl WriteLock {
 /// 100 ms later, so their 300 ms calls end apart. With writes blocked, A's
 /// end starts C and a claim (the buffer is below half), which waits; B's
 /// end must start D while that claim still waits. Then the node stops with
-/// the claim in flight (E, F, G to take) and the lock goes.
+/// the claim in flight (E, F, G to take) and the lock goes. It pins too
+/// that a pass gives up its slot when its call is done, not after its
+/// commit: A's and B's commits wait behind the lock while C and D start.
 async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Backend) {
     let Some(t) = TestDb::migrated(backend, "claimbeside").await else {
         return;
@@ -964,7 +966,7 @@ async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Ba
     assert_eq!(
         sim.stats().requests,
         4,
-        "D started while the claim waited on the database"
+        "C and D started while A's and B's commits and the next claim waited on the database"
     );
     stop.cancel();
     tokio::time::sleep(Duration::from_millis(100)).await;
