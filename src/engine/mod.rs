@@ -876,10 +876,8 @@ impl Engine {
                 }
                 () = i.wake.notified(), if waiting.is_some() && !busy => waiting = None,
                 () = tokio::time::sleep_until(until), if waiting.is_some() => waiting = None,
-                Ok(p) = i.slots.clone().acquire_owned(), if busy => {
-                    drop(p);
-                    waiting = None;
-                }
+                // A freed slot: the next pass refills it at the loop's top.
+                Ok(_) = i.slots.acquire(), if busy => waiting = None,
             }
         }
         // A claim in flight at shutdown is let finish: records it took are

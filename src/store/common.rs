@@ -230,18 +230,17 @@ macro_rules! common_store {
                 Ok(())
             }
 
-            /// The events and counter moves of a claim, added to the
-            /// caller's: `old_states` maps each claimed id to the state it
-            /// was taken from. A record taken from `running` had an expired
-            /// lease, recorded first.
+            /// The events and counter moves of a claim: `old_states` maps
+            /// each claimed id to the state it was taken from. A record
+            /// taken from `running` had an expired lease, recorded first.
             fn claim_moves<'e>(
                 claimed: &[Record],
                 old_states: &std::collections::HashMap<i64, String>,
                 now: UnixMs,
                 actor: &'e str,
-                events: &mut Vec<EventRow<'e>>,
-                deltas: &mut CountDeltas,
-            ) -> StoreResult<()> {
+            ) -> StoreResult<(Vec<EventRow<'e>>, CountDeltas)> {
+                let mut events = Vec::with_capacity(claimed.len());
+                let mut deltas = CountDeltas::default();
                 for rec in claimed {
                     let old = old_states.get(&rec.id).map_or("", String::as_str);
                     let old: RecordState = $crate::store::rows::parse(old, "record state")?;
@@ -272,7 +271,7 @@ macro_rules! common_store {
                         rec.provider.as_deref().map(|p| (p, from)),
                     );
                 }
-                Ok(())
+                Ok((events, deltas))
             }
 
             /// Resets `steps` to run again from scratch, each under a new
@@ -569,9 +568,7 @@ macro_rules! common_store {
                 let (claimed, old_states) = Self::claim_in(&mut tx, req).await?;
                 if !claimed.is_empty() {
                     let actor = node_actor(&req.owner);
-                    let mut events = Vec::with_capacity(claimed.len());
-                    let mut deltas = CountDeltas::default();
-                    Self::claim_moves(&claimed, &old_states, req.now, &actor, &mut events, &mut deltas)?;
+                    let (events, deltas) = Self::claim_moves(&claimed, &old_states, req.now, &actor)?;
                     Self::insert_events(&mut tx, &events).await?;
                     Self::apply_counts(&mut tx, &deltas).await?;
                 }

@@ -14,7 +14,7 @@ use ballast::store::{Backend, ConnectOptions, Db, RecordFilter, Store};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::helpers::TestDb;
+use crate::helpers::{TestDb, event_kinds, wait_for_requests};
 
 /// A provider on the simulator and a three-step pipeline `chain`: a charge
 /// (request), a render (submit, then poll), an optional notification.
@@ -925,19 +925,6 @@ async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Ba
     o.batch = 4;
     o.max_in_flight = 2;
     let engine = Engine::new(t.db.clone(), config, o).await.unwrap();
-    let requests = |n: u64| {
-        let sim = &sim;
-        async move {
-            let started = Instant::now();
-            while sim.stats().requests < n {
-                assert!(
-                    started.elapsed() < Duration::from_secs(10),
-                    "{n} requests never came"
-                );
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-    };
     let items = |keys: &[&str]| -> Vec<(Option<String>, serde_json::Value)> {
         keys.iter()
             .map(|k| (Some((*k).to_owned()), json!({})))
@@ -949,13 +936,13 @@ async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Ba
         let (engine, stop) = (engine.clone(), stop.clone());
         async move { engine.run(stop, Duration::from_secs(5)).await }
     });
-    requests(1).await;
+    wait_for_requests(&sim, 1, Duration::from_secs(10)).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     engine
         .enqueue_many("pay", items(&["b", "c", "d"]))
         .await
         .unwrap();
-    requests(2).await;
+    wait_for_requests(&sim, 2, Duration::from_secs(10)).await;
     engine
         .enqueue_many("pay", items(&["e", "f", "g"]))
         .await
@@ -985,13 +972,7 @@ async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Ba
             _ => {
                 assert_eq!(r.state, RecordState::Pending, "{r:?}");
                 assert!(t.db.attempts(r.id).await.unwrap().is_empty());
-                let kinds: Vec<String> =
-                    t.db.record_events(r.id)
-                        .await
-                        .unwrap()
-                        .into_iter()
-                        .map(|e| e.kind)
-                        .collect();
+                let kinds = event_kinds(&t.db, r.id).await;
                 assert!(
                     kinds.iter().any(|k| k == "claimed"),
                     "record {} was never claimed ({kinds:?}): the claim in flight at shutdown was not let finish",
@@ -1026,11 +1007,7 @@ async fn shutdown_past_grace_leaves_calls_in_flight_to_their_lease() {
         .await
         .unwrap();
     let (sim, stop, run) = draining(&t, 400, Duration::from_millis(50)).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while sim.stats().requests < 4 {
-        assert!(Instant::now() < deadline, "no call made");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for_requests(&sim, 4, Duration::from_secs(10)).await;
     stop.cancel();
     run.await.unwrap();
     let records = crate::helpers::all_records(&t.db, None).await;

@@ -1216,11 +1216,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
         &[("BALLAST_ADMIN_PASSWORD", "sigterm-admin-pw")],
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while sim.stats().requests == 0 {
-        assert!(Instant::now() < deadline, "no call made");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    crate::helpers::wait_for_requests(&sim, 1, Duration::from_secs(20)).await;
     let held = running_leases(&t.db).await.len();
     let stopping = Instant::now();
     node.stop().await;

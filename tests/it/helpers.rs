@@ -243,6 +243,29 @@ pub async fn all_records(
     }
 }
 
+/// The kinds of a record's events, oldest first.
+pub async fn event_kinds(db: &Db, record_id: i64) -> Vec<String> {
+    db.record_events(record_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect()
+}
+
+/// Waits until `sim` has received at least `n` requests, failing after
+/// `within`.
+pub async fn wait_for_requests(sim: &ballast::sim::SimHandle, n: u64, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while sim.stats().requests < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} request(s) never came within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Every running record's lease owner.
 pub async fn running_leases(db: &Db) -> std::collections::BTreeMap<i64, String> {
     all_records(db, Some(ballast::domain::RecordState::Running))

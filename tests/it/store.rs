@@ -213,13 +213,7 @@ async fn claim_takes_due_records_in_order(db: &Db) {
         db.claim_due(&claim("w3", T0 + 100, 3)).await.unwrap().len(),
         3
     );
-    let kinds: Vec<String> = db
-        .record_events(early.id)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|e| e.kind)
-        .collect();
+    let kinds = crate::helpers::event_kinds(db, early.id).await;
     assert_eq!(kinds, vec!["created", "claimed"]);
     assert_counts_consistent(db).await;
 }
@@ -311,13 +305,7 @@ async fn expired_lease_is_reclaimable_and_unexpired_is_not(db: &Db) {
         .await
         .unwrap();
     assert_eq!(done.state, RecordState::Succeeded);
-    let kinds: Vec<String> = db
-        .record_events(rec.id)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|e| e.kind)
-        .collect();
+    let kinds = crate::helpers::event_kinds(db, rec.id).await;
     assert_eq!(
         kinds,
         vec![
