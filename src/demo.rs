@@ -104,10 +104,19 @@ job_id = "/id"
 poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "2s", deadline = "30s" }}
 outputs = {{ summary = "/result/url" }}
 
+# Fans out after `fetch`: the email check runs beside the analysis, and
+# the CRM update waits for both.
+[[pipelines.lead-enrichment.steps]]
+name = "verify-email"
+provider = "crm"
+needs = ["fetch"]
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-verify", "amount": 0, "email": {{{{ input.email | tojson }}}}}}' }}
+outputs = {{ check_id = "/id" }}
+
 [[pipelines.lead-enrichment.steps]]
 name = "crm-update"
 provider = "crm"
-needs = ["analyse"]
+needs = ["analyse", "verify-email"]
 required = false
 request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-crm", "amount": 0}}' }}
 

@@ -118,6 +118,16 @@ impl RetryConfig {
             cap: self.cap.0,
         }
     }
+
+    /// The settings a step's decisions read (`domain::step`).
+    pub fn policy(&self) -> crate::domain::step::RetryPolicy {
+        crate::domain::step::RetryPolicy {
+            max_attempts: self.max_attempts,
+            unknown_attempts: self.unknown_attempts,
+            backoff: self.backoff(),
+            deadline: self.deadline.0,
+        }
+    }
 }
 
 /// `breaker = { window = 50, min_calls = 20, failure_rate = 0.5, slow_call = "5s", open_for = "30s", probes = 3 }`

@@ -4,8 +4,11 @@
 pub mod backoff;
 pub mod breaker;
 pub mod model;
+pub mod pass;
+pub mod pipeline;
 pub mod rules;
 pub mod state;
+pub mod step;
 pub mod time;
 
 pub use model::*;

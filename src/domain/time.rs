@@ -10,6 +10,11 @@ pub type UnixMs = i64;
 /// A source of the current time.
 pub trait Clock: Send + Sync + 'static {
     fn now_ms(&self) -> UnixMs;
+
+    /// [`now_ms`](Self::now_ms) as a `SystemTime` (for HTTP dates).
+    fn now_system(&self) -> SystemTime {
+        UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(self.now_ms()).unwrap_or(0))
+    }
 }
 
 /// The wall clock.

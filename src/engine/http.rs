@@ -7,14 +7,16 @@
 //! from it, and NUL characters by U+FFFD (PostgreSQL stores none), so the
 //! key reaches no output, job id, excerpt or log.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use futures_util::StreamExt;
 use serde_json::Value;
 
 use crate::domain::backoff::parse_retry_after;
 use crate::domain::rules::{Reply, ReplyError};
-use crate::domain::{EXCERPT_MAX_BYTES, excerpt};
+use crate::domain::{Clock, EXCERPT_MAX_BYTES, excerpt};
 use crate::pipeline::HttpMethod;
 
 /// The longest `Retry-After` honoured.
@@ -94,7 +96,12 @@ pub fn exchange_in_process(
 
 /// Sends `call` and reads the reply, never failing: every outcome is a
 /// [`Reply`], made storable (see the module's note) with `secrets`.
-pub async fn exchange(client: &reqwest::Client, call: &Call, secrets: &[&str]) -> Exchange {
+pub async fn exchange(
+    client: &reqwest::Client,
+    call: &Call,
+    secrets: &[&str],
+    clock: &dyn Clock,
+) -> Exchange {
     let started = Instant::now();
     let method = match call.method {
         HttpMethod::Get => reqwest::Method::GET,
@@ -120,7 +127,7 @@ pub async fn exchange(client: &reqwest::Client, call: &Call, secrets: &[&str]) -
         excerpt: storable_excerpt(&msg, secrets),
     };
     // One deadline for the whole exchange, body included.
-    let deadline = tokio::time::Instant::now() + call.timeout;
+    let deadline = Instant::now() + call.timeout;
     let resp = match tokio::time::timeout_at(deadline, req.send()).await {
         Err(_) => {
             return failed(
@@ -137,7 +144,7 @@ pub async fn exchange(client: &reqwest::Client, call: &Call, secrets: &[&str]) -
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_retry_after(v, SystemTime::now()))
+        .and_then(|v| parse_retry_after(v, clock.now_system()))
         // Honoured, but bounded: a provider asking for years is asking for
         // an hour, and the step's deadline decides the rest.
         .map(|d| d.min(MAX_RETRY_AFTER));

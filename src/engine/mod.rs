@@ -11,6 +11,7 @@
 mod committer;
 pub mod http;
 pub mod limits;
+mod pass;
 pub mod stats;
 mod step;
 
@@ -25,11 +26,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::domain::{
-    BreakerState, Clock, ProviderState, Record, StepRun, StepState, SystemClock, UnixMs, WorkResult,
+    BreakerState, Clock, ProviderState, Record, StepRun, StepState, SystemClock, UnixMs,
 };
 use crate::pipeline::{Pipeline, Pipelines, Templates};
 use crate::store::{
-    ClaimRequest, Commit, Created, Db, Lease, NewRecord, NodeBeat, StepWrite, Store, StoreError,
+    ClaimRequest, Created, Db, Lease, NewRecord, NodeBeat, StepWrite, Store, StoreError,
 };
 
 use limits::ProviderRuntime;
@@ -489,8 +490,8 @@ impl Engine {
             .values()
             .flat_map(|p| p.steps.iter())
             .find_map(|s| {
-                let cb = s.callback.as_ref().filter(|_| s.provider == provider)?;
-                match body.pointer(&cb.job_id)? {
+                let cb = s.callback().filter(|_| s.provider == provider)?;
+                match body.pointer(&cb.delivery_job_id)? {
                     Value::String(j) => Some(j.clone()),
                     Value::Null => None,
                     other => Some(other.to_string()),
@@ -633,17 +634,13 @@ impl Engine {
         let Some((pipeline, _)) = self.compiled(rec).await else {
             return;
         };
-        let is_callback = |name: &str| {
-            pipeline
-                .step(name)
-                .is_some_and(|s| s.kind == crate::config::pipeline::StepKind::Callback)
-        };
+        let is_callback = |name: &str| pipeline.step(name).is_some_and(|s| s.callback().is_some());
         let mut settled = Vec::new();
         for w in steps.iter().filter(|w| is_callback(&w.step)) {
             let (Some(provider), Some(job)) = (&w.provider, &w.job_id) else {
                 continue;
             };
-            if is_done(w.state) {
+            if crate::domain::pass::is_done(w.state) {
                 settled.push((w.step.clone(), provider.clone(), job.clone(), w.state));
             } else if w.state == StepState::Waiting
                 && state == crate::domain::RecordState::Waiting
@@ -1085,329 +1082,6 @@ impl Engine {
         lock(&i.pinned).insert(version, compiled.clone());
         Some(compiled)
     }
-
-    /// One pass over one leased record; always ends with a commit (or a
-    /// dropped result when the lease was lost). `slot` is the record's
-    /// place among the node's `max_in_flight`: given up once the pass's
-    /// calls are done, so the next record starts while this one waits for
-    /// its group commit (a held slot idled through every commit: B, 50 ms
-    /// calls, lost that commit's milliseconds per record). The commit and
-    /// its follow-ups (late deliveries) run under the `committing` bound
-    /// instead. The keeper stops extending the lease before the commit, as
-    /// before: a commit that waits longer than the lease (a database stall
-    /// with a short `engine.lease`) can find the record claimed again and
-    /// is refused as a lost lease.
-    async fn process(
-        &self,
-        rec: Record,
-        runs: Option<Vec<StepRun>>,
-        stopping: &Stopping,
-        slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) {
-        let i = &self.inner;
-        let Some(lease) = rec.lease() else { return };
-        // A pass is not aborted when its lease is lost: a call already sent
-        // is let finish so that its exchange still lands in the history.
-        let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
-        self.forget_lease(&lease);
-        let Some(commit) = commit else { return };
-        // The semaphore is never closed; `None` would only skip the bound.
-        let _committing = i.committing.acquire().await.ok();
-        drop(slot);
-        let Some((commit, result)) = i.committer.commit(commit).await else {
-            tracing::error!(
-                record.id = rec.id,
-                "commit lost with the committer; the lease will expire"
-            );
-            return;
-        };
-        match result {
-            Ok(after) => {
-                if after.state == crate::domain::RecordState::Pending {
-                    i.wake.notify_one();
-                }
-                i.stats.attempts(&after.pipeline, &commit.attempts);
-                if after.state.is_at_rest() {
-                    i.stats.finished(
-                        commit.now,
-                        &after.pipeline,
-                        after.step.as_deref().unwrap_or(""),
-                        after.provider.as_deref().unwrap_or(""),
-                        after.state,
-                    );
-                    metrics::counter!(
-                        "ballast_records_finished_total",
-                        &[
-                            ("pipeline", after.pipeline.clone()),
-                            ("state", after.state.as_str().to_owned()),
-                        ]
-                    )
-                    .increment(1);
-                }
-                self.follow_up_deliveries(&rec, after.state, &commit.steps)
-                    .await;
-            }
-            Err(StoreError::LeaseLost { record_id }) => {
-                // Another worker owns the record now: its state is theirs,
-                // but the exchanges made are still history.
-                tracing::warn!(
-                    record.id = record_id,
-                    "lease lost before commit; result dropped, attempts kept"
-                );
-                if let Err(e) = i.db.append_attempts(record_id, &commit.attempts).await {
-                    tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
-                }
-            }
-            Err(e) => {
-                // The lease will expire and another pass will redo the work;
-                // idempotency keys keep that from paying twice.
-                tracing::error!(record.id = rec.id, error = %e, "commit failed");
-            }
-        }
-    }
-
-    /// Works out and runs the record's ready steps; returns what to commit.
-    async fn pass(
-        &self,
-        rec: &Record,
-        lease: Lease,
-        runs: Option<Vec<StepRun>>,
-        stopping: &Stopping,
-    ) -> Option<Commit> {
-        let i = &self.inner;
-        let now = i.clock.now_ms();
-        let Some((pipeline, templates)) = self.compiled(rec).await else {
-            let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
-            c.error_code = Some("unknown_pipeline".into());
-            c.reason = Some(format!(
-                "pipeline `{}` is not configured on this node",
-                rec.pipeline
-            ));
-            return Some(c);
-        };
-        let runs = match runs {
-            Some(runs) => Ok(runs),
-            None => i.db.step_runs(rec.id).await,
-        };
-        let runs: HashMap<String, StepRun> = match runs {
-            Ok(r) => r.into_iter().map(|s| (s.step.clone(), s)).collect(),
-            Err(e) => {
-                tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");
-                let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
-                c.next_run_at = Some(now + 1000);
-                return Some(c);
-            }
-        };
-        let mut states: HashMap<String, StepWrite> = pipeline
-            .steps
-            .iter()
-            .map(|s| {
-                let w = runs.get(&s.name).map(StepWrite::from).unwrap_or_else(|| {
-                    let mut w = StepWrite::pending(&s.name);
-                    w.provider = Some(s.provider.clone());
-                    w
-                });
-                (s.name.clone(), w)
-            })
-            .collect();
-        let mut changed: Vec<String> = Vec::new();
-
-        // Steps behind a failed or skipped step never run.
-        for s in &pipeline.steps {
-            let blocked = s.needs.iter().any(|n| {
-                states
-                    .get(n)
-                    .is_some_and(|w| matches!(w.state, StepState::Failed | StepState::Skipped))
-            });
-            let st = states.get_mut(&s.name)?;
-            if blocked && !is_done(st.state) {
-                st.state = StepState::Skipped;
-                st.reason = Some("an upstream step did not succeed".into());
-                st.finished_at = Some(now);
-                changed.push(s.name.clone());
-            }
-        }
-
-        // Deliveries for callback steps make them ready at once.
-        let mut deliveries: HashMap<String, Vec<crate::store::PendingCallback>> = HashMap::new();
-        for s in &pipeline.steps {
-            let w = &states[&s.name];
-            if s.kind == crate::config::pipeline::StepKind::Callback
-                && w.state == StepState::Waiting
-            {
-                if let Some(job) = &w.job_id {
-                    match i.db.pending_callbacks(&s.provider, job).await {
-                        Ok(found) if !found.is_empty() => {
-                            deliveries.insert(s.name.clone(), found);
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::warn!(record.id = rec.id, error = %e, "cannot read callbacks")
-                        }
-                    }
-                }
-            }
-        }
-
-        let ready: Vec<&crate::pipeline::Step> = pipeline
-            .steps
-            .iter()
-            .filter(|s| {
-                is_runnable(s, &states, now)
-                    || (deliveries.contains_key(&s.name) && unblocked(s, &states))
-            })
-            .collect();
-
-        let ctx = step::context(rec, &states);
-        let outputs = futures_util::future::join_all(ready.iter().map(|s| {
-            let rt = i.providers.get(&s.provider).cloned();
-            let write = states[&s.name].clone();
-            let ctx = ctx.clone();
-            let templates = templates.clone();
-            let run = step::StepRun {
-                record: rec,
-                step: s,
-                write,
-                ctx,
-                templates,
-                node: &i.opts.node_id,
-                installation: &i.installation,
-                now,
-                callbacks: deliveries.get(&s.name).cloned().unwrap_or_default(),
-                max_wait: i.opts.lease / 4,
-                stopping,
-            };
-            async move { run.execute(rt.as_deref()).await }
-        }))
-        .await;
-
-        let mut attempts = Vec::new();
-        let mut callbacks_done = Vec::new();
-        let mut park_reason: Option<(String, String)> = None;
-        let mut breaker_moved = Vec::new();
-        let mut stopped = false;
-        for out in outputs {
-            stopped |= out.stopped;
-            if let Some(p) = out.park {
-                park_reason.get_or_insert(p);
-            }
-            if let Some(name) = out.breaker_moved {
-                breaker_moved.push(name);
-            }
-            attempts.extend(out.attempts);
-            callbacks_done.extend(out.callbacks_done);
-            changed.push(out.write.step.clone());
-            states.insert(out.write.step.clone(), out.write);
-        }
-        for name in breaker_moved {
-            if let Some(rt) = i.providers.get(&name) {
-                self.publish_breaker(rt).await;
-            }
-        }
-
-        // The record's verdict from its steps.
-        let now = i.clock.now_ms();
-        let required_failed = pipeline
-            .steps
-            .iter()
-            .find(|s| s.required && states[&s.name].state == StepState::Failed);
-        let all_done = pipeline
-            .steps
-            .iter()
-            .all(|s| is_done(states[&s.name].state));
-        let (result, next) = if park_reason.is_some() {
-            (WorkResult::Parked, None)
-        } else if required_failed.is_some() {
-            (WorkResult::Failed, None)
-        } else if all_done {
-            (WorkResult::Completed, None)
-        } else {
-            // Something is runnable now (a step just unblocked), or later.
-            let runnable_now = pipeline.steps.iter().any(|s| is_runnable(s, &states, now));
-            let pending: Vec<&StepWrite> = pipeline
-                .steps
-                .iter()
-                .map(|s| &states[&s.name])
-                .filter(|w| !is_done(w.state))
-                .collect();
-            let next = pending.iter().filter_map(|w| w.next_run_at).min();
-            if stopped {
-                // Given back by a stopping node: no step moved on.
-                (WorkResult::Deferred, next.or(Some(now)))
-            } else if runnable_now {
-                (WorkResult::Advanced, Some(now))
-            } else if pending.iter().any(|w| w.state == StepState::Waiting) {
-                (WorkResult::Waiting, next)
-            } else if pending.iter().any(|w| w.state == StepState::Retrying) {
-                (WorkResult::RetryScheduled, next)
-            } else {
-                (WorkResult::Deferred, next)
-            }
-        };
-        let mut commit = Commit::new(lease, now, Some(result));
-        commit.next_run_at = next;
-        let last = attempts.last().cloned();
-        changed.sort();
-        changed.dedup();
-        commit.steps = changed
-            .iter()
-            .filter_map(|n| states.get(n).cloned())
-            .collect();
-        commit.attempts = attempts;
-        commit.callbacks_done = callbacks_done;
-        if let Some(a) = &last {
-            commit.step = Some(a.step.clone());
-            commit.provider = a.provider.clone();
-        }
-        match (&park_reason, required_failed) {
-            (Some((code, reason)), _) => {
-                commit.error_code = Some(code.clone());
-                commit.reason = Some(reason.clone());
-            }
-            (None, Some(s)) => {
-                let w = &states[&s.name];
-                commit.step = Some(s.name.clone());
-                commit.error_code = w.error_code.clone();
-                commit.reason = w
-                    .reason
-                    .clone()
-                    .or_else(|| Some(format!("step `{}` failed", s.name)));
-            }
-            (None, None) => {
-                commit.error_code = last.as_ref().and_then(|a| a.error_code.clone());
-                if stopped && result == WorkResult::Deferred {
-                    commit.reason = Some(crate::domain::SHUTDOWN_REASON.into());
-                }
-            }
-        }
-        Some(commit)
-    }
-}
-
-/// Every step `s` needs has succeeded and `s` itself is not finished.
-fn unblocked(s: &crate::pipeline::Step, states: &HashMap<String, StepWrite>) -> bool {
-    states.get(&s.name).is_some_and(|w| !is_done(w.state))
-        && s.needs.iter().all(|n| {
-            states
-                .get(n)
-                .is_some_and(|d| d.state == StepState::Succeeded)
-        })
-}
-
-/// [`unblocked`], and due by `now`.
-fn is_runnable(
-    s: &crate::pipeline::Step,
-    states: &HashMap<String, StepWrite>,
-    now: UnixMs,
-) -> bool {
-    unblocked(s, states) && states[&s.name].next_run_at.is_none_or(|t| t <= now)
-}
-
-fn is_done(state: StepState) -> bool {
-    matches!(
-        state,
-        StepState::Succeeded | StepState::Failed | StepState::Skipped
-    )
 }
 
 /// Pauses or resumes a provider for every node (they see it within one

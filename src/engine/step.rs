@@ -1,17 +1,22 @@
-//! One pass over one ready step: protections first (pause, breaker, rate
-//! limit, retry budget, concurrency), then one exchange, then the step's
-//! new state from the reply's outcome. Nothing here writes to the store.
+//! One pass over one ready step, as an async shell around the pure
+//! decisions of `domain::step`: decide before the call → gate (pause,
+//! concurrency slot, rate limit, breaker, retry budget) → one exchange →
+//! decide what the reply means. Nothing here writes to the store; the
+//! pass hands the step's new state to the committer.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::{Map, Value, json};
 
-use super::http::{Call, exchange};
+use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
-use crate::config::pipeline::{CallbackFallback, StepKind};
-use crate::domain::rules::classify;
-use crate::domain::{Outcome, Record, StepState, UnixMs, idempotency_key};
+use crate::domain::rules::{Reply, classify};
+use crate::domain::step::{
+    Before, BudgetMove, Decision, Delivery, Judged, Park, Planned, ReplyFacts, after_reply,
+    apply_deliveries, before_call, defer, park_or_fail, spend_attempt, template_failed,
+};
+use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
 use crate::store::{NewAttempt, StepWrite};
 
@@ -19,13 +24,14 @@ use crate::store::{NewAttempt, StepWrite};
 /// it finished, failed before sending, or was cancelled mid-flight.
 struct Flight<'a> {
     rt: &'a ProviderRuntime,
+    clock: &'a dyn Clock,
     sent: bool,
 }
 
 impl Drop for Flight<'_> {
     fn drop(&mut self) {
         if self.sent {
-            self.rt.limiter().complete(super::now_ms());
+            self.rt.limiter().complete(self.clock.now_ms());
         } else {
             self.rt.limiter().abandon();
         }
@@ -59,6 +65,14 @@ impl Drop for Probe<'_> {
     }
 }
 
+/// What the gates granted a call: its concurrency slot, its place in the
+/// rate limits, and its breaker permit, each given back on drop.
+struct Granted<'a> {
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    flight: Flight<'a>,
+    probe: Probe<'a>,
+}
+
 /// Template context: `input`, `record`, and each succeeded step's output.
 pub fn context(rec: &Record, states: &HashMap<String, StepWrite>) -> Value {
     let mut steps = Map::new();
@@ -81,14 +95,27 @@ pub fn context(rec: &Record, states: &HashMap<String, StepWrite>) -> Value {
 pub struct StepOutput {
     pub write: StepWrite,
     pub attempts: Vec<NewAttempt>,
-    /// (error code, reason) when the record must be parked.
-    pub park: Option<(String, String)>,
+    /// When the record must be parked.
+    pub park: Option<Park>,
     /// The provider whose breaker changed state during this pass.
     pub breaker_moved: Option<String>,
     /// Webhook deliveries applied by this pass.
     pub callbacks_done: Vec<i64>,
     /// The step was given back because the node is stopping.
     pub stopped: bool,
+}
+
+impl StepOutput {
+    fn new(decision: Decision) -> Self {
+        StepOutput {
+            write: decision.write,
+            attempts: Vec::new(),
+            park: decision.park,
+            breaker_moved: None,
+            callbacks_done: Vec::new(),
+            stopped: false,
+        }
+    }
 }
 
 /// Everything one step pass needs.
@@ -100,6 +127,7 @@ pub struct StepRun<'a> {
     pub templates: std::sync::Arc<Templates>,
     pub node: &'a str,
     pub installation: &'a str,
+    pub clock: &'a dyn Clock,
     pub now: UnixMs,
     /// Webhook deliveries waiting for this step (callback steps only).
     pub callbacks: Vec<crate::store::PendingCallback>,
@@ -109,58 +137,21 @@ pub struct StepRun<'a> {
     pub stopping: &'a super::Stopping,
 }
 
-/// How long past its deadline a job's last poll may still be made (it
-/// waits for a provider pause, an open breaker, a free slot).
-pub const LAST_POLL_GRACE_MS: i64 = 60_000;
-
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
 impl StepRun<'_> {
-    /// Parks the record (required step) or fails the step (optional), with
-    /// no exchange made.
-    fn give_up(&self, mut w: StepWrite, code: &str, reason: String) -> StepOutput {
-        let park = self.park_or_fail(&mut w, code, reason);
-        StepOutput {
-            park,
-            ..self.output(w)
-        }
-    }
-
-    /// When a callback step stops waiting for deliveries: its deadline, less
-    /// the polling time that follows it when the fallback is to poll.
-    fn callback_due(&self) -> Option<UnixMs> {
-        let cb = self.step.callback.as_ref()?;
-        let poll_extra = match cb.fallback {
-            CallbackFallback::Poll => self.step.poll.as_ref().map_or(0, |p| ms(p.deadline)),
-            CallbackFallback::Park => 0,
-        };
-        self.write.deadline_at.map(|d| d - poll_extra)
-    }
-
-    fn output(&self, write: StepWrite) -> StepOutput {
-        StepOutput {
-            write,
-            attempts: Vec::new(),
-            park: None,
-            breaker_moved: None,
-            callbacks_done: Vec::new(),
-            stopped: false,
-        }
-    }
-
     /// Gives the step back, due now, without a call: the node is stopping.
-    fn shutting_down(self) -> StepOutput {
-        let now = self.now;
+    fn shutting_down(&self) -> StepOutput {
         StepOutput {
             stopped: true,
-            ..self.defer(now, crate::domain::SHUTDOWN_REASON)
+            ..self.deferred(self.now, crate::domain::SHUTDOWN_REASON)
         }
     }
 
     /// Defers the step to `at` without spending an attempt.
-    fn defer(self, at: UnixMs, why: &str) -> StepOutput {
+    fn deferred(&self, at: UnixMs, why: &str) -> StepOutput {
         metrics::counter!(
             "ballast_deferrals_total",
             &[
@@ -169,190 +160,198 @@ impl StepRun<'_> {
             ]
         )
         .increment(1);
-        let mut w = self.write.clone();
-        w.next_run_at = Some(at.max(self.now + 1));
-        w.reason = Some(why.to_owned());
-        self.output(w)
+        let write = defer(self.write.clone(), at, why, self.now);
+        StepOutput::new(Decision { write, park: None })
     }
 
-    fn park_or_fail(
-        &self,
-        w: &mut StepWrite,
-        code: &str,
-        reason: String,
-    ) -> Option<(String, String)> {
-        w.error_code = Some(code.to_owned());
-        w.reason = Some(reason.clone());
-        w.next_run_at = None;
-        if self.step.required {
-            Some((code.to_owned(), reason))
-        } else {
-            // An optional step's failure is recorded and the record goes on.
-            w.state = StepState::Failed;
-            w.finished_at = Some(self.now);
-            None
-        }
-    }
-
+    /// gate → exchange → decide; the decisions are `domain::step`'s.
     pub async fn execute(self, rt: Option<&ProviderRuntime>) -> StepOutput {
         let now = self.now;
         let Some(rt) = rt else {
             let reason = format!("provider `{}` is not configured", self.step.provider);
-            return self.give_up(self.write.clone(), "unknown_provider", reason);
+            let d = park_or_fail(
+                self.step,
+                self.write.clone(),
+                "unknown_provider",
+                reason,
+                now,
+            );
+            return StepOutput::new(d);
         };
-        // A callback step with a job waits for deliveries; once its
-        // callback deadline has passed it falls back to polling (or parks).
-        let callback_overdue = match (&self.step.callback, self.step.kind) {
-            (Some(cb), StepKind::Callback) if self.write.job_id.is_some() => {
-                let due = self.callback_due().unwrap_or(now);
-                if !self.callbacks.is_empty() {
-                    return self.apply_callbacks(rt);
-                }
-                if now < due {
-                    let mut w = self.write.clone();
-                    w.next_run_at = Some(due);
-                    return self.output(w);
-                }
-                if cb.fallback == CallbackFallback::Park {
-                    let reason = "no callback arrived before the callback deadline".into();
-                    return self.give_up(self.write.clone(), "callback_timeout", reason);
-                }
-                true
-            }
-            _ => false,
+        let policy = rt.config.retry.policy();
+        let has_deliveries = !self.callbacks.is_empty();
+        let mut plan = match before_call(
+            self.step,
+            &self.write,
+            &rt.name,
+            has_deliveries,
+            &policy,
+            now,
+        ) {
+            Before::Settled(d) => return StepOutput::new(d),
+            Before::Deliveries => return self.apply_callbacks(rt),
+            Before::Call(plan) => plan,
         };
-        let polling = match self.step.kind {
-            StepKind::Request => false,
-            StepKind::SubmitPoll => self.write.job_id.is_some(),
-            StepKind::Callback => callback_overdue,
+        let mut granted = match self.gate(rt, &plan).await {
+            Ok(g) => g,
+            Err(out) => return out,
         };
-        let retry = &rt.config.retry;
-        let mut w = self.write.clone();
-        w.provider = Some(rt.name.clone());
-        if w.started_at.is_none() {
-            w.started_at = Some(now);
-            w.deadline_at = Some(now + ms(retry.deadline.0));
+        let call = match self.build_call(rt, &plan) {
+            Ok(c) => c,
+            Err(e) => return StepOutput::new(template_failed(plan.write, e, now)),
+        };
+        spend_attempt(&mut plan);
+        let attempt_no = plan.write.attempts.max(1);
+        let started = self.clock.now_ms();
+        // From here the call may reach the provider, even if this pass is
+        // cancelled: it counts as sent.
+        granted.flight.sent = true;
+        let x = self.exchange(rt, &call).await;
+        let after = self.clock.now_ms();
+        let c = classify(&rt.rules, &x.reply);
+        self.count(rt, c.outcome, x.took);
+        let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
+        let breaker_moved = granted
+            .probe
+            .record(failed, x.took, after)
+            .then(|| rt.name.clone());
+        if x.http_status == Some(429) {
+            // The whole provider slows down, not just this record.
+            let pause = x.retry_after.unwrap_or(policy.backoff.base);
+            rt.limiter().pause_until(after + ms(pause));
         }
-        // A job gets one last poll once its deadline has passed (it may
-        // have finished while the node could not ask: a pause, an open
-        // breaker, the database away); that poll decides. Only when it
-        // cannot be made within LAST_POLL_GRACE does the step give up
-        // unasked.
-        if let Some(d) = w.deadline_at.filter(|d| now >= *d) {
-            if !polling || now >= d + LAST_POLL_GRACE_MS {
-                let what = if polling {
-                    "the job did not finish within its deadline, and no last poll could be made"
-                } else {
-                    "the step did not succeed within its deadline"
-                };
-                let reason = format!("deadline passed: {what}");
-                return self.give_up(w, "deadline_passed", reason);
-            }
+        let json = match &x.reply {
+            Reply::Http { json, .. } => json.as_ref(),
+            Reply::Failed(_) => None,
+        };
+        let facts = ReplyFacts {
+            outcome: c.outcome,
+            error_code: c.error_code,
+            json,
+            http_status: x.http_status,
+            retry_after: x.retry_after,
+        };
+        let judged = after_reply(
+            self.step,
+            plan,
+            &facts,
+            &policy,
+            now,
+            after,
+            fastrand::f64(),
+        );
+        self.move_budget(rt, judged.budget, after);
+        let attempt = self.attempt(rt, &judged, (attempt_no, started), &x);
+        StepOutput {
+            attempts: vec![attempt],
+            breaker_moved,
+            ..StepOutput::new(judged.decision)
         }
-        if rt.is_paused() {
-            return self.defer(now + 5_000, "provider paused by an operator");
-        }
-        let is_retry = !polling && w.attempts > 0;
+    }
 
-        // Order matters: take a concurrency slot first, so that everything
-        // after it (rate limit, breaker, budget) is decided just before the
-        // call goes out, not while queued behind other calls.
-        // Waiting for a slot or the rate limit is bounded: a record that
-        // cannot be served soon goes back to the queue (no attempt spent)
-        // instead of sitting on a lease while others could take it.
+    /// The gates a call passes, in order: an operator pause, a concurrency
+    /// slot, the rate limit, the breaker, shutdown, the retry budget. A
+    /// gate that says no defers the step (no attempt spent).
+    ///
+    /// The slot comes first, so that everything after it is decided just
+    /// before the call goes out, not while queued behind other calls.
+    /// Waiting for a slot or the rate limit is bounded: a record that
+    /// cannot be served soon goes back to the queue instead of sitting on
+    /// a lease while others could take it.
+    async fn gate<'r>(
+        &'r self,
+        rt: &'r ProviderRuntime,
+        plan: &Planned,
+    ) -> Result<Granted<'r>, StepOutput> {
+        if rt.is_paused() {
+            return Err(self.deferred(self.now + 5_000, "provider paused by an operator"));
+        }
         let wait_until = tokio::time::Instant::now() + self.max_wait;
         // A free slot is taken at once; only a wait listens for shutdown.
-        let _slot = match rt.concurrency.clone().try_acquire_owned() {
+        let slot = match rt.concurrency.clone().try_acquire_owned() {
             Ok(slot) => slot,
             Err(_) => {
+                let acquire = rt.concurrency.clone().acquire_owned();
                 let slot = tokio::select! {
-                    slot = tokio::time::timeout_at(wait_until, rt.concurrency.clone().acquire_owned()) => slot,
-                    () = self.stopping.wait() => return self.shutting_down(),
+                    slot = tokio::time::timeout_at(wait_until, acquire) => slot,
+                    () = self.stopping.wait() => return Err(self.shutting_down()),
                 };
                 let Ok(Ok(slot)) = slot else {
-                    return self.defer(super::now_ms() + 50, "provider concurrency cap reached");
+                    let at = self.clock.now_ms() + 50;
+                    return Err(self.deferred(at, "provider concurrency cap reached"));
                 };
                 slot
             }
         };
-        loop {
-            let t = super::now_ms();
-            let verdict = rt.limiter().try_acquire(t);
-            match verdict {
-                Ok(()) => break,
-                Err(at)
-                    if tokio::time::Instant::now()
-                        + Duration::from_millis((at - t).max(1) as u64)
-                        <= wait_until =>
-                {
-                    tokio::select! {
-                        () = tokio::time::sleep(Duration::from_millis((at - t).max(1) as u64)) => {}
-                        () = self.stopping.wait() => return self.shutting_down(),
-                    }
-                }
-                Err(at) => return self.defer(at, "provider rate limit"),
-            }
-        }
+        self.rate_limit(rt, wait_until).await?;
         // From here on the call counts against the limits until its guard
         // drops, even if this pass is cancelled mid-call (lease lost).
-        let mut flight = Flight { rt, sent: false };
-        let probe = match rt.breaker().try_acquire(super::now_ms()) {
+        let flight = Flight {
+            rt,
+            clock: self.clock,
+            sent: false,
+        };
+        let probe = match rt.breaker().try_acquire(self.clock.now_ms()) {
             Ok(p) => Probe {
                 rt,
                 permit: Some(p),
             },
-            Err(r) => return self.defer(r.until, "provider circuit breaker open"),
+            Err(r) => return Err(self.deferred(r.until, "provider circuit breaker open")),
         };
         if self.stopping.is_set() {
-            return self.shutting_down();
+            return Err(self.shutting_down());
         }
-        if is_retry && !rt.budget().try_retry(super::now_ms()) {
-            return self.defer(super::now_ms() + 1_000, "provider retry budget exhausted");
+        if plan.is_retry && !rt.budget().try_retry(self.clock.now_ms()) {
+            let at = self.clock.now_ms() + 1_000;
+            return Err(self.deferred(at, "provider retry budget exhausted"));
         }
-        if !is_retry && !polling {
-            rt.budget().on_call(now);
+        if !plan.is_retry && !plan.polling {
+            rt.budget().on_call(self.now);
         }
+        Ok(Granted {
+            _slot: slot,
+            flight,
+            probe,
+        })
+    }
 
-        let spec: &RequestSpec = match (&self.step.poll, polling) {
-            (Some(p), true) => &p.request,
-            _ => &self.step.request,
-        };
-        let mut ctx = self.ctx.clone();
-        if let (Some(job), Some(obj)) = (&w.job_id, ctx.as_object_mut()) {
-            obj.insert("job_id".into(), json!(job));
-        }
-        let call = match self.build_call(rt, spec, &ctx, w.generation) {
-            Ok(c) => c,
-            Err(e) => {
-                // A template that cannot render will not render next time:
-                // the step fails, with the reason.
-                w.state = StepState::Failed;
-                w.finished_at = Some(now);
-                w.error_code = Some("template_error".into());
-                w.reason = Some(e);
-                w.next_run_at = None;
-                return self.output(w);
+    /// Waits for the rate limit while that ends before `wait_until`;
+    /// otherwise defers the step to when the limit allows a call.
+    async fn rate_limit(
+        &self,
+        rt: &ProviderRuntime,
+        wait_until: tokio::time::Instant,
+    ) -> Result<(), StepOutput> {
+        loop {
+            let t = self.clock.now_ms();
+            let Err(at) = rt.limiter().try_acquire(t) else {
+                return Ok(());
+            };
+            let wait = Duration::from_millis((at - t).max(1) as u64);
+            if tokio::time::Instant::now() + wait > wait_until {
+                return Err(self.deferred(at, "provider rate limit"));
             }
-        };
-        if !polling {
-            w.attempts += 1;
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.stopping.wait() => return Err(self.shutting_down()),
+            }
         }
-        let started = super::now_ms();
-        // From here the call may reach the provider, even if this pass is
-        // cancelled: it counts as sent.
-        flight.sent = true;
-        // A provider may echo the credential it was sent (in an error, in a
-        // field a step keeps as output), or send NUL characters: the reply
-        // comes back storable, so the key reaches no output, job id,
-        // excerpt or log.
+    }
+
+    /// One exchange. A provider may echo the credential it was sent (in an
+    /// error, in a field a step keeps as output), or send NUL characters:
+    /// the reply comes back storable, so the key reaches no output, job
+    /// id, excerpt or log.
+    async fn exchange(&self, rt: &ProviderRuntime, call: &Call) -> Exchange {
         let key = rt.config.credential(&|var| std::env::var(var).ok());
         let key = key.as_ref().map(|k| k.expose());
-        let x = match &rt.in_process {
-            Some(p) => super::http::exchange_in_process(p.0.as_ref(), &call, key.as_slice()),
-            None => exchange(&rt.client, &call, key.as_slice()).await,
-        };
-        let after = super::now_ms();
-        let c = classify(&rt.rules, &x.reply);
+        match &rt.in_process {
+            Some(p) => super::http::exchange_in_process(p.0.as_ref(), call, key.as_slice()),
+            None => exchange(&rt.client, call, key.as_slice(), self.clock).await,
+        }
+    }
+
+    fn count(&self, rt: &ProviderRuntime, outcome: Outcome, took: Duration) {
         let labels = [
             ("provider", rt.name.clone()),
             ("step", self.step.name.clone()),
@@ -362,342 +361,98 @@ impl StepRun<'_> {
             &[
                 ("provider", rt.name.clone()),
                 ("step", self.step.name.clone()),
-                ("outcome", c.outcome.as_str().to_owned()),
+                ("outcome", outcome.as_str().to_owned()),
             ]
         )
         .increment(1);
-        metrics::histogram!("ballast_attempt_duration_seconds", &labels)
-            .record(x.took.as_secs_f64());
+        metrics::histogram!("ballast_attempt_duration_seconds", &labels).record(took.as_secs_f64());
+    }
 
-        let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
-        let breaker_moved = probe.record(failed, x.took, after).then(|| rt.name.clone());
-        if x.http_status == Some(429) {
-            // The whole provider slows down, not just this record.
-            let pause = x.retry_after.unwrap_or(retry.base.0);
-            rt.limiter().pause_until(after + ms(pause));
+    fn move_budget(&self, rt: &ProviderRuntime, budget: BudgetMove, at: UnixMs) {
+        match budget {
+            BudgetMove::None => {}
+            BudgetMove::RetrySucceeded => rt.budget().on_retry_succeeded(at),
+            BudgetMove::RetryFailed => rt.budget().on_retry_failed(at),
         }
-        let attempt = NewAttempt {
+    }
+
+    /// The exchange as the failure history keeps it (its number counted
+    /// when the call left, before a half-state gives the attempt back).
+    fn attempt(
+        &self,
+        rt: &ProviderRuntime,
+        judged: &Judged,
+        (attempt_no, started): (i32, UnixMs),
+        x: &Exchange,
+    ) -> NewAttempt {
+        NewAttempt {
             step: self.step.name.clone(),
             provider: Some(rt.name.clone()),
-            attempt_no: w.attempts.max(1),
+            attempt_no,
             node: Some(self.node.to_owned()),
             started_at: started,
             duration_ms: ms(x.took),
             http_status: x.http_status.map(i32::from),
-            outcome: c.outcome,
-            error_code: c.error_code.map(str::to_owned),
+            outcome: judged.outcome,
+            error_code: judged.error_code.clone(),
             excerpt: Some(x.excerpt.clone()),
-        };
-        let mut park = None;
-        let json = match &x.reply {
-            crate::domain::rules::Reply::Http { json, .. } => json.clone(),
-            _ => None,
-        };
-        let mut outcome = c.outcome;
-        let mut code = c.error_code.map(str::to_owned);
-        let mut attempt = attempt;
-
-        let submitting = self.step.kind != StepKind::Request && !polling;
-        // A submit is accepted when the provider says done or "queued":
-        // either way there must be a job id to follow.
-        if outcome == Outcome::Success || (submitting && outcome == Outcome::Pending) {
-            if submitting {
-                // Submitted: keep the job id; it is committed before any poll.
-                let pointer = self.step.job_id.as_deref().unwrap_or("/id");
-                match json.as_ref().and_then(|j| j.pointer(pointer)) {
-                    Some(id) => {
-                        let id = match id {
-                            Value::String(s) => s.clone(),
-                            other => other.to_string(),
-                        };
-                        w.job_id = Some(id);
-                        w.state = StepState::Waiting;
-                        w.error_code = None;
-                        w.reason = None;
-                        let (every, deadline) = self
-                            .step
-                            .poll
-                            .as_ref()
-                            .map_or((Duration::from_secs(2), Duration::from_secs(1200)), |p| {
-                                (p.every, p.deadline)
-                            });
-                        match &self.step.callback {
-                            Some(cb) if self.step.kind == StepKind::Callback => {
-                                // Wake at the callback deadline; a delivery
-                                // before then wakes the record earlier.
-                                let extra = match cb.fallback {
-                                    CallbackFallback::Poll => deadline,
-                                    CallbackFallback::Park => Duration::ZERO,
-                                };
-                                w.next_run_at = Some(after + ms(cb.deadline.0));
-                                w.deadline_at = Some(after + ms(cb.deadline.0) + ms(extra));
-                            }
-                            _ => {
-                                w.next_run_at = Some(after + ms(every));
-                                w.deadline_at = Some(after + ms(deadline));
-                            }
-                        }
-                        if is_retry {
-                            rt.budget().on_retry_succeeded(after);
-                        }
-                        return StepOutput {
-                            write: w,
-                            attempts: vec![attempt],
-                            park: None,
-                            breaker_moved,
-                            callbacks_done: Vec::new(),
-                            stopped: false,
-                        };
-                    }
-                    None => {
-                        outcome = Outcome::Unknown;
-                        code = Some("job_id_missing".into());
-                    }
-                }
-            } else {
-                let mut out = Map::new();
-                let mut missing = None;
-                for (name, pointer) in &self.step.outputs {
-                    match json.as_ref().and_then(|j| j.pointer(pointer)) {
-                        Some(v) => {
-                            out.insert(name.clone(), v.clone());
-                        }
-                        None => missing = Some(name.clone()),
-                    }
-                }
-                match missing {
-                    None => {
-                        w.state = StepState::Succeeded;
-                        w.output = Some(Value::Object(out));
-                        w.finished_at = Some(after);
-                        w.next_run_at = None;
-                        w.error_code = None;
-                        w.reason = None;
-                        if is_retry {
-                            rt.budget().on_retry_succeeded(after);
-                        }
-                        return StepOutput {
-                            write: w,
-                            attempts: vec![attempt],
-                            park: None,
-                            breaker_moved,
-                            callbacks_done: Vec::new(),
-                            stopped: false,
-                        };
-                    }
-                    Some(name) => {
-                        outcome = Outcome::Unknown;
-                        code = Some("output_missing".into());
-                        w.reason = Some(format!("output `{name}` not found in the reply"));
-                    }
-                }
-            }
-            attempt.outcome = outcome;
-            attempt.error_code = code.clone();
-        }
-
-        let backoff = retry.backoff();
-        match outcome {
-            Outcome::Success => {}
-            Outcome::Pending => {
-                // A half-state: ask again later, without spending an attempt.
-                let every = self.step.poll.as_ref().map_or(backoff.base, |p| p.every);
-                w.state = StepState::Waiting;
-                w.next_run_at = Some(after + ms(every));
-                if !polling {
-                    w.attempts -= 1;
-                }
-                match w.deadline_at {
-                    // The last poll, at or past the deadline: still running.
-                    Some(d) if polling && after >= d => {
-                        park = self.park_or_fail(
-                            &mut w,
-                            "deadline_passed",
-                            "deadline passed: the job had not finished when last polled".into(),
-                        );
-                    }
-                    // The last poll is made at the deadline itself.
-                    Some(d) if polling => w.next_run_at = w.next_run_at.map(|n| n.min(d)),
-                    _ => {}
-                }
-            }
-            Outcome::Fail => {
-                w.state = StepState::Failed;
-                w.finished_at = Some(after);
-                w.next_run_at = None;
-                w.error_code = code.clone();
-                w.reason = Some(format!(
-                    "provider refused the call ({})",
-                    x.http_status
-                        .map_or_else(|| "no status".to_owned(), |s| format!("HTTP {s}"))
-                ));
-            }
-            Outcome::Retry | Outcome::Unknown => {
-                if is_retry {
-                    rt.budget().on_retry_failed(after);
-                }
-                w.error_code = code.clone();
-                let code = code.clone().unwrap_or_else(|| "unknown_reply".into());
-                // Replies nobody understands are counted apart (calls and
-                // polls alike) and park sooner; plain failures spend the
-                // attempt budget of calls.
-                let exhausted = if outcome == Outcome::Unknown {
-                    w.unknowns += 1;
-                    (w.unknowns as u32 >= retry.unknown_attempts.max(1))
-                        .then(|| format!("{} replies no rule understood; last: {code}", w.unknowns))
-                } else if !polling && w.attempts as u32 >= retry.max_attempts {
-                    Some(format!(
-                        "attempts exhausted ({} of {}); last error: {code}",
-                        w.attempts, retry.max_attempts
-                    ))
-                } else {
-                    None
-                };
-                let wait = backoff.wait(w.attempts.max(1) as u32, fastrand::f64(), x.retry_after);
-                let next = after + ms(wait);
-                w.state = if polling {
-                    StepState::Waiting
-                } else {
-                    StepState::Retrying
-                };
-                if let Some(reason) = exhausted {
-                    park = self.park_or_fail(&mut w, &code, reason);
-                } else if let Some(d) = w
-                    .deadline_at
-                    .filter(|d| polling && next > *d && next < d + LAST_POLL_GRACE_MS)
-                {
-                    // A poll that failed near the deadline: the last poll is
-                    // made at the deadline, and tried again within the grace
-                    // until the provider answers it.
-                    w.next_run_at = Some(if after < d { d } else { next });
-                } else if w.deadline_at.is_some_and(|d| next > d) {
-                    park = self.park_or_fail(
-                        &mut w,
-                        "deadline_passed",
-                        format!("next try would pass the step deadline; last: {code}"),
-                    );
-                } else {
-                    // A failed poll asks again later: the job is still out there.
-                    w.next_run_at = Some(next);
-                }
-            }
-        }
-        StepOutput {
-            write: w,
-            attempts: vec![attempt],
-            park,
-            breaker_moved,
-            callbacks_done: Vec::new(),
-            stopped: false,
         }
     }
 
-    /// Applies webhook deliveries in arrival order: the first terminal one
-    /// decides; each is kept in the attempt history as evidence.
+    /// Applies webhook deliveries (`domain::step::apply_deliveries`); each
+    /// is kept in the attempt history as evidence.
     fn apply_callbacks(self, rt: &ProviderRuntime) -> StepOutput {
-        let mut w = self.write.clone();
-        let mut attempts = Vec::new();
-        let mut done = Vec::new();
-        let mut decided = false;
-        for cb in &self.callbacks {
-            if decided {
-                // Later deliveries are judged after this pass commits: one
-                // may contradict the result just reached (a reversal).
-                break;
-            }
-            done.push(cb.id);
-            let reply = crate::domain::rules::Reply::Http {
-                status: 200,
-                json: Some(cb.body.clone()),
-                body_error: None,
-            };
-            let c = classify(&rt.rules, &reply);
-            let mut outcome = c.outcome;
-            let mut code = c.error_code.map(str::to_owned);
-            if !decided {
-                match outcome {
-                    Outcome::Success => {
-                        let mut out = Map::new();
-                        let missing = self.step.outputs.iter().find_map(|(name, pointer)| match cb
-                            .body
-                            .pointer(pointer)
-                        {
-                            Some(v) => {
-                                out.insert(name.clone(), v.clone());
-                                None
-                            }
-                            None => Some(name.clone()),
-                        });
-                        match missing {
-                            None => {
-                                w.state = StepState::Succeeded;
-                                w.output = Some(Value::Object(out));
-                                w.finished_at = Some(self.now);
-                                w.next_run_at = None;
-                                w.error_code = None;
-                                w.reason = None;
-                                decided = true;
-                            }
-                            Some(name) => {
-                                outcome = Outcome::Unknown;
-                                code = Some("output_missing".into());
-                                w.error_code = code.clone();
-                                w.reason = Some(format!("callback lacks output `{name}`"));
-                            }
-                        }
-                    }
-                    Outcome::Fail => {
-                        w.state = StepState::Failed;
-                        w.finished_at = Some(self.now);
-                        w.next_run_at = None;
-                        w.error_code = code.clone();
-                        w.reason = Some("the provider reported failure in its callback".into());
-                        decided = true;
-                    }
-                    // A progress report, or one we do not understand: keep
-                    // waiting; the evidence is in the history.
-                    _ => {}
-                }
-            }
-            attempts.push(NewAttempt {
+        let deliveries: Vec<Delivery<'_>> = self
+            .callbacks
+            .iter()
+            .map(|cb| Delivery {
+                id: cb.id,
+                body: &cb.body,
+            })
+            .collect();
+        let (write, verdicts) =
+            apply_deliveries(self.step, &self.write, &deliveries, &rt.rules, self.now);
+        let attempts = verdicts
+            .iter()
+            .zip(&self.callbacks)
+            .map(|(v, cb)| NewAttempt {
                 step: self.step.name.clone(),
                 provider: Some(rt.name.clone()),
-                attempt_no: w.attempts.max(1),
+                attempt_no: write.attempts.max(1),
                 node: Some(self.node.to_owned()),
                 started_at: cb.received_at,
                 duration_ms: 0,
                 http_status: None,
-                outcome,
-                error_code: code,
+                outcome: v.outcome,
+                error_code: v.error_code.clone(),
                 excerpt: Some(
                     crate::domain::excerpt(&cb.body.to_string(), crate::domain::EXCERPT_MAX_BYTES)
                         .to_owned(),
                 ),
-            });
-        }
-        if !decided {
-            w.next_run_at = Some(self.callback_due().unwrap_or(self.now).max(self.now + 1));
-        }
+            })
+            .collect();
         StepOutput {
-            write: w,
             attempts,
-            park: None,
-            breaker_moved: None,
-            callbacks_done: done,
-            stopped: false,
+            callbacks_done: verdicts.iter().map(|v| v.id).collect(),
+            ..StepOutput::new(Decision { write, park: None })
         }
     }
 
-    fn build_call(
-        &self,
-        rt: &ProviderRuntime,
-        spec: &RequestSpec,
-        ctx: &Value,
-        generation: i32,
-    ) -> Result<Call, String> {
+    /// The call the plan makes: the poll request for a poll, the step's
+    /// request otherwise, rendered over the record's context (and the job
+    /// id, for a poll).
+    fn build_call(&self, rt: &ProviderRuntime, plan: &Planned) -> Result<Call, String> {
+        let spec: &RequestSpec = match (self.step.poll(), plan.polling) {
+            (Some(p), true) => &p.request,
+            _ => &self.step.request,
+        };
+        let mut ctx = self.ctx.clone();
+        if let (Some(job), Some(obj)) = (&plan.write.job_id, ctx.as_object_mut()) {
+            obj.insert("job_id".into(), json!(job));
+        }
         let render = |id: &str| {
             self.templates
-                .render(id, ctx)
+                .render(id, &ctx)
                 .map_err(|e| format!("template: {e}"))
         };
         let path = render(&spec.path)?;
@@ -719,7 +474,7 @@ impl StepRun<'_> {
                 self.installation,
                 self.record.id,
                 &self.step.name,
-                generation,
+                plan.write.generation,
             );
             headers.push(("Idempotency-Key".into(), key));
         }

@@ -6,116 +6,20 @@ pub mod template;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::config::pipeline::{CallbackConfig, PipelineConfig, StepKind};
+use crate::config::pipeline::{
+    CallbackFallback, PipelineConfig, StepConfig, StepKind as KindConfig,
+};
 use crate::config::provider::check_pointer;
 use crate::config::{Config, ConfigError};
-use crate::domain::ReversalPolicy;
 
+pub use crate::domain::pipeline::{
+    CallbackSpec, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step, StepKind,
+};
 pub use template::{TemplateError, Templates};
-
-/// A compiled request: templates by name in [`Templates`].
-#[derive(Debug, Clone)]
-pub struct RequestSpec {
-    pub method: HttpMethod,
-    pub path: String,
-    pub headers: Vec<(String, String)>,
-    pub body: Option<String>,
-}
-
-/// The HTTP methods a step may use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HttpMethod {
-    Get,
-    Post,
-    Put,
-    Patch,
-    Delete,
-}
-
-impl HttpMethod {
-    pub fn parse(s: &str) -> Option<HttpMethod> {
-        Some(match s.to_ascii_uppercase().as_str() {
-            "GET" => HttpMethod::Get,
-            "POST" => HttpMethod::Post,
-            "PUT" => HttpMethod::Put,
-            "PATCH" => HttpMethod::Patch,
-            "DELETE" => HttpMethod::Delete,
-            _ => return None,
-        })
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HttpMethod::Get => "GET",
-            HttpMethod::Post => "POST",
-            HttpMethod::Put => "PUT",
-            HttpMethod::Patch => "PATCH",
-            HttpMethod::Delete => "DELETE",
-        }
-    }
-}
-
-/// How often and for how long a submitted job is polled.
-#[derive(Debug, Clone)]
-pub struct PollSpec {
-    pub request: RequestSpec,
-    pub every: Duration,
-    pub deadline: Duration,
-}
-
-/// One step, compiled.
-#[derive(Debug, Clone)]
-pub struct Step {
-    pub name: String,
-    pub provider: String,
-    pub kind: StepKind,
-    pub needs: Vec<String>,
-    /// Every step this one depends on, directly or not.
-    pub upstream: BTreeSet<String>,
-    pub required: bool,
-    pub request: RequestSpec,
-    pub job_id: Option<String>,
-    pub poll: Option<PollSpec>,
-    pub callback: Option<CallbackConfig>,
-    pub outputs: BTreeMap<String, String>,
-    pub on_reversal: ReversalPolicy,
-}
-
-/// One pipeline, compiled.
-#[derive(Debug, Clone)]
-pub struct Pipeline {
-    pub name: String,
-    /// Steps in an order where every step comes after the steps it needs.
-    pub steps: Vec<Step>,
-    /// The definition as JSON, pinned by records that start with it.
-    pub definition: Value,
-    /// SHA-256 of `definition`, hex.
-    pub hash: String,
-}
-
-impl Pipeline {
-    pub fn step(&self, name: &str) -> Option<&Step> {
-        self.steps.iter().find(|s| s.name == name)
-    }
-
-    /// `name` and every step downstream of it, in pipeline order: what a
-    /// replay from `name` re-runs.
-    pub fn from_step(&self, name: &str) -> Option<Vec<String>> {
-        self.step(name)?;
-        Some(
-            self.steps
-                .iter()
-                .filter(|s| s.name == name || s.upstream.contains(name))
-                .map(|s| s.name.clone())
-                .collect(),
-        )
-    }
-}
 
 /// Every pipeline of a configuration, with their templates.
 #[derive(Debug, Clone)]
@@ -167,13 +71,16 @@ pub fn compile(config: &Config) -> Result<Pipelines, ConfigError> {
     })
 }
 
+fn invalid(key: String, message: String) -> ConfigError {
+    ConfigError::Invalid { key, message }
+}
+
 fn compile_one(
     name: &str,
     p: &PipelineConfig,
     config: &Config,
     templates: &mut Templates,
 ) -> Result<Pipeline, ConfigError> {
-    let invalid = |key: String, message: String| ConfigError::Invalid { key, message };
     if !valid_name(name) {
         return Err(invalid(
             format!("pipelines.{name}"),
@@ -186,6 +93,38 @@ fn compile_one(
             "a pipeline needs at least one step".into(),
         ));
     }
+    let by_name = check_steps(name, p, config)?;
+    let order = dependency_order(name, p, &by_name)?;
+    let mut upstream: HashMap<String, BTreeSet<String>> = HashMap::new();
+    let mut steps = Vec::with_capacity(p.steps.len());
+    for i in order {
+        let s = &p.steps[i];
+        let mut up = BTreeSet::new();
+        for need in &s.needs {
+            up.insert(need.clone());
+            up.extend(upstream.get(need).cloned().unwrap_or_default());
+        }
+        upstream.insert(s.name.clone(), up.clone());
+        steps.push(compile_step(name, s, up, templates)?);
+    }
+    let definition =
+        serde_json::to_value(p).map_err(|e| invalid(format!("pipelines.{name}"), e.to_string()))?;
+    let hash = hex::encode(Sha256::digest(definition.to_string().as_bytes()));
+    Ok(Pipeline {
+        name: name.to_owned(),
+        steps,
+        definition,
+        hash,
+    })
+}
+
+/// Checks step names (valid, unique), providers (configured) and needs
+/// (known steps, not itself); returns each step's index by name.
+fn check_steps<'p>(
+    name: &str,
+    p: &'p PipelineConfig,
+    config: &Config,
+) -> Result<HashMap<&'p str, usize>, ConfigError> {
     let mut by_name: HashMap<&str, usize> = HashMap::new();
     for (i, s) in p.steps.iter().enumerate() {
         if !valid_name(&s.name) {
@@ -226,8 +165,16 @@ fn compile_one(
             }
         }
     }
+    Ok(by_name)
+}
 
-    // Order steps so that each comes after what it needs (Kahn), and find cycles.
+/// The steps' indexes in an order where each comes after what it needs
+/// (Kahn); a cycle is an error naming its steps.
+fn dependency_order(
+    name: &str,
+    p: &PipelineConfig,
+    by_name: &HashMap<&str, usize>,
+) -> Result<Vec<usize>, ConfigError> {
     let mut order: Vec<usize> = Vec::with_capacity(p.steps.len());
     let mut placed = vec![false; p.steps.len()];
     while order.len() < p.steps.len() {
@@ -238,156 +185,154 @@ fn compile_one(
                     .iter()
                     .all(|n| by_name.get(n.as_str()).is_some_and(|&j| placed[j]))
         });
-        match next {
-            Some(i) => {
-                placed[i] = true;
-                order.push(i);
-            }
-            None => {
-                let stuck: Vec<&str> = (0..p.steps.len())
-                    .filter(|&i| !placed[i])
-                    .map(|i| p.steps[i].name.as_str())
-                    .collect();
-                return Err(invalid(
-                    format!("pipelines.{name}.steps"),
-                    format!("the `needs` of steps {} form a cycle", stuck.join(", ")),
-                ));
-            }
-        }
-    }
-
-    let mut upstream: HashMap<String, BTreeSet<String>> = HashMap::new();
-    let mut steps = Vec::with_capacity(p.steps.len());
-    for i in order {
-        let s = &p.steps[i];
-        let mut up = BTreeSet::new();
-        for need in &s.needs {
-            up.insert(need.clone());
-            up.extend(upstream.get(need).cloned().unwrap_or_default());
-        }
-        upstream.insert(s.name.clone(), up.clone());
-
-        let key = |field: &str| step_key(name, &s.name, field);
-        let method = |m: &str, field: &str| {
-            HttpMethod::parse(m)
-                .ok_or_else(|| invalid(key(field), format!("unknown HTTP method `{m}`")))
+        let Some(i) = next else {
+            let stuck: Vec<&str> = (0..p.steps.len())
+                .filter(|&i| !placed[i])
+                .map(|i| p.steps[i].name.as_str())
+                .collect();
+            return Err(invalid(
+                format!("pipelines.{name}.steps"),
+                format!("the `needs` of steps {} form a cycle", stuck.join(", ")),
+            ));
         };
+        placed[i] = true;
+        order.push(i);
+    }
+    Ok(order)
+}
+
+/// Compiles one step: its templates (checked against its upstream), its
+/// kind with the data that kind needs, its output pointers.
+fn compile_step(
+    pipeline: &str,
+    s: &StepConfig,
+    up: BTreeSet<String>,
+    templates: &mut Templates,
+) -> Result<Step, ConfigError> {
+    let key = |field: &str| step_key(pipeline, &s.name, field);
+    let method = |m: &str, field: &str| {
+        HttpMethod::parse(m)
+            .ok_or_else(|| invalid(key(field), format!("unknown HTTP method `{m}`")))
+    };
+    let mut tpl = |field: &str, source: &str, job_id: bool| {
+        let id = format!("{pipeline}/{}/{field}", s.name);
         let scope = template::Scope {
             upstream: &up,
-            job_id: false,
+            job_id,
         };
-        let tpl =
-            |templates: &mut Templates, field: &str, source: &str, scope: &template::Scope<'_>| {
-                let id = format!("{name}/{}/{field}", s.name);
-                templates
-                    .add(&id, source, scope)
-                    .map_err(|e| invalid(key(field), e.to_string()))?;
-                Ok::<_, ConfigError>(id)
-            };
-        let mut headers = Vec::new();
-        for (h, v) in &s.request.headers {
-            headers.push((
-                h.clone(),
-                tpl(templates, &format!("request.headers.{h}"), v, &scope)?,
-            ));
-        }
-        let request = RequestSpec {
-            method: method(&s.request.method, "request.method")?,
-            path: tpl(templates, "request.path", &s.request.path, &scope)?,
-            headers,
-            body: match &s.request.body {
-                Some(b) => Some(tpl(templates, "request.body", b, &scope)?),
-                None => None,
-            },
-        };
-        let poll_scope = template::Scope {
-            upstream: &up,
-            job_id: true,
-        };
-        let poll = match &s.poll {
-            Some(pc) => Some(PollSpec {
-                request: RequestSpec {
-                    method: method(&pc.method, "poll.method")?,
-                    path: tpl(templates, "poll.path", &pc.path, &poll_scope)?,
-                    headers: Vec::new(),
-                    body: None,
-                },
-                every: pc.every.0,
-                deadline: pc.deadline.0,
-            }),
+        templates
+            .add(&id, source, &scope)
+            .map_err(|e| invalid(key(field), e.to_string()))?;
+        Ok::<_, ConfigError>(id)
+    };
+    let mut headers = Vec::new();
+    for (h, v) in &s.request.headers {
+        headers.push((h.clone(), tpl(&format!("request.headers.{h}"), v, false)?));
+    }
+    let request = RequestSpec {
+        method: method(&s.request.method, "request.method")?,
+        path: tpl("request.path", &s.request.path, false)?,
+        headers,
+        body: match &s.request.body {
+            Some(b) => Some(tpl("request.body", b, false)?),
             None => None,
-        };
-        match s.kind {
-            StepKind::Request => {
-                if s.poll.is_some() || s.callback.is_some() || s.job_id.is_some() {
-                    return Err(invalid(key("kind"), "a `request` step has no `job_id`, `poll` or `callback`; use `submit_poll` or `callback`".into()));
-                }
+        },
+    };
+    let poll = match &s.poll {
+        Some(pc) => Some(PollSpec {
+            request: RequestSpec {
+                method: method(&pc.method, "poll.method")?,
+                path: tpl("poll.path", &pc.path, true)?,
+                headers: Vec::new(),
+                body: None,
+            },
+            every: pc.every.0,
+            deadline: pc.deadline.0,
+        }),
+        None => None,
+    };
+    let kind = compile_kind(s, poll, &key)?;
+    for (out, pointer) in &s.outputs {
+        check_pointer(pointer).map_err(|m| invalid(key(&format!("outputs.{out}")), m))?;
+    }
+    Ok(Step {
+        name: s.name.clone(),
+        provider: s.provider.clone(),
+        kind,
+        needs: s.needs.clone(),
+        upstream: up,
+        required: s.required,
+        request,
+        outputs: s.outputs.clone(),
+        on_reversal: s.on_reversal,
+    })
+}
+
+/// The step's kind with the data it needs, refusing what it lacks (and a
+/// `request` step given job settings it would ignore).
+fn compile_kind(
+    s: &StepConfig,
+    poll: Option<PollSpec>,
+    key: &dyn Fn(&str) -> String,
+) -> Result<StepKind, ConfigError> {
+    let job_id = |what: &str| {
+        let j = s.job_id.as_ref().ok_or_else(|| {
+            invalid(
+                key("job_id"),
+                format!("a `{what}` step needs `job_id` (a JSON pointer into the submit reply)"),
+            )
+        })?;
+        check_pointer(j).map_err(|m| invalid(key("job_id"), m))?;
+        Ok::<_, ConfigError>(j.clone())
+    };
+    Ok(match s.kind {
+        KindConfig::Request => {
+            if s.poll.is_some() || s.callback.is_some() || s.job_id.is_some() {
+                return Err(invalid(
+                    key("kind"),
+                    "a `request` step has no `job_id`, `poll` or `callback`; use \
+                     `submit_poll` or `callback`"
+                        .into(),
+                ));
             }
-            StepKind::SubmitPoll => {
-                if s.job_id.is_none() {
-                    return Err(invalid(key("job_id"), "a `submit_poll` step needs `job_id` (a JSON pointer into the submit reply)".into()));
-                }
-                if s.poll.is_none() {
-                    return Err(invalid(
-                        key("poll"),
-                        "a `submit_poll` step needs `poll = { path = ... }`".into(),
-                    ));
-                }
-            }
-            StepKind::Callback => {
-                if s.job_id.is_none() {
-                    return Err(invalid(
-                        key("job_id"),
-                        "a `callback` step needs `job_id` (a JSON pointer into the submit reply)"
-                            .into(),
-                    ));
-                }
-                let Some(cb) = &s.callback else {
-                    return Err(invalid(
-                        key("callback"),
-                        "a `callback` step needs `callback = { job_id = ... }`".into(),
-                    ));
-                };
-                check_pointer(&cb.job_id).map_err(|m| invalid(key("callback.job_id"), m))?;
-                if cb.fallback == crate::config::pipeline::CallbackFallback::Poll
-                    && s.poll.is_none()
-                {
+            StepKind::Request
+        }
+        KindConfig::SubmitPoll => {
+            let job_id = job_id("submit_poll")?;
+            let Some(poll) = poll else {
+                return Err(invalid(
+                    key("poll"),
+                    "a `submit_poll` step needs `poll = { path = ... }`".into(),
+                ));
+            };
+            StepKind::SubmitPoll { job_id, poll }
+        }
+        KindConfig::Callback => {
+            let job_id = job_id("callback")?;
+            let Some(cb) = &s.callback else {
+                return Err(invalid(
+                    key("callback"),
+                    "a `callback` step needs `callback = { job_id = ... }`".into(),
+                ));
+            };
+            check_pointer(&cb.job_id).map_err(|m| invalid(key("callback.job_id"), m))?;
+            let fallback = match (cb.fallback, poll) {
+                (CallbackFallback::Park, _) => Fallback::Park,
+                (CallbackFallback::Poll, Some(poll)) => Fallback::Poll(poll),
+                (CallbackFallback::Poll, None) => {
                     return Err(invalid(
                         key("callback.fallback"),
                         "`fallback = \"poll\"` needs a `poll` request".into(),
                     ));
                 }
-            }
+            };
+            let callback = CallbackSpec {
+                delivery_job_id: cb.job_id.clone(),
+                deadline: cb.deadline.0,
+                fallback,
+            };
+            StepKind::Callback { job_id, callback }
         }
-        if let Some(j) = &s.job_id {
-            check_pointer(j).map_err(|m| invalid(key("job_id"), m))?;
-        }
-        for (out, pointer) in &s.outputs {
-            check_pointer(pointer).map_err(|m| invalid(key(&format!("outputs.{out}")), m))?;
-        }
-        steps.push(Step {
-            name: s.name.clone(),
-            provider: s.provider.clone(),
-            kind: s.kind,
-            needs: s.needs.clone(),
-            upstream: up,
-            required: s.required,
-            request,
-            job_id: s.job_id.clone(),
-            poll,
-            callback: s.callback.clone(),
-            outputs: s.outputs.clone(),
-            on_reversal: s.on_reversal,
-        });
-    }
-    let definition =
-        serde_json::to_value(p).map_err(|e| invalid(format!("pipelines.{name}"), e.to_string()))?;
-    let hash = hex::encode(Sha256::digest(definition.to_string().as_bytes()));
-    Ok(Pipeline {
-        name: name.to_owned(),
-        steps,
-        definition,
-        hash,
     })
 }
 

@@ -204,68 +204,7 @@ impl Record {
     }
 }
 
-/// The full new state of one step run; the store derives its idempotency
-/// key from (record, step, generation).
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepWrite {
-    pub step: String,
-    pub provider: Option<String>,
-    pub state: StepState,
-    pub generation: i32,
-    pub attempts: i32,
-    pub unknowns: i32,
-    pub job_id: Option<String>,
-    pub output: Option<Value>,
-    pub error_code: Option<String>,
-    pub reason: Option<String>,
-    pub next_run_at: Option<UnixMs>,
-    pub deadline_at: Option<UnixMs>,
-    pub started_at: Option<UnixMs>,
-    pub finished_at: Option<UnixMs>,
-}
-
-impl StepWrite {
-    /// A fresh step run in `pending`.
-    pub fn pending(step: &str) -> Self {
-        StepWrite {
-            step: step.to_owned(),
-            provider: None,
-            state: StepState::Pending,
-            generation: 0,
-            attempts: 0,
-            unknowns: 0,
-            job_id: None,
-            output: None,
-            error_code: None,
-            reason: None,
-            next_run_at: None,
-            deadline_at: None,
-            started_at: None,
-            finished_at: None,
-        }
-    }
-}
-
-impl From<&StepRun> for StepWrite {
-    fn from(s: &StepRun) -> Self {
-        StepWrite {
-            step: s.step.clone(),
-            provider: s.provider.clone(),
-            state: s.state,
-            generation: s.generation,
-            attempts: s.attempts,
-            unknowns: s.unknowns,
-            job_id: s.job_id.clone(),
-            output: s.output.clone(),
-            error_code: s.error_code.clone(),
-            reason: s.reason.clone(),
-            next_run_at: s.next_run_at,
-            deadline_at: s.deadline_at,
-            started_at: s.started_at,
-            finished_at: s.finished_at,
-        }
-    }
-}
+pub use crate::domain::StepWrite;
 
 /// One attempt to append to the failure history.
 #[derive(Debug, Clone, PartialEq)]

@@ -1300,3 +1300,161 @@ async fn postgres_claims_and_commits_use_indexes_whatever_the_statistics() {
         );
     }
 }
+
+/// A fan-out and fan-in: `a` and `b` independent, `d` needs `a`, `c` needs
+/// `a` and `b`. A step starts when its own needs are met, not when its
+/// slowest sibling returns: the provider holds `b`'s reply until `d`'s
+/// call has arrived (bounded, so the old barrier fails instead of hanging),
+/// and `d` finds `a`'s output already committed when it is called.
+async fn a_step_starts_when_its_needs_are_met(backend: Backend) {
+    use axum::extract::{Json, State};
+    use axum::routing::post;
+
+    let Some(t) = TestDb::migrated(backend, "fanout").await else {
+        return;
+    };
+    #[derive(Clone)]
+    struct Provider {
+        db: Db,
+        calls: Arc<std::sync::Mutex<Vec<String>>>,
+        d_arrived: Arc<tokio::sync::Notify>,
+    }
+    let provider = Provider {
+        db: t.db.clone(),
+        calls: Arc::default(),
+        d_arrived: Arc::default(),
+    };
+    let log = |p: &Provider, what: &str| p.calls.lock().unwrap().push(what.to_owned());
+    let app = axum::Router::new()
+        .route(
+            "/a",
+            post(move |State(p): State<Provider>| async move {
+                log(&p, "a");
+                Json(json!({ "status": "succeeded", "v": "from-a" }))
+            }),
+        )
+        .route(
+            "/b",
+            post(move |State(p): State<Provider>| async move {
+                log(&p, "b called");
+                let waited =
+                    tokio::time::timeout(Duration::from_secs(10), p.d_arrived.notified()).await;
+                log(
+                    &p,
+                    if waited.is_ok() {
+                        "b saw d"
+                    } else {
+                        "b gave up on d"
+                    },
+                );
+                Json(json!({ "status": "succeeded", "v": "from-b" }))
+            }),
+        )
+        .route(
+            "/d",
+            post(
+                move |State(p): State<Provider>, Json(body): Json<serde_json::Value>| async move {
+                    // The record's `a` is committed before `d` is called.
+                    let id = body["record"].as_i64().unwrap();
+                    let runs = p.db.step_runs(id).await.unwrap();
+                    let a = runs.iter().find(|r| r.step == "a").map(|r| r.state);
+                    log(&p, &format!("d with a {a:?} and {}", body["a"]));
+                    p.d_arrived.notify_one();
+                    Json(json!({ "status": "succeeded" }))
+                },
+            ),
+        )
+        .route(
+            "/c",
+            post(
+                move |State(p): State<Provider>, Json(body): Json<serde_json::Value>| async move {
+                    log(&p, &format!("c with {} {}", body["a"], body["b"]));
+                    Json(json!({ "status": "succeeded" }))
+                },
+            ),
+        )
+        .with_state(provider.clone());
+    let base = crate::helpers::serve_router(app).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "30s"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.fan.steps]]
+name = "a"
+provider = "p"
+request = {{ path = "/a" }}
+outputs = {{ v = "/v" }}
+[[pipelines.fan.steps]]
+name = "b"
+provider = "p"
+request = {{ path = "/b" }}
+outputs = {{ v = "/v" }}
+[[pipelines.fan.steps]]
+name = "c"
+provider = "p"
+needs = ["a", "b"]
+request = {{ path = "/c", body = '{{"a": {{{{ steps.a.output.v | tojson }}}}, "b": {{{{ steps.b.output.v | tojson }}}}}}' }}
+[[pipelines.fan.steps]]
+name = "d"
+provider = "p"
+needs = ["a"]
+request = {{ path = "/d", body = '{{"record": {{{{ record.id }}}}, "a": {{{{ steps.a.output.v | tojson }}}}}}' }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("fan.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let engine = Engine::new(t.db.clone(), Arc::new(config), options("fan"))
+        .await
+        .unwrap();
+    let rec = engine.enqueue("fan", Some("one"), json!({})).await.unwrap();
+    // Each round claims the record and runs every ready step of it.
+    for _ in 0..5 {
+        if engine.execute_next().await.unwrap() == 0 {
+            break;
+        }
+    }
+    let calls = provider.calls.lock().unwrap().clone();
+    let at = |what: &str| calls.iter().position(|c| c.starts_with(what));
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| c.starts_with('d'))
+            .collect::<Vec<_>>(),
+        [r#"d with a Some(Succeeded) and "from-a""#],
+        "{calls:?}"
+    );
+    assert!(
+        at("b saw d").is_some(),
+        "d waited for its sibling b: {calls:?}"
+    );
+    assert_eq!(
+        calls.last().map(String::as_str),
+        Some(r#"c with "from-a" "from-b""#)
+    );
+    assert!(
+        at("d") < at("b saw d") && at("b saw d") < at("c"),
+        "{calls:?}"
+    );
+    let r = t.db.get_record(rec.record.id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    // One attempt per step: the checkpoint's attempts are not written twice.
+    let attempts = t.db.attempts(rec.record.id).await.unwrap();
+    let mut steps: Vec<&str> = attempts.iter().map(|a| a.step.as_str()).collect();
+    steps.sort_unstable();
+    assert_eq!(steps, ["a", "b", "c", "d"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_step_starts_when_its_needs_are_met() {
+    a_step_starts_when_its_needs_are_met(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_step_starts_when_its_needs_are_met() {
+    a_step_starts_when_its_needs_are_met(Backend::Postgres).await;
+}

@@ -1,0 +1,182 @@
+//! Pipelines as the engine runs them: compiled, checked steps whose kind
+//! carries the data that kind needs (`crate::pipeline` compiles them from
+//! configuration; nothing after compilation falls back to a default).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::ReversalPolicy;
+
+/// A compiled request: templates by name in `pipeline::Templates`.
+#[derive(Debug, Clone)]
+pub struct RequestSpec {
+    pub method: HttpMethod,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Option<String>,
+}
+
+/// The HTTP methods a step may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpMethod {
+    Get,
+    Post,
+    Put,
+    Patch,
+    Delete,
+}
+
+impl HttpMethod {
+    pub fn parse(s: &str) -> Option<HttpMethod> {
+        Some(match s.to_ascii_uppercase().as_str() {
+            "GET" => HttpMethod::Get,
+            "POST" => HttpMethod::Post,
+            "PUT" => HttpMethod::Put,
+            "PATCH" => HttpMethod::Patch,
+            "DELETE" => HttpMethod::Delete,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HttpMethod::Get => "GET",
+            HttpMethod::Post => "POST",
+            HttpMethod::Put => "PUT",
+            HttpMethod::Patch => "PATCH",
+            HttpMethod::Delete => "DELETE",
+        }
+    }
+}
+
+/// How often and for how long a submitted job is polled.
+#[derive(Debug, Clone)]
+pub struct PollSpec {
+    pub request: RequestSpec,
+    pub every: Duration,
+    pub deadline: Duration,
+}
+
+/// What a callback step does when no delivery has come by its deadline.
+#[derive(Debug, Clone)]
+pub enum Fallback {
+    /// Park the record for a human.
+    Park,
+    /// Ask the provider with this poll request, for the poll's deadline.
+    Poll(PollSpec),
+}
+
+/// How a callback step waits for its webhook.
+#[derive(Debug, Clone)]
+pub struct CallbackSpec {
+    /// JSON pointer to the job id in a delivery's body.
+    pub delivery_job_id: String,
+    /// How long after the submit a delivery is waited for.
+    pub deadline: Duration,
+    pub fallback: Fallback,
+}
+
+/// How a step talks to its provider, with what that needs.
+#[derive(Debug, Clone)]
+pub enum StepKind {
+    /// One call; its reply is the result.
+    Request,
+    /// Submit a job, keep its id (`job_id`, a JSON pointer into the submit
+    /// reply), poll until it ends.
+    SubmitPoll { job_id: String, poll: PollSpec },
+    /// Submit a job (id at `job_id` in the reply), wait for a signed
+    /// webhook naming it.
+    Callback {
+        job_id: String,
+        callback: CallbackSpec,
+    },
+}
+
+impl StepKind {
+    /// The kind's name as configured.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            StepKind::Request => "request",
+            StepKind::SubmitPoll { .. } => "submit_poll",
+            StepKind::Callback { .. } => "callback",
+        }
+    }
+}
+
+/// One step, compiled.
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub name: String,
+    pub provider: String,
+    pub kind: StepKind,
+    pub needs: Vec<String>,
+    /// Every step this one depends on, directly or not.
+    pub upstream: BTreeSet<String>,
+    pub required: bool,
+    pub request: RequestSpec,
+    pub outputs: BTreeMap<String, String>,
+    pub on_reversal: ReversalPolicy,
+}
+
+impl Step {
+    /// JSON pointer to the job id in the submit reply (job steps only).
+    pub fn job_pointer(&self) -> Option<&str> {
+        match &self.kind {
+            StepKind::Request => None,
+            StepKind::SubmitPoll { job_id, .. } | StepKind::Callback { job_id, .. } => Some(job_id),
+        }
+    }
+
+    /// The request that asks about a submitted job, if the step ever polls.
+    pub fn poll(&self) -> Option<&PollSpec> {
+        match &self.kind {
+            StepKind::SubmitPoll { poll, .. } => Some(poll),
+            StepKind::Callback { callback, .. } => match &callback.fallback {
+                Fallback::Poll(poll) => Some(poll),
+                Fallback::Park => None,
+            },
+            StepKind::Request => None,
+        }
+    }
+
+    /// How the step waits for webhooks (callback steps only).
+    pub fn callback(&self) -> Option<&CallbackSpec> {
+        match &self.kind {
+            StepKind::Callback { callback, .. } => Some(callback),
+            _ => None,
+        }
+    }
+}
+
+/// One pipeline, compiled.
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    pub name: String,
+    /// Steps in an order where every step comes after the steps it needs.
+    pub steps: Vec<Step>,
+    /// The definition as JSON, pinned by records that start with it.
+    pub definition: Value,
+    /// SHA-256 of `definition`, hex.
+    pub hash: String,
+}
+
+impl Pipeline {
+    pub fn step(&self, name: &str) -> Option<&Step> {
+        self.steps.iter().find(|s| s.name == name)
+    }
+
+    /// `name` and every step downstream of it, in pipeline order: what a
+    /// replay from `name` re-runs.
+    pub fn from_step(&self, name: &str) -> Option<Vec<String>> {
+        self.step(name)?;
+        Some(
+            self.steps
+                .iter()
+                .filter(|s| s.name == name || s.upstream.contains(name))
+                .map(|s| s.name.clone())
+                .collect(),
+        )
+    }
+}

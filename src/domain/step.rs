@@ -1,0 +1,1005 @@
+//! What a step pass decides, as pure functions over plain data: before the
+//! call (wait, give up, apply deliveries, or call and whether that call is
+//! a poll or a retry), after a reply (the step's new state, the attempt's
+//! verdict, whether an attempt was spent, the next run, park or fail), and
+//! for webhook deliveries. The engine gathers the inputs, calls these, and
+//! carries the decision out; it decides nothing itself.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+use super::backoff::Backoff;
+use super::pipeline::{Fallback, Step, StepKind};
+use super::rules::{Reply, Rule, classify};
+use super::{Outcome, StepState, StepWrite, UnixMs};
+
+/// How long past its deadline a job's last poll may still be made (it
+/// waits for a provider pause, an open breaker, a free slot).
+pub const LAST_POLL_GRACE_MS: i64 = 60_000;
+
+/// A provider's retry settings, as the decisions need them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Calls per step (the first one included) before parking.
+    pub max_attempts: u32,
+    /// Replies no rule understood (calls and polls) before parking.
+    pub unknown_attempts: u32,
+    pub backoff: Backoff,
+    /// Overall time for one step, from its first attempt.
+    pub deadline: Duration,
+}
+
+/// Why a required step parks its record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Park {
+    pub code: String,
+    pub reason: String,
+}
+
+/// A step's new state, and whether it parks the record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub write: StepWrite,
+    pub park: Option<Park>,
+}
+
+impl Decision {
+    fn keep(write: StepWrite) -> Self {
+        Decision { write, park: None }
+    }
+}
+
+/// What a step pass does, decided before any gate or call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Before {
+    /// No call: the step's new state is decided (a wait, or giving up).
+    Settled(Decision),
+    /// Deliveries wait for this callback step: apply them, no call.
+    Deliveries,
+    /// Call the provider.
+    Call(Planned),
+}
+
+/// A call to make, once the gates let it through.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    /// The step's state before the call (its clock started).
+    pub write: StepWrite,
+    /// The call asks about a submitted job (spends no attempt).
+    pub polling: bool,
+    /// The call repeats a failed one (it draws on the retry budget).
+    pub is_retry: bool,
+}
+
+/// What the reply said, as the decision needs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplyFacts<'a> {
+    pub outcome: Outcome,
+    pub error_code: Option<&'a str>,
+    pub json: Option<&'a Value>,
+    pub http_status: Option<u16>,
+    pub retry_after: Option<Duration>,
+}
+
+/// How the reply moves the provider's retry budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetMove {
+    None,
+    RetrySucceeded,
+    RetryFailed,
+}
+
+/// The decision on a reply, and the attempt's verdict for the history.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Judged {
+    pub decision: Decision,
+    /// The attempt's outcome: the rules' verdict, or `unknown` when a
+    /// success lacked what the step needs (`job_id_missing`, `output_missing`).
+    pub outcome: Outcome,
+    pub error_code: Option<String>,
+    pub budget: BudgetMove,
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+/// Records a step that cannot go on: a required step parks its record with
+/// `code` and `reason`; an optional one fails alone and the record goes on.
+pub fn park_or_fail(
+    step: &Step,
+    mut write: StepWrite,
+    code: &str,
+    reason: String,
+    now: UnixMs,
+) -> Decision {
+    write.error_code = Some(code.to_owned());
+    write.reason = Some(reason.clone());
+    write.next_run_at = None;
+    let park = if step.required {
+        Some(Park {
+            code: code.to_owned(),
+            reason,
+        })
+    } else {
+        write.state = StepState::Failed;
+        write.finished_at = Some(now);
+        None
+    };
+    Decision { write, park }
+}
+
+/// Defers the step to `at` (never before `now + 1`, never past a deadline
+/// still ahead, where the step gives up or makes its last poll) without
+/// spending an attempt: the provider is paused, busy, limited or open, or
+/// the node is stopping.
+pub fn defer(mut write: StepWrite, at: UnixMs, why: &str, now: UnixMs) -> StepWrite {
+    let at = match write.deadline_at {
+        Some(d) if d > now => at.min(d),
+        _ => at,
+    };
+    write.next_run_at = Some(at.max(now + 1));
+    write.reason = Some(why.to_owned());
+    write
+}
+
+/// When a callback step stops waiting for deliveries: its deadline, less
+/// the polling time that follows it when the fallback is to poll.
+pub fn callback_due(step: &Step, write: &StepWrite) -> Option<UnixMs> {
+    let cb = step.callback()?;
+    let poll_extra = match &cb.fallback {
+        Fallback::Poll(p) => ms(p.deadline),
+        Fallback::Park => 0,
+    };
+    write.deadline_at.map(|d| d - poll_extra)
+}
+
+/// Decides what a pass over a ready step does before any gate: a callback
+/// step with a job waits for its deliveries (or applies them, or gives up
+/// at its deadline); a step's clock starts on its first pass; a step past
+/// its deadline gives up, except a job, which gets one last poll within
+/// [`LAST_POLL_GRACE_MS`] that then decides.
+pub fn before_call(
+    step: &Step,
+    write: &StepWrite,
+    provider: &str,
+    has_deliveries: bool,
+    policy: &RetryPolicy,
+    now: UnixMs,
+) -> Before {
+    let polling = match &step.kind {
+        StepKind::Request => false,
+        StepKind::SubmitPoll { .. } => write.job_id.is_some(),
+        StepKind::Callback { callback, .. } => {
+            if write.job_id.is_none() {
+                false
+            } else {
+                let due = callback_due(step, write).unwrap_or(now);
+                if has_deliveries {
+                    return Before::Deliveries;
+                }
+                if now < due {
+                    let mut w = write.clone();
+                    w.next_run_at = Some(due);
+                    return Before::Settled(Decision::keep(w));
+                }
+                if matches!(callback.fallback, Fallback::Park) {
+                    let reason = "no callback arrived before the callback deadline".into();
+                    let d = park_or_fail(step, write.clone(), "callback_timeout", reason, now);
+                    return Before::Settled(d);
+                }
+                true
+            }
+        }
+    };
+    let mut w = write.clone();
+    w.provider = Some(provider.to_owned());
+    if w.started_at.is_none() {
+        w.started_at = Some(now);
+        w.deadline_at = Some(now + ms(policy.deadline));
+    }
+    // A job may have finished while the node could not ask (a pause, an
+    // open breaker, the database away): its last poll decides. Only when
+    // that poll cannot be made within the grace does the step give up.
+    if let Some(d) = w.deadline_at.filter(|d| now >= *d) {
+        if !polling || now >= d + LAST_POLL_GRACE_MS {
+            let what = if polling {
+                "the job did not finish within its deadline, and no last poll could be made"
+            } else {
+                "the step did not succeed within its deadline"
+            };
+            let reason = format!("deadline passed: {what}");
+            return Before::Settled(park_or_fail(step, w, "deadline_passed", reason, now));
+        }
+    }
+    let is_retry = !polling && w.attempts > 0;
+    Before::Call(Planned {
+        write: w,
+        polling,
+        is_retry,
+    })
+}
+
+/// A request template that cannot render will not render next time: the
+/// step fails (a required step fails its record), with the reason.
+pub fn template_failed(mut write: StepWrite, error: String, now: UnixMs) -> Decision {
+    write.state = StepState::Failed;
+    write.finished_at = Some(now);
+    write.error_code = Some("template_error".into());
+    write.reason = Some(error);
+    write.next_run_at = None;
+    Decision::keep(write)
+}
+
+/// The call is about to leave: a call (not a poll) spends an attempt.
+pub fn spend_attempt(plan: &mut Planned) {
+    if !plan.polling {
+        plan.write.attempts += 1;
+    }
+}
+
+/// Takes every declared output from `json`; `Err` names the first missing.
+pub fn extract_outputs(
+    outputs: &BTreeMap<String, String>,
+    json: Option<&Value>,
+) -> Result<Value, String> {
+    let mut out = Map::new();
+    for (name, pointer) in outputs {
+        let v = json
+            .and_then(|j| j.pointer(pointer))
+            .ok_or_else(|| name.clone())?;
+        out.insert(name.clone(), v.clone());
+    }
+    Ok(Value::Object(out))
+}
+
+/// The job id at `pointer` in a submit reply, as text.
+pub fn job_id_in(json: Option<&Value>, pointer: &str) -> Option<String> {
+    json.and_then(|j| j.pointer(pointer)).map(|id| match id {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    })
+}
+
+/// Decides what a reply means for the step. `plan` is the state the call
+/// left with (its attempt counted), `now` the pass's start, `after` when the
+/// reply was read, `jitter` a random number in `[0, 1)` for the backoff.
+pub fn after_reply(
+    step: &Step,
+    plan: Planned,
+    reply: &ReplyFacts<'_>,
+    policy: &RetryPolicy,
+    now: UnixMs,
+    after: UnixMs,
+    jitter: f64,
+) -> Judged {
+    let Planned {
+        write: mut w,
+        polling,
+        is_retry,
+    } = plan;
+    let mut outcome = reply.outcome;
+    let mut code = reply.error_code.map(str::to_owned);
+    let settled_budget = if is_retry {
+        BudgetMove::RetrySucceeded
+    } else {
+        BudgetMove::None
+    };
+    let submitting = !matches!(step.kind, StepKind::Request) && !polling;
+    // A submit is accepted when the provider says done or "queued": either
+    // way there must be a job id to follow.
+    if outcome == Outcome::Success || (submitting && outcome == Outcome::Pending) {
+        match (submitting, step.job_pointer()) {
+            (true, Some(pointer)) => match job_id_in(reply.json, pointer) {
+                Some(id) => {
+                    let decision = Decision::keep(submitted(step, w, id, after));
+                    return judged(decision, outcome, code, settled_budget);
+                }
+                None => {
+                    outcome = Outcome::Unknown;
+                    code = Some("job_id_missing".into());
+                }
+            },
+            _ => match extract_outputs(&step.outputs, reply.json) {
+                Ok(output) => {
+                    w.state = StepState::Succeeded;
+                    w.output = Some(output);
+                    w.finished_at = Some(after);
+                    w.next_run_at = None;
+                    w.error_code = None;
+                    w.reason = None;
+                    return judged(Decision::keep(w), outcome, code, settled_budget);
+                }
+                Err(name) => {
+                    outcome = Outcome::Unknown;
+                    code = Some("output_missing".into());
+                    w.reason = Some(format!("output `{name}` not found in the reply"));
+                }
+            },
+        }
+    }
+    match outcome {
+        Outcome::Success => judged(Decision::keep(w), outcome, code, BudgetMove::None),
+        Outcome::Pending => {
+            let d = half_state(step, w, polling, policy, now, after);
+            judged(d, outcome, code, BudgetMove::None)
+        }
+        Outcome::Fail => {
+            w.state = StepState::Failed;
+            w.finished_at = Some(after);
+            w.next_run_at = None;
+            w.error_code = code.clone();
+            w.reason = Some(format!(
+                "provider refused the call ({})",
+                reply
+                    .http_status
+                    .map_or_else(|| "no status".to_owned(), |s| format!("HTTP {s}"))
+            ));
+            judged(Decision::keep(w), outcome, code, BudgetMove::None)
+        }
+        Outcome::Retry | Outcome::Unknown => {
+            let budget = if is_retry {
+                BudgetMove::RetryFailed
+            } else {
+                BudgetMove::None
+            };
+            let failure = Failure {
+                outcome,
+                code: code.as_deref(),
+                retry_after: reply.retry_after,
+            };
+            let d = failed_try(step, w, polling, &failure, policy, (now, after), jitter);
+            judged(d, outcome, code, budget)
+        }
+    }
+}
+
+fn judged(
+    decision: Decision,
+    outcome: Outcome,
+    code: Option<String>,
+    budget: BudgetMove,
+) -> Judged {
+    Judged {
+        decision,
+        outcome,
+        error_code: code,
+        budget,
+    }
+}
+
+/// A job was accepted: its id is kept (committed before any poll) and the
+/// step waits, for a poll or for a delivery.
+fn submitted(step: &Step, mut w: StepWrite, job_id: String, after: UnixMs) -> StepWrite {
+    w.job_id = Some(job_id);
+    w.state = StepState::Waiting;
+    w.error_code = None;
+    w.reason = None;
+    match &step.kind {
+        StepKind::Callback { callback, .. } => {
+            // Wake at the callback deadline; a delivery before then wakes
+            // the record earlier.
+            let extra = match &callback.fallback {
+                Fallback::Poll(p) => p.deadline,
+                Fallback::Park => Duration::ZERO,
+            };
+            w.next_run_at = Some(after + ms(callback.deadline));
+            w.deadline_at = Some(after + ms(callback.deadline) + ms(extra));
+        }
+        StepKind::SubmitPoll { poll, .. } => {
+            // The first poll comes no later than the deadline (the last poll).
+            let deadline = after + ms(poll.deadline);
+            w.next_run_at = Some((after + ms(poll.every)).min(deadline));
+            w.deadline_at = Some(deadline);
+        }
+        // A request step submits nothing; it is never here.
+        StepKind::Request => {}
+    }
+    w
+}
+
+/// A half-state: ask again later, without spending an attempt, and never
+/// past the deadline; a job's last poll is made at its deadline, and one
+/// still running then parks.
+fn half_state(
+    step: &Step,
+    mut w: StepWrite,
+    polling: bool,
+    policy: &RetryPolicy,
+    now: UnixMs,
+    after: UnixMs,
+) -> Decision {
+    let every = step.poll().map_or(policy.backoff.base, |p| p.every);
+    w.state = StepState::Waiting;
+    w.next_run_at = Some(after + ms(every));
+    if !polling {
+        w.attempts -= 1;
+    }
+    match w.deadline_at {
+        Some(d) if polling && after >= d => {
+            let reason = "deadline passed: the job had not finished when last polled".into();
+            park_or_fail(step, w, "deadline_passed", reason, now)
+        }
+        Some(d) => {
+            w.next_run_at = w.next_run_at.map(|n| n.min(d));
+            Decision::keep(w)
+        }
+        None => Decision::keep(w),
+    }
+}
+
+/// A failed try, as [`failed_try`] needs it.
+struct Failure<'a> {
+    outcome: Outcome,
+    code: Option<&'a str>,
+    retry_after: Option<Duration>,
+}
+
+/// A retryable failure or a reply nobody understands: try again after the
+/// backoff, or park when the attempts, the unknowns or the deadline are
+/// spent. `times` is (the pass's start, when the reply was read).
+fn failed_try(
+    step: &Step,
+    mut w: StepWrite,
+    polling: bool,
+    failure: &Failure<'_>,
+    policy: &RetryPolicy,
+    (now, after): (UnixMs, UnixMs),
+    jitter: f64,
+) -> Decision {
+    w.error_code = failure.code.map(str::to_owned);
+    let code = failure.code.unwrap_or("unknown_reply");
+    // Replies nobody understands are counted apart (calls and polls alike)
+    // and park sooner; every call, understood or not, spends the attempt
+    // budget of calls, so no step makes more calls than `max_attempts`.
+    if failure.outcome == Outcome::Unknown {
+        w.unknowns += 1;
+    }
+    let exhausted = if failure.outcome == Outcome::Unknown
+        && w.unknowns as u32 >= policy.unknown_attempts.max(1)
+    {
+        Some(format!(
+            "{} replies no rule understood; last: {code}",
+            w.unknowns
+        ))
+    } else if !polling && w.attempts as u32 >= policy.max_attempts {
+        Some(format!(
+            "attempts exhausted ({} of {}); last error: {code}",
+            w.attempts, policy.max_attempts
+        ))
+    } else {
+        None
+    };
+    let wait = policy
+        .backoff
+        .wait(w.attempts.max(1) as u32, jitter, failure.retry_after);
+    let next = after + ms(wait);
+    w.state = if polling {
+        StepState::Waiting
+    } else {
+        StepState::Retrying
+    };
+    if let Some(reason) = exhausted {
+        return park_or_fail(step, w, code, reason, now);
+    }
+    let deadline = w.deadline_at;
+    match deadline {
+        // A poll that failed near the deadline: the last poll is made at
+        // the deadline, and tried again within the grace until the
+        // provider answers it.
+        Some(d) if polling && next > d && next < d + LAST_POLL_GRACE_MS => {
+            w.next_run_at = Some(if after < d { d } else { next });
+            Decision::keep(w)
+        }
+        Some(d) if next > d => {
+            let reason = format!("next try would pass the step deadline; last: {code}");
+            park_or_fail(step, w, "deadline_passed", reason, now)
+        }
+        // A failed poll asks again later: the job is still out there.
+        _ => {
+            w.next_run_at = Some(next);
+            Decision::keep(w)
+        }
+    }
+}
+
+/// A stored webhook delivery, as the decision needs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Delivery<'a> {
+    pub id: i64,
+    pub body: &'a Value,
+}
+
+/// One delivery's verdict, kept in the attempt history as evidence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeliveryVerdict {
+    pub id: i64,
+    pub outcome: Outcome,
+    pub error_code: Option<String>,
+}
+
+/// Applies webhook deliveries in arrival order: the first terminal one
+/// decides (later ones are judged after the commit: one may contradict the
+/// result just reached, a reversal); progress reports and replies no rule
+/// understands keep the step waiting until its callback deadline.
+pub fn apply_deliveries(
+    step: &Step,
+    write: &StepWrite,
+    deliveries: &[Delivery<'_>],
+    rules: &[Rule],
+    now: UnixMs,
+) -> (StepWrite, Vec<DeliveryVerdict>) {
+    let mut w = write.clone();
+    let mut verdicts = Vec::new();
+    let mut decided = false;
+    for cb in deliveries {
+        if decided {
+            break;
+        }
+        let reply = Reply::Http {
+            status: 200,
+            json: Some(cb.body.clone()),
+            body_error: None,
+        };
+        let c = classify(rules, &reply);
+        let mut outcome = c.outcome;
+        let mut code = c.error_code.map(str::to_owned);
+        match outcome {
+            Outcome::Success => match extract_outputs(&step.outputs, Some(cb.body)) {
+                Ok(output) => {
+                    w.state = StepState::Succeeded;
+                    w.output = Some(output);
+                    w.finished_at = Some(now);
+                    w.next_run_at = None;
+                    w.error_code = None;
+                    w.reason = None;
+                    decided = true;
+                }
+                Err(name) => {
+                    outcome = Outcome::Unknown;
+                    code = Some("output_missing".into());
+                    w.error_code = code.clone();
+                    w.reason = Some(format!("callback lacks output `{name}`"));
+                }
+            },
+            Outcome::Fail => {
+                w.state = StepState::Failed;
+                w.finished_at = Some(now);
+                w.next_run_at = None;
+                w.error_code = code.clone();
+                w.reason = Some("the provider reported failure in its callback".into());
+                decided = true;
+            }
+            // A progress report, or one we do not understand: keep
+            // waiting; the evidence is in the history.
+            _ => {}
+        }
+        verdicts.push(DeliveryVerdict {
+            id: cb.id,
+            outcome,
+            error_code: code,
+        });
+    }
+    if !decided {
+        w.next_run_at = Some(callback_due(step, &w).unwrap_or(now).max(now + 1));
+    }
+    (w, verdicts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::pipeline::{CallbackSpec, HttpMethod, PollSpec, RequestSpec};
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn request() -> RequestSpec {
+        RequestSpec {
+            method: HttpMethod::Post,
+            path: "p".into(),
+            headers: Vec::new(),
+            body: None,
+        }
+    }
+
+    fn poll(every: u64, deadline: u64) -> PollSpec {
+        PollSpec {
+            request: request(),
+            every: Duration::from_millis(every),
+            deadline: Duration::from_millis(deadline),
+        }
+    }
+
+    /// 0: request, 1: submit_poll, 2: callback parking, 3: callback polling.
+    fn step(kind: u8, required: bool, outputs: &[&str], every: u64, deadline: u64) -> Step {
+        let callback = |fallback| StepKind::Callback {
+            job_id: "/id".into(),
+            callback: CallbackSpec {
+                delivery_job_id: "/id".into(),
+                deadline: Duration::from_millis(deadline),
+                fallback,
+            },
+        };
+        Step {
+            name: "s".into(),
+            provider: "p".into(),
+            kind: match kind {
+                0 => StepKind::Request,
+                1 => StepKind::SubmitPoll {
+                    job_id: "/id".into(),
+                    poll: poll(every, deadline),
+                },
+                2 => callback(Fallback::Park),
+                _ => callback(Fallback::Poll(poll(every, deadline))),
+            },
+            needs: Vec::new(),
+            upstream: Default::default(),
+            required,
+            request: request(),
+            outputs: outputs
+                .iter()
+                .map(|o| ((*o).to_owned(), format!("/out/{o}")))
+                .collect(),
+            on_reversal: crate::domain::ReversalPolicy::Park,
+        }
+    }
+
+    fn policy(max_attempts: u32, unknown_attempts: u32, deadline: u64) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts,
+            unknown_attempts,
+            backoff: Backoff {
+                base: Duration::from_millis(500),
+                cap: Duration::from_secs(60),
+            },
+            deadline: Duration::from_millis(deadline),
+        }
+    }
+
+    fn outcome() -> impl Strategy<Value = Outcome> {
+        prop_oneof![
+            Just(Outcome::Success),
+            Just(Outcome::Pending),
+            Just(Outcome::Retry),
+            Just(Outcome::Fail),
+            Just(Outcome::Unknown),
+        ]
+    }
+
+    /// One provider reply: its verdict, and which of the step's outputs
+    /// and job id its body carries.
+    #[derive(Debug, Clone)]
+    struct Said {
+        outcome: Outcome,
+        has_outputs: bool,
+        has_job: bool,
+        retry_after: Option<u64>,
+        took: i64,
+        jitter: f64,
+    }
+
+    fn said() -> impl Strategy<Value = Said> {
+        (
+            outcome(),
+            any::<bool>(),
+            prop::bool::weighted(0.8),
+            prop::option::of(0u64..120_000),
+            0i64..30_000,
+            0.0f64..1.0,
+        )
+            .prop_map(
+                |(outcome, has_outputs, has_job, retry_after, took, jitter)| Said {
+                    outcome,
+                    has_outputs,
+                    has_job,
+                    retry_after,
+                    took,
+                    jitter,
+                },
+            )
+    }
+
+    fn body(said: &Said) -> Value {
+        let mut body = json!({ "status": "x" });
+        if said.has_job {
+            body["id"] = json!("job-1");
+        }
+        if said.has_outputs {
+            body["out"] = json!({ "a": 1, "b": "two" });
+        }
+        body
+    }
+
+    /// Runs one pass of `s` at `now` with reply `said`; `None` when the
+    /// pass made no call.
+    fn pass(
+        s: &Step,
+        w: &StepWrite,
+        said: &Said,
+        p: &RetryPolicy,
+        now: UnixMs,
+    ) -> (Option<(Planned, Judged)>, Decision) {
+        match before_call(s, w, "p", false, p, now) {
+            Before::Settled(d) => (None, d),
+            Before::Deliveries => unreachable!("no deliveries given"),
+            Before::Call(mut plan) => {
+                spend_attempt(&mut plan);
+                let json = body(said);
+                let facts = ReplyFacts {
+                    outcome: said.outcome,
+                    error_code: match said.outcome {
+                        Outcome::Success | Outcome::Pending => None,
+                        _ => Some("http_5xx"),
+                    },
+                    json: Some(&json),
+                    http_status: Some(200),
+                    retry_after: said.retry_after.map(Duration::from_millis),
+                };
+                let after = now + said.took;
+                let j = after_reply(s, plan.clone(), &facts, p, now, after, said.jitter);
+                let d = j.decision.clone();
+                (Some((plan, j)), d)
+            }
+        }
+    }
+
+    fn is_done(w: &StepWrite) -> bool {
+        matches!(
+            w.state,
+            StepState::Succeeded | StepState::Failed | StepState::Skipped
+        )
+    }
+
+    proptest! {
+        /// Drives a step through a run of replies, each pass at the time
+        /// the step asked to be run, and checks the rules operators rely
+        /// on after every pass.
+        #[test]
+        fn a_step_keeps_its_rules_over_any_run_of_replies(
+            kind in 0u8..4,
+            required in any::<bool>(),
+            max_attempts in 1u32..6,
+            unknown_attempts in 1u32..4,
+            deadline in 1_000u64..600_000,
+            every in 100u64..120_000,
+            poll_deadline in 1_000u64..600_000,
+            replies in prop::collection::vec(said(), 1..25),
+        ) {
+            let s = step(kind, required, &["a", "b"], every, poll_deadline);
+            let p = policy(max_attempts, unknown_attempts, deadline);
+            let mut w = StepWrite::pending("s");
+            let mut now: UnixMs = 1_000_000;
+            for said in &replies {
+                if is_done(&w) {
+                    break;
+                }
+                let (call, d) = pass(&s, &w, said, &p, now);
+                let nw = &d.write;
+                // Attempts never exceed the bound.
+                prop_assert!(nw.attempts as u32 <= p.max_attempts, "{nw:?}");
+                prop_assert!(nw.attempts >= w.attempts);
+                if let Some((plan, j)) = &call {
+                    // A pending reply to a request or a poll spends no attempt.
+                    if said.outcome == Outcome::Pending && (plan.polling || matches!(s.kind, StepKind::Request)) {
+                        prop_assert_eq!(nw.attempts, w.attempts);
+                    }
+                    // A poll never spends an attempt.
+                    if plan.polling {
+                        prop_assert_eq!(nw.attempts, w.attempts);
+                    }
+                    // A success carries every declared output, or is
+                    // `unknown` with the reason.
+                    if nw.state == StepState::Succeeded {
+                        let out = nw.output.clone().unwrap_or_default();
+                        prop_assert!(s.outputs.keys().all(|k| out.get(k).is_some()), "{out}");
+                    }
+                    let submitting = !plan.polling && !matches!(s.kind, StepKind::Request);
+                    if said.outcome == Outcome::Success && !submitting && !said.has_outputs {
+                        prop_assert_eq!(j.outcome, Outcome::Unknown);
+                        prop_assert_eq!(j.error_code.as_deref(), Some("output_missing"));
+                    }
+                }
+                // An optional step never parks its record.
+                if !s.required {
+                    prop_assert!(d.park.is_none());
+                }
+                // A step that parks or fails is no longer scheduled.
+                if d.park.is_some() || nw.state == StepState::Failed {
+                    prop_assert_eq!(nw.next_run_at, None);
+                }
+                // Nothing is scheduled past the deadline, except the one
+                // last poll of a job, within the grace.
+                if let (Some(next), Some(dl)) = (nw.next_run_at, nw.deadline_at) {
+                    let job = nw.job_id.is_some();
+                    prop_assert!(
+                        next <= dl || (job && next < dl + LAST_POLL_GRACE_MS),
+                        "next {next} deadline {dl} job {job}: {nw:?}"
+                    );
+                }
+                if d.park.is_some() {
+                    break;
+                }
+                w = d.write;
+                now = w.next_run_at.unwrap_or(now).max(now + 1);
+            }
+        }
+
+        /// Deliveries: the first terminal one decides, later ones wait for
+        /// the commit; a success carries every output or stays waiting.
+        #[test]
+        fn deliveries_decide_once(outcomes in prop::collection::vec((outcome(), any::<bool>()), 1..6)) {
+            use crate::domain::rules::{StatusMatch, When, Rule, FieldTest};
+            let rules: Vec<Rule> = ["success", "fail", "pending", "retry"]
+                .iter()
+                .zip([Outcome::Success, Outcome::Fail, Outcome::Pending, Outcome::Retry])
+                .map(|(word, outcome)| Rule {
+                    when: When {
+                        status: vec![StatusMatch::Class(2)],
+                        error: Vec::new(),
+                        field: Some(("/status".into(), FieldTest::Equals(json!(word)))),
+                    },
+                    outcome,
+                })
+                .collect();
+            let s = step(2, true, &["a"], 1_000, 60_000);
+            let mut w = StepWrite::pending("s");
+            w.state = StepState::Waiting;
+            w.job_id = Some("job-1".into());
+            w.deadline_at = Some(10_000_000);
+            let bodies: Vec<Value> = outcomes
+                .iter()
+                .map(|(o, has_outputs)| {
+                    let word = match o {
+                        Outcome::Success => "success",
+                        Outcome::Fail => "fail",
+                        Outcome::Pending => "pending",
+                        Outcome::Retry => "retry",
+                        Outcome::Unknown => "what",
+                    };
+                    let mut b = json!({ "status": word, "id": "job-1" });
+                    if *has_outputs {
+                        b["out"] = json!({ "a": 1 });
+                    }
+                    b
+                })
+                .collect();
+            let deliveries: Vec<Delivery<'_>> = bodies
+                .iter()
+                .enumerate()
+                .map(|(i, body)| Delivery { id: i as i64, body })
+                .collect();
+            let (nw, verdicts) = apply_deliveries(&s, &w, &deliveries, &rules, 5_000_000);
+            let decisive = outcomes.iter().position(|(o, has)| {
+                *o == Outcome::Fail || (*o == Outcome::Success && *has)
+            });
+            match decisive {
+                Some(k) => {
+                    prop_assert_eq!(verdicts.len(), k + 1);
+                    prop_assert!(matches!(nw.state, StepState::Succeeded | StepState::Failed));
+                    prop_assert_eq!(nw.next_run_at, None);
+                }
+                None => {
+                    prop_assert_eq!(verdicts.len(), outcomes.len());
+                    prop_assert_eq!(nw.state, StepState::Waiting);
+                    prop_assert!(nw.next_run_at.is_some());
+                }
+            }
+            if nw.state == StepState::Succeeded {
+                prop_assert!(nw.output.as_ref().is_some_and(|o| o.get("a").is_some()));
+            }
+        }
+    }
+
+    #[test]
+    fn a_pending_submit_is_accepted_with_its_job_and_first_poll() {
+        let s = step(1, true, &[], 2_000, 60_000);
+        let p = policy(3, 3, 600_000);
+        let said = Said {
+            outcome: Outcome::Pending,
+            has_outputs: false,
+            has_job: true,
+            retry_after: None,
+            took: 10,
+            jitter: 0.5,
+        };
+        let (_, d) = pass(&s, &StepWrite::pending("s"), &said, &p, 1_000);
+        assert_eq!(d.write.state, StepState::Waiting);
+        assert_eq!(d.write.job_id.as_deref(), Some("job-1"));
+        assert_eq!(d.write.attempts, 1);
+        assert_eq!(d.write.next_run_at, Some(1_010 + 2_000));
+        assert_eq!(d.write.deadline_at, Some(1_010 + 60_000));
+    }
+
+    #[test]
+    fn a_submit_without_a_job_id_is_unknown_and_counted() {
+        let s = step(1, true, &[], 2_000, 60_000);
+        let p = policy(3, 1, 600_000);
+        let said = Said {
+            outcome: Outcome::Success,
+            has_outputs: true,
+            has_job: false,
+            retry_after: None,
+            took: 10,
+            jitter: 0.5,
+        };
+        let (call, d) = pass(&s, &StepWrite::pending("s"), &said, &p, 1_000);
+        let (_, j) = call.unwrap();
+        assert_eq!(j.outcome, Outcome::Unknown);
+        assert_eq!(j.error_code.as_deref(), Some("job_id_missing"));
+        assert_eq!(d.write.unknowns, 1);
+        assert_eq!(
+            d.park.map(|p| p.reason),
+            Some("1 replies no rule understood; last: job_id_missing".into())
+        );
+    }
+
+    #[test]
+    fn attempts_run_out_into_a_park_with_the_last_error() {
+        let s = step(0, true, &[], 0, 0);
+        let p = policy(2, 3, 600_000);
+        let said = Said {
+            outcome: Outcome::Retry,
+            has_outputs: false,
+            has_job: false,
+            retry_after: None,
+            took: 10,
+            jitter: 0.0,
+        };
+        let (_, d1) = pass(&s, &StepWrite::pending("s"), &said, &p, 1_000);
+        assert_eq!(d1.write.state, StepState::Retrying);
+        assert!(d1.park.is_none());
+        let (_, d2) = pass(&s, &d1.write, &said, &p, 2_000);
+        assert_eq!(
+            d2.park,
+            Some(Park {
+                code: "http_5xx".into(),
+                reason: "attempts exhausted (2 of 2); last error: http_5xx".into()
+            })
+        );
+        // The same failure on an optional step fails the step alone.
+        let optional = step(0, false, &[], 0, 0);
+        let (_, d3) = pass(&optional, &d1.write, &said, &p, 2_000);
+        assert!(d3.park.is_none());
+        assert_eq!(d3.write.state, StepState::Failed);
+    }
+
+    #[test]
+    fn a_job_past_its_deadline_gets_one_last_poll_within_the_grace() {
+        let s = step(1, true, &[], 2_000, 60_000);
+        let p = policy(3, 3, 600_000);
+        let mut w = StepWrite::pending("s");
+        w.state = StepState::Waiting;
+        w.job_id = Some("job-1".into());
+        w.started_at = Some(0);
+        w.deadline_at = Some(100_000);
+        let polls = |now| matches!(before_call(&s, &w, "p", false, &p, now), Before::Call(ref c) if c.polling);
+        assert!(polls(100_000));
+        assert!(polls(100_000 + LAST_POLL_GRACE_MS - 1));
+        assert!(!polls(100_000 + LAST_POLL_GRACE_MS));
+        // A request step past its deadline gives up unasked.
+        let r = step(0, true, &[], 0, 0);
+        let mut rw = StepWrite::pending("s");
+        rw.started_at = Some(0);
+        rw.deadline_at = Some(100_000);
+        let Before::Settled(d) = before_call(&r, &rw, "p", false, &p, 100_000) else {
+            panic!("a request past its deadline must not call");
+        };
+        assert_eq!(d.park.map(|p| p.code), Some("deadline_passed".into()));
+    }
+
+    #[test]
+    fn deferrals_stop_at_a_deadline_ahead() {
+        let mut w = StepWrite::pending("s");
+        w.deadline_at = Some(10_000);
+        assert_eq!(
+            defer(w.clone(), 50_000, "x", 1_000).next_run_at,
+            Some(10_000)
+        );
+        assert_eq!(defer(w.clone(), 5_000, "x", 1_000).next_run_at, Some(5_000));
+        assert_eq!(defer(w.clone(), 0, "x", 1_000).next_run_at, Some(1_001));
+        // Past the deadline (a last poll waiting for a gate) it is not held.
+        assert_eq!(defer(w, 50_000, "x", 20_000).next_run_at, Some(50_000));
+    }
+}

@@ -1,0 +1,388 @@
+//! One record's pass: read its steps, start every ready step, start a
+//! step's dependants as soon as it succeeds (its output committed first,
+//! in a checkpoint), and hand the record's verdict to the committer. What
+//! the steps' states mean for the record is `domain::pass`'s decision.
+
+use std::collections::{HashMap, HashSet};
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+
+use super::step::{self, StepOutput};
+use super::{Engine, Stopping};
+use crate::domain::pass::{PassFacts, may_start_more, ready, skip_blocked, verdict};
+use crate::domain::step::Park;
+use crate::domain::{Record, StepRun, StepState, UnixMs, WorkResult};
+use crate::pipeline::{Pipeline, Step, Templates};
+use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, Store, StoreError};
+
+/// What a pass has done: the steps it changed, what is not yet committed
+/// (attempts, applied deliveries), and what it learned on the way.
+#[derive(Default)]
+struct Progress {
+    /// Every step the pass changed (the final commit writes them all).
+    changed: Vec<String>,
+    /// Attempts not yet committed.
+    attempts: Vec<NewAttempt>,
+    /// Deliveries applied and not yet committed.
+    callbacks_done: Vec<i64>,
+    park: Option<Park>,
+    breaker_moved: Vec<String>,
+    stopped: bool,
+    /// The pass's last attempt: (step, provider, error code).
+    last: Option<(String, Option<String>, Option<String>)>,
+}
+
+impl Progress {
+    fn absorb(&mut self, out: StepOutput, states: &mut HashMap<String, StepWrite>) {
+        self.stopped |= out.stopped;
+        if let Some(p) = out.park {
+            self.park.get_or_insert(p);
+        }
+        self.breaker_moved.extend(out.breaker_moved);
+        if let Some(a) = out.attempts.last() {
+            self.last = Some((a.step.clone(), a.provider.clone(), a.error_code.clone()));
+        }
+        self.attempts.extend(out.attempts);
+        self.callbacks_done.extend(out.callbacks_done);
+        self.changed.push(out.write.step.clone());
+        states.insert(out.write.step.clone(), out.write);
+    }
+
+    /// A commit of everything so far.
+    fn commit(
+        &self,
+        lease: Lease,
+        now: UnixMs,
+        result: Option<WorkResult>,
+        states: &HashMap<String, StepWrite>,
+    ) -> Commit {
+        let mut c = Commit::new(lease, now, result);
+        let mut changed = self.changed.clone();
+        changed.sort();
+        changed.dedup();
+        c.steps = changed
+            .iter()
+            .filter_map(|n| states.get(n).cloned())
+            .collect();
+        c.attempts = self.attempts.clone();
+        c.callbacks_done = self.callbacks_done.clone();
+        if let Some((step, provider, _)) = &self.last {
+            c.step = Some(step.clone());
+            c.provider = provider.clone();
+        }
+        c
+    }
+}
+
+impl Engine {
+    /// One pass over one leased record; always ends with a commit (or a
+    /// dropped result when the lease was lost). `slot` is the record's
+    /// place among the node's `max_in_flight`: given up once the pass's
+    /// calls are done, so the next record starts while this one waits for
+    /// its group commit (a held slot idled through every commit: B, 50 ms
+    /// calls, lost that commit's milliseconds per record). The commit and
+    /// its follow-ups (late deliveries) run under the `committing` bound
+    /// instead. The keeper stops extending the lease before the commit, as
+    /// before: a commit that waits longer than the lease (a database stall
+    /// with a short `engine.lease`) can find the record claimed again and
+    /// is refused as a lost lease.
+    pub(super) async fn process(
+        &self,
+        rec: Record,
+        runs: Option<Vec<StepRun>>,
+        stopping: &Stopping,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
+        let i = &self.inner;
+        let Some(lease) = rec.lease() else { return };
+        // A pass is not aborted when its lease is lost: a call already sent
+        // is let finish so that its exchange still lands in the history.
+        let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
+        self.forget_lease(&lease);
+        let Some(commit) = commit else { return };
+        // The semaphore is never closed; `None` would only skip the bound.
+        let _committing = i.committing.acquire().await.ok();
+        drop(slot);
+        let Some((commit, result)) = i.committer.commit(commit).await else {
+            tracing::error!(
+                record.id = rec.id,
+                "commit lost with the committer; the lease will expire"
+            );
+            return;
+        };
+        match result {
+            Ok(after) => {
+                if after.state == crate::domain::RecordState::Pending {
+                    i.wake.notify_one();
+                }
+                i.stats.attempts(&after.pipeline, &commit.attempts);
+                if after.state.is_at_rest() {
+                    i.stats.finished(
+                        commit.now,
+                        &after.pipeline,
+                        after.step.as_deref().unwrap_or(""),
+                        after.provider.as_deref().unwrap_or(""),
+                        after.state,
+                    );
+                    metrics::counter!(
+                        "ballast_records_finished_total",
+                        &[
+                            ("pipeline", after.pipeline.clone()),
+                            ("state", after.state.as_str().to_owned()),
+                        ]
+                    )
+                    .increment(1);
+                }
+                self.follow_up_deliveries(&rec, after.state, &commit.steps)
+                    .await;
+            }
+            Err(StoreError::LeaseLost { record_id }) => {
+                // Another worker owns the record now: its state is theirs,
+                // but the exchanges made are still history.
+                tracing::warn!(
+                    record.id = record_id,
+                    "lease lost before commit; result dropped, attempts kept"
+                );
+                if let Err(e) = i.db.append_attempts(record_id, &commit.attempts).await {
+                    tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
+                }
+            }
+            Err(e) => {
+                // The lease will expire and another pass will redo the work;
+                // idempotency keys keep that from paying twice.
+                tracing::error!(record.id = rec.id, error = %e, "commit failed");
+            }
+        }
+    }
+
+    /// Works out and runs the record's ready steps; returns what to commit.
+    /// A step whose needs are met starts then: when a step succeeds while
+    /// its siblings are still out, its output is committed (a checkpoint:
+    /// nothing finished is paid for twice) and its ready dependants start
+    /// at once instead of waiting for the slowest sibling.
+    async fn pass(
+        &self,
+        rec: &Record,
+        lease: Lease,
+        runs: Option<Vec<StepRun>>,
+        stopping: &Stopping,
+    ) -> Option<Commit> {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        let Some((pipeline, templates)) = self.compiled(rec).await else {
+            let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+            c.error_code = Some("unknown_pipeline".into());
+            c.reason = Some(format!(
+                "pipeline `{}` is not configured on this node",
+                rec.pipeline
+            ));
+            return Some(c);
+        };
+        let mut states = match self.step_states(rec, &pipeline, runs).await {
+            Ok(states) => states,
+            Err(e) => {
+                tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");
+                let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
+                c.next_run_at = Some(now + 1000);
+                return Some(c);
+            }
+        };
+        let mut progress = Progress {
+            changed: skip_blocked(&pipeline.steps, &mut states, now),
+            ..Progress::default()
+        };
+        let deliveries = self.deliveries(rec, &pipeline, &states).await;
+        let has_deliveries = |n: &str| deliveries.contains_key(n);
+        let mut started: HashSet<String> = HashSet::new();
+        let mut running = FuturesUnordered::new();
+        let mut wave = ready(&pipeline.steps, &states, now, &has_deliveries, &|_| false);
+        let mut wave_at = now;
+        let mut may_start = true;
+        loop {
+            if !wave.is_empty() {
+                let ctx = step::context(rec, &states);
+                for s in wave.drain(..) {
+                    started.insert(s.name.clone());
+                    let write = states[&s.name].clone();
+                    let callbacks = deliveries.get(&s.name).cloned().unwrap_or_default();
+                    let run = self.step_run(rec, s, write, &ctx, &templates, callbacks, stopping);
+                    running.push(run.with_now(wave_at));
+                }
+            }
+            let Some(out) = running.next().await else {
+                break;
+            };
+            let succeeded = out.write.state == StepState::Succeeded;
+            progress.absorb(out, &mut states);
+            // Only a success while siblings are still out starts more in
+            // this pass; otherwise the verdict reschedules the record.
+            let more = succeeded && may_start && !running.is_empty() && !stopping.is_set();
+            if !more || !may_start_more(&pipeline.steps, &states, progress.park.as_ref()) {
+                continue;
+            }
+            wave_at = i.clock.now_ms();
+            let is_started = |n: &str| started.contains(n);
+            wave = ready(
+                &pipeline.steps,
+                &states,
+                wave_at,
+                &has_deliveries,
+                &is_started,
+            );
+            if !wave.is_empty() && !self.checkpoint(rec, &lease, &states, &mut progress).await {
+                // Not committed: nothing that needs the step may start.
+                wave.clear();
+                may_start = false;
+            }
+        }
+        for name in &progress.breaker_moved {
+            if let Some(rt) = i.providers.get(name) {
+                self.publish_breaker(rt).await;
+            }
+        }
+        let now = i.clock.now_ms();
+        let facts = PassFacts {
+            park: progress.park.as_ref(),
+            stopped: progress.stopped,
+            last_error: progress.last.as_ref().and_then(|l| l.2.as_deref()),
+            now,
+        };
+        let v = verdict(&pipeline.steps, &states, &facts);
+        let mut commit = progress.commit(lease, now, Some(v.result), &states);
+        commit.next_run_at = v.next_run_at;
+        if v.step.is_some() {
+            commit.step = v.step;
+        }
+        commit.error_code = v.error_code;
+        commit.reason = v.reason;
+        Some(commit)
+    }
+
+    /// The record's steps as they stand: read with the claim (`runs`) or
+    /// now, and a fresh pending run for each step not started yet.
+    async fn step_states(
+        &self,
+        rec: &Record,
+        pipeline: &Pipeline,
+        runs: Option<Vec<StepRun>>,
+    ) -> Result<HashMap<String, StepWrite>, StoreError> {
+        let runs = match runs {
+            Some(runs) => runs,
+            None => self.inner.db.step_runs(rec.id).await?,
+        };
+        let runs: HashMap<String, StepRun> =
+            runs.into_iter().map(|s| (s.step.clone(), s)).collect();
+        Ok(pipeline
+            .steps
+            .iter()
+            .map(|s| {
+                let w = runs.get(&s.name).map(StepWrite::from).unwrap_or_else(|| {
+                    let mut w = StepWrite::pending(&s.name);
+                    w.provider = Some(s.provider.clone());
+                    w
+                });
+                (s.name.clone(), w)
+            })
+            .collect())
+    }
+
+    /// Deliveries waiting for the record's waiting callback steps (they
+    /// make those steps ready at once).
+    async fn deliveries(
+        &self,
+        rec: &Record,
+        pipeline: &Pipeline,
+        states: &HashMap<String, StepWrite>,
+    ) -> HashMap<String, Vec<PendingCallback>> {
+        let mut found_all = HashMap::new();
+        for s in &pipeline.steps {
+            let w = &states[&s.name];
+            let (Some(_), StepState::Waiting, Some(job)) = (s.callback(), w.state, &w.job_id)
+            else {
+                continue;
+            };
+            match self.inner.db.pending_callbacks(&s.provider, job).await {
+                Ok(found) if !found.is_empty() => {
+                    found_all.insert(s.name.clone(), found);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(record.id = rec.id, error = %e, "cannot read callbacks"),
+            }
+        }
+        found_all
+    }
+
+    /// One step's pass, ready to run.
+    #[allow(clippy::too_many_arguments)]
+    fn step_run<'a>(
+        &'a self,
+        rec: &'a Record,
+        s: &'a Step,
+        write: StepWrite,
+        ctx: &serde_json::Value,
+        templates: &std::sync::Arc<Templates>,
+        callbacks: Vec<PendingCallback>,
+        stopping: &'a Stopping,
+    ) -> PendingStep<'a> {
+        let i = &self.inner;
+        PendingStep {
+            rt: i.providers.get(&s.provider).cloned(),
+            run: step::StepRun {
+                record: rec,
+                step: s,
+                write,
+                ctx: ctx.clone(),
+                templates: templates.clone(),
+                node: &i.opts.node_id,
+                installation: &i.installation,
+                clock: &*i.clock,
+                now: 0,
+                callbacks,
+                max_wait: i.opts.lease / 4,
+                stopping,
+            },
+        }
+    }
+
+    /// Commits what the pass has done so far, keeping the lease; true when
+    /// it landed. On failure the uncommitted attempts stay for the final
+    /// commit (which a lost lease turns into kept history).
+    async fn checkpoint(
+        &self,
+        rec: &Record,
+        lease: &Lease,
+        states: &HashMap<String, StepWrite>,
+        progress: &mut Progress,
+    ) -> bool {
+        let i = &self.inner;
+        let c = progress.commit(lease.clone(), i.clock.now_ms(), None, states);
+        match i.committer.commit(c).await {
+            Some((c, Ok(_))) => {
+                i.stats.attempts(&rec.pipeline, &c.attempts);
+                progress.attempts.clear();
+                progress.callbacks_done.clear();
+                true
+            }
+            Some((_, Err(e))) => {
+                tracing::warn!(record.id = rec.id, error = %e, "checkpoint not committed");
+                false
+            }
+            None => false,
+        }
+    }
+}
+
+/// A step's pass waiting for its start time and its provider's runtime.
+struct PendingStep<'a> {
+    rt: Option<std::sync::Arc<super::limits::ProviderRuntime>>,
+    run: step::StepRun<'a>,
+}
+
+impl<'a> PendingStep<'a> {
+    /// Runs the step as of `now`.
+    async fn with_now(mut self, now: UnixMs) -> StepOutput {
+        self.run.now = now;
+        self.run.execute(self.rt.as_deref()).await
+    }
+}
