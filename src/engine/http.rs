@@ -127,7 +127,7 @@ pub async fn exchange(
         excerpt: storable_excerpt(&msg, secrets),
     };
     // One deadline for the whole exchange, body included.
-    let deadline = Instant::now() + call.timeout;
+    let deadline = started + call.timeout;
     let resp = match tokio::time::timeout_at(deadline, req.send()).await {
         Err(_) => {
             return failed(

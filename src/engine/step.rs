@@ -266,14 +266,14 @@ impl StepRun<'_> {
         if rt.is_paused() {
             return Err(self.deferred(self.now + 5_000, "provider paused by an operator"));
         }
-        let wait_until = tokio::time::Instant::now() + self.max_wait;
+        let wait_until = self.clock.now_ms() + ms(self.max_wait);
         // A free slot is taken at once; only a wait listens for shutdown.
         let slot = match rt.concurrency.clone().try_acquire_owned() {
             Ok(slot) => slot,
             Err(_) => {
                 let acquire = rt.concurrency.clone().acquire_owned();
                 let slot = tokio::select! {
-                    slot = tokio::time::timeout_at(wait_until, acquire) => slot,
+                    slot = tokio::time::timeout(self.max_wait, acquire) => slot,
                     () = self.stopping.wait() => return Err(self.shutting_down()),
                 };
                 let Ok(Ok(slot)) = slot else {
@@ -315,24 +315,22 @@ impl StepRun<'_> {
         })
     }
 
-    /// Waits for the rate limit while that ends before `wait_until`;
+    /// Waits for the rate limit while that ends before `wait_until` (the
+    /// clock's milliseconds);
     /// otherwise defers the step to when the limit allows a call.
-    async fn rate_limit(
-        &self,
-        rt: &ProviderRuntime,
-        wait_until: tokio::time::Instant,
-    ) -> Result<(), StepOutput> {
+    async fn rate_limit(&self, rt: &ProviderRuntime, wait_until: UnixMs) -> Result<(), StepOutput> {
         loop {
             let t = self.clock.now_ms();
             let Err(at) = rt.limiter().try_acquire(t) else {
                 return Ok(());
             };
-            let wait = Duration::from_millis((at - t).max(1) as u64);
-            if tokio::time::Instant::now() + wait > wait_until {
+            let wait = (at - t).max(1);
+            if t + wait > wait_until {
                 return Err(self.deferred(at, "provider rate limit"));
             }
+            // Time is the point here: the limit frees a place at `at`.
             tokio::select! {
-                () = tokio::time::sleep(wait) => {}
+                () = tokio::time::sleep(Duration::from_millis(wait as u64)) => {}
                 () = self.stopping.wait() => return Err(self.shutting_down()),
             }
         }
