@@ -568,7 +568,7 @@ async fn pages_at_scale(
                 role: ballast::domain::Role::Viewer,
                 created_by: "bench".into(),
             },
-            ballast::engine::now_ms(),
+            ballast::domain::Clock::now_ms(&ballast::domain::SystemClock),
         )
         .await
         .unwrap();

@@ -12,26 +12,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Secret};
+use crate::domain::host::HEARTBEAT_EVERY;
 use crate::domain::{Clock, Role, SystemClock};
 use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, Store, StoreError, migrate};
-
-/// How often a node tells the others it is alive.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
-
-/// What every handler and background task shares.
-#[derive(Clone)]
-pub struct AppState {
-    pub db: Db,
-    pub config: Arc<Config>,
-    /// This process's id among the nodes sharing the database.
-    pub node_id: Arc<str>,
-    /// Cancelled when the process starts shutting down.
-    pub shutdown: CancellationToken,
-    /// The workers, when the configuration has pipelines.
-    pub engine: Option<crate::engine::Engine>,
-    /// The control plane's keys and per-user limits.
-    pub web: Arc<crate::web::WebContext>,
-}
+use crate::web::AppState;
 
 /// Connects to the configured database.
 pub async fn connect(config: &Config) -> anyhow::Result<Db> {
@@ -97,23 +81,6 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Re
     }
 }
 
-/// A node id unique across restarts and machines: host, pid, and a random tail.
-pub fn new_node_id() -> String {
-    let host = hostname();
-    let tail = uuid::Uuid::new_v4().simple().to_string();
-    format!("{host}-{}-{}", std::process::id(), &tail[..8])
-}
-
-/// This machine's name, for node listings.
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".to_owned())
-}
-
 /// Runs the control plane on `listener` until `shutdown` is cancelled:
 /// migrates the database, serves HTTP, keeps the node's heartbeat, then
 /// drains within the configured grace period.
@@ -157,7 +124,9 @@ pub async fn run_with(
     }
     let grace = config.server.shutdown_grace.0;
     let config = Arc::new(config);
-    let node_id: Arc<str> = new_node_id().into();
+    let node_id: Arc<str> = crate::domain::host::new_node_id().into();
+    // One clock for the workers and the control plane.
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let engine = if config.pipelines.is_empty() {
         None
     } else {
@@ -166,7 +135,7 @@ pub async fn run_with(
         opts.batch = config.engine.batch;
         opts.max_in_flight = config.engine.max_in_flight as usize;
         Some(
-            crate::engine::Engine::new(db.clone(), config.clone(), opts)
+            crate::engine::Engine::with_clock(db.clone(), config.clone(), opts, clock.clone())
                 .await
                 .context("cannot start the workers")?,
         )
@@ -181,6 +150,7 @@ pub async fn run_with(
         shutdown: shutdown.clone(),
         engine: engine.clone(),
         web,
+        clock,
     };
 
     let tasks = TaskTracker::new();
@@ -236,7 +206,7 @@ pub async fn run_with(
 
 /// Registers this node and beats until shutdown, then deregisters.
 async fn heartbeat(state: AppState) {
-    let clock = SystemClock;
+    let clock = state.clock.clone();
     let beat = NodeBeat::this_process(&state.node_id, clock.now_ms());
     loop {
         if let Err(e) = state.db.heartbeat(&beat, clock.now_ms()).await {

@@ -170,6 +170,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         file,
         env,
     } = Config::load(cli.config.as_deref())?;
+    // Every command checks the pipelines, so a mistake in one is reported
+    // before anything starts, whichever command was asked for.
+    crate::pipeline::compile(&config)?;
     match cli.command {
         Command::CheckConfig => {
             check_config(&config, file, &env);
@@ -436,33 +439,19 @@ fn cli_actor() -> String {
 }
 
 async fn provider_command(db: &Db, config: &Config, action: ProviderCommand) -> anyhow::Result<()> {
-    let now = SystemClock.now_ms();
-    let known = |name: &str| -> anyhow::Result<()> {
-        if config.providers.contains_key(name) {
-            Ok(())
-        } else {
-            bail!(
-                "unknown provider `{name}` (configured: {})",
-                config
-                    .providers
-                    .keys()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        }
-    };
+    // The CLI runs no workers: a resume wakes the nodes' loops through
+    // their provider sync.
+    let ops = crate::engine::Ops::new(db, config, None, &SystemClock);
     match action {
         ProviderCommand::Pause { name, reason } => {
-            known(&name)?;
-            crate::engine::set_provider_paused(db, &name, true, &cli_actor(), reason, now).await?;
+            ops.pause_provider(&name, true, &cli_actor(), reason)
+                .await?;
             println!(
                 "paused {name}: its records wait, spending no attempts, until `ballast provider resume {name}`"
             );
         }
         ProviderCommand::Resume { name } => {
-            known(&name)?;
-            crate::engine::set_provider_paused(db, &name, false, &cli_actor(), None, now).await?;
+            ops.pause_provider(&name, false, &cli_actor(), None).await?;
             println!("resumed {name}");
         }
         ProviderCommand::List => {

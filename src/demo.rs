@@ -199,6 +199,7 @@ pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
     }
     config
         .validate(&|v| std::env::var(v).ok())
+        .and_then(|()| crate::pipeline::compile(config).map(drop))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(Demo {
         sims: vec![apis, render],

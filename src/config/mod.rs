@@ -13,8 +13,6 @@ use serde::Deserialize;
 
 pub use duration::{HumanDuration, parse_duration};
 
-use crate::store::Backend;
-
 /// The file read when `--config` is not given, if it exists.
 pub const DEFAULT_FILE: &str = "ballast.toml";
 
@@ -315,7 +313,8 @@ pub struct Loaded {
 
 impl Config {
     /// Loads defaults, then `file` (or `ballast.toml` if present), then the
-    /// process environment, then validates.
+    /// process environment, then validates (pipelines apart: see
+    /// [`validate`](Self::validate)).
     pub fn load(file: Option<&Path>) -> Result<Loaded, ConfigError> {
         Self::load_with(file, &|var| std::env::var(var).ok())
     }
@@ -442,8 +441,9 @@ impl Config {
         Ok(applied)
     }
 
-    /// Checks everything, providers and pipelines included; `env` supplies
-    /// the credentials that providers name.
+    /// Checks everything but the pipelines, which `pipeline::compile` checks
+    /// (the layer above, which the CLI calls right after loading); `env`
+    /// supplies the credentials that providers name.
     pub fn validate(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
         self.validate_core()?;
         for (name, p) in &self.providers {
@@ -458,7 +458,6 @@ impl Config {
             }
             p.validate(name, env)?;
         }
-        crate::pipeline::compile(self)?;
         Ok(())
     }
 
@@ -607,6 +606,32 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
         Some(t) => format!("{t}.{key}"),
         None => key,
     })
+}
+
+/// Which database a URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    pub fn of_url(url: &str) -> Option<Backend> {
+        if url.starts_with("sqlite:") {
+            Some(Backend::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Some(Backend::Postgres)
+        } else {
+            None
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! Pure types and rules of Ballast: record states, the transition table,
-//! the stored shapes of records, steps, attempts and events. No I/O here.
+//! the stored shapes of records, steps, attempts and events. No I/O here but
+//! the clock and the host's name (`time`, `host`), which every layer shares.
 
 pub mod backoff;
 pub mod breaker;
+pub mod host;
 pub mod model;
 pub mod pass;
 pub mod pipeline;

@@ -17,7 +17,7 @@ mod profile;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -27,7 +27,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 use serde_json::{Value, json};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use crate::domain::{Clock, SystemClock};
 
 pub use profile::{Fault, Outage, Profile};
 
@@ -78,6 +81,8 @@ struct Sim {
     next_id: Mutex<u64>,
     client: reqwest::Client,
     callbacks_sent: Mutex<u64>,
+    /// Wall time, for signatures and HTTP dates (a provider's own clock).
+    clock: Arc<dyn Clock>,
 }
 
 /// A handle on a running simulator.
@@ -126,6 +131,7 @@ impl SimHandle {
             next_id: Mutex::new(0),
             client: reqwest::Client::new(),
             callbacks_sent: Mutex::new(0),
+            clock: Arc::new(SystemClock),
         });
         let shutdown = CancellationToken::new();
         let app = router(sim.clone());
@@ -266,7 +272,7 @@ impl Sim {
             .map(|(_, b, f)| (b, f));
         let fault = match manual.or(scheduled) {
             Some((brownout, fault)) if rng.f64() < brownout.max(f64::EPSILON) => fault,
-            _ => self.profile.draw_fault(&mut rng),
+            _ => self.profile.draw_fault(&mut rng, self.clock.now_system()),
         };
         let latency = self.profile.draw_latency(&mut rng);
         let effect_anyway = rng.bool();
@@ -518,7 +524,7 @@ async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Respon
 /// duplicates, a stale progress report after the final word, lost
 /// deliveries, and flips (success, then a contradicting failure).
 async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
-    tokio::time::sleep_until(job.ready_at.into()).await;
+    tokio::time::sleep_until(job.ready_at).await;
     let (dup, late, lost) = {
         let mut rng = Sim::lock(&sim.rng);
         let p = &sim.profile;
@@ -565,7 +571,7 @@ async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
             .header("content-type", "application/json")
             .header("x-delivery-id", delivery_id);
         if let Some(secret) = &sim.profile.callback_secret {
-            let now_s = crate::engine::now_ms() / 1000;
+            let now_s = sim.clock.now_ms() / 1000;
             req = req.header(
                 "x-signature",
                 crate::auth::webhook::sign(secret.as_bytes(), now_s, text.as_bytes()),

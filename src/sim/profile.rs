@@ -161,7 +161,7 @@ impl Profile {
         }
     }
 
-    pub(super) fn draw_fault(&self, rng: &mut fastrand::Rng) -> Fault {
+    pub(super) fn draw_fault(&self, rng: &mut fastrand::Rng, now: std::time::SystemTime) -> Fault {
         let mut u = rng.f64();
         let mut pick = |p: f64| {
             if u < p {
@@ -172,7 +172,7 @@ impl Profile {
             }
         };
         if pick(self.p_rate_limited) {
-            return Fault::RateLimited(self.draw_retry_after(rng));
+            return Fault::RateLimited(self.draw_retry_after(rng, now));
         }
         if pick(self.p_server_error) {
             return Fault::ServerError([500, 502, 503][rng.usize(0..3)]);
@@ -199,7 +199,11 @@ impl Profile {
     }
 
     /// Seconds most of the time, an HTTP date sometimes, nothing sometimes.
-    fn draw_retry_after(&self, rng: &mut fastrand::Rng) -> Option<String> {
+    fn draw_retry_after(
+        &self,
+        rng: &mut fastrand::Rng,
+        now: std::time::SystemTime,
+    ) -> Option<String> {
         let max = self.retry_after_max_secs.max(1);
         // Scaled like latencies, so fast test profiles ask for short waits.
         // The header counts whole seconds: rounded down, a scaled wait of
@@ -211,7 +215,7 @@ impl Profile {
         match rng.u8(0..10) {
             0..=5 => Some(secs.to_string()),
             6..=7 => {
-                let at = std::time::SystemTime::now() + Duration::from_secs(secs);
+                let at = now + Duration::from_secs(secs);
                 Some(httpdate::fmt_http_date(at))
             }
             _ => None,
@@ -262,7 +266,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(7);
         let n = 100_000;
         let good = (0..n)
-            .filter(|_| p.draw_fault(&mut rng) == Fault::None)
+            .filter(|_| p.draw_fault(&mut rng, std::time::UNIX_EPOCH) == Fault::None)
             .count();
         let share = good as f64 / n as f64;
         assert!((0.86..0.885).contains(&share), "{share}");

@@ -355,7 +355,7 @@ impl NodeBeat {
     pub fn this_process(id: &str, started_at: UnixMs) -> NodeBeat {
         NodeBeat {
             id: id.to_owned(),
-            hostname: crate::app::hostname(),
+            hostname: crate::domain::host::hostname(),
             pid: i64::from(std::process::id()),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             started_at,
@@ -727,31 +727,9 @@ impl Default for ConnectOptions {
     }
 }
 
-/// Which database a URL names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    Sqlite,
-    Postgres,
-}
-
-impl Backend {
-    pub fn of_url(url: &str) -> Option<Backend> {
-        if url.starts_with("sqlite:") {
-            Some(Backend::Sqlite)
-        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Some(Backend::Postgres)
-        } else {
-            None
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Backend::Sqlite => "sqlite",
-            Backend::Postgres => "postgres",
-        }
-    }
-}
+/// Which database a URL names (decided by the configuration, which checks
+/// the URL when it loads).
+pub use crate::config::Backend;
 
 /// The store the application holds: one of the two backends.
 #[derive(Clone, Debug)]

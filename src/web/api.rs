@@ -16,13 +16,14 @@ use serde_json::{Value, json};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
-use crate::app::AppState;
 use crate::config::WebLimits;
 use crate::store::Store;
+use crate::web::AppState;
 
 use super::auth::{ApiKey, Bearer, ClientIpKey, Operator, Viewer};
 use super::error::{WebError, WebResult};
-use super::pages::records::{ListQuery, act_one, parse_action};
+use super::query::ListQuery;
+use crate::engine::Ops;
 
 /// The API's routes with two limits: per token (`api_per_second`, bursts of
 /// twice that) and, outside it, per client address (four times as much), so
@@ -183,16 +184,11 @@ async fn act(
     Path(id): Path<i64>,
     ApiJson(body): ApiJson<ActBody>,
 ) -> WebResult<Json<Value>> {
-    let action = parse_action(&body.action)?;
+    let action = Ops::parse_action(&body.action)?;
     let reason = body.reason.filter(|r| !r.trim().is_empty());
-    let record = act_one(
-        &state,
-        id,
-        action,
-        &caller.actor,
-        reason,
-        body.step.as_deref(),
-    )
-    .await?;
+    let record = state
+        .ops()
+        .act(id, action, &caller.actor, reason, body.step.as_deref())
+        .await?;
     Ok(Json(json!({ "record": record })))
 }

@@ -7,7 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
-use crate::app::AppState;
+use crate::web::AppState;
 
 /// (name, content type, bytes).
 const ASSETS: &[(&str, &str, &[u8])] = &[

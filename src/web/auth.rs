@@ -16,9 +16,9 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::app::AppState;
-use crate::domain::{Clock, Role, Session, SystemClock, UnixMs, User};
+use crate::domain::{Role, Session, UnixMs, User};
 use crate::store::Store;
+use crate::web::AppState;
 
 use super::error::WebError;
 
@@ -315,7 +315,7 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
     let keys = &state.web.keys;
     let token = cookie_value(headers, keys.cookie_name()).ok_or(WebError::Unauthenticated)?;
     let claims = keys.verify(&token)?;
-    let now = SystemClock.now_ms();
+    let now = state.clock.now_ms();
     let session = state
         .db
         .session(&claims.sid)
@@ -348,7 +348,7 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
         .api_token_by_hash(&hash_token(token))
         .await?
         .ok_or(WebError::Unauthenticated)?;
-    let now = SystemClock.now_ms();
+    let now = state.clock.now_ms();
     // A write at most once a minute per token, not one per request.
     if found.last_used_at.is_none_or(|t| t < now - 60_000) {
         if let Err(e) = state.db.touch_api_token(found.id, now).await {

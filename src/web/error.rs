@@ -100,6 +100,17 @@ impl From<StoreError> for WebError {
     }
 }
 
+impl From<crate::engine::OpsError> for WebError {
+    fn from(e: crate::engine::OpsError) -> Self {
+        use crate::engine::OpsError;
+        match e {
+            OpsError::Refused { code, message } => WebError::bad(code, message),
+            e @ OpsError::UnknownProvider { .. } => WebError::NotFound(e.to_string()),
+            OpsError::Store(e) => e.into(),
+        }
+    }
+}
+
 impl From<askama::Error> for WebError {
     fn from(e: askama::Error) -> Self {
         WebError::Internal(format!("template: {e}"))

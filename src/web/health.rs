@@ -9,8 +9,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{Value, json};
 
-use crate::app::AppState;
 use crate::store::Store;
+use crate::web::AppState;
 
 /// How long readiness waits for the database before saying no.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);

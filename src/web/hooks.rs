@@ -9,10 +9,10 @@ use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{Value, json};
 
-use crate::app::AppState;
 use crate::auth::webhook;
 use crate::engine::Delivery;
 use crate::store::Store;
+use crate::web::AppState;
 
 /// The largest delivery accepted; larger is refused with 413.
 pub const MAX_BODY: usize = 1024 * 1024;
@@ -58,7 +58,7 @@ async fn receive(
         .get(settings.signature_header.as_str())
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let now_s = crate::engine::now_ms() / 1000;
+    let now_s = state.clock.now_ms() / 1000;
     if let Err(e) = webhook::verify(
         &settings.secrets,
         signature,

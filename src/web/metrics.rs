@@ -12,7 +12,7 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use subtle::ConstantTimeEq;
 
-use crate::app::AppState;
+use crate::web::AppState;
 
 use super::auth;
 use super::error::WebError;

@@ -14,7 +14,9 @@ mod health;
 mod hooks;
 pub mod metrics;
 pub mod pages;
+pub mod query;
 pub mod security;
+mod state;
 pub mod stats_view;
 
 use std::sync::Arc;
@@ -25,9 +27,8 @@ use axum::extract::DefaultBodyLimit;
 use axum::middleware::{from_fn, from_fn_with_state};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
-use crate::app::AppState;
-
 pub use auth::AuthKeys;
+pub use state::AppState;
 
 /// What the control plane keeps beside the store: keys and per-user limits.
 pub struct WebContext {
@@ -94,7 +95,7 @@ pub async fn housekeeping(state: AppState) {
     let mut minutes: u64 = 0;
     loop {
         if minutes % 60 == 0 {
-            let now = crate::engine::now_ms();
+            let now = state.clock.now_ms();
             if let Err(e) = state.db.purge_sessions(now).await {
                 tracing::warn!(error = %e, "could not purge sessions");
             }

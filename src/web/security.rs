@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::app::AppState;
+use crate::web::AppState;
 
 use super::auth::{self, CSRF_FIELD, CSRF_HEADER};
 use super::error::{ErrorInfo, WebError};

@@ -194,7 +194,7 @@ async fn the_dashboard_works_in_a_real_browser() {
     // A parked record whose provider answered with a script.
     let parked = app.record("lead-xss").await;
     let payload = r#"<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"><b hx-get="/admin/users" hx-trigger="load">boom</b>"#;
-    let now = ballast::engine::now_ms();
+    let now = crate::helpers::wall_ms();
     let attempts: Vec<NewAttempt> = (1..=3)
         .map(|n| NewAttempt {
             step: "enrich".into(),
@@ -301,7 +301,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             action: OperatorAction::Cancel,
             actor: "someone-else".into(),
             reason: None,
-            now: ballast::engine::now_ms(),
+            now: crate::helpers::wall_ms(),
             steps: Vec::new(),
         })
         .await
@@ -476,7 +476,7 @@ async fn the_dashboard_works_in_a_real_browser() {
         .update_user(
             app.t.db.user_by_name("viewer").await.unwrap().unwrap().id,
             &ballast::store::UserChange::Role(Role::Viewer),
-            ballast::engine::now_ms(),
+            crate::helpers::wall_ms(),
         )
         .await
         .unwrap();

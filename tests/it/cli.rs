@@ -730,6 +730,8 @@ fn the_examples_load() {
             ballast::config::Config::load_with(Some(f), &|v| env(v).then(|| "set".to_owned()))
                 .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         assert!(!loaded.config.providers.is_empty() && !loaded.config.pipelines.is_empty());
+        ballast::pipeline::compile(&loaded.config)
+            .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         let without = ballast::config::Config::load_with(Some(f), &|_| None).unwrap_err();
         assert!(
             without.to_string().contains("is not set"),

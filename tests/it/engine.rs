@@ -241,7 +241,7 @@ async fn crash_and_resume(backend: Backend) {
         }
         node.shutdown_background();
     }
-    let restart_ms = ballast::engine::now_ms();
+    let restart_ms = crate::helpers::wall_ms();
     let last = start_node(t.url.clone(), config.clone(), "survivor".into());
     let took = wait_at_rest(&t.db, N, Duration::from_secs(180)).await;
     last.shutdown_background();
@@ -541,7 +541,7 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
     let (stop_b, run_b) = run_in_background(&b);
     // Scheduled for later, so that all 2,000 fall due at one moment, after
     // both nodes have heartbeated and taken their half of the limit.
-    let later = ballast::engine::now_ms() + 600_000;
+    let later = crate::helpers::wall_ms() + 600_000;
     for i in 0..2000 {
         a.enqueue_at("pay", Some(&format!("k-{i}")), json!({}), later)
             .await
@@ -550,7 +550,7 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
     tokio::time::sleep(Duration::from_millis(800)).await;
     let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
     sqlx::query("UPDATE records SET next_run_at = $1 WHERE state = 'pending'")
-        .bind(ballast::engine::now_ms())
+        .bind(crate::helpers::wall_ms())
         .execute(&pool)
         .await
         .unwrap();
@@ -677,17 +677,10 @@ async fn paused_providers_get_no_calls() {
     )
     .await
     .unwrap();
-    let now = ballast::engine::now_ms();
-    ballast::engine::set_provider_paused(
-        &t.db,
-        "sim",
-        true,
-        "alice",
-        Some("maintenance".into()),
-        now,
-    )
-    .await
-    .unwrap();
+    let now = crate::helpers::wall_ms();
+    t.db.set_provider_pause("sim", true, "alice", Some("maintenance"), now)
+        .await
+        .unwrap();
     enqueue_n(&engine, "pay", 10).await;
     let (stop, run) = run_in_background(&engine);
     tokio::time::sleep(Duration::from_millis(1_500)).await;
@@ -697,7 +690,7 @@ async fn paused_providers_get_no_calls() {
         counts.iter().all(|c| !c.state.is_at_rest()),
         "records wait: {counts:?}"
     );
-    ballast::engine::set_provider_paused(&t.db, "sim", false, "alice", None, now + 1)
+    t.db.set_provider_pause("sim", false, "alice", None, now + 1)
         .await
         .unwrap();
     wait_at_rest(&t.db, 10, Duration::from_secs(20)).await;

@@ -103,7 +103,7 @@ fn due_now(
             pipeline_version: None,
             external_key: Some(format!("{prefix}{i}")),
             input: input(i),
-            run_at: ballast::engine::now_ms(),
+            run_at: crate::helpers::wall_ms(),
         })
         .collect()
 }
@@ -139,7 +139,7 @@ fn feed(
             let offered = Instant::now();
             let (from, n) = (fed.taken, per_second / 10);
             let batch = due_now(pipeline, prefix, from..from + n, input);
-            match db.create_records(batch, ballast::engine::now_ms()).await {
+            match db.create_records(batch, crate::helpers::wall_ms()).await {
                 Ok(_) => fed.taken += n,
                 Err(_) => fed.refused += 1,
             }
@@ -314,7 +314,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
     const N: i64 = 30;
     db.create_records(
         due_now("leak", "k-", 0..N, |n| json!({ "n": n })),
-        ballast::engine::now_ms(),
+        crate::helpers::wall_ms(),
     )
     .await
     .unwrap();
@@ -325,7 +325,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
     for (i, echoed) in [key.clone(), json_escaped(&key)].iter().enumerate() {
         let body =
             format!(r#"{{"job_id": "later-{i}", "status": "running", "note": "key {echoed}"}}"#);
-        let now_s = ballast::engine::now_ms() / 1000;
+        let now_s = crate::helpers::wall_ms() / 1000;
         let signature =
             ballast::auth::webhook::sign(hook_secret.as_bytes(), now_s, body.as_bytes());
         let r = reqwest::Client::new()
@@ -362,7 +362,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
             role: Role::Admin,
             created_by: "test".into(),
         },
-        ballast::engine::now_ms(),
+        crate::helpers::wall_ms(),
     )
     .await
     .unwrap();
@@ -754,7 +754,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     const N: i64 = 120;
     db.create_records(
         due_now("pay", "k-", 0..N, |_| json!({})),
-        ballast::engine::now_ms(),
+        crate::helpers::wall_ms(),
     )
     .await
     .unwrap();
@@ -932,7 +932,7 @@ callback = { job_id = "/job_id", deadline = "2s" }
     };
     let body =
         br#"{"job_id": "job\u0000x", "status": "succeeded", "note": {"a\u0000": "b\u0000"}}"#;
-    let now_s = ballast::engine::now_ms() / 1000;
+    let now_s = crate::helpers::wall_ms() / 1000;
     let signature = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body);
     let (status, reply) =
         crate::helpers::http_post(app.addr, "/hooks/sim", &[("x-signature", &signature)], body)
@@ -1004,7 +1004,7 @@ async fn kill_loop(backend: ballast::store::Backend) {
             round * part..(round + 1) * part,
             |i| json!({ "amount": i }),
         );
-        t.db.create_records(records, ballast::engine::now_ms())
+        t.db.create_records(records, crate::helpers::wall_ms())
             .await
             .unwrap();
         let restarted = Instant::now();
@@ -1100,7 +1100,7 @@ async fn kill_loop(backend: ballast::store::Backend) {
 /// records by state, how many were due, the leases, and on PostgreSQL the
 /// database's busy sessions and the locks they wait for; then the log.
 async fn stall_report(t: &crate::helpers::TestDb, dir: &Path) {
-    let now = ballast::engine::now_ms();
+    let now = crate::helpers::wall_ms();
     let records = all_records(&t.db, None).await;
     let mut by_state = std::collections::BTreeMap::<String, usize>::new();
     let (mut due, mut next) = (0, None::<i64>);
@@ -1207,7 +1207,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     const N: i64 = 100;
     t.db.create_records(
         due_now("pay", "k-", 0..N, |_| json!({})),
-        ballast::engine::now_ms(),
+        crate::helpers::wall_ms(),
     )
     .await
     .unwrap();
@@ -1690,7 +1690,7 @@ async fn a_503_storm_stays_within_the_retry_budget_and_recovers() {
     const RATE: i64 = 50;
     let (engine, feeder) = storm_setup(&t.db, &sim.base_url(), RATE, warm + storm + after).await;
     tokio::time::sleep(warm).await;
-    let storm_from = ballast::engine::now_ms();
+    let storm_from = crate::helpers::wall_ms();
     sim.outage(storm.as_millis() as u64, 1.0);
     tokio::time::sleep(storm).await;
     let storm_to = storm_from + storm.as_millis() as i64;

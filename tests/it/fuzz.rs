@@ -360,7 +360,10 @@ fn fuzz_config_files() {
         // Accepted or refused with an error naming the problem; never a panic.
         match ballast::config::Config::parse(&text, Path::new("fuzz.toml")) {
             Ok(config) => {
-                if let Err(e) = config.validate(&|_| None) {
+                let checked = config
+                    .validate(&|_| None)
+                    .and_then(|()| ballast::pipeline::compile(&config).map(drop));
+                if let Err(e) = checked {
                     prop_assert!(!e.to_string().is_empty());
                 }
             }

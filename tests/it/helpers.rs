@@ -344,3 +344,10 @@ pub async fn serve_router(app: axum::Router) -> String {
     tokio::spawn(async move { axum::serve(listener, app).await });
     format!("http://{addr}")
 }
+
+/// The wall clock's `now`, for tests that seed rows beside a server running
+/// on the system clock.
+pub fn wall_ms() -> i64 {
+    use ballast::domain::Clock;
+    ballast::domain::SystemClock.now_ms()
+}

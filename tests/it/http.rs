@@ -230,7 +230,7 @@ on_reversal = "park"
 
     // The webhook refuses what it must.
     let body = br#"{"job_id": "job_x", "status": "succeeded"}"#;
-    let now_s = ballast::engine::now_ms() / 1000;
+    let now_s = crate::helpers::wall_ms() / 1000;
     let good = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body);
     assert_eq!(
         http_post(addr, "/hooks/sim", &[], body).await.0,

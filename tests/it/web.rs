@@ -112,7 +112,7 @@ impl WebApp {
         };
         self.t
             .db
-            .create_user(&u, ballast::engine::now_ms())
+            .create_user(&u, crate::helpers::wall_ms())
             .await
             .unwrap()
             .id
@@ -209,7 +209,7 @@ impl WebApp {
                     role,
                     created_by: "test".into(),
                 },
-                ballast::engine::now_ms(),
+                crate::helpers::wall_ms(),
             )
             .await
             .unwrap();
@@ -223,11 +223,11 @@ impl WebApp {
             pipeline_version: None,
             external_key: Some(key.into()),
             input: json!({ "lead": key }),
-            run_at: ballast::engine::now_ms() + 3_600_000,
+            run_at: crate::helpers::wall_ms() + 3_600_000,
         };
         self.t
             .db
-            .create_record(new, ballast::engine::now_ms())
+            .create_record(new, crate::helpers::wall_ms())
             .await
             .unwrap()
             .record
@@ -240,7 +240,7 @@ impl WebApp {
             action: OperatorAction::Park,
             actor: "setup".into(),
             reason: Some("setup".into()),
-            now: ballast::engine::now_ms(),
+            now: crate::helpers::wall_ms(),
             steps: Vec::new(),
         };
         self.t.db.act(&req).await.unwrap();
@@ -406,7 +406,7 @@ async fn forged_expired_and_confused_tokens_are_refused() {
     };
     // The session key is derived from the secret; forging with the raw
     // secret or another key must fail, and so must every variant below.
-    let now = ballast::engine::now_ms() / 1000;
+    let now = crate::helpers::wall_ms() / 1000;
     let with = |f: &dyn Fn(&mut Value)| {
         let mut c = claims.clone();
         f(&mut c);
@@ -992,7 +992,7 @@ async fn provider_data_renders_as_inert_text() {
                     provider: Some("p".into()),
                     attempt_no: 1,
                     node: None,
-                    started_at: ballast::engine::now_ms(),
+                    started_at: crate::helpers::wall_ms(),
                     duration_ms: 12,
                     http_status: Some(500),
                     outcome: Outcome::Retry,
@@ -1007,7 +1007,7 @@ async fn provider_data_renders_as_inert_text() {
             action: OperatorAction::Park,
             actor: "setup".into(),
             reason: Some(payload.into()),
-            now: ballast::engine::now_ms(),
+            now: crate::helpers::wall_ms(),
             steps: Vec::new(),
         };
         app.t.db.act(&req).await.unwrap();
@@ -1580,7 +1580,7 @@ async fn sessions_survive_a_restart_until_the_key_is_rotated() {
             .rotate_meta_secret(
                 ballast::web::SESSION_SECRET_KEY,
                 &ballast::web::new_session_secret(),
-                ballast::engine::now_ms(),
+                crate::helpers::wall_ms(),
             )
             .await
             .unwrap();

@@ -10,10 +10,10 @@ use axum::{Form, Router};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::auth::password;
-use crate::domain::{Clock, Role, SystemClock};
+use crate::domain::Role;
 use crate::store::{NewApiToken, NewEvent, NewUser, Store, UserChange};
+use crate::web::AppState;
 use crate::web::auth::{self, Admin, Authed};
 use crate::web::error::{WebError, WebResult};
 
@@ -79,7 +79,7 @@ async fn audit(
         .db
         .append_event(&NewEvent {
             record_id: None,
-            at: SystemClock.now_ms(),
+            at: state.clock.now_ms(),
             kind: kind.to_owned(),
             actor: actor.to_owned(),
             audit: true,
@@ -117,7 +117,7 @@ async fn add_user(
                 password_hash: hash,
                 role,
             },
-            SystemClock.now_ms(),
+            state.clock.now_ms(),
         )
         .await?;
     audit(
@@ -139,7 +139,7 @@ async fn change(
 ) -> WebResult<Response> {
     let user = state
         .db
-        .update_user(id, &change, SystemClock.now_ms())
+        .update_user(id, &change, state.clock.now_ms())
         .await?;
     let mut detail = what;
     detail["user"] = json!(user.username);
@@ -306,7 +306,7 @@ async fn create_token(
                 role,
                 created_by: caller.actor.clone(),
             },
-            SystemClock.now_ms(),
+            state.clock.now_ms(),
         )
         .await?;
     let mut r = tokens_page(&state, &caller, Some((name, token))).await?;
@@ -321,7 +321,7 @@ async fn revoke_token(
 ) -> WebResult<Response> {
     state
         .db
-        .revoke_api_token(id, &caller.actor, SystemClock.now_ms())
+        .revoke_api_token(id, &caller.actor, state.clock.now_ms())
         .await?;
     Ok(Redirect::to("/admin/tokens").into_response())
 }

@@ -9,8 +9,8 @@ use axum::response::Response;
 use axum::routing::get;
 use serde::Deserialize;
 
-use crate::app::AppState;
 use crate::store::{AuditFilter, Store};
+use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;
 use crate::web::security::is_htmx;

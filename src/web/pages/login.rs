@@ -14,9 +14,9 @@ use serde::Deserialize;
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
-use crate::app::AppState;
 use crate::auth::password;
-use crate::domain::{Clock, SystemClock};
+use crate::web::AppState;
+
 use crate::store::{LoginPolicy, Store};
 use crate::web::auth::{self, ClientIpKey};
 use crate::web::error::{WebError, WebResult};
@@ -97,7 +97,7 @@ async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> W
     if username.is_empty() || username.len() > 64 || form.password.len() > password::MAX_LEN {
         return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
     }
-    let now = SystemClock.now_ms();
+    let now = state.clock.now_ms();
     let locked = || {
         refuse(
             StatusCode::TOO_MANY_REQUESTS,
@@ -153,7 +153,7 @@ async fn logout(
 ) -> WebResult<Response> {
     if let Ok(caller) = auth::session_caller(&headers, &state).await {
         if let Some(sid) = caller.session_id {
-            state.db.revoke_session(&sid, SystemClock.now_ms()).await?;
+            state.db.revoke_session(&sid, state.clock.now_ms()).await?;
         }
     }
     let mut r = Redirect::to("/login").into_response();

@@ -14,8 +14,8 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 
-use crate::app::AppState;
 use crate::domain::{Role, UnixMs, time::format_ms};
+use crate::web::AppState;
 
 use super::auth::Caller;
 use super::error::{ErrorInfo, WebResult};

@@ -10,9 +10,9 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::get;
 
-use crate::app::AppState;
-use crate::domain::{Clock, RecordState, SystemClock};
+use crate::domain::RecordState;
 use crate::store::Store;
+use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;
 use crate::web::security::is_htmx;
@@ -88,7 +88,7 @@ async fn overview(
     State(state): State<AppState>,
     headers: HeaderMap,
 ) -> WebResult<Response> {
-    let now = SystemClock.now_ms();
+    let now = state.clock.now_ms();
     let (counts, per_provider, provider_states, nodes, rollups) = tokio::try_join!(
         state.db.state_counts(),
         state.db.provider_counts(),
@@ -124,7 +124,9 @@ async fn overview(
         // Nodes heard from lately; a crashed node's row stays until it ages out.
         nodes: nodes
             .iter()
-            .filter(|n| n.heartbeat_at > now - 3 * crate::app::HEARTBEAT_EVERY.as_millis() as i64)
+            .filter(|n| {
+                n.heartbeat_at > now - 3 * crate::domain::host::HEARTBEAT_EVERY.as_millis() as i64
+            })
             .count(),
         stats,
     };

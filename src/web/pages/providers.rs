@@ -9,10 +9,10 @@ use axum::routing::{get, post};
 use axum::{Form, Router};
 use serde::Deserialize;
 
-use crate::app::AppState;
 use crate::store::Store;
+use crate::web::AppState;
 use crate::web::auth::{Admin, Authed, Viewer};
-use crate::web::error::{WebError, WebResult};
+use crate::web::error::WebResult;
 use crate::web::security::is_htmx;
 
 use super::{Nav, html, when, when_opt};
@@ -113,14 +113,6 @@ struct PauseForm {
     reason: Option<String>,
 }
 
-fn known(state: &AppState, name: &str) -> WebResult<()> {
-    if state.config.providers.contains_key(name) {
-        Ok(())
-    } else {
-        Err(WebError::NotFound(format!("provider `{name}` not found")))
-    }
-}
-
 async fn after_change(
     state: &AppState,
     caller: &crate::web::auth::Caller,
@@ -139,17 +131,11 @@ async fn pause(
     Path(name): Path<String>,
     Form(form): Form<PauseForm>,
 ) -> WebResult<Response> {
-    known(&state, &name)?;
     let reason = form.reason.filter(|r| !r.trim().is_empty());
-    crate::engine::set_provider_paused(
-        &state.db,
-        &name,
-        true,
-        &caller.actor,
-        reason,
-        crate::engine::now_ms(),
-    )
-    .await?;
+    state
+        .ops()
+        .pause_provider(&name, true, &caller.actor, reason)
+        .await?;
     after_change(&state, &caller, &headers).await
 }
 
@@ -159,19 +145,10 @@ async fn resume(
     headers: HeaderMap,
     Path(name): Path<String>,
 ) -> WebResult<Response> {
-    known(&state, &name)?;
-    crate::engine::set_provider_paused(
-        &state.db,
-        &name,
-        false,
-        &caller.actor,
-        None,
-        crate::engine::now_ms(),
-    )
-    .await?;
-    if let Some(e) = &state.engine {
-        e.wake();
-    }
+    state
+        .ops()
+        .pause_provider(&name, false, &caller.actor, None)
+        .await?;
     after_change(&state, &caller, &headers).await
 }
 
@@ -181,11 +158,6 @@ async fn reset_breaker(
     headers: HeaderMap,
     Path(name): Path<String>,
 ) -> WebResult<Response> {
-    known(&state, &name)?;
-    let engine = state
-        .engine
-        .as_ref()
-        .ok_or_else(|| WebError::bad("no_workers", "this node runs no workers"))?;
-    engine.reset_breaker(&name, &caller.actor).await?;
+    state.ops().reset_breaker(&name, &caller.actor).await?;
     after_change(&state, &caller, &headers).await
 }

@@ -9,11 +9,13 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use crate::app::AppState;
 use crate::domain::{OperatorAction, Record, RecordState, Trigger, transition};
-use crate::store::{MAX_PAGE, RecordFilter, Store};
+use crate::engine::{Ops, Selection};
+use crate::store::Store;
+use crate::web::AppState;
 use crate::web::auth::{Authed, Operator, Viewer};
 use crate::web::error::{WebError, WebResult};
+use crate::web::query::{ListQuery, non_empty};
 use crate::web::security::is_htmx;
 
 use super::{Nav, html, millis, when, when_opt};
@@ -24,68 +26,6 @@ pub fn router() -> Router<AppState> {
         .route("/records/bulk", post(bulk))
         .route("/records/{id}", get(detail))
         .route("/records/{id}/actions", post(act))
-}
-
-/// The list's filters, as the form and the API send them. Empty fields
-/// mean "any".
-#[derive(Debug, Default, Deserialize, Clone)]
-pub struct ListQuery {
-    pub pipeline: Option<String>,
-    pub state: Option<String>,
-    pub provider: Option<String>,
-    pub step: Option<String>,
-    pub error_code: Option<String>,
-    /// External key prefix.
-    pub q: Option<String>,
-    pub before: Option<i64>,
-    pub limit: Option<u32>,
-}
-
-fn non_empty(v: &Option<String>) -> Option<String> {
-    v.as_deref()
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-}
-
-impl ListQuery {
-    pub fn to_filter(&self) -> WebResult<RecordFilter> {
-        let state = match non_empty(&self.state) {
-            Some(s) => Some(
-                s.parse::<RecordState>()
-                    .map_err(|_| WebError::bad("bad_filter", format!("unknown state `{s}`")))?,
-            ),
-            None => None,
-        };
-        Ok(RecordFilter {
-            pipeline: non_empty(&self.pipeline),
-            state,
-            provider: non_empty(&self.provider),
-            step: non_empty(&self.step),
-            error_code: non_empty(&self.error_code),
-            key_prefix: non_empty(&self.q),
-            before: self.before,
-            limit: self.limit.unwrap_or(50).min(MAX_PAGE),
-        })
-    }
-
-    /// The filters as a query string (without the cursor), for links.
-    fn query_string(&self) -> String {
-        let mut s = form_urlencoded::Serializer::new(String::new());
-        for (k, v) in [
-            ("pipeline", &self.pipeline),
-            ("state", &self.state),
-            ("provider", &self.provider),
-            ("step", &self.step),
-            ("error_code", &self.error_code),
-            ("q", &self.q),
-        ] {
-            if let Some(v) = non_empty(v) {
-                s.append_pair(k, &v);
-            }
-        }
-        s.finish()
-    }
 }
 
 pub struct RecordRow {
@@ -338,48 +278,6 @@ struct ActForm {
     step: Option<String>,
 }
 
-/// One action on one record, through the engine (which knows the pipeline
-/// graph for replays and wakes the workers) or the store.
-pub async fn act_one(
-    state: &AppState,
-    id: i64,
-    action: OperatorAction,
-    actor: &str,
-    reason: Option<String>,
-    step: Option<&str>,
-) -> WebResult<Record> {
-    if action == OperatorAction::Park && reason.is_none() {
-        return Err(WebError::bad("reason_required", "parking needs a reason"));
-    }
-    let rec = match &state.engine {
-        Some(engine) => engine.act(id, action, actor, reason, step).await?,
-        None => {
-            if action == OperatorAction::ReplayFrom {
-                return Err(WebError::bad(
-                    "replay_unavailable",
-                    "replay needs the pipeline definitions (no pipelines configured)",
-                ));
-            }
-            let req = crate::store::ActionRequest {
-                record_id: id,
-                action,
-                actor: actor.to_owned(),
-                reason,
-                now: crate::engine::now_ms(),
-                steps: Vec::new(),
-            };
-            state.db.act(&req).await?
-        }
-    };
-    tracing::info!(record.id = id, action = %action, actor, "operator action");
-    Ok(rec)
-}
-
-pub fn parse_action(s: &str) -> WebResult<OperatorAction> {
-    s.parse::<OperatorAction>()
-        .map_err(|_| WebError::bad("unknown_action", format!("unknown action `{s}`")))
-}
-
 async fn act(
     caller: Authed<Operator>,
     State(state): State<AppState>,
@@ -387,10 +285,13 @@ async fn act(
     Path(id): Path<i64>,
     axum::Form(form): axum::Form<ActForm>,
 ) -> WebResult<Response> {
-    let action = parse_action(&form.action)?;
+    let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason);
     let step = non_empty(&form.step);
-    act_one(&state, id, action, &caller.actor, reason, step.as_deref()).await?;
+    state
+        .ops()
+        .act(id, action, &caller.actor, reason, step.as_deref())
+        .await?;
     if is_htmx(&headers) {
         let t = record_page(&state, &caller, id).await?;
         return html(&t.as_detail());
@@ -457,39 +358,35 @@ async fn bulk(
     headers: HeaderMap,
     axum_extra::extract::Form(form): axum_extra::extract::Form<BulkForm>,
 ) -> WebResult<Response> {
-    let action = parse_action(&form.action)?;
+    let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason)
         .ok_or_else(|| WebError::bad("reason_required", "a bulk action needs a reason"))?;
     let step = non_empty(&form.step);
-    let targets = bulk_targets(&state, &form).await?;
+    let selection = if form.all_matching.is_some() {
+        Selection::Matching(form.filter().to_filter()?)
+    } else {
+        Selection::Ids(form.ids.clone())
+    };
+    let ops = state.ops();
+    let targets = ops
+        .select(selection, state.config.server.limits.bulk_max as usize)
+        .await?;
     let apply = form.mode.as_deref() == Some("apply");
-    let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets
-        .iter()
-        .partition(|r| transition(r.state, Trigger::Operator(action)).is_ok());
-    let mut failed = Vec::new();
-    if apply {
-        if state.web.bulk_limiter.check_key(&caller.actor).is_err() {
-            return Err(WebError::TooManyRequests(
-                "too many bulk actions; wait a minute".into(),
-            ));
-        }
-        for r in &allowed {
-            if let Err(e) = act_one(
-                &state,
-                r.id,
-                action,
-                &caller.actor,
-                Some(reason.clone()),
-                step.as_deref(),
-            )
-            .await
-            {
-                tracing::warn!(record.id = r.id, action = %action, error = ?e, "bulk action refused for one record");
-                failed.push(format!("record {}: {e}", r.id));
-            }
-        }
-        tracing::info!(action = %action, actor = %caller.actor, records = allowed.len(), failed = failed.len(), "bulk action");
+    if apply && state.web.bulk_limiter.check_key(&caller.actor).is_err() {
+        return Err(WebError::TooManyRequests(
+            "too many bulk actions; wait a minute".into(),
+        ));
     }
+    let outcome = ops
+        .bulk(
+            &targets,
+            action,
+            &caller.actor,
+            &reason,
+            step.as_deref(),
+            apply,
+        )
+        .await;
     let scope = if form.all_matching.is_some() {
         let q = form.filter().query_string();
         if q.is_empty() {
@@ -507,59 +404,13 @@ async fn bulk(
         reason,
         step: step.unwrap_or_default(),
         applied: apply,
-        matched: targets.len(),
-        allowed_ids: allowed.iter().map(|r| r.id).collect(),
-        refused: refused.len(),
-        failed,
+        matched: outcome.matched,
+        allowed_ids: outcome.allowed_ids,
+        refused: outcome.refused,
+        failed: outcome.failed,
     };
     if is_htmx(&headers) {
         return html(&t.as_result());
     }
     html(&t)
-}
-
-/// The records a bulk request names, refused when more than the cap.
-async fn bulk_targets(state: &AppState, form: &BulkForm) -> WebResult<Vec<Record>> {
-    let cap = state.config.server.limits.bulk_max as usize;
-    let too_many = |n: String| {
-        WebError::bad(
-            "bulk_too_large",
-            format!(
-                "{n} records selected; one bulk action may touch at most {cap}. Narrow the filter."
-            ),
-        )
-    };
-    let mut out = Vec::new();
-    if form.all_matching.is_some() {
-        let mut filter = form.filter().to_filter()?;
-        filter.limit = MAX_PAGE;
-        filter.before = None;
-        loop {
-            let page = state.db.list_records(&filter).await?;
-            out.extend(page.items);
-            if out.len() > cap {
-                return Err(too_many(format!("more than {cap}")));
-            }
-            match page.next {
-                Some(n) => filter.before = Some(n),
-                None => break,
-            }
-        }
-    } else {
-        let mut ids = form.ids.clone();
-        ids.sort_unstable();
-        ids.dedup();
-        if ids.is_empty() {
-            return Err(WebError::bad("nothing_selected", "select records first"));
-        }
-        if ids.len() > cap {
-            return Err(too_many(ids.len().to_string()));
-        }
-        for id in ids {
-            if let Some(r) = state.db.get_record(id).await? {
-                out.push(r);
-            }
-        }
-    }
-    Ok(out)
 }

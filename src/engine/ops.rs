@@ -1,0 +1,333 @@
+//! Operator commands: retry, park, resume, cancel and replay a record, the
+//! same in bulk, pause and resume a provider, reset its breaker. The pages,
+//! the JSON API and the CLI all call [`Ops`], so a command means the same
+//! thing, checked the same way, wherever an operator gives it.
+
+use serde_json::json;
+
+use super::Engine;
+use crate::config::Config;
+use crate::domain::{Clock, OperatorAction, ProviderState, Record, Trigger, transition};
+use crate::store::{ActionRequest, Db, RecordFilter, Store, StoreError};
+
+/// Why a command was refused, or the store error that stopped it.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The command is malformed or not possible here, with a stable code.
+    #[error("{message}")]
+    Refused { code: &'static str, message: String },
+    /// The command names a provider the configuration does not have.
+    #[error("unknown provider `{name}` (configured: {configured})")]
+    UnknownProvider { name: String, configured: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl OpsError {
+    fn refused(code: &'static str, message: impl Into<String>) -> OpsError {
+        OpsError::Refused {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Which records a bulk command is for.
+#[derive(Debug, Clone)]
+pub enum Selection {
+    /// These ids (duplicates and unknown ids are dropped).
+    Ids(Vec<i64>),
+    /// Every record the filter matches (its page and cursor are ignored).
+    Matching(RecordFilter),
+}
+
+/// What a bulk command found and did.
+#[derive(Debug, Clone, Default)]
+pub struct BulkOutcome {
+    /// Records the selection named.
+    pub matched: usize,
+    /// Those whose state allows the action (acted on when applied).
+    pub allowed_ids: Vec<i64>,
+    /// Those whose state does not.
+    pub refused: usize,
+    /// Allowed records the action still failed for, one line each.
+    pub failed: Vec<String>,
+}
+
+/// Operator commands over the store and, where this node runs workers, the
+/// engine (which knows the pipeline graph for replays and is woken when
+/// work becomes due).
+#[derive(Clone, Copy)]
+pub struct Ops<'a> {
+    db: &'a Db,
+    config: &'a Config,
+    engine: Option<&'a Engine>,
+    clock: &'a dyn Clock,
+}
+
+impl<'a> Ops<'a> {
+    pub fn new(
+        db: &'a Db,
+        config: &'a Config,
+        engine: Option<&'a Engine>,
+        clock: &'a dyn Clock,
+    ) -> Self {
+        Ops {
+            db,
+            config,
+            engine,
+            clock,
+        }
+    }
+
+    /// Reads an action's name as the pages, the API and the CLI spell it.
+    pub fn parse_action(s: &str) -> Result<OperatorAction, OpsError> {
+        s.parse::<OperatorAction>()
+            .map_err(|_| OpsError::refused("unknown_action", format!("unknown action `{s}`")))
+    }
+
+    /// One action on one record, through the transition table and audited.
+    /// Parking needs a reason; a replay needs the pipelines (this node's
+    /// engine) and `step`, where it starts.
+    pub async fn act(
+        &self,
+        id: i64,
+        action: OperatorAction,
+        actor: &str,
+        reason: Option<String>,
+        step: Option<&str>,
+    ) -> Result<Record, OpsError> {
+        if action == OperatorAction::Park && reason.is_none() {
+            return Err(OpsError::refused(
+                "reason_required",
+                "parking needs a reason",
+            ));
+        }
+        let rec = match self.engine {
+            Some(engine) => engine.act(id, action, actor, reason, step).await?,
+            None if action == OperatorAction::ReplayFrom => {
+                return Err(OpsError::refused(
+                    "replay_unavailable",
+                    "replay needs the pipeline definitions (no pipelines configured)",
+                ));
+            }
+            None => {
+                let req = ActionRequest {
+                    record_id: id,
+                    action,
+                    actor: actor.to_owned(),
+                    reason,
+                    now: self.clock.now_ms(),
+                    steps: Vec::new(),
+                };
+                self.db.act(&req).await?
+            }
+        };
+        tracing::info!(record.id = id, action = %action, actor, "operator action");
+        Ok(rec)
+    }
+
+    /// The records `selection` names, refused when more than `cap`.
+    pub async fn select(&self, selection: Selection, cap: usize) -> Result<Vec<Record>, OpsError> {
+        let too_many = |n: String| {
+            OpsError::refused(
+                "bulk_too_large",
+                format!(
+                    "{n} records selected; one bulk action may touch at most {cap}. Narrow the filter."
+                ),
+            )
+        };
+        let mut out = Vec::new();
+        match selection {
+            Selection::Matching(mut filter) => {
+                filter.limit = crate::store::MAX_PAGE;
+                filter.before = None;
+                loop {
+                    let page = self.db.list_records(&filter).await?;
+                    out.extend(page.items);
+                    if out.len() > cap {
+                        return Err(too_many(format!("more than {cap}")));
+                    }
+                    match page.next {
+                        Some(n) => filter.before = Some(n),
+                        None => break,
+                    }
+                }
+            }
+            Selection::Ids(mut ids) => {
+                ids.sort_unstable();
+                ids.dedup();
+                if ids.is_empty() {
+                    return Err(OpsError::refused(
+                        "nothing_selected",
+                        "select records first",
+                    ));
+                }
+                if ids.len() > cap {
+                    return Err(too_many(ids.len().to_string()));
+                }
+                for id in ids {
+                    if let Some(r) = self.db.get_record(id).await? {
+                        out.push(r);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One action on many records: those whose state allows it, counted
+    /// (a preview) or, with `apply`, acted on one by one, each audited with
+    /// `reason`, which a bulk action always needs.
+    pub async fn bulk(
+        &self,
+        targets: &[Record],
+        action: OperatorAction,
+        actor: &str,
+        reason: &str,
+        step: Option<&str>,
+        apply: bool,
+    ) -> BulkOutcome {
+        let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets
+            .iter()
+            .partition(|r| transition(r.state, Trigger::Operator(action)).is_ok());
+        let mut failed = Vec::new();
+        if apply {
+            for r in &allowed {
+                let done = self
+                    .act(r.id, action, actor, Some(reason.to_owned()), step)
+                    .await;
+                if let Err(e) = done {
+                    tracing::warn!(record.id = r.id, action = %action, error = ?e, "bulk action refused for one record");
+                    failed.push(format!("record {}: {e}", r.id));
+                }
+            }
+            tracing::info!(action = %action, actor, records = allowed.len(), failed = failed.len(), "bulk action");
+        }
+        BulkOutcome {
+            matched: targets.len(),
+            allowed_ids: allowed.iter().map(|r| r.id).collect(),
+            refused: refused.len(),
+            failed,
+        }
+    }
+
+    /// Pauses (`paused`) or resumes a provider for every node (they see it
+    /// within one provider-sync round), audited as `provider_paused` /
+    /// `provider_resumed`. A resume wakes this node's workers.
+    pub async fn pause_provider(
+        &self,
+        name: &str,
+        paused: bool,
+        actor: &str,
+        reason: Option<String>,
+    ) -> Result<ProviderState, OpsError> {
+        self.known(name)?;
+        let now = self.clock.now_ms();
+        let state = self
+            .db
+            .set_provider_pause(name, paused, actor, reason.as_deref(), now)
+            .await?;
+        if let (false, Some(engine)) = (paused, self.engine) {
+            engine.wake();
+        }
+        Ok(state)
+    }
+
+    /// Closes a provider's breaker on this node and in the shared state,
+    /// audited as `breaker_reset`; needs this node's workers.
+    pub async fn reset_breaker(&self, name: &str, actor: &str) -> Result<(), OpsError> {
+        self.known(name)?;
+        let engine = self
+            .engine
+            .ok_or_else(|| OpsError::refused("no_workers", "this node runs no workers"))?;
+        Ok(engine.reset_breaker(name, actor).await?)
+    }
+
+    fn known(&self, name: &str) -> Result<(), OpsError> {
+        if self.config.providers.contains_key(name) {
+            return Ok(());
+        }
+        let configured = self.config.providers.keys().cloned().collect::<Vec<_>>();
+        Err(OpsError::UnknownProvider {
+            name: name.to_owned(),
+            configured: configured.join(", "),
+        })
+    }
+}
+
+impl Engine {
+    /// An operator action on one record, through the transition table and
+    /// audited. For a replay, `step` names where to start; the steps
+    /// downstream of it come from the record's pinned pipeline.
+    pub(super) async fn act(
+        &self,
+        record_id: i64,
+        action: crate::domain::OperatorAction,
+        actor: &str,
+        reason: Option<String>,
+        step: Option<&str>,
+    ) -> Result<Record, StoreError> {
+        let i = &self.inner;
+        let mut steps = Vec::new();
+        if action == crate::domain::OperatorAction::ReplayFrom {
+            let rec =
+                i.db.get_record(record_id)
+                    .await?
+                    .ok_or(StoreError::NotFound {
+                        what: "record",
+                        key: record_id.to_string(),
+                    })?;
+            let Some(step) = step else {
+                return Err(StoreError::Invalid(
+                    "replay needs a step to start from".into(),
+                ));
+            };
+            let compiled = self.compiled(&rec).await;
+            steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
+                StoreError::Invalid(format!("pipeline `{}` has no step `{step}`", rec.pipeline))
+            })?;
+        }
+        let req = crate::store::ActionRequest {
+            record_id,
+            action,
+            actor: actor.to_owned(),
+            reason,
+            now: i.clock.now_ms(),
+            steps,
+        };
+        let after = i.db.act(&req).await?;
+        if after.next_run_at.is_some() {
+            i.wake.notify_one();
+        }
+        Ok(after)
+    }
+
+    /// Closes a provider's breaker on this node and in the shared state,
+    /// audited as `breaker_reset`.
+    pub(super) async fn reset_breaker(&self, name: &str, actor: &str) -> Result<(), StoreError> {
+        let i = &self.inner;
+        let Some(rt) = i.providers.get(name) else {
+            return Err(StoreError::NotFound {
+                what: "provider",
+                key: name.to_owned(),
+            });
+        };
+        let now = i.clock.now_ms();
+        rt.breaker().reset(now);
+        self.publish_breaker(rt).await;
+        i.db.append_event(&crate::store::NewEvent {
+            record_id: None,
+            at: now,
+            kind: "breaker_reset".into(),
+            actor: actor.to_owned(),
+            audit: true,
+            step: None,
+            reason: None,
+            detail: Some(json!({ "provider": name })),
+        })
+        .await?;
+        self.wake();
+        Ok(())
+    }
+}

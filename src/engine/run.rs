@@ -1,0 +1,389 @@
+//! The run loop: claims due records while slots are free, keeps their
+//! leases alive, flushes statistics and syncs shared provider state, and
+//! hands back what it holds at shutdown.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::limits::ProviderRuntime;
+use super::{ClaimFuture, Engine, Stopping, lock, stats};
+use crate::domain::{BreakerState, ProviderState, Record, StepRun};
+use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Store, StoreError};
+
+impl Engine {
+    /// Wakes the loop (new work arrived).
+    pub fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// Claims one batch and processes it to completion; returns how many
+    /// records it handled. Tests drive the engine with this until it is idle.
+    pub async fn execute_next(&self) -> Result<usize, StoreError> {
+        let claimed = self.claim(self.inner.opts.batch).await?;
+        let n = claimed.len();
+        let mut tasks = tokio::task::JoinSet::new();
+        let running = Arc::new(Stopping::default());
+        for (rec, runs) in claimed {
+            let (engine, running) = (self.clone(), running.clone());
+            tasks.spawn(async move { engine.process(rec, runs, &running, None).await });
+        }
+        while tasks.join_next().await.is_some() {}
+        Ok(n)
+    }
+
+    /// Claims up to `limit` due records and reads their step runs in one
+    /// query (a record whose runs could not be read reads them in its pass).
+    async fn claim(&self, limit: u32) -> Result<Vec<(Record, Option<Vec<StepRun>>)>, StoreError> {
+        let i = &self.inner;
+        let req = ClaimRequest {
+            owner: i.opts.node_id.clone(),
+            now: i.clock.now_ms(),
+            lease: i.opts.lease,
+            limit,
+        };
+        let started = std::time::Instant::now();
+        let claimed = i.db.claim_due(&req).await?;
+        tracing::debug!(
+            want = limit,
+            claimed = claimed.len(),
+            took_us = started.elapsed().as_micros() as u64,
+            "claimed"
+        );
+        {
+            let mut held = lock(&i.held);
+            for rec in &claimed {
+                if let Some(lease) = rec.lease() {
+                    held.insert(rec.id, lease);
+                }
+            }
+        }
+        if claimed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+        let mut runs: Option<HashMap<i64, Vec<StepRun>>> = match i.db.step_runs_of(&ids).await {
+            Ok(all) => {
+                let mut by_record: HashMap<i64, Vec<StepRun>> = HashMap::with_capacity(ids.len());
+                for run in all {
+                    by_record.entry(run.record_id).or_default().push(run);
+                }
+                Some(by_record)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the claimed records' steps; each pass reads its own");
+                None
+            }
+        };
+        Ok(claimed
+            .into_iter()
+            .map(|rec| {
+                let r = runs.as_mut().map(|m| m.remove(&rec.id).unwrap_or_default());
+                (rec, r)
+            })
+            .collect())
+    }
+
+    /// Runs until `shutdown`: claims while there are free slots, sleeps
+    /// until signalled or the earliest record is due, keeps leases alive,
+    /// and on shutdown stops claiming, lets in-flight work finish within
+    /// `grace`, and gives back what is left without spending attempts.
+    pub async fn run(&self, shutdown: CancellationToken, grace: Duration) {
+        let i = &self.inner;
+        let tasks = TaskTracker::new();
+        // Know pauses, open breakers and peers before the first claim.
+        self.sync_providers_once().await;
+        let keeper = tokio::spawn(self.clone().keep_leases(shutdown.clone()));
+        let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
+        let flusher = tokio::spawn(self.clone().flush_stats(shutdown.clone()));
+        let listen = match &i.db {
+            Db::Postgres(pg) => {
+                let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
+                Some(tokio::spawn(async move {
+                    pg.listen_for_work(|| engine.wake(), stop).await
+                }))
+            }
+            Db::Sqlite(_) => None,
+        };
+        // Claimed records waiting for a slot. Claims run ahead of the slots
+        // by up to one batch, so a freed slot is refilled at once and claims
+        // stay large; buffered records are leased (the keeper extends them,
+        // shutdown releases them). A claim runs beside the dispatch, not in
+        // its way: slots freed while it waits for the database (behind a
+        // group commit, on SQLite's one writer) are refilled from the
+        // buffer at once.
+        let batch = i.opts.batch.max(1) as usize;
+        let stopping = Arc::new(Stopping::default());
+        let mut ready: VecDeque<(Record, Option<Vec<StepRun>>)> = VecDeque::new();
+        let mut claiming: Option<ClaimFuture<'_>> = None;
+        // Set after a claim that leaves nothing to start: the next claim
+        // waits for a wake-up, a freed slot (a pass started) or this instant.
+        let mut waiting: Option<tokio::time::Instant> = None;
+        while !shutdown.is_cancelled() {
+            let mut started = false;
+            while !ready.is_empty() {
+                let Ok(permit) = i.slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                let Some((rec, runs)) = ready.pop_front() else {
+                    break;
+                };
+                // The keeper drops leases it could not extend (a database
+                // outage while the record waited): another node may own it.
+                if !lock(&i.held).contains_key(&rec.id) {
+                    continue;
+                }
+                let (engine, stopping) = (self.clone(), stopping.clone());
+                tasks
+                    .spawn(async move { engine.process(rec, runs, &stopping, Some(permit)).await });
+                started = true;
+            }
+            if started {
+                waiting = None;
+            }
+            if claiming.is_none() && waiting.is_none() && ready.len() < batch.div_ceil(2) {
+                let want = (batch - ready.len()) as u32;
+                claiming = Some(Box::pin(self.claim(want)));
+            }
+            let busy = !ready.is_empty();
+            let until = waiting.unwrap_or_else(tokio::time::Instant::now);
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                claimed = async {
+                    match claiming.as_mut() {
+                        Some(claim) => claim.await,
+                        None => std::future::pending().await,
+                    }
+                }, if claiming.is_some() => {
+                    claiming = None;
+                    let mut claimed_any = false;
+                    match claimed {
+                        Ok(records) => {
+                            claimed_any = !records.is_empty();
+                            ready.extend(records);
+                        }
+                        Err(e) => tracing::warn!(error = %e, "claim failed; retrying shortly"),
+                    }
+                    if !(claimed_any && i.slots.available_permits() > 0) {
+                        // With work buffered, a freed slot is the signal: no
+                        // need to ask the database when work is due.
+                        let sleep = if ready.is_empty() {
+                            self.idle_sleep().await
+                        } else {
+                            i.opts.idle_max
+                        };
+                        waiting = Some(tokio::time::Instant::now() + sleep);
+                    }
+                }
+                () = i.wake.notified(), if waiting.is_some() && !busy => waiting = None,
+                () = tokio::time::sleep_until(until), if waiting.is_some() => waiting = None,
+                // A freed slot: the next pass refills it at the loop's top.
+                Ok(_) = i.slots.acquire(), if busy => waiting = None,
+            }
+        }
+        // A claim in flight at shutdown is let finish: records it took are
+        // given back with the rest, not left leased.
+        if let Some(claim) = claiming.take() {
+            if let Ok(records) = claim.await {
+                ready.extend(records);
+            }
+        }
+        // Calls in flight finish; passes waiting for a slot, the rate limit
+        // or their next step start no call and give their records back.
+        stopping.stop();
+        tasks.close();
+        let finished = tokio::time::timeout(grace, tasks.wait()).await.is_ok();
+        // Records never started go back, due now, with no attempt spent. A
+        // pass still running past the grace period may have a call on the
+        // wire: its record is not given back early (another node would call
+        // again while this call may still land); its lease expires.
+        let leases: Vec<Lease> = {
+            let mut held = lock(&i.held);
+            if finished {
+                held.drain().map(|(_, l)| l).collect()
+            } else {
+                let unstarted: Vec<Lease> = ready
+                    .iter()
+                    .filter_map(|(r, _)| held.remove(&r.id))
+                    .collect();
+                tracing::warn!(
+                    in_flight = held.len(),
+                    lease_ms = i.opts.lease.as_millis() as u64,
+                    "grace period over with calls in flight; their leases will expire"
+                );
+                held.clear();
+                unstarted
+            }
+        };
+        if !leases.is_empty() {
+            match i.db.release(&leases, i.clock.now_ms()).await {
+                Ok(n) => tracing::info!(released = n, "released leases"),
+                Err(e) => tracing::warn!(error = %e, "could not release leases; they will expire"),
+            }
+        }
+        keeper.abort();
+        sync.abort();
+        flusher.abort();
+        // The last seconds' figures.
+        i.stats.flush(&i.db, i.clock.now_ms()).await;
+        if let Some(l) = listen {
+            l.abort();
+        }
+        if let Err(e) = i.db.remove_node(&i.opts.node_id).await {
+            tracing::warn!(error = %e, "could not deregister the node");
+        }
+    }
+
+    /// Writes this node's statistics now (tests, shutdown).
+    pub async fn flush_stats_now(&self) {
+        let i = &self.inner;
+        i.stats.flush(&i.db, i.clock.now_ms()).await;
+    }
+
+    /// Writes this node's statistics every few seconds (the control plane
+    /// purges old ones).
+    async fn flush_stats(self, shutdown: CancellationToken) {
+        let i = &self.inner;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = tokio::time::sleep(stats::FLUSH_EVERY) => {}
+            }
+            i.stats.flush(&i.db, i.clock.now_ms()).await;
+        }
+    }
+
+    /// Until the earliest due record, within `[10ms, idle_max]`.
+    async fn idle_sleep(&self) -> Duration {
+        let i = &self.inner;
+        let max = i.opts.idle_max;
+        match i.db.next_due_at().await {
+            Ok(Some(at)) => {
+                let wait = (at - i.clock.now_ms()).max(10);
+                Duration::from_millis(wait as u64).min(max)
+            }
+            Ok(None) => max,
+            Err(_) => max,
+        }
+    }
+
+    /// Extends every held lease well before it expires; cancels the work of
+    /// any lease that was lost.
+    async fn keep_leases(self, shutdown: CancellationToken) {
+        let i = &self.inner;
+        let every = i.opts.lease / 3;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            let leases: Vec<Lease> = lock(&i.held).values().cloned().collect();
+            if leases.is_empty() {
+                continue;
+            }
+            let until = i.clock.now_ms() + i.opts.lease.as_millis() as i64;
+            match i.db.extend_leases(&leases, until).await {
+                Ok(kept) => {
+                    for l in leases.iter().filter(|l| !kept.contains(&l.record_id)) {
+                        tracing::warn!(
+                            record.id = l.record_id,
+                            "lease lost; the pass's result will be dropped"
+                        );
+                        self.forget_lease(l);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "lease extension failed"),
+            }
+        }
+    }
+
+    /// Reads shared provider state (operator pauses, breakers opened by
+    /// other nodes) and publishes this node's breaker changes.
+    async fn sync_providers(self, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(self.inner.opts.provider_sync) => {}
+            }
+            self.sync_providers_once().await;
+        }
+    }
+
+    /// One round of [`sync_providers`](Self::sync_providers): heartbeat,
+    /// take this node's share of provider limits from the live node count,
+    /// and read pauses and breakers.
+    pub async fn sync_providers_once(&self) {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        let beat = NodeBeat::this_process(&i.opts.node_id, i.started_at);
+        if let Err(e) = i.db.heartbeat(&beat, now).await {
+            tracing::warn!(error = %e, "heartbeat failed");
+        }
+        if let Ok(nodes) = i.db.list_nodes().await {
+            // Live: seen within three sync rounds (and never less than 6 s).
+            let horizon = (3 * i.opts.provider_sync.as_millis() as i64).max(6_000);
+            let live = nodes
+                .iter()
+                .filter(|n| n.heartbeat_at >= now - horizon && !n.draining)
+                .count()
+                .max(1);
+            for rt in i.providers.values() {
+                rt.limiter().set_share(1.0 / live as f64);
+            }
+        }
+        let Ok(states) = i.db.provider_states().await else {
+            return;
+        };
+        for s in states {
+            if let Some(rt) = i.providers.get(&s.provider) {
+                rt.set_paused(s.paused);
+                if s.breaker == BreakerState::Open && s.open_until.is_some_and(|u| u > now) {
+                    let mut b = rt.breaker();
+                    if b.state() == BreakerState::Closed {
+                        b.force_open(s.open_until.unwrap_or(now), now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes a breaker change so every node and the dashboard see it.
+    pub(super) async fn publish_breaker(&self, rt: &ProviderRuntime) {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        let (state, changed, until, figures) = {
+            let b = rt.breaker();
+            (
+                b.state(),
+                b.changed_at(),
+                b.open_until(),
+                b.window_figures(),
+            )
+        };
+        let mut ps = ProviderState::new(&rt.name, now);
+        ps.breaker = state;
+        ps.breaker_changed_at = changed;
+        ps.open_until = until;
+        ps.stats = Some(json!({ "calls": figures.0, "failures": figures.1, "slow": figures.2 }));
+        ps.updated_at = now;
+        if let Err(e) = i.db.save_breaker(&ps).await {
+            tracing::warn!(provider.name = %rt.name, error = %e, "could not publish breaker state");
+        }
+    }
+
+    /// Stops keeping `lease` alive, unless the record was claimed again
+    /// since (then the newer lease stays).
+    pub(super) fn forget_lease(&self, lease: &Lease) {
+        let mut held = lock(&self.inner.held);
+        if held
+            .get(&lease.record_id)
+            .is_some_and(|l| l.token == lease.token)
+        {
+            held.remove(&lease.record_id);
+        }
+    }
+}

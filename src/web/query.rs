@@ -1,0 +1,70 @@
+//! The records list's filters as a query string: what the list page, its
+//! bulk form and the JSON API all read.
+
+use serde::Deserialize;
+
+use crate::domain::RecordState;
+use crate::store::{MAX_PAGE, RecordFilter};
+use crate::web::error::{WebError, WebResult};
+
+/// The list's filters, as the form and the API send them. Empty fields
+/// mean "any".
+#[derive(Debug, Default, Deserialize, Clone)]
+pub struct ListQuery {
+    pub pipeline: Option<String>,
+    pub state: Option<String>,
+    pub provider: Option<String>,
+    pub step: Option<String>,
+    pub error_code: Option<String>,
+    /// External key prefix.
+    pub q: Option<String>,
+    pub before: Option<i64>,
+    pub limit: Option<u32>,
+}
+
+pub fn non_empty(v: &Option<String>) -> Option<String> {
+    v.as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
+impl ListQuery {
+    pub fn to_filter(&self) -> WebResult<RecordFilter> {
+        let state = match non_empty(&self.state) {
+            Some(s) => Some(
+                s.parse::<RecordState>()
+                    .map_err(|_| WebError::bad("bad_filter", format!("unknown state `{s}`")))?,
+            ),
+            None => None,
+        };
+        Ok(RecordFilter {
+            pipeline: non_empty(&self.pipeline),
+            state,
+            provider: non_empty(&self.provider),
+            step: non_empty(&self.step),
+            error_code: non_empty(&self.error_code),
+            key_prefix: non_empty(&self.q),
+            before: self.before,
+            limit: self.limit.unwrap_or(50).min(MAX_PAGE),
+        })
+    }
+
+    /// The filters as a query string (without the cursor), for links.
+    pub fn query_string(&self) -> String {
+        let mut s = form_urlencoded::Serializer::new(String::new());
+        for (k, v) in [
+            ("pipeline", &self.pipeline),
+            ("state", &self.state),
+            ("provider", &self.provider),
+            ("step", &self.step),
+            ("error_code", &self.error_code),
+            ("q", &self.q),
+        ] {
+            if let Some(v) = non_empty(v) {
+                s.append_pair(k, &v);
+            }
+        }
+        s.finish()
+    }
+}
