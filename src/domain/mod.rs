@@ -17,4 +17,4 @@ pub use model::*;
 pub use state::{
     OperatorAction, RecordState, ReversalPolicy, TransitionError, Trigger, WorkResult, transition,
 };
-pub use time::{Clock, SystemClock, UnixMs};
+pub use time::{Clock, ManualClock, SystemClock, UnixMs};

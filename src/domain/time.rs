@@ -1,19 +1,45 @@
 //! Time as the domain sees it: unix milliseconds, passed in through a `Clock`
-//! so rules can be tested without sleeping.
+//! so rules can be tested without sleeping. This module is the one place
+//! that reads the system's clocks (clippy's `disallowed-methods` refuses
+//! them anywhere else): the wall clock in [`SystemClock`], the monotonic
+//! clock in [`Clock::instant`] (tokio's, which `tokio::time::pause` drives).
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the unix epoch, UTC. Stored as a 64-bit integer on both
 /// backends so that ordering and arithmetic are identical everywhere.
 pub type UnixMs = i64;
 
+/// A future that a [`Clock`] resolves.
+pub type ClockSleep<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
 /// A source of the current time.
 pub trait Clock: Send + Sync + 'static {
+    /// Wall time: what is stored, scheduled and compared with other nodes.
     fn now_ms(&self) -> UnixMs;
 
     /// [`now_ms`](Self::now_ms) as a `SystemTime` (for HTTP dates).
     fn now_system(&self) -> SystemTime {
-        UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(self.now_ms()).unwrap_or(0))
+        UNIX_EPOCH + Duration::from_millis(u64::try_from(self.now_ms()).unwrap_or(0))
+    }
+
+    /// A monotonic reading, for how long something took in this process
+    /// and for deadlines of its own waits (tokio's clock, so a test with
+    /// paused time drives it too).
+    fn instant(&self) -> tokio::time::Instant {
+        #[allow(clippy::disallowed_methods)]
+        tokio::time::Instant::now()
+    }
+
+    /// Resolves once [`now_ms`](Self::now_ms) has reached `at`: a wait
+    /// whose end is a wall-clock time (a rate limit's next free place), so
+    /// that a manual clock ends it when it is moved past `at`.
+    fn sleep_until(&self, at: UnixMs) -> ClockSleep<'_> {
+        let wait = u64::try_from(at.saturating_sub(self.now_ms())).unwrap_or(0);
+        Box::pin(tokio::time::sleep(Duration::from_millis(wait)))
     }
 }
 
@@ -23,10 +49,50 @@ pub struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> UnixMs {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
+        #[allow(clippy::disallowed_methods)]
+        let now = SystemTime::now();
+        now.duration_since(UNIX_EPOCH)
             .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
             .unwrap_or(0)
+    }
+}
+
+/// A clock that moves only when told to: tests stop time, then advance it
+/// past a backoff, a breaker's open interval or a deadline, and see what
+/// the engine does then, without sleeping. Clones share one time.
+#[derive(Debug, Clone)]
+pub struct ManualClock {
+    now: Arc<tokio::sync::watch::Sender<UnixMs>>,
+}
+
+impl ManualClock {
+    /// A clock standing at `start`.
+    pub fn new(start: UnixMs) -> ManualClock {
+        ManualClock {
+            now: Arc::new(tokio::sync::watch::Sender::new(start)),
+        }
+    }
+
+    /// Moves the clock forward by `ms` (never back), ending the waits that
+    /// it passes.
+    pub fn advance(&self, ms: u64) {
+        let ms = i64::try_from(ms).unwrap_or(i64::MAX);
+        self.now.send_modify(|t| *t = t.saturating_add(ms));
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ms(&self) -> UnixMs {
+        *self.now.borrow()
+    }
+
+    fn sleep_until(&self, at: UnixMs) -> ClockSleep<'_> {
+        let mut moved = self.now.subscribe();
+        Box::pin(async move {
+            // The sender lives as long as `self`, so the wait ends only by
+            // the clock reaching `at`.
+            let _ = moved.wait_for(|t| *t >= at).await;
+        })
     }
 }
 
@@ -57,5 +123,24 @@ mod tests {
     #[test]
     fn system_clock_is_after_2024() {
         assert!(SystemClock.now_ms() > 1_704_067_200_000);
+    }
+
+    fn ready(f: &mut ClockSleep<'_>) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        f.as_mut().poll(&mut cx).is_ready()
+    }
+
+    #[test]
+    fn a_manual_clock_ends_waits_when_moved_past_them() {
+        let clock = ManualClock::new(1_000);
+        let mut wait = clock.sleep_until(1_500);
+        assert!(!ready(&mut wait));
+        clock.advance(499);
+        assert!(!ready(&mut wait), "not yet at 1,500");
+        clock.advance(1);
+        assert!(ready(&mut wait));
+        assert_eq!(clock.clone().now_ms(), 1_500, "clones share one time");
+        // A wait already due ends at once.
+        assert!(ready(&mut clock.sleep_until(1_200)));
     }
 }

@@ -6,10 +6,11 @@
 //! nothing waits for a group to fill.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::domain::Record;
+use crate::domain::{Clock, Record};
 use crate::store::{Commit, Db, Store, StoreResult};
 
 /// The most passes written in one transaction.
@@ -30,9 +31,9 @@ pub(crate) struct Committer {
 }
 
 impl Committer {
-    pub(crate) fn spawn(db: Db) -> Self {
+    pub(crate) fn spawn(db: Db, clock: Arc<dyn Clock>) -> Self {
         let (jobs, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(db.clone(), rx));
+        tokio::spawn(run(db.clone(), rx, clock));
         Committer { jobs, db }
     }
 
@@ -51,7 +52,7 @@ impl Committer {
     }
 }
 
-async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>) {
+async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>, clock: Arc<dyn Clock>) {
     // A pass for a record already in the group waits for the next one.
     let mut carry: Option<Job> = None;
     loop {
@@ -76,7 +77,7 @@ async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>) {
         }
         let (commits, waiters): (Vec<Commit>, Vec<_>) =
             group.into_iter().map(|j| (j.commit, j.done)).unzip();
-        let started = std::time::Instant::now();
+        let started = clock.instant();
         let results = match db.commit_many(&commits).await {
             Ok(results) => results,
             Err(e) if commits.len() == 1 => vec![Err(e)],
@@ -92,7 +93,7 @@ async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>) {
         };
         tracing::debug!(
             group = commits.len(),
-            took_us = started.elapsed().as_micros() as u64,
+            took_us = (clock.instant() - started).as_micros() as u64,
             "group committed"
         );
         for ((commit, done), result) in commits.into_iter().zip(waiters).zip(results) {

@@ -76,8 +76,9 @@ pub fn exchange_in_process(
     provider: &dyn InProcessProvider,
     call: &Call,
     secrets: &[&str],
+    clock: &dyn Clock,
 ) -> Exchange {
-    let started = Instant::now();
+    let started = clock.instant();
     let (status, mut json) = provider.answer(call);
     crate::domain::scrub_json(&mut json, secrets);
     let text = json.to_string();
@@ -89,7 +90,7 @@ pub fn exchange_in_process(
         },
         http_status: Some(status),
         retry_after: None,
-        took: started.elapsed(),
+        took: clock.instant() - started,
         excerpt: excerpt(&text, EXCERPT_MAX_BYTES).to_owned(),
     }
 }
@@ -102,7 +103,7 @@ pub async fn exchange(
     secrets: &[&str],
     clock: &dyn Clock,
 ) -> Exchange {
-    let started = Instant::now();
+    let started = clock.instant();
     let method = match call.method {
         HttpMethod::Get => reqwest::Method::GET,
         HttpMethod::Post => reqwest::Method::POST,
@@ -123,7 +124,7 @@ pub async fn exchange(
         reply: Reply::Failed(e),
         http_status: None,
         retry_after: None,
-        took: started.elapsed(),
+        took: clock.instant() - started,
         excerpt: storable_excerpt(&msg, secrets),
     };
     // One deadline for the whole exchange, body included.
@@ -188,7 +189,7 @@ pub async fn exchange(
         reply,
         http_status: Some(status),
         retry_after,
-        took: started.elapsed(),
+        took: clock.instant() - started,
         excerpt,
     }
 }

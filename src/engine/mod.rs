@@ -222,7 +222,7 @@ impl Engine {
         let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
         let committing = Semaphore::new(opts.max_in_flight.max(1));
         let opts_node = opts.node_id.clone();
-        let committer = committer::Committer::spawn(db.clone());
+        let committer = committer::Committer::spawn(db.clone(), clock.clone());
         Ok(Engine {
             inner: Arc::new(Inner {
                 committer,

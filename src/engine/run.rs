@@ -46,12 +46,12 @@ impl Engine {
             lease: i.opts.lease,
             limit,
         };
-        let started = std::time::Instant::now();
+        let started = i.clock.instant();
         let claimed = i.db.claim_due(&req).await?;
         tracing::debug!(
             want = limit,
             claimed = claimed.len(),
-            took_us = started.elapsed().as_micros() as u64,
+            took_us = (i.clock.instant() - started).as_micros() as u64,
             "claimed"
         );
         {
@@ -150,7 +150,7 @@ impl Engine {
                 claiming = Some(Box::pin(self.claim(want)));
             }
             let busy = !ready.is_empty();
-            let until = waiting.unwrap_or_else(tokio::time::Instant::now);
+            let until = waiting.unwrap_or_else(|| i.clock.instant());
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 claimed = async {
@@ -176,7 +176,7 @@ impl Engine {
                         } else {
                             i.opts.idle_max
                         };
-                        waiting = Some(tokio::time::Instant::now() + sleep);
+                        waiting = Some(i.clock.instant() + sleep);
                     }
                 }
                 () = i.wake.notified(), if waiting.is_some() && !busy => waiting = None,

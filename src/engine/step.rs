@@ -330,7 +330,7 @@ impl StepRun<'_> {
             }
             // Time is the point here: the limit frees a place at `at`.
             tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(wait as u64)) => {}
+                () = self.clock.sleep_until(t + wait) => {}
                 () = self.stopping.wait() => return Err(self.shutting_down()),
             }
         }
@@ -344,7 +344,9 @@ impl StepRun<'_> {
         let key = rt.config.credential(&|var| std::env::var(var).ok());
         let key = key.as_ref().map(|k| k.expose());
         match &rt.in_process {
-            Some(p) => super::http::exchange_in_process(p.0.as_ref(), call, key.as_slice()),
+            Some(p) => {
+                super::http::exchange_in_process(p.0.as_ref(), call, key.as_slice(), self.clock)
+            }
             None => exchange(&rt.client, call, key.as_slice(), self.clock).await,
         }
     }

@@ -27,10 +27,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 use serde_json::{Value, json};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::{Clock, SystemClock};
+use crate::domain::{Clock, SystemClock, UnixMs};
 
 pub use profile::{Fault, Outage, Profile};
 
@@ -48,7 +47,7 @@ struct Ledger {
 #[derive(Debug, Clone)]
 struct Job {
     id: String,
-    ready_at: Instant,
+    ready_at: UnixMs,
     fate: JobFate,
     /// Polls that saw it finished (a flip happens after the first).
     seen_done: u32,
@@ -72,12 +71,12 @@ struct Sim {
     jobs: Mutex<HashMap<String, Job>>,
     /// Job ids per idempotency key, so a resubmission gets the same job.
     jobs_by_key: Mutex<HashMap<String, String>>,
-    started: Instant,
+    started: UnixMs,
     /// Requests per whole second since start, at arrival.
     per_second: Mutex<Vec<u32>>,
     /// A manual outage: until when, the share of requests it hits, and
     /// what they get.
-    outage: Mutex<Option<(Instant, f64, Fault)>>,
+    outage: Mutex<Option<(UnixMs, f64, Fault)>>,
     next_id: Mutex<u64>,
     client: reqwest::Client,
     callbacks_sent: Mutex<u64>,
@@ -118,6 +117,17 @@ impl SimHandle {
         profile: Profile,
         listener: tokio::net::TcpListener,
     ) -> std::io::Result<SimHandle> {
+        Self::start_with_clock(profile, listener, Arc::new(SystemClock)).await
+    }
+
+    /// [`start`](Self::start) on `clock`: jobs become ready and outages end
+    /// as it says (a test's manual clock, shared with the engine), while
+    /// latencies and hangs stay real time.
+    pub async fn start_with_clock(
+        profile: Profile,
+        listener: tokio::net::TcpListener,
+        clock: Arc<dyn Clock>,
+    ) -> std::io::Result<SimHandle> {
         let addr = listener.local_addr()?;
         let sim = Arc::new(Sim {
             rng: Mutex::new(fastrand::Rng::with_seed(profile.seed)),
@@ -125,13 +135,13 @@ impl SimHandle {
             ledger: Mutex::default(),
             jobs: Mutex::default(),
             jobs_by_key: Mutex::default(),
-            started: Instant::now(),
+            started: clock.now_ms(),
             per_second: Mutex::default(),
             outage: Mutex::default(),
             next_id: Mutex::new(0),
             client: reqwest::Client::new(),
             callbacks_sent: Mutex::new(0),
-            clock: Arc::new(SystemClock),
+            clock,
         });
         let shutdown = CancellationToken::new();
         let app = router(sim.clone());
@@ -153,8 +163,16 @@ impl SimHandle {
 
     /// Starts on a free loopback port.
     pub async fn spawn(profile: Profile) -> std::io::Result<SimHandle> {
+        Self::spawn_with_clock(profile, Arc::new(SystemClock)).await
+    }
+
+    /// [`spawn`](Self::spawn) on `clock` (see [`start_with_clock`](Self::start_with_clock)).
+    pub async fn spawn_with_clock(
+        profile: Profile,
+        clock: Arc<dyn Clock>,
+    ) -> std::io::Result<SimHandle> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        Self::start(profile, listener).await
+        Self::start_with_clock(profile, listener, clock).await
     }
 
     pub fn base_url(&self) -> String {
@@ -235,14 +253,14 @@ impl Sim {
 
     fn set_outage(&self, for_ms: u64, brownout: f64, fault: Fault) {
         *Self::lock(&self.outage) = Some((
-            Instant::now() + Duration::from_millis(for_ms),
+            self.clock.now_ms() + i64::try_from(for_ms).unwrap_or(i64::MAX / 2),
             brownout.clamp(0.0, 1.0),
             fault,
         ));
     }
 
     fn count_request(&self) {
-        let second = self.started.elapsed().as_secs() as usize;
+        let second = usize::try_from((self.clock.now_ms() - self.started) / 1000).unwrap_or(0);
         let mut s = Self::lock(&self.per_second);
         if s.len() <= second {
             s.resize(second + 1, 0);
@@ -260,7 +278,8 @@ impl Sim {
     fn draw(&self) -> (Fault, Duration, bool) {
         let mut rng = Self::lock(&self.rng);
         let outage = Self::lock(&self.outage).clone();
-        let elapsed = self.started.elapsed();
+        let now = self.clock.now_ms();
+        let elapsed = Duration::from_millis(u64::try_from(now - self.started).unwrap_or(0));
         let scheduled = self
             .profile
             .outages
@@ -268,7 +287,7 @@ impl Sim {
             .find(|o| elapsed >= o.after && elapsed < o.after + o.lasts)
             .map(|o| (o.brownout, Fault::ServerError(503)));
         let manual = outage
-            .filter(|(until, _, _)| Instant::now() < *until)
+            .filter(|(until, _, _)| now < *until)
             .map(|(_, b, f)| (b, f));
         let fault = match manual.or(scheduled) {
             Some((brownout, fault)) if rng.f64() < brownout.max(f64::EPSILON) => fault,
@@ -470,7 +489,8 @@ async fn submit_job(
             .map(str::to_owned);
         let job = Job {
             id: id.clone(),
-            ready_at: Instant::now() + ready_in,
+            ready_at: s.clock.now_ms()
+                + i64::try_from(ready_in.as_millis()).unwrap_or(i64::MAX / 2),
             fate,
             seen_done: 0,
             input: body,
@@ -498,7 +518,7 @@ async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Respon
         let Some(job) = jobs.get_mut(&id) else {
             return (StatusCode::NOT_FOUND, Json(json!({ "error": "no such job" }))).into_response();
         };
-        let now = Instant::now();
+        let now = s.clock.now_ms();
         let body = if now < job.ready_at || job.fate == JobFate::Never {
             json!({ "id": job.id, "status": "running" })
         } else {
@@ -524,7 +544,7 @@ async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Respon
 /// duplicates, a stale progress report after the final word, lost
 /// deliveries, and flips (success, then a contradicting failure).
 async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
-    tokio::time::sleep_until(job.ready_at).await;
+    sim.clock.sleep_until(job.ready_at).await;
     let (dup, late, lost) = {
         let mut rng = Sim::lock(&sim.rng);
         let p = &sim.profile;

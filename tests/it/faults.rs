@@ -45,40 +45,33 @@ impl Serve {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().unwrap();
+        let child = cmd.spawn().unwrap();
         let base = format!("http://127.0.0.1:{port}");
-        let started = Instant::now();
-        loop {
-            if let Ok(r) = reqwest::get(format!("{base}/readyz")).await {
-                if r.status() == 200 {
-                    break;
-                }
-            }
+        let child = std::sync::Mutex::new(child);
+        let ready = || async {
             assert!(
-                child.try_wait().unwrap().is_none(),
+                child.lock().unwrap().try_wait().unwrap().is_none(),
                 "serve exited early: {}",
                 std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default()
             );
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "serve did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            let r = reqwest::get(format!("{base}/readyz")).await.ok()?;
+            (r.status() == 200).then_some(())
+        };
+        crate::helpers::poll_until("serve ready", Duration::from_secs(30), ready).await;
+        let child = child.into_inner().unwrap();
         Serve { child, base }
     }
 
     /// SIGTERM, then waits for the exit.
     async fn stop(mut self) {
         signal(&self.child, "TERM");
-        let started = Instant::now();
-        while self.child.try_wait().unwrap().is_none() {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "serve ignored SIGTERM"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let child = std::sync::Mutex::new(&mut self.child);
+        crate::helpers::poll_until(
+            "serve exited on SIGTERM",
+            Duration::from_secs(20),
+            || async { child.lock().unwrap().try_wait().unwrap().map(drop) },
+        )
+        .await;
     }
 }
 
@@ -759,17 +752,10 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     .await
     .unwrap();
     // Freeze A while it holds records with calls in flight.
-    let started = Instant::now();
-    let holder = loop {
-        if let Some(h) = lease_holders(&db).await.into_iter().next() {
-            break h;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "A took no work"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let holder = crate::helpers::poll_until("A holding work", Duration::from_secs(20), || async {
+        lease_holders(&db).await.into_iter().next()
+    })
+    .await;
     signal(&a.child, "STOP");
     let frozen_with = all_records(&db, Some(ballast::domain::RecordState::Running))
         .await
@@ -1512,7 +1498,8 @@ async fn postgres_database_faults() {
     );
     let mut recoveries = Vec::new();
     let mut report = Vec::new();
-    // Between faults, let the engine get some work done.
+    // Between faults, let the engine get some work done (time passing is
+    // the point: the faults are spaced, not waited for).
     let settle = || tokio::time::sleep(Duration::from_millis(1500));
 
     settle().await;

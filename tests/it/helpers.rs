@@ -256,14 +256,11 @@ pub async fn event_kinds(db: &Db, record_id: i64) -> Vec<String> {
 /// Waits until `sim` has received at least `n` requests, failing after
 /// `within`.
 pub async fn wait_for_requests(sim: &ballast::sim::SimHandle, n: u64, within: Duration) {
-    let deadline = tokio::time::Instant::now() + within;
-    while sim.stats().requests < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{n} request(s) never came within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let what = format!("{n} request(s) at the simulator");
+    poll_until(&what, within, || async {
+        (sim.stats().requests >= n).then_some(())
+    })
+    .await;
 }
 
 /// Every running record's lease owner.
@@ -350,4 +347,79 @@ pub async fn serve_router(app: axum::Router) -> String {
 pub fn wall_ms() -> i64 {
     use ballast::domain::Clock;
     ballast::domain::SystemClock.now_ms()
+}
+
+/// A provider whose replies the test lets out one by one: each call to
+/// `POST /v1/charge` arrives as a [`Held`] and answers `succeeded` only
+/// when the test releases it. Tests then wait on calls arriving (events)
+/// instead of timing them.
+pub struct Gate {
+    pub url: String,
+    arrived: tokio::sync::mpsc::UnboundedReceiver<Held>,
+}
+
+/// One call held at the [`Gate`]; dropping it answers too.
+pub struct Held {
+    release: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Held {
+    pub fn release(self) {
+        let _ = self.release.send(());
+    }
+}
+
+impl Gate {
+    pub async fn spawn() -> Gate {
+        use axum::routing::post;
+        let (tx, arrived) = tokio::sync::mpsc::unbounded_channel::<Held>();
+        let charge = move |axum::Json(body): axum::Json<serde_json::Value>| {
+            let tx = tx.clone();
+            async move {
+                let id = format!("ch_{}", body["ref"].as_str().unwrap_or(""));
+                let (release, released) = tokio::sync::oneshot::channel();
+                let _ = tx.send(Held { release });
+                let _ = released.await;
+                axum::Json(serde_json::json!({ "id": id, "status": "succeeded" }))
+            }
+        };
+        let url = serve_router(axum::Router::new().route("/v1/charge", post(charge))).await;
+        Gate { url, arrived }
+    }
+
+    /// The next call to arrive; fails the test if none does within
+    /// `within` (a bound for a broken build, not a timing assertion).
+    pub async fn next(&mut self, within: Duration, what: &str) -> Held {
+        match tokio::time::timeout(within, self.arrived.recv()).await {
+            Ok(Some(held)) => held,
+            _ => panic!("no call arrived within {within:?}: {what}"),
+        }
+    }
+
+    /// Whether a call has arrived that [`next`](Self::next) has not taken.
+    pub fn has_waiting(&mut self) -> bool {
+        !self.arrived.is_empty()
+    }
+}
+
+/// Re-checks `check` until it gives a value; fails the test with `what`
+/// after `limit`. Polling, because the state waited on lives in a database
+/// or another process, which offers no notification to wait on; `limit`
+/// bounds a broken build, it is not a timing assertion.
+pub async fn poll_until<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
