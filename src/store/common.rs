@@ -51,6 +51,7 @@ macro_rules! common_store {
         /// This backend's spelling of batched rows.
         const DIALECT: batch::Dialect = batch::Dialect::$dialect;
         use $crate::store::counts::CountDeltas;
+        use $crate::store::rows::{map_all, MapRow};
         use $crate::store::filter::{push_audit_filter, push_record_filter};
         use $crate::store::rows::{
             API_TOKEN_COLUMNS, ATTEMPT_COLUMNS, EVENT_COLUMNS, ROLLUP_COLUMNS, PROVIDER_COLUMNS, RECORD_COLUMNS, STEP_COLUMNS,
@@ -118,7 +119,7 @@ macro_rules! common_store {
                     .bind(Json([batch::EventJson::from(e)]))
                     .fetch_one(&mut **tx)
                     .await?;
-                map::event(&row)
+                row.event()
             }
 
             async fn lock_record(tx: &mut Tx, id: i64) -> StoreResult<Option<Record>> {
@@ -127,7 +128,7 @@ macro_rules! common_store {
                     .bind(id)
                     .fetch_optional(&mut **tx)
                     .await?;
-                row.as_ref().map(map::record).transpose()
+                row.as_ref().map(MapRow::record).transpose()
             }
 
             async fn upsert_step(
@@ -202,7 +203,7 @@ macro_rules! common_store {
                 let rows = sqlx::query(sql).bind(Json(ids)).fetch_all(&mut **tx).await?;
                 let mut out = std::collections::HashMap::with_capacity(ids.len());
                 for row in &rows {
-                    let rec = map::record(row)?;
+                    let rec = MapRow::record(row)?;
                     out.insert(rec.id, rec);
                 }
                 Ok(out)
@@ -302,7 +303,7 @@ macro_rules! common_store {
                     &format!("ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}")
                 ));
                 let inserted = sqlx::query(sql).bind(Json(&rows)).fetch_all(&mut **tx).await?;
-                let mut inserted = map::all(&inserted, map::record)?;
+                let mut inserted = map_all(&inserted, MapRow::record)?;
                 // Ids are taken in the order of the rows (ORDER BY their
                 // position), so the inserted rows, by id, are the batch minus
                 // its repeats (a repeated key can never match a later
@@ -353,7 +354,7 @@ macro_rules! common_store {
                                 .bind(new.external_key.clone())
                                 .fetch_one(&mut **tx)
                                 .await?;
-                            Created { record: map::record(&row)?, created: false }
+                            Created { record: row.record()?, created: false }
                         }
                     };
                     done.push(created);
@@ -392,7 +393,7 @@ macro_rules! common_store {
                     .fetch_one(&mut **tx)
                     .await?;
                 Self::insert_event(tx, &event).await?;
-                let after = map::record(&row)?;
+                let after = row.record()?;
                 deltas.record_moved(rec, &after);
                 Ok(after)
             }
@@ -455,7 +456,7 @@ macro_rules! common_store {
                     .bind(id)
                     .fetch_optional(self.reader())
                     .await?;
-                row.as_ref().map(map::record).transpose()
+                row.as_ref().map(MapRow::record).transpose()
             }
 
             async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
@@ -468,7 +469,7 @@ macro_rules! common_store {
                 };
                 if !$crate::store::filter::needs_windows(filter) {
                     let rows = query(filter, None, i64::from(limit) + 1).build().fetch_all(self.reader()).await?;
-                    return Ok(into_page(map::all(&rows, map::record)?, limit, |r| r.id));
+                    return Ok(into_page(map_all(&rows, MapRow::record)?, limit, |r| r.id));
                 }
                 // Several filters and no index for them together: search
                 // windows of ids from the top down, at most LIST_SCAN_IDS ids
@@ -493,7 +494,7 @@ macro_rules! common_store {
                     f.before = Some(upper);
                     let want = i64::from(limit) + 1 - items.len() as i64;
                     let rows = query(&f, Some(lower), want).build().fetch_all(self.reader()).await?;
-                    items.extend(map::all(&rows, map::record)?);
+                    items.extend(map_all(&rows, MapRow::record)?);
                     if items.len() > limit as usize {
                         return Ok(into_page(items, limit, |r| r.id));
                     }
@@ -514,7 +515,7 @@ macro_rules! common_store {
                 )
                 .fetch_all(self.reader())
                 .await?;
-                let mut counts = map::all(&rows, map::state_count)?;
+                let mut counts = map_all(&rows, MapRow::state_count)?;
                 counts.sort();
                 Ok(counts)
             }
@@ -526,7 +527,7 @@ macro_rules! common_store {
                 )
                 .fetch_all(self.reader())
                 .await?;
-                let mut counts = map::all(&rows, map::state_count)?;
+                let mut counts = map_all(&rows, MapRow::state_count)?;
                 counts.sort();
                 Ok(counts)
             }
@@ -538,7 +539,7 @@ macro_rules! common_store {
                 )
                 .fetch_all(self.reader())
                 .await?;
-                let mut counts = map::all(&rows, map::state_count)?;
+                let mut counts = map_all(&rows, MapRow::state_count)?;
                 counts.sort();
                 Ok(counts)
             }
@@ -549,7 +550,7 @@ macro_rules! common_store {
                 )
                 .fetch_all(self.reader())
                 .await?;
-                let mut counts = map::all(&rows, map::state_count)?;
+                let mut counts = map_all(&rows, MapRow::state_count)?;
                 counts.sort();
                 Ok(counts)
             }
@@ -959,7 +960,7 @@ macro_rules! common_store {
             async fn step_runs(&self, record_id: i64) -> StoreResult<Vec<StepRun>> {
                 let sql = format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
-                map::all(&rows, map::step_run)
+                map_all(&rows, MapRow::step_run)
             }
 
             async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
@@ -971,19 +972,19 @@ macro_rules! common_store {
                     $any_close
                 ));
                 let rows = sqlx::query(sql).bind(Json(record_ids)).fetch_all(self.reader()).await?;
-                map::all(&rows, map::step_run)
+                map_all(&rows, MapRow::step_run)
             }
 
             async fn attempts(&self, record_id: i64) -> StoreResult<Vec<Attempt>> {
                 let sql = format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE record_id = $1 ORDER BY id");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
-                map::all(&rows, map::attempt)
+                map_all(&rows, MapRow::attempt)
             }
 
             async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
                 let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE record_id = $1 ORDER BY id");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(record_id).fetch_all(self.reader()).await?;
-                map::all(&rows, map::event)
+                map_all(&rows, MapRow::event)
             }
 
             async fn audit_log(&self, filter: &AuditFilter) -> StoreResult<Page<Event>> {
@@ -992,7 +993,7 @@ macro_rules! common_store {
                 push_audit_filter(&mut qb, filter, $audit);
                 qb.push(" ORDER BY id DESC LIMIT ").push_bind(i64::from(limit) + 1);
                 let rows = qb.build().fetch_all(self.reader()).await?;
-                Ok(into_page(map::all(&rows, map::event)?, limit, |e| e.id))
+                Ok(into_page(map_all(&rows, MapRow::event)?, limit, |e| e.id))
             }
 
             async fn append_event(&self, e: &NewEvent) -> StoreResult<Event> {
@@ -1043,7 +1044,7 @@ macro_rules! common_store {
                     .bind(id)
                     .fetch_optional(self.reader())
                     .await?;
-                row.as_ref().map(map::pipeline_version).transpose()
+                row.as_ref().map(MapRow::pipeline_version).transpose()
             }
 
             async fn create_user(&self, user: &NewUser, now: UnixMs) -> StoreResult<User> {
@@ -1062,7 +1063,7 @@ macro_rules! common_store {
                     .fetch_one(&mut *tx)
                     .await
                     .map_err(|e| conflict_or(e, "user", &user.username))?;
-                let created = map::user(&row)?;
+                let created = row.user()?;
                 tx.commit().await?;
                 Ok(created)
             }
@@ -1070,19 +1071,19 @@ macro_rules! common_store {
             async fn user_by_name(&self, username: &str) -> StoreResult<Option<User>> {
                 let sql = format!("SELECT {USER_COLUMNS} FROM users WHERE username = $1");
                 let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(username.to_owned()).fetch_optional(self.reader()).await?;
-                row.as_ref().map(map::user).transpose()
+                row.as_ref().map(MapRow::user).transpose()
             }
 
             async fn user_by_id(&self, id: i64) -> StoreResult<Option<User>> {
                 let sql = format!("SELECT {USER_COLUMNS} FROM users WHERE id = $1");
                 let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(self.reader()).await?;
-                row.as_ref().map(map::user).transpose()
+                row.as_ref().map(MapRow::user).transpose()
             }
 
             async fn list_users(&self) -> StoreResult<Vec<User>> {
                 let sql = format!("SELECT {USER_COLUMNS} FROM users ORDER BY username");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
-                map::all(&rows, map::user)
+                map_all(&rows, MapRow::user)
             }
 
             async fn update_user(&self, id: i64, change: &UserChange, now: UnixMs) -> StoreResult<User> {
@@ -1105,7 +1106,7 @@ macro_rules! common_store {
                     .fetch_optional(&mut *tx)
                     .await?
                     .ok_or_else(|| StoreError::NotFound { what: "user", key: id.to_string() })?;
-                let user = map::user(&row)?;
+                let user = row.user()?;
                 sqlx::query("UPDATE sessions SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL")
                     .bind(now)
                     .bind(id)
@@ -1144,7 +1145,7 @@ macro_rules! common_store {
                     .bind(id.to_owned())
                     .fetch_optional(self.reader())
                     .await?;
-                row.as_ref().map(map::session).transpose()
+                row.as_ref().map(MapRow::session).transpose()
             }
 
             async fn revoke_session(&self, id: &str, now: UnixMs) -> StoreResult<()> {
@@ -1195,7 +1196,7 @@ macro_rules! common_store {
                 )
                 .fetch_all(self.reader())
                 .await?;
-                map::all(&rows, map::node)
+                map_all(&rows, MapRow::node)
             }
 
             async fn remove_node(&self, id: &str) -> StoreResult<()> {
@@ -1208,13 +1209,13 @@ macro_rules! common_store {
             async fn provider_state(&self, provider: &str) -> StoreResult<Option<ProviderState>> {
                 let sql = format!("SELECT {PROVIDER_COLUMNS} FROM providers WHERE provider = $1");
                 let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(provider.to_owned()).fetch_optional(self.reader()).await?;
-                row.as_ref().map(map::provider_state).transpose()
+                row.as_ref().map(MapRow::provider_state).transpose()
             }
 
             async fn provider_states(&self) -> StoreResult<Vec<ProviderState>> {
                 let sql = format!("SELECT {PROVIDER_COLUMNS} FROM providers ORDER BY provider");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
-                map::all(&rows, map::provider_state)
+                map_all(&rows, MapRow::provider_state)
             }
 
             async fn set_provider_pause(
@@ -1242,7 +1243,7 @@ macro_rules! common_store {
                     .bind(now)
                     .fetch_one(&mut *tx)
                     .await?;
-                let state = map::provider_state(&row)?;
+                let state = row.provider_state()?;
                 let detail = serde_json::json!({ "provider": provider });
                 Self::insert_event(
                     &mut tx,
@@ -1359,7 +1360,7 @@ macro_rules! common_store {
                     .fetch_one(&mut *tx)
                     .await
                     .map_err(|e| conflict_or(e, "api token", &t.prefix))?;
-                let token = map::api_token(&row)?;
+                let token = row.api_token()?;
                 let detail = serde_json::json!({ "token_id": token.id, "name": token.name, "role": token.role.as_str() });
                 Self::insert_event(&mut tx, &EventRow {
                     record_id: None, at: now, kind: "token_created", actor: &t.created_by, audit: true,
@@ -1372,13 +1373,13 @@ macro_rules! common_store {
             async fn api_token_by_hash(&self, hash: &str) -> StoreResult<Option<$crate::domain::ApiToken>> {
                 let sql = format!("SELECT {API_TOKEN_COLUMNS} FROM api_tokens WHERE token_hash = $1 AND revoked_at IS NULL");
                 let row = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(hash.to_owned()).fetch_optional(self.reader()).await?;
-                row.as_ref().map(map::api_token).transpose()
+                row.as_ref().map(MapRow::api_token).transpose()
             }
 
             async fn list_api_tokens(&self) -> StoreResult<Vec<$crate::domain::ApiToken>> {
                 let sql = format!("SELECT {API_TOKEN_COLUMNS} FROM api_tokens ORDER BY id DESC");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(self.reader()).await?;
-                map::all(&rows, map::api_token)
+                map_all(&rows, MapRow::api_token)
             }
 
             async fn revoke_api_token(&self, id: i64, actor: &str, now: UnixMs) -> StoreResult<$crate::domain::ApiToken> {
@@ -1392,7 +1393,7 @@ macro_rules! common_store {
                     .fetch_optional(&mut *tx)
                     .await?
                     .ok_or_else(|| StoreError::NotFound { what: "api token", key: id.to_string() })?;
-                let token = map::api_token(&row)?;
+                let token = row.api_token()?;
                 let detail = serde_json::json!({ "token_id": token.id, "name": token.name });
                 Self::insert_event(&mut tx, &EventRow {
                     record_id: None, at: now, kind: "token_revoked", actor, audit: true,
@@ -1509,7 +1510,7 @@ macro_rules! common_store {
             async fn rollups_since(&self, since: UnixMs) -> StoreResult<Vec<$crate::store::StepRollup>> {
                 let sql = format!("SELECT {ROLLUP_COLUMNS} FROM step_rollups WHERE minute >= $1 ORDER BY minute");
                 let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(since).fetch_all(self.reader()).await?;
-                map::all(&rows, map::rollup)
+                map_all(&rows, MapRow::rollup)
             }
 
             async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64> {

@@ -12,10 +12,6 @@ use sqlx::{Pool, Postgres, Row};
 
 use super::ConnectOptions;
 use super::common::{cached_sql, common_store};
-use super::rows::row_mappers;
-
-row_mappers!(sqlx::postgres::PgRow);
-
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
 
@@ -174,7 +170,7 @@ impl PgStore {
             old_states.insert(id, row.try_get::<String, _>("old_state")?);
             due_at.insert(id, row.try_get::<i64, _>("old_due")?);
         }
-        let mut claimed = map::all(&rows, map::record)?;
+        let mut claimed = map_all(&rows, MapRow::record)?;
         // Hand records out in due order, as selected.
         claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
         Ok((claimed, old_states))

@@ -16,10 +16,6 @@ use sqlx::{Pool, Sqlite};
 
 use super::ConnectOptions;
 use super::common::{cached_sql, common_store};
-use super::rows::row_mappers;
-
-row_mappers!(sqlx::sqlite::SqliteRow);
-
 /// Records and everything else, in one SQLite file.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
@@ -120,7 +116,7 @@ impl SqliteStore {
             .bind(Json(&ids))
             .fetch_all(&mut **tx)
             .await?;
-        let mut claimed = map::all(&rows, map::record)?;
+        let mut claimed = map_all(&rows, MapRow::record)?;
         // Hand records out in due order, as selected.
         let order: std::collections::HashMap<i64, usize> =
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
