@@ -39,7 +39,7 @@ pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at
 /// A backend's row, mapped to the domain's types. Implemented once, for
 /// every row type whose columns decode to the Rust types below (both
 /// backends' rows do); the methods read columns by name.
-pub(crate) trait MapRow {
+pub trait MapRow {
     /// A nullable JSON column.
     fn json(&self, col: &str) -> StoreResult<Option<Value>>;
     /// A nullable record-state column.
