@@ -5,6 +5,7 @@
 //! state change is written with its event and its counter deltas in one
 //! transaction.
 
+mod backend;
 mod batch;
 mod common;
 mod counts;
@@ -12,6 +13,7 @@ mod filter;
 pub mod migrate;
 mod postgres;
 mod rows;
+mod sql;
 mod sqlite;
 
 use std::future::Future;

@@ -7,15 +7,17 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Pool, Postgres, Row};
+use serde::Serialize;
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::query::Query;
+use sqlx::types::Json;
+use sqlx::{Pool, Postgres, Row, Transaction};
 
-use super::ConnectOptions;
-use super::common::{cached_sql, common_store};
-use super::rows::row_mappers;
-
-row_mappers!(sqlx::postgres::PgRow);
-
+use super::backend::{SqlDb, Statements};
+use super::batch::Dialect;
+use super::rows::{MapRow, RECORD_COLUMNS, map_all};
+use super::sql::SqlStore;
+use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
 
@@ -32,11 +34,7 @@ const SESSION_SETTINGS: &str = "SET idle_in_transaction_session_timeout = '10s';
 const COUNTER_SHARDS: i32 = 16;
 
 /// Records and everything else, in one PostgreSQL database.
-#[derive(Clone, Debug)]
-pub struct PgStore {
-    pool: PgPool,
-    installation: std::sync::Arc<tokio::sync::OnceCell<String>>,
-}
+pub type PgStore = SqlStore<Postgres>;
 
 impl PgStore {
     pub async fn connect(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
@@ -72,31 +70,11 @@ impl PgStore {
             .acquire_timeout(opts.acquire_timeout)
             .connect_with(options)
             .await?;
-        Ok(PgStore {
-            pool,
-            installation: Default::default(),
-        })
+        Ok(SqlStore::new(pool))
     }
 
     pub(crate) fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
-    fn reader(&self) -> &Pool<Postgres> {
-        &self.pool
-    }
-
-    async fn begin_write(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-        self.pool.begin().await
-    }
-
-    /// Wakes idle workers on every node (delivered at commit).
-    async fn notify_work(tx: &mut Transaction<'static, Postgres>) -> StoreResult<()> {
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(WORK_CHANNEL)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
+        &self.pools
     }
 
     /// Waits for work notifications from any node; each one calls `wake`.
@@ -108,7 +86,7 @@ impl PgStore {
     ) {
         loop {
             let listener = async {
-                let mut l = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
+                let mut l = sqlx::postgres::PgListener::connect_with(&self.pools).await?;
                 l.listen(WORK_CHANNEL).await?;
                 Ok::<_, sqlx::Error>(l)
             };
@@ -137,20 +115,54 @@ impl PgStore {
         }
     }
 
-    fn counter_shard() -> i32 {
-        fastrand::i32(0..COUNTER_SHARDS)
+    pub async fn close(&self) {
+        self.pools.close().await;
+    }
+}
+
+// `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
+// run that references a record must not wait behind a lock on that record.
+//
+// `= ANY(ARRAY(subquery))`, not `IN (subquery)`: a key array is matched
+// through the primary key's index (a bitmap scan for a batch), where the
+// planner would hash a subquery of unknown size against a scan of the
+// table. The claim joins `records` to its own CTE the same way.
+impl SqlDb for Postgres {
+    type Pools = PgPool;
+
+    const LOCK: &'static str = " FOR NO KEY UPDATE";
+    const AUDIT: &'static str = "audit";
+    const DIALECT: Dialect = Dialect::Postgres;
+    const ANY_OF: (&'static str, &'static str) = ("= ANY(ARRAY(", "))");
+    const UPDATE_KEY: &'static str = " AND records.id = ANY(ARRAY(SELECT id FROM v))";
+
+    fn reader(pool: &PgPool) -> &Pool<Postgres> {
+        pool
     }
 
-    pub async fn close(&self) {
-        self.pool.close().await;
+    async fn begin_write(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+        pool.begin().await
+    }
+
+    /// Wakes idle workers on every node (delivered at commit).
+    async fn notify_work(tx: &mut Transaction<'static, Postgres>) -> StoreResult<()> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(WORK_CHANNEL)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    fn counter_shard() -> i32 {
+        fastrand::i32(0..COUNTER_SHARDS)
     }
 
     async fn claim_in(
         tx: &mut Transaction<'static, Postgres>,
         req: &ClaimRequest,
-    ) -> StoreResult<crate::store::Claimed> {
+    ) -> StoreResult<Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
-        let sql = cached_sql!(format!(
+        let sql = Self::statements().claim.get(|| format!(
             "WITH due AS ( \
                SELECT id AS due_id, state AS old_state, next_run_at AS old_due FROM records \
                WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
@@ -174,26 +186,21 @@ impl PgStore {
             old_states.insert(id, row.try_get::<String, _>("old_state")?);
             due_at.insert(id, row.try_get::<i64, _>("old_due")?);
         }
-        let mut claimed = map::all(&rows, map::record)?;
+        let mut claimed = map_all(&rows, MapRow::record)?;
         // Hand records out in due order, as selected.
         claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
         Ok((claimed, old_states))
     }
-}
 
-// `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
-// run that references a record must not wait behind a lock on that record.
-//
-// `= ANY(ARRAY(subquery))`, not `IN (subquery)`: a key array is matched
-// through the primary key's index (a bitmap scan for a batch), where the
-// planner would hash a subquery of unknown size against a scan of the
-// table. The claim joins `records` to its own CTE the same way.
-common_store!(
-    PgStore,
-    Postgres,
-    lock = " FOR NO KEY UPDATE",
-    audit = "audit",
-    dialect = Postgres,
-    any_of = ("= ANY(ARRAY(", "))"),
-    update_key = " AND records.id = ANY(ARRAY(SELECT id FROM v))"
-);
+    fn statements() -> &'static Statements {
+        static STATEMENTS: Statements = Statements::new();
+        &STATEMENTS
+    }
+
+    fn bind_json<'q, T: Serialize>(
+        query: Query<'q, Postgres, PgArguments>,
+        value: T,
+    ) -> Query<'q, Postgres, PgArguments> {
+        query.bind(Json(value))
+    }
+}

@@ -1,10 +1,20 @@
-//! Row → domain mapping, written once and instantiated for each backend's
-//! row type (the column names and Rust types are the same on both).
+//! Row → domain mapping, written once for both backends' row types (the
+//! column names and Rust types are the same on both).
+
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use crate::domain::{
+    ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState, Session,
+    StateCount, StepRun, User,
+};
+use crate::store::{StepRollup, StoreError, StoreResult};
 
 /// Parses a stored enum name, turning an unknown one into `Corrupt`.
-pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> Result<T, super::StoreError> {
+pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> StoreResult<T> {
     text.parse()
-        .map_err(|_| super::StoreError::Corrupt(format!("{what} `{text}`")))
+        .map_err(|_| StoreError::Corrupt(format!("{what} `{text}`")))
 }
 
 /// The column lists the mappers below expect, in one place.
@@ -26,218 +36,239 @@ pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider,
 pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at, open_until, paused, \
      paused_by, paused_reason, stats, updated_at";
 
-/// Defines `record`, `step_run`, `attempt`, `event`, `user`, `session`,
-/// `node`, `provider_state`, `pipeline_version` and `state_count` mappers
-/// over the row type `$row`.
-macro_rules! row_mappers {
-    ($row:ty) => {
-        #[allow(dead_code)]
-        mod map {
-            use serde_json::Value;
-            use sqlx::Row;
-            use sqlx::types::Json;
-
-            use $crate::domain::*;
-            use $crate::store::StoreResult;
-            use $crate::store::rows::parse;
-
-            type R = $row;
-
-            fn json(r: &R, col: &str) -> StoreResult<Option<Value>> {
-                Ok(r.try_get::<Option<Json<Value>>, _>(col)?.map(|j| j.0))
-            }
-
-            fn opt_state(r: &R, col: &str) -> StoreResult<Option<RecordState>> {
-                r.try_get::<Option<String>, _>(col)?
-                    .map(|s: String| parse::<RecordState>(&s, "record state"))
-                    .transpose()
-            }
-
-            pub(crate) fn record(r: &R) -> StoreResult<Record> {
-                Ok(Record {
-                    id: r.try_get("id")?,
-                    pipeline: r.try_get("pipeline")?,
-                    pipeline_version: r.try_get("pipeline_version")?,
-                    external_key: r.try_get("external_key")?,
-                    state: parse(&r.try_get::<String, _>("state")?, "record state")?,
-                    input: json(r, "input")?.unwrap_or(Value::Null),
-                    next_run_at: r.try_get("next_run_at")?,
-                    lease_owner: r.try_get("lease_owner")?,
-                    lease_until: r.try_get("lease_until")?,
-                    lease_token: r.try_get("lease_token")?,
-                    step: r.try_get("step")?,
-                    provider: r.try_get("provider")?,
-                    error_code: r.try_get("error_code")?,
-                    reason: r.try_get("reason")?,
-                    created_at: r.try_get("created_at")?,
-                    updated_at: r.try_get("updated_at")?,
-                    finished_at: r.try_get("finished_at")?,
-                })
-            }
-
-            pub(crate) fn step_run(r: &R) -> StoreResult<StepRun> {
-                Ok(StepRun {
-                    record_id: r.try_get("record_id")?,
-                    step: r.try_get("step")?,
-                    provider: r.try_get("provider")?,
-                    state: parse(&r.try_get::<String, _>("state")?, "step state")?,
-                    generation: r.try_get("generation")?,
-                    attempts: r.try_get("attempts")?,
-                    unknowns: r.try_get("unknowns")?,
-                    idempotency_key: r.try_get("idempotency_key")?,
-                    job_id: r.try_get("job_id")?,
-                    output: json(r, "output")?,
-                    error_code: r.try_get("error_code")?,
-                    reason: r.try_get("reason")?,
-                    next_run_at: r.try_get("next_run_at")?,
-                    deadline_at: r.try_get("deadline_at")?,
-                    started_at: r.try_get("started_at")?,
-                    finished_at: r.try_get("finished_at")?,
-                    updated_at: r.try_get("updated_at")?,
-                })
-            }
-
-            pub(crate) fn attempt(r: &R) -> StoreResult<Attempt> {
-                Ok(Attempt {
-                    id: r.try_get("id")?,
-                    record_id: r.try_get("record_id")?,
-                    step: r.try_get("step")?,
-                    provider: r.try_get("provider")?,
-                    attempt_no: r.try_get("attempt_no")?,
-                    node: r.try_get("node")?,
-                    started_at: r.try_get("started_at")?,
-                    duration_ms: r.try_get("duration_ms")?,
-                    http_status: r.try_get("http_status")?,
-                    outcome: parse(&r.try_get::<String, _>("outcome")?, "outcome")?,
-                    error_code: r.try_get("error_code")?,
-                    excerpt: r.try_get("excerpt")?,
-                })
-            }
-
-            pub(crate) fn event(r: &R) -> StoreResult<Event> {
-                Ok(Event {
-                    id: r.try_get("id")?,
-                    record_id: r.try_get("record_id")?,
-                    at: r.try_get("at")?,
-                    kind: r.try_get("kind")?,
-                    actor: r.try_get("actor")?,
-                    audit: r.try_get("audit")?,
-                    from_state: opt_state(r, "from_state")?,
-                    to_state: opt_state(r, "to_state")?,
-                    step: r.try_get("step")?,
-                    reason: r.try_get("reason")?,
-                    detail: json(r, "detail")?,
-                })
-            }
-
-            pub(crate) fn user(r: &R) -> StoreResult<User> {
-                Ok(User {
-                    id: r.try_get("id")?,
-                    username: r.try_get("username")?,
-                    password_hash: r.try_get("password_hash")?,
-                    role: parse(&r.try_get::<String, _>("role")?, "role")?,
-                    disabled: r.try_get("disabled")?,
-                    created_at: r.try_get("created_at")?,
-                    updated_at: r.try_get("updated_at")?,
-                })
-            }
-
-            pub(crate) fn api_token(r: &R) -> StoreResult<ApiToken> {
-                Ok(ApiToken {
-                    id: r.try_get("id")?,
-                    name: r.try_get("name")?,
-                    prefix: r.try_get("prefix")?,
-                    role: parse(&r.try_get::<String, _>("role")?, "role")?,
-                    created_by: r.try_get("created_by")?,
-                    created_at: r.try_get("created_at")?,
-                    last_used_at: r.try_get("last_used_at")?,
-                    revoked_at: r.try_get("revoked_at")?,
-                })
-            }
-
-            pub(crate) fn rollup(r: &R) -> StoreResult<$crate::store::StepRollup> {
-                let latency: String = r.try_get("latency")?;
-                Ok($crate::store::StepRollup {
-                    minute: r.try_get("minute")?,
-                    node: r.try_get("node")?,
-                    pipeline: r.try_get("pipeline")?,
-                    step: r.try_get("step")?,
-                    provider: r.try_get("provider")?,
-                    calls: r.try_get("calls")?,
-                    succeeded: r.try_get("succeeded")?,
-                    failed: r.try_get("failed")?,
-                    retried: r.try_get("retried")?,
-                    unknown: r.try_get("unknown")?,
-                    records_succeeded: r.try_get("records_succeeded")?,
-                    records_failed: r.try_get("records_failed")?,
-                    records_parked: r.try_get("records_parked")?,
-                    latency: serde_json::from_str(&latency).map_err(|e| {
-                        $crate::store::StoreError::Corrupt(format!("rollup latency: {e}"))
-                    })?,
-                })
-            }
-
-            pub(crate) fn session(r: &R) -> StoreResult<Session> {
-                Ok(Session {
-                    id: r.try_get("id")?,
-                    user_id: r.try_get("user_id")?,
-                    created_at: r.try_get("created_at")?,
-                    expires_at: r.try_get("expires_at")?,
-                    revoked_at: r.try_get("revoked_at")?,
-                })
-            }
-
-            pub(crate) fn node(r: &R) -> StoreResult<Node> {
-                Ok(Node {
-                    id: r.try_get("id")?,
-                    hostname: r.try_get("hostname")?,
-                    pid: r.try_get("pid")?,
-                    version: r.try_get("version")?,
-                    started_at: r.try_get("started_at")?,
-                    heartbeat_at: r.try_get("heartbeat_at")?,
-                    draining: r.try_get("draining")?,
-                })
-            }
-
-            pub(crate) fn provider_state(r: &R) -> StoreResult<ProviderState> {
-                Ok(ProviderState {
-                    provider: r.try_get("provider")?,
-                    breaker: parse(&r.try_get::<String, _>("breaker")?, "breaker state")?,
-                    breaker_changed_at: r.try_get("breaker_changed_at")?,
-                    open_until: r.try_get("open_until")?,
-                    paused: r.try_get("paused")?,
-                    paused_by: r.try_get("paused_by")?,
-                    paused_reason: r.try_get("paused_reason")?,
-                    stats: json(r, "stats")?,
-                    updated_at: r.try_get("updated_at")?,
-                })
-            }
-
-            pub(crate) fn pipeline_version(r: &R) -> StoreResult<PipelineVersion> {
-                Ok(PipelineVersion {
-                    id: r.try_get("id")?,
-                    pipeline: r.try_get("pipeline")?,
-                    hash: r.try_get("hash")?,
-                    definition: json(r, "definition")?.unwrap_or(Value::Null),
-                    created_at: r.try_get("created_at")?,
-                })
-            }
-
-            /// Rows of `(pipeline, state, n)`.
-            pub(crate) fn state_count(r: &R) -> StoreResult<StateCount> {
-                Ok(StateCount {
-                    pipeline: r.try_get("pipeline")?,
-                    state: parse(&r.try_get::<String, _>("state")?, "record state")?,
-                    count: r.try_get("n")?,
-                })
-            }
-
-            /// Maps every row with `f`.
-            pub(crate) fn all<T>(rows: &[R], f: fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
-                rows.iter().map(f).collect()
-            }
-        }
-    };
+/// A backend's row, mapped to the domain's types. Implemented once, for
+/// every row type whose columns decode to the Rust types below (both
+/// backends' rows do); the methods read columns by name.
+pub trait MapRow {
+    /// A nullable JSON column.
+    fn json(&self, col: &str) -> StoreResult<Option<Value>>;
+    /// A nullable record-state column.
+    fn opt_state(&self, col: &str) -> StoreResult<Option<RecordState>>;
+    /// A `records` row, read with [`RECORD_COLUMNS`].
+    fn record(&self) -> StoreResult<Record>;
+    /// A `step_runs` row, read with [`STEP_COLUMNS`].
+    fn step_run(&self) -> StoreResult<StepRun>;
+    /// An `attempts` row, read with [`ATTEMPT_COLUMNS`].
+    fn attempt(&self) -> StoreResult<Attempt>;
+    /// An `events` row, read with [`EVENT_COLUMNS`].
+    fn event(&self) -> StoreResult<Event>;
+    /// A `users` row, read with [`USER_COLUMNS`].
+    fn user(&self) -> StoreResult<User>;
+    /// An `api_tokens` row, read with [`API_TOKEN_COLUMNS`].
+    fn api_token(&self) -> StoreResult<ApiToken>;
+    /// A `step_rollups` row, read with [`ROLLUP_COLUMNS`].
+    fn rollup(&self) -> StoreResult<StepRollup>;
+    /// A `sessions` row.
+    fn session(&self) -> StoreResult<Session>;
+    /// A `nodes` row.
+    fn node(&self) -> StoreResult<Node>;
+    /// A `providers` row, read with [`PROVIDER_COLUMNS`].
+    fn provider_state(&self) -> StoreResult<ProviderState>;
+    /// A `pipeline_versions` row.
+    fn pipeline_version(&self) -> StoreResult<PipelineVersion>;
+    /// A row of `(pipeline, state, n)`.
+    fn state_count(&self) -> StoreResult<StateCount>;
 }
 
-pub(crate) use row_mappers;
+impl<R> MapRow for R
+where
+    R: Row,
+    for<'a> &'a str: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Json<Value>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    fn json(&self, col: &str) -> StoreResult<Option<Value>> {
+        Ok(self.try_get::<Option<Json<Value>>, _>(col)?.map(|j| j.0))
+    }
+
+    fn opt_state(&self, col: &str) -> StoreResult<Option<RecordState>> {
+        self.try_get::<Option<String>, _>(col)?
+            .map(|s: String| parse::<RecordState>(&s, "record state"))
+            .transpose()
+    }
+
+    fn record(&self) -> StoreResult<Record> {
+        Ok(Record {
+            id: self.try_get("id")?,
+            pipeline: self.try_get("pipeline")?,
+            pipeline_version: self.try_get("pipeline_version")?,
+            external_key: self.try_get("external_key")?,
+            state: parse(&self.try_get::<String, _>("state")?, "record state")?,
+            input: self.json("input")?.unwrap_or(Value::Null),
+            next_run_at: self.try_get("next_run_at")?,
+            lease_owner: self.try_get("lease_owner")?,
+            lease_until: self.try_get("lease_until")?,
+            lease_token: self.try_get("lease_token")?,
+            step: self.try_get("step")?,
+            provider: self.try_get("provider")?,
+            error_code: self.try_get("error_code")?,
+            reason: self.try_get("reason")?,
+            created_at: self.try_get("created_at")?,
+            updated_at: self.try_get("updated_at")?,
+            finished_at: self.try_get("finished_at")?,
+        })
+    }
+
+    fn step_run(&self) -> StoreResult<StepRun> {
+        Ok(StepRun {
+            record_id: self.try_get("record_id")?,
+            step: self.try_get("step")?,
+            provider: self.try_get("provider")?,
+            state: parse(&self.try_get::<String, _>("state")?, "step state")?,
+            generation: self.try_get("generation")?,
+            attempts: self.try_get("attempts")?,
+            unknowns: self.try_get("unknowns")?,
+            idempotency_key: self.try_get("idempotency_key")?,
+            job_id: self.try_get("job_id")?,
+            output: self.json("output")?,
+            error_code: self.try_get("error_code")?,
+            reason: self.try_get("reason")?,
+            next_run_at: self.try_get("next_run_at")?,
+            deadline_at: self.try_get("deadline_at")?,
+            started_at: self.try_get("started_at")?,
+            finished_at: self.try_get("finished_at")?,
+            updated_at: self.try_get("updated_at")?,
+        })
+    }
+
+    fn attempt(&self) -> StoreResult<Attempt> {
+        Ok(Attempt {
+            id: self.try_get("id")?,
+            record_id: self.try_get("record_id")?,
+            step: self.try_get("step")?,
+            provider: self.try_get("provider")?,
+            attempt_no: self.try_get("attempt_no")?,
+            node: self.try_get("node")?,
+            started_at: self.try_get("started_at")?,
+            duration_ms: self.try_get("duration_ms")?,
+            http_status: self.try_get("http_status")?,
+            outcome: parse(&self.try_get::<String, _>("outcome")?, "outcome")?,
+            error_code: self.try_get("error_code")?,
+            excerpt: self.try_get("excerpt")?,
+        })
+    }
+
+    fn event(&self) -> StoreResult<Event> {
+        Ok(Event {
+            id: self.try_get("id")?,
+            record_id: self.try_get("record_id")?,
+            at: self.try_get("at")?,
+            kind: self.try_get("kind")?,
+            actor: self.try_get("actor")?,
+            audit: self.try_get("audit")?,
+            from_state: self.opt_state("from_state")?,
+            to_state: self.opt_state("to_state")?,
+            step: self.try_get("step")?,
+            reason: self.try_get("reason")?,
+            detail: self.json("detail")?,
+        })
+    }
+
+    fn user(&self) -> StoreResult<User> {
+        Ok(User {
+            id: self.try_get("id")?,
+            username: self.try_get("username")?,
+            password_hash: self.try_get("password_hash")?,
+            role: parse(&self.try_get::<String, _>("role")?, "role")?,
+            disabled: self.try_get("disabled")?,
+            created_at: self.try_get("created_at")?,
+            updated_at: self.try_get("updated_at")?,
+        })
+    }
+
+    fn api_token(&self) -> StoreResult<ApiToken> {
+        Ok(ApiToken {
+            id: self.try_get("id")?,
+            name: self.try_get("name")?,
+            prefix: self.try_get("prefix")?,
+            role: parse(&self.try_get::<String, _>("role")?, "role")?,
+            created_by: self.try_get("created_by")?,
+            created_at: self.try_get("created_at")?,
+            last_used_at: self.try_get("last_used_at")?,
+            revoked_at: self.try_get("revoked_at")?,
+        })
+    }
+
+    fn rollup(&self) -> StoreResult<StepRollup> {
+        let latency: String = self.try_get("latency")?;
+        Ok(StepRollup {
+            minute: self.try_get("minute")?,
+            node: self.try_get("node")?,
+            pipeline: self.try_get("pipeline")?,
+            step: self.try_get("step")?,
+            provider: self.try_get("provider")?,
+            calls: self.try_get("calls")?,
+            succeeded: self.try_get("succeeded")?,
+            failed: self.try_get("failed")?,
+            retried: self.try_get("retried")?,
+            unknown: self.try_get("unknown")?,
+            records_succeeded: self.try_get("records_succeeded")?,
+            records_failed: self.try_get("records_failed")?,
+            records_parked: self.try_get("records_parked")?,
+            latency: serde_json::from_str(&latency)
+                .map_err(|e| StoreError::Corrupt(format!("rollup latency: {e}")))?,
+        })
+    }
+
+    fn session(&self) -> StoreResult<Session> {
+        Ok(Session {
+            id: self.try_get("id")?,
+            user_id: self.try_get("user_id")?,
+            created_at: self.try_get("created_at")?,
+            expires_at: self.try_get("expires_at")?,
+            revoked_at: self.try_get("revoked_at")?,
+        })
+    }
+
+    fn node(&self) -> StoreResult<Node> {
+        Ok(Node {
+            id: self.try_get("id")?,
+            hostname: self.try_get("hostname")?,
+            pid: self.try_get("pid")?,
+            version: self.try_get("version")?,
+            started_at: self.try_get("started_at")?,
+            heartbeat_at: self.try_get("heartbeat_at")?,
+            draining: self.try_get("draining")?,
+        })
+    }
+
+    fn provider_state(&self) -> StoreResult<ProviderState> {
+        Ok(ProviderState {
+            provider: self.try_get("provider")?,
+            breaker: parse(&self.try_get::<String, _>("breaker")?, "breaker state")?,
+            breaker_changed_at: self.try_get("breaker_changed_at")?,
+            open_until: self.try_get("open_until")?,
+            paused: self.try_get("paused")?,
+            paused_by: self.try_get("paused_by")?,
+            paused_reason: self.try_get("paused_reason")?,
+            stats: self.json("stats")?,
+            updated_at: self.try_get("updated_at")?,
+        })
+    }
+
+    fn pipeline_version(&self) -> StoreResult<PipelineVersion> {
+        Ok(PipelineVersion {
+            id: self.try_get("id")?,
+            pipeline: self.try_get("pipeline")?,
+            hash: self.try_get("hash")?,
+            definition: self.json("definition")?.unwrap_or(Value::Null),
+            created_at: self.try_get("created_at")?,
+        })
+    }
+
+    fn state_count(&self) -> StoreResult<StateCount> {
+        Ok(StateCount {
+            pipeline: self.try_get("pipeline")?,
+            state: parse(&self.try_get::<String, _>("state")?, "record state")?,
+            count: self.try_get("n")?,
+        })
+    }
+}
+
+/// Maps every row with `f`.
+pub(crate) fn map_all<R, T>(rows: &[R], f: impl Fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
+    rows.iter().map(f).collect()
+}

@@ -9,23 +9,29 @@
 use std::str::FromStr;
 use std::time::Duration;
 
+use serde::Serialize;
+use sqlx::query::Query;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+    SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
 };
-use sqlx::{Pool, Sqlite};
+use sqlx::types::Json;
+use sqlx::{Pool, Sqlite, Transaction};
 
-use super::ConnectOptions;
-use super::common::{cached_sql, common_store};
-use super::rows::row_mappers;
-
-row_mappers!(sqlx::sqlite::SqliteRow);
+use super::backend::{SqlDb, Statements};
+use super::batch::Dialect;
+use super::rows::{MapRow, RECORD_COLUMNS, map_all};
+use super::sql::SqlStore;
+use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
 
 /// Records and everything else, in one SQLite file.
+pub type SqliteStore = SqlStore<Sqlite>;
+
+/// The SQLite store's connections: the single writer, and the readers.
 #[derive(Clone, Debug)]
-pub struct SqliteStore {
+pub struct SqlitePools {
     writer: SqlitePool,
     reader: SqlitePool,
-    installation: std::sync::Arc<tokio::sync::OnceCell<String>>,
 }
 
 impl SqliteStore {
@@ -53,23 +59,34 @@ impl SqliteStore {
                 .connect_with(options)
                 .await?
         };
-        Ok(SqliteStore {
-            writer,
-            reader,
-            installation: Default::default(),
-        })
+        Ok(SqlStore::new(SqlitePools { writer, reader }))
     }
 
     pub(crate) fn writer(&self) -> &SqlitePool {
-        &self.writer
+        &self.pools.writer
     }
 
-    fn reader(&self) -> &Pool<Sqlite> {
-        &self.reader
+    pub async fn close(&self) {
+        self.pools.reader.close().await;
+        self.pools.writer.close().await;
+    }
+}
+
+impl SqlDb for Sqlite {
+    type Pools = SqlitePools;
+
+    const LOCK: &'static str = "";
+    const AUDIT: &'static str = "audit = 1";
+    const DIALECT: Dialect = Dialect::Sqlite;
+    const ANY_OF: (&'static str, &'static str) = ("IN (", ")");
+    const UPDATE_KEY: &'static str = "";
+
+    fn reader(pools: &SqlitePools) -> &Pool<Sqlite> {
+        &pools.reader
     }
 
-    async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
-        self.writer.begin_with("BEGIN IMMEDIATE").await
+    async fn begin_write(pools: &SqlitePools) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        pools.writer.begin_with("BEGIN IMMEDIATE").await
     }
 
     /// In-process wake-ups are the engine's; other processes on the same
@@ -83,17 +100,12 @@ impl SqliteStore {
         0
     }
 
-    pub async fn close(&self) {
-        self.reader.close().await;
-        self.writer.close().await;
-    }
-
     /// The single writer makes select-then-update atomic: no other claimer
     /// can run between the two statements.
     async fn claim_in(
         tx: &mut Transaction<'static, Sqlite>,
         req: &ClaimRequest,
-    ) -> StoreResult<crate::store::Claimed> {
+    ) -> StoreResult<Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
         let due: Vec<(i64, String)> = sqlx::query_as(
             "SELECT id, state FROM records WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
@@ -108,7 +120,7 @@ impl SqliteStore {
         }
         let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
         let old_states: std::collections::HashMap<i64, String> = due.into_iter().collect();
-        let sql = cached_sql!(format!(
+        let sql = Self::statements().claim.get(|| format!(
             "UPDATE records SET state = 'running', lease_owner = $1, lease_until = $2, next_run_at = $2, \
              lease_token = lease_token + 1, updated_at = $3 \
              WHERE id IN (SELECT value FROM json_each($4)) RETURNING {RECORD_COLUMNS}"
@@ -120,21 +132,23 @@ impl SqliteStore {
             .bind(Json(&ids))
             .fetch_all(&mut **tx)
             .await?;
-        let mut claimed = map::all(&rows, map::record)?;
+        let mut claimed = map_all(&rows, MapRow::record)?;
         // Hand records out in due order, as selected.
         let order: std::collections::HashMap<i64, usize> =
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         claimed.sort_by_key(|r| order.get(&r.id).copied());
         Ok((claimed, old_states))
     }
-}
 
-common_store!(
-    SqliteStore,
-    Sqlite,
-    lock = "",
-    audit = "audit = 1",
-    dialect = Sqlite,
-    any_of = ("IN (", ")"),
-    update_key = ""
-);
+    fn statements() -> &'static Statements {
+        static STATEMENTS: Statements = Statements::new();
+        &STATEMENTS
+    }
+
+    fn bind_json<'q, T: Serialize>(
+        query: Query<'q, Sqlite, SqliteArguments>,
+        value: T,
+    ) -> Query<'q, Sqlite, SqliteArguments> {
+        query.bind(Json(value))
+    }
+}

@@ -1,0 +1,181 @@
+//! What differs between the two backends, as the one trait the shared store
+//! is generic over: [`SqlDb`], implemented for `sqlx::Sqlite` in `sqlite.rs`
+//! and for `sqlx::Postgres` in `postgres.rs`.
+//!
+//! SQLite and PostgreSQL accept the same SQL for almost everything Ballast
+//! does (`$n` placeholders, `ON CONFLICT`, `RETURNING`, partial indexes), so
+//! the store's logic is written once, in [`SqlStore`](super::sql::SqlStore)
+//! and its [`Store`](super::Store) implementation (`common.rs`). What really
+//! differs is this trait: how a write transaction begins (a single writer
+//! with `BEGIN IMMEDIATE` against row locks), a few spellings in the SQL,
+//! counter sharding, waking other nodes, and claiming (`FOR NO KEY UPDATE
+//! SKIP LOCKED`).
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::sync::OnceLock;
+
+use serde::Serialize;
+use sqlx::query::Query;
+use sqlx::{Database, IntoArguments, Pool, Transaction};
+
+use super::batch::Dialect;
+use super::rows::MapRow;
+use super::{ClaimRequest, Claimed, StoreResult};
+
+/// A database the shared store runs on: the backend's connections, its
+/// spellings of the few statements that differ, and the operations whose
+/// semantics differ.
+///
+/// The bounds sqlx needs to run and bind statements generically (an
+/// executor for a connection, `Encode` for each bound type) are not
+/// supertraits of this trait: Rust does not carry where-clauses about other
+/// types to a trait's users (rust-lang/rust#20671), so they are stated once
+/// on each generic `impl` of the store instead. Those the language does
+/// carry, bounds on the database's own associated types, are here.
+pub trait SqlDb:
+    Database<Row: MapRow, Arguments: IntoArguments<Self>, QueryResult: RowsAffected>
+{
+    /// What the store holds to reach the database (its connection pools).
+    type Pools: Clone + Debug + Send + Sync + 'static;
+
+    /// Appended to row reads made inside a write transaction: a row lock
+    /// on PostgreSQL; nothing on SQLite, whose single writer already
+    /// excludes every other writer (see `postgres.rs` for which lock).
+    const LOCK: &'static str;
+
+    /// The spelling of "audit is true" that matches the backend's partial
+    /// indexes on `events`.
+    const AUDIT: &'static str;
+
+    /// The backend's spelling of batched rows: its `rows()` is the table of
+    /// JSON rows read from parameter `$1` (see `batch.rs`).
+    const DIALECT: Dialect;
+
+    /// How `column <ANY_OF.0>subquery<ANY_OF.1>` matches a key against a
+    /// subquery's values through the key's index whatever the statistics
+    /// say (see `postgres.rs` for why that needs care).
+    const ANY_OF: (&'static str, &'static str);
+
+    /// Added to the batched record update's join, for the same reason as
+    /// [`ANY_OF`](Self::ANY_OF); empty on SQLite, whose planner would then
+    /// scan the JSON rows once per record.
+    const UPDATE_KEY: &'static str;
+
+    /// The pool for reads outside a write transaction.
+    fn reader(pools: &Self::Pools) -> &Pool<Self>;
+
+    /// Begins a write transaction. Every write of the store goes through
+    /// one of these, so the backend decides how writers are ordered.
+    fn begin_write(
+        pools: &Self::Pools,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+
+    /// Tells idle workers, on every node the backend can reach, that there
+    /// is due work; delivered when `tx` commits.
+    fn notify_work(
+        tx: &mut Transaction<'static, Self>,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+
+    /// The counter row this transaction adds its deltas to, out of the
+    /// rows each (pipeline, state) counter is spread over.
+    fn counter_shard() -> i32;
+
+    /// Leases due records inside the caller's transaction: returns them in
+    /// due order, with the state each was taken from. The caller writes the
+    /// claim's events and counter moves.
+    fn claim_in(
+        tx: &mut Transaction<'static, Self>,
+        req: &ClaimRequest,
+    ) -> impl Future<Output = StoreResult<Claimed>> + Send;
+
+    /// This backend's statement texts, built once each (a `static` in a
+    /// generic function would be shared by both backends).
+    fn statements() -> &'static Statements;
+
+    /// Binds `value` as a JSON parameter. `Json<T>` is encodable for every
+    /// serialisable `T` on each backend, which a where-clause cannot say
+    /// for all `T` at once; each backend binds it in its own terms.
+    fn bind_json<'q, T: Serialize>(
+        query: Query<'q, Self, Self::Arguments>,
+        value: T,
+    ) -> Query<'q, Self, Self::Arguments>;
+}
+
+/// A statement's result: how many rows it changed. (Each backend's result
+/// type has this as an inherent method, which generic code cannot see.)
+pub trait RowsAffected {
+    fn rows_affected(&self) -> u64;
+}
+
+impl RowsAffected for sqlx::sqlite::SqliteQueryResult {
+    fn rows_affected(&self) -> u64 {
+        sqlx::sqlite::SqliteQueryResult::rows_affected(self)
+    }
+}
+
+impl RowsAffected for sqlx::postgres::PgQueryResult {
+    fn rows_affected(&self) -> u64 {
+        sqlx::postgres::PgQueryResult::rows_affected(self)
+    }
+}
+
+/// Binds a JSON parameter on a generic query (see [`SqlDb::bind_json`]).
+pub(crate) trait BindJson {
+    fn bind_json<T: Serialize>(self, value: T) -> Self;
+}
+
+impl<'q, DB: SqlDb> BindJson for Query<'q, DB, DB::Arguments> {
+    fn bind_json<T: Serialize>(self, value: T) -> Self {
+        DB::bind_json(self, value)
+    }
+}
+
+/// A statement text built on first use, then reused: the hot statements
+/// (batches, counters, claims) are not formatted again on every call.
+pub struct Cached(OnceLock<String>);
+
+impl Cached {
+    const fn new() -> Self {
+        Cached(OnceLock::new())
+    }
+
+    /// The text, built by `build` the first time.
+    pub(crate) fn get(&'static self, build: impl FnOnce() -> String) -> &'static str {
+        self.0.get_or_init(build).as_str()
+    }
+}
+
+/// One backend's cached statement texts, one slot per statement.
+pub struct Statements {
+    pub(crate) record_counts: Cached,
+    pub(crate) provider_counts: Cached,
+    pub(crate) insert_event: Cached,
+    pub(crate) insert_events: Cached,
+    pub(crate) upsert_steps: Cached,
+    pub(crate) insert_attempts: Cached,
+    pub(crate) lock_records: Cached,
+    pub(crate) update_records: Cached,
+    pub(crate) insert_records: Cached,
+    pub(crate) step_runs_of: Cached,
+    pub(crate) claim: Cached,
+}
+
+impl Statements {
+    /// Empty slots, for a backend's `static`.
+    pub(crate) const fn new() -> Self {
+        Statements {
+            record_counts: Cached::new(),
+            provider_counts: Cached::new(),
+            insert_event: Cached::new(),
+            insert_events: Cached::new(),
+            upsert_steps: Cached::new(),
+            insert_attempts: Cached::new(),
+            lock_records: Cached::new(),
+            update_records: Cached::new(),
+            insert_records: Cached::new(),
+            step_runs_of: Cached::new(),
+            claim: Cached::new(),
+        }
+    }
+}

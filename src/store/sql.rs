@@ -1,0 +1,485 @@
+//! The store both backends share: [`SqlStore`], generic over the backend's
+//! [`SqlDb`], and the writes it makes inside a transaction (the pieces its
+//! [`Store`](super::Store) implementation in `common.rs` is built from).
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
+
+use super::backend::{BindJson, SqlDb};
+use super::batch;
+use super::counts::CountDeltas;
+use super::rows::{MapRow, RECORD_COLUMNS, map_all};
+use super::{Created, EventRow, NewRecord, StoreError, StoreResult};
+use crate::domain::{Event, Record, RecordState, Trigger, UnixMs, transition};
+
+/// A write transaction.
+pub(crate) type Tx<DB> = Transaction<'static, DB>;
+
+/// Records and everything else, in the database `DB` reaches
+/// ([`SqliteStore`](super::SqliteStore) or [`PgStore`](super::PgStore)).
+pub struct SqlStore<DB: SqlDb> {
+    pub(crate) pools: DB::Pools,
+    /// This installation's id, read once.
+    pub(crate) installation: Arc<tokio::sync::OnceCell<String>>,
+}
+
+impl<DB: SqlDb> SqlStore<DB> {
+    /// A store over `pools`.
+    pub(crate) fn new(pools: DB::Pools) -> Self {
+        SqlStore {
+            pools,
+            installation: Arc::default(),
+        }
+    }
+
+    pub(crate) fn reader(&self) -> &Pool<DB> {
+        DB::reader(&self.pools)
+    }
+
+    pub(crate) async fn begin_write(&self) -> Result<Tx<DB>, sqlx::Error> {
+        DB::begin_write(&self.pools).await
+    }
+}
+
+// Written out rather than derived: a derive would ask `DB` itself (the
+// `sqlx::Sqlite` marker) to be `Clone` and `Debug`.
+impl<DB: SqlDb> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        SqlStore {
+            pools: self.pools.clone(),
+            installation: self.installation.clone(),
+        }
+    }
+}
+
+impl<DB: SqlDb> std::fmt::Debug for SqlStore<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlStore")
+            .field("pools", &self.pools)
+            .field("installation", &self.installation)
+            .finish()
+    }
+}
+
+/// Maps a unique-constraint violation to `Conflict`.
+pub(crate) fn conflict_or(e: sqlx::Error, what: &'static str, key: &str) -> StoreError {
+    match &e {
+        sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict {
+            what,
+            key: key.to_owned(),
+        },
+        _ => StoreError::Database(e),
+    }
+}
+
+// The bounds below say that sqlx can run statements on `DB`'s connections
+// and bind and read the Rust types the store uses; both backends meet them.
+// They are repeated on the `Store` implementation in `common.rs` (see
+// `SqlDb` for why they cannot live in one trait).
+impl<DB> SqlStore<DB>
+where
+    DB: SqlDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<i64>: Encode<'q, DB>,
+    for<'q> i32: Decode<'q, DB> + Type<DB>,
+    for<'q> bool: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<String>: Encode<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<Json<Value>>: Encode<'q, DB>,
+{
+    /// Adds counter deltas inside the caller's transaction: one
+    /// upsert per counter table (the deltas are unique per key, so
+    /// no row is touched twice by one statement).
+    pub(crate) async fn apply_counts(tx: &mut Tx<DB>, deltas: &CountDeltas) -> StoreResult<()> {
+        let shard = DB::counter_shard();
+        let tables = [
+            (
+                DB::statements()
+                    .record_counts
+                    .get(|| Self::counts_sql("record_counts", "pipeline")),
+                deltas.nonzero().collect::<Vec<_>>(),
+            ),
+            (
+                DB::statements()
+                    .provider_counts
+                    .get(|| Self::counts_sql("provider_counts", "provider")),
+                deltas.provider_nonzero().collect::<Vec<_>>(),
+            ),
+        ];
+        for (sql, rows) in tables {
+            if rows.is_empty() {
+                continue;
+            }
+            let rows: Vec<batch::CountJson<'_>> = rows
+                .iter()
+                .map(|(name, state, n)| batch::CountJson {
+                    name,
+                    state: state.as_str(),
+                    shard,
+                    n: *n,
+                })
+                .collect();
+            sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        }
+        Ok(())
+    }
+
+    /// The counter upsert into `table`, whose key column is `key`.
+    pub(crate) fn counts_sql(table: &str, key: &str) -> String {
+        format!(
+            "INSERT INTO {table} ({key}, state, shard, n) SELECT {} FROM {} WHERE true ORDER BY key \
+             ON CONFLICT ({key}, state, shard) DO UPDATE SET n = {table}.n + excluded.n",
+            batch::select(batch::COUNT_COLS, DB::DIALECT),
+            DB::DIALECT.rows()
+        )
+    }
+
+    /// Appends one event inside the caller's transaction and
+    /// returns it as stored.
+    pub(crate) async fn insert_event(tx: &mut Tx<DB>, e: &EventRow<'_>) -> StoreResult<Event> {
+        let sql = DB::statements().insert_event.get(|| batch::insert("events", batch::EVENT_COLS, DB::DIALECT,
+            "RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
+        ));
+        let row = sqlx::query(sql)
+            .bind_json([batch::EventJson::from(e)])
+            .fetch_one(&mut **tx)
+            .await?;
+        row.event()
+    }
+
+    pub(crate) async fn lock_record(tx: &mut Tx<DB>, id: i64) -> StoreResult<Option<Record>> {
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE id = $1{}",
+            DB::LOCK
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?;
+        row.as_ref().map(MapRow::record).transpose()
+    }
+
+    pub(crate) async fn upsert_step(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        record_id: i64,
+        s: &crate::store::StepWrite,
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        Self::upsert_steps(tx, installation, &[(record_id, s, now)]).await
+    }
+
+    /// Writes step runs in one upsert; one row per (record, step) in
+    /// `steps`.
+    pub(crate) async fn upsert_steps(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        steps: &[(i64, &crate::store::StepWrite, UnixMs)],
+    ) -> StoreResult<()> {
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<batch::StepJson<'_>> = steps
+            .iter()
+            .map(|(record_id, s, now)| batch::StepJson::new(installation, *record_id, s, *now))
+            .collect();
+        let sql = DB::statements().upsert_steps.get(|| batch::insert("step_runs", batch::STEP_COLS, DB::DIALECT,
+            "ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
+               unknowns = excluded.unknowns, \
+               generation = excluded.generation, attempts = excluded.attempts, \
+               idempotency_key = excluded.idempotency_key, job_id = excluded.job_id, \
+               output = excluded.output, error_code = excluded.error_code, reason = excluded.reason, \
+               next_run_at = excluded.next_run_at, deadline_at = excluded.deadline_at, \
+               started_at = excluded.started_at, finished_at = excluded.finished_at, \
+               updated_at = excluded.updated_at"
+        ));
+        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        Ok(())
+    }
+
+    /// Appends attempts in one insert.
+    pub(crate) async fn insert_attempts(
+        tx: &mut Tx<DB>,
+        attempts: &[(i64, &crate::store::NewAttempt)],
+    ) -> StoreResult<()> {
+        if attempts.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<batch::AttemptJson<'_>> = attempts
+            .iter()
+            .map(|(record_id, a)| batch::AttemptJson::new(*record_id, a))
+            .collect();
+        let sql = DB::statements()
+            .insert_attempts
+            .get(|| batch::insert("attempts", batch::ATTEMPT_COLS, DB::DIALECT, ""));
+        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        Ok(())
+    }
+
+    /// Appends events in one insert (callers that need the stored
+    /// event back use `insert_event`).
+    pub(crate) async fn insert_events(tx: &mut Tx<DB>, events: &[EventRow<'_>]) -> StoreResult<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<batch::EventJson<'_>> = events.iter().map(batch::EventJson::from).collect();
+        let sql = DB::statements()
+            .insert_events
+            .get(|| batch::insert("events", batch::EVENT_COLS, DB::DIALECT, ""));
+        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        Ok(())
+    }
+
+    /// Reads and (on PostgreSQL) locks records, in id order, so that
+    /// two multi-row writers can never deadlock.
+    pub(crate) async fn lock_records(
+        tx: &mut Tx<DB>,
+        ids: &[i64],
+    ) -> StoreResult<std::collections::HashMap<i64, Record>> {
+        let sql = DB::statements().lock_records.get(|| format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{} ORDER BY id{}",
+            DB::ANY_OF.0, DB::DIALECT.rows(), DB::ANY_OF.1, DB::LOCK
+        ));
+        let rows = sqlx::query(sql).bind_json(ids).fetch_all(&mut **tx).await?;
+        let mut out = std::collections::HashMap::with_capacity(ids.len());
+        for row in &rows {
+            let rec = MapRow::record(row)?;
+            out.insert(rec.id, rec);
+        }
+        Ok(out)
+    }
+
+    /// Writes the worker-owned columns of records whose rows the
+    /// transaction holds, in one statement.
+    pub(crate) async fn update_records(tx: &mut Tx<DB>, records: &[Record]) -> StoreResult<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<batch::RecordUpdateJson<'_>> =
+            records.iter().map(batch::RecordUpdateJson::from).collect();
+        let sql = DB::statements().update_records.get(|| {
+            format!(
+                "WITH v AS (SELECT {} FROM {}) \
+             UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
+               lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
+               provider = v.provider, error_code = v.error_code, reason = v.reason, \
+               updated_at = v.updated_at, finished_at = v.finished_at \
+             FROM v WHERE records.id = v.id{}",
+                batch::select_as(batch::RECORD_UPDATE_COLS, DB::DIALECT),
+                DB::DIALECT.rows(),
+                DB::UPDATE_KEY
+            )
+        });
+        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        Ok(())
+    }
+
+    /// The events and counter moves of a claim: `old_states` maps
+    /// each claimed id to the state it was taken from. A record
+    /// taken from `running` had an expired lease, recorded first.
+    pub(crate) fn claim_moves<'e>(
+        claimed: &[Record],
+        old_states: &std::collections::HashMap<i64, String>,
+        now: UnixMs,
+        actor: &'e str,
+    ) -> StoreResult<(Vec<EventRow<'e>>, CountDeltas)> {
+        let mut events = Vec::with_capacity(claimed.len());
+        let mut deltas = CountDeltas::default();
+        for rec in claimed {
+            let old = old_states.get(&rec.id).map_or("", String::as_str);
+            let old: RecordState = crate::store::rows::parse(old, "record state")?;
+            let mut from = old;
+            let mut steps = vec![Trigger::Claim];
+            if old == RecordState::Running {
+                steps.insert(0, Trigger::LeaseExpired);
+            }
+            for trigger in steps {
+                let to = transition(from, trigger)?;
+                events.push(EventRow {
+                    record_id: Some(rec.id),
+                    at: now,
+                    kind: trigger.kind(),
+                    actor,
+                    audit: false,
+                    from: Some(from),
+                    to: Some(to),
+                    step: None,
+                    reason: None,
+                    detail: None,
+                });
+                from = to;
+            }
+            deltas.moved(&rec.pipeline, Some(old), from);
+            deltas.provider_moved(
+                rec.provider.as_deref().map(|p| (p, old)),
+                rec.provider.as_deref().map(|p| (p, from)),
+            );
+        }
+        Ok((events, deltas))
+    }
+
+    /// Resets `steps` to run again from scratch, each under a new
+    /// generation (so a new idempotency key): replays and reruns.
+    pub(crate) async fn rerun_steps(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        record_id: i64,
+        steps: &[String],
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        for step in steps {
+            let generation: Option<i32> = sqlx::query_scalar(
+                "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
+            )
+            .bind(record_id)
+            .bind(step.clone())
+            .fetch_optional(&mut **tx)
+            .await?;
+            let mut write = crate::store::StepWrite::pending(step);
+            write.generation = generation.map_or(0, |g| g + 1);
+            Self::upsert_step(tx, installation, record_id, &write, now).await?;
+        }
+        Ok(())
+    }
+
+    /// Inserts a batch of records with multi-row statements and
+    /// their `created` events (or finds the record with the same
+    /// external key) inside the caller's transaction; the caller
+    /// applies `deltas`. Results are in the order of `batch`.
+    pub(crate) async fn insert_records(
+        tx: &mut Tx<DB>,
+        batch: &[NewRecord],
+        now: UnixMs,
+        deltas: &mut CountDeltas,
+    ) -> StoreResult<Vec<Created>> {
+        let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
+        let rows: Vec<batch::NewRecordJson<'_>> = batch
+            .iter()
+            .map(|r| batch::NewRecordJson::new(r, now))
+            .collect();
+        let sql = DB::statements().insert_records.get(|| {
+            batch::insert(
+                "records",
+                batch::NEW_RECORD_COLS,
+                DB::DIALECT,
+                &format!(
+                    "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"
+                ),
+            )
+        });
+        let inserted = sqlx::query(sql)
+            .bind_json(&rows)
+            .fetch_all(&mut **tx)
+            .await?;
+        let mut inserted = map_all(&inserted, MapRow::record)?;
+        // Ids are taken in the order of the rows (ORDER BY their
+        // position), so the inserted rows, by id, are the batch minus
+        // its repeats (a repeated key can never match a later
+        // inserted row: its key already exists).
+        inserted.sort_unstable_by_key(|r| r.id);
+        let mut inserted = inserted.into_iter().peekable();
+        for (slot, new) in out.iter_mut().zip(batch) {
+            let next_is_this = inserted
+                .peek()
+                .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
+            if next_is_this {
+                if let Some(record) = inserted.next() {
+                    deltas.moved(&record.pipeline, None, RecordState::Pending);
+                    *slot = Some(Created {
+                        record,
+                        created: true,
+                    });
+                }
+            }
+        }
+        if inserted.next().is_some() {
+            return Err(StoreError::Invalid(
+                "inserted records did not match the batch".into(),
+            ));
+        }
+        let events: Vec<EventRow<'_>> = out
+            .iter()
+            .flatten()
+            .map(|c| EventRow {
+                record_id: Some(c.record.id),
+                at: now,
+                kind: "created",
+                actor: "system",
+                audit: false,
+                from: None,
+                to: Some(RecordState::Pending),
+                step: None,
+                reason: None,
+                detail: None,
+            })
+            .collect();
+        Self::insert_events(tx, &events).await?;
+        // Repeats: the record with that key, from before or from
+        // earlier in this batch.
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
+        );
+        let mut done = Vec::with_capacity(batch.len());
+        for (slot, new) in out.into_iter().zip(batch) {
+            let created = match slot {
+                Some(c) => c,
+                None => {
+                    let row = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                        .bind(new.pipeline.clone())
+                        .bind(new.external_key.clone())
+                        .fetch_one(&mut **tx)
+                        .await?;
+                    Created {
+                        record: row.record()?,
+                        created: false,
+                    }
+                }
+            };
+            done.push(created);
+        }
+        Ok(done)
+    }
+
+    /// Moves one record whose row the transaction holds and writes
+    /// the event; the caller applies `deltas`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn move_record(
+        tx: &mut Tx<DB>,
+        rec: &Record,
+        to: RecordState,
+        next_run_at: Option<UnixMs>,
+        now: UnixMs,
+        event: EventRow<'_>,
+        error_code: Option<&str>,
+        deltas: &mut CountDeltas,
+    ) -> StoreResult<Record> {
+        let finished_at = if to.is_terminal() { Some(now) } else { None };
+        let sql = format!(
+            "UPDATE records SET state = $1, next_run_at = $2, lease_owner = NULL, lease_until = NULL, \
+             error_code = $3, reason = $4, step = COALESCE($5, step), updated_at = $6, finished_at = $7 \
+             WHERE id = $8 RETURNING {RECORD_COLUMNS}"
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(to.as_str())
+            .bind(next_run_at)
+            .bind(error_code.map(str::to_owned))
+            .bind(event.reason.map(str::to_owned))
+            .bind(event.step.map(str::to_owned))
+            .bind(now)
+            .bind(finished_at)
+            .bind(rec.id)
+            .fetch_one(&mut **tx)
+            .await?;
+        Self::insert_event(tx, &event).await?;
+        let after = row.record()?;
+        deltas.record_moved(rec, &after);
+        Ok(after)
+    }
+}
