@@ -165,11 +165,7 @@ pub enum UserCommand {
 
 /// Runs one command to completion.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    let Loaded {
-        mut config,
-        file,
-        env,
-    } = Config::load(cli.config.as_deref())?;
+    let Loaded { config, file, env } = Config::load(cli.config.as_deref())?;
     // Every command checks the pipelines, so a mistake in one is reported
     // before anything starts, whichever command was asked for.
     crate::pipeline::compile(&config)?;
@@ -182,96 +178,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             bind,
             demo,
             demo_rate,
-        } => {
-            if let Some(bind) = bind {
-                config.server.bind = bind;
-            }
-            let listener = tokio::net::TcpListener::bind(config.server.bind)
-                .await
-                .with_context(|| {
-                    format!(
-                        "cannot listen on {} (is another process using it? pick another with --bind)",
-                        config.server.bind
-                    )
-                })?;
-            let shutdown = CancellationToken::new();
-            crate::app::cancel_on_signals(shutdown.clone());
-            if !demo {
-                return crate::app::run(config, listener, shutdown).await;
-            }
-            let demo = crate::demo::prepare(&mut config, demo_rate).await?;
-            eprintln!(
-                "ballast: demo mode: simulated providers, demo pipelines, {demo_rate} records/s, database {}",
-                config.database.url
-            );
-            let hook = format!("http://{}/hooks/render-api", listener.local_addr()?);
-            let stop = shutdown.clone();
-            crate::app::run_with(config, listener, shutdown, move |state| {
-                match state.engine.clone() {
-                    Some(engine) => {
-                        tokio::spawn(crate::demo::generate(engine, demo, hook, stop));
-                    }
-                    None => tracing::error!("demo mode without workers"),
-                }
-            })
-            .await
-        }
-        Command::RotateSecret => {
-            let db = crate::app::connect(&config).await?;
-            migrate::up(&db, None)
-                .await
-                .context("cannot migrate the database")?;
-            let revoked = db
-                .rotate_meta_secret(
-                    crate::web::SESSION_SECRET_KEY,
-                    &crate::web::new_session_secret(),
-                    SystemClock.now_ms(),
-                )
-                .await;
-            db.close().await;
-            let revoked = revoked?;
-            println!(
-                "new session signing key stored; {revoked} session(s) ended. Restart every ballast node to use it."
-            );
-            if config.server.secret_key.is_some() {
-                println!(
-                    "note: BALLAST_SECRET_KEY is set and takes precedence over the stored key"
-                );
-            }
-            Ok(())
-        }
+        } => serve(config, bind, demo, demo_rate).await,
+        Command::RotateSecret => rotate_secret(&config).await,
         Command::Enqueue {
             pipeline,
             key,
             input,
-        } => {
-            let input: serde_json::Value = serde_json::from_str(&input)
-                .map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
-            let db = crate::app::connect(&config).await?;
-            migrate::up(&db, None)
-                .await
-                .context("cannot migrate the database")?;
-            let engine = crate::engine::Engine::new(
-                db.clone(),
-                std::sync::Arc::new(config),
-                crate::engine::EngineOptions::new("cli"),
-            )
-            .await?;
-            let created = engine.enqueue(&pipeline, key.as_deref(), input).await;
-            db.close().await;
-            let created = created?;
-            if created.created {
-                println!("enqueued record {} in {pipeline}", created.record.id);
-            } else {
-                println!(
-                    "already enqueued: record {} ({}) has key {:?}",
-                    created.record.id,
-                    created.record.state,
-                    created.record.external_key.unwrap_or_default()
-                );
-            }
-            Ok(())
-        }
+        } => enqueue(config, &pipeline, key.as_deref(), &input).await,
         Command::Provider { action } => {
             let db = crate::app::connect(&config).await?;
             migrate::up(&db, None)
@@ -329,6 +242,106 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             result
         }
     }
+}
+
+/// `serve [--demo]`: the control plane and the workers until a signal.
+async fn serve(
+    mut config: Config,
+    bind: Option<std::net::SocketAddr>,
+    demo: bool,
+    demo_rate: f64,
+) -> anyhow::Result<()> {
+    if let Some(bind) = bind {
+        config.server.bind = bind;
+    }
+    let listener = tokio::net::TcpListener::bind(config.server.bind)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (is another process using it? pick another with --bind)",
+                config.server.bind
+            )
+        })?;
+    let shutdown = CancellationToken::new();
+    crate::app::cancel_on_signals(shutdown.clone());
+    if !demo {
+        return crate::app::run(config, listener, shutdown).await;
+    }
+    let demo = crate::demo::prepare(&mut config, demo_rate).await?;
+    eprintln!(
+        "ballast: demo mode: simulated providers, demo pipelines, {demo_rate} records/s, database {}",
+        config.database.url
+    );
+    let hook = format!("http://{}/hooks/render-api", listener.local_addr()?);
+    let stop = shutdown.clone();
+    crate::app::run_with(config, listener, shutdown, move |state| {
+        match state.engine.clone() {
+            Some(engine) => {
+                tokio::spawn(crate::demo::generate(engine, demo, hook, stop));
+            }
+            None => tracing::error!("demo mode without workers"),
+        }
+    })
+    .await
+}
+
+/// `rotate-secret`: a new session signing key; every session ends.
+async fn rotate_secret(config: &Config) -> anyhow::Result<()> {
+    let db = crate::app::connect(config).await?;
+    migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    let revoked = db
+        .rotate_meta_secret(
+            crate::web::SESSION_SECRET_KEY,
+            &crate::web::new_session_secret(),
+            SystemClock.now_ms(),
+        )
+        .await;
+    db.close().await;
+    let revoked = revoked?;
+    println!(
+        "new session signing key stored; {revoked} session(s) ended. Restart every ballast node to use it."
+    );
+    if config.server.secret_key.is_some() {
+        println!("note: BALLAST_SECRET_KEY is set and takes precedence over the stored key");
+    }
+    Ok(())
+}
+
+/// `enqueue`: one record, idempotent on its key.
+async fn enqueue(
+    config: Config,
+    pipeline: &str,
+    key: Option<&str>,
+    input: &str,
+) -> anyhow::Result<()> {
+    let input: serde_json::Value =
+        serde_json::from_str(input).map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
+    let db = crate::app::connect(&config).await?;
+    migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    let engine = crate::engine::Engine::new(
+        db.clone(),
+        std::sync::Arc::new(config),
+        crate::engine::EngineOptions::new("cli"),
+    )
+    .await?;
+    let created = engine.enqueue(pipeline, key, input).await;
+    db.close().await;
+    let created = created?;
+    if created.created {
+        println!("enqueued record {} in {pipeline}", created.record.id);
+    } else {
+        println!(
+            "already enqueued: record {} ({}) has key {:?}",
+            created.record.id,
+            created.record.state,
+            created.record.external_key.unwrap_or_default()
+        );
+    }
+    Ok(())
 }
 
 fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
