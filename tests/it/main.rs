@@ -17,4 +17,5 @@ mod scale;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
 mod store;
+mod wait;
 mod web;
