@@ -5,8 +5,11 @@
 //! hanging; no limit is an assertion on how long something took.
 
 use std::fmt::Debug;
+use std::io::BufRead;
+use std::process::{Child, ExitStatus};
 use std::time::Duration;
 
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 /// The longest pause between two checks of a condition.
@@ -39,5 +42,97 @@ pub async fn until<T, O: Debug>(
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(MAX_PAUSE);
+    }
+}
+
+/// The lines a child process writes to a pipe, as they come. A thread
+/// reads the pipe to its end (so the child never blocks on a full pipe)
+/// and hands each line over; the test awaits them.
+pub struct Lines {
+    rx: mpsc::UnboundedReceiver<String>,
+    /// Every line handed over so far, each ending in a newline.
+    seen: String,
+}
+
+impl Lines {
+    pub fn read(pipe: impl std::io::Read + Send + 'static) -> Lines {
+        let (tx, rx) = mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                // Keep reading when nobody listens any more: the child must
+                // not block on its output.
+                let _ = tx.send(line);
+            }
+        });
+        Lines {
+            rx,
+            seen: String::new(),
+        }
+    }
+
+    /// Waits for the first line for which `want` holds and returns it.
+    /// Panics with everything read so far when the pipe closes first (the
+    /// child exited) or after `limit`.
+    pub async fn until(
+        &mut self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&str) -> bool,
+    ) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(line)) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                    if want(&line) {
+                        return line;
+                    }
+                }
+                Ok(None) => panic!("{what}: the output ended first:\n{}", self.seen),
+                Err(_) => panic!(
+                    "{what}: not within {limit:?}; output so far:\n{}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Everything the child wrote, once the pipe has closed (the child
+    /// exited), waiting at most `limit` for that.
+    pub async fn all(mut self, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(line)) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                }
+                Ok(None) => return self.seen,
+                Err(_) => panic!("the output did not end within {limit:?}:\n{}", self.seen),
+            }
+        }
+    }
+}
+
+/// Waits for `child` to exit and returns how it did. After `limit` the
+/// child is killed and the test fails with `what`.
+pub async fn exit(mut child: Child, what: &str, limit: Duration) -> ExitStatus {
+    let pid = child.id();
+    let (tx, rx) = oneshot::channel();
+    // `Child::wait` blocks until the exit: a thread waits so the test can
+    // await the exit as an event.
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    match tokio::time::timeout(limit, rx).await {
+        Ok(Ok(status)) => status.expect("waiting on the child"),
+        Ok(Err(_)) => panic!("{what}: the waiting thread ended without a status"),
+        Err(_) => {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("{what}: did not exit within {limit:?}")
+        }
     }
 }
