@@ -98,6 +98,11 @@ impl Lines {
         }
     }
 
+    /// Every line read so far.
+    pub fn seen(&self) -> &str {
+        &self.seen
+    }
+
     /// Everything the child wrote, once the pipe has closed (the child
     /// exited), waiting at most `limit` for that.
     pub async fn all(mut self, limit: Duration) -> String {
