@@ -141,3 +141,58 @@ pub async fn exit(mut child: Child, what: &str, limit: Duration) -> ExitStatus {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    use super::{Lines, exit, until};
+
+    fn sh(script: &str) -> std::process::Child {
+        Command::new("sh")
+            .args(["-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn until_returns_once_the_condition_holds() {
+        let mut checks = 0;
+        let got = until("the third check", Duration::from_secs(10), async || {
+            checks += 1;
+            if checks == 3 { Ok("done") } else { Err(checks) }
+        })
+        .await;
+        assert_eq!((got, checks), ("done", 3));
+    }
+
+    #[tokio::test]
+    async fn lines_come_as_they_are_written() {
+        let mut child = sh("echo one; echo ready; echo two");
+        let mut lines = Lines::read(child.stdout.take().unwrap());
+        let ready = lines
+            .until("ready", Duration::from_secs(10), |l| l == "ready")
+            .await;
+        assert_eq!(ready, "ready");
+        assert_eq!(lines.seen(), "one\nready\n");
+        assert!(exit(child, "sh", Duration::from_secs(10)).await.success());
+        assert_eq!(
+            lines.all(Duration::from_secs(10)).await,
+            "one\nready\ntwo\n"
+        );
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "ready: the output ended first:\nnot yet\n")]
+    async fn a_line_that_never_comes_fails_when_the_output_ends() {
+        let mut child = sh("echo 'not yet'");
+        let mut lines = Lines::read(child.stdout.take().unwrap());
+        exit(child, "sh", Duration::from_secs(10)).await;
+        lines
+            .until("ready", Duration::from_secs(10), |l| l == "ready")
+            .await;
+    }
+}
