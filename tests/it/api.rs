@@ -9,6 +9,7 @@ use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, Store};
 use serde_json::{Value, json};
 
+use crate::wait;
 use crate::web::WebApp;
 
 fn pipeline(base_url: &str) -> String {
@@ -84,25 +85,27 @@ async fn api_round_trip(backend: Backend) {
         .unwrap();
     }
     // The workers finish them.
-    let mut done = 0;
-    for _ in 0..200 {
-        let r: Value = app
-            .client
-            .get(app.url("/api/v1/records?state=succeeded&limit=10"))
-            .bearer_auth(&viewer)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        done = r["items"].as_array().unwrap().len();
-        if done == 5 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(done, 5);
+    wait::until(
+        "the API lists five records succeeded",
+        Duration::from_secs(30),
+        async || {
+            let r: Value = app
+                .client
+                .get(app.url("/api/v1/records?state=succeeded&limit=10"))
+                .bearer_auth(&viewer)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            match r["items"].as_array().unwrap().len() {
+                5 => Ok(()),
+                done => Err(done),
+            }
+        },
+    )
+    .await;
     // Keyset pages.
     let page: Value = app
         .client
@@ -223,25 +226,36 @@ async fn api_round_trip(backend: Backend) {
         .unwrap();
     assert_eq!(bad.json::<Value>().await.unwrap()["error"], "bad_filter");
 
-    // The overview shows counts and, once the node flushed, statistics.
-    assert!(
-        app_engine_flush(&app).await.is_some(),
-        "statistics were flushed"
-    );
+    // The overview shows counts and, once the node has flushed its
+    // statistics to the database, those too.
+    wait::until(
+        "the node flushes its statistics",
+        Duration::from_secs(30),
+        async || {
+            let rows = app.t.db.rollups_since(0).await.unwrap();
+            if rows.iter().any(|r| r.calls > 0) {
+                Ok(())
+            } else {
+                Err(rows)
+            }
+        },
+    )
+    .await;
     app.user("v", Role::Viewer).await;
     let login = app.login("v").await;
-    let mut html = String::new();
-    for _ in 0..100 {
-        html = app.get("/", Some(&login)).await.text().await.unwrap();
-        if html.contains("leads / charge (sim)") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        html.contains("leads / charge (sim)"),
-        "step statistics shown: {html}"
-    );
+    let html = wait::until(
+        "the overview shows the step's statistics",
+        Duration::from_secs(30),
+        async || {
+            let html = app.get("/", Some(&login)).await.text().await.unwrap();
+            if html.contains("leads / charge (sim)") {
+                Ok(html)
+            } else {
+                Err(html)
+            }
+        },
+    )
+    .await;
     assert!(html.contains("100.0%"), "success rate");
     assert!(html.contains("<rect"), "a throughput chart");
     let live = app
@@ -262,18 +276,6 @@ async fn api_round_trip(backend: Backend) {
     );
     app.stop().await;
     sim.stop();
-}
-
-/// Statistics reach the database within the flush interval; wait for it.
-async fn app_engine_flush(app: &WebApp) -> Option<()> {
-    for _ in 0..80 {
-        let rows = app.t.db.rollups_since(0).await.ok()?;
-        if rows.iter().any(|r| r.calls > 0) {
-            return Some(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,24 +337,15 @@ request = {{ method = "POST", path = "/v1/x", body = '{{"ref": "{{{{ record.id }
         .await
         .unwrap();
     let id = created["record"]["id"].as_i64().unwrap();
-    let mut state = String::new();
-    for _ in 0..100 {
-        state = app
-            .t
-            .db
-            .get_record(id)
-            .await
-            .unwrap()
-            .unwrap()
-            .state
-            .as_str()
-            .to_owned();
-        if state == "parked" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(state, "parked");
+    wait::until(
+        "the record is parked",
+        Duration::from_secs(30),
+        async || match app.t.db.get_record(id).await.unwrap().unwrap().state {
+            ballast::domain::RecordState::Parked => Ok(()),
+            other => Err(other),
+        },
+    )
+    .await;
     let attempts = app.t.db.attempts(id).await.unwrap();
     assert_eq!(attempts.len(), 2);
     for a in &attempts {

@@ -16,6 +16,7 @@ use ballast::store::{ActionRequest, Backend, NewAttempt, Store};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
 
+use crate::wait;
 use crate::web::{WebApp, password_of};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -55,12 +56,18 @@ async fn driver(test: &str) -> Option<Driver> {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let child = Command::new(CHROMEDRIVER)
+    let mut child = Command::new(CHROMEDRIVER)
         .arg(format!("--port={port}"))
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("chromedriver starts");
+    // chromedriver says so on its stdout once it listens.
+    wait::Lines::read(child.stdout.take().unwrap())
+        .until("chromedriver starts", Duration::from_secs(30), |l| {
+            l.contains("started successfully")
+        })
+        .await;
     let profile = tempfile::tempdir().unwrap();
     let mut caps = serde_json::Map::new();
     caps.insert(
@@ -76,27 +83,17 @@ async fn driver(test: &str) -> Option<Driver> {
             ]
         }),
     );
-    let url = format!("http://127.0.0.1:{port}");
-    let mut last = None;
-    for _ in 0..100 {
-        match ClientBuilder::rustls()
-            .unwrap()
-            .capabilities(caps.clone())
-            .connect(&url)
-            .await
-        {
-            Ok(client) => {
-                return Some(Driver {
-                    child,
-                    _profile: profile,
-                    client,
-                });
-            }
-            Err(e) => last = Some(e),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("cannot start a browser session: {last:?}");
+    let client = ClientBuilder::rustls()
+        .unwrap()
+        .capabilities(caps)
+        .connect(&format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap_or_else(|e| panic!("cannot start a browser session: {e:?}"));
+    Some(Driver {
+        child,
+        _profile: profile,
+        client,
+    })
 }
 
 fn screenshots() -> PathBuf {
@@ -153,30 +150,28 @@ async fn login(c: &Client, app: &WebApp, user: &str) {
 /// part every 5 s, so an element found may go stale before it is read:
 /// find it again then.
 async fn text_of(c: &Client, css: &str) -> String {
-    let mut last = None;
-    for _ in 0..5 {
-        match c.find(Locator::Css(css)).await {
-            Ok(e) => match e.text().await {
-                Ok(t) => return t,
-                Err(err) => last = Some(err),
-            },
-            Err(err) => last = Some(err),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("cannot read `{css}`: {last:?}");
+    wait::until(
+        &format!("reading `{css}`"),
+        Duration::from_secs(10),
+        async || c.find(Locator::Css(css)).await?.text().await,
+    )
+    .await
 }
 
+/// Waits until the element `css` selects shows `want` (the page changes
+/// it after an htmx request of its own).
 async fn wait_text(c: &Client, css: &str, want: &str) {
-    for _ in 0..100 {
-        if let Ok(e) = c.find(Locator::Css(css)).await {
-            if e.text().await.unwrap_or_default().contains(want) {
-                return;
-            }
+    let what = format!("`{css}` shows `{want}`");
+    wait::until(&what, Duration::from_secs(20), async || {
+        match c.find(Locator::Css(css)).await {
+            Ok(e) => match e.text().await {
+                Ok(text) if text.contains(want) => Ok(()),
+                seen => Err(seen),
+            },
+            Err(e) => Err(Err(e)),
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("`{css}` never showed `{want}`");
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,7 +244,18 @@ async fn the_dashboard_works_in_a_real_browser() {
     );
     assert!(text_of(c, ".facts").await.contains("attempts exhausted"));
     shot(c, "record-detail").await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Were the payload live, it would run while the page loads: a script
+    // as it is parsed, the image's error handler before the load event.
+    // Wait for that event and one turn of the event loop after it.
+    c.execute_async(
+        "const done = arguments[arguments.length - 1];
+         const after = () => setTimeout(done, 0);
+         if (document.readyState === 'complete') after();
+         else window.addEventListener('load', after);",
+        vec![],
+    )
+    .await
+    .unwrap();
     let pwned = c
         .execute(
             "return window.__pwned === undefined ? null : window.__pwned;",
@@ -455,15 +461,16 @@ async fn the_dashboard_works_in_a_real_browser() {
         .unwrap();
     let before = text_of(c, "#counts").await;
     app.record("lead-live").await;
-    let mut after = before.clone();
-    for _ in 0..100 {
-        after = text_of(c, "#counts").await;
-        if after != before {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_ne!(before, after, "the counts changed without a reload");
+    // The page refreshes its live part every 5 s.
+    wait::until(
+        "the counts change without a reload",
+        Duration::from_secs(30),
+        async || {
+            let after = text_of(c, "#counts").await;
+            if after != before { Ok(()) } else { Err(after) }
+        },
+    )
+    .await;
     let marker = c
         .execute("return window.__marker || null;", vec![])
         .await
@@ -498,8 +505,6 @@ async fn the_dashboard_works_in_a_real_browser() {
 /// go to `target/screenshots/demo-*.png`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_shows_every_outcome_within_a_minute() {
-    use std::io::BufRead;
-    use std::sync::{Arc, Mutex};
     let Some(d) = driver("demo").await else {
         return;
     };
@@ -527,40 +532,22 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let log = Arc::new(Mutex::new(String::new()));
-    let stderr = child.stderr.take().unwrap();
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let mut l = sink.lock().unwrap();
-            l.push_str(&line);
-            l.push('\n');
-        }
-    });
+    let mut log = wait::Lines::read(child.stderr.take().unwrap());
     let base = format!("http://127.0.0.1:{port}");
-    let mut password = None;
-    for _ in 0..300 {
-        let text = log.lock().unwrap().clone();
-        if text.contains(&format!("dashboard at {base}/")) {
-            password = text
-                .lines()
-                .skip_while(|l| !l.contains("created user `admin` with password"))
-                .map(str::trim)
-                .find(|l| !l.is_empty() && !l.contains("created user"))
-                .map(str::to_owned);
-            break;
-        }
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the demo exited: {text}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let password =
-        password.unwrap_or_else(|| panic!("no password printed: {}", log.lock().unwrap()));
+    // The password is printed before the dashboard's address, which comes
+    // once the demo serves.
+    log.until("the demo starts", Duration::from_secs(60), |l| {
+        l.contains(&format!("dashboard at {base}/"))
+    })
+    .await;
+    let password = log
+        .seen()
+        .lines()
+        .skip_while(|l| !l.contains("created user `admin` with password"))
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.contains("created user"))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no password printed: {}", log.seen()));
     assert!(password.len() >= 20, "{password}");
     assert!(dir.path().join("ballast-demo.db").exists());
 
@@ -592,10 +579,9 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
     // Wait for every kind of outcome.
     let started = std::time::Instant::now();
     let mut seen_open = false;
-    let mut totals = std::collections::BTreeMap::new();
-    loop {
+    let outcomes = async || {
         c.goto(&format!("{base}/")).await.unwrap();
-        totals.clear();
+        let mut totals = std::collections::BTreeMap::new();
         for cell in c
             .find_all(Locator::Css("#counts a[data-state]"))
             .await
@@ -625,14 +611,17 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
             .iter()
             .any(|s| has(s));
         if has("succeeded") && has("failed") && has("parked") && in_flight && seen_open {
-            break;
+            Ok(totals)
+        } else {
+            Err(format!("{totals:?}, breaker opened: {seen_open}"))
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "not every outcome after two minutes: {totals:?}, breaker opened: {seen_open}"
-        );
-        tokio::time::sleep(Duration::from_secs(2)).await;
-    }
+    };
+    let totals = wait::until(
+        "the demo shows every outcome",
+        Duration::from_secs(120),
+        outcomes,
+    )
+    .await;
     println!(
         "demo: every outcome after {:.0} s: {totals:?}",
         started.elapsed().as_secs_f64()
@@ -658,17 +647,8 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    let stopped = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            stopped.elapsed() < Duration::from_secs(30),
-            "the demo ignored SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(status.success(), "{}", log.lock().unwrap());
+    let status = wait::exit(child, "the demo stops on SIGTERM", Duration::from_secs(30)).await;
+    let log = log.all(Duration::from_secs(30)).await;
+    assert!(status.success(), "{log}");
     d.client.clone().close().await.unwrap();
 }

@@ -2,11 +2,12 @@
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ballast::store::Backend;
 
 use crate::helpers::{TestDb, free_port, http_get};
+use crate::wait;
 
 const PASSWORD: &str = "correct horse battery staple";
 
@@ -319,18 +320,11 @@ async fn serve_answers_and_stops_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    loop {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "serve did not start"
-        );
-        assert!(child.try_wait().unwrap().is_none(), "serve exited early");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let mut log = wait::Lines::read(child.stderr.take().unwrap());
+    log.until("serve starts", Duration::from_secs(30), |l| {
+        l.contains(&format!("dashboard at http://{addr}/"))
+    })
+    .await;
     assert_eq!(http_get(addr, "/readyz").await.0, 200);
     assert!(
         dir.path().join("ballast.db").exists(),
@@ -359,25 +353,8 @@ async fn serve_answers_and_stops_on_sigterm() {
         .status()
         .unwrap();
     assert!(kill.success());
-    let stopped = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            stopped.elapsed() < Duration::from_secs(15),
-            "serve ignored SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let mut log = String::new();
-    use std::io::Read;
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
+    let status = wait::exit(child, "serve stops on SIGTERM", Duration::from_secs(15)).await;
+    let log = log.all(Duration::from_secs(15)).await;
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("stopped cleanly"), "{log}");
     assert!(
@@ -418,7 +395,8 @@ async fn serve_answers_and_stops_on_sigterm() {
     );
 }
 
-/// Runs `ballast serve` until it answers, then stops it; returns its stderr.
+/// Runs `ballast serve` until it says it serves, then stops it; returns
+/// its stderr.
 async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
     let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -434,22 +412,16 @@ async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().unwrap();
-    let started = Instant::now();
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "serve did not start"
-        );
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let mut log = wait::Lines::read(child.stderr.take().unwrap());
+    log.until("serve starts", Duration::from_secs(30), |l| {
+        l.contains(&format!("dashboard at http://{addr}/"))
+    })
+    .await;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stderr).into_owned()
+    wait::exit(child, "serve stops on SIGTERM", Duration::from_secs(15)).await;
+    log.all(Duration::from_secs(15)).await
 }
 
 #[tokio::test]

@@ -8,6 +8,7 @@ use ballast::store::Store;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestDb, http_get, http_post};
+use crate::wait;
 
 #[tokio::test]
 async fn serves_probes_and_shuts_down_gracefully() {
@@ -26,15 +27,22 @@ async fn serves_probes_and_shuts_down_gracefully() {
     let (status, _) = http_get(addr, "/no-such-page").await;
     assert_eq!(status, 404);
 
-    // The server migrated the database and registered itself.
-    let mut nodes = Vec::new();
-    for _ in 0..50 {
-        nodes = t.db.list_nodes().await.unwrap();
-        if !nodes.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // The server migrated the database and registered itself. Its
+    // heartbeat task writes the node's row beside the serving, so the row
+    // may land just after the first answer.
+    let nodes = wait::until(
+        "the server registers its node",
+        Duration::from_secs(10),
+        async || {
+            let nodes = t.db.list_nodes().await.unwrap();
+            if nodes.is_empty() {
+                Err(nodes)
+            } else {
+                Ok(nodes)
+            }
+        },
+    )
+    .await;
     assert_eq!(nodes.len(), 1);
     assert_eq!(nodes[0].pid, i64::from(std::process::id()));
 
@@ -119,43 +127,38 @@ outputs = {{ id = "/id", amount = "/amount" }}
     );
     let config = Config::parse(&text, std::path::Path::new("serve.toml")).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(ballast::app::run(
         config.clone(),
         listener,
         shutdown.clone(),
     ));
-    // Wait for the server to have migrated, then enqueue from "another process".
-    let mut enqueued = None;
-    for _ in 0..100 {
-        if let Ok(e) = ballast::engine::Engine::new(
-            t.db.clone(),
-            std::sync::Arc::new(config.clone()),
-            ballast::engine::EngineOptions::new("test"),
-        )
-        .await
-        {
-            enqueued = Some(
-                e.enqueue("pay", Some("p-1"), serde_json::json!({}))
-                    .await
-                    .unwrap()
-                    .record
-                    .id,
-            );
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let id = enqueued.expect("the server never migrated the database");
-    let mut state = None;
-    for _ in 0..100 {
-        state = t.db.get_record(id).await.unwrap().map(|r| r.state);
-        if state == Some(ballast::domain::RecordState::Succeeded) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(state, Some(ballast::domain::RecordState::Succeeded));
+    // The server answers only once it has migrated the database (the
+    // request waits in the listener's backlog until then); then enqueue
+    // from "another process".
+    assert_eq!(http_get(addr, "/readyz").await.0, 200);
+    let id = ballast::engine::Engine::new(
+        t.db.clone(),
+        std::sync::Arc::new(config.clone()),
+        ballast::engine::EngineOptions::new("test"),
+    )
+    .await
+    .unwrap()
+    .enqueue("pay", Some("p-1"), serde_json::json!({}))
+    .await
+    .unwrap()
+    .record
+    .id;
+    wait::until(
+        "the server's workers finish the record",
+        Duration::from_secs(30),
+        async || match t.db.get_record(id).await.unwrap().map(|r| r.state) {
+            Some(ballast::domain::RecordState::Succeeded) => Ok(()),
+            other => Err(other),
+        },
+    )
+    .await;
     let steps = t.db.step_runs(id).await.unwrap();
     assert_eq!(
         steps[0].output.as_ref().and_then(|o| o.get("amount")),
@@ -225,7 +228,9 @@ on_reversal = "park"
         listener,
         shutdown.clone(),
     ));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The server answers once it is up (the request waits in the
+    // listener's backlog until then).
+    assert_eq!(http_get(addr, "/readyz").await.0, 200);
     let hook = format!("http://{addr}/hooks/sim");
 
     // The webhook refuses what it must.
@@ -312,33 +317,77 @@ on_reversal = "park"
         .await
         .unwrap();
     }
-    let started = std::time::Instant::now();
-    loop {
-        let counts = t.db.state_counts().await.unwrap();
-        if crate::engine::at_rest_in(&counts) == N {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "{counts:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait::until(
+        "every record comes to rest",
+        Duration::from_secs(60),
+        async || {
+            let counts = t.db.state_counts().await.unwrap();
+            if crate::engine::at_rest_in(&counts) == N {
+                Ok(())
+            } else {
+                Err(counts)
+            }
+        },
+    )
+    .await;
     // Let late deliveries (flips, stale progress) arrive: wait until the
     // simulator has sent nothing new for a second.
     let mut sent = sim.callbacks_sent();
-    loop {
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        let now_sent = sim.callbacks_sent();
-        if now_sent == sent {
-            break;
-        }
-        sent = now_sent;
-        assert!(
-            started.elapsed() < Duration::from_secs(90),
-            "callbacks never settled"
-        );
-    }
-    // A reversal applied just now may still be committing.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
+    wait::until(
+        "the simulator's callbacks settle",
+        Duration::from_secs(90),
+        async || {
+            // Time passing is the point here: the simulator announces no end
+            // to its deliveries, so a second without one is the sign that the
+            // late ones have all been sent.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now_sent = sim.callbacks_sent();
+            if now_sent == sent {
+                return Ok(());
+            }
+            sent = now_sent;
+            Err(now_sent)
+        },
+    )
+    .await;
+    let page =
+        t.db.list_records(&RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // A delivery that arrived while its record's pass ran is judged after
+    // that pass commits (a contradiction becomes a reversal) and marked
+    // applied after the judgement commits: once no job has an unapplied
+    // delivery, every reversal is in the records read below.
+    wait::until(
+        "every delivery is applied",
+        Duration::from_secs(60),
+        async || {
+            let mut unapplied = Vec::new();
+            for r in &page.items {
+                for s in t.db.step_runs(r.id).await.unwrap() {
+                    let Some(job) = s.job_id else { continue };
+                    if !t
+                        .db
+                        .pending_callbacks("sim", &job)
+                        .await
+                        .unwrap()
+                        .is_empty()
+                    {
+                        unapplied.push(job);
+                    }
+                }
+            }
+            if unapplied.is_empty() {
+                Ok(())
+            } else {
+                Err(unapplied)
+            }
+        },
+    )
+    .await;
     let page =
         t.db.list_records(&RecordFilter {
             limit: 100,

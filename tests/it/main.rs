@@ -22,4 +22,5 @@ mod scale;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
 mod store;
+mod wait;
 mod web;
