@@ -402,24 +402,12 @@ impl Gate {
     }
 }
 
-/// Re-checks `check` until it gives a value; fails the test with `what`
-/// after `limit`. Polling, because the state waited on lives in a database
-/// or another process, which offers no notification to wait on; `limit`
-/// bounds a broken build, it is not a timing assertion.
+/// [`crate::wait::until`] for a check that gives `None` until the state
+/// waited on is there.
 pub async fn poll_until<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not within {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    crate::wait::until(what, limit, async || check().await.ok_or("not yet")).await
 }
