@@ -9,6 +9,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::web::AppState;
+use crate::web::htmx::is_htmx;
 
 use super::auth::{self, CSRF_FIELD, CSRF_HEADER};
 use super::error::{ErrorInfo, WebError};
@@ -44,11 +45,6 @@ pub async fn headers(req: Request, next: Next) -> Response {
     h.entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-store"));
     response
-}
-
-/// True for requests htmx made.
-pub fn is_htmx(headers: &HeaderMap) -> bool {
-    headers.get("hx-request").is_some_and(|v| v == "true")
 }
 
 /// The origin this dashboard is served from: `public_url`'s, or the `Host`

@@ -52,7 +52,7 @@ impl Window {
             if seen >= want {
                 return match LATENCY_BUCKETS_MS.get(i) {
                     Some(&b) if b == i64::MAX => "> 60 s".into(),
-                    Some(&b) => format!("≤ {}", super::pages::millis(b)),
+                    Some(&b) => format!("≤ {}", super::fmt::millis(b)),
                     None => "—".into(),
                 };
             }

@@ -72,17 +72,6 @@ pub fn when_opt(ms: Option<UnixMs>) -> String {
     ms.map(when).unwrap_or_default()
 }
 
-/// A duration in milliseconds, short.
-pub fn millis(ms: i64) -> String {
-    if ms < 1000 {
-        format!("{ms} ms")
-    } else if ms < 60_000 {
-        format!("{:.1} s", ms as f64 / 1000.0)
-    } else {
-        format!("{:.1} min", ms as f64 / 60_000.0)
-    }
-}
-
 #[derive(Template)]
 #[template(path = "partials/flash.html")]
 struct Flash<'a> {

@@ -15,7 +15,7 @@ use crate::store::Store;
 use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;
-use crate::web::security::is_htmx;
+use crate::web::htmx::is_htmx;
 
 use super::{Nav, html, when};
 

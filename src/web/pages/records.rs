@@ -15,10 +15,11 @@ use crate::store::Store;
 use crate::web::AppState;
 use crate::web::auth::{Authed, Operator, Viewer};
 use crate::web::error::{WebError, WebResult};
+use crate::web::htmx::is_htmx;
 use crate::web::query::{ListQuery, non_empty};
-use crate::web::security::is_htmx;
 
-use super::{Nav, html, millis, when, when_opt};
+use super::{Nav, html, when, when_opt};
+use crate::web::fmt::millis;
 
 pub fn router() -> Router<AppState> {
     Router::new()
