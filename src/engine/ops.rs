@@ -42,7 +42,7 @@ pub enum Selection {
 }
 
 /// What a bulk command found and did.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct BulkOutcome {
     /// Records the selection named.
     pub matched: usize,
@@ -50,8 +50,8 @@ pub struct BulkOutcome {
     pub allowed_ids: Vec<i64>,
     /// Those whose state does not.
     pub refused: usize,
-    /// Allowed records the action still failed for, one line each.
-    pub failed: Vec<String>,
+    /// Allowed records the action still failed for, and why.
+    pub failed: Vec<(i64, OpsError)>,
 }
 
 /// Operator commands over the store and, where this node runs workers, the
@@ -199,7 +199,7 @@ impl<'a> Ops<'a> {
                     .await;
                 if let Err(e) = done {
                     tracing::warn!(record.id = r.id, action = %action, error = ?e, "bulk action refused for one record");
-                    failed.push(format!("record {}: {e}", r.id));
+                    failed.push((r.id, e));
                 }
             }
             tracing::info!(action = %action, actor, records = allowed.len(), failed = failed.len(), "bulk action");

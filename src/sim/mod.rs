@@ -80,7 +80,9 @@ struct Sim {
     next_id: Mutex<u64>,
     client: reqwest::Client,
     callbacks_sent: Mutex<u64>,
-    /// Wall time, for signatures and HTTP dates (a provider's own clock).
+    /// The provider's own clock: when jobs are ready and outages end (in
+    /// its milliseconds), signatures and HTTP dates. Latencies and hangs
+    /// are real time.
     clock: Arc<dyn Clock>,
 }
 

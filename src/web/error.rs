@@ -105,7 +105,9 @@ impl From<crate::engine::OpsError> for WebError {
         use crate::engine::OpsError;
         match e {
             OpsError::Refused { code, message } => WebError::bad(code, message),
-            e @ OpsError::UnknownProvider { .. } => WebError::NotFound(e.to_string()),
+            OpsError::UnknownProvider { name, .. } => {
+                WebError::NotFound(format!("provider `{name}` not found"))
+            }
             OpsError::Store(e) => e.into(),
         }
     }

@@ -230,12 +230,17 @@ async fn crash_and_resume(backend: Backend) {
         tokio::time::sleep(Duration::from_millis(rng.u64(300..1200))).await;
         // Crash while the node holds work (a fast node may have nothing in
         // flight at a random moment: the rest waits on backoff or polls).
-        let holding = crate::helpers::poll_until("", Duration::from_secs(10), || async {
-            crate::helpers::lease_holders(&t.db)
-                .await
-                .contains(&name)
-                .then_some(())
-        });
+        // At most 5 s: the timeout below ends this wait, not its limit.
+        let holding = crate::helpers::poll_until(
+            "the node holding work",
+            Duration::from_secs(3600),
+            || async {
+                crate::helpers::lease_holders(&t.db)
+                    .await
+                    .contains(&name)
+                    .then_some(())
+            },
+        );
         if tokio::time::timeout(Duration::from_secs(5), holding)
             .await
             .is_ok()
@@ -765,6 +770,57 @@ async fn paused_providers_get_no_calls() {
         .unwrap();
     let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, ["provider_resumed", "provider_paused"]);
+    sim.stop();
+}
+
+/// A running engine learns of a pause and a resume through its provider
+/// sync (at start, then every `provider_sync`): no call while paused, each
+/// record once resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_engine_learns_pauses_from_its_provider_sync() {
+    let t = TestDb::migrated(Backend::Sqlite, "pause_sync")
+        .await
+        .unwrap();
+    let sim = SimHandle::spawn(Profile::clean(9)).await.unwrap();
+    let config = single_step(&sim.base_url(), "");
+    let engine = Engine::new(t.db.clone(), config, options("p2"))
+        .await
+        .unwrap();
+    let now = crate::helpers::wall_ms();
+    t.db.set_provider_pause("sim", true, "alice", Some("maintenance"), now)
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 10).await;
+    let (stop, run) = run_in_background(&engine);
+    // Every record has met the pause: deferred, not called.
+    // (With no limits and a clean provider, a pause is the only reason a
+    // record is deferred here.)
+    let all_deferred = async || {
+        let mut kinds = Vec::new();
+        for r in crate::helpers::all_records(&t.db, None).await {
+            kinds.push(event_kinds(&t.db, r.id).await);
+        }
+        let deferred = kinds.iter().filter(|k| k.iter().any(|k| k == "deferred"));
+        if deferred.count() == 10 {
+            Ok(())
+        } else {
+            Err(kinds)
+        }
+    };
+    crate::wait::until(
+        "every record deferred by the pause",
+        Duration::from_secs(20),
+        all_deferred,
+    )
+    .await;
+    assert_eq!(sim.stats().requests, 0, "a paused provider is not called");
+    t.db.set_provider_pause("sim", false, "alice", None, now + 1)
+        .await
+        .unwrap();
+    wait_at_rest(&t.db, 10, Duration::from_secs(30)).await;
+    stop.cancel();
+    run.await.unwrap();
+    assert_eq!(sim.stats().requests, 10);
     sim.stop();
 }
 

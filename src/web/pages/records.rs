@@ -408,7 +408,13 @@ async fn bulk(
         matched: outcome.matched,
         allowed_ids: outcome.allowed_ids,
         refused: outcome.refused,
-        failed: outcome.failed,
+        // Through WebError, so a store error reads as it does anywhere
+        // on the pages (an opaque "internal error", its detail logged).
+        failed: outcome
+            .failed
+            .into_iter()
+            .map(|(id, e)| format!("record {id}: {}", WebError::from(e)))
+            .collect(),
     };
     if is_htmx(&headers) {
         return html(&t.as_result());
