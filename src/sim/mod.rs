@@ -80,6 +80,8 @@ struct Sim {
     next_id: Mutex<u64>,
     client: reqwest::Client,
     callbacks_sent: Mutex<u64>,
+    /// Jobs whose callbacks are still to be sent (or retried).
+    callbacks_pending: Mutex<u64>,
     /// The provider's own clock: when jobs are ready and outages end (in
     /// its milliseconds), signatures and HTTP dates. Latencies and hangs
     /// are real time.
@@ -143,6 +145,7 @@ impl SimHandle {
             next_id: Mutex::new(0),
             client: reqwest::Client::new(),
             callbacks_sent: Mutex::new(0),
+            callbacks_pending: Mutex::new(0),
             clock,
         });
         let shutdown = CancellationToken::new();
@@ -188,6 +191,13 @@ impl SimHandle {
     /// Callbacks sent so far.
     pub fn callbacks_sent(&self) -> u64 {
         *Sim::lock(&self.sim.callbacks_sent)
+    }
+
+    /// Jobs whose callbacks (late ones, duplicates and retries included)
+    /// are not all sent yet: zero once the simulator has nothing more to
+    /// deliver for the jobs it was given.
+    pub fn callbacks_pending(&self) -> u64 {
+        *Sim::lock(&self.sim.callbacks_pending)
     }
 
     pub fn stats(&self) -> StatsFigures {
@@ -498,6 +508,7 @@ async fn submit_job(
             input: body,
         };
         if let Some(url) = callback_url {
+            *Sim::lock(&s.callbacks_pending) += 1;
             tokio::spawn(send_callbacks(s.clone(), job.clone(), url));
         }
         Sim::lock(&s.jobs).insert(id.clone(), job);
@@ -546,6 +557,14 @@ async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Respon
 /// duplicates, a stale progress report after the final word, lost
 /// deliveries, and flips (success, then a contradicting failure).
 async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
+    // Counted out however this ends (a lost callback returns early).
+    struct Sent(Arc<Sim>);
+    impl Drop for Sent {
+        fn drop(&mut self) {
+            *Sim::lock(&self.0.callbacks_pending) -= 1;
+        }
+    }
+    let _sent = Sent(sim.clone());
     sim.clock.sleep_until(job.ready_at).await;
     let (dup, late, lost) = {
         let mut rng = Sim::lock(&sim.rng);

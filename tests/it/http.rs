@@ -330,23 +330,14 @@ on_reversal = "park"
         },
     )
     .await;
-    // Let late deliveries (flips, stale progress) arrive: wait until the
-    // simulator has sent nothing new for a second.
-    let mut sent = sim.callbacks_sent();
+    // Let late deliveries (flips, stale progress) arrive: until the
+    // simulator has sent every callback it means to send.
     wait::until(
-        "the simulator's callbacks settle",
+        "the simulator's callbacks all sent",
         Duration::from_secs(90),
-        async || {
-            // Time passing is the point here: the simulator announces no end
-            // to its deliveries, so a second without one is the sign that the
-            // late ones have all been sent.
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let now_sent = sim.callbacks_sent();
-            if now_sent == sent {
-                return Ok(());
-            }
-            sent = now_sent;
-            Err(now_sent)
+        async || match sim.callbacks_pending() {
+            0 => Ok(()),
+            n => Err(n),
         },
     )
     .await;
