@@ -71,6 +71,10 @@ named_enum! {
         Fail => "fail",
         /// Nothing matched: bounded retries, then parked with the evidence.
         Unknown => "unknown",
+        /// The provider said "slow down" (a 429, a 503 with `Retry-After`,
+        /// or what an operator's rule says): try again after its pause,
+        /// spending no attempt, within the step's deadline.
+        Throttled => "throttled",
     }
 }
 

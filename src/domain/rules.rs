@@ -211,7 +211,8 @@ impl When {
     }
 }
 
-/// The rules every provider gets after its own (unless it opts out):
+/// The rules every provider gets after its own (unless it opts out): a
+/// 429 is the provider saying "slow down" (throttled: no attempt spent);
 /// transport failures and overload are worth retrying; anything else the
 /// operator did not describe stays `unknown`.
 pub fn default_rules() -> Vec<Rule> {
@@ -220,12 +221,19 @@ pub fn default_rules() -> Vec<Rule> {
         outcome: Outcome::Retry,
     };
     vec![
+        Rule {
+            when: When {
+                status: vec![StatusMatch::Code(429)],
+                ..When::default()
+            },
+            outcome: Outcome::Throttled,
+        },
         retry(When {
             error: vec![ReplyError::Timeout, ReplyError::Connect, ReplyError::Reset],
             ..When::default()
         }),
         retry(When {
-            status: vec![StatusMatch::Code(429), StatusMatch::Code(408)],
+            status: vec![StatusMatch::Code(408)],
             ..When::default()
         }),
         retry(When {
@@ -336,6 +344,19 @@ mod tests {
         ];
         rules.extend(default_rules());
         rules
+    }
+
+    #[test]
+    fn a_429_is_throttled_by_default_and_keeps_its_code() {
+        let c = classify(&default_rules(), &http(429, json!({})));
+        assert_eq!(
+            (c.outcome, c.error_code),
+            (Outcome::Throttled, Some("rate_limited"))
+        );
+        let c = classify(&default_rules(), &http(503, json!({})));
+        assert_eq!(c.outcome, Outcome::Retry);
+        let c = classify(&default_rules(), &http(408, json!({})));
+        assert_eq!(c.outcome, Outcome::Retry);
     }
 
     #[test]

@@ -339,6 +339,10 @@ pub fn after_reply(
             ));
             judged(Decision::keep(w), outcome, code, BudgetMove::None)
         }
+        Outcome::Throttled => {
+            let d = throttled(step, w, polling, reply, policy, (now, after), jitter);
+            judged(d, outcome, code, BudgetMove::None)
+        }
         Outcome::Retry | Outcome::Unknown => {
             let budget = if is_retry {
                 BudgetMove::RetryFailed
@@ -427,6 +431,64 @@ fn half_state(
             Decision::keep(w)
         }
         None => Decision::keep(w),
+    }
+}
+
+/// The provider said "slow down": not the record's fault, so the attempt
+/// the call counted is given back and nothing is drawn from the retry
+/// budget. The step asks again after the provider's pause (its
+/// `Retry-After`, or the backoff when it names none), and parks with
+/// `throttled_past_deadline` when that would pass the step's deadline: a
+/// provider that throttles forever cannot hold a record forever.
+fn throttled(
+    step: &Step,
+    mut w: StepWrite,
+    polling: bool,
+    reply: &ReplyFacts<'_>,
+    policy: &RetryPolicy,
+    (now, after): (UnixMs, UnixMs),
+    jitter: f64,
+) -> Decision {
+    if !polling {
+        w.attempts -= 1;
+    }
+    let code = reply.error_code.unwrap_or("throttled");
+    w.error_code = Some(code.to_owned());
+    let wait = policy
+        .backoff
+        .wait(w.attempts.max(1) as u32, jitter, reply.retry_after);
+    let next = after + ms(wait);
+    w.state = if polling || w.attempts == 0 {
+        StepState::Waiting
+    } else {
+        StepState::Retrying
+    };
+    match w.deadline_at {
+        // A job's last poll may wait out the provider's pause within the
+        // grace: the job may have finished meanwhile.
+        Some(d) if polling && next > d && next < d + LAST_POLL_GRACE_MS => {
+            w.reason = Some(format!("throttled by the provider ({code})"));
+            w.next_run_at = Some(next);
+            Decision::keep(w)
+        }
+        Some(d) if next > d => {
+            let pause = reply.retry_after.map_or_else(
+                || "no Retry-After".to_owned(),
+                |r| format!("Retry-After {r:?}"),
+            );
+            let status = reply
+                .http_status
+                .map_or_else(|| "no status".to_owned(), |s| format!("HTTP {s}"));
+            let reason = format!(
+                "the provider throttled past the step's deadline; last: {code} ({status}, {pause})"
+            );
+            park_or_fail(step, w, "throttled_past_deadline", reason, now)
+        }
+        _ => {
+            w.reason = Some(format!("throttled by the provider ({code})"));
+            w.next_run_at = Some(next);
+            Decision::keep(w)
+        }
     }
 }
 
@@ -665,6 +727,7 @@ mod tests {
             Just(Outcome::Retry),
             Just(Outcome::Fail),
             Just(Outcome::Unknown),
+            Just(Outcome::Throttled),
         ]
     }
 
@@ -752,6 +815,43 @@ mod tests {
         )
     }
 
+    /// A provider that throttles forever: the one attempt a paid call
+    /// allows is never spent, and the step parks at its deadline saying
+    /// why, with the provider's code kept.
+    #[test]
+    fn throttled_forever_parks_at_the_deadline_with_no_attempt_spent() {
+        let s = step(0, true, &["a"], 1_000, 60_000);
+        let p = policy(1, 3, 30_000);
+        let said = Said {
+            outcome: Outcome::Throttled,
+            has_outputs: false,
+            has_job: false,
+            retry_after: Some(4_000),
+            took: 10,
+            jitter: 0.5,
+        };
+        let (mut w, mut now) = (StepWrite::pending("s"), 1_000_000);
+        for _ in 0..100 {
+            let (call, d) = pass(&s, &w, &said, &p, now);
+            assert!(call.is_some(), "every pass calls: {d:?}");
+            assert_eq!(d.write.attempts, 0, "no attempt spent");
+            if let Some(park) = d.park {
+                assert_eq!(park.code, "throttled_past_deadline");
+                assert!(park.reason.contains("http_5xx"), "{}", park.reason);
+                assert!(now - 1_000_000 <= 30_000, "parked within the deadline");
+                return;
+            }
+            assert_eq!(
+                d.write.next_run_at,
+                Some(now + 10 + 4_000),
+                "after the pause"
+            );
+            w = d.write;
+            now = w.next_run_at.unwrap_or(now);
+        }
+        panic!("never parked");
+    }
+
     proptest! {
         /// Drives a step through a run of replies, each pass at the time
         /// the step asked to be run, and checks the rules operators rely
@@ -788,6 +888,16 @@ mod tests {
                     // A poll never spends an attempt.
                     if plan.polling {
                         prop_assert_eq!(nw.attempts, w.attempts);
+                    }
+                    // A throttled reply never spends an attempt, never
+                    // draws on the retry budget, and parks only at the
+                    // deadline, saying so.
+                    if j.outcome == Outcome::Throttled {
+                        prop_assert_eq!(nw.attempts, w.attempts);
+                        prop_assert_eq!(j.budget, BudgetMove::None);
+                        if let Some(park) = &d.park {
+                            prop_assert_eq!(park.code.as_str(), "throttled_past_deadline");
+                        }
                     }
                     // A success carries every declared output, or is
                     // `unknown` with the reason.
@@ -856,7 +966,7 @@ mod tests {
                         Outcome::Fail => "fail",
                         Outcome::Pending => "pending",
                         Outcome::Retry => "retry",
-                        Outcome::Unknown => "what",
+                        Outcome::Unknown | Outcome::Throttled => "what",
                     };
                     let mut b = json!({ "status": word, "id": "job-1" });
                     if *has_outputs {

@@ -108,7 +108,9 @@ impl StatsRecorder {
                 match a.outcome {
                     Outcome::Success | Outcome::Pending => r.succeeded += 1,
                     Outcome::Fail => r.failed += 1,
-                    Outcome::Retry => r.retried += 1,
+                    // Throttled calls are counted with the retried ones
+                    // until the rollups have a column of their own.
+                    Outcome::Retry | Outcome::Throttled => r.retried += 1,
                     Outcome::Unknown => r.unknown += 1,
                 }
                 if let Some(slot) = r.latency.get_mut(bucket(a.duration_ms)) {

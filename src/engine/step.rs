@@ -215,7 +215,7 @@ impl StepRun<'_> {
             .probe
             .record(failed, x.took, after)
             .then(|| rt.name.clone());
-        if x.http_status == Some(429) {
+        if c.outcome == Outcome::Throttled {
             // The whole provider slows down, not just this record.
             let pause = x.retry_after.unwrap_or(policy.backoff.base);
             rt.limiter().pause_until(after + ms(pause));

@@ -30,10 +30,12 @@ macro_rules! shipped {
 const SQLITE: &[Shipped] = shipped!("sqlite":
     1 "0001_core" "core",
     2 "0002_control_plane" "control_plane",
+    3 "0003_throttled" "throttled",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
     2 "0002_control_plane" "control_plane",
+    3 "0003_throttled" "throttled",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -166,19 +166,21 @@ async fn migrate_round_trip(backend: Backend) {
     let pending = run(&["migrate", "status"]);
     assert!(pending.contains("0001     pending    core"), "{pending}");
     assert!(
-        pending.contains("0002     pending    control_plane"),
+        pending.contains("0002     pending    control_plane")
+            && pending.contains("0003     pending    throttled"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);
     assert!(
-        up.contains("[1/2] applying 0001 core")
+        up.contains("[1/3] applying 0001 core")
             && up.contains("applied 0001")
-            && up.contains("[2/2] applied 0002"),
+            && up.contains("[2/3] applied 0002")
+            && up.contains("[3/3] applied 0003"),
         "{up}"
     );
     assert!(
         up.contains(&format!(
-            "{}: 2 applied; schema at version 2",
+            "{}: 3 applied; schema at version 3",
             backend.as_str()
         )),
         "{up}"
@@ -195,7 +197,7 @@ async fn migrate_round_trip(backend: Backend) {
     // Without --to, down reverts the latest migration only.
     let down = run(&["migrate", "down"]);
     assert!(
-        down.contains("reverted 0002") && !down.contains("reverted 0001"),
+        down.contains("reverted 0003") && !down.contains("reverted 0002"),
         "{down}"
     );
 }

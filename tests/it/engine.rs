@@ -773,6 +773,81 @@ async fn paused_providers_get_no_calls() {
     sim.stop();
 }
 
+/// A provider saying "slow down" costs no attempt. With one attempt
+/// allowed (a paid call), two 429s with `Retry-After`, then a 200 whose
+/// body says "rate limited" (an operator's rule maps it to `throttled`),
+/// then a success: the record succeeds, each throttled call is in the
+/// history as such, and the next call waits for the provider's pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_reply_spends_no_attempt() {
+    use axum::response::IntoResponse;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let t = TestDb::migrated(Backend::Sqlite, "throttled")
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let charge = {
+        let calls = calls.clone();
+        move || async move {
+            match calls.fetch_add(1, Ordering::SeqCst) {
+                0 | 1 => (
+                    axum::http::StatusCode::TOO_MANY_REQUESTS,
+                    [("retry-after", "2")],
+                    axum::Json(json!({ "error": "slow down" })),
+                )
+                    .into_response(),
+                2 => axum::Json(json!({ "error": "rate limited" })).into_response(),
+                _ => axum::Json(json!({ "status": "succeeded", "id": "ch_1" })).into_response(),
+            }
+        }
+    };
+    let url = crate::helpers::serve_router(
+        axum::Router::new().route("/v1/charge", axum::routing::post(charge)),
+    )
+    .await;
+    let config = single_step(
+        &url,
+        r#"retry = { max_attempts = 1, base = "100ms", cap = "1s", deadline = "10m" }
+[[providers.sim.rules]]
+when = { status = "2xx", field = "/error", equals = "rate limited" }
+outcome = "throttled""#,
+    );
+    let (engine, clock) = manual_engine(&t.db, config, "t1").await;
+    let created = engine.enqueue("pay", Some("k"), json!({})).await.unwrap();
+    // Two seconds after each 429 the record is due again, not before.
+    drain(&engine).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    clock.advance(1_900);
+    drain(&engine).await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the provider's pause holds"
+    );
+    drive_at_rest(&engine, &clock, 1, 100, 60_000).await;
+    let rec = t.db.get_record(created.record.id).await.unwrap().unwrap();
+    assert_eq!(rec.state, RecordState::Succeeded, "{rec:?}");
+    let history = t.db.attempts(rec.id).await.unwrap();
+    let seen: Vec<(&str, Option<i32>, Option<&str>)> = history
+        .iter()
+        .map(|a| (a.outcome.as_str(), a.http_status, a.error_code.as_deref()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("throttled", Some(429), Some("rate_limited")),
+            ("throttled", Some(429), Some("rate_limited")),
+            ("throttled", Some(200), Some("provider_rejected")),
+            ("success", Some(200), None),
+        ]
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        4,
+        "one paid call, three throttled"
+    );
+}
+
 /// A running engine learns of a pause and a resume through its provider
 /// sync (at start, then every `provider_sync`): no call while paused, each
 /// record once resumed.

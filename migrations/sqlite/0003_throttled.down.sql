@@ -1,0 +1,29 @@
+-- Back to the five outcomes: a throttled attempt reads as a retry.
+CREATE TABLE attempts_old (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    record_id   INTEGER NOT NULL REFERENCES records (id) ON DELETE CASCADE,
+    step        TEXT    NOT NULL,
+    provider    TEXT,
+    attempt_no  INTEGER NOT NULL,
+    node        TEXT,
+    started_at  INTEGER NOT NULL,
+    duration_ms INTEGER NOT NULL,
+    http_status INTEGER,
+    outcome     TEXT    NOT NULL CHECK (outcome IN ('success', 'pending', 'retry', 'fail', 'unknown')),
+    error_code  TEXT,
+    excerpt     TEXT
+);
+INSERT INTO attempts_old (id, record_id, step, provider, attempt_no, node, started_at,
+                          duration_ms, http_status, outcome, error_code, excerpt)
+    SELECT id, record_id, step, provider, attempt_no, node, started_at, duration_ms,
+           http_status, CASE outcome WHEN 'throttled' THEN 'retry' ELSE outcome END,
+           error_code, excerpt
+    FROM attempts;
+-- Ids are never reused: the new table continues the old one's sequence
+-- (past rows since deleted, not just the highest kept).
+UPDATE sqlite_sequence
+    SET seq = (SELECT seq FROM sqlite_sequence WHERE name = 'attempts')
+    WHERE name = 'attempts_old' AND EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'attempts');
+DROP TABLE attempts;
+ALTER TABLE attempts_old RENAME TO attempts;
+CREATE INDEX attempts_record ON attempts (record_id, id);
