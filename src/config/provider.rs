@@ -255,6 +255,9 @@ pub struct WhenConfig {
     #[serde(rename = "in")]
     pub one_of: Option<Vec<Value>>,
     pub exists: Option<bool>,
+    /// Whether the reply names a pause (a `Retry-After` header that
+    /// parses): `when = { status = 503, retry_after = true }`.
+    pub retry_after: Option<bool>,
 }
 
 mod defaults {
@@ -354,6 +357,7 @@ impl ProviderConfig {
                     status,
                     error: errors,
                     field,
+                    retry_after: w.retry_after,
                 },
                 outcome: r.outcome,
             });

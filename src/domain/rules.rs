@@ -89,6 +89,8 @@ pub enum Reply {
         status: u16,
         json: Option<Value>,
         body_error: Option<ReplyError>,
+        /// The reply named a pause (a `Retry-After` that parses).
+        retry_after: bool,
     },
     /// No usable HTTP reply at all.
     Failed(ReplyError),
@@ -169,6 +171,8 @@ pub struct When {
     pub error: Vec<ReplyError>,
     /// A JSON pointer into the body and its test.
     pub field: Option<(String, FieldTest)>,
+    /// Whether the reply must (or must not) name a pause.
+    pub retry_after: Option<bool>,
 }
 
 /// One reply rule.
@@ -180,14 +184,23 @@ pub struct Rule {
 
 impl When {
     fn matches(&self, reply: &Reply) -> bool {
-        let (status, json, error) = match reply {
+        let (status, json, error, paused) = match reply {
             Reply::Http {
                 status,
                 json,
                 body_error,
-            } => (Some(*status), json.as_ref(), *body_error),
-            Reply::Failed(e) => (None, None, Some(*e)),
+                retry_after,
+            } => (
+                Some(*status),
+                json.as_ref(),
+                *body_error,
+                Some(*retry_after),
+            ),
+            Reply::Failed(e) => (None, None, Some(*e), None),
         };
+        if self.retry_after.is_some() && paused != self.retry_after {
+            return false;
+        }
         if !self.status.is_empty()
             && !status.is_some_and(|s| self.status.iter().any(|m| m.matches(s)))
         {
@@ -212,9 +225,10 @@ impl When {
 }
 
 /// The rules every provider gets after its own (unless it opts out): a
-/// 429 is the provider saying "slow down" (throttled: no attempt spent);
-/// transport failures and overload are worth retrying; anything else the
-/// operator did not describe stays `unknown`.
+/// 429, and a 503 that names a pause, are the provider saying "slow down"
+/// (throttled: no attempt spent); transport failures and overload are
+/// worth retrying; anything else the operator did not describe stays
+/// `unknown`.
 pub fn default_rules() -> Vec<Rule> {
     let retry = |when| Rule {
         when,
@@ -224,6 +238,14 @@ pub fn default_rules() -> Vec<Rule> {
         Rule {
             when: When {
                 status: vec![StatusMatch::Code(429)],
+                ..When::default()
+            },
+            outcome: Outcome::Throttled,
+        },
+        Rule {
+            when: When {
+                status: vec![StatusMatch::Code(503)],
+                retry_after: Some(true),
                 ..When::default()
             },
             outcome: Outcome::Throttled,
@@ -310,6 +332,7 @@ mod tests {
             status,
             json: Some(body),
             body_error: None,
+            retry_after: false,
         }
     }
 
@@ -354,7 +377,18 @@ mod tests {
             (Outcome::Throttled, Some("rate_limited"))
         );
         let c = classify(&default_rules(), &http(503, json!({})));
-        assert_eq!(c.outcome, Outcome::Retry);
+        assert_eq!(c.outcome, Outcome::Retry, "a 503 naming no pause");
+        let paused = Reply::Http {
+            status: 503,
+            json: Some(json!({})),
+            body_error: None,
+            retry_after: true,
+        };
+        let c = classify(&default_rules(), &paused);
+        assert_eq!(
+            (c.outcome, c.error_code),
+            (Outcome::Throttled, Some("provider_5xx"))
+        );
         let c = classify(&default_rules(), &http(408, json!({})));
         assert_eq!(c.outcome, Outcome::Retry);
     }
@@ -388,6 +422,7 @@ mod tests {
             status: 200,
             json: None,
             body_error: Some(ReplyError::BodyNotJson),
+            retry_after: false,
         };
         assert_eq!(c(&html).error_code, Some("body_not_json"));
         assert_eq!(
@@ -421,11 +456,14 @@ mod tests {
         ];
         let error = proptest::option::of(proptest::sample::select(ReplyError::ALL.to_vec()));
         prop_oneof![
-            (0u16..1000, json, error).prop_map(|(status, json, body_error)| Reply::Http {
-                status,
-                json,
-                body_error
-            }),
+            (0u16..1000, json, error, any::<bool>()).prop_map(
+                |(status, json, body_error, retry_after)| Reply::Http {
+                    status,
+                    json,
+                    body_error,
+                    retry_after,
+                }
+            ),
             proptest::sample::select(ReplyError::ALL.to_vec()).prop_map(Reply::Failed),
         ]
     }

@@ -604,6 +604,7 @@ pub fn apply_deliveries(
             status: 200,
             json: Some(cb.body.clone()),
             body_error: None,
+            retry_after: false,
         };
         let c = classify(rules, &reply);
         let mut outcome = c.outcome;
@@ -949,6 +950,7 @@ mod tests {
                         status: vec![StatusMatch::Class(2)],
                         error: Vec::new(),
                         field: Some(("/status".into(), FieldTest::Equals(json!(word)))),
+                        retry_after: None,
                     },
                     outcome,
                 })

@@ -160,6 +160,7 @@ impl Engine {
             status: 200,
             json: Some(body.clone()),
             body_error: None,
+            retry_after: false,
         };
         let verdict = crate::domain::rules::classify(&rt.rules, &reply).outcome;
         let contradicts = match step_state {

@@ -87,6 +87,7 @@ pub fn exchange_in_process(
             status,
             json: Some(json),
             body_error: None,
+            retry_after: false,
         },
         http_status: Some(status),
         retry_after: None,
@@ -184,7 +185,13 @@ pub async fn exchange(
             }
         }
     }
-    let (reply, excerpt) = read_reply(status, &body, body_error, call.max_body, secrets);
+    let (mut reply, excerpt) = read_reply(status, &body, body_error, call.max_body, secrets);
+    if let Reply::Http {
+        retry_after: named, ..
+    } = &mut reply
+    {
+        *named = retry_after.is_some();
+    }
     Exchange {
         reply,
         http_status: Some(status),
@@ -240,6 +247,7 @@ pub fn read_reply(
         status,
         json,
         body_error,
+        retry_after: false,
     };
     (reply, excerpt(&shown, EXCERPT_MAX_BYTES).to_owned())
 }

@@ -774,10 +774,10 @@ async fn paused_providers_get_no_calls() {
 }
 
 /// A provider saying "slow down" costs no attempt. With one attempt
-/// allowed (a paid call), two 429s with `Retry-After`, then a 200 whose
-/// body says "rate limited" (an operator's rule maps it to `throttled`),
-/// then a success: the record succeeds, each throttled call is in the
-/// history as such, and the next call waits for the provider's pause.
+/// allowed (a paid call), two 429s with `Retry-After`, a 503 with one, a
+/// 200 whose body says "rate limited" (an operator's rule maps it to
+/// `throttled`), then a success: the record succeeds, each throttled call
+/// is in the history as such, and the next call waits for the pause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_reply_spends_no_attempt() {
     use axum::response::IntoResponse;
@@ -796,7 +796,13 @@ async fn a_throttled_reply_spends_no_attempt() {
                     axum::Json(json!({ "error": "slow down" })),
                 )
                     .into_response(),
-                2 => axum::Json(json!({ "error": "rate limited" })).into_response(),
+                2 => (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    [("retry-after", "1")],
+                    axum::Json(json!({ "error": "busy" })),
+                )
+                    .into_response(),
+                3 => axum::Json(json!({ "error": "rate limited" })).into_response(),
                 _ => axum::Json(json!({ "status": "succeeded", "id": "ch_1" })).into_response(),
             }
         }
@@ -837,14 +843,15 @@ outcome = "throttled""#,
         [
             ("throttled", Some(429), Some("rate_limited")),
             ("throttled", Some(429), Some("rate_limited")),
+            ("throttled", Some(503), Some("provider_5xx")),
             ("throttled", Some(200), Some("provider_rejected")),
             ("success", Some(200), None),
         ]
     );
     assert_eq!(
         calls.load(Ordering::SeqCst),
-        4,
-        "one paid call, three throttled"
+        5,
+        "one paid call, four throttled"
     );
 }
 
