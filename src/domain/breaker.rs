@@ -156,7 +156,8 @@ impl Breaker {
         }
     }
 
-    /// Gives back a permit whose call was never made (no verdict either way).
+    /// Gives back a permit with no verdict either way: its call was never
+    /// made, or the provider only said "slow down" (throttled).
     pub fn release(&mut self, permit: Permit) {
         if permit.probe && self.state == BreakerState::HalfOpen {
             self.probes_out = self.probes_out.saturating_sub(1);

@@ -211,10 +211,16 @@ impl StepRun<'_> {
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
         let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
-        let breaker_moved = granted
-            .probe
-            .record(failed, x.took, after)
-            .then(|| rt.name.clone());
+        let breaker_moved = if c.outcome == Outcome::Throttled {
+            // "Slow down" says nothing of the provider's health: the
+            // permit goes back with no verdict (a half-open probe stays
+            // to be made).
+            drop(granted.probe);
+            None
+        } else {
+            let moved = granted.probe.record(failed, x.took, after);
+            moved.then(|| rt.name.clone())
+        };
         if c.outcome == Outcome::Throttled {
             // The whole provider slows down, not just this record.
             let pause = x.retry_after.unwrap_or(policy.backoff.base);
