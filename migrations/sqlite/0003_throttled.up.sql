@@ -22,6 +22,9 @@ INSERT INTO attempts_new (id, record_id, step, provider, attempt_no, node, start
     FROM attempts;
 -- Ids are never reused: the new table continues the old one's sequence
 -- (past rows since deleted, not just the highest kept).
+-- (An empty new table has no sequence row yet: it gets the old one's.)
+INSERT INTO sqlite_sequence (name, seq)
+    SELECT 'attempts_new', 0 WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'attempts_new');
 UPDATE sqlite_sequence
     SET seq = (SELECT seq FROM sqlite_sequence WHERE name = 'attempts')
     WHERE name = 'attempts_new' AND EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'attempts');

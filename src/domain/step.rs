@@ -198,6 +198,10 @@ pub fn before_call(
     w.provider = Some(provider.to_owned());
     if w.started_at.is_none() {
         w.started_at = Some(now);
+    }
+    // A step's time starts on its first pass, and again after an operator's
+    // retry (which clears the deadline): no step runs without a deadline.
+    if w.deadline_at.is_none() {
         w.deadline_at = Some(now + ms(policy.deadline));
     }
     // A job may have finished while the node could not ask (a pause, an
@@ -340,8 +344,15 @@ pub fn after_reply(
             judged(Decision::keep(w), outcome, code, BudgetMove::None)
         }
         Outcome::Throttled => {
+            // A retry's token, taken at the gate, goes back: being told to
+            // slow down is not a failed retry.
+            let budget = if is_retry {
+                BudgetMove::RetrySucceeded
+            } else {
+                BudgetMove::None
+            };
             let d = throttled(step, w, polling, reply, policy, (now, after), jitter);
-            judged(d, outcome, code, BudgetMove::None)
+            judged(d, outcome, code, budget)
         }
         Outcome::Retry | Outcome::Unknown => {
             let budget = if is_retry {
@@ -454,15 +465,18 @@ fn throttled(
     }
     let code = reply.error_code.unwrap_or("throttled");
     w.error_code = Some(code.to_owned());
+    // Never sooner than the provider is paused for (its Retry-After, or
+    // the backoff's base when it names none).
+    let pause = reply.retry_after.unwrap_or(policy.backoff.base);
     let wait = policy
         .backoff
-        .wait(w.attempts.max(1) as u32, jitter, reply.retry_after);
+        .wait(w.attempts.max(1) as u32, jitter, Some(pause));
     let next = after + ms(wait);
-    w.state = if polling || w.attempts == 0 {
-        StepState::Waiting
-    } else {
-        StepState::Retrying
-    };
+    // A call keeps the state it had (pending, or retrying after a
+    // failure); a job's poll keeps waiting.
+    if polling {
+        w.state = StepState::Waiting;
+    }
     match w.deadline_at {
         // A job's last poll may wait out the provider's pause within the
         // grace: the job may have finished meanwhile.
@@ -816,6 +830,26 @@ mod tests {
         )
     }
 
+    /// An operator's retry clears a step's deadline (and its attempts): the
+    /// next pass gives it a new one, so a retried step is bounded again.
+    #[test]
+    fn a_retried_step_gets_a_new_deadline() {
+        let s = step(0, true, &["a"], 1_000, 60_000);
+        let p = policy(3, 3, 30_000);
+        let mut w = StepWrite::pending("s");
+        w.started_at = Some(1_000);
+        w.deadline_at = None;
+        let Before::Call(plan) = before_call(&s, &w, "p", false, &p, 500_000) else {
+            panic!("a retried step calls");
+        };
+        assert_eq!(
+            plan.write.started_at,
+            Some(1_000),
+            "its first start is kept"
+        );
+        assert_eq!(plan.write.deadline_at, Some(530_000));
+    }
+
     /// A provider that throttles forever: the one attempt a paid call
     /// allows is never spent, and the step parks at its deadline saying
     /// why, with the provider's code kept.
@@ -895,7 +929,13 @@ mod tests {
                     // deadline, saying so.
                     if j.outcome == Outcome::Throttled {
                         prop_assert_eq!(nw.attempts, w.attempts);
-                        prop_assert_eq!(j.budget, BudgetMove::None);
+                        let refund = if plan.is_retry { BudgetMove::RetrySucceeded } else { BudgetMove::None };
+                        prop_assert_eq!(j.budget, refund);
+                        // A throttled call keeps the state it had: it is
+                        // not made `waiting` (for a job) by being throttled.
+                        if !plan.polling && d.park.is_none() && nw.state != StepState::Failed {
+                            prop_assert_eq!(nw.state, w.state);
+                        }
                         if let Some(park) = &d.park {
                             prop_assert_eq!(park.code.as_str(), "throttled_past_deadline");
                         }
