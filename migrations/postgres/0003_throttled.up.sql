@@ -5,3 +5,7 @@
 ALTER TABLE attempts DROP CONSTRAINT attempts_outcome_check;
 ALTER TABLE attempts ADD CONSTRAINT attempts_outcome_check
     CHECK (outcome IN ('success', 'pending', 'retry', 'fail', 'unknown', 'throttled'));
+
+-- A provider's "slow down" pause (its Retry-After) is the cluster's: kept
+-- here, so every node holds its calls until it ends.
+ALTER TABLE providers ADD COLUMN throttled_until BIGINT;

@@ -30,3 +30,5 @@ UPDATE sqlite_sequence
 DROP TABLE attempts;
 ALTER TABLE attempts_old RENAME TO attempts;
 CREATE INDEX attempts_record ON attempts (record_id, id);
+
+ALTER TABLE providers DROP COLUMN throttled_until;

@@ -31,3 +31,7 @@ UPDATE sqlite_sequence
 DROP TABLE attempts;
 ALTER TABLE attempts_new RENAME TO attempts;
 CREATE INDEX attempts_record ON attempts (record_id, id);
+
+-- A provider's "slow down" pause (its Retry-After) is the cluster's: kept
+-- here, so every node holds its calls until it ends.
+ALTER TABLE providers ADD COLUMN throttled_until INTEGER;

@@ -544,6 +544,9 @@ pub struct ProviderState {
     pub paused: bool,
     pub paused_by: Option<String>,
     pub paused_reason: Option<String>,
+    /// Until when the provider asked every node to hold its calls (its
+    /// last `Retry-After`, or the backoff when it named none).
+    pub throttled_until: Option<UnixMs>,
     /// Breaker window figures, as the engine keeps them.
     pub stats: Option<Value>,
     pub updated_at: UnixMs,
@@ -560,6 +563,7 @@ impl ProviderState {
             paused: false,
             paused_by: None,
             paused_reason: None,
+            throttled_until: None,
             stats: None,
             updated_at: now,
         }

@@ -136,6 +136,8 @@ pub struct ProviderRuntime {
     budget: Mutex<RetryBudget>,
     /// Paused by an operator (read from the shared provider state).
     paused: Mutex<bool>,
+    /// The latest "slow down" pause this node has published to the others.
+    published_throttle: std::sync::atomic::AtomicI64,
     /// Answers calls in-process instead of over HTTP (benchmarks).
     pub in_process: Option<super::http::InProcess>,
 }
@@ -166,9 +168,18 @@ impl ProviderRuntime {
                 now,
             )),
             paused: Mutex::new(false),
+            published_throttle: std::sync::atomic::AtomicI64::new(0),
             config: config.clone(),
             in_process: None,
         })
+    }
+
+    /// Notes a pause to publish; false when one lasting as long or longer
+    /// was published already (a storm of 429s costs one write per longer
+    /// pause, not one per reply).
+    pub fn note_throttle(&self, until: UnixMs) -> bool {
+        use std::sync::atomic::Ordering;
+        self.published_throttle.fetch_max(until, Ordering::Relaxed) < until
     }
 
     pub fn limiter(&self) -> MutexGuard<'_, Limiter> {

@@ -28,6 +28,7 @@ struct Progress {
     callbacks_done: Vec<i64>,
     park: Option<Park>,
     breaker_moved: Vec<String>,
+    throttled: Vec<(String, UnixMs)>,
     stopped: bool,
     /// The pass's last attempt: (step, provider, error code).
     last: Option<(String, Option<String>, Option<String>)>,
@@ -40,6 +41,7 @@ impl Progress {
             self.park.get_or_insert(p);
         }
         self.breaker_moved.extend(out.breaker_moved);
+        self.throttled.extend(out.throttled);
         if let Some(a) = out.attempts.last() {
             self.last = Some((a.step.clone(), a.provider.clone(), a.error_code.clone()));
         }
@@ -240,6 +242,9 @@ impl Engine {
             if let Some(rt) = i.providers.get(name) {
                 self.publish_breaker(rt).await;
             }
+        }
+        for (name, until) in &progress.throttled {
+            self.publish_throttle(name, *until).await;
         }
         let now = i.clock.now_ms();
         let facts = PassFacts {

@@ -12,7 +12,7 @@ use tokio_util::task::TaskTracker;
 
 use super::limits::ProviderRuntime;
 use super::{ClaimFuture, Engine, Stopping, lock, stats};
-use crate::domain::{BreakerState, ProviderState, Record, StepRun};
+use crate::domain::{BreakerState, ProviderState, Record, StepRun, UnixMs};
 use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Store, StoreError};
 
 impl Engine {
@@ -341,6 +341,10 @@ impl Engine {
         for s in states {
             if let Some(rt) = i.providers.get(&s.provider) {
                 rt.set_paused(s.paused);
+                // Another node was told to slow down: so is this one.
+                if let Some(until) = s.throttled_until.filter(|u| *u > now) {
+                    rt.limiter().pause_until(until);
+                }
                 if s.breaker == BreakerState::Open && s.open_until.is_some_and(|u| u > now) {
                     let mut b = rt.breaker();
                     if b.state() == BreakerState::Closed {
@@ -348,6 +352,21 @@ impl Engine {
                     }
                 }
             }
+        }
+    }
+
+    /// Publishes a provider's "slow down" pause so every node holds its
+    /// calls until it ends (they read it in their provider sync).
+    pub(super) async fn publish_throttle(&self, name: &str, until: UnixMs) {
+        let i = &self.inner;
+        let Some(rt) = i.providers.get(name) else {
+            return;
+        };
+        if !rt.note_throttle(until) {
+            return;
+        }
+        if let Err(e) = i.db.throttle_provider(name, until, i.clock.now_ms()).await {
+            tracing::warn!(provider.name = %name, error = %e, "could not publish a throttle pause");
         }
     }
 

@@ -99,6 +99,8 @@ pub struct StepOutput {
     pub park: Option<Park>,
     /// The provider whose breaker changed state during this pass.
     pub breaker_moved: Option<String>,
+    /// A provider's "slow down" pause for every node: (provider, until).
+    pub throttled: Option<(String, UnixMs)>,
     /// Webhook deliveries applied by this pass.
     pub callbacks_done: Vec<i64>,
     /// The step was given back because the node is stopping.
@@ -112,6 +114,7 @@ impl StepOutput {
             attempts: Vec::new(),
             park: decision.park,
             breaker_moved: None,
+            throttled: None,
             callbacks_done: Vec::new(),
             stopped: false,
         }
@@ -221,11 +224,13 @@ impl StepRun<'_> {
             let moved = granted.probe.record(failed, x.took, after);
             moved.then(|| rt.name.clone())
         };
-        if c.outcome == Outcome::Throttled {
-            // The whole provider slows down, not just this record.
-            let pause = x.retry_after.unwrap_or(policy.backoff.base);
-            rt.limiter().pause_until(after + ms(pause));
-        }
+        let throttled = (c.outcome == Outcome::Throttled).then(|| {
+            // The whole provider slows down, not just this record: here at
+            // once, on the other nodes once the pass publishes it.
+            let until = after + ms(x.retry_after.unwrap_or(policy.backoff.base));
+            rt.limiter().pause_until(until);
+            (rt.name.clone(), until)
+        });
         let json = match &x.reply {
             Reply::Http { json, .. } => json.as_ref(),
             Reply::Failed(_) => None,
@@ -251,6 +256,7 @@ impl StepRun<'_> {
         StepOutput {
             attempts: vec![attempt],
             breaker_moved,
+            throttled,
             ..StepOutput::new(judged.decision)
         }
     }

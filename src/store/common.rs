@@ -1057,6 +1057,31 @@ where
         Ok(state)
     }
 
+    async fn throttle_provider(
+        &self,
+        provider: &str,
+        until: UnixMs,
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO providers (provider, breaker, breaker_changed_at, throttled_until, updated_at) \
+             VALUES ($1, 'closed', $3, $2, $3) \
+             ON CONFLICT (provider) DO UPDATE SET \
+               throttled_until = CASE WHEN providers.throttled_until IS NULL \
+                 OR providers.throttled_until < excluded.throttled_until \
+                 THEN excluded.throttled_until ELSE providers.throttled_until END, \
+               updated_at = excluded.updated_at",
+        )
+        .bind(provider.to_owned())
+        .bind(until)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     async fn save_breaker(&self, p: &ProviderState) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query(

@@ -628,6 +628,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<ProviderState>> + Send;
     /// Sets only the breaker columns.
     fn save_breaker(&self, state: &ProviderState) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Holds every node's calls to `provider` until `until` (a "slow down"
+    /// it said); a later pause already kept wins, so nodes that publish
+    /// the same storm in any order agree on its end.
+    fn throttle_provider(
+        &self,
+        provider: &str,
+        until: UnixMs,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- installation facts ----------------------------------------------
     /// The stored value of `key`, storing `value` first if there is none
@@ -834,6 +843,7 @@ forward! {
     fn save_provider_state(&self, state: &ProviderState) -> ();
     fn set_provider_pause(&self, provider: &str, paused: bool, actor: &str, reason: Option<&str>, now: UnixMs) -> ProviderState;
     fn save_breaker(&self, state: &ProviderState) -> ();
+    fn throttle_provider(&self, provider: &str, until: UnixMs, now: UnixMs) -> ();
     fn ensure_meta(&self, key: &str, value: &str) -> String;
     fn rotate_meta_secret(&self, key: &str, value: &str, now: UnixMs) -> u64;
     fn create_api_token(&self, token: &NewApiToken, now: UnixMs) -> ApiToken;

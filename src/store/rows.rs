@@ -34,7 +34,7 @@ pub(crate) const API_TOKEN_COLUMNS: &str =
 pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
      failed, retried, unknown, records_succeeded, records_failed, records_parked, latency";
 pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at, open_until, paused, \
-     paused_by, paused_reason, stats, updated_at";
+     paused_by, paused_reason, throttled_until, stats, updated_at";
 
 /// A backend's row, mapped to the domain's types. Implemented once, for
 /// every row type whose columns decode to the Rust types below (both
@@ -244,6 +244,7 @@ where
             paused: self.try_get("paused")?,
             paused_by: self.try_get("paused_by")?,
             paused_reason: self.try_get("paused_reason")?,
+            throttled_until: self.try_get("throttled_until")?,
             stats: self.json("stats")?,
             updated_at: self.try_get("updated_at")?,
         })

@@ -373,7 +373,11 @@ async fn manual_engine(db: &Db, config: Arc<Config>, node: &str) -> (Engine, Man
 async fn drain(engine: &Engine) -> usize {
     let mut passes = 0;
     for _ in 0..10_000 {
-        match engine.execute_next().await.unwrap() {
+        // A pass that waits on the stopped clock would wait forever: a
+        // bound for a broken build, not a timing assertion.
+        let next = tokio::time::timeout(Duration::from_secs(60), engine.execute_next());
+        let n = next.await.expect("a pass waited on the stopped clock");
+        match n.unwrap() {
             0 => return passes,
             n => passes += n,
         }
@@ -855,6 +859,73 @@ outcome = "throttled""#,
         calls.load(Ordering::SeqCst),
         5,
         "one paid call, four throttled"
+    );
+}
+
+/// A provider's "slow down" is the cluster's: node A is told to wait 5 s
+/// and publishes it; node B, after its provider sync, holds its calls too
+/// (none inside the pause) and calls once the pause is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttle_pause_holds_every_node() {
+    use axum::response::IntoResponse;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(t) = TestDb::migrated(Backend::Postgres, "throttle_nodes").await else {
+        return;
+    };
+    let calls = Arc::new(AtomicUsize::new(0));
+    let charge = {
+        let calls = calls.clone();
+        move || async move {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                let slow_down = axum::http::StatusCode::TOO_MANY_REQUESTS;
+                return (slow_down, [("retry-after", "5")], axum::Json(json!({}))).into_response();
+            }
+            axum::Json(json!({ "status": "succeeded", "id": "ch" })).into_response()
+        }
+    };
+    let url = crate::helpers::serve_router(
+        axum::Router::new().route("/v1/charge", axum::routing::post(charge)),
+    )
+    .await;
+    let config = single_step(&url, "");
+    let clock = ManualClock::new(crate::helpers::wall_ms());
+    let node = |name: &str| {
+        let db = t.db.clone();
+        let (config, clock) = (config.clone(), Arc::new(clock.clone()));
+        let name = name.to_owned();
+        async move {
+            Engine::with_clock(db, config, options(&name), clock)
+                .await
+                .unwrap()
+        }
+    };
+    let (a, b) = (node("a").await, node("b").await);
+    a.enqueue("pay", Some("first"), json!({})).await.unwrap();
+    drain(&a).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "A was told to slow down");
+    let kept = t.db.provider_state("sim").await.unwrap().unwrap();
+    assert_eq!(
+        kept.throttled_until,
+        Some(clock.now_ms() + 5_000),
+        "A published the pause"
+    );
+    b.sync_providers_once().await;
+    enqueue_n(&b, "pay", 5).await;
+    // 4.9 s of the pause: B's records come due and are held, not called.
+    for _ in 0..49 {
+        drain(&b).await;
+        clock.advance(100);
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "no node calls inside the pause"
+    );
+    drive_at_rest(&b, &clock, 6, 100, 30_000).await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        7,
+        "each record once after the pause"
     );
 }
 

@@ -60,7 +60,47 @@ conformance!(
     meta_values_are_set_once,
     batch_enqueue_is_one_transaction_and_idempotent,
     group_commit_writes_each_pass_and_refuses_only_stale_ones,
+    a_throttle_pause_is_kept_for_every_node,
 );
+
+/// A provider's "slow down" pause is kept for every node: the later of two
+/// wins whatever the order they are published in, and neither an operator's
+/// pause nor a breaker update undoes it.
+async fn a_throttle_pause_is_kept_for_every_node(db: &Db) {
+    db.throttle_provider("acme", T0 + 5_000, T0).await.unwrap();
+    let s = db.provider_state("acme").await.unwrap().unwrap();
+    assert_eq!(s.throttled_until, Some(T0 + 5_000));
+    assert_eq!(s.breaker, ballast::domain::BreakerState::Closed);
+    assert!(!s.paused);
+    db.throttle_provider("acme", T0 + 2_000, T0 + 1)
+        .await
+        .unwrap();
+    let s = db.provider_state("acme").await.unwrap().unwrap();
+    assert_eq!(
+        s.throttled_until,
+        Some(T0 + 5_000),
+        "an earlier end does not shorten it"
+    );
+    db.throttle_provider("acme", T0 + 9_000, T0 + 2)
+        .await
+        .unwrap();
+    db.set_provider_pause("acme", true, "alice", Some("maintenance"), T0 + 3)
+        .await
+        .unwrap();
+    db.save_breaker(&s).await.unwrap();
+    let s = db.provider_state("acme").await.unwrap().unwrap();
+    assert_eq!(
+        s.throttled_until,
+        Some(T0 + 9_000),
+        "a later one extends it"
+    );
+    assert!(s.paused, "the pause columns are apart");
+    let all = db.provider_states().await.unwrap();
+    assert_eq!(
+        all.iter().map(|p| p.throttled_until).collect::<Vec<_>>(),
+        [Some(T0 + 9_000)]
+    );
+}
 
 const T0: i64 = 1_800_000_000_000;
 
