@@ -1439,6 +1439,42 @@ async fn api_tokens_are_shown_once_and_revocable() {
     app.stop().await;
 }
 
+/// A provider's "slow down" pause, kept for every node, is on the
+/// providers page while it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_providers_page_shows_a_throttle_pause() {
+    let provider = "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "throttle-page", provider).await else {
+        return;
+    };
+    app.user("vera", Role::Viewer).await;
+    let login = app.login("vera").await;
+    let page = app
+        .get("/providers", Some(&login))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(!page.contains("Throttled until"), "no pause yet");
+    let now = crate::helpers::wall_ms();
+    app.t
+        .db
+        .throttle_provider("p", now + 600_000, now)
+        .await
+        .unwrap();
+    let page = app
+        .get("/providers", Some(&login))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains("Throttled until (every node)") && page.contains("outcome throttled"),
+        "{page}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_need_a_token() {
     let Some(app) = WebApp::spawn(Backend::Sqlite, "metrics-auth", "").await else {

@@ -34,6 +34,8 @@ struct ProviderView {
     paused: bool,
     paused_by: String,
     paused_reason: String,
+    /// When the provider's last "slow down" ends, while it holds.
+    throttled_until: String,
     limits: String,
     concurrency: u32,
     in_flight: usize,
@@ -50,6 +52,7 @@ struct ProvidersPage {
 
 async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<ProvidersPage> {
     let shared = state.db.provider_states().await?;
+    let now = state.clock.now_ms();
     let providers = state
         .config
         .providers
@@ -66,6 +69,7 @@ async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<
                 paused: ps.is_some_and(|p| p.paused),
                 paused_by: ps.and_then(|p| p.paused_by.clone()).unwrap_or_default(),
                 paused_reason: ps.and_then(|p| p.paused_reason.clone()).unwrap_or_default(),
+                throttled_until: when_opt(ps.and_then(|p| p.throttled_until).filter(|u| *u > now)),
                 limits: if cfg.rate_limits.is_empty() {
                     "none".into()
                 } else {
