@@ -264,14 +264,7 @@ async fn crash_and_resume(backend: Backend) {
     let ledger = sim.ledger();
     // Leases taken over, and when the survivor first claimed anything.
     let (mut expired, mut first_claim) = (0, i64::MAX);
-    let page =
-        t.db.list_records(&RecordFilter {
-            limit: 500,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    for r in page.items {
+    for r in crate::helpers::all_records(&t.db, None).await {
         for e in t.db.record_events(r.id).await.unwrap() {
             expired += usize::from(e.kind == "lease_expired");
             if e.kind == "claimed" && e.actor == "node:survivor" {

@@ -81,10 +81,8 @@ impl Lines {
     ) -> String {
         let deadline = Instant::now() + limit;
         loop {
-            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+            match self.next_line(deadline).await {
                 Ok(Some(line)) => {
-                    self.seen.push_str(&line);
-                    self.seen.push('\n');
                     if want(&line) {
                         return line;
                     }
@@ -98,6 +96,20 @@ impl Lines {
         }
     }
 
+    /// The next line, kept in [`seen`](Self::seen); `None` once the pipe
+    /// has closed; `Err` at `deadline`.
+    async fn next_line(
+        &mut self,
+        deadline: Instant,
+    ) -> Result<Option<String>, tokio::time::error::Elapsed> {
+        let line = tokio::time::timeout_at(deadline, self.rx.recv()).await?;
+        if let Some(l) = &line {
+            self.seen.push_str(l);
+            self.seen.push('\n');
+        }
+        Ok(line)
+    }
+
     /// Every line read so far.
     pub fn seen(&self) -> &str {
         &self.seen
@@ -108,11 +120,8 @@ impl Lines {
     pub async fn all(mut self, limit: Duration) -> String {
         let deadline = Instant::now() + limit;
         loop {
-            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some(line)) => {
-                    self.seen.push_str(&line);
-                    self.seen.push('\n');
-                }
+            match self.next_line(deadline).await {
+                Ok(Some(_)) => {}
                 Ok(None) => return self.seen,
                 Err(_) => panic!("the output did not end within {limit:?}:\n{}", self.seen),
             }
