@@ -1,7 +1,14 @@
 //! Circuit-breaker arithmetic: a sliding window of the last N calls, a
 //! minimum number of calls before judging, failure-rate and slow-call
 //! thresholds, an open interval, and a few half-open probes before closing.
-//! Time is passed in; the engine persists the state so every node sees it.
+//!
+//! A breaker is one for the whole cluster. Each node judges the calls it
+//! makes in its own window ([`Breaker`]); when that window trips, the node
+//! opens the cluster's breaker ([`SharedBreaker`], kept with the provider
+//! in the database), and every node adopts what is stored there. After the
+//! open interval, half-open probes are claimed from the shared breaker, so
+//! `probes` counts probes in the whole cluster, and their answers close or
+//! reopen it for everyone. Time is passed in.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -24,7 +31,8 @@ pub struct BreakerPolicy {
     pub slow_rate: f64,
     /// How long to stay open before probing.
     pub open_for: Duration,
-    /// Successful probes needed to close again.
+    /// Successful probes needed to close again (at most this many are out
+    /// at once, in the whole cluster).
     pub probes: u32,
 }
 
@@ -42,20 +50,25 @@ impl Default for BreakerPolicy {
     }
 }
 
-/// Permission to make one call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Permit {
-    /// A half-open probe: its result decides whether the breaker closes.
-    pub probe: bool,
+impl BreakerPolicy {
+    pub fn open_for_ms(&self) -> i64 {
+        i64::try_from(self.open_for.as_millis()).unwrap_or(i64::MAX / 2)
+    }
 }
 
-/// A refusal: the provider is being protected until `until`.
+/// What this node's breaker says of a call now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rejected {
-    pub until: UnixMs,
+pub enum Admit {
+    /// Closed: make the call and record its verdict here.
+    Call,
+    /// Open until then: defer.
+    Wait(UnixMs),
+    /// Half-open (or open and due to be): ask the cluster for a probe.
+    Probe,
 }
 
-/// One provider's breaker.
+/// One provider's breaker on this node: the judge of its own calls while
+/// closed, and a copy of the cluster's state otherwise.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Breaker {
     policy: BreakerPolicy,
@@ -63,8 +76,6 @@ pub struct Breaker {
     /// (failed, slow) of the most recent calls, oldest first.
     calls: VecDeque<(bool, bool)>,
     open_until: UnixMs,
-    probes_out: u32,
-    probes_ok: u32,
     changed_at: UnixMs,
 }
 
@@ -75,10 +86,12 @@ impl Breaker {
             state: BreakerState::Closed,
             calls: VecDeque::with_capacity(policy.window as usize),
             open_until: 0,
-            probes_out: 0,
-            probes_ok: 0,
             changed_at: now,
         }
+    }
+
+    pub fn policy(&self) -> &BreakerPolicy {
+        &self.policy
     }
 
     pub fn state(&self) -> BreakerState {
@@ -106,95 +119,231 @@ impl Breaker {
             self.state = state;
             self.changed_at = now;
         }
+        if state != BreakerState::Closed {
+            self.calls.clear();
+        }
     }
 
-    fn open(&mut self, now: UnixMs) {
-        self.set(BreakerState::Open, now);
-        let open_ms = i64::try_from(self.policy.open_for.as_millis()).unwrap_or(i64::MAX / 2);
-        self.open_until = now.saturating_add(open_ms);
-        self.calls.clear();
-        self.probes_out = 0;
-        self.probes_ok = 0;
-    }
-
-    /// Opens the breaker as another node reported (shared state).
-    pub fn force_open(&mut self, until: UnixMs, now: UnixMs) {
-        self.open(now);
-        self.open_until = until;
-    }
-
-    /// Closes the breaker (operator reset).
+    /// Closes the breaker (an operator reset, or the cluster's probes
+    /// succeeded).
     pub fn reset(&mut self, now: UnixMs) {
         self.set(BreakerState::Closed, now);
         self.calls.clear();
-        self.probes_out = 0;
-        self.probes_ok = 0;
     }
 
     /// May a call go out now?
-    pub fn try_acquire(&mut self, now: UnixMs) -> Result<Permit, Rejected> {
-        if self.state == BreakerState::Open {
-            if now < self.open_until {
-                return Err(Rejected {
-                    until: self.open_until,
-                });
-            }
-            self.set(BreakerState::HalfOpen, now);
-            self.probes_out = 0;
-            self.probes_ok = 0;
-        }
+    pub fn admit(&self, now: UnixMs) -> Admit {
         match self.state {
-            BreakerState::Closed => Ok(Permit { probe: false }),
-            BreakerState::HalfOpen if self.probes_out < self.policy.probes.max(1) => {
-                self.probes_out += 1;
-                Ok(Permit { probe: true })
-            }
-            // All probes are out: wait for their answers.
-            _ => Err(Rejected {
-                until: now.saturating_add(1000),
-            }),
+            BreakerState::Closed => Admit::Call,
+            BreakerState::Open if now < self.open_until => Admit::Wait(self.open_until),
+            _ => Admit::Probe,
         }
     }
 
-    /// Gives back a permit with no verdict either way: its call was never
-    /// made, or the provider only said "slow down" (throttled).
-    pub fn release(&mut self, permit: Permit) {
-        if permit.probe && self.state == BreakerState::HalfOpen {
-            self.probes_out = self.probes_out.saturating_sub(1);
+    /// Records the verdict of a call made while closed; true when it opened
+    /// the breaker (the node then opens the cluster's until
+    /// [`open_until`](Self::open_until)). A late answer to a call made
+    /// before the breaker left `closed` changes nothing.
+    pub fn record(&mut self, failed: bool, took: Duration, now: UnixMs) -> bool {
+        if self.state != BreakerState::Closed {
+            return false;
         }
-    }
-
-    /// Records the result of a call made under `permit`.
-    pub fn record(&mut self, permit: Permit, failed: bool, took: Duration, now: UnixMs) {
         let slow = took >= self.policy.slow_call;
-        match self.state {
-            BreakerState::HalfOpen if permit.probe => {
-                if failed || slow {
-                    self.open(now);
+        if self.calls.len() >= self.policy.window.max(1) as usize {
+            self.calls.pop_front();
+        }
+        self.calls.push_back((failed, slow));
+        let (n, failures, slows) = self.window_figures();
+        if n < self.policy.min_calls.max(1) as usize {
+            return false;
+        }
+        let n = n as f64;
+        if failures as f64 / n >= self.policy.failure_rate
+            || slows as f64 / n >= self.policy.slow_rate
+        {
+            self.set(BreakerState::Open, now);
+            self.open_until = now.saturating_add(self.policy.open_for_ms());
+            return true;
+        }
+        false
+    }
+
+    /// Takes the cluster's state as this node's. A trip of this node's own
+    /// that is newer than what is stored (not yet published) stays.
+    pub fn adopt(&mut self, shared: &SharedBreaker, now: UnixMs) {
+        if shared.changed_at < self.changed_at && self.state == BreakerState::Open {
+            return;
+        }
+        match shared.state {
+            BreakerState::Closed => {
+                if self.state != BreakerState::Closed {
+                    self.reset(now);
+                }
+            }
+            BreakerState::Open => {
+                self.set(BreakerState::Open, now);
+                self.open_until = shared.open_until.unwrap_or(now);
+            }
+            BreakerState::HalfOpen => self.set(BreakerState::HalfOpen, now),
+        }
+        // The cluster's moment, not this node's: a later change anywhere is
+        // adopted in turn.
+        if self.state == shared.state {
+            self.changed_at = shared.changed_at;
+        }
+    }
+}
+
+/// The answer to a request for a half-open probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeGrant {
+    /// This call is a probe of the half-open round that began at `round`:
+    /// its verdict goes back to the cluster with it.
+    Probe { round: UnixMs },
+    /// Open, or every probe is out: ask again then.
+    Wait(UnixMs),
+    /// The breaker closed meanwhile: call as usual.
+    Closed,
+}
+
+/// A change asked of the cluster's breaker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SharedOp {
+    /// A node's window tripped: open until then (a later end wins).
+    Open { until: UnixMs },
+    /// A node asks for a half-open probe; a probe not answered within
+    /// `lost_after` ms (its node died) is given up and may be claimed again.
+    ClaimProbe { probes: u32, lost_after: i64 },
+    /// A probe's verdict (a verdict from an earlier round is late).
+    Probed {
+        ok: bool,
+        probes: u32,
+        open_for: i64,
+        round: UnixMs,
+    },
+    /// A claimed probe was not made (or only throttled): no verdict.
+    Release { round: UnixMs },
+    /// An operator closed it.
+    Reset,
+}
+
+/// The cluster's breaker for one provider, as stored with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedBreaker {
+    pub state: BreakerState,
+    pub changed_at: UnixMs,
+    pub open_until: Option<UnixMs>,
+    /// Probes claimed and not answered.
+    pub probes_out: u32,
+    /// Probes answered well since it went half-open.
+    pub probes_ok: u32,
+    /// When the latest claimed probe is given up for lost.
+    pub probe_until: Option<UnixMs>,
+}
+
+impl SharedBreaker {
+    pub fn closed(now: UnixMs) -> Self {
+        SharedBreaker {
+            state: BreakerState::Closed,
+            changed_at: now,
+            open_until: None,
+            probes_out: 0,
+            probes_ok: 0,
+            probe_until: None,
+        }
+    }
+
+    fn set(&mut self, state: BreakerState, now: UnixMs) {
+        if self.state != state {
+            self.state = state;
+            self.changed_at = now;
+        }
+        self.probes_out = 0;
+        self.probes_ok = 0;
+        self.probe_until = None;
+        if state != BreakerState::Open {
+            self.open_until = None;
+        }
+    }
+
+    /// Applies `op` at `now`; `Some` for a probe request, with the answer.
+    pub fn apply(&mut self, op: SharedOp, now: UnixMs) -> Option<ProbeGrant> {
+        match op {
+            SharedOp::Open { until } => {
+                let later = self.open_until.is_none_or(|u| u < until);
+                if self.state != BreakerState::Open || later {
+                    self.set(BreakerState::Open, now);
+                    self.open_until = Some(until);
+                }
+                None
+            }
+            SharedOp::ClaimProbe { probes, lost_after } => {
+                Some(self.claim(probes, lost_after, now))
+            }
+            SharedOp::Probed {
+                ok,
+                probes,
+                open_for,
+                round,
+            } => {
+                if !self.in_round(round) {
+                    return None;
+                }
+                self.probes_out = self.probes_out.saturating_sub(1);
+                if !ok {
+                    self.set(BreakerState::Open, now);
+                    self.open_until = Some(now.saturating_add(open_for));
                 } else {
                     self.probes_ok += 1;
-                    if self.probes_ok >= self.policy.probes.max(1) {
-                        self.reset(now);
+                    if self.probes_ok >= probes.max(1) {
+                        self.set(BreakerState::Closed, now);
                     }
                 }
+                None
             }
-            BreakerState::Closed => {
-                if self.calls.len() >= self.policy.window.max(1) as usize {
-                    self.calls.pop_front();
+            SharedOp::Release { round } => {
+                if self.in_round(round) {
+                    self.probes_out = self.probes_out.saturating_sub(1);
                 }
-                self.calls.push_back((failed, slow));
-                let (n, failures, slows) = self.window_figures();
-                if n >= self.policy.min_calls.max(1) as usize {
-                    let n = n as f64;
-                    if failures as f64 / n >= self.policy.failure_rate
-                        || slows as f64 / n >= self.policy.slow_rate
-                    {
-                        self.open(now);
-                    }
-                }
+                None
             }
-            // A late answer to a call made before the breaker opened.
-            _ => {}
+            SharedOp::Reset => {
+                self.set(BreakerState::Closed, now);
+                None
+            }
+        }
+    }
+
+    fn in_round(&self, round: UnixMs) -> bool {
+        self.state == BreakerState::HalfOpen && self.changed_at == round
+    }
+
+    fn claim(&mut self, probes: u32, lost_after: i64, now: UnixMs) -> ProbeGrant {
+        match self.state {
+            BreakerState::Closed => return ProbeGrant::Closed,
+            BreakerState::Open => {
+                let until = self.open_until.unwrap_or(now);
+                if now < until {
+                    return ProbeGrant::Wait(until);
+                }
+                self.set(BreakerState::HalfOpen, now);
+            }
+            BreakerState::HalfOpen => {}
+        }
+        if self.probe_until.is_some_and(|u| u <= now) {
+            // The probes out were never answered: their nodes are gone.
+            self.probes_out = 0;
+            self.probe_until = None;
+        }
+        let wanted = probes.max(1).saturating_sub(self.probes_ok);
+        if self.probes_out >= wanted {
+            let answer_by = self.probe_until.unwrap_or(now + 1_000);
+            return ProbeGrant::Wait(answer_by.min(now + 1_000).max(now + 1));
+        }
+        self.probes_out += 1;
+        self.probe_until = Some(now.saturating_add(lost_after.max(1)));
+        ProbeGrant::Probe {
+            round: self.changed_at,
         }
     }
 }
@@ -216,67 +365,157 @@ mod tests {
         }
     }
 
-    fn call(b: &mut Breaker, failed: bool, now: UnixMs) -> bool {
-        match b.try_acquire(now) {
-            Ok(p) => {
-                b.record(p, failed, Duration::from_millis(10), now);
-                true
-            }
-            Err(_) => false,
+    const FAST: Duration = Duration::from_millis(10);
+
+    fn claim(s: &mut SharedBreaker, now: UnixMs) -> ProbeGrant {
+        s.apply(
+            SharedOp::ClaimProbe {
+                probes: 2,
+                lost_after: 5_000,
+            },
+            now,
+        )
+        .unwrap()
+    }
+
+    fn probe(s: &mut SharedBreaker, now: UnixMs) -> UnixMs {
+        match claim(s, now) {
+            ProbeGrant::Probe { round } => round,
+            other => panic!("no probe at {now}: {other:?}"),
         }
     }
 
+    fn probed(s: &mut SharedBreaker, round: UnixMs, ok: bool, now: UnixMs) {
+        let op = SharedOp::Probed {
+            ok,
+            probes: 2,
+            open_for: 30_000,
+            round,
+        };
+        assert_eq!(s.apply(op, now), None);
+    }
+
     #[test]
-    fn opens_after_min_calls_at_the_failure_rate_and_probes_to_close() {
+    fn opens_after_min_calls_at_the_failure_rate() {
         let mut b = Breaker::new(policy(), 0);
         for i in 0..4 {
-            assert!(call(&mut b, true, i));
+            assert_eq!(b.admit(i), Admit::Call);
+            assert!(!b.record(true, FAST, i));
         }
         assert_eq!(
             b.state(),
             BreakerState::Closed,
             "fewer than min_calls: no judgement"
         );
-        assert!(call(&mut b, true, 5));
+        assert!(b.record(true, FAST, 5), "the fifth failure trips it");
         assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(b.open_until(), Some(30_005));
-        assert!(!call(&mut b, false, 10_000), "open: calls are refused");
-        // After the open interval, exactly `probes` calls go out.
-        let p1 = b.try_acquire(30_005).unwrap();
-        let p2 = b.try_acquire(30_006).unwrap();
-        assert!(p1.probe && p2.probe);
-        assert!(b.try_acquire(30_007).is_err(), "no third probe");
-        b.record(p1, false, Duration::from_millis(5), 30_010);
-        assert_eq!(b.state(), BreakerState::HalfOpen);
-        b.record(p2, false, Duration::from_millis(5), 30_011);
-        assert_eq!(b.state(), BreakerState::Closed);
-    }
-
-    #[test]
-    fn a_failed_probe_reopens() {
-        let mut b = Breaker::new(policy(), 0);
-        for i in 0..5 {
-            call(&mut b, true, i);
-        }
-        let p = b.try_acquire(40_000).unwrap();
-        b.record(p, true, Duration::from_millis(5), 40_001);
-        assert_eq!(b.open_until(), Some(70_001));
+        assert_eq!(b.admit(10_000), Admit::Wait(30_005), "open: calls wait");
+        assert_eq!(b.admit(30_005), Admit::Probe, "then the cluster is asked");
+        assert!(
+            !b.record(true, FAST, 30_006),
+            "a late answer changes nothing"
+        );
     }
 
     #[test]
     fn slow_calls_open_it_too() {
         let mut b = Breaker::new(policy(), 0);
+        let tripped: Vec<bool> = (0..5)
+            .map(|i| b.record(false, Duration::from_secs(3), i))
+            .collect();
+        assert_eq!(tripped, [false, false, false, false, true]);
+    }
+
+    #[test]
+    fn the_cluster_hands_out_probes_and_their_answers_close_it() {
+        let mut s = SharedBreaker::closed(0);
+        assert_eq!(claim(&mut s, 1), ProbeGrant::Closed);
+        s.apply(SharedOp::Open { until: 30_000 }, 10);
+        assert_eq!(s.state, BreakerState::Open);
+        assert_eq!(claim(&mut s, 29_999), ProbeGrant::Wait(30_000));
+        // Two probes in the whole cluster, whichever nodes ask.
+        let round = probe(&mut s, 30_000);
+        assert_eq!((s.state, round), (BreakerState::HalfOpen, 30_000));
+        assert_eq!(probe(&mut s, 30_001), round);
+        assert!(matches!(claim(&mut s, 30_002), ProbeGrant::Wait(_)));
+        probed(&mut s, round, true, 30_010);
+        assert_eq!(s.state, BreakerState::HalfOpen, "one of two is not enough");
+        assert!(
+            matches!(claim(&mut s, 30_011), ProbeGrant::Wait(_)),
+            "one answered well and one out: two are accounted for"
+        );
+        probed(&mut s, round, true, 30_020);
+        assert_eq!(s.state, BreakerState::Closed);
+        assert_eq!(s.changed_at, 30_020);
+        assert_eq!(claim(&mut s, 30_021), ProbeGrant::Closed);
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_a_lost_one_is_claimed_again() {
+        let mut s = SharedBreaker::closed(0);
+        s.apply(SharedOp::Open { until: 100 }, 0);
+        let first = probe(&mut s, 100);
+        probed(&mut s, first, false, 150);
+        assert_eq!(
+            (s.state, s.open_until, s.probes_out),
+            (BreakerState::Open, Some(30_150), 0)
+        );
+        let round = probe(&mut s, 30_150);
+        probe(&mut s, 30_151);
+        // A verdict from the first round is late: it changes nothing.
+        probed(&mut s, first, true, 30_152);
+        assert_eq!((s.probes_out, s.probes_ok), (2, 0));
+        // Both prober nodes die: after `lost_after`, the probes are free.
+        assert!(matches!(claim(&mut s, 35_150), ProbeGrant::Wait(_)));
+        probe(&mut s, 35_151);
+        // A released probe (never sent) frees its place at once.
+        probe(&mut s, 35_152);
+        s.apply(SharedOp::Release { round }, 35_153);
+        probe(&mut s, 35_154);
+        // A late verdict after an operator reset changes nothing.
+        s.apply(SharedOp::Reset, 35_200);
+        probed(&mut s, round, false, 35_201);
+        assert_eq!(s.state, BreakerState::Closed);
+    }
+
+    #[test]
+    fn an_earlier_open_does_not_shorten_a_later_one() {
+        let mut s = SharedBreaker::closed(0);
+        s.apply(SharedOp::Open { until: 50_000 }, 10);
+        s.apply(SharedOp::Open { until: 40_000 }, 20);
+        assert_eq!((s.open_until, s.changed_at), (Some(50_000), 10));
+    }
+
+    #[test]
+    fn a_node_adopts_the_cluster_state_but_keeps_a_newer_trip_of_its_own() {
+        let mut b = Breaker::new(policy(), 0);
+        let mut s = SharedBreaker::closed(0);
+        s.apply(SharedOp::Open { until: 30_000 }, 1_000);
+        b.adopt(&s, 1_500);
+        assert_eq!(
+            b.admit(2_000),
+            Admit::Wait(30_000),
+            "another node opened it"
+        );
+        s.apply(SharedOp::Reset, 2_000);
+        b.adopt(&s, 2_100);
+        assert_eq!(b.admit(2_200), Admit::Call, "and another closed it");
+        // This node trips at 3 000; the store still says closed (at 2 000).
         for i in 0..5 {
-            let p = b.try_acquire(i).unwrap();
-            b.record(p, false, Duration::from_secs(3), i);
+            b.record(true, FAST, 3_000 + i);
         }
-        assert_eq!(b.state(), BreakerState::Open);
+        b.adopt(&s, 3_010);
+        assert_eq!(b.state(), BreakerState::Open, "its own newer trip stays");
+        s.apply(SharedOp::Open { until: 33_004 }, 3_020);
+        probe(&mut s, 33_004);
+        b.adopt(&s, 33_005);
+        assert_eq!(b.admit(33_006), Admit::Probe, "half-open: ask the cluster");
     }
 
     proptest! {
         /// A closed breaker opens exactly when its window (at most `window`
-        /// calls) holds `min_calls` and a threshold is met; an open breaker
-        /// refuses everything before `open_until`.
+        /// calls) holds `min_calls` and a threshold is met.
         #[test]
         fn window_rules_hold(outcomes in proptest::collection::vec(any::<(bool, bool)>(), 0..200)) {
             let p = policy();
@@ -284,35 +523,77 @@ mod tests {
             let mut shadow: VecDeque<(bool, bool)> = VecDeque::new();
             for (i, (failed, slow)) in outcomes.into_iter().enumerate() {
                 let now = i as i64 * 1000;
-                let before = b.state();
-                match b.try_acquire(now) {
-                    Ok(permit) => {
-                        let took = if slow { Duration::from_secs(3) } else { Duration::from_millis(1) };
-                        b.record(permit, failed, took, now);
-                        if before == BreakerState::Closed {
-                            if shadow.len() == p.window as usize {
-                                shadow.pop_front();
-                            }
-                            shadow.push_back((failed, slow));
-                            let n = shadow.len();
-                            let f = shadow.iter().filter(|c| c.0).count() as f64;
-                            let sl = shadow.iter().filter(|c| c.1).count() as f64;
-                            let trips = n >= p.min_calls as usize
-                                && (f / n as f64 >= p.failure_rate || sl / n as f64 >= p.slow_rate);
-                            prop_assert_eq!(b.state() == BreakerState::Open, trips);
-                        }
-                    }
-                    Err(r) => {
-                        prop_assert!(before != BreakerState::Closed);
-                        if b.state() == BreakerState::Open {
-                            prop_assert!(r.until > now);
-                        }
-                    }
-                }
-                if b.state() != BreakerState::Closed {
+                if b.admit(now) != Admit::Call {
+                    b.reset(now);
                     shadow.clear();
                 }
+                let took = if slow { Duration::from_secs(3) } else { Duration::from_millis(1) };
+                let tripped = b.record(failed, took, now);
+                if shadow.len() == p.window as usize {
+                    shadow.pop_front();
+                }
+                shadow.push_back((failed, slow));
+                let n = shadow.len();
+                let f = shadow.iter().filter(|c| c.0).count() as f64;
+                let sl = shadow.iter().filter(|c| c.1).count() as f64;
+                let trips = n >= p.min_calls as usize
+                    && (f / n as f64 >= p.failure_rate || sl / n as f64 >= p.slow_rate);
+                prop_assert_eq!(tripped, trips);
+                prop_assert_eq!(b.state() == BreakerState::Open, trips);
                 prop_assert!(b.window_figures().0 <= p.window as usize);
+            }
+        }
+
+        /// However many nodes ask, in whatever order, no more than `probes`
+        /// probes are ever out at once, and the breaker closes only after
+        /// `probes` good answers in a row of half-open.
+        #[test]
+        fn probes_are_counted_for_the_whole_cluster(
+            probes in 1u32..4,
+            steps in proptest::collection::vec((0u8..4, 0i64..400), 1..300),
+        ) {
+            let mut s = SharedBreaker::closed(0);
+            s.apply(SharedOp::Open { until: 1_000 }, 0);
+            let mut now = 0;
+            let mut out = 0u32; // granted, not answered or released
+            let mut good = 0u32;
+            let mut round = 0;
+            for (action, gap) in steps {
+                now += gap;
+                let before = s.state;
+                match action {
+                    0 | 1 => {
+                        let op = SharedOp::ClaimProbe { probes, lost_after: i64::MAX / 4 };
+                        if let Some(ProbeGrant::Probe { round: r }) = s.apply(op, now) {
+                            out += 1;
+                            round = r;
+                        }
+                    }
+                    2 if out > 0 => {
+                        out -= 1;
+                        let ok = gap % 5 != 0;
+                        s.apply(SharedOp::Probed { ok, probes, open_for: 1_000, round }, now);
+                        if s.state == BreakerState::Open {
+                            out = 0; // answers still out are late now
+                            good = 0;
+                        } else if before == BreakerState::HalfOpen {
+                            good += 1;
+                        }
+                        if s.state == BreakerState::Closed {
+                            prop_assert_eq!(good, probes);
+                            s.apply(SharedOp::Open { until: now + 1_000 }, now);
+                            out = 0;
+                            good = 0;
+                        }
+                    }
+                    3 if out > 0 => {
+                        out -= 1;
+                        s.apply(SharedOp::Release { round }, now);
+                    }
+                    _ => {}
+                }
+                prop_assert!(out <= probes, "{out} probes out of {probes}");
+                prop_assert!(s.probes_out + s.probes_ok <= probes);
             }
         }
     }

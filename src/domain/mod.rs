@@ -7,6 +7,7 @@ pub mod breaker;
 pub mod host;
 pub mod model;
 pub mod pass;
+pub mod permits;
 pub mod pipeline;
 pub mod rules;
 pub mod state;

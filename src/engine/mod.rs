@@ -95,6 +95,10 @@ struct Inner {
     installation: String,
     started_at: UnixMs,
     wake: Notify,
+    /// Another node changed a provider's shared state.
+    providers_changed: Notify,
+    /// When this node last read providers' shared state.
+    providers_read_at: std::sync::atomic::AtomicI64,
     /// Leases this node holds, kept alive by the keeper.
     held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
@@ -147,6 +151,9 @@ pub struct WebhookSettings {
 /// A provider as one node sees it: limiter use and breaker window.
 #[derive(Debug, Clone)]
 pub struct ProviderLive {
+    /// Paused by an operator, as this node last read it.
+    pub paused: bool,
+    pub breaker: crate::domain::BreakerState,
     pub in_flight: usize,
     /// (limit, calls it counts now, its count).
     pub limits: Vec<(String, usize, u32)>,
@@ -237,6 +244,8 @@ impl Engine {
                 installation,
                 started_at: now,
                 wake: Notify::new(),
+                providers_changed: Notify::new(),
+                providers_read_at: std::sync::atomic::AtomicI64::new(i64::MIN / 2),
                 held: Mutex::default(),
                 slots,
                 committing,
@@ -337,8 +346,13 @@ impl Engine {
         let rt = self.inner.providers.get(name)?;
         let now = self.inner.clock.now_ms();
         let (in_flight, limits) = rt.limiter().usage(now);
-        let (calls, failed, slow) = rt.breaker().window_figures();
+        let (breaker, (calls, failed, slow)) = {
+            let b = rt.breaker();
+            (b.state(), b.window_figures())
+        };
         Some(ProviderLive {
+            paused: rt.is_paused(),
+            breaker,
             in_flight,
             limits,
             window_calls: calls,

@@ -315,7 +315,8 @@ impl Engine {
         };
         let now = i.clock.now_ms();
         rt.breaker().reset(now);
-        self.publish_breaker(rt).await;
+        let op = crate::domain::breaker::SharedOp::Reset;
+        i.db.breaker_op(name, op, None, now).await?;
         i.db.append_event(&crate::store::NewEvent {
             record_id: None,
             at: now,

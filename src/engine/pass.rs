@@ -27,7 +27,7 @@ struct Progress {
     /// Deliveries applied and not yet committed.
     callbacks_done: Vec<i64>,
     park: Option<Park>,
-    breaker_moved: Vec<String>,
+    breaker: Vec<(String, step::BreakerNews)>,
     throttled: Vec<(String, UnixMs)>,
     stopped: bool,
     /// The pass's last attempt: (step, provider, error code).
@@ -40,7 +40,7 @@ impl Progress {
         if let Some(p) = out.park {
             self.park.get_or_insert(p);
         }
-        self.breaker_moved.extend(out.breaker_moved);
+        self.breaker.extend(out.breaker);
         self.throttled.extend(out.throttled);
         if let Some(a) = out.attempts.last() {
             self.last = Some((a.step.clone(), a.provider.clone(), a.error_code.clone()));
@@ -238,9 +238,9 @@ impl Engine {
                 may_start = false;
             }
         }
-        for name in &progress.breaker_moved {
+        for (name, news) in &progress.breaker {
             if let Some(rt) = i.providers.get(name) {
-                self.publish_breaker(rt).await;
+                self.publish_breaker(rt, *news).await;
             }
         }
         for (name, until) in &progress.throttled {
@@ -342,6 +342,7 @@ impl Engine {
                 node: &i.opts.node_id,
                 installation: &i.installation,
                 clock: &*i.clock,
+                db: &i.db,
                 now: 0,
                 callbacks,
                 max_wait: i.opts.lease / 4,

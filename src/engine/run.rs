@@ -11,9 +11,15 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::limits::ProviderRuntime;
+use super::step::BreakerNews;
 use super::{ClaimFuture, Engine, Stopping, lock, stats};
-use crate::domain::{BreakerState, ProviderState, Record, StepRun, UnixMs};
-use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Store, StoreError};
+use crate::domain::breaker::{SharedBreaker, SharedOp};
+use crate::domain::{ProviderState, Record, StepRun, UnixMs};
+use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Notice, Store, StoreError};
+
+/// How stale a SQLite node's view of other processes' provider changes
+/// may be when it claims.
+const PROVIDERS_READ_EVERY_MS: i64 = 100;
 
 impl Engine {
     /// Wakes the loop (new work arrived).
@@ -40,6 +46,17 @@ impl Engine {
     /// query (a record whose runs could not be read reads them in its pass).
     async fn claim(&self, limit: u32) -> Result<Vec<(Record, Option<Vec<StepRun>>)>, StoreError> {
         let i = &self.inner;
+        // Another process on the same SQLite file cannot notify this one:
+        // its pauses and breaker changes are read here, at most every
+        // PROVIDERS_READ_EVERY.
+        if matches!(i.db, Db::Sqlite(_)) {
+            let read_at = i
+                .providers_read_at
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if i.clock.now_ms() - read_at >= PROVIDERS_READ_EVERY_MS {
+                self.read_provider_states().await;
+            }
+        }
         let req = ClaimRequest {
             owner: i.opts.node_id.clone(),
             now: i.clock.now_ms(),
@@ -104,7 +121,11 @@ impl Engine {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
                 Some(tokio::spawn(async move {
-                    pg.listen_for_work(|| engine.wake(), stop).await
+                    let on = |n| match n {
+                        Notice::Work => engine.wake(),
+                        Notice::Providers => engine.providers_changed(),
+                    };
+                    pg.listen(on, stop).await
                 }))
             }
             Db::Sqlite(_) => None,
@@ -301,13 +322,15 @@ impl Engine {
         }
     }
 
-    /// Reads shared provider state (operator pauses, breakers opened by
-    /// other nodes) and publishes this node's breaker changes.
+    /// Reads shared provider state (operator pauses, throttle pauses,
+    /// breakers) every `provider_sync`, and at once when another node
+    /// announces a change (PostgreSQL).
     async fn sync_providers(self, shutdown: CancellationToken) {
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(self.inner.opts.provider_sync) => {}
+                () = self.inner.providers_changed.notified() => {}
             }
             self.sync_providers_once().await;
         }
@@ -335,9 +358,19 @@ impl Engine {
                 rt.limiter().set_share(1.0 / live as f64);
             }
         }
+        self.read_provider_states().await;
+    }
+
+    /// Takes every provider's shared state as this node's: operator pauses,
+    /// "slow down" pauses, and the cluster's breaker.
+    pub(super) async fn read_provider_states(&self) {
+        let i = &self.inner;
         let Ok(states) = i.db.provider_states().await else {
             return;
         };
+        let now = i.clock.now_ms();
+        i.providers_read_at
+            .store(now, std::sync::atomic::Ordering::Relaxed);
         for s in states {
             if let Some(rt) = i.providers.get(&s.provider) {
                 rt.set_paused(s.paused);
@@ -345,12 +378,7 @@ impl Engine {
                 if let Some(until) = s.throttled_until.filter(|u| *u > now) {
                     rt.limiter().pause_until(until);
                 }
-                if s.breaker == BreakerState::Open && s.open_until.is_some_and(|u| u > now) {
-                    let mut b = rt.breaker();
-                    if b.state() == BreakerState::Closed {
-                        b.force_open(s.open_until.unwrap_or(now), now);
-                    }
-                }
+                rt.breaker().adopt(&shared_breaker(&s), now);
             }
         }
     }
@@ -370,28 +398,44 @@ impl Engine {
         }
     }
 
-    /// Publishes a breaker change so every node and the dashboard see it.
-    pub(super) async fn publish_breaker(&self, rt: &ProviderRuntime) {
+    /// Tells the cluster's breaker what a call taught this node (its
+    /// window tripped, or a probe was answered), and adopts the result; the
+    /// store announces a change of state to every node.
+    pub(super) async fn publish_breaker(&self, rt: &ProviderRuntime, news: BreakerNews) {
         let i = &self.inner;
         let now = i.clock.now_ms();
-        let (state, changed, until, figures) = {
-            let b = rt.breaker();
-            (
-                b.state(),
-                b.changed_at(),
-                b.open_until(),
-                b.window_figures(),
-            )
+        let policy = *rt.breaker().policy();
+        let (op, stats) = match news {
+            BreakerNews::Tripped { until } => {
+                let (calls, failures, slow) = rt.breaker().window_figures();
+                let stats = json!({ "calls": calls, "failures": failures, "slow": slow });
+                (SharedOp::Open { until }, Some(stats))
+            }
+            BreakerNews::Probed { ok, round } => {
+                let op = SharedOp::Probed {
+                    ok,
+                    probes: policy.probes,
+                    open_for: policy.open_for_ms(),
+                    round,
+                };
+                (op, None)
+            }
         };
-        let mut ps = ProviderState::new(&rt.name, now);
-        ps.breaker = state;
-        ps.breaker_changed_at = changed;
-        ps.open_until = until;
-        ps.stats = Some(json!({ "calls": figures.0, "failures": figures.1, "slow": figures.2 }));
-        ps.updated_at = now;
-        if let Err(e) = i.db.save_breaker(&ps).await {
-            tracing::warn!(provider.name = %rt.name, error = %e, "could not publish breaker state");
+        match i.db.breaker_op(&rt.name, op, stats.as_ref(), now).await {
+            Ok((shared, _)) => rt.breaker().adopt(&shared, now),
+            // A lost probe verdict lapses and another probe is made; a lost
+            // trip leaves this node's breaker open, the others to judge
+            // for themselves.
+            Err(e) => {
+                tracing::warn!(provider.name = %rt.name, error = %e, "could not publish breaker news")
+            }
         }
+    }
+
+    /// Says a provider's shared state changed (another node's
+    /// notification): the provider sync runs at once.
+    pub(super) fn providers_changed(&self) {
+        self.inner.providers_changed.notify_one();
     }
 
     /// Stops keeping `lease` alive, unless the record was claimed again
@@ -404,5 +448,16 @@ impl Engine {
         {
             held.remove(&lease.record_id);
         }
+    }
+}
+
+/// The breaker as a provider's stored state says (the probe counts are the
+/// store's business: a node only adopts the state).
+fn shared_breaker(s: &ProviderState) -> SharedBreaker {
+    SharedBreaker {
+        state: s.breaker,
+        changed_at: s.breaker_changed_at,
+        open_until: s.open_until,
+        ..SharedBreaker::closed(s.breaker_changed_at)
     }
 }

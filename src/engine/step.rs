@@ -11,6 +11,7 @@ use serde_json::{Map, Value, json};
 
 use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
+use crate::domain::breaker::{Admit, ProbeGrant, SharedOp};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
     Before, BudgetMove, Decision, Delivery, Judged, Park, Planned, ReplyFacts, after_reply,
@@ -18,7 +19,7 @@ use crate::domain::step::{
 };
 use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
-use crate::store::{NewAttempt, StepWrite};
+use crate::store::{Db, NewAttempt, StepWrite, Store};
 
 /// A granted rate-limit slot; dropping it marks the call complete, whether
 /// it finished, failed before sending, or was cancelled mid-flight.
@@ -38,30 +39,71 @@ impl Drop for Flight<'_> {
     }
 }
 
-/// A breaker permit; dropping it unused gives a half-open probe back.
+/// What a call may tell the breaker, and, for a half-open probe of the
+/// cluster's, the claim to give back if it never gets a verdict.
 struct Probe<'a> {
     rt: &'a ProviderRuntime,
-    permit: Option<crate::domain::breaker::Permit>,
+    /// `Some(round)` for a cluster probe not yet answered.
+    round: Option<UnixMs>,
+    db: &'a Db,
+    clock: &'a dyn Clock,
+    judged: bool,
 }
 
-impl Probe<'_> {
-    /// Records the call's verdict; true when the breaker changed state.
-    fn record(mut self, failed: bool, took: Duration, now: UnixMs) -> bool {
-        let Some(permit) = self.permit.take() else {
-            return false;
-        };
+/// What a call taught the cluster's breaker, published by the pass.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BreakerNews {
+    /// This node's window tripped: open the cluster's breaker until then.
+    Tripped { until: UnixMs },
+    /// A half-open probe's answer.
+    Probed { ok: bool, round: UnixMs },
+}
+
+impl<'a> Probe<'a> {
+    fn new(
+        rt: &'a ProviderRuntime,
+        db: &'a Db,
+        clock: &'a dyn Clock,
+        round: Option<UnixMs>,
+    ) -> Self {
+        Probe {
+            rt,
+            round,
+            db,
+            clock,
+            judged: false,
+        }
+    }
+
+    /// Records the call's verdict: news for the cluster when this node's
+    /// window tripped or the call was a probe.
+    fn record(mut self, failed: bool, took: Duration, now: UnixMs) -> Option<BreakerNews> {
+        self.judged = true;
+        if let Some(round) = self.round {
+            return Some(BreakerNews::Probed { ok: !failed, round });
+        }
         let mut b = self.rt.breaker();
-        let before = b.state();
-        b.record(permit, failed, took, now);
-        b.state() != before
+        let tripped = b.record(failed, took, now);
+        tripped.then(|| BreakerNews::Tripped {
+            until: b.open_until().unwrap_or(now),
+        })
     }
 }
 
 impl Drop for Probe<'_> {
+    /// A probe never made (or only throttled) goes back to the cluster at
+    /// once, instead of holding its place until it is given up for lost.
     fn drop(&mut self) {
-        if let Some(permit) = self.permit.take() {
-            self.rt.breaker().release(permit);
-        }
+        let Some(round) = self.round.filter(|_| !self.judged) else {
+            return;
+        };
+        let (db, name, now) = (self.db.clone(), self.rt.name.clone(), self.clock.now_ms());
+        tokio::spawn(async move {
+            let op = crate::domain::breaker::SharedOp::Release { round };
+            if let Err(e) = db.breaker_op(&name, op, None, now).await {
+                tracing::warn!(provider.name = %name, error = %e, "could not give a probe back; it lapses");
+            }
+        });
     }
 }
 
@@ -97,8 +139,8 @@ pub struct StepOutput {
     pub attempts: Vec<NewAttempt>,
     /// When the record must be parked.
     pub park: Option<Park>,
-    /// The provider whose breaker changed state during this pass.
-    pub breaker_moved: Option<String>,
+    /// What this pass's call taught the cluster's breaker: (provider, news).
+    pub breaker: Option<(String, BreakerNews)>,
     /// A provider's "slow down" pause for every node: (provider, until).
     pub throttled: Option<(String, UnixMs)>,
     /// Webhook deliveries applied by this pass.
@@ -113,7 +155,7 @@ impl StepOutput {
             write: decision.write,
             attempts: Vec::new(),
             park: decision.park,
-            breaker_moved: None,
+            breaker: None,
             throttled: None,
             callbacks_done: Vec::new(),
             stopped: false,
@@ -131,6 +173,8 @@ pub struct StepRun<'a> {
     pub node: &'a str,
     pub installation: &'a str,
     pub clock: &'a dyn Clock,
+    /// For the cluster's breaker: half-open probes are claimed there.
+    pub db: &'a Db,
     pub now: UnixMs,
     /// Webhook deliveries waiting for this step (callback steps only).
     pub callbacks: Vec<crate::store::PendingCallback>,
@@ -214,15 +258,14 @@ impl StepRun<'_> {
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
         let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
-        let breaker_moved = if c.outcome == Outcome::Throttled {
-            // "Slow down" says nothing of the provider's health: the
-            // permit goes back with no verdict (a half-open probe stays
-            // to be made).
+        let breaker = if c.outcome == Outcome::Throttled {
+            // "Slow down" says nothing of the provider's health: no
+            // verdict (a half-open probe goes back, still to be made).
             drop(granted.probe);
             None
         } else {
-            let moved = granted.probe.record(failed, x.took, after);
-            moved.then(|| rt.name.clone())
+            let news = granted.probe.record(failed, x.took, after);
+            news.map(|n| (rt.name.clone(), n))
         };
         let throttled = (c.outcome == Outcome::Throttled).then(|| {
             // The whole provider slows down, not just this record: here at
@@ -255,7 +298,7 @@ impl StepRun<'_> {
         let attempt = self.attempt(rt, &judged, (attempt_no, started), &x);
         StepOutput {
             attempts: vec![attempt],
-            breaker_moved,
+            breaker,
             throttled,
             ..StepOutput::new(judged.decision)
         }
@@ -303,12 +346,13 @@ impl StepRun<'_> {
             clock: self.clock,
             sent: false,
         };
-        let probe = match rt.breaker().try_acquire(self.clock.now_ms()) {
-            Ok(p) => Probe {
-                rt,
-                permit: Some(p),
-            },
-            Err(r) => return Err(self.deferred(r.until, "provider circuit breaker open")),
+        let admit = rt.breaker().admit(self.clock.now_ms());
+        let probe = match admit {
+            Admit::Call => Probe::new(rt, self.db, self.clock, None),
+            Admit::Wait(until) => {
+                return Err(self.deferred(until, "provider circuit breaker open"));
+            }
+            Admit::Probe => self.claim_probe(rt).await?,
         };
         if self.stopping.is_set() {
             return Err(self.shutting_down());
@@ -325,6 +369,38 @@ impl StepRun<'_> {
             flight,
             probe,
         })
+    }
+
+    /// Asks the cluster for a half-open probe: this call is one, or the
+    /// breaker closed meanwhile (call as usual), or the step waits.
+    async fn claim_probe<'r>(&'r self, rt: &'r ProviderRuntime) -> Result<Probe<'r>, StepOutput> {
+        let now = self.clock.now_ms();
+        let policy = *rt.breaker().policy();
+        // A probe unanswered this long was lost with its node.
+        let lost_after = 2 * ms(rt.config.timeout.0) + 5_000;
+        let op = SharedOp::ClaimProbe {
+            probes: policy.probes,
+            lost_after,
+        };
+        match self.db.breaker_op(&rt.name, op, None, now).await {
+            Ok((shared, grant)) => {
+                rt.breaker().adopt(&shared, now);
+                match grant {
+                    Some(ProbeGrant::Probe { round }) => {
+                        Ok(Probe::new(rt, self.db, self.clock, Some(round)))
+                    }
+                    Some(ProbeGrant::Closed) => Ok(Probe::new(rt, self.db, self.clock, None)),
+                    Some(ProbeGrant::Wait(until)) => {
+                        Err(self.deferred(until, "provider circuit breaker half-open; probes out"))
+                    }
+                    None => Err(self.deferred(now + 1_000, "provider circuit breaker open")),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(provider.name = %rt.name, error = %e, "cannot claim a breaker probe");
+                Err(self.deferred(now + 1_000, "provider circuit breaker half-open"))
+            }
+        }
     }
 
     /// Waits for the rate limit while that ends before `wait_until` (the

@@ -77,6 +77,12 @@ pub trait SqlDb:
         tx: &mut Transaction<'static, Self>,
     ) -> impl Future<Output = StoreResult<()>> + Send;
 
+    /// Tells every node the backend can reach that a provider's shared
+    /// state changed (a pause, a breaker); delivered when `tx` commits.
+    fn notify_providers(
+        tx: &mut Transaction<'static, Self>,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+
     /// The counter row this transaction adds its deltas to, out of the
     /// rows each (pipeline, state) counter is spread over.
     fn counter_shard() -> i32;

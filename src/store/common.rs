@@ -10,8 +10,8 @@ use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::counts::CountDeltas;
 use super::filter::{push_audit_filter, push_record_filter};
 use super::rows::{
-    API_TOKEN_COLUMNS, ATTEMPT_COLUMNS, EVENT_COLUMNS, MapRow, PROVIDER_COLUMNS, RECORD_COLUMNS,
-    ROLLUP_COLUMNS, STEP_COLUMNS, USER_COLUMNS, map_all,
+    API_TOKEN_COLUMNS, ATTEMPT_COLUMNS, BREAKER_COLUMNS, EVENT_COLUMNS, MapRow, PROVIDER_COLUMNS,
+    RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, USER_COLUMNS, map_all,
 };
 use super::sql::{SqlStore, conflict_or};
 use super::{
@@ -19,6 +19,7 @@ use super::{
     NewRecord, NewUser, NodeBeat, Page, RecordFilter, Store, StoreError, StoreResult, UserChange,
     into_page, node_actor, page_limit, validate_username, worked_state,
 };
+use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     Attempt, Event, Node, OperatorAction, PipelineVersion, ProviderState, Record, RecordState,
     Session, StateCount, StepRun, Trigger, UnixMs, User, transition,
@@ -1053,6 +1054,7 @@ where
             },
         )
         .await?;
+        DB::notify_providers(&mut tx).await?;
         tx.commit().await?;
         Ok(state)
     }
@@ -1064,43 +1066,78 @@ where
         now: UnixMs,
     ) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
-        sqlx::query(
+        let done = sqlx::query(
             "INSERT INTO providers (provider, breaker, breaker_changed_at, throttled_until, updated_at) \
              VALUES ($1, 'closed', $3, $2, $3) \
              ON CONFLICT (provider) DO UPDATE SET \
-               throttled_until = CASE WHEN providers.throttled_until IS NULL \
-                 OR providers.throttled_until < excluded.throttled_until \
-                 THEN excluded.throttled_until ELSE providers.throttled_until END, \
-               updated_at = excluded.updated_at",
+               throttled_until = excluded.throttled_until, updated_at = excluded.updated_at \
+             WHERE providers.throttled_until IS NULL \
+               OR providers.throttled_until < excluded.throttled_until",
         )
         .bind(provider.to_owned())
         .bind(until)
         .bind(now)
         .execute(&mut *tx)
         .await?;
+        // Only a longer pause is news.
+        if done.rows_affected() > 0 {
+            DB::notify_providers(&mut tx).await?;
+        }
         tx.commit().await?;
         Ok(())
     }
 
-    async fn save_breaker(&self, p: &ProviderState) -> StoreResult<()> {
+    async fn breaker_op(
+        &self,
+        provider: &str,
+        op: SharedOp,
+        stats: Option<&Value>,
+        now: UnixMs,
+    ) -> StoreResult<(SharedBreaker, Option<ProbeGrant>)> {
         let mut tx = self.begin_write().await?;
         sqlx::query(
-            "INSERT INTO providers (provider, breaker, breaker_changed_at, open_until, stats, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6) \
-             ON CONFLICT (provider) DO UPDATE SET breaker = excluded.breaker, \
-               breaker_changed_at = excluded.breaker_changed_at, open_until = excluded.open_until, \
-               stats = excluded.stats, updated_at = excluded.updated_at",
+            "INSERT INTO providers (provider, breaker, breaker_changed_at, updated_at) \
+             VALUES ($1, 'closed', $2, $2) ON CONFLICT (provider) DO NOTHING",
         )
-        .bind(p.provider.clone())
-        .bind(p.breaker.as_str())
-        .bind(p.breaker_changed_at)
-        .bind(p.open_until)
-        .bind(p.stats.clone().map(Json))
-        .bind(p.updated_at)
+        .bind(provider.to_owned())
+        .bind(now)
         .execute(&mut *tx)
         .await?;
+        let sql = format!(
+            "SELECT {BREAKER_COLUMNS} FROM providers WHERE provider = $1{}",
+            DB::LOCK
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(provider.to_owned())
+            .fetch_one(&mut *tx)
+            .await?;
+        let before = row.shared_breaker()?;
+        let mut after = before.clone();
+        let grant = after.apply(op, now);
+        if after != before || stats.is_some() {
+            sqlx::query(
+                "UPDATE providers SET breaker = $2, breaker_changed_at = $3, open_until = $4, \
+                   probes_out = $5, probes_ok = $6, probe_until = $7, \
+                   stats = COALESCE($8, stats), updated_at = $9 \
+                 WHERE provider = $1",
+            )
+            .bind(provider.to_owned())
+            .bind(after.state.as_str())
+            .bind(after.changed_at)
+            .bind(after.open_until)
+            .bind(i64::from(after.probes_out))
+            .bind(i64::from(after.probes_ok))
+            .bind(after.probe_until)
+            .bind(stats.cloned().map(Json))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if after.state != before.state || after.open_until != before.open_until {
+            DB::notify_providers(&mut tx).await?;
+        }
         tx.commit().await?;
-        Ok(())
+        Ok((after, grant))
     }
 
     async fn save_provider_state(&self, p: &ProviderState) -> StoreResult<()> {

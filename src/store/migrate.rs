@@ -31,11 +31,13 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     1 "0001_core" "core",
     2 "0002_control_plane" "control_plane",
     3 "0003_throttled" "throttled",
+    4 "0004_cluster_breaker" "cluster_breaker",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
     2 "0002_control_plane" "control_plane",
     3 "0003_throttled" "throttled",
+    4 "0004_cluster_breaker" "cluster_breaker",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

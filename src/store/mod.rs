@@ -21,13 +21,14 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
     Record, RecordState, Role, Session, StateCount, StepRun, StepState, TransitionError, UnixMs,
     User, WorkResult,
 };
 
-pub use postgres::PgStore;
+pub use postgres::{Notice, PgStore};
 pub use sqlite::SqliteStore;
 
 /// Why a store call failed. Each variant has a stable [`code`](Self::code).
@@ -626,8 +627,18 @@ pub trait Store: Clone + Send + Sync + 'static {
         reason: Option<&str>,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<ProviderState>> + Send;
-    /// Sets only the breaker columns.
-    fn save_breaker(&self, state: &ProviderState) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Changes the cluster's breaker for `provider` under its row's lock
+    /// (`domain::breaker::SharedBreaker::apply`): returns the breaker as
+    /// stored after, and the answer to a probe request. A change of state
+    /// is announced to every node (PostgreSQL: `NOTIFY`, at commit).
+    /// `stats`, when given, replaces the window figures shown with it.
+    fn breaker_op(
+        &self,
+        provider: &str,
+        op: SharedOp,
+        stats: Option<&Value>,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<(SharedBreaker, Option<ProbeGrant>)>> + Send;
     /// Holds every node's calls to `provider` until `until` (a "slow down"
     /// it said); a later pause already kept wins, so nodes that publish
     /// the same storm in any order agree on its end.
@@ -842,7 +853,7 @@ forward! {
     fn provider_states(&self) -> Vec<ProviderState>;
     fn save_provider_state(&self, state: &ProviderState) -> ();
     fn set_provider_pause(&self, provider: &str, paused: bool, actor: &str, reason: Option<&str>, now: UnixMs) -> ProviderState;
-    fn save_breaker(&self, state: &ProviderState) -> ();
+    fn breaker_op(&self, provider: &str, op: SharedOp, stats: Option<&Value>, now: UnixMs) -> (SharedBreaker, Option<ProbeGrant>);
     fn throttle_provider(&self, provider: &str, until: UnixMs, now: UnixMs) -> ();
     fn ensure_meta(&self, key: &str, value: &str) -> String;
     fn rotate_meta_secret(&self, key: &str, value: &str, now: UnixMs) -> u64;

@@ -20,6 +20,17 @@ use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
+/// The channel that says "a provider's shared state changed".
+const PROVIDERS_CHANNEL: &str = "ballast_providers";
+
+/// What a notification on one of Ballast's channels says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice {
+    /// There is due work.
+    Work,
+    /// A provider was paused or resumed, throttled, or its breaker moved.
+    Providers,
+}
 
 /// Set on each session (see `PgStore::connect`): the limit on sitting
 /// inside a transaction waiting for Ballast, after which the server ends
@@ -77,17 +88,20 @@ impl PgStore {
         &self.pools
     }
 
-    /// Waits for work notifications from any node; each one calls `wake`.
-    /// Reconnects after errors until `stop`.
-    pub async fn listen_for_work(
+    /// Waits for notifications from any node (work, provider changes);
+    /// each one calls `on`. Reconnects after errors until `stop`. Once
+    /// listening (at first and after each reconnect) it calls
+    /// `on(Notice::Work)` and `on(Notice::Providers)`: what changed before
+    /// it listened is looked at again.
+    pub async fn listen(
         &self,
-        wake: impl Fn() + Send,
+        on: impl Fn(Notice) + Send,
         stop: tokio_util::sync::CancellationToken,
     ) {
         loop {
             let listener = async {
                 let mut l = sqlx::postgres::PgListener::connect_with(&self.pools).await?;
-                l.listen(WORK_CHANNEL).await?;
+                l.listen_all([WORK_CHANNEL, PROVIDERS_CHANNEL]).await?;
                 Ok::<_, sqlx::Error>(l)
             };
             let mut listener = match listener.await {
@@ -100,11 +114,14 @@ impl PgStore {
                     }
                 }
             };
+            on(Notice::Providers);
+            on(Notice::Work);
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
                     n = listener.recv() => match n {
-                        Ok(_) => wake(),
+                        Ok(n) if n.channel() == PROVIDERS_CHANNEL => on(Notice::Providers),
+                        Ok(_) => on(Notice::Work),
                         Err(e) => {
                             tracing::warn!(error = %e, "work notifications interrupted");
                             break;
@@ -118,6 +135,15 @@ impl PgStore {
     pub async fn close(&self) {
         self.pools.close().await;
     }
+}
+
+/// Sends a notification on `channel`, delivered when `tx` commits.
+async fn notify(tx: &mut Transaction<'static, Postgres>, channel: &str) -> StoreResult<()> {
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(channel.to_owned())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }
 
 // `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
@@ -146,11 +172,11 @@ impl SqlDb for Postgres {
 
     /// Wakes idle workers on every node (delivered at commit).
     async fn notify_work(tx: &mut Transaction<'static, Postgres>) -> StoreResult<()> {
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(WORK_CHANNEL)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
+        notify(tx, WORK_CHANNEL).await
+    }
+
+    async fn notify_providers(tx: &mut Transaction<'static, Postgres>) -> StoreResult<()> {
+        notify(tx, PROVIDERS_CHANNEL).await
     }
 
     fn counter_shard() -> i32 {

@@ -5,6 +5,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
+use crate::domain::breaker::SharedBreaker;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState, Session,
     StateCount, StepRun, User,
@@ -31,6 +32,8 @@ pub(crate) const USER_COLUMNS: &str =
     "id, username, password_hash, role, disabled, created_at, updated_at";
 pub(crate) const API_TOKEN_COLUMNS: &str =
     "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at";
+pub(crate) const BREAKER_COLUMNS: &str =
+    "breaker, breaker_changed_at, open_until, probes_out, probes_ok, probe_until";
 pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
      failed, retried, unknown, records_succeeded, records_failed, records_parked, latency";
 pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at, open_until, paused, \
@@ -64,6 +67,8 @@ pub trait MapRow {
     fn node(&self) -> StoreResult<Node>;
     /// A `providers` row, read with [`PROVIDER_COLUMNS`].
     fn provider_state(&self) -> StoreResult<ProviderState>;
+    /// A `providers` row's breaker, read with [`BREAKER_COLUMNS`].
+    fn shared_breaker(&self) -> StoreResult<SharedBreaker>;
     /// A `pipeline_versions` row.
     fn pipeline_version(&self) -> StoreResult<PipelineVersion>;
     /// A row of `(pipeline, state, n)`.
@@ -247,6 +252,20 @@ where
             throttled_until: self.try_get("throttled_until")?,
             stats: self.json("stats")?,
             updated_at: self.try_get("updated_at")?,
+        })
+    }
+
+    fn shared_breaker(&self) -> StoreResult<SharedBreaker> {
+        let count = |col: &str| -> StoreResult<u32> {
+            Ok(u32::try_from(self.try_get::<i64, _>(col)?).unwrap_or(0))
+        };
+        Ok(SharedBreaker {
+            state: parse(&self.try_get::<String, _>("breaker")?, "breaker state")?,
+            changed_at: self.try_get("breaker_changed_at")?,
+            open_until: self.try_get("open_until")?,
+            probes_out: count("probes_out")?,
+            probes_ok: count("probes_ok")?,
+            probe_until: self.try_get("probe_until")?,
         })
     }
 

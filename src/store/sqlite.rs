@@ -95,6 +95,12 @@ impl SqlDb for Sqlite {
         Ok(())
     }
 
+    /// Other processes on the same file read providers' state at their
+    /// next claim.
+    async fn notify_providers(_tx: &mut Transaction<'static, Sqlite>) -> StoreResult<()> {
+        Ok(())
+    }
+
     /// One writer: no contention to spread.
     fn counter_shard() -> i32 {
         0

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ballast::config::Config;
+use ballast::domain::breaker::SharedOp;
 use ballast::domain::{Clock, ManualClock, RecordState};
 use ballast::engine::{Engine, EngineOptions};
 use ballast::sim::{Profile, SimHandle};
@@ -1710,4 +1711,231 @@ async fn sqlite_a_step_starts_when_its_needs_are_met() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_step_starts_when_its_needs_are_met() {
     a_step_starts_when_its_needs_are_met(Backend::Postgres).await;
+}
+
+/// A provider that fails (500) until healed; healed, each call to
+/// `POST /v1/charge` is held until the test lets it answer (while `hold`
+/// is set) and then succeeds. Counts the calls that reach it.
+struct Sick {
+    url: String,
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+    healed: Arc<std::sync::atomic::AtomicBool>,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    arrived: tokio::sync::mpsc::UnboundedReceiver<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Sick {
+    async fn spawn() -> Sick {
+        use axum::response::IntoResponse;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let calls = Arc::new(AtomicUsize::new(0));
+        let healed = Arc::new(AtomicBool::new(false));
+        let hold = Arc::new(AtomicBool::new(true));
+        let (tx, arrived) = tokio::sync::mpsc::unbounded_channel();
+        let charge = {
+            let (calls, healed, hold) = (calls.clone(), healed.clone(), hold.clone());
+            move || {
+                let (calls, healed, hold, tx) =
+                    (calls.clone(), healed.clone(), hold.clone(), tx.clone());
+                async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    if !healed.load(Ordering::SeqCst) {
+                        let down = axum::http::StatusCode::INTERNAL_SERVER_ERROR;
+                        return (down, axum::Json(json!({}))).into_response();
+                    }
+                    if hold.load(Ordering::SeqCst) {
+                        let (release, released) = tokio::sync::oneshot::channel::<()>();
+                        let _ = tx.send(release);
+                        let _ = released.await;
+                    }
+                    axum::Json(json!({ "status": "succeeded", "id": "ch" })).into_response()
+                }
+            }
+        };
+        let url = crate::helpers::serve_router(
+            axum::Router::new().route("/v1/charge", axum::routing::post(charge)),
+        )
+        .await;
+        Sick {
+            url,
+            calls,
+            healed,
+            hold,
+            arrived,
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The breaker is one for the cluster (PostgreSQL, two engines on one
+/// clock): node A's calls open it; node B, which has made no call, defers
+/// its records without calling; after the open interval the two nodes
+/// together make one probe, and its success closes the breaker for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breaker_is_one_breaker_for_every_node() {
+    use ballast::domain::BreakerState;
+    use std::sync::atomic::Ordering;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "breaker_nodes").await else {
+        return;
+    };
+    let mut sick = Sick::spawn().await;
+    let config = single_step(
+        &sick.url,
+        r#"retry = { max_attempts = 100, base = "10ms", cap = "50ms", deadline = "10m" }
+breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "1s", probes = 1 }"#,
+    );
+    let clock = ManualClock::new(crate::helpers::wall_ms());
+    let node = |name: &str| {
+        let (db, config, clock) = (t.db.clone(), config.clone(), Arc::new(clock.clone()));
+        let name = name.to_owned();
+        async move {
+            Engine::with_clock(db, config, options(&name), clock)
+                .await
+                .unwrap()
+        }
+    };
+    let (a, b) = (node("a").await, node("b").await);
+    enqueue_n(&a, "pay", 5).await;
+    drain(&a).await;
+    assert_eq!(sick.calls(), 5, "five failures trip A's window");
+    let shared = t.db.provider_state("sim").await.unwrap().unwrap();
+    assert_eq!(shared.breaker, BreakerState::Open, "A opened the cluster's");
+    b.sync_providers_once().await;
+    assert_eq!(b.provider_live("sim").unwrap().breaker, BreakerState::Open);
+    for i in 0..5 {
+        let key = format!("b{i}");
+        b.enqueue("pay", Some(&key), json!({})).await.unwrap();
+    }
+    // 0.9 s of the open second: B runs every due record and calls nothing.
+    for _ in 0..9 {
+        drain(&b).await;
+        clock.advance(100);
+    }
+    assert_eq!(sick.calls(), 5, "no node calls while it is open");
+    sick.healed.store(true, Ordering::SeqCst);
+    clock.advance(200);
+    // Both nodes run everything due at once: one probe between them.
+    let (ta, tb) = (a.clone(), b.clone());
+    let mut runs = tokio::task::JoinSet::new();
+    runs.spawn(async move { drain(&ta).await });
+    runs.spawn(async move { drain(&tb).await });
+    let probe = tokio::time::timeout(Duration::from_secs(30), sick.arrived.recv())
+        .await
+        .expect("a probe is made")
+        .unwrap();
+    // The node without the probe finishes its pass; the other waits on it.
+    let first = tokio::time::timeout(Duration::from_secs(30), runs.join_next()).await;
+    assert!(first.is_ok(), "one node is done with its records");
+    assert_eq!(sick.calls(), 6, "one probe in the whole cluster");
+    assert!(sick.arrived.is_empty());
+    sick.hold.store(false, Ordering::SeqCst);
+    let _ = probe.send(());
+    while runs.join_next().await.is_some() {}
+    let shared = t.db.provider_state("sim").await.unwrap().unwrap();
+    assert_eq!(shared.breaker, BreakerState::Closed, "the probe closed it");
+    // Both resume. (Running nodes learn it from the store's notification;
+    // these are driven by hand, so they read it with their provider sync.)
+    for node in [&a, &b] {
+        node.sync_providers_once().await;
+        assert_eq!(
+            node.provider_live("sim").unwrap().breaker,
+            BreakerState::Closed
+        );
+    }
+    clock.advance(1_000);
+    drain(&b).await;
+    drive_at_rest(&a, &clock, 10, 100, 30_000).await;
+    let counts = t.db.state_counts().await.unwrap();
+    assert_eq!(counts.len(), 1, "{counts:?}");
+    assert_eq!(counts[0].state, RecordState::Succeeded);
+    assert_eq!(sick.calls(), 15, "after the outage, each record once");
+}
+
+/// Running nodes learn a pause, a resume and a breaker's moves from the
+/// database's notifications, not their provider sync (set to an hour):
+/// PostgreSQL's `NOTIFY` reaches every node at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_changes_reach_running_nodes_at_once() {
+    use ballast::domain::BreakerState;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "provider_notify").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(5)).await.unwrap();
+    let config = single_step(&sim.base_url(), "");
+    let mut nodes = Vec::new();
+    for name in ["n1", "n2", "n3"] {
+        let mut o = options(name);
+        o.provider_sync = Duration::from_secs(3_600);
+        let engine = Engine::new(t.db.clone(), config.clone(), o).await.unwrap();
+        let (stop, run) = run_in_background(&engine);
+        nodes.push((engine, stop, run));
+    }
+    let all_see = async |what: &str, see: &dyn Fn(&ballast::engine::ProviderLive) -> bool| {
+        let what = format!("every node sees {what}");
+        crate::helpers::poll_until(&what, Duration::from_secs(10), || async {
+            nodes
+                .iter()
+                .all(|(e, _, _)| see(&e.provider_live("sim").unwrap()))
+                .then_some(())
+        })
+        .await
+    };
+    let now = crate::helpers::wall_ms();
+    t.db.set_provider_pause("sim", true, "alice", None, now)
+        .await
+        .unwrap();
+    all_see("the pause", &|l| l.paused).await;
+    t.db.set_provider_pause("sim", false, "alice", None, now + 1)
+        .await
+        .unwrap();
+    all_see("the resume", &|l| !l.paused).await;
+    let open = SharedOp::Open {
+        until: now + 3_600_000,
+    };
+    t.db.breaker_op("sim", open, None, now + 2).await.unwrap();
+    all_see("the breaker open", &|l| l.breaker == BreakerState::Open).await;
+    t.db.breaker_op("sim", SharedOp::Reset, None, now + 3)
+        .await
+        .unwrap();
+    all_see("the breaker closed", &|l| l.breaker == BreakerState::Closed).await;
+    for (_, stop, run) in nodes {
+        stop.cancel();
+        run.await.unwrap();
+    }
+    sim.stop();
+}
+
+/// On SQLite, a pause written by another process is seen at the next
+/// claim (the provider sync is an hour away): no call while paused, each
+/// record once resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_nodes_see_a_pause_at_their_next_claim() {
+    let t = TestDb::migrated(Backend::Sqlite, "pause_at_claim")
+        .await
+        .unwrap();
+    let sim = SimHandle::spawn(Profile::clean(6)).await.unwrap();
+    let config = single_step(&sim.base_url(), "");
+    let clock = ManualClock::new(crate::helpers::wall_ms());
+    let mut o = options("s1");
+    o.provider_sync = Duration::from_secs(3_600);
+    let engine = Engine::with_clock(t.db.clone(), config, o, Arc::new(clock.clone()))
+        .await
+        .unwrap();
+    engine.sync_providers_once().await;
+    t.db.set_provider_pause("sim", true, "alice", None, clock.now_ms())
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 5).await;
+    clock.advance(100);
+    drain(&engine).await;
+    assert_eq!(sim.stats().requests, 0, "the claim read the pause");
+    t.db.set_provider_pause("sim", false, "alice", None, clock.now_ms())
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 5, 500, 30_000).await;
+    assert_eq!(sim.stats().requests, 5, "each record once after the resume");
+    sim.stop();
 }

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use ballast::domain::breaker::SharedOp;
 use ballast::domain::{
     OperatorAction, Outcome, ProviderState, RecordState, Role, Session, StepState, TransitionError,
     WorkResult, idempotency_key,
@@ -61,7 +62,82 @@ conformance!(
     batch_enqueue_is_one_transaction_and_idempotent,
     group_commit_writes_each_pass_and_refuses_only_stale_ones,
     a_throttle_pause_is_kept_for_every_node,
+    the_cluster_breaker_hands_out_one_probe,
 );
+
+/// The cluster's breaker, changed under its row's lock: nodes asking for
+/// probes at once get exactly `probes` of them; a probe's answer closes it
+/// for everyone; the pause and throttle columns are left alone; the window
+/// figures are kept with a trip.
+async fn the_cluster_breaker_hands_out_one_probe(db: &Db) {
+    use ballast::domain::BreakerState;
+    use ballast::domain::breaker::ProbeGrant;
+    db.set_provider_pause("acme", true, "alice", None, T0)
+        .await
+        .unwrap();
+    db.throttle_provider("acme", T0 + 500, T0).await.unwrap();
+    let figures = json!({ "calls": 20, "failures": 12, "slow": 0 });
+    let (s, grant) = db
+        .breaker_op(
+            "acme",
+            SharedOp::Open { until: T0 + 1_000 },
+            Some(&figures),
+            T0,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (s.state, s.open_until, grant),
+        (BreakerState::Open, Some(T0 + 1_000), None)
+    );
+    let claim = SharedOp::ClaimProbe {
+        probes: 1,
+        lost_after: 10_000,
+    };
+    let (_, early) = db.breaker_op("acme", claim, None, T0 + 999).await.unwrap();
+    assert_eq!(early, Some(ProbeGrant::Wait(T0 + 1_000)));
+    // Eight nodes ask at once: one probe in the cluster.
+    let asks = (0..8).map(|_| db.breaker_op("acme", claim, None, T0 + 1_000));
+    let grants: Vec<_> = futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().1.unwrap())
+        .collect();
+    let probes: Vec<_> = grants
+        .iter()
+        .filter_map(|g| match g {
+            ProbeGrant::Probe { round } => Some(*round),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(probes.len(), 1, "{grants:?}");
+    let stored = db.provider_state("acme").await.unwrap().unwrap();
+    assert_eq!(stored.breaker, BreakerState::HalfOpen);
+    assert_eq!(stored.stats, Some(figures), "the trip's figures are shown");
+    assert!(stored.paused, "the operator's pause stays");
+    assert_eq!(stored.throttled_until, Some(T0 + 500));
+    let answer = SharedOp::Probed {
+        ok: true,
+        probes: 1,
+        open_for: 1_000,
+        round: probes[0],
+    };
+    let (s, _) = db
+        .breaker_op("acme", answer, None, T0 + 1_100)
+        .await
+        .unwrap();
+    assert_eq!((s.state, s.changed_at), (BreakerState::Closed, T0 + 1_100));
+    let (_, after) = db
+        .breaker_op("acme", claim, None, T0 + 1_101)
+        .await
+        .unwrap();
+    assert_eq!(after, Some(ProbeGrant::Closed));
+    let kept = db.provider_state("acme").await.unwrap().unwrap();
+    assert_eq!(
+        (kept.breaker, kept.open_until),
+        (BreakerState::Closed, None)
+    );
+}
 
 /// A provider's "slow down" pause is kept for every node: the later of two
 /// wins whatever the order they are published in, and neither an operator's
@@ -87,7 +163,9 @@ async fn a_throttle_pause_is_kept_for_every_node(db: &Db) {
     db.set_provider_pause("acme", true, "alice", Some("maintenance"), T0 + 3)
         .await
         .unwrap();
-    db.save_breaker(&s).await.unwrap();
+    db.breaker_op("acme", SharedOp::Open { until: T0 + 60_000 }, None, T0 + 4)
+        .await
+        .unwrap();
     let s = db.provider_state("acme").await.unwrap().unwrap();
     assert_eq!(
         s.throttled_until,

@@ -1,0 +1,321 @@
+//! A provider's limits for the whole cluster: nodes lease permits in small
+//! batches ("grants") from a budget kept in the database, so the calls of
+//! every node together stay within each rate window and the concurrency
+//! cap, and a busy node can use what an idle one does not need.
+//!
+//! **Rate windows.** A grant of `count` permits in a window of `w` ms
+//! occupies that window from the moment it is granted until `w` after its
+//! last call completed (`done_at`); a grant whose node died (never closed)
+//! occupies it until `w` after it lapses (`expires_at` plus the longest a
+//! call can take). A grant is made only while the occupied permits plus
+//! the new ones fit the window's count. Every call of a grant arrives at
+//! the provider between the grant and its `done_at`, so for any span of
+//! `w` at the provider, the grants whose calls arrive in it were all
+//! occupying at the moment the latest of them was granted: together they
+//! fit the count. (The proof is the one of the node-local sliding log,
+//! with grants for calls.) Closing a grant shrinks it to the permits it
+//! used, so unused permits go back at once.
+//!
+//! **Concurrency.** A grant in window 0 is a holding of slots: the node may
+//! have that many calls in flight. Holdings together never exceed the cap;
+//! a node that holds more than its fair share while another waits gives
+//! the surplus back as its calls finish.
+
+use super::time::UnixMs;
+
+/// The window that holds concurrency slots instead of rate permits.
+pub const SLOTS: i64 = 0;
+
+/// One grant as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantRow {
+    pub id: i64,
+    pub node: String,
+    /// The window's length in ms, or [`SLOTS`].
+    pub window_ms: i64,
+    /// Permits granted; once closed, the permits used. For slots: held.
+    pub count: i64,
+    /// For slots: how many the node would like to hold.
+    pub wanted: i64,
+    pub granted_at: UnixMs,
+    /// No call starts on the grant after this; for slots, the holding
+    /// lapses then unless renewed.
+    pub expires_at: UnixMs,
+    /// When its last call completed; `None` while open.
+    pub done_at: Option<UnixMs>,
+}
+
+impl GrantRow {
+    /// Until when this grant occupies its window (`lapse_ms`: the longest a
+    /// call started before `expires_at` can still be under way after it).
+    pub fn occupies_until(&self, lapse_ms: i64) -> UnixMs {
+        let w = self.window_ms;
+        if w == SLOTS {
+            return self.expires_at.saturating_add(lapse_ms);
+        }
+        match self.done_at {
+            Some(done) => done.saturating_add(w),
+            None => self
+                .expires_at
+                .saturating_add(lapse_ms)
+                .saturating_add(w),
+        }
+    }
+}
+
+/// Permits of one window occupied at `now`, and the earliest moment one
+/// of those occupying grants stops occupying.
+pub fn occupancy(rows: &[GrantRow], window_ms: i64, now: UnixMs, lapse_ms: i64) -> (i64, Option<UnixMs>) {
+    let mut used = 0i64;
+    let mut frees = None::<UnixMs>;
+    for r in rows.iter().filter(|r| r.window_ms == window_ms) {
+        let until = r.occupies_until(lapse_ms);
+        if until > now {
+            used += r.count;
+            frees = Some(frees.map_or(until, |f| f.min(until)));
+        }
+    }
+    (used, frees)
+}
+
+/// How long a grant in a window of `window_ms` may be drawn on before its
+/// unused permits go back: a tenth of the window, within 50 ms and 60 s.
+pub fn grant_life(window_ms: i64) -> i64 {
+    (window_ms / 10).clamp(50, 60_000)
+}
+
+/// The answer to a request for permits in one window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Granted {
+    /// This many (at least one) permits until `expires_at`.
+    Permits { count: i64, expires_at: UnixMs },
+    /// None free; ask again then.
+    Full { retry_at: UnixMs },
+}
+
+/// Decides a request for permits in a window of `window_ms` holding
+/// `limit` calls, with `rows` the window's grants: as many as the node
+/// wants, within what is free and at most a quarter of the node's share
+/// (so several nodes draw in turns and an idle node holds little).
+pub fn grant(
+    rows: &[GrantRow],
+    window_ms: i64,
+    limit: u32,
+    want: i64,
+    live_nodes: usize,
+    now: UnixMs,
+    lapse_ms: i64,
+) -> Granted {
+    let (used, frees) = occupancy(rows, window_ms, now, lapse_ms);
+    let free = i64::from(limit) - used;
+    if free <= 0 {
+        return Granted::Full {
+            retry_at: frees.unwrap_or(now + 1).max(now + 1),
+        };
+    }
+    let batch = (i64::from(limit) / (4 * live_nodes.max(1) as i64)).max(1);
+    Granted::Permits {
+        count: want.max(1).min(batch).min(free),
+        expires_at: now.saturating_add(grant_life(window_ms)),
+    }
+}
+
+/// The slots `node` may hold of a cap of `cap`, given every node's holding
+/// (`rows`: window [`SLOTS`]), while it has `in_use` calls in flight and
+/// would like `want`: what the others leave free, but no more than a fair
+/// share while another node wants more than it holds; never below what it
+/// has in flight (those calls finish first; it starts no more until it is
+/// back within its holding).
+pub fn slots(rows: &[GrantRow], node: &str, cap: u32, want: i64, in_use: i64, now: UnixMs, lapse_ms: i64) -> i64 {
+    let cap = i64::from(cap);
+    let live = |r: &&GrantRow| r.window_ms == SLOTS && r.occupies_until(lapse_ms) > now;
+    let others: Vec<&GrantRow> = rows.iter().filter(live).filter(|r| r.node != node).collect();
+    let held_by_others: i64 = others.iter().map(|r| r.count).sum();
+    let wanting = others.iter().filter(|r| r.wanted > r.count).count() as i64;
+    let free = (cap - held_by_others).max(0);
+    let mut hold = want.min(free);
+    if wanting > 0 {
+        // Others wait: this node keeps at most an even share.
+        let share = (cap / (wanting + 1)).max(1);
+        hold = hold.min(share);
+    }
+    hold.max(0).max(in_use.min(cap))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn row(id: i64, node: &str, window_ms: i64, count: i64, granted_at: UnixMs) -> GrantRow {
+        GrantRow {
+            id,
+            node: node.into(),
+            window_ms,
+            count,
+            wanted: count,
+            granted_at,
+            expires_at: granted_at + grant_life(window_ms),
+            done_at: None,
+        }
+    }
+
+    #[test]
+    fn occupancy_counts_open_grants_and_closed_ones_for_a_window_after() {
+        let mut a = row(1, "a", 1_000, 5, 0);
+        let b = row(2, "b", 1_000, 3, 10);
+        let day = row(3, "a", 86_400_000, 100, 0);
+        assert_eq!(occupancy(&[a.clone(), b.clone(), day.clone()], 1_000, 20, 500).0, 8);
+        a.done_at = Some(40);
+        a.count = 2;
+        let rows = [a, b];
+        assert_eq!(occupancy(&rows, 1_000, 1_039, 500), (5, Some(1_040)));
+        assert_eq!(occupancy(&rows, 1_000, 1_040, 500).0, 3, "a's window ended");
+        // b never closed (its node died): it lapses after its life, the
+        // longest call and the window.
+        assert_eq!(occupancy(&rows, 1_000, 10 + 100 + 500 + 1_000, 500).0, 0);
+    }
+
+    #[test]
+    fn grants_fit_the_free_permits_in_batches_of_a_quarter_share() {
+        let rows = [row(1, "a", 1_000, 7, 0)];
+        assert_eq!(
+            grant(&rows, 1_000, 10, 50, 1, 5, 500),
+            Granted::Permits { count: 2, expires_at: 105 },
+            "3 free, batches of 10/4"
+        );
+        assert_eq!(
+            grant(&rows, 1_000, 10, 1, 3, 5, 500),
+            Granted::Permits { count: 1, expires_at: 105 }
+        );
+        let full = [row(1, "a", 1_000, 10, 0)];
+        assert_eq!(
+            grant(&full, 1_000, 10, 1, 1, 5, 500),
+            Granted::Full { retry_at: 1_600 }
+        );
+    }
+
+    #[test]
+    fn slots_are_shared_fairly_while_others_wait() {
+        let mut b = row(1, "b", SLOTS, 10, 0);
+        b.expires_at = 10_000;
+        b.wanted = 10;
+        assert_eq!(slots(&[b.clone()], "a", 10, 4, 0, 5, 0), 0, "b holds the cap");
+        b.wanted = 0;
+        b.count = 6;
+        assert_eq!(slots(&[b.clone()], "a", 10, 8, 0, 5, 0), 4, "what b leaves");
+        b.count = 10;
+        b.wanted = 20;
+        assert_eq!(
+            slots(&[b.clone()], "a", 10, 8, 7, 5, 0),
+            7,
+            "never below the calls in flight"
+        );
+        // a holds 8 and b wants more: a comes down to half as calls finish.
+        let mut a = row(2, "a", SLOTS, 8, 0);
+        a.expires_at = 10_000;
+        b.count = 2;
+        assert_eq!(slots(&[a, b], "a", 10, 8, 3, 5, 0), 5);
+    }
+
+    #[derive(Debug, Clone)]
+    struct Held {
+        id: i64,
+        window: usize,
+        left: i64,
+        used: i64,
+        in_flight: i64,
+        last_done: UnixMs,
+        expires_at: UnixMs,
+    }
+
+    proptest! {
+        /// Several nodes drawing on two windows at once, with calls that
+        /// take any time and arrive anywhere between their grant and their
+        /// completion: no span of a window's length at the provider ever
+        /// holds more than the window's count.
+        #[test]
+        fn no_window_at_the_provider_exceeds_its_limit(
+            nodes in 1usize..4,
+            calls in proptest::collection::vec((0usize..4, 0i64..30, 1i64..300, 0.0f64..1.0), 1..600),
+        ) {
+            let windows = [(1_000i64, 7u32), (3_000i64, 12u32)];
+            let lapse = 300;
+            let mut rows: Vec<GrantRow> = Vec::new();
+            let mut held: Vec<Vec<Held>> = vec![Vec::new(); nodes];
+            let mut pending: Vec<(UnixMs, usize, Vec<i64>)> = Vec::new();
+            let mut arrivals = Vec::new();
+            let mut now = 0;
+            let mut next_id = 1;
+            for (node, gap, latency, frac) in calls {
+                let node = node % nodes;
+                now += gap;
+                // Calls that completed by now.
+                pending.sort_by_key(|p| p.0);
+                while pending.first().is_some_and(|p| p.0 <= now) {
+                    let (done, n, ids) = pending.remove(0);
+                    for h in held[n].iter_mut().filter(|h| ids.contains(&h.id)) {
+                        h.in_flight -= 1;
+                        h.last_done = h.last_done.max(done);
+                    }
+                }
+                // Close what is spent or expired and idle: shrink to used.
+                for (n, hs) in held.iter_mut().enumerate() {
+                    hs.retain(|h| {
+                        let spent = h.left == 0 || now >= h.expires_at;
+                        if spent && h.in_flight == 0 {
+                            let r = rows.iter_mut().find(|r| r.id == h.id).unwrap();
+                            r.count = h.used;
+                            r.done_at = Some(h.last_done.max(r.granted_at));
+                            let _ = n;
+                            return false;
+                        }
+                        true
+                    });
+                }
+                // This node takes a permit in every window, asking for grants.
+                let mut ids = Vec::new();
+                for (w, (window_ms, limit)) in windows.iter().enumerate() {
+                    let usable = held[node].iter().position(|h| h.window == w && h.left > 0 && now < h.expires_at);
+                    let at = match usable {
+                        Some(i) => i,
+                        None => match grant(&rows, *window_ms, *limit, 3, nodes, now, lapse) {
+                            Granted::Permits { count, expires_at } => {
+                                rows.push(GrantRow { id: next_id, node: node.to_string(), window_ms: *window_ms, count, wanted: count, granted_at: now, expires_at, done_at: None });
+                                held[node].push(Held { id: next_id, window: w, left: count, used: 0, in_flight: 0, last_done: now, expires_at });
+                                next_id += 1;
+                                held[node].len() - 1
+                            }
+                            Granted::Full { retry_at } => {
+                                prop_assert!(retry_at > now);
+                                break;
+                            }
+                        },
+                    };
+                    ids.push(at);
+                }
+                if ids.len() < windows.len() {
+                    continue; // a window was full: no call (permits taken stay for later)
+                }
+                let mut grant_ids = Vec::new();
+                for i in ids {
+                    let h = &mut held[node][i];
+                    h.left -= 1;
+                    h.used += 1;
+                    h.in_flight += 1;
+                    grant_ids.push(h.id);
+                }
+                arrivals.push(now + (latency as f64 * frac) as i64);
+                prop_assert!(latency <= lapse);
+                pending.push((now + latency, node, grant_ids));
+            }
+            arrivals.sort_unstable();
+            for (window_ms, limit) in windows {
+                for (i, t) in arrivals.iter().enumerate() {
+                    let n = arrivals[i..].iter().take_while(|u| **u < t + window_ms).count();
+                    prop_assert!(n <= limit as usize, "{} arrivals in [{}, {}) of a {}/{}ms window", n, t, t + window_ms, limit, window_ms);
+                }
+            }
+        }
+    }
+}
