@@ -48,7 +48,7 @@ use ballast::domain::RecordState;
 use ballast::engine::http::{Call, InProcess, InProcessProvider};
 use ballast::engine::{Engine, EngineOptions};
 use ballast::sim::{Profile, SimHandle};
-use ballast::store::{Backend, ConnectOptions, Db, Store, migrate};
+use ballast::store::{Backend, ConnectOptions, Db, NewRecord, Store, migrate};
 use serde_json::{Value, json};
 use sqlx::Connection;
 use tokio_util::sync::CancellationToken;
@@ -223,7 +223,22 @@ poll = { path = "/v1/jobs/{{ job_id }}", every = "10m", deadline = "1h" }
 "#
         }
     };
-    let text = format!(
+    let text = config_text(url, base_url, concurrency, &limits, pipeline);
+    let config = Config::parse(&text, std::path::Path::new("bench.toml")).expect("bench config");
+    config.validate(&|_| None).expect("bench config is valid");
+    config
+}
+
+/// The bench configuration's text: provider `p` at `base_url` and
+/// `pipeline`.
+fn config_text(
+    url: &str,
+    base_url: &str,
+    concurrency: u32,
+    limits: &str,
+    pipeline: &str,
+) -> String {
+    format!(
         r#"
 [database]
 url = "{url}"
@@ -246,10 +261,135 @@ outcome = "fail"
 when = {{ status = ["400", "404", "422"] }}
 outcome = "fail"
 {pipeline}"#
+    )
+}
+
+/// N: `nodes` separate `ballast serve` processes on one fresh PostgreSQL
+/// database share `n` one-step records against the simulator (`profile`),
+/// each node with 20 calls in flight, the provider capped at 20 per node
+/// for the whole cluster and limited to 2,000 calls a second. Returns
+/// records per second (from the moment they all fall due to the last at
+/// rest) and the most calls the simulator saw in one second.
+async fn nodes_run(nodes: usize, n: usize, profile: &Profile) -> Option<(f64, u32)> {
+    let fresh = fresh(Backend::Postgres).await?;
+    let sim = SimHandle::spawn(profile.clone()).await.ok()?;
+    let dir = tempfile::tempdir().ok()?;
+    let pipeline = r#"
+[[pipelines.one.steps]]
+name = "call"
+provider = "p"
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}", "amount": 1}' }
+"#;
+    let text = format!(
+        "[engine]\nmax_in_flight = 20\nbatch = 20\n{}",
+        config_text(
+            &fresh.url,
+            &sim.base_url(),
+            20 * nodes as u32,
+            "rate_limits = [\"2000/s\"]",
+            pipeline
+        )
     );
-    let config = Config::parse(&text, std::path::Path::new("bench.toml")).expect("bench config");
-    config.validate(&|_| None).expect("bench config is valid");
-    config
+    std::fs::write(dir.path().join("ballast.toml"), text).ok()?;
+    // Enqueued for later: they fall due at once when every node is up.
+    let later = now_ms() + 3_600_000;
+    let records: Vec<NewRecord> = (0..n)
+        .map(|i| NewRecord {
+            pipeline: "one".into(),
+            pipeline_version: None,
+            external_key: Some(format!("n-{i}")),
+            input: json!({}),
+            run_at: later,
+        })
+        .collect();
+    for chunk in records.chunks(5_000) {
+        fresh
+            .db
+            .create_records(chunk.to_vec(), now_ms())
+            .await
+            .ok()?;
+    }
+    let mut children = Vec::new();
+    for i in 0..nodes {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
+            .current_dir(dir.path())
+            .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
+            .env("BALLAST_ADMIN_PASSWORD", "bench-nodes-admin-pw")
+            .env("BALLAST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        children.push(KillOnDrop(child));
+        let ready = format!("http://127.0.0.1:{port}/readyz");
+        let mut up = false;
+        for _ in 0..300 {
+            if reqwest::get(&ready).await.is_ok_and(|r| r.status() == 200) {
+                up = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !up {
+            println!("N  node {i} did not come up");
+            return None;
+        }
+    }
+    let mut conn = sqlx::PgConnection::connect(&fresh.url).await.ok()?;
+    let started = Instant::now();
+    sqlx::query("UPDATE records SET next_run_at = $1 WHERE state = 'pending'")
+        .bind(now_ms())
+        .execute(&mut conn)
+        .await
+        .ok()?;
+    sqlx::query("SELECT pg_notify('ballast_work', '')")
+        .execute(&mut conn)
+        .await
+        .ok()?;
+    loop {
+        let counts = fresh.db.state_counts().await.ok()?;
+        let done: i64 = counts
+            .iter()
+            .filter(|c| c.state.is_at_rest())
+            .map(|c| c.count)
+            .sum();
+        if done >= n as i64 {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            println!("N  not at rest after 600 s: {counts:?}");
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = started.elapsed().as_secs_f64();
+    drop(children);
+    let busiest = sim.stats().max_per_second;
+    sim.stop();
+    drop(conn);
+    fresh.drop_now().await;
+    Some((n as f64 / took, busiest))
+}
+
+/// A child process killed when dropped.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn now_ms() -> i64 {
+    use ballast::domain::Clock;
+    ballast::domain::SystemClock.now_ms()
 }
 
 /// This process's CPU time (user + system), in seconds.
@@ -884,6 +1024,42 @@ fn main() {
                             "{} records/s",
                             median_spread(rs.iter().map(|r| r.processed_per_s).collect())
                         ),
+                    );
+                }
+            }
+            if filter.wants("N") && backend == Backend::Postgres {
+                let n_n = if quick { 2_000 } else { 6_000 };
+                let mut rates = Vec::new();
+                for nodes in [1usize, 3] {
+                    let mut rs = Vec::new();
+                    let mut busiest = 0;
+                    for _ in 0..runs {
+                        if let Some((rate, most)) = nodes_run(nodes, n_n * nodes, &slow).await {
+                            rs.push(rate);
+                            busiest = busiest.max(most);
+                        }
+                    }
+                    if rs.is_empty() {
+                        println!("N  {nodes} node(s) failed");
+                        continue;
+                    }
+                    rates.push(median(&rs));
+                    let ideal = 400.0 * nodes as f64;
+                    println!(
+                        "{:<44} {:>22} {:>18}",
+                        format!("N  {nodes} serve process(es), 20 in flight each, 50 ms"),
+                        median_spread(rs.clone()),
+                        format!(
+                            "{:.0}% of ideal; max {busiest} in 1 s",
+                            median(&rs) / ideal * 100.0
+                        ),
+                    );
+                }
+                if let [one, three] = rates[..] {
+                    println!(
+                        "{:<44} {:>22}",
+                        "   three nodes / one node",
+                        format!("{:.2}", three / one)
                     );
                 }
             }

@@ -14,6 +14,15 @@ use crate::domain::backoff::Backoff;
 use crate::domain::breaker::BreakerPolicy;
 use crate::domain::rules::{FieldTest, ReplyError, Rule, StatusMatch, When, default_rules};
 
+/// Where a provider's concurrency cap holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConcurrencyScope {
+    #[default]
+    Cluster,
+    Node,
+}
+
 /// One provider as configured.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,9 +40,15 @@ pub struct ProviderConfig {
     /// Largest reply body read, in bytes; larger is `body_too_large`.
     #[serde(default = "defaults::max_body")]
     pub max_body: u64,
-    /// Calls in flight at once, across the cluster's share of this node.
+    /// Calls in flight at once: in the whole cluster, or on each node
+    /// (`concurrency_scope`).
     #[serde(default = "defaults::concurrency")]
     pub concurrency: u32,
+    /// `"cluster"` (the default): the cap holds for every node together;
+    /// `"node"`: each node has the cap (a provider limiting connections per
+    /// client).
+    #[serde(default)]
+    pub concurrency_scope: ConcurrencyScope,
     /// Every window holds at once, e.g. `["20/s", "10000/day"]`.
     #[serde(default)]
     pub rate_limits: Vec<RateLimit>,

@@ -55,17 +55,19 @@ impl GrantRow {
         }
         match self.done_at {
             Some(done) => done.saturating_add(w),
-            None => self
-                .expires_at
-                .saturating_add(lapse_ms)
-                .saturating_add(w),
+            None => self.expires_at.saturating_add(lapse_ms).saturating_add(w),
         }
     }
 }
 
 /// Permits of one window occupied at `now`, and the earliest moment one
 /// of those occupying grants stops occupying.
-pub fn occupancy(rows: &[GrantRow], window_ms: i64, now: UnixMs, lapse_ms: i64) -> (i64, Option<UnixMs>) {
+pub fn occupancy(
+    rows: &[GrantRow],
+    window_ms: i64,
+    now: UnixMs,
+    lapse_ms: i64,
+) -> (i64, Option<UnixMs>) {
     let mut used = 0i64;
     let mut frees = None::<UnixMs>;
     for r in rows.iter().filter(|r| r.window_ms == window_ms) {
@@ -126,10 +128,22 @@ pub fn grant(
 /// share while another node wants more than it holds; never below what it
 /// has in flight (those calls finish first; it starts no more until it is
 /// back within its holding).
-pub fn slots(rows: &[GrantRow], node: &str, cap: u32, want: i64, in_use: i64, now: UnixMs, lapse_ms: i64) -> i64 {
+pub fn slots(
+    rows: &[GrantRow],
+    node: &str,
+    cap: u32,
+    want: i64,
+    in_use: i64,
+    now: UnixMs,
+    lapse_ms: i64,
+) -> i64 {
     let cap = i64::from(cap);
     let live = |r: &&GrantRow| r.window_ms == SLOTS && r.occupies_until(lapse_ms) > now;
-    let others: Vec<&GrantRow> = rows.iter().filter(live).filter(|r| r.node != node).collect();
+    let others: Vec<&GrantRow> = rows
+        .iter()
+        .filter(live)
+        .filter(|r| r.node != node)
+        .collect();
     let held_by_others: i64 = others.iter().map(|r| r.count).sum();
     let wanting = others.iter().filter(|r| r.wanted > r.count).count() as i64;
     let free = (cap - held_by_others).max(0);
@@ -165,7 +179,10 @@ mod tests {
         let mut a = row(1, "a", 1_000, 5, 0);
         let b = row(2, "b", 1_000, 3, 10);
         let day = row(3, "a", 86_400_000, 100, 0);
-        assert_eq!(occupancy(&[a.clone(), b.clone(), day.clone()], 1_000, 20, 500).0, 8);
+        assert_eq!(
+            occupancy(&[a.clone(), b.clone(), day.clone()], 1_000, 20, 500).0,
+            8
+        );
         a.done_at = Some(40);
         a.count = 2;
         let rows = [a, b];
@@ -181,12 +198,18 @@ mod tests {
         let rows = [row(1, "a", 1_000, 7, 0)];
         assert_eq!(
             grant(&rows, 1_000, 10, 50, 1, 5, 500),
-            Granted::Permits { count: 2, expires_at: 105 },
+            Granted::Permits {
+                count: 2,
+                expires_at: 105
+            },
             "3 free, batches of 10/4"
         );
         assert_eq!(
             grant(&rows, 1_000, 10, 1, 3, 5, 500),
-            Granted::Permits { count: 1, expires_at: 105 }
+            Granted::Permits {
+                count: 1,
+                expires_at: 105
+            }
         );
         let full = [row(1, "a", 1_000, 10, 0)];
         assert_eq!(
@@ -200,7 +223,11 @@ mod tests {
         let mut b = row(1, "b", SLOTS, 10, 0);
         b.expires_at = 10_000;
         b.wanted = 10;
-        assert_eq!(slots(&[b.clone()], "a", 10, 4, 0, 5, 0), 0, "b holds the cap");
+        assert_eq!(
+            slots(&[b.clone()], "a", 10, 4, 0, 5, 0),
+            0,
+            "b holds the cap"
+        );
         b.wanted = 0;
         b.count = 6;
         assert_eq!(slots(&[b.clone()], "a", 10, 8, 0, 5, 0), 4, "what b leaves");

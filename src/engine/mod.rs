@@ -14,6 +14,7 @@ pub mod http;
 pub mod limits;
 mod ops;
 mod pass;
+mod permits;
 mod run;
 pub mod stats;
 mod step;
@@ -344,8 +345,8 @@ impl Engine {
     /// What this node sees of a provider right now, for the dashboard.
     pub fn provider_live(&self, name: &str) -> Option<ProviderLive> {
         let rt = self.inner.providers.get(name)?;
-        let now = self.inner.clock.now_ms();
-        let (in_flight, limits) = rt.limiter().usage(now);
+        let in_flight = rt.limiter().in_flight();
+        let limits = rt.cluster.usage();
         let (breaker, (calls, failed, slow)) = {
             let b = rt.breaker();
             (b.state(), b.window_figures())

@@ -240,6 +240,15 @@ impl Engine {
                 unstarted
             }
         };
+        // This node's share of the providers' limits goes back.
+        for rt in i.providers.values().filter(|rt| !rt.cluster.is_empty()) {
+            let released = rt
+                .cluster
+                .release(&i.db, &rt.name, &i.opts.node_id, i.clock.now_ms());
+            if let Err(e) = released.await {
+                tracing::warn!(provider.name = %rt.name, error = %e, "could not give permits back; they lapse");
+            }
+        }
         if !leases.is_empty() {
             match i.db.release(&leases, i.clock.now_ms()).await {
                 Ok(n) => tracing::info!(released = n, "released leases"),
@@ -337,8 +346,8 @@ impl Engine {
     }
 
     /// One round of [`sync_providers`](Self::sync_providers): heartbeat,
-    /// take this node's share of provider limits from the live node count,
-    /// and read pauses and breakers.
+    /// count the live nodes (grants are sized by it), give spent grants
+    /// back and renew the slots held, and read pauses and breakers.
     pub async fn sync_providers_once(&self) {
         let i = &self.inner;
         let now = i.clock.now_ms();
@@ -355,7 +364,22 @@ impl Engine {
                 .count()
                 .max(1);
             for rt in i.providers.values() {
-                rt.limiter().set_share(1.0 / live as f64);
+                rt.cluster.set_live_nodes(live);
+            }
+        }
+        // Spent grants go back, the slots held are renewed (or given back
+        // when idle).
+        for rt in i.providers.values().filter(|rt| !rt.cluster.is_empty()) {
+            let lease = rt.cluster.lease(
+                &i.db,
+                &rt.name,
+                &i.opts.node_id,
+                now,
+                false,
+                &rt.concurrency,
+            );
+            if let Err(e) = lease.await {
+                tracing::warn!(provider.name = %rt.name, error = %e, "cannot renew provider permits");
             }
         }
         self.read_provider_states().await;

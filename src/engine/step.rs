@@ -11,6 +11,7 @@ use serde_json::{Map, Value, json};
 
 use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
+use super::permits::{Short, Taken};
 use crate::domain::breaker::{Admit, ProbeGrant, SharedOp};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
@@ -21,21 +22,35 @@ use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
 use crate::store::{Db, NewAttempt, StepWrite, Store};
 
-/// A granted rate-limit slot; dropping it marks the call complete, whether
-/// it finished, failed before sending, or was cancelled mid-flight.
+/// A call's place in the provider's limits: its rate permits and its
+/// count in flight, given back on drop, whether it finished, failed
+/// before sending, or was cancelled mid-flight.
 struct Flight<'a> {
     rt: &'a ProviderRuntime,
     clock: &'a dyn Clock,
+    taken: Taken,
     sent: bool,
 }
 
 impl Drop for Flight<'_> {
     fn drop(&mut self) {
-        if self.sent {
-            self.rt.limiter().complete(self.clock.now_ms());
-        } else {
-            self.rt.limiter().abandon();
-        }
+        self.rt.limiter().complete();
+        let now = self.clock.now_ms();
+        self.rt.cluster.complete(&self.taken, self.sent, now);
+    }
+}
+
+/// A concurrency slot; given back on drop, down to the slots this node
+/// holds of the cluster's cap.
+struct Slot<'a> {
+    rt: &'a ProviderRuntime,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        self.rt.cluster.slot_returned(&self.rt.concurrency);
     }
 }
 
@@ -80,7 +95,10 @@ impl<'a> Probe<'a> {
     fn record(mut self, failed: bool, took: Duration, now: UnixMs) -> Option<BreakerNews> {
         self.judged = true;
         if let Some(round) = self.round {
-            return Some(BreakerNews::Probed { ok: !failed, round });
+            // A slow answer is no proof of health either.
+            let slow = took >= self.rt.breaker().policy().slow_call;
+            let ok = !failed && !slow;
+            return Some(BreakerNews::Probed { ok, round });
         }
         let mut b = self.rt.breaker();
         let tripped = b.record(failed, took, now);
@@ -110,7 +128,7 @@ impl Drop for Probe<'_> {
 /// What the gates granted a call: its concurrency slot, its place in the
 /// rate limits, and its breaker permit, each given back on drop.
 struct Granted<'a> {
-    _slot: tokio::sync::OwnedSemaphorePermit,
+    _slot: Slot<'a>,
     flight: Flight<'a>,
     probe: Probe<'a>,
 }
@@ -322,28 +340,17 @@ impl StepRun<'_> {
             return Err(self.deferred(self.now + 5_000, "provider paused by an operator"));
         }
         let wait_until = self.clock.now_ms() + ms(self.max_wait);
-        // A free slot is taken at once; only a wait listens for shutdown.
-        let slot = match rt.concurrency.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => {
-                let acquire = rt.concurrency.clone().acquire_owned();
-                let slot = tokio::select! {
-                    slot = tokio::time::timeout(self.max_wait, acquire) => slot,
-                    () = self.stopping.wait() => return Err(self.shutting_down()),
-                };
-                let Ok(Ok(slot)) = slot else {
-                    let at = self.clock.now_ms() + 50;
-                    return Err(self.deferred(at, "provider concurrency cap reached"));
-                };
-                slot
-            }
+        let slot = Slot {
+            rt,
+            permit: Some(self.slot(rt).await?),
         };
-        self.rate_limit(rt, wait_until).await?;
+        let taken = self.rate_limit(rt, wait_until).await?;
         // From here on the call counts against the limits until its guard
         // drops, even if this pass is cancelled mid-call (lease lost).
         let flight = Flight {
             rt,
             clock: self.clock,
+            taken,
             sent: false,
         };
         let admit = rt.breaker().admit(self.clock.now_ms());
@@ -403,14 +410,81 @@ impl StepRun<'_> {
         }
     }
 
-    /// Waits for the rate limit while that ends before `wait_until` (the
-    /// clock's milliseconds);
-    /// otherwise defers the step to when the limit allows a call.
-    async fn rate_limit(&self, rt: &ProviderRuntime, wait_until: UnixMs) -> Result<(), StepOutput> {
+    /// A concurrency slot: taken at once if free; otherwise (asking the
+    /// cluster for more slots, for a cluster-wide cap) waited for within
+    /// `max_wait`, listening for shutdown; else the step is deferred.
+    async fn slot(
+        &self,
+        rt: &ProviderRuntime,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, StepOutput> {
+        let now = self.clock.now_ms();
+        if let Ok(slot) = rt.concurrency.clone().try_acquire_owned() {
+            if rt.cluster.renewal_due(now) {
+                let renewed =
+                    rt.cluster
+                        .lease(self.db, &rt.name, self.node, now, false, &rt.concurrency);
+                if let Err(e) = renewed.await {
+                    tracing::warn!(provider.name = %rt.name, error = %e, "cannot renew concurrency slots");
+                }
+            }
+            return Ok(slot);
+        }
+        let _waiting = rt.cluster.waiting_for_slot();
+        let leased = rt
+            .cluster
+            .lease(self.db, &rt.name, self.node, now, true, &rt.concurrency);
+        if let Err(e) = leased.await {
+            tracing::warn!(provider.name = %rt.name, error = %e, "cannot lease concurrency slots");
+        }
+        let acquire = rt.concurrency.clone().acquire_owned();
+        let slot = tokio::select! {
+            slot = tokio::time::timeout(self.max_wait, acquire) => slot,
+            () = self.stopping.wait() => return Err(self.shutting_down()),
+        };
+        match slot {
+            Ok(Ok(slot)) => Ok(slot),
+            _ => {
+                let at = self.clock.now_ms() + 50;
+                Err(self.deferred(at, "provider concurrency cap reached"))
+            }
+        }
+    }
+
+    /// Takes the call's rate permits (leasing more from the cluster when a
+    /// window has none) outside the provider's "slow down" pause, waiting
+    /// while that is possible before `wait_until` (the clock's
+    /// milliseconds); otherwise defers the step to when it may be.
+    async fn rate_limit(
+        &self,
+        rt: &ProviderRuntime,
+        wait_until: UnixMs,
+    ) -> Result<Taken, StepOutput> {
+        let mut leases = 0;
         loop {
             let t = self.clock.now_ms();
-            let Err(at) = rt.limiter().try_acquire(t) else {
-                return Ok(());
+            let at = match rt.cluster.try_take(t) {
+                Ok(taken) => match rt.limiter().try_acquire(t) {
+                    Ok(()) => return Ok(taken),
+                    Err(at) => {
+                        rt.cluster.complete(&taken, false, t);
+                        at
+                    }
+                },
+                // A few requests, then the step goes back to the queue (a
+                // grant used up by this node's other calls at once).
+                Err(Short::Lease) if leases < 3 => {
+                    leases += 1;
+                    let leased =
+                        rt.cluster
+                            .lease(self.db, &rt.name, self.node, t, true, &rt.concurrency);
+                    if let Err(e) = leased.await {
+                        tracing::warn!(provider.name = %rt.name, error = %e, "cannot lease rate permits");
+                        return Err(self.deferred(t + 1_000, "provider rate limit"));
+                    }
+                    continue;
+                }
+                Err(Short::Lease) => t + 10,
+                Err(Short::Until(at)) => at,
             };
             let wait = (at - t).max(1);
             if t + wait > wait_until {

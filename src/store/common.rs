@@ -16,8 +16,8 @@ use super::rows::{
 use super::sql::{SqlStore, conflict_or};
 use super::{
     ActionRequest, AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent,
-    NewRecord, NewUser, NodeBeat, Page, RecordFilter, Store, StoreError, StoreResult, UserChange,
-    into_page, node_actor, page_limit, validate_username, worked_state,
+    NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, RecordFilter, Store, StoreError,
+    StoreResult, UserChange, into_page, node_actor, page_limit, validate_username, worked_state,
 };
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
@@ -1087,6 +1087,104 @@ where
         Ok(())
     }
 
+    async fn lease_permits(&self, req: &PermitRequest) -> StoreResult<Permits> {
+        use crate::domain::permits::{self, Granted, SLOTS};
+        let mut tx = self.begin_write().await?;
+        let (provider, node, now) = (req.provider.as_str(), req.node.as_str(), req.now);
+        Self::lock_provider(&mut tx, provider, now).await?;
+        for &(id, used, done_at) in &req.close {
+            // A grant that was never drawn on occupied nothing.
+            let q = if used == 0 {
+                sqlx::query("DELETE FROM provider_grants WHERE id = $1 AND node = $2")
+            } else {
+                sqlx::query(
+                    "UPDATE provider_grants SET count = $3, done_at = $4 \
+                     WHERE id = $1 AND node = $2 AND done_at IS NULL",
+                )
+            };
+            let q = q.bind(id).bind(node.to_owned());
+            let q = if used == 0 {
+                q
+            } else {
+                q.bind(used).bind(done_at)
+            };
+            q.execute(&mut *tx).await?;
+        }
+        // What occupies nothing any more (`GrantRow::occupies_until`).
+        sqlx::query(
+            "DELETE FROM provider_grants WHERE provider = $1 AND ( \
+               (done_at IS NOT NULL AND done_at + window_ms <= $2) \
+               OR (done_at IS NULL AND expires_at + $3 + window_ms <= $2))",
+        )
+        .bind(provider.to_owned())
+        .bind(now)
+        .bind(req.lapse_ms)
+        .execute(&mut *tx)
+        .await?;
+        let mut out = Permits::default();
+        for &(window_ms, limit, want) in &req.windows {
+            let rows = Self::grant_rows(&mut tx, provider, window_ms).await?;
+            let answer = permits::grant(
+                &rows,
+                window_ms,
+                limit,
+                want,
+                req.live_nodes,
+                now,
+                req.lapse_ms,
+            );
+            let id = match answer {
+                Granted::Permits { count, expires_at } => {
+                    let id: i64 = sqlx::query_scalar(
+                        "INSERT INTO provider_grants (provider, node, window_ms, count, wanted, \
+                           granted_at, expires_at) VALUES ($1, $2, $3, $4, $4, $5, $6) RETURNING id",
+                    )
+                    .bind(provider.to_owned())
+                    .bind(node.to_owned())
+                    .bind(window_ms)
+                    .bind(count)
+                    .bind(now)
+                    .bind(expires_at)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    Some(id)
+                }
+                Granted::Full { .. } => None,
+            };
+            out.windows.push((window_ms, id, answer));
+        }
+        if let Some(want) = req.slots {
+            let rows = Self::grant_rows(&mut tx, provider, SLOTS).await?;
+            let held = permits::slots(
+                &rows,
+                node,
+                want.cap,
+                want.want,
+                want.in_use,
+                now,
+                req.lapse_ms,
+            );
+            let until = now.saturating_add(want.hold_ms);
+            sqlx::query(
+                "INSERT INTO provider_grants (provider, node, window_ms, count, wanted, granted_at, expires_at) \
+                 VALUES ($1, $2, 0, $3, $4, $5, $6) \
+                 ON CONFLICT (provider, node) WHERE window_ms = 0 DO UPDATE SET \
+                   count = excluded.count, wanted = excluded.wanted, expires_at = excluded.expires_at",
+            )
+            .bind(provider.to_owned())
+            .bind(node.to_owned())
+            .bind(held)
+            .bind(want.want)
+            .bind(now)
+            .bind(until)
+            .execute(&mut *tx)
+            .await?;
+            out.slots = Some((held, until));
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
     async fn breaker_op(
         &self,
         provider: &str,
@@ -1095,18 +1193,8 @@ where
         now: UnixMs,
     ) -> StoreResult<(SharedBreaker, Option<ProbeGrant>)> {
         let mut tx = self.begin_write().await?;
-        sqlx::query(
-            "INSERT INTO providers (provider, breaker, breaker_changed_at, updated_at) \
-             VALUES ($1, 'closed', $2, $2) ON CONFLICT (provider) DO NOTHING",
-        )
-        .bind(provider.to_owned())
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        let sql = format!(
-            "SELECT {BREAKER_COLUMNS} FROM providers WHERE provider = $1{}",
-            DB::LOCK
-        );
+        Self::lock_provider(&mut tx, provider, now).await?;
+        let sql = format!("SELECT {BREAKER_COLUMNS} FROM providers WHERE provider = $1");
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(provider.to_owned())
             .fetch_one(&mut *tx)

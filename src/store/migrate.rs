@@ -32,12 +32,14 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     2 "0002_control_plane" "control_plane",
     3 "0003_throttled" "throttled",
     4 "0004_cluster_breaker" "cluster_breaker",
+    5 "0005_provider_grants" "provider_grants",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
     2 "0002_control_plane" "control_plane",
     3 "0003_throttled" "throttled",
     4 "0004_cluster_breaker" "cluster_breaker",
+    5 "0005_provider_grants" "provider_grants",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

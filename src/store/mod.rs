@@ -627,6 +627,14 @@ pub trait Store: Clone + Send + Sync + 'static {
         reason: Option<&str>,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<ProviderState>> + Send;
+    /// Leases a provider's limits for one node, under the provider row's
+    /// lock (`domain::permits`): closes the grants the node is done with,
+    /// removes grants that occupy nothing any more, grants permits in each
+    /// window asked for, and sets the node's holding of concurrency slots.
+    fn lease_permits(
+        &self,
+        req: &PermitRequest,
+    ) -> impl Future<Output = StoreResult<Permits>> + Send;
     /// Changes the cluster's breaker for `provider` under its row's lock
     /// (`domain::breaker::SharedBreaker::apply`): returns the breaker as
     /// stored after, and the answer to a probe request. A change of state
@@ -789,6 +797,43 @@ impl Db {
     }
 }
 
+/// A node's request for a provider's permits ([`Store::lease_permits`]).
+#[derive(Debug, Clone, Default)]
+pub struct PermitRequest {
+    pub provider: String,
+    pub node: String,
+    pub now: UnixMs,
+    /// The longest a call started on a grant can outlast the grant.
+    pub lapse_ms: i64,
+    /// Live nodes (batch sizes are a quarter of a node's share).
+    pub live_nodes: usize,
+    /// Grants the node is done with: (id, permits used, when the last call
+    /// on it completed).
+    pub close: Vec<(i64, i64, UnixMs)>,
+    /// Windows to draw on: (length in ms, limit, permits wanted).
+    pub windows: Vec<(i64, u32, i64)>,
+    /// The cluster's concurrency cap: (cap, slots wanted, calls in flight),
+    /// and how long the holding lasts unless renewed.
+    pub slots: Option<SlotRequest>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotRequest {
+    pub cap: u32,
+    pub want: i64,
+    pub in_use: i64,
+    pub hold_ms: i64,
+}
+
+/// What [`Store::lease_permits`] granted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Permits {
+    /// Per window asked for: (length in ms, grant id when granted, answer).
+    pub windows: Vec<(i64, Option<i64>, crate::domain::permits::Granted)>,
+    /// Slots now held, and until when.
+    pub slots: Option<(i64, UnixMs)>,
+}
+
 /// Implements [`Store`] for [`Db`] by forwarding each call to the backend.
 macro_rules! forward {
     ($( fn $name:ident(&self $(, $arg:ident : $ty:ty)*) -> $ret:ty; )*) => {
@@ -854,6 +899,7 @@ forward! {
     fn save_provider_state(&self, state: &ProviderState) -> ();
     fn set_provider_pause(&self, provider: &str, paused: bool, actor: &str, reason: Option<&str>, now: UnixMs) -> ProviderState;
     fn breaker_op(&self, provider: &str, op: SharedOp, stats: Option<&Value>, now: UnixMs) -> (SharedBreaker, Option<ProbeGrant>);
+    fn lease_permits(&self, req: &PermitRequest) -> Permits;
     fn throttle_provider(&self, provider: &str, until: UnixMs, now: UnixMs) -> ();
     fn ensure_meta(&self, key: &str, value: &str) -> String;
     fn rotate_meta_secret(&self, key: &str, value: &str, now: UnixMs) -> u64;

@@ -6,6 +6,7 @@ use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::domain::breaker::SharedBreaker;
+use crate::domain::permits::GrantRow;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState, Session,
     StateCount, StepRun, User,
@@ -67,6 +68,8 @@ pub trait MapRow {
     fn node(&self) -> StoreResult<Node>;
     /// A `providers` row, read with [`PROVIDER_COLUMNS`].
     fn provider_state(&self) -> StoreResult<ProviderState>;
+    /// A `provider_grants` row.
+    fn grant_row(&self) -> StoreResult<GrantRow>;
     /// A `providers` row's breaker, read with [`BREAKER_COLUMNS`].
     fn shared_breaker(&self) -> StoreResult<SharedBreaker>;
     /// A `pipeline_versions` row.
@@ -252,6 +255,19 @@ where
             throttled_until: self.try_get("throttled_until")?,
             stats: self.json("stats")?,
             updated_at: self.try_get("updated_at")?,
+        })
+    }
+
+    fn grant_row(&self) -> StoreResult<GrantRow> {
+        Ok(GrantRow {
+            id: self.try_get("id")?,
+            node: self.try_get("node")?,
+            window_ms: self.try_get("window_ms")?,
+            count: self.try_get("count")?,
+            wanted: self.try_get("wanted")?,
+            granted_at: self.try_get("granted_at")?,
+            expires_at: self.try_get("expires_at")?,
+            done_at: self.try_get("done_at")?,
         })
     }
 

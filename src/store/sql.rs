@@ -154,6 +154,50 @@ where
         row.event()
     }
 
+    /// Makes sure `provider` has a row and locks it until the caller's
+    /// transaction ends: changes to a provider's shared state (breaker,
+    /// grants) are made one at a time.
+    pub(crate) async fn lock_provider(
+        tx: &mut Tx<DB>,
+        provider: &str,
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO providers (provider, breaker, breaker_changed_at, updated_at) \
+             VALUES ($1, 'closed', $2, $2) ON CONFLICT (provider) DO NOTHING",
+        )
+        .bind(provider.to_owned())
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+        let sql = format!(
+            "SELECT provider FROM providers WHERE provider = $1{}",
+            DB::LOCK
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(provider.to_owned())
+            .fetch_one(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// A provider's grants in one window (`domain::permits`).
+    pub(crate) async fn grant_rows(
+        tx: &mut Tx<DB>,
+        provider: &str,
+        window_ms: i64,
+    ) -> StoreResult<Vec<crate::domain::permits::GrantRow>> {
+        let rows = sqlx::query(
+            "SELECT id, node, window_ms, count, wanted, granted_at, expires_at, done_at \
+             FROM provider_grants WHERE provider = $1 AND window_ms = $2",
+        )
+        .bind(provider.to_owned())
+        .bind(window_ms)
+        .fetch_all(&mut **tx)
+        .await?;
+        map_all(&rows, MapRow::grant_row)
+    }
+
     pub(crate) async fn lock_record(tx: &mut Tx<DB>, id: i64) -> StoreResult<Option<Record>> {
         let sql = format!(
             "SELECT {RECORD_COLUMNS} FROM records WHERE id = $1{}",

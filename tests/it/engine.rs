@@ -310,7 +310,16 @@ async fn postgres_crash_and_resume() {
 /// One provider on the simulator with the given extra settings, and a
 /// one-step pipeline `pay` that charges it.
 fn single_step(base_url: &str, provider_extra: &str) -> Arc<Config> {
-    let text = format!(
+    let text = single_step_toml(base_url, provider_extra);
+    let config = Config::parse(&text, Path::new("single.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    Arc::new(config)
+}
+
+/// One pipeline, `pay`, with one step charging provider `sim` at
+/// `base_url` (`provider_extra` goes into the provider's table).
+pub fn single_step_toml(base_url: &str, provider_extra: &str) -> String {
+    format!(
         r#"
 [providers.sim]
 base_url = "{base_url}"
@@ -327,10 +336,7 @@ provider = "sim"
 request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}", "amount": 1}}' }}
 outputs = {{ id = "/id" }}
 "#
-    );
-    let config = Config::parse(&text, Path::new("single.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    Arc::new(config)
+    )
 }
 
 async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
@@ -1938,4 +1944,113 @@ async fn sqlite_nodes_see_a_pause_at_their_next_claim() {
     drive_at_rest(&engine, &clock, 5, 500, 30_000).await;
     assert_eq!(sim.stats().requests, 5, "each record once after the resume");
     sim.stop();
+}
+
+/// A provider that notes when each call arrives and how many are in
+/// flight at once, and answers after `latency`.
+#[derive(Clone, Default)]
+pub struct Counting {
+    pub arrivals: Arc<std::sync::Mutex<Vec<i64>>>,
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
+    pub most_in_flight: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Counting {
+    pub async fn spawn(latency: Duration) -> (Counting, String) {
+        use std::sync::atomic::Ordering;
+        let c = Counting::default();
+        let charge = {
+            let c = c.clone();
+            move || {
+                let c = c.clone();
+                async move {
+                    c.arrivals.lock().unwrap().push(crate::helpers::wall_ms());
+                    let now = c.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                    c.most_in_flight.fetch_max(now, Ordering::SeqCst);
+                    // A call ends when it is answered or its client goes
+                    // away (a node killed mid-call).
+                    struct Ends(Arc<std::sync::atomic::AtomicUsize>);
+                    impl Drop for Ends {
+                        fn drop(&mut self) {
+                            self.0.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    }
+                    let _ends = Ends(c.in_flight.clone());
+                    // The provider's own latency (calls overlap in it).
+                    tokio::time::sleep(latency).await;
+                    axum::Json(json!({ "status": "succeeded", "id": "ch" }))
+                }
+            }
+        };
+        let url = crate::helpers::serve_router(
+            axum::Router::new().route("/v1/charge", axum::routing::post(charge)),
+        )
+        .await;
+        (c, url)
+    }
+
+    /// The most arrivals in any span of `window_ms`.
+    pub fn busiest(&self, window_ms: i64) -> usize {
+        let mut a = self.arrivals.lock().unwrap().clone();
+        a.sort_unstable();
+        (0..a.len())
+            .map(|i| a[i..].iter().take_while(|t| **t < a[i] + window_ms).count())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Three nodes on one PostgreSQL database hold a provider's limits as
+/// one: in any second at most 20 calls reach it and in any 3 s at most 30
+/// (two windows at once), never more than 3 are in flight (the cap is the
+/// cluster's), and each record is called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_hold_the_limits_and_the_cap_as_one() {
+    use std::sync::atomic::Ordering;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "three_limits").await else {
+        return;
+    };
+    let (provider, url) = Counting::spawn(Duration::from_millis(40)).await;
+    let config = single_step(&url, "concurrency = 3\nrate_limits = [\"20/s\", \"30/3s\"]");
+    let mut nodes = Vec::new();
+    for name in ["l1", "l2", "l3"] {
+        let db = Db::connect(&t.url, &ConnectOptions::default())
+            .await
+            .unwrap();
+        let engine = Engine::new(db, config.clone(), options(name))
+            .await
+            .unwrap();
+        engine.sync_providers_once().await;
+        nodes.push(engine);
+    }
+    for n in &nodes {
+        // Each sees the other two (grants are sized by the live nodes).
+        n.sync_providers_once().await;
+    }
+    let runs: Vec<_> = nodes.iter().map(run_in_background).collect();
+    enqueue_n(&nodes[0], "pay", 45).await;
+    for n in &nodes {
+        n.wake();
+    }
+    wait_at_rest(&t.db, 45, Duration::from_secs(60)).await;
+    for (stop, run) in runs {
+        stop.cancel();
+        run.await.unwrap();
+    }
+    let (per_second, per_3s) = (provider.busiest(1_000), provider.busiest(3_000));
+    let most = provider.most_in_flight.load(Ordering::SeqCst);
+    println!(
+        "three nodes: busiest second {per_second} (limit 20), busiest 3 s {per_3s} (limit 30), most in flight {most} (cap 3)"
+    );
+    assert!(per_second <= 20, "{per_second} calls in one second");
+    assert!(per_3s <= 30, "{per_3s} calls in three seconds");
+    assert!(most <= 3, "{most} calls in flight at once");
+    assert_eq!(
+        provider.arrivals.lock().unwrap().len(),
+        45,
+        "each record once"
+    );
+    let counts = t.db.state_counts().await.unwrap();
+    assert_eq!(counts.len(), 1, "{counts:?}");
+    assert_eq!(counts[0].state, RecordState::Succeeded);
 }

@@ -18,13 +18,13 @@ use crate::helpers::{all_records, audit_at_rest, free_port, lease_holders, runni
 /// A `ballast serve` child in `dir` (its `ballast.toml`, its `ballast.db`),
 /// logging to `dir/serve.log` (appended to, so a restarted process's log
 /// follows its predecessor's); killed when dropped.
-struct Serve {
-    child: Child,
+pub struct Serve {
+    pub child: Child,
     base: String,
 }
 
 impl Serve {
-    async fn start(dir: &Path, env: &[(&str, &str)]) -> Serve {
+    pub async fn start(dir: &Path, env: &[(&str, &str)]) -> Serve {
         let port = free_port();
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -63,7 +63,7 @@ impl Serve {
     }
 
     /// SIGTERM, then waits for the exit.
-    async fn stop(mut self) {
+    pub async fn stop(mut self) {
         signal(&self.child, "TERM");
         let child = std::sync::Mutex::new(&mut self.child);
         crate::helpers::poll_until(
@@ -690,7 +690,7 @@ async fn postgres_nul_characters_in_requests_are_refused() {
 }
 
 /// Sends `signal` (`STOP`, `CONT`, `TERM`) to a child.
-fn signal(child: &Child, signal: &str) {
+pub fn signal(child: &Child, signal: &str) {
     let ok = Command::new("kill")
         .args([&format!("-{signal}"), &child.id().to_string()])
         .status()

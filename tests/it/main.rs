@@ -12,6 +12,7 @@
 mod api;
 mod browser;
 mod cli;
+mod cluster;
 mod engine;
 mod faults;
 mod fuzz;

@@ -63,7 +63,119 @@ conformance!(
     group_commit_writes_each_pass_and_refuses_only_stale_ones,
     a_throttle_pause_is_kept_for_every_node,
     the_cluster_breaker_hands_out_one_probe,
+    permits_are_leased_within_the_limit,
 );
+
+/// A provider's limits leased for the cluster: the permits granted in a
+/// window never exceed its count, however many requests arrive at once; a
+/// closed grant shrinks to what it used (an unused one frees its permits at
+/// once) and frees its window a window after its last call; a grant whose
+/// node died lapses; slots are shared out, and a node that waits gets its
+/// share as the holder's calls finish.
+async fn permits_are_leased_within_the_limit(db: &Db) {
+    use ballast::domain::permits::Granted;
+    use ballast::store::{PermitRequest, SlotRequest};
+    let ask = |node: &str, now: i64| PermitRequest {
+        provider: "acme".into(),
+        node: node.into(),
+        now,
+        lapse_ms: 1_000,
+        live_nodes: 1,
+        windows: vec![(1_000, 10, 100)],
+        ..Default::default()
+    };
+    let granted = |p: &ballast::store::Permits| match p.windows[0] {
+        (_, Some(id), Granted::Permits { count, .. }) => Some((id, count)),
+        _ => None,
+    };
+    let requests: Vec<PermitRequest> = (0..8)
+        .map(|i| ask(if i % 2 == 0 { "a" } else { "b" }, T0))
+        .collect();
+    let asks = requests.iter().map(|r| db.lease_permits(r));
+    let answers: Vec<_> = futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let grants: Vec<(i64, i64)> = answers.iter().filter_map(granted).collect();
+    assert_eq!(
+        grants.iter().map(|g| g.1).sum::<i64>(),
+        10,
+        "the window's count, in batches of a quarter: {answers:?}"
+    );
+    assert!(grants.iter().all(|g| g.1 == 2));
+    for full in answers.iter().filter(|p| granted(p).is_none()) {
+        assert!(matches!(full.windows[0].2, Granted::Full { retry_at } if retry_at > T0));
+    }
+    let owner = |id: i64| {
+        let i = answers
+            .iter()
+            .position(|p| granted(p).map(|g| g.0) == Some(id))
+            .unwrap();
+        if i % 2 == 0 { "a" } else { "b" }
+    };
+    let (unused, half) = (grants[0].0, grants[1].0);
+    let mut close = ask(owner(unused), T0 + 10);
+    close.close = vec![(unused, 0, T0)];
+    let p = db.lease_permits(&close).await.unwrap();
+    assert_eq!(
+        granted(&p).map(|g| g.1),
+        Some(2),
+        "an unused grant frees its permits at once"
+    );
+    let mut close = ask(owner(half), T0 + 60);
+    close.close = vec![(half, 1, T0 + 50)];
+    let p = db.lease_permits(&close).await.unwrap();
+    assert_eq!(
+        granted(&p).map(|g| g.1),
+        Some(1),
+        "a grant closed with one used frees the other"
+    );
+    let p = db.lease_permits(&ask("a", T0 + 1_049)).await.unwrap();
+    assert!(
+        granted(&p).is_none(),
+        "its used permit occupies the window until a window after its call"
+    );
+    let p = db.lease_permits(&ask("a", T0 + 1_050)).await.unwrap();
+    assert_eq!(granted(&p).map(|g| g.1), Some(1));
+    // Nobody closes the rest (their nodes died): they lapse after their
+    // life (100 ms), the longest call (1 s) and a window.
+    let p = db.lease_permits(&ask("c", T0 + 2_099)).await.unwrap();
+    assert!(granted(&p).is_none());
+    let p = db.lease_permits(&ask("c", T0 + 3_200)).await.unwrap();
+    assert_eq!(granted(&p).map(|g| g.1), Some(2));
+
+    let slots = |node: &str, want: i64, in_use: i64, now: i64| PermitRequest {
+        provider: "acme".into(),
+        node: node.into(),
+        now,
+        lapse_ms: 1_000,
+        live_nodes: 2,
+        slots: Some(SlotRequest {
+            cap: 4,
+            want,
+            in_use,
+            hold_ms: 10_000,
+        }),
+        ..Default::default()
+    };
+    let held = async |r: PermitRequest| db.lease_permits(&r).await.unwrap().slots.unwrap().0;
+    assert_eq!(held(slots("a", 4, 0, T0)).await, 4, "a takes the cap");
+    assert_eq!(held(slots("b", 4, 0, T0 + 1)).await, 0, "b waits");
+    assert_eq!(
+        held(slots("a", 4, 4, T0 + 2)).await,
+        4,
+        "a keeps what is in flight"
+    );
+    assert_eq!(
+        held(slots("a", 4, 1, T0 + 3)).await,
+        2,
+        "b is waiting: a comes down to half as its calls end"
+    );
+    assert_eq!(held(slots("b", 4, 0, T0 + 4)).await, 2, "b gets its half");
+    // a's holding lapses unrenewed (its node died): b may take the cap.
+    assert_eq!(held(slots("b", 4, 2, T0 + 11_004)).await, 4);
+}
 
 /// The cluster's breaker, changed under its row's lock: nodes asking for
 /// probes at once get exactly `probes` of them; a probe's answer closes it

@@ -1,0 +1,501 @@
+//! A provider's limits as this node draws on the cluster's budget: rate
+//! permits leased in small grants, and concurrency slots held, from the
+//! database (`Store::lease_permits`, decided by `domain::permits`), so the
+//! calls of every node together stay within each window and the cap.
+//!
+//! Calls take permits from the grants in memory; a lease request (one
+//! transaction, one at a time per provider on this node) is made only when
+//! a window has no usable grant or more slots are wanted, and by the
+//! provider sync, which closes spent grants and renews the holding.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tokio::sync::Semaphore;
+
+use crate::config::provider::RateLimit;
+use crate::domain::UnixMs;
+use crate::domain::permits::Granted;
+use crate::store::{Db, PermitRequest, Permits, SlotRequest, Store, StoreResult};
+
+/// How long a holding of slots lasts unless renewed (the provider sync
+/// renews it every few seconds).
+const SLOT_HOLD_MS: i64 = 15_000;
+
+/// How often calls waiting for a slot ask the cluster for more when the
+/// last request got none.
+const SLOTS_ASK_EVERY_MS: i64 = 100;
+
+/// One grant this node draws on.
+#[derive(Debug, Clone)]
+struct Lot {
+    id: i64,
+    window: usize,
+    left: i64,
+    used: i64,
+    in_flight: i64,
+    granted_at: UnixMs,
+    last_done: UnixMs,
+    expires_at: UnixMs,
+}
+
+impl Lot {
+    fn usable(&self, now: UnixMs) -> bool {
+        self.left > 0 && now < self.expires_at
+    }
+
+    fn spent(&self, now: UnixMs) -> bool {
+        !self.usable(now) && self.in_flight == 0
+    }
+}
+
+#[derive(Debug, Default)]
+struct Lots {
+    lots: Vec<Lot>,
+    /// Per window: when a refused request may be made again.
+    full_until: Vec<UnixMs>,
+}
+
+/// The permits one call holds, one per window; give them back with
+/// [`ClusterLimits::complete`].
+#[derive(Debug, Default)]
+pub struct Taken {
+    ids: Vec<i64>,
+}
+
+/// Why a call cannot take its permits now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Short {
+    /// A window has no usable grant: lease more, then try again.
+    Lease,
+    /// A window is full for the cluster until then.
+    Until(UnixMs),
+}
+
+/// A cluster-wide concurrency cap as this node holds it: a semaphore whose
+/// permits are the slots held.
+struct Slots {
+    cap: u32,
+    /// Slots held (the target), and permits issued to the semaphore
+    /// (available plus checked out), which follows the target as calls end.
+    held: i64,
+    issued: i64,
+    until: UnixMs,
+    /// The cluster had no more slots for this node: ask again after this.
+    full_until: UnixMs,
+}
+
+/// A provider's cluster-wide limits on this node.
+pub struct ClusterLimits {
+    windows: Vec<(RateLimit, i64)>,
+    lots: Mutex<Lots>,
+    slots: Option<Mutex<Slots>>,
+    /// One lease request at a time.
+    leasing: tokio::sync::Mutex<()>,
+    live_nodes: AtomicUsize,
+    /// Calls on this node waiting for a slot.
+    waiting: AtomicUsize,
+    lapse_ms: i64,
+}
+
+/// A call counted as waiting for a slot.
+pub struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn window_ms(l: &RateLimit) -> i64 {
+    i64::try_from(l.per.as_millis())
+        .unwrap_or(i64::MAX / 4)
+        .max(1)
+}
+
+impl ClusterLimits {
+    /// `cap`: a concurrency cap for the cluster (its slots start at none
+    /// held; `sem` is the provider's semaphore, holding none yet).
+    pub fn new(limits: &[RateLimit], cap: Option<u32>, lapse_ms: i64) -> Self {
+        ClusterLimits {
+            windows: limits.iter().map(|l| (*l, window_ms(l))).collect(),
+            lots: Mutex::new(Lots {
+                lots: Vec::new(),
+                full_until: vec![0; limits.len()],
+            }),
+            slots: cap.map(|cap| {
+                Mutex::new(Slots {
+                    cap,
+                    held: 0,
+                    issued: 0,
+                    until: 0,
+                    full_until: 0,
+                })
+            }),
+            leasing: tokio::sync::Mutex::new(()),
+            live_nodes: AtomicUsize::new(1),
+            waiting: AtomicUsize::new(0),
+            lapse_ms,
+        }
+    }
+
+    /// Whether there is anything to govern.
+    pub fn is_empty(&self) -> bool {
+        self.windows.is_empty() && self.slots.is_none()
+    }
+
+    pub fn set_live_nodes(&self, n: usize) {
+        self.live_nodes.store(n.max(1), Ordering::Relaxed);
+    }
+
+    /// Takes one permit in every window, or says what is short.
+    pub fn try_take(&self, now: UnixMs) -> Result<Taken, Short> {
+        if self.windows.is_empty() {
+            return Ok(Taken::default());
+        }
+        let mut l = lock(&self.lots);
+        let mut at = Vec::with_capacity(self.windows.len());
+        for w in 0..self.windows.len() {
+            match l
+                .lots
+                .iter()
+                .position(|lot| lot.window == w && lot.usable(now))
+            {
+                Some(i) => at.push(i),
+                None if l.full_until[w] > now => return Err(Short::Until(l.full_until[w])),
+                None => return Err(Short::Lease),
+            }
+        }
+        let mut taken = Taken {
+            ids: Vec::with_capacity(at.len()),
+        };
+        for i in at {
+            let lot = &mut l.lots[i];
+            lot.left -= 1;
+            lot.used += 1;
+            lot.in_flight += 1;
+            taken.ids.push(lot.id);
+        }
+        Ok(taken)
+    }
+
+    /// A call's permits come back: it completed at `now` (`sent`), or was
+    /// never sent (its permits can be drawn on again).
+    pub fn complete(&self, taken: &Taken, sent: bool, now: UnixMs) {
+        if taken.ids.is_empty() {
+            return;
+        }
+        let mut l = lock(&self.lots);
+        for lot in l.lots.iter_mut().filter(|lot| taken.ids.contains(&lot.id)) {
+            lot.in_flight -= 1;
+            if sent {
+                lot.last_done = lot.last_done.max(now);
+            } else {
+                lot.used -= 1;
+                lot.left += 1;
+            }
+        }
+    }
+
+    /// Calls in flight on this node's grants, and per window its text,
+    /// the permits this node has drawn in it, and its count.
+    pub fn usage(&self) -> Vec<(String, usize, u32)> {
+        let l = lock(&self.lots);
+        self.windows
+            .iter()
+            .enumerate()
+            .map(|(w, (limit, _))| {
+                let used: i64 = l
+                    .lots
+                    .iter()
+                    .filter(|lot| lot.window == w)
+                    .map(|lot| lot.used)
+                    .sum();
+                (format!("{limit:?}"), used.max(0) as usize, limit.count)
+            })
+            .collect()
+    }
+
+    /// The request this node makes now: close spent grants, lease in the
+    /// windows that have no usable grant (`lease`), and renew the slots
+    /// (wanting more when `more_slots`). `None` when there is nothing to
+    /// say. Spent grants leave `lots` here; [`keep`](Self::keep) puts them
+    /// back if the request fails.
+    fn request(
+        &self,
+        provider: &str,
+        node: &str,
+        now: UnixMs,
+        lease: bool,
+        sem: &Semaphore,
+    ) -> Option<PermitRequest> {
+        let mut req = PermitRequest {
+            provider: provider.to_owned(),
+            node: node.to_owned(),
+            now,
+            lapse_ms: self.lapse_ms,
+            live_nodes: self.live_nodes.load(Ordering::Relaxed),
+            ..PermitRequest::default()
+        };
+        {
+            let mut l = lock(&self.lots);
+            let (spent, kept): (Vec<Lot>, Vec<Lot>) =
+                l.lots.drain(..).partition(|lot| lot.spent(now));
+            l.lots = kept;
+            req.close = spent
+                .iter()
+                .map(|lot| (lot.id, lot.used.max(0), lot.last_done.max(lot.granted_at)))
+                .collect();
+            if lease {
+                for (w, (limit, ms)) in self.windows.iter().enumerate() {
+                    let usable = l.lots.iter().any(|lot| lot.window == w && lot.usable(now));
+                    if !usable && l.full_until[w] <= now {
+                        req.windows.push((*ms, limit.count, i64::MAX / 4));
+                    }
+                }
+            }
+        }
+        if let Some(slots) = &self.slots {
+            let mut s = lock(slots);
+            let in_use = (s.issued - sem.available_permits() as i64).max(0);
+            // What is in use and waited for, and (asking from a call) some
+            // headroom: the holding follows the need, so an idle node holds
+            // nothing another needs.
+            let waiting = self.waiting.load(Ordering::Relaxed) as i64;
+            let headroom = if lease {
+                (i64::from(s.cap) / 8).max(1)
+            } else {
+                0
+            };
+            let want = (in_use + waiting + headroom).min(i64::from(s.cap));
+            // Slots given up leave the semaphore before the cluster hears
+            // of it, so no call starts on a slot another node may be
+            // granted meanwhile. What is still issued (free or in use) is
+            // what this node may have in flight: the cluster holds at least
+            // that for it.
+            if want < s.issued {
+                let gone = sem.forget_permits((s.issued - want) as usize);
+                s.issued -= gone as i64;
+                s.held = s.held.min(s.issued.max(want));
+            }
+            let renew = s.held > 0 && now + SLOT_HOLD_MS / 3 >= s.until;
+            if want != s.held || renew {
+                req.slots = Some(SlotRequest {
+                    cap: s.cap,
+                    want,
+                    in_use: s.issued,
+                    hold_ms: SLOT_HOLD_MS,
+                });
+            }
+        }
+        (!req.close.is_empty() || !req.windows.is_empty() || req.slots.is_some()).then_some(req)
+    }
+
+    /// Whether a call asking for a lease has what it needs without one: a
+    /// usable grant in every window, and a free slot (or none to be had
+    /// from the cluster just now).
+    fn satisfied(&self, now: UnixMs, sem: &Semaphore) -> bool {
+        let windows = {
+            let l = lock(&self.lots);
+            (0..self.windows.len()).all(|w| {
+                l.lots.iter().any(|lot| lot.window == w && lot.usable(now)) || l.full_until[w] > now
+            })
+        };
+        let slots = self
+            .slots
+            .as_ref()
+            .is_none_or(|s| sem.available_permits() > 0 || now < lock(s).full_until);
+        windows && slots
+    }
+
+    /// Puts back grants a failed request was to close (they stay open in
+    /// the database and close with the next request).
+    fn keep(&self, req: &PermitRequest) {
+        let mut l = lock(&self.lots);
+        for &(id, used, done) in &req.close {
+            l.lots.push(Lot {
+                id,
+                window: usize::MAX,
+                left: 0,
+                used,
+                in_flight: 0,
+                granted_at: done,
+                last_done: done,
+                expires_at: 0,
+            });
+        }
+    }
+
+    fn apply(&self, permits: &Permits, now: UnixMs, sem: &Semaphore) {
+        {
+            let mut l = lock(&self.lots);
+            for &(ms, id, answer) in &permits.windows {
+                let Some(w) = self.windows.iter().position(|(_, m)| *m == ms) else {
+                    continue;
+                };
+                match (answer, id) {
+                    (Granted::Permits { count, expires_at }, Some(id)) => l.lots.push(Lot {
+                        id,
+                        window: w,
+                        left: count,
+                        used: 0,
+                        in_flight: 0,
+                        granted_at: now,
+                        last_done: now,
+                        expires_at,
+                    }),
+                    (Granted::Full { retry_at }, _) => l.full_until[w] = retry_at,
+                    _ => {}
+                }
+            }
+        }
+        if let (Some(slots), Some((held, until))) = (&self.slots, permits.slots) {
+            let mut s = lock(slots);
+            s.held = held;
+            s.until = until;
+            reconcile(&mut s, sem);
+        }
+    }
+
+    /// Whether the slots held are due for renewal (a busy node renews them
+    /// from its calls; the provider sync does the same every few seconds).
+    pub fn renewal_due(&self, now: UnixMs) -> bool {
+        self.slots.as_ref().is_some_and(|s| {
+            let s = lock(s);
+            s.held > 0 && now + SLOT_HOLD_MS / 3 >= s.until
+        })
+    }
+
+    /// Counts a call waiting for a slot until the guard drops (the leases
+    /// made meanwhile ask for it).
+    pub fn waiting_for_slot(&self) -> Waiting<'_> {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(&self.waiting)
+    }
+
+    /// After a slot came back: gives surplus permits up to the holding.
+    pub fn slot_returned(&self, sem: &Semaphore) {
+        if let Some(slots) = &self.slots {
+            reconcile(&mut lock(slots), sem);
+        }
+    }
+
+    /// Holds no slots once the holding has lapsed unrenewed (the database
+    /// was out of reach: other nodes may hold them now).
+    fn lapse_slots(&self, now: UnixMs, sem: &Semaphore) {
+        if let Some(slots) = &self.slots {
+            let mut s = lock(slots);
+            if now >= s.until && s.held > 0 {
+                s.held = 0;
+                reconcile(&mut s, sem);
+            }
+        }
+    }
+
+    /// Makes one lease request (`lease`: for the windows short of a grant
+    /// too), and applies the answer. Concurrent callers wait for the one
+    /// in progress and then look again.
+    pub async fn lease(
+        &self,
+        db: &Db,
+        provider: &str,
+        node: &str,
+        now: UnixMs,
+        lease: bool,
+        sem: &Semaphore,
+    ) -> StoreResult<()> {
+        let _one = self.leasing.lock().await;
+        // Callers that queued behind one request may be answered by it:
+        // they look at what it leased before asking for more.
+        if lease && self.satisfied(now, sem) {
+            return Ok(());
+        }
+        let Some(req) = self.request(provider, node, now, lease, sem) else {
+            return Ok(());
+        };
+        let held_before = self.slots.as_ref().map(|s| lock(s).held);
+        match db.lease_permits(&req).await {
+            Ok(permits) => {
+                self.apply(&permits, now, sem);
+                // No more slots to be had: calls wait for their own to come
+                // back instead of each asking again at once.
+                if let (Some(slots), Some(before), Some((held, _))) =
+                    (&self.slots, held_before, permits.slots)
+                {
+                    if held <= before && self.waiting.load(Ordering::Relaxed) > 0 {
+                        lock(slots).full_until = now + SLOTS_ASK_EVERY_MS;
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.keep(&req);
+                self.lapse_slots(now, sem);
+                Err(e)
+            }
+        }
+    }
+
+    /// Everything this node holds goes back (shutdown): spent and unspent
+    /// grants close with what they used, the slots drop to none.
+    pub async fn release(
+        &self,
+        db: &Db,
+        provider: &str,
+        node: &str,
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        let _one = self.leasing.lock().await;
+        let mut req = PermitRequest {
+            provider: provider.to_owned(),
+            node: node.to_owned(),
+            now,
+            lapse_ms: self.lapse_ms,
+            live_nodes: 1,
+            ..PermitRequest::default()
+        };
+        {
+            let l = lock(&self.lots);
+            req.close = l
+                .lots
+                .iter()
+                .filter(|lot| lot.in_flight == 0)
+                .map(|lot| (lot.id, lot.used.max(0), lot.last_done.max(lot.granted_at)))
+                .collect();
+        }
+        if let Some(slots) = &self.slots {
+            let s = lock(slots);
+            req.slots = Some(SlotRequest {
+                cap: s.cap,
+                want: 0,
+                in_use: 0,
+                hold_ms: 0,
+            });
+        }
+        if req.close.is_empty() && req.slots.is_none() {
+            return Ok(());
+        }
+        db.lease_permits(&req).await.map(|_| ())
+    }
+}
+
+/// Brings the semaphore's permits to the holding: adds what is missing,
+/// forgets what is over (those checked out are forgotten as they return).
+fn reconcile(s: &mut Slots, sem: &Semaphore) {
+    if s.issued < s.held {
+        sem.add_permits((s.held - s.issued) as usize);
+        s.issued = s.held;
+    } else if s.issued > s.held {
+        let gone = sem.forget_permits((s.issued - s.held) as usize);
+        s.issued -= gone as i64;
+    }
+}
+
+/// A provider's semaphore for a cluster-wide cap: no slots until leased.
+pub fn cluster_semaphore() -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(0))
+}
