@@ -4,8 +4,10 @@
 -- holds. A batch occupies its window from granted_at until a window after
 -- done_at (its last call's completion), or, never closed (its node died),
 -- until a window after it lapses. Rows are removed once they occupy nothing.
+-- (AUTOINCREMENT: an id is never reused, so a late close of a removed grant
+-- cannot close a newer one.)
 CREATE TABLE provider_grants (
-    id         INTEGER PRIMARY KEY,
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
     provider   TEXT    NOT NULL,
     node       TEXT    NOT NULL,
     window_ms  INTEGER NOT NULL CHECK (window_ms >= 0),

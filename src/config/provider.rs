@@ -424,6 +424,19 @@ impl ProviderConfig {
         if self.concurrency == 0 {
             return Err(invalid("concurrency", "must be at least 1".into()));
         }
+        // Each window is leased apart, by its length: two of one length
+        // are one window (keep the smaller count).
+        for (i, l) in self.rate_limits.iter().enumerate() {
+            if l.count == 0 || l.per.is_zero() {
+                return Err(invalid("rate_limits", format!("`{l:?}` allows no call")));
+            }
+            if let Some(other) = self.rate_limits[..i].iter().find(|o| o.per == l.per) {
+                return Err(invalid(
+                    "rate_limits",
+                    format!("`{other:?}` and `{l:?}` are the same window; keep one"),
+                ));
+            }
+        }
         let r = &self.retry;
         if r.max_attempts == 0 {
             return Err(invalid("retry.max_attempts", "must be at least 1".into()));
@@ -531,6 +544,31 @@ mod tests {
         for bad in ["0/s", "20", "x/s", "20/fortnight", "20/0s"] {
             assert!(bad.parse::<RateLimit>().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn windows_of_one_length_are_refused_and_the_cap_scope_parses() {
+        let none = |_: &str| None;
+        let p = provider("rate_limits = [\"10/s\", \"5/1s\"]").unwrap_or_else(|e| panic!("{e}"));
+        let err = p
+            .validate("acme", &none)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("providers.acme.rate_limits") && err.contains("same window"),
+            "{err}"
+        );
+        let p = provider("rate_limits = [\"10/s\", \"500/min\"]").unwrap_or_else(|e| panic!("{e}"));
+        assert!(p.validate("acme", &none).is_ok());
+        assert_eq!(
+            p.concurrency_scope,
+            ConcurrencyScope::Cluster,
+            "the default"
+        );
+        let p = provider("concurrency_scope = \"node\"").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(p.concurrency_scope, ConcurrencyScope::Node);
+        assert!(provider("concurrency_scope = \"everywhere\"").is_err());
     }
 
     #[test]

@@ -169,9 +169,13 @@ impl Breaker {
     }
 
     /// Takes the cluster's state as this node's. A trip of this node's own
-    /// that is newer than what is stored (not yet published) stays.
+    /// that is newer than what is stored (not yet published, or its
+    /// publication failed) stays for its open interval, no longer.
     pub fn adopt(&mut self, shared: &SharedBreaker, now: UnixMs) {
-        if shared.changed_at < self.changed_at && self.state == BreakerState::Open {
+        let own_trip = self.state == BreakerState::Open
+            && shared.changed_at < self.changed_at
+            && now < self.open_until;
+        if own_trip {
             return;
         }
         match shared.state {
@@ -507,6 +511,13 @@ mod tests {
         }
         b.adopt(&s, 3_010);
         assert_eq!(b.state(), BreakerState::Open, "its own newer trip stays");
+        let mut unpublished = b.clone();
+        unpublished.adopt(&s, 33_005);
+        assert_eq!(
+            unpublished.admit(33_005),
+            Admit::Call,
+            "an unpublished trip ends with its interval"
+        );
         s.apply(SharedOp::Open { until: 33_004 }, 3_020);
         probe(&mut s, 33_004);
         b.adopt(&s, 33_005);

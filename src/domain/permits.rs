@@ -14,7 +14,8 @@
 //! occupying at the moment the latest of them was granted: together they
 //! fit the count. (The proof is the one of the node-local sliding log,
 //! with grants for calls.) Closing a grant shrinks it to the permits it
-//! used, so unused permits go back at once.
+//! used, so unused permits go back at once. Times are the nodes' clocks:
+//! the argument assumes they agree; a skew of Δ can shrink a span by Δ.
 //!
 //! **Concurrency.** A grant in window 0 is a holding of slots: the node may
 //! have that many calls in flight. Holdings together never exceed the cap;
@@ -111,8 +112,11 @@ pub fn grant(
     let (used, frees) = occupancy(rows, window_ms, now, lapse_ms);
     let free = i64::from(limit) - used;
     if free <= 0 {
+        // An open grant's node closes it as soon as its calls are done
+        // (long before it would lapse): ask again within a grant's life.
+        let soon = now.saturating_add(grant_life(window_ms));
         return Granted::Full {
-            retry_at: frees.unwrap_or(now + 1).max(now + 1),
+            retry_at: frees.unwrap_or(soon).min(soon).max(now + 1),
         };
     }
     let batch = (i64::from(limit) / (4 * live_nodes.max(1) as i64)).max(1);
@@ -122,12 +126,13 @@ pub fn grant(
     }
 }
 
-/// The slots `node` may hold of a cap of `cap`, given every node's holding
-/// (`rows`: window [`SLOTS`]), while it has `in_use` calls in flight and
-/// would like `want`: what the others leave free, but no more than a fair
-/// share while another node wants more than it holds; never below what it
-/// has in flight (those calls finish first; it starts no more until it is
-/// back within its holding).
+/// The slots `node` should hold of a cap of `cap`, given every node's
+/// holding (`rows`: window [`SLOTS`]), while it may have up to `in_use`
+/// calls in flight and would like `want`: what the others leave free, but
+/// no more than an even share while another node wants more than it holds.
+/// Returns (the target, the holding to record): the node starts no call
+/// beyond the target; the holding is never below what it may have in
+/// flight (those calls finish first), so the holdings cover every call.
 pub fn slots(
     rows: &[GrantRow],
     node: &str,
@@ -136,7 +141,7 @@ pub fn slots(
     in_use: i64,
     now: UnixMs,
     lapse_ms: i64,
-) -> i64 {
+) -> (i64, i64) {
     let cap = i64::from(cap);
     let live = |r: &&GrantRow| r.window_ms == SLOTS && r.occupies_until(lapse_ms) > now;
     let others: Vec<&GrantRow> = rows
@@ -147,13 +152,14 @@ pub fn slots(
     let held_by_others: i64 = others.iter().map(|r| r.count).sum();
     let wanting = others.iter().filter(|r| r.wanted > r.count).count() as i64;
     let free = (cap - held_by_others).max(0);
-    let mut hold = want.min(free);
+    let mut target = want.min(free);
     if wanting > 0 {
         // Others wait: this node keeps at most an even share.
         let share = (cap / (wanting + 1)).max(1);
-        hold = hold.min(share);
+        target = target.min(share);
     }
-    hold.max(0).max(in_use.min(cap))
+    let target = target.max(0);
+    (target, target.max(in_use.clamp(0, cap)))
 }
 
 #[cfg(test)]
@@ -214,7 +220,15 @@ mod tests {
         let full = [row(1, "a", 1_000, 10, 0)];
         assert_eq!(
             grant(&full, 1_000, 10, 1, 1, 5, 500),
-            Granted::Full { retry_at: 1_600 }
+            Granted::Full { retry_at: 105 },
+            "an open grant closes when its calls are done: ask again soon"
+        );
+        let mut closed = row(1, "a", 1_000, 10, 0);
+        closed.done_at = Some(20);
+        assert_eq!(
+            grant(&[closed], 1_000, 10, 1, 1, 950, 500),
+            Granted::Full { retry_at: 1_020 },
+            "a closed one frees its window at a known time"
         );
     }
 
@@ -225,24 +239,33 @@ mod tests {
         b.wanted = 10;
         assert_eq!(
             slots(&[b.clone()], "a", 10, 4, 0, 5, 0),
-            0,
+            (0, 0),
             "b holds the cap"
         );
         b.wanted = 0;
         b.count = 6;
-        assert_eq!(slots(&[b.clone()], "a", 10, 8, 0, 5, 0), 4, "what b leaves");
+        assert_eq!(
+            slots(&[b.clone()], "a", 10, 8, 0, 5, 0),
+            (4, 4),
+            "what b leaves"
+        );
         b.count = 10;
         b.wanted = 20;
         assert_eq!(
             slots(&[b.clone()], "a", 10, 8, 7, 5, 0),
-            7,
-            "never below the calls in flight"
+            (0, 7),
+            "nothing more, and held no lower than the calls in flight"
         );
         // a holds 8 and b wants more: a comes down to half as calls finish.
         let mut a = row(2, "a", SLOTS, 8, 0);
         a.expires_at = 10_000;
         b.count = 2;
-        assert_eq!(slots(&[a, b], "a", 10, 8, 3, 5, 0), 5);
+        assert_eq!(slots(&[a.clone(), b.clone()], "a", 10, 8, 3, 5, 0), (5, 5));
+        assert_eq!(
+            slots(&[a, b], "a", 10, 10, 8, 5, 0),
+            (5, 8),
+            "busy, it is told its share and holds what is in flight"
+        );
     }
 
     #[derive(Debug, Clone)]

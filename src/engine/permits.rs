@@ -14,16 +14,16 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::Semaphore;
 
 use crate::config::provider::RateLimit;
-use crate::domain::UnixMs;
 use crate::domain::permits::Granted;
+use crate::domain::{Clock, UnixMs};
 use crate::store::{Db, PermitRequest, Permits, SlotRequest, Store, StoreResult};
 
 /// How long a holding of slots lasts unless renewed (the provider sync
 /// renews it every few seconds).
 const SLOT_HOLD_MS: i64 = 15_000;
 
-/// How often calls waiting for a slot ask the cluster for more when the
-/// last request got none.
+/// After a request got no more slots, calls arriving for one wait this long
+/// for a slot to come back before one of them asks the cluster again.
 const SLOTS_ASK_EVERY_MS: i64 = 100;
 
 /// One grant this node draws on.
@@ -118,8 +118,8 @@ fn window_ms(l: &RateLimit) -> i64 {
 }
 
 impl ClusterLimits {
-    /// `cap`: a concurrency cap for the cluster (its slots start at none
-    /// held; `sem` is the provider's semaphore, holding none yet).
+    /// `cap`: a concurrency cap for the cluster (no slots are held until
+    /// leased; the provider's semaphore starts empty).
     pub fn new(limits: &[RateLimit], cap: Option<u32>, lapse_ms: i64) -> Self {
         ClusterLimits {
             windows: limits.iter().map(|l| (*l, window_ms(l))).collect(),
@@ -384,9 +384,10 @@ impl ClusterLimits {
         }
     }
 
-    /// Holds no slots once the holding has lapsed unrenewed (the database
-    /// was out of reach: other nodes may hold them now).
-    fn lapse_slots(&self, now: UnixMs, sem: &Semaphore) {
+    /// Holds no slots once the holding has run out unrenewed (the database
+    /// was out of reach or slow: other nodes may be granted them soon); a
+    /// call then asks the cluster again before it starts.
+    pub fn lapse_slots(&self, now: UnixMs, sem: &Semaphore) {
         if let Some(slots) = &self.slots {
             let mut s = lock(slots);
             if now >= s.until && s.held > 0 {
@@ -404,11 +405,13 @@ impl ClusterLimits {
         db: &Db,
         provider: &str,
         node: &str,
-        now: UnixMs,
+        clock: &dyn Clock,
         lease: bool,
         sem: &Semaphore,
     ) -> StoreResult<()> {
         let _one = self.leasing.lock().await;
+        // Read after waiting for the request ahead: grants live from now.
+        let now = clock.now_ms();
         // Callers that queued behind one request may be answered by it:
         // they look at what it leased before asking for more.
         if lease && self.satisfied(now, sem) {
@@ -440,16 +443,20 @@ impl ClusterLimits {
         }
     }
 
-    /// Everything this node holds goes back (shutdown): spent and unspent
-    /// grants close with what they used, the slots drop to none.
+    /// What this node holds goes back (shutdown): grants with no call in
+    /// flight close with what they used; the slots come down to the calls
+    /// still in flight (a call past the grace period keeps its slot until
+    /// its node's holding lapses).
     pub async fn release(
         &self,
         db: &Db,
         provider: &str,
         node: &str,
-        now: UnixMs,
+        clock: &dyn Clock,
+        sem: &Semaphore,
     ) -> StoreResult<()> {
         let _one = self.leasing.lock().await;
+        let now = clock.now_ms();
         let mut req = PermitRequest {
             provider: provider.to_owned(),
             node: node.to_owned(),
@@ -468,12 +475,15 @@ impl ClusterLimits {
                 .collect();
         }
         if let Some(slots) = &self.slots {
-            let s = lock(slots);
+            let mut s = lock(slots);
+            s.held = 0;
+            reconcile(&mut s, sem);
+            // What is left issued is checked out: calls in flight.
             req.slots = Some(SlotRequest {
                 cap: s.cap,
                 want: 0,
-                in_use: 0,
-                hold_ms: 0,
+                in_use: s.issued,
+                hold_ms: SLOT_HOLD_MS,
             });
         }
         if req.close.is_empty() && req.slots.is_none() {

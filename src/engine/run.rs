@@ -242,9 +242,9 @@ impl Engine {
         };
         // This node's share of the providers' limits goes back.
         for rt in i.providers.values().filter(|rt| !rt.cluster.is_empty()) {
-            let released = rt
-                .cluster
-                .release(&i.db, &rt.name, &i.opts.node_id, i.clock.now_ms());
+            let released =
+                rt.cluster
+                    .release(&i.db, &rt.name, &i.opts.node_id, &*i.clock, &rt.concurrency);
             if let Err(e) = released.await {
                 tracing::warn!(provider.name = %rt.name, error = %e, "could not give permits back; they lapse");
             }
@@ -374,7 +374,7 @@ impl Engine {
                 &i.db,
                 &rt.name,
                 &i.opts.node_id,
-                now,
+                &*i.clock,
                 false,
                 &rt.concurrency,
             );

@@ -24,7 +24,7 @@ use crate::store::{Db, NewAttempt, StepWrite, Store};
 
 /// A call's place in the provider's limits: its rate permits and its
 /// count in flight, given back on drop, whether it finished, failed
-/// before sending, or was cancelled mid-flight.
+/// before sending, or its pass was dropped mid-call.
 struct Flight<'a> {
     rt: &'a ProviderRuntime,
     clock: &'a dyn Clock,
@@ -396,7 +396,10 @@ impl StepRun<'_> {
                     Some(ProbeGrant::Probe { round }) => {
                         Ok(Probe::new(rt, self.db, self.clock, Some(round)))
                     }
-                    Some(ProbeGrant::Closed) => Ok(Probe::new(rt, self.db, self.clock, None)),
+                    Some(ProbeGrant::Closed) => {
+                        rt.breaker().reset(now);
+                        Ok(Probe::new(rt, self.db, self.clock, None))
+                    }
                     Some(ProbeGrant::Wait(until)) => {
                         Err(self.deferred(until, "provider circuit breaker half-open; probes out"))
                     }
@@ -418,24 +421,15 @@ impl StepRun<'_> {
         rt: &ProviderRuntime,
     ) -> Result<tokio::sync::OwnedSemaphorePermit, StepOutput> {
         let now = self.clock.now_ms();
+        rt.cluster.lapse_slots(now, &rt.concurrency);
         if let Ok(slot) = rt.concurrency.clone().try_acquire_owned() {
             if rt.cluster.renewal_due(now) {
-                let renewed =
-                    rt.cluster
-                        .lease(self.db, &rt.name, self.node, now, false, &rt.concurrency);
-                if let Err(e) = renewed.await {
-                    tracing::warn!(provider.name = %rt.name, error = %e, "cannot renew concurrency slots");
-                }
+                self.lease(rt, false).await?;
             }
             return Ok(slot);
         }
         let _waiting = rt.cluster.waiting_for_slot();
-        let leased = rt
-            .cluster
-            .lease(self.db, &rt.name, self.node, now, true, &rt.concurrency);
-        if let Err(e) = leased.await {
-            tracing::warn!(provider.name = %rt.name, error = %e, "cannot lease concurrency slots");
-        }
+        self.lease(rt, true).await?;
         let acquire = rt.concurrency.clone().acquire_owned();
         let slot = tokio::select! {
             slot = tokio::time::timeout(self.max_wait, acquire) => slot,
@@ -447,6 +441,31 @@ impl StepRun<'_> {
                 let at = self.clock.now_ms() + 50;
                 Err(self.deferred(at, "provider concurrency cap reached"))
             }
+        }
+    }
+
+    /// One lease request to the cluster (`ClusterLimits::lease`), bounded
+    /// like the other waits of the gate: by `max_wait`, and by shutdown
+    /// (then the step goes back). False when it failed or took too long.
+    async fn lease(&self, rt: &ProviderRuntime, more: bool) -> Result<bool, StepOutput> {
+        let leased = rt.cluster.lease(
+            self.db,
+            &rt.name,
+            self.node,
+            self.clock,
+            more,
+            &rt.concurrency,
+        );
+        tokio::select! {
+            r = tokio::time::timeout(self.max_wait, leased) => match r {
+                Ok(Ok(())) => Ok(true),
+                Ok(Err(e)) => {
+                    tracing::warn!(provider.name = %rt.name, error = %e, "cannot lease provider permits");
+                    Ok(false)
+                }
+                Err(_) => Ok(false),
+            },
+            () = self.stopping.wait() => Err(self.shutting_down()),
         }
     }
 
@@ -474,17 +493,18 @@ impl StepRun<'_> {
                 // grant used up by this node's other calls at once).
                 Err(Short::Lease) if leases < 3 => {
                     leases += 1;
-                    let leased =
-                        rt.cluster
-                            .lease(self.db, &rt.name, self.node, t, true, &rt.concurrency);
-                    if let Err(e) = leased.await {
-                        tracing::warn!(provider.name = %rt.name, error = %e, "cannot lease rate permits");
+                    if !self.lease(rt, true).await? {
                         return Err(self.deferred(t + 1_000, "provider rate limit"));
                     }
                     continue;
                 }
                 Err(Short::Lease) => t + 10,
-                Err(Short::Until(at)) => at,
+                Err(Short::Until(at)) => {
+                    // Full for the cluster: asking again when it may not
+                    // be is a new try.
+                    leases = 0;
+                    at
+                }
             };
             let wait = (at - t).max(1);
             if t + wait > wait_until {

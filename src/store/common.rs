@@ -1155,7 +1155,7 @@ where
         }
         if let Some(want) = req.slots {
             let rows = Self::grant_rows(&mut tx, provider, SLOTS).await?;
-            let held = permits::slots(
+            let (target, held) = permits::slots(
                 &rows,
                 node,
                 want.cap,
@@ -1179,7 +1179,7 @@ where
             .bind(until)
             .execute(&mut *tx)
             .await?;
-            out.slots = Some((held, until));
+            out.slots = Some((target, until));
         }
         tx.commit().await?;
         Ok(out)

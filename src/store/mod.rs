@@ -812,16 +812,19 @@ pub struct PermitRequest {
     pub close: Vec<(i64, i64, UnixMs)>,
     /// Windows to draw on: (length in ms, limit, permits wanted).
     pub windows: Vec<(i64, u32, i64)>,
-    /// The cluster's concurrency cap: (cap, slots wanted, calls in flight),
-    /// and how long the holding lasts unless renewed.
+    /// The cluster's concurrency cap, for a node holding slots of it.
     pub slots: Option<SlotRequest>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotRequest {
     pub cap: u32,
+    /// Slots the node would like.
     pub want: i64,
+    /// The most calls it may have in flight (its holding stays at least
+    /// this).
     pub in_use: i64,
+    /// How long the holding lasts unless renewed.
     pub hold_ms: i64,
 }
 
@@ -830,7 +833,8 @@ pub struct SlotRequest {
 pub struct Permits {
     /// Per window asked for: (length in ms, grant id when granted, answer).
     pub windows: Vec<(i64, Option<i64>, crate::domain::permits::Granted)>,
-    /// Slots now held, and until when.
+    /// The slots the node may use (its target; its recorded holding is
+    /// never below what it may have in flight), and until when.
     pub slots: Option<(i64, UnixMs)>,
 }
 

@@ -164,8 +164,13 @@ async fn permits_are_leased_within_the_limit(db: &Db) {
     assert_eq!(held(slots("b", 4, 0, T0 + 1)).await, 0, "b waits");
     assert_eq!(
         held(slots("a", 4, 4, T0 + 2)).await,
-        4,
-        "a keeps what is in flight"
+        2,
+        "b waits: a is told to come down to half (its four calls in flight stay counted)"
+    );
+    assert_eq!(
+        held(slots("b", 4, 0, T0 + 2)).await,
+        0,
+        "nothing for b until a's calls end"
     );
     assert_eq!(
         held(slots("a", 4, 1, T0 + 3)).await,
