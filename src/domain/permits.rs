@@ -141,7 +141,7 @@ pub fn slots(
     in_use: i64,
     now: UnixMs,
     lapse_ms: i64,
-) -> (i64, i64) {
+) -> SlotShare {
     let cap = i64::from(cap);
     let live = |r: &&GrantRow| r.window_ms == SLOTS && r.occupies_until(lapse_ms) > now;
     let others: Vec<&GrantRow> = rows
@@ -159,7 +159,22 @@ pub fn slots(
         target = target.min(share);
     }
     let target = target.max(0);
-    (target, target.max(in_use.clamp(0, cap)))
+    SlotShare {
+        target,
+        holding: target.max(in_use.clamp(0, cap)),
+        contended: wanting > 0,
+    }
+}
+
+/// A node's place in a cluster-wide cap ([`slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotShare {
+    /// The slots it may use: it starts no call beyond them.
+    pub target: i64,
+    /// What is recorded for it: never below what it may have in flight.
+    pub holding: i64,
+    /// Another node wants more than it holds.
+    pub contended: bool,
 }
 
 #[cfg(test)]
@@ -232,27 +247,31 @@ mod tests {
         );
     }
 
+    fn share(s: SlotShare) -> (i64, i64) {
+        (s.target, s.holding)
+    }
+
     #[test]
     fn slots_are_shared_fairly_while_others_wait() {
         let mut b = row(1, "b", SLOTS, 10, 0);
         b.expires_at = 10_000;
         b.wanted = 10;
         assert_eq!(
-            slots(&[b.clone()], "a", 10, 4, 0, 5, 0),
+            share(slots(&[b.clone()], "a", 10, 4, 0, 5, 0)),
             (0, 0),
             "b holds the cap"
         );
         b.wanted = 0;
         b.count = 6;
         assert_eq!(
-            slots(&[b.clone()], "a", 10, 8, 0, 5, 0),
+            share(slots(&[b.clone()], "a", 10, 8, 0, 5, 0)),
             (4, 4),
             "what b leaves"
         );
         b.count = 10;
         b.wanted = 20;
         assert_eq!(
-            slots(&[b.clone()], "a", 10, 8, 7, 5, 0),
+            share(slots(&[b.clone()], "a", 10, 8, 7, 5, 0)),
             (0, 7),
             "nothing more, and held no lower than the calls in flight"
         );
@@ -260,12 +279,16 @@ mod tests {
         let mut a = row(2, "a", SLOTS, 8, 0);
         a.expires_at = 10_000;
         b.count = 2;
-        assert_eq!(slots(&[a.clone(), b.clone()], "a", 10, 8, 3, 5, 0), (5, 5));
         assert_eq!(
-            slots(&[a, b], "a", 10, 10, 8, 5, 0),
+            share(slots(&[a.clone(), b.clone()], "a", 10, 8, 3, 5, 0)),
+            (5, 5)
+        );
+        assert_eq!(
+            share(slots(&[a, b], "a", 10, 10, 8, 5, 0)),
             (5, 8),
             "busy, it is told its share and holds what is in flight"
         );
+        assert!(!slots(&[row(3, "c", SLOTS, 1, 0)], "a", 10, 1, 0, 5, 0).contended);
     }
 
     #[derive(Debug, Clone)]

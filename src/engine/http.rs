@@ -150,21 +150,35 @@ pub async fn exchange(
         // Honoured, but bounded: a provider asking for years is asking for
         // an hour, and the step's deadline decides the rest.
         .map(|d| d.min(MAX_RETRY_AFTER));
+    // "Slow down" is said by the status and its Retry-After: a body that
+    // then stalls or breaks does not make it a transport failure (which
+    // would spend an attempt).
+    let throttling = status == 429 || (status == 503 && retry_after.is_some());
+    let cut_short = |mut x: Exchange, e: ReplyError| {
+        x.http_status = Some(status);
+        x.retry_after = retry_after;
+        if throttling {
+            x.reply = Reply::Http {
+                status,
+                json: None,
+                body_error: Some(e),
+                retry_after: retry_after.is_some(),
+            };
+        }
+        x
+    };
     let mut body: Vec<u8> = Vec::new();
     let mut stream = resp.bytes_stream();
     let mut body_error = None;
     loop {
         match tokio::time::timeout_at(deadline, stream.next()).await {
             Err(_) => {
-                return Exchange {
-                    http_status: Some(status),
-                    retry_after,
-                    ..failed(
-                        ReplyError::Timeout,
-                        format!("body not complete within {:?}", call.timeout),
-                        started,
-                    )
-                };
+                let x = failed(
+                    ReplyError::Timeout,
+                    format!("body not complete within {:?}", call.timeout),
+                    started,
+                );
+                return cut_short(x, ReplyError::Timeout);
             }
             Ok(None) => break,
             Ok(Some(Ok(chunk))) => {
@@ -176,12 +190,11 @@ pub async fn exchange(
             }
             Ok(Some(Err(e))) => {
                 let mut x = failed(ReplyError::Reset, error_chain(&e), started);
-                x.http_status = Some(status);
                 x.excerpt = storable_excerpt(
                     &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
                     secrets,
                 );
-                return x;
+                return cut_short(x, ReplyError::Reset);
             }
         }
     }

@@ -25,6 +25,8 @@ const SLOT_HOLD_MS: i64 = 15_000;
 /// After a request got no more slots, calls arriving for one wait this long
 /// for a slot to come back before one of them asks the cluster again.
 const SLOTS_ASK_EVERY_MS: i64 = 100;
+/// The same, for waits.
+pub const SLOTS_ASK_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// One grant this node draws on.
 #[derive(Debug, Clone)]
@@ -83,6 +85,10 @@ struct Slots {
     until: UnixMs,
     /// The cluster had no more slots for this node: ask again after this.
     full_until: UnixMs,
+    /// What the cluster last recorded for this node, and whether another
+    /// node was waiting for slots then.
+    recorded: i64,
+    contended: bool,
 }
 
 /// A provider's cluster-wide limits on this node.
@@ -96,6 +102,32 @@ pub struct ClusterLimits {
     /// Calls on this node waiting for a slot.
     waiting: AtomicUsize,
     lapse_ms: i64,
+}
+
+/// Why a lease request is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// A call found no slot or no usable grant: lease more.
+    More,
+    /// A call found the holding due for renewal.
+    Renew,
+    /// The provider sync: close spent grants, renew or trim the holding.
+    Sync,
+}
+
+/// A lease request not yet answered; dropped unanswered, its closes are
+/// kept for the next one.
+struct Unanswered<'a> {
+    limits: &'a ClusterLimits,
+    req: Option<&'a PermitRequest>,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(req) = self.req {
+            self.limits.keep(req);
+        }
+    }
 }
 
 /// A call counted as waiting for a slot.
@@ -134,6 +166,8 @@ impl ClusterLimits {
                     issued: 0,
                     until: 0,
                     full_until: 0,
+                    recorded: 0,
+                    contended: false,
                 })
             }),
             leasing: tokio::sync::Mutex::new(()),
@@ -265,8 +299,11 @@ impl ClusterLimits {
             // What is in use and waited for, and (asking from a call) some
             // headroom: the holding follows the need, so an idle node holds
             // nothing another needs.
+            // (The provider sync keeps headroom too unless another node
+            // waits, so a node that is busy now and then does not lease
+            // again at each burst.)
             let waiting = self.waiting.load(Ordering::Relaxed) as i64;
-            let headroom = if lease {
+            let headroom = if lease || !s.contended {
                 (i64::from(s.cap) / 8).max(1)
             } else {
                 0
@@ -283,7 +320,10 @@ impl ClusterLimits {
                 s.held = s.held.min(s.issued.max(want));
             }
             let renew = s.held > 0 && now + SLOT_HOLD_MS / 3 >= s.until;
-            if want != s.held || renew {
+            // Ask when the need changed, the holding is due, the cluster
+            // records more than this node may now have in flight, or
+            // another node waits (its share is recomputed).
+            if want != s.held || renew || s.issued < s.recorded || s.contended {
                 req.slots = Some(SlotRequest {
                     cap: s.cap,
                     want,
@@ -353,9 +393,11 @@ impl ClusterLimits {
                 }
             }
         }
-        if let (Some(slots), Some((held, until))) = (&self.slots, permits.slots) {
+        if let (Some(slots), Some((share, until))) = (&self.slots, permits.slots) {
             let mut s = lock(slots);
-            s.held = held;
+            s.held = share.target;
+            s.recorded = share.holding;
+            s.contended = share.contended;
             s.until = until;
             reconcile(&mut s, sem);
         }
@@ -377,11 +419,26 @@ impl ClusterLimits {
         Waiting(&self.waiting)
     }
 
-    /// After a slot came back: gives surplus permits up to the holding.
-    pub fn slot_returned(&self, sem: &Semaphore) {
-        if let Some(slots) = &self.slots {
-            reconcile(&mut lock(slots), sem);
+    /// A call's slot comes back: forgotten when this node is over the
+    /// slots it may use (a returned permit would go straight to a waiting
+    /// call, past the target), given back otherwise.
+    pub fn give_back(&self, permit: tokio::sync::OwnedSemaphorePermit) {
+        let Some(slots) = &self.slots else {
+            return drop(permit);
+        };
+        let mut s = lock(slots);
+        if s.issued > s.held {
+            permit.forget();
+            s.issued -= 1;
+        } else {
+            drop(permit);
         }
+    }
+
+    /// Whether this node may start a call on a slot now: its holding has
+    /// not run out unrenewed.
+    pub fn slot_valid(&self, now: UnixMs) -> bool {
+        self.slots.as_ref().is_none_or(|s| now < lock(s).until)
     }
 
     /// Holds no slots once the holding has run out unrenewed (the database
@@ -406,30 +463,41 @@ impl ClusterLimits {
         provider: &str,
         node: &str,
         clock: &dyn Clock,
-        lease: bool,
+        why: Why,
         sem: &Semaphore,
     ) -> StoreResult<()> {
         let _one = self.leasing.lock().await;
         // Read after waiting for the request ahead: grants live from now.
         let now = clock.now_ms();
         // Callers that queued behind one request may be answered by it:
-        // they look at what it leased before asking for more.
-        if lease && self.satisfied(now, sem) {
+        // they look at what it leased before asking again.
+        let lease = why == Why::More;
+        if (lease && self.satisfied(now, sem)) || (why == Why::Renew && !self.renewal_due(now)) {
             return Ok(());
         }
         let Some(req) = self.request(provider, node, now, lease, sem) else {
             return Ok(());
         };
         let held_before = self.slots.as_ref().map(|s| lock(s).held);
-        match db.lease_permits(&req).await {
+        // A caller that stops waiting (its pass gave up or the node is
+        // stopping) drops this future: the grants it was closing are kept
+        // for the next request. (Grants made by a request whose answer is
+        // never read stay open in the database until they lapse.)
+        let mut pending = Unanswered {
+            limits: self,
+            req: Some(&req),
+        };
+        let answer = db.lease_permits(&req).await;
+        pending.req = None;
+        match answer {
             Ok(permits) => {
                 self.apply(&permits, now, sem);
                 // No more slots to be had: calls wait for their own to come
                 // back instead of each asking again at once.
-                if let (Some(slots), Some(before), Some((held, _))) =
+                if let (Some(slots), Some(before), Some((share, _))) =
                     (&self.slots, held_before, permits.slots)
                 {
-                    if held <= before && self.waiting.load(Ordering::Relaxed) > 0 {
+                    if share.target <= before && self.waiting.load(Ordering::Relaxed) > 0 {
                         lock(slots).full_until = now + SLOTS_ASK_EVERY_MS;
                     }
                 }

@@ -375,7 +375,7 @@ impl Engine {
                 &rt.name,
                 &i.opts.node_id,
                 &*i.clock,
-                false,
+                super::permits::Why::Sync,
                 &rt.concurrency,
             );
             if let Err(e) = lease.await {

@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
-use super::permits::{Short, Taken};
+use super::permits::{Short, Taken, Why};
 use crate::domain::breaker::{Admit, ProbeGrant, SharedOp};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
@@ -49,8 +49,9 @@ struct Slot<'a> {
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        drop(self.permit.take());
-        self.rt.cluster.slot_returned(&self.rt.concurrency);
+        if let Some(permit) = self.permit.take() {
+            self.rt.cluster.give_back(permit);
+        }
     }
 }
 
@@ -340,10 +341,7 @@ impl StepRun<'_> {
             return Err(self.deferred(self.now + 5_000, "provider paused by an operator"));
         }
         let wait_until = self.clock.now_ms() + ms(self.max_wait);
-        let slot = Slot {
-            rt,
-            permit: Some(self.slot(rt).await?),
-        };
+        let slot = self.slot(rt).await?;
         let taken = self.rate_limit(rt, wait_until).await?;
         // From here on the call counts against the limits until its guard
         // drops, even if this pass is cancelled mid-call (lease lost).
@@ -363,6 +361,12 @@ impl StepRun<'_> {
         };
         if self.stopping.is_set() {
             return Err(self.shutting_down());
+        }
+        // The waits above may have outlasted the slots' holding (a slow
+        // database): no call on a slot the cluster may have given away.
+        if !rt.cluster.slot_valid(self.clock.now_ms()) {
+            let at = self.clock.now_ms() + 50;
+            return Err(self.deferred(at, "provider concurrency cap reached"));
         }
         if plan.is_retry && !rt.budget().try_retry(self.clock.now_ms()) {
             let at = self.clock.now_ms() + 1_000;
@@ -416,30 +420,43 @@ impl StepRun<'_> {
     /// A concurrency slot: taken at once if free; otherwise (asking the
     /// cluster for more slots, for a cluster-wide cap) waited for within
     /// `max_wait`, listening for shutdown; else the step is deferred.
-    async fn slot(
-        &self,
-        rt: &ProviderRuntime,
-    ) -> Result<tokio::sync::OwnedSemaphorePermit, StepOutput> {
+    async fn slot<'r>(&'r self, rt: &'r ProviderRuntime) -> Result<Slot<'r>, StepOutput> {
         let now = self.clock.now_ms();
         rt.cluster.lapse_slots(now, &rt.concurrency);
-        if let Ok(slot) = rt.concurrency.clone().try_acquire_owned() {
+        if let Ok(permit) = rt.concurrency.clone().try_acquire_owned() {
+            let slot = Slot {
+                rt,
+                permit: Some(permit),
+            };
             if rt.cluster.renewal_due(now) {
-                self.lease(rt, false).await?;
+                self.lease(rt, Why::Renew).await?;
             }
             return Ok(slot);
         }
         let _waiting = rt.cluster.waiting_for_slot();
-        self.lease(rt, true).await?;
-        let acquire = rt.concurrency.clone().acquire_owned();
-        let slot = tokio::select! {
-            slot = tokio::time::timeout(self.max_wait, acquire) => slot,
-            () = self.stopping.wait() => return Err(self.shutting_down()),
-        };
-        match slot {
-            Ok(Ok(slot)) => Ok(slot),
-            _ => {
-                let at = self.clock.now_ms() + 50;
-                Err(self.deferred(at, "provider concurrency cap reached"))
+        let give_up = self.clock.instant() + self.max_wait;
+        loop {
+            self.lease(rt, Why::More).await?;
+            // Asks again every SLOTS_ASK_EVERY while it waits: slots another
+            // node gives up are found without waiting for the sync.
+            let step = self.clock.instant() + super::permits::SLOTS_ASK_EVERY;
+            let acquire = rt.concurrency.clone().acquire_owned();
+            let slot = tokio::select! {
+                slot = tokio::time::timeout_at(step.min(give_up), acquire) => slot,
+                () = self.stopping.wait() => return Err(self.shutting_down()),
+            };
+            match slot {
+                Ok(Ok(permit)) => {
+                    return Ok(Slot {
+                        rt,
+                        permit: Some(permit),
+                    });
+                }
+                _ if self.clock.instant() < give_up => {}
+                _ => {
+                    let at = self.clock.now_ms() + 50;
+                    return Err(self.deferred(at, "provider concurrency cap reached"));
+                }
             }
         }
     }
@@ -447,13 +464,13 @@ impl StepRun<'_> {
     /// One lease request to the cluster (`ClusterLimits::lease`), bounded
     /// like the other waits of the gate: by `max_wait`, and by shutdown
     /// (then the step goes back). False when it failed or took too long.
-    async fn lease(&self, rt: &ProviderRuntime, more: bool) -> Result<bool, StepOutput> {
+    async fn lease(&self, rt: &ProviderRuntime, why: Why) -> Result<bool, StepOutput> {
         let leased = rt.cluster.lease(
             self.db,
             &rt.name,
             self.node,
             self.clock,
-            more,
+            why,
             &rt.concurrency,
         );
         tokio::select! {
@@ -493,18 +510,13 @@ impl StepRun<'_> {
                 // grant used up by this node's other calls at once).
                 Err(Short::Lease) if leases < 3 => {
                     leases += 1;
-                    if !self.lease(rt, true).await? {
+                    if !self.lease(rt, Why::More).await? {
                         return Err(self.deferred(t + 1_000, "provider rate limit"));
                     }
                     continue;
                 }
                 Err(Short::Lease) => t + 10,
-                Err(Short::Until(at)) => {
-                    // Full for the cluster: asking again when it may not
-                    // be is a new try.
-                    leases = 0;
-                    at
-                }
+                Err(Short::Until(at)) => at,
             };
             let wait = (at - t).max(1);
             if t + wait > wait_until {
@@ -515,6 +527,7 @@ impl StepRun<'_> {
                 () = self.clock.sleep_until(t + wait) => {}
                 () = self.stopping.wait() => return Err(self.shutting_down()),
             }
+            leases = 0;
         }
     }
 

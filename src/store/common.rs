@@ -1155,7 +1155,7 @@ where
         }
         if let Some(want) = req.slots {
             let rows = Self::grant_rows(&mut tx, provider, SLOTS).await?;
-            let (target, held) = permits::slots(
+            let share = permits::slots(
                 &rows,
                 node,
                 want.cap,
@@ -1173,13 +1173,13 @@ where
             )
             .bind(provider.to_owned())
             .bind(node.to_owned())
-            .bind(held)
+            .bind(share.holding)
             .bind(want.want)
             .bind(now)
             .bind(until)
             .execute(&mut *tx)
             .await?;
-            out.slots = Some((target, until));
+            out.slots = Some((share, until));
         }
         tx.commit().await?;
         Ok(out)

@@ -833,9 +833,8 @@ pub struct SlotRequest {
 pub struct Permits {
     /// Per window asked for: (length in ms, grant id when granted, answer).
     pub windows: Vec<(i64, Option<i64>, crate::domain::permits::Granted)>,
-    /// The slots the node may use (its target; its recorded holding is
-    /// never below what it may have in flight), and until when.
-    pub slots: Option<(i64, UnixMs)>,
+    /// The node's place in the cap, and until when its holding lasts.
+    pub slots: Option<(crate::domain::permits::SlotShare, UnixMs)>,
 }
 
 /// Implements [`Store`] for [`Db`] by forwarding each call to the backend.

@@ -2054,3 +2054,63 @@ async fn three_nodes_hold_the_limits_and_the_cap_as_one() {
     assert_eq!(counts.len(), 1, "{counts:?}");
     assert_eq!(counts[0].state, RecordState::Succeeded);
 }
+
+/// A 429 (or a 503 with `Retry-After`) whose body then breaks off is still
+/// "slow down", not a transport failure: throttled, with the status and the
+/// pause kept. The same cut after a 200 stays a reset (a retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttling_reply_cut_short_is_still_throttled() {
+    use ballast::domain::Outcome;
+    use ballast::domain::rules::{classify, default_rules};
+    use ballast::engine::http::{Call, exchange};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let mut buf = vec![0u8; 4096];
+            let n = sock.read(&mut buf).await.unwrap_or(0);
+            let head = String::from_utf8_lossy(&buf[..n]).to_string();
+            let status = if head.contains("/429") {
+                "429 Too Many Requests"
+            } else if head.contains("/503") {
+                "503 Service Unavailable"
+            } else {
+                "200 OK"
+            };
+            // Promises 100 bytes, sends 10, hangs up.
+            let reply = format!(
+                "HTTP/1.1 {status}\r\nRetry-After: 7\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"error\": "
+            );
+            let _ = sock.write_all(reply.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        }
+    });
+    let client = reqwest::Client::new();
+    let rules = default_rules();
+    for (path, expected) in [
+        ("/429", Outcome::Throttled),
+        ("/503", Outcome::Throttled),
+        ("/200", Outcome::Retry),
+    ] {
+        let call = Call {
+            method: ballast::pipeline::HttpMethod::Post,
+            url: format!("http://{addr}{path}"),
+            headers: Vec::new(),
+            body: Some("{}".into()),
+            timeout: Duration::from_secs(5),
+            max_body: 1 << 20,
+        };
+        let x = exchange(&client, &call, &[], &ballast::domain::SystemClock).await;
+        let c = classify(&rules, &x.reply);
+        assert_eq!(c.outcome, expected, "{path}: {:?} ({})", x.reply, x.excerpt);
+        assert_eq!(
+            x.http_status.map(u32::from),
+            Some(path[1..].parse().unwrap())
+        );
+        assert_eq!(x.retry_after, Some(Duration::from_secs(7)), "{path}");
+    }
+}

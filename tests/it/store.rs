@@ -159,7 +159,7 @@ async fn permits_are_leased_within_the_limit(db: &Db) {
         }),
         ..Default::default()
     };
-    let held = async |r: PermitRequest| db.lease_permits(&r).await.unwrap().slots.unwrap().0;
+    let held = async |r: PermitRequest| db.lease_permits(&r).await.unwrap().slots.unwrap().0.target;
     assert_eq!(held(slots("a", 4, 0, T0)).await, 4, "a takes the cap");
     assert_eq!(held(slots("b", 4, 0, T0 + 1)).await, 0, "b waits");
     assert_eq!(
