@@ -302,7 +302,7 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
             run_at: later,
         })
         .collect();
-    for chunk in records.chunks(5_000) {
+    for chunk in records.chunks(1_000) {
         fresh
             .db
             .create_records(chunk.to_vec(), now_ms())
