@@ -24,9 +24,8 @@ const SLOT_HOLD_MS: i64 = 15_000;
 
 /// After a request got no more slots, calls arriving for one wait this long
 /// for a slot to come back before one of them asks the cluster again.
-const SLOTS_ASK_EVERY_MS: i64 = 100;
-/// The same, for waits.
 pub const SLOTS_ASK_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+const SLOTS_ASK_EVERY_MS: i64 = SLOTS_ASK_EVERY.as_millis() as i64;
 
 /// One grant this node draws on.
 #[derive(Debug, Clone)]
@@ -49,11 +48,32 @@ impl Lot {
     fn spent(&self, now: UnixMs) -> bool {
         !self.usable(now) && self.in_flight == 0
     }
+
+    /// How the store closes it: (id, permits used, its last call's end).
+    fn closing(&self) -> (i64, i64, UnixMs) {
+        (
+            self.id,
+            self.used.max(0),
+            self.last_done.max(self.granted_at),
+        )
+    }
+}
+
+impl Lots {
+    /// Whether window `w` has a grant a call can draw on now.
+    fn usable(&self, w: usize, now: UnixMs) -> bool {
+        self.lots
+            .iter()
+            .any(|lot| lot.window == w && lot.usable(now))
+    }
 }
 
 #[derive(Debug, Default)]
 struct Lots {
     lots: Vec<Lot>,
+    /// Closes a failed or abandoned request did not deliver: sent again
+    /// with the next one.
+    unclosed: Vec<(i64, i64, UnixMs)>,
     /// Per window: when a refused request may be made again.
     full_until: Vec<UnixMs>,
 }
@@ -157,6 +177,7 @@ impl ClusterLimits {
             windows: limits.iter().map(|l| (*l, window_ms(l))).collect(),
             lots: Mutex::new(Lots {
                 lots: Vec::new(),
+                unclosed: Vec::new(),
                 full_until: vec![0; limits.len()],
             }),
             slots: cap.map(|cap| {
@@ -256,9 +277,9 @@ impl ClusterLimits {
 
     /// The request this node makes now: close spent grants, lease in the
     /// windows that have no usable grant (`lease`), and renew the slots
-    /// (wanting more when `more_slots`). `None` when there is nothing to
-    /// say. Spent grants leave `lots` here; [`keep`](Self::keep) puts them
-    /// back if the request fails.
+    /// (wanting more when `lease`). `None` when there is nothing to say.
+    /// Spent grants leave `lots` here; [`keep`](Self::keep) queues their
+    /// closes again if the request fails.
     fn request(
         &self,
         provider: &str,
@@ -280,14 +301,11 @@ impl ClusterLimits {
             let (spent, kept): (Vec<Lot>, Vec<Lot>) =
                 l.lots.drain(..).partition(|lot| lot.spent(now));
             l.lots = kept;
-            req.close = spent
-                .iter()
-                .map(|lot| (lot.id, lot.used.max(0), lot.last_done.max(lot.granted_at)))
-                .collect();
+            req.close = std::mem::take(&mut l.unclosed);
+            req.close.extend(spent.iter().map(Lot::closing));
             if lease {
                 for (w, (limit, ms)) in self.windows.iter().enumerate() {
-                    let usable = l.lots.iter().any(|lot| lot.window == w && lot.usable(now));
-                    if !usable && l.full_until[w] <= now {
+                    if !l.usable(w, now) && l.full_until[w] <= now {
                         req.windows.push((*ms, limit.count, i64::MAX / 4));
                     }
                 }
@@ -341,9 +359,7 @@ impl ClusterLimits {
     fn satisfied(&self, now: UnixMs, sem: &Semaphore) -> bool {
         let windows = {
             let l = lock(&self.lots);
-            (0..self.windows.len()).all(|w| {
-                l.lots.iter().any(|lot| lot.window == w && lot.usable(now)) || l.full_until[w] > now
-            })
+            (0..self.windows.len()).all(|w| l.usable(w, now) || l.full_until[w] > now)
         };
         let slots = self
             .slots
@@ -352,22 +368,10 @@ impl ClusterLimits {
         windows && slots
     }
 
-    /// Puts back grants a failed request was to close (they stay open in
-    /// the database and close with the next request).
+    /// Queues again the closes a failed request did not deliver (those
+    /// grants stay open in the database until the next request closes them).
     fn keep(&self, req: &PermitRequest) {
-        let mut l = lock(&self.lots);
-        for &(id, used, done) in &req.close {
-            l.lots.push(Lot {
-                id,
-                window: usize::MAX,
-                left: 0,
-                used,
-                in_flight: 0,
-                granted_at: done,
-                last_done: done,
-                expires_at: 0,
-            });
-        }
+        lock(&self.lots).unclosed.extend_from_slice(&req.close);
     }
 
     fn apply(&self, permits: &Permits, now: UnixMs, sem: &Semaphore) {
@@ -534,13 +538,10 @@ impl ClusterLimits {
             ..PermitRequest::default()
         };
         {
-            let l = lock(&self.lots);
-            req.close = l
-                .lots
-                .iter()
-                .filter(|lot| lot.in_flight == 0)
-                .map(|lot| (lot.id, lot.used.max(0), lot.last_done.max(lot.granted_at)))
-                .collect();
+            let mut l = lock(&self.lots);
+            req.close = std::mem::take(&mut l.unclosed);
+            let idle = l.lots.iter().filter(|lot| lot.in_flight == 0);
+            req.close.extend(idle.map(Lot::closing));
         }
         if let Some(slots) = &self.slots {
             let mut s = lock(slots);

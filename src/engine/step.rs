@@ -388,7 +388,7 @@ impl StepRun<'_> {
         let now = self.clock.now_ms();
         let policy = *rt.breaker().policy();
         // A probe unanswered this long was lost with its node.
-        let lost_after = 2 * ms(rt.config.timeout.0) + 5_000;
+        let lost_after = super::limits::lapse_ms(&rt.config);
         let op = SharedOp::ClaimProbe {
             probes: policy.probes,
             lost_after,

@@ -1976,7 +1976,9 @@ impl Counting {
                         }
                     }
                     let _ends = Ends(c.in_flight.clone());
-                    // The provider's own latency (calls overlap in it).
+                    // Time is the point: this is the provider's own latency,
+                    // in which the calls of several nodes overlap (what the
+                    // test counts), not a wait for an event.
                     tokio::time::sleep(latency).await;
                     axum::Json(json!({ "status": "succeeded", "id": "ch" }))
                 }
