@@ -296,6 +296,7 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
     let records: Vec<NewRecord> = (0..n)
         .map(|i| NewRecord {
             pipeline: "one".into(),
+            group: None,
             pipeline_version: None,
             external_key: Some(format!("n-{i}")),
             input: json!({}),

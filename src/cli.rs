@@ -73,6 +73,10 @@ pub enum Command {
         /// External key: idempotency of the enqueue, unique per pipeline.
         #[arg(long)]
         key: Option<String>,
+        /// The record's group (a tenant, say): a pipeline's groups share
+        /// the workers fairly, and its `group_concurrency` caps each.
+        #[arg(long)]
+        group: Option<String>,
         /// The record's input, a JSON value.
         #[arg(long, default_value = "{}")]
         input: String,
@@ -183,8 +187,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Enqueue {
             pipeline,
             key,
+            group,
             input,
-        } => enqueue(config, &pipeline, key.as_deref(), &input).await,
+        } => enqueue(config, &pipeline, key.as_deref(), group.as_deref(), &input).await,
         Command::Provider { action } => {
             let db = crate::app::connect(&config).await?;
             migrate::up(&db, None)
@@ -314,6 +319,7 @@ async fn enqueue(
     config: Config,
     pipeline: &str,
     key: Option<&str>,
+    group: Option<&str>,
     input: &str,
 ) -> anyhow::Result<()> {
     let input: serde_json::Value =
@@ -328,7 +334,7 @@ async fn enqueue(
         crate::engine::EngineOptions::new("cli"),
     )
     .await?;
-    let created = engine.enqueue(pipeline, key, input).await;
+    let created = engine.enqueue_in(pipeline, group, key, input).await;
     db.close().await;
     let created = created?;
     if created.created {

@@ -14,6 +14,12 @@ use crate::domain::ReversalPolicy;
 pub struct PipelineConfig {
     #[serde(default)]
     pub description: Option<String>,
+    /// At most this many records of one group (those enqueued with the
+    /// same `group`; those without one form one group) leased at once,
+    /// across every node: the "concurrency key" of other workflow engines.
+    /// Unset: groups share the workers fairly, uncapped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_concurrency: Option<u32>,
     pub steps: Vec<StepConfig>,
 }
 

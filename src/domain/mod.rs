@@ -4,6 +4,7 @@
 
 pub mod backoff;
 pub mod breaker;
+pub mod fair;
 pub mod host;
 pub mod model;
 pub mod pass;

@@ -105,6 +105,9 @@ pub struct Record {
     pub pipeline_version: Option<i64>,
     /// The caller's key; unique per pipeline, makes enqueue idempotent.
     pub external_key: Option<String>,
+    /// The group given at enqueue (a tenant, say): claims share the
+    /// workers fairly between (pipeline, group) queues (`domain::fair`).
+    pub group: Option<String>,
     pub state: RecordState,
     pub input: Value,
     /// When the record next needs a worker: due time, or lease expiry while

@@ -189,6 +189,23 @@ pub struct Engine {
     inner: Arc<Inner>,
 }
 
+/// The longest group name, in characters.
+pub const MAX_GROUP_LEN: usize = 200;
+
+/// A group is named or absent: an empty name would be the same queue as
+/// none, and a very long one is a mistake.
+fn check_group(group: Option<&str>) -> Result<(), StoreError> {
+    match group {
+        Some("") => Err(StoreError::Invalid(
+            "group is empty (leave it out for none)".into(),
+        )),
+        Some(g) if g.chars().count() > MAX_GROUP_LEN => Err(StoreError::Invalid(format!(
+            "group is longer than {MAX_GROUP_LEN} characters"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -283,12 +300,22 @@ impl Engine {
         input: Value,
         run_at: UnixMs,
     ) -> Result<Created, StoreError> {
-        let mut created = self
-            .create(pipeline, vec![(key.map(str::to_owned), input)], run_at)
-            .await?;
-        created
-            .pop()
-            .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
+        self.create_one(pipeline, None, key, input, run_at).await
+    }
+
+    /// [`enqueue`](Self::enqueue) into a group (a tenant, say): the
+    /// pipeline's groups share the workers fairly (`domain::fair`), and the
+    /// pipeline's `group_concurrency` caps each. A repeated key returns the
+    /// record it named, whatever its group.
+    pub async fn enqueue_in(
+        &self,
+        pipeline: &str,
+        group: Option<&str>,
+        key: Option<&str>,
+        input: Value,
+    ) -> Result<Created, StoreError> {
+        let now = self.inner.clock.now_ms();
+        self.create_one(pipeline, group, key, input, now).await
     }
 
     /// Enqueues many records of one pipeline in one transaction (keys make
@@ -298,8 +325,35 @@ impl Engine {
         pipeline: &str,
         items: Vec<(Option<String>, Value)>,
     ) -> Result<Vec<Created>, StoreError> {
-        self.create(pipeline, items, self.inner.clock.now_ms())
+        self.create(pipeline, None, items, self.inner.clock.now_ms())
             .await
+    }
+
+    /// [`enqueue_many`](Self::enqueue_many) into one group (see
+    /// [`enqueue_in`](Self::enqueue_in)).
+    pub async fn enqueue_many_in(
+        &self,
+        pipeline: &str,
+        group: Option<&str>,
+        items: Vec<(Option<String>, Value)>,
+    ) -> Result<Vec<Created>, StoreError> {
+        self.create(pipeline, group, items, self.inner.clock.now_ms())
+            .await
+    }
+
+    async fn create_one(
+        &self,
+        pipeline: &str,
+        group: Option<&str>,
+        key: Option<&str>,
+        input: Value,
+        run_at: UnixMs,
+    ) -> Result<Created, StoreError> {
+        let item = vec![(key.map(str::to_owned), input)];
+        let mut created = self.create(pipeline, group, item, run_at).await?;
+        created
+            .pop()
+            .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
     }
 
     /// Creates records pinned to the pipeline's current version, due at
@@ -307,9 +361,11 @@ impl Engine {
     async fn create(
         &self,
         pipeline: &str,
+        group: Option<&str>,
         items: Vec<(Option<String>, Value)>,
         run_at: UnixMs,
     ) -> Result<Vec<Created>, StoreError> {
+        check_group(group)?;
         let version = lock(&self.inner.current).get(pipeline).copied();
         let Some(version) = version else {
             return Err(StoreError::Invalid(format!(
@@ -323,6 +379,7 @@ impl Engine {
                 pipeline: pipeline.to_owned(),
                 pipeline_version: Some(version),
                 external_key: key,
+                group: group.map(str::to_owned),
                 input,
                 run_at,
             })

@@ -62,6 +62,12 @@ impl Engine {
             now: i.clock.now_ms(),
             lease: i.opts.lease,
             limit,
+            group_caps: i
+                .config
+                .pipelines
+                .iter()
+                .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
+                .collect(),
         };
         let started = i.clock.instant();
         let claimed = i.db.claim_due(&req).await?;

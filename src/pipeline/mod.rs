@@ -93,6 +93,12 @@ fn compile_one(
             "a pipeline needs at least one step".into(),
         ));
     }
+    if p.group_concurrency == Some(0) {
+        return Err(invalid(
+            format!("pipelines.{name}.group_concurrency"),
+            "must be at least 1 (leave it out for no cap)".into(),
+        ));
+    }
     let by_name = check_steps(name, p, config)?;
     let order = dependency_order(name, p, &by_name)?;
     let mut upstream: HashMap<String, BTreeSet<String>> = HashMap::new();
@@ -370,6 +376,30 @@ needs = ["submit"]
 required = false
 request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.video_url }}"}' }
 "#;
+
+    #[test]
+    fn a_group_cap_is_at_least_one_and_leaves_the_hash_alone() {
+        let capped = format!("[pipelines.render_video]\ngroup_concurrency = 0\n{GOOD}");
+        let e = load(&capped)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("pipelines.render_video.group_concurrency"),
+            "{e}"
+        );
+        // Unset, the definition (and so its hash) is what it was before
+        // the setting existed: pipelines already pinned stay pinned.
+        let plain = load(GOOD).unwrap();
+        assert!(
+            plain.pipelines["render_video"]
+                .definition
+                .get("group_concurrency")
+                .is_none()
+        );
+        let capped = format!("[pipelines.render_video]\ngroup_concurrency = 5\n{GOOD}");
+        assert!(load(&capped).is_ok());
+    }
 
     #[test]
     fn the_design_example_compiles() {

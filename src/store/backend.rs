@@ -95,6 +95,13 @@ pub trait SqlDb:
         req: &ClaimRequest,
     ) -> impl Future<Output = StoreResult<Claimed>> + Send;
 
+    /// When the earliest record needing a worker is due (the idle engine's
+    /// wake-up): the earliest of each (pipeline, group) queue, found
+    /// through `records_queue_due` one queue at a time.
+    fn next_due_in(
+        pools: &Self::Pools,
+    ) -> impl Future<Output = StoreResult<Option<crate::domain::UnixMs>>> + Send;
+
     /// This backend's statement texts, built once each (a `static` in a
     /// generic function would be shared by both backends).
     fn statements() -> &'static Statements;

@@ -80,10 +80,11 @@ where
         if batch.iter().any(|n| {
             nul(&n.pipeline)
                 || n.external_key.as_deref().is_some_and(nul)
+                || n.group.as_deref().is_some_and(nul)
                 || crate::domain::json_has_nul(&n.input)
         }) {
             return Err(StoreError::Invalid(
-                "a NUL character (\\u0000) in the pipeline, key or input".into(),
+                "a NUL character (\\u0000) in the pipeline, key, group or input".into(),
             ));
         }
         if batch.len() > crate::store::MAX_BATCH {
@@ -219,13 +220,7 @@ where
     }
 
     async fn next_due_at(&self) -> StoreResult<Option<UnixMs>> {
-        Ok(
-            sqlx::query_scalar(
-                "SELECT MIN(next_run_at) FROM records WHERE next_run_at IS NOT NULL",
-            )
-            .fetch_one(self.reader())
-            .await?,
-        )
+        DB::next_due_in(&self.pools).await
     }
 
     async fn claim_due(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {

@@ -33,6 +33,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     3 "0003_throttled" "throttled",
     4 "0004_cluster_breaker" "cluster_breaker",
     5 "0005_provider_grants" "provider_grants",
+    6 "0006_fair_queues" "fair_queues",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -40,6 +41,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     3 "0003_throttled" "throttled",
     4 "0004_cluster_breaker" "cluster_breaker",
     5 "0005_provider_grants" "provider_grants",
+    6 "0006_fair_queues" "fair_queues",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -105,6 +105,9 @@ pub struct NewRecord {
     /// Idempotency key of the enqueue: a second create with the same
     /// (pipeline, external_key) returns the first record.
     pub external_key: Option<String>,
+    /// Its group (a tenant, say), or none: the queue it is claimed from
+    /// is (pipeline, group).
+    pub group: Option<String>,
     pub input: Value,
     /// When the record becomes due.
     pub run_at: UnixMs,
@@ -183,6 +186,9 @@ pub struct ClaimRequest {
     pub now: UnixMs,
     pub lease: Duration,
     pub limit: u32,
+    /// Pipelines whose groups are capped: at most this many records of one
+    /// (pipeline, group) queue leased at once, across every node.
+    pub group_caps: Vec<(String, u32)>,
 }
 
 /// Records a claim leased, in due order, and the state each was taken from.

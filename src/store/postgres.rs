@@ -18,6 +18,7 @@ use super::batch::Dialect;
 use super::rows::{MapRow, RECORD_COLUMNS, map_all};
 use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
+use crate::domain::{UnixMs, fair};
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
 /// The channel that says "a provider's shared state changed".
@@ -146,6 +147,53 @@ async fn notify(tx: &mut Transaction<'static, Postgres>, channel: &str) -> Store
     Ok(())
 }
 
+/// The advisory lock claims take while some pipeline caps its groups.
+const GROUP_CAPS_LOCK: i64 = 0x6261_6c6c_6173_7401;
+
+/// The (pipeline, group) queues with records needing a worker: a loose
+/// scan of `records_queue_due`, one index probe per queue (finished
+/// records are not in the index, so queues of finished work cost nothing).
+const QUEUES: &str = "WITH RECURSIVE queues(pipeline, group_key) AS ( \
+       (SELECT pipeline, group_key FROM records WHERE next_run_at IS NOT NULL \
+        ORDER BY pipeline, group_key LIMIT 1) \
+     UNION ALL \
+       SELECT n.pipeline, n.group_key FROM queues q CROSS JOIN LATERAL ( \
+         SELECT r.pipeline, r.group_key FROM records r \
+         WHERE r.next_run_at IS NOT NULL AND (r.pipeline, r.group_key) > (q.pipeline, q.group_key) \
+         ORDER BY r.pipeline, r.group_key LIMIT 1) n)";
+
+/// The claim: every queue with due work (`ready`; `room` is what a capped
+/// group may still lease, counted over the pipeline's running records,
+/// which are few) gives up to an even share of the batch (`domain::fair::
+/// share`), oldest first, skipping rows other claims hold; a random turn
+/// decides which queues are cut when the shares overrun the batch.
+/// $1 now, $2 batch, $3 owner, $4 lease end, $5/$6 capped pipelines and caps.
+const CLAIM_DUE: &str = "\
+     caps AS (SELECT * FROM unnest($5::text[], $6::bigint[]) AS c(pipeline, cap)), \
+     ready AS ( \
+       SELECT q.pipeline, q.group_key, random() AS turn, \
+         (SELECT c.cap - (SELECT count(*) FROM records r WHERE r.pipeline = q.pipeline \
+                            AND r.state = 'running' AND r.group_key = q.group_key AND r.lease_until > $1) \
+            FROM caps c WHERE c.pipeline = q.pipeline) AS room \
+       FROM queues q CROSS JOIN LATERAL ( \
+         SELECT r.next_run_at FROM records r \
+         WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.next_run_at IS NOT NULL \
+         ORDER BY r.next_run_at LIMIT 1) f \
+       WHERE f.next_run_at <= $1), \
+     open AS (SELECT * FROM ready WHERE room IS NULL OR room > 0), \
+     share AS (SELECT GREATEST(1, CEIL($2::float8 / GREATEST(count(*), 1)))::bigint AS per FROM open), \
+     due AS ( \
+       SELECT d.due_id, d.old_state, d.old_due FROM open q CROSS JOIN LATERAL ( \
+         SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due FROM records r \
+         WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key \
+           AND r.next_run_at IS NOT NULL AND r.next_run_at <= $1 \
+         ORDER BY r.next_run_at, r.id LIMIT LEAST((SELECT per FROM share), COALESCE(q.room, $2)) \
+         FOR NO KEY UPDATE SKIP LOCKED) d \
+       ORDER BY q.turn, d.old_due, d.due_id LIMIT $2) \
+     UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
+       lease_token = records.lease_token + 1, updated_at = $1 \
+     FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due))";
+
 // `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
 // run that references a record must not wait behind a lock on that record.
 //
@@ -188,21 +236,30 @@ impl SqlDb for Postgres {
         req: &ClaimRequest,
     ) -> StoreResult<Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
-        let sql = Self::statements().claim.get(|| format!(
-            "WITH due AS ( \
-               SELECT id AS due_id, state AS old_state, next_run_at AS old_due FROM records \
-               WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
-               ORDER BY next_run_at, id LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED) \
-             UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
-               lease_token = records.lease_token + 1, updated_at = $1 \
-             FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due)) \
-             RETURNING {RECORD_COLUMNS}, old_state, old_due"
-        ));
+        if !req.group_caps.is_empty() {
+            // Capped groups count the leases other nodes' claims hold: one
+            // claim at a time counts and takes (its statement's snapshot is
+            // taken after this lock, so it sees the claim before it).
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(GROUP_CAPS_LOCK)
+                .execute(&mut **tx)
+                .await?;
+        }
+        let (capped, caps): (Vec<String>, Vec<i64>) = req
+            .group_caps
+            .iter()
+            .map(|(p, cap)| (p.clone(), i64::from(*cap)))
+            .unzip();
+        let sql = Self::statements().claim.get(|| {
+            format!("{QUEUES}, {CLAIM_DUE} RETURNING {RECORD_COLUMNS}, old_state, old_due")
+        });
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(req.now)
             .bind(i64::from(req.limit))
             .bind(req.owner.clone())
             .bind(lease_until)
+            .bind(capped)
+            .bind(caps)
             .fetch_all(&mut **tx)
             .await?;
         let mut old_states = HashMap::with_capacity(rows.len());
@@ -213,9 +270,22 @@ impl SqlDb for Postgres {
             due_at.insert(id, row.try_get::<i64, _>("old_due")?);
         }
         let mut claimed = map_all(&rows, MapRow::record)?;
-        // Hand records out in due order, as selected.
+        // Due order within each queue, then round robin over the queues.
         claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
+        let claimed = fair::interleave(claimed, |r| (r.pipeline.clone(), r.group.clone()));
         Ok((claimed, old_states))
+    }
+
+    async fn next_due_in(pool: &PgPool) -> StoreResult<Option<UnixMs>> {
+        let sql = format!(
+            "{QUEUES} SELECT MIN(f.next_run_at) FROM queues q CROSS JOIN LATERAL ( \
+               SELECT r.next_run_at FROM records r \
+               WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.next_run_at IS NOT NULL \
+               ORDER BY r.next_run_at LIMIT 1) f"
+        );
+        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(pool)
+            .await?)
     }
 
     fn statements() -> &'static Statements {

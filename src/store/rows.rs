@@ -20,7 +20,7 @@ pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> StoreResult
 }
 
 /// The column lists the mappers below expect, in one place.
-pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, state, input, \
+pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, group_key, state, input, \
      next_run_at, lease_owner, lease_until, lease_token, step, provider, error_code, reason, \
      created_at, updated_at, finished_at";
 pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
@@ -104,6 +104,7 @@ where
             pipeline: self.try_get("pipeline")?,
             pipeline_version: self.try_get("pipeline_version")?,
             external_key: self.try_get("external_key")?,
+            group: Some(self.try_get::<String, _>("group_key")?).filter(|g| !g.is_empty()),
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
             input: self.json("input")?.unwrap_or(Value::Null),
             next_run_at: self.try_get("next_run_at")?,

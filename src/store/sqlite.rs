@@ -12,8 +12,8 @@ use std::time::Duration;
 use serde::Serialize;
 use sqlx::query::Query;
 use sqlx::sqlite::{
-    SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteSynchronous,
+    SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
+    SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::types::Json;
 use sqlx::{Pool, Sqlite, Transaction};
@@ -23,6 +23,42 @@ use super::batch::Dialect;
 use super::rows::{MapRow, RECORD_COLUMNS, map_all};
 use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
+use crate::domain::{UnixMs, fair};
+
+/// Each (pipeline, group) queue with records needing a worker, and when
+/// its earliest is due: a loose scan of `records_queue_due`, one probe per
+/// queue (finished records are not in the index).
+async fn queue_heads(conn: &mut SqliteConnection) -> StoreResult<Vec<(String, String, UnixMs)>> {
+    let mut heads: Vec<(String, String, UnixMs)> = Vec::new();
+    loop {
+        let next: Option<(String, String, UnixMs)> = match heads.last() {
+            None => {
+                sqlx::query_as(
+                    "SELECT pipeline, group_key, next_run_at FROM records \
+                     WHERE next_run_at IS NOT NULL \
+                     ORDER BY pipeline, group_key, next_run_at LIMIT 1",
+                )
+                .fetch_optional(&mut *conn)
+                .await?
+            }
+            Some((pipeline, group, _)) => {
+                sqlx::query_as(
+                    "SELECT pipeline, group_key, next_run_at FROM records \
+                     WHERE next_run_at IS NOT NULL AND (pipeline, group_key) > ($1, $2) \
+                     ORDER BY pipeline, group_key, next_run_at LIMIT 1",
+                )
+                .bind(pipeline.clone())
+                .bind(group.clone())
+                .fetch_optional(&mut *conn)
+                .await?
+            }
+        };
+        match next {
+            Some(head) => heads.push(head),
+            None => return Ok(heads),
+        }
+    }
+}
 
 /// Records and everything else, in one SQLite file.
 pub type SqliteStore = SqlStore<Sqlite>;
@@ -113,14 +149,48 @@ impl SqlDb for Sqlite {
         req: &ClaimRequest,
     ) -> StoreResult<Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
-        let due: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT id, state FROM records WHERE next_run_at IS NOT NULL AND next_run_at <= $1 \
-             ORDER BY next_run_at, id LIMIT $2",
-        )
-        .bind(req.now)
-        .bind(i64::from(req.limit))
-        .fetch_all(&mut **tx)
-        .await?;
+        // The single writer: nothing moves between these reads and the
+        // update. Each queue with due work gives its records, oldest first,
+        // and `fair::take` shares the batch between them.
+        let mut queues = Vec::new();
+        for (pipeline, group, first) in queue_heads(tx).await? {
+            if first > req.now {
+                continue;
+            }
+            let room = match req.group_caps.iter().find(|(p, _)| *p == pipeline) {
+                Some((_, cap)) => {
+                    let leased: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM records WHERE pipeline = $1 AND state = 'running' \
+                         AND group_key = $2 AND lease_until > $3",
+                    )
+                    .bind(&pipeline)
+                    .bind(&group)
+                    .bind(req.now)
+                    .fetch_one(&mut **tx)
+                    .await?;
+                    Some(u32::try_from((i64::from(*cap) - leased).max(0)).unwrap_or(0))
+                }
+                None => None,
+            };
+            if room == Some(0) {
+                continue;
+            }
+            let take = room.map_or(req.limit, |r| r.min(req.limit));
+            let due: Vec<(i64, String)> = sqlx::query_as(
+                "SELECT id, state FROM records WHERE pipeline = $1 AND group_key = $2 \
+                 AND next_run_at IS NOT NULL AND next_run_at <= $3 ORDER BY next_run_at, id LIMIT $4",
+            )
+            .bind(&pipeline)
+            .bind(&group)
+            .bind(req.now)
+            .bind(i64::from(take))
+            .fetch_all(&mut **tx)
+            .await?;
+            queues.push(fair::Queue { due, room });
+        }
+        // The queue cut first when the batch is short turns with time.
+        let start = usize::try_from(req.now.rem_euclid(1 << 16)).unwrap_or(0);
+        let due = fair::take(&queues, req.limit, start);
         if due.is_empty() {
             return Ok(Default::default());
         }
@@ -139,11 +209,19 @@ impl SqlDb for Sqlite {
             .fetch_all(&mut **tx)
             .await?;
         let mut claimed = map_all(&rows, MapRow::record)?;
-        // Hand records out in due order, as selected.
+        // Due order within each queue (as selected), then round robin over
+        // the queues.
         let order: std::collections::HashMap<i64, usize> =
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         claimed.sort_by_key(|r| order.get(&r.id).copied());
+        let claimed = fair::interleave(claimed, |r| (r.pipeline.clone(), r.group.clone()));
         Ok((claimed, old_states))
+    }
+
+    async fn next_due_in(pools: &SqlitePools) -> StoreResult<Option<UnixMs>> {
+        let mut conn = pools.reader.acquire().await?;
+        let heads = queue_heads(&mut conn).await?;
+        Ok(heads.into_iter().map(|(_, _, first)| first).min())
     }
 
     fn statements() -> &'static Statements {

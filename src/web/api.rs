@@ -98,6 +98,8 @@ struct EnqueueBody {
     pipeline: String,
     /// Makes the call idempotent: the same key returns the same record.
     key: Option<String>,
+    /// The record's group (a tenant, say): see `Engine::enqueue_in`.
+    group: Option<String>,
     #[serde(default)]
     input: Value,
 }
@@ -122,8 +124,24 @@ async fn enqueue(
             return Err(WebError::bad("invalid_key", "key must be 1-200 characters"));
         }
     }
+    if let Some(g) = &body.group {
+        if g.is_empty() || g.chars().count() > crate::engine::MAX_GROUP_LEN {
+            return Err(WebError::bad(
+                "invalid_group",
+                format!(
+                    "group must be 1-{} characters",
+                    crate::engine::MAX_GROUP_LEN
+                ),
+            ));
+        }
+    }
     let created = engine
-        .enqueue(&body.pipeline, body.key.as_deref(), body.input)
+        .enqueue_in(
+            &body.pipeline,
+            body.group.as_deref(),
+            body.key.as_deref(),
+            body.input,
+        )
         .await?;
     tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued via API");
     let status = if created.created {

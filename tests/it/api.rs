@@ -74,16 +74,30 @@ async fn api_round_trip(backend: Backend) {
         again["record"]["input"]["email"], "a@b.c",
         "the first input stands"
     );
+    assert_eq!(first["record"]["group"], Value::Null);
     let id = first["record"]["id"].as_i64().unwrap();
     for k in 2..=5 {
-        post(
+        let grouped = post(
             "/api/v1/records",
-            json!({"pipeline": "leads", "key": format!("lead-{k}")}),
+            json!({"pipeline": "leads", "key": format!("lead-{k}"), "group": "tenant-7"}),
             &op,
         )
         .await
         .unwrap();
+        let grouped: Value = grouped.json().await.unwrap();
+        assert_eq!(grouped["record"]["group"], "tenant-7");
     }
+    // A group is named or left out.
+    let empty = post(
+        "/api/v1/records",
+        json!({"pipeline": "leads", "key": "lead-x", "group": ""}),
+        &op,
+    )
+    .await
+    .unwrap();
+    assert_eq!(empty.status(), 400);
+    let empty: Value = empty.json().await.unwrap();
+    assert_eq!(empty["error"], "invalid_group", "{empty}");
     // The workers finish them.
     wait::until(
         "the API lists five records succeeded",

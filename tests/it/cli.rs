@@ -169,20 +169,21 @@ async fn migrate_round_trip(backend: Backend) {
         pending.contains("0002     pending    control_plane")
             && pending.contains("0003     pending    throttled")
             && pending.contains("0004     pending    cluster_breaker")
-            && pending.contains("0005     pending    provider_grants"),
+            && pending.contains("0005     pending    provider_grants")
+            && pending.contains("0006     pending    fair_queues"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);
     assert!(
-        up.contains("[1/5] applying 0001 core")
+        up.contains("[1/6] applying 0001 core")
             && up.contains("applied 0001")
-            && up.contains("[2/5] applied 0002")
-            && up.contains("[5/5] applied 0005"),
+            && up.contains("[2/6] applied 0002")
+            && up.contains("[6/6] applied 0006"),
         "{up}"
     );
     assert!(
         up.contains(&format!(
-            "{}: 5 applied; schema at version 5",
+            "{}: 6 applied; schema at version 6",
             backend.as_str()
         )),
         "{up}"
@@ -199,7 +200,7 @@ async fn migrate_round_trip(backend: Backend) {
     // Without --to, down reverts the latest migration only.
     let down = run(&["migrate", "down"]);
     assert!(
-        down.contains("reverted 0005") && !down.contains("reverted 0004"),
+        down.contains("reverted 0006") && !down.contains("reverted 0005"),
         "{down}"
     );
 }

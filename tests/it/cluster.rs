@@ -46,6 +46,7 @@ async fn three_serve_processes_hold_a_provider_as_one() {
     let records = (0..n)
         .map(|i| NewRecord {
             pipeline: "pay".into(),
+            group: None,
             pipeline_version: None,
             external_key: Some(format!("r-{i}")),
             input: json!({}),

@@ -93,6 +93,7 @@ fn due_now(
     range
         .map(|i| ballast::store::NewRecord {
             pipeline: pipeline.into(),
+            group: None,
             pipeline_version: None,
             external_key: Some(format!("{prefix}{i}")),
             input: input(i),

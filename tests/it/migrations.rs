@@ -23,6 +23,7 @@ async fn up_down_up(backend: Backend) {
     );
     let rec = NewRecord {
         pipeline: "p".into(),
+        group: None,
         pipeline_version: None,
         external_key: None,
         input: serde_json::json!({}),

@@ -64,6 +64,8 @@ conformance!(
     a_throttle_pause_is_kept_for_every_node,
     the_cluster_breaker_hands_out_one_probe,
     permits_are_leased_within_the_limit,
+    claims_share_the_batch_between_queues,
+    a_group_cap_holds_for_concurrent_claimers,
 );
 
 /// A provider's limits leased for the cluster: the permits granted in a
@@ -302,6 +304,7 @@ const T0: i64 = 1_800_000_000_000;
 fn new_record(pipeline: &str, key: Option<&str>, run_at: i64) -> NewRecord {
     NewRecord {
         pipeline: pipeline.to_owned(),
+        group: None,
         pipeline_version: None,
         external_key: key.map(str::to_owned),
         input: json!({ "key": key, "n": 1 }),
@@ -315,6 +318,7 @@ fn claim(owner: &str, now: i64, limit: u32) -> ClaimRequest {
         now,
         lease: Duration::from_secs(30),
         limit,
+        group_caps: Vec::new(),
     }
 }
 
@@ -450,6 +454,158 @@ async fn claim_takes_due_records_in_order(db: &Db) {
     );
     let kinds = crate::helpers::event_kinds(db, early.id).await;
     assert_eq!(kinds, vec!["created", "claimed"]);
+    assert_counts_consistent(db).await;
+}
+
+fn grouped(pipeline: &str, group: Option<&str>, key: String, run_at: i64) -> NewRecord {
+    NewRecord {
+        group: group.map(str::to_owned),
+        ..new_record(pipeline, Some(&key), run_at)
+    }
+}
+
+/// Claims share their batch between the (pipeline, group) queues with due
+/// work: a backlog enqueued first in one queue does not hold back records
+/// of another, and each queue hands out its oldest first.
+async fn claims_share_the_batch_between_queues(db: &Db) {
+    let x: Vec<NewRecord> = (0..200)
+        .map(|i| grouped("p", Some("x"), format!("x{i}"), T0))
+        .collect();
+    db.create_records(x, T0).await.unwrap();
+    let y: Vec<NewRecord> = (0..10)
+        .map(|i| grouped("p", Some("y"), format!("y{i}"), T0 + 1))
+        .collect();
+    db.create_records(y, T0).await.unwrap();
+    let q: Vec<NewRecord> = (0..6)
+        .map(|i| grouped("q", None, format!("q{i}"), T0 + 2))
+        .collect();
+    db.create_records(q, T0).await.unwrap();
+    // Finished work in a fourth queue costs the claim nothing and gets no share.
+    let done = db
+        .create_record(grouped("p", Some("z"), "z0".into(), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    db.act(&ActionRequest {
+        record_id: done.id,
+        action: OperatorAction::Cancel,
+        actor: "test".into(),
+        reason: Some("done".into()),
+        now: T0,
+        steps: Vec::new(),
+    })
+    .await
+    .unwrap();
+    let queue = |r: &ballast::domain::Record| {
+        format!("{}/{}", r.pipeline, r.group.as_deref().unwrap_or(""))
+    };
+    let got = db.claim_due(&claim("w1", T0 + 100, 12)).await.unwrap();
+    let names: Vec<String> = got.iter().map(queue).collect();
+    for name in ["p/x", "p/y", "q/"] {
+        assert_eq!(
+            names.iter().filter(|n| *n == name).count(),
+            4,
+            "an even share for {name}: {names:?}"
+        );
+    }
+    // Handed out round robin, each queue oldest first.
+    let first: HashSet<&String> = names[..3].iter().collect();
+    assert_eq!(first.len(), 3, "one of each queue first: {names:?}");
+    let xs: Vec<&str> = got
+        .iter()
+        .filter(|r| r.group.as_deref() == Some("x"))
+        .map(|r| r.external_key.as_deref().unwrap())
+        .collect();
+    assert_eq!(xs, vec!["x0", "x1", "x2", "x3"]);
+    // The short queues give all they have; the backlog gives its share at least.
+    let got = db.claim_due(&claim("w1", T0 + 100, 30)).await.unwrap();
+    let names: Vec<String> = got.iter().map(queue).collect();
+    assert_eq!(names.iter().filter(|n| *n == "p/y").count(), 6, "{names:?}");
+    assert_eq!(names.iter().filter(|n| *n == "q/").count(), 2, "{names:?}");
+    assert!(
+        names.iter().filter(|n| *n == "p/x").count() >= 10,
+        "{names:?}"
+    );
+    // Nothing due before its time, whatever its queue.
+    db.create_record(grouped("q", Some("later"), "l0".into(), T0 + 10_000), T0)
+        .await
+        .unwrap();
+    let next = db.claim_due(&claim("w1", T0 + 100, 500)).await.unwrap();
+    assert!(next.iter().all(|r| r.group.as_deref() == Some("x")));
+    assert!(!next.is_empty());
+    assert!(
+        db.claim_due(&claim("w1", T0 + 100, 500))
+            .await
+            .unwrap()
+            .is_empty(),
+        "the rest of the backlog went in one claim"
+    );
+    assert_eq!(db.next_due_at().await.unwrap(), Some(T0 + 10_000));
+    assert_counts_consistent(db).await;
+}
+
+/// A pipeline's `group_concurrency`: claims never lease more than the cap
+/// of one group at once, however many claimers ask together; a lease that
+/// ran out no longer counts (its record is claimed again), and a record
+/// given back makes room.
+async fn a_group_cap_holds_for_concurrent_claimers(db: &Db) {
+    for g in ["x", "y"] {
+        let batch: Vec<NewRecord> = (0..40)
+            .map(|i| grouped("p", Some(g), format!("{g}{i}"), T0))
+            .collect();
+        db.create_records(batch, T0).await.unwrap();
+    }
+    let capped = |owner: &str, now: i64| ClaimRequest {
+        group_caps: vec![("p".to_owned(), 3)],
+        ..claim(owner, now, 64)
+    };
+    let mut tasks = Vec::new();
+    for w in 0..6 {
+        let db = db.clone();
+        let req = capped(&format!("w{w}"), T0 + 100);
+        tasks.push(tokio::spawn(
+            async move { db.claim_due(&req).await.unwrap() },
+        ));
+    }
+    let mut held: Vec<ballast::domain::Record> = Vec::new();
+    for t in tasks {
+        held.extend(t.await.unwrap());
+    }
+    for g in ["x", "y"] {
+        let n = held
+            .iter()
+            .filter(|r| r.group.as_deref() == Some(g))
+            .count();
+        assert_eq!(n, 3, "group {g}: {n} leased at once by 6 claimers");
+    }
+    assert!(
+        db.claim_due(&capped("w9", T0 + 200))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Uncapped, the same records are claimable: the cap is the request's.
+    // A record given back makes room for one more of its group.
+    let back = held
+        .iter()
+        .find(|r| r.group.as_deref() == Some("x"))
+        .unwrap();
+    db.release(&[back.lease().unwrap()], T0 + 300)
+        .await
+        .unwrap();
+    let again = db.claim_due(&capped("w9", T0 + 300)).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].group.as_deref(), Some("x"));
+    // Leases that ran out (their node died) do not hold the cap.
+    let late = T0 + 300 + 30_001;
+    let reclaimed = db.claim_due(&capped("w10", late)).await.unwrap();
+    for g in ["x", "y"] {
+        let n = reclaimed
+            .iter()
+            .filter(|r| r.group.as_deref() == Some(g))
+            .count();
+        assert_eq!(n, 3, "group {g} after the leases ran out");
+    }
     assert_counts_consistent(db).await;
 }
 

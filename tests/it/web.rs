@@ -221,6 +221,7 @@ impl WebApp {
     pub async fn record(&self, key: &str) -> i64 {
         let new = NewRecord {
             pipeline: "manual".into(),
+            group: None,
             pipeline_version: None,
             external_key: Some(key.into()),
             input: json!({ "lead": key }),
