@@ -699,7 +699,7 @@ async fn pages_at_scale(
         .and_then(|v| v.split(';').next())
         .expect("a session cookie")
         .to_owned();
-    let (token, hash, prefix) = ballast::web::auth::new_api_token();
+    let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
     fresh
         .db
         .create_api_token(

@@ -54,12 +54,8 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Re
     let (password, generated) = match configured {
         Some(p) => (p.expose().to_owned(), false),
         None => {
-            // 26 characters from a 62-letter alphabet: ~150 bits.
-            let alphabet: Vec<char> = ('a'..='z').chain('A'..='Z').chain('0'..='9').collect();
-            let pw: String = (0..26)
-                .map(|_| alphabet[fastrand::usize(..alphabet.len())])
-                .collect();
-            (pw, true)
+            // 26 letters of 62 from the OS's CSPRNG: about 154 bits.
+            (crate::auth::secret::password(26)?, true)
         }
     };
     let hash = crate::auth::password::hash_blocking(password.clone())

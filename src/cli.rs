@@ -299,7 +299,7 @@ async fn rotate_secret(config: &Config) -> anyhow::Result<()> {
     let revoked = db
         .rotate_meta_secret(
             crate::web::SESSION_SECRET_KEY,
-            &crate::web::new_session_secret(),
+            &crate::web::new_session_secret()?,
             SystemClock.now_ms(),
         )
         .await;

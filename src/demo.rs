@@ -161,7 +161,7 @@ pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
     render.retry_after_max_secs = 5;
     render.hang = Duration::from_secs(10);
     render.job_time = (Duration::from_secs(1), Duration::from_secs(10));
-    let secret = uuid::Uuid::new_v4().simple().to_string();
+    let secret = crate::auth::secret::hex::<32>()?;
     render.callback_secret = Some(secret.clone());
     // An outage 20 s in, and every five minutes after: the breaker opens.
     render.outages = (0..12)

@@ -2,4 +2,5 @@
 //! and the request extractors join as the control plane grows.
 
 pub mod password;
+pub mod secret;
 pub mod webhook;

@@ -16,6 +16,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::auth::secret::{self, RandomError};
 use crate::domain::{Role, Session, UnixMs, User};
 use crate::store::Store;
 use crate::web::AppState;
@@ -174,17 +175,13 @@ pub struct Claims {
     pub exp: i64,
 }
 
-/// Makes an API token: `blt_` and 40 hex digits of randomness. Returns
-/// (token, its hash, its display prefix).
-pub fn new_api_token() -> (String, String, String) {
-    let raw = format!(
-        "{TOKEN_PREFIX}{}{}",
-        uuid::Uuid::new_v4().simple(),
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+/// Makes an API token: `blt_` and 40 hex digits from the OS's CSPRNG (160
+/// bits). Returns (token, its hash, its display prefix).
+pub fn new_api_token() -> Result<(String, String, String), RandomError> {
+    let raw = format!("{TOKEN_PREFIX}{}", secret::hex::<20>()?);
     let hash = hash_token(&raw);
     let prefix = raw[..TOKEN_PREFIX.len() + 6].to_owned();
-    (raw, hash, prefix)
+    Ok((raw, hash, prefix))
 }
 
 /// True for strings shaped like the tokens [`new_api_token`] makes.
@@ -442,15 +439,16 @@ impl tower_governor::key_extractor::KeyExtractor for ApiKey {
     }
 }
 
-/// A new session for `user`, valid for the configured lifetime.
-pub fn new_session(user: &User, now: UnixMs, ttl_ms: i64) -> Session {
-    Session {
-        id: uuid::Uuid::new_v4().simple().to_string(),
+/// A new session for `user`, valid for the configured lifetime; its id is
+/// 128 bits from the OS's CSPRNG.
+pub fn new_session(user: &User, now: UnixMs, ttl_ms: i64) -> Result<Session, RandomError> {
+    Ok(Session {
+        id: secret::hex::<16>()?,
         user_id: user.id,
         created_at: now,
         expires_at: now.saturating_add(ttl_ms),
         revoked_at: None,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -482,8 +480,8 @@ mod tests {
 
     #[test]
     fn api_tokens_are_random_and_hashed() {
-        let (a, ha, pa) = new_api_token();
-        let (b, _, _) = new_api_token();
+        let (a, ha, pa) = new_api_token().unwrap();
+        let (b, _, _) = new_api_token().unwrap();
         assert_ne!(a, b);
         assert!(a.starts_with(TOKEN_PREFIX) && a.len() == 4 + 40, "{a}");
         assert!(well_formed(&a) && !well_formed("blt_xyz") && !well_formed(&format!("{a}0")));

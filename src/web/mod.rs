@@ -117,13 +117,9 @@ pub async fn housekeeping(state: AppState) {
 /// Where the generated session signing key is kept (table `meta`).
 pub const SESSION_SECRET_KEY: &str = "session_secret";
 
-/// A fresh random signing key (256 bits, hex).
-pub fn new_session_secret() -> String {
-    format!(
-        "{}{}",
-        uuid::Uuid::new_v4().simple(),
-        uuid::Uuid::new_v4().simple()
-    )
+/// A fresh signing key: 256 bits from the OS's CSPRNG, as hex.
+pub fn new_session_secret() -> Result<String, crate::auth::secret::RandomError> {
+    crate::auth::secret::hex::<32>()
 }
 
 /// Builds the shared web context: the signing secret from the configuration
@@ -136,13 +132,13 @@ pub async fn context(
     let secret = match &config.server.secret_key {
         Some(key) => key.expose().as_bytes().to_vec(),
         None => {
-            let fresh = new_session_secret();
+            let fresh = new_session_secret()?;
             db.ensure_meta(SESSION_SECRET_KEY, &fresh)
                 .await?
                 .into_bytes()
         }
     };
-    let dummy = crate::auth::password::hash_blocking(uuid::Uuid::new_v4().to_string())
+    let dummy = crate::auth::password::hash_blocking(crate::auth::secret::hex::<16>()?)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let keys = AuthKeys::new(&secret, &config.server, dummy).map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -352,7 +352,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
         .unwrap();
     assert_eq!(login.status(), 303);
     let cookie = crate::web::session_cookie(login.headers()).unwrap();
-    let (token, hash, prefix) = ballast::web::auth::new_api_token();
+    let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
     db.create_api_token(
         &ballast::store::NewApiToken {
             name: "sweep".into(),

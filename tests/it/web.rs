@@ -199,7 +199,7 @@ impl WebApp {
 
     /// An API token of `role`, made through the store.
     pub async fn token(&self, role: Role) -> String {
-        let (token, hash, prefix) = ballast::web::auth::new_api_token();
+        let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
         self.t
             .db
             .create_api_token(
@@ -1552,7 +1552,7 @@ async fn the_api_is_rate_limited_per_token() {
     // one, so seven invented tokens pass before the cap: no second wait.
     let mut statuses = Vec::new();
     for _ in 0..12 {
-        let (fake, _, _) = ballast::web::auth::new_api_token();
+        let (fake, _, _) = ballast::web::auth::new_api_token().unwrap();
         statuses.push(get(&fake).await.unwrap().status().as_u16());
     }
     assert_eq!(&statuses[..3], &[401, 401, 401], "{statuses:?}");
@@ -1623,7 +1623,7 @@ async fn sessions_survive_a_restart_until_the_key_is_rotated() {
             .db
             .rotate_meta_secret(
                 ballast::web::SESSION_SECRET_KEY,
-                &ballast::web::new_session_secret(),
+                &ballast::web::new_session_secret().unwrap(),
                 crate::helpers::wall_ms(),
             )
             .await

@@ -294,7 +294,8 @@ async fn create_token(
     Form(f): Form<TokenForm>,
 ) -> WebResult<Response> {
     let role = parse_role(&f.role)?;
-    let (token, hash, prefix) = auth::new_api_token();
+    let (token, hash, prefix) =
+        auth::new_api_token().map_err(|e| WebError::Internal(e.to_string()))?;
     let name = f.name.trim().to_owned();
     state
         .db

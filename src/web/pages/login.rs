@@ -137,7 +137,8 @@ async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> W
     };
     state.db.login_succeeded(&username).await?;
     let keys = &state.web.keys;
-    let session = auth::new_session(&user, now, keys.session_ttl_ms);
+    let session = auth::new_session(&user, now, keys.session_ttl_ms)
+        .map_err(|e| WebError::Internal(e.to_string()))?;
     state.db.create_session(&session).await?;
     let token = keys.issue(&session)?;
     tracing::info!(user = %username, "logged in");
