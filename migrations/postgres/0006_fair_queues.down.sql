@@ -1,3 +1,2 @@
-CREATE INDEX records_due ON records (next_run_at, id) WHERE next_run_at IS NOT NULL;
 DROP INDEX records_queue_due;
 ALTER TABLE records DROP COLUMN group_key;

@@ -4,9 +4,9 @@
 -- queue with due work (domain::fair), so a backlog in one queue cannot
 -- starve another. The queues are found by a loose scan of this index (one
 -- probe per queue that has records needing a worker, none for finished
--- ones) and each queue's due records read from it in due order; it
--- replaces `records_due`, which only the earliest-due query still needed.
+-- ones) and each queue's due records read from it in due order.
+-- `records_due` stays while nodes of the previous version may still run
+-- against this schema (their claims scan it); a later migration drops it.
 ALTER TABLE records ADD COLUMN group_key TEXT NOT NULL DEFAULT '';
 CREATE INDEX records_queue_due ON records (pipeline, group_key, next_run_at, id)
     WHERE next_run_at IS NOT NULL;
-DROP INDEX records_due;

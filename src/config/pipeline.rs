@@ -17,8 +17,12 @@ pub struct PipelineConfig {
     /// At most this many records of one group (those enqueued with the
     /// same `group`; those without one form one group) leased at once,
     /// across every node: the "concurrency key" of other workflow engines.
-    /// Unset: groups share the workers fairly, uncapped.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Unset: groups share the workers fairly, uncapped. Read from the
+    /// current configuration, never from a record's pinned definition, so
+    /// it is not part of that definition (nor of its hash): changing it
+    /// makes no new pipeline version, and an older binary can still read
+    /// the definitions pinned by this one.
+    #[serde(default, skip_serializing)]
     pub group_concurrency: Option<u32>,
     pub steps: Vec<StepConfig>,
 }

@@ -6,15 +6,17 @@
 //! pipeline's queue. Claiming in plain due order would serve a backlog of
 //! 10,000 in one queue before a record enqueued after it in another; a
 //! claim instead takes an even share of its batch from every queue with
-//! due work (`share`), oldest first within each queue, so each queue gets
+//! due work, oldest first within each queue, so each queue gets
 //! its part of whatever the workers and the providers' limits allow. A
 //! queue may also be capped (a pipeline's `group_concurrency`: records of
 //! one group leased at once), which `Queue::room` carries.
 //!
-//! PostgreSQL takes the shares in its claim statement (with a random order
-//! of queues deciding who is cut when the batch is smaller than the number
-//! of queues); SQLite reads each queue's due records and calls [`take`].
-//! Both hand records out through [`interleave`].
+//! PostgreSQL takes the shares in its claim statement, which cannot hand a
+//! short queue's leftover to the others: `batch / n` from each of the n
+//! open queues, one more from the first `batch mod n` in a random turn
+//! (which also decides who is cut when there are more queues than the
+//! batch). SQLite reads each queue's due records and calls [`take`], which
+//! does hand leftovers on. Both hand records out through [`interleave`].
 
 use std::collections::HashMap;
 
@@ -26,14 +28,6 @@ pub struct Queue<T> {
     /// How many more it may have leased (its cap less those leased), or
     /// `None` when uncapped.
     pub room: Option<u32>,
-}
-
-/// Each open queue's share of a batch of `limit` in one statement that
-/// cannot hand out leftovers (PostgreSQL's): an even split, rounded up, so
-/// no queue is cut to nothing by rounding.
-pub fn share(limit: u32, open_queues: usize) -> u32 {
-    let n = u32::try_from(open_queues.max(1)).unwrap_or(u32::MAX);
-    limit.div_ceil(n).max(1)
 }
 
 /// Takes up to `limit` records from `queues` round robin, one from each

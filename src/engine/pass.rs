@@ -115,7 +115,13 @@ impl Engine {
         };
         match result {
             Ok(after) => {
-                if after.state == crate::domain::RecordState::Pending {
+                // A lease of a capped group ended: the group has room again.
+                let capped = i
+                    .config
+                    .pipelines
+                    .get(&after.pipeline)
+                    .is_some_and(|p| p.group_concurrency.is_some());
+                if after.state == crate::domain::RecordState::Pending || capped {
                     i.wake.notify_one();
                 }
                 i.stats.attempts(&after.pipeline, &commit.attempts);

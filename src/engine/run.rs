@@ -21,6 +21,10 @@ use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Notice, Store, StoreError}
 /// may be when it claims.
 const PROVIDERS_READ_EVERY_MS: i64 = 100;
 
+/// How long an idle engine waits before claiming again when work is due
+/// that its last claim could not take (see `idle_sleep`).
+const DUE_BUT_TAKEN: Duration = Duration::from_millis(200);
+
 impl Engine {
     /// Wakes the loop (new work arrived).
     pub fn wake(&self) {
@@ -293,11 +297,17 @@ impl Engine {
         }
     }
 
-    /// Until the earliest due record, within `[10ms, idle_max]`.
+    /// Until the earliest due record, within `[10ms, idle_max]`, after a
+    /// claim that found nothing to take. A record already due then is one
+    /// the claim could not take: its group is at its cap (a lease of the
+    /// group ending on this node wakes the engine; on another node, this
+    /// wait bounds how late it is seen) or another node's claim holds it
+    /// this moment. Either way asking again at once would only spin.
     async fn idle_sleep(&self) -> Duration {
         let i = &self.inner;
         let max = i.opts.idle_max;
         match i.db.next_due_at().await {
+            Ok(Some(at)) if at <= i.clock.now_ms() => DUE_BUT_TAKEN.min(max),
             Ok(Some(at)) => {
                 let wait = (at - i.clock.now_ms()).max(10);
                 Duration::from_millis(wait as u64).min(max)

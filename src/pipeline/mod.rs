@@ -388,8 +388,8 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
             e.contains("pipelines.render_video.group_concurrency"),
             "{e}"
         );
-        // Unset, the definition (and so its hash) is what it was before
-        // the setting existed: pipelines already pinned stay pinned.
+        // Set or not, the definition (and so its hash) is what it was
+        // before the setting existed: pipelines already pinned stay pinned.
         let plain = load(GOOD).unwrap();
         assert!(
             plain.pipelines["render_video"]
@@ -398,7 +398,11 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
                 .is_none()
         );
         let capped = format!("[pipelines.render_video]\ngroup_concurrency = 5\n{GOOD}");
-        assert!(load(&capped).is_ok());
+        let capped = load(&capped).unwrap();
+        assert_eq!(
+            capped.pipelines["render_video"].hash,
+            plain.pipelines["render_video"].hash
+        );
     }
 
     #[test]

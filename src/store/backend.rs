@@ -87,8 +87,9 @@ pub trait SqlDb:
     /// rows each (pipeline, state) counter is spread over.
     fn counter_shard() -> i32;
 
-    /// Leases due records inside the caller's transaction: returns them in
-    /// due order, with the state each was taken from. The caller writes the
+    /// Leases due records inside the caller's transaction, a fair share
+    /// from each (pipeline, group) queue (`domain::fair`): returns them in
+    /// hand-out order, with the state each was taken from. The caller writes the
     /// claim's events and counter moves.
     fn claim_in(
         tx: &mut Transaction<'static, Self>,

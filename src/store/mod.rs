@@ -191,7 +191,8 @@ pub struct ClaimRequest {
     pub group_caps: Vec<(String, u32)>,
 }
 
-/// Records a claim leased, in due order, and the state each was taken from.
+/// Records a claim leased, in hand-out order (round robin over their
+/// queues, each queue's in due order), and the state each was taken from.
 pub(crate) type Claimed = (Vec<Record>, std::collections::HashMap<i64, String>);
 
 /// Proof that a worker holds a record: its writes are refused without it.
@@ -473,7 +474,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// expiry), so workers can sleep exactly until then.
     fn next_due_at(&self) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
     /// Leases up to `limit` due records (and records whose lease expired),
-    /// oldest due first. Two claimers never get the same record.
+    /// an even share from each (pipeline, group) queue with due work, each
+    /// queue's oldest due first, within the request's group caps. Two
+    /// claimers never get the same record.
     fn claim_due(
         &self,
         req: &ClaimRequest,

@@ -162,34 +162,46 @@ const QUEUES: &str = "WITH RECURSIVE queues(pipeline, group_key) AS ( \
          WHERE r.next_run_at IS NOT NULL AND (r.pipeline, r.group_key) > (q.pipeline, q.group_key) \
          ORDER BY r.pipeline, r.group_key LIMIT 1) n)";
 
-/// The claim: every queue with due work (`ready`; `room` is what a capped
-/// group may still lease, counted over the pipeline's running records,
-/// which are few) gives up to an even share of the batch (`domain::fair::
-/// share`), oldest first, skipping rows other claims hold; a random turn
-/// decides which queues are cut when the shares overrun the batch.
+/// The claim. `ready`: the queues with due work, each with its `room` when
+/// its pipeline caps groups (the cap less the group's unexpired leases,
+/// counted once over the capped pipelines' running records, which are
+/// few). `cut`: the open queues in a random turn, no more of them than the
+/// batch. Each gives `batch / n` of its oldest due records, one more for
+/// the first `batch mod n` in turn (never past its room), skipping rows
+/// other claims hold; so the statement locks only rows it takes. (A queue
+/// with less than its quota leaves the rest of the batch unclaimed; the
+/// engine claims again at once.)
 /// $1 now, $2 batch, $3 owner, $4 lease end, $5/$6 capped pipelines and caps.
 const CLAIM_DUE: &str = "\
      caps AS (SELECT * FROM unnest($5::text[], $6::bigint[]) AS c(pipeline, cap)), \
+     running AS ( \
+       SELECT r.pipeline, r.group_key, count(*) AS n FROM records r \
+       WHERE r.state = 'running' AND r.lease_until > $1 AND r.pipeline = ANY($5::text[]) \
+       GROUP BY r.pipeline, r.group_key), \
      ready AS ( \
-       SELECT q.pipeline, q.group_key, random() AS turn, \
-         (SELECT c.cap - (SELECT count(*) FROM records r WHERE r.pipeline = q.pipeline \
-                            AND r.state = 'running' AND r.group_key = q.group_key AND r.lease_until > $1) \
-            FROM caps c WHERE c.pipeline = q.pipeline) AS room \
-       FROM queues q CROSS JOIN LATERAL ( \
+       SELECT q.pipeline, q.group_key, c.cap - COALESCE(u.n, 0) AS room \
+       FROM queues q \
+       CROSS JOIN LATERAL ( \
          SELECT r.next_run_at FROM records r \
          WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.next_run_at IS NOT NULL \
          ORDER BY r.next_run_at LIMIT 1) f \
+       LEFT JOIN caps c ON c.pipeline = q.pipeline \
+       LEFT JOIN running u ON u.pipeline = q.pipeline AND u.group_key = q.group_key \
        WHERE f.next_run_at <= $1), \
-     open AS (SELECT * FROM ready WHERE room IS NULL OR room > 0), \
-     share AS (SELECT GREATEST(1, CEIL($2::float8 / GREATEST(count(*), 1)))::bigint AS per FROM open), \
+     cut AS ( \
+       SELECT * FROM ( \
+         SELECT pipeline, group_key, room, row_number() OVER (ORDER BY random()) AS turn \
+         FROM ready WHERE room IS NULL OR room > 0) o \
+       WHERE turn <= $2), \
+     share AS (SELECT GREATEST(count(*), 1) AS n FROM cut), \
      due AS ( \
-       SELECT d.due_id, d.old_state, d.old_due FROM open q CROSS JOIN LATERAL ( \
+       SELECT d.due_id, d.old_state, d.old_due FROM cut q CROSS JOIN share s CROSS JOIN LATERAL ( \
          SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due FROM records r \
          WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key \
            AND r.next_run_at IS NOT NULL AND r.next_run_at <= $1 \
-         ORDER BY r.next_run_at, r.id LIMIT LEAST((SELECT per FROM share), COALESCE(q.room, $2)) \
-         FOR NO KEY UPDATE SKIP LOCKED) d \
-       ORDER BY q.turn, d.old_due, d.due_id LIMIT $2) \
+         ORDER BY r.next_run_at, r.id \
+         LIMIT LEAST(COALESCE(q.room, $2), $2 / s.n + CASE WHEN q.turn <= $2 % s.n THEN 1 ELSE 0 END) \
+         FOR NO KEY UPDATE SKIP LOCKED) d) \
      UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
        lease_token = records.lease_token + 1, updated_at = $1 \
      FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due))";

@@ -25,6 +25,28 @@ use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
 use crate::domain::{UnixMs, fair};
 
+/// The unexpired leases of each group of the pipelines that cap their
+/// groups, counted once over their running records (which are few).
+async fn capped_leases(
+    tx: &mut SqliteConnection,
+    req: &ClaimRequest,
+) -> StoreResult<std::collections::HashMap<(String, String), i64>> {
+    if req.group_caps.is_empty() {
+        return Ok(Default::default());
+    }
+    let capped: Vec<&str> = req.group_caps.iter().map(|(p, _)| p.as_str()).collect();
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT pipeline, group_key, count(*) FROM records WHERE state = 'running' \
+         AND lease_until > $1 AND pipeline IN (SELECT value FROM json_each($2)) \
+         GROUP BY pipeline, group_key",
+    )
+    .bind(req.now)
+    .bind(Json(&capped))
+    .fetch_all(&mut *tx)
+    .await?;
+    Ok(rows.into_iter().map(|(p, g, n)| ((p, g), n)).collect())
+}
+
 /// Each (pipeline, group) queue with records needing a worker, and when
 /// its earliest is due: a loose scan of `records_queue_due`, one probe per
 /// queue (finished records are not in the index).
@@ -152,26 +174,20 @@ impl SqlDb for Sqlite {
         // The single writer: nothing moves between these reads and the
         // update. Each queue with due work gives its records, oldest first,
         // and `fair::take` shares the batch between them.
+        let leased = capped_leases(tx, req).await?;
         let mut queues = Vec::new();
         for (pipeline, group, first) in queue_heads(tx).await? {
             if first > req.now {
                 continue;
             }
-            let room = match req.group_caps.iter().find(|(p, _)| *p == pipeline) {
-                Some((_, cap)) => {
-                    let leased: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM records WHERE pipeline = $1 AND state = 'running' \
-                         AND group_key = $2 AND lease_until > $3",
-                    )
-                    .bind(&pipeline)
-                    .bind(&group)
-                    .bind(req.now)
-                    .fetch_one(&mut **tx)
-                    .await?;
-                    Some(u32::try_from((i64::from(*cap) - leased).max(0)).unwrap_or(0))
-                }
-                None => None,
-            };
+            let room = req
+                .group_caps
+                .iter()
+                .find(|(p, _)| *p == pipeline)
+                .map(|(_, cap)| {
+                    let held = leased.get(&(pipeline.clone(), group.clone())).copied();
+                    u32::try_from((i64::from(*cap) - held.unwrap_or(0)).max(0)).unwrap_or(0)
+                });
             if room == Some(0) {
                 continue;
             }
@@ -188,8 +204,10 @@ impl SqlDb for Sqlite {
             .await?;
             queues.push(fair::Queue { due, room });
         }
-        // The queue cut first when the batch is short turns with time.
-        let start = usize::try_from(req.now.rem_euclid(1 << 16)).unwrap_or(0);
+        // The queue served first turns from claim to claim, so that with
+        // more queues than the batch each is cut in turn.
+        static TURN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let start = TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let due = fair::take(&queues, req.limit, start);
         if due.is_empty() {
             return Ok(Default::default());

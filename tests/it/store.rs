@@ -480,7 +480,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         .map(|i| grouped("q", None, format!("q{i}"), T0 + 2))
         .collect();
     db.create_records(q, T0).await.unwrap();
-    // Finished work in a fourth queue costs the claim nothing and gets no share.
+    // A fourth group whose only record is finished: no queue, no share.
     let done = db
         .create_record(grouped("p", Some("z"), "z0".into(), T0), T0)
         .await
@@ -584,7 +584,6 @@ async fn a_group_cap_holds_for_concurrent_claimers(db: &Db) {
             .unwrap()
             .is_empty()
     );
-    // Uncapped, the same records are claimable: the cap is the request's.
     // A record given back makes room for one more of its group.
     let back = held
         .iter()
@@ -596,7 +595,12 @@ async fn a_group_cap_holds_for_concurrent_claimers(db: &Db) {
     let again = db.claim_due(&capped("w9", T0 + 300)).await.unwrap();
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].group.as_deref(), Some("x"));
-    // Leases that ran out (their node died) do not hold the cap.
+    // Leases that ran out (their node died) do not hold the cap. Every
+    // record is leased first (the cap is the request's: uncapped claims
+    // take the rest), so what is claimed at `late` can only be a record
+    // whose lease ran out.
+    let rest = db.claim_due(&claim("w9", T0 + 300, 500)).await.unwrap();
+    assert_eq!(rest.len(), 80 - 6);
     let late = T0 + 300 + 30_001;
     let reclaimed = db.claim_due(&capped("w10", late)).await.unwrap();
     for g in ["x", "y"] {
@@ -606,6 +610,10 @@ async fn a_group_cap_holds_for_concurrent_claimers(db: &Db) {
             .count();
         assert_eq!(n, 3, "group {g} after the leases ran out");
     }
+    assert!(
+        reclaimed.iter().all(|r| r.lease_token >= 2),
+        "each claimed before"
+    );
     assert_counts_consistent(db).await;
 }
 
