@@ -145,7 +145,7 @@ async fn permits_are_leased_within_the_limit(db: &Db) {
     let p = db.lease_permits(&ask("c", T0 + 3_200)).await.unwrap();
     assert_eq!(granted(&p).map(|g| g.1), Some(2));
 
-    let slots = |node: &str, want: i64, in_use: i64, now: i64| PermitRequest {
+    let slots = |node: &str, need: i64, in_use: i64, now: i64| PermitRequest {
         provider: "acme".into(),
         node: node.into(),
         now,
@@ -153,7 +153,7 @@ async fn permits_are_leased_within_the_limit(db: &Db) {
         live_nodes: 2,
         slots: Some(SlotRequest {
             cap: 4,
-            want,
+            need,
             in_use,
             hold_ms: 10_000,
         }),
