@@ -19,8 +19,10 @@
 //!
 //! **Concurrency.** A grant in window 0 is a holding of slots: the node may
 //! have that many calls in flight. Holdings together never exceed the cap;
-//! a node that holds more than its fair share while another waits gives
-//! the surplus back as its calls finish.
+//! each node is due its max-min fair share of the nodes' needs, so a cap
+//! equal to their need is used in full; a node that holds more than its
+//! share while another is short of its own gives the surplus back as its
+//! calls finish.
 
 use super::time::UnixMs;
 
@@ -165,10 +167,22 @@ pub fn fair_shares(needs: &[(&str, i64)], cap: i64) -> Vec<i64> {
     shares
 }
 
-/// The slots `node` should hold of a cap of `cap`, given every node's
-/// holding and need (`rows`: window [`SLOTS`]), while it may have up to
-/// `in_use` calls in flight and needs `need` (the most calls it had
-/// holding or waiting for a slot lately).
+/// What a node tells the cluster of its place in a cap ([`slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotAsk {
+    pub cap: u32,
+    /// The most of its calls holding or waiting for a slot since it last
+    /// asked.
+    pub need: i64,
+    /// The most calls it may have in flight (its holding stays at least
+    /// this).
+    pub in_use: i64,
+    /// Whether it may be given [`headroom`]: not when it is stopping.
+    pub headroom: bool,
+}
+
+/// The slots `node` should hold of a cap, given every node's holding and
+/// need (`rows`: window [`SLOTS`]) and what it asks (`ask`).
 ///
 /// Each node is due its max-min fair share of the needs ([`fair_shares`]);
 /// a node is given its share as far as the others' holdings leave it free,
@@ -187,14 +201,12 @@ pub fn fair_shares(needs: &[(&str, i64)], cap: i64) -> Vec<i64> {
 pub fn slots(
     rows: &[GrantRow],
     node: &str,
-    cap: u32,
-    need: i64,
-    in_use: i64,
+    ask: &SlotAsk,
     now: UnixMs,
     lapse_ms: i64,
 ) -> SlotShare {
-    let room = headroom(cap);
-    let cap = i64::from(cap);
+    let room = if ask.headroom { headroom(ask.cap) } else { 0 };
+    let cap = i64::from(ask.cap);
     let live = |r: &&GrantRow| r.window_ms == SLOTS && r.occupies_until(lapse_ms) > now;
     let others: Vec<&GrantRow> = rows
         .iter()
@@ -205,7 +217,7 @@ pub fn slots(
         .iter()
         .map(|r| (r.node.as_str(), r.wanted.clamp(0, cap)))
         .collect();
-    needs.push((node, need.clamp(0, cap)));
+    needs.push((node, ask.need.clamp(0, cap)));
     let fair = fair_shares(&needs, cap);
     let (mine, theirs) = fair.split_last().unwrap_or((&0, &[]));
     let held_by_others: i64 = others.iter().map(|r| r.count).sum();
@@ -226,7 +238,7 @@ pub fn slots(
         .any(|r| r.node == node && r.count < r.wanted);
     SlotShare {
         target,
-        holding: target.max(in_use.clamp(0, cap)),
+        holding: target.max(ask.in_use.clamp(0, cap)),
         contended: others.iter().zip(theirs).any(|(r, f)| r.count < *f),
         announce: short && !was_short,
     }
@@ -317,6 +329,15 @@ mod tests {
         );
     }
 
+    fn ask(cap: u32, need: i64, in_use: i64) -> SlotAsk {
+        SlotAsk {
+            cap,
+            need,
+            in_use,
+            headroom: true,
+        }
+    }
+
     fn share(s: SlotShare) -> (i64, i64) {
         (s.target, s.holding)
     }
@@ -327,21 +348,21 @@ mod tests {
         b.expires_at = 10_000;
         b.wanted = 10;
         assert_eq!(
-            share(slots(&[b.clone()], "a", 10, 4, 0, 5, 0)),
+            share(slots(&[b.clone()], "a", &ask(10, 4, 0), 5, 0)),
             (0, 0),
             "b holds the cap"
         );
         b.wanted = 0;
         b.count = 6;
         assert_eq!(
-            share(slots(&[b.clone()], "a", 10, 8, 0, 5, 0)),
+            share(slots(&[b.clone()], "a", &ask(10, 8, 0), 5, 0)),
             (4, 4),
             "what b leaves"
         );
         b.count = 10;
         b.wanted = 20;
         assert_eq!(
-            share(slots(&[b.clone()], "a", 10, 8, 7, 5, 0)),
+            share(slots(&[b.clone()], "a", &ask(10, 8, 7), 5, 0)),
             (0, 7),
             "nothing more, and held no lower than the calls in flight"
         );
@@ -350,15 +371,15 @@ mod tests {
         a.expires_at = 10_000;
         b.count = 2;
         assert_eq!(
-            share(slots(&[a.clone(), b.clone()], "a", 10, 8, 3, 5, 0)),
+            share(slots(&[a.clone(), b.clone()], "a", &ask(10, 8, 3), 5, 0)),
             (5, 5)
         );
         assert_eq!(
-            share(slots(&[a, b], "a", 10, 10, 8, 5, 0)),
+            share(slots(&[a, b], "a", &ask(10, 10, 8), 5, 0)),
             (5, 8),
             "busy, it is told its share and holds what is in flight"
         );
-        assert!(!slots(&[row(3, "c", SLOTS, 1, 0)], "a", 10, 1, 0, 5, 0).contended);
+        assert!(!slots(&[row(3, "c", SLOTS, 1, 0)], "a", &ask(10, 1, 0), 5, 0).contended);
     }
 
     #[test]
@@ -387,11 +408,11 @@ mod tests {
         };
         // a and b asked while c was idle: each has its need and headroom.
         let rows = [held("a", 27, 20), held("b", 27, 20), held("c", 6, 0)];
-        let c = slots(&rows, "c", 60, 20, 6, 5, 0);
+        let c = slots(&rows, "c", &ask(60, 20, 6), 5, 0);
         assert_eq!((c.target, c.holding), (6, 6), "only what a and b leave");
         assert!(c.announce, "short of its share: the others hear of it");
         let rows = [held("a", 27, 20), held("b", 27, 20), held("c", 6, 20)];
-        let a = slots(&rows, "a", 60, 20, 20, 5, 0);
+        let a = slots(&rows, "a", &ask(60, 20, 20), 5, 0);
         assert_eq!(
             (a.target, a.holding),
             (20, 20),
@@ -399,13 +420,22 @@ mod tests {
         );
         assert!(a.contended && !a.announce);
         let rows = [held("a", 20, 20), held("b", 20, 20), held("c", 6, 20)];
-        let c = slots(&rows, "c", 60, 20, 6, 5, 0);
+        let c = slots(&rows, "c", &ask(60, 20, 6), 5, 0);
         assert_eq!(c.target, 20, "what a and b gave back");
-        assert!(!slots(&rows, "a", 60, 20, 20, 5, 0).announce);
+        assert!(!slots(&rows, "a", &ask(60, 20, 20), 5, 0).announce);
         // Headroom only from what nobody needs nor holds.
         let rows = [held("a", 20, 20), held("b", 20, 20)];
-        assert_eq!(slots(&rows, "c", 60, 0, 0, 5, 0).target, 7);
-        assert_eq!(slots(&rows, "c", 60, 18, 0, 5, 0).target, 20);
+        assert_eq!(slots(&rows, "c", &ask(60, 0, 0), 5, 0).target, 7);
+        assert_eq!(slots(&rows, "c", &ask(60, 18, 0), 5, 0).target, 20);
+        let stopping = SlotAsk {
+            headroom: false,
+            ..ask(60, 0, 3)
+        };
+        assert_eq!(
+            share(slots(&rows, "c", &stopping, 5, 0)),
+            (0, 3),
+            "a node stopping holds only its calls still in flight"
+        );
     }
 
     #[derive(Debug, Clone)]
@@ -551,7 +581,7 @@ mod tests {
             let mut flying = vec![0i64; n];
             let mut rows: Vec<GrantRow> = Vec::new();
             let ask = |i: usize, rows: &mut Vec<GrantRow>, issued: &mut [i64], target: &mut [i64], flying: &[i64]| -> SlotShare {
-                let s = slots(rows, &names[i], cap, needs[i], issued[i], 5, 0);
+                let s = slots(rows, &names[i], &ask(cap, needs[i], issued[i]), 5, 0);
                 match rows.iter_mut().find(|r| r.node == names[i]) {
                     Some(r) => { r.count = s.holding; r.wanted = needs[i]; }
                     None => {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::Semaphore;
 
 use crate::config::provider::RateLimit;
-use crate::domain::permits::{Granted, headroom};
+use crate::domain::permits::{Granted, SlotAsk, headroom};
 use crate::domain::{Clock, UnixMs};
 use crate::store::{Db, PermitRequest, Permits, SlotRequest, Store, StoreResult};
 
@@ -377,9 +377,12 @@ impl ClusterLimits {
         }
         s.peak = in_use + waiting;
         Some(SlotRequest {
-            cap: s.cap,
-            need,
-            in_use: s.issued,
+            ask: SlotAsk {
+                cap: s.cap,
+                need,
+                in_use: s.issued,
+                headroom: true,
+            },
             hold_ms: SLOT_HOLD_MS,
         })
     }
@@ -428,11 +431,11 @@ impl ClusterLimits {
                 }
             }
         }
-        if let (Some(slots), Some(ask), Some((share, until))) =
+        if let (Some(slots), Some(asked), Some((share, until))) =
             (&self.slots, req.slots, permits.slots)
         {
             let mut s = lock(slots);
-            s.asked = ask.need;
+            s.asked = asked.ask.need;
             s.held = share.target;
             s.recorded = share.holding;
             s.contended = share.contended;
@@ -620,9 +623,12 @@ impl ClusterLimits {
             reconcile(&mut s, sem);
             // What is left issued is checked out: calls in flight.
             req.slots = Some(SlotRequest {
-                cap: s.cap,
-                need: 0,
-                in_use: s.issued,
+                ask: SlotAsk {
+                    cap: s.cap,
+                    need: 0,
+                    in_use: s.issued,
+                    headroom: false,
+                },
                 hold_ms: SLOT_HOLD_MS,
             });
         }

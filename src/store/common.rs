@@ -1153,18 +1153,10 @@ where
             };
             out.windows.push((window_ms, id, answer));
         }
-        if let Some(ask) = req.slots {
+        if let Some(slots) = req.slots {
             let rows = Self::grant_rows(&mut tx, provider, SLOTS).await?;
-            let share = permits::slots(
-                &rows,
-                node,
-                ask.cap,
-                ask.need,
-                ask.in_use,
-                now,
-                req.lapse_ms,
-            );
-            let until = now.saturating_add(ask.hold_ms);
+            let share = permits::slots(&rows, node, &slots.ask, now, req.lapse_ms);
+            let until = now.saturating_add(slots.hold_ms);
             sqlx::query(
                 "INSERT INTO provider_grants (provider, node, window_ms, count, wanted, granted_at, expires_at) \
                  VALUES ($1, $2, 0, $3, $4, $5, $6) \
@@ -1174,7 +1166,7 @@ where
             .bind(provider.to_owned())
             .bind(node.to_owned())
             .bind(share.holding)
-            .bind(ask.need)
+            .bind(slots.ask.need)
             .bind(now)
             .bind(until)
             .execute(&mut *tx)

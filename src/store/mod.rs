@@ -818,13 +818,8 @@ pub struct PermitRequest {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotRequest {
-    pub cap: u32,
-    /// Slots the node needs: the most of its calls holding or waiting for
-    /// one since it last asked (the cluster adds headroom when it can).
-    pub need: i64,
-    /// The most calls it may have in flight (its holding stays at least
-    /// this).
-    pub in_use: i64,
+    /// The node's need and the calls it may have in flight.
+    pub ask: crate::domain::permits::SlotAsk,
     /// How long the holding lasts unless renewed.
     pub hold_ms: i64,
 }

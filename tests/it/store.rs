@@ -74,6 +74,7 @@ conformance!(
 /// share as the holder's calls finish.
 async fn permits_are_leased_within_the_limit(db: &Db) {
     use ballast::domain::permits::Granted;
+    use ballast::domain::permits::SlotAsk;
     use ballast::store::{PermitRequest, SlotRequest};
     let ask = |node: &str, now: i64| PermitRequest {
         provider: "acme".into(),
@@ -152,9 +153,12 @@ async fn permits_are_leased_within_the_limit(db: &Db) {
         lapse_ms: 1_000,
         live_nodes: 2,
         slots: Some(SlotRequest {
-            cap: 4,
-            need,
-            in_use,
+            ask: SlotAsk {
+                cap: 4,
+                need,
+                in_use,
+                headroom: true,
+            },
             hold_ms: 10_000,
         }),
         ..Default::default()
