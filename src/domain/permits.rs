@@ -19,8 +19,10 @@
 //!
 //! **Concurrency.** A grant in window 0 is a holding of slots: the node may
 //! have that many calls in flight. Holdings together never exceed the cap;
-//! a node that holds more than its fair share while another waits gives
-//! the surplus back as its calls finish.
+//! each node is due its max-min fair share of the nodes' needs, so a cap
+//! equal to their need is used in full; a node that holds more than its
+//! share while another is short of its own gives the surplus back as its
+//! calls finish.
 
 use super::time::UnixMs;
 
@@ -36,7 +38,8 @@ pub struct GrantRow {
     pub window_ms: i64,
     /// Permits granted; once closed, the permits used. For slots: held.
     pub count: i64,
-    /// For slots: how many the node would like to hold.
+    /// For slots: how many the node needs (its calls holding or waiting
+    /// for a slot lately).
     pub wanted: i64,
     pub granted_at: UnixMs,
     /// No call starts on the grant after this; for slots, the holding
@@ -126,43 +129,118 @@ pub fn grant(
     }
 }
 
-/// The slots `node` should hold of a cap of `cap`, given every node's
-/// holding (`rows`: window [`SLOTS`]), while it may have up to `in_use`
-/// calls in flight and would like `want`: what the others leave free, but
-/// no more than an even share while another node wants more than it holds.
-/// Returns (the target, the holding to record): the node starts no call
-/// beyond the target; the holding is never below what it may have in
-/// flight (those calls finish first), so the holdings cover every call.
+/// Slots a node holds beyond its need when no other node needs them: an
+/// eighth of the cap (at least one), so a node busy now and then does not
+/// ask the cluster again at each burst.
+pub fn headroom(cap: u32) -> i64 {
+    (i64::from(cap) / 8).max(1)
+}
+
+/// Max-min fair shares of `cap` among nodes needing `needs` (by name): a
+/// node needing less than an even split gets its need, the others split
+/// the rest evenly, the remainder of that split going one each to the
+/// first of them by name, so the shares use the whole cap whenever the
+/// needs do. Shares come back in the order of `needs`.
+pub fn fair_shares(needs: &[(&str, i64)], cap: i64) -> Vec<i64> {
+    let mut order: Vec<usize> = (0..needs.len()).collect();
+    order.sort_by(|&a, &b| (needs[a].1, needs[a].0).cmp(&(needs[b].1, needs[b].0)));
+    let mut shares = vec![0; needs.len()];
+    let mut left = cap.max(0);
+    for (k, &i) in order.iter().enumerate() {
+        let need = needs[i].1.max(0);
+        let rest = (order.len() - k) as i64;
+        if need * rest <= left {
+            shares[i] = need;
+            left -= need;
+            continue;
+        }
+        // Everyone from here on needs more than an even split of what is
+        // left: they share it.
+        let mut unmet: Vec<usize> = order[k..].to_vec();
+        unmet.sort_by(|&a, &b| needs[a].0.cmp(needs[b].0));
+        let (each, extra) = (left / rest, left % rest);
+        for (j, &u) in unmet.iter().enumerate() {
+            shares[u] = each + i64::from((j as i64) < extra);
+        }
+        break;
+    }
+    shares
+}
+
+/// What a node tells the cluster of its place in a cap ([`slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotAsk {
+    pub cap: u32,
+    /// The most of its calls holding or waiting for a slot since it last
+    /// asked.
+    pub need: i64,
+    /// The most calls it may have in flight (its holding stays at least
+    /// this).
+    pub in_use: i64,
+    /// Whether it may be given [`headroom`]: not when it is stopping.
+    pub headroom: bool,
+}
+
+/// The slots `node` should hold of a cap, given every node's holding and
+/// need (`rows`: window [`SLOTS`]) and what it asks (`ask`).
+///
+/// Each node is due its max-min fair share of the needs ([`fair_shares`]);
+/// a node is given its share as far as the others' holdings leave it free,
+/// plus [`headroom`] out of slots that no node holds or is due. A node
+/// that holds more than its share comes down to it when it next asks
+/// (while another is short of its share, it is told so: `contended`, and
+/// it asks again as soon as its calls end). A node left short of its share
+/// says so to the others once (`announce`), so they need not wait for
+/// their periodic renewal to come down.
+///
+/// The holding recorded is never below what the node may have in flight
+/// (those calls finish first), so the holdings cover every call; it is
+/// never above what the others leave free, so they never sum past the cap
+/// (given that a node never has more in flight than the cluster last
+/// recorded for it).
 pub fn slots(
     rows: &[GrantRow],
     node: &str,
-    cap: u32,
-    want: i64,
-    in_use: i64,
+    ask: &SlotAsk,
     now: UnixMs,
     lapse_ms: i64,
 ) -> SlotShare {
-    let cap = i64::from(cap);
+    let room = if ask.headroom { headroom(ask.cap) } else { 0 };
+    let cap = i64::from(ask.cap);
     let live = |r: &&GrantRow| r.window_ms == SLOTS && r.occupies_until(lapse_ms) > now;
     let others: Vec<&GrantRow> = rows
         .iter()
         .filter(live)
         .filter(|r| r.node != node)
         .collect();
+    let mut needs: Vec<(&str, i64)> = others
+        .iter()
+        .map(|r| (r.node.as_str(), r.wanted.clamp(0, cap)))
+        .collect();
+    needs.push((node, ask.need.clamp(0, cap)));
+    let fair = fair_shares(&needs, cap);
+    let (mine, theirs) = fair.split_last().unwrap_or((&0, &[]));
     let held_by_others: i64 = others.iter().map(|r| r.count).sum();
-    let wanting = others.iter().filter(|r| r.wanted > r.count).count() as i64;
     let free = (cap - held_by_others).max(0);
-    let mut target = want.min(free);
-    if wanting > 0 {
-        // Others wait: this node keeps at most an even share.
-        let share = (cap / (wanting + 1)).max(1);
-        target = target.min(share);
-    }
-    let target = target.max(0);
+    // Slots another node holds or is due, and what is left beyond this
+    // node's own share: the only place headroom comes from.
+    let claimed: i64 = others
+        .iter()
+        .zip(theirs)
+        .map(|(r, f)| r.count.max(*f))
+        .sum();
+    let spare = (cap - claimed - mine).max(0);
+    let target = (mine + room.min(spare)).min(free).max(0);
+    let short = target < *mine;
+    let was_short = rows
+        .iter()
+        .filter(live)
+        .any(|r| r.node == node && r.count < r.wanted);
     SlotShare {
         target,
-        holding: target.max(in_use.clamp(0, cap)),
-        contended: wanting > 0,
+        holding: target.max(ask.in_use.clamp(0, cap)),
+        contended: others.iter().zip(theirs).any(|(r, f)| r.count < *f),
+        announce: short && !was_short,
     }
 }
 
@@ -173,8 +251,12 @@ pub struct SlotShare {
     pub target: i64,
     /// What is recorded for it: never below what it may have in flight.
     pub holding: i64,
-    /// Another node wants more than it holds.
+    /// Another node holds less than its fair share: this node reports as
+    /// soon as it has come down to its own.
     pub contended: bool,
+    /// This node has just become short of its fair share: the others
+    /// should hear of it now (they come down to theirs).
+    pub announce: bool,
 }
 
 #[cfg(test)]
@@ -247,6 +329,15 @@ mod tests {
         );
     }
 
+    fn ask(cap: u32, need: i64, in_use: i64) -> SlotAsk {
+        SlotAsk {
+            cap,
+            need,
+            in_use,
+            headroom: true,
+        }
+    }
+
     fn share(s: SlotShare) -> (i64, i64) {
         (s.target, s.holding)
     }
@@ -257,21 +348,21 @@ mod tests {
         b.expires_at = 10_000;
         b.wanted = 10;
         assert_eq!(
-            share(slots(&[b.clone()], "a", 10, 4, 0, 5, 0)),
+            share(slots(&[b.clone()], "a", &ask(10, 4, 0), 5, 0)),
             (0, 0),
             "b holds the cap"
         );
         b.wanted = 0;
         b.count = 6;
         assert_eq!(
-            share(slots(&[b.clone()], "a", 10, 8, 0, 5, 0)),
+            share(slots(&[b.clone()], "a", &ask(10, 8, 0), 5, 0)),
             (4, 4),
             "what b leaves"
         );
         b.count = 10;
         b.wanted = 20;
         assert_eq!(
-            share(slots(&[b.clone()], "a", 10, 8, 7, 5, 0)),
+            share(slots(&[b.clone()], "a", &ask(10, 8, 7), 5, 0)),
             (0, 7),
             "nothing more, and held no lower than the calls in flight"
         );
@@ -280,15 +371,71 @@ mod tests {
         a.expires_at = 10_000;
         b.count = 2;
         assert_eq!(
-            share(slots(&[a.clone(), b.clone()], "a", 10, 8, 3, 5, 0)),
+            share(slots(&[a.clone(), b.clone()], "a", &ask(10, 8, 3), 5, 0)),
             (5, 5)
         );
         assert_eq!(
-            share(slots(&[a, b], "a", 10, 10, 8, 5, 0)),
+            share(slots(&[a, b], "a", &ask(10, 10, 8), 5, 0)),
             (5, 8),
             "busy, it is told its share and holds what is in flight"
         );
-        assert!(!slots(&[row(3, "c", SLOTS, 1, 0)], "a", 10, 1, 0, 5, 0).contended);
+        assert!(!slots(&[row(3, "c", SLOTS, 1, 0)], "a", &ask(10, 1, 0), 5, 0).contended);
+    }
+
+    #[test]
+    fn fair_shares_give_small_needs_in_full_and_split_the_rest() {
+        let needs = [("c", 10), ("a", 4), ("b", 10)];
+        assert_eq!(fair_shares(&needs, 20), vec![8, 4, 8]);
+        assert_eq!(fair_shares(&needs, 30), vec![10, 4, 10], "all fit");
+        assert_eq!(
+            fair_shares(&[("c", 10), ("b", 10), ("a", 10)], 10),
+            vec![3, 3, 4],
+            "the remainder goes to the first by name: the whole cap is used"
+        );
+        assert_eq!(fair_shares(&[("a", 0), ("b", 3)], 2), vec![0, 2]);
+    }
+
+    /// Three nodes each needing 20 of a cap of 60 (issue 18's N): whoever
+    /// asked first with headroom comes down to its share once the third
+    /// needs it, and the third is due the whole of its need.
+    #[test]
+    fn a_cap_equal_to_the_needs_is_shared_out_in_full() {
+        let held = |node: &str, count: i64, wanted: i64| {
+            let mut r = row(1, node, SLOTS, count, 0);
+            r.wanted = wanted;
+            r.expires_at = 10_000;
+            r
+        };
+        // a and b asked while c was idle: each has its need and headroom.
+        let rows = [held("a", 27, 20), held("b", 27, 20), held("c", 6, 0)];
+        let c = slots(&rows, "c", &ask(60, 20, 6), 5, 0);
+        assert_eq!((c.target, c.holding), (6, 6), "only what a and b leave");
+        assert!(c.announce, "short of its share: the others hear of it");
+        let rows = [held("a", 27, 20), held("b", 27, 20), held("c", 6, 20)];
+        let a = slots(&rows, "a", &ask(60, 20, 20), 5, 0);
+        assert_eq!(
+            (a.target, a.holding),
+            (20, 20),
+            "no headroom while c is short"
+        );
+        assert!(a.contended && !a.announce);
+        let rows = [held("a", 20, 20), held("b", 20, 20), held("c", 6, 20)];
+        let c = slots(&rows, "c", &ask(60, 20, 6), 5, 0);
+        assert_eq!(c.target, 20, "what a and b gave back");
+        assert!(!slots(&rows, "a", &ask(60, 20, 20), 5, 0).announce);
+        // Headroom only from what nobody needs nor holds.
+        let rows = [held("a", 20, 20), held("b", 20, 20)];
+        assert_eq!(slots(&rows, "c", &ask(60, 0, 0), 5, 0).target, 7);
+        assert_eq!(slots(&rows, "c", &ask(60, 18, 0), 5, 0).target, 20);
+        let stopping = SlotAsk {
+            headroom: false,
+            ..ask(60, 0, 3)
+        };
+        assert_eq!(
+            share(slots(&rows, "c", &stopping, 5, 0)),
+            (0, 3),
+            "a node stopping holds only its calls still in flight"
+        );
     }
 
     #[derive(Debug, Clone)]
@@ -388,6 +535,107 @@ mod tests {
                     let n = arrivals[i..].iter().take_while(|u| **u < t + window_ms).count();
                     prop_assert!(n <= limit as usize, "{} arrivals in [{}, {}) of a {}/{}ms window", n, t, t + window_ms, limit, window_ms);
                 }
+            }
+        }
+
+        /// Fair shares never pass a node's need nor, together, the cap;
+        /// they use the whole cap when the needs do; a node short of its
+        /// need has no less than any other (within the remainder's one).
+        #[test]
+        fn fair_shares_are_max_min_fair(
+            needs in proptest::collection::vec(0i64..40, 1..8),
+            cap in 0i64..100,
+        ) {
+            let names: Vec<String> = (0..needs.len()).map(|i| format!("n{i}")).collect();
+            let pairs: Vec<(&str, i64)> = names.iter().map(String::as_str).zip(needs.iter().copied()).collect();
+            let shares = fair_shares(&pairs, cap);
+            let total: i64 = shares.iter().sum();
+            prop_assert_eq!(total, cap.min(needs.iter().sum()));
+            for (i, s) in shares.iter().enumerate() {
+                prop_assert!(*s >= 0 && *s <= needs[i]);
+                if *s < needs[i] {
+                    prop_assert!(shares.iter().all(|o| *o <= s + 1), "{:?} of {:?}", shares, needs);
+                }
+            }
+        }
+
+        /// Nodes with steady needs ask in any order while their calls start
+        /// and end: the holdings recorded never sum past the cap (a node
+        /// never has more in flight than the cluster records for it). Then,
+        /// once every node has asked with its calls settled (asking again
+        /// at once while another is short and the cluster records more than
+        /// it keeps, as the engine does), each node holds its fair share:
+        /// a cap equal to the needs is used in full.
+        #[test]
+        fn holdings_fit_the_cap_and_settle_on_fair_shares(
+            needs in proptest::collection::vec(0i64..12, 1..5),
+            cap in 1u32..40,
+            steps in proptest::collection::vec((0usize..5, any::<bool>(), 0.0f64..1.0), 0..80),
+        ) {
+            let n = needs.len();
+            let names: Vec<String> = (0..n).map(|i| format!("n{i}")).collect();
+            // Per node: the slots it may have in flight, its target, its
+            // calls in flight.
+            let mut issued = vec![0i64; n];
+            let mut target = vec![0i64; n];
+            let mut flying = vec![0i64; n];
+            let mut rows: Vec<GrantRow> = Vec::new();
+            let ask = |i: usize, rows: &mut Vec<GrantRow>, issued: &mut [i64], target: &mut [i64], flying: &[i64]| -> SlotShare {
+                let s = slots(rows, &names[i], &ask(cap, needs[i], issued[i]), 5, 0);
+                match rows.iter_mut().find(|r| r.node == names[i]) {
+                    Some(r) => { r.count = s.holding; r.wanted = needs[i]; }
+                    None => {
+                        let mut r = row(i as i64, &names[i], SLOTS, s.holding, 0);
+                        r.wanted = needs[i];
+                        r.expires_at = 10_000;
+                        rows.push(r);
+                    }
+                }
+                target[i] = s.target;
+                // Free slots over the target go at once, those in use as
+                // their calls end.
+                issued[i] = if issued[i] < s.target { s.target } else { s.target.max(flying[i]) };
+                s
+            };
+            let check = |rows: &[GrantRow], issued: &[i64]| -> Result<(), TestCaseError> {
+                let total: i64 = rows.iter().map(|r| r.count).sum();
+                prop_assert!(total <= i64::from(cap), "{} held of {}", total, cap);
+                for r in rows {
+                    let i: usize = r.node[1..].parse().unwrap();
+                    prop_assert!(issued[i] <= r.count, "{} may have {} in flight, recorded {}", r.node, issued[i], r.count);
+                }
+                Ok(())
+            };
+            for (node, asks, frac) in steps {
+                let i = node % n;
+                if asks {
+                    ask(i, &mut rows, &mut issued, &mut target, &flying);
+                } else {
+                    // Calls end and start: slots over the target are
+                    // forgotten as they come back.
+                    flying[i] = ((issued[i].min(needs[i]) as f64) * frac) as i64;
+                    issued[i] = issued[i].min(target[i].max(flying[i]));
+                }
+                check(&rows, &issued)?;
+            }
+            for _round in 0..3 {
+                for i in 0..n {
+                    // Calls settle within the target, then the node asks
+                    // (and again while it must report coming down).
+                    flying[i] = flying[i].min(target[i]);
+                    issued[i] = issued[i].min(target[i].max(flying[i]));
+                    let s = ask(i, &mut rows, &mut issued, &mut target, &flying);
+                    let recorded = rows.iter().find(|r| r.node == names[i]).map_or(0, |r| r.count);
+                    if s.contended && issued[i] < recorded {
+                        ask(i, &mut rows, &mut issued, &mut target, &flying);
+                    }
+                    check(&rows, &issued)?;
+                }
+            }
+            let pairs: Vec<(&str, i64)> = names.iter().map(String::as_str).zip(needs.iter().copied()).collect();
+            let fair = fair_shares(&pairs, i64::from(cap));
+            for i in 0..n {
+                prop_assert!(target[i] >= fair[i], "{} holds {} of its share {} (needs {:?}, cap {})", names[i], target[i], fair[i], needs, cap);
             }
         }
     }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::Semaphore;
 
 use crate::config::provider::RateLimit;
-use crate::domain::permits::Granted;
+use crate::domain::permits::{Granted, SlotAsk, headroom};
 use crate::domain::{Clock, UnixMs};
 use crate::store::{Db, PermitRequest, Permits, SlotRequest, Store, StoreResult};
 
@@ -106,9 +106,26 @@ struct Slots {
     /// The cluster had no more slots for this node: ask again after this.
     full_until: UnixMs,
     /// What the cluster last recorded for this node, and whether another
-    /// node was waiting for slots then.
+    /// node was short of its share then.
     recorded: i64,
     contended: bool,
+    /// The most calls holding or waiting for a slot since this node last
+    /// asked (its need: a sample at the moment of asking would miss the
+    /// calls between two of their slots), and the need it last sent.
+    peak: i64,
+    asked: i64,
+}
+
+impl Slots {
+    /// The cluster records more than this node may now have in flight
+    /// while another node is short: it should hear of it now.
+    fn report_due(&self) -> bool {
+        self.contended && self.issued < self.recorded
+    }
+
+    fn renewal_due(&self, now: UnixMs) -> bool {
+        self.held > 0 && now + SLOT_HOLD_MS / 3 >= self.until
+    }
 }
 
 /// A provider's cluster-wide limits on this node.
@@ -189,6 +206,8 @@ impl ClusterLimits {
                     full_until: 0,
                     recorded: 0,
                     contended: false,
+                    peak: 0,
+                    asked: 0,
                 })
             }),
             leasing: tokio::sync::Mutex::new(()),
@@ -276,8 +295,8 @@ impl ClusterLimits {
     }
 
     /// The request this node makes now: close spent grants, lease in the
-    /// windows that have no usable grant (`lease`), and renew the slots
-    /// (wanting more when `lease`). `None` when there is nothing to say.
+    /// windows that have no usable grant (for a call: `Why::More`), and
+    /// say what slots it needs. `None` when there is nothing to say.
     /// Spent grants leave `lots` here; [`keep`](Self::keep) queues their
     /// closes again if the request fails.
     fn request(
@@ -285,7 +304,7 @@ impl ClusterLimits {
         provider: &str,
         node: &str,
         now: UnixMs,
-        lease: bool,
+        why: Why,
         sem: &Semaphore,
     ) -> Option<PermitRequest> {
         let mut req = PermitRequest {
@@ -303,7 +322,7 @@ impl ClusterLimits {
             l.lots = kept;
             req.close = std::mem::take(&mut l.unclosed);
             req.close.extend(spent.iter().map(Lot::closing));
-            if lease {
+            if why == Why::More {
                 for (w, (limit, ms)) in self.windows.iter().enumerate() {
                     if !l.usable(w, now) && l.full_until[w] <= now {
                         req.windows.push((*ms, limit.count, i64::MAX / 4));
@@ -312,45 +331,60 @@ impl ClusterLimits {
             }
         }
         if let Some(slots) = &self.slots {
-            let mut s = lock(slots);
-            let in_use = (s.issued - sem.available_permits() as i64).max(0);
-            // What is in use and waited for, and (asking from a call) some
-            // headroom: the holding follows the need, so an idle node holds
-            // nothing another needs.
-            // (The provider sync keeps headroom too unless another node
-            // waits, so a node that is busy now and then does not lease
-            // again at each burst.)
-            let waiting = self.waiting.load(Ordering::Relaxed) as i64;
-            let headroom = if lease || !s.contended {
-                (i64::from(s.cap) / 8).max(1)
-            } else {
-                0
-            };
-            let want = (in_use + waiting + headroom).min(i64::from(s.cap));
-            // Slots given up leave the semaphore before the cluster hears
-            // of it, so no call starts on a slot another node may be
-            // granted meanwhile. What is still issued (free or in use) is
-            // what this node may have in flight: the cluster holds at least
-            // that for it.
-            if want < s.issued {
-                let gone = sem.forget_permits((s.issued - want) as usize);
-                s.issued -= gone as i64;
-                s.held = s.held.min(s.issued.max(want));
-            }
-            let renew = s.held > 0 && now + SLOT_HOLD_MS / 3 >= s.until;
-            // Ask when the need changed, the holding is due, the cluster
-            // records more than this node may now have in flight, or
-            // another node waits (its share is recomputed).
-            if want != s.held || renew || s.issued < s.recorded || s.contended {
-                req.slots = Some(SlotRequest {
-                    cap: s.cap,
-                    want,
-                    in_use: s.issued,
-                    hold_ms: SLOT_HOLD_MS,
-                });
-            }
+            req.slots = self.slot_request(&mut lock(slots), now, why, sem);
         }
         (!req.close.is_empty() || !req.windows.is_empty() || req.slots.is_some()).then_some(req)
+    }
+
+    /// The slots part of a request: this node's need (the cluster decides
+    /// its share and any headroom), or `None` when the cluster knows it.
+    fn slot_request(
+        &self,
+        s: &mut Slots,
+        now: UnixMs,
+        why: Why,
+        sem: &Semaphore,
+    ) -> Option<SlotRequest> {
+        let in_use = (s.issued - sem.available_permits() as i64).max(0);
+        let waiting = self.waiting.load(Ordering::Relaxed) as i64;
+        let need = s.peak.max(in_use + waiting).min(i64::from(s.cap));
+        // Slots this node cannot be given (its need and the most headroom)
+        // leave the semaphore before the cluster hears of it, so no call
+        // starts on a slot another node may be granted meanwhile. What is
+        // still issued (free or in use) is what this node may have in
+        // flight: the cluster records at least that for it.
+        let keep = (need + headroom(s.cap)).min(i64::from(s.cap));
+        if keep < s.issued {
+            let gone = sem.forget_permits((s.issued - keep) as usize);
+            s.issued -= gone as i64;
+            s.held = s.held.min(s.issued.max(keep));
+        }
+        // Ask when the need changed or is not met, the holding is due, the
+        // cluster records more than this node may now have in flight, or
+        // another node is short (this node's share is recomputed); and at
+        // each provider sync while holding or needing any (another node
+        // may have become short since: it announces it by running the
+        // others' syncs at once).
+        let sync = why == Why::Sync && (s.recorded > 0 || need > 0);
+        let ask = sync
+            || need != s.asked
+            || s.held < need
+            || s.renewal_due(now)
+            || s.issued < s.recorded
+            || s.contended;
+        if !ask {
+            return None;
+        }
+        s.peak = in_use + waiting;
+        Some(SlotRequest {
+            ask: SlotAsk {
+                cap: s.cap,
+                need,
+                in_use: s.issued,
+                headroom: true,
+            },
+            hold_ms: SLOT_HOLD_MS,
+        })
     }
 
     /// Whether a call asking for a lease has what it needs without one: a
@@ -374,7 +408,7 @@ impl ClusterLimits {
         lock(&self.lots).unclosed.extend_from_slice(&req.close);
     }
 
-    fn apply(&self, permits: &Permits, now: UnixMs, sem: &Semaphore) {
+    fn apply(&self, req: &PermitRequest, permits: &Permits, now: UnixMs, sem: &Semaphore) {
         {
             let mut l = lock(&self.lots);
             for &(ms, id, answer) in &permits.windows {
@@ -397,8 +431,11 @@ impl ClusterLimits {
                 }
             }
         }
-        if let (Some(slots), Some((share, until))) = (&self.slots, permits.slots) {
+        if let (Some(slots), Some(asked), Some((share, until))) =
+            (&self.slots, req.slots, permits.slots)
+        {
             let mut s = lock(slots);
+            s.asked = asked.ask.need;
             s.held = share.target;
             s.recorded = share.holding;
             s.contended = share.contended;
@@ -407,19 +444,33 @@ impl ClusterLimits {
         }
     }
 
-    /// Whether the slots held are due for renewal (a busy node renews them
-    /// from its calls; the provider sync does the same every few seconds).
+    /// Whether the cluster should hear from this node now: its holding is
+    /// due for renewal, or it has come down while another node is short
+    /// (a busy node does both from its calls; the provider sync renews
+    /// every few seconds).
     pub fn renewal_due(&self, now: UnixMs) -> bool {
         self.slots.as_ref().is_some_and(|s| {
             let s = lock(s);
-            s.held > 0 && now + SLOT_HOLD_MS / 3 >= s.until
+            s.renewal_due(now) || s.report_due()
         })
     }
 
-    /// Counts a call waiting for a slot until the guard drops (the leases
-    /// made meanwhile ask for it).
-    pub fn waiting_for_slot(&self) -> Waiting<'_> {
+    /// Notes a call holding a slot of `sem` (its need counts it until
+    /// this node next asks).
+    pub fn took_slot(&self, sem: &Semaphore) {
+        if let Some(slots) = &self.slots {
+            let mut s = lock(slots);
+            let in_use = (s.issued - sem.available_permits() as i64).max(0);
+            let waiting = self.waiting.load(Ordering::Relaxed) as i64;
+            s.peak = s.peak.max(in_use + waiting);
+        }
+    }
+
+    /// Counts a call waiting for a slot of `sem` until the guard drops
+    /// (the leases made meanwhile ask for it).
+    pub fn waiting_for_slot(&self, sem: &Semaphore) -> Waiting<'_> {
         self.waiting.fetch_add(1, Ordering::Relaxed);
+        self.took_slot(sem);
         Waiting(&self.waiting)
     }
 
@@ -479,7 +530,30 @@ impl ClusterLimits {
         if (lease && self.satisfied(now, sem)) || (why == Why::Renew && !self.renewal_due(now)) {
             return Ok(());
         }
-        let Some(req) = self.request(provider, node, now, lease, sem) else {
+        self.ask(db, provider, node, now, why, sem).await?;
+        // Told to come down while another node is short, this node forgot
+        // its free slots over its share: the cluster hears of it at once,
+        // so the other node finds them at its next ask (the slots still in
+        // use follow as their calls end, from the next call here).
+        if self.slots.as_ref().is_some_and(|s| lock(s).report_due()) {
+            self.ask(db, provider, node, clock.now_ms(), Why::Renew, sem)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// One lease request, if there is anything to say, and its answer
+    /// applied.
+    async fn ask(
+        &self,
+        db: &Db,
+        provider: &str,
+        node: &str,
+        now: UnixMs,
+        why: Why,
+        sem: &Semaphore,
+    ) -> StoreResult<()> {
+        let Some(req) = self.request(provider, node, now, why, sem) else {
             return Ok(());
         };
         let held_before = self.slots.as_ref().map(|s| lock(s).held);
@@ -495,7 +569,7 @@ impl ClusterLimits {
         pending.req = None;
         match answer {
             Ok(permits) => {
-                self.apply(&permits, now, sem);
+                self.apply(&req, &permits, now, sem);
                 // No more slots to be had: calls wait for their own to come
                 // back instead of each asking again at once.
                 if let (Some(slots), Some(before), Some((share, _))) =
@@ -549,9 +623,12 @@ impl ClusterLimits {
             reconcile(&mut s, sem);
             // What is left issued is checked out: calls in flight.
             req.slots = Some(SlotRequest {
-                cap: s.cap,
-                want: 0,
-                in_use: s.issued,
+                ask: SlotAsk {
+                    cap: s.cap,
+                    need: 0,
+                    in_use: s.issued,
+                    headroom: false,
+                },
                 hold_ms: SLOT_HOLD_MS,
             });
         }

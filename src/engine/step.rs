@@ -424,6 +424,7 @@ impl StepRun<'_> {
         let now = self.clock.now_ms();
         rt.cluster.lapse_slots(now, &rt.concurrency);
         if let Ok(permit) = rt.concurrency.clone().try_acquire_owned() {
+            rt.cluster.took_slot(&rt.concurrency);
             let slot = Slot {
                 rt,
                 permit: Some(permit),
@@ -433,7 +434,7 @@ impl StepRun<'_> {
             }
             return Ok(slot);
         }
-        let _waiting = rt.cluster.waiting_for_slot();
+        let _waiting = rt.cluster.waiting_for_slot(&rt.concurrency);
         let give_up = self.clock.instant() + self.max_wait;
         loop {
             self.lease(rt, Why::More).await?;

@@ -7,7 +7,8 @@
 //! - `POST /v1/charge`: a synchronous call with a side effect.
 //! - `POST /v1/jobs`, `GET /v1/jobs/{id}`: an asynchronous job to poll.
 //! - `GET /_sim/ledger`: effects per key and per `ref`, double charges.
-//! - `GET /_sim/stats`: requests, and the most in any one second.
+//! - `GET /_sim/stats`: requests, the most in any one second, and the
+//!   most in flight at once.
 //! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now;
 //!   503s unless `"status"` says 429 (with `"retry_after"`, the header's
 //!   text) or another 5xx; any other status is a 400.
@@ -74,6 +75,9 @@ struct Sim {
     started: UnixMs,
     /// Requests per whole second since start, at arrival.
     per_second: Mutex<Vec<u32>>,
+    /// Requests in flight now (arrived, not yet answered), and the most
+    /// at once.
+    in_flight: Mutex<(u32, u32)>,
     /// A manual outage: until when, the share of requests it hits, and
     /// what they get.
     outage: Mutex<Option<(UnixMs, f64, Fault)>>,
@@ -112,6 +116,9 @@ pub struct StatsFigures {
     pub requests: u64,
     /// The most requests that arrived in any one wall-clock second.
     pub max_per_second: u32,
+    /// The most requests in flight at once (from arrival until answered,
+    /// or until the client went away).
+    pub max_in_flight: u32,
 }
 
 impl SimHandle {
@@ -141,6 +148,7 @@ impl SimHandle {
             jobs_by_key: Mutex::default(),
             started: clock.now_ms(),
             per_second: Mutex::default(),
+            in_flight: Mutex::default(),
             outage: Mutex::default(),
             next_id: Mutex::new(0),
             client: reqwest::Client::new(),
@@ -260,6 +268,7 @@ impl Sim {
         StatsFigures {
             requests: s.iter().map(|n| u64::from(*n)).sum(),
             max_per_second: s.iter().copied().max().unwrap_or(0),
+            max_in_flight: Self::lock(&self.in_flight).1,
         }
     }
 
@@ -332,6 +341,25 @@ impl Sim {
     }
 }
 
+/// A request counted in flight until it is answered or its client goes
+/// away (its handler is dropped).
+struct InFlight<'a>(&'a Sim);
+
+impl<'a> InFlight<'a> {
+    fn new(sim: &'a Sim) -> Self {
+        let mut f = Sim::lock(&sim.in_flight);
+        f.0 += 1;
+        f.1 = f.1.max(f.0);
+        InFlight(sim)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        Sim::lock(&self.0.in_flight).0 -= 1;
+    }
+}
+
 /// A mutating request's body (null when absent), idempotency key and
 /// business reference.
 fn request_parts(
@@ -363,6 +391,7 @@ fn reference(body: &Value) -> Option<String> {
 /// the work but the client never heard).
 async fn with_chaos(sim: &Sim, effect: impl FnOnce() -> Response) -> Response {
     sim.count_request();
+    let _flying = InFlight::new(sim);
     let (fault, latency, effect_anyway) = sim.draw();
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;

@@ -1148,18 +1148,10 @@ where
             };
             out.windows.push((window_ms, id, answer));
         }
-        if let Some(want) = req.slots {
+        if let Some(slots) = req.slots {
             let rows = Self::grant_rows(&mut tx, provider, SLOTS).await?;
-            let share = permits::slots(
-                &rows,
-                node,
-                want.cap,
-                want.want,
-                want.in_use,
-                now,
-                req.lapse_ms,
-            );
-            let until = now.saturating_add(want.hold_ms);
+            let share = permits::slots(&rows, node, &slots.ask, now, req.lapse_ms);
+            let until = now.saturating_add(slots.hold_ms);
             sqlx::query(
                 "INSERT INTO provider_grants (provider, node, window_ms, count, wanted, granted_at, expires_at) \
                  VALUES ($1, $2, 0, $3, $4, $5, $6) \
@@ -1169,11 +1161,16 @@ where
             .bind(provider.to_owned())
             .bind(node.to_owned())
             .bind(share.holding)
-            .bind(want.want)
+            .bind(slots.ask.need)
             .bind(now)
             .bind(until)
             .execute(&mut *tx)
             .await?;
+            // The others come down to their shares at once, not at their
+            // next renewal (PostgreSQL: their listeners run a provider sync).
+            if share.announce {
+                DB::notify_providers(&mut tx).await?;
+            }
             out.slots = Some((share, until));
         }
         tx.commit().await?;

@@ -827,12 +827,8 @@ pub struct PermitRequest {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotRequest {
-    pub cap: u32,
-    /// Slots the node would like.
-    pub want: i64,
-    /// The most calls it may have in flight (its holding stays at least
-    /// this).
-    pub in_use: i64,
+    /// The node's need and the calls it may have in flight.
+    pub ask: crate::domain::permits::SlotAsk,
     /// How long the holding lasts unless renewed.
     pub hold_ms: i64,
 }

@@ -1947,18 +1947,93 @@ async fn sqlite_nodes_see_a_pause_at_their_next_claim() {
 }
 
 /// A provider that notes when each call arrives and how many are in
-/// flight at once, and answers after `latency`.
+/// flight at once, and answers after `latency` (or, with rounds, when
+/// enough calls wait at once).
 #[derive(Clone, Default)]
 pub struct Counting {
     pub arrivals: Arc<std::sync::Mutex<Vec<i64>>>,
     in_flight: Arc<std::sync::atomic::AtomicUsize>,
     pub most_in_flight: Arc<std::sync::atomic::AtomicUsize>,
+    rounds: Option<Arc<Rounds>>,
+}
+
+/// Calls held until `size` of them wait at once, then answered together:
+/// a round. Nothing but a full round answers a call (until `open`).
+struct Rounds {
+    size: usize,
+    /// Calls waiting in the round being filled.
+    waiting: std::sync::Mutex<usize>,
+    /// Rounds answered so far; `u64::MAX` once open (every call answered
+    /// at once).
+    done: tokio::sync::watch::Sender<u64>,
+}
+
+impl Rounds {
+    async fn wait(&self) {
+        let round = {
+            let mut waiting = self.waiting.lock().unwrap();
+            let round = *self.done.borrow();
+            if round == u64::MAX {
+                return;
+            }
+            *waiting += 1;
+            if *waiting == self.size {
+                *waiting = 0;
+                self.done.send_replace(round + 1);
+                return;
+            }
+            round
+        };
+        // A caller that goes away (its node stopped) leaves the round.
+        struct Leaves<'a>(&'a Rounds, u64);
+        impl Drop for Leaves<'_> {
+            fn drop(&mut self) {
+                let mut waiting = self.0.waiting.lock().unwrap();
+                if *self.0.done.borrow() == self.1 {
+                    *waiting -= 1;
+                }
+            }
+        }
+        let _leaves = Leaves(self, round);
+        let mut done = self.done.subscribe();
+        let _ = done.wait_for(|r| *r != round).await;
+    }
 }
 
 impl Counting {
     pub async fn spawn(latency: Duration) -> (Counting, String) {
+        Self::serve(Counting::default(), latency).await
+    }
+
+    /// A provider answering in rounds of `size` calls: each call waits
+    /// until `size` calls wait at once.
+    pub async fn spawn_rounds(size: usize) -> (Counting, String) {
+        let (done, _) = tokio::sync::watch::channel(0);
+        let c = Counting {
+            rounds: Some(Arc::new(Rounds {
+                size,
+                waiting: std::sync::Mutex::new(0),
+                done,
+            })),
+            ..Counting::default()
+        };
+        Self::serve(c, Duration::ZERO).await
+    }
+
+    /// Rounds answered full so far.
+    pub fn rounds(&self) -> u64 {
+        self.rounds.as_ref().map_or(0, |r| *r.done.borrow())
+    }
+
+    /// Every call waiting and to come is answered at once.
+    pub fn open(&self) {
+        if let Some(r) = &self.rounds {
+            r.done.send_replace(u64::MAX);
+        }
+    }
+
+    async fn serve(c: Counting, latency: Duration) -> (Counting, String) {
         use std::sync::atomic::Ordering;
-        let c = Counting::default();
         let charge = {
             let c = c.clone();
             move || {
@@ -1976,10 +2051,14 @@ impl Counting {
                         }
                     }
                     let _ends = Ends(c.in_flight.clone());
-                    // Time is the point: this is the provider's own latency,
-                    // in which the calls of several nodes overlap (what the
-                    // test counts), not a wait for an event.
-                    tokio::time::sleep(latency).await;
+                    match &c.rounds {
+                        Some(rounds) => rounds.wait().await,
+                        // Time is the point: this is the provider's own
+                        // latency, in which the calls of several nodes
+                        // overlap (what the test counts), not a wait for
+                        // an event.
+                        None => tokio::time::sleep(latency).await,
+                    }
                     axum::Json(json!({ "status": "succeeded", "id": "ch" }))
                 }
             }
@@ -2055,6 +2134,90 @@ async fn three_nodes_hold_the_limits_and_the_cap_as_one() {
     let counts = t.db.state_counts().await.unwrap();
     assert_eq!(counts.len(), 1, "{counts:?}");
     assert_eq!(counts[0].state, RecordState::Succeeded);
+}
+
+/// Three nodes, each with 4 records at once, share a cluster cap of 12:
+/// exactly their need, so the cap is only ever reached if every node gets
+/// its whole share. The provider answers in rounds of 12 (no call returns
+/// until 12 wait at once), so each round is a moment with the cap in full
+/// use, and a node kept short of its share leaves the round a call short
+/// and stops the run. The provider sync runs hourly: what hands slots from
+/// a node holding too many to one holding too few is the nodes telling
+/// each other, not a periodic renewal. Twenty rounds fill (the cap is
+/// reached twenty times, from the first round on), and never are more
+/// than 12 calls in flight.
+///
+/// (Before, a node asking first took its need and an eighth of the cap
+/// more, the last node got the rest, and the first round stayed short
+/// until holdings nobody renewed lapsed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_use_a_cap_equal_to_their_need_in_full() {
+    use ballast::store::NewRecord;
+    use std::sync::atomic::Ordering;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "three_full_cap").await else {
+        return;
+    };
+    let (nodes_n, per_node, rounds) = (3, 4, 20);
+    let cap = nodes_n * per_node;
+    let (provider, url) = Counting::spawn_rounds(cap).await;
+    // Calls wait at the provider for the round to fill: a long timeout, so
+    // a slow round is never a failed call.
+    let toml = single_step_toml(&url, &format!("concurrency = {cap}"))
+        .replace("timeout = \"500ms\"", "timeout = \"30s\"");
+    let config = Config::parse(&toml, Path::new("full_cap.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let config = Arc::new(config);
+    let mut nodes = Vec::new();
+    for i in 0..nodes_n {
+        let db = Db::connect(&t.url, &ConnectOptions::default())
+            .await
+            .unwrap();
+        let mut o = options(&format!("f{i}"));
+        o.max_in_flight = per_node;
+        o.batch = per_node as u32;
+        o.provider_sync = Duration::from_secs(3_600);
+        let engine = Engine::new(db, config.clone(), o).await.unwrap();
+        engine.sync_providers_once().await;
+        nodes.push(engine);
+    }
+    for n in &nodes {
+        n.sync_providers_once().await;
+    }
+    let runs: Vec<_> = nodes.iter().map(run_in_background).collect();
+    // More than the rounds take, so no node runs out of work.
+    let now = crate::helpers::wall_ms();
+    let records = (0..2 * rounds * cap)
+        .map(|i| NewRecord {
+            pipeline: "pay".into(),
+            group: None,
+            pipeline_version: None,
+            external_key: Some(format!("f-{i}")),
+            input: json!({}),
+            run_at: now,
+        })
+        .collect();
+    t.db.create_records(records, now).await.unwrap();
+    for n in &nodes {
+        n.wake();
+    }
+    crate::wait::until(
+        "twenty rounds of 12 calls at once",
+        Duration::from_secs(30),
+        async || {
+            let done = provider.rounds();
+            let most = provider.most_in_flight.load(Ordering::SeqCst);
+            (done >= rounds as u64).then_some(()).ok_or((done, most))
+        },
+    )
+    .await;
+    provider.open();
+    for (stop, run) in runs {
+        stop.cancel();
+        run.await.unwrap();
+    }
+    let most = provider.most_in_flight.load(Ordering::SeqCst);
+    println!("a cap of {cap} equal to the need: {rounds} full rounds, most in flight {most}");
+    assert_eq!(most, cap, "the cap reached, never passed");
 }
 
 /// A 429 (or a 503 with `Retry-After`) whose body then breaks off is still

@@ -76,6 +76,7 @@ conformance!(
 /// share as the holder's calls finish.
 async fn permits_are_leased_within_the_limit(db: &Db) {
     use ballast::domain::permits::Granted;
+    use ballast::domain::permits::SlotAsk;
     use ballast::store::{PermitRequest, SlotRequest};
     let ask = |node: &str, now: i64| PermitRequest {
         provider: "acme".into(),
@@ -147,16 +148,19 @@ async fn permits_are_leased_within_the_limit(db: &Db) {
     let p = db.lease_permits(&ask("c", T0 + 3_200)).await.unwrap();
     assert_eq!(granted(&p).map(|g| g.1), Some(2));
 
-    let slots = |node: &str, want: i64, in_use: i64, now: i64| PermitRequest {
+    let slots = |node: &str, need: i64, in_use: i64, now: i64| PermitRequest {
         provider: "acme".into(),
         node: node.into(),
         now,
         lapse_ms: 1_000,
         live_nodes: 2,
         slots: Some(SlotRequest {
-            cap: 4,
-            want,
-            in_use,
+            ask: SlotAsk {
+                cap: 4,
+                need,
+                in_use,
+                headroom: true,
+            },
             hold_ms: 10_000,
         }),
         ..Default::default()
