@@ -213,9 +213,14 @@ pub fn slots(
         .filter(live)
         .filter(|r| r.node != node)
         .collect();
+    // A node's need counts while it renews its holding; a node that died
+    // needs nothing (what it held still counts until it lapses).
     let mut needs: Vec<(&str, i64)> = others
         .iter()
-        .map(|r| (r.node.as_str(), r.wanted.clamp(0, cap)))
+        .map(|r| {
+            let need = if r.expires_at > now { r.wanted } else { 0 };
+            (r.node.as_str(), need.clamp(0, cap))
+        })
         .collect();
     needs.push((node, ask.need.clamp(0, cap)));
     let fair = fair_shares(&needs, cap);
@@ -380,6 +385,26 @@ mod tests {
             "busy, it is told its share and holds what is in flight"
         );
         assert!(!slots(&[row(3, "c", SLOTS, 1, 0)], "a", &ask(10, 1, 0), 5, 0).contended);
+    }
+
+    #[test]
+    fn a_node_that_stopped_renewing_needs_nothing_but_keeps_what_it_held() {
+        // b died: its holding ran out at 4 and lapses long after.
+        let mut b = row(1, "b", SLOTS, 3, 0);
+        b.expires_at = 4;
+        b.wanted = 10;
+        let lapse = 100_000;
+        assert_eq!(
+            share(slots(&[b.clone()], "a", &ask(10, 10, 0), 5, lapse)),
+            (7, 7),
+            "all but what b held, not half"
+        );
+        b.expires_at = 6;
+        assert_eq!(
+            share(slots(&[b], "a", &ask(10, 10, 0), 5, lapse)),
+            (5, 5),
+            "alive, b is due its share"
+        );
     }
 
     #[test]

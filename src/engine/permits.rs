@@ -4,9 +4,11 @@
 //! calls of every node together stay within each window and the cap.
 //!
 //! Calls take permits from the grants in memory; a lease request (one
-//! transaction, one at a time per provider on this node) is made only when
-//! a window has no usable grant or more slots are wanted, and by the
-//! provider sync, which closes spent grants and renews the holding.
+//! transaction, one at a time per provider on this node) is made when a
+//! window has no usable grant or more slots are wanted, when a node over
+//! its share reports slots it gave up (once per ending call while another
+//! node is short), and by the provider sync, which closes spent grants and
+//! renews the holding.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

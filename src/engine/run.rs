@@ -250,6 +250,15 @@ impl Engine {
                 unstarted
             }
         };
+        // No provider sync may run after the release below: a sync (one in
+        // progress, or one a notification starts) would ask for slots
+        // again, with headroom, for a node that is leaving.
+        sync.abort();
+        let _ = sync.await;
+        if let Some(l) = listen {
+            l.abort();
+            let _ = l.await;
+        }
         // This node's share of the providers' limits goes back.
         for rt in i.providers.values().filter(|rt| !rt.cluster.is_empty()) {
             let released =
@@ -266,13 +275,9 @@ impl Engine {
             }
         }
         keeper.abort();
-        sync.abort();
         flusher.abort();
         // The last seconds' figures.
         i.stats.flush(&i.db, i.clock.now_ms()).await;
-        if let Some(l) = listen {
-            l.abort();
-        }
         if let Err(e) = i.db.remove_node(&i.opts.node_id).await {
             tracing::warn!(error = %e, "could not deregister the node");
         }
