@@ -23,6 +23,9 @@ pub enum ConcurrencyScope {
     Node,
 }
 
+/// The most redirects a poll may be allowed to follow.
+pub const MAX_REDIRECTS: u8 = 10;
+
 /// One provider as configured.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -40,6 +43,14 @@ pub struct ProviderConfig {
     /// Largest reply body read, in bytes; larger is `body_too_large`.
     #[serde(default = "defaults::max_body")]
     pub max_body: u64,
+    /// Redirects a job's poll (a `GET`) may follow, each to the same
+    /// scheme, host and port, each hop kept in the attempt's excerpt. 0
+    /// (the default) follows none, and nothing else ever follows one: a 3xx
+    /// is a reply like any other, recorded with its status and `Location`
+    /// and classified by the rules (`unknown` unless a rule says
+    /// otherwise).
+    #[serde(default)]
+    pub follow_redirects: u8,
     /// Calls in flight at once: in the whole cluster, or on each node
     /// (`concurrency_scope`).
     #[serde(default = "defaults::concurrency")]
@@ -423,6 +434,12 @@ impl ProviderConfig {
         }
         if self.concurrency == 0 {
             return Err(invalid("concurrency", "must be at least 1".into()));
+        }
+        if self.follow_redirects > MAX_REDIRECTS {
+            return Err(invalid(
+                "follow_redirects",
+                format!("at most {MAX_REDIRECTS}"),
+            ));
         }
         // Each window is leased apart, by its length: two of one length
         // are one window (keep the smaller count).

@@ -286,6 +286,7 @@ pub fn classify(rules: &[Rule], reply: &Reply) -> Classification {
         Outcome::Success | Outcome::Pending => None,
         Outcome::Unknown if rule.is_none() => Some(match reply {
             Reply::Failed(e) => e.code(),
+            Reply::Http { status, .. } if (300..400).contains(status) => "redirect",
             Reply::Http {
                 body_error: Some(e),
                 ..
@@ -311,6 +312,7 @@ pub fn reply_code(reply: &Reply) -> &'static str {
             ..
         } if (200..300).contains(status) => e.code(),
         Reply::Http { status: 429, .. } => "rate_limited",
+        Reply::Http { status, .. } if (300..400).contains(status) => "redirect",
         Reply::Http { status, .. } if (500..600).contains(status) => "provider_5xx",
         Reply::Http { status, .. } if (400..500).contains(status) => "provider_4xx",
         Reply::Http {

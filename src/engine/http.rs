@@ -31,6 +31,9 @@ pub struct Call {
     pub body: Option<String>,
     pub timeout: Duration,
     pub max_body: u64,
+    /// Redirects this call may follow (a poll's `GET`, as its provider
+    /// allows), each to the same origin; 0 for every other call.
+    pub follow_redirects: u8,
 }
 
 /// What came back, with the evidence kept for the attempt history.
@@ -112,15 +115,6 @@ pub async fn exchange(
         HttpMethod::Patch => reqwest::Method::PATCH,
         HttpMethod::Delete => reqwest::Method::DELETE,
     };
-    let mut req = client.request(method, &call.url);
-    for (k, v) in &call.headers {
-        req = req.header(k, v);
-    }
-    if let Some(body) = &call.body {
-        req = req
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body.clone());
-    }
     let failed = |e: ReplyError, msg: String, started: Instant| Exchange {
         reply: Reply::Failed(e),
         http_status: None,
@@ -128,20 +122,48 @@ pub async fn exchange(
         took: clock.instant() - started,
         excerpt: storable_excerpt(&msg, secrets),
     };
-    // One deadline for the whole exchange, body included.
+    // One deadline for the whole exchange, redirects and body included.
     let deadline = started + call.timeout;
-    let resp = match tokio::time::timeout_at(deadline, req.send()).await {
-        Err(_) => {
-            return failed(
-                ReplyError::Timeout,
-                format!("no reply within {:?}", call.timeout),
-                started,
-            );
+    let mut url = call.url.clone();
+    // Redirects followed (only where the call allows: a poll's GET, to its
+    // own origin), each kept for the excerpt.
+    let mut hops: Vec<String> = Vec::new();
+    let resp = loop {
+        let mut req = client.request(method.clone(), &url);
+        for (k, v) in &call.headers {
+            req = req.header(k, v);
         }
-        Ok(Err(e)) => return failed(classify_error(&e), error_chain(&e), started),
-        Ok(Ok(r)) => r,
+        if let Some(body) = &call.body {
+            req = req
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body.clone());
+        }
+        let resp = match tokio::time::timeout_at(deadline, req.send()).await {
+            Err(_) => {
+                return failed(
+                    ReplyError::Timeout,
+                    format!("no reply within {:?}", call.timeout),
+                    started,
+                );
+            }
+            Ok(Err(e)) => return failed(classify_error(&e), error_chain(&e), started),
+            Ok(Ok(r)) => r,
+        };
+        match follow(&url, &resp, hops.len(), call.follow_redirects) {
+            Some(next) => {
+                hops.push(format!("{} {url} -> {next}", resp.status().as_u16()));
+                url = next;
+            }
+            None => break resp,
+        }
     };
     let status = resp.status().as_u16();
+    let location = resp
+        .status()
+        .is_redirection()
+        .then(|| resp.headers().get(reqwest::header::LOCATION))
+        .flatten()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let retry_after = resp
         .headers()
         .get(reqwest::header::RETRY_AFTER)
@@ -210,8 +232,46 @@ pub async fn exchange(
         http_status: Some(status),
         retry_after,
         took: clock.instant() - started,
-        excerpt,
+        excerpt: with_redirects(excerpt, location.as_deref(), &hops, secrets),
     }
+}
+
+/// Where a redirect leads, when the call may follow it: a 3xx with a
+/// `Location` (resolved against `current`) on `current`'s own scheme, host
+/// and port, while fewer than `allowed` were followed.
+fn follow(current: &str, resp: &reqwest::Response, done: usize, allowed: u8) -> Option<String> {
+    if !resp.status().is_redirection() || done >= usize::from(allowed) {
+        return None;
+    }
+    let location = resp
+        .headers()
+        .get(reqwest::header::LOCATION)?
+        .to_str()
+        .ok()?;
+    let here = reqwest::Url::parse(current).ok()?;
+    let next = here.join(location).ok()?;
+    (next.origin() == here.origin()).then(|| next.to_string())
+}
+
+/// The excerpt, led by the redirects followed and, for a redirect that was
+/// not, where it pointed: the evidence of what the provider said.
+fn with_redirects(
+    excerpt: String,
+    location: Option<&str>,
+    hops: &[String],
+    secrets: &[&str],
+) -> String {
+    if location.is_none() && hops.is_empty() {
+        return excerpt;
+    }
+    let mut lead = String::new();
+    if !hops.is_empty() {
+        lead.push_str(&format!("[followed: {}] ", hops.join("; ")));
+    }
+    if let Some(to) = location {
+        lead.push_str(&format!("[Location: {to}] "));
+    }
+    storable_excerpt(&format!("{lead}{excerpt}"), secrets)
 }
 
 /// The reply a provider's status and body (as much of it as was read) make,

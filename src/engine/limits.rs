@@ -88,6 +88,10 @@ impl ProviderRuntime {
             .connect_timeout(config.connect_timeout.0)
             .user_agent(concat!("ballast/", env!("CARGO_PKG_VERSION")))
             .pool_max_idle_per_host(config.concurrency as usize)
+            // A redirect is a reply, never followed behind the rules' back
+            // (a 302 to a POST would become a GET of another URL, whose
+            // answer would be taken for the call's): see `http::exchange`.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("provider {name}: cannot build HTTP client: {e}"))?;
         Ok(ProviderRuntime {

@@ -685,6 +685,10 @@ impl StepRun<'_> {
             body,
             timeout: rt.config.timeout.0,
             max_body: rt.config.max_body,
+            follow_redirects: match (plan.polling, spec.method) {
+                (true, crate::pipeline::HttpMethod::Get) => rt.config.follow_redirects,
+                _ => 0,
+            },
         })
     }
 }
