@@ -273,7 +273,9 @@ pub struct RuleConfig {
 #[serde(deny_unknown_fields)]
 pub struct WhenConfig {
     pub status: Option<OneOrMany<StatusMatch>>,
-    /// `timeout`, `connect`, `reset`, `tls`, `body_too_large`, `body_not_json`.
+    /// `timeout`, `connect`, `reset`, `tls`, `body_too_large`, `body_not_json`
+    /// (which also matches the two below, none of them being JSON),
+    /// `body_empty`, `body_not_utf8`.
     pub error: Option<OneOrMany<String>>,
     /// A JSON pointer into the reply body, tested by one of the next three.
     pub field: Option<String>,

@@ -24,19 +24,34 @@ pub enum ReplyError {
     Tls,
     /// The body exceeded the size limit.
     BodyTooLarge,
-    /// The body is not JSON (HTML error page, truncated, empty…).
+    /// The body is not JSON (an HTML error page, a truncated document).
     BodyNotJson,
+    /// The body is empty (where a document was expected).
+    BodyEmpty,
+    /// The body is not UTF-8 text, so it cannot be JSON either.
+    BodyNotUtf8,
 }
 
 impl ReplyError {
-    pub const ALL: [ReplyError; 6] = [
+    pub const ALL: [ReplyError; 8] = [
         ReplyError::Timeout,
         ReplyError::Connect,
         ReplyError::Reset,
         ReplyError::Tls,
         ReplyError::BodyTooLarge,
         ReplyError::BodyNotJson,
+        ReplyError::BodyEmpty,
+        ReplyError::BodyNotUtf8,
     ];
+
+    /// Whether a rule naming `self` matches `actual`: a rule written for
+    /// `body_not_json` (before empty and non-UTF-8 bodies had their own
+    /// names) still matches them, as none of them is JSON.
+    pub fn covers(self, actual: ReplyError) -> bool {
+        self == actual
+            || (self == ReplyError::BodyNotJson
+                && matches!(actual, ReplyError::BodyEmpty | ReplyError::BodyNotUtf8))
+    }
 
     /// The name used in rules (`when = { error = "timeout" }`).
     pub fn as_str(self) -> &'static str {
@@ -47,6 +62,8 @@ impl ReplyError {
             ReplyError::Tls => "tls",
             ReplyError::BodyTooLarge => "body_too_large",
             ReplyError::BodyNotJson => "body_not_json",
+            ReplyError::BodyEmpty => "body_empty",
+            ReplyError::BodyNotUtf8 => "body_not_utf8",
         }
     }
 
@@ -59,6 +76,8 @@ impl ReplyError {
             ReplyError::Tls => "tls_error",
             ReplyError::BodyTooLarge => "body_too_large",
             ReplyError::BodyNotJson => "body_not_json",
+            ReplyError::BodyEmpty => "body_empty",
+            ReplyError::BodyNotUtf8 => "body_not_utf8",
         }
     }
 }
@@ -206,7 +225,8 @@ impl When {
         {
             return false;
         }
-        if !self.error.is_empty() && !error.is_some_and(|e| self.error.contains(&e)) {
+        if !self.error.is_empty() && !error.is_some_and(|e| self.error.iter().any(|w| w.covers(e)))
+        {
             return false;
         }
         if let Some((pointer, test)) = &self.field {
@@ -427,6 +447,31 @@ mod tests {
             retry_after: false,
         };
         assert_eq!(c(&html).error_code, Some("body_not_json"));
+        // Empty and non-UTF-8 bodies have their own codes, and a rule for
+        // `body_not_json` (written before they did) still matches them.
+        let empty = Reply::Http {
+            status: 200,
+            json: None,
+            body_error: Some(ReplyError::BodyEmpty),
+            retry_after: false,
+        };
+        assert_eq!(c(&empty).error_code, Some("body_empty"));
+        let not_json_rule = Rule {
+            when: When {
+                error: vec![ReplyError::BodyNotJson],
+                ..When::default()
+            },
+            outcome: Outcome::Fail,
+        };
+        assert!(not_json_rule.when.matches(&empty));
+        let utf8_rule = Rule {
+            when: When {
+                error: vec![ReplyError::BodyNotUtf8],
+                ..When::default()
+            },
+            outcome: Outcome::Fail,
+        };
+        assert!(!utf8_rule.when.matches(&empty), "only its own error");
         assert_eq!(
             c(&Reply::Failed(ReplyError::Timeout)).outcome,
             Outcome::Retry

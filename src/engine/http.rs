@@ -277,8 +277,8 @@ fn with_redirects(
 /// The reply a provider's status and body (as much of it as was read) make,
 /// and its excerpt for the attempt history, both storable (see the module's
 /// note). `body_error` is what went wrong while reading it (`BodyTooLarge`:
-/// it was cut at `max_body`); otherwise a body that is not JSON is
-/// `BodyNotJson`. Any bytes at all give a reply: the fuzz tests
+/// it was cut at `max_body`); otherwise an empty body is `BodyEmpty`, one
+/// that is not UTF-8 `BodyNotUtf8`, and one that is not JSON `BodyNotJson`. Any bytes at all give a reply: the fuzz tests
 /// (`tests/it/fuzz.rs`) hold it to that.
 pub fn read_reply(
     status: u16,
@@ -287,7 +287,15 @@ pub fn read_reply(
     max_body: u64,
     secrets: &[&str],
 ) -> (Reply, String) {
-    let mut json = if body_error.is_none() {
+    let mut json = if body_error.is_some() {
+        None
+    } else if body.is_empty() {
+        body_error = Some(ReplyError::BodyEmpty);
+        None
+    } else if std::str::from_utf8(body).is_err() {
+        body_error = Some(ReplyError::BodyNotUtf8);
+        None
+    } else {
         match serde_json::from_slice::<Value>(body) {
             Ok(v) => Some(v),
             Err(_) => {
@@ -295,8 +303,6 @@ pub fn read_reply(
                 None
             }
         }
-    } else {
-        None
     };
     if let Some(j) = json.as_mut() {
         crate::domain::scrub_json(j, secrets);
@@ -313,7 +319,7 @@ pub fn read_reply(
             "body over {max_body} bytes; starts: {}",
             excerpt(&text, 512)
         ),
-        Some(ReplyError::BodyNotJson) if body.is_empty() => "empty body".to_owned(),
+        Some(ReplyError::BodyEmpty) => "empty body".to_owned(),
         _ => text.into_owned(),
     };
     let reply = Reply::Http {

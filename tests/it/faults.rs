@@ -588,6 +588,8 @@ outputs = {{ id = "/id", output = "/output" }}
         let expected = match n % 8 {
             0 | 7 => None,
             1 => Some("provider_5xx"),
+            2 => Some("body_not_utf8"),
+            3 => Some("body_empty"),
             4 => Some("body_too_large"),
             _ => Some("body_not_json"),
         };
