@@ -43,8 +43,9 @@ pub struct ProviderConfig {
     /// Largest reply body read, in bytes; larger is `body_too_large`.
     #[serde(default = "defaults::max_body")]
     pub max_body: u64,
-    /// Redirects a job's poll (a `GET`) may follow, each to the same
-    /// scheme, host and port, each hop kept in the attempt's excerpt. 0
+    /// Redirects a job's poll (a `GET`) may follow, each to a URL under
+    /// `base_url` (same scheme, host, port and path prefix, no user or
+    /// password), each hop kept in the attempt's excerpt. 0
     /// (the default) follows none, and nothing else ever follows one: a 3xx
     /// is a reply like any other, recorded with its status and `Location`
     /// and classified by the rules (`unknown` unless a rule says

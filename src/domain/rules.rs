@@ -306,7 +306,7 @@ pub fn classify(rules: &[Rule], reply: &Reply) -> Classification {
         Outcome::Success | Outcome::Pending => None,
         Outcome::Unknown if rule.is_none() => Some(match reply {
             Reply::Failed(e) => e.code(),
-            Reply::Http { status, .. } if (300..400).contains(status) => "redirect",
+            Reply::Http { status, .. } if is_redirect(*status) => "redirect",
             Reply::Http {
                 body_error: Some(e),
                 ..
@@ -322,6 +322,12 @@ pub fn classify(rules: &[Rule], reply: &Reply) -> Classification {
     }
 }
 
+/// A status that sends the client elsewhere (`Location`): 301, 302, 303,
+/// 307, 308. Not 300 (choices), 304 (not modified) nor 305.
+pub fn is_redirect(status: u16) -> bool {
+    matches!(status, 301 | 302 | 303 | 307 | 308)
+}
+
 /// The stable code describing a non-success reply.
 pub fn reply_code(reply: &Reply) -> &'static str {
     match reply {
@@ -332,7 +338,7 @@ pub fn reply_code(reply: &Reply) -> &'static str {
             ..
         } if (200..300).contains(status) => e.code(),
         Reply::Http { status: 429, .. } => "rate_limited",
-        Reply::Http { status, .. } if (300..400).contains(status) => "redirect",
+        Reply::Http { status, .. } if is_redirect(*status) => "redirect",
         Reply::Http { status, .. } if (500..600).contains(status) => "provider_5xx",
         Reply::Http { status, .. } if (400..500).contains(status) => "provider_4xx",
         Reply::Http {

@@ -31,9 +31,9 @@ pub struct Call {
     pub body: Option<String>,
     pub timeout: Duration,
     pub max_body: u64,
-    /// Redirects this call may follow (a poll's `GET`, as its provider
-    /// allows), each to the same origin; 0 for every other call.
-    pub follow_redirects: u8,
+    /// The redirects this call may follow (a poll's `GET`, as its provider
+    /// allows); `None` for every other call.
+    pub follow: Option<super::redirect::Follow>,
 }
 
 /// What came back, with the evidence kept for the attempt history.
@@ -115,19 +115,19 @@ pub async fn exchange(
         HttpMethod::Patch => reqwest::Method::PATCH,
         HttpMethod::Delete => reqwest::Method::DELETE,
     };
-    let failed = |e: ReplyError, msg: String, started: Instant| Exchange {
+    // Redirects followed (only where the call allows: a poll's GET, within
+    // its provider's base URL), each kept for the excerpt, failures too.
+    let mut hops: Vec<String> = Vec::new();
+    let failed = |e: ReplyError, msg: String, started: Instant, hops: &[String]| Exchange {
         reply: Reply::Failed(e),
         http_status: None,
         retry_after: None,
         took: clock.instant() - started,
-        excerpt: storable_excerpt(&msg, secrets),
+        excerpt: with_redirects(storable_excerpt(&msg, secrets), None, hops, secrets),
     };
     // One deadline for the whole exchange, redirects and body included.
     let deadline = started + call.timeout;
     let mut url = call.url.clone();
-    // Redirects followed (only where the call allows: a poll's GET, to its
-    // own origin), each kept for the excerpt.
-    let mut hops: Vec<String> = Vec::new();
     let resp = loop {
         let mut req = client.request(method.clone(), &url);
         for (k, v) in &call.headers {
@@ -144,26 +144,31 @@ pub async fn exchange(
                     ReplyError::Timeout,
                     format!("no reply within {:?}", call.timeout),
                     started,
+                    &hops,
                 );
             }
-            Ok(Err(e)) => return failed(classify_error(&e), error_chain(&e), started),
+            Ok(Err(e)) => return failed(classify_error(&e), error_chain(&e), started, &hops),
             Ok(Ok(r)) => r,
         };
-        match follow(&url, &resp, hops.len(), call.follow_redirects) {
+        let status = resp.status().as_u16();
+        let location = resp
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .map(|v| v.as_bytes());
+        match super::redirect::next_hop(&url, status, location, hops.len(), call.follow.as_ref()) {
             Some(next) => {
-                hops.push(format!("{} {url} -> {next}", resp.status().as_u16()));
-                url = next;
+                let to = super::redirect::shown(&url, next.as_str().as_bytes());
+                hops.push(format!("{status} -> {to}"));
+                url = next.to_string();
             }
             None => break resp,
         }
     };
     let status = resp.status().as_u16();
-    let location = resp
-        .status()
-        .is_redirection()
+    let location = crate::domain::rules::is_redirect(status)
         .then(|| resp.headers().get(reqwest::header::LOCATION))
         .flatten()
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        .map(|v| super::redirect::shown(&url, v.as_bytes()));
     let retry_after = resp
         .headers()
         .get(reqwest::header::RETRY_AFTER)
@@ -199,6 +204,7 @@ pub async fn exchange(
                     ReplyError::Timeout,
                     format!("body not complete within {:?}", call.timeout),
                     started,
+                    &hops,
                 );
                 return cut_short(x, ReplyError::Timeout);
             }
@@ -211,7 +217,7 @@ pub async fn exchange(
                 body.extend_from_slice(&chunk);
             }
             Ok(Some(Err(e))) => {
-                let mut x = failed(ReplyError::Reset, error_chain(&e), started);
+                let mut x = failed(ReplyError::Reset, error_chain(&e), started, &hops);
                 x.excerpt = storable_excerpt(
                     &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
                     secrets,
@@ -236,33 +242,16 @@ pub async fn exchange(
     }
 }
 
-/// Where a redirect leads, when the call may follow it: a 3xx with a
-/// `Location` (resolved against `current`) on `current`'s own scheme, host
-/// and port, while fewer than `allowed` were followed.
-fn follow(current: &str, resp: &reqwest::Response, done: usize, allowed: u8) -> Option<String> {
-    if !resp.status().is_redirection() || done >= usize::from(allowed) {
-        return None;
-    }
-    let location = resp
-        .headers()
-        .get(reqwest::header::LOCATION)?
-        .to_str()
-        .ok()?;
-    let here = reqwest::Url::parse(current).ok()?;
-    let next = here.join(location).ok()?;
-    (next.origin() == here.origin()).then(|| next.to_string())
-}
-
 /// The excerpt, led by the redirects followed and, for a redirect that was
 /// not, where it pointed: the evidence of what the provider said.
 fn with_redirects(
-    excerpt: String,
+    body: String,
     location: Option<&str>,
     hops: &[String],
     secrets: &[&str],
 ) -> String {
     if location.is_none() && hops.is_empty() {
-        return excerpt;
+        return body;
     }
     let mut lead = String::new();
     if !hops.is_empty() {
@@ -271,14 +260,17 @@ fn with_redirects(
     if let Some(to) = location {
         lead.push_str(&format!("[Location: {to}] "));
     }
-    storable_excerpt(&format!("{lead}{excerpt}"), secrets)
+    // The lead never crowds the body out of the excerpt.
+    let lead = excerpt(&lead, 1_024);
+    storable_excerpt(&format!("{lead}{body}"), secrets)
 }
 
 /// The reply a provider's status and body (as much of it as was read) make,
 /// and its excerpt for the attempt history, both storable (see the module's
 /// note). `body_error` is what went wrong while reading it (`BodyTooLarge`:
 /// it was cut at `max_body`); otherwise an empty body is `BodyEmpty`, one
-/// that is not UTF-8 `BodyNotUtf8`, and one that is not JSON `BodyNotJson`. Any bytes at all give a reply: the fuzz tests
+/// that is not UTF-8 `BodyNotUtf8`, and one that is not JSON
+/// `BodyNotJson`. Any bytes at all give a reply: the fuzz tests
 /// (`tests/it/fuzz.rs`) hold it to that.
 pub fn read_reply(
     status: u16,

@@ -15,6 +15,7 @@ pub mod limits;
 mod ops;
 mod pass;
 mod permits;
+pub mod redirect;
 mod run;
 pub mod stats;
 mod step;

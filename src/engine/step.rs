@@ -685,10 +685,13 @@ impl StepRun<'_> {
             body,
             timeout: rt.config.timeout.0,
             max_body: rt.config.max_body,
-            follow_redirects: match (plan.polling, spec.method) {
-                (true, crate::pipeline::HttpMethod::Get) => rt.config.follow_redirects,
-                _ => 0,
-            },
+            follow: (plan.polling
+                && spec.method == crate::pipeline::HttpMethod::Get
+                && rt.config.follow_redirects > 0)
+                .then(|| super::redirect::Follow {
+                    max: rt.config.follow_redirects,
+                    within: rt.config.base_url.clone(),
+                }),
         })
     }
 }

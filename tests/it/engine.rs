@@ -2270,7 +2270,7 @@ async fn a_throttling_reply_cut_short_is_still_throttled() {
             body: Some("{}".into()),
             timeout: Duration::from_secs(5),
             max_body: 1 << 20,
-            follow_redirects: 0,
+            follow: None,
         };
         let x = exchange(&client, &call, &[], &ballast::domain::SystemClock).await;
         let c = classify(&rules, &x.reply);
@@ -2528,7 +2528,10 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "20ms", deadline = "30s" }
         assert_eq!(a.http_status, Some(302));
         assert_eq!(a.error_code.as_deref(), Some("redirect"));
         let excerpt = a.excerpt.as_deref().unwrap_or("");
-        assert!(excerpt.contains("[Location: /v1/elsewhere]"), "{excerpt}");
+        assert!(
+            excerpt.contains("[Location: http://127.0.0.1:") && excerpt.contains("/v1/elsewhere]"),
+            "{excerpt}"
+        );
     }
     // The poll followed its same-origin redirect, and says so.
     let rec = t.db.get_record(near.record.id).await.unwrap().unwrap();

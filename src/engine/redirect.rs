@@ -1,0 +1,142 @@
+//! Redirects, decided purely: whether an exchange may follow one (a job
+//! poll's `GET`, as its provider allows, within the provider's own base URL)
+//! and how a redirect's target is shown in the attempt history (without
+//! the credentials a URL may carry).
+
+use reqwest::Url;
+
+/// Which redirects a call may follow: at most `max`, each to a URL under
+/// `within` (the provider's base URL: same scheme, host, port and path
+/// prefix).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Follow {
+    pub max: u8,
+    pub within: String,
+}
+
+/// The next URL of an exchange, when `status` and `location` (the raw
+/// `Location` header) make a redirect the call may follow: a 301, 302,
+/// 303, 307 or 308 (not 304 "not modified" nor 300 or 305), fewer than
+/// `follow.max` followed so far (`done`), to a URL under `follow.within`
+/// with no user or password in it.
+pub fn next_hop(
+    current: &str,
+    status: u16,
+    location: Option<&[u8]>,
+    done: usize,
+    follow: Option<&Follow>,
+) -> Option<Url> {
+    let follow = follow?;
+    if !crate::domain::rules::is_redirect(status) || done >= usize::from(follow.max) {
+        return None;
+    }
+    let location = std::str::from_utf8(location?).ok()?;
+    let next = Url::parse(current).ok()?.join(location).ok()?;
+    let within = Url::parse(&follow.within).ok()?;
+    let prefix = within.path().trim_end_matches('/');
+    let under = next.path() == prefix || next.path().starts_with(&format!("{prefix}/"));
+    let same = next.scheme() == within.scheme()
+        && next.host() == within.host()
+        && next.port_or_known_default() == within.port_or_known_default()
+        && next.username().is_empty()
+        && next.password().is_none();
+    (same && under).then_some(next)
+}
+
+/// How a redirect's target is kept in the history: resolved against the
+/// URL it answered, without user, password or query (a presigned link's
+/// signature lives there; `?…` says there was one), at most 300 bytes.
+pub fn shown(current: &str, location: &[u8]) -> String {
+    let raw = String::from_utf8_lossy(location);
+    let text = match Url::parse(current).and_then(|u| u.join(&raw)) {
+        Ok(u) => {
+            let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+            let host = u.host_str().unwrap_or("");
+            let query = if u.query().is_some() { "?…" } else { "" };
+            format!("{}://{host}{port}{}{query}", u.scheme(), u.path())
+        }
+        Err(_) => match raw.split_once('?') {
+            Some((before, _)) => format!("{before}?… (not a URL)"),
+            None => format!("{raw} (not a URL)"),
+        },
+    };
+    crate::domain::excerpt(&text, 300).to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HERE: &str = "https://api.example.com/v2/jobs/7";
+
+    fn hop(location: &str, status: u16, done: usize) -> Option<String> {
+        let follow = Follow {
+            max: 2,
+            within: "https://api.example.com/v2".into(),
+        };
+        next_hop(HERE, status, Some(location.as_bytes()), done, Some(&follow))
+            .map(|u| u.to_string())
+    }
+
+    #[test]
+    fn follows_within_the_base_url_only() {
+        assert_eq!(
+            hop("/v2/jobs/7/result", 302, 0).as_deref(),
+            Some("https://api.example.com/v2/jobs/7/result")
+        );
+        assert_eq!(
+            hop("result", 303, 1).as_deref(),
+            Some("https://api.example.com/v2/jobs/result")
+        );
+        assert_eq!(
+            hop("https://api.example.com:443/v2/x", 307, 0).as_deref(),
+            Some("https://api.example.com/v2/x"),
+            "the default port is the same port"
+        );
+        for other in [
+            "/v3/jobs/7",
+            "/v2x/jobs",
+            "//evil.example/v2/x",
+            "\\\\evil.example/v2/x",
+            "https://api.example.com@evil.example/v2/x",
+            "https://user:pass@api.example.com/v2/x",
+            "http://api.example.com/v2/x",
+            "https://api.example.com:8443/v2/x",
+            "https://other.example.com/v2/x",
+        ] {
+            assert_eq!(hop(other, 302, 0), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn only_redirect_codes_within_the_bound() {
+        assert_eq!(hop("/v2/a", 302, 2), None, "the bound");
+        for status in [300, 304, 305, 200, 404] {
+            assert_eq!(hop("/v2/a", status, 0), None, "{status}");
+        }
+        for status in [301, 302, 303, 307, 308] {
+            assert!(hop("/v2/a", status, 0).is_some(), "{status}");
+        }
+        assert_eq!(next_hop(HERE, 302, Some(b"/v2/a"), 0, None), None);
+        assert_eq!(next_hop(HERE, 302, Some(b"/v2/\xff"), 0, None), None);
+        let follow = Follow {
+            max: 1,
+            within: "https://api.example.com/v2".into(),
+        };
+        assert_eq!(next_hop(HERE, 302, None, 0, Some(&follow)), None);
+    }
+
+    #[test]
+    fn targets_are_shown_without_credentials() {
+        assert_eq!(
+            shown(HERE, b"https://u:p@cdn.example/f.mp4?X-Amz-Signature=abc"),
+            "https://cdn.example/f.mp4?…"
+        );
+        assert_eq!(
+            shown(HERE, b"/v2/jobs/7/result"),
+            "https://api.example.com/v2/jobs/7/result"
+        );
+        assert_eq!(shown(HERE, b"http://h:8080/x"), "http://h:8080/x");
+        assert!(shown(HERE, "x".repeat(5_000).as_bytes()).len() <= 300);
+    }
+}
