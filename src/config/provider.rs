@@ -23,6 +23,13 @@ pub enum ConcurrencyScope {
     Node,
 }
 
+/// A `Content-Encoding` Ballast can decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContentEncoding {
+    Gzip,
+}
+
 /// The most redirects a poll may be allowed to follow.
 pub const MAX_REDIRECTS: u8 = 10;
 
@@ -52,6 +59,12 @@ pub struct ProviderConfig {
     /// otherwise).
     #[serde(default)]
     pub follow_redirects: u8,
+    /// `Content-Encoding`s decoded (`["gzip"]`): asked for with
+    /// `Accept-Encoding`, and `max_body` then bounds the decoded body, so a
+    /// small reply that inflates past it is `body_too_large`. A body in an
+    /// encoding not listed is kept as sent (and is then rarely JSON).
+    #[serde(default)]
+    pub decode: Vec<ContentEncoding>,
     /// Calls in flight at once: in the whole cluster, or on each node
     /// (`concurrency_scope`).
     #[serde(default = "defaults::concurrency")]

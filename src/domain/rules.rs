@@ -30,10 +30,13 @@ pub enum ReplyError {
     BodyEmpty,
     /// The body is not UTF-8 text, so it cannot be JSON either.
     BodyNotUtf8,
+    /// The body does not decode in its `Content-Encoding` (a corrupt or
+    /// truncated gzip stream).
+    BodyBadEncoding,
 }
 
 impl ReplyError {
-    pub const ALL: [ReplyError; 8] = [
+    pub const ALL: [ReplyError; 9] = [
         ReplyError::Timeout,
         ReplyError::Connect,
         ReplyError::Reset,
@@ -42,6 +45,7 @@ impl ReplyError {
         ReplyError::BodyNotJson,
         ReplyError::BodyEmpty,
         ReplyError::BodyNotUtf8,
+        ReplyError::BodyBadEncoding,
     ];
 
     /// Whether a rule naming `self` matches `actual`: a rule written for
@@ -64,6 +68,7 @@ impl ReplyError {
             ReplyError::BodyNotJson => "body_not_json",
             ReplyError::BodyEmpty => "body_empty",
             ReplyError::BodyNotUtf8 => "body_not_utf8",
+            ReplyError::BodyBadEncoding => "body_bad_encoding",
         }
     }
 
@@ -78,6 +83,7 @@ impl ReplyError {
             ReplyError::BodyNotJson => "body_not_json",
             ReplyError::BodyEmpty => "body_empty",
             ReplyError::BodyNotUtf8 => "body_not_utf8",
+            ReplyError::BodyBadEncoding => "body_bad_encoding",
         }
     }
 }

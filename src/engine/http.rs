@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use futures_util::StreamExt;
 use serde_json::Value;
 
+use crate::config::provider::ContentEncoding;
 use crate::domain::backoff::parse_retry_after;
 use crate::domain::rules::{Reply, ReplyError};
 use crate::domain::{Clock, EXCERPT_MAX_BYTES, excerpt};
@@ -34,6 +35,8 @@ pub struct Call {
     /// The redirects this call may follow (a poll's `GET`, as its provider
     /// allows); `None` for every other call.
     pub follow: Option<super::redirect::Follow>,
+    /// The `Content-Encoding`s this call's provider decodes.
+    pub decode: Vec<ContentEncoding>,
 }
 
 /// What came back, with the evidence kept for the attempt history.
@@ -138,6 +141,9 @@ pub async fn exchange(
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
                 .body(body.clone());
         }
+        if call.decode.contains(&ContentEncoding::Gzip) {
+            req = req.header(reqwest::header::ACCEPT_ENCODING, "gzip");
+        }
         let resp = match tokio::time::timeout_at(deadline, req.send()).await {
             Err(_) => {
                 return failed(
@@ -180,6 +186,15 @@ pub async fn exchange(
     // "Slow down" is said by the status and its Retry-After: a body that
     // then stalls or breaks does not make it a transport failure (which
     // would spend an attempt).
+    let encoding = resp
+        .headers()
+        .get(reqwest::header::CONTENT_ENCODING)
+        .map(|v| {
+            String::from_utf8_lossy(v.as_bytes())
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .filter(|e| !e.is_empty() && e != "identity");
     let throttling = status == 429 || (status == 503 && retry_after.is_some());
     let cut_short = |mut x: Exchange, e: ReplyError| {
         x.http_status = Some(status);
@@ -226,7 +241,18 @@ pub async fn exchange(
             }
         }
     }
-    let (mut reply, excerpt) = read_reply(status, &body, body_error, call.max_body, secrets);
+    let mut not_decoded = None;
+    if let (Some(enc), None) = (&encoding, body_error) {
+        if enc == "gzip" && call.decode.contains(&ContentEncoding::Gzip) {
+            (body, body_error) = gunzip(&body, call.max_body);
+        } else {
+            not_decoded = Some(format!("[Content-Encoding: {enc}, not decoded] "));
+        }
+    }
+    let (mut reply, mut excerpt) = read_reply(status, &body, body_error, call.max_body, secrets);
+    if let Some(note) = not_decoded {
+        excerpt = storable_excerpt(&format!("{}{excerpt}", self::excerpt(&note, 200)), secrets);
+    }
     if let Reply::Http {
         retry_after: named, ..
     } = &mut reply
@@ -263,6 +289,24 @@ fn with_redirects(
     // The lead never crowds the body out of the excerpt.
     let lead = excerpt(&lead, 1_024);
     storable_excerpt(&format!("{lead}{body}"), secrets)
+}
+
+/// A gzip body decoded, at most `max` bytes of it: more is cut there with
+/// `BodyTooLarge` (so a small reply that inflates to gigabytes costs at
+/// most `max + 1` bytes), a stream that does not decode is
+/// `BodyBadEncoding` (with what decoded before the fault).
+pub fn gunzip(body: &[u8], max: u64) -> (Vec<u8>, Option<ReplyError>) {
+    use std::io::Read;
+    let mut out = Vec::new();
+    let mut decoder = flate2::read::GzDecoder::new(body).take(max.saturating_add(1));
+    if decoder.read_to_end(&mut out).is_err() {
+        return (out, Some(ReplyError::BodyBadEncoding));
+    }
+    if out.len() as u64 > max {
+        out.truncate(usize::try_from(max).unwrap_or(usize::MAX));
+        return (out, Some(ReplyError::BodyTooLarge));
+    }
+    (out, None)
 }
 
 /// The reply a provider's status and body (as much of it as was read) make,
@@ -348,4 +392,39 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn gzip(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    #[test]
+    fn gzip_bodies_decode_within_the_limit() {
+        let json = br#"{"status": "succeeded"}"#;
+        assert_eq!(gunzip(&gzip(json), 1_024), (json.to_vec(), None));
+        // 64 MiB of zeros compress to about 64 KiB: decoding stops at the
+        // limit, holding no more than it.
+        let bomb = gzip(&vec![b'0'; 64 << 20]);
+        assert!(bomb.len() < 200 << 10, "{} bytes", bomb.len());
+        let (out, err) = gunzip(&bomb, 1 << 20);
+        assert_eq!(err, Some(ReplyError::BodyTooLarge));
+        assert_eq!(out.len(), 1 << 20);
+        // A stream that breaks off, or is not gzip at all.
+        let cut = gzip(&vec![b'x'; 10_000]);
+        assert_eq!(
+            gunzip(&cut[..cut.len() / 2], 1 << 20).1,
+            Some(ReplyError::BodyBadEncoding)
+        );
+        assert_eq!(
+            gunzip(b"plain text", 1 << 20).1,
+            Some(ReplyError::BodyBadEncoding)
+        );
+    }
 }

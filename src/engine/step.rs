@@ -692,6 +692,7 @@ impl StepRun<'_> {
                     max: rt.config.follow_redirects,
                     within: rt.config.base_url.clone(),
                 }),
+            decode: rt.config.decode.clone(),
         })
     }
 }

@@ -2271,6 +2271,7 @@ async fn a_throttling_reply_cut_short_is_still_throttled() {
             timeout: Duration::from_secs(5),
             max_body: 1 << 20,
             follow: None,
+            decode: Vec::new(),
         };
         let x = exchange(&client, &call, &[], &ballast::domain::SystemClock).await;
         let c = classify(&rules, &x.reply);
@@ -2557,4 +2558,120 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "20ms", deadline = "30s" }
     );
     // Only the near job's result was ever fetched.
     assert_eq!(targets.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// Bodies are read as sent, within bounds (issue 19 item 2): a provider
+/// that decodes gzip asks for it and reads the decoded body; a small reply
+/// that inflates to 64 MiB stops at `max_body` (`body_too_large`), and a
+/// provider that does not decode gzip keeps the bytes as sent, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_bodies_are_decoded_where_configured_and_bounded() {
+    use axum::http::{HeaderMap, header::CONTENT_ENCODING};
+    use axum::response::IntoResponse;
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+    let gzip = |data: &[u8]| {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    };
+    let ok = gzip(br#"{"status": "succeeded", "id": "c1"}"#);
+    let bomb = gzip(&vec![b' '; 64 << 20]);
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = axum::Router::new().route(
+        "/v1/{what}",
+        axum::routing::post({
+            let asked = asked.clone();
+            move |axum::extract::Path(what): axum::extract::Path<String>, headers: HeaderMap| async move {
+                let wants = headers
+                    .get("accept-encoding")
+                    .is_some_and(|v| v.to_str().unwrap_or("").contains("gzip"));
+                asked.fetch_add(usize::from(wants), Ordering::SeqCst);
+                let body = if what == "bomb" { bomb } else { ok };
+                ([(CONTENT_ENCODING, "gzip")], body).into_response()
+            }
+        }),
+    );
+    let base = crate::helpers::serve_router(app).await;
+    let provider = |name: &str, decode: &str| {
+        format!(
+            r#"
+[providers.{name}]
+base_url = "{base}"
+timeout = "5s"
+{decode}
+retry = {{ max_attempts = 2, base = "10ms", cap = "20ms", deadline = "60s", unknown_attempts = 1 }}
+[[providers.{name}.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+"#
+        )
+    };
+    let pipeline = |name: &str, provider: &str, path: &str| {
+        format!(
+            r#"
+[[pipelines.{name}.steps]]
+name = "call"
+provider = "{provider}"
+request = {{ method = "POST", path = "{path}", body = '{{}}' }}
+"#
+        )
+    };
+    let text = [
+        provider("dec", "decode = [\"gzip\"]"),
+        provider("raw", ""),
+        pipeline("ok", "dec", "/v1/ok"),
+        pipeline("bomb", "dec", "/v1/bomb"),
+        pipeline("raw", "raw", "/v1/ok"),
+    ]
+    .concat();
+    let config = Config::parse(&text, Path::new("gzip.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let t = TestDb::migrated(Backend::Sqlite, "gzip").await.unwrap();
+    let engine = Engine::new(t.db.clone(), Arc::new(config), options("gzip"))
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    for p in ["ok", "bomb", "raw"] {
+        ids.push(
+            engine
+                .enqueue(p, Some(p), json!({}))
+                .await
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    let (stop, run) = run_in_background(&engine);
+    wait_at_rest(&t.db, 3, Duration::from_secs(30)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let state = |id: i64| {
+        let db = t.db.clone();
+        async move {
+            let r = db.get_record(id).await.unwrap().unwrap();
+            let a = db.attempts(id).await.unwrap();
+            (r.state, a.last().unwrap().clone())
+        }
+    };
+    let (s, _) = state(ids[0]).await;
+    assert_eq!(s, RecordState::Succeeded);
+    let (s, a) = state(ids[1]).await;
+    assert_eq!(s, RecordState::Parked);
+    assert_eq!(
+        a.error_code.as_deref(),
+        Some("body_too_large"),
+        "{:?}",
+        a.excerpt
+    );
+    let (s, a) = state(ids[2]).await;
+    assert_eq!(s, RecordState::Parked);
+    assert_eq!(a.error_code.as_deref(), Some("body_not_utf8"));
+    let excerpt = a.excerpt.unwrap_or_default();
+    assert!(
+        excerpt.starts_with("[Content-Encoding: gzip, not decoded]"),
+        "{excerpt}"
+    );
+    // Only the decoding provider asked for gzip (its two calls).
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
 }
