@@ -23,24 +23,11 @@ pub enum ConcurrencyScope {
     Node,
 }
 
-/// A `Content-Encoding` Ballast can decode (`"gzip"`, `"br"`, `"zstd"`).
+/// A `Content-Encoding` Ballast can decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ContentEncoding {
     Gzip,
-    Br,
-    Zstd,
-}
-
-impl ContentEncoding {
-    /// Its token in `Content-Encoding` and `Accept-Encoding`.
-    pub fn token(self) -> &'static str {
-        match self {
-            ContentEncoding::Gzip => "gzip",
-            ContentEncoding::Br => "br",
-            ContentEncoding::Zstd => "zstd",
-        }
-    }
 }
 
 /// The most redirects a poll may be allowed to follow.
@@ -72,7 +59,7 @@ pub struct ProviderConfig {
     /// otherwise).
     #[serde(default)]
     pub follow_redirects: u8,
-    /// `Content-Encoding`s decoded (`["gzip", "br", "zstd"]`): asked for with
+    /// `Content-Encoding`s decoded (`["gzip"]`): asked for with
     /// `Accept-Encoding`, and `max_body` then bounds the decoded body, so a
     /// small reply that inflates past it is `body_too_large`. A body in an
     /// encoding not listed is kept as sent (and is then rarely JSON).
