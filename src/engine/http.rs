@@ -242,10 +242,13 @@ pub async fn exchange(
         }
     }
     let mut not_decoded = None;
-    if let (Some(enc), None) = (&encoding, body_error) {
-        if enc == "gzip" && call.decode.contains(&ContentEncoding::Gzip) {
+    if let Some(enc) = &encoding {
+        let gzip = enc == "gzip" && call.decode.contains(&ContentEncoding::Gzip);
+        // An empty body stays `body_empty`, and a body cut at `max_body`
+        // is not decoded (the excerpt shows the bytes as they came).
+        if gzip && body_error.is_none() && !body.is_empty() {
             (body, body_error) = gunzip(&body, call.max_body);
-        } else {
+        } else if !gzip || body_error.is_some() {
             not_decoded = Some(format!("[Content-Encoding: {enc}, not decoded] "));
         }
     }
@@ -291,22 +294,34 @@ fn with_redirects(
     storable_excerpt(&format!("{lead}{body}"), secrets)
 }
 
-/// A gzip body decoded, at most `max` bytes of it: more is cut there with
-/// `BodyTooLarge` (so a small reply that inflates to gigabytes costs at
-/// most `max + 1` bytes), a stream that does not decode is
-/// `BodyBadEncoding` (with what decoded before the fault).
+/// A gzip body (every member of it) decoded, at most `max` bytes of it:
+/// more is cut there with `BodyTooLarge`, so a small reply that inflates to
+/// gigabytes costs at most `max` bytes and a chunk of output (gzip's own
+/// window is 32 KiB: the decoder holds no more); a stream that does not
+/// decode is `BodyBadEncoding` (with what decoded before the fault).
 pub fn gunzip(body: &[u8], max: u64) -> (Vec<u8>, Option<ReplyError>) {
     use std::io::Read;
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    let mut decoder = flate2::read::MultiGzDecoder::new(body);
     let mut out = Vec::new();
-    let mut decoder = flate2::read::GzDecoder::new(body).take(max.saturating_add(1));
-    if decoder.read_to_end(&mut out).is_err() {
-        return (out, Some(ReplyError::BodyBadEncoding));
+    let mut chunk = [0u8; 32 * 1024];
+    loop {
+        match decoder.read(&mut chunk) {
+            Ok(0) => return (out, None),
+            Ok(n) if out.len() + n > max => {
+                let keep = max - out.len();
+                out.reserve_exact(keep);
+                out.extend_from_slice(&chunk[..keep]);
+                return (out, Some(ReplyError::BodyTooLarge));
+            }
+            Ok(n) => {
+                out.reserve_exact(n);
+                out.extend_from_slice(&chunk[..n]);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return (out, Some(ReplyError::BodyBadEncoding)),
+        }
     }
-    if out.len() as u64 > max {
-        out.truncate(usize::try_from(max).unwrap_or(usize::MAX));
-        return (out, Some(ReplyError::BodyTooLarge));
-    }
-    (out, None)
 }
 
 /// The reply a provider's status and body (as much of it as was read) make,
@@ -426,5 +441,12 @@ mod tests {
             gunzip(b"plain text", 1 << 20).1,
             Some(ReplyError::BodyBadEncoding)
         );
+        // Two members (some servers concatenate them) are one body.
+        let two = [gzip(b"{\"a\": "), gzip(b"1}")].concat();
+        assert_eq!(gunzip(&two, 1_024), (b"{\"a\": 1}".to_vec(), None));
+        // The output never grows past the limit, whatever the stream.
+        let (out, _) = gunzip(&bomb, 100_000);
+        assert_eq!(out.len(), 100_000);
+        assert!(out.capacity() <= 100_000 + 32 * 1024, "{}", out.capacity());
     }
 }
