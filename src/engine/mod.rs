@@ -86,6 +86,9 @@ type Compiled = (Arc<Pipeline>, Arc<Templates>);
 struct Inner {
     db: Db,
     config: Arc<Config>,
+    /// Pipelines that cap their groups (`group_concurrency`), read once
+    /// from the configuration: every claim sends them.
+    group_caps: Vec<(String, u32)>,
     opts: EngineOptions,
     clock: Arc<dyn Clock>,
     pipelines: Pipelines,
@@ -195,7 +198,7 @@ pub const MAX_GROUP_LEN: usize = 200;
 
 /// A group is named or absent: an empty name would be the same queue as
 /// none, and a very long one is a mistake.
-fn check_group(group: Option<&str>) -> Result<(), StoreError> {
+pub fn check_group(group: Option<&str>) -> Result<(), StoreError> {
     match group {
         Some("") => Err(StoreError::Invalid(
             "group is empty (leave it out for none)".into(),
@@ -249,11 +252,17 @@ impl Engine {
         let committing = Semaphore::new(opts.max_in_flight.max(1));
         let opts_node = opts.node_id.clone();
         let committer = committer::Committer::spawn(db.clone(), clock.clone());
+        let group_caps = config
+            .pipelines
+            .iter()
+            .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
+            .collect();
         Ok(Engine {
             inner: Arc::new(Inner {
                 committer,
                 db,
                 config,
+                group_caps,
                 opts,
                 clock,
                 pipelines,

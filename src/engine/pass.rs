@@ -116,11 +116,7 @@ impl Engine {
         match result {
             Ok(after) => {
                 // A lease of a capped group ended: the group has room again.
-                let capped = i
-                    .config
-                    .pipelines
-                    .get(&after.pipeline)
-                    .is_some_and(|p| p.group_concurrency.is_some());
+                let capped = i.group_caps.iter().any(|(p, _)| *p == after.pipeline);
                 if after.state == crate::domain::RecordState::Pending || capped {
                     i.wake.notify_one();
                 }

@@ -338,6 +338,12 @@ impl ClusterLimits {
         (!req.close.is_empty() || !req.windows.is_empty() || req.slots.is_some()).then_some(req)
     }
 
+    /// This node's calls holding or waiting for a slot at this moment.
+    fn wanted_now(&self, s: &Slots, sem: &Semaphore) -> i64 {
+        let in_use = (s.issued - sem.available_permits() as i64).max(0);
+        in_use + self.waiting.load(Ordering::Relaxed) as i64
+    }
+
     /// The slots part of a request: this node's need (the cluster decides
     /// its share and any headroom), or `None` when the cluster knows it.
     fn slot_request(
@@ -347,9 +353,8 @@ impl ClusterLimits {
         why: Why,
         sem: &Semaphore,
     ) -> Option<SlotRequest> {
-        let in_use = (s.issued - sem.available_permits() as i64).max(0);
-        let waiting = self.waiting.load(Ordering::Relaxed) as i64;
-        let need = s.peak.max(in_use + waiting).min(i64::from(s.cap));
+        let now_wanted = self.wanted_now(s, sem);
+        let need = s.peak.max(now_wanted).min(i64::from(s.cap));
         // Slots this node cannot be given (its need and the most headroom)
         // leave the semaphore before the cluster hears of it, so no call
         // starts on a slot another node may be granted meanwhile. What is
@@ -377,7 +382,7 @@ impl ClusterLimits {
         if !ask {
             return None;
         }
-        s.peak = in_use + waiting;
+        s.peak = now_wanted;
         Some(SlotRequest {
             ask: SlotAsk {
                 cap: s.cap,
@@ -462,9 +467,7 @@ impl ClusterLimits {
     pub fn took_slot(&self, sem: &Semaphore) {
         if let Some(slots) = &self.slots {
             let mut s = lock(slots);
-            let in_use = (s.issued - sem.available_permits() as i64).max(0);
-            let waiting = self.waiting.load(Ordering::Relaxed) as i64;
-            s.peak = s.peak.max(in_use + waiting);
+            s.peak = s.peak.max(self.wanted_now(&s, sem));
         }
     }
 

@@ -66,12 +66,7 @@ impl Engine {
             now: i.clock.now_ms(),
             lease: i.opts.lease,
             limit,
-            group_caps: i
-                .config
-                .pipelines
-                .iter()
-                .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
-                .collect(),
+            group_caps: i.group_caps.clone(),
         };
         let started = i.clock.instant();
         let claimed = i.db.claim_due(&req).await?;

@@ -52,31 +52,23 @@ async fn capped_leases(
 /// queue (finished records are not in the index).
 async fn queue_heads(conn: &mut SqliteConnection) -> StoreResult<Vec<(String, String, UnixMs)>> {
     let mut heads: Vec<(String, String, UnixMs)> = Vec::new();
+    // Pipeline names are never empty, so ('', '') comes before every queue.
+    let (mut pipeline, mut group) = (String::new(), String::new());
     loop {
-        let next: Option<(String, String, UnixMs)> = match heads.last() {
-            None => {
-                sqlx::query_as(
-                    "SELECT pipeline, group_key, next_run_at FROM records \
-                     WHERE next_run_at IS NOT NULL \
-                     ORDER BY pipeline, group_key, next_run_at LIMIT 1",
-                )
-                .fetch_optional(&mut *conn)
-                .await?
-            }
-            Some((pipeline, group, _)) => {
-                sqlx::query_as(
-                    "SELECT pipeline, group_key, next_run_at FROM records \
-                     WHERE next_run_at IS NOT NULL AND (pipeline, group_key) > ($1, $2) \
-                     ORDER BY pipeline, group_key, next_run_at LIMIT 1",
-                )
-                .bind(pipeline.clone())
-                .bind(group.clone())
-                .fetch_optional(&mut *conn)
-                .await?
-            }
-        };
+        let next: Option<(String, String, UnixMs)> = sqlx::query_as(
+            "SELECT pipeline, group_key, next_run_at FROM records \
+             WHERE next_run_at IS NOT NULL AND (pipeline, group_key) > ($1, $2) \
+             ORDER BY pipeline, group_key, next_run_at LIMIT 1",
+        )
+        .bind(&pipeline)
+        .bind(&group)
+        .fetch_optional(&mut *conn)
+        .await?;
         match next {
-            Some(head) => heads.push(head),
+            Some(head) => {
+                (pipeline, group) = (head.0.clone(), head.1.clone());
+                heads.push(head);
+            }
             None => return Ok(heads),
         }
     }

@@ -124,17 +124,8 @@ async fn enqueue(
             return Err(WebError::bad("invalid_key", "key must be 1-200 characters"));
         }
     }
-    if let Some(g) = &body.group {
-        if g.is_empty() || g.chars().count() > crate::engine::MAX_GROUP_LEN {
-            return Err(WebError::bad(
-                "invalid_group",
-                format!(
-                    "group must be 1-{} characters",
-                    crate::engine::MAX_GROUP_LEN
-                ),
-            ));
-        }
-    }
+    crate::engine::check_group(body.group.as_deref())
+        .map_err(|e| WebError::bad("invalid_group", e.to_string()))?;
     let created = engine
         .enqueue_in(
             &body.pipeline,
