@@ -2296,7 +2296,7 @@ async fn a_throttling_reply_cut_short_is_still_throttled() {
 /// records wait out the rate limit (deferred, they are not due, and a
 /// claim then serves only `x`). Stated: at most 3 × 100 + 50 + 32 = 382 of
 /// `x` finish between `y`'s enqueue and `y`'s last success (seen: 139 to
-/// 217). In due order it is every record of `x` left, about 9,800.
+/// 230). In due order it is every record of `x` left, about 9,800.
 async fn a_backlog_does_not_starve_another_group(backend: Backend) {
     let Some(t) = TestDb::migrated(backend, "fair_share").await else {
         return;
