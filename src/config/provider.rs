@@ -30,6 +30,15 @@ pub enum ContentEncoding {
     Gzip,
 }
 
+impl ContentEncoding {
+    /// The name sent in `Accept-Encoding`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContentEncoding::Gzip => "gzip",
+        }
+    }
+}
+
 /// The most redirects a poll may be allowed to follow.
 pub const MAX_REDIRECTS: u8 = 10;
 
@@ -42,6 +51,11 @@ pub struct ProviderConfig {
     /// A header carrying a credential taken from the environment.
     #[serde(default)]
     pub auth: Option<AuthConfig>,
+    /// OAuth2 client credentials instead of a static header: a token
+    /// fetched, cached and shared by this node's calls, renewed before it
+    /// expires and once on a `401`.
+    #[serde(default)]
+    pub oauth2: Option<OAuth2Config>,
     /// Per-attempt timeout for the whole exchange.
     #[serde(default = "defaults::timeout")]
     pub timeout: HumanDuration,
@@ -117,6 +131,45 @@ pub struct AuthConfig {
     /// Written before the credential, e.g. `Bearer`.
     #[serde(default)]
     pub scheme: Option<String>,
+}
+
+/// `oauth2 = { token_url = "https://auth.example.com/oauth/token",
+/// client_id_env = "ACME_CLIENT_ID", client_secret_env = "ACME_CLIENT_SECRET",
+/// scopes = ["jobs"] }`: the client-credentials grant (RFC 6749 §4.4).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OAuth2Config {
+    /// The token endpoint (an absolute http(s) URL; it need not be under
+    /// `base_url`).
+    pub token_url: String,
+    /// Environment variables holding the client's id and secret (never the
+    /// values).
+    pub client_id_env: String,
+    pub client_secret_env: String,
+    /// Scopes asked for, sent space-separated; none by default.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// How the client authenticates to the token endpoint: `"basic"` (HTTP
+    /// Basic, the RFC's default) or `"body"` (`client_id` and
+    /// `client_secret` in the form).
+    #[serde(default)]
+    pub client_auth: ClientAuth,
+    /// How long before its expiry a token is renewed (at most half its
+    /// lifetime).
+    #[serde(default = "defaults::renew_before")]
+    pub renew_before: HumanDuration,
+    /// The header the token is sent in, as `Bearer <token>`.
+    #[serde(default = "defaults::token_header")]
+    pub header: String,
+}
+
+/// How a client proves itself to a token endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientAuth {
+    #[default]
+    Basic,
+    Body,
 }
 
 /// `retry = { max_attempts = 8, base = "500ms", cap = "2m", deadline = "30m", budget = 0.2 }`
@@ -321,6 +374,14 @@ mod defaults {
     pub fn yes() -> bool {
         true
     }
+    pub fn renew_before() -> HumanDuration {
+        HumanDuration(Duration::from_secs(60))
+    }
+
+    pub fn token_header() -> String {
+        "Authorization".into()
+    }
+
     pub fn signature_header() -> String {
         "x-signature".into()
     }
@@ -437,6 +498,34 @@ impl ProviderConfig {
                 ));
             }
         }
+        if let Some(o) = &self.oauth2 {
+            if self.auth.is_some() {
+                return Err(invalid(
+                    "oauth2",
+                    "a provider uses `auth` or `oauth2`, not both".into(),
+                ));
+            }
+            if !(o.token_url.starts_with("http://") || o.token_url.starts_with("https://")) {
+                return Err(invalid(
+                    "oauth2.token_url",
+                    format!("`{}` must start with http:// or https://", o.token_url),
+                ));
+            }
+            if o.header.trim().is_empty() {
+                return Err(invalid("oauth2.header", "must not be empty".into()));
+            }
+            for (field, var) in [
+                ("oauth2.client_id_env", &o.client_id_env),
+                ("oauth2.client_secret_env", &o.client_secret_env),
+            ] {
+                if env(var).is_none() {
+                    return Err(invalid(
+                        field,
+                        format!("environment variable {var} is not set"),
+                    ));
+                }
+            }
+        }
         for var in &self.webhook_secrets_env {
             if env(var).is_none() {
                 return Err(invalid(
@@ -518,13 +607,26 @@ impl ProviderConfig {
     }
 
     /// The raw credential, for scrubbing it from anything stored: providers
-    /// sometimes echo the key they were sent in an error body.
+    /// sometimes echo the key they were sent in an error body. With OAuth2,
+    /// the client secret (a token is added by the engine, which holds it).
     pub fn credential(
         &self,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Option<crate::config::Secret> {
+        if let Some(o) = &self.oauth2 {
+            return env(&o.client_secret_env).map(crate::config::Secret::new);
+        }
         let auth = self.auth.as_ref()?;
         env(&auth.value_env).map(crate::config::Secret::new)
+    }
+
+    /// The header carrying this provider's credential, if it has one.
+    pub fn credential_header(&self) -> Option<&str> {
+        match (&self.auth, &self.oauth2) {
+            (Some(a), _) => Some(&a.header),
+            (None, Some(o)) => Some(&o.header),
+            (None, None) => None,
+        }
     }
 
     /// The credential header, read from the environment at call time.

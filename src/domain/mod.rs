@@ -10,10 +10,12 @@ pub mod model;
 pub mod pass;
 pub mod permits;
 pub mod pipeline;
+pub mod request;
 pub mod rules;
 pub mod state;
 pub mod step;
 pub mod time;
+pub mod token;
 
 pub use model::*;
 pub use state::{

@@ -242,6 +242,9 @@ pub struct Attempt {
     pub error_code: Option<String>,
     /// At most [`EXCERPT_MAX_BYTES`] of the reply or error, for evidence.
     pub excerpt: Option<String>,
+    /// What was sent, credentials removed; `None` for a webhook delivery
+    /// and for attempts older than the column.
+    pub request: Option<super::request::SentRequest>,
 }
 
 /// The longest body excerpt kept with an attempt.

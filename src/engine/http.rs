@@ -28,6 +28,9 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 pub struct Call {
     pub method: HttpMethod,
     pub url: String,
+    /// Every header sent (`Content-Type` and `Accept-Encoding` included;
+    /// the client adds only `Host`, `Content-Length` and the like), so the
+    /// request the history keeps is the request that left.
     pub headers: Vec<(String, String)>,
     pub body: Option<String>,
     pub timeout: Duration,
@@ -137,12 +140,7 @@ pub async fn exchange(
             req = req.header(k, v);
         }
         if let Some(body) = &call.body {
-            req = req
-                .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .body(body.clone());
-        }
-        if call.decode.contains(&ContentEncoding::Gzip) {
-            req = req.header(reqwest::header::ACCEPT_ENCODING, "gzip");
+            req = req.body(body.clone());
         }
         let resp = match tokio::time::timeout_at(deadline, req.send()).await {
             Err(_) => {

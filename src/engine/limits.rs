@@ -69,6 +69,8 @@ pub struct ProviderRuntime {
     published_throttle: std::sync::atomic::AtomicI64,
     /// Answers calls in-process instead of over HTTP (benchmarks).
     pub in_process: Option<super::http::InProcess>,
+    /// The provider's OAuth2 token on this node, when it uses one.
+    pub token: Option<super::token::TokenSource>,
 }
 
 /// The longest a call started before a grant or probe lapsed may still be
@@ -94,7 +96,17 @@ impl ProviderRuntime {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("provider {name}: cannot build HTTP client: {e}"))?;
+        let token = match &config.oauth2 {
+            Some(o) => Some(
+                super::token::TokenSource::new(o, &|v| std::env::var(v).ok(), config.timeout.0)
+                    .ok_or_else(|| {
+                        format!("provider {name}: the OAuth2 client id or secret is not set")
+                    })?,
+            ),
+            None => None,
+        };
         Ok(ProviderRuntime {
+            token,
             name: name.to_owned(),
             rules,
             client,

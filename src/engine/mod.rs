@@ -19,6 +19,7 @@ pub mod redirect;
 mod run;
 pub mod stats;
 mod step;
+pub mod token;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

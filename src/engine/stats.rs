@@ -203,6 +203,7 @@ mod tests {
             outcome,
             error_code: None,
             excerpt: None,
+            request: None,
         };
         s.attempts(
             "pl",

@@ -12,10 +12,13 @@ use serde_json::{Map, Value, json};
 use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
 use super::permits::{Short, Taken, Why};
+use super::token::NoToken;
+use crate::config::Secret;
 use crate::domain::breaker::{Admit, ProbeGrant, SharedOp};
+use crate::domain::request::{Outgoing, SentRequest};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
-    Before, BudgetMove, Decision, Delivery, Judged, Park, Planned, ReplyFacts, after_reply,
+    Before, BudgetMove, Decision, Delivery, Park, Planned, ReplyFacts, after_reply,
     apply_deliveries, before_call, defer, park_or_fail, spend_attempt, template_failed,
 };
 use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
@@ -203,6 +206,10 @@ pub struct StepRun<'a> {
     pub stopping: &'a super::Stopping,
 }
 
+/// The error code of a `401` answered to a call whose OAuth2 token was
+/// then renewed (and the call sent again).
+pub const TOKEN_REFUSED: &str = "token_expired";
+
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
@@ -258,21 +265,44 @@ impl StepRun<'_> {
             Before::Deliveries => return self.apply_callbacks(rt),
             Before::Call(plan) => plan,
         };
+        // A token before anything else: without one there is no call, and
+        // the step waits like behind an open breaker.
+        let token = match self.token(rt).await {
+            Ok(t) => t,
+            Err(out) => return out,
+        };
         let mut granted = match self.gate(rt, &plan).await {
             Ok(g) => g,
             Err(out) => return out,
         };
-        let call = match self.build_call(rt, &plan) {
+        let call = match self.build_call(rt, &plan, token.as_ref()) {
             Ok(c) => c,
             Err(e) => return StepOutput::new(template_failed(plan.write, e, now)),
         };
         spend_attempt(&mut plan);
         let attempt_no = plan.write.attempts.max(1);
-        let started = self.clock.now_ms();
+        let mut started = self.clock.now_ms();
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         granted.flight.sent = true;
-        let x = self.exchange(rt, &call).await;
+        let mut x = self.exchange(rt, &call, token.as_ref()).await;
+        let mut sent = self.sent(rt, &call, token.as_ref());
+        let mut refused = None;
+        if let (Some(t), Some(401)) = (&token, x.http_status) {
+            // The token was refused: renewed once and the call sent again,
+            // the 401 kept as evidence without spending the attempt.
+            let first = self.refused_attempt(rt, (attempt_no, started), &x, sent);
+            match self.resend(rt, &plan, t).await {
+                Ok((again, sent_again, at, _flight)) => {
+                    (x, sent, started) = (again, sent_again, at);
+                    refused = Some(first);
+                }
+                Err(mut out) => {
+                    out.attempts.insert(0, first);
+                    return out;
+                }
+            }
+        }
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
@@ -314,9 +344,10 @@ impl StepRun<'_> {
             fastrand::f64(),
         );
         self.move_budget(rt, judged.budget, after);
-        let attempt = self.attempt(rt, &judged, (attempt_no, started), &x);
+        let verdict = (judged.outcome, judged.error_code.clone());
+        let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, sent);
         StepOutput {
-            attempts: vec![attempt],
+            attempts: refused.into_iter().chain([attempt]).collect(),
             breaker,
             throttled,
             ..StepOutput::new(judged.decision)
@@ -536,15 +567,90 @@ impl StepRun<'_> {
     /// error, in a field a step keeps as output), or send NUL characters:
     /// the reply comes back storable, so the key reaches no output, job
     /// id, excerpt or log.
-    async fn exchange(&self, rt: &ProviderRuntime, call: &Call) -> Exchange {
+    async fn exchange(
+        &self,
+        rt: &ProviderRuntime,
+        call: &Call,
+        token: Option<&Secret>,
+    ) -> Exchange {
         let key = rt.config.credential(&|var| std::env::var(var).ok());
-        let key = key.as_ref().map(|k| k.expose());
+        let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
         match &rt.in_process {
-            Some(p) => {
-                super::http::exchange_in_process(p.0.as_ref(), call, key.as_slice(), self.clock)
-            }
-            None => exchange(&rt.client, call, key.as_slice(), self.clock).await,
+            Some(p) => super::http::exchange_in_process(p.0.as_ref(), call, &secrets, self.clock),
+            None => exchange(&rt.client, call, &secrets, self.clock).await,
         }
+    }
+
+    /// The provider's OAuth2 token, when it uses one; without one the step
+    /// is deferred until the endpoint may answer (no attempt spent), with
+    /// the endpoint's error code.
+    async fn token(&self, rt: &ProviderRuntime) -> Result<Option<Secret>, StepOutput> {
+        let Some(src) = &rt.token else {
+            return Ok(None);
+        };
+        match src.get(&rt.client, self.clock).await {
+            Ok(t) => Ok(Some(t)),
+            Err(no) => Err(self.no_token(&no)),
+        }
+    }
+
+    /// The step deferred for want of a token, the endpoint's error kept as
+    /// the step's error code and reason.
+    fn no_token(&self, no: &NoToken) -> StepOutput {
+        let mut out = self.deferred(no.until, no.error.code());
+        out.write.error_code = Some(no.error.code().to_owned());
+        out.write.reason = Some(format!("no OAuth2 token: {}", no.error.detail()));
+        out
+    }
+
+    /// After a `401` to a call with `refused`: a renewed token (or the one
+    /// another call renewed meanwhile), a place in the rate limits, and the
+    /// call sent again with it. Returns the reply, the request kept, when
+    /// it was sent, and its place in the limits (held until the reply is
+    /// judged).
+    async fn resend<'r>(
+        &'r self,
+        rt: &'r ProviderRuntime,
+        plan: &Planned,
+        refused: &Secret,
+    ) -> Result<(Exchange, SentRequest, UnixMs, Flight<'r>), StepOutput> {
+        let src = rt
+            .token
+            .as_ref()
+            .ok_or_else(|| self.deferred(self.now, "no token source"))?;
+        let token = src
+            .renew(refused, &rt.client, self.clock)
+            .await
+            .map_err(|no| self.no_token(&no))?;
+        let wait_until = self.clock.now_ms() + ms(self.max_wait);
+        let taken = self.rate_limit(rt, wait_until).await?;
+        let flight = Flight {
+            rt,
+            clock: self.clock,
+            taken,
+            sent: true,
+        };
+        let call = self
+            .build_call(rt, plan, Some(&token))
+            .map_err(|e| StepOutput::new(template_failed(plan.write.clone(), e, self.now)))?;
+        let at = self.clock.now_ms();
+        let x = self.exchange(rt, &call, Some(&token)).await;
+        let sent = self.sent(rt, &call, Some(&token));
+        Ok((x, sent, at, flight))
+    }
+
+    /// A `401` to a call whose token was then renewed: kept in the history
+    /// as the attempt it was sent for (same number), spending nothing.
+    fn refused_attempt(
+        &self,
+        rt: &ProviderRuntime,
+        number: (i32, UnixMs),
+        x: &Exchange,
+        sent: SentRequest,
+    ) -> NewAttempt {
+        self.count(rt, Outcome::Retry, x.took);
+        let verdict = (Outcome::Retry, Some(TOKEN_REFUSED.to_owned()));
+        self.attempt(rt, verdict, number, x, sent)
     }
 
     fn count(&self, rt: &ProviderRuntime, outcome: Outcome, took: Duration) {
@@ -577,9 +683,10 @@ impl StepRun<'_> {
     fn attempt(
         &self,
         rt: &ProviderRuntime,
-        judged: &Judged,
+        (outcome, error_code): (Outcome, Option<String>),
         (attempt_no, started): (i32, UnixMs),
         x: &Exchange,
+        sent: SentRequest,
     ) -> NewAttempt {
         NewAttempt {
             step: self.step.name.clone(),
@@ -589,10 +696,25 @@ impl StepRun<'_> {
             started_at: started,
             duration_ms: ms(x.took),
             http_status: x.http_status.map(i32::from),
-            outcome: judged.outcome,
-            error_code: judged.error_code.clone(),
+            outcome,
+            error_code,
             excerpt: Some(x.excerpt.clone()),
+            request: Some(sent),
         }
+    }
+
+    /// The call as the history keeps it, credentials removed
+    /// (`domain::request`).
+    fn sent(&self, rt: &ProviderRuntime, call: &Call, token: Option<&Secret>) -> SentRequest {
+        let key = rt.config.credential(&|var| std::env::var(var).ok());
+        let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
+        let out = Outgoing {
+            method: call.method.as_str(),
+            url: &call.url,
+            headers: &call.headers,
+            body: call.body.as_deref(),
+        };
+        SentRequest::of(&out, rt.config.credential_header(), &secrets)
     }
 
     /// Applies webhook deliveries (`domain::step::apply_deliveries`); each
@@ -625,6 +747,7 @@ impl StepRun<'_> {
                     crate::domain::excerpt(&cb.body.to_string(), crate::domain::EXCERPT_MAX_BYTES)
                         .to_owned(),
                 ),
+                request: None,
             })
             .collect();
         StepOutput {
@@ -637,7 +760,12 @@ impl StepRun<'_> {
     /// The call the plan makes: the poll request for a poll, the step's
     /// request otherwise, rendered over the record's context (and the job
     /// id, for a poll).
-    fn build_call(&self, rt: &ProviderRuntime, plan: &Planned) -> Result<Call, String> {
+    fn build_call(
+        &self,
+        rt: &ProviderRuntime,
+        plan: &Planned,
+        token: Option<&Secret>,
+    ) -> Result<Call, String> {
         let spec: &RequestSpec = match (self.step.poll(), plan.polling) {
             (Some(p), true) => &p.request,
             _ => &self.step.request,
@@ -665,6 +793,9 @@ impl StepRun<'_> {
         if let Some((h, v)) = rt.config.auth_header(&|var| std::env::var(var).ok()) {
             headers.push((h, v.expose().to_owned()));
         }
+        if let (Some(src), Some(t)) = (&rt.token, token) {
+            headers.push((src.header().to_owned(), format!("Bearer {}", t.expose())));
+        }
         if spec.method != crate::pipeline::HttpMethod::Get {
             let key = idempotency_key(
                 self.installation,
@@ -678,6 +809,15 @@ impl StepRun<'_> {
             Some(id) => Some(render(id)?),
             None => None,
         };
+        let named =
+            |h: &[(String, String)], n: &str| h.iter().any(|(k, _)| k.eq_ignore_ascii_case(n));
+        if body.is_some() && !named(&headers, "content-type") {
+            headers.push(("Content-Type".into(), "application/json".into()));
+        }
+        if !rt.config.decode.is_empty() && !named(&headers, "accept-encoding") {
+            let codings: Vec<&str> = rt.config.decode.iter().map(|c| c.as_str()).collect();
+            headers.push(("Accept-Encoding".into(), codings.join(", ")));
+        }
         Ok(Call {
             method: spec.method,
             url,

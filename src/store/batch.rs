@@ -223,6 +223,7 @@ json_row!(AttemptJson, ATTEMPT_COLS {
     outcome: &'static str => Text,
     error_code: Option<&'a str> => Text,
     excerpt: Option<&'a str> => Text,
+    request: Option<String> => Text,
 });
 
 impl<'a> AttemptJson<'a> {
@@ -242,6 +243,7 @@ impl<'a> AttemptJson<'a> {
                 .excerpt
                 .as_deref()
                 .map(|e| crate::domain::excerpt(e, crate::domain::EXCERPT_MAX_BYTES)),
+            request: a.request.as_ref().map(|r| r.to_stored()),
         }
     }
 }

@@ -34,6 +34,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     4 "0004_cluster_breaker" "cluster_breaker",
     5 "0005_provider_grants" "provider_grants",
     6 "0006_fair_queues" "fair_queues",
+    7 "0007_attempt_requests" "attempt_requests",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -42,6 +43,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     4 "0004_cluster_breaker" "cluster_breaker",
     5 "0005_provider_grants" "provider_grants",
     6 "0006_fair_queues" "fair_queues",
+    7 "0007_attempt_requests" "attempt_requests",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

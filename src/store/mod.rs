@@ -229,6 +229,8 @@ pub struct NewAttempt {
     pub outcome: Outcome,
     pub error_code: Option<String>,
     pub excerpt: Option<String>,
+    /// What was sent, credentials removed; `None` for a webhook delivery.
+    pub request: Option<crate::domain::request::SentRequest>,
 }
 
 /// What a worker writes about a record it holds, in one transaction.

@@ -26,7 +26,7 @@ pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, externa
 pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
      job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at";
 pub(crate) const ATTEMPT_COLUMNS: &str = "id, record_id, step, provider, attempt_no, node, started_at, \
-     duration_ms, http_status, outcome, error_code, excerpt";
+     duration_ms, http_status, outcome, error_code, excerpt, request";
 pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
 pub(crate) const USER_COLUMNS: &str =
@@ -157,6 +157,9 @@ where
             outcome: parse(&self.try_get::<String, _>("outcome")?, "outcome")?,
             error_code: self.try_get("error_code")?,
             excerpt: self.try_get("excerpt")?,
+            request: self
+                .try_get::<Option<String>, _>("request")?
+                .and_then(|t| crate::domain::request::SentRequest::from_stored(&t)),
         })
     }
 

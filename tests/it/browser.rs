@@ -202,6 +202,12 @@ async fn the_dashboard_works_in_a_real_browser() {
             outcome: Outcome::Retry,
             error_code: Some("http_5xx".into()),
             excerpt: Some(payload.into()),
+            request: Some(ballast::domain::request::SentRequest {
+                method: "POST".into(),
+                url: format!("https://crm.example/{payload}"),
+                headers: vec![("X-Test".into(), payload.into())],
+                body: Some(payload.into()),
+            }),
         })
         .collect();
     app.t.db.append_attempts(parked, &attempts).await.unwrap();
@@ -243,6 +249,35 @@ async fn the_dashboard_works_in_a_real_browser() {
         "the payload shows as text"
     );
     assert!(text_of(c, ".facts").await.contains("attempts exhausted"));
+    // Each attempt shows the request sent beside the reply (issue 19
+    // item 4): in one row, the request to the left of the reply.
+    let beside = c
+        .execute(
+            "const row = document.querySelector('#attempts tbody tr');
+             const q = row && row.querySelector('pre.request');
+             const p = row && row.querySelector('pre.reply');
+             if (!q || !p) return null;
+             const a = q.getBoundingClientRect(), b = p.getBoundingClientRect();
+             return { request: q.textContent, reply: p.textContent,
+                      beside: a.right <= b.left && a.top < b.bottom && b.top < a.bottom };",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(beside["beside"], json!(true), "{beside}");
+    let request = beside["request"].as_str().unwrap_or("");
+    assert!(
+        request.starts_with("POST https://crm.example/<script>")
+            && request.contains("\nX-Test: <script>"),
+        "{request}"
+    );
+    assert!(
+        beside["reply"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("<script>"),
+        "{beside}"
+    );
     shot(c, "record-detail").await;
     // Were the payload live, it would run while the page loads: a script
     // as it is parsed, the image's error handler before the load event.

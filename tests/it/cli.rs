@@ -170,20 +170,21 @@ async fn migrate_round_trip(backend: Backend) {
             && pending.contains("0003     pending    throttled")
             && pending.contains("0004     pending    cluster_breaker")
             && pending.contains("0005     pending    provider_grants")
-            && pending.contains("0006     pending    fair_queues"),
+            && pending.contains("0006     pending    fair_queues")
+            && pending.contains("0007     pending    attempt_requests"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);
     assert!(
-        up.contains("[1/6] applying 0001 core")
+        up.contains("[1/7] applying 0001 core")
             && up.contains("applied 0001")
-            && up.contains("[2/6] applied 0002")
-            && up.contains("[6/6] applied 0006"),
+            && up.contains("[2/7] applied 0002")
+            && up.contains("[7/7] applied 0007"),
         "{up}"
     );
     assert!(
         up.contains(&format!(
-            "{}: 6 applied; schema at version 6",
+            "{}: 7 applied; schema at version 7",
             backend.as_str()
         )),
         "{up}"
@@ -200,7 +201,7 @@ async fn migrate_round_trip(backend: Backend) {
     // Without --to, down reverts the latest migration only.
     let down = run(&["migrate", "down"]);
     assert!(
-        down.contains("reverted 0006") && !down.contains("reverted 0005"),
+        down.contains("reverted 0007") && !down.contains("reverted 0006"),
         "{down}"
     );
 }

@@ -2675,3 +2675,238 @@ request = {{ method = "POST", path = "{path}", body = '{{}}' }}
     // Only the decoding provider asked for gzip (its two calls).
     assert_eq!(asked.load(Ordering::SeqCst), 2);
 }
+
+/// An OAuth2 provider for one test: a token endpoint that checks the
+/// client's Basic credentials and can be taken down, and a charge that
+/// wants the latest token granted and echoes the header it got (as
+/// careless providers do), in success and in its 401.
+#[derive(Default)]
+struct TokenProvider {
+    /// The token the charge accepts; "" accepts none.
+    valid: String,
+    granted: Vec<String>,
+    down: bool,
+    charges: usize,
+}
+
+async fn oauth2_provider(state: Arc<std::sync::Mutex<TokenProvider>>, basic: String) -> String {
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::response::IntoResponse;
+    let auth = |h: &HeaderMap| {
+        h.get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let (s1, s2) = (state.clone(), state);
+    let app = axum::Router::new()
+        .route(
+            "/oauth/token",
+            axum::routing::post(move |headers: HeaderMap, form: String| async move {
+                let mut s = s1.lock().unwrap();
+                if s.down {
+                    return (StatusCode::SERVICE_UNAVAILABLE, "down for maintenance")
+                        .into_response();
+                }
+                if auth(&headers) != basic || !form.contains("grant_type=client_credentials") {
+                    let err = json!({ "error": "invalid_client" });
+                    return (StatusCode::UNAUTHORIZED, axum::Json(err)).into_response();
+                }
+                let token = format!(
+                    "tok-{}-{}",
+                    s.granted.len() + 1,
+                    uuid::Uuid::new_v4().simple()
+                );
+                s.granted.push(token.clone());
+                s.valid = token.clone();
+                let grant =
+                    json!({ "access_token": token, "token_type": "bearer", "expires_in": 3600 });
+                axum::Json(grant).into_response()
+            }),
+        )
+        .route(
+            "/v1/charge",
+            axum::routing::post(move |headers: HeaderMap| async move {
+                let mut s = s2.lock().unwrap();
+                let got = auth(&headers);
+                if s.valid.is_empty() || got != format!("Bearer {}", s.valid) {
+                    let err = json!({ "error": "invalid_token", "got": got });
+                    return (StatusCode::UNAUTHORIZED, axum::Json(err)).into_response();
+                }
+                s.charges += 1;
+                axum::Json(json!({ "status": "succeeded", "echo": got })).into_response()
+            }),
+        );
+    crate::helpers::serve_router(app).await
+}
+
+/// Credentials that expire and renew themselves (issue 19 item 3), and the
+/// request kept beside the reply (item 4): one token serves the node's
+/// calls; a token refused with a `401` is renewed once and the call sent
+/// again without spending the record's attempt (the 401 kept as evidence);
+/// a token endpoint that is down defers the step with its own error code
+/// until it answers; no token, and no client secret, is stored anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oauth2_tokens_are_shared_renewed_on_401_and_never_stored() {
+    let t = TestDb::migrated(Backend::Sqlite, "oauth2").await.unwrap();
+    // The client's id and secret come from variables the test runner sets.
+    let (id, secret) = ("ballast", env!("CARGO_MANIFEST_DIR"));
+    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    // RFC 6749 §2.3.1: each part form-encoded, then HTTP Basic.
+    let basic = reqwest::Client::new()
+        .get("http://x/")
+        .basic_auth(enc(id), Some(enc(secret)))
+        .build()
+        .unwrap()
+        .headers()["authorization"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let state = Arc::new(std::sync::Mutex::new(TokenProvider::default()));
+    let base = oauth2_provider(state.clone(), basic).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "2s"
+oauth2 = {{ token_url = "{base}/oauth/token", client_id_env = "CARGO_PKG_NAME", client_secret_env = "CARGO_MANIFEST_DIR", scopes = ["charge", "read"] }}
+retry = {{ max_attempts = 2, base = "10ms", cap = "20ms", deadline = "60s" }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge?page=1&access_token=in-the-url", body = '{{"amount": {{{{ input.n }}}}}}' }}
+outputs = {{ echo = "/echo" }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("oauth2.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let engine = Engine::new(t.db.clone(), Arc::new(config), options("oauth2"))
+        .await
+        .unwrap();
+    let (stop, run) = run_in_background(&engine);
+    let enqueue = |keys: std::ops::Range<i64>| {
+        let engine = engine.clone();
+        async move {
+            let mut ids = Vec::new();
+            for n in keys {
+                let key = format!("r{n}");
+                let r = engine.enqueue("pay", Some(&key), json!({ "n": n })).await;
+                ids.push(r.unwrap().record.id);
+            }
+            ids
+        }
+    };
+    // Four records, one token.
+    let first = enqueue(0..4).await;
+    wait_at_rest(&t.db, 4, Duration::from_secs(30)).await;
+    assert_eq!(
+        state.lock().unwrap().granted.len(),
+        1,
+        "one token for the node's calls"
+    );
+    // The provider stops taking it: each call meets a 401, and one renewal
+    // (not one per call) serves them all.
+    state.lock().unwrap().valid.clear();
+    let renewed = enqueue(4..8).await;
+    wait_at_rest(&t.db, 8, Duration::from_secs(30)).await;
+    assert_eq!(
+        state.lock().unwrap().granted.len(),
+        2,
+        "one renewal for every 401"
+    );
+    // The token endpoint goes down just as the token is refused: the step
+    // waits with the endpoint's error code, spending nothing, and goes on
+    // when the endpoint is back.
+    {
+        let mut s = state.lock().unwrap();
+        s.valid.clear();
+        s.down = true;
+    }
+    let waiting = enqueue(8..9).await[0];
+    let db = t.db.clone();
+    crate::helpers::poll_until(
+        "the step waits for a token",
+        Duration::from_secs(30),
+        || {
+            let db = db.clone();
+            async move {
+                let s = db.step_runs(waiting).await.ok()?;
+                let s = s.first()?;
+                (s.error_code.as_deref() == Some("token_endpoint_down")).then_some(())
+            }
+        },
+    )
+    .await;
+    let rec = t.db.get_record(waiting).await.unwrap().unwrap();
+    assert!(
+        !rec.state.is_at_rest(),
+        "deferred, not failed: {:?}",
+        rec.state
+    );
+    state.lock().unwrap().down = false;
+    wait_at_rest(&t.db, 9, Duration::from_secs(30)).await;
+    stop.cancel();
+    run.await.unwrap();
+
+    let (charges, mut needles) = {
+        let s = state.lock().unwrap();
+        (s.charges, s.granted.clone())
+    };
+    assert_eq!(charges, 9, "every record charged once");
+    needles.push(secret.to_owned());
+    let mut refused = 0;
+    for id in first.iter().chain(&renewed).chain([&waiting]) {
+        let rec = t.db.get_record(*id).await.unwrap().unwrap();
+        assert_eq!(rec.state, RecordState::Succeeded, "{:?}", rec.reason);
+        let steps = t.db.step_runs(*id).await.unwrap();
+        assert_eq!(steps[0].attempts, 1, "no attempt spent on a token");
+        let attempts = t.db.attempts(*id).await.unwrap();
+        let statuses: Vec<_> = attempts.iter().map(|a| a.http_status).collect();
+        // A call sent after the renewal needs none; one sent before meets
+        // the 401, which is kept under the same attempt number.
+        if statuses == [Some(401), Some(200)] {
+            refused += 1;
+            assert_eq!(attempts[0].error_code.as_deref(), Some("token_expired"));
+            assert_eq!(attempts[0].attempt_no, attempts[1].attempt_no);
+        } else {
+            assert_eq!(statuses, vec![Some(200)], "{attempts:?}");
+            assert_ne!(*id, waiting, "the waiting record met the 401");
+        }
+        // The request is kept beside the reply, its credentials removed.
+        for a in &attempts {
+            let r = a.request.as_ref().expect("request kept");
+            assert_eq!(r.method, "POST");
+            assert!(
+                r.url.ends_with("/v1/charge?page=1&access_token=[redacted]"),
+                "{}",
+                r.url
+            );
+            let header = |n: &str| {
+                r.headers
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case(n))
+                    .map(|(_, v)| v.as_str())
+            };
+            assert_eq!(header("authorization"), Some("[redacted]"));
+            assert_eq!(header("content-type"), Some("application/json"));
+            assert!(header("idempotency-key").is_some_and(|k| k.starts_with("ballast-")));
+            assert_eq!(
+                r.body.as_deref(),
+                Some(format!(r#"{{"amount": {}}}"#, rec.input["n"]).as_str())
+            );
+            let stored = format!("{:?} {:?} {:?}", a.request, a.excerpt, steps[0].output);
+            for n in &needles {
+                assert!(
+                    !stored.contains(n.as_str()),
+                    "a secret was stored: {stored}"
+                );
+            }
+        }
+    }
+    // The first of the second batch, and the waiting record, met a 401.
+    assert!(refused >= 2, "{refused}");
+}

@@ -734,6 +734,21 @@ fn attempt(step: &str, no: i32, status: i32, outcome: Outcome, excerpt: &str) ->
         outcome,
         error_code: (outcome != Outcome::Success).then(|| "provider_5xx".to_owned()),
         excerpt: Some(excerpt.to_owned()),
+        request: Some(sent_request(step, no)),
+    }
+}
+
+/// A request as an attempt keeps it (quotes and non-ASCII included, to
+/// show the stored text round-trips).
+fn sent_request(step: &str, no: i32) -> ballast::domain::request::SentRequest {
+    ballast::domain::request::SentRequest {
+        method: "POST".into(),
+        url: format!("https://api.example.com/v1/{step}?try={no}&api_key=[redacted]"),
+        headers: vec![
+            ("Idempotency-Key".into(), format!("ballast-i-1-{step}-0")),
+            ("X-Note".into(), "\"é\"".into()),
+        ],
+        body: Some(format!("{{\"attempt\": {no}}}")),
     }
 }
 
@@ -781,6 +796,7 @@ async fn commit_writes_steps_attempts_and_transition(db: &Db) {
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0].http_status, Some(503));
     assert_eq!(attempts[0].outcome, Outcome::Retry);
+    assert_eq!(attempts[0].request, Some(sent_request("fetch", 1)));
     let excerpt = attempts[0].excerpt.clone().unwrap();
     assert!(
         excerpt.len() <= 4096 && excerpt.len() >= 4094,

@@ -1000,6 +1000,12 @@ async fn provider_data_renders_as_inert_text() {
                     outcome: Outcome::Retry,
                     error_code: Some("http_5xx".into()),
                     excerpt: Some(payload.into()),
+                    request: Some(ballast::domain::request::SentRequest {
+                        method: "POST".into(),
+                        url: format!("https://crm.example/{payload}"),
+                        headers: vec![("X-Test".into(), payload.into())],
+                        body: Some(payload.into()),
+                    }),
                 }],
             )
             .await

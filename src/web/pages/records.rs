@@ -132,7 +132,25 @@ struct AttemptView {
     status: String,
     outcome: &'static str,
     error_code: String,
+    /// What was sent, as text; empty when nothing was kept (a webhook
+    /// delivery, which nothing was sent for, or an attempt from before
+    /// requests were kept).
+    request: String,
     excerpt: String,
+}
+
+/// A kept request as an HTTP message reads: the request line, one line
+/// per header, a blank line and the start of the body.
+fn request_text(r: &crate::domain::request::SentRequest) -> String {
+    let mut out = format!("{} {}", r.method, r.url);
+    for (name, value) in &r.headers {
+        out.push_str(&format!("\n{name}: {value}"));
+    }
+    if let Some(body) = &r.body {
+        out.push_str("\n\n");
+        out.push_str(body);
+    }
+    out
 }
 
 struct EventView {
@@ -236,6 +254,7 @@ async fn record_page(
                     .unwrap_or_else(|| "—".into()),
                 outcome: a.outcome.as_str(),
                 error_code: a.error_code.clone().unwrap_or_default(),
+                request: a.request.as_ref().map(request_text).unwrap_or_default(),
                 excerpt: a.excerpt.clone().unwrap_or_default(),
             })
             .collect(),
