@@ -89,27 +89,67 @@ pub enum Command {
     },
     /// Run the chaos simulator: a provider that fails like real ones, for
     /// trying pipelines and for tests and benchmarks.
-    Sim {
-        /// Port on 127.0.0.1.
-        #[arg(long, default_value_t = 8090)]
-        port: u16,
-        /// `chaos` (the default mix: ~87% good answers) or `clean`.
-        #[arg(long, default_value = "chaos", value_parser = ["chaos", "clean"])]
-        profile: String,
-        /// Seed of the failure mix, so a run repeats.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Multiplies every latency (0 for instant answers).
-        #[arg(long, default_value_t = 1.0)]
-        latency_scale: f64,
-        /// A scheduled outage, AFTER+LASTS[@FRACTION] from the start:
-        /// `30s+10s` fails everything for 10 s, `1m+2m@0.5` half of it.
-        #[arg(long, value_name = "AFTER+LASTS[@F]")]
-        outage: Vec<crate::sim::Outage>,
-        /// Sign callbacks with the secret in this environment variable.
-        #[arg(long, value_name = "VAR")]
-        callback_secret_env: Option<String>,
-    },
+    Sim(SimArgs),
+}
+
+/// `ballast sim`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct SimArgs {
+    /// Port on 127.0.0.1.
+    #[arg(long, default_value_t = 8090)]
+    port: u16,
+    /// `chaos` (the default mix: ~87% good answers) or `clean`.
+    #[arg(long, default_value = "chaos", value_parser = ["chaos", "clean"])]
+    profile: String,
+    /// Seed of the failure mix, so a run repeats.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Multiplies every latency (0 for instant answers).
+    #[arg(long, default_value_t = 1.0)]
+    latency_scale: f64,
+    /// A scheduled outage, AFTER+LASTS[@FRACTION] from the start:
+    /// `30s+10s` fails everything for 10 s, `1m+2m@0.5` half of it.
+    #[arg(long, value_name = "AFTER+LASTS[@F]")]
+    outage: Vec<crate::sim::Outage>,
+    /// Sign callbacks with the secret in this environment variable.
+    #[arg(long, value_name = "VAR")]
+    callback_secret_env: Option<String>,
+    /// Share of calls answered `302 Found` to `/v1/moved/{id}` (which says
+    /// "succeeded"), doing nothing. Drawn after the profile's own faults,
+    /// as are the next two.
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = probability)]
+    redirects: f64,
+    /// Share of calls answered 200 with a gzip body that inflates to
+    /// 64 MiB (the call's effect applied).
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = probability)]
+    gzip_bombs: f64,
+    /// Share of calls answered 200 with a JSON body that is not UTF-8 (the
+    /// call's effect applied).
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = probability)]
+    bad_utf8: f64,
+    /// Put OAuth2 client credentials in front of `/v1/*`: tokens from
+    /// `POST /oauth/token` last this long (e.g. `5m`).
+    #[arg(long, value_name = "DURATION", value_parser = crate::config::parse_duration)]
+    oauth2_ttl: Option<std::time::Duration>,
+    /// The `expires_in` the token endpoint states (default: the TTL); more
+    /// than the TTL makes tokens die early.
+    #[arg(long, value_name = "DURATION", value_parser = crate::config::parse_duration, requires = "oauth2_ttl")]
+    oauth2_stated_ttl: Option<std::time::Duration>,
+    /// The OAuth2 client id (default `sim-client`).
+    #[arg(long, value_name = "ID", requires = "oauth2_ttl")]
+    oauth2_client_id: Option<String>,
+    /// Read the OAuth2 client secret from this environment variable
+    /// (default secret: `sim-secret`).
+    #[arg(long, value_name = "VAR", requires = "oauth2_ttl")]
+    oauth2_client_secret_env: Option<String>,
+}
+
+/// A probability, 0 to 1.
+fn probability(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{text}` is not a probability from 0 to 1")),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -199,35 +239,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             db.close().await;
             result
         }
-        Command::Sim {
-            port,
-            profile,
-            seed,
-            latency_scale,
-            outage,
-            callback_secret_env,
-        } => {
-            let mut p = match profile.as_str() {
-                "clean" => crate::sim::Profile::clean(seed),
-                _ => crate::sim::Profile::chaos(seed),
-            };
-            p.latency_scale = latency_scale;
-            p.outages = outage;
-            p.callback_secret = match callback_secret_env {
-                Some(var) => {
-                    Some(std::env::var(&var).with_context(|| format!("{var} is not set"))?)
-                }
-                None => None,
-            };
-            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-                .await
-                .with_context(|| format!("cannot listen on 127.0.0.1:{port}"))?;
-            let sim = crate::sim::SimHandle::start(p, listener).await?;
-            println!("simulator ({profile}, seed {seed}) on {}", sim.base_url());
-            tokio::signal::ctrl_c().await?;
-            sim.stop();
-            Ok(())
-        }
+        Command::Sim(args) => sim(args).await,
         Command::Migrate { action } => {
             let db = crate::app::connect(&config).await?;
             let result = migrate_command(&db, action).await;
@@ -247,6 +259,81 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             result
         }
     }
+}
+
+/// `sim`: the chaos simulator on 127.0.0.1 until Ctrl-C.
+async fn sim(args: SimArgs) -> anyhow::Result<()> {
+    let env_secret = |var: &str| std::env::var(var).with_context(|| format!("{var} is not set"));
+    let mut p = match args.profile.as_str() {
+        "clean" => crate::sim::Profile::clean(args.seed),
+        _ => crate::sim::Profile::chaos(args.seed),
+    };
+    p.latency_scale = args.latency_scale;
+    p.outages = args.outage;
+    p.callback_secret = args
+        .callback_secret_env
+        .as_deref()
+        .map(env_secret)
+        .transpose()?;
+    p.p_redirect = args.redirects;
+    p.p_gzip_bomb = args.gzip_bombs;
+    p.p_bad_utf8 = args.bad_utf8;
+    if let Some(ttl) = args.oauth2_ttl {
+        let secret = match args.oauth2_client_secret_env.as_deref() {
+            Some(var) => env_secret(var)?,
+            None => "sim-secret".to_owned(),
+        };
+        let id = args.oauth2_client_id.as_deref().unwrap_or("sim-client");
+        let mut oauth = crate::sim::SimOAuth2::new(id, &secret, ttl);
+        oauth.stated_ttl = args.oauth2_stated_ttl.unwrap_or(ttl);
+        p.oauth2 = Some(oauth);
+    }
+    let port = args.port;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .with_context(|| format!("cannot listen on 127.0.0.1:{port}"))?;
+    // The default secret is said; one from the environment is not.
+    let secret_said = match &args.oauth2_client_secret_env {
+        Some(var) => format!("the secret in {var}"),
+        None => "secret `sim-secret`".to_owned(),
+    };
+    let extras = sim_extras(&p, &secret_said);
+    let sim = crate::sim::SimHandle::start(p, listener).await?;
+    println!(
+        "simulator ({}, seed {}) on {}",
+        args.profile,
+        args.seed,
+        sim.base_url()
+    );
+    for line in extras {
+        println!("  {line}");
+    }
+    tokio::signal::ctrl_c().await?;
+    sim.stop();
+    Ok(())
+}
+
+/// The simulator's optional faults that are on, a line each, for people.
+fn sim_extras(p: &crate::sim::Profile, secret_said: &str) -> Vec<String> {
+    use crate::config::HumanDuration;
+    let mut lines: Vec<String> = [
+        ("redirects", p.p_redirect),
+        ("gzip bombs", p.p_gzip_bomb),
+        ("bad UTF-8", p.p_bad_utf8),
+    ]
+    .into_iter()
+    .filter(|(_, share)| *share > 0.0)
+    .map(|(name, share)| format!("{name}: {share} of calls"))
+    .collect();
+    if let Some(o) = &p.oauth2 {
+        lines.push(format!(
+            "OAuth2: POST /oauth/token, client id `{}`, {secret_said}, tokens last {} (stated {})",
+            o.client_id,
+            HumanDuration(o.ttl),
+            HumanDuration(o.stated_ttl),
+        ));
+    }
+    lines
 }
 
 /// `serve [--demo]`: the control plane and the workers until a signal.
@@ -594,4 +681,55 @@ fn read_new_password(username: &str) -> anyhow::Result<String> {
     };
     password::check_policy(&pw)?;
     Ok(pw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sim_args(args: &[&str]) -> Result<SimArgs, clap::Error> {
+        let argv = ["ballast", "sim"].iter().chain(args);
+        match Cli::try_parse_from(argv)?.command {
+            Command::Sim(a) => Ok(a),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn sim_flags_parse_and_refuse_what_is_not_a_probability_or_a_duration() {
+        let a = sim_args(&[
+            "--redirects",
+            "0.1",
+            "--gzip-bombs",
+            "1",
+            "--bad-utf8",
+            "0",
+            "--oauth2-ttl",
+            "5m",
+            "--oauth2-stated-ttl",
+            "1h",
+            "--oauth2-client-id",
+            "me",
+        ])
+        .unwrap();
+        assert_eq!((a.redirects, a.gzip_bombs, a.bad_utf8), (0.1, 1.0, 0.0));
+        assert_eq!(a.oauth2_ttl, Some(std::time::Duration::from_secs(300)));
+        assert_eq!(
+            a.oauth2_stated_ttl,
+            Some(std::time::Duration::from_secs(3600))
+        );
+        assert_eq!(a.oauth2_client_id.as_deref(), Some("me"));
+        let none = sim_args(&[]).unwrap();
+        assert_eq!((none.redirects, none.oauth2_ttl), (0.0, None));
+        for bad in [
+            &["--redirects", "1.5"][..],
+            &["--bad-utf8", "-0.1"],
+            &["--gzip-bombs", "NaN"],
+            &["--oauth2-ttl", "soon"],
+            // OAuth2's other flags mean nothing without a TTL.
+            &["--oauth2-client-id", "me"],
+        ] {
+            assert!(sim_args(bad).is_err(), "{bad:?}");
+        }
+    }
 }

@@ -6,18 +6,29 @@
 //! Routes (chaos applies to `/v1/*` only):
 //! - `POST /v1/charge`: a synchronous call with a side effect.
 //! - `POST /v1/jobs`, `GET /v1/jobs/{id}`: an asynchronous job to poll.
+//! - `GET /v1/moved/{id}`: where a redirect fault points; answers 200
+//!   `{"status": "succeeded"}`, a trap for a client that follows a POST's
+//!   redirect and takes the moved page for the call's answer. No chaos.
+//! - `POST /oauth/token` (when the profile has `oauth2`): client
+//!   credentials, by HTTP Basic or in the form, for a bearer token that
+//!   every `/v1/*` route then requires (a 401 `invalid_token` otherwise,
+//!   before any chaos and with no side effect). Tokens die `ttl` after
+//!   issue by the simulator's clock, whatever `expires_in` says.
 //! - `GET /_sim/ledger`: effects per key and per `ref`, double charges.
-//! - `GET /_sim/stats`: requests, the most in any one second, and the
-//!   most in flight at once.
+//! - `GET /_sim/stats`: requests, the most in any one second, the most in
+//!   flight at once, tokens issued and 401s for bad or expired tokens.
 //! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now;
 //!   503s unless `"status"` says 429 (with `"retry_after"`, the header's
 //!   text) or another 5xx; any other status is a 400.
+//! - `POST /_sim/token_outage`: `{"for_ms": N}`: the token endpoint
+//!   answers 503 for that long.
 
+mod oauth2;
 mod profile;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -32,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::domain::{Clock, SystemClock, UnixMs};
 
-pub use profile::{Fault, Outage, Profile};
+pub use profile::{Fault, Outage, Profile, SimOAuth2};
 
 /// What happened at the provider, for tests to count.
 #[derive(Debug, Default)]
@@ -90,6 +101,8 @@ struct Sim {
     /// its milliseconds), signatures and HTTP dates. Latencies and hangs
     /// are real time.
     clock: Arc<dyn Clock>,
+    /// OAuth2 tokens issued, and the token endpoint's outage.
+    tokens: Mutex<oauth2::Tokens>,
 }
 
 /// A handle on a running simulator.
@@ -119,6 +132,11 @@ pub struct StatsFigures {
     /// The most requests in flight at once (from arrival until answered,
     /// or until the client went away).
     pub max_in_flight: u32,
+    /// OAuth2 tokens issued by `POST /oauth/token`.
+    pub tokens_issued: u64,
+    /// 401s sent to `/v1/*` requests for a missing, unknown or expired
+    /// token.
+    pub unauthorized: u64,
 }
 
 impl SimHandle {
@@ -155,6 +173,7 @@ impl SimHandle {
             callbacks_sent: Mutex::new(0),
             callbacks_pending: Mutex::new(0),
             clock,
+            tokens: Mutex::default(),
         });
         let shutdown = CancellationToken::new();
         let app = router(sim.clone());
@@ -225,6 +244,11 @@ impl SimHandle {
         self.sim.set_outage(for_ms, brownout, fault);
     }
 
+    /// The OAuth2 token endpoint answers 503 for `for_ms` from now.
+    pub fn token_outage(&self, for_ms: u64) {
+        self.sim.set_token_outage(for_ms);
+    }
+
     pub fn stop(&self) {
         self.shutdown.cancel();
     }
@@ -235,6 +259,8 @@ fn router(sim: Arc<Sim>) -> Router {
         .route("/v1/charge", post(charge))
         .route("/v1/jobs", post(submit_job))
         .route("/v1/jobs/{id}", get(poll_job))
+        .route("/v1/moved/{id}", get(moved))
+        .route("/oauth/token", post(oauth2::token))
         .route(
             "/_sim/ledger",
             get(|State(s): State<Arc<Sim>>| async move { Json(s.ledger_figures()) }),
@@ -244,6 +270,7 @@ fn router(sim: Arc<Sim>) -> Router {
             get(|State(s): State<Arc<Sim>>| async move { Json(s.stats_figures()) }),
         )
         .route("/_sim/outage", post(outage))
+        .route("/_sim/token_outage", post(oauth2::token_outage))
         .with_state(sim)
 }
 
@@ -265,10 +292,13 @@ impl Sim {
 
     fn stats_figures(&self) -> StatsFigures {
         let s = Self::lock(&self.per_second);
+        let tokens = Self::lock(&self.tokens);
         StatsFigures {
             requests: s.iter().map(|n| u64::from(*n)).sum(),
             max_per_second: s.iter().copied().max().unwrap_or(0),
             max_in_flight: Self::lock(&self.in_flight).1,
+            tokens_issued: tokens.issued,
+            unauthorized: tokens.unauthorized,
         }
     }
 
@@ -278,6 +308,16 @@ impl Sim {
             brownout.clamp(0.0, 1.0),
             fault,
         ));
+    }
+
+    /// Counts a `/v1/*` request in and lets it through if it is
+    /// authorized (see [`authorize`](Self::authorize)); it stays in flight
+    /// while the guard lives.
+    fn admit(&self, headers: &HeaderMap) -> Result<InFlight<'_>, oauth2::Unauthorized> {
+        self.count_request();
+        let flying = InFlight::new(self);
+        self.authorize(headers)?;
+        Ok(flying)
     }
 
     fn count_request(&self) {
@@ -387,11 +427,15 @@ fn reference(body: &Value) -> Option<String> {
 
 /// Runs `respond` under the chaos profile: delay, then either the real
 /// answer or the drawn fault. `effect` applies the side effect; it runs for
-/// real answers and, half the time, before a hang or reset (the provider did
-/// the work but the client never heard).
-async fn with_chaos(sim: &Sim, effect: impl FnOnce() -> Response) -> Response {
-    sim.count_request();
-    let _flying = InFlight::new(sim);
+/// real answers, for answers the client cannot read (truncated, a gzip
+/// bomb, bad UTF-8) and, half the time, before a hang or reset (the
+/// provider did the work but the client never heard). An unauthorized
+/// request is refused before any of it.
+async fn with_chaos(sim: &Sim, headers: &HeaderMap, effect: impl FnOnce() -> Response) -> Response {
+    let _flying = match sim.admit(headers) {
+        Ok(flying) => flying,
+        Err(refused) => return refused.into_response(),
+    };
     let (fault, latency, effect_anyway) = sim.draw();
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
@@ -463,7 +507,80 @@ async fn with_chaos(sim: &Sim, effect: impl FnOnce() -> Response) -> Response {
             let big = format!("{{\"padding\": \"{}\"}}", "x".repeat(3 * 1024 * 1024));
             ([(header::CONTENT_TYPE, "application/json")], big).into_response()
         }
+        Fault::Redirect => {
+            let to = format!("/v1/moved/{}", sim.next_id("mv"));
+            (StatusCode::FOUND, [(header::LOCATION, to)]).into_response()
+        }
+        Fault::GzipBomb => {
+            let _ = effect();
+            gzip_bomb().await
+        }
+        Fault::BadUtf8 => {
+            let _ = effect();
+            (
+                [(header::CONTENT_TYPE, "application/json")],
+                Bytes::from_static(b"{\"id\":\"\xff\xfe\xfd\"}"),
+            )
+                .into_response()
+        }
     }
+}
+
+/// The bomb inflates to this many bytes and a little more.
+const BOMB_SIZE: usize = 64 * 1024 * 1024;
+
+/// The gzip bomb's body: `{"padding":"` and 64 MiB of spaces, about 64 KiB
+/// compressed. A process-wide constant, built on first use: compressing it
+/// takes a second or more, and every simulator in a process (a test run
+/// starts many) can share the same bytes. None if it could not be built.
+static GZIP_BOMB: LazyLock<Option<Bytes>> = LazyLock::new(|| {
+    use std::io::Write as _;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    let spaces = vec![b' '; 1024 * 1024];
+    let mut write = || -> std::io::Result<()> {
+        gz.write_all(b"{\"padding\":\"")?;
+        for _ in 0..BOMB_SIZE / spaces.len() {
+            gz.write_all(&spaces)?;
+        }
+        gz.write_all(b"\"}")
+    };
+    write().ok()?;
+    gz.finish().ok().map(Bytes::from)
+});
+
+/// A 200 whose gzip body inflates to 64 MiB.
+async fn gzip_bomb() -> Response {
+    // Built off the async workers, the first time.
+    let body = tokio::task::spawn_blocking(|| GZIP_BOMB.clone()).await;
+    match body {
+        Ok(Some(body)) => (
+            [
+                (header::CONTENT_TYPE, "application/json"),
+                (header::CONTENT_ENCODING, "gzip"),
+            ],
+            body,
+        )
+            .into_response(),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "no bomb today").into_response(),
+    }
+}
+
+/// `GET /v1/moved/{id}`: where a redirect points. It claims success for a
+/// call that did nothing.
+async fn moved(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let _flying = match sim.admit(&headers) {
+        Ok(flying) => flying,
+        Err(refused) => return refused.into_response(),
+    };
+    (
+        StatusCode::OK,
+        Json(json!({ "status": "succeeded", "id": id, "note": "you followed a redirect" })),
+    )
+        .into_response()
 }
 
 async fn charge(
@@ -474,7 +591,7 @@ async fn charge(
     let (body, key, reference) = request_parts(&headers, body);
     let id = sim.next_id("ch");
     let s = sim.clone();
-    with_chaos(&sim, move || {
+    with_chaos(&sim, &headers, move || {
         let times = s.apply_effect(key.as_deref(), reference.as_deref());
         let amount = body.get("amount").cloned().unwrap_or(json!(0));
         (
@@ -495,7 +612,7 @@ async fn submit_job(
 ) -> Response {
     let (body, key, reference) = request_parts(&headers, body);
     let s = sim.clone();
-    with_chaos(&sim, move || {
+    with_chaos(&sim, &headers, move || {
         // The same key gets the same job back, as real providers do.
         // One lock across check and insert: two concurrent submits with one
         // key must get one job, as from a real provider.
@@ -553,9 +670,13 @@ async fn submit_job(
     .await
 }
 
-async fn poll_job(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Response {
+async fn poll_job(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
     let s = sim.clone();
-    with_chaos(&sim, move || {
+    with_chaos(&sim, &headers, move || {
         let mut jobs = Sim::lock(&s.jobs);
         let Some(job) = jobs.get_mut(&id) else {
             return (StatusCode::NOT_FOUND, Json(json!({ "error": "no such job" }))).into_response();
@@ -680,4 +801,100 @@ async fn outage(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusC
     };
     sim.set_outage(for_ms, brownout, fault);
     StatusCode::NO_CONTENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A clean profile with `set` applied.
+    fn profile(set: impl FnOnce(&mut Profile)) -> Profile {
+        let mut p = Profile::clean(1);
+        set(&mut p);
+        p
+    }
+
+    /// `POST /v1/charge` for `reference`, following redirects or not.
+    async fn charge(sim: &SimHandle, reference: &str, follow: bool) -> reqwest::Response {
+        let policy = if follow {
+            reqwest::redirect::Policy::default()
+        } else {
+            reqwest::redirect::Policy::none()
+        };
+        let client = reqwest::Client::builder().redirect(policy).build().unwrap();
+        client
+            .post(format!("{}/v1/charge", sim.base_url()))
+            .json(&json!({ "ref": reference, "amount": 5 }))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    fn header_of<'a>(resp: &'a reqwest::Response, name: &str) -> &'a str {
+        resp.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or("")
+    }
+
+    #[tokio::test]
+    async fn a_redirect_does_nothing_and_its_target_claims_success() {
+        let sim = SimHandle::spawn(profile(|p| p.p_redirect = 1.0))
+            .await
+            .unwrap();
+        let resp = charge(&sim, "r1", false).await;
+        assert_eq!(resp.status().as_u16(), 302);
+        let to = header_of(&resp, "location").to_owned();
+        assert!(to.starts_with("/v1/moved/mv_"), "{to}");
+
+        // A client that follows it turns the POST into a GET of the target,
+        // which says the call succeeded.
+        let followed = charge(&sim, "r2", true).await;
+        assert_eq!(followed.status().as_u16(), 200);
+        assert!(followed.url().path().starts_with("/v1/moved/"));
+        let body: Value = followed.json().await.unwrap();
+        assert_eq!(body["status"], "succeeded");
+        assert_eq!(body["note"], "you followed a redirect");
+        assert_eq!(sim.ledger().effects, 0, "a redirect applies nothing");
+        sim.stop();
+    }
+
+    #[tokio::test]
+    async fn a_gzip_bomb_is_small_inflates_past_64_mib_and_applies_the_effect() {
+        use std::io::Read as _;
+        let sim = SimHandle::spawn(profile(|p| p.p_gzip_bomb = 1.0))
+            .await
+            .unwrap();
+        let resp = charge(&sim, "b1", false).await;
+        assert_eq!(resp.status().as_u16(), 200);
+        assert_eq!(header_of(&resp, "content-encoding"), "gzip");
+        assert_eq!(header_of(&resp, "content-type"), "application/json");
+        let body = resp.bytes().await.unwrap();
+        assert!(body.len() < 256 * 1024, "{} bytes on the wire", body.len());
+        // Counted as it inflates, never held whole.
+        let mut gz = flate2::read::GzDecoder::new(&body[..]);
+        let mut head = [0u8; 12];
+        gz.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"{\"padding\":\"");
+        let rest = std::io::copy(&mut gz, &mut std::io::sink()).unwrap();
+        assert!(rest + 12 > BOMB_SIZE as u64, "inflates to {}", rest + 12);
+        assert_eq!(sim.ledger().effects, 1, "the provider did the work");
+        sim.stop();
+    }
+
+    #[tokio::test]
+    async fn bad_utf8_is_a_200_that_does_not_decode_and_applies_the_effect() {
+        let sim = SimHandle::spawn(profile(|p| p.p_bad_utf8 = 1.0))
+            .await
+            .unwrap();
+        let resp = charge(&sim, "u1", false).await;
+        assert_eq!(resp.status().as_u16(), 200);
+        assert_eq!(header_of(&resp, "content-type"), "application/json");
+        let body = resp.bytes().await.unwrap();
+        assert!(body.starts_with(b"{\"id\":\""), "{body:?}");
+        assert!(std::str::from_utf8(&body).is_err());
+        assert!(serde_json::from_slice::<Value>(&body).is_err());
+        assert_eq!(sim.ledger().effects, 1);
+        sim.stop();
+    }
 }

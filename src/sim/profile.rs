@@ -23,6 +23,15 @@ pub enum Fault {
     Empty,
     /// 200 with a body past any sane size limit.
     Oversized,
+    /// `302 Found` to `/v1/moved/{id}`, whose 200 says "succeeded": the
+    /// call did nothing, and a client that follows a POST's redirect takes
+    /// the moved page for its answer.
+    Redirect,
+    /// 200 with a small gzip body (`Content-Encoding: gzip`) that inflates
+    /// to 64 MiB; the side effect is applied.
+    GzipBomb,
+    /// 200 with a JSON body that is not UTF-8; the side effect is applied.
+    BadUtf8,
 }
 
 /// A failure mix. Probabilities are per request and add up to at most 1.
@@ -64,6 +73,41 @@ pub struct Profile {
     pub p_callback_lost: f64,
     /// Scheduled outages, from the simulator's start.
     pub outages: Vec<Outage>,
+    /// A `302 Found` to `/v1/moved/{id}`, no side effect applied.
+    pub p_redirect: f64,
+    /// A gzip bomb: 200, a small body that inflates to 64 MiB.
+    pub p_gzip_bomb: f64,
+    /// A 200 whose JSON body is not UTF-8.
+    pub p_bad_utf8: f64,
+    /// OAuth2 client credentials in front of every `/v1/*` route, when set.
+    pub oauth2: Option<SimOAuth2>,
+}
+
+/// OAuth2 client credentials (RFC 6749 §4.4): `POST /oauth/token` issues
+/// bearer tokens that every `/v1/*` route then requires.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimOAuth2 {
+    pub client_id: String,
+    pub client_secret: String,
+    /// How long a token really lasts, by the simulator's clock.
+    pub ttl: Duration,
+    /// The `expires_in` the token endpoint states. More than `ttl` makes
+    /// tokens die before their stated time, as some providers' do, so a
+    /// client meets 401s it did not expect.
+    pub stated_ttl: Duration,
+}
+
+impl SimOAuth2 {
+    /// Credentials `client_id`/`client_secret` whose tokens last `ttl`, as
+    /// stated.
+    pub fn new(client_id: &str, client_secret: &str, ttl: Duration) -> SimOAuth2 {
+        SimOAuth2 {
+            client_id: client_id.to_owned(),
+            client_secret: client_secret.to_owned(),
+            ttl,
+            stated_ttl: ttl,
+        }
+    }
 }
 
 /// A scheduled outage: from `after` the start, for `lasts`, this fraction
@@ -125,6 +169,10 @@ impl Profile {
             p_callback_late_progress: 0.1,
             p_callback_lost: 0.02,
             outages: Vec::new(),
+            p_redirect: 0.0,
+            p_gzip_bomb: 0.0,
+            p_bad_utf8: 0.0,
+            oauth2: None,
         }
     }
 
@@ -145,6 +193,10 @@ impl Profile {
             p_callback_duplicate: 0.0,
             p_callback_late_progress: 0.0,
             p_callback_lost: 0.0,
+            p_redirect: 0.0,
+            p_gzip_bomb: 0.0,
+            p_bad_utf8: 0.0,
+            oauth2: None,
             ..Profile::chaos(seed)
         }
     }
@@ -194,6 +246,17 @@ impl Profile {
         }
         if pick(self.p_client_error) {
             return Fault::ClientError([400, 404, 422][rng.usize(0..3)]);
+        }
+        // Drawn last and without drawing more numbers, so that a profile
+        // with these at 0 draws exactly what it drew before they existed.
+        if pick(self.p_redirect) {
+            return Fault::Redirect;
+        }
+        if pick(self.p_gzip_bomb) {
+            return Fault::GzipBomb;
+        }
+        if pick(self.p_bad_utf8) {
+            return Fault::BadUtf8;
         }
         Fault::None
     }
@@ -270,6 +333,51 @@ mod tests {
             .count();
         let share = good as f64 / n as f64;
         assert!((0.86..0.885).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn the_new_faults_take_only_good_answers_and_leave_the_rest_as_drawn() {
+        let base = Profile::chaos(3);
+        let more = Profile {
+            p_redirect: 0.03,
+            p_gzip_bomb: 0.02,
+            p_bad_utf8: 0.01,
+            ..base.clone()
+        };
+        let (mut a, mut b) = (fastrand::Rng::with_seed(3), fastrand::Rng::with_seed(3));
+        let mut new = [0u32; 3];
+        for _ in 0..20_000 {
+            let (was, now) = (
+                base.draw_fault(&mut a, std::time::UNIX_EPOCH),
+                more.draw_fault(&mut b, std::time::UNIX_EPOCH),
+            );
+            match now {
+                Fault::Redirect => new[0] += 1,
+                Fault::GzipBomb => new[1] += 1,
+                Fault::BadUtf8 => new[2] += 1,
+                _ => {
+                    assert_eq!(now, was);
+                    continue;
+                }
+            }
+            assert_eq!(
+                was,
+                Fault::None,
+                "only a good answer turns into a new fault"
+            );
+        }
+        // About 600, 400 and 200 of 20,000.
+        assert!((450..750).contains(&new[0]), "{new:?}");
+        assert!((280..520).contains(&new[1]), "{new:?}");
+        assert!((120..300).contains(&new[2]), "{new:?}");
+        let all = Profile {
+            p_bad_utf8: 1.0,
+            ..Profile::clean(3)
+        };
+        assert_eq!(
+            all.draw_fault(&mut a, std::time::UNIX_EPOCH),
+            Fault::BadUtf8
+        );
     }
 
     #[test]
