@@ -66,6 +66,21 @@ pub struct StepConfig {
     pub outputs: BTreeMap<String, String>,
     #[serde(default = "defaults::on_reversal")]
     pub on_reversal: ReversalPolicy,
+    /// Ask the job again after it succeeded: `times` polls, `after` apart
+    /// (the first `after` the success); one that no longer says success is
+    /// a reversal (`on_reversal`). Not written into a pinned definition
+    /// when unset, so definitions without it keep their hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirm: Option<ConfirmConfig>,
+}
+
+/// `confirm = { after = "30s", times = 2 }`
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfirmConfig {
+    pub after: HumanDuration,
+    #[serde(default = "defaults::confirm_times")]
+    pub times: u32,
 }
 
 /// The call: method, path under the provider's base URL, headers and body,
@@ -118,6 +133,10 @@ pub struct CallbackConfig {
 }
 
 mod defaults {
+    pub fn confirm_times() -> u32 {
+        1
+    }
+
     use super::*;
     use std::time::Duration;
 

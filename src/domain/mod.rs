@@ -4,6 +4,8 @@
 
 pub mod backoff;
 pub mod breaker;
+pub mod confirm;
+pub mod diff;
 pub mod fair;
 pub mod host;
 pub mod model;

@@ -153,7 +153,34 @@ pub struct StepRun {
     pub started_at: Option<UnixMs>,
     pub finished_at: Option<UnixMs>,
     pub updated_at: UnixMs,
+    /// What started this generation: `None` for the first run, else
+    /// `replay by alice`, `retry by bob`, `rerun after reversal`.
+    pub cause: Option<String>,
 }
+
+/// A step's result replaced by a later generation, kept as it was.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepVersion {
+    pub record_id: i64,
+    pub step: String,
+    pub generation: i32,
+    pub state: StepState,
+    pub output: Option<Value>,
+    pub job_id: Option<String>,
+    pub error_code: Option<String>,
+    /// What started its generation (`None`: the first run).
+    pub cause: Option<String>,
+    pub started_at: Option<UnixMs>,
+    pub finished_at: Option<UnixMs>,
+    /// When it was replaced, and by what (the next generation's cause).
+    pub replaced_at: UnixMs,
+    pub replaced_by: String,
+}
+
+/// The error code a step keeps when its provider reversed its success and
+/// the record was parked: an operator's retry then runs it again (a new
+/// generation), where a resume keeps the result.
+pub const REVERSED: &str = "provider_reversed";
 
 /// The full new state of one step run; the store derives its idempotency
 /// key from (record, step, generation).

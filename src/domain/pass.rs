@@ -237,6 +237,7 @@ mod tests {
                 },
                 outputs: Default::default(),
                 on_reversal: crate::domain::ReversalPolicy::Park,
+                confirm: None,
             })
             .collect()
     }

@@ -118,6 +118,16 @@ pub struct Step {
     pub request: RequestSpec,
     pub outputs: BTreeMap<String, String>,
     pub on_reversal: ReversalPolicy,
+    /// Polls after success that must still say success (job steps with a
+    /// poll request only).
+    pub confirm: Option<Confirm>,
+}
+
+/// `confirm`: `times` polls after a success, `after` apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Confirm {
+    pub after: Duration,
+    pub times: u32,
 }
 
 impl Step {

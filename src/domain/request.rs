@@ -101,7 +101,16 @@ pub fn is_credential_header(name: &str) -> bool {
         "apikey",
         "x-apikey",
     ];
-    const PARTS: &[&str] = &["token", "secret", "password", "session", "signature"];
+    const PARTS: &[&str] = &[
+        "token",
+        "secret",
+        "password",
+        "session",
+        "signature",
+        "api-key",
+        "apikey",
+        "subscription-key",
+    ];
     EXACT.contains(&n.as_str()) || PARTS.iter().any(|p| n.contains(p))
 }
 
@@ -271,7 +280,14 @@ mod tests {
 
     #[test]
     fn names_are_matched_without_case_or_separators() {
-        for n in ["Cookie", "X-API-KEY", "x-auth-token", "X-Client-Secret"] {
+        for n in [
+            "Cookie",
+            "X-API-KEY",
+            "x-auth-token",
+            "X-Client-Secret",
+            "X-Goog-Api-Key",
+            "Ocp-Apim-Subscription-Key",
+        ] {
             assert!(is_credential_header(n), "{n}");
         }
         for n in ["Accept", "Content-Type", "Idempotency-Key", "X-Request-Id"] {

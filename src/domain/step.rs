@@ -720,6 +720,7 @@ mod tests {
                 .map(|o| ((*o).to_owned(), format!("/out/{o}")))
                 .collect(),
             on_reversal: crate::domain::ReversalPolicy::Park,
+            confirm: None,
         }
     }
 

@@ -190,6 +190,7 @@ impl Engine {
             detail: Some(json!({ "job_id": job_id, "callback": body })),
             now,
             steps,
+            generation: None,
         };
         let after = i.db.reverse(&req).await?;
         self.wake();

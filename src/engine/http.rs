@@ -28,9 +28,10 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 pub struct Call {
     pub method: HttpMethod,
     pub url: String,
-    /// Every header sent (`Content-Type` and `Accept-Encoding` included;
-    /// the client adds only `Host`, `Content-Length` and the like), so the
-    /// request the history keeps is the request that left.
+    /// Every header sent (`User-Agent`, `Accept`, `Content-Type` and
+    /// `Accept-Encoding` included; the client adds only `Host`,
+    /// `Content-Length` and the like), so the request the history keeps is
+    /// the request that left.
     pub headers: Vec<(String, String)>,
     pub body: Option<String>,
     pub timeout: Duration,

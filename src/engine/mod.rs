@@ -9,6 +9,7 @@
 //! sleeping until new work is signalled or the earliest record is due.
 
 mod committer;
+mod confirm;
 mod deliveries;
 pub mod http;
 pub mod limits;

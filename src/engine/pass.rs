@@ -26,6 +26,8 @@ struct Progress {
     attempts: Vec<NewAttempt>,
     /// Deliveries applied and not yet committed.
     callbacks_done: Vec<i64>,
+    /// Confirmations to schedule, not yet committed.
+    confirms: Vec<crate::domain::confirm::Pending>,
     park: Option<Park>,
     breaker: Vec<(String, step::BreakerNews)>,
     throttled: Vec<(String, UnixMs)>,
@@ -47,6 +49,7 @@ impl Progress {
         }
         self.attempts.extend(out.attempts);
         self.callbacks_done.extend(out.callbacks_done);
+        self.confirms.extend(out.confirm);
         self.changed.push(out.write.step.clone());
         states.insert(out.write.step.clone(), out.write);
     }
@@ -69,6 +72,7 @@ impl Progress {
             .collect();
         c.attempts = self.attempts.clone();
         c.callbacks_done = self.callbacks_done.clone();
+        c.confirms = self.confirms.clone();
         if let Some((step, provider, _)) = &self.last {
             c.step = Some(step.clone());
             c.provider = provider.clone();
@@ -322,7 +326,7 @@ impl Engine {
 
     /// One step's pass, ready to run.
     #[allow(clippy::too_many_arguments)]
-    fn step_run<'a>(
+    pub(super) fn step_run<'a>(
         &'a self,
         rec: &'a Record,
         s: &'a Step,
@@ -370,6 +374,7 @@ impl Engine {
                 i.stats.attempts(&rec.pipeline, &c.attempts);
                 progress.attempts.clear();
                 progress.callbacks_done.clear();
+                progress.confirms.clear();
                 true
             }
             Some((_, Err(e))) => {
@@ -382,9 +387,9 @@ impl Engine {
 }
 
 /// A step's pass waiting for its start time and its provider's runtime.
-struct PendingStep<'a> {
-    rt: Option<std::sync::Arc<super::limits::ProviderRuntime>>,
-    run: step::StepRun<'a>,
+pub(super) struct PendingStep<'a> {
+    pub(super) rt: Option<std::sync::Arc<super::limits::ProviderRuntime>>,
+    pub(super) run: step::StepRun<'a>,
 }
 
 impl<'a> PendingStep<'a> {

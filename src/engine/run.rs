@@ -122,6 +122,7 @@ impl Engine {
         let keeper = tokio::spawn(self.clone().keep_leases(shutdown.clone()));
         let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
         let flusher = tokio::spawn(self.clone().flush_stats(shutdown.clone()));
+        let confirms = tokio::spawn(self.clone().confirm_loop(shutdown.clone()));
         let listen = match &i.db {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
@@ -250,6 +251,10 @@ impl Engine {
         // again, with headroom, for a node that is leaving.
         sync.abort();
         let _ = sync.await;
+        // A confirmation poll cut short keeps its hold; another node (or
+        // this one, restarted) asks when the hold ends.
+        confirms.abort();
+        let _ = confirms.await;
         if let Some(l) = listen {
             l.abort();
             let _ = l.await;

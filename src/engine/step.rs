@@ -169,6 +169,8 @@ pub struct StepOutput {
     pub callbacks_done: Vec<i64>,
     /// The step was given back because the node is stopping.
     pub stopped: bool,
+    /// Its first confirmation, for a step with `confirm` that succeeded.
+    pub confirm: Option<crate::domain::confirm::Pending>,
 }
 
 impl StepOutput {
@@ -181,6 +183,7 @@ impl StepOutput {
             throttled: None,
             callbacks_done: Vec::new(),
             stopped: false,
+            confirm: None,
         }
     }
 }
@@ -204,6 +207,22 @@ pub struct StepRun<'a> {
     pub max_wait: Duration,
     /// The node is shutting down: make no new call.
     pub stopping: &'a super::Stopping,
+}
+
+/// What a confirmation poll found.
+#[derive(Debug)]
+pub enum Asked {
+    /// The provider answered (or the exchange failed): its outcome, and
+    /// the exchange kept as an attempt.
+    Said {
+        outcome: Outcome,
+        attempt: Box<NewAttempt>,
+    },
+    /// A gate said no (a pause, the breaker, the limits, no token): ask
+    /// again then.
+    Later(UnixMs),
+    /// The poll request cannot be built (a template error).
+    Broken(String),
 }
 
 /// The error code of a `401` answered to a call whose OAuth2 token was
@@ -346,11 +365,66 @@ impl StepRun<'_> {
         self.move_budget(rt, judged.budget, after);
         let verdict = (judged.outcome, judged.error_code.clone());
         let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, sent);
+        let w = &judged.decision.write;
+        let confirm = match self.step.confirm {
+            Some(spec) if w.state == StepState::Succeeded => Some(crate::domain::confirm::first(
+                self.record.id,
+                &w.step,
+                w.generation,
+                spec,
+                after,
+            )),
+            _ => None,
+        };
         StepOutput {
+            confirm,
             attempts: refused.into_iter().chain([attempt]).collect(),
             breaker,
             throttled,
             ..StepOutput::new(judged.decision)
+        }
+    }
+
+    /// A confirmation poll of a step that succeeded (`confirm`): the job
+    /// asked again through the same gates (no attempt spent, no retry
+    /// budget drawn, no verdict for the breaker: a poll of a finished job
+    /// says nothing of the provider's health that the calls do not).
+    pub async fn confirm(&self, rt: &ProviderRuntime) -> Asked {
+        let plan = Planned {
+            write: self.write.clone(),
+            polling: true,
+            is_retry: false,
+        };
+        let later =
+            |out: StepOutput| Asked::Later(out.write.next_run_at.unwrap_or(self.now + 1_000));
+        let token = match self.token(rt).await {
+            Ok(t) => t,
+            Err(out) => return later(out),
+        };
+        let mut granted = match self.gate(rt, &plan).await {
+            Ok(g) => g,
+            Err(out) => return later(out),
+        };
+        let call = match self.build_call(rt, &plan, token.as_ref()) {
+            Ok(c) => c,
+            Err(e) => return Asked::Broken(e),
+        };
+        let started = self.clock.now_ms();
+        granted.flight.sent = true;
+        let x = self.exchange(rt, &call, token.as_ref()).await;
+        let sent = self.sent(rt, &call, token.as_ref());
+        if let (Some(t), Some(401), Some(src)) = (&token, x.http_status, &rt.token) {
+            // Renewed for the next ask; a 401 is never a reversal
+            // (`domain::confirm::said`).
+            let _ = src.renew(t, &rt.client, self.clock).await;
+        }
+        let c = classify(&rt.rules, &x.reply);
+        self.count(rt, c.outcome, x.took);
+        let verdict = (c.outcome, c.error_code.map(str::to_owned));
+        let number = (self.write.attempts.max(1), started);
+        Asked::Said {
+            outcome: c.outcome,
+            attempt: Box::new(self.attempt(rt, verdict, number, &x, sent)),
         }
     }
 
@@ -811,6 +885,14 @@ impl StepRun<'_> {
         };
         let named =
             |h: &[(String, String)], n: &str| h.iter().any(|(k, _)| k.eq_ignore_ascii_case(n));
+        // What the client would add by itself, written here so that the
+        // request kept is the request sent.
+        let agent = concat!("ballast/", env!("CARGO_PKG_VERSION"));
+        for (name, value) in [("User-Agent", agent), ("Accept", "*/*")] {
+            if !named(&headers, name) {
+                headers.push((name.into(), value.into()));
+            }
+        }
         if body.is_some() && !named(&headers, "content-type") {
             headers.push(("Content-Type".into(), "application/json".into()));
         }

@@ -16,7 +16,9 @@ use tokio::sync::Mutex;
 
 use crate::config::Secret;
 use crate::config::provider::{ClientAuth, OAuth2Config};
-use crate::domain::token::{Grant, TokenError, parse_grant, pause_after, renew_at};
+use crate::domain::token::{
+    DEFAULT_LIFETIME, Grant, TokenError, parse_grant, pause_after, renew_at,
+};
 use crate::domain::{Clock, UnixMs};
 
 /// The longest token endpoint reply read.
@@ -31,7 +33,8 @@ pub struct NoToken {
 
 #[derive(Default)]
 struct State {
-    token: Option<(Secret, UnixMs)>,
+    /// The token, when it is due for renewal, and when it expires.
+    token: Option<(Secret, UnixMs, UnixMs)>,
     failures: u32,
     failing: Option<NoToken>,
 }
@@ -76,7 +79,8 @@ impl TokenSource {
     }
 
     /// The current token, fetched first if there is none or it is due for
-    /// renewal.
+    /// renewal. A renewal that fails leaves the old token in use until it
+    /// expires.
     pub async fn get(
         &self,
         client: &reqwest::Client,
@@ -84,17 +88,26 @@ impl TokenSource {
     ) -> Result<Secret, NoToken> {
         let mut state = self.state.lock().await;
         let now = clock.now_ms();
-        if let Some((token, renew)) = &state.token {
+        let unexpired = |s: &State, now: UnixMs| {
+            s.token
+                .as_ref()
+                .filter(|(_, _, expires)| now < *expires)
+                .map(|(t, _, _)| t.clone())
+        };
+        if let Some((token, renew, _)) = &state.token {
             if now < *renew {
                 return Ok(token.clone());
             }
         }
-        if let Some(f) = &state.failing {
+        if let Some(f) = state.failing.clone() {
             if now < f.until {
-                return Err(f.clone());
+                return unexpired(&state, now).ok_or(f);
             }
         }
-        self.fetch(&mut state, client, clock).await
+        match self.fetch(&mut state, client, clock).await {
+            Ok(t) => Ok(t),
+            Err(no) => unexpired(&state, clock.now_ms()).ok_or(no),
+        }
     }
 
     /// A token after `refused` was answered `401`: a new one, unless
@@ -106,7 +119,7 @@ impl TokenSource {
         clock: &dyn Clock,
     ) -> Result<Secret, NoToken> {
         let mut state = self.state.lock().await;
-        if let Some((token, _)) = &state.token {
+        if let Some((token, _, _)) = &state.token {
             if token.expose() != refused.expose() {
                 return Ok(token.clone());
             }
@@ -130,8 +143,11 @@ impl TokenSource {
         match self.request(client, asked_at).await {
             Ok(grant) => {
                 let renew = renew_at(&grant, asked_at, self.config.renew_before.0);
+                let expires = grant
+                    .expires_at
+                    .unwrap_or(asked_at + DEFAULT_LIFETIME.as_millis() as i64);
                 let token = Secret::new(grant.access_token);
-                state.token = Some((token.clone(), renew));
+                state.token = Some((token.clone(), renew, expires));
                 state.failures = 0;
                 state.failing = None;
                 metrics::counter!("ballast_oauth2_tokens_total", "result" => "granted")

@@ -258,6 +258,25 @@ fn compile_step(
         None => None,
     };
     let kind = compile_kind(s, poll, &key)?;
+    let confirm = match &s.confirm {
+        None => None,
+        Some(_) if !matches!(kind, StepKind::SubmitPoll { .. }) => {
+            return Err(invalid(
+                key("confirm"),
+                "needs a step that polls its job (kind = \"submit_poll\")".into(),
+            ));
+        }
+        Some(c) if c.after.0.is_zero() || c.times == 0 || c.times > 100 => {
+            return Err(invalid(
+                key("confirm"),
+                "`after` must be more than 0 and `times` between 1 and 100".into(),
+            ));
+        }
+        Some(c) => Some(crate::domain::pipeline::Confirm {
+            after: c.after.0,
+            times: c.times,
+        }),
+    };
     for (out, pointer) in &s.outputs {
         check_pointer(pointer).map_err(|m| invalid(key(&format!("outputs.{out}")), m))?;
     }
@@ -271,6 +290,7 @@ fn compile_step(
         request,
         outputs: s.outputs.clone(),
         on_reversal: s.on_reversal,
+        confirm,
     })
 }
 

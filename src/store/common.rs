@@ -11,7 +11,7 @@ use super::counts::CountDeltas;
 use super::filter::{push_audit_filter, push_record_filter};
 use super::rows::{
     API_TOKEN_COLUMNS, ATTEMPT_COLUMNS, BREAKER_COLUMNS, EVENT_COLUMNS, MapRow, PROVIDER_COLUMNS,
-    RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, USER_COLUMNS, map_all,
+    RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, STEP_VERSION_COLUMNS, USER_COLUMNS, map_all,
 };
 use super::sql::{SqlStore, conflict_or};
 use super::{
@@ -22,7 +22,7 @@ use super::{
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     Attempt, Event, Node, OperatorAction, PipelineVersion, ProviderState, Record, RecordState,
-    Session, StateCount, StepRun, Trigger, UnixMs, User, transition,
+    Session, StateCount, StepRun, StepVersion, Trigger, UnixMs, User, transition,
 };
 
 // The bounds are those of the store's inherent methods (`sql.rs`).
@@ -341,6 +341,7 @@ where
         let mut steps = Vec::new();
         let mut attempts = Vec::new();
         let mut callbacks = Vec::new();
+        let mut confirms = Vec::new();
         let mut events = Vec::with_capacity(commits.len());
         let mut deltas = CountDeltas::default();
         for (c, actor) in commits.iter().zip(&actors) {
@@ -395,6 +396,7 @@ where
             steps.extend(c.steps.iter().map(|s| (rec.id, s, c.now)));
             attempts.extend(c.attempts.iter().map(|a| (rec.id, a)));
             callbacks.extend(c.callbacks_done.iter().map(|id| (rec.id, *id, c.now)));
+            confirms.extend(c.confirms.iter());
             moved.push(after.clone());
             results.push(Ok(after));
         }
@@ -411,6 +413,9 @@ where
         Self::update_records(&mut tx, &moved).await?;
         Self::insert_events(&mut tx, &events).await?;
         Self::apply_counts(&mut tx, &deltas).await?;
+        for p in confirms {
+            Self::put_confirmation(&mut tx, p).await?;
+        }
         tx.commit().await?;
         Ok(results)
     }
@@ -446,11 +451,39 @@ where
                 .bind(rec.id)
                 .execute(&mut *tx)
                 .await?;
+                // A result its provider reversed is not kept by a retry:
+                // its step runs again, a new version.
+                let reversed: Vec<String> = sqlx::query_scalar(
+                    "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
+                     AND error_code = $2 ORDER BY step",
+                )
+                .bind(rec.id)
+                .bind(crate::domain::REVERSED)
+                .fetch_all(&mut *tx)
+                .await?;
+                let cause = format!("retry by {}", req.actor);
+                Self::rerun_steps(&mut tx, &installation, rec.id, &reversed, req.now, &cause)
+                    .await?;
             }
             OperatorAction::ReplayFrom => {
-                Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now).await?;
+                let cause = format!("replay by {}", req.actor);
+                Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now, &cause)
+                    .await?;
             }
-            OperatorAction::Park | OperatorAction::Resume | OperatorAction::Cancel => {}
+            // A resume accepts a reversed result: it is no longer marked
+            // for a retry to run again.
+            OperatorAction::Resume => {
+                sqlx::query(
+                    "UPDATE step_runs SET error_code = NULL, updated_at = $1 \
+                     WHERE record_id = $2 AND state = 'succeeded' AND error_code = $3",
+                )
+                .bind(req.now)
+                .bind(rec.id)
+                .bind(crate::domain::REVERSED)
+                .execute(&mut *tx)
+                .await?;
+            }
+            OperatorAction::Park | OperatorAction::Cancel => {}
         }
         let next = to.is_scheduled().then_some(req.now);
         let detail = (req.action == OperatorAction::ReplayFrom)
@@ -628,6 +661,18 @@ where
                 what: "record",
                 key: req.record_id.to_string(),
             })?;
+        if let Some(g) = req.generation {
+            let current: Option<(i64, String)> = sqlx::query_as(
+                "SELECT CAST(generation AS BIGINT), state FROM step_runs WHERE record_id = $1 AND step = $2",
+            )
+            .bind(rec.id)
+            .bind(req.step.clone())
+            .fetch_optional(&mut *tx)
+            .await?;
+            if current != Some((i64::from(g), "succeeded".to_owned())) {
+                return Ok(rec);
+            }
+        }
         let trigger = Trigger::Reversed(req.policy);
         let to = transition(rec.state, trigger)?;
         let mut detail = req.detail.clone().unwrap_or(serde_json::json!({}));
@@ -649,13 +694,38 @@ where
             reason: Some(&req.reason),
             detail: Some(&detail),
         };
+        match req.policy {
+            crate::domain::ReversalPolicy::Rerun => {
+                let cause = "rerun after reversal";
+                Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now, cause)
+                    .await?;
+            }
+            // The result stays (a resume keeps it), marked so that a retry
+            // runs the step again.
+            crate::domain::ReversalPolicy::Park => {
+                sqlx::query(
+                    "UPDATE step_runs SET error_code = $1, updated_at = $2 \
+                     WHERE record_id = $3 AND step = $4 AND state = 'succeeded'",
+                )
+                .bind(crate::domain::REVERSED)
+                .bind(req.now)
+                .bind(rec.id)
+                .bind(req.step.clone())
+                .execute(&mut *tx)
+                .await?;
+            }
+            crate::domain::ReversalPolicy::Record => {}
+        }
+        // The policy applies whatever the record's state; a state the
+        // reversal does not move (a pending record rerun, a parked one
+        // parked) keeps its place, with the event.
         if to == rec.state {
             Self::insert_event(&mut tx, &event).await?;
+            if req.policy == crate::domain::ReversalPolicy::Rerun && rec.state.is_scheduled() {
+                DB::notify_work(&mut tx).await?;
+            }
             tx.commit().await?;
             return Ok(rec);
-        }
-        if req.policy == crate::domain::ReversalPolicy::Rerun {
-            Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now).await?;
         }
         let next = to.is_scheduled().then_some(req.now);
         let mut deltas = CountDeltas::default();
@@ -716,6 +786,101 @@ where
             .fetch_all(self.reader())
             .await?;
         map_all(&rows, MapRow::step_run)
+    }
+
+    async fn claim_confirmations(
+        &self,
+        now: UnixMs,
+        limit: u32,
+        hold_until: UnixMs,
+    ) -> StoreResult<Vec<crate::domain::confirm::Pending>> {
+        // Most looks find nothing: asked on a reader first, so that an idle
+        // node takes no write lock (SQLite's single writer) to find out.
+        let any: Option<i64> =
+            sqlx::query_scalar("SELECT 1 FROM step_confirmations WHERE due_at <= $1 LIMIT 1")
+                .bind(now)
+                .fetch_optional(self.reader())
+                .await?;
+        if any.is_none() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.begin_write().await?;
+        // PostgreSQL re-reads a row locked meanwhile by another node's
+        // claim, and then finds it no longer due.
+        let sql = format!(
+            "SELECT record_id, step, generation, due_at, remaining, tries FROM step_confirmations \
+             WHERE due_at <= $1 ORDER BY due_at LIMIT $2 {}",
+            DB::LOCK
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(now)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        let out = map_all(&rows, MapRow::confirmation)?;
+        for p in &out {
+            sqlx::query(
+                "UPDATE step_confirmations SET due_at = $1 WHERE record_id = $2 AND step = $3",
+            )
+            .bind(hold_until)
+            .bind(p.record_id)
+            .bind(p.step.clone())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    async fn settle_confirmation(
+        &self,
+        record_id: i64,
+        step: &str,
+        generation: i32,
+        next: Option<&crate::domain::confirm::Pending>,
+    ) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        match next {
+            Some(p) => {
+                sqlx::query(
+                    "UPDATE step_confirmations SET due_at = $1, remaining = $2, tries = $3 \
+                     WHERE record_id = $4 AND step = $5 AND generation = $6",
+                )
+                .bind(p.due_at)
+                .bind(i64::from(p.remaining))
+                .bind(i64::from(p.tries))
+                .bind(record_id)
+                .bind(step.to_owned())
+                .bind(i64::from(generation))
+                .execute(&mut *tx)
+                .await?;
+            }
+            None => {
+                sqlx::query(
+                    "DELETE FROM step_confirmations WHERE record_id = $1 AND step = $2 \
+                     AND generation = $3",
+                )
+                .bind(record_id)
+                .bind(step.to_owned())
+                .bind(i64::from(generation))
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn step_versions(&self, record_id: i64) -> StoreResult<Vec<StepVersion>> {
+        let sql = format!(
+            "SELECT {STEP_VERSION_COLUMNS} FROM step_versions WHERE record_id = $1 \
+             ORDER BY step, generation"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::step_version)
     }
 
     async fn attempts(&self, record_id: i64) -> StoreResult<Vec<Attempt>> {

@@ -35,6 +35,8 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     5 "0005_provider_grants" "provider_grants",
     6 "0006_fair_queues" "fair_queues",
     7 "0007_attempt_requests" "attempt_requests",
+    8 "0008_step_versions" "step_versions",
+    9 "0009_step_confirmations" "step_confirmations",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -44,6 +46,8 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     5 "0005_provider_grants" "provider_grants",
     6 "0006_fair_queues" "fair_queues",
     7 "0007_attempt_requests" "attempt_requests",
+    8 "0008_step_versions" "step_versions",
+    9 "0009_step_confirmations" "step_confirmations",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

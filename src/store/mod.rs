@@ -24,8 +24,8 @@ use serde_json::Value;
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
-    Record, RecordState, Role, Session, StateCount, StepRun, StepState, TransitionError, UnixMs,
-    User, WorkResult,
+    Record, RecordState, Role, Session, StateCount, StepRun, StepState, StepVersion,
+    TransitionError, UnixMs, User, WorkResult,
 };
 
 pub use postgres::{Notice, PgStore};
@@ -252,6 +252,8 @@ pub struct Commit {
     pub attempts: Vec<NewAttempt>,
     /// Webhook deliveries this pass applied, marked processed with it.
     pub callbacks_done: Vec<i64>,
+    /// Confirmations to schedule for steps that succeeded (`confirm`).
+    pub confirms: Vec<crate::domain::confirm::Pending>,
 }
 
 impl Commit {
@@ -269,6 +271,7 @@ impl Commit {
             steps: Vec::new(),
             attempts: Vec::new(),
             callbacks_done: Vec::new(),
+            confirms: Vec::new(),
         }
     }
 }
@@ -315,6 +318,10 @@ pub struct ReverseRequest {
     pub now: UnixMs,
     /// For `Rerun`: the reversed step and every step downstream of it.
     pub steps: Vec<String>,
+    /// The generation whose result was contradicted, when known (a
+    /// confirmation poll): a reversal of a generation since replaced, or
+    /// of a step no longer succeeded, changes nothing.
+    pub generation: Option<i32>,
 }
 
 /// An operator's action on one record.
@@ -556,6 +563,29 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         record_ids: &[i64],
     ) -> impl Future<Output = StoreResult<Vec<StepRun>>> + Send;
+    /// Takes up to `limit` confirmations due at `now`, each held (its
+    /// `due_at` moved to `hold_until`) so that no other node asks too.
+    fn claim_confirmations(
+        &self,
+        now: UnixMs,
+        limit: u32,
+        hold_until: UnixMs,
+    ) -> impl Future<Output = StoreResult<Vec<crate::domain::confirm::Pending>>> + Send;
+    /// Reschedules a confirmation (`Some`), or ends it (`None`); only if it
+    /// is still for `generation`.
+    fn settle_confirmation(
+        &self,
+        record_id: i64,
+        step: &str,
+        generation: i32,
+        next: Option<&crate::domain::confirm::Pending>,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+    /// The results of a record's steps that later generations replaced,
+    /// by step and generation (the current ones are in `step_runs`).
+    fn step_versions(
+        &self,
+        record_id: i64,
+    ) -> impl Future<Output = StoreResult<Vec<StepVersion>>> + Send;
     fn attempts(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<Attempt>>> + Send;
     fn record_events(&self, record_id: i64)
     -> impl Future<Output = StoreResult<Vec<Event>>> + Send;
@@ -886,6 +916,9 @@ forward! {
     fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
     fn step_runs_of(&self, record_ids: &[i64]) -> Vec<StepRun>;
+    fn claim_confirmations(&self, now: UnixMs, limit: u32, hold_until: UnixMs) -> Vec<crate::domain::confirm::Pending>;
+    fn settle_confirmation(&self, record_id: i64, step: &str, generation: i32, next: Option<&crate::domain::confirm::Pending>) -> ();
+    fn step_versions(&self, record_id: i64) -> Vec<StepVersion>;
     fn attempts(&self, record_id: i64) -> Vec<Attempt>;
     fn record_events(&self, record_id: i64) -> Vec<Event>;
     fn audit_log(&self, filter: &AuditFilter) -> Page<Event>;

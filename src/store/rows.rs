@@ -9,7 +9,7 @@ use crate::domain::breaker::SharedBreaker;
 use crate::domain::permits::GrantRow;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState, Session,
-    StateCount, StepRun, User,
+    StateCount, StepRun, StepVersion, User,
 };
 use crate::store::{StepRollup, StoreError, StoreResult};
 
@@ -24,7 +24,9 @@ pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, externa
      next_run_at, lease_owner, lease_until, lease_token, step, provider, error_code, reason, \
      created_at, updated_at, finished_at";
 pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
-     job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at";
+     job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, cause";
+pub(crate) const STEP_VERSION_COLUMNS: &str = "record_id, step, generation, state, output, job_id, error_code, cause, \
+     started_at, finished_at, replaced_at, replaced_by";
 pub(crate) const ATTEMPT_COLUMNS: &str = "id, record_id, step, provider, attempt_no, node, started_at, \
      duration_ms, http_status, outcome, error_code, excerpt, request";
 pub(crate) const EVENT_COLUMNS: &str =
@@ -52,6 +54,10 @@ pub trait MapRow {
     fn record(&self) -> StoreResult<Record>;
     /// A `step_runs` row, read with [`STEP_COLUMNS`].
     fn step_run(&self) -> StoreResult<StepRun>;
+    /// A `step_versions` row, read with [`STEP_VERSION_COLUMNS`].
+    fn step_version(&self) -> StoreResult<StepVersion>;
+    /// A `step_confirmations` row.
+    fn confirmation(&self) -> StoreResult<crate::domain::confirm::Pending>;
     /// An `attempts` row, read with [`ATTEMPT_COLUMNS`].
     fn attempt(&self) -> StoreResult<Attempt>;
     /// An `events` row, read with [`EVENT_COLUMNS`].
@@ -140,6 +146,35 @@ where
             started_at: self.try_get("started_at")?,
             finished_at: self.try_get("finished_at")?,
             updated_at: self.try_get("updated_at")?,
+            cause: self.try_get("cause")?,
+        })
+    }
+
+    fn confirmation(&self) -> StoreResult<crate::domain::confirm::Pending> {
+        Ok(crate::domain::confirm::Pending {
+            record_id: self.try_get("record_id")?,
+            step: self.try_get("step")?,
+            generation: self.try_get("generation")?,
+            due_at: self.try_get("due_at")?,
+            remaining: self.try_get("remaining")?,
+            tries: self.try_get("tries")?,
+        })
+    }
+
+    fn step_version(&self) -> StoreResult<StepVersion> {
+        Ok(StepVersion {
+            record_id: self.try_get("record_id")?,
+            step: self.try_get("step")?,
+            generation: self.try_get("generation")?,
+            state: parse(&self.try_get::<String, _>("state")?, "step state")?,
+            output: self.json("output")?,
+            job_id: self.try_get("job_id")?,
+            error_code: self.try_get("error_code")?,
+            cause: self.try_get("cause")?,
+            started_at: self.try_get("started_at")?,
+            finished_at: self.try_get("finished_at")?,
+            replaced_at: self.try_get("replaced_at")?,
+            replaced_by: self.try_get("replaced_by")?,
         })
     }
 

@@ -371,14 +371,54 @@ where
 
     /// Resets `steps` to run again from scratch, each under a new
     /// generation (so a new idempotency key): replays and reruns.
+    /// Schedules a confirmation (replacing one of an earlier generation).
+    pub(crate) async fn put_confirmation(
+        tx: &mut Tx<DB>,
+        p: &crate::domain::confirm::Pending,
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO step_confirmations (record_id, step, generation, due_at, remaining, tries) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (record_id, step) DO UPDATE SET \
+             generation = excluded.generation, due_at = excluded.due_at, \
+             remaining = excluded.remaining, tries = excluded.tries",
+        )
+        .bind(p.record_id)
+        .bind(p.step.clone())
+        .bind(i64::from(p.generation))
+        .bind(p.due_at)
+        .bind(i64::from(p.remaining))
+        .bind(i64::from(p.tries))
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Starts a new generation of each of `steps` (a new idempotency key),
+    /// `cause` saying what started it. A run with a result is kept in
+    /// `step_versions` first, so a result is never overwritten.
     pub(crate) async fn rerun_steps(
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
         steps: &[String],
         now: UnixMs,
+        cause: &str,
     ) -> StoreResult<()> {
         for step in steps {
+            sqlx::query(
+                "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
+                   error_code, cause, started_at, finished_at, replaced_at, replaced_by) \
+                 SELECT record_id, step, generation, state, output, job_id, error_code, cause, \
+                   started_at, finished_at, $3, $4 \
+                 FROM step_runs WHERE record_id = $1 AND step = $2 AND output IS NOT NULL \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(record_id)
+            .bind(step.clone())
+            .bind(now)
+            .bind(cause)
+            .execute(&mut **tx)
+            .await?;
             let generation: Option<i32> = sqlx::query_scalar(
                 "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
             )
@@ -389,6 +429,12 @@ where
             let mut write = crate::store::StepWrite::pending(step);
             write.generation = generation.map_or(0, |g| g + 1);
             Self::upsert_step(tx, installation, record_id, &write, now).await?;
+            sqlx::query("UPDATE step_runs SET cause = $1 WHERE record_id = $2 AND step = $3")
+                .bind(cause)
+                .bind(record_id)
+                .bind(step.clone())
+                .execute(&mut **tx)
+                .await?;
         }
         Ok(())
     }

@@ -166,14 +166,16 @@ async fn get_one(
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (steps, attempts, events) = tokio::try_join!(
+    let (steps, attempts, events, versions) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
-        state.db.record_events(id)
+        state.db.record_events(id),
+        state.db.step_versions(id)
     )?;
     Ok(Json(json!({
         "record": record,
         "steps": steps,
+        "versions": versions,
         "attempts": attempts,
         "events": events,
     })))

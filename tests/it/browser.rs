@@ -223,6 +223,7 @@ async fn the_dashboard_works_in_a_real_browser() {
         })
         .await
         .unwrap();
+    let versioned = two_versions(&app).await;
     let mut pending = Vec::new();
     for k in 0..4 {
         pending.push(app.record(&format!("lead-{k}")).await);
@@ -305,6 +306,32 @@ async fn the_dashboard_works_in_a_real_browser() {
             .unwrap()
             .is_empty()
     );
+
+    // A step run twice (a replay between): both versions of its output
+    // are listed, with what made each, and their difference.
+    c.goto(&app.url(&format!("/records/{versioned}")))
+        .await
+        .unwrap();
+    wait_text(c, "#versions", "replay by admin").await;
+    let versions = text_of(c, "#versions").await;
+    assert!(
+        versions.contains("first run") && versions.contains("current"),
+        "{versions}"
+    );
+    let diff = text_of(c, "#diff").await;
+    let diff = diff.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(diff.contains("changed /score 1 2"), "{diff}");
+    assert!(diff.contains("added /tier \"gold\""), "{diff}");
+    assert!(diff.contains("removed /draft true"), "{diff}");
+    assert!(
+        !diff.contains("/name"),
+        "unchanged leaves are not listed: {diff}"
+    );
+    shot(c, "record-versions").await;
+    c.goto(&app.url(&format!("/records/{parked}")))
+        .await
+        .unwrap();
+    wait_text(c, "#attempts", "http_5xx").await;
 
     // Retry it and watch the state change in place (htmx).
     c.execute("window.__marker = 'same page';", vec![])
@@ -686,4 +713,46 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
     let log = log.all(Duration::from_secs(30)).await;
     assert!(status.success(), "{log}");
     d.client.clone().close().await.unwrap();
+}
+
+/// A record whose step `enrich` succeeded, was replayed by `admin`, and
+/// succeeded again with another output.
+async fn two_versions(app: &WebApp) -> i64 {
+    use ballast::domain::{OperatorAction, StepState, WorkResult};
+    use ballast::store::{ClaimRequest, Commit, StepWrite};
+    let id = app.record("lead-versions").await;
+    let later = crate::helpers::wall_ms() + 3_600_000;
+    for (generation, output) in [
+        (0, json!({ "score": 1, "draft": true, "name": "Ada" })),
+        (1, json!({ "score": 2, "tier": "gold", "name": "Ada" })),
+    ] {
+        let claim = ClaimRequest {
+            owner: "w".into(),
+            now: later,
+            lease: Duration::from_secs(30),
+            limit: 1,
+            group_caps: Vec::new(),
+        };
+        let r = app.t.db.claim_due(&claim).await.unwrap().remove(0);
+        let mut step = StepWrite::pending("enrich");
+        step.state = StepState::Succeeded;
+        step.generation = generation;
+        step.output = Some(output);
+        step.finished_at = Some(later);
+        let mut c = Commit::new(r.lease().unwrap(), later, Some(WorkResult::Completed));
+        c.steps = vec![step];
+        app.t.db.commit(&c).await.unwrap();
+        if generation == 0 {
+            let replay = ActionRequest {
+                record_id: id,
+                action: OperatorAction::ReplayFrom,
+                actor: "admin".into(),
+                reason: Some("enrichment changed".into()),
+                now: later,
+                steps: vec!["enrich".into()],
+            };
+            app.t.db.act(&replay).await.unwrap();
+        }
+    }
+    id
 }

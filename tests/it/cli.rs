@@ -171,20 +171,22 @@ async fn migrate_round_trip(backend: Backend) {
             && pending.contains("0004     pending    cluster_breaker")
             && pending.contains("0005     pending    provider_grants")
             && pending.contains("0006     pending    fair_queues")
-            && pending.contains("0007     pending    attempt_requests"),
+            && pending.contains("0007     pending    attempt_requests")
+            && pending.contains("0008     pending    step_versions")
+            && pending.contains("0009     pending    step_confirmations"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);
     assert!(
-        up.contains("[1/7] applying 0001 core")
+        up.contains("[1/9] applying 0001 core")
             && up.contains("applied 0001")
-            && up.contains("[2/7] applied 0002")
-            && up.contains("[7/7] applied 0007"),
+            && up.contains("[2/9] applied 0002")
+            && up.contains("[9/9] applied 0009"),
         "{up}"
     );
     assert!(
         up.contains(&format!(
-            "{}: 7 applied; schema at version 7",
+            "{}: 9 applied; schema at version 9",
             backend.as_str()
         )),
         "{up}"
@@ -201,7 +203,7 @@ async fn migrate_round_trip(backend: Backend) {
     // Without --to, down reverts the latest migration only.
     let down = run(&["migrate", "down"]);
     assert!(
-        down.contains("reverted 0007") && !down.contains("reverted 0006"),
+        down.contains("reverted 0009") && !down.contains("reverted 0008"),
         "{down}"
     );
 }

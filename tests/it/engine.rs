@@ -2,6 +2,7 @@
 //! a defined state with their history, nothing is charged twice, and a
 //! crashed node's work is resumed by another.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -2909,4 +2910,221 @@ outputs = {{ echo = "/echo" }}
     }
     // The first of the second batch, and the waiting record, met a 401.
     assert!(refused >= 2, "{refused}");
+}
+
+/// A provider whose jobs change their mind: a job's first poll says it
+/// succeeded; every later poll of a job submitted under a first
+/// generation's key (`…-0`) says it failed, while jobs of later generations
+/// stay succeeded.
+async fn flipping_provider() -> String {
+    use axum::http::HeaderMap;
+    let keys = Arc::new(std::sync::Mutex::new(
+        HashMap::<String, (String, u32)>::new(),
+    ));
+    let k2 = keys.clone();
+    let app = axum::Router::new()
+        .route(
+            "/v1/jobs",
+            axum::routing::post(move |headers: HeaderMap| async move {
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                let mut k = keys.lock().unwrap();
+                let id = format!("job-{}", k.len() + 1);
+                k.insert(id.clone(), (key, 0));
+                axum::Json(json!({ "id": id, "status": "queued" }))
+            }),
+        )
+        .route(
+            "/v1/jobs/{id}",
+            axum::routing::get(
+                move |axum::extract::Path(id): axum::extract::Path<String>| async move {
+                    let mut k = k2.lock().unwrap();
+                    let (key, polls) = k.get_mut(&id).unwrap();
+                    *polls += 1;
+                    let status = if *polls > 1 && key.ends_with("-0") {
+                        "failed"
+                    } else {
+                        "succeeded"
+                    };
+                    axum::Json(json!({ "id": id, "status": status, "result": { "job": id } }))
+                },
+            ),
+        );
+    crate::helpers::serve_router(app).await
+}
+
+/// A provider that changes its mind after a polled success is noticed
+/// (issue 19 item 6): a step with `confirm = { after = "30s", times = 2 }`
+/// polls its job again 30 s and 60 s after success (the test moves the
+/// clock); a reply that no longer says success is a reversal, within its
+/// window, with its evidence, under each `on_reversal` policy: `park`
+/// (then an operator's retry runs the step again), `rerun` (a new
+/// idempotency key and a new result version), `record` (an event only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirmations_after_success_catch_reversals_under_each_policy() {
+    let t = TestDb::migrated(Backend::Sqlite, "confirm").await.unwrap();
+    let base = flipping_provider().await;
+    let pipeline = |name: &str, policy: &str| {
+        format!(
+            r#"
+[[pipelines.{name}.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
+outputs = {{ job = "/result/job" }}
+on_reversal = "{policy}"
+confirm = {{ after = "30s", times = 2 }}
+"#
+        )
+    };
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "2s"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "queued" }}
+outcome = "pending"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+{}{}{}"#,
+        pipeline("parked", "park"),
+        pipeline("rerun", "rerun"),
+        pipeline("recorded", "record")
+    );
+    let config = Config::parse(&text, Path::new("confirm.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let (engine, clock) = manual_engine(&t.db, Arc::new(config), "c1").await;
+    let mut ids = HashMap::new();
+    for p in ["parked", "rerun", "recorded"] {
+        ids.insert(
+            p,
+            engine
+                .enqueue(p, Some(p), json!({}))
+                .await
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    // Submit, then the first poll (a second later) succeeds.
+    drain(&engine).await;
+    clock.advance(1000);
+    drain(&engine).await;
+    let state = |id: i64| {
+        let db = t.db.clone();
+        async move { db.get_record(id).await.unwrap().unwrap().state }
+    };
+    for id in ids.values() {
+        assert_eq!(state(*id).await, RecordState::Succeeded);
+    }
+    let succeeded_at = clock.now_ms();
+    // Not before its time.
+    clock.advance(29000);
+    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    // 30 s after success: each job is asked again, and now says failed.
+    clock.advance(1000);
+    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 3);
+    let reversed_at = |id: i64| {
+        let db = t.db.clone();
+        async move {
+            let events = db.record_events(id).await.unwrap();
+            events
+                .iter()
+                .find(|e| e.kind == "reversed")
+                .map(|e| (e.at, e.to_state, e.detail.clone()))
+        }
+    };
+    for (name, id) in &ids {
+        let (at, _, detail) = reversed_at(*id)
+            .await
+            .unwrap_or_else(|| panic!("{name} reversed"));
+        assert!(
+            at - succeeded_at <= 30_000,
+            "{name}: seen within its window"
+        );
+        let detail = detail.unwrap();
+        assert_eq!(detail["confirmation"]["http_status"], 200, "{detail}");
+        assert!(
+            detail["confirmation"]["reply"]
+                .as_str()
+                .unwrap()
+                .contains("failed"),
+            "{detail}"
+        );
+        // The poll that saw it is in the history, with its request.
+        let attempts = t.db.attempts(*id).await.unwrap();
+        let last = attempts.last().unwrap();
+        assert_eq!(last.outcome, ballast::domain::Outcome::Fail);
+        assert_eq!(last.request.as_ref().unwrap().method, "GET");
+    }
+    // park: parked, the result kept; an operator's retry runs it again.
+    let parked = ids["parked"];
+    assert_eq!(state(parked).await, RecordState::Parked);
+    t.db.act(&ballast::store::ActionRequest {
+        record_id: parked,
+        action: ballast::domain::OperatorAction::Retry,
+        actor: "olga".into(),
+        reason: Some("re-render".into()),
+        now: clock.now_ms(),
+        steps: Vec::new(),
+    })
+    .await
+    .unwrap();
+    // record: an event, nothing else.
+    let recorded = ids["recorded"];
+    assert_eq!(state(recorded).await, RecordState::Succeeded);
+    assert_eq!(
+        reversed_at(recorded).await.unwrap().1,
+        Some(RecordState::Succeeded)
+    );
+    assert!(t.db.step_versions(recorded).await.unwrap().is_empty());
+    // rerun (at once) and the retried one: submitted again under a new key,
+    // polled, succeeded; their confirmations then hold.
+    drain(&engine).await;
+    clock.advance(1000);
+    drain(&engine).await;
+    for id in [parked, ids["rerun"]] {
+        assert_eq!(state(id).await, RecordState::Succeeded);
+        let steps = t.db.step_runs(id).await.unwrap();
+        assert_eq!(steps[0].generation, 1);
+        assert!(steps[0].idempotency_key.ends_with("-render-1"));
+        let versions = t.db.step_versions(id).await.unwrap();
+        assert_eq!(versions.len(), 1, "the reversed result is kept");
+        assert_eq!(versions[0].generation, 0);
+        let by = if id == parked {
+            "retry by olga"
+        } else {
+            "rerun after reversal"
+        };
+        assert_eq!(versions[0].replaced_by, by);
+        assert_ne!(versions[0].output, steps[0].output);
+    }
+    for _ in 0..2 {
+        clock.advance(30000);
+        assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    }
+    clock.advance(30000);
+    assert_eq!(
+        engine.confirm_due(clock.now_ms()).await.unwrap(),
+        0,
+        "two each, then none"
+    );
+    for id in [parked, ids["rerun"]] {
+        assert_eq!(state(id).await, RecordState::Succeeded);
+        let reversals =
+            t.db.record_events(id)
+                .await
+                .unwrap()
+                .iter()
+                .filter(|e| e.kind == "reversed")
+                .count();
+        assert_eq!(reversals, 1);
+    }
 }

@@ -66,7 +66,148 @@ conformance!(
     permits_are_leased_within_the_limit,
     claims_share_the_batch_between_queues,
     a_group_cap_holds_for_concurrent_claimers,
+    replaced_results_are_kept_as_versions,
 );
+
+/// Results keep their history (issue 19 item 5): a replay, an operator's
+/// retry of a step whose result its provider reversed, and a rerun after a
+/// reversal each start a new generation, and the result they replace is
+/// kept with what made it and what replaced it; a resume keeps the result.
+async fn replaced_results_are_kept_as_versions(db: &Db) {
+    use ballast::domain::ReversalPolicy;
+    use ballast::store::ReverseRequest;
+    let rec = db
+        .create_record(new_record("p", Some("v"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    // Runs the record to success with `render` giving `output`.
+    let succeed = |now: i64, generation: i32, output: serde_json::Value| async move {
+        let r = db.claim_due(&claim("w", now, 1)).await.unwrap().remove(0);
+        let mut step = StepWrite::pending("render");
+        step.state = StepState::Succeeded;
+        step.generation = generation;
+        step.output = Some(output);
+        step.finished_at = Some(now);
+        let mut c = Commit::new(r.lease().unwrap(), now, Some(WorkResult::Completed));
+        c.steps = vec![step];
+        assert_eq!(db.commit(&c).await.unwrap().state, RecordState::Succeeded);
+    };
+    let reverse = |now: i64, policy: ReversalPolicy| ReverseRequest {
+        record_id: rec.id,
+        step: "render".into(),
+        policy,
+        reason: "provider reversed".into(),
+        detail: None,
+        now,
+        steps: vec!["render".into()],
+        generation: None,
+    };
+    succeed(T0, 0, json!({ "url": "a" })).await;
+    assert!(
+        db.step_versions(rec.id).await.unwrap().is_empty(),
+        "nothing replaced yet"
+    );
+    let mut replay = action(rec.id, OperatorAction::ReplayFrom, T0 + 1);
+    replay.steps = vec!["render".into()];
+    db.act(&replay).await.unwrap();
+    let step = db.step_runs(rec.id).await.unwrap().remove(0);
+    assert_eq!(
+        (step.generation, step.output.clone(), step.cause.as_deref()),
+        (1, None, Some("replay by alice"))
+    );
+    succeed(T0 + 2, 1, json!({ "url": "b" })).await;
+    // Reversed and parked: the result stays (marked); a resume would keep
+    // it, a retry runs the step again.
+    assert_eq!(
+        db.reverse(&reverse(T0 + 3, ReversalPolicy::Park))
+            .await
+            .unwrap()
+            .state,
+        RecordState::Parked
+    );
+    let step = db.step_runs(rec.id).await.unwrap().remove(0);
+    assert_eq!(
+        (step.state, step.error_code.as_deref(), step.output.clone()),
+        (
+            StepState::Succeeded,
+            Some(ballast::domain::REVERSED),
+            Some(json!({ "url": "b" }))
+        )
+    );
+    let mut retry = action(rec.id, OperatorAction::Retry, T0 + 4);
+    retry.actor = "bob".into();
+    db.act(&retry).await.unwrap();
+    let step = db.step_runs(rec.id).await.unwrap().remove(0);
+    assert_eq!(
+        (step.generation, step.state, step.cause.as_deref()),
+        (2, StepState::Pending, Some("retry by bob"))
+    );
+    succeed(T0 + 5, 2, json!({ "url": "c" })).await;
+    assert_eq!(
+        db.reverse(&reverse(T0 + 6, ReversalPolicy::Rerun))
+            .await
+            .unwrap()
+            .state,
+        RecordState::Pending
+    );
+    succeed(T0 + 7, 3, json!({ "url": "d" })).await;
+    // A reversal of a generation since replaced changes nothing.
+    let mut stale = reverse(T0 + 8, ReversalPolicy::Rerun);
+    stale.generation = Some(2);
+    assert_eq!(
+        db.reverse(&stale).await.unwrap().state,
+        RecordState::Succeeded
+    );
+    assert_eq!(db.step_runs(rec.id).await.unwrap()[0].generation, 3);
+
+    let kept = db.step_versions(rec.id).await.unwrap();
+    let seen: Vec<_> = kept
+        .iter()
+        .map(|v| {
+            (
+                v.generation,
+                v.output.clone(),
+                v.cause.clone(),
+                v.replaced_at,
+                v.replaced_by.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (
+                0,
+                Some(json!({ "url": "a" })),
+                None,
+                T0 + 1,
+                "replay by alice"
+            ),
+            (
+                1,
+                Some(json!({ "url": "b" })),
+                Some("replay by alice".into()),
+                T0 + 4,
+                "retry by bob"
+            ),
+            (
+                2,
+                Some(json!({ "url": "c" })),
+                Some("retry by bob".into()),
+                T0 + 6,
+                "rerun after reversal"
+            ),
+        ]
+    );
+    assert!(kept.iter().all(|v| v.state == StepState::Succeeded));
+    let step = db.step_runs(rec.id).await.unwrap().remove(0);
+    assert_eq!(
+        (step.generation, step.output, step.cause.as_deref()),
+        (3, Some(json!({ "url": "d" })), Some("rerun after reversal"))
+    );
+    assert_counts_consistent(db).await;
+}
 
 /// A provider's limits leased for the cluster: the permits granted in a
 /// window never exceed its count, however many requests arrive at once; a

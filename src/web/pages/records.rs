@@ -153,6 +153,142 @@ fn request_text(r: &crate::domain::request::SentRequest) -> String {
     out
 }
 
+/// One version of a step's result: a replaced one, or the current one.
+struct VersionView {
+    step: String,
+    generation: i32,
+    made_by: String,
+    finished: String,
+    /// When and by what it was replaced; empty for the current one.
+    replaced: String,
+    output: String,
+    /// The generation before it (for a "compare" link), if any.
+    before: Option<i32>,
+}
+
+/// The difference between two versions of one step's output.
+struct DiffView {
+    step: String,
+    from: i32,
+    to: i32,
+    changes: Vec<ChangeView>,
+    more: usize,
+}
+
+struct ChangeView {
+    op: &'static str,
+    path: String,
+    old: String,
+    new: String,
+}
+
+/// `?diff=STEP&from=G&to=G`: the versions compared on a record page; by
+/// default the last two of the first step that has several.
+#[derive(Debug, Default, Deserialize)]
+pub struct DiffQuery {
+    diff: Option<String>,
+    from: Option<i32>,
+    to: Option<i32>,
+}
+
+/// Every version of each step (replaced ones, then the current one), in
+/// step order then generation.
+fn versions(
+    steps: &[crate::domain::StepRun],
+    old: &[crate::domain::StepVersion],
+) -> Vec<(String, i32, Option<serde_json::Value>, VersionView)> {
+    let mut out = Vec::new();
+    for s in steps {
+        let kept: Vec<_> = old.iter().filter(|v| v.step == s.step).collect();
+        if kept.is_empty() {
+            continue;
+        }
+        let mut before = None;
+        for v in kept {
+            let view = VersionView {
+                before,
+                step: v.step.clone(),
+                generation: v.generation,
+                made_by: v.cause.clone().unwrap_or_else(|| "first run".into()),
+                finished: when_opt(v.finished_at),
+                replaced: format!("{} ({})", when(v.replaced_at), v.replaced_by),
+                output: v.output.as_ref().map(pretty).unwrap_or_default(),
+            };
+            out.push((v.step.clone(), v.generation, v.output.clone(), view));
+            before = Some(v.generation);
+        }
+        let view = VersionView {
+            before,
+            step: s.step.clone(),
+            generation: s.generation,
+            made_by: s.cause.clone().unwrap_or_else(|| "first run".into()),
+            finished: when_opt(s.finished_at),
+            replaced: String::new(),
+            output: s.output.as_ref().map(pretty).unwrap_or_default(),
+        };
+        out.push((s.step.clone(), s.generation, s.output.clone(), view));
+    }
+    out
+}
+
+/// The difference `q` asks for among `all` versions, or the default one.
+fn version_diff(
+    all: &[(String, i32, Option<serde_json::Value>, VersionView)],
+    q: &DiffQuery,
+) -> Option<DiffView> {
+    let step = q
+        .diff
+        .clone()
+        .or_else(|| all.first().map(|v| v.0.clone()))?;
+    let of_step: Vec<_> = all.iter().filter(|v| v.0 == step).collect();
+    if of_step.len() < 2 {
+        return None;
+    }
+    let pick = |g: Option<i32>, default: usize| {
+        g.and_then(|g| of_step.iter().find(|v| v.1 == g))
+            .or_else(|| of_step.get(default))
+            .copied()
+    };
+    let to = pick(q.to, of_step.len() - 1)?;
+    let from = pick(q.from, of_step.len() - 2)?;
+    let null = serde_json::Value::Null;
+    let (changes, more) = crate::domain::diff::diff(
+        from.2.as_ref().unwrap_or(&null),
+        to.2.as_ref().unwrap_or(&null),
+        200,
+    );
+    let text = |v: &serde_json::Value| crate::domain::excerpt(&v.to_string(), 500).to_owned();
+    Some(DiffView {
+        step,
+        from: from.1,
+        to: to.1,
+        changes: changes
+            .iter()
+            .map(|c| match c {
+                crate::domain::diff::Change::Added { path, new } => ChangeView {
+                    op: "added",
+                    path: path.clone(),
+                    old: String::new(),
+                    new: text(new),
+                },
+                crate::domain::diff::Change::Removed { path, old } => ChangeView {
+                    op: "removed",
+                    path: path.clone(),
+                    old: text(old),
+                    new: String::new(),
+                },
+                crate::domain::diff::Change::Changed { path, old, new } => ChangeView {
+                    op: "changed",
+                    path: path.clone(),
+                    old: text(old),
+                    new: text(new),
+                },
+            })
+            .collect(),
+        more,
+    })
+}
+
 struct EventView {
     at: String,
     kind: String,
@@ -177,6 +313,8 @@ struct RecordPage {
     events: Vec<EventView>,
     actions: Vec<&'static str>,
     replay_steps: Vec<String>,
+    versions: Vec<VersionView>,
+    diff: Option<DiffView>,
 }
 
 fn pretty(v: &serde_json::Value) -> String {
@@ -195,17 +333,21 @@ async fn record_page(
     state: &AppState,
     caller: &crate::web::auth::Caller,
     id: i64,
+    q: &DiffQuery,
 ) -> WebResult<RecordPage> {
     let rec = state
         .db
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (steps, attempts, events) = tokio::try_join!(
+    let (steps, attempts, events, replaced) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
-        state.db.record_events(id)
+        state.db.record_events(id),
+        state.db.step_versions(id)
     )?;
+    let all_versions = versions(&steps, &replaced);
+    let diff = version_diff(&all_versions, q);
     let replay_steps = match &state.engine {
         Some(e) => e.steps_of(&rec).await,
         None => steps.iter().map(|s| s.step.clone()).collect(),
@@ -277,6 +419,8 @@ async fn record_page(
             .collect(),
         actions,
         replay_steps,
+        versions: all_versions.into_iter().map(|v| v.3).collect(),
+        diff,
     })
 }
 
@@ -285,8 +429,9 @@ async fn detail(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<i64>,
+    Query(q): Query<DiffQuery>,
 ) -> WebResult<Response> {
-    let t = record_page(&state, &caller, id).await?;
+    let t = record_page(&state, &caller, id, &q).await?;
     if is_htmx(&headers) {
         return html(&t.as_detail());
     }
@@ -315,7 +460,7 @@ async fn act(
         .act(id, action, &caller.actor, reason, step.as_deref())
         .await?;
     if is_htmx(&headers) {
-        let t = record_page(&state, &caller, id).await?;
+        let t = record_page(&state, &caller, id, &DiffQuery::default()).await?;
         return html(&t.as_detail());
     }
     Ok(Redirect::to(&format!("/records/{id}")).into_response())

@@ -1,0 +1,183 @@
+//! Confirmations after success (`confirm` on a job step): a background
+//! task on every node takes due confirmations (each held, so one node
+//! asks), polls the job through the provider's gates, keeps the exchange
+//! as an attempt, and carries out what `domain::confirm` decides: ask
+//! again, done, or a reversal under the step's `on_reversal` policy.
+
+use std::collections::HashMap;
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::Engine;
+use super::step::{self, Asked};
+use crate::domain::confirm::{Next, Pending, next, said};
+use crate::domain::{StepState, UnixMs};
+use crate::store::{StepWrite, Store, StoreError};
+
+/// How often a node looks for due confirmations.
+const EVERY_MS: i64 = 250;
+/// How many it takes at once.
+const BATCH: u32 = 16;
+
+impl Engine {
+    /// Runs confirmations until `shutdown`.
+    pub(super) async fn confirm_loop(self, shutdown: CancellationToken) {
+        let i = &self.inner;
+        loop {
+            let now = i.clock.now_ms();
+            if let Err(e) = self.confirm_due(now).await {
+                tracing::warn!(error = %e, "confirmations failed; retrying shortly");
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = i.clock.sleep_until(now + EVERY_MS) => {}
+            }
+        }
+    }
+
+    /// Takes and makes the confirmations due at `now`; how many. (A poll
+    /// under way when the node stops is let finish: it is one call.)
+    pub async fn confirm_due(&self, now: UnixMs) -> Result<usize, StoreError> {
+        let i = &self.inner;
+        let stopping = &super::Stopping::default();
+        // Held for as long as a poll may take (its gates and its timeout),
+        // then another node may ask.
+        let hold = now + 2 * i.opts.lease.as_millis() as i64;
+        let due = i.db.claim_confirmations(now, BATCH, hold).await?;
+        let n = due.len();
+        let asks = due.into_iter().map(|p| async move {
+            let (record_id, step) = (p.record_id, p.step.clone());
+            if let Err(e) = self.confirm_one(p, stopping).await {
+                tracing::warn!(record.id = record_id, step = %step, error = %e, "confirmation failed");
+            }
+        });
+        futures_util::future::join_all(asks).await;
+        Ok(n)
+    }
+
+    async fn confirm_one(&self, p: Pending, stopping: &super::Stopping) -> Result<(), StoreError> {
+        let i = &self.inner;
+        let done = || {
+            i.db.settle_confirmation(p.record_id, &p.step, p.generation, None)
+        };
+        let Some(rec) = i.db.get_record(p.record_id).await? else {
+            return done().await;
+        };
+        let runs = i.db.step_runs(rec.id).await?;
+        // A replay or rerun since (a new generation) makes it moot.
+        let current = runs.iter().any(|r| {
+            r.step == p.step && r.generation == p.generation && r.state == StepState::Succeeded
+        });
+        let compiled = self.compiled(&rec).await;
+        let step_def = compiled.as_ref().and_then(|c| c.0.step(&p.step));
+        let (Some(compiled), Some(step_def), true) = (&compiled, step_def, current) else {
+            return done().await;
+        };
+        let Some(spec) = step_def.confirm else {
+            return done().await;
+        };
+        let states: HashMap<String, StepWrite> = runs
+            .iter()
+            .map(|r| (r.step.clone(), StepWrite::from(r)))
+            .collect();
+        let ctx = step::context(&rec, &states);
+        let write = states
+            .get(&p.step)
+            .cloned()
+            .unwrap_or_else(|| StepWrite::pending(&p.step));
+        let mut pending = self.step_run(
+            &rec,
+            step_def,
+            write,
+            &ctx,
+            &compiled.1,
+            Vec::new(),
+            stopping,
+        );
+        let Some(rt) = pending.rt.clone() else {
+            return done().await;
+        };
+        let now = i.clock.now_ms();
+        pending.run.now = now;
+        let (outcome, attempt) = match pending.run.confirm(&rt).await {
+            Asked::Said { outcome, attempt } => (outcome, attempt),
+            Asked::Later(at) => {
+                let again = Pending {
+                    due_at: at.max(now + 1),
+                    ..p.clone()
+                };
+                return i
+                    .db
+                    .settle_confirmation(p.record_id, &p.step, p.generation, Some(&again))
+                    .await;
+            }
+            Asked::Broken(e) => {
+                tracing::warn!(record.id = rec.id, step = %p.step, error = %e, "confirmation poll cannot be built; given up");
+                return done().await;
+            }
+        };
+        let evidence = attempt.excerpt.clone().unwrap_or_default();
+        let status = attempt.http_status;
+        i.db.append_attempts(rec.id, std::slice::from_ref(&attempt))
+            .await?;
+        let after = i.clock.now_ms();
+        match next(&p, said(outcome, status), spec, after) {
+            Next::Again(q) => {
+                i.db.settle_confirmation(p.record_id, &p.step, p.generation, Some(&q))
+                    .await
+            }
+            Next::Done => done().await,
+            Next::GaveUp => {
+                i.db.append_event(&crate::store::NewEvent {
+                    record_id: Some(rec.id),
+                    at: after,
+                    kind: "unconfirmed".into(),
+                    actor: "system".into(),
+                    audit: false,
+                    step: Some(p.step.clone()),
+                    reason: Some("the provider gave no clear answer to a confirmation poll".into()),
+                    detail: Some(json!({ "http_status": status, "reply": evidence })),
+                })
+                .await?;
+                done().await
+            }
+            Next::Reverse => {
+                let req = crate::store::ReverseRequest {
+                    record_id: rec.id,
+                    step: p.step.clone(),
+                    policy: step_def.on_reversal,
+                    reason: format!(
+                        "provider reversed step `{}`: a confirmation poll no longer says success ({})",
+                        p.step,
+                        outcome.as_str()
+                    ),
+                    detail: Some(json!({
+                        "job_id": states.get(&p.step).and_then(|s| s.job_id.clone()),
+                        "confirmation": { "http_status": status, "reply": evidence },
+                    })),
+                    now: after,
+                    steps: compiled.0.from_step(&p.step).unwrap_or_default(),
+                    generation: Some(p.generation),
+                };
+                match i.db.reverse(&req).await {
+                    Ok(_) => {
+                        self.wake();
+                        done().await
+                    }
+                    // Leased by a pass this moment: ask again in a while (a
+                    // poll each time: the answer may have changed back).
+                    Err(StoreError::Transition(_)) => {
+                        let again = Pending {
+                            due_at: after + 5_000,
+                            ..p.clone()
+                        };
+                        i.db.settle_confirmation(p.record_id, &p.step, p.generation, Some(&again))
+                            .await
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    }
+}
