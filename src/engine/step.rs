@@ -322,6 +322,9 @@ impl StepRun<'_> {
                 }
             }
         }
+        if let (Some(src), true) = (&rt.token, x.http_status.is_some_and(|s| s != 401)) {
+            src.accepted();
+        }
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);

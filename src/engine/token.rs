@@ -31,13 +31,45 @@ pub struct NoToken {
     pub until: UnixMs,
 }
 
+/// A token as held: the secret, when it was granted, when it is due for
+/// renewal, and when it expires.
+struct Held {
+    token: Secret,
+    granted_at: UnixMs,
+    renew_at: UnixMs,
+    expires_at: UnixMs,
+}
+
 #[derive(Default)]
 struct State {
-    /// The token, when it is due for renewal, and when it expires.
-    token: Option<(Secret, UnixMs, UnixMs)>,
+    token: Option<Held>,
+    /// Failed fetches in a row.
     failures: u32,
+    /// Fresh tokens the provider refused in a row (reset by any reply to
+    /// a call that is not a `401`).
+    refusals: u32,
     failing: Option<NoToken>,
 }
+
+impl State {
+    /// The token, if it has not expired at `now`.
+    fn unexpired(&self, now: UnixMs) -> Option<Secret> {
+        self.token
+            .as_ref()
+            .filter(|h| now < h.expires_at)
+            .map(|h| h.token.clone())
+    }
+
+    /// Why there is no token at `now`, while the endpoint is left alone.
+    fn failing_at(&self, now: UnixMs) -> Option<NoToken> {
+        self.failing.clone().filter(|f| now < f.until)
+    }
+}
+
+/// A token refused this soon after its grant was never going to work
+/// (a provider that will not take this client's tokens): its renewal waits
+/// like a failing endpoint instead of asking again at once, every call.
+const FRESH_MS: i64 = 1_000;
 
 /// One provider's token on this node.
 pub struct TokenSource {
@@ -45,7 +77,10 @@ pub struct TokenSource {
     client_id: Secret,
     client_secret: Secret,
     timeout: Duration,
-    state: Mutex<State>,
+    /// Read and written in short sections, never across an await.
+    state: std::sync::Mutex<State>,
+    /// Held by the one fetch under way.
+    fetching: Mutex<()>,
 }
 
 impl std::fmt::Debug for TokenSource {
@@ -69,7 +104,8 @@ impl TokenSource {
             client_id: Secret::new(env(&config.client_id_env)?),
             client_secret: Secret::new(env(&config.client_secret_env)?),
             timeout,
-            state: Mutex::new(State::default()),
+            state: std::sync::Mutex::new(State::default()),
+            fetching: Mutex::new(()),
         })
     }
 
@@ -78,76 +114,124 @@ impl TokenSource {
         &self.config.header
     }
 
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The current token, fetched first if there is none or it is due for
-    /// renewal. A renewal that fails leaves the old token in use until it
-    /// expires.
+    /// renewal. While one call fetches, the others go on with the current
+    /// token if it has not expired (else they wait for that fetch); a
+    /// renewal that fails leaves it in use until it expires.
     pub async fn get(
         &self,
         client: &reqwest::Client,
         clock: &dyn Clock,
     ) -> Result<Secret, NoToken> {
-        let mut state = self.state.lock().await;
-        let now = clock.now_ms();
-        let unexpired = |s: &State, now: UnixMs| {
-            s.token
-                .as_ref()
-                .filter(|(_, _, expires)| now < *expires)
-                .map(|(t, _, _)| t.clone())
+        let usable = |s: &State, now: UnixMs| -> Option<Result<Secret, NoToken>> {
+            if let Some(h) = s.token.as_ref().filter(|h| now < h.renew_at) {
+                return Some(Ok(h.token.clone()));
+            }
+            s.failing_at(now).map(|f| s.unexpired(now).ok_or(f))
         };
-        if let Some((token, renew, _)) = &state.token {
-            if now < *renew {
-                return Ok(token.clone());
+        let now = clock.now_ms();
+        let current = {
+            let s = self.state();
+            if let Some(r) = usable(&s, now) {
+                return r;
             }
+            s.unexpired(now)
+        };
+        let _fetch = match (self.fetching.try_lock(), current) {
+            (Ok(g), _) => g,
+            (Err(_), Some(t)) => return Ok(t),
+            (Err(_), None) => self.fetching.lock().await,
+        };
+        // Another call may have fetched while this one waited.
+        if let Some(r) = usable(&self.state(), clock.now_ms()) {
+            return r;
         }
-        if let Some(f) = state.failing.clone() {
-            if now < f.until {
-                return unexpired(&state, now).ok_or(f);
-            }
-        }
-        match self.fetch(&mut state, client, clock).await {
-            Ok(t) => Ok(t),
-            Err(no) => unexpired(&state, clock.now_ms()).ok_or(no),
-        }
+        let got = self.fetch(client, clock).await;
+        got.or_else(|no| self.state().unexpired(clock.now_ms()).ok_or(no))
     }
 
     /// A token after `refused` was answered `401`: a new one, unless
-    /// another call has renewed it since (then that one).
+    /// another call has renewed it since (then that one). When tokens keep
+    /// being refused within [`FRESH_MS`] of their grant (the second time
+    /// in a row, and on), the renewal waits 1 s, 2 s … 60 s
+    /// (`token_refused`) instead, so a provider that takes none of this
+    /// client's tokens does not get a token fetch per call.
     pub async fn renew(
         &self,
         refused: &Secret,
         client: &reqwest::Client,
         clock: &dyn Clock,
     ) -> Result<Secret, NoToken> {
-        let mut state = self.state.lock().await;
-        if let Some((token, _, _)) = &state.token {
-            if token.expose() != refused.expose() {
-                return Ok(token.clone());
+        let _fetch = self.fetching.lock().await;
+        {
+            let now = clock.now_ms();
+            let mut s = self.state();
+            let (same, fresh) = match &s.token {
+                Some(h) => (
+                    h.token.expose() == refused.expose(),
+                    now - h.granted_at < FRESH_MS,
+                ),
+                None => (false, false),
+            };
+            if let (Some(h), false) = (&s.token, same) {
+                return Ok(h.token.clone());
+            }
+            s.token = None;
+            if same {
+                s.refusals = if fresh { s.refusals + 1 } else { 0 };
+            }
+            if s.refusals > 1 {
+                let pause = pause_after(s.refusals - 1);
+                let error = TokenError::Refused(
+                    "the provider refused a token granted less than a second before (401)".into(),
+                );
+                let no = NoToken {
+                    error,
+                    until: now + i64::try_from(pause.as_millis()).unwrap_or(60_000),
+                };
+                s.failing = Some(no.clone());
+                return Err(no);
+            }
+            if let Some(f) = s.failing_at(now) {
+                return Err(f);
             }
         }
-        state.token = None;
-        if let Some(f) = &state.failing {
-            if clock.now_ms() < f.until {
-                return Err(f.clone());
-            }
-        }
-        self.fetch(&mut state, client, clock).await
+        self.fetch(client, clock).await
     }
 
-    async fn fetch(
-        &self,
-        state: &mut State,
-        client: &reqwest::Client,
-        clock: &dyn Clock,
-    ) -> Result<Secret, NoToken> {
+    /// A reply other than a `401` came to a call with a token: the
+    /// provider takes this client's tokens.
+    pub fn accepted(&self) {
+        let mut s = self.state();
+        if s.refusals > 0 {
+            s.refusals = 0;
+        }
+    }
+
+    /// Fetches a token (the caller holds `fetching`) and keeps it.
+    async fn fetch(&self, client: &reqwest::Client, clock: &dyn Clock) -> Result<Secret, NoToken> {
         let asked_at = clock.now_ms();
-        match self.request(client, asked_at).await {
+        let got = self.request(client, asked_at).await;
+        let mut state = self.state();
+        match got {
             Ok(grant) => {
-                let renew = renew_at(&grant, asked_at, self.config.renew_before.0);
-                let expires = grant
+                let renew_at = renew_at(&grant, asked_at, self.config.renew_before.0);
+                let expires_at = grant
                     .expires_at
                     .unwrap_or(asked_at + DEFAULT_LIFETIME.as_millis() as i64);
                 let token = Secret::new(grant.access_token);
-                state.token = Some((token.clone(), renew, expires));
+                state.token = Some(Held {
+                    token: token.clone(),
+                    granted_at: clock.now_ms(),
+                    renew_at,
+                    expires_at,
+                });
                 state.failures = 0;
                 state.failing = None;
                 metrics::counter!("ballast_oauth2_tokens_total", "result" => "granted")

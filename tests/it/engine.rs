@@ -2688,6 +2688,10 @@ struct TokenProvider {
     granted: Vec<String>,
     down: bool,
     charges: usize,
+    /// Refuses every token, fresh or not (a client the provider does not
+    /// take, whatever its token endpoint grants).
+    refuse_all: bool,
+    refused: usize,
 }
 
 async fn oauth2_provider(state: Arc<std::sync::Mutex<TokenProvider>>, basic: String) -> String {
@@ -2730,7 +2734,8 @@ async fn oauth2_provider(state: Arc<std::sync::Mutex<TokenProvider>>, basic: Str
             axum::routing::post(move |headers: HeaderMap| async move {
                 let mut s = s2.lock().unwrap();
                 let got = auth(&headers);
-                if s.valid.is_empty() || got != format!("Bearer {}", s.valid) {
+                if s.refuse_all || s.valid.is_empty() || got != format!("Bearer {}", s.valid) {
+                    s.refused += 1;
                     let err = json!({ "error": "invalid_token", "got": got });
                     return (StatusCode::UNAUTHORIZED, axum::Json(err)).into_response();
                 }
@@ -3127,4 +3132,83 @@ outcome = "fail"
                 .count();
         assert_eq!(reversals, 1);
     }
+}
+
+/// A provider that refuses every token its endpoint grants does not get a
+/// token fetch (and a call) per record: the first refusal renews at once,
+/// fresh tokens refused again make the renewals wait 1 s, 2 s, 4 s …
+/// (`token_refused`, no attempt spent), on a clock the test moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_refused_when_fresh_back_off_instead_of_storming() {
+    let t = TestDb::migrated(Backend::Sqlite, "oauth2-storm")
+        .await
+        .unwrap();
+    let secret = env!("CARGO_MANIFEST_DIR");
+    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    let basic = reqwest::Client::new()
+        .get("http://x/")
+        .basic_auth(enc("ballast"), Some(enc(secret)))
+        .build()
+        .unwrap()
+        .headers()["authorization"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let state = Arc::new(std::sync::Mutex::new(TokenProvider {
+        refuse_all: true,
+        ..Default::default()
+    }));
+    let base = oauth2_provider(state.clone(), basic).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "2s"
+oauth2 = {{ token_url = "{base}/oauth/token", client_id_env = "CARGO_PKG_NAME", client_secret_env = "CARGO_MANIFEST_DIR" }}
+retry = {{ max_attempts = 1000, base = "100ms", cap = "100ms", deadline = "1h", budget_floor = 1000.0 }}
+breaker = {{ min_calls = 100000, window = 100000 }}
+[[providers.p.rules]]
+when = {{ status = 401 }}
+outcome = "retry"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("storm.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let (engine, clock) = manual_engine(&t.db, Arc::new(config), "s1").await;
+    for n in 0..20 {
+        engine
+            .enqueue("pay", Some(&format!("r{n}")), json!({}))
+            .await
+            .unwrap();
+    }
+    // 20 seconds of 20 records retrying every 100 ms.
+    for _ in 0..200 {
+        drain(&engine).await;
+        clock.advance(100);
+    }
+    let (granted, refused) = {
+        let s = state.lock().unwrap();
+        (s.granted.len(), s.refused)
+    };
+    // Waits of 1, 2, 4 and 8 s fit in 20 s: about six grants, each tried
+    // by the calls out at the time, not a grant per call (the records
+    // retry every 100 ms: without the waits, a grant each time).
+    assert!((2..=8).contains(&granted), "{granted} tokens granted");
+    assert!(
+        refused <= 2 * 20 * granted,
+        "{refused} calls refused for {granted} tokens"
+    );
+    let waiting = t.db.step_runs(1).await.unwrap();
+    assert!(
+        !matches!(
+            waiting[0].state,
+            ballast::domain::StepState::Succeeded | ballast::domain::StepState::Failed
+        ),
+        "{waiting:?}"
+    );
 }
