@@ -796,11 +796,12 @@ where
     ) -> StoreResult<Vec<crate::domain::confirm::Pending>> {
         // Most looks find nothing: asked on a reader first, so that an idle
         // node takes no write lock (SQLite's single writer) to find out.
-        let any: Option<i64> =
-            sqlx::query_scalar("SELECT 1 FROM step_confirmations WHERE due_at <= $1 LIMIT 1")
-                .bind(now)
-                .fetch_optional(self.reader())
-                .await?;
+        let any: Option<i64> = sqlx::query_scalar(
+            "SELECT CAST(1 AS BIGINT) FROM step_confirmations WHERE due_at <= $1 LIMIT 1",
+        )
+        .bind(now)
+        .fetch_optional(self.reader())
+        .await?;
         if any.is_none() {
             return Ok(Vec::new());
         }

@@ -67,7 +67,97 @@ conformance!(
     claims_share_the_batch_between_queues,
     a_group_cap_holds_for_concurrent_claimers,
     replaced_results_are_kept_as_versions,
+    confirmations_are_held_and_settled,
 );
+
+/// Confirmations after success (issue 19 item 6): written with a commit,
+/// taken when due by one claimer at a time (held until the hold ends),
+/// rescheduled or ended only for their own generation.
+async fn confirmations_are_held_and_settled(db: &Db) {
+    use ballast::domain::confirm::Pending;
+    let rec = db
+        .create_record(new_record("p", Some("c"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let r = db.claim_due(&claim("w", T0, 1)).await.unwrap().remove(0);
+    let mut step = StepWrite::pending("render");
+    step.state = StepState::Succeeded;
+    step.output = Some(json!({ "ok": true }));
+    let mut c = Commit::new(r.lease().unwrap(), T0, Some(WorkResult::Completed));
+    c.steps = vec![step];
+    let first = Pending {
+        record_id: rec.id,
+        step: "render".into(),
+        generation: 0,
+        due_at: T0 + 30_000,
+        remaining: 2,
+        tries: 0,
+    };
+    c.confirms = vec![first.clone()];
+    db.commit(&c).await.unwrap();
+    assert!(
+        db.claim_confirmations(T0 + 29_999, 10, T0 + 99_000)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Six claimers at once: one gets it.
+    let claims = (0..6).map(|_| db.claim_confirmations(T0 + 30_000, 10, T0 + 90_000));
+    let got: Vec<Vec<Pending>> = futures_util::future::join_all(claims)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(got.iter().map(Vec::len).sum::<usize>(), 1, "{got:?}");
+    assert_eq!(got.concat()[0], first);
+    // Held until the hold ends, then due again (a node that died asking).
+    assert!(
+        db.claim_confirmations(T0 + 89_999, 10, T0 + 99_000)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        db.claim_confirmations(T0 + 90_000, 10, T0 + 95_000)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // Settling another generation's confirmation changes nothing.
+    db.settle_confirmation(rec.id, "render", 1, None)
+        .await
+        .unwrap();
+    let next = Pending {
+        due_at: T0 + 120_000,
+        remaining: 1,
+        ..first.clone()
+    };
+    db.settle_confirmation(rec.id, "render", 0, Some(&next))
+        .await
+        .unwrap();
+    assert!(
+        db.claim_confirmations(T0 + 119_999, 10, T0 + 200_000)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let again = db
+        .claim_confirmations(T0 + 120_000, 10, T0 + 200_000)
+        .await
+        .unwrap();
+    assert_eq!((again[0].remaining, again[0].due_at), (1, T0 + 120_000));
+    db.settle_confirmation(rec.id, "render", 0, None)
+        .await
+        .unwrap();
+    assert!(
+        db.claim_confirmations(T0 + 999_999, 10, T0 + 1_999_999)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
 
 /// Results keep their history (issue 19 item 5): a replay, an operator's
 /// retry of a step whose result its provider reversed, and a rerun after a
