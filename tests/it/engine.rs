@@ -3212,3 +3212,168 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
         "{waiting:?}"
     );
 }
+
+/// Issue 19's done-when, against the simulator with every new fault at
+/// once, on one clock the test moves (provider and engine): redirects on
+/// any call (to a trap that answers "succeeded"), gzip bombs, bodies that
+/// are not UTF-8, OAuth2 tokens that die after 2 s while claiming 30 s, and
+/// jobs that flip to failed after their success, confirmed twice. Counted:
+/// records ending on a status their provider did not send to their
+/// request (0), passes that hang (0: every drain returns), attempts spent
+/// on a token (0: each `token_expired` is followed by a call under the same
+/// attempt number), flips not seen as a reversal (0). Printed for the docs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_provider_faults_end_on_true_evidence() {
+    use ballast::domain::{Outcome, StepState};
+    let t = TestDb::migrated(Backend::Sqlite, "battery19")
+        .await
+        .unwrap();
+    let clock = ManualClock::new(crate::helpers::wall_ms());
+    let secret = env!("CARGO_MANIFEST_DIR");
+    let mut profile = Profile::clean(19);
+    profile.p_redirect = 0.05;
+    profile.p_gzip_bomb = 0.05;
+    profile.p_bad_utf8 = 0.05;
+    profile.p_job_flip = 0.3;
+    profile.job_time = (Duration::from_secs(1), Duration::from_secs(3));
+    let mut oauth = ballast::sim::SimOAuth2::new("ballast", secret, Duration::from_secs(2));
+    oauth.stated_ttl = Duration::from_secs(30);
+    profile.oauth2 = Some(oauth);
+    let sim = SimHandle::spawn_with_clock(profile, Arc::new(clock.clone()))
+        .await
+        .unwrap();
+    let base = sim.base_url();
+    let text = format!(
+        r#"
+[providers.sim]
+base_url = "{base}"
+timeout = "5s"
+decode = ["gzip"]
+max_body = 65536
+oauth2 = {{ token_url = "{base}/oauth/token", client_id_env = "CARGO_PKG_NAME", client_secret_env = "CARGO_MANIFEST_DIR" }}
+retry = {{ max_attempts = 8, base = "200ms", cap = "1s", deadline = "10m", unknown_attempts = 8, budget_floor = 1000.0 }}
+breaker = {{ min_calls = 100000, window = 100000 }}
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": {{{{ record.id | tojson }}}}, "amount": 1}}' }}
+
+[[pipelines.render.steps]]
+name = "render"
+provider = "sim"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": {{{{ record.id | tojson }}}}}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "500ms", deadline = "5m" }}
+confirm = {{ after = "5s", times = 2 }}
+on_reversal = "record"
+"#
+    );
+    let config = Config::parse(&text, Path::new("battery.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let engine = Engine::with_clock(
+        t.db.clone(),
+        Arc::new(config),
+        options("b19"),
+        Arc::new(clock.clone()),
+    )
+    .await
+    .unwrap();
+    const N: i64 = 60;
+    for n in 0..N {
+        let pipeline = if n % 2 == 0 { "pay" } else { "render" };
+        engine
+            .enqueue(pipeline, Some(&format!("k{n}")), json!({}))
+            .await
+            .unwrap();
+    }
+    // Ten simulated minutes in steps of 250 ms: passes and confirmations.
+    for _ in 0..2_400 {
+        drain(&engine).await;
+        engine.confirm_due(clock.now_ms()).await.unwrap();
+        clock.advance(250);
+    }
+    let records = crate::helpers::all_records(&t.db, None).await;
+    assert_eq!(records.len() as i64, N);
+    let (mut wrong, mut spent_on_tokens, mut renewals, mut flips, mut unseen) = (0, 0, 0, 0, 0);
+    let mut states = std::collections::BTreeMap::<String, usize>::new();
+    for rec in &records {
+        assert!(
+            rec.state.is_at_rest(),
+            "record {} still {:?}",
+            rec.id,
+            rec.state
+        );
+        *states.entry(rec.state.to_string()).or_default() += 1;
+        let attempts = t.db.attempts(rec.id).await.unwrap();
+        let steps = t.db.step_runs(rec.id).await.unwrap();
+        for (k, a) in attempts.iter().enumerate() {
+            let status = a.http_status.unwrap_or(0);
+            let url = a.request.as_ref().map(|r| r.url.as_str()).unwrap_or("");
+            // A success only ever on a 2xx the provider sent to this
+            // request, never on the redirect's trap.
+            if a.outcome == Outcome::Success
+                && (!(200..300).contains(&status) || url.contains("/v1/moved"))
+            {
+                wrong += 1;
+            }
+            if a.error_code.as_deref() == Some("token_expired") {
+                renewals += 1;
+                let next = attempts.get(k + 1);
+                if next.is_none_or(|n| n.attempt_no != a.attempt_no || n.step != a.step) {
+                    spent_on_tokens += 1;
+                }
+            }
+        }
+        let s = &steps[0];
+        if s.state == StepState::Succeeded {
+            // The step's result came from a 2xx reply to the step's own call.
+            let last = attempts
+                .iter()
+                .rev()
+                .find(|a| a.outcome == Outcome::Success);
+            if last.is_none() {
+                wrong += 1;
+            }
+        }
+        // A confirmation poll that said "failed" after success is a flip;
+        // each one is a `reversed` event.
+        let finished = s.finished_at.unwrap_or(i64::MAX);
+        let flipped = attempts.iter().any(|a| {
+            a.started_at > finished && a.outcome == Outcome::Fail && a.http_status == Some(200)
+        });
+        let reversed =
+            t.db.record_events(rec.id)
+                .await
+                .unwrap()
+                .iter()
+                .any(|e| e.kind == "reversed");
+        flips += usize::from(flipped);
+        unseen += usize::from(flipped && !reversed);
+    }
+    let stats = sim.stats();
+    println!(
+        "issue 19 battery: {N} records, {states:?}; {} requests, {} tokens issued, {} 401s, \
+         {renewals} renewals on 401, {flips} flips seen as reversals ({unseen} unseen); \
+         wrong evidence {wrong}, attempts spent on tokens {spent_on_tokens}",
+        stats.requests, stats.tokens_issued, stats.unauthorized
+    );
+    assert_eq!(wrong, 0, "records on a status their provider did not send");
+    assert_eq!(spent_on_tokens, 0, "attempts spent on token renewal");
+    assert_eq!(unseen, 0, "flips not seen as reversals");
+    assert!(
+        flips > 0 && renewals > 0 && stats.tokens_issued > 1,
+        "the faults happened"
+    );
+    assert_eq!(sim.ledger().double_charges, 0);
+}
