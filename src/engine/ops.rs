@@ -288,6 +288,9 @@ impl Engine {
                 StoreError::Invalid(format!("pipeline `{}` has no step `{step}`", rec.pipeline))
             })?;
         }
+        if action == crate::domain::OperatorAction::Retry {
+            steps = self.reversed_and_after(record_id).await?;
+        }
         let req = crate::store::ActionRequest {
             record_id,
             action,
@@ -301,6 +304,42 @@ impl Engine {
             i.wake.notify_one();
         }
         Ok(after)
+    }
+
+    /// The steps a retry runs again for a record parked by a reversal: each
+    /// step whose result its provider reversed (`REVERSED`) and every step
+    /// downstream of it, in pipeline order; none otherwise.
+    async fn reversed_and_after(&self, record_id: i64) -> Result<Vec<String>, StoreError> {
+        let i = &self.inner;
+        let runs = i.db.step_runs(record_id).await?;
+        let reversed: Vec<&str> = runs
+            .iter()
+            .filter(|r| {
+                r.state == crate::domain::StepState::Succeeded
+                    && r.error_code.as_deref() == Some(crate::domain::REVERSED)
+            })
+            .map(|r| r.step.as_str())
+            .collect();
+        if reversed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(rec) = i.db.get_record(record_id).await? else {
+            return Ok(Vec::new());
+        };
+        let Some(compiled) = self.compiled(&rec).await else {
+            return Ok(Vec::new());
+        };
+        let mut wanted: std::collections::BTreeSet<String> = Default::default();
+        for step in reversed {
+            wanted.extend(compiled.0.from_step(step).unwrap_or_default());
+        }
+        Ok(compiled
+            .0
+            .steps
+            .iter()
+            .filter(|s| wanted.contains(&s.name))
+            .map(|s| s.name.clone())
+            .collect())
     }
 
     /// Closes a provider's breaker on this node and in the shared state,

@@ -452,15 +452,21 @@ where
                 .execute(&mut *tx)
                 .await?;
                 // A result its provider reversed is not kept by a retry:
-                // its step runs again, a new version.
-                let reversed: Vec<String> = sqlx::query_scalar(
-                    "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
-                     AND error_code = $2 ORDER BY step",
-                )
-                .bind(rec.id)
-                .bind(crate::domain::REVERSED)
-                .fetch_all(&mut *tx)
-                .await?;
+                // its step runs again, a new version, and (as the engine
+                // names them in `steps`) the steps after it; without an
+                // engine, the reversed steps alone.
+                let reversed: Vec<String> = if req.steps.is_empty() {
+                    sqlx::query_scalar(
+                        "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
+                         AND error_code = $2 ORDER BY step",
+                    )
+                    .bind(rec.id)
+                    .bind(crate::domain::REVERSED)
+                    .fetch_all(&mut *tx)
+                    .await?
+                } else {
+                    req.steps.clone()
+                };
                 let cause = format!("retry by {}", req.actor);
                 Self::rerun_steps(&mut tx, &installation, rec.id, &reversed, req.now, &cause)
                     .await?;

@@ -2998,14 +2998,25 @@ outcome = "success"
 [[providers.p.rules]]
 when = {{ status = "2xx", field = "/status", equals = "failed" }}
 outcome = "fail"
-{}{}{}"#,
+{}{}{}
+# After the reversed step, a step that used its result: a retry of the
+# parked record runs it again too.
+[[pipelines.parked.steps]]
+name = "notify"
+provider = "p"
+kind = "submit_poll"
+needs = ["render"]
+request = {{ method = "POST", path = "/v1/jobs", body = '{{}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
+"#,
         pipeline("parked", "park"),
         pipeline("rerun", "rerun"),
         pipeline("recorded", "record")
     );
-    let config = Config::parse(&text, Path::new("confirm.toml")).unwrap();
+    let config = Arc::new(Config::parse(&text, Path::new("confirm.toml")).unwrap());
     config.validate(&|_| None).unwrap();
-    let (engine, clock) = manual_engine(&t.db, Arc::new(config), "c1").await;
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "c1").await;
     let mut ids = HashMap::new();
     for p in ["parked", "rerun", "recorded"] {
         ids.insert(
@@ -3018,7 +3029,10 @@ outcome = "fail"
                 .id,
         );
     }
-    // Submit, then the first poll (a second later) succeeds.
+    // Submit, then the first poll (a second later) succeeds; `parked`'s
+    // second step then runs (submitted at once, polled a second later).
+    drain(&engine).await;
+    clock.advance(1000);
     drain(&engine).await;
     clock.advance(1000);
     drain(&engine).await;
@@ -3030,8 +3044,8 @@ outcome = "fail"
         assert_eq!(state(*id).await, RecordState::Succeeded);
     }
     let succeeded_at = clock.now_ms();
-    // Not before its time.
-    clock.advance(29000);
+    // Not before its time (30 s after `render` succeeded, a second ago).
+    clock.advance(28000);
     assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
     // 30 s after success: each job is asked again, and now says failed.
     clock.advance(1000);
@@ -3072,16 +3086,17 @@ outcome = "fail"
     // park: parked, the result kept; an operator's retry runs it again.
     let parked = ids["parked"];
     assert_eq!(state(parked).await, RecordState::Parked);
-    t.db.act(&ballast::store::ActionRequest {
-        record_id: parked,
-        action: ballast::domain::OperatorAction::Retry,
-        actor: "olga".into(),
-        reason: Some("re-render".into()),
-        now: clock.now_ms(),
-        steps: Vec::new(),
-    })
-    .await
-    .unwrap();
+    // Through the operator's path (as the pages and the API call it).
+    ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock)
+        .act(
+            parked,
+            ballast::domain::OperatorAction::Retry,
+            "olga",
+            Some("re-render".into()),
+            None,
+        )
+        .await
+        .unwrap();
     // record: an event, nothing else.
     let recorded = ids["recorded"];
     assert_eq!(state(recorded).await, RecordState::Succeeded);
@@ -3091,16 +3106,29 @@ outcome = "fail"
     );
     assert!(t.db.step_versions(recorded).await.unwrap().is_empty());
     // rerun (at once) and the retried one: submitted again under a new key,
-    // polled, succeeded; their confirmations then hold.
-    drain(&engine).await;
-    clock.advance(1000);
-    drain(&engine).await;
+    // polled, succeeded (and `parked`'s next step after it); their
+    // confirmations then hold.
+    for _ in 0..3 {
+        drain(&engine).await;
+        clock.advance(1000);
+    }
+    let notify = t.db.step_runs(parked).await.unwrap();
+    let notify = notify.iter().find(|s| s.step == "notify").unwrap();
+    assert_eq!(
+        notify.generation, 1,
+        "the step after the reversed one ran again"
+    );
     for id in [parked, ids["rerun"]] {
         assert_eq!(state(id).await, RecordState::Succeeded);
         let steps = t.db.step_runs(id).await.unwrap();
+        let steps: Vec<_> = steps.into_iter().filter(|s| s.step == "render").collect();
         assert_eq!(steps[0].generation, 1);
         assert!(steps[0].idempotency_key.ends_with("-render-1"));
         let versions = t.db.step_versions(id).await.unwrap();
+        let versions: Vec<_> = versions
+            .into_iter()
+            .filter(|v| v.step == "render")
+            .collect();
         assert_eq!(versions.len(), 1, "the reversed result is kept");
         assert_eq!(versions[0].generation, 0);
         let by = if id == parked {
