@@ -307,13 +307,17 @@ impl StepRun<'_> {
         let mut x = self.exchange(rt, &call, token.as_ref()).await;
         let mut sent = self.sent(rt, &call, token.as_ref());
         let mut refused = None;
+        let mut used = token.clone();
         if let (Some(t), Some(401)) = (&token, x.http_status) {
             // The token was refused: renewed once and the call sent again,
-            // the 401 kept as evidence without spending the attempt.
+            // the 401 kept as evidence without spending the attempt. (The
+            // resend's place in the limits is held until the end of the
+            // pass.)
             let first = self.refused_attempt(rt, (attempt_no, started), &x, sent);
             match self.resend(rt, &plan, t).await {
-                Ok((again, sent_again, at, _flight)) => {
+                Ok((again, sent_again, at, renewed, _flight)) => {
                     (x, sent, started) = (again, sent_again, at);
+                    used = Some(renewed);
                     refused = Some(first);
                 }
                 Err(mut out) => {
@@ -322,9 +326,7 @@ impl StepRun<'_> {
                 }
             }
         }
-        if let (Some(src), true) = (&rt.token, x.http_status.is_some_and(|s| s != 401)) {
-            src.accepted();
-        }
+        self.judge_token(rt, used.as_ref(), x.http_status);
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
@@ -416,11 +418,9 @@ impl StepRun<'_> {
         granted.flight.sent = true;
         let x = self.exchange(rt, &call, token.as_ref()).await;
         let sent = self.sent(rt, &call, token.as_ref());
-        if let (Some(t), Some(401), Some(src)) = (&token, x.http_status, &rt.token) {
-            // Renewed for the next ask; a 401 is never a reversal
-            // (`domain::confirm::said`).
-            let _ = src.renew(t, &rt.client, self.clock).await;
-        }
+        // A 401 drops the token (the next ask gets another); it is never a
+        // reversal (`domain::confirm::said`).
+        self.judge_token(rt, token.as_ref(), x.http_status);
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
         let verdict = (c.outcome, c.error_code.map(str::to_owned));
@@ -680,17 +680,28 @@ impl StepRun<'_> {
         out
     }
 
+    /// What a reply to a call with `token` says of the token: taken (any
+    /// status but `401`), or refused (a `401`: dropped, and counted when
+    /// the provider never took it; see `TokenSource::renew`).
+    fn judge_token(&self, rt: &ProviderRuntime, token: Option<&Secret>, status: Option<u16>) {
+        match (&rt.token, token, status) {
+            (Some(src), Some(t), Some(401)) => src.refused(t, self.clock),
+            (Some(src), Some(t), Some(_)) => src.accepted(t),
+            _ => {}
+        }
+    }
+
     /// After a `401` to a call with `refused`: a renewed token (or the one
     /// another call renewed meanwhile), a place in the rate limits, and the
     /// call sent again with it. Returns the reply, the request kept, when
-    /// it was sent, and its place in the limits (held until the reply is
-    /// judged).
+    /// it was sent, the token it was sent with, and its place in the
+    /// limits.
     async fn resend<'r>(
         &'r self,
         rt: &'r ProviderRuntime,
         plan: &Planned,
         refused: &Secret,
-    ) -> Result<(Exchange, SentRequest, UnixMs, Flight<'r>), StepOutput> {
+    ) -> Result<(Exchange, SentRequest, UnixMs, Secret, Flight<'r>), StepOutput> {
         let src = rt
             .token
             .as_ref()
@@ -713,7 +724,7 @@ impl StepRun<'_> {
         let at = self.clock.now_ms();
         let x = self.exchange(rt, &call, Some(&token)).await;
         let sent = self.sent(rt, &call, Some(&token));
-        Ok((x, sent, at, flight))
+        Ok((x, sent, at, token, flight))
     }
 
     /// A `401` to a call whose token was then renewed: kept in the history

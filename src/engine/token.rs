@@ -31,11 +31,12 @@ pub struct NoToken {
     pub until: UnixMs,
 }
 
-/// A token as held: the secret, when it was granted, when it is due for
+/// A token as held: the secret, whether the provider has taken it yet
+/// (answered a call with it by anything but a `401`), when it is due for
 /// renewal, and when it expires.
 struct Held {
     token: Secret,
-    granted_at: UnixMs,
+    accepted: bool,
     renew_at: UnixMs,
     expires_at: UnixMs,
 }
@@ -45,8 +46,8 @@ struct State {
     token: Option<Held>,
     /// Failed fetches in a row.
     failures: u32,
-    /// Fresh tokens the provider refused in a row (reset by any reply to
-    /// a call that is not a `401`).
+    /// Tokens the provider refused before ever taking them, in a row
+    /// (reset when it takes one).
     refusals: u32,
     failing: Option<NoToken>,
 }
@@ -65,11 +66,6 @@ impl State {
         self.failing.clone().filter(|f| now < f.until)
     }
 }
-
-/// A token refused this soon after its grant was never going to work
-/// (a provider that will not take this client's tokens): its renewal waits
-/// like a failing endpoint instead of asking again at once, every call.
-const FRESH_MS: i64 = 1_000;
 
 /// One provider's token on this node.
 pub struct TokenSource {
@@ -157,11 +153,11 @@ impl TokenSource {
     }
 
     /// A token after `refused` was answered `401`: a new one, unless
-    /// another call has renewed it since (then that one). When tokens keep
-    /// being refused within [`FRESH_MS`] of their grant (the second time
-    /// in a row, and on), the renewal waits 1 s, 2 s … 60 s
-    /// (`token_refused`) instead, so a provider that takes none of this
-    /// client's tokens does not get a token fetch per call.
+    /// another call has renewed it since (then that one). When the
+    /// provider keeps refusing tokens it never took (the second in a row,
+    /// and on), the renewal waits 1 s, 2 s … 60 s (`token_refused`)
+    /// instead, so a provider that takes none of this client's tokens does
+    /// not get a token fetch per call.
     pub async fn renew(
         &self,
         refused: &Secret,
@@ -172,30 +168,16 @@ impl TokenSource {
         {
             let now = clock.now_ms();
             let mut s = self.state();
-            let (same, fresh) = match &s.token {
-                Some(h) => (
-                    h.token.expose() == refused.expose(),
-                    now - h.granted_at < FRESH_MS,
-                ),
-                None => (false, false),
-            };
-            if let (Some(h), false) = (&s.token, same) {
-                return Ok(h.token.clone());
+            let same = s
+                .token
+                .as_ref()
+                .is_some_and(|h| h.token.expose() == refused.expose());
+            if !same {
+                if let Some(t) = s.unexpired(now) {
+                    return Ok(t);
+                }
             }
-            s.token = None;
-            if same {
-                s.refusals = if fresh { s.refusals + 1 } else { 0 };
-            }
-            if s.refusals > 1 {
-                let pause = pause_after(s.refusals - 1);
-                let error = TokenError::Refused(
-                    "the provider refused a token granted less than a second before (401)".into(),
-                );
-                let no = NoToken {
-                    error,
-                    until: now + i64::try_from(pause.as_millis()).unwrap_or(60_000),
-                };
-                s.failing = Some(no.clone());
+            if let Some(no) = self.note_refusal(&mut s, refused, now) {
                 return Err(no);
             }
             if let Some(f) = s.failing_at(now) {
@@ -205,13 +187,47 @@ impl TokenSource {
         self.fetch(client, clock).await
     }
 
-    /// A reply other than a `401` came to a call with a token: the
-    /// provider takes this client's tokens.
-    pub fn accepted(&self) {
+    /// A token that was renewed after a `401` was refused too: dropped and
+    /// counted, without asking for another now (the next call does, or
+    /// waits, as [`renew`](Self::renew) says).
+    pub fn refused(&self, token: &Secret, clock: &dyn Clock) {
         let mut s = self.state();
-        if s.refusals > 0 {
-            s.refusals = 0;
+        let _ = self.note_refusal(&mut s, token, clock.now_ms());
+    }
+
+    /// Drops `refused` if it is the held token, counting it when the
+    /// provider never took it; past the first such refusal in a row, the
+    /// token endpoint is left alone for a while (returned).
+    fn note_refusal(&self, s: &mut State, refused: &Secret, now: UnixMs) -> Option<NoToken> {
+        let held = s.token.take_if(|h| h.token.expose() == refused.expose())?;
+        s.refusals = if held.accepted { 0 } else { s.refusals + 1 };
+        if s.refusals < 2 {
+            return None;
         }
+        let pause = pause_after(s.refusals - 1);
+        let error = TokenError::Refused(
+            "the provider refused a token it had not taken before (401); asking again later".into(),
+        );
+        let no = NoToken {
+            error,
+            until: now + i64::try_from(pause.as_millis()).unwrap_or(60_000),
+        };
+        s.failing = Some(no.clone());
+        Some(no)
+    }
+
+    /// A reply other than a `401` came to a call with `token`: the
+    /// provider takes this client's tokens.
+    pub fn accepted(&self, token: &Secret) {
+        let mut s = self.state();
+        if let Some(h) = s
+            .token
+            .as_mut()
+            .filter(|h| h.token.expose() == token.expose())
+        {
+            h.accepted = true;
+        }
+        s.refusals = 0;
     }
 
     /// Fetches a token (the caller holds `fetching`) and keeps it.
@@ -228,7 +244,7 @@ impl TokenSource {
                 let token = Secret::new(grant.access_token);
                 state.token = Some(Held {
                     token: token.clone(),
-                    granted_at: clock.now_ms(),
+                    accepted: false,
                     renew_at,
                     expires_at,
                 });

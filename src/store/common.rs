@@ -452,21 +452,26 @@ where
                 .execute(&mut *tx)
                 .await?;
                 // A result its provider reversed is not kept by a retry:
-                // its step runs again, a new version, and (as the engine
-                // names them in `steps`) the steps after it; without an
-                // engine, the reversed steps alone.
-                let reversed: Vec<String> = if req.steps.is_empty() {
-                    sqlx::query_scalar(
-                        "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
-                         AND error_code = $2 ORDER BY step",
-                    )
-                    .bind(rec.id)
-                    .bind(crate::domain::REVERSED)
-                    .fetch_all(&mut *tx)
-                    .await?
-                } else {
-                    req.steps.clone()
-                };
+                // its step runs again, a new version, and so do the steps
+                // after it that the engine names in `steps` (read here,
+                // under the record's lock: `steps` counts only when a step
+                // is reversed, and never leaves one out).
+                let mut reversed: Vec<String> = sqlx::query_scalar(
+                    "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
+                     AND error_code = $2 ORDER BY step",
+                )
+                .bind(rec.id)
+                .bind(crate::domain::REVERSED)
+                .fetch_all(&mut *tx)
+                .await?;
+                if !reversed.is_empty() && !req.steps.is_empty() {
+                    let missing: Vec<String> = reversed
+                        .iter()
+                        .filter(|r| !req.steps.contains(r))
+                        .cloned()
+                        .collect();
+                    reversed = req.steps.iter().cloned().chain(missing).collect();
+                }
                 let cause = format!("retry by {}", req.actor);
                 Self::rerun_steps(&mut tx, &installation, rec.id, &reversed, req.now, &cause)
                     .await?;
@@ -492,8 +497,13 @@ where
             OperatorAction::Park | OperatorAction::Cancel => {}
         }
         let next = to.is_scheduled().then_some(req.now);
-        let detail = (req.action == OperatorAction::ReplayFrom)
-            .then(|| serde_json::json!({ "steps": req.steps }));
+        let detail = match req.action {
+            OperatorAction::ReplayFrom => Some(serde_json::json!({ "steps": req.steps })),
+            OperatorAction::Retry if !req.steps.is_empty() => {
+                Some(serde_json::json!({ "steps": req.steps }))
+            }
+            _ => None,
+        };
         // Parking and cancelling keep the last error code for
         // filtering; moving on clears it.
         let error_code = match to {

@@ -3334,6 +3334,7 @@ on_reversal = "record"
     let records = crate::helpers::all_records(&t.db, None).await;
     assert_eq!(records.len() as i64, N);
     let (mut wrong, mut spent_on_tokens, mut renewals, mut flips, mut unseen) = (0, 0, 0, 0, 0);
+    let mut redirects = 0;
     let mut states = std::collections::BTreeMap::<String, usize>::new();
     for rec in &records {
         assert!(
@@ -3347,14 +3348,19 @@ on_reversal = "record"
         let steps = t.db.step_runs(rec.id).await.unwrap();
         for (k, a) in attempts.iter().enumerate() {
             let status = a.http_status.unwrap_or(0);
-            let url = a.request.as_ref().map(|r| r.url.as_str()).unwrap_or("");
             // A success only ever on a 2xx the provider sent to this
-            // request, never on the redirect's trap.
+            // request, never on the redirect's trap (whose answer says
+            // so), and a redirect kept as itself.
+            let excerpt = a.excerpt.as_deref().unwrap_or("");
             if a.outcome == Outcome::Success
-                && (!(200..300).contains(&status) || url.contains("/v1/moved"))
+                && (!(200..300).contains(&status) || excerpt.contains("you followed a redirect"))
             {
                 wrong += 1;
             }
+            if status == 302 && a.outcome == Outcome::Success {
+                wrong += 1;
+            }
+            redirects += usize::from(status == 302);
             if a.error_code.as_deref() == Some("token_expired") {
                 renewals += 1;
                 let next = attempts.get(k + 1);
@@ -3392,7 +3398,8 @@ on_reversal = "record"
     let stats = sim.stats();
     println!(
         "issue 19 battery: {N} records, {states:?}; {} requests, {} tokens issued, {} 401s, \
-         {renewals} renewals on 401, {flips} flips seen as reversals ({unseen} unseen); \
+         {renewals} renewals on 401, {redirects} redirects kept as replies, \
+         {flips} flips seen as reversals ({unseen} unseen); \
          wrong evidence {wrong}, attempts spent on tokens {spent_on_tokens}",
         stats.requests, stats.tokens_issued, stats.unauthorized
     );
@@ -3400,8 +3407,15 @@ on_reversal = "record"
     assert_eq!(spent_on_tokens, 0, "attempts spent on token renewal");
     assert_eq!(unseen, 0, "flips not seen as reversals");
     assert!(
-        flips > 0 && renewals > 0 && stats.tokens_issued > 1,
+        flips > 0 && renewals > 0 && redirects > 0 && stats.tokens_issued > 1,
         "the faults happened"
     );
-    assert_eq!(sim.ledger().double_charges, 0);
+    // Every record that succeeded was charged (or its job submitted) at
+    // the provider: its `ref` is in the ledger, once.
+    let ledger = sim.ledger();
+    assert_eq!(ledger.double_charges, 0);
+    assert!(
+        ledger.refs >= states.get("succeeded").copied().unwrap_or(0),
+        "{ledger:?}"
+    );
 }
