@@ -304,8 +304,7 @@ impl StepRun<'_> {
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         granted.flight.sent = true;
-        let mut x = self.exchange(rt, &call, token.as_ref()).await;
-        let mut sent = self.sent(rt, &call, token.as_ref());
+        let (mut x, mut sent) = self.exchange(rt, &call, token.as_ref()).await;
         let mut refused = None;
         let mut used = token.clone();
         if let (Some(t), Some(401)) = (&token, x.http_status) {
@@ -416,8 +415,7 @@ impl StepRun<'_> {
         };
         let started = self.clock.now_ms();
         granted.flight.sent = true;
-        let x = self.exchange(rt, &call, token.as_ref()).await;
-        let sent = self.sent(rt, &call, token.as_ref());
+        let (x, sent) = self.exchange(rt, &call, token.as_ref()).await;
         // A 401 drops the token (the next ask gets another); it is never a
         // reversal (`domain::confirm::said`).
         self.judge_token(rt, token.as_ref(), x.http_status);
@@ -649,13 +647,25 @@ impl StepRun<'_> {
         rt: &ProviderRuntime,
         call: &Call,
         token: Option<&Secret>,
-    ) -> Exchange {
+    ) -> (Exchange, SentRequest) {
         let key = rt.config.credential(&|var| std::env::var(var).ok());
         let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
-        match &rt.in_process {
+        let x = match &rt.in_process {
             Some(p) => super::http::exchange_in_process(p.0.as_ref(), call, &secrets, self.clock),
             None => exchange(&rt.client, call, &secrets, self.clock).await,
-        }
+        };
+        // The call as the history keeps it, credentials removed
+        // (`domain::request`), with the same secrets as the reply.
+        let out = Outgoing {
+            method: call.method.as_str(),
+            url: &call.url,
+            headers: &call.headers,
+            body: call.body.as_deref(),
+        };
+        (
+            x,
+            SentRequest::of(&out, rt.config.credential_header(), &secrets),
+        )
     }
 
     /// The provider's OAuth2 token, when it uses one; without one the step
@@ -722,8 +732,7 @@ impl StepRun<'_> {
             .build_call(rt, plan, Some(&token))
             .map_err(|e| StepOutput::new(template_failed(plan.write.clone(), e, self.now)))?;
         let at = self.clock.now_ms();
-        let x = self.exchange(rt, &call, Some(&token)).await;
-        let sent = self.sent(rt, &call, Some(&token));
+        let (x, sent) = self.exchange(rt, &call, Some(&token)).await;
         Ok((x, sent, at, token, flight))
     }
 
@@ -789,20 +798,6 @@ impl StepRun<'_> {
             excerpt: Some(x.excerpt.clone()),
             request: Some(sent),
         }
-    }
-
-    /// The call as the history keeps it, credentials removed
-    /// (`domain::request`).
-    fn sent(&self, rt: &ProviderRuntime, call: &Call, token: Option<&Secret>) -> SentRequest {
-        let key = rt.config.credential(&|var| std::env::var(var).ok());
-        let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
-        let out = Outgoing {
-            method: call.method.as_str(),
-            url: &call.url,
-            headers: &call.headers,
-            body: call.body.as_deref(),
-        };
-        SentRequest::of(&out, rt.config.credential_header(), &secrets)
     }
 
     /// Applies webhook deliveries (`domain::step::apply_deliveries`); each

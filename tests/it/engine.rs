@@ -2694,6 +2694,21 @@ struct TokenProvider {
     refused: usize,
 }
 
+/// The `Authorization` a client sends a token endpoint: RFC 6749 §2.3.1,
+/// each part form-encoded, then HTTP Basic.
+fn client_basic(id: &str, secret: &str) -> String {
+    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    reqwest::Client::new()
+        .get("http://x/")
+        .basic_auth(enc(id), Some(enc(secret)))
+        .build()
+        .unwrap()
+        .headers()["authorization"]
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
 async fn oauth2_provider(state: Arc<std::sync::Mutex<TokenProvider>>, basic: String) -> String {
     use axum::http::{HeaderMap, StatusCode};
     use axum::response::IntoResponse;
@@ -2757,17 +2772,7 @@ async fn oauth2_tokens_are_shared_renewed_on_401_and_never_stored() {
     let t = TestDb::migrated(Backend::Sqlite, "oauth2").await.unwrap();
     // The client's id and secret come from variables the test runner sets.
     let (id, secret) = ("ballast", env!("CARGO_MANIFEST_DIR"));
-    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
-    // RFC 6749 §2.3.1: each part form-encoded, then HTTP Basic.
-    let basic = reqwest::Client::new()
-        .get("http://x/")
-        .basic_auth(enc(id), Some(enc(secret)))
-        .build()
-        .unwrap()
-        .headers()["authorization"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let basic = client_basic(id, secret);
     let state = Arc::new(std::sync::Mutex::new(TokenProvider::default()));
     let base = oauth2_provider(state.clone(), basic).await;
     let text = format!(
@@ -3172,16 +3177,7 @@ async fn tokens_refused_when_fresh_back_off_instead_of_storming() {
         .await
         .unwrap();
     let secret = env!("CARGO_MANIFEST_DIR");
-    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
-    let basic = reqwest::Client::new()
-        .get("http://x/")
-        .basic_auth(enc("ballast"), Some(enc(secret)))
-        .build()
-        .unwrap()
-        .headers()["authorization"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let basic = client_basic("ballast", secret);
     let state = Arc::new(std::sync::Mutex::new(TokenProvider {
         refuse_all: true,
         ..Default::default()
