@@ -95,6 +95,12 @@ pub struct ProviderConfig {
     pub retry: RetryConfig,
     #[serde(default)]
     pub breaker: BreakerConfig,
+    /// What a record does while the breaker is open: `"defer"` (the
+    /// default: it stays scheduled, due when a probe may go) or
+    /// `"park_until_healthy"` (it parks, and resumes by itself once the
+    /// provider takes calls again; the records page lists who waits).
+    #[serde(default)]
+    pub on_outage: crate::domain::park::OutagePolicy,
     /// Environment variables holding webhook signing secrets (several, for
     /// rotation).
     #[serde(default)]

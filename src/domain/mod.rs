@@ -9,6 +9,7 @@ pub mod diff;
 pub mod fair;
 pub mod host;
 pub mod model;
+pub mod park;
 pub mod pass;
 pub mod permits;
 pub mod pipeline;

@@ -128,6 +128,9 @@ pub struct Record {
     pub created_at: UnixMs,
     pub updated_at: UnixMs,
     pub finished_at: Option<UnixMs>,
+    /// When a parked record resumes by itself; `None` (always, unless
+    /// parked) waits for a human.
+    pub park_until: Option<super::park::ParkUntil>,
 }
 
 /// One step of one record.
@@ -475,6 +478,10 @@ pub fn storable_text(text: &str, secrets: &[&str]) -> Option<String> {
 /// The reason a stopping node gives work back with: a step it did not start
 /// (a `deferred` event) or a record it never began (`released`).
 pub const SHUTDOWN_REASON: &str = "node shutting down";
+
+/// The actor of what Ballast does by itself: a record created, a parked
+/// record resumed when its condition held, a confirmation given up.
+pub const SYSTEM_ACTOR: &str = "system";
 
 /// One state transition or operator action, kept forever.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -124,6 +124,8 @@ pub struct Verdict {
     pub step: Option<String>,
     pub error_code: Option<String>,
     pub reason: Option<String>,
+    /// For a park: when the record resumes by itself.
+    pub park_until: Option<super::park::ParkUntil>,
 }
 
 /// Decides what the steps' states mean for the record: park (a step asked
@@ -155,11 +157,13 @@ pub fn verdict(
         step: None,
         error_code: None,
         reason: None,
+        park_until: None,
     };
     match (facts.park, failed) {
         (Some(park), _) => {
             v.error_code = Some(park.code.clone());
             v.reason = Some(park.reason.clone());
+            v.park_until = park.until.clone();
         }
         (None, Some(s)) => {
             let w = states.get(&s.name);
@@ -277,7 +281,7 @@ mod tests {
             let steps = steps(optional);
             let mut states = states_of(&steps, &raw);
             skip_blocked(&steps, &mut states, 1_000);
-            let park = park.then(|| Park { code: "c".into(), reason: "r".into() });
+            let park = park.then(|| Park { code: "c".into(), reason: "r".into(), until: None });
             let facts = PassFacts { park: park.as_ref(), stopped, last_error: None, now: 1_000 };
             let v = verdict(&steps, &states, &facts);
             let required_failed = steps.iter().any(|s| s.required && states[&s.name].state == StepState::Failed);

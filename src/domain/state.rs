@@ -332,7 +332,8 @@ pub fn transition(from: RecordState, trigger: Trigger) -> Result<RecordState, Tr
             }
             match (action, from) {
                 (A::Retry, S::Parked | S::Failed | S::Retrying) => Ok(S::Pending),
-                (A::Park, S::Pending | S::Retrying | S::Waiting) => Ok(S::Parked),
+                // Parking a parked record sets (or clears) its condition.
+                (A::Park, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Parked),
                 (A::Resume, S::Parked) => Ok(S::Pending),
                 (A::Cancel, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Cancelled),
                 (A::ReplayFrom, S::Succeeded | S::Failed | S::Parked | S::Cancelled) => {
@@ -419,6 +420,7 @@ mod tests {
         assert_eq!(op(S::Failed, A::Retry), Ok(S::Pending));
         assert_eq!(op(S::Waiting, A::Park), Ok(S::Parked));
         assert_eq!(op(S::Parked, A::Resume), Ok(S::Pending));
+        assert_eq!(op(S::Parked, A::Park), Ok(S::Parked), "a new condition");
         assert_eq!(op(S::Pending, A::Cancel), Ok(S::Cancelled));
         assert_eq!(op(S::Succeeded, A::ReplayFrom), Ok(S::Pending));
         assert!(op(S::Succeeded, A::Cancel).is_err());

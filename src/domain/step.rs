@@ -36,6 +36,38 @@ pub struct RetryPolicy {
 pub struct Park {
     pub code: String,
     pub reason: String,
+    /// When the record resumes by itself; `None`: a human decides.
+    pub until: Option<super::park::ParkUntil>,
+}
+
+/// The error code of a record parked while its provider's breaker is open
+/// (`on_outage = "park_until_healthy"`).
+pub const PROVIDER_OUTAGE: &str = "provider_outage";
+
+/// A step its provider's open breaker stops until `until`: deferred to
+/// then (`defer`), or, with `park_until_healthy`, its record parked until
+/// the provider takes calls again (the step due at `until`, so that it
+/// runs as soon as the record resumes). No attempt is spent either way.
+pub fn outage(
+    write: StepWrite,
+    policy: super::park::OutagePolicy,
+    provider: &str,
+    until: UnixMs,
+    why: &str,
+    now: UnixMs,
+) -> Decision {
+    let write = defer(write, until, why, now);
+    let park = match policy {
+        super::park::OutagePolicy::Defer => None,
+        super::park::OutagePolicy::ParkUntilHealthy => Some(Park {
+            code: PROVIDER_OUTAGE.into(),
+            reason: format!("{why}: parked until provider `{provider}` is healthy"),
+            until: Some(super::park::ParkUntil::Provider {
+                provider: provider.to_owned(),
+            }),
+        }),
+    };
+    Decision { write, park }
 }
 
 /// A step's new state, and whether it parks the record.
@@ -122,6 +154,7 @@ pub fn park_or_fail(
         Some(Park {
             code: code.to_owned(),
             reason,
+            until: None,
         })
     } else {
         write.state = StepState::Failed;
@@ -1108,7 +1141,8 @@ mod tests {
             d2.park,
             Some(Park {
                 code: "http_5xx".into(),
-                reason: "attempts exhausted (2 of 2); last error: http_5xx".into()
+                reason: "attempts exhausted (2 of 2); last error: http_5xx".into(),
+                until: None,
             })
         );
         // The same failure on an optional step fails the step alone.

@@ -110,9 +110,66 @@ pub fn format_ms(ms: UnixMs) -> String {
     }
 }
 
+/// Parses a UTC moment as people type it: RFC 3339 (`2026-12-02T09:00:00Z`,
+/// any offset), or to the minute with or without the `Z`
+/// (`2026-12-02T09:00Z`, `2026-12-02T09:00`, as a browser's
+/// `datetime-local` input sends it, read as UTC), or a date (midnight UTC).
+pub fn parse_utc(text: &str) -> Result<UnixMs, String> {
+    use time::format_description::well_known::Rfc3339;
+    use time::macros::format_description;
+    let t = text.trim();
+    let bad = || {
+        format!(
+            "invalid time `{t}`: expected UTC like `2026-12-02T09:00Z` or `2026-12-02T09:00:00Z`"
+        )
+    };
+    let to_ms = |dt: time::OffsetDateTime| {
+        i64::try_from(dt.unix_timestamp_nanos() / 1_000_000).map_err(|_| bad())
+    };
+    if let Ok(dt) = time::OffsetDateTime::parse(t, &Rfc3339) {
+        return to_ms(dt);
+    }
+    let bare = t.strip_suffix('Z').unwrap_or(t).replacen(' ', "T", 1);
+    let minute = format_description!("[year]-[month]-[day]T[hour]:[minute]");
+    let second = format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]");
+    let day = format_description!("[year]-[month]-[day]");
+    if let Ok(dt) = time::PrimitiveDateTime::parse(&bare, &minute)
+        .or_else(|_| time::PrimitiveDateTime::parse(&bare, &second))
+    {
+        return to_ms(dt.assume_utc());
+    }
+    if let Ok(d) = time::Date::parse(&bare, &day) {
+        return to_ms(d.midnight().assume_utc());
+    }
+    Err(bad())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_utc_as_people_type_it() {
+        let nine = 1_764_666_000_000;
+        for t in [
+            "2025-12-02T09:00:00Z",
+            "2025-12-02T09:00:00.000Z",
+            "2025-12-02T10:00:00+01:00",
+            "2025-12-02T09:00Z",
+            "2025-12-02T09:00",
+            " 2025-12-02 09:00 ",
+            "2025-12-02T09:00:00",
+        ] {
+            assert_eq!(parse_utc(t), Ok(nine), "{t}");
+        }
+        assert_eq!(parse_utc("2025-12-02"), Ok(nine - 9 * 3_600_000));
+        for bad in ["", "tomorrow", "2025-13-02T09:00Z", "09:00"] {
+            assert!(
+                parse_utc(bad).unwrap_err().contains("invalid time"),
+                "{bad}"
+            );
+        }
+    }
 
     #[test]
     fn formats_epoch_and_millis() {

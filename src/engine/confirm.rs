@@ -133,7 +133,7 @@ impl Engine {
                     record_id: Some(rec.id),
                     at: after,
                     kind: "unconfirmed".into(),
-                    actor: "system".into(),
+                    actor: crate::domain::SYSTEM_ACTOR.into(),
                     audit: false,
                     step: Some(p.step.clone()),
                     reason: Some("the provider gave no clear answer to a confirmation poll".into()),

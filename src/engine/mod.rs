@@ -17,6 +17,7 @@ mod ops;
 mod pass;
 mod permits;
 pub mod redirect;
+mod resume;
 mod run;
 pub mod stats;
 mod step;

@@ -7,6 +7,7 @@ use serde_json::json;
 
 use super::Engine;
 use crate::config::Config;
+use crate::domain::park::ParkUntil;
 use crate::domain::{Clock, OperatorAction, ProviderState, Record, Trigger, transition};
 use crate::store::{ActionRequest, Db, RecordFilter, Store, StoreError};
 
@@ -87,8 +88,9 @@ impl<'a> Ops<'a> {
     }
 
     /// One action on one record, through the transition table and audited.
-    /// Parking needs a reason; a replay needs the pipelines (this node's
-    /// engine) and `step`, where it starts.
+    /// Parking needs a reason, and may name when the record resumes by
+    /// itself (`until`, see [`Ops::until`]); a replay needs the pipelines
+    /// (this node's engine) and `step`, where it starts.
     pub async fn act(
         &self,
         id: i64,
@@ -96,6 +98,7 @@ impl<'a> Ops<'a> {
         actor: &str,
         reason: Option<String>,
         step: Option<&str>,
+        until: Option<&str>,
     ) -> Result<Record, OpsError> {
         if action == OperatorAction::Park && reason.is_none() {
             return Err(OpsError::refused(
@@ -103,8 +106,18 @@ impl<'a> Ops<'a> {
                 "parking needs a reason",
             ));
         }
+        let until = match until.map(str::trim).filter(|t| !t.is_empty()) {
+            None => None,
+            Some(_) if action != OperatorAction::Park => {
+                return Err(OpsError::refused(
+                    "until_needs_park",
+                    format!("only parking takes a resume condition (`until`), not {action}"),
+                ));
+            }
+            Some(text) => self.until(id, text).await?,
+        };
         let rec = match self.engine {
-            Some(engine) => engine.act(id, action, actor, reason, step).await?,
+            Some(engine) => engine.act(id, action, actor, reason, step, until).await?,
             None if action == OperatorAction::ReplayFrom => {
                 return Err(OpsError::refused(
                     "replay_unavailable",
@@ -119,12 +132,52 @@ impl<'a> Ops<'a> {
                     reason,
                     now: self.clock.now_ms(),
                     steps: Vec::new(),
+                    until,
                 };
                 self.db.act(&req).await?
             }
         };
         tracing::info!(record.id = id, action = %action, actor, "operator action");
         Ok(rec)
+    }
+
+    /// Reads when a record parked now resumes by itself, as an operator
+    /// writes it: `never` (a human decides: no condition), `provider`
+    /// (once the provider of the record's current step takes calls
+    /// again), a duration from now (`2h`, `30m`), or a UTC time
+    /// (`2026-12-02T09:00Z`).
+    pub async fn until(&self, id: i64, text: &str) -> Result<Option<ParkUntil>, OpsError> {
+        let now = self.clock.now_ms();
+        let until = match text.trim() {
+            "never" => return Ok(None),
+            "provider" => {
+                let rec = self.db.get_record(id).await?.ok_or(StoreError::NotFound {
+                    what: "record",
+                    key: id.to_string(),
+                })?;
+                ParkUntil::Provider {
+                    provider: rec.provider.unwrap_or_default(),
+                }
+            }
+            t if t.starts_with(|c: char| c.is_ascii_digit()) && !t.contains('-') => {
+                let d = crate::config::parse_duration(t)
+                    .map_err(|e| OpsError::refused("bad_until", e))?;
+                let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4);
+                ParkUntil::Time {
+                    at: now.saturating_add(ms),
+                }
+            }
+            t => ParkUntil::Time {
+                at: crate::domain::time::parse_utc(t).map_err(|e| {
+                    OpsError::refused(
+                        "bad_until",
+                        format!("{e}; or `never`, `provider`, or a duration like `2h`"),
+                    )
+                })?,
+            },
+        };
+        crate::domain::park::check(&until, now).map_err(|e| OpsError::refused("bad_until", e))?;
+        Ok(Some(until))
     }
 
     /// The records `selection` names, refused when more than `cap`.
@@ -195,7 +248,7 @@ impl<'a> Ops<'a> {
         if apply {
             for r in &allowed {
                 let done = self
-                    .act(r.id, action, actor, Some(reason.to_owned()), step)
+                    .act(r.id, action, actor, Some(reason.to_owned()), step, None)
                     .await;
                 if let Err(e) = done {
                     tracing::warn!(record.id = r.id, action = %action, error = ?e, "bulk action refused for one record");
@@ -267,6 +320,7 @@ impl Engine {
         actor: &str,
         reason: Option<String>,
         step: Option<&str>,
+        until: Option<ParkUntil>,
     ) -> Result<Record, StoreError> {
         let i = &self.inner;
         let mut steps = Vec::new();
@@ -298,6 +352,7 @@ impl Engine {
             reason,
             now: i.clock.now_ms(),
             steps,
+            until,
         };
         let after = i.db.act(&req).await?;
         if after.next_run_at.is_some() {

@@ -39,8 +39,13 @@ struct Progress {
 impl Progress {
     fn absorb(&mut self, out: StepOutput, states: &mut HashMap<String, StepWrite>) {
         self.stopped |= out.stopped;
+        // The first park wins, but one that needs a human wins over one
+        // that would resume by itself.
         if let Some(p) = out.park {
-            self.park.get_or_insert(p);
+            match &self.park {
+                Some(first) if first.until.is_none() || p.until.is_some() => {}
+                _ => self.park = Some(p),
+            }
         }
         self.breaker.extend(out.breaker);
         self.throttled.extend(out.throttled);
@@ -267,6 +272,7 @@ impl Engine {
         }
         commit.error_code = v.error_code;
         commit.reason = v.reason;
+        commit.park_until = v.park_until;
         Some(commit)
     }
 

@@ -123,6 +123,7 @@ impl Engine {
         let sync = tokio::spawn(self.clone().sync_providers(shutdown.clone()));
         let flusher = tokio::spawn(self.clone().flush_stats(shutdown.clone()));
         let confirms = tokio::spawn(self.clone().confirm_loop(shutdown.clone()));
+        let resumer = tokio::spawn(self.clone().resume_loop(shutdown.clone()));
         let listen = match &i.db {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
@@ -255,6 +256,8 @@ impl Engine {
         // this one, restarted) asks when the hold ends.
         confirms.abort();
         let _ = confirms.await;
+        resumer.abort();
+        let _ = resumer.await;
         if let Some(l) = listen {
             l.abort();
             let _ = l.await;

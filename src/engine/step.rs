@@ -256,6 +256,19 @@ impl StepRun<'_> {
         StepOutput::new(Decision { write, park: None })
     }
 
+    /// The provider's breaker is open until `until`: the step waits, or
+    /// its record parks until the provider is healthy (`on_outage`).
+    fn outage(&self, rt: &ProviderRuntime, until: UnixMs) -> StepOutput {
+        let why = "provider circuit breaker open";
+        let policy = rt.config.on_outage;
+        if policy == crate::domain::park::OutagePolicy::Defer {
+            return self.deferred(until, why);
+        }
+        let write = self.write.clone();
+        let d = crate::domain::step::outage(write, policy, &rt.name, until, why, self.now);
+        StepOutput::new(d)
+    }
+
     /// gate → exchange → decide; the decisions are `domain::step`'s.
     pub async fn execute(self, rt: Option<&ProviderRuntime>) -> StepOutput {
         let now = self.now;
@@ -460,9 +473,7 @@ impl StepRun<'_> {
         let admit = rt.breaker().admit(self.clock.now_ms());
         let probe = match admit {
             Admit::Call => Probe::new(rt, self.db, self.clock, None),
-            Admit::Wait(until) => {
-                return Err(self.deferred(until, "provider circuit breaker open"));
-            }
+            Admit::Wait(until) => return Err(self.outage(rt, until)),
             Admit::Probe => self.claim_probe(rt).await?,
         };
         if self.stopping.is_set() {
@@ -513,7 +524,7 @@ impl StepRun<'_> {
                     Some(ProbeGrant::Wait(until)) => {
                         Err(self.deferred(until, "provider circuit breaker half-open; probes out"))
                     }
-                    None => Err(self.deferred(now + 1_000, "provider circuit breaker open")),
+                    None => Err(self.outage(rt, now + 1_000)),
                 }
             }
             Err(e) => {

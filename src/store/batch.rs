@@ -24,6 +24,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::domain::park::ParkUntil;
 use crate::domain::{Record, UnixMs};
 use crate::store::{EventRow, NewAttempt, NewRecord, StepWrite};
 
@@ -262,6 +263,8 @@ json_row!(
     reason: Option<&'a str> => Text,
     updated_at: UnixMs => Int,
     finished_at: Option<UnixMs> => Int,
+    park_until_at: Option<UnixMs> => Int,
+    park_until_provider: Option<&'a str> => Text,
 });
 
 impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
@@ -278,6 +281,8 @@ impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
             reason: r.reason.as_deref(),
             updated_at: r.updated_at,
             finished_at: r.finished_at,
+            park_until_at: ParkUntil::columns(r.park_until.as_ref()).0,
+            park_until_provider: ParkUntil::columns(r.park_until.as_ref()).1,
         }
     }
 }

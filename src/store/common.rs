@@ -295,7 +295,7 @@ where
             Self::move_record(
                 &mut tx,
                 &rec,
-                to,
+                (to, None),
                 Some(now),
                 now,
                 event,
@@ -378,6 +378,7 @@ where
                 after.lease_owner = None;
                 after.lease_until = None;
                 after.finished_at = to.is_terminal().then_some(c.now);
+                after.park_until = c.park_until.clone().filter(|_| to == RecordState::Parked);
                 events.push(EventRow {
                     record_id: Some(rec.id),
                     at: c.now,
@@ -435,113 +436,79 @@ where
                 what: "record",
                 key: req.record_id.to_string(),
             })?;
-        let to = transition(rec.state, Trigger::Operator(req.action))?;
-        match req.action {
-            OperatorAction::Retry => {
-                // A fresh attempt budget (and deadline) for every
-                // step that has not finished; a submitted job keeps
-                // its id, so it is polled, not paid for again.
-                sqlx::query(
-                    "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
-                     error_code = NULL, reason = NULL, updated_at = $1, \
-                     state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
-                     WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",
-                )
-                .bind(req.now)
-                .bind(rec.id)
-                .execute(&mut *tx)
-                .await?;
-                // A result its provider reversed is not kept by a retry:
-                // its step runs again, a new version, and so do the steps
-                // after it that the engine names in `steps` (read here,
-                // under the record's lock: `steps` counts only when a step
-                // is reversed, and never leaves one out).
-                let mut reversed: Vec<String> = sqlx::query_scalar(
-                    "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
-                     AND error_code = $2 ORDER BY step",
-                )
-                .bind(rec.id)
-                .bind(crate::domain::REVERSED)
-                .fetch_all(&mut *tx)
-                .await?;
-                if !reversed.is_empty() && !req.steps.is_empty() {
-                    let missing: Vec<String> = reversed
-                        .iter()
-                        .filter(|r| !req.steps.contains(r))
-                        .cloned()
-                        .collect();
-                    reversed = req.steps.iter().cloned().chain(missing).collect();
-                }
-                let cause = format!("retry by {}", req.actor);
-                Self::rerun_steps(&mut tx, &installation, rec.id, &reversed, req.now, &cause)
-                    .await?;
-            }
-            OperatorAction::ReplayFrom => {
-                let cause = format!("replay by {}", req.actor);
-                Self::rerun_steps(&mut tx, &installation, rec.id, &req.steps, req.now, &cause)
-                    .await?;
-            }
-            // A resume accepts a reversed result: it is no longer marked
-            // for a retry to run again.
-            OperatorAction::Resume => {
-                sqlx::query(
-                    "UPDATE step_runs SET error_code = NULL, updated_at = $1 \
-                     WHERE record_id = $2 AND state = 'succeeded' AND error_code = $3",
-                )
-                .bind(req.now)
-                .bind(rec.id)
-                .bind(crate::domain::REVERSED)
-                .execute(&mut *tx)
-                .await?;
-            }
-            OperatorAction::Park | OperatorAction::Cancel => {}
-        }
-        let next = to.is_scheduled().then_some(req.now);
-        let detail = match req.action {
-            OperatorAction::ReplayFrom => Some(serde_json::json!({ "steps": req.steps })),
-            OperatorAction::Retry if !req.steps.is_empty() => {
-                Some(serde_json::json!({ "steps": req.steps }))
-            }
-            _ => None,
-        };
-        // Parking and cancelling keep the last error code for
-        // filtering; moving on clears it.
-        let error_code = match to {
-            RecordState::Parked | RecordState::Cancelled => rec.error_code.clone(),
-            _ => None,
-        };
-        let event = EventRow {
-            record_id: Some(rec.id),
-            at: req.now,
-            kind: req.action.as_str(),
-            actor: &req.actor,
-            audit: true,
-            from: Some(rec.state),
-            to: Some(to),
-            step: (req.action == OperatorAction::ReplayFrom)
-                .then(|| req.steps.first().map(String::as_str))
-                .flatten(),
-            reason: req.reason.as_deref(),
-            detail: detail.as_ref(),
-        };
-        let mut deltas = CountDeltas::default();
-        let moved = Self::move_record(
-            &mut tx,
-            &rec,
-            to,
-            next,
-            req.now,
-            event,
-            error_code.as_deref(),
-            &mut deltas,
-        )
-        .await?;
-        Self::apply_counts(&mut tx, &deltas).await?;
-        if next.is_some() {
-            DB::notify_work(&mut tx).await?;
-        }
+        let moved = Self::act_locked(&mut tx, &installation, &rec, req, None).await?;
         tx.commit().await?;
         Ok(moved)
+    }
+
+    async fn resume_parked(&self, req: &crate::store::ResumeDue) -> StoreResult<Vec<Record>> {
+        use crate::domain::park::ParkUntil;
+        // Candidates first (through the partial indexes), then each one
+        // locked and checked again: an operator may have acted meanwhile,
+        // or another node resumed it.
+        let mut ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM records WHERE park_until_at IS NOT NULL AND park_until_at <= $1 \
+             ORDER BY park_until_at, id LIMIT $2",
+        )
+        .bind(req.now)
+        .bind(i64::from(req.limit))
+        .fetch_all(self.reader())
+        .await?;
+        for (provider, n) in &req.providers {
+            let waiting: Vec<i64> = sqlx::query_scalar(
+                "SELECT id FROM records WHERE park_until_provider = $1 ORDER BY id LIMIT $2",
+            )
+            .bind(provider.clone())
+            .bind(i64::from(*n))
+            .fetch_all(self.reader())
+            .await?;
+            ids.extend(waiting);
+        }
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let installation = self.installation_id().await?;
+        let mut tx = self.begin_write().await?;
+        let mut resumed = Vec::new();
+        for id in ids {
+            let Some(rec) = Self::lock_record(&mut tx, id).await? else {
+                continue;
+            };
+            let holds = match &rec.park_until {
+                Some(ParkUntil::Time { at }) => *at <= req.now,
+                Some(ParkUntil::Provider { provider }) => {
+                    req.providers.iter().any(|(p, _)| p == provider)
+                }
+                None => false,
+            };
+            let Some(until) = rec.park_until.clone().filter(|_| holds) else {
+                continue;
+            };
+            if rec.state != RecordState::Parked {
+                continue;
+            }
+            let action = ActionRequest {
+                record_id: rec.id,
+                action: OperatorAction::Resume,
+                actor: crate::domain::SYSTEM_ACTOR.into(),
+                reason: Some(match &until {
+                    ParkUntil::Time { .. } => format!("parked {until}: the time came"),
+                    ParkUntil::Provider { provider } => {
+                        format!("parked {until}: provider `{provider}` takes calls again")
+                    }
+                }),
+                now: req.now,
+                steps: Vec::new(),
+                until: None,
+            };
+            let moved =
+                Self::act_locked(&mut tx, &installation, &rec, &action, Some(&until)).await?;
+            resumed.push(moved);
+        }
+        tx.commit().await?;
+        Ok(resumed)
     }
 
     async fn record_callback(
@@ -737,6 +704,19 @@ where
         // parked) keeps its place, with the event.
         if to == rec.state {
             Self::insert_event(&mut tx, &event).await?;
+            // A record parked until a condition and now parked by a
+            // reversal needs a human: it no longer resumes by itself.
+            if to == RecordState::Parked
+                && req.policy == crate::domain::ReversalPolicy::Park
+                && rec.park_until.is_some()
+            {
+                sqlx::query(
+                    "UPDATE records SET park_until_at = NULL, park_until_provider = NULL WHERE id = $1",
+                )
+                .bind(rec.id)
+                .execute(&mut *tx)
+                .await?;
+            }
             if req.policy == crate::domain::ReversalPolicy::Rerun && rec.state.is_scheduled() {
                 DB::notify_work(&mut tx).await?;
             }
@@ -748,7 +728,7 @@ where
         let moved = Self::move_record(
             &mut tx,
             &rec,
-            to,
+            (to, None),
             next,
             req.now,
             event,

@@ -3,6 +3,7 @@
 use sqlx::{Database, Encode, QueryBuilder, Type};
 
 use super::{AuditFilter, RecordFilter};
+use crate::domain::park::UntilKind;
 
 /// True when no single index serves the filter, so a search that matches
 /// little could walk a whole index: such lists are searched in id windows.
@@ -14,6 +15,8 @@ pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
         f.error_code.is_some(),
         f.state.is_some(),
         f.key_prefix.is_some(),
+        // "Parked with no condition" is served by the state index.
+        f.until.is_some() && f.until != Some(UntilKind::Never),
     ];
     let n = set.iter().filter(|b| **b).count();
     // (pipeline, state) has its own index.
@@ -48,6 +51,20 @@ pub(crate) fn push_record_filter<DB>(
     if let Some(state) = f.state {
         qb.push(" AND state = ")
             .push_bind(state.as_str().to_owned());
+    }
+    match f.until {
+        Some(UntilKind::Time) => {
+            qb.push(" AND park_until_at IS NOT NULL");
+        }
+        Some(UntilKind::Provider) => {
+            qb.push(" AND park_until_provider IS NOT NULL");
+        }
+        Some(UntilKind::Never) => {
+            qb.push(
+                " AND state = 'parked' AND park_until_at IS NULL AND park_until_provider IS NULL",
+            );
+        }
+        None => {}
     }
     if let Some(prefix) = &f.key_prefix {
         // A range on a byte-ordered column: uses the index, unlike LIKE.

@@ -37,6 +37,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     7 "0007_attempt_requests" "attempt_requests",
     8 "0008_step_versions" "step_versions",
     9 "0009_step_confirmations" "step_confirmations",
+    10 "0010_park_until" "park_until",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -48,6 +49,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     7 "0007_attempt_requests" "attempt_requests",
     8 "0008_step_versions" "step_versions",
     9 "0009_step_confirmations" "step_confirmations",
+    10 "0010_park_until" "park_until",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

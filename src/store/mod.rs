@@ -131,6 +131,9 @@ pub struct RecordFilter {
     pub error_code: Option<String>,
     /// Prefix of the external key.
     pub key_prefix: Option<String>,
+    /// Parked records by their resume condition (`Never`: parked with
+    /// none, waiting for a human).
+    pub until: Option<crate::domain::park::UntilKind>,
     /// Only records with an id below this (the previous page's `next`).
     pub before: Option<i64>,
     pub limit: u32,
@@ -254,6 +257,8 @@ pub struct Commit {
     pub callbacks_done: Vec<i64>,
     /// Confirmations to schedule for steps that succeeded (`confirm`).
     pub confirms: Vec<crate::domain::confirm::Pending>,
+    /// For a `Parked` result: when the record resumes by itself.
+    pub park_until: Option<crate::domain::park::ParkUntil>,
 }
 
 impl Commit {
@@ -272,6 +277,7 @@ impl Commit {
             attempts: Vec::new(),
             callbacks_done: Vec::new(),
             confirms: Vec::new(),
+            park_until: None,
         }
     }
 }
@@ -335,6 +341,20 @@ pub struct ActionRequest {
     /// For `ReplayFrom`: the chosen step followed by every step downstream of
     /// it (the caller knows the pipeline graph). Ignored otherwise.
     pub steps: Vec<String>,
+    /// For `Park`: when the record resumes by itself (`None`: a human
+    /// decides). Refused with any other action.
+    pub until: Option<crate::domain::park::ParkUntil>,
+}
+
+/// Parked records whose condition holds, to resume (as the system).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResumeDue {
+    pub now: UnixMs,
+    /// At most this many records parked until a time.
+    pub limit: u32,
+    /// Providers taking calls again, each with how many of the records
+    /// waiting for it may resume now.
+    pub providers: Vec<(String, u32)>,
 }
 
 /// An event that is not a record transition (provider paused, user added…).
@@ -517,6 +537,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<Vec<StoreResult<Record>>>> + Send;
     /// An operator action through the transition table, audited.
     fn act(&self, req: &ActionRequest) -> impl Future<Output = StoreResult<Record>> + Send;
+    /// Resumes parked records whose condition holds: a time come, or a
+    /// provider named in `req.providers` (oldest parked first, up to its
+    /// count). Each is audited as a `resume` by `system` naming the
+    /// condition. A record acted on meanwhile (no longer parked, or parked
+    /// on another condition) is left alone. Returns those resumed.
+    fn resume_parked(
+        &self,
+        req: &ResumeDue,
+    ) -> impl Future<Output = StoreResult<Vec<Record>>> + Send;
 
     // --- callbacks -----------------------------------------------------
     /// Stores a delivery (and takes its delivery id: a repeated id is
@@ -908,6 +937,7 @@ forward! {
     fn commit(&self, commit: &Commit) -> Record;
     fn commit_many(&self, commits: &[Commit]) -> Vec<StoreResult<Record>>;
     fn act(&self, req: &ActionRequest) -> Record;
+    fn resume_parked(&self, req: &ResumeDue) -> Vec<Record>;
     fn record_callback(&self, cb: &NewCallback) -> Option<CallbackMatch>;
     fn pending_callbacks(&self, provider: &str, job_id: &str) -> Vec<PendingCallback>;
     fn mark_callbacks(&self, ids: &[i64], now: UnixMs) -> ();

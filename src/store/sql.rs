@@ -12,8 +12,9 @@ use super::backend::{BindJson, SqlDb};
 use super::batch;
 use super::counts::CountDeltas;
 use super::rows::{MapRow, RECORD_COLUMNS, map_all};
-use super::{Created, EventRow, NewRecord, StoreError, StoreResult};
-use crate::domain::{Event, Record, RecordState, Trigger, UnixMs, transition};
+use super::{ActionRequest, Created, EventRow, NewRecord, StoreError, StoreResult};
+use crate::domain::park::ParkUntil;
+use crate::domain::{Event, OperatorAction, Record, RecordState, Trigger, UnixMs, transition};
 
 /// A write transaction.
 pub(crate) type Tx<DB> = Transaction<'static, DB>;
@@ -314,7 +315,8 @@ where
              UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
                lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
                provider = v.provider, error_code = v.error_code, reason = v.reason, \
-               updated_at = v.updated_at, finished_at = v.finished_at \
+               updated_at = v.updated_at, finished_at = v.finished_at, \
+               park_until_at = v.park_until_at, park_until_provider = v.park_until_provider \
              FROM v WHERE records.id = v.id{}",
                 batch::select_as(batch::RECORD_UPDATE_COLS, DB::DIALECT),
                 DB::DIALECT.rows(),
@@ -501,7 +503,7 @@ where
                 record_id: Some(c.record.id),
                 at: now,
                 kind: "created",
-                actor: "system",
+                actor: crate::domain::SYSTEM_ACTOR,
                 audit: false,
                 from: None,
                 to: Some(RecordState::Pending),
@@ -537,13 +539,142 @@ where
         Ok(done)
     }
 
+    /// An action on a record locked in `tx`, through the transition
+    /// table: an operator's (`act`), or the system's resume of a record
+    /// whose condition held (`resume_parked`, `condition` naming it). Its
+    /// step changes, its audited event, its counters; the caller commits.
+    pub(crate) async fn act_locked(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        rec: &Record,
+        req: &ActionRequest,
+        condition: Option<&ParkUntil>,
+    ) -> StoreResult<Record> {
+        if let Some(until) = &req.until {
+            if req.action != OperatorAction::Park {
+                return Err(StoreError::Invalid(format!(
+                    "only parking takes a condition, not {}",
+                    req.action
+                )));
+            }
+            crate::domain::park::check(until, req.now).map_err(StoreError::Invalid)?;
+        }
+        let to = transition(rec.state, Trigger::Operator(req.action))?;
+        match req.action {
+            OperatorAction::Retry => {
+                // A fresh attempt budget (and deadline) for every
+                // step that has not finished; a submitted job keeps
+                // its id, so it is polled, not paid for again.
+                sqlx::query(
+                    "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
+                     error_code = NULL, reason = NULL, updated_at = $1, \
+                     state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
+                     WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",
+                )
+                .bind(req.now)
+                .bind(rec.id)
+                .execute(&mut **tx)
+                .await?;
+                // A result its provider reversed is not kept by a retry:
+                // its step runs again, a new version, and so do the steps
+                // after it that the engine names in `steps` (read here,
+                // under the record's lock: `steps` counts only when a step
+                // is reversed, and never leaves one out).
+                let mut reversed: Vec<String> = sqlx::query_scalar(
+                    "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
+                     AND error_code = $2 ORDER BY step",
+                )
+                .bind(rec.id)
+                .bind(crate::domain::REVERSED)
+                .fetch_all(&mut **tx)
+                .await?;
+                if !reversed.is_empty() && !req.steps.is_empty() {
+                    let missing: Vec<String> = reversed
+                        .iter()
+                        .filter(|r| !req.steps.contains(r))
+                        .cloned()
+                        .collect();
+                    reversed = req.steps.iter().cloned().chain(missing).collect();
+                }
+                let cause = format!("retry by {}", req.actor);
+                Self::rerun_steps(tx, installation, rec.id, &reversed, req.now, &cause).await?;
+            }
+            OperatorAction::ReplayFrom => {
+                let cause = format!("replay by {}", req.actor);
+                Self::rerun_steps(tx, installation, rec.id, &req.steps, req.now, &cause).await?;
+            }
+            // A resume accepts a reversed result: it is no longer marked
+            // for a retry to run again.
+            OperatorAction::Resume => {
+                sqlx::query(
+                    "UPDATE step_runs SET error_code = NULL, updated_at = $1 \
+                     WHERE record_id = $2 AND state = 'succeeded' AND error_code = $3",
+                )
+                .bind(req.now)
+                .bind(rec.id)
+                .bind(crate::domain::REVERSED)
+                .execute(&mut **tx)
+                .await?;
+            }
+            OperatorAction::Park | OperatorAction::Cancel => {}
+        }
+        let next = to.is_scheduled().then_some(req.now);
+        let detail = match (req.action, &req.until) {
+            (OperatorAction::ReplayFrom, _) => Some(serde_json::json!({ "steps": req.steps })),
+            (OperatorAction::Retry, _) if !req.steps.is_empty() => {
+                Some(serde_json::json!({ "steps": req.steps }))
+            }
+            (OperatorAction::Park, Some(until)) => Some(until.detail()),
+            (OperatorAction::Resume, _) => condition.map(ParkUntil::detail),
+            _ => None,
+        };
+        // Parking and cancelling keep the last error code for
+        // filtering; moving on clears it.
+        let error_code = match to {
+            RecordState::Parked | RecordState::Cancelled => rec.error_code.clone(),
+            _ => None,
+        };
+        let event = EventRow {
+            record_id: Some(rec.id),
+            at: req.now,
+            kind: req.action.as_str(),
+            actor: &req.actor,
+            audit: true,
+            from: Some(rec.state),
+            to: Some(to),
+            step: (req.action == OperatorAction::ReplayFrom)
+                .then(|| req.steps.first().map(String::as_str))
+                .flatten(),
+            reason: req.reason.as_deref(),
+            detail: detail.as_ref(),
+        };
+        let mut deltas = CountDeltas::default();
+        let until = req.until.as_ref().filter(|_| to == RecordState::Parked);
+        let moved = Self::move_record(
+            tx,
+            rec,
+            (to, until),
+            next,
+            req.now,
+            event,
+            error_code.as_deref(),
+            &mut deltas,
+        )
+        .await?;
+        Self::apply_counts(tx, &deltas).await?;
+        if next.is_some() {
+            DB::notify_work(tx).await?;
+        }
+        Ok(moved)
+    }
+
     /// Moves one record whose row the transaction holds and writes
     /// the event; the caller applies `deltas`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn move_record(
         tx: &mut Tx<DB>,
         rec: &Record,
-        to: RecordState,
+        (to, until): (RecordState, Option<&ParkUntil>),
         next_run_at: Option<UnixMs>,
         now: UnixMs,
         event: EventRow<'_>,
@@ -551,9 +682,11 @@ where
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
         let finished_at = if to.is_terminal() { Some(now) } else { None };
+        let (until_at, until_provider) = ParkUntil::columns(until);
         let sql = format!(
             "UPDATE records SET state = $1, next_run_at = $2, lease_owner = NULL, lease_until = NULL, \
-             error_code = $3, reason = $4, step = COALESCE($5, step), updated_at = $6, finished_at = $7 \
+             error_code = $3, reason = $4, step = COALESCE($5, step), updated_at = $6, finished_at = $7, \
+             park_until_at = $9, park_until_provider = $10 \
              WHERE id = $8 RETURNING {RECORD_COLUMNS}"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -565,6 +698,8 @@ where
             .bind(now)
             .bind(finished_at)
             .bind(rec.id)
+            .bind(until_at)
+            .bind(until_provider.map(str::to_owned))
             .fetch_one(&mut **tx)
             .await?;
         Self::insert_event(tx, &event).await?;

@@ -187,6 +187,8 @@ struct ActBody {
     action: String,
     reason: Option<String>,
     step: Option<String>,
+    /// For `park`: `never`, `provider`, a duration (`2h`) or a UTC time.
+    until: Option<String>,
 }
 
 async fn act(
@@ -199,7 +201,14 @@ async fn act(
     let reason = body.reason.filter(|r| !r.trim().is_empty());
     let record = state
         .ops()
-        .act(id, action, &caller.actor, reason, body.step.as_deref())
+        .act(
+            id,
+            action,
+            &caller.actor,
+            reason,
+            body.step.as_deref(),
+            body.until.as_deref(),
+        )
         .await?;
     Ok(Json(json!({ "record": record })))
 }

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use crate::domain::RecordState;
+use crate::domain::park::UntilKind;
 use crate::store::{MAX_PAGE, RecordFilter};
 use crate::web::error::{WebError, WebResult};
 
@@ -18,6 +19,8 @@ pub struct ListQuery {
     pub error_code: Option<String>,
     /// External key prefix.
     pub q: Option<String>,
+    /// Parked records by resume condition: `time`, `provider`, `never`.
+    pub until: Option<String>,
     pub before: Option<i64>,
     pub limit: Option<u32>,
 }
@@ -38,6 +41,15 @@ impl ListQuery {
             ),
             None => None,
         };
+        let until = match non_empty(&self.until) {
+            Some(u) => Some(UntilKind::parse(&u).ok_or_else(|| {
+                WebError::bad(
+                    "bad_filter",
+                    format!("unknown resume condition `{u}` (time, provider or never)"),
+                )
+            })?),
+            None => None,
+        };
         Ok(RecordFilter {
             pipeline: non_empty(&self.pipeline),
             state,
@@ -45,6 +57,7 @@ impl ListQuery {
             step: non_empty(&self.step),
             error_code: non_empty(&self.error_code),
             key_prefix: non_empty(&self.q),
+            until,
             before: self.before,
             limit: self.limit.unwrap_or(50).min(MAX_PAGE),
         })
@@ -60,6 +73,7 @@ impl ListQuery {
             ("step", &self.step),
             ("error_code", &self.error_code),
             ("q", &self.q),
+            ("until", &self.until),
         ] {
             if let Some(v) = non_empty(v) {
                 s.append_pair(k, &v);

@@ -220,6 +220,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             reason: Some("attempts exhausted: provider kept answering 503".into()),
             now,
             steps: Vec::new(),
+            until: None,
         })
         .await
         .unwrap();
@@ -371,6 +372,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             reason: None,
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
+            until: None,
         })
         .await
         .unwrap();
@@ -750,9 +752,131 @@ async fn two_versions(app: &WebApp) -> i64 {
                 reason: Some("enrichment changed".into()),
                 now: later,
                 steps: vec!["enrich".into()],
+                until: None,
             };
             app.t.db.act(&replay).await.unwrap();
         }
     }
     id
+}
+
+/// Issue 19 item 7 in the browser: records parked while their provider's
+/// breaker is open show what they wait for and are found by that filter;
+/// an operator parks another until a time through the form; once the
+/// provider recovers, the records resume by themselves and the record page
+/// tells it: a `resume` by `system` naming the condition, then success.
+/// (The work is done by an engine on a clock the test moves, beside the
+/// app, on the same database.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_record_resumes_by_itself_when_its_provider_recovers() {
+    use ballast::domain::Clock;
+    use ballast::sim::{Profile, SimHandle};
+    let Some(d) = driver("browser_resume").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "browser_resume", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let sim = SimHandle::spawn(Profile::clean(5)).await.unwrap();
+    let text = crate::engine::single_step_toml(
+        &sim.base_url(),
+        r#"on_outage = "park_until_healthy"
+retry = { max_attempts = 100, base = "10ms", cap = "50ms", deadline = "10m", budget = 1.0, budget_floor = 1000.0 }
+breaker = { window = 10, min_calls = 4, failure_rate = 0.5, open_for = "1s", probes = 1 }"#,
+    );
+    let config =
+        ballast::config::Config::parse(&text, std::path::Path::new("resume.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let config = std::sync::Arc::new(config);
+    let (engine, clock) = crate::engine::manual_engine(&app.t.db, config, "br").await;
+    crate::engine::enqueue_n(&engine, "pay", 6).await;
+    sim.outage(600_000, 1.0);
+    for _ in 0..10 {
+        crate::engine::drain(&engine).await;
+        clock.advance(50);
+    }
+    let waiting = app
+        .t
+        .db
+        .list_records(&ballast::store::RecordFilter {
+            until: Some(ballast::domain::park::UntilKind::Provider),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(waiting.len(), 6, "every record waits for its provider");
+    let watched = waiting[0].id;
+    let by_hand = app.record("lead-later").await;
+
+    login(c, &app, "admin").await;
+    // The records page filters parked records by what they wait for.
+    c.goto(&app.url("/records?until=provider")).await.unwrap();
+    wait_text(c, "#records-list", "until provider `sim` is healthy").await;
+    let rows = c
+        .find_all(Locator::Css("#records-list tbody tr"))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 6);
+    shot(c, "records-parked-until-provider").await;
+
+    // An operator parks another record until a time, through the form.
+    c.goto(&app.url(&format!("/records/{by_hand}")))
+        .await
+        .unwrap();
+    let parked_by_hand = c
+        .execute(
+            "const f = document.querySelector('button[data-action=park]').form;
+             f.querySelector('input[name=reason]').value = 'wait for the morning batch';
+             f.querySelector('select[name=until]').value = 'time';
+             f.querySelector('input[name=until_time]').value = '2030-01-02T09:00';
+             f.querySelector('button[data-action=park]').click();
+             return true;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(parked_by_hand, json!(true));
+    wait_text(c, "#record-until", "until 2030-01-02T09:00:00.000Z").await;
+
+    // The watched record says what it waits for.
+    c.goto(&app.url(&format!("/records/{watched}")))
+        .await
+        .unwrap();
+    wait_text(c, "#record-until", "until provider `sim` is healthy").await;
+    assert!(text_of(c, ".facts").await.contains("provider_outage"));
+    shot(c, "record-parked-until-provider").await;
+
+    // The provider recovers: past its breaker's open interval one record
+    // resumes to probe, then the rest, each by itself.
+    sim.outage(0, 1.0);
+    for _ in 0..200 {
+        engine.resume_due(clock.now_ms()).await.unwrap();
+        crate::engine::drain(&engine).await;
+        let done = app.t.db.get_record(watched).await.unwrap().unwrap();
+        if done.state == ballast::domain::RecordState::Succeeded {
+            break;
+        }
+        clock.advance(50);
+    }
+    c.goto(&app.url(&format!("/records/{watched}")))
+        .await
+        .unwrap();
+    wait_text(c, "#timeline", "takes calls again").await;
+    let timeline = text_of(c, "#timeline").await;
+    assert!(timeline.contains("system"), "{timeline}");
+    assert_eq!(text_of(c, "#record-state").await, "succeeded");
+    assert!(
+        c.find(Locator::Css("#record-until")).await.is_err(),
+        "no condition once resumed"
+    );
+    shot(c, "record-resumed-by-itself").await;
+    // The record parked by hand still waits for its time.
+    let later = app.t.db.get_record(by_hand).await.unwrap().unwrap();
+    assert_eq!(later.state, ballast::domain::RecordState::Parked);
+    sim.stop();
+    d.client.clone().close().await.unwrap();
 }

@@ -340,7 +340,7 @@ outputs = {{ id = "/id" }}
     )
 }
 
-async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
+pub(crate) async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
     for i in 0..n {
         engine
             .enqueue(pipeline, Some(&format!("k-{i}")), json!({}))
@@ -361,7 +361,11 @@ pub fn run_in_background(engine: &Engine) -> (CancellationToken, tokio::task::Jo
 
 /// An engine on a clock that moves only when the test moves it, starting
 /// at the wall clock's now (so stored times read sensibly).
-async fn manual_engine(db: &Db, config: Arc<Config>, node: &str) -> (Engine, ManualClock) {
+pub(crate) async fn manual_engine(
+    db: &Db,
+    config: Arc<Config>,
+    node: &str,
+) -> (Engine, ManualClock) {
     let clock = ManualClock::new(crate::helpers::wall_ms());
     let engine = Engine::with_clock(db.clone(), config, options(node), Arc::new(clock.clone()))
         .await
@@ -371,7 +375,7 @@ async fn manual_engine(db: &Db, config: Arc<Config>, node: &str) -> (Engine, Man
 
 /// Runs every record due at the clock's current time, batch by batch,
 /// until none is; returns how many passes ran.
-async fn drain(engine: &Engine) -> usize {
+pub(crate) async fn drain(engine: &Engine) -> usize {
     let mut passes = 0;
     for _ in 0..10_000 {
         // A pass that waits on the stopped clock would wait forever: a
@@ -475,6 +479,176 @@ async fn sqlite_breaker_protects_a_failing_provider() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_breaker_protects_a_failing_provider() {
     breaker_protects_a_failing_provider(Backend::Postgres).await;
+}
+
+/// `on_outage = "park_until_healthy"`: while the provider's breaker is
+/// open, records park (no attempt spent) until it takes calls again; then
+/// they resume by themselves, each audited as resumed by the system with
+/// its condition named, a few first to make the probes. A record an
+/// operator acted on meanwhile is left as the operator left it.
+async fn records_parked_for_an_outage_resume_by_themselves(backend: Backend) {
+    use ballast::domain::park::{ParkUntil, UntilKind};
+    let Some(t) = TestDb::migrated(backend, "outage_park").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(3)).await.unwrap();
+    let config = single_step(
+        &sim.base_url(),
+        r#"concurrency = 4
+on_outage = "park_until_healthy"
+retry = { max_attempts = 1000, base = "10ms", cap = "50ms", deadline = "10m", budget = 1.0, budget_floor = 1000.0 }
+breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", probes = 2 }"#,
+    );
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "o1").await;
+    enqueue_n(&engine, "pay", 30).await;
+    let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
+    // A record that has not called its provider cannot wait for it.
+    let k0 =
+        t.db.list_records(&RecordFilter {
+            limit: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|r| r.external_key.as_deref() == Some("k-0"))
+        .unwrap();
+    let refused = ops
+        .act(
+            k0.id,
+            ballast::domain::OperatorAction::Park,
+            "olga",
+            Some("hold".into()),
+            None,
+            Some("provider"),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("not called a provider"),
+        "{refused}"
+    );
+    sim.outage(60_000, 1.0);
+    // 750 ms of clock time: the breaker opens at once and stays open 1 s.
+    for _ in 0..15 {
+        drain(&engine).await;
+        clock.advance(50);
+    }
+    let calls = sim.stats().requests;
+    let parked =
+        t.db.list_records(&RecordFilter {
+            until: Some(UntilKind::Provider),
+            limit: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items;
+    let counts = t.db.state_counts().await.unwrap();
+    println!(
+        "{} outage: {calls} calls, {} records parked until the provider is healthy: {counts:?}",
+        backend.as_str(),
+        parked.len()
+    );
+    assert!(calls <= 10 + 4 + 4, "the breaker let {calls} calls through");
+    assert_eq!(
+        parked.len(),
+        30,
+        "every record waits for its provider: {counts:?}"
+    );
+    let sim_until = ParkUntil::Provider {
+        provider: "sim".into(),
+    };
+    for r in &parked {
+        assert_eq!(r.state, RecordState::Parked);
+        assert_eq!(r.park_until.as_ref(), Some(&sim_until));
+        assert_eq!(r.error_code.as_deref(), Some("provider_outage"));
+    }
+    // No attempt was spent by parking: the attempts made are the calls.
+    let mut attempts = 0;
+    for r in &parked {
+        attempts += t.db.attempts(r.id).await.unwrap().len();
+    }
+    assert_eq!(attempts as u64, calls);
+    // Still open: nothing resumes.
+    assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
+    // An operator cancels one meanwhile; the others wait on.
+    let cancelled = parked[0].id;
+    ops.act(
+        cancelled,
+        ballast::domain::OperatorAction::Cancel,
+        "olga",
+        Some("not needed".into()),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    // The provider recovers. Past the open interval a few resume to probe;
+    // once the probes close the breaker, the rest follow.
+    sim.outage(0, 1.0);
+    let mut first_round = None;
+    for _ in 0..400 {
+        let n = engine.resume_due(clock.now_ms()).await.unwrap();
+        if n > 0 && first_round.is_none() {
+            first_round = Some(n);
+        }
+        drain(&engine).await;
+        let done = t.db.state_counts().await.unwrap();
+        if done
+            .iter()
+            .filter(|c| c.state == RecordState::Succeeded)
+            .map(|c| c.count)
+            .sum::<i64>()
+            == 29
+        {
+            break;
+        }
+        clock.advance(50);
+    }
+    assert_eq!(first_round, Some(2), "the first to resume are the probes");
+    let counts = t.db.state_counts().await.unwrap();
+    assert_eq!(
+        counts
+            .iter()
+            .map(|c| (c.state, c.count))
+            .collect::<HashMap<_, _>>(),
+        HashMap::from([(RecordState::Succeeded, 29), (RecordState::Cancelled, 1)]),
+        "every record but the cancelled one resumed and succeeded"
+    );
+    for r in &parked {
+        let events = t.db.record_events(r.id).await.unwrap();
+        let resumes: Vec<_> = events.iter().filter(|e| e.kind == "resume").collect();
+        if r.id == cancelled {
+            assert!(resumes.is_empty(), "a cancelled record is not resumed");
+            continue;
+        }
+        let e = resumes.first().expect("resumed by the system");
+        assert_eq!((e.actor.as_str(), e.audit), ("system", true));
+        assert!(
+            e.reason
+                .as_deref()
+                .unwrap_or("")
+                .contains("provider `sim` takes calls again"),
+            "{e:?}"
+        );
+        let named = e.detail.as_ref().and_then(|d| d.get("condition"));
+        assert_eq!(named, Some(&json!("until provider `sim` is healthy")));
+        let after = t.db.get_record(r.id).await.unwrap().unwrap();
+        assert_eq!(after.park_until, None, "no condition once resumed");
+    }
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_records_parked_for_an_outage_resume_by_themselves() {
+    records_parked_for_an_outage_resume_by_themselves(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_records_parked_for_an_outage_resume_by_themselves() {
+    records_parked_for_an_outage_resume_by_themselves(Backend::Postgres).await;
 }
 
 async fn retry_storm_stays_within_budget(backend: Backend) {
@@ -3098,6 +3272,7 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
             ballast::domain::OperatorAction::Retry,
             "olga",
             Some("re-render".into()),
+            None,
             None,
         )
         .await

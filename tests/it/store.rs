@@ -1,7 +1,7 @@
 //! The store conformance suite: every test runs against SQLite
 //! (`store::sqlite::*`) and PostgreSQL (`store::postgres::*`).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use ballast::domain::breaker::SharedOp;
@@ -50,6 +50,7 @@ conformance!(
     release_gives_work_back_without_spending_attempts,
     extend_leases_reports_what_is_held,
     operator_actions_follow_the_table_and_are_audited,
+    parked_records_resume_when_their_condition_holds,
     counters_match_a_recount_after_random_operations,
     list_filters_and_keyset_pagination,
     users_and_sessions,
@@ -728,6 +729,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         reason: Some("done".into()),
         now: T0,
         steps: Vec::new(),
+        until: None,
     })
     .await
     .unwrap();
@@ -1201,7 +1203,181 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         reason: Some(format!("{a} by test")),
         now,
         steps: Vec::new(),
+        until: None,
     }
+}
+
+/// Parked until a time, until a provider is healthy, or for a human:
+/// filtered by condition; resumed by the system only when the condition
+/// holds and only if no one acted first; counters kept right.
+async fn parked_records_resume_when_their_condition_holds(db: &Db) {
+    use ballast::domain::park::{ParkUntil, UntilKind};
+    use ballast::store::ResumeDue;
+    let mut ids = HashMap::new();
+    for k in ["time", "later", "provider", "other", "never"] {
+        let r = db
+            .create_record(new_record("p", Some(k), T0), T0)
+            .await
+            .unwrap()
+            .record;
+        ids.insert(k, r.id);
+    }
+    let park = |k: &str, until: Option<ParkUntil>| ActionRequest {
+        until,
+        ..action(ids[k], OperatorAction::Park, T0 + 1)
+    };
+    let at = |t: i64| Some(ParkUntil::Time { at: t });
+    let provider = |p: &str| Some(ParkUntil::Provider { provider: p.into() });
+    // A time already past, and a condition on anything but a park, are
+    // refused with nothing changed.
+    let past = db.act(&park("time", at(T0))).await.unwrap_err();
+    assert_eq!(past.code(), "invalid_request", "{past}");
+    assert!(past.to_string().contains("already passed"), "{past}");
+    let not_park = ActionRequest {
+        until: at(T0 + 100),
+        ..action(ids["time"], OperatorAction::Cancel, T0 + 1)
+    };
+    assert_eq!(
+        db.act(&not_park).await.unwrap_err().code(),
+        "invalid_request"
+    );
+    assert_eq!(
+        db.get_record(ids["time"]).await.unwrap().unwrap().state,
+        RecordState::Pending
+    );
+    let p1 = db.act(&park("time", at(T0 + 100))).await.unwrap();
+    assert_eq!(
+        (p1.state, p1.park_until.clone()),
+        (RecordState::Parked, at(T0 + 100))
+    );
+    db.act(&park("later", at(T0 + 500))).await.unwrap();
+    db.act(&park("provider", provider("acme"))).await.unwrap();
+    db.act(&park("other", provider("zeta"))).await.unwrap();
+    db.act(&park("never", None)).await.unwrap();
+    // The audit entry names the condition.
+    let parked_event = db
+        .record_events(ids["provider"])
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(parked_event.kind, "park");
+    assert_eq!(
+        parked_event
+            .detail
+            .as_ref()
+            .and_then(|d| d.get("condition")),
+        Some(&json!("until provider `acme` is healthy"))
+    );
+
+    // The list filters parked records by condition.
+    let keys = |until: UntilKind| async move {
+        let f = RecordFilter {
+            until: Some(until),
+            limit: 50,
+            ..Default::default()
+        };
+        let mut k: Vec<String> = db
+            .list_records(&f)
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|r| r.external_key.unwrap())
+            .collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(UntilKind::Time).await, ["later", "time"]);
+    assert_eq!(keys(UntilKind::Provider).await, ["other", "provider"]);
+    assert_eq!(keys(UntilKind::Never).await, ["never"]);
+
+    // Nothing holds yet.
+    let none = ResumeDue {
+        now: T0 + 99,
+        limit: 10,
+        providers: Vec::new(),
+    };
+    assert!(db.resume_parked(&none).await.unwrap().is_empty());
+    // The time comes for one; one provider is healthy again.
+    let due = ResumeDue {
+        now: T0 + 100,
+        limit: 10,
+        providers: vec![("acme".into(), 5)],
+    };
+    let mut resumed: Vec<i64> = db
+        .resume_parked(&due)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    resumed.sort_unstable();
+    let mut want = vec![ids["time"], ids["provider"]];
+    want.sort_unstable();
+    assert_eq!(resumed, want);
+    for k in ["time", "provider"] {
+        let r = db.get_record(ids[k]).await.unwrap().unwrap();
+        assert_eq!(
+            (r.state, r.next_run_at, r.park_until),
+            (RecordState::Pending, Some(T0 + 100), None)
+        );
+        let e = db.record_events(ids[k]).await.unwrap().pop().unwrap();
+        assert_eq!(
+            (e.kind.as_str(), e.actor.as_str(), e.audit),
+            ("resume", "system", true)
+        );
+        assert!(e.detail.as_ref().and_then(|d| d.get("condition")).is_some());
+    }
+    // Asked again, nothing more: each record resumes once.
+    assert!(db.resume_parked(&due).await.unwrap().is_empty());
+
+    // An operator acts first: resumed by hand, then its time comes.
+    db.act(&action(ids["later"], OperatorAction::Resume, T0 + 200))
+        .await
+        .unwrap();
+    let later = ResumeDue {
+        now: T0 + 600,
+        limit: 10,
+        providers: vec![("zeta".into(), 0)],
+    };
+    assert!(
+        db.resume_parked(&later).await.unwrap().is_empty(),
+        "a record resumed by hand is not resumed again; a provider's zero share resumes none"
+    );
+    // Parked again with a new condition: the last one set counts.
+    db.act(&park("other", at(T0 + 700))).await.unwrap();
+    let other = db.get_record(ids["other"]).await.unwrap().unwrap();
+    assert_eq!(other.park_until, at(T0 + 700));
+    let zeta = ResumeDue {
+        now: T0 + 600,
+        limit: 10,
+        providers: vec![("zeta".into(), 5)],
+    };
+    assert!(db.resume_parked(&zeta).await.unwrap().is_empty());
+    // Parked with no condition: the system never resumes it.
+    let all = ResumeDue {
+        now: i64::MAX / 2,
+        limit: 10,
+        providers: vec![("acme".into(), 5), ("zeta".into(), 5)],
+    };
+    let last: Vec<i64> = db
+        .resume_parked(&all)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(last, [ids["other"]]);
+    assert_eq!(
+        db.get_record(ids["never"]).await.unwrap().unwrap().state,
+        RecordState::Parked
+    );
+    let mut counted = db.state_counts().await.unwrap();
+    let mut scanned = db.recount_states().await.unwrap();
+    counted.sort_by_key(|c| (c.pipeline.clone(), c.state));
+    scanned.sort_by_key(|c| (c.pipeline.clone(), c.state));
+    assert_eq!(counted, scanned);
 }
 
 async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
@@ -1210,6 +1386,23 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
         .await
         .unwrap()
         .record;
+    // Refused: not allowed in this state, and nothing changes.
+    let err = db
+        .act(&action(rec.id, OperatorAction::Resume, T0))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Transition(TransitionError::NotAllowed { .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(err.code(), "transition_not_allowed");
+    assert_eq!(
+        db.get_record(rec.id).await.unwrap().unwrap().state,
+        RecordState::Pending
+    );
     let parked = db
         .act(&action(rec.id, OperatorAction::Park, T0 + 1))
         .await
@@ -1226,22 +1419,14 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
             .unwrap()
             .is_empty()
     );
-    // Refused: not allowed in this state, and nothing changes.
-    let err = db
+    // Parking a parked record again keeps it parked, with the new reason.
+    let again = db
         .act(&action(rec.id, OperatorAction::Park, T0 + 2))
         .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            StoreError::Transition(TransitionError::NotAllowed { .. })
-        ),
-        "{err}"
-    );
-    assert_eq!(err.code(), "transition_not_allowed");
+        .unwrap();
     assert_eq!(
-        db.get_record(rec.id).await.unwrap().unwrap().state,
-        RecordState::Parked
+        (again.state, again.next_run_at, again.updated_at),
+        (RecordState::Parked, None, T0 + 2)
     );
 
     // Retry gives the step a fresh attempt budget; a submitted job keeps its id.
@@ -1352,7 +1537,10 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
         .await
         .unwrap();
     let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
-    assert_eq!(kinds, vec!["cancel", "replay", "retry", "resume", "park"]);
+    assert_eq!(
+        kinds,
+        vec!["cancel", "replay", "retry", "resume", "park", "park"]
+    );
     assert!(audit.items.iter().all(|e| e.audit && e.actor == "alice"));
     assert_eq!(
         audit.items[1].detail,
@@ -1392,7 +1580,7 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
         })
         .await
         .unwrap();
-    assert_eq!(rest.items.len(), 3);
+    assert_eq!(rest.items.len(), 4);
     assert_counts_consistent(db).await;
 }
 

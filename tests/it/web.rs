@@ -244,6 +244,7 @@ impl WebApp {
             reason: Some("setup".into()),
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
+            until: None,
         };
         self.t.db.act(&req).await.unwrap();
     }
@@ -1017,6 +1018,7 @@ async fn provider_data_renders_as_inert_text() {
             reason: Some(payload.into()),
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
+            until: None,
         };
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;

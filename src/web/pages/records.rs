@@ -40,6 +40,9 @@ pub struct RecordRow {
     pub error_code: String,
     pub reason: String,
     pub updated: String,
+    /// For a parked record: when it resumes by itself, or that a human
+    /// decides; empty otherwise.
+    pub until: String,
 }
 
 impl From<&Record> for RecordRow {
@@ -55,6 +58,11 @@ impl From<&Record> for RecordRow {
             error_code: r.error_code.clone().unwrap_or_default(),
             reason: crate::domain::excerpt(r.reason.as_deref().unwrap_or(""), 160).to_owned(),
             updated: when(r.updated_at),
+            until: match (&r.park_until, r.state) {
+                (Some(u), _) => u.to_string(),
+                (None, crate::domain::RecordState::Parked) => "never: a human decides".into(),
+                (None, _) => String::new(),
+            },
         }
     }
 }
@@ -68,6 +76,7 @@ struct RecordsPage {
     pipelines: Vec<String>,
     providers: Vec<String>,
     states: Vec<&'static str>,
+    untils: Vec<&'static str>,
     rows: Vec<RecordRow>,
     next: Option<i64>,
     /// The search stopped at its budget before filling the page.
@@ -100,6 +109,10 @@ async fn list(
         pipelines: state.config.pipelines.keys().cloned().collect(),
         providers: state.config.providers.keys().cloned().collect(),
         states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
+        untils: crate::domain::park::UntilKind::ALL
+            .iter()
+            .map(|u| u.as_str())
+            .collect(),
         partial: page.next.is_some() && (page.items.len() as u32) < filter.limit.max(1),
         rows: page.items.iter().map(RecordRow::from).collect(),
         next: page.next,
@@ -443,6 +456,10 @@ struct ActForm {
     action: String,
     reason: Option<String>,
     step: Option<String>,
+    /// For `park`: `never`, `provider`, or `time` with `until_time`.
+    until: Option<String>,
+    /// A `datetime-local` value, read as UTC.
+    until_time: Option<String>,
 }
 
 async fn act(
@@ -455,9 +472,21 @@ async fn act(
     let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason);
     let step = non_empty(&form.step);
+    // The form's choice of condition; a time is typed beside it.
+    let until = match non_empty(&form.until).as_deref() {
+        Some("time") => Some(non_empty(&form.until_time).unwrap_or_else(|| "time".into())),
+        other => other.map(str::to_owned),
+    };
     state
         .ops()
-        .act(id, action, &caller.actor, reason, step.as_deref())
+        .act(
+            id,
+            action,
+            &caller.actor,
+            reason,
+            step.as_deref(),
+            until.as_deref(),
+        )
         .await?;
     if is_htmx(&headers) {
         let t = record_page(&state, &caller, id, &DiffQuery::default()).await?;
@@ -486,6 +515,7 @@ struct BulkForm {
     filter_step: Option<String>,
     error_code: Option<String>,
     q: Option<String>,
+    until: Option<String>,
 }
 
 impl BulkForm {
@@ -497,6 +527,7 @@ impl BulkForm {
             step: self.filter_step.clone(),
             error_code: self.error_code.clone(),
             q: self.q.clone(),
+            until: self.until.clone(),
             before: None,
             limit: None,
         }

@@ -1,0 +1,80 @@
+//! Parked records that resume by themselves: a background task on every
+//! node finds the parked records whose condition holds (a time come, or a
+//! provider taking calls again, as `domain::park` judges it from the
+//! cluster's view of the provider) and resumes them through the store,
+//! each audited as a `resume` by `system` naming the condition. Two nodes
+//! asking at once resume each record once (the store checks it again
+//! under its lock).
+
+use tokio_util::sync::CancellationToken;
+
+use super::Engine;
+use crate::domain::UnixMs;
+use crate::domain::park::{Ready, provider_ready};
+use crate::store::{ResumeDue, Store, StoreError};
+
+/// How often a node looks for records to resume.
+const EVERY_MS: i64 = 1_000;
+/// How many it resumes at once (parked until a time; and per provider).
+const BATCH: u32 = 200;
+
+impl Engine {
+    /// Resumes parked records whose condition holds, until `shutdown`.
+    pub(super) async fn resume_loop(self, shutdown: CancellationToken) {
+        let i = &self.inner;
+        loop {
+            let now = i.clock.now_ms();
+            let again = match self.resume_due(now).await {
+                Ok(n) => n >= BATCH as usize,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot resume parked records; retrying shortly");
+                    false
+                }
+            };
+            if again {
+                continue;
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = i.clock.sleep_until(now + EVERY_MS) => {}
+            }
+        }
+    }
+
+    /// Resumes the parked records whose condition holds at `now`: those
+    /// parked until a time now past, and those waiting for a configured
+    /// provider that takes calls again (all of them once its breaker is
+    /// closed; a few, to make its probes, while it is due to close).
+    /// Returns how many.
+    pub async fn resume_due(&self, now: UnixMs) -> Result<usize, StoreError> {
+        let i = &self.inner;
+        let states = i.db.provider_states().await?;
+        let mut providers = Vec::new();
+        for (name, rt) in &i.providers {
+            let probes = rt.breaker().policy().probes;
+            let state = states.iter().find(|s| &s.provider == name);
+            match provider_ready(state, probes, now) {
+                Ready::All => providers.push((name.clone(), BATCH)),
+                Ready::Few(n) => providers.push((name.clone(), n.min(BATCH))),
+                Ready::No => {}
+            }
+        }
+        let req = ResumeDue {
+            now,
+            limit: BATCH,
+            providers,
+        };
+        let resumed = i.db.resume_parked(&req).await?;
+        for r in &resumed {
+            tracing::info!(
+                record.id = r.id,
+                "parked record resumed: its condition held"
+            );
+        }
+        if !resumed.is_empty() {
+            metrics::counter!("ballast_records_resumed_total").increment(resumed.len() as u64);
+            i.wake.notify_one();
+        }
+        Ok(resumed.len())
+    }
+}
