@@ -66,21 +66,29 @@ pub struct StepConfig {
     pub outputs: BTreeMap<String, String>,
     #[serde(default = "defaults::on_reversal")]
     pub on_reversal: ReversalPolicy,
-    /// Ask the job again after it succeeded: `times` polls, `after` apart
-    /// (the first `after` the success); one that no longer says success is
-    /// a reversal (`on_reversal`). Not written into a pinned definition
-    /// when unset, so definitions without it keep their hash.
+    /// Ask the provider again after the step succeeded: `times` requests,
+    /// `after` apart (the first `after` the success); a reply that no
+    /// longer says success is a reversal (`on_reversal`). A job step asks
+    /// with its poll request unless `path` is given; a `request` step needs
+    /// `path` (a template that also sees `output`, the step's own output).
+    /// Not written into a pinned definition when unset, so definitions
+    /// without it keep their hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub confirm: Option<ConfirmConfig>,
 }
 
-/// `confirm = { after = "30s", times = 2 }`
-#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+/// `confirm = { after = "30s", times = 2 }`, and for a synchronous step
+/// `path = "/v1/charges/{{ output.id }}"` (`method` defaults to `GET`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfirmConfig {
     pub after: HumanDuration,
     #[serde(default = "defaults::confirm_times")]
     pub times: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 /// The call: method, path under the provider's base URL, headers and body,

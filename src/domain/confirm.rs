@@ -1,6 +1,8 @@
-//! Confirmations after success, decided purely: a job step with `confirm`
-//! polls its job again after it succeeded, and a reply that no longer says
-//! success is a reversal. What each reply means, and when to ask next.
+//! Confirmations after success, decided purely: a step with `confirm` asks
+//! the provider again after it succeeded (a job step by polling its job, a
+//! synchronous step with its own `confirm.path`), and a reply that no
+//! longer says success is a reversal. What each reply means, and when to
+//! ask next.
 
 use std::time::Duration;
 

@@ -242,6 +242,7 @@ mod tests {
                 outputs: Default::default(),
                 on_reversal: crate::domain::ReversalPolicy::Park,
                 confirm: None,
+                confirm_request: None,
             })
             .collect()
     }

@@ -118,9 +118,11 @@ pub struct Step {
     pub request: RequestSpec,
     pub outputs: BTreeMap<String, String>,
     pub on_reversal: ReversalPolicy,
-    /// Polls after success that must still say success (job steps with a
-    /// poll request only).
+    /// Requests after success that must still say success.
     pub confirm: Option<Confirm>,
+    /// The request a confirmation makes, when not the job's poll (a
+    /// synchronous step's, over `output` as well).
+    pub confirm_request: Option<RequestSpec>,
 }
 
 /// `confirm`: `times` polls after a success, `after` apart.
@@ -137,6 +139,13 @@ impl Step {
             StepKind::Request => None,
             StepKind::SubmitPoll { job_id, .. } | StepKind::Callback { job_id, .. } => Some(job_id),
         }
+    }
+
+    /// The request a confirmation makes: its own, or the job's poll.
+    pub fn confirm_request(&self) -> Option<&RequestSpec> {
+        self.confirm_request
+            .as_ref()
+            .or_else(|| self.poll().map(|p| &p.request))
     }
 
     /// The request that asks about a submitted job, if the step ever polls.

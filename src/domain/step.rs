@@ -754,6 +754,7 @@ mod tests {
                 .collect(),
             on_reversal: crate::domain::ReversalPolicy::Park,
             confirm: None,
+            confirm_request: None,
         }
     }
 

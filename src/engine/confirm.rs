@@ -81,7 +81,11 @@ impl Engine {
             .iter()
             .map(|r| (r.step.clone(), StepWrite::from(r)))
             .collect();
-        let ctx = step::context(&rec, &states);
+        let mut ctx = step::context(&rec, &states);
+        // A confirmation's own request also sees the step's output.
+        if let (Some(obj), Some(w)) = (ctx.as_object_mut(), states.get(&p.step)) {
+            obj.insert("output".into(), w.output.clone().unwrap_or(json!({})));
+        }
         let write = states
             .get(&p.step)
             .cloned()

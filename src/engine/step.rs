@@ -422,7 +422,10 @@ impl StepRun<'_> {
             Ok(g) => g,
             Err(out) => return later(out),
         };
-        let call = match self.build_call(rt, &plan, token.as_ref()) {
+        let Some(spec) = self.step.confirm_request() else {
+            return Asked::Broken("the step has no request to confirm with".into());
+        };
+        let call = match self.build_call_of(rt, spec, &plan, token.as_ref()) {
             Ok(c) => c,
             Err(e) => return Asked::Broken(e),
         };
@@ -864,6 +867,18 @@ impl StepRun<'_> {
             (Some(p), true) => &p.request,
             _ => &self.step.request,
         };
+        self.build_call_of(rt, spec, plan, token)
+    }
+
+    /// The call `spec` makes for this step (`build_call`'s choice, or a
+    /// confirmation's request).
+    fn build_call_of(
+        &self,
+        rt: &ProviderRuntime,
+        spec: &RequestSpec,
+        plan: &Planned,
+        token: Option<&Secret>,
+    ) -> Result<Call, String> {
         let mut ctx = self.ctx.clone();
         if let (Some(job), Some(obj)) = (&plan.write.job_id, ctx.as_object_mut()) {
             obj.insert("job_id".into(), json!(job));

@@ -220,17 +220,19 @@ fn compile_step(
         HttpMethod::parse(m)
             .ok_or_else(|| invalid(key(field), format!("unknown HTTP method `{m}`")))
     };
-    let mut tpl = |field: &str, source: &str, job_id: bool| {
+    let mut tpl_in = |field: &str, source: &str, job_id: bool, output: bool| {
         let id = format!("{pipeline}/{}/{field}", s.name);
         let scope = template::Scope {
             upstream: &up,
             job_id,
+            output,
         };
         templates
             .add(&id, source, &scope)
             .map_err(|e| invalid(key(field), e.to_string()))?;
         Ok::<_, ConfigError>(id)
     };
+    let mut tpl = |field: &str, source: &str, job_id: bool| tpl_in(field, source, job_id, false);
     let mut headers = Vec::new();
     for (h, v) in &s.request.headers {
         headers.push((h.clone(), tpl(&format!("request.headers.{h}"), v, false)?));
@@ -258,24 +260,55 @@ fn compile_step(
         None => None,
     };
     let kind = compile_kind(s, poll, &key)?;
-    let confirm = match &s.confirm {
-        None => None,
-        Some(_) if !matches!(kind, StepKind::SubmitPoll { .. }) => {
-            return Err(invalid(
-                key("confirm"),
-                "needs a step that polls its job (kind = \"submit_poll\")".into(),
-            ));
-        }
+    let (confirm, confirm_request) = match &s.confirm {
+        None => (None, None),
         Some(c) if c.after.0.is_zero() || c.times == 0 || c.times > 100 => {
             return Err(invalid(
                 key("confirm"),
                 "`after` must be more than 0 and `times` between 1 and 100".into(),
             ));
         }
-        Some(c) => Some(crate::domain::pipeline::Confirm {
-            after: c.after.0,
-            times: c.times,
-        }),
+        Some(c) => {
+            let polls = matches!(kind, StepKind::SubmitPoll { .. });
+            let request = match (&c.path, polls) {
+                (Some(path), _) => Some(RequestSpec {
+                    method: method(c.method.as_deref().unwrap_or("GET"), "confirm.method")?,
+                    path: tpl_in("confirm.path", path, polls, true)?,
+                    headers: Vec::new(),
+                    body: None,
+                }),
+                (None, true) if c.method.is_none() => None,
+                (None, true) => {
+                    return Err(invalid(
+                        key("confirm.method"),
+                        "is for a confirmation's own `path`; without one the job's poll is used"
+                            .into(),
+                    ));
+                }
+                (None, false) => {
+                    return Err(invalid(
+                        key("confirm"),
+                        "needs `path`, the request that asks about the result (for example \
+                         \"/v1/charges/{{ output.id }}\"), unless the step polls a job \
+                         (kind = \"submit_poll\")"
+                            .into(),
+                    ));
+                }
+            };
+            if matches!(kind, StepKind::Callback { .. }) {
+                return Err(invalid(
+                    key("confirm"),
+                    "a callback step is told of changes by its webhooks; confirm a \
+                     `request` or `submit_poll` step"
+                        .into(),
+                ));
+            }
+            let spec = crate::domain::pipeline::Confirm {
+                after: c.after.0,
+                times: c.times,
+            };
+            (Some(spec), request)
+        }
     };
     for (out, pointer) in &s.outputs {
         check_pointer(pointer).map_err(|m| invalid(key(&format!("outputs.{out}")), m))?;
@@ -291,6 +324,7 @@ fn compile_step(
         outputs: s.outputs.clone(),
         on_reversal: s.on_reversal,
         confirm,
+        confirm_request,
     })
 }
 

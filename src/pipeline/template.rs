@@ -17,6 +17,8 @@ pub struct Scope<'a> {
     pub upstream: &'a BTreeSet<String>,
     /// Poll templates also see the provider's `job_id`.
     pub job_id: bool,
+    /// Confirmation templates also see `output`, the step's own output.
+    pub output: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -79,7 +81,12 @@ impl Templates {
             .map_err(|e| TemplateError::Syntax(e.to_string()))?;
         let mut vars: Vec<String> = tpl.undeclared_variables(true).into_iter().collect();
         vars.sort();
-        let hint = if scope.job_id { ", `job_id`" } else { "" };
+        let hint = match (scope.job_id, scope.output) {
+            (true, true) => ", `job_id`, `output`",
+            (false, true) => ", `output`",
+            (true, false) => ", `job_id`",
+            (false, false) => "",
+        };
         for var in vars {
             let mut parts = var.split('.');
             match parts.next().unwrap_or("") {
@@ -87,6 +94,7 @@ impl Templates {
                 // Functions the environment provides (`range`, `dict`…).
                 root if self.env.globals().any(|(g, _)| g == root) => {}
                 "job_id" if scope.job_id => {}
+                "output" if scope.output => {}
                 "steps" => {
                     if let Some(step) = parts.next() {
                         if !scope.upstream.contains(step) {
@@ -128,6 +136,7 @@ mod tests {
         let s = Scope {
             upstream: &up,
             job_id: false,
+            output: false,
         };
         assert!(
             t.add(
@@ -164,10 +173,25 @@ mod tests {
                 "{{ job_id }}",
                 &Scope {
                     upstream: &up,
-                    job_id: true
+                    job_id: true,
+                    output: false,
                 }
             )
             .is_ok()
+        );
+        // Only a confirmation's request sees the step's own `output`.
+        assert!(matches!(
+            t.add("f", "{{ output.id }}", &s),
+            Err(TemplateError::UnknownVariable(..))
+        ));
+        let confirming = Scope {
+            upstream: &up,
+            job_id: false,
+            output: true,
+        };
+        assert!(
+            t.add("g", "/v1/charges/{{ output.id }}", &confirming)
+                .is_ok()
         );
     }
 
@@ -178,6 +202,7 @@ mod tests {
         let s = Scope {
             upstream: &up,
             job_id: false,
+            output: false,
         };
         t.add(
             "spin",
@@ -196,7 +221,7 @@ mod tests {
         fn any_source_is_accepted_or_refused_never_panics(src in ".{0,60}") {
             let mut t = Templates::new();
             let up = scope(&["a"]);
-            if t.add("x", &src, &Scope { upstream: &up, job_id: true }).is_ok() {
+            if t.add("x", &src, &Scope { upstream: &up, job_id: true, output: true }).is_ok() {
                 let _ = t.render("x", &json!({ "input": {}, "steps": {}, "record": {}, "job_id": "j" }));
             }
         }

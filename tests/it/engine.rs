@@ -3136,6 +3136,137 @@ async fn flipping_provider() -> String {
     crate::helpers::serve_router(app).await
 }
 
+/// A charge provider answering synchronously, which may later decline a
+/// charge it accepted: `GET /v1/charges/{id}` says `succeeded` once, then
+/// `declined` for the charges whose `ref` ends in `-0`.
+async fn declining_provider() -> String {
+    let asked = Arc::new(std::sync::Mutex::new(
+        HashMap::<String, (String, u32)>::new(),
+    ));
+    let a2 = asked.clone();
+    let app = axum::Router::new()
+        .route(
+            "/v1/charge",
+            axum::routing::post(
+                move |axum::Json(body): axum::Json<serde_json::Value>| async move {
+                    let r = body["ref"].as_str().unwrap_or_default().to_owned();
+                    let mut a = asked.lock().unwrap();
+                    let id = format!("ch-{}", a.len() + 1);
+                    a.insert(id.clone(), (r, 0));
+                    axum::Json(json!({ "id": id, "status": "succeeded" }))
+                },
+            ),
+        )
+        .route(
+            "/v1/charges/{id}",
+            axum::routing::get(
+                move |axum::extract::Path(id): axum::extract::Path<String>| async move {
+                    let mut a = a2.lock().unwrap();
+                    let Some((r, asks)) = a.get_mut(&id) else {
+                        return (axum::http::StatusCode::NOT_FOUND, axum::Json(json!({})));
+                    };
+                    *asks += 1;
+                    let status = if *asks > 1 && r.ends_with("-0") {
+                        "declined"
+                    } else {
+                        "succeeded"
+                    };
+                    (
+                        axum::http::StatusCode::OK,
+                        axum::Json(json!({ "id": id, "status": status })),
+                    )
+                },
+            ),
+        );
+    crate::helpers::serve_router(app).await
+}
+
+/// A synchronous success is confirmed too (issue 19 item 6): a `request`
+/// step with `confirm = { after = "30s", times = 2, path = ".../{{ output.id }}" }`
+/// asks about its own result (the template sees the step's `output`);
+/// a charge the provider declines later is a reversal, the record parked
+/// with the evidence; one that stays accepted is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synchronous_success_is_confirmed_and_a_later_decline_is_a_reversal() {
+    let t = TestDb::migrated(Backend::Sqlite, "confirm_sync")
+        .await
+        .unwrap();
+    let base = declining_provider().await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "2s"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "declined" }}
+outcome = "fail"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.key }}}}"}}' }}
+outputs = {{ id = "/id" }}
+confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" }}
+"#
+    );
+    let config = Arc::new(Config::parse(&text, Path::new("confirm_sync.toml")).unwrap());
+    config.validate(&|_| None).unwrap();
+    // A `request` step without `path` has nothing to confirm with.
+    let bare = text.replace(r#", path = "/v1/charges/{{ output.id }}""#, "");
+    assert_ne!(bare, text);
+    let bare = Config::parse(&bare, Path::new("bare.toml")).unwrap();
+    let err = ballast::pipeline::compile(&bare).unwrap_err().to_string();
+    assert!(err.contains("needs `path`"), "{err}");
+    let (engine, clock) = manual_engine(&t.db, config, "s1").await;
+    let mut ids = Vec::new();
+    for k in ["k-0", "k-1"] {
+        ids.push(
+            engine
+                .enqueue("pay", Some(k), json!({}))
+                .await
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    drain(&engine).await;
+    for id in &ids {
+        let r = t.db.get_record(*id).await.unwrap().unwrap();
+        assert_eq!(r.state, RecordState::Succeeded);
+    }
+    // The first confirmation (30 s on) says the charge stands.
+    clock.advance(30_000);
+    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    for id in &ids {
+        let r = t.db.get_record(*id).await.unwrap().unwrap();
+        assert_eq!(r.state, RecordState::Succeeded);
+    }
+    // The second (60 s on): `k-0`'s charge was declined since.
+    clock.advance(30_000);
+    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    let declined = t.db.get_record(ids[0]).await.unwrap().unwrap();
+    assert_eq!(
+        (declined.state, declined.error_code.as_deref()),
+        (RecordState::Parked, Some("provider_reversed"))
+    );
+    let attempts = t.db.attempts(ids[0]).await.unwrap();
+    let last = attempts.last().unwrap();
+    let sent = last.request.as_ref().unwrap();
+    assert_eq!(sent.method, "GET");
+    assert!(sent.url.ends_with("/v1/charges/ch-1"), "{}", sent.url);
+    assert!(last.excerpt.as_deref().unwrap_or("").contains("declined"));
+    let kinds = event_kinds(&t.db, ids[0]).await;
+    assert!(kinds.contains(&"reversed".to_owned()), "{kinds:?}");
+    let kept = t.db.get_record(ids[1]).await.unwrap().unwrap();
+    assert_eq!(kept.state, RecordState::Succeeded);
+    // Two confirmations each, and no more.
+    clock.advance(300_000);
+    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+}
+
 /// A provider that changes its mind after a polled success is noticed
 /// (issue 19 item 6): a step with `confirm = { after = "30s", times = 2 }`
 /// polls its job again 30 s and 60 s after success (the test moves the

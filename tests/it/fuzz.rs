@@ -426,6 +426,7 @@ fn fuzz_templates() {
         let scope = Scope {
             upstream: &upstream,
             job_id: true,
+            output: true,
         };
         if t.add("x", &source, &scope).is_ok() {
             let ctx = json!({
