@@ -128,7 +128,8 @@ pub fn provider_ready(p: Option<&ProviderState>, probes: u32, now: UnixMs) -> Re
     }
     match p.breaker {
         BreakerState::Closed => Ready::All,
-        BreakerState::Open if p.open_until.is_none_or(|t| t > now) => Ready::No,
+        // (An open breaker with no end is due, as the breaker reads it.)
+        BreakerState::Open if p.open_until.is_some_and(|t| t > now) => Ready::No,
         BreakerState::Open | BreakerState::HalfOpen => Ready::Few(probes.max(1)),
     }
 }

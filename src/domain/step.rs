@@ -705,6 +705,37 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::json;
 
+    #[test]
+    fn an_outage_defers_or_parks_until_the_provider_is_healthy_spending_nothing() {
+        use crate::domain::park::{OutagePolicy, ParkUntil};
+        let mut w = StepWrite::pending("s");
+        w.attempts = 2;
+        w.deadline_at = Some(5_000);
+        let why = "provider circuit breaker open";
+        let d = outage(w.clone(), OutagePolicy::Defer, "acme", 3_000, why, 1_000);
+        assert_eq!(d.park, None);
+        assert_eq!((d.write.next_run_at, d.write.attempts), (Some(3_000), 2));
+        // Never past a deadline still ahead, where the step decides.
+        let late = outage(w.clone(), OutagePolicy::Defer, "acme", 9_000, why, 1_000);
+        assert_eq!(late.write.next_run_at, Some(5_000));
+        let p = outage(w, OutagePolicy::ParkUntilHealthy, "acme", 3_000, why, 1_000);
+        let park = p.park.expect("parked");
+        assert_eq!(park.code, PROVIDER_OUTAGE);
+        assert_eq!(
+            park.until,
+            Some(ParkUntil::Provider {
+                provider: "acme".into()
+            })
+        );
+        assert!(park.reason.contains("until provider `acme` is healthy"));
+        // The step is unchanged but for when it is due: it runs once the
+        // record resumes, its attempts unspent.
+        assert_eq!(
+            (p.write.state, p.write.attempts, p.write.next_run_at),
+            (StepState::Pending, 2, Some(3_000))
+        );
+    }
+
     fn request() -> RequestSpec {
         RequestSpec {
             method: HttpMethod::Post,

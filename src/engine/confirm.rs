@@ -15,8 +15,12 @@ use crate::domain::confirm::{Next, Pending, next, said};
 use crate::domain::{StepState, UnixMs};
 use crate::store::{StepWrite, Store, StoreError};
 
-/// How often a node looks for due confirmations.
+/// How often a node looks for due confirmations, when a configured step
+/// confirms.
 const EVERY_MS: i64 = 250;
+/// How often when none does: records pinned to an older definition that
+/// confirmed may still have some due.
+const IDLE_EVERY_MS: i64 = 5_000;
 /// How many it takes at once.
 const BATCH: u32 = 16;
 
@@ -24,6 +28,12 @@ impl Engine {
     /// Runs confirmations until `shutdown`.
     pub(super) async fn confirm_loop(self, shutdown: CancellationToken) {
         let i = &self.inner;
+        let confirms = i
+            .pipelines
+            .pipelines
+            .values()
+            .any(|p| p.steps.iter().any(|s| s.confirm.is_some()));
+        let every = if confirms { EVERY_MS } else { IDLE_EVERY_MS };
         loop {
             let now = i.clock.now_ms();
             if let Err(e) = self.confirm_due(now).await {
@@ -31,7 +41,7 @@ impl Engine {
             }
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                () = i.clock.sleep_until(now + EVERY_MS) => {}
+                () = i.clock.sleep_until(now + every) => {}
             }
         }
     }

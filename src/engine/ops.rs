@@ -8,7 +8,9 @@ use serde_json::json;
 use super::Engine;
 use crate::config::Config;
 use crate::domain::park::ParkUntil;
-use crate::domain::{Clock, OperatorAction, ProviderState, Record, Trigger, transition};
+use crate::domain::{
+    Clock, OperatorAction, ProviderState, Record, RecordState, Trigger, transition,
+};
 use crate::store::{ActionRequest, Db, RecordFilter, Store, StoreError};
 
 /// Why a command was refused, or the store error that stopped it.
@@ -107,6 +109,15 @@ impl<'a> Ops<'a> {
             ));
         }
         let until = match until.map(str::trim).filter(|t| !t.is_empty()) {
+            // Parked again without saying until when: it keeps what it
+            // waits for (`never` clears it).
+            None if action == OperatorAction::Park => self
+                .db
+                .get_record(id)
+                .await?
+                .filter(|r| r.state == RecordState::Parked)
+                .and_then(|r| r.park_until)
+                .filter(|u| crate::domain::park::check(u, self.clock.now_ms()).is_ok()),
             None => None,
             Some(_) if action != OperatorAction::Park => {
                 return Err(OpsError::refused(
@@ -150,14 +161,27 @@ impl<'a> Ops<'a> {
         let now = self.clock.now_ms();
         let until = match text.trim() {
             "never" => return Ok(None),
+            "time" => {
+                return Err(OpsError::refused(
+                    "bad_until",
+                    "give the time to resume at (UTC), or a duration like `2h`",
+                ));
+            }
             "provider" => {
                 let rec = self.db.get_record(id).await?.ok_or(StoreError::NotFound {
                     what: "record",
                     key: id.to_string(),
                 })?;
-                ParkUntil::Provider {
-                    provider: rec.provider.unwrap_or_default(),
+                let provider = rec.provider.unwrap_or_default();
+                if !provider.is_empty() && !self.config.providers.contains_key(&provider) {
+                    return Err(OpsError::refused(
+                        "bad_until",
+                        format!(
+                            "provider `{provider}` is not configured: nothing would tell when it is healthy"
+                        ),
+                    ));
                 }
+                ParkUntil::Provider { provider }
             }
             t if t.starts_with(|c: char| c.is_ascii_digit()) && !t.contains('-') => {
                 let d = crate::config::parse_duration(t)
@@ -241,9 +265,12 @@ impl<'a> Ops<'a> {
         step: Option<&str>,
         apply: bool,
     ) -> BulkOutcome {
-        let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets
-            .iter()
-            .partition(|r| transition(r.state, Trigger::Operator(action)).is_ok());
+        // Parking a parked record sets its condition: one record at a
+        // time, never in bulk (that would erase what each waits for).
+        let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets.iter().partition(|r| {
+            transition(r.state, Trigger::Operator(action)).is_ok()
+                && !(action == OperatorAction::Park && r.state == RecordState::Parked)
+        });
         let mut failed = Vec::new();
         if apply {
             for r in &allowed {

@@ -28,7 +28,10 @@ struct Progress {
     callbacks_done: Vec<i64>,
     /// Confirmations to schedule, not yet committed.
     confirms: Vec<crate::domain::confirm::Pending>,
+    /// The park the record takes, and the step (and its provider) that
+    /// asked for it.
     park: Option<Park>,
+    park_at: Option<(String, Option<String>)>,
     breaker: Vec<(String, step::BreakerNews)>,
     throttled: Vec<(String, UnixMs)>,
     stopped: bool,
@@ -44,7 +47,10 @@ impl Progress {
         if let Some(p) = out.park {
             match &self.park {
                 Some(first) if first.until.is_none() || p.until.is_some() => {}
-                _ => self.park = Some(p),
+                _ => {
+                    self.park = Some(p);
+                    self.park_at = Some((out.write.step.clone(), out.write.provider.clone()));
+                }
             }
         }
         self.breaker.extend(out.breaker);
@@ -81,6 +87,12 @@ impl Progress {
         if let Some((step, provider, _)) = &self.last {
             c.step = Some(step.clone());
             c.provider = provider.clone();
+        }
+        // A parked record is at the step that parked it (an outage parks
+        // one that may never have made a call).
+        if let (Some(WorkResult::Parked), Some((step, provider))) = (result, &self.park_at) {
+            c.step = Some(step.clone());
+            c.provider = provider.clone().or_else(|| c.provider.clone());
         }
         c
     }

@@ -43,19 +43,35 @@ impl Engine {
 
     /// Resumes the parked records whose condition holds at `now`: those
     /// parked until a time now past, and those waiting for a configured
-    /// provider that takes calls again (all of them once its breaker is
-    /// closed; a few, to make its probes, while it is due to close).
-    /// Returns how many.
+    /// provider that takes calls again: all of them once its breaker is
+    /// closed; while it is due to close, only enough that the provider's
+    /// records at work in the cluster (pending, running, retrying,
+    /// waiting) are no more than its breaker's probes. Returns how many.
     pub async fn resume_due(&self, now: UnixMs) -> Result<usize, StoreError> {
         let i = &self.inner;
         let states = i.db.provider_states().await?;
         let mut providers = Vec::new();
+        let mut at_work = None;
         for (name, rt) in &i.providers {
             let probes = rt.breaker().policy().probes;
             let state = states.iter().find(|s| &s.provider == name);
             match provider_ready(state, probes, now) {
                 Ready::All => providers.push((name.clone(), BATCH)),
-                Ready::Few(n) => providers.push((name.clone(), n.min(BATCH))),
+                Ready::Few(n) => {
+                    if at_work.is_none() {
+                        at_work = Some(i.db.provider_counts().await?);
+                    }
+                    let busy: i64 = at_work
+                        .iter()
+                        .flatten()
+                        .filter(|c| &c.pipeline == name && c.state.is_scheduled())
+                        .map(|c| c.count)
+                        .sum();
+                    let room = i64::from(n.min(BATCH)) - busy;
+                    if room > 0 {
+                        providers.push((name.clone(), room as u32));
+                    }
+                }
                 Ready::No => {}
             }
         }

@@ -268,6 +268,24 @@ fn compile_step(
                 "`after` must be more than 0 and `times` between 1 and 100".into(),
             ));
         }
+        Some(_) if matches!(kind, StepKind::Callback { .. }) => {
+            return Err(invalid(
+                key("confirm"),
+                "a callback step is told of changes by its webhooks; confirm a \
+                 `request` or `submit_poll` step"
+                    .into(),
+            ));
+        }
+        Some(c)
+            if c.method
+                .as_deref()
+                .is_some_and(|m| !m.eq_ignore_ascii_case("GET")) =>
+        {
+            return Err(invalid(
+                key("confirm.method"),
+                "a confirmation only asks: it must be `GET`".into(),
+            ));
+        }
         Some(c) => {
             let polls = matches!(kind, StepKind::SubmitPoll { .. });
             let request = match (&c.path, polls) {
@@ -295,14 +313,6 @@ fn compile_step(
                     ));
                 }
             };
-            if matches!(kind, StepKind::Callback { .. }) {
-                return Err(invalid(
-                    key("confirm"),
-                    "a callback step is told of changes by its webhooks; confirm a \
-                     `request` or `submit_poll` step"
-                        .into(),
-                ));
-            }
             let spec = crate::domain::pipeline::Confirm {
                 after: c.after.0,
                 times: c.times,

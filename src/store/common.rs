@@ -436,7 +436,12 @@ where
                 what: "record",
                 key: req.record_id.to_string(),
             })?;
-        let moved = Self::act_locked(&mut tx, &installation, &rec, req, None).await?;
+        let mut deltas = CountDeltas::default();
+        let moved = Self::act_locked(&mut tx, &installation, &rec, req, None, &mut deltas).await?;
+        Self::apply_counts(&mut tx, &deltas).await?;
+        if moved.next_run_at.is_some() {
+            DB::notify_work(&mut tx).await?;
+        }
         tx.commit().await?;
         Ok(moved)
     }
@@ -471,9 +476,13 @@ where
         ids.dedup();
         let installation = self.installation_id().await?;
         let mut tx = self.begin_write().await?;
+        // Every candidate locked at once, in id order, then the counters
+        // once at the end: the same order as every multi-row write.
+        let held = Self::lock_records(&mut tx, &ids).await?;
+        let mut deltas = CountDeltas::default();
         let mut resumed = Vec::new();
         for id in ids {
-            let Some(rec) = Self::lock_record(&mut tx, id).await? else {
+            let Some(rec) = held.get(&id) else {
                 continue;
             };
             let holds = match &rec.park_until {
@@ -503,9 +512,20 @@ where
                 steps: Vec::new(),
                 until: None,
             };
-            let moved =
-                Self::act_locked(&mut tx, &installation, &rec, &action, Some(&until)).await?;
+            let moved = Self::act_locked(
+                &mut tx,
+                &installation,
+                rec,
+                &action,
+                Some(&until),
+                &mut deltas,
+            )
+            .await?;
             resumed.push(moved);
+        }
+        Self::apply_counts(&mut tx, &deltas).await?;
+        if !resumed.is_empty() {
+            DB::notify_work(&mut tx).await?;
         }
         tx.commit().await?;
         Ok(resumed)
@@ -705,17 +725,26 @@ where
         if to == rec.state {
             Self::insert_event(&mut tx, &event).await?;
             // A record parked until a condition and now parked by a
-            // reversal needs a human: it no longer resumes by itself.
+            // reversal needs a human: it no longer resumes by itself, and
+            // says why it is parked now.
+            let mut rec = rec;
             if to == RecordState::Parked
                 && req.policy == crate::domain::ReversalPolicy::Park
                 && rec.park_until.is_some()
             {
-                sqlx::query(
-                    "UPDATE records SET park_until_at = NULL, park_until_provider = NULL WHERE id = $1",
-                )
-                .bind(rec.id)
-                .execute(&mut *tx)
-                .await?;
+                let sql = format!(
+                    "UPDATE records SET park_until_at = NULL, park_until_provider = NULL, \
+                     error_code = $1, reason = $2, updated_at = $3 WHERE id = $4 \
+                     RETURNING {RECORD_COLUMNS}"
+                );
+                let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(crate::domain::REVERSED)
+                    .bind(req.reason.clone())
+                    .bind(req.now)
+                    .bind(rec.id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                rec = row.record()?;
             }
             if req.policy == crate::domain::ReversalPolicy::Rerun && rec.state.is_scheduled() {
                 DB::notify_work(&mut tx).await?;

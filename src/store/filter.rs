@@ -19,6 +19,10 @@ pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
         f.until.is_some() && f.until != Some(UntilKind::Never),
     ];
     let n = set.iter().filter(|b| **b).count();
+    // No index orders records by id among those with a condition.
+    if matches!(f.until, Some(UntilKind::Time | UntilKind::Provider)) {
+        return true;
+    }
     // (pipeline, state) has its own index.
     let pipeline_state = n == 2 && f.pipeline.is_some() && f.state.is_some();
     n >= 2 && !pipeline_state

@@ -538,7 +538,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// An operator action through the transition table, audited.
     fn act(&self, req: &ActionRequest) -> impl Future<Output = StoreResult<Record>> + Send;
     /// Resumes parked records whose condition holds: a time come, or a
-    /// provider named in `req.providers` (oldest parked first, up to its
+    /// provider named in `req.providers` (lowest id first, up to its
     /// count). Each is audited as a `resume` by `system` naming the
     /// condition. A record acted on meanwhile (no longer parked, or parked
     /// on another condition) is left alone. Returns those resumed.

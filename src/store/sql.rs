@@ -542,13 +542,17 @@ where
     /// An action on a record locked in `tx`, through the transition
     /// table: an operator's (`act`), or the system's resume of a record
     /// whose condition held (`resume_parked`, `condition` naming it). Its
-    /// step changes, its audited event, its counters; the caller commits.
+    /// step changes and its audited event; its counter moves go into
+    /// `deltas`, which the caller applies (once, after every record it
+    /// locks: counter rows are taken last), before it wakes the workers
+    /// and commits.
     pub(crate) async fn act_locked(
         tx: &mut Tx<DB>,
         installation: &str,
         rec: &Record,
         req: &ActionRequest,
         condition: Option<&ParkUntil>,
+        deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
         if let Some(until) = &req.until {
             if req.action != OperatorAction::Park {
@@ -648,7 +652,6 @@ where
             reason: req.reason.as_deref(),
             detail: detail.as_ref(),
         };
-        let mut deltas = CountDeltas::default();
         let until = req.until.as_ref().filter(|_| to == RecordState::Parked);
         let moved = Self::move_record(
             tx,
@@ -658,13 +661,9 @@ where
             req.now,
             event,
             error_code.as_deref(),
-            &mut deltas,
+            deltas,
         )
         .await?;
-        Self::apply_counts(tx, &deltas).await?;
-        if next.is_some() {
-            DB::notify_work(tx).await?;
-        }
         Ok(moved)
     }
 

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use ballast::domain::Role;
+use ballast::domain::{RecordState, Role};
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, Store};
 use serde_json::{Value, json};
@@ -185,6 +185,65 @@ async fn api_round_trip(backend: Backend) {
     .await
     .unwrap();
     assert_eq!(r.status(), 400);
+    // Parking until a condition: what cannot be is refused with a clear
+    // error and changes nothing; then a time an hour on, found by the
+    // list's filter.
+    let held = app.record("held").await;
+    let act = |body: Value| post(&format!("/api/v1/records/{held}/actions"), body, &op);
+    for (action, until, code) in [
+        ("park", "yesterday", "bad_until"),
+        ("park", "2001-01-01T00:00Z", "bad_until"),
+        ("park", "provider", "bad_until"),
+        ("park", "time", "bad_until"),
+        ("retry", "2h", "until_needs_park"),
+    ] {
+        let r = act(json!({"action": action, "reason": "r", "until": until}))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{until}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"], code, "{until}: {e}");
+        assert!(e["message"].as_str().unwrap_or("").len() > 10, "{e}");
+    }
+    let untouched = app.t.db.get_record(held).await.unwrap().unwrap();
+    assert_eq!(
+        (untouched.state, untouched.park_until),
+        (RecordState::Pending, None)
+    );
+    let r = act(json!({"action": "park", "reason": "after the batch", "until": "2h"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let parked: Value = r.json().await.unwrap();
+    assert_eq!(parked["record"]["park_until"]["kind"], "time");
+    let listed: Value = app
+        .client
+        .get(app.url("/api/v1/records?until=time"))
+        .bearer_auth(&viewer)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["items"][0]["id"], held, "{listed}");
+    let bad = app
+        .client
+        .get(app.url("/api/v1/records?until=tomorrow"))
+        .bearer_auth(&viewer)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    // Parked again without a condition named, it keeps its own.
+    let again = act(json!({"action": "park", "reason": "still after the batch"}))
+        .await
+        .unwrap();
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(
+        again["record"]["park_until"],
+        parked["record"]["park_until"]
+    );
     // Stable error codes for bad input.
     let bad = app
         .client

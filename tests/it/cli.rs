@@ -173,20 +173,21 @@ async fn migrate_round_trip(backend: Backend) {
             && pending.contains("0006     pending    fair_queues")
             && pending.contains("0007     pending    attempt_requests")
             && pending.contains("0008     pending    step_versions")
-            && pending.contains("0009     pending    step_confirmations"),
+            && pending.contains("0009     pending    step_confirmations")
+            && pending.contains("0010     pending    park_until"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);
     assert!(
-        up.contains("[1/9] applying 0001 core")
+        up.contains("[1/10] applying 0001 core")
             && up.contains("applied 0001")
-            && up.contains("[2/9] applied 0002")
-            && up.contains("[9/9] applied 0009"),
+            && up.contains("[2/10] applied 0002")
+            && up.contains("[10/10] applied 0010"),
         "{up}"
     );
     assert!(
         up.contains(&format!(
-            "{}: 9 applied; schema at version 9",
+            "{}: 10 applied; schema at version 10",
             backend.as_str()
         )),
         "{up}"
@@ -203,7 +204,7 @@ async fn migrate_round_trip(backend: Backend) {
     // Without --to, down reverts the latest migration only.
     let down = run(&["migrate", "down"]);
     assert!(
-        down.contains("reverted 0009") && !down.contains("reverted 0008"),
+        down.contains("reverted 0010") && !down.contains("reverted 0009"),
         "{down}"
     );
 }

@@ -564,13 +564,25 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
         assert_eq!(r.state, RecordState::Parked);
         assert_eq!(r.park_until.as_ref(), Some(&sim_until));
         assert_eq!(r.error_code.as_deref(), Some("provider_outage"));
+        // At the step that waits, also a record that never made a call.
+        assert_eq!(
+            (r.step.as_deref(), r.provider.as_deref()),
+            (Some("charge"), Some("sim"))
+        );
     }
-    // No attempt was spent by parking: the attempts made are the calls.
-    let mut attempts = 0;
+    // No attempt was spent by parking: the attempts spent are the calls.
+    let mut spent = 0;
     for r in &parked {
-        attempts += t.db.attempts(r.id).await.unwrap().len();
+        spent += t.db.step_runs(r.id).await.unwrap()[0].attempts;
     }
-    assert_eq!(attempts as u64, calls);
+    assert_eq!(spent as u64, calls);
+    let by_provider = t.db.provider_counts().await.unwrap();
+    assert!(
+        by_provider
+            .iter()
+            .any(|c| c.pipeline == "sim" && c.state == RecordState::Parked && c.count == 30),
+        "{by_provider:?}"
+    );
     // Still open: nothing resumes.
     assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
     // An operator cancels one meanwhile; the others wait on.
@@ -593,6 +605,8 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
         let n = engine.resume_due(clock.now_ms()).await.unwrap();
         if n > 0 && first_round.is_none() {
             first_round = Some(n);
+            // Asked again before those two made their probes: no more.
+            assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
         }
         drain(&engine).await;
         let done = t.db.state_counts().await.unwrap();
@@ -3256,7 +3270,16 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     let last = attempts.last().unwrap();
     let sent = last.request.as_ref().unwrap();
     assert_eq!(sent.method, "GET");
-    assert!(sent.url.ends_with("/v1/charges/ch-1"), "{}", sent.url);
+    let charge = t.db.step_runs(ids[0]).await.unwrap()[0]
+        .output
+        .clone()
+        .unwrap();
+    let id = charge["id"].as_str().unwrap();
+    assert!(
+        sent.url.ends_with(&format!("/v1/charges/{id}")),
+        "{}",
+        sent.url
+    );
     assert!(last.excerpt.as_deref().unwrap_or("").contains("declined"));
     let kinds = event_kinds(&t.db, ids[0]).await;
     assert!(kinds.contains(&"reversed".to_owned()), "{kinds:?}");

@@ -1373,6 +1373,41 @@ async fn parked_records_resume_when_their_condition_holds(db: &Db) {
         db.get_record(ids["never"]).await.unwrap().unwrap().state,
         RecordState::Parked
     );
+    // A reversal that parks a record waiting on a condition leaves it to
+    // a person, and says so.
+    db.act(&park("never", provider("acme"))).await.unwrap();
+    let reversed = db
+        .reverse(&ballast::store::ReverseRequest {
+            record_id: ids["never"],
+            step: "charge".into(),
+            policy: ballast::domain::ReversalPolicy::Park,
+            reason: "the charge was refunded".into(),
+            detail: None,
+            now: T0 + 800,
+            steps: Vec::new(),
+            generation: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            reversed.state,
+            reversed.park_until.clone(),
+            reversed.error_code.as_deref(),
+            reversed.updated_at
+        ),
+        (
+            RecordState::Parked,
+            None,
+            Some("provider_reversed"),
+            T0 + 800
+        )
+    );
+    assert_eq!(
+        db.get_record(ids["never"]).await.unwrap().unwrap(),
+        reversed
+    );
+    assert!(db.resume_parked(&all).await.unwrap().is_empty());
     let mut counted = db.state_counts().await.unwrap();
     let mut scanned = db.recount_states().await.unwrap();
     counted.sort_by_key(|c| (c.pipeline.clone(), c.state));

@@ -43,6 +43,10 @@ pub struct RecordRow {
     /// For a parked record: when it resumes by itself, or that a human
     /// decides; empty otherwise.
     pub until: String,
+    /// Its condition's kind (`time`, `provider`, `never`; empty unless
+    /// parked), and a time condition as a `datetime-local` value.
+    pub until_kind: &'static str,
+    pub until_time: String,
 }
 
 impl From<&Record> for RecordRow {
@@ -62,6 +66,20 @@ impl From<&Record> for RecordRow {
                 (Some(u), _) => u.to_string(),
                 (None, crate::domain::RecordState::Parked) => "never: a human decides".into(),
                 (None, _) => String::new(),
+            },
+            until_kind: match (&r.park_until, r.state) {
+                (Some(u), _) => u.kind().as_str(),
+                (None, crate::domain::RecordState::Parked) => "never",
+                (None, _) => "",
+            },
+            until_time: match &r.park_until {
+                Some(crate::domain::park::ParkUntil::Time { at }) => {
+                    crate::domain::time::format_ms(*at)
+                        .chars()
+                        .take(16)
+                        .collect()
+                }
+                _ => String::new(),
             },
         }
     }
