@@ -101,6 +101,15 @@ pub struct ProviderConfig {
     /// provider takes calls again; the records page lists who waits).
     #[serde(default)]
     pub on_outage: crate::domain::park::OutagePolicy,
+    /// The provider does not honour idempotency keys (or a second charge
+    /// must never happen): each side-effecting call is written down before
+    /// it leaves, and a call whose outcome is not known (a timeout or a
+    /// reset after it was sent, a reply nobody understood, a node that
+    /// stopped mid-call) is never sent again blindly: the record parks
+    /// `outcome_uncertain` for a person. Providers that honour keys need
+    /// not set it (a resend there is harmless).
+    #[serde(default)]
+    pub at_most_once: bool,
     /// Environment variables holding webhook signing secrets (several, for
     /// rotation).
     #[serde(default)]

@@ -277,6 +277,30 @@ pub struct Attempt {
     pub request: Option<super::request::SentRequest>,
 }
 
+/// A side-effecting call written down before it left (a provider declared
+/// `at_most_once`), until the commit that keeps its attempt. One still
+/// open when its record's next pass starts went out from a node that
+/// stopped before it recorded the reply: whether it took effect is not
+/// known.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Intent {
+    pub id: i64,
+    pub record_id: i64,
+    pub step: String,
+    pub provider: Option<String>,
+    pub attempt_no: i32,
+    pub node: Option<String>,
+    pub sent_at: UnixMs,
+    pub request: Option<super::request::SentRequest>,
+}
+
+/// The error code of a side-effecting call whose outcome is not known (a
+/// timeout or reset after it was sent, a reply nobody understood, a call
+/// left open by a node that stopped) for a provider that must not be
+/// paid twice (`at_most_once`): the record waits for a lookup or a person
+/// instead of sending it again.
+pub const OUTCOME_UNCERTAIN: &str = "outcome_uncertain";
+
 /// The longest body excerpt kept with an attempt.
 pub const EXCERPT_MAX_BYTES: usize = 4096;
 

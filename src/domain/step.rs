@@ -40,6 +40,31 @@ pub struct Park {
     pub until: Option<super::park::ParkUntil>,
 }
 
+/// Whether a side-effecting call's reply leaves open whether it took
+/// effect: the request went out and nothing says what became of it (a
+/// timeout or a reset after it was sent, or a reply no rule understood).
+/// A refused connection or a TLS failure sent nothing; a reply the rules
+/// understood says what happened.
+pub fn uncertain(reply: &Reply, outcome: Outcome) -> bool {
+    use super::rules::ReplyError;
+    matches!(
+        reply,
+        Reply::Failed(ReplyError::Timeout | ReplyError::Reset)
+    ) || outcome == Outcome::Unknown
+}
+
+/// The step of an `at_most_once` call whose outcome is not known: never
+/// sent again blindly. A required step parks its record
+/// `outcome_uncertain` for a person, with `evidence` in the reason; an
+/// optional one fails alone.
+pub fn uncertain_outcome(step: &Step, write: StepWrite, evidence: &str, now: UnixMs) -> Decision {
+    let reason = format!(
+        "the provider may have taken the call ({evidence}); it is not sent again \
+         (at_most_once): ask the provider, then mark it done or send it again"
+    );
+    park_or_fail(step, write, super::OUTCOME_UNCERTAIN, reason, now)
+}
+
 /// The error code of a record parked while its provider's breaker is open
 /// (`on_outage = "park_until_healthy"`).
 pub const PROVIDER_OUTAGE: &str = "provider_outage";

@@ -12,6 +12,7 @@ mod committer;
 mod confirm;
 mod deliveries;
 pub mod http;
+mod intents;
 pub mod limits;
 mod ops;
 mod pass;
@@ -117,6 +118,8 @@ struct Inner {
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.
     committer: committer::Committer,
+    /// Intents of `at_most_once` calls, written in groups.
+    intents: intents::IntentWriter,
 }
 
 /// Set when [`Engine::run`] stops claiming: passes already running finish
@@ -255,6 +258,7 @@ impl Engine {
         let committing = Semaphore::new(opts.max_in_flight.max(1));
         let opts_node = opts.node_id.clone();
         let committer = committer::Committer::spawn(db.clone(), clock.clone());
+        let intents = intents::IntentWriter::spawn(db.clone());
         let group_caps = config
             .pipelines
             .iter()
@@ -263,6 +267,7 @@ impl Engine {
         Ok(Engine {
             inner: Arc::new(Inner {
                 committer,
+                intents,
                 db,
                 config,
                 group_caps,

@@ -28,6 +28,8 @@ struct Progress {
     callbacks_done: Vec<i64>,
     /// Confirmations to schedule, not yet committed.
     confirms: Vec<crate::domain::confirm::Pending>,
+    /// Intents whose attempts are in `attempts` (`at_most_once`).
+    intents_done: Vec<i64>,
     /// The park the record takes, and the step (and its provider) that
     /// asked for it.
     park: Option<Park>,
@@ -61,6 +63,7 @@ impl Progress {
         self.attempts.extend(out.attempts);
         self.callbacks_done.extend(out.callbacks_done);
         self.confirms.extend(out.confirm);
+        self.intents_done.extend(out.intents_done);
         self.changed.push(out.write.step.clone());
         states.insert(out.write.step.clone(), out.write);
     }
@@ -84,6 +87,7 @@ impl Progress {
         c.attempts = self.attempts.clone();
         c.callbacks_done = self.callbacks_done.clone();
         c.confirms = self.confirms.clone();
+        c.intents_done = self.intents_done.clone();
         if let Some((step, provider, _)) = &self.last {
             c.step = Some(step.clone());
             c.provider = provider.clone();
@@ -171,6 +175,8 @@ impl Engine {
                 );
                 if let Err(e) = i.db.append_attempts(record_id, &commit.attempts).await {
                     tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
+                } else if let Err(e) = i.db.close_intents(&commit.intents_done).await {
+                    tracing::warn!(record.id = record_id, error = %e, "could not close the calls' intents");
                 }
             }
             Err(e) => {
@@ -217,11 +223,25 @@ impl Engine {
             changed: skip_blocked(&pipeline.steps, &mut states, now),
             ..Progress::default()
         };
+        // Calls an earlier pass left open (its node stopped mid-call): it
+        // is not known whether they took effect, and nothing else runs.
+        if let Err(e) = self
+            .open_intents(rec, &pipeline, &mut states, &mut progress, now)
+            .await
+        {
+            tracing::warn!(record.id = rec.id, error = %e, "cannot read open intents; deferring");
+            let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
+            c.next_run_at = Some(now + 1000);
+            return Some(c);
+        }
         let deliveries = self.deliveries(rec, &pipeline, &states).await;
         let has_deliveries = |n: &str| deliveries.contains_key(n);
         let mut started: HashSet<String> = HashSet::new();
         let mut running = FuturesUnordered::new();
-        let mut wave = ready(&pipeline.steps, &states, now, &has_deliveries, &|_| false);
+        let mut wave = match progress.park {
+            Some(_) => Vec::new(),
+            None => ready(&pipeline.steps, &states, now, &has_deliveries, &|_| false),
+        };
         let mut wave_at = now;
         let mut may_start = true;
         loop {
@@ -286,6 +306,64 @@ impl Engine {
         commit.reason = v.reason;
         commit.park_until = v.park_until;
         Some(commit)
+    }
+
+    /// Judges the calls an earlier pass left open (`at_most_once`: its
+    /// node stopped between writing a call down and keeping its reply):
+    /// each becomes an attempt whose outcome is not known, and its step
+    /// waits for a person (`domain::step::uncertain_outcome`). Read only
+    /// for pipelines with such a provider.
+    async fn open_intents(
+        &self,
+        rec: &Record,
+        pipeline: &Pipeline,
+        states: &mut HashMap<String, StepWrite>,
+        progress: &mut Progress,
+        now: UnixMs,
+    ) -> Result<(), StoreError> {
+        let i = &self.inner;
+        let at_most_once = |s: &Step| {
+            i.providers
+                .get(&s.provider)
+                .is_some_and(|rt| rt.config.at_most_once)
+        };
+        if !pipeline.steps.iter().any(at_most_once) {
+            return Ok(());
+        }
+        for intent in i.db.open_intents(rec.id).await? {
+            let (Some(s), Some(write)) = (pipeline.step(&intent.step), states.get(&intent.step))
+            else {
+                continue;
+            };
+            let by = intent.node.as_deref().unwrap_or("a node");
+            let evidence = format!(
+                "sent at {} by {by}, which stopped before it kept the reply",
+                crate::domain::time::format_ms(intent.sent_at)
+            );
+            let d = crate::domain::step::uncertain_outcome(s, write.clone(), &evidence, now);
+            let attempt = NewAttempt {
+                step: intent.step.clone(),
+                provider: intent.provider.clone(),
+                attempt_no: intent.attempt_no,
+                node: intent.node.clone(),
+                started_at: intent.sent_at,
+                duration_ms: (now - intent.sent_at).max(0),
+                http_status: None,
+                outcome: crate::domain::Outcome::Unknown,
+                error_code: Some(crate::domain::OUTCOME_UNCERTAIN.into()),
+                excerpt: Some(format!("no reply recorded: {evidence}")),
+                request: intent.request.clone(),
+            };
+            progress.absorb(
+                StepOutput {
+                    attempts: vec![attempt],
+                    intents_done: vec![intent.id],
+                    ..StepOutput::new(d)
+                },
+                states,
+            );
+        }
+        Ok(())
     }
 
     /// The record's steps as they stand: read with the claim (`runs`) or
@@ -367,6 +445,7 @@ impl Engine {
                 installation: &i.installation,
                 clock: &*i.clock,
                 db: &i.db,
+                intents: &i.intents,
                 now: 0,
                 callbacks,
                 max_wait: i.opts.lease / 4,

@@ -171,10 +171,12 @@ pub struct StepOutput {
     pub stopped: bool,
     /// Its first confirmation, for a step with `confirm` that succeeded.
     pub confirm: Option<crate::domain::confirm::Pending>,
+    /// The intent its call completes (`at_most_once`).
+    pub intents_done: Vec<i64>,
 }
 
 impl StepOutput {
-    fn new(decision: Decision) -> Self {
+    pub(super) fn new(decision: Decision) -> Self {
         StepOutput {
             write: decision.write,
             attempts: Vec::new(),
@@ -184,6 +186,7 @@ impl StepOutput {
             callbacks_done: Vec::new(),
             stopped: false,
             confirm: None,
+            intents_done: Vec::new(),
         }
     }
 }
@@ -200,6 +203,8 @@ pub struct StepRun<'a> {
     pub clock: &'a dyn Clock,
     /// For the cluster's breaker: half-open probes are claimed there.
     pub db: &'a Db,
+    /// Where `at_most_once` calls write their intents.
+    pub(crate) intents: &'a super::intents::IntentWriter,
     pub now: UnixMs,
     /// Webhook deliveries waiting for this step (callback steps only).
     pub callbacks: Vec<crate::store::PendingCallback>,
@@ -231,6 +236,18 @@ pub const TOKEN_REFUSED: &str = "token_expired";
 
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+/// `call` as the history keeps it: credentials removed, `secrets`
+/// wherever they appear (`domain::request`).
+fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequest {
+    let out = Outgoing {
+        method: call.method.as_str(),
+        url: &call.url,
+        headers: &call.headers,
+        body: call.body.as_deref(),
+    };
+    SentRequest::of(&out, rt.config.credential_header(), secrets)
 }
 
 impl StepRun<'_> {
@@ -314,6 +331,22 @@ impl StepRun<'_> {
         spend_attempt(&mut plan);
         let attempt_no = plan.write.attempts.max(1);
         let mut started = self.clock.now_ms();
+        // A call that must not be paid twice is written down, durably,
+        // before it leaves; without that, it is not made.
+        let at_most_once = rt.config.at_most_once
+            && !plan.polling
+            && call.method != crate::pipeline::HttpMethod::Get;
+        let intent = if at_most_once {
+            match self
+                .intend(rt, &call, token.as_ref(), attempt_no, started)
+                .await
+            {
+                Ok(id) => Some(id),
+                Err(why) => return self.deferred(self.clock.now_ms() + 1_000, &why),
+            }
+        } else {
+            None
+        };
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         granted.flight.sent = true;
@@ -370,7 +403,7 @@ impl StepRun<'_> {
             http_status: x.http_status,
             retry_after: x.retry_after,
         };
-        let judged = after_reply(
+        let mut judged = after_reply(
             self.step,
             plan,
             &facts,
@@ -379,6 +412,18 @@ impl StepRun<'_> {
             after,
             fastrand::f64(),
         );
+        if at_most_once && crate::domain::step::uncertain(&x.reply, c.outcome) {
+            let evidence = judged
+                .error_code
+                .clone()
+                .unwrap_or_else(|| "no reply".into());
+            judged.decision = crate::domain::step::uncertain_outcome(
+                self.step,
+                judged.decision.write,
+                &evidence,
+                after,
+            );
+        }
         self.move_budget(rt, judged.budget, after);
         let verdict = (judged.outcome, judged.error_code.clone());
         let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, sent);
@@ -398,6 +443,7 @@ impl StepRun<'_> {
             attempts: refused.into_iter().chain([attempt]).collect(),
             breaker,
             throttled,
+            intents_done: intent.into_iter().collect(),
             ..StepOutput::new(judged.decision)
         }
     }
@@ -670,16 +716,31 @@ impl StepRun<'_> {
         };
         // The call as the history keeps it, credentials removed
         // (`domain::request`), with the same secrets as the reply.
-        let out = Outgoing {
-            method: call.method.as_str(),
-            url: &call.url,
-            headers: &call.headers,
-            body: call.body.as_deref(),
+        (x, kept_request(rt, call, &secrets))
+    }
+
+    /// Writes the call down before it leaves (`at_most_once`): its intent's
+    /// id, or why it could not be written.
+    async fn intend(
+        &self,
+        rt: &ProviderRuntime,
+        call: &Call,
+        token: Option<&Secret>,
+        attempt_no: i32,
+        at: UnixMs,
+    ) -> Result<i64, String> {
+        let key = rt.config.credential(&|var| std::env::var(var).ok());
+        let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
+        let intent = crate::store::NewIntent {
+            record_id: self.record.id,
+            step: self.step.name.clone(),
+            provider: Some(rt.name.clone()),
+            attempt_no,
+            node: Some(self.node.to_owned()),
+            sent_at: at,
+            request: Some(kept_request(rt, call, &secrets)),
         };
-        (
-            x,
-            SentRequest::of(&out, rt.config.credential_header(), &secrets),
-        )
+        self.intents.write(intent).await
     }
 
     /// The provider's OAuth2 token, when it uses one; without one the step

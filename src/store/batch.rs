@@ -249,6 +249,30 @@ impl<'a> AttemptJson<'a> {
     }
 }
 
+json_row!(IntentJson, INTENT_COLS {
+    record_id: i64 => Int,
+    step: &'a str => Text,
+    provider: Option<&'a str> => Text,
+    attempt_no: i32 => Int,
+    node: Option<&'a str> => Text,
+    sent_at: UnixMs => Int,
+    request: Option<String> => Text,
+});
+
+impl<'a> From<&'a crate::store::NewIntent> for IntentJson<'a> {
+    fn from(i: &'a crate::store::NewIntent) -> Self {
+        IntentJson {
+            record_id: i.record_id,
+            step: &i.step,
+            provider: i.provider.as_deref(),
+            attempt_no: i.attempt_no,
+            node: i.node.as_deref(),
+            sent_at: i.sent_at,
+            request: i.request.as_ref().map(|r| r.to_stored()),
+        }
+    }
+}
+
 json_row!(
     /// The worker-owned columns of a record, as `update_records` writes them.
     RecordUpdateJson, RECORD_UPDATE_COLS {

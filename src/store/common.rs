@@ -342,6 +342,7 @@ where
         let mut attempts = Vec::new();
         let mut callbacks = Vec::new();
         let mut confirms = Vec::new();
+        let mut intents = Vec::new();
         let mut events = Vec::with_capacity(commits.len());
         let mut deltas = CountDeltas::default();
         for (c, actor) in commits.iter().zip(&actors) {
@@ -398,6 +399,7 @@ where
             attempts.extend(c.attempts.iter().map(|a| (rec.id, a)));
             callbacks.extend(c.callbacks_done.iter().map(|id| (rec.id, *id, c.now)));
             confirms.extend(c.confirms.iter());
+            intents.extend(c.intents_done.iter().copied());
             moved.push(after.clone());
             results.push(Ok(after));
         }
@@ -412,6 +414,7 @@ where
                 .await?;
         }
         Self::update_records(&mut tx, &moved).await?;
+        Self::delete_intents(&mut tx, &intents).await?;
         Self::insert_events(&mut tx, &events).await?;
         Self::apply_counts(&mut tx, &deltas).await?;
         for p in confirms {
@@ -771,6 +774,73 @@ where
         }
         tx.commit().await?;
         Ok(moved)
+    }
+
+    async fn record_intents(&self, intents: &[crate::store::NewIntent]) -> StoreResult<Vec<i64>> {
+        if intents.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<super::batch::IntentJson<'_>> =
+            intents.iter().map(super::batch::IntentJson::from).collect();
+        let sql = super::batch::insert(
+            "attempt_intents",
+            super::batch::INTENT_COLS,
+            DB::DIALECT,
+            "RETURNING id, record_id, step, attempt_no",
+        );
+        let mut tx = self.begin_write().await?;
+        let returned = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind_json(&rows)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        let written = returned
+            .iter()
+            .map(|r| {
+                use sqlx::Row;
+                Ok((
+                    r.try_get::<i64, _>(0)?,
+                    r.try_get::<i64, _>(1)?,
+                    r.try_get::<String, _>(2)?,
+                    r.try_get::<i32, _>(3)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        // Matched by what they are, not by the order rows come back in.
+        intents
+            .iter()
+            .map(|i| {
+                written
+                    .iter()
+                    .find(|w| {
+                        (w.1, w.2.as_str(), w.3) == (i.record_id, i.step.as_str(), i.attempt_no)
+                    })
+                    .map(|w| w.0)
+                    .ok_or_else(|| StoreError::Invalid("an intent was not written".into()))
+            })
+            .collect()
+    }
+
+    async fn open_intents(&self, record_id: i64) -> StoreResult<Vec<crate::domain::Intent>> {
+        let sql = format!(
+            "SELECT {} FROM attempt_intents WHERE record_id = $1 ORDER BY id",
+            super::rows::INTENT_COLUMNS
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::intent)
+    }
+
+    async fn close_intents(&self, ids: &[i64]) -> StoreResult<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin_write().await?;
+        Self::delete_intents(&mut tx, ids).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn append_attempts(

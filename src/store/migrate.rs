@@ -38,6 +38,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     8 "0008_step_versions" "step_versions",
     9 "0009_step_confirmations" "step_confirmations",
     10 "0010_park_until" "park_until",
+    11 "0011_attempt_intents" "attempt_intents",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -50,6 +51,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     8 "0008_step_versions" "step_versions",
     9 "0009_step_confirmations" "step_confirmations",
     10 "0010_park_until" "park_until",
+    11 "0011_attempt_intents" "attempt_intents",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -236,6 +236,18 @@ pub struct NewAttempt {
     pub request: Option<crate::domain::request::SentRequest>,
 }
 
+/// A side-effecting call to write down before it leaves (`at_most_once`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewIntent {
+    pub record_id: i64,
+    pub step: String,
+    pub provider: Option<String>,
+    pub attempt_no: i32,
+    pub node: Option<String>,
+    pub sent_at: UnixMs,
+    pub request: Option<crate::domain::request::SentRequest>,
+}
+
 /// What a worker writes about a record it holds, in one transaction.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Commit {
@@ -259,6 +271,9 @@ pub struct Commit {
     pub confirms: Vec<crate::domain::confirm::Pending>,
     /// For a `Parked` result: when the record resumes by itself.
     pub park_until: Option<crate::domain::park::ParkUntil>,
+    /// Intents this pass's attempts complete (or found open and judged),
+    /// deleted with them.
+    pub intents_done: Vec<i64>,
 }
 
 impl Commit {
@@ -278,6 +293,7 @@ impl Commit {
             callbacks_done: Vec::new(),
             confirms: Vec::new(),
             park_until: None,
+            intents_done: Vec::new(),
         }
     }
 }
@@ -577,6 +593,22 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Applies a provider's reversal through the transition table, audited
     /// as a `reversed` event.
     fn reverse(&self, req: &ReverseRequest) -> impl Future<Output = StoreResult<Record>> + Send;
+
+    // --- intents (`at_most_once`) ----------------------------------------
+    /// Writes calls down before they leave, in one transaction (one
+    /// durable commit for the batch); their ids, in order.
+    fn record_intents(
+        &self,
+        intents: &[NewIntent],
+    ) -> impl Future<Output = StoreResult<Vec<i64>>> + Send;
+    /// The intents of a record still open, oldest first.
+    fn open_intents(
+        &self,
+        record_id: i64,
+    ) -> impl Future<Output = StoreResult<Vec<crate::domain::Intent>>> + Send;
+    /// Deletes intents whose attempts were kept outside a commit (a pass
+    /// that lost its lease appends its attempts).
+    fn close_intents(&self, ids: &[i64]) -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- history -------------------------------------------------------
     /// Appends attempts outside any lease: the history of exchanges made by
@@ -944,6 +976,9 @@ forward! {
     fn wake_record(&self, record_id: i64, now: UnixMs) -> ();
     fn reverse(&self, req: &ReverseRequest) -> Record;
     fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
+    fn record_intents(&self, intents: &[NewIntent]) -> Vec<i64>;
+    fn open_intents(&self, record_id: i64) -> Vec<crate::domain::Intent>;
+    fn close_intents(&self, ids: &[i64]) -> ();
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
     fn step_runs_of(&self, record_ids: &[i64]) -> Vec<StepRun>;
     fn claim_confirmations(&self, now: UnixMs, limit: u32, hold_until: UnixMs) -> Vec<crate::domain::confirm::Pending>;

@@ -29,6 +29,8 @@ pub(crate) const STEP_VERSION_COLUMNS: &str = "record_id, step, generation, stat
      started_at, finished_at, replaced_at, replaced_by";
 pub(crate) const ATTEMPT_COLUMNS: &str = "id, record_id, step, provider, attempt_no, node, started_at, \
      duration_ms, http_status, outcome, error_code, excerpt, request";
+pub(crate) const INTENT_COLUMNS: &str =
+    "id, record_id, step, provider, attempt_no, node, sent_at, request";
 pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
 pub(crate) const USER_COLUMNS: &str =
@@ -60,6 +62,8 @@ pub trait MapRow {
     fn confirmation(&self) -> StoreResult<crate::domain::confirm::Pending>;
     /// An `attempts` row, read with [`ATTEMPT_COLUMNS`].
     fn attempt(&self) -> StoreResult<Attempt>;
+    /// An `attempt_intents` row, read with [`INTENT_COLUMNS`].
+    fn intent(&self) -> StoreResult<crate::domain::Intent>;
     /// An `events` row, read with [`EVENT_COLUMNS`].
     fn event(&self) -> StoreResult<Event>;
     /// A `users` row, read with [`USER_COLUMNS`].
@@ -196,6 +200,21 @@ where
             outcome: parse(&self.try_get::<String, _>("outcome")?, "outcome")?,
             error_code: self.try_get("error_code")?,
             excerpt: self.try_get("excerpt")?,
+            request: self
+                .try_get::<Option<String>, _>("request")?
+                .and_then(|t| crate::domain::request::SentRequest::from_stored(&t)),
+        })
+    }
+
+    fn intent(&self) -> StoreResult<crate::domain::Intent> {
+        Ok(crate::domain::Intent {
+            id: self.try_get("id")?,
+            record_id: self.try_get("record_id")?,
+            step: self.try_get("step")?,
+            provider: self.try_get("provider")?,
+            attempt_no: self.try_get("attempt_no")?,
+            node: self.try_get("node")?,
+            sent_at: self.try_get("sent_at")?,
             request: self
                 .try_get::<Option<String>, _>("request")?
                 .and_then(|t| crate::domain::request::SentRequest::from_stored(&t)),

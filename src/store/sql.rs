@@ -301,6 +301,24 @@ where
         Ok(out)
     }
 
+    /// Deletes intents (their attempts are kept in the same transaction).
+    pub(crate) async fn delete_intents(tx: &mut Tx<DB>, ids: &[i64]) -> StoreResult<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let sql = format!(
+            "DELETE FROM attempt_intents WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{}",
+            DB::ANY_OF.0,
+            DB::DIALECT.rows(),
+            DB::ANY_OF.1
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind_json(ids)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
     /// Writes the worker-owned columns of records whose rows the
     /// transaction holds, in one statement.
     pub(crate) async fn update_records(tx: &mut Tx<DB>, records: &[Record]) -> StoreResult<()> {

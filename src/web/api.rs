@@ -166,17 +166,19 @@ async fn get_one(
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (steps, attempts, events, versions) = tokio::try_join!(
+    let (steps, attempts, events, versions, sent) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
         state.db.record_events(id),
-        state.db.step_versions(id)
+        state.db.step_versions(id),
+        state.db.open_intents(id)
     )?;
     Ok(Json(json!({
         "record": record,
         "steps": steps,
         "versions": versions,
         "attempts": attempts,
+        "sent": sent,
         "events": events,
     })))
 }

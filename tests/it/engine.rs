@@ -3744,3 +3744,162 @@ on_reversal = "record"
         "{ledger:?}"
     );
 }
+
+/// A charge provider that ignores idempotency keys, takes every charge, and
+/// then does not answer before the client's timeout: each call that
+/// reaches it is a charge. Returns its URL and its count of charges.
+async fn charging_then_stalling() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let charges = Arc::new(AtomicUsize::new(0));
+    let c = charges.clone();
+    let app = axum::Router::new().route(
+        "/v1/charge",
+        axum::routing::post(move || {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+                // The provider's latency: past the client's 500 ms timeout.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                axum::Json(json!({ "id": "ch", "status": "succeeded" }))
+            }
+        }),
+    );
+    (crate::helpers::serve_router(app).await, charges)
+}
+
+/// Issue 23 item 1, first slice: with `at_most_once`, a call is written
+/// down before it leaves; a timeout after it was sent parks the record
+/// `outcome_uncertain` with its request instead of sending it again (the
+/// provider charged once); a call left open by a node that stopped
+/// (an intent with no attempt) becomes an uncertain attempt at the next
+/// pass, nothing resent. The same provider without `at_most_once` is
+/// charged again by each retry: the difference is visible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
+    use std::sync::atomic::Ordering;
+    let t = TestDb::migrated(Backend::Sqlite, "at_most_once")
+        .await
+        .unwrap();
+    let (base, charges) = charging_then_stalling().await;
+    let retry = r#"retry = { max_attempts = 3, base = "10ms", cap = "10ms", deadline = "10m" }"#;
+    let config = single_step(&base, &format!("at_most_once = true\n{retry}"));
+    let (engine, clock) = manual_engine(&t.db, config, "m1").await;
+    let live = engine
+        .enqueue("pay", Some("live"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drain(&engine).await;
+    clock.advance(100);
+    drain(&engine).await;
+    let rec = t.db.get_record(live).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.error_code.as_deref()),
+        (RecordState::Parked, Some("outcome_uncertain"))
+    );
+    assert!(
+        rec.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("provider_timeout"),
+        "{rec:?}"
+    );
+    assert_eq!(
+        charges.load(Ordering::SeqCst),
+        1,
+        "charged once, never resent"
+    );
+    let attempts = t.db.attempts(live).await.unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].error_code.as_deref(), Some("provider_timeout"));
+    assert!(
+        attempts[0]
+            .request
+            .as_ref()
+            .is_some_and(|r| r.method == "POST")
+    );
+    assert!(
+        t.db.open_intents(live).await.unwrap().is_empty(),
+        "closed with its attempt"
+    );
+
+    // A node wrote a call down, sent it, and died before its reply: the
+    // next pass finds the intent open.
+    let crashed = engine
+        .enqueue("pay", Some("crashed"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let request = attempts[0].request.clone();
+    t.db.record_intents(&[ballast::store::NewIntent {
+        record_id: crashed,
+        step: "charge".into(),
+        provider: Some("sim".into()),
+        attempt_no: 1,
+        node: Some("node:gone".into()),
+        sent_at: clock.now_ms(),
+        request: request.clone(),
+    }])
+    .await
+    .unwrap();
+    let before = charges.load(Ordering::SeqCst);
+    clock.advance(10);
+    drain(&engine).await;
+    let rec = t.db.get_record(crashed).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.error_code.as_deref(), rec.step.as_deref()),
+        (
+            RecordState::Parked,
+            Some("outcome_uncertain"),
+            Some("charge")
+        )
+    );
+    assert_eq!(charges.load(Ordering::SeqCst), before, "nothing resent");
+    let attempts = t.db.attempts(crashed).await.unwrap();
+    assert_eq!(
+        attempts.len(),
+        1,
+        "the call that went out is in the history"
+    );
+    let a = &attempts[0];
+    assert_eq!(
+        (a.outcome, a.error_code.as_deref(), a.node.as_deref()),
+        (
+            ballast::domain::Outcome::Unknown,
+            Some("outcome_uncertain"),
+            Some("node:gone")
+        )
+    );
+    assert_eq!(a.request, request);
+    assert!(t.db.open_intents(crashed).await.unwrap().is_empty());
+
+    // Without `at_most_once`, each timeout is retried: charged again.
+    let t2 = TestDb::migrated(Backend::Sqlite, "at_least_once")
+        .await
+        .unwrap();
+    let (base2, charges2) = charging_then_stalling().await;
+    let (plain, clock2) = manual_engine(&t2.db, single_step(&base2, retry), "m2").await;
+    let id = plain
+        .enqueue("pay", Some("plain"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    for _ in 0..5 {
+        drain(&plain).await;
+        clock2.advance(100);
+    }
+    let rec = t2.db.get_record(id).await.unwrap().unwrap();
+    println!(
+        "without at_most_once: {} charges for one record ({:?})",
+        charges2.load(Ordering::SeqCst),
+        rec.state
+    );
+    assert_eq!(
+        charges2.load(Ordering::SeqCst),
+        3,
+        "every retry charged again"
+    );
+}

@@ -69,11 +69,75 @@ conformance!(
     a_group_cap_holds_for_concurrent_claimers,
     replaced_results_are_kept_as_versions,
     confirmations_are_held_and_settled,
+    intents_are_written_before_and_closed_with_their_attempts,
 );
 
 /// Confirmations after success (issue 19 item 6): written with a commit,
 /// taken when due by one claimer at a time (held until the hold ends),
 /// rescheduled or ended only for their own generation.
+/// `at_most_once`: calls written down before they leave, in one batch;
+/// listed while open; closed by the commit that keeps their attempts, or
+/// by `close_intents` for attempts kept outside one.
+async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
+    use ballast::store::NewIntent;
+    let mut recs = Vec::new();
+    for k in ["a", "b"] {
+        recs.push(
+            db.create_record(new_record("p", Some(k), T0), T0)
+                .await
+                .unwrap()
+                .record,
+        );
+    }
+    let intent = |rec: i64, n: i32| NewIntent {
+        record_id: rec,
+        step: "charge".into(),
+        provider: Some("acme".into()),
+        attempt_no: n,
+        node: Some("n1".into()),
+        sent_at: T0 + i64::from(n),
+        request: Some(ballast::domain::request::SentRequest {
+            method: "POST".into(),
+            url: "https://acme.example/v1/charge".into(),
+            headers: vec![("Idempotency-Key".into(), format!("k-{rec}-{n}"))],
+            body: Some(format!(r#"{{"n": {n}}}"#)),
+        }),
+    };
+    let batch = vec![
+        intent(recs[0].id, 1),
+        intent(recs[1].id, 1),
+        intent(recs[0].id, 2),
+    ];
+    let ids = db.record_intents(&batch).await.unwrap();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 3);
+    let open = db.open_intents(recs[0].id).await.unwrap();
+    assert_eq!(
+        open.iter()
+            .map(|i| (i.id, i.attempt_no))
+            .collect::<Vec<_>>(),
+        vec![(ids[0], 1), (ids[2], 2)]
+    );
+    assert_eq!(open[1].request, batch[2].request, "the request is kept");
+    assert_eq!(
+        (open[1].sent_at, open[1].node.as_deref()),
+        (T0 + 2, Some("n1"))
+    );
+    // A commit keeps the attempt and closes its intent, in one transaction.
+    let r = db.claim_due(&claim("w", T0, 2)).await.unwrap();
+    let held = r.iter().find(|x| x.id == recs[0].id).unwrap();
+    let mut c = Commit::new(held.lease().unwrap(), T0 + 5, None);
+    c.intents_done = vec![ids[0]];
+    db.commit(&c).await.unwrap();
+    let open = db.open_intents(recs[0].id).await.unwrap();
+    assert_eq!(open.iter().map(|i| i.id).collect::<Vec<_>>(), vec![ids[2]]);
+    // Attempts kept outside a commit close theirs apart.
+    db.close_intents(&[ids[2], ids[1]]).await.unwrap();
+    assert!(db.open_intents(recs[0].id).await.unwrap().is_empty());
+    assert!(db.open_intents(recs[1].id).await.unwrap().is_empty());
+    assert!(db.record_intents(&[]).await.unwrap().is_empty());
+}
+
 async fn confirmations_are_held_and_settled(db: &Db) {
     use ballast::domain::confirm::Pending;
     let rec = db

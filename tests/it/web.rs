@@ -1011,6 +1011,28 @@ async fn provider_data_renders_as_inert_text() {
             )
             .await
             .unwrap();
+        // A call sent with no reply kept yet (`at_most_once`) is shown too,
+        // its request as inert as an attempt's.
+        app.t
+            .db
+            .record_intents(&[ballast::store::NewIntent {
+                record_id: id,
+                step: "fetch".into(),
+                provider: Some("p".into()),
+                attempt_no: 2,
+                node: Some("node:gone".into()),
+                sent_at: crate::helpers::wall_ms(),
+                request: Some(ballast::domain::request::SentRequest {
+                    method: "POST".into(),
+                    url: format!("https://crm.example/{payload}"),
+                    headers: Vec::new(),
+                    body: Some(payload.into()),
+                }),
+            }])
+            .await
+            .unwrap();
+        let page = app.get(&format!("/records/{id}"), Some(&login)).await.text().await.unwrap();
+        assert!(page.contains("sent by node:gone; no reply kept yet"), "the open call is shown");
         let req = ActionRequest {
             record_id: id,
             action: OperatorAction::Park,

@@ -371,12 +371,29 @@ async fn record_page(
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (steps, attempts, events, replaced) = tokio::try_join!(
+    let (steps, attempts, events, replaced, open) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
         state.db.record_events(id),
-        state.db.step_versions(id)
+        state.db.step_versions(id),
+        state.db.open_intents(id)
     )?;
+    // Calls written down and sent with no reply kept yet (`at_most_once`),
+    // newest first above the attempts.
+    let sent = open.iter().rev().map(|i| AttemptView {
+        at: when(i.sent_at),
+        step: i.step.clone(),
+        attempt_no: i.attempt_no,
+        duration: "—".into(),
+        status: "—".into(),
+        outcome: "sent",
+        error_code: String::new(),
+        request: i.request.as_ref().map(request_text).unwrap_or_default(),
+        excerpt: format!(
+            "sent by {}; no reply kept yet: in flight, or its node stopped (then whether it took effect is not known)",
+            i.node.as_deref().unwrap_or("a node")
+        ),
+    });
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
     let replay_steps = match &state.engine {
@@ -413,23 +430,23 @@ async fn record_page(
                 finished: when_opt(s.finished_at),
             })
             .collect(),
-        attempts: attempts
-            .iter()
-            .rev()
-            .map(|a| AttemptView {
-                at: when(a.started_at),
-                step: a.step.clone(),
-                attempt_no: a.attempt_no,
-                duration: millis(a.duration_ms),
-                status: a
-                    .http_status
-                    .map(|s| s.to_string())
-                    .unwrap_or_else(|| "—".into()),
-                outcome: a.outcome.as_str(),
-                error_code: a.error_code.clone().unwrap_or_default(),
-                request: a.request.as_ref().map(request_text).unwrap_or_default(),
-                excerpt: a.excerpt.clone().unwrap_or_default(),
-            })
+        attempts: sent
+            .chain(attempts.iter().rev().map(|a| {
+                AttemptView {
+                    at: when(a.started_at),
+                    step: a.step.clone(),
+                    attempt_no: a.attempt_no,
+                    duration: millis(a.duration_ms),
+                    status: a
+                        .http_status
+                        .map(|s| s.to_string())
+                        .unwrap_or_else(|| "—".into()),
+                    outcome: a.outcome.as_str(),
+                    error_code: a.error_code.clone().unwrap_or_default(),
+                    request: a.request.as_ref().map(request_text).unwrap_or_default(),
+                    excerpt: a.excerpt.clone().unwrap_or_default(),
+                }
+            }))
             .collect(),
         events: events
             .iter()
