@@ -75,6 +75,23 @@ pub struct StepConfig {
     /// without it keep their hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub confirm: Option<ConfirmConfig>,
+    /// For a job step of an `at_most_once` provider: how to ask whether a
+    /// submit whose outcome is not known took effect (found: the step
+    /// follows that job; a 2xx without it: the submit is sent again).
+    /// Not written into a pinned definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup: Option<LookupConfig>,
+}
+
+/// `lookup = { path = "/v1/jobs?client_reference={{ key }}", job_id = "/data/0/id" }`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LookupConfig {
+    #[serde(default = "defaults::get")]
+    pub method: String,
+    pub path: String,
+    /// JSON pointer to the found job's id in the lookup's reply.
+    pub job_id: String,
 }
 
 /// `confirm = { after = "30s", times = 2 }`, and for a synchronous step
@@ -92,7 +109,9 @@ pub struct ConfirmConfig {
 }
 
 /// The call: method, path under the provider's base URL, headers and body,
-/// each a template over `input`, `steps.<name>.output` and `record`.
+/// each a template over `input`, `steps.<name>.output`, `record` and
+/// `key` (the step's stable key: its idempotency key, one per record, step
+/// and generation, for a provider's client-reference field).
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RequestConfig {

@@ -243,6 +243,7 @@ mod tests {
                 on_reversal: crate::domain::ReversalPolicy::Park,
                 confirm: None,
                 confirm_request: None,
+                lookup: None,
             })
             .collect()
     }

@@ -123,6 +123,19 @@ pub struct Step {
     /// The request a confirmation makes, when not the job's poll (a
     /// synchronous step's, over `output` as well).
     pub confirm_request: Option<RequestSpec>,
+    /// How to ask the provider whether a call whose outcome is not known
+    /// took effect (`at_most_once`; job steps only).
+    pub lookup: Option<Lookup>,
+}
+
+/// `lookup = { path = "/v1/jobs?client_reference={{ key }}", job_id = "/data/0/id" }`:
+/// a request that finds the job a submit made, if it made one.
+#[derive(Debug, Clone)]
+pub struct Lookup {
+    pub request: RequestSpec,
+    /// JSON pointer to the found job's id in the lookup's reply; absent in
+    /// a 2xx reply means the call did not take effect.
+    pub job_id: String,
 }
 
 /// `confirm`: `times` polls after a success, `after` apart.

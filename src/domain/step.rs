@@ -57,7 +57,22 @@ pub fn uncertain(reply: &Reply, outcome: Outcome) -> bool {
 /// sent again blindly. A required step parks its record
 /// `outcome_uncertain` for a person, with `evidence` in the reason; an
 /// optional one fails alone.
-pub fn uncertain_outcome(step: &Step, write: StepWrite, evidence: &str, now: UnixMs) -> Decision {
+pub fn uncertain_outcome(
+    step: &Step,
+    mut write: StepWrite,
+    evidence: &str,
+    now: UnixMs,
+) -> Decision {
+    if step.lookup.is_some() && write.job_id.is_none() {
+        // Its lookup asks the provider at the next pass.
+        write.state = StepState::Retrying;
+        write.error_code = Some(super::OUTCOME_UNCERTAIN.into());
+        write.reason = Some(format!(
+            "the provider may have taken the call ({evidence}): asking it (lookup) instead of sending it again"
+        ));
+        write.next_run_at = Some(now + 1);
+        return Decision::keep(write);
+    }
     let reason = format!(
         "the provider may have taken the call ({evidence}); it is not sent again \
          (at_most_once): ask the provider, then mark it done or send it again"
@@ -128,6 +143,9 @@ pub struct Planned {
     pub polling: bool,
     /// The call repeats a failed one (it draws on the retry budget).
     pub is_retry: bool,
+    /// The call asks whether an earlier call whose outcome is not known
+    /// took effect (`lookup`; spends no attempt, as a poll).
+    pub lookup: bool,
 }
 
 /// What the reply said, as the decision needs it.
@@ -276,12 +294,99 @@ pub fn before_call(
             return Before::Settled(park_or_fail(step, w, "deadline_passed", reason, now));
         }
     }
+    // A call whose outcome is not known is looked up, not sent again.
+    let lookup = looking_up(step, &w);
+    let polling = polling || lookup;
     let is_retry = !polling && w.attempts > 0;
     Before::Call(Planned {
         write: w,
         polling,
         is_retry,
+        lookup,
     })
+}
+
+/// Whether the step's next call asks the provider, by its `lookup`,
+/// whether an earlier call took effect: its outcome is not known and no
+/// job was seen.
+pub fn looking_up(step: &Step, w: &StepWrite) -> bool {
+    step.lookup.is_some()
+        && w.job_id.is_none()
+        && w.error_code.as_deref() == Some(super::OUTCOME_UNCERTAIN)
+}
+
+/// What a lookup's reply says: the job it found (the call took effect:
+/// the step follows that job, nothing sent again), that there is none (a
+/// 2xx without it: the call did not take effect, so it is sent again now),
+/// or nothing clear (asked again after the backoff; the step's deadline
+/// bounds it).
+pub fn after_lookup(
+    step: &Step,
+    plan: Planned,
+    reply: &ReplyFacts<'_>,
+    policy: &RetryPolicy,
+    after: UnixMs,
+    jitter: f64,
+) -> Judged {
+    let mut w = plan.write;
+    let answered =
+        reply.http_status.is_some_and(|s| (200..300).contains(&s)) && reply.json.is_some();
+    let found = step
+        .lookup
+        .as_ref()
+        .and_then(|l| job_id_in(reply.json, &l.job_id));
+    match (answered, found) {
+        (true, Some(id)) => {
+            let mut w = submitted(step, w, id.clone(), after);
+            w.reason = Some(format!(
+                "the call took effect: the provider has job {id} (lookup)"
+            ));
+            judged(
+                Decision::keep(w),
+                Outcome::Success,
+                Some("lookup_found".into()),
+                BudgetMove::None,
+            )
+        }
+        (true, None) => {
+            w.state = StepState::Retrying;
+            w.error_code = None;
+            w.reason = Some(
+                "the call did not take effect (lookup found nothing): sending it again".into(),
+            );
+            w.next_run_at = Some(after);
+            judged(
+                Decision::keep(w),
+                Outcome::Success,
+                Some("lookup_not_found".into()),
+                BudgetMove::None,
+            )
+        }
+        (false, _) => {
+            w.unknowns += 1;
+            let wait = policy.backoff.delay(w.unknowns.max(1) as u32, jitter);
+            w.next_run_at = Some(after + ms(wait));
+            w.reason = Some(format!(
+                "asking the provider whether the call took effect: the lookup got no clear answer ({})",
+                reply
+                    .error_code
+                    .map(str::to_owned)
+                    .or_else(|| reply.http_status.map(|s| format!("HTTP {s}")))
+                    .unwrap_or_else(|| "no status".into())
+            ));
+            let outcome = if reply.outcome == Outcome::Throttled {
+                Outcome::Throttled
+            } else {
+                Outcome::Retry
+            };
+            judged(
+                Decision::keep(w),
+                outcome,
+                reply.error_code.map(str::to_owned),
+                BudgetMove::None,
+            )
+        }
+    }
 }
 
 /// A request template that cannot render will not render next time: the
@@ -341,6 +446,7 @@ pub fn after_reply(
         write: mut w,
         polling,
         is_retry,
+        ..
     } = plan;
     let mut outcome = reply.outcome;
     let mut code = reply.error_code.map(str::to_owned);
@@ -731,6 +837,96 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn an_uncertain_call_is_looked_up_or_parked_never_resent() {
+        use crate::domain::pipeline::Lookup;
+        use crate::domain::rules::ReplyError;
+        assert!(uncertain(
+            &Reply::Failed(ReplyError::Timeout),
+            Outcome::Retry
+        ));
+        assert!(uncertain(&Reply::Failed(ReplyError::Reset), Outcome::Retry));
+        assert!(!uncertain(
+            &Reply::Failed(ReplyError::Connect),
+            Outcome::Retry
+        ));
+        let said = Reply::Http {
+            status: 503,
+            json: None,
+            body_error: None,
+            retry_after: false,
+        };
+        assert!(
+            !uncertain(&said, Outcome::Retry),
+            "the provider said what happened"
+        );
+        assert!(uncertain(&said, Outcome::Unknown));
+        // Without a lookup: parked for a person, nothing due.
+        let plain = step(1, true, &[], 1_000, 60_000);
+        let mut w = StepWrite::pending("s");
+        w.attempts = 1;
+        let d = uncertain_outcome(&plain, w.clone(), "provider_timeout", 5);
+        assert_eq!(
+            d.park.as_ref().map(|p| p.code.as_str()),
+            Some(crate::domain::OUTCOME_UNCERTAIN)
+        );
+        assert_eq!(d.write.next_run_at, None);
+        // With one: asked next, as a lookup that spends no attempt.
+        let mut looked = plain.clone();
+        looked.lookup = Some(Lookup {
+            request: request(),
+            job_id: "/data/0/id".into(),
+        });
+        let d = uncertain_outcome(&looked, w, "provider_timeout", 5);
+        assert!(d.park.is_none());
+        let p = policy(5, 3, 60_000);
+        let Before::Call(plan) = before_call(&looked, &d.write, "p", false, &p, 6) else {
+            panic!("a call")
+        };
+        assert!(plan.lookup && plan.polling && !plan.is_retry);
+        let facts = |status, json| ReplyFacts {
+            outcome: Outcome::Success,
+            error_code: None,
+            json,
+            http_status: Some(status),
+            retry_after: None,
+        };
+        // Found: the step follows that job.
+        let found = json!({ "data": [{ "id": "job-7" }] });
+        let j = after_lookup(
+            &looked,
+            plan.clone(),
+            &facts(200, Some(&found)),
+            &p,
+            10,
+            0.5,
+        );
+        assert_eq!(j.error_code.as_deref(), Some("lookup_found"));
+        assert_eq!(
+            (j.decision.write.state, j.decision.write.job_id.as_deref()),
+            (StepState::Waiting, Some("job-7"))
+        );
+        // A 2xx without it: sent again now, as a retry.
+        let none = json!({ "data": [] });
+        let j = after_lookup(&looked, plan.clone(), &facts(200, Some(&none)), &p, 10, 0.5);
+        assert_eq!(j.error_code.as_deref(), Some("lookup_not_found"));
+        let w = &j.decision.write;
+        assert_eq!(
+            (w.state, w.error_code.as_deref(), w.next_run_at),
+            (StepState::Retrying, None, Some(10))
+        );
+        assert!(!looking_up(&looked, w));
+        // Nothing clear: asked again later, still uncertain.
+        let j = after_lookup(&looked, plan, &facts(503, None), &p, 10, 0.5);
+        let w = &j.decision.write;
+        assert_eq!(
+            w.error_code.as_deref(),
+            Some(crate::domain::OUTCOME_UNCERTAIN)
+        );
+        assert!(w.next_run_at.is_some_and(|t| t > 10) && looking_up(&looked, w));
+        assert!(j.decision.park.is_none());
+    }
+
+    #[test]
     fn an_outage_defers_or_parks_until_the_provider_is_healthy_spending_nothing() {
         use crate::domain::park::{OutagePolicy, ParkUntil};
         let mut w = StepWrite::pending("s");
@@ -811,6 +1007,7 @@ mod tests {
             on_reversal: crate::domain::ReversalPolicy::Park,
             confirm: None,
             confirm_request: None,
+            lookup: None,
         }
     }
 

@@ -403,15 +403,26 @@ impl StepRun<'_> {
             http_status: x.http_status,
             retry_after: x.retry_after,
         };
-        let mut judged = after_reply(
-            self.step,
-            plan,
-            &facts,
-            &policy,
-            now,
-            after,
-            fastrand::f64(),
-        );
+        let mut judged = if plan.lookup {
+            crate::domain::step::after_lookup(
+                self.step,
+                plan,
+                &facts,
+                &policy,
+                after,
+                fastrand::f64(),
+            )
+        } else {
+            after_reply(
+                self.step,
+                plan,
+                &facts,
+                &policy,
+                now,
+                after,
+                fastrand::f64(),
+            )
+        };
         if at_most_once && crate::domain::step::uncertain(&x.reply, c.outcome) {
             let evidence = judged
                 .error_code
@@ -457,6 +468,7 @@ impl StepRun<'_> {
             write: self.write.clone(),
             polling: true,
             is_retry: false,
+            lookup: false,
         };
         let later =
             |out: StepOutput| Asked::Later(out.write.next_run_at.unwrap_or(self.now + 1_000));
@@ -924,8 +936,9 @@ impl StepRun<'_> {
         plan: &Planned,
         token: Option<&Secret>,
     ) -> Result<Call, String> {
-        let spec: &RequestSpec = match (self.step.poll(), plan.polling) {
-            (Some(p), true) => &p.request,
+        let spec: &RequestSpec = match (self.step.poll(), plan.polling, &self.step.lookup) {
+            (_, true, Some(l)) if plan.lookup => &l.request,
+            (Some(p), true, _) => &p.request,
             _ => &self.step.request,
         };
         self.build_call_of(rt, spec, plan, token)
@@ -941,8 +954,17 @@ impl StepRun<'_> {
         token: Option<&Secret>,
     ) -> Result<Call, String> {
         let mut ctx = self.ctx.clone();
-        if let (Some(job), Some(obj)) = (&plan.write.job_id, ctx.as_object_mut()) {
-            obj.insert("job_id".into(), json!(job));
+        let key = idempotency_key(
+            self.installation,
+            self.record.id,
+            &self.step.name,
+            plan.write.generation,
+        );
+        if let Some(obj) = ctx.as_object_mut() {
+            obj.insert("key".into(), json!(key));
+            if let Some(job) = &plan.write.job_id {
+                obj.insert("job_id".into(), json!(job));
+            }
         }
         let render = |id: &str| {
             self.templates
@@ -967,12 +989,6 @@ impl StepRun<'_> {
             headers.push((src.header().to_owned(), format!("Bearer {}", t.expose())));
         }
         if spec.method != crate::pipeline::HttpMethod::Get {
-            let key = idempotency_key(
-                self.installation,
-                self.record.id,
-                &self.step.name,
-                plan.write.generation,
-            );
             headers.push(("Idempotency-Key".into(), key));
         }
         let body = match &spec.body {

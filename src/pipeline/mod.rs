@@ -320,6 +320,27 @@ fn compile_step(
             (Some(spec), request)
         }
     };
+    let lookup = match &s.lookup {
+        None => None,
+        Some(_) if matches!(kind, StepKind::Request) => {
+            return Err(invalid(
+                key("lookup"),
+                "finds a job a submit made: give it to a `submit_poll` or `callback` step".into(),
+            ));
+        }
+        Some(l) => {
+            check_pointer(&l.job_id).map_err(|m| invalid(key("lookup.job_id"), m))?;
+            Some(crate::domain::pipeline::Lookup {
+                request: RequestSpec {
+                    method: method(&l.method, "lookup.method")?,
+                    path: tpl_in("lookup.path", &l.path, false, false)?,
+                    headers: Vec::new(),
+                    body: None,
+                },
+                job_id: l.job_id.clone(),
+            })
+        }
+    };
     for (out, pointer) in &s.outputs {
         check_pointer(pointer).map_err(|m| invalid(key(&format!("outputs.{out}")), m))?;
     }
@@ -335,6 +356,7 @@ fn compile_step(
         on_reversal: s.on_reversal,
         confirm,
         confirm_request,
+        lookup,
     })
 }
 

@@ -1,5 +1,6 @@
 //! Request templates (minijinja): URL paths, headers and bodies rendered
-//! over `input`, `steps.<name>.output`, `record` and, for polls, `job_id`.
+//! over `input`, `steps.<name>.output`, `record`, `key` (the step's stable
+//! key) and, for polls, `job_id`; a confirmation's also over `output`.
 //! Undefined variables are errors, never empty strings, and rendering is
 //! bounded by fuel so a template cannot spin.
 
@@ -26,7 +27,7 @@ pub enum TemplateError {
     #[error("{0}")]
     Syntax(String),
     #[error(
-        "refers to `{0}`, which is not available here (use `input`, `steps.<upstream step>.output`, `record`{1})"
+        "refers to `{0}`, which is not available here (use `input`, `steps.<upstream step>.output`, `record`, `key`{1})"
     )]
     UnknownVariable(String, &'static str),
     #[error("refers to step `{0}`, which is not upstream of this step: add it to `needs`")]
@@ -90,7 +91,9 @@ impl Templates {
         for var in vars {
             let mut parts = var.split('.');
             match parts.next().unwrap_or("") {
-                "input" | "record" => {}
+                // The step's stable key (its idempotency key, one per
+                // record, step and generation): a client reference.
+                "input" | "record" | "key" => {}
                 // Functions the environment provides (`range`, `dict`…).
                 root if self.env.globals().any(|(g, _)| g == root) => {}
                 "job_id" if scope.job_id => {}

@@ -705,7 +705,7 @@ fn the_examples_load() {
         .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
     files.sort();
-    assert_eq!(files.len(), 3, "{files:?}");
+    assert_eq!(files.len(), 4, "{files:?}");
     let env = |v: &str| {
         !v.starts_with("BALLAST_")
             && (v.ends_with("_KEY") || v.ends_with("_TOKEN") || v.ends_with("_SECRET"))
@@ -730,6 +730,7 @@ fn the_examples_load() {
                 ("TRANSCRIBE_TOKEN", "t"),
                 ("KYC_TOKEN", "t"),
                 ("KYC_HOOK_SECRET", "s"),
+                ("RENDER_TOKEN", "t"),
             ],
             &["check-config", "--config", f.to_str().unwrap()],
         );

@@ -3903,3 +3903,152 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
         "every retry charged again"
     );
 }
+
+/// A job provider that ignores idempotency keys and can be found by client
+/// reference. A first submit with `"mode": "took"` creates its job and then
+/// stalls past the client's timeout (it took effect, nobody heard); one with
+/// `"mode": "lost"` stalls without creating anything. Any later submit
+/// creates its job and answers at once. Jobs are done when polled.
+/// Returns the URL and every job created, as (id, client reference).
+async fn lookup_provider() -> (String, Arc<std::sync::Mutex<Vec<(String, String)>>>) {
+    use axum::extract::{Path as UrlPath, Query};
+    let jobs = Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
+    let seen = Arc::new(std::sync::Mutex::new(
+        std::collections::HashSet::<String>::new(),
+    ));
+    let (j1, j2) = (jobs.clone(), jobs.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/jobs",
+            axum::routing::post(move |axum::Json(body): axum::Json<serde_json::Value>| {
+                let (jobs, seen) = (j1.clone(), seen.clone());
+                async move {
+                    let r = body["client_reference"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
+                    let first = seen.lock().unwrap().insert(r.clone());
+                    let mode = body["mode"].as_str().unwrap_or_default().to_owned();
+                    let make = |jobs: &std::sync::Mutex<Vec<(String, String)>>| {
+                        let mut j = jobs.lock().unwrap();
+                        let id = format!("job-{}", j.len() + 1);
+                        j.push((id.clone(), r.clone()));
+                        id
+                    };
+                    if first {
+                        if mode == "took" {
+                            make(&jobs);
+                        }
+                        // The provider's latency: past the client's timeout.
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        return axum::Json(json!({ "status": "late" }));
+                    }
+                    let id = make(&jobs);
+                    axum::Json(json!({ "id": id, "status": "queued" }))
+                }
+            })
+            .get(move |Query(q): Query<HashMap<String, String>>| async move {
+                let r = q.get("client_reference").cloned().unwrap_or_default();
+                let data: Vec<_> = j2
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(_, reference)| *reference == r)
+                    .map(|(id, _)| json!({ "id": id }))
+                    .collect();
+                axum::Json(json!({ "data": data }))
+            }),
+        )
+        .route(
+            "/v1/jobs/{id}",
+            axum::routing::get(move |UrlPath(id): UrlPath<String>| async move {
+                axum::Json(json!({ "id": id, "status": "succeeded", "result": { "job": id } }))
+            }),
+        );
+    (crate::helpers::serve_router(app).await, jobs)
+}
+
+/// Issue 23 items 2 and 3: an `at_most_once` job step whose submit's
+/// outcome is not known asks the provider by its `lookup` (the client
+/// reference is `{{ key }}`, stable per record and step generation): found
+/// → it follows that job, nothing sent again; not found → it submits again.
+/// Either way the provider made exactly one job per record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncertain_submit_is_looked_up_not_resent() {
+    let t = TestDb::migrated(Backend::Sqlite, "lookup").await.unwrap();
+    let (base, jobs) = lookup_provider().await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "500ms"
+at_most_once = true
+retry = {{ max_attempts = 5, base = "50ms", cap = "50ms", deadline = "10m" }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "queued" }}
+outcome = "pending"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.render.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"client_reference": "{{{{ key }}}}", "mode": "{{{{ input.mode }}}}"}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
+lookup = {{ path = "/v1/jobs?client_reference={{{{ key | urlencode }}}}", job_id = "/data/0/id" }}
+outputs = {{ job = "/result/job" }}
+"#
+    );
+    let config = Arc::new(Config::parse(&text, Path::new("lookup.toml")).unwrap());
+    config.validate(&|_| None).unwrap();
+    let (engine, clock) = manual_engine(&t.db, config, "l1").await;
+    let mut ids = HashMap::new();
+    for mode in ["took", "lost"] {
+        let r = engine
+            .enqueue("render", Some(mode), json!({ "mode": mode }))
+            .await
+            .unwrap();
+        ids.insert(mode, r.record.id);
+    }
+    for _ in 0..40 {
+        drain(&engine).await;
+        clock.advance(250);
+    }
+    let jobs = jobs.lock().unwrap().clone();
+    for (mode, id) in &ids {
+        let rec = t.db.get_record(*id).await.unwrap().unwrap();
+        assert_eq!(rec.state, RecordState::Succeeded, "{mode}: {rec:?}");
+        let codes: Vec<String> =
+            t.db.attempts(*id)
+                .await
+                .unwrap()
+                .iter()
+                .filter_map(|a| a.error_code.clone())
+                .collect();
+        let want = if *mode == "took" {
+            "lookup_found"
+        } else {
+            "lookup_not_found"
+        };
+        assert!(codes.iter().any(|c| c == want), "{mode}: {codes:?}");
+        assert!(
+            codes.iter().any(|c| c == "provider_timeout"),
+            "{mode}: {codes:?}"
+        );
+        let run = t.db.step_runs(*id).await.unwrap().remove(0);
+        let made: Vec<_> = jobs
+            .iter()
+            .filter(|(_, r)| *r == run.idempotency_key)
+            .collect();
+        assert_eq!(
+            made.len(),
+            1,
+            "{mode}: one job for the record, its reference its key: {jobs:?}"
+        );
+        assert_eq!(run.job_id.as_deref(), Some(made[0].0.as_str()));
+    }
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+}
