@@ -170,15 +170,19 @@ pub enum OperatorAction {
     Cancel,
     /// Re-run a chosen step and everything after it (may pay again).
     ReplayFrom,
+    /// A call whose outcome was not known did take effect: continue with
+    /// the job the provider made (an operator checked), nothing sent again.
+    TookEffect,
 }
 
 impl OperatorAction {
-    pub const ALL: [OperatorAction; 5] = [
+    pub const ALL: [OperatorAction; 6] = [
         OperatorAction::Retry,
         OperatorAction::Park,
         OperatorAction::Resume,
         OperatorAction::Cancel,
         OperatorAction::ReplayFrom,
+        OperatorAction::TookEffect,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -188,6 +192,7 @@ impl OperatorAction {
             OperatorAction::Resume => "resume",
             OperatorAction::Cancel => "cancel",
             OperatorAction::ReplayFrom => "replay",
+            OperatorAction::TookEffect => "took_effect",
         }
     }
 }
@@ -334,7 +339,7 @@ pub fn transition(from: RecordState, trigger: Trigger) -> Result<RecordState, Tr
                 (A::Retry, S::Parked | S::Failed | S::Retrying) => Ok(S::Pending),
                 // Parking a parked record sets (or clears) its condition.
                 (A::Park, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Parked),
-                (A::Resume, S::Parked) => Ok(S::Pending),
+                (A::Resume | A::TookEffect, S::Parked) => Ok(S::Pending),
                 (A::Cancel, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Cancelled),
                 (A::ReplayFrom, S::Succeeded | S::Failed | S::Parked | S::Cancelled) => {
                     Ok(S::Pending)

@@ -102,6 +102,12 @@ impl<'a> Ops<'a> {
         step: Option<&str>,
         until: Option<&str>,
     ) -> Result<Record, OpsError> {
+        if action == OperatorAction::TookEffect {
+            return Err(OpsError::refused(
+                "job_id_required",
+                "`took_effect` names the job the provider made (`job_id`)",
+            ));
+        }
         if action == OperatorAction::Park && reason.is_none() {
             return Err(OpsError::refused(
                 "reason_required",
@@ -144,11 +150,69 @@ impl<'a> Ops<'a> {
                     now: self.clock.now_ms(),
                     steps: Vec::new(),
                     until,
+                    job_id: None,
                 };
                 self.db.act(&req).await?
             }
         };
         tracing::info!(record.id = id, action = %action, actor, "operator action");
+        Ok(rec)
+    }
+
+    /// A call whose outcome was not known (`outcome_uncertain`) did take
+    /// effect, the operator found with the provider: the step follows
+    /// `job_id`, nothing sent again; audited as `took_effect`.
+    pub async fn took_effect(
+        &self,
+        id: i64,
+        actor: &str,
+        reason: Option<String>,
+        job_id: &str,
+    ) -> Result<Record, OpsError> {
+        let runs = self.db.step_runs(id).await?;
+        let Some(run) = runs.iter().find(|r| {
+            r.job_id.is_none() && r.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
+        }) else {
+            return Err(OpsError::refused(
+                "nothing_uncertain",
+                "this record has no call whose outcome is uncertain",
+            ));
+        };
+        if let (Some(engine), Some(rec)) = (self.engine, self.db.get_record(id).await?) {
+            let is_job = engine
+                .step_of(&rec, &run.step)
+                .await
+                .is_some_and(|s| s.job_pointer().is_some());
+            if !is_job {
+                return Err(OpsError::refused(
+                    "not_a_job_step",
+                    format!(
+                        "step `{}` makes no job to follow: retry it (it may charge again) or cancel",
+                        run.step
+                    ),
+                ));
+            }
+        }
+        let req = ActionRequest {
+            record_id: id,
+            action: OperatorAction::TookEffect,
+            actor: actor.to_owned(),
+            reason,
+            now: self.clock.now_ms(),
+            steps: vec![run.step.clone()],
+            until: None,
+            job_id: Some(job_id.to_owned()),
+        };
+        let rec = self.db.act(&req).await?;
+        if let Some(engine) = self.engine {
+            engine.wake();
+        }
+        tracing::info!(
+            record.id = id,
+            actor,
+            job.id = job_id,
+            "operator: the call took effect"
+        );
         Ok(rec)
     }
 
@@ -266,10 +330,12 @@ impl<'a> Ops<'a> {
         apply: bool,
     ) -> BulkOutcome {
         // Parking a parked record sets its condition: one record at a
-        // time, never in bulk (that would erase what each waits for).
+        // time, never in bulk (that would erase what each waits for); and
+        // "it took effect" names one record's job.
         let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets.iter().partition(|r| {
             transition(r.state, Trigger::Operator(action)).is_ok()
                 && !(action == OperatorAction::Park && r.state == RecordState::Parked)
+                && action != OperatorAction::TookEffect
         });
         let mut failed = Vec::new();
         if apply {
@@ -380,12 +446,20 @@ impl Engine {
             now: i.clock.now_ms(),
             steps,
             until,
+            job_id: None,
         };
         let after = i.db.act(&req).await?;
         if after.next_run_at.is_some() {
             i.wake.notify_one();
         }
         Ok(after)
+    }
+
+    /// The definition of step `name` in the pipeline `rec` runs on.
+    pub(super) async fn step_of(&self, rec: &Record, name: &str) -> Option<crate::pipeline::Step> {
+        self.compiled(rec)
+            .await
+            .and_then(|c| c.0.step(name).cloned())
     }
 
     /// The steps a retry runs again for a record parked by a reversal: each

@@ -514,6 +514,7 @@ where
                 now: req.now,
                 steps: Vec::new(),
                 until: None,
+                job_id: None,
             };
             let moved = Self::act_locked(
                 &mut tx,

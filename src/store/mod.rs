@@ -360,6 +360,9 @@ pub struct ActionRequest {
     /// For `Park`: when the record resumes by itself (`None`: a human
     /// decides). Refused with any other action.
     pub until: Option<crate::domain::park::ParkUntil>,
+    /// For `TookEffect`: the job the provider made for the step named in
+    /// `steps`.
+    pub job_id: Option<String>,
 }
 
 /// Parked records whose condition holds, to resume (as the system).

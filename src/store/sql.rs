@@ -8,7 +8,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
 
-use super::backend::{BindJson, SqlDb};
+use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::batch;
 use super::counts::CountDeltas;
 use super::rows::{MapRow, RECORD_COLUMNS, map_all};
@@ -638,6 +638,43 @@ where
                 .execute(&mut **tx)
                 .await?;
             }
+            // An operator checked with the provider: the call whose
+            // outcome was not known made this job; the step follows it.
+            OperatorAction::TookEffect => {
+                let (Some(step), Some(job)) = (req.steps.first(), req.job_id.as_deref()) else {
+                    return Err(StoreError::Invalid(
+                        "`took_effect` needs the step and the job the provider made".into(),
+                    ));
+                };
+                crate::store::refuse_nul("job id", Some(job))?;
+                if job.trim().is_empty() || job.len() > 200 {
+                    return Err(StoreError::Invalid(
+                        "give the provider's job id (1 to 200 characters)".into(),
+                    ));
+                }
+                let done = sqlx::query(
+                    "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
+                     reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
+                     WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6",
+                )
+                .bind(job.trim().to_owned())
+                .bind(format!(
+                    "the call took effect: job {} (by {})",
+                    job.trim(),
+                    req.actor
+                ))
+                .bind(req.now)
+                .bind(rec.id)
+                .bind(step.clone())
+                .bind(crate::domain::OUTCOME_UNCERTAIN)
+                .execute(&mut **tx)
+                .await?;
+                if done.rows_affected() != 1 {
+                    return Err(StoreError::Invalid(format!(
+                        "step `{step}` has no call whose outcome is uncertain"
+                    )));
+                }
+            }
             OperatorAction::Park | OperatorAction::Cancel => {}
         }
         let next = to.is_scheduled().then_some(req.now);
@@ -648,6 +685,9 @@ where
             }
             (OperatorAction::Park, Some(until)) => Some(until.detail()),
             (OperatorAction::Resume, _) => condition.map(ParkUntil::detail),
+            (OperatorAction::TookEffect, _) => {
+                Some(serde_json::json!({ "step": req.steps.first(), "job_id": req.job_id }))
+            }
             _ => None,
         };
         // Parking and cancelling keep the last error code for

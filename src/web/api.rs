@@ -191,6 +191,8 @@ struct ActBody {
     step: Option<String>,
     /// For `park`: `never`, `provider`, a duration (`2h`) or a UTC time.
     until: Option<String>,
+    /// For `took_effect`: the job the provider made.
+    job_id: Option<String>,
 }
 
 async fn act(
@@ -201,6 +203,13 @@ async fn act(
 ) -> WebResult<Json<Value>> {
     let action = Ops::parse_action(&body.action)?;
     let reason = body.reason.filter(|r| !r.trim().is_empty());
+    if let (crate::domain::OperatorAction::TookEffect, Some(job)) = (action, &body.job_id) {
+        let record = state
+            .ops()
+            .took_effect(id, &caller.actor, reason, job)
+            .await?;
+        return Ok(Json(json!({ "record": record })));
+    }
     let record = state
         .ops()
         .act(

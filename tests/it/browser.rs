@@ -221,6 +221,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             now,
             steps: Vec::new(),
             until: None,
+            job_id: None,
         })
         .await
         .unwrap();
@@ -373,6 +374,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
             until: None,
+            job_id: None,
         })
         .await
         .unwrap();
@@ -753,6 +755,7 @@ async fn two_versions(app: &WebApp) -> i64 {
                 now: later,
                 steps: vec!["enrich".into()],
                 until: None,
+                job_id: None,
             };
             app.t.db.act(&replay).await.unwrap();
         }
@@ -878,5 +881,103 @@ breaker = { window = 10, min_calls = 4, failure_rate = 0.5, open_for = "1s", pro
     let later = app.t.db.get_record(by_hand).await.unwrap().unwrap();
     assert_eq!(later.state, ballast::domain::RecordState::Parked);
     sim.stop();
+    d.client.clone().close().await.unwrap();
+}
+
+/// Issue 23 in the browser: an `at_most_once` submit that timed out after
+/// the provider took it parks `outcome_uncertain`; the record page shows
+/// the ambiguous attempt with its request and offers the two choices:
+/// "it took effect" with the provider's job id (then the step follows that
+/// job: nothing sent again) and a retry warned that it may charge twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncertain_call_offers_the_operator_its_two_choices() {
+    let Some(d) = driver("browser_uncertain").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "browser_uncertain", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let (base, jobs) = crate::engine::lookup_provider().await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "500ms"
+at_most_once = true
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[pipelines.render.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"client_reference": "{{{{ key }}}}", "mode": "took"}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
+"#
+    );
+    let config = ballast::config::Config::parse(&text, std::path::Path::new("u.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let (engine, clock) =
+        crate::engine::manual_engine(&app.t.db, std::sync::Arc::new(config), "bu").await;
+    let id = engine
+        .enqueue("render", Some("u-1"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    crate::engine::drain(&engine).await;
+    let job = jobs.lock().unwrap()[0].0.clone();
+
+    login(c, &app, "admin").await;
+    c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
+    wait_text(c, "#record-state", "parked").await;
+    assert!(text_of(c, ".facts").await.contains("outcome_uncertain"));
+    let attempts = text_of(c, "#attempts").await;
+    assert!(attempts.contains("provider_timeout"), "{attempts}");
+    assert!(
+        attempts.contains("POST") && attempts.contains("/v1/jobs"),
+        "the request: {attempts}"
+    );
+    assert!(
+        text_of(c, "#resend-warning").await.contains("charge twice"),
+        "a retry is warned"
+    );
+    shot(c, "record-outcome-uncertain").await;
+    // The operator checked with the provider: it took effect.
+    c.find(Locator::Css("#took-effect input[name=job_id]"))
+        .await
+        .unwrap()
+        .send_keys(&job)
+        .await
+        .unwrap();
+    c.find(Locator::Css("#took-effect button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "#record-state", "pending").await;
+    // The page acted on the wall clock, which has run ahead of the
+    // engine's while the browser worked.
+    clock.advance(120_000);
+    crate::engine::drain(&engine).await;
+    c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
+    wait_text(c, "#record-state", "succeeded").await;
+    wait_text(c, "#timeline", "took_effect").await;
+    assert_eq!(jobs.lock().unwrap().len(), 1, "nothing sent again");
+    let e = app
+        .t
+        .db
+        .record_events(id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == "took_effect")
+        .unwrap();
+    assert_eq!((e.actor.as_str(), e.audit), ("admin", true));
+    assert_eq!(e.detail.unwrap()["job_id"], json!(job));
     d.client.clone().close().await.unwrap();
 }

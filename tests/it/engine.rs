@@ -3910,7 +3910,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
 /// `"mode": "lost"` stalls without creating anything. Any later submit
 /// creates its job and answers at once. Jobs are done when polled.
 /// Returns the URL and every job created, as (id, client reference).
-async fn lookup_provider() -> (String, Arc<std::sync::Mutex<Vec<(String, String)>>>) {
+pub(crate) async fn lookup_provider() -> (String, Arc<std::sync::Mutex<Vec<(String, String)>>>) {
     use axum::extract::{Path as UrlPath, Query};
     let jobs = Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
     let seen = Arc::new(std::sync::Mutex::new(

@@ -794,6 +794,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         now: T0,
         steps: Vec::new(),
         until: None,
+        job_id: None,
     })
     .await
     .unwrap();
@@ -1268,6 +1269,7 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         now,
         steps: Vec::new(),
         until: None,
+        job_id: None,
     }
 }
 

@@ -245,6 +245,7 @@ impl WebApp {
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
             until: None,
+            job_id: None,
         };
         self.t.db.act(&req).await.unwrap();
     }
@@ -1041,6 +1042,7 @@ async fn provider_data_renders_as_inert_text() {
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
             until: None,
+            job_id: None,
         };
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;

@@ -400,9 +400,12 @@ async fn record_page(
         Some(e) => e.steps_of(&rec).await,
         None => steps.iter().map(|s| s.step.clone()).collect(),
     };
+    // "It took effect" only where a call's outcome is uncertain.
+    let uncertain = rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN);
     let actions = if caller.can(crate::domain::Role::Operator) {
         allowed_actions(rec.state)
             .into_iter()
+            .filter(|a| *a != OperatorAction::TookEffect || uncertain)
             .map(|a| a.as_str())
             .collect()
     } else {
@@ -495,6 +498,8 @@ struct ActForm {
     until: Option<String>,
     /// A `datetime-local` value, read as UTC.
     until_time: Option<String>,
+    /// For `took_effect`: the job the provider made.
+    job_id: Option<String>,
 }
 
 async fn act(
@@ -507,6 +512,17 @@ async fn act(
     let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason);
     let step = non_empty(&form.step);
+    if let (OperatorAction::TookEffect, Some(job)) = (action, non_empty(&form.job_id)) {
+        state
+            .ops()
+            .took_effect(id, &caller.actor, reason, &job)
+            .await?;
+        if is_htmx(&headers) {
+            let t = record_page(&state, &caller, id, &DiffQuery::default()).await?;
+            return html(&t.as_detail());
+        }
+        return Ok(Redirect::to(&format!("/records/{id}")).into_response());
+    }
     // The form's choice of condition; a time is typed beside it.
     let until = match non_empty(&form.until).as_deref() {
         Some("time") => Some(non_empty(&form.until_time).unwrap_or_else(|| "time".into())),
