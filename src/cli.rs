@@ -127,6 +127,21 @@ pub struct SimArgs {
     /// call's effect applied).
     #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = probability)]
     bad_utf8: f64,
+    /// Share of charges and job submissions that do their work (a charge
+    /// made, a job created) and then reset the connection, so the client
+    /// never hears of it. Polls and lookups that draw it are answered.
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = probability)]
+    reset_after_charge: f64,
+    /// Share of charges and job submissions that do their work and then
+    /// stall past any client timeout. Polls and lookups that draw it are
+    /// answered.
+    #[arg(long, value_name = "P", default_value_t = 0.0, value_parser = probability)]
+    stall_after_charge: f64,
+    /// Ignore idempotency keys: a repeated key charges again and creates
+    /// another job (find them with `GET /v1/charges?client_reference=R`
+    /// and `GET /v1/jobs?client_reference=R`).
+    #[arg(long)]
+    ignore_keys: bool,
     /// Put OAuth2 client credentials in front of `/v1/*`: tokens from
     /// `POST /oauth/token` last this long (e.g. `5m`).
     #[arg(long, value_name = "DURATION", value_parser = crate::config::parse_duration)]
@@ -278,6 +293,9 @@ async fn sim(args: SimArgs) -> anyhow::Result<()> {
     p.p_redirect = args.redirects;
     p.p_gzip_bomb = args.gzip_bombs;
     p.p_bad_utf8 = args.bad_utf8;
+    p.p_reset_after_effect = args.reset_after_charge;
+    p.p_stall_after_effect = args.stall_after_charge;
+    p.ignore_keys = args.ignore_keys;
     if let Some(ttl) = args.oauth2_ttl {
         let secret = match args.oauth2_client_secret_env.as_deref() {
             Some(var) => env_secret(var)?,
@@ -320,11 +338,16 @@ fn sim_extras(p: &crate::sim::Profile, secret_said: &str) -> Vec<String> {
         ("redirects", p.p_redirect),
         ("gzip bombs", p.p_gzip_bomb),
         ("bad UTF-8", p.p_bad_utf8),
+        ("resets after charging", p.p_reset_after_effect),
+        ("stalls after charging", p.p_stall_after_effect),
     ]
     .into_iter()
     .filter(|(_, share)| *share > 0.0)
     .map(|(name, share)| format!("{name}: {share} of calls"))
     .collect();
+    if p.ignore_keys {
+        lines.push("idempotency keys ignored: a repeated key charges again".to_owned());
+    }
     if let Some(o) = &p.oauth2 {
         lines.push(format!(
             "OAuth2: POST /oauth/token, client id `{}`, {secret_said}, tokens last {} (stated {})",
@@ -704,6 +727,11 @@ mod tests {
             "1",
             "--bad-utf8",
             "0",
+            "--reset-after-charge",
+            "0.25",
+            "--stall-after-charge",
+            "0.5",
+            "--ignore-keys",
             "--oauth2-ttl",
             "5m",
             "--oauth2-stated-ttl",
@@ -713,6 +741,8 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((a.redirects, a.gzip_bombs, a.bad_utf8), (0.1, 1.0, 0.0));
+        assert_eq!((a.reset_after_charge, a.stall_after_charge), (0.25, 0.5));
+        assert!(a.ignore_keys);
         assert_eq!(a.oauth2_ttl, Some(std::time::Duration::from_secs(300)));
         assert_eq!(
             a.oauth2_stated_ttl,
@@ -721,10 +751,18 @@ mod tests {
         assert_eq!(a.oauth2_client_id.as_deref(), Some("me"));
         let none = sim_args(&[]).unwrap();
         assert_eq!((none.redirects, none.oauth2_ttl), (0.0, None));
+        assert_eq!(
+            (none.reset_after_charge, none.stall_after_charge),
+            (0.0, 0.0)
+        );
+        assert!(!none.ignore_keys);
         for bad in [
             &["--redirects", "1.5"][..],
             &["--bad-utf8", "-0.1"],
             &["--gzip-bombs", "NaN"],
+            &["--reset-after-charge", "2"],
+            &["--stall-after-charge", "-1"],
+            &["--ignore-keys", "yes"],
             &["--oauth2-ttl", "soon"],
             // OAuth2's other flags mean nothing without a TTL.
             &["--oauth2-client-id", "me"],

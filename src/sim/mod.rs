@@ -4,8 +4,14 @@
 //! by tests and the demo.
 //!
 //! Routes (chaos applies to `/v1/*` only):
-//! - `POST /v1/charge`: a synchronous call with a side effect.
+//! - `POST /v1/charge`: a synchronous call with a side effect. The body's
+//!   `client_reference` (or `ref`) is the client's own reference for it.
 //! - `POST /v1/jobs`, `GET /v1/jobs/{id}`: an asynchronous job to poll.
+//! - `GET /v1/charges?client_reference=R`, `GET /v1/jobs?client_reference=R`:
+//!   `{"data": [{"id", "status", "client_reference"}, ...]}`, every charge
+//!   (with its `amount`) or job made for that reference, newest first: how
+//!   a client finds what it made when it never heard the answer. Chaos as
+//!   for any call, no side effect.
 //! - `GET /v1/moved/{id}`: where a redirect fault points; answers 200
 //!   `{"status": "succeeded"}`, a trap for a client that follows a POST's
 //!   redirect and takes the moved page for the call's answer. No chaos.
@@ -14,7 +20,10 @@
 //!   every `/v1/*` route then requires (a 401 `invalid_token` otherwise,
 //!   before any chaos and with no side effect). Tokens die `ttl` after
 //!   issue by the simulator's clock, whatever `expires_in` says.
-//! - `GET /_sim/ledger`: effects per key and per `ref`, double charges.
+//! - `GET /_sim/ledger`: effects per key and per reference, double charges.
+//! - `GET /_sim/arrivals`: every `POST /v1/charge` and `POST /v1/jobs` that
+//!   reached the simulator, in arrival order: key, reference, route,
+//!   whether it applied an effect, and the fault it drew.
 //! - `GET /_sim/stats`: requests, the most in any one second, the most in
 //!   flight at once, tokens issued and 401s for bad or expired tokens.
 //! - `POST /_sim/outage`: `{"for_ms": N, "brownout": 0.0..1.0}` from now;
@@ -23,6 +32,7 @@
 //! - `POST /_sim/token_outage`: `{"for_ms": N}`: the token endpoint
 //!   answers 503 for that long.
 
+mod ledger;
 mod oauth2;
 mod profile;
 
@@ -32,29 +42,20 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::domain::{Clock, SystemClock, UnixMs};
 
+pub use ledger::{Arrival, LedgerFigures, Route};
+use ledger::{ArrivalId, Charge, Ledger};
 pub use profile::{Fault, Outage, Profile, SimOAuth2};
-
-/// What happened at the provider, for tests to count.
-#[derive(Debug, Default)]
-struct Ledger {
-    /// Effects applied per idempotency key.
-    by_key: HashMap<String, u32>,
-    /// Effects applied per business reference (`ref` in the body): more than
-    /// one is a double charge, whatever keys were sent.
-    by_ref: HashMap<String, u32>,
-    effects: u64,
-}
 
 #[derive(Debug, Clone)]
 struct Job {
@@ -64,6 +65,52 @@ struct Job {
     /// Polls that saw it finished (a flip happens after the first).
     seen_done: u32,
     input: Value,
+}
+
+/// The jobs made, by id, idempotency key and client reference.
+#[derive(Debug, Default)]
+struct Jobs {
+    by_id: HashMap<String, Job>,
+    /// Job ids per idempotency key, so a resubmission gets the same job.
+    by_key: HashMap<String, String>,
+    /// Job ids per client reference, oldest first, for lookups.
+    by_ref: HashMap<String, Vec<String>>,
+}
+
+impl Job {
+    fn done(&self, now: UnixMs) -> bool {
+        now >= self.ready_at && self.fate != JobFate::Never
+    }
+
+    /// What a poll shows now, given the polls that saw it finished
+    /// before (a lookup counts no poll, and shows what the last one did).
+    fn shown(&self, now: UnixMs) -> Shown {
+        match self.fate {
+            _ if !self.done(now) => Shown::Running,
+            JobFate::Fail => Shown::Failed("render failed"),
+            JobFate::Flip if self.seen_done > 1 => Shown::Failed("result withdrawn"),
+            _ => Shown::Succeeded,
+        }
+    }
+}
+
+/// What a poll shows of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shown {
+    Running,
+    /// Failed, and why.
+    Failed(&'static str),
+    Succeeded,
+}
+
+impl Shown {
+    fn status(self) -> &'static str {
+        match self {
+            Shown::Running => "running",
+            Shown::Failed(_) => "failed",
+            Shown::Succeeded => "succeeded",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,9 +127,7 @@ struct Sim {
     profile: Profile,
     rng: Mutex<fastrand::Rng>,
     ledger: Mutex<Ledger>,
-    jobs: Mutex<HashMap<String, Job>>,
-    /// Job ids per idempotency key, so a resubmission gets the same job.
-    jobs_by_key: Mutex<HashMap<String, String>>,
+    jobs: Mutex<Jobs>,
     started: UnixMs,
     /// Requests per whole second since start, at arrival.
     per_second: Mutex<Vec<u32>>,
@@ -111,16 +156,6 @@ pub struct SimHandle {
     sim: Arc<Sim>,
     pub addr: SocketAddr,
     shutdown: CancellationToken,
-}
-
-/// Ledger figures.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct LedgerFigures {
-    pub keys: usize,
-    pub refs: usize,
-    pub effects: u64,
-    /// Business references charged more than once.
-    pub double_charges: usize,
 }
 
 /// Traffic figures.
@@ -163,7 +198,6 @@ impl SimHandle {
             profile,
             ledger: Mutex::default(),
             jobs: Mutex::default(),
-            jobs_by_key: Mutex::default(),
             started: clock.now_ms(),
             per_second: Mutex::default(),
             in_flight: Mutex::default(),
@@ -215,6 +249,12 @@ impl SimHandle {
         self.sim.ledger_figures()
     }
 
+    /// Every `POST /v1/charge` and `POST /v1/jobs` that reached the
+    /// simulator so far, in arrival order, whatever became of it.
+    pub fn arrivals(&self) -> Vec<Arrival> {
+        self.sim.arrivals()
+    }
+
     /// Callbacks sent so far.
     pub fn callbacks_sent(&self) -> u64 {
         *Sim::lock(&self.sim.callbacks_sent)
@@ -257,13 +297,18 @@ impl SimHandle {
 fn router(sim: Arc<Sim>) -> Router {
     Router::new()
         .route("/v1/charge", post(charge))
-        .route("/v1/jobs", post(submit_job))
+        .route("/v1/charges", get(list_charges))
+        .route("/v1/jobs", post(submit_job).get(list_jobs))
         .route("/v1/jobs/{id}", get(poll_job))
         .route("/v1/moved/{id}", get(moved))
         .route("/oauth/token", post(oauth2::token))
         .route(
             "/_sim/ledger",
             get(|State(s): State<Arc<Sim>>| async move { Json(s.ledger_figures()) }),
+        )
+        .route(
+            "/_sim/arrivals",
+            get(|State(s): State<Arc<Sim>>| async move { Json(s.arrivals()) }),
         )
         .route(
             "/_sim/stats",
@@ -281,13 +326,25 @@ impl Sim {
     }
 
     fn ledger_figures(&self) -> LedgerFigures {
-        let l = Self::lock(&self.ledger);
-        LedgerFigures {
-            keys: l.by_key.len(),
-            refs: l.by_ref.len(),
-            effects: l.effects,
-            double_charges: l.by_ref.values().filter(|n| **n > 1).count(),
-        }
+        Self::lock(&self.ledger).figures()
+    }
+
+    fn arrivals(&self) -> Vec<Arrival> {
+        Self::lock(&self.ledger).arrivals().to_vec()
+    }
+
+    /// Lists a mutating call in the arrivals with the fault it drew; a
+    /// read is not listed.
+    fn arrive(&self, call: Call, fault: &str) -> Option<ArrivalId> {
+        let Call::Mutation {
+            route,
+            key,
+            reference,
+        } = call
+        else {
+            return None;
+        };
+        Some(Self::lock(&self.ledger).arrive(route, key, reference, fault))
     }
 
     fn stats_figures(&self) -> StatsFigures {
@@ -358,27 +415,6 @@ impl Sim {
         let effect_anyway = rng.bool();
         (fault, latency, effect_anyway)
     }
-
-    /// Applies a side effect once per idempotency key (unless the profile
-    /// ignores keys); returns the number of times this key has applied.
-    fn apply_effect(&self, key: Option<&str>, reference: Option<&str>) -> u32 {
-        let mut l = Self::lock(&self.ledger);
-        if let Some(k) = key {
-            if !self.profile.ignore_keys {
-                if let Some(n) = l.by_key.get(k) {
-                    return *n;
-                }
-            }
-        }
-        l.effects += 1;
-        if let Some(k) = key {
-            *l.by_key.entry(k.to_owned()).or_default() += 1;
-        }
-        if let Some(r) = reference {
-            *l.by_ref.entry(r.to_owned()).or_default() += 1;
-        }
-        1
-    }
 }
 
 /// A request counted in flight until it is answered or its client goes
@@ -401,7 +437,7 @@ impl Drop for InFlight<'_> {
 }
 
 /// A mutating request's body (null when absent), idempotency key and
-/// business reference.
+/// client reference.
 fn request_parts(
     headers: &HeaderMap,
     body: Option<Json<Value>>,
@@ -418,30 +454,80 @@ fn idempotency_key(headers: &HeaderMap) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// The client's own reference for what it asks for: `client_reference`,
+/// or `ref` when that is absent (null counts as absent).
 fn reference(body: &Value) -> Option<String> {
-    body.get("ref").map(|r| match r {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    })
+    let given = |name: &str| body.get(name).filter(|r| !r.is_null());
+    given("client_reference")
+        .or_else(|| given("ref"))
+        .map(|r| match r {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+}
+
+/// What a `/v1/*` call is to the chaos.
+enum Call {
+    /// A poll or a lookup: no side effect, not listed in the arrivals.
+    Read,
+    /// A call with a side effect, listed in the arrivals.
+    Mutation {
+        route: Route,
+        key: Option<String>,
+        reference: Option<String>,
+    },
 }
 
 /// Runs `respond` under the chaos profile: delay, then either the real
-/// answer or the drawn fault. `effect` applies the side effect; it runs for
-/// real answers, for answers the client cannot read (truncated, a gzip
-/// bomb, bad UTF-8) and, half the time, before a hang or reset (the
-/// provider did the work but the client never heard). An unauthorized
-/// request is refused before any of it.
-async fn with_chaos(sim: &Sim, headers: &HeaderMap, effect: impl FnOnce() -> Response) -> Response {
+/// answer or the drawn fault. `respond` applies the call's side effect (it
+/// is given the call's place in the arrivals, for a mutation); it runs for
+/// real answers and for faults that come after the work (see
+/// [`Fault::applies_effect`]). A read (a poll, a lookup) that draws a fault
+/// meant for effects (a reset or a stall after the effect) is answered: it
+/// has no effect to apply first. An unauthorized request is refused before
+/// any of it. A mutation is listed in the arrivals with its fault, however
+/// it ends.
+async fn with_chaos(
+    sim: &Sim,
+    headers: &HeaderMap,
+    call: Call,
+    respond: impl FnOnce(Option<ArrivalId>) -> Response,
+) -> Response {
     let _flying = match sim.admit(headers) {
         Ok(flying) => flying,
-        Err(refused) => return refused.into_response(),
+        Err(refused) => {
+            sim.arrive(call, "unauthorized");
+            return refused.into_response();
+        }
     };
     let (fault, latency, effect_anyway) = sim.draw();
+    let fault = match (&call, fault) {
+        (Call::Read, Fault::ResetAfterEffect | Fault::StallAfterEffect) => Fault::None,
+        (_, fault) => fault,
+    };
+    let arrival = sim.arrive(call, fault.name());
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
+    if fault == Fault::None {
+        return respond(arrival);
+    }
+    if fault.applies_effect(effect_anyway) {
+        let _ = respond(arrival);
+    }
+    fault_reply(sim, fault).await
+}
+
+/// What a call that drew `fault` gets instead of its answer.
+async fn fault_reply(sim: &Sim, fault: Fault) -> Response {
+    let json_body = |body: &'static [u8]| {
+        (
+            [(header::CONTENT_TYPE, "application/json")],
+            Bytes::from_static(body),
+        )
+            .into_response()
+    };
     match fault {
-        Fault::None => effect(),
         Fault::RateLimited(retry_after) => {
             let mut resp = (
                 StatusCode::TOO_MANY_REQUESTS,
@@ -463,46 +549,19 @@ async fn with_chaos(sim: &Sim, headers: &HeaderMap, effect: impl FnOnce() -> Res
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_REQUEST);
             (status, Json(json!({ "error": "invalid_request", "message": "the provider refuses this input" }))).into_response()
         }
-        Fault::Hang => {
-            if effect_anyway {
-                let _ = effect();
-            }
+        Fault::Hang | Fault::StallAfterEffect => {
             tokio::time::sleep(sim.profile.hang).await;
             (StatusCode::GATEWAY_TIMEOUT, "too late").into_response()
         }
-        Fault::Reset => {
-            if effect_anyway {
-                let _ = effect();
-            }
-            // Half a body, then the connection breaks.
-            let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
-                Ok(Bytes::from_static(b"{\"id\": \"partial")),
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::ConnectionReset,
-                    "simulated reset",
-                )),
-            ];
-            let mut resp = Response::new(Body::from_stream(futures_util::stream::iter(chunks)));
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            resp
-        }
-        Fault::Truncated => {
-            let _ = effect();
-            (
-                [(header::CONTENT_TYPE, "application/json")],
-                "{\"id\": \"ch_1\", \"status\": \"succ",
-            )
-                .into_response()
-        }
+        Fault::Reset | Fault::ResetAfterEffect => reset(),
+        Fault::Truncated => json_body(b"{\"id\": \"ch_1\", \"status\": \"succ"),
         Fault::Html => (
             [(header::CONTENT_TYPE, "text/html")],
             "<html><body><h1>502 Bad Gateway</h1><script>alert(1)</script></body></html>",
         )
             .into_response(),
-        Fault::Empty => StatusCode::OK.into_response(),
+        // `None` is the call's own answer and never comes here.
+        Fault::Empty | Fault::None => StatusCode::OK.into_response(),
         Fault::Oversized => {
             let big = format!("{{\"padding\": \"{}\"}}", "x".repeat(3 * 1024 * 1024));
             ([(header::CONTENT_TYPE, "application/json")], big).into_response()
@@ -511,19 +570,26 @@ async fn with_chaos(sim: &Sim, headers: &HeaderMap, effect: impl FnOnce() -> Res
             let to = format!("/v1/moved/{}", sim.next_id("mv"));
             (StatusCode::FOUND, [(header::LOCATION, to)]).into_response()
         }
-        Fault::GzipBomb => {
-            let _ = effect();
-            gzip_bomb().await
-        }
-        Fault::BadUtf8 => {
-            let _ = effect();
-            (
-                [(header::CONTENT_TYPE, "application/json")],
-                Bytes::from_static(b"{\"id\":\"\xff\xfe\xfd\"}"),
-            )
-                .into_response()
-        }
+        Fault::GzipBomb => gzip_bomb().await,
+        Fault::BadUtf8 => json_body(b"{\"id\":\"\xff\xfe\xfd\"}"),
     }
+}
+
+/// Half a body, then the connection breaks.
+fn reset() -> Response {
+    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+        Ok(Bytes::from_static(b"{\"id\": \"partial")),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "simulated reset",
+        )),
+    ];
+    let mut resp = Response::new(Body::from_stream(futures_util::stream::iter(chunks)));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 /// The bomb inflates to this many bytes and a little more.
@@ -590,15 +656,30 @@ async fn charge(
 ) -> Response {
     let (body, key, reference) = request_parts(&headers, body);
     let id = sim.next_id("ch");
+    let call = Call::Mutation {
+        route: Route::Charge,
+        key: key.clone(),
+        reference: reference.clone(),
+    };
     let s = sim.clone();
-    with_chaos(&sim, &headers, move || {
-        let times = s.apply_effect(key.as_deref(), reference.as_deref());
+    with_chaos(&sim, &headers, call, move |arrival| {
         let amount = body.get("amount").cloned().unwrap_or(json!(0));
+        let made = Charge {
+            id,
+            reference,
+            amount,
+        };
+        // A known key gets its first charge back, as real providers do.
+        let honour_keys = !s.profile.ignore_keys;
+        let (charge, replayed) = Sim::lock(&s.ledger).charge(honour_keys, arrival, key, made);
         (
             StatusCode::OK,
-            Json(
-                json!({ "id": id, "status": "succeeded", "amount": amount, "replayed": times > 1 }),
-            ),
+            Json(json!({
+                "id": charge.id,
+                "status": "succeeded",
+                "amount": charge.amount,
+                "replayed": replayed,
+            })),
         )
             .into_response()
     })
@@ -611,14 +692,19 @@ async fn submit_job(
     body: Option<Json<Value>>,
 ) -> Response {
     let (body, key, reference) = request_parts(&headers, body);
+    let call = Call::Mutation {
+        route: Route::Jobs,
+        key: key.clone(),
+        reference: reference.clone(),
+    };
     let s = sim.clone();
-    with_chaos(&sim, &headers, move || {
+    with_chaos(&sim, &headers, call, move |arrival| {
         // The same key gets the same job back, as real providers do.
         // One lock across check and insert: two concurrent submits with one
         // key must get one job, as from a real provider.
-        let mut by_key = Sim::lock(&s.jobs_by_key);
+        let mut jobs = Sim::lock(&s.jobs);
         if let Some(k) = key.as_deref().filter(|_| !s.profile.ignore_keys) {
-            if let Some(id) = by_key.get(k).cloned() {
+            if let Some(id) = jobs.by_key.get(k).cloned() {
                 return (
                     StatusCode::OK,
                     Json(json!({ "id": id, "status": "queued" })),
@@ -626,7 +712,7 @@ async fn submit_job(
                     .into_response();
             }
         }
-        s.apply_effect(key.as_deref(), reference.as_deref());
+        Sim::lock(&s.ledger).count(arrival, key.as_deref(), reference.as_deref());
         let id = s.next_id("job");
         let (fate, ready_in) = {
             let mut rng = Sim::lock(&s.rng);
@@ -657,9 +743,12 @@ async fn submit_job(
             *Sim::lock(&s.callbacks_pending) += 1;
             tokio::spawn(send_callbacks(s.clone(), job.clone(), url));
         }
-        Sim::lock(&s.jobs).insert(id.clone(), job);
+        jobs.by_id.insert(id.clone(), job);
         if let Some(k) = key {
-            by_key.insert(k, id.clone());
+            jobs.by_key.insert(k, id.clone());
+        }
+        if let Some(r) = reference {
+            jobs.by_ref.entry(r).or_default().push(id.clone());
         }
         (
             StatusCode::ACCEPTED,
@@ -676,29 +765,91 @@ async fn poll_job(
     Path(id): Path<String>,
 ) -> Response {
     let s = sim.clone();
-    with_chaos(&sim, &headers, move || {
+    with_chaos(&sim, &headers, Call::Read, move |_| {
         let mut jobs = Sim::lock(&s.jobs);
-        let Some(job) = jobs.get_mut(&id) else {
+        let Some(job) = jobs.by_id.get_mut(&id) else {
             return (StatusCode::NOT_FOUND, Json(json!({ "error": "no such job" }))).into_response();
         };
         let now = s.clock.now_ms();
-        let body = if now < job.ready_at || job.fate == JobFate::Never {
-            json!({ "id": job.id, "status": "running" })
-        } else {
+        if job.done(now) {
             job.seen_done += 1;
-            match job.fate {
-                JobFate::Fail => json!({ "id": job.id, "status": "failed", "error": "render failed" }),
-                JobFate::Flip if job.seen_done > 1 => {
-                    json!({ "id": job.id, "status": "failed", "error": "result withdrawn" })
-                }
-                _ => json!({
-                    "id": job.id,
-                    "status": "succeeded",
-                    "result": { "url": format!("https://cdn.example/{}.mp4", job.id), "input": job.input },
-                }),
-            }
+        }
+        let body = match job.shown(now) {
+            Shown::Running => json!({ "id": job.id, "status": "running" }),
+            Shown::Failed(error) => json!({ "id": job.id, "status": "failed", "error": error }),
+            Shown::Succeeded => json!({
+                "id": job.id,
+                "status": "succeeded",
+                "result": { "url": format!("https://cdn.example/{}.mp4", job.id), "input": job.input },
+            }),
         };
         (StatusCode::OK, Json(body)).into_response()
+    })
+    .await
+}
+
+/// A lookup's query: `?client_reference=R`.
+#[derive(Debug, Deserialize)]
+struct ByReference {
+    client_reference: Option<String>,
+}
+
+/// A lookup's answer: `{"data": [...]}`, or a 400 without a reference.
+fn lookup(query: ByReference, find: impl FnOnce(&str) -> Vec<Value>) -> Response {
+    match query.client_reference {
+        Some(r) => (StatusCode::OK, Json(json!({ "data": find(&r) }))).into_response(),
+        None => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({ "error": "invalid_request", "message": "client_reference is required" })),
+        )
+            .into_response(),
+    }
+}
+
+/// `GET /v1/charges?client_reference=R`: the charges made for R, newest
+/// first.
+async fn list_charges(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    Query(query): Query<ByReference>,
+) -> Response {
+    let s = sim.clone();
+    with_chaos(&sim, &headers, Call::Read, move |_| {
+        lookup(query, |r| {
+            let ledger = Sim::lock(&s.ledger);
+            ledger
+                .charges_for(r)
+                .map(|c| {
+                    json!({
+                        "id": c.id,
+                        "status": "succeeded",
+                        "amount": c.amount,
+                        "client_reference": r,
+                    })
+                })
+                .collect()
+        })
+    })
+    .await
+}
+
+/// `GET /v1/jobs?client_reference=R`: the jobs made for R, newest first,
+/// each with its status as the last poll showed it.
+async fn list_jobs(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    Query(query): Query<ByReference>,
+) -> Response {
+    let s = sim.clone();
+    with_chaos(&sim, &headers, Call::Read, move |_| {
+        lookup(query, |r| {
+            let jobs = Sim::lock(&s.jobs);
+            let now = s.clock.now_ms();
+            let ids = jobs.by_ref.get(r).into_iter().flatten().rev();
+            ids.filter_map(|id| jobs.by_id.get(id))
+                .map(|j| json!({ "id": j.id, "status": j.shown(now).status(), "client_reference": r }))
+                .collect()
+        })
     })
     .await
 }
@@ -830,6 +981,56 @@ mod tests {
             .unwrap()
     }
 
+    /// `POST {path}` (`/v1/charge` or `/v1/jobs`) with an idempotency key
+    /// and a client reference; the whole answer read, or the error.
+    async fn post(
+        client: &reqwest::Client,
+        sim: &SimHandle,
+        path: &str,
+        key: &str,
+        reference: &str,
+    ) -> reqwest::Result<(u16, Value)> {
+        let resp = client
+            .post(format!("{}{path}", sim.base_url()))
+            .header("idempotency-key", key)
+            .json(&json!({ "client_reference": reference, "amount": 5 }))
+            .send()
+            .await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.json().await?))
+    }
+
+    /// The ids a lookup (`/v1/charges` or `/v1/jobs`) finds for `reference`
+    /// (plain enough for a URL), in the order given; each row names the
+    /// reference.
+    async fn looked_up(sim: &SimHandle, path: &str, reference: &str) -> Vec<String> {
+        let resp = reqwest::Client::new()
+            .get(format!(
+                "{}{path}?client_reference={reference}",
+                sim.base_url()
+            ))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let body: Value = resp.json().await.unwrap();
+        let rows = body["data"].as_array().unwrap();
+        for row in rows {
+            assert_eq!(row["client_reference"], reference, "{row}");
+        }
+        rows.iter()
+            .map(|row| row["id"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// Each arrival's key, fault and whether it applied an effect.
+    fn arrived(sim: &SimHandle) -> Vec<(Option<String>, String, bool)> {
+        sim.arrivals()
+            .into_iter()
+            .map(|a| (a.key, a.fault, a.effect))
+            .collect()
+    }
+
     fn header_of<'a>(resp: &'a reqwest::Response, name: &str) -> &'a str {
         resp.headers()
             .get(name)
@@ -896,5 +1097,220 @@ mod tests {
         assert!(serde_json::from_slice::<Value>(&body).is_err());
         assert_eq!(sim.ledger().effects, 1);
         sim.stop();
+    }
+
+    #[tokio::test]
+    async fn a_known_key_is_one_effect_unless_keys_are_ignored_then_a_second_and_a_double_charge() {
+        for ignore_keys in [false, true] {
+            let sim = SimHandle::spawn(profile(|p| p.ignore_keys = ignore_keys))
+                .await
+                .unwrap();
+            let client = reqwest::Client::new();
+            let mut charges = Vec::new();
+            let mut jobs = Vec::new();
+            for _ in 0..2 {
+                let (status, body) = post(&client, &sim, "/v1/charge", "k1", "r1").await.unwrap();
+                assert_eq!(status, 200);
+                charges.push((
+                    body["id"].as_str().unwrap().to_owned(),
+                    body["replayed"] == true,
+                ));
+                let (_, body) = post(&client, &sim, "/v1/jobs", "k2", "j1").await.unwrap();
+                jobs.push(body["id"].as_str().unwrap().to_owned());
+            }
+            let found = looked_up(&sim, "/v1/charges", "r1").await;
+            let found_jobs = looked_up(&sim, "/v1/jobs", "j1").await;
+            let ledger = sim.ledger();
+            assert_eq!((ledger.keys, ledger.refs), (2, 2));
+            if ignore_keys {
+                assert_ne!(charges[0].0, charges[1].0, "a second charge");
+                assert!(!charges[0].1 && !charges[1].1, "{charges:?}");
+                assert_ne!(jobs[0], jobs[1], "a second job");
+                assert_eq!((ledger.effects, ledger.double_charges), (4, 2));
+                assert_eq!(found, [charges[1].0.clone(), charges[0].0.clone()]);
+                assert_eq!(found_jobs, [jobs[1].clone(), jobs[0].clone()]);
+            } else {
+                assert_eq!(charges[0].0, charges[1].0, "the first charge back");
+                assert_eq!((charges[0].1, charges[1].1), (false, true));
+                assert_eq!(jobs[0], jobs[1]);
+                assert_eq!((ledger.effects, ledger.double_charges), (2, 0));
+                assert_eq!(found, [charges[0].0.clone()]);
+                assert_eq!(found_jobs, [jobs[0].clone()]);
+            }
+            let effects: Vec<bool> = sim.arrivals().iter().map(|a| a.effect).collect();
+            assert_eq!(effects, [true, true, ignore_keys, ignore_keys]);
+            sim.stop();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reset_after_the_effect_hides_what_a_lookup_then_finds() {
+        let sim = SimHandle::spawn(profile(|p| p.p_reset_after_effect = 1.0))
+            .await
+            .unwrap();
+        let client = reqwest::Client::new();
+        for (path, reference) in [("/v1/charge", "r1"), ("/v1/jobs", "j1")] {
+            let answer = post(&client, &sim, path, reference, reference).await;
+            assert!(answer.is_err(), "{path}: {answer:?}");
+        }
+        let ledger = sim.ledger();
+        assert_eq!((ledger.effects, ledger.double_charges), (2, 0));
+        // The knob is about effects: lookups draw it and are answered.
+        assert_eq!(looked_up(&sim, "/v1/charges", "r1").await.len(), 1);
+        assert_eq!(looked_up(&sim, "/v1/jobs", "j1").await.len(), 1);
+        let fault = || "reset_after_effect".to_owned();
+        assert_eq!(
+            arrived(&sim),
+            [
+                (Some("r1".to_owned()), fault(), true),
+                (Some("j1".to_owned()), fault(), true)
+            ]
+        );
+        sim.stop();
+    }
+
+    #[tokio::test]
+    async fn a_stall_after_the_effect_outlasts_the_client_and_a_lookup_finds_the_charge() {
+        let sim = SimHandle::spawn(profile(|p| {
+            p.p_stall_after_effect = 1.0;
+            p.hang = Duration::from_secs(30);
+        }))
+        .await
+        .unwrap();
+        // The timeout is what the test is about: the client gives up, the
+        // provider has charged.
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let answer = post(&client, &sim, "/v1/charge", "k1", "r1").await;
+        assert!(answer.is_err_and(|e| e.is_timeout()));
+        assert_eq!(sim.ledger().effects, 1);
+        let found = looked_up(&sim, "/v1/charges", "r1").await;
+        assert_eq!(found.len(), 1);
+        assert!(found[0].starts_with("ch_"), "{found:?}");
+        assert_eq!(
+            arrived(&sim),
+            [(Some("k1".to_owned()), "stall_after_effect".to_owned(), true)]
+        );
+        sim.stop();
+    }
+
+    #[tokio::test]
+    async fn a_lookup_for_an_unknown_reference_finds_nothing_and_one_without_a_reference_is_refused()
+     {
+        let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+        let client = reqwest::Client::new();
+        post(&client, &sim, "/v1/charge", "k1", "r1").await.unwrap();
+        post(&client, &sim, "/v1/jobs", "k2", "r1").await.unwrap();
+        for path in ["/v1/charges", "/v1/jobs"] {
+            assert_eq!(looked_up(&sim, path, "r2").await, Vec::<String>::new());
+            let bare = client
+                .get(format!("{}{path}", sim.base_url()))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(bare.status().as_u16(), 400, "{path}");
+        }
+        let body: Value = client
+            .get(format!("{}/v1/charges?client_reference=r1", sim.base_url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(body["data"][0]["status"], "succeeded");
+        assert_eq!(body["data"][0]["amount"], 5);
+        assert_eq!(sim.arrivals().len(), 2, "lookups are not arrivals");
+        sim.stop();
+    }
+
+    #[tokio::test]
+    async fn arrivals_list_every_mutating_request_in_order_with_its_fate() {
+        let clock = crate::domain::ManualClock::new(1_700_000_000_000);
+        let sim = SimHandle::spawn_with_clock(Profile::clean(1), Arc::new(clock.clone()))
+            .await
+            .unwrap();
+        let client = reqwest::Client::new();
+        post(&client, &sim, "/v1/charge", "k1", "r1").await.unwrap();
+        post(&client, &sim, "/v1/charge", "k1", "r1").await.unwrap();
+        let (_, job) = post(&client, &sim, "/v1/jobs", "k2", "j1").await.unwrap();
+        sim.storm(1_000, 1.0, Fault::ServerError(503));
+        let (status, _) = post(&client, &sim, "/v1/charge", "k3", "r3").await.unwrap();
+        assert_eq!(status, 503);
+        clock.advance(1_000);
+        // A poll is no arrival; a charge without a key is one.
+        let poll = format!("{}/v1/jobs/{}", sim.base_url(), job["id"].as_str().unwrap());
+        assert_eq!(
+            client.get(poll).send().await.unwrap().status().as_u16(),
+            200
+        );
+        let keyless = client
+            .post(format!("{}/v1/charge", sim.base_url()))
+            .json(&json!({ "ref": "r4" }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(keyless.status().as_u16(), 200);
+
+        let rows = sim.arrivals();
+        let routes: Vec<Route> = rows.iter().map(|a| a.route).collect();
+        use Route::{Charge, Jobs};
+        assert_eq!(routes, [Charge, Charge, Jobs, Charge, Charge]);
+        let refs: Vec<Option<&str>> = rows.iter().map(|a| a.client_reference.as_deref()).collect();
+        assert_eq!(
+            refs,
+            [Some("r1"), Some("r1"), Some("j1"), Some("r3"), Some("r4")]
+        );
+        let key = |k: &str| Some(k.to_owned());
+        let (none, five) = ("none".to_owned(), "server_error".to_owned());
+        assert_eq!(
+            arrived(&sim),
+            [
+                (key("k1"), none.clone(), true),
+                (key("k1"), none.clone(), false),
+                (key("k2"), none.clone(), true),
+                (key("k3"), five, false),
+                (None, none, true),
+            ]
+        );
+        // The same rows over HTTP, for a test driving `ballast sim`.
+        let served: Vec<Arrival> = client
+            .get(format!("{}/_sim/arrivals", sim.base_url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(served, rows);
+        let raw: Value = client
+            .get(format!("{}/_sim/arrivals", sim.base_url()))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(raw[2]["route"], "POST /v1/jobs");
+        assert_eq!(raw[2]["client_reference"], "j1");
+        sim.stop();
+    }
+
+    #[test]
+    fn client_reference_wins_over_ref_and_null_is_none() {
+        let of = |body: Value| reference(&body);
+        assert_eq!(
+            of(json!({ "client_reference": "a", "ref": "b" })).as_deref(),
+            Some("a")
+        );
+        assert_eq!(of(json!({ "ref": "b" })).as_deref(), Some("b"));
+        assert_eq!(
+            of(json!({ "client_reference": null, "ref": 7 })).as_deref(),
+            Some("7")
+        );
+        assert_eq!(of(json!({ "ref": null })), None);
+        assert_eq!(of(Value::Null), None);
     }
 }

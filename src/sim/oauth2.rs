@@ -476,6 +476,22 @@ mod tests {
         assert_eq!(sim.ledger().effects, 1);
         let stats = sim.stats();
         assert_eq!((stats.tokens_issued, stats.unauthorized), (1, 4));
+        // Every charge reached the provider and is listed, refused or not.
+        let arrived: Vec<(String, bool)> = sim
+            .arrivals()
+            .into_iter()
+            .map(|a| (a.fault, a.effect))
+            .collect();
+        let refused = || ("unauthorized".to_owned(), false);
+        assert_eq!(
+            arrived,
+            [
+                refused(),
+                refused(),
+                ("bad_utf8".to_owned(), true),
+                refused()
+            ]
+        );
         sim.stop();
     }
 

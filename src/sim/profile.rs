@@ -32,6 +32,61 @@ pub enum Fault {
     GzipBomb,
     /// 200 with a JSON body that is not UTF-8; the side effect is applied.
     BadUtf8,
+    /// The side effect is applied (a charge made, a job created), then the
+    /// connection breaks mid-body as in [`Reset`](Fault::Reset): the
+    /// provider did the work and the client never hears of it.
+    ResetAfterEffect,
+    /// The side effect is applied, then the answer stalls for the
+    /// profile's `hang`, past any client timeout, as in
+    /// [`Hang`](Fault::Hang).
+    StallAfterEffect,
+}
+
+impl Fault {
+    /// Whether the provider does the call's work (its side effect) before
+    /// answering with this: for a good answer; for answers the client
+    /// cannot read (truncated, a gzip bomb, bad UTF-8); for a reset or a
+    /// stall after the effect; and, when `anyway` (drawn half the time),
+    /// for a plain hang or reset, which may come before the work or after.
+    pub fn applies_effect(&self, anyway: bool) -> bool {
+        match self {
+            Fault::None
+            | Fault::Truncated
+            | Fault::GzipBomb
+            | Fault::BadUtf8
+            | Fault::ResetAfterEffect
+            | Fault::StallAfterEffect => true,
+            Fault::Hang | Fault::Reset => anyway,
+            Fault::RateLimited(_)
+            | Fault::ServerError(_)
+            | Fault::ClientError(_)
+            | Fault::Html
+            | Fault::Empty
+            | Fault::Oversized
+            | Fault::Redirect => false,
+        }
+    }
+
+    /// A short snake_case name, for the simulator's ledger of arrivals.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::RateLimited(_) => "rate_limited",
+            Fault::ServerError(_) => "server_error",
+            Fault::ClientError(_) => "client_error",
+            Fault::Hang => "hang",
+            Fault::Reset => "reset",
+            Fault::Truncated => "truncated",
+            Fault::Html => "html",
+            Fault::Empty => "empty",
+            Fault::Oversized => "oversized",
+            Fault::Redirect => "redirect",
+            Fault::GzipBomb => "gzip_bomb",
+            Fault::BadUtf8 => "bad_utf8",
+            Fault::ResetAfterEffect => "reset_after_effect",
+            Fault::StallAfterEffect => "stall_after_effect",
+        }
+    }
 }
 
 /// A failure mix. Probabilities are per request and add up to at most 1.
@@ -79,6 +134,14 @@ pub struct Profile {
     pub p_gzip_bomb: f64,
     /// A 200 whose JSON body is not UTF-8.
     pub p_bad_utf8: f64,
+    /// The effect applied (a charge made, a job created), then the
+    /// connection reset: the client hears nothing of it. A call without a
+    /// side effect (a poll, a lookup) that draws it is answered as usual.
+    pub p_reset_after_effect: f64,
+    /// The effect applied, then the answer stalled for `hang`, past any
+    /// client timeout. A call without a side effect that draws it is
+    /// answered as usual.
+    pub p_stall_after_effect: f64,
     /// OAuth2 client credentials in front of every `/v1/*` route, when set.
     pub oauth2: Option<SimOAuth2>,
 }
@@ -172,6 +235,8 @@ impl Profile {
             p_redirect: 0.0,
             p_gzip_bomb: 0.0,
             p_bad_utf8: 0.0,
+            p_reset_after_effect: 0.0,
+            p_stall_after_effect: 0.0,
             oauth2: None,
         }
     }
@@ -196,6 +261,8 @@ impl Profile {
             p_redirect: 0.0,
             p_gzip_bomb: 0.0,
             p_bad_utf8: 0.0,
+            p_reset_after_effect: 0.0,
+            p_stall_after_effect: 0.0,
             oauth2: None,
             ..Profile::chaos(seed)
         }
@@ -257,6 +324,12 @@ impl Profile {
         }
         if pick(self.p_bad_utf8) {
             return Fault::BadUtf8;
+        }
+        if pick(self.p_reset_after_effect) {
+            return Fault::ResetAfterEffect;
+        }
+        if pick(self.p_stall_after_effect) {
+            return Fault::StallAfterEffect;
         }
         Fault::None
     }
@@ -342,10 +415,12 @@ mod tests {
             p_redirect: 0.03,
             p_gzip_bomb: 0.02,
             p_bad_utf8: 0.01,
+            p_reset_after_effect: 0.02,
+            p_stall_after_effect: 0.01,
             ..base.clone()
         };
         let (mut a, mut b) = (fastrand::Rng::with_seed(3), fastrand::Rng::with_seed(3));
-        let mut new = [0u32; 3];
+        let mut new = [0u32; 5];
         for _ in 0..20_000 {
             let (was, now) = (
                 base.draw_fault(&mut a, std::time::UNIX_EPOCH),
@@ -355,6 +430,8 @@ mod tests {
                 Fault::Redirect => new[0] += 1,
                 Fault::GzipBomb => new[1] += 1,
                 Fault::BadUtf8 => new[2] += 1,
+                Fault::ResetAfterEffect => new[3] += 1,
+                Fault::StallAfterEffect => new[4] += 1,
                 _ => {
                     assert_eq!(now, was);
                     continue;
@@ -366,18 +443,71 @@ mod tests {
                 "only a good answer turns into a new fault"
             );
         }
-        // About 600, 400 and 200 of 20,000.
+        // About 600, 400, 200, 400 and 200 of 20,000.
         assert!((450..750).contains(&new[0]), "{new:?}");
         assert!((280..520).contains(&new[1]), "{new:?}");
         assert!((120..300).contains(&new[2]), "{new:?}");
-        let all = Profile {
-            p_bad_utf8: 1.0,
-            ..Profile::clean(3)
-        };
+        assert!((280..520).contains(&new[3]), "{new:?}");
+        assert!((120..300).contains(&new[4]), "{new:?}");
+        // Both streams drew the same numbers all along.
+        assert_eq!(a.u64(..), b.u64(..));
+        for (all, fault) in [
+            (
+                Profile {
+                    p_bad_utf8: 1.0,
+                    ..Profile::clean(3)
+                },
+                Fault::BadUtf8,
+            ),
+            (
+                Profile {
+                    p_reset_after_effect: 1.0,
+                    ..Profile::clean(3)
+                },
+                Fault::ResetAfterEffect,
+            ),
+            (
+                Profile {
+                    p_stall_after_effect: 1.0,
+                    ..Profile::clean(3)
+                },
+                Fault::StallAfterEffect,
+            ),
+        ] {
+            assert_eq!(all.draw_fault(&mut a, std::time::UNIX_EPOCH), fault);
+        }
+    }
+
+    #[test]
+    fn a_profile_with_the_effect_knobs_at_zero_draws_what_it_drew_before_them() {
+        // Recorded before `p_reset_after_effect` and `p_stall_after_effect`
+        // existed. (A fastrand release with another generator would change
+        // these too: record them again then, from the commit before.)
+        let p = Profile::chaos(3);
+        assert_eq!((p.p_reset_after_effect, p.p_stall_after_effect), (0.0, 0.0));
+        let mut rng = fastrand::Rng::with_seed(3);
+        let drawn: Vec<(usize, Fault)> = (0..100)
+            .map(|_| p.draw_fault(&mut rng, std::time::UNIX_EPOCH))
+            .enumerate()
+            .filter(|(_, f)| *f != Fault::None)
+            .collect();
         assert_eq!(
-            all.draw_fault(&mut a, std::time::UNIX_EPOCH),
-            Fault::BadUtf8
+            drawn,
+            [
+                (9, Fault::RateLimited(None)),
+                (19, Fault::RateLimited(Some("29".into()))),
+                (62, Fault::Empty),
+                (71, Fault::RateLimited(Some("9".into()))),
+                (75, Fault::RateLimited(Some("4".into()))),
+                (80, Fault::Truncated),
+                (81, Fault::ServerError(502)),
+                (95, Fault::Hang),
+            ]
         );
+        for _ in 100..20_000 {
+            p.draw_fault(&mut rng, std::time::UNIX_EPOCH);
+        }
+        assert_eq!(rng.u64(..), 16_353_998_755_178_069_299);
     }
 
     #[test]
