@@ -54,8 +54,10 @@ pub fn uncertain(reply: &Reply, outcome: Outcome) -> bool {
 }
 
 /// The step of an `at_most_once` call whose outcome is not known: never
-/// sent again blindly. A required step parks its record
-/// `outcome_uncertain` for a person, with `evidence` in the reason; an
+/// sent again blindly. With a `lookup` it asks the provider at `now`
+/// (callers give a request the provider may still be working on a call's
+/// timeout first); otherwise a required step parks its record
+/// `outcome_uncertain` for a person, with `evidence` in the reason, and an
 /// optional one fails alone.
 pub fn uncertain_outcome(
     step: &Step,
@@ -64,13 +66,12 @@ pub fn uncertain_outcome(
     now: UnixMs,
 ) -> Decision {
     if step.lookup.is_some() && write.job_id.is_none() {
-        // Its lookup asks the provider at the next pass.
         write.state = StepState::Retrying;
         write.error_code = Some(super::OUTCOME_UNCERTAIN.into());
         write.reason = Some(format!(
             "the provider may have taken the call ({evidence}): asking it (lookup) instead of sending it again"
         ));
-        write.next_run_at = Some(now + 1);
+        write.next_run_at = Some(now);
         return Decision::keep(write);
     }
     let reason = format!(
@@ -284,6 +285,13 @@ pub fn before_call(
     // open breaker, the database away): its last poll decides. Only when
     // that poll cannot be made within the grace does the step give up.
     if let Some(d) = w.deadline_at.filter(|d| now >= *d) {
+        // A lookup that could not tell in time leaves the call uncertain:
+        // a person decides, never a blind resend.
+        if looking_up(step, &w) {
+            let reason =
+                "deadline passed: no lookup could tell whether the call took effect".into();
+            return Before::Settled(park_or_fail(step, w, super::OUTCOME_UNCERTAIN, reason, now));
+        }
         if !polling || now >= d + LAST_POLL_GRACE_MS {
             let what = if polling {
                 "the job did not finish within its deadline, and no last poll could be made"
@@ -329,12 +337,20 @@ pub fn after_lookup(
     jitter: f64,
 ) -> Judged {
     let mut w = plan.write;
-    let answered =
-        reply.http_status.is_some_and(|s| (200..300).contains(&s)) && reply.json.is_some();
+    // A 2xx the rules do not call a throttle, a retry or a refusal.
+    let answered = reply.http_status.is_some_and(|s| (200..300).contains(&s))
+        && reply.json.is_some()
+        && !matches!(
+            reply.outcome,
+            Outcome::Throttled | Outcome::Retry | Outcome::Fail
+        );
+    // A null or empty id is no job.
     let found = step
         .lookup
         .as_ref()
-        .and_then(|l| job_id_in(reply.json, &l.job_id));
+        .and_then(|l| reply.json.and_then(|j| j.pointer(&l.job_id)))
+        .filter(|id| !id.is_null() && id.as_str() != Some(""))
+        .and_then(|id| job_id_in(Some(id), ""));
     match (answered, found) {
         (true, Some(id)) => {
             let mut w = submitted(step, w, id.clone(), after);

@@ -50,11 +50,14 @@ async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Ask>) {
             }
         }
         let intents: Vec<NewIntent> = batch.iter().map(|a| a.intent.clone()).collect();
-        let written: Result<Vec<i64>, StoreError> = db.record_intents(&intents).await;
+        let written: Result<Vec<Result<i64, StoreError>>, StoreError> =
+            db.record_intents(&intents).await;
         match written {
             Ok(ids) => {
                 for (ask, id) in batch.into_iter().zip(ids) {
-                    let _ = ask.done.send(Ok(id));
+                    let _ = ask
+                        .done
+                        .send(id.map_err(|e| format!("the call's intent: {e}")));
                 }
             }
             Err(e) => {

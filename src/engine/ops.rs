@@ -170,28 +170,51 @@ impl<'a> Ops<'a> {
         job_id: &str,
     ) -> Result<Record, OpsError> {
         let runs = self.db.step_runs(id).await?;
-        let Some(run) = runs.iter().find(|r| {
-            r.job_id.is_none() && r.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
-        }) else {
-            return Err(OpsError::refused(
-                "nothing_uncertain",
-                "this record has no call whose outcome is uncertain",
-            ));
-        };
-        if let (Some(engine), Some(rec)) = (self.engine, self.db.get_record(id).await?) {
-            let is_job = engine
-                .step_of(&rec, &run.step)
-                .await
-                .is_some_and(|s| s.job_pointer().is_some());
-            if !is_job {
+        let uncertain: Vec<_> = runs
+            .iter()
+            .filter(|r| {
+                r.job_id.is_none()
+                    && r.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
+            })
+            .collect();
+        // Resuming the record would run every other uncertain step, that
+        // is, send its call again: one at a time only.
+        let run = match uncertain.as_slice() {
+            [run] => *run,
+            [] => {
                 return Err(OpsError::refused(
-                    "not_a_job_step",
-                    format!(
-                        "step `{}` makes no job to follow: retry it (it may charge again) or cancel",
-                        run.step
-                    ),
+                    "nothing_uncertain",
+                    "this record has no call whose outcome is uncertain",
                 ));
             }
+            _ => {
+                return Err(OpsError::refused(
+                    "several_uncertain",
+                    "several of this record's calls are uncertain: retry (sends them again) or cancel",
+                ));
+            }
+        };
+        // Only a job step has a job to follow (a callback step's wait is
+        // not rebuilt here yet: retry or cancel it).
+        let engine = self.engine.ok_or_else(|| {
+            OpsError::refused("no_workers", "this node runs no workers to check the step")
+        })?;
+        let rec = self.db.get_record(id).await?.ok_or(StoreError::NotFound {
+            what: "record",
+            key: id.to_string(),
+        })?;
+        let polls = engine
+            .step_of(&rec, &run.step)
+            .await
+            .is_some_and(|s| matches!(s.kind, crate::pipeline::StepKind::SubmitPoll { .. }));
+        if !polls {
+            return Err(OpsError::refused(
+                "not_a_job_step",
+                format!(
+                    "step `{}` has no job to follow by polling: retry it (it may charge again) or cancel",
+                    run.step
+                ),
+            ));
         }
         let req = ActionRequest {
             record_id: id,

@@ -472,6 +472,7 @@ impl Engine {
                 progress.attempts.clear();
                 progress.callbacks_done.clear();
                 progress.confirms.clear();
+                progress.intents_done.clear();
                 true
             }
             Some((_, Err(e))) => {

@@ -366,7 +366,9 @@ impl StepRun<'_> {
                     refused = Some(first);
                 }
                 Err(mut out) => {
+                    // The 401 is kept: its intent closes with it.
                     out.attempts.insert(0, first);
+                    out.intents_done.extend(intent);
                     return out;
                 }
             }
@@ -423,16 +425,20 @@ impl StepRun<'_> {
                 fastrand::f64(),
             )
         };
-        if at_most_once && crate::domain::step::uncertain(&x.reply, c.outcome) {
+        // Judged on the step's verdict: a 2xx without the job id or the
+        // outputs the step needs is `unknown` there, and it took effect.
+        if at_most_once && crate::domain::step::uncertain(&x.reply, judged.outcome) {
             let evidence = judged
                 .error_code
                 .clone()
                 .unwrap_or_else(|| "no reply".into());
+            // The provider may still be working on it: asked no sooner
+            // than a call's timeout from now.
             judged.decision = crate::domain::step::uncertain_outcome(
                 self.step,
                 judged.decision.write,
                 &evidence,
-                after,
+                after + ms(rt.config.timeout.0),
             );
         }
         self.move_budget(rt, judged.budget, after);
@@ -743,7 +749,11 @@ impl StepRun<'_> {
     ) -> Result<i64, String> {
         let key = rt.config.credential(&|var| std::env::var(var).ok());
         let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
+        let Some(lease) = self.record.lease() else {
+            return Err("the record is not leased".into());
+        };
         let intent = crate::store::NewIntent {
+            lease,
             record_id: self.record.id,
             step: self.step.name.clone(),
             provider: Some(rt.name.clone()),

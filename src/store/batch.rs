@@ -257,6 +257,8 @@ json_row!(IntentJson, INTENT_COLS {
     node: Option<&'a str> => Text,
     sent_at: UnixMs => Int,
     request: Option<String> => Text,
+    lease_owner: &'a str => Text,
+    lease_token: i64 => Int,
 });
 
 impl<'a> From<&'a crate::store::NewIntent> for IntentJson<'a> {
@@ -269,6 +271,8 @@ impl<'a> From<&'a crate::store::NewIntent> for IntentJson<'a> {
             node: i.node.as_deref(),
             sent_at: i.sent_at,
             request: i.request.as_ref().map(|r| r.to_stored()),
+            lease_owner: &i.lease.owner,
+            lease_token: i.lease.token,
         }
     }
 }

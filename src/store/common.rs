@@ -777,17 +777,28 @@ where
         Ok(moved)
     }
 
-    async fn record_intents(&self, intents: &[crate::store::NewIntent]) -> StoreResult<Vec<i64>> {
+    async fn record_intents(
+        &self,
+        intents: &[crate::store::NewIntent],
+    ) -> StoreResult<Vec<StoreResult<i64>>> {
         if intents.is_empty() {
             return Ok(Vec::new());
         }
         let rows: Vec<super::batch::IntentJson<'_>> =
             intents.iter().map(super::batch::IntentJson::from).collect();
-        let sql = super::batch::insert(
-            "attempt_intents",
-            super::batch::INTENT_COLS,
-            DB::DIALECT,
-            "RETURNING id, record_id, step, attempt_no",
+        // Fenced by the lease: a worker that lost it (a stalled node whose
+        // record another claimed) writes nothing and so calls nothing; the
+        // record's row is locked so that no claim moves it meanwhile.
+        let sql = format!(
+            "WITH v AS (SELECT {} FROM {}) \
+             INSERT INTO attempt_intents (record_id, step, provider, attempt_no, node, sent_at, request) \
+             SELECT v.record_id, v.step, v.provider, v.attempt_no, v.node, v.sent_at, v.request FROM v \
+             WHERE EXISTS (SELECT 1 FROM records r WHERE r.id = v.record_id AND r.state = 'running' \
+               AND r.lease_owner = v.lease_owner AND r.lease_token = v.lease_token{}) \
+             RETURNING id, record_id, step, attempt_no",
+            super::batch::select_as(super::batch::INTENT_COLS, DB::DIALECT),
+            DB::DIALECT.rows(),
+            DB::LOCK
         );
         let mut tx = self.begin_write().await?;
         let returned = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -807,8 +818,9 @@ where
                 ))
             })
             .collect::<Result<Vec<_>, sqlx::Error>>()?;
-        // Matched by what they are, not by the order rows come back in.
-        intents
+        // Matched by what they are (one pass per record holds its lease,
+        // one call per step at a time), not by the order rows come back in.
+        Ok(intents
             .iter()
             .map(|i| {
                 written
@@ -817,9 +829,11 @@ where
                         (w.1, w.2.as_str(), w.3) == (i.record_id, i.step.as_str(), i.attempt_no)
                     })
                     .map(|w| w.0)
-                    .ok_or_else(|| StoreError::Invalid("an intent was not written".into()))
+                    .ok_or(StoreError::LeaseLost {
+                        record_id: i.record_id,
+                    })
             })
-            .collect()
+            .collect())
     }
 
     async fn open_intents(&self, record_id: i64) -> StoreResult<Vec<crate::domain::Intent>> {

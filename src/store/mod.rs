@@ -236,9 +236,11 @@ pub struct NewAttempt {
     pub request: Option<crate::domain::request::SentRequest>,
 }
 
-/// A side-effecting call to write down before it leaves (`at_most_once`).
+/// A side-effecting call to write down before it leaves (`at_most_once`),
+/// by the worker holding `lease`: written only while it still holds it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewIntent {
+    pub lease: Lease,
     pub record_id: i64,
     pub step: String,
     pub provider: Option<String>,
@@ -599,11 +601,13 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     // --- intents (`at_most_once`) ----------------------------------------
     /// Writes calls down before they leave, in one transaction (one
-    /// durable commit for the batch); their ids, in order.
+    /// durable commit for the batch), each only while its worker still
+    /// holds the record's lease (its row locked against a claim meanwhile);
+    /// per intent, its id, or `LeaseLost` (then the call must not be made).
     fn record_intents(
         &self,
         intents: &[NewIntent],
-    ) -> impl Future<Output = StoreResult<Vec<i64>>> + Send;
+    ) -> impl Future<Output = StoreResult<Vec<StoreResult<i64>>>> + Send;
     /// The intents of a record still open, oldest first.
     fn open_intents(
         &self,
@@ -979,7 +983,7 @@ forward! {
     fn wake_record(&self, record_id: i64, now: UnixMs) -> ();
     fn reverse(&self, req: &ReverseRequest) -> Record;
     fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
-    fn record_intents(&self, intents: &[NewIntent]) -> Vec<i64>;
+    fn record_intents(&self, intents: &[NewIntent]) -> Vec<StoreResult<i64>>;
     fn open_intents(&self, record_id: i64) -> Vec<crate::domain::Intent>;
     fn close_intents(&self, ids: &[i64]) -> ();
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;

@@ -895,10 +895,6 @@ async fn an_uncertain_call_offers_the_operator_its_two_choices() {
         return;
     };
     let c = &d.client;
-    let Some(app) = WebApp::spawn(Backend::Sqlite, "browser_uncertain", "").await else {
-        return;
-    };
-    app.user("admin", Role::Admin).await;
     let (base, jobs) = crate::engine::lookup_provider().await;
     let text = format!(
         r#"
@@ -918,10 +914,19 @@ job_id = "/id"
 poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
 "#
     );
+    // The app runs the pipeline too (an operator's "it took effect" needs
+    // a node that knows its steps); the test's engine works ten days
+    // ahead of the wall clock, so the app's workers, on the wall clock,
+    // leave the record to it until the operator acts.
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "browser_uncertain", &text).await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
     let config = ballast::config::Config::parse(&text, std::path::Path::new("u.toml")).unwrap();
     config.validate(&|_| None).unwrap();
+    let ahead = crate::helpers::wall_ms() + 10 * 86_400_000;
     let (engine, clock) =
-        crate::engine::manual_engine(&app.t.db, std::sync::Arc::new(config), "bu").await;
+        crate::engine::manual_engine_at(&app.t.db, std::sync::Arc::new(config), "bu", ahead).await;
     let id = engine
         .enqueue("render", Some("u-1"), json!({}))
         .await
@@ -959,10 +964,18 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
         .click()
         .await
         .unwrap();
-    wait_text(c, "#record-state", "pending").await;
-    // The page acted on the wall clock, which has run ahead of the
-    // engine's while the browser worked.
-    clock.advance(120_000);
+    // Pending (or already taken by a worker: the app's, on the wall
+    // clock, may poll the job first; the test's engine otherwise).
+    wait::until(
+        "the record leaves `parked`",
+        Duration::from_secs(20),
+        async || match app.t.db.get_record(id).await {
+            Ok(Some(r)) if r.state != ballast::domain::RecordState::Parked => Ok(()),
+            other => Err(other.map(|r| r.map(|r| r.state))),
+        },
+    )
+    .await;
+    clock.advance(1_000);
     crate::engine::drain(&engine).await;
     c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
     wait_text(c, "#record-state", "succeeded").await;

@@ -366,7 +366,17 @@ pub(crate) async fn manual_engine(
     config: Arc<Config>,
     node: &str,
 ) -> (Engine, ManualClock) {
-    let clock = ManualClock::new(crate::helpers::wall_ms());
+    manual_engine_at(db, config, node, crate::helpers::wall_ms()).await
+}
+
+/// [`manual_engine`] with its clock starting at `start`.
+pub(crate) async fn manual_engine_at(
+    db: &Db,
+    config: Arc<Config>,
+    node: &str,
+    start: i64,
+) -> (Engine, ManualClock) {
+    let clock = ManualClock::new(start);
     let engine = Engine::with_clock(db.clone(), config, options(node), Arc::new(clock.clone()))
         .await
         .unwrap();
@@ -3833,19 +3843,36 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
         .record
         .id;
     let request = attempts[0].request.clone();
-    t.db.record_intents(&[ballast::store::NewIntent {
-        record_id: crashed,
-        step: "charge".into(),
-        provider: Some("sim".into()),
-        attempt_no: 1,
-        node: Some("node:gone".into()),
-        sent_at: clock.now_ms(),
-        request: request.clone(),
-    }])
-    .await
-    .unwrap();
+    // (Its node claimed it, so the intent is written under its lease;
+    // the lease then runs out and the engine takes the record.)
+    let gone =
+        t.db.claim_due(&ballast::store::ClaimRequest {
+            owner: "node:gone".into(),
+            now: clock.now_ms(),
+            lease: Duration::from_secs(1),
+            limit: 1,
+            group_caps: Vec::new(),
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(gone.id, crashed);
+    let written =
+        t.db.record_intents(&[ballast::store::NewIntent {
+            lease: gone.lease().unwrap(),
+            record_id: crashed,
+            step: "charge".into(),
+            provider: Some("sim".into()),
+            attempt_no: 1,
+            node: Some("node:gone".into()),
+            sent_at: clock.now_ms(),
+            request: request.clone(),
+        }])
+        .await
+        .unwrap();
+    assert!(written[0].is_ok(), "{written:?}");
     let before = charges.load(Ordering::SeqCst);
-    clock.advance(10);
+    clock.advance(2_000);
     drain(&engine).await;
     let rec = t.db.get_record(crashed).await.unwrap().unwrap();
     assert_eq!(

@@ -1014,9 +1014,23 @@ async fn provider_data_renders_as_inert_text() {
             .unwrap();
         // A call sent with no reply kept yet (`at_most_once`) is shown too,
         // its request as inert as an attempt's.
+        let held = app
+            .t
+            .db
+            .claim_due(&ballast::store::ClaimRequest {
+                owner: "node:gone".into(),
+                now: crate::helpers::wall_ms() + 7_200_000,
+                lease: Duration::from_secs(30),
+                limit: 1,
+                group_caps: Vec::new(),
+            })
+            .await
+            .unwrap()
+            .remove(0);
         app.t
             .db
             .record_intents(&[ballast::store::NewIntent {
+                lease: held.lease().unwrap(),
                 record_id: id,
                 step: "fetch".into(),
                 provider: Some("p".into()),
@@ -1030,6 +1044,11 @@ async fn provider_data_renders_as_inert_text() {
                     body: Some(payload.into()),
                 }),
             }])
+            .await
+            .unwrap();
+        app.t
+            .db
+            .release(&[held.lease().unwrap()], crate::helpers::wall_ms())
             .await
             .unwrap();
         let page = app.get(&format!("/records/{id}"), Some(&login)).await.text().await.unwrap();
