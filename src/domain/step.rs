@@ -364,6 +364,20 @@ pub fn after_lookup(
                 BudgetMove::None,
             )
         }
+        (true, None) if w.attempts >= i32::try_from(policy.max_attempts).unwrap_or(i32::MAX) => {
+            // Not taken, but the attempts are spent: bounded as any retry.
+            let reason = format!(
+                "attempts exhausted ({} of {}); the last call did not take effect (lookup found nothing)",
+                w.attempts, policy.max_attempts
+            );
+            let d = park_or_fail(step, w, "attempts_exhausted", reason, after);
+            judged(
+                d,
+                Outcome::Success,
+                Some("lookup_not_found".into()),
+                BudgetMove::None,
+            )
+        }
         (true, None) => {
             w.state = StepState::Retrying;
             w.error_code = None;
@@ -931,6 +945,14 @@ mod tests {
             (StepState::Retrying, None, Some(10))
         );
         assert!(!looking_up(&looked, w));
+        // Not taken but the attempts spent: parked, not sent a sixth time.
+        let mut spent = plan.clone();
+        spent.write.attempts = 5;
+        let j = after_lookup(&looked, spent, &facts(200, Some(&none)), &p, 10, 0.5);
+        assert_eq!(
+            j.decision.park.as_ref().map(|p| p.code.as_str()),
+            Some("attempts_exhausted")
+        );
         // Nothing clear: asked again later, still uncertain.
         let j = after_lookup(&looked, plan, &facts(503, None), &p, 10, 0.5);
         let w = &j.decision.write;

@@ -3757,16 +3757,36 @@ on_reversal = "record"
 
 /// A charge provider that ignores idempotency keys, takes every charge, and
 /// then does not answer before the client's timeout: each call that
-/// reaches it is a charge. Returns its URL and its count of charges.
-async fn charging_then_stalling() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+/// reaches it is a charge. With `db`, it also counts the charges that
+/// arrive while their record has no intent written (`ref` names the
+/// record). Returns its URL, its count of charges and that count.
+async fn charging_then_stalling(
+    db: Option<Db>,
+) -> (
+    String,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let charges = Arc::new(AtomicUsize::new(0));
-    let c = charges.clone();
+    let unwritten = Arc::new(AtomicUsize::new(0));
+    let (c, u) = (charges.clone(), unwritten.clone());
     let app = axum::Router::new().route(
         "/v1/charge",
-        axum::routing::post(move || {
-            let c = c.clone();
+        axum::routing::post(move |axum::Json(body): axum::Json<serde_json::Value>| {
+            let (c, u, db) = (c.clone(), u.clone(), db.clone());
             async move {
+                if let Some(db) = db {
+                    // A charge naming no record counts as unwritten too.
+                    let id = body["ref"].as_str().and_then(|r| r.parse().ok());
+                    let written = match id {
+                        Some(id) => !db.open_intents(id).await.unwrap().is_empty(),
+                        None => false,
+                    };
+                    if !written {
+                        u.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
                 c.fetch_add(1, Ordering::SeqCst);
                 // The provider's latency: past the client's 500 ms timeout.
                 tokio::time::sleep(Duration::from_secs(3)).await;
@@ -3774,7 +3794,7 @@ async fn charging_then_stalling() -> (String, Arc<std::sync::atomic::AtomicUsize
             }
         }),
     );
-    (crate::helpers::serve_router(app).await, charges)
+    (crate::helpers::serve_router(app).await, charges, unwritten)
 }
 
 /// Issue 23 item 1, first slice: with `at_most_once`, a call is written
@@ -3790,7 +3810,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let t = TestDb::migrated(Backend::Sqlite, "at_most_once")
         .await
         .unwrap();
-    let (base, charges) = charging_then_stalling().await;
+    let (base, charges, unwritten) = charging_then_stalling(Some(t.db.clone())).await;
     let retry = r#"retry = { max_attempts = 3, base = "10ms", cap = "10ms", deadline = "10m" }"#;
     let config = single_step(&base, &format!("at_most_once = true\n{retry}"));
     let (engine, clock) = manual_engine(&t.db, config, "m1").await;
@@ -3819,6 +3839,11 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
         charges.load(Ordering::SeqCst),
         1,
         "charged once, never resent"
+    );
+    assert_eq!(
+        unwritten.load(Ordering::SeqCst),
+        0,
+        "the call was written down before it reached the provider"
     );
     let attempts = t.db.attempts(live).await.unwrap();
     assert_eq!(attempts.len(), 1);
@@ -3906,7 +3931,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let t2 = TestDb::migrated(Backend::Sqlite, "at_least_once")
         .await
         .unwrap();
-    let (base2, charges2) = charging_then_stalling().await;
+    let (base2, charges2, _) = charging_then_stalling(None).await;
     let (plain, clock2) = manual_engine(&t2.db, single_step(&base2, retry), "m2").await;
     let id = plain
         .enqueue("pay", Some("plain"), json!({}))
