@@ -3788,9 +3788,9 @@ async fn charging_then_stalling(
                     }
                 }
                 c.fetch_add(1, Ordering::SeqCst);
-                // The provider's latency: past the client's 500 ms timeout.
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                axum::Json(json!({ "id": "ch", "status": "succeeded" }))
+                // It never answers: the client's timeout ends the exchange
+                // (and drops this handler).
+                std::future::pending::<axum::Json<serde_json::Value>>().await
             }
         }),
     );
@@ -3991,9 +3991,9 @@ pub(crate) async fn lookup_provider() -> (String, Arc<std::sync::Mutex<Vec<(Stri
                         if mode == "took" {
                             make(&jobs);
                         }
-                        // The provider's latency: past the client's timeout.
-                        tokio::time::sleep(Duration::from_secs(3)).await;
-                        return axum::Json(json!({ "status": "late" }));
+                        // It never answers: the client's timeout ends the
+                        // exchange (and drops this handler).
+                        return std::future::pending().await;
                     }
                     let id = make(&jobs);
                     axum::Json(json!({ "id": id, "status": "queued" }))
