@@ -174,10 +174,14 @@ fn config(
     concurrency: u32,
     rate_limit: Option<&str>,
     kind: Kind,
+    at_most_once: bool,
 ) -> Config {
-    let limits = rate_limit
+    let mut limits = rate_limit
         .map(|l| format!("rate_limits = [\"{l}\"]"))
         .unwrap_or_default();
+    if at_most_once {
+        limits.push_str("\nat_most_once = true");
+    }
     let pipeline = match kind {
         Kind::One => {
             r#"
@@ -202,6 +206,7 @@ needs = ["charge"]
 request = { method = "POST", path = "/v1/jobs", body = '{"ref": "{{ record.id }}-render", "charge": {{ steps.charge.output.charge_id | tojson }}}' }
 job_id = "/id"
 poll = { path = "/v1/jobs/{{ job_id }}", every = "50ms", deadline = "2s" }
+{lookup}
 outputs = { url = "/result/url" }
 [[pipelines.chain.steps]]
 name = "notify"
@@ -223,7 +228,15 @@ poll = { path = "/v1/jobs/{{ job_id }}", every = "10m", deadline = "1h" }
 "#
         }
     };
-    let text = config_text(url, base_url, concurrency, &limits, pipeline);
+    // With `at_most_once`, the render step asks for its job by reference
+    // when unsure; the charges have no lookup and park instead.
+    let lookup = if at_most_once {
+        r#"lookup = { path = "/v1/jobs?client_reference={{ record.id }}-render", job_id = "/data/0/id" }"#
+    } else {
+        ""
+    };
+    let pipeline = pipeline.replace("{lookup}", lookup);
+    let text = config_text(url, base_url, concurrency, &limits, &pipeline);
     let config = Config::parse(&text, std::path::Path::new("bench.toml")).expect("bench config");
     config.validate(&|_| None).expect("bench config is valid");
     config
@@ -428,6 +441,8 @@ struct Run {
     requests_per_record: f64,
     /// This process's peak RSS during the run, MiB (reset at its start).
     peak_rss_mib: f64,
+    /// Records parked at the end, as a share of all.
+    parked_share: f64,
 }
 
 /// The engine's claim batch in A, A' and the backlog runs.
@@ -436,6 +451,7 @@ const A_BATCH: u32 = 500;
 const A_IN_FLIGHT: usize = 1_000;
 
 /// One measured run's set-up.
+#[derive(Clone)]
 struct Setup {
     backend: Backend,
     n: usize,
@@ -448,6 +464,9 @@ struct Setup {
     /// otherwise all in batches.
     single_enqueue: bool,
     kind: Kind,
+    /// The provider declared `at_most_once` (an intent written before each
+    /// call; the chain's render step looks its job up when unsure).
+    at_most_once: bool,
 }
 
 /// Resets this process's peak RSS (`VmHWM`) to its current RSS.
@@ -482,6 +501,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         rate_limit,
         single_enqueue,
         kind,
+        at_most_once,
     } = *setup;
     let fresh = fresh(backend).await?;
     let sim = match provider {
@@ -497,6 +517,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         in_flight as u32,
         rate_limit,
         kind,
+        at_most_once,
     ));
     let pipeline = kind.pipeline();
     let mut opts = EngineOptions::new(format!("bench-{}", uuid::Uuid::new_v4().simple()));
@@ -564,6 +585,15 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     let took = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
     let peak_rss_mib = peak_rss_mib();
+    let parked: i64 = fresh
+        .db
+        .state_counts()
+        .await
+        .ok()?
+        .iter()
+        .filter(|c| c.state == RecordState::Parked)
+        .map(|c| c.count)
+        .sum();
     stop.cancel();
     let _ = runner.await;
     let stats = sim.as_ref().map(|s| s.stats());
@@ -582,6 +612,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         max_per_second: stats.as_ref().map_or(0, |s| s.max_per_second),
         requests_per_record: stats.map_or(0.0, |s| s.requests as f64 / n as f64),
         peak_rss_mib,
+        parked_share: parked as f64 / n as f64,
     })
 }
 
@@ -787,6 +818,21 @@ async fn pages_at_scale(
     Some((seeded, out))
 }
 
+/// `runs` runs of `setup` and of `setup` with `at_most_once`, alternating,
+/// so that both figures share the machine's moods.
+async fn with_and_without_intents(runs: usize, setup: &Setup) -> (Vec<Run>, Vec<Run>) {
+    let guarded = Setup {
+        at_most_once: true,
+        ..setup.clone()
+    };
+    let (mut plain, mut with) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        plain.extend(run_once(setup).await);
+        with.extend(run_once(&guarded).await);
+    }
+    (plain, with)
+}
+
 async fn runs_of(runs: usize, setup: &Setup) -> Vec<Run> {
     let mut rs = Vec::new();
     for _ in 0..runs {
@@ -872,6 +918,7 @@ fn main() {
                 rate_limit,
                 single_enqueue,
                 kind: Kind::One,
+                at_most_once: false,
             };
             // A and the backlog runs measure throughput: the engine tuned
             // for it (`engine.batch = 500`, `engine.max_in_flight = 1000`).
@@ -944,28 +991,37 @@ fn main() {
                 if !filter.wants(key) {
                     continue;
                 }
-                let rs = runs_of(
-                    runs,
-                    &setup(
-                        n,
-                        Provider::Sim(Box::new(slow.clone())),
-                        in_flight,
-                        None,
-                        key == "B",
-                    ),
-                )
-                .await;
-                if rs.is_empty() {
-                    continue;
-                }
-                let rate: Vec<f64> = rs.iter().map(|r| r.processed_per_s).collect();
-                let ratio: Vec<f64> = rate.iter().map(|r| r / ideal * 100.0).collect();
-                println!(
-                    "{:<44} {:>22} {:>18}",
-                    format!("{key:<2} 50 ms latency, {in_flight} in flight, {n}"),
-                    median_spread(rate),
-                    format!("{}% of ideal", median_spread_f(ratio, 1)),
+                let b = setup(
+                    n,
+                    Provider::Sim(Box::new(slow.clone())),
+                    in_flight,
+                    None,
+                    key == "B",
                 );
+                // B also with an intent written before each call.
+                let (rs, guarded) = if key == "B" {
+                    with_and_without_intents(runs, &b).await
+                } else {
+                    (runs_of(runs, &b).await, Vec::new())
+                };
+                for (rs, name) in [
+                    (
+                        rs,
+                        format!("{key:<2} 50 ms latency, {in_flight} in flight, {n}"),
+                    ),
+                    (guarded, "   the same, at_most_once".to_owned()),
+                ] {
+                    if rs.is_empty() {
+                        continue;
+                    }
+                    let rate: Vec<f64> = rs.iter().map(|r| r.processed_per_s).collect();
+                    let ratio: Vec<f64> = rate.iter().map(|r| r / ideal * 100.0).collect();
+                    println!(
+                        "{name:<44} {:>22} {:>18}",
+                        median_spread(rate),
+                        format!("{}% of ideal", median_spread_f(ratio, 1)),
+                    );
+                }
             }
             if filter.wants("C") {
                 let rs = runs_of(
@@ -1002,15 +1058,26 @@ fn main() {
                     false,
                 );
                 d.kind = Kind::Chain;
-                let rs = runs_of(runs, &d).await;
-                if !rs.is_empty() {
+                // D also with `at_most_once`: uncertain charges park, an
+                // uncertain render is looked up.
+                let (rs, guarded) = with_and_without_intents(runs, &d).await;
+                for (rs, name) in [
+                    (rs, format!("D  3 steps under chaos, {n_d} records")),
+                    (guarded, "   the same, at_most_once".to_owned()),
+                ] {
+                    if rs.is_empty() {
+                        continue;
+                    }
                     println!(
-                        "{:<44} {:>22} {:>18}",
-                        format!("D  3 steps under chaos, {n_d} records"),
+                        "{name:<44} {:>22} {:>18} {:>18}",
                         median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
                         format!(
                             "{} calls/record",
                             median_spread_f(rs.iter().map(|r| r.requests_per_record).collect(), 2)
+                        ),
+                        format!(
+                            "{}% parked",
+                            median_spread_f(rs.iter().map(|r| r.parked_share * 100.0).collect(), 1)
                         ),
                     );
                 }

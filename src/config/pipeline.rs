@@ -81,6 +81,11 @@ pub struct StepConfig {
     /// Not written into a pinned definition when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lookup: Option<LookupConfig>,
+    /// Overrides the provider's `at_most_once` for this step's calls (a
+    /// payment step on a provider whose other calls may be resent). Not
+    /// written into a pinned definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_most_once: Option<bool>,
 }
 
 /// `lookup = { path = "/v1/jobs?client_reference={{ key }}", job_id = "/data/0/id" }`

@@ -244,6 +244,7 @@ mod tests {
                 confirm: None,
                 confirm_request: None,
                 lookup: None,
+                at_most_once: None,
             })
             .collect()
     }

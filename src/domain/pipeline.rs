@@ -126,6 +126,8 @@ pub struct Step {
     /// How to ask the provider whether a call whose outcome is not known
     /// took effect (`at_most_once`; job steps only).
     pub lookup: Option<Lookup>,
+    /// The step's own `at_most_once`, over its provider's when set.
+    pub at_most_once: Option<bool>,
 }
 
 /// `lookup = { path = "/v1/jobs?client_reference={{ key }}", job_id = "/data/0/id" }`:
@@ -146,6 +148,12 @@ pub struct Confirm {
 }
 
 impl Step {
+    /// Whether this step's side-effecting calls are written down before
+    /// they leave and never resent blindly, given its provider's setting.
+    pub fn at_most_once(&self, provider: bool) -> bool {
+        self.at_most_once.unwrap_or(provider)
+    }
+
     /// JSON pointer to the job id in the submit reply (job steps only).
     pub fn job_pointer(&self) -> Option<&str> {
         match &self.kind {

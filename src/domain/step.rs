@@ -81,6 +81,59 @@ pub fn uncertain_outcome(
     park_or_fail(step, write, super::OUTCOME_UNCERTAIN, reason, now)
 }
 
+/// A call an earlier pass left open (its node stopped between writing it
+/// down and keeping its reply), as attempt `attempt_no`: spent, and for an
+/// `at_most_once` step (`guarded`) an outcome not known
+/// ([`uncertain_outcome`]). A step no longer `at_most_once` (turned off
+/// since) goes on as configured, sending its call again; the call stays in
+/// its history either way.
+pub fn left_open(
+    step: &Step,
+    mut write: StepWrite,
+    attempt_no: i32,
+    guarded: bool,
+    evidence: &str,
+    now: UnixMs,
+) -> Decision {
+    write.attempts = write.attempts.max(attempt_no);
+    if guarded {
+        uncertain_outcome(step, write, evidence, now)
+    } else {
+        Decision::keep(write)
+    }
+}
+
+/// The outputs an operator gives for a request step whose call took
+/// effect (read at the provider): an object with exactly the step's
+/// output names (`outputs`: name → pointer), none of them null or empty,
+/// so the steps after it find what they read. None needed when the step
+/// declares none.
+pub fn took_outputs(
+    outputs: &std::collections::BTreeMap<String, String>,
+    given: Option<serde_json::Value>,
+) -> Result<serde_json::Value, String> {
+    let given = given.unwrap_or_else(|| serde_json::json!({}));
+    let Some(object) = given.as_object() else {
+        return Err(r#"give the outputs as a JSON object, e.g. {"charge_id": "ch_123"}"#.into());
+    };
+    let names = || outputs.keys().cloned().collect::<Vec<_>>().join(", ");
+    if let Some(extra) = object.keys().find(|k| !outputs.contains_key(*k)) {
+        return Err(format!("`{extra}` is not one of its outputs [{}]", names()));
+    }
+    let blank =
+        |v: &serde_json::Value| v.is_null() || v.as_str().is_some_and(|s| s.trim().is_empty());
+    if let Some(missing) = outputs.keys().find(|k| object.get(*k).is_none_or(blank)) {
+        return Err(format!(
+            "give every output [{}] as the provider has it: `{missing}` is missing or empty",
+            names()
+        ));
+    }
+    if super::json_has_nul(&given) {
+        return Err("the outputs contain a NUL character".into());
+    }
+    Ok(given)
+}
+
 /// The error code of a record parked while its provider's breaker is open
 /// (`on_outage = "park_until_healthy"`).
 pub const PROVIDER_OUTAGE: &str = "provider_outage";
@@ -344,15 +397,12 @@ pub fn after_lookup(
             reply.outcome,
             Outcome::Throttled | Outcome::Retry | Outcome::Fail
         );
-    // A null or empty id is no job.
-    let found = step
-        .lookup
-        .as_ref()
-        .and_then(|l| reply.json.and_then(|j| j.pointer(&l.job_id)))
-        .filter(|id| !id.is_null() && id.as_str() != Some(""))
-        .and_then(|id| job_id_in(Some(id), ""));
-    match (answered, found) {
-        (true, Some(id)) => {
+    let looked = match (step.lookup.as_ref(), reply.json) {
+        (Some(l), Some(json)) if answered => look_up(json, &l.job_id),
+        _ => Looked::Unclear,
+    };
+    match looked {
+        Looked::Found(id) => {
             let mut w = submitted(step, w, id.clone(), after);
             w.reason = Some(format!(
                 "the call took effect: the provider has job {id} (lookup)"
@@ -364,7 +414,7 @@ pub fn after_lookup(
                 BudgetMove::None,
             )
         }
-        (true, None) if w.attempts >= i32::try_from(policy.max_attempts).unwrap_or(i32::MAX) => {
+        Looked::Absent if w.attempts >= i32::try_from(policy.max_attempts).unwrap_or(i32::MAX) => {
             // Not taken, but the attempts are spent: bounded as any retry.
             let reason = format!(
                 "attempts exhausted ({} of {}); the last call did not take effect (lookup found nothing)",
@@ -378,7 +428,7 @@ pub fn after_lookup(
                 BudgetMove::None,
             )
         }
-        (true, None) => {
+        Looked::Absent => {
             w.state = StepState::Retrying;
             w.error_code = None;
             w.reason = Some(
@@ -392,7 +442,7 @@ pub fn after_lookup(
                 BudgetMove::None,
             )
         }
-        (false, _) => {
+        Looked::Unclear => {
             w.unknowns += 1;
             let wait = policy.backoff.delay(w.unknowns.max(1) as u32, jitter);
             w.next_run_at = Some(after + ms(wait));
@@ -458,6 +508,48 @@ pub fn job_id_in(json: Option<&Value>, pointer: &str) -> Option<String> {
         Value::String(s) => s.clone(),
         other => other.to_string(),
     })
+}
+
+/// What a lookup's reply says at its `job_id` pointer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Looked {
+    /// The provider has this job for the call.
+    Found(String),
+    /// Clearly none: the pointer runs past the end of a list (`/data/0/id`
+    /// in `{"data": []}`), or reaches a null or an empty id.
+    Absent,
+    /// The reply lacks the shape the pointer expects (a key it names is
+    /// missing: a typo, or the provider changed its replies): no answer,
+    /// so the call is not sent again on it.
+    Unclear,
+}
+
+/// Reads `pointer` (RFC 6901) in a lookup's reply.
+fn look_up(json: &Value, pointer: &str) -> Looked {
+    let mut at = json;
+    for token in pointer.split('/').skip(1) {
+        let token = token.replace("~1", "/").replace("~0", "~");
+        at = match at {
+            Value::Null => return Looked::Absent,
+            Value::Object(map) => match map.get(&token) {
+                Some(v) => v,
+                None => return Looked::Unclear,
+            },
+            Value::Array(items) => match token.parse::<usize>() {
+                Ok(i) if i < items.len() => &items[i],
+                Ok(_) => return Looked::Absent,
+                Err(_) => return Looked::Unclear,
+            },
+            _ => return Looked::Unclear,
+        };
+    }
+    match at {
+        Value::Null => Looked::Absent,
+        Value::String(s) if s.trim().is_empty() => Looked::Absent,
+        Value::String(s) => Looked::Found(s.clone()),
+        Value::Number(n) => Looked::Found(n.to_string()),
+        _ => Looked::Unclear,
+    }
 }
 
 /// Decides what a reply means for the step. `plan` is the state the call
@@ -867,6 +959,25 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn a_call_left_open_is_spent_and_judged_by_the_step_as_it_is_now() {
+        let plain = step(1, true, &[], 1_000, 60_000);
+        let mut w = StepWrite::pending("s");
+        w.attempts = 1;
+        let d = left_open(&plain, w.clone(), 2, true, "sent by n1", 5);
+        assert_eq!(d.write.attempts, 2, "the call that left is spent");
+        assert_eq!(
+            d.park.map(|p| p.code).as_deref(),
+            Some(crate::domain::OUTCOME_UNCERTAIN)
+        );
+        // `at_most_once` turned off since: it goes on as configured.
+        let d = left_open(&plain, w.clone(), 2, false, "sent by n1", 5);
+        assert_eq!(d.park, None);
+        assert_eq!((d.write.attempts, d.write.state), (2, w.state));
+        // An older intent never lowers the count.
+        assert_eq!(left_open(&plain, w, 0, false, "", 5).write.attempts, 1);
+    }
+
+    #[test]
     fn an_uncertain_call_is_looked_up_or_parked_never_resent() {
         use crate::domain::pipeline::Lookup;
         use crate::domain::rules::ReplyError;
@@ -913,6 +1024,12 @@ mod tests {
             panic!("a call")
         };
         assert!(plan.lookup && plan.polling && !plan.is_retry);
+        let unclear_replies = [
+            json!({ "items": [] }),
+            json!({ "data": [{ "ref": "x" }] }),
+            json!({ "data": "none" }),
+        ];
+        let absent_replies = [json!({ "data": null }), json!({ "data": [{ "id": "" }] })];
         let facts = |status, json| ReplyFacts {
             outcome: Outcome::Success,
             error_code: None,
@@ -945,6 +1062,43 @@ mod tests {
             (StepState::Retrying, None, Some(10))
         );
         assert!(!looking_up(&looked, w));
+        // A reply without the shape the pointer expects (a typo, a changed
+        // reply) is no answer: asked again, nothing sent.
+        for unclear in &unclear_replies {
+            let j = after_lookup(
+                &looked,
+                plan.clone(),
+                &facts(200, Some(unclear)),
+                &p,
+                10,
+                0.5,
+            );
+            assert_ne!(
+                j.error_code.as_deref(),
+                Some("lookup_not_found"),
+                "{unclear}"
+            );
+            assert!(looking_up(&looked, &j.decision.write), "{unclear}");
+        }
+        for absent in &absent_replies {
+            let j = after_lookup(
+                &looked,
+                plan.clone(),
+                &facts(200, Some(absent)),
+                &p,
+                10,
+                0.5,
+            );
+            assert_eq!(
+                j.error_code.as_deref(),
+                Some("lookup_not_found"),
+                "{absent}"
+            );
+        }
+        assert_eq!(
+            look_up(&json!({ "a/b": { "n": 7 } }), "/a~1b/n"),
+            Looked::Found("7".into())
+        );
         // Not taken but the attempts spent: parked, not sent a sixth time.
         let mut spent = plan.clone();
         spent.write.attempts = 5;
@@ -1046,6 +1200,7 @@ mod tests {
             confirm: None,
             confirm_request: None,
             lookup: None,
+            at_most_once: None,
         }
     }
 

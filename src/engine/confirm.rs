@@ -133,7 +133,7 @@ impl Engine {
         };
         let evidence = attempt.excerpt.clone().unwrap_or_default();
         let status = attempt.http_status;
-        i.db.append_attempts(rec.id, std::slice::from_ref(&attempt))
+        i.db.append_attempts(rec.id, std::slice::from_ref(&attempt), &[])
             .await?;
         let after = i.clock.now_ms();
         match next(&p, said(outcome, status), spec, after) {

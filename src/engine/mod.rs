@@ -120,6 +120,11 @@ struct Inner {
     committer: committer::Committer,
     /// Intents of `at_most_once` calls, written in groups.
     intents: intents::IntentWriter,
+    /// Providers with calls left open (read at start and at each provider
+    /// sync, so within a lease of any node writing them), whatever their
+    /// `at_most_once` says here (it may be off here, or turned off since):
+    /// their records' passes read those calls into the history.
+    left_open: Mutex<std::collections::HashSet<String>>,
 }
 
 /// Set when [`Engine::run`] stops claiming: passes already running finish
@@ -259,6 +264,7 @@ impl Engine {
         let opts_node = opts.node_id.clone();
         let committer = committer::Committer::spawn(db.clone(), clock.clone());
         let intents = intents::IntentWriter::spawn(db.clone());
+        let left_open = Mutex::new(db.intent_providers().await?.into_iter().collect());
         let group_caps = config
             .pipelines
             .iter()
@@ -268,6 +274,7 @@ impl Engine {
             inner: Arc::new(Inner {
                 committer,
                 intents,
+                left_open,
                 db,
                 config,
                 group_caps,

@@ -9,9 +9,9 @@ use super::Engine;
 use crate::config::Config;
 use crate::domain::park::ParkUntil;
 use crate::domain::{
-    Clock, OperatorAction, ProviderState, Record, RecordState, Trigger, transition,
+    Clock, OperatorAction, ProviderState, Record, RecordState, StepState, Trigger, transition,
 };
-use crate::store::{ActionRequest, Db, RecordFilter, Store, StoreError};
+use crate::store::{ActionRequest, Db, RecordFilter, Store, StoreError, Took};
 
 /// Why a command was refused, or the store error that stopped it.
 #[derive(Debug, thiserror::Error)]
@@ -104,8 +104,9 @@ impl<'a> Ops<'a> {
     ) -> Result<Record, OpsError> {
         if action == OperatorAction::TookEffect {
             return Err(OpsError::refused(
-                "job_id_required",
-                "`took_effect` names the job the provider made (`job_id`)",
+                "details_required",
+                "`took_effect` says what the provider made: `job_id` for a job step, \
+                 `output` for a request step",
             ));
         }
         if action == OperatorAction::Park && reason.is_none() {
@@ -150,7 +151,7 @@ impl<'a> Ops<'a> {
                     now: self.clock.now_ms(),
                     steps: Vec::new(),
                     until,
-                    job_id: None,
+                    took: None,
                 };
                 self.db.act(&req).await?
             }
@@ -160,62 +161,119 @@ impl<'a> Ops<'a> {
     }
 
     /// A call whose outcome was not known (`outcome_uncertain`) did take
-    /// effect, the operator found with the provider: the step follows
-    /// `job_id`, nothing sent again; audited as `took_effect`.
+    /// effect, the operator found with the provider: a job step follows
+    /// the job it made (`job_id`), a request step succeeds with the
+    /// outputs the operator read there (`output`, an object of the step's
+    /// output names); nothing is sent again. Audited as `took_effect`.
     pub async fn took_effect(
         &self,
         id: i64,
         actor: &str,
         reason: Option<String>,
-        job_id: &str,
+        job_id: Option<&str>,
+        output: Option<serde_json::Value>,
     ) -> Result<Record, OpsError> {
+        let rec = self.db.get_record(id).await?.ok_or(StoreError::NotFound {
+            what: "record",
+            key: id.to_string(),
+        })?;
+        // The record waits on an uncertain call: the step it parked at,
+        // still open (a step already ended, or one an optional failure
+        // left behind, is not the operator's to settle here).
         let runs = self.db.step_runs(id).await?;
-        let uncertain: Vec<_> = runs
-            .iter()
-            .filter(|r| {
-                r.job_id.is_none()
-                    && r.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
-            })
-            .collect();
-        // Resuming the record would run every other uncertain step, that
-        // is, send its call again: one at a time only.
-        let run = match uncertain.as_slice() {
-            [run] => *run,
-            [] => {
+        let open = |r: &&crate::domain::StepRun| {
+            r.job_id.is_none()
+                && r.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
+                && !matches!(
+                    r.state,
+                    StepState::Succeeded | StepState::Failed | StepState::Skipped
+                )
+        };
+        let uncertain: Vec<_> = runs.iter().filter(open).collect();
+        let parked_on = |r: &&&crate::domain::StepRun| rec.step.as_deref() == Some(r.step.as_str());
+        let run = match (uncertain.as_slice(), uncertain.iter().find(parked_on)) {
+            _ if rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN) => {
                 return Err(OpsError::refused(
                     "nothing_uncertain",
-                    "this record has no call whose outcome is uncertain",
+                    "this record does not wait on a call whose outcome is uncertain",
                 ));
             }
-            _ => {
+            ([run], Some(_)) => *run,
+            // Resuming the record would run every other uncertain step,
+            // that is, send its call again: one at a time only.
+            ([_, _, ..], _) => {
                 return Err(OpsError::refused(
                     "several_uncertain",
                     "several of this record's calls are uncertain: retry (sends them again) or cancel",
                 ));
             }
+            _ => {
+                return Err(OpsError::refused(
+                    "nothing_uncertain",
+                    "this record's step has no call whose outcome is uncertain",
+                ));
+            }
         };
-        // Only a job step has a job to follow (a callback step's wait is
-        // not rebuilt here yet: retry or cancel it).
         let engine = self.engine.ok_or_else(|| {
             OpsError::refused("no_workers", "this node runs no workers to check the step")
         })?;
-        let rec = self.db.get_record(id).await?.ok_or(StoreError::NotFound {
-            what: "record",
-            key: id.to_string(),
-        })?;
-        let polls = engine
-            .step_of(&rec, &run.step)
-            .await
-            .is_some_and(|s| matches!(s.kind, crate::pipeline::StepKind::SubmitPoll { .. }));
-        if !polls {
+        let Some(step) = engine.step_of(&rec, &run.step).await else {
             return Err(OpsError::refused(
-                "not_a_job_step",
-                format!(
-                    "step `{}` has no job to follow by polling: retry it (it may charge again) or cancel",
-                    run.step
-                ),
+                "unknown_step",
+                format!("step `{}` is not in the record's pipeline", run.step),
             ));
-        }
+        };
+        let job = job_id.map(str::trim).filter(|j| !j.is_empty());
+        let took = match (&step.kind, job) {
+            (crate::pipeline::StepKind::SubmitPoll { .. }, Some(job)) => Took::Job(job.to_owned()),
+            (crate::pipeline::StepKind::SubmitPoll { .. }, None) => {
+                return Err(OpsError::refused(
+                    "job_id_required",
+                    format!(
+                        "step `{}` follows a job: name the job the provider made (`job_id`)",
+                        run.step
+                    ),
+                ));
+            }
+            (crate::pipeline::StepKind::Request, Some(_)) => {
+                return Err(OpsError::refused(
+                    "output_required",
+                    format!(
+                        "step `{}` makes no job: give its outputs (`output`) instead of a job id",
+                        run.step
+                    ),
+                ));
+            }
+            (crate::pipeline::StepKind::Request, None) => Took::Output {
+                output: crate::domain::step::took_outputs(&step.outputs, output).map_err(
+                    |why| OpsError::refused("bad_output", format!("step `{}`: {why}", run.step)),
+                )?,
+                // A result given by hand is confirmed like any other.
+                confirm: step.confirm.map(|spec| {
+                    crate::domain::confirm::first(
+                        id,
+                        &run.step,
+                        run.generation,
+                        spec,
+                        self.clock.now_ms(),
+                    )
+                }),
+            },
+            // A callback step's wait is not rebuilt here yet.
+            (crate::pipeline::StepKind::Callback { .. }, _) => {
+                return Err(OpsError::refused(
+                    "not_a_job_step",
+                    format!(
+                        "step `{}` waits for a callback: retry it (it may charge again) or cancel",
+                        run.step
+                    ),
+                ));
+            }
+        };
+        let described = match &took {
+            Took::Job(job) => format!("job {job}"),
+            Took::Output { output, .. } => format!("outputs {output}"),
+        };
         let req = ActionRequest {
             record_id: id,
             action: OperatorAction::TookEffect,
@@ -224,7 +282,7 @@ impl<'a> Ops<'a> {
             now: self.clock.now_ms(),
             steps: vec![run.step.clone()],
             until: None,
-            job_id: Some(job_id.to_owned()),
+            took: Some(took),
         };
         let rec = self.db.act(&req).await?;
         if let Some(engine) = self.engine {
@@ -233,7 +291,7 @@ impl<'a> Ops<'a> {
         tracing::info!(
             record.id = id,
             actor,
-            job.id = job_id,
+            took = %described,
             "operator: the call took effect"
         );
         Ok(rec)
@@ -469,7 +527,7 @@ impl Engine {
             now: i.clock.now_ms(),
             steps,
             until,
-            job_id: None,
+            took: None,
         };
         let after = i.db.act(&req).await?;
         if after.next_run_at.is_some() {
@@ -479,7 +537,7 @@ impl Engine {
     }
 
     /// The definition of step `name` in the pipeline `rec` runs on.
-    pub(super) async fn step_of(&self, rec: &Record, name: &str) -> Option<crate::pipeline::Step> {
+    pub(crate) async fn step_of(&self, rec: &Record, name: &str) -> Option<crate::pipeline::Step> {
         self.compiled(rec)
             .await
             .and_then(|c| c.0.step(name).cloned())

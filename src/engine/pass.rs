@@ -173,10 +173,10 @@ impl Engine {
                     record.id = record_id,
                     "lease lost before commit; result dropped, attempts kept"
                 );
-                if let Err(e) = i.db.append_attempts(record_id, &commit.attempts).await {
+                let kept =
+                    i.db.append_attempts(record_id, &commit.attempts, &commit.intents_done);
+                if let Err(e) = kept.await {
                     tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
-                } else if let Err(e) = i.db.close_intents(&commit.intents_done).await {
-                    tracing::warn!(record.id = record_id, error = %e, "could not close the calls' intents");
                 }
             }
             Err(e) => {
@@ -325,9 +325,11 @@ impl Engine {
         let at_most_once = |s: &Step| {
             i.providers
                 .get(&s.provider)
-                .is_some_and(|rt| rt.config.at_most_once)
+                .is_some_and(|rt| s.at_most_once(rt.config.at_most_once))
         };
-        if !pipeline.steps.iter().any(at_most_once) {
+        let left_open = super::lock(&i.left_open).clone();
+        let may_have = |s: &Step| at_most_once(s) || left_open.contains(&s.provider);
+        if !pipeline.steps.iter().any(may_have) {
             return Ok(());
         }
         for intent in i.db.open_intents(rec.id).await? {
@@ -340,7 +342,19 @@ impl Engine {
                 "sent at {} by {by}, which stopped before it kept the reply",
                 crate::domain::time::format_ms(intent.sent_at)
             );
-            let d = crate::domain::step::uncertain_outcome(s, write.clone(), &evidence, now);
+            // The provider may still be working on it: a lookup asks no
+            // sooner than a call's timeout after it left.
+            let timeout = i.providers.get(&s.provider).map_or(0, |rt| {
+                i64::try_from(rt.config.timeout.0.as_millis()).unwrap_or(i64::MAX)
+            });
+            let d = crate::domain::step::left_open(
+                s,
+                write.clone(),
+                intent.attempt_no,
+                at_most_once(s),
+                &evidence,
+                now.max(intent.sent_at.saturating_add(timeout)),
+            );
             let attempt = NewAttempt {
                 step: intent.step.clone(),
                 provider: intent.provider.clone(),

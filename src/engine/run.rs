@@ -407,6 +407,12 @@ impl Engine {
             }
         }
         self.read_provider_states().await;
+        match i.db.intent_providers().await {
+            Ok(open) => *super::lock(&i.left_open) = open.into_iter().collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read which providers have calls left open")
+            }
+        }
     }
 
     /// Takes every provider's shared state as this node's: operator pauses,

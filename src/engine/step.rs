@@ -18,7 +18,7 @@ use crate::domain::breaker::{Admit, ProbeGrant, SharedOp};
 use crate::domain::request::{Outgoing, SentRequest};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
-    Before, BudgetMove, Decision, Delivery, Park, Planned, ReplyFacts, after_reply,
+    Before, BudgetMove, Decision, Delivery, Judged, Park, Planned, ReplyFacts, after_reply,
     apply_deliveries, before_call, defer, park_or_fail, spend_attempt, template_failed,
 };
 use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
@@ -332,10 +332,14 @@ impl StepRun<'_> {
         let attempt_no = plan.write.attempts.max(1);
         let mut started = self.clock.now_ms();
         // A call that must not be paid twice is written down, durably,
-        // before it leaves; without that, it is not made.
-        let at_most_once = rt.config.at_most_once
+        // before it leaves; without that, it is not made. A provider's
+        // setting spares its `GET`s; a step's own covers its call whatever
+        // the method (a sender that sends on a `GET`). Polls and lookups
+        // only ask.
+        let at_most_once = self.step.at_most_once(rt.config.at_most_once)
             && !plan.polling
-            && call.method != crate::pipeline::HttpMethod::Get;
+            && (call.method != crate::pipeline::HttpMethod::Get
+                || self.step.at_most_once == Some(true));
         let intent = if at_most_once {
             match self
                 .intend(rt, &call, token.as_ref(), attempt_no, started)
@@ -377,16 +381,6 @@ impl StepRun<'_> {
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
-        let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
-        let breaker = if c.outcome == Outcome::Throttled {
-            // "Slow down" says nothing of the provider's health: no
-            // verdict (a half-open probe goes back, still to be made).
-            drop(granted.probe);
-            None
-        } else {
-            let news = granted.probe.record(failed, x.took, after);
-            news.map(|n| (rt.name.clone(), n))
-        };
         let throttled = (c.outcome == Outcome::Throttled).then(|| {
             // The whole provider slows down, not just this record: here at
             // once, on the other nodes once the pass publishes it.
@@ -394,39 +388,8 @@ impl StepRun<'_> {
             rt.limiter().pause_until(until);
             (rt.name.clone(), until)
         });
-        let json = match &x.reply {
-            Reply::Http { json, .. } => json.as_ref(),
-            Reply::Failed(_) => None,
-        };
-        let facts = ReplyFacts {
-            outcome: c.outcome,
-            error_code: c.error_code,
-            json,
-            http_status: x.http_status,
-            retry_after: x.retry_after,
-        };
-        let mut judged = if plan.lookup {
-            crate::domain::step::after_lookup(
-                self.step,
-                plan,
-                &facts,
-                &policy,
-                after,
-                fastrand::f64(),
-            )
-        } else {
-            after_reply(
-                self.step,
-                plan,
-                &facts,
-                &policy,
-                now,
-                after,
-                fastrand::f64(),
-            )
-        };
-        // Judged on the step's verdict: a 2xx without the job id or the
-        // outputs the step needs is `unknown` there, and it took effect.
+        let (mut judged, failed) =
+            self.judge(plan, (&x, c.outcome, c.error_code), &policy, (now, after));
         if at_most_once && crate::domain::step::uncertain(&x.reply, judged.outcome) {
             let evidence = judged
                 .error_code
@@ -441,6 +404,15 @@ impl StepRun<'_> {
                 after + ms(rt.config.timeout.0),
             );
         }
+        let breaker = if c.outcome == Outcome::Throttled {
+            // "Slow down" says nothing of the provider's health: no
+            // verdict (a half-open probe goes back, still to be made).
+            drop(granted.probe);
+            None
+        } else {
+            let news = granted.probe.record(failed, x.took, after);
+            news.map(|n| (rt.name.clone(), n))
+        };
         self.move_budget(rt, judged.budget, after);
         let verdict = (judged.outcome, judged.error_code.clone());
         let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, sent);
@@ -463,6 +435,49 @@ impl StepRun<'_> {
             intents_done: intent.into_iter().collect(),
             ..StepOutput::new(judged.decision)
         }
+    }
+
+    /// What a reply means for the step (a lookup's or any other call's),
+    /// and whether it counts against the provider's health.
+    fn judge(
+        &self,
+        plan: Planned,
+        (x, outcome, error_code): (&Exchange, Outcome, Option<&str>),
+        policy: &crate::domain::step::RetryPolicy,
+        (now, after): (UnixMs, UnixMs),
+    ) -> (Judged, bool) {
+        let json = match &x.reply {
+            Reply::Http { json, .. } => json.as_ref(),
+            Reply::Failed(_) => None,
+        };
+        let facts = ReplyFacts {
+            outcome,
+            error_code,
+            json,
+            http_status: x.http_status,
+            retry_after: x.retry_after,
+        };
+        let looked_up = plan.lookup;
+        let judged = if plan.lookup {
+            crate::domain::step::after_lookup(
+                self.step,
+                plan,
+                &facts,
+                policy,
+                after,
+                fastrand::f64(),
+            )
+        } else {
+            after_reply(self.step, plan, &facts, policy, now, after, fastrand::f64())
+        };
+        // A lookup's reply (a list of jobs) has no status the rules know:
+        // one the lookup could read is no failure of the provider's.
+        let failed = match outcome {
+            Outcome::Retry => true,
+            Outcome::Unknown => !(looked_up && judged.outcome == Outcome::Success),
+            _ => false,
+        };
+        (judged, failed)
     }
 
     /// A confirmation poll of a step that succeeded (`confirm`): the job

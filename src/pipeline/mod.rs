@@ -63,6 +63,25 @@ pub fn compile(config: &Config) -> Result<Pipelines, ConfigError> {
     let mut pipelines = BTreeMap::new();
     for (name, p) in &config.pipelines {
         let pipeline = compile_one(name, p, config, &mut templates)?;
+        // A lookup is only ever made for an `at_most_once` call: one that
+        // cannot be made is a mistake (a pinned definition keeps its own,
+        // whatever the provider says now).
+        for s in &pipeline.steps {
+            let guarded = config
+                .providers
+                .get(&s.provider)
+                .is_some_and(|pc| s.at_most_once(pc.at_most_once));
+            if s.lookup.is_some() && !guarded {
+                return Err(invalid(
+                    step_key(name, &s.name, "lookup"),
+                    format!(
+                        "is only made for `at_most_once` calls: set `at_most_once = true` on \
+                         the step or on provider `{}`",
+                        s.provider
+                    ),
+                ));
+            }
+        }
         pipelines.insert(name.clone(), Arc::new(pipeline));
     }
     Ok(Pipelines {
@@ -357,6 +376,7 @@ fn compile_step(
         confirm,
         confirm_request,
         lookup,
+        at_most_once: s.at_most_once,
     })
 }
 
@@ -488,6 +508,40 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
         assert_eq!(
             capped.pipelines["render_video"].hash,
             plain.pipelines["render_video"].hash
+        );
+    }
+
+    #[test]
+    fn a_lookup_needs_at_most_once_on_its_step_or_provider() {
+        let lookup =
+            r#"lookup = { path = "/v1/jobs?ref={{ key | urlencode }}", job_id = "/data/0/id" }"#;
+        let with = |step: &str| {
+            GOOD.replacen(
+                "outputs = { video_url",
+                &format!("{step}\noutputs = {{ video_url"),
+                1,
+            )
+        };
+        let e = load(&with(lookup)).err().map(|e| e.to_string());
+        let e = e.unwrap_or_default();
+        assert!(
+            e.contains("pipelines.render_video.steps[submit].lookup") && e.contains("at_most_once"),
+            "{e}"
+        );
+        let off = format!("{lookup}\nat_most_once = false");
+        assert!(load(&with(&off)).is_err());
+        // The step's own setting is enough, and it leaves the hash alone
+        // when unset.
+        let on = load(&with(&format!("{lookup}\nat_most_once = true"))).unwrap();
+        let submit = on.pipelines["render_video"].step("submit").unwrap();
+        assert!(submit.at_most_once(false) && submit.lookup.is_some());
+        let plain = load(GOOD).unwrap();
+        let s = plain.pipelines["render_video"].step("submit").unwrap();
+        assert!(!s.at_most_once(false) && s.at_most_once(true));
+        assert!(
+            plain.pipelines["render_video"].definition["steps"][0]
+                .get("at_most_once")
+                .is_none()
         );
     }
 

@@ -514,7 +514,7 @@ where
                 now: req.now,
                 steps: Vec::new(),
                 until: None,
-                job_id: None,
+                took: None,
             };
             let moved = Self::act_locked(
                 &mut tx,
@@ -848,27 +848,27 @@ where
         map_all(&rows, MapRow::intent)
     }
 
-    async fn close_intents(&self, ids: &[i64]) -> StoreResult<()> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let mut tx = self.begin_write().await?;
-        Self::delete_intents(&mut tx, ids).await?;
-        tx.commit().await?;
-        Ok(())
+    async fn intent_providers(&self) -> StoreResult<Vec<String>> {
+        Ok(sqlx::query_scalar(
+            "SELECT DISTINCT provider FROM attempt_intents WHERE provider IS NOT NULL",
+        )
+        .fetch_all(self.reader())
+        .await?)
     }
 
     async fn append_attempts(
         &self,
         record_id: i64,
         attempts: &[crate::store::NewAttempt],
+        intents_done: &[i64],
     ) -> StoreResult<()> {
-        if attempts.is_empty() {
+        if attempts.is_empty() && intents_done.is_empty() {
             return Ok(());
         }
         let mut tx = self.begin_write().await?;
         let rows: Vec<_> = attempts.iter().map(|a| (record_id, a)).collect();
         Self::insert_attempts(&mut tx, &rows).await?;
+        Self::delete_intents(&mut tx, intents_done).await?;
         tx.commit().await?;
         Ok(())
     }

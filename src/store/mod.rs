@@ -362,9 +362,24 @@ pub struct ActionRequest {
     /// For `Park`: when the record resumes by itself (`None`: a human
     /// decides). Refused with any other action.
     pub until: Option<crate::domain::park::ParkUntil>,
-    /// For `TookEffect`: the job the provider made for the step named in
-    /// `steps`.
-    pub job_id: Option<String>,
+    /// For `TookEffect`: what the call of the step named in `steps` did,
+    /// as the operator found it at the provider.
+    pub took: Option<Took>,
+}
+
+/// What a call whose outcome was not known did, as an operator found it at
+/// the provider (`TookEffect`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Took {
+    /// A job step's submit made this job: the step follows it.
+    Job(String),
+    /// A request step's call took effect: the step succeeds with these
+    /// outputs (an object of the step's output names), its confirmation
+    /// scheduled if it has one.
+    Output {
+        output: serde_json::Value,
+        confirm: Option<crate::domain::confirm::Pending>,
+    },
 }
 
 /// Parked records whose condition holds, to resume (as the system).
@@ -613,17 +628,19 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         record_id: i64,
     ) -> impl Future<Output = StoreResult<Vec<crate::domain::Intent>>> + Send;
-    /// Deletes intents whose attempts were kept outside a commit (a pass
-    /// that lost its lease appends its attempts).
-    fn close_intents(&self, ids: &[i64]) -> impl Future<Output = StoreResult<()>> + Send;
+    /// The providers with intents still open (calls left by stopped
+    /// nodes), whatever their configuration says now.
+    fn intent_providers(&self) -> impl Future<Output = StoreResult<Vec<String>>> + Send;
 
     // --- history -------------------------------------------------------
     /// Appends attempts outside any lease: the history of exchanges made by
-    /// a worker that lost its lease before committing.
+    /// a worker that lost its lease before committing; deletes the intents
+    /// of those calls (`intents_done`) in the same transaction.
     fn append_attempts(
         &self,
         record_id: i64,
         attempts: &[NewAttempt],
+        intents_done: &[i64],
     ) -> impl Future<Output = StoreResult<()>> + Send;
     fn step_runs(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<StepRun>>> + Send;
     /// The step runs of many records in one query (a claimed batch).
@@ -982,10 +999,10 @@ forward! {
     fn mark_callbacks(&self, ids: &[i64], now: UnixMs) -> ();
     fn wake_record(&self, record_id: i64, now: UnixMs) -> ();
     fn reverse(&self, req: &ReverseRequest) -> Record;
-    fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt]) -> ();
+    fn append_attempts(&self, record_id: i64, attempts: &[NewAttempt], intents_done: &[i64]) -> ();
     fn record_intents(&self, intents: &[NewIntent]) -> Vec<StoreResult<i64>>;
     fn open_intents(&self, record_id: i64) -> Vec<crate::domain::Intent>;
-    fn close_intents(&self, ids: &[i64]) -> ();
+    fn intent_providers(&self) -> Vec<String>;
     fn step_runs(&self, record_id: i64) -> Vec<StepRun>;
     fn step_runs_of(&self, record_ids: &[i64]) -> Vec<StepRun>;
     fn claim_confirmations(&self, now: UnixMs, limit: u32, hold_until: UnixMs) -> Vec<crate::domain::confirm::Pending>;

@@ -639,36 +639,78 @@ where
                 .await?;
             }
             // An operator checked with the provider: the call whose
-            // outcome was not known made this job; the step follows it.
+            // outcome was not known made this job, and the step follows
+            // it; or (a request step) it took effect with these outputs,
+            // and the step succeeded.
             OperatorAction::TookEffect => {
-                let (Some(step), Some(job)) = (req.steps.first(), req.job_id.as_deref()) else {
+                let (Some(step), Some(took)) = (req.steps.first(), req.took.as_ref()) else {
                     return Err(StoreError::Invalid(
-                        "`took_effect` needs the step and the job the provider made".into(),
+                        "`took_effect` needs the step and what the provider made".into(),
                     ));
                 };
-                crate::store::refuse_nul("job id", Some(job))?;
-                if job.trim().is_empty() || job.len() > 200 {
-                    return Err(StoreError::Invalid(
-                        "give the provider's job id (1 to 200 characters)".into(),
-                    ));
+                if rec.step.as_deref() != Some(step.as_str())
+                    || rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN)
+                {
+                    return Err(StoreError::Invalid(format!(
+                        "the record does not wait on step `{step}`'s uncertain call"
+                    )));
                 }
-                let done = sqlx::query(
-                    "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
-                     reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
-                     WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6",
-                )
-                .bind(job.trim().to_owned())
-                .bind(format!(
-                    "the call took effect: job {} (by {})",
-                    job.trim(),
-                    req.actor
-                ))
-                .bind(req.now)
-                .bind(rec.id)
-                .bind(step.clone())
-                .bind(crate::domain::OUTCOME_UNCERTAIN)
-                .execute(&mut **tx)
-                .await?;
+                let set = match took {
+                    crate::store::Took::Job(job) => {
+                        crate::store::refuse_nul("job id", Some(job))?;
+                        if job.trim().is_empty() || job.len() > 200 {
+                            return Err(StoreError::Invalid(
+                                "give the provider's job id (1 to 200 characters)".into(),
+                            ));
+                        }
+                        sqlx::query(
+                            "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
+                             reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
+                             WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
+                             AND state NOT IN ('succeeded', 'failed', 'skipped')",
+                        )
+                        .bind(job.trim().to_owned())
+                        .bind(format!(
+                            "the call took effect: job {} (by {})",
+                            job.trim(),
+                            req.actor
+                        ))
+                    }
+                    crate::store::Took::Output { output, confirm } => {
+                        if let Some(p) = confirm {
+                            Self::put_confirmation(tx, p).await?;
+                        }
+                        if !output.is_object() {
+                            return Err(StoreError::Invalid(
+                                "give the step's outputs as a JSON object".into(),
+                            ));
+                        }
+                        if crate::domain::json_has_nul(output) {
+                            return Err(StoreError::Invalid(
+                                "the outputs contain a NUL character".into(),
+                            ));
+                        }
+                        sqlx::query(
+                            "UPDATE step_runs SET output = $1, state = 'succeeded', error_code = NULL, \
+                             reason = $2, next_run_at = NULL, deadline_at = NULL, finished_at = $3, \
+                             updated_at = $3 \
+                             WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
+                             AND state NOT IN ('succeeded', 'failed', 'skipped')",
+                        )
+                        .bind(Json(output.clone()))
+                        .bind(format!(
+                            "the call took effect, outputs given by {}",
+                            req.actor
+                        ))
+                    }
+                };
+                let done = set
+                    .bind(req.now)
+                    .bind(rec.id)
+                    .bind(step.clone())
+                    .bind(crate::domain::OUTCOME_UNCERTAIN)
+                    .execute(&mut **tx)
+                    .await?;
                 if done.rows_affected() != 1 {
                     return Err(StoreError::Invalid(format!(
                         "step `{step}` has no call whose outcome is uncertain"
@@ -685,9 +727,15 @@ where
             }
             (OperatorAction::Park, Some(until)) => Some(until.detail()),
             (OperatorAction::Resume, _) => condition.map(ParkUntil::detail),
-            (OperatorAction::TookEffect, _) => {
-                Some(serde_json::json!({ "step": req.steps.first(), "job_id": req.job_id }))
-            }
+            (OperatorAction::TookEffect, _) => Some(match &req.took {
+                Some(crate::store::Took::Output { output, .. }) => {
+                    serde_json::json!({ "step": req.steps.first(), "output": output })
+                }
+                Some(crate::store::Took::Job(job)) => {
+                    serde_json::json!({ "step": req.steps.first(), "job_id": job })
+                }
+                None => serde_json::json!({ "step": req.steps.first() }),
+            }),
             _ => None,
         };
         // Parking and cancelling keep the last error code for

@@ -191,8 +191,11 @@ struct ActBody {
     step: Option<String>,
     /// For `park`: `never`, `provider`, a duration (`2h`) or a UTC time.
     until: Option<String>,
-    /// For `took_effect`: the job the provider made.
+    /// For `took_effect`: the job the provider made (a job step).
     job_id: Option<String>,
+    /// For `took_effect`: the step's outputs as the provider has them (a
+    /// request step).
+    output: Option<Value>,
 }
 
 async fn act(
@@ -203,10 +206,16 @@ async fn act(
 ) -> WebResult<Json<Value>> {
     let action = Ops::parse_action(&body.action)?;
     let reason = body.reason.filter(|r| !r.trim().is_empty());
-    if let (crate::domain::OperatorAction::TookEffect, Some(job)) = (action, &body.job_id) {
+    if action == crate::domain::OperatorAction::TookEffect {
         let record = state
             .ops()
-            .took_effect(id, &caller.actor, reason, job)
+            .took_effect(
+                id,
+                &caller.actor,
+                reason,
+                body.job_id.as_deref(),
+                body.output,
+            )
             .await?;
         return Ok(Json(json!({ "record": record })));
     }

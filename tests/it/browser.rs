@@ -210,7 +210,11 @@ async fn the_dashboard_works_in_a_real_browser() {
             }),
         })
         .collect();
-    app.t.db.append_attempts(parked, &attempts).await.unwrap();
+    app.t
+        .db
+        .append_attempts(parked, &attempts, &[])
+        .await
+        .unwrap();
     app.t
         .db
         .act(&ActionRequest {
@@ -221,7 +225,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             now,
             steps: Vec::new(),
             until: None,
-            job_id: None,
+            took: None,
         })
         .await
         .unwrap();
@@ -374,7 +378,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
             until: None,
-            job_id: None,
+            took: None,
         })
         .await
         .unwrap();
@@ -755,7 +759,7 @@ async fn two_versions(app: &WebApp) -> i64 {
                 now: later,
                 steps: vec!["enrich".into()],
                 until: None,
-                job_id: None,
+                took: None,
             };
             app.t.db.act(&replay).await.unwrap();
         }

@@ -26,14 +26,16 @@ fn config(base_url: &str) -> Arc<Config> {
     Arc::new(config)
 }
 
-/// [`config`]'s text, for tests that run `ballast serve` on it.
-pub fn chain_toml(base_url: &str) -> String {
+/// The chaos simulator at `base_url` as provider `sim`, with the rules its
+/// job routes need; `extra` lines go into its table.
+pub fn sim_provider_toml(base_url: &str, extra: &str) -> String {
     format!(
         r#"
 [providers.sim]
 base_url = "{base_url}"
 timeout = "300ms"
 concurrency = 64
+{extra}
 retry = {{ max_attempts = 8, base = "20ms", cap = "300ms", deadline = "60s", budget = 0.5, budget_floor = 100.0, unknown_attempts = 4 }}
 breaker = {{ window = 200, min_calls = 100, failure_rate = 0.9, open_for = "500ms", probes = 2 }}
 
@@ -50,6 +52,15 @@ outcome = "fail"
 when = {{ status = ["400", "404", "422"] }}
 outcome = "fail"
 
+"#
+    )
+}
+
+/// [`config`]'s text, for tests that run `ballast serve` on it.
+pub fn chain_toml(base_url: &str) -> String {
+    let provider = sim_provider_toml(base_url, "");
+    format!(
+        r#"{provider}
 [[pipelines.chain.steps]]
 name = "charge"
 provider = "sim"
@@ -3797,6 +3808,44 @@ async fn charging_then_stalling(
     (crate::helpers::serve_router(app).await, charges, unwritten)
 }
 
+/// A call `node` wrote down for `record` (its step `charge` on provider
+/// `sim`, `request` sent) and never kept a reply for: the node claimed the
+/// record (so the intent is written under its lease), then stopped.
+async fn left_open(
+    db: &Db,
+    record: i64,
+    node: &str,
+    now: i64,
+    request: &Option<ballast::domain::request::SentRequest>,
+) {
+    let held = db
+        .claim_due(&ballast::store::ClaimRequest {
+            owner: node.into(),
+            now,
+            lease: Duration::from_secs(1),
+            limit: 1,
+            group_caps: Vec::new(),
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(held.id, record);
+    let written = db
+        .record_intents(&[ballast::store::NewIntent {
+            lease: held.lease().unwrap(),
+            record_id: record,
+            step: "charge".into(),
+            provider: Some("sim".into()),
+            attempt_no: 1,
+            node: Some(node.into()),
+            sent_at: now,
+            request: request.clone(),
+        }])
+        .await
+        .unwrap();
+    assert!(written[0].is_ok(), "{written:?}");
+}
+
 /// Issue 23 item 1, first slice: with `at_most_once`, a call is written
 /// down before it leaves; a timeout after it was sent parks the record
 /// `outcome_uncertain` with its request instead of sending it again (the
@@ -3870,32 +3919,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let request = attempts[0].request.clone();
     // (Its node claimed it, so the intent is written under its lease;
     // the lease then runs out and the engine takes the record.)
-    let gone =
-        t.db.claim_due(&ballast::store::ClaimRequest {
-            owner: "node:gone".into(),
-            now: clock.now_ms(),
-            lease: Duration::from_secs(1),
-            limit: 1,
-            group_caps: Vec::new(),
-        })
-        .await
-        .unwrap()
-        .remove(0);
-    assert_eq!(gone.id, crashed);
-    let written =
-        t.db.record_intents(&[ballast::store::NewIntent {
-            lease: gone.lease().unwrap(),
-            record_id: crashed,
-            step: "charge".into(),
-            provider: Some("sim".into()),
-            attempt_no: 1,
-            node: Some("node:gone".into()),
-            sent_at: clock.now_ms(),
-            request: request.clone(),
-        }])
-        .await
-        .unwrap();
-    assert!(written[0].is_ok(), "{written:?}");
+    left_open(&t.db, crashed, "node:gone", clock.now_ms(), &request).await;
     let before = charges.load(Ordering::SeqCst);
     clock.advance(2_000);
     drain(&engine).await;
@@ -3954,6 +3978,37 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
         3,
         "every retry charged again"
     );
+
+    // `at_most_once` turned off while a call was left open (its node
+    // stopped mid-call): the call is still read into the history, as an
+    // uncertain attempt spent, and the step goes on as now configured.
+    let left = plain
+        .enqueue("pay", Some("left"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    left_open(&t2.db, left, "node:old", clock2.now_ms(), &request).await;
+    // The engine learns which providers have calls left open at its
+    // provider sync.
+    plain.sync_providers_once().await;
+    clock2.advance(2_000);
+    drain(&plain).await;
+    let history = t2.db.attempts(left).await.unwrap();
+    assert_eq!(
+        history[0].error_code.as_deref(),
+        Some("outcome_uncertain"),
+        "{history:?}"
+    );
+    assert_eq!(
+        (history[0].attempt_no, history[0].node.as_deref()),
+        (1, Some("node:old"))
+    );
+    assert!(
+        history.len() >= 2 && history[1].attempt_no == 2,
+        "sent again as the next attempt: {history:?}"
+    );
+    assert!(t2.db.open_intents(left).await.unwrap().is_empty());
 }
 
 /// A job provider that ignores idempotency keys and can be found by client
@@ -4020,6 +4075,278 @@ pub(crate) async fn lookup_provider() -> (String, Arc<std::sync::Mutex<Vec<(Stri
     (crate::helpers::serve_router(app).await, jobs)
 }
 
+/// A provider that ignores keys: `POST /v1/charge` charges and never
+/// answers (the client's timeout ends it); `POST /v1/receipt` answers
+/// "succeeded" and keeps its body. Returns its URL, the charges made and
+/// the receipts' bodies.
+pub(crate) async fn charge_then_receipt() -> (
+    String,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let charges = Arc::new(AtomicUsize::new(0));
+    let receipts = Arc::new(std::sync::Mutex::new(Vec::<serde_json::Value>::new()));
+    let app = {
+        let (charges, receipts) = (charges.clone(), receipts.clone());
+        axum::Router::new()
+            .route(
+                "/v1/charge",
+                axum::routing::post(move || {
+                    charges.fetch_add(1, Ordering::SeqCst);
+                    // It never answers: the client's timeout ends it.
+                    std::future::pending::<axum::Json<serde_json::Value>>()
+                }),
+            )
+            .route(
+                "/v1/receipt",
+                axum::routing::post(
+                    move |axum::Json(body): axum::Json<serde_json::Value>| async move {
+                        receipts.lock().unwrap().push(body);
+                        axum::Json(json!({ "status": "succeeded" }))
+                    },
+                ),
+            )
+    };
+    (crate::helpers::serve_router(app).await, charges, receipts)
+}
+
+/// Pipeline `pay` on [`charge_then_receipt`] (`at_most_once`): a charge
+/// whose outputs (`charge_id`, `amount`) the receipt step reads, confirmed
+/// a minute after success.
+pub(crate) fn charge_then_receipt_toml(url: &str) -> String {
+    format!(
+        r#"
+[providers.p]
+base_url = "{url}"
+timeout = "300ms"
+at_most_once = true
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ key }}}}"}}' }}
+outputs = {{ charge_id = "/id", amount = "/amount" }}
+confirm = {{ after = "1m", times = 1, path = "/v1/charges/{{{{ output.charge_id }}}}" }}
+[[pipelines.pay.steps]]
+name = "receipt"
+provider = "p"
+needs = ["charge"]
+request = {{ method = "POST", path = "/v1/receipt", body = '{{"charge": {{{{ steps.charge.output.charge_id | tojson }}}}, "amount": {{{{ steps.charge.output.amount }}}}}}' }}
+"#
+    )
+}
+
+/// Issue 23 item 2 for a request step: an `at_most_once` charge that
+/// timed out after the provider took it parks `outcome_uncertain`; the
+/// operator, having found the charge at the provider, says it took effect
+/// with the step's outputs (exactly its output names, checked), and the
+/// record goes on with them: the next step reads them, nothing is charged
+/// again, and the audit entry keeps what was given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_step_that_took_effect_goes_on_with_the_operators_outputs() {
+    use std::sync::atomic::Ordering;
+    let t = TestDb::migrated(Backend::Sqlite, "took_effect_request")
+        .await
+        .unwrap();
+    let (url, charges, receipts) = charge_then_receipt().await;
+    let text = charge_then_receipt_toml(&url);
+    let config = Config::parse(&text, Path::new("took.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let config = Arc::new(config);
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "t1").await;
+    let id = engine
+        .enqueue("pay", Some("p-1"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.error_code.as_deref()),
+        (RecordState::Parked, Some("outcome_uncertain"))
+    );
+    let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
+    // Outputs that are not the step's, not all of them, left blank, or a
+    // job id for a step that makes none: refused, nothing changed.
+    for (job, given) in [
+        (None, Some(json!({ "charge_id": "ch_1" }))),
+        (
+            None,
+            Some(json!({ "charge_id": "ch_1", "amount": 5, "fee": 1 })),
+        ),
+        (None, Some(json!({ "charge_id": "", "amount": 5 }))),
+        (None, Some(json!({ "charge_id": "ch_1", "amount": null }))),
+        (None, Some(json!(["ch_1"]))),
+        (None, None),
+        (Some("job-1"), None),
+    ] {
+        let e = ops
+            .took_effect(id, "olga", None, job, given.clone())
+            .await
+            .expect_err("refused");
+        let code = match &e {
+            ballast::engine::OpsError::Refused { code, .. } => *code,
+            other => panic!("{given:?}: {other}"),
+        };
+        let want = if job.is_some() {
+            "output_required"
+        } else {
+            "bad_output"
+        };
+        assert_eq!(code, want, "{given:?}: {e}");
+    }
+    assert_eq!(
+        t.db.get_record(id).await.unwrap().unwrap().state,
+        RecordState::Parked
+    );
+    let given = json!({ "charge_id": "ch_1", "amount": 5 });
+    let rec = ops
+        .took_effect(
+            id,
+            "olga",
+            Some("found at the provider".into()),
+            None,
+            Some(given.clone()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rec.state, RecordState::Pending);
+    clock.advance(10);
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.state, RecordState::Succeeded, "{rec:?}");
+    assert_eq!(charges.load(Ordering::SeqCst), 1, "nothing charged again");
+    // Once settled, there is nothing uncertain left to say took effect.
+    let again = ops
+        .took_effect(id, "olga", None, None, Some(given.clone()))
+        .await;
+    assert!(
+        matches!(
+            again,
+            Err(ballast::engine::OpsError::Refused {
+                code: "nothing_uncertain",
+                ..
+            })
+        ),
+        "{again:?}"
+    );
+    // A result given by hand is confirmed like any other, a minute on.
+    let due = clock.now_ms() + 120_000;
+    let confirms = t.db.claim_confirmations(due, 10, due + 1).await.unwrap();
+    assert_eq!(
+        confirms
+            .iter()
+            .map(|c| (c.record_id, c.step.as_str()))
+            .collect::<Vec<_>>(),
+        [(id, "charge")]
+    );
+    assert_eq!(
+        receipts.lock().unwrap().as_slice(),
+        [json!({ "charge": "ch_1", "amount": 5 })],
+        "the next step read the operator's outputs"
+    );
+    let runs = t.db.step_runs(id).await.unwrap();
+    let charge = runs.iter().find(|r| r.step == "charge").unwrap();
+    assert_eq!(charge.output.as_ref(), Some(&given));
+    let e =
+        t.db.record_events(id)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|e| e.kind == "took_effect")
+            .unwrap();
+    assert_eq!((e.actor.as_str(), e.audit), ("olga", true));
+    assert_eq!(e.detail, Some(json!({ "step": "charge", "output": given })));
+}
+
+/// Issue 23 items 1 and 2: a step can be `at_most_once` on a provider that
+/// is not, and a rule can mark a 5xx ambiguous (`outcome = "unknown"`: a
+/// gateway's 502 after it may have forwarded the call). Such a reply to an
+/// `at_most_once` step parks it `outcome_uncertain` after one call; a 503
+/// the rules leave alone says the call failed and is retried; the same 502
+/// on a step without `at_most_once` is retried as an unknown reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_of_its_own_and_a_5xx_the_rules_call_ambiguous() {
+    use axum::extract::{Path as UrlPath, State};
+    let t = TestDb::migrated(Backend::Sqlite, "ambiguous_5xx")
+        .await
+        .unwrap();
+    let calls = Arc::new(std::sync::Mutex::new(HashMap::<String, usize>::new()));
+    let answer = |State(calls): State<Arc<std::sync::Mutex<HashMap<String, usize>>>>,
+                  UrlPath((code, tag)): UrlPath<(u16, String)>| async move {
+        *calls.lock().unwrap().entry(tag).or_default() += 1;
+        let status = axum::http::StatusCode::from_u16(code).unwrap();
+        (status, axum::Json(json!({ "error": "upstream" })))
+    };
+    let url = crate::helpers::serve_router(
+        axum::Router::new()
+            .route("/v1/{code}/{tag}", axum::routing::post(answer))
+            .with_state(calls.clone()),
+    )
+    .await;
+    let step = |pipeline: &str, path: &str, extra: &str| {
+        format!(
+            r#"
+[[pipelines.{pipeline}.steps]]
+name = "call"
+provider = "p"
+request = {{ method = "POST", path = "{path}" }}
+{extra}
+"#
+        )
+    };
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{url}"
+retry = {{ max_attempts = 3, base = "10ms", cap = "10ms", deadline = "10m", unknown_attempts = 2 }}
+[[providers.p.rules]]
+when = {{ status = "502" }}
+outcome = "unknown"
+{}{}{}"#,
+        step("gateway", "/v1/502/gateway", "at_most_once = true"),
+        step("busy", "/v1/503/busy", "at_most_once = true"),
+        step("plain", "/v1/502/plain", ""),
+    );
+    let config = Config::parse(&text, Path::new("ambiguous.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let (engine, clock) = manual_engine(&t.db, Arc::new(config), "a1").await;
+    let mut ids = Vec::new();
+    for pipeline in ["gateway", "busy", "plain"] {
+        let r = engine.enqueue(pipeline, None, json!({})).await.unwrap();
+        ids.push((pipeline, r.record.id));
+    }
+    for _ in 0..10 {
+        drain(&engine).await;
+        clock.advance(100);
+    }
+    let calls = calls.lock().unwrap().clone();
+    let mut ended = HashMap::new();
+    for (pipeline, id) in ids {
+        let rec = t.db.get_record(id).await.unwrap().unwrap();
+        let sent = t.db.attempts(id).await.unwrap().len();
+        assert_eq!(
+            sent, calls[pipeline],
+            "{pipeline}: every call is an attempt"
+        );
+        ended.insert(pipeline, (rec.state, rec.error_code, calls[pipeline]));
+    }
+    let parked = |code: &str, n| (RecordState::Parked, Some(code.to_owned()), n);
+    assert_eq!(
+        ended["gateway"],
+        parked("outcome_uncertain", 1),
+        "{ended:?}"
+    );
+    // Told it failed: retried until the attempts ran out.
+    assert_eq!(ended["busy"], parked("provider_5xx", 3), "{ended:?}");
+    // Not at most once: an unknown reply is retried (`unknown_attempts`).
+    assert_eq!(ended["plain"], parked("provider_5xx", 2), "{ended:?}");
+}
+
 /// Issue 23 items 2 and 3: an `at_most_once` job step whose submit's
 /// outcome is not known asks the provider by its `lookup` (the client
 /// reference is `{{ key }}`, stable per record and step generation): found
@@ -4036,6 +4363,9 @@ base_url = "{base}"
 timeout = "500ms"
 at_most_once = true
 retry = {{ max_attempts = 5, base = "50ms", cap = "50ms", deadline = "10m" }}
+# A lookup's reply (a list, no status) is no failure: two timeouts in
+# four calls leave this breaker closed, four "unknown" replies would not.
+breaker = {{ window = 10, min_calls = 4, failure_rate = 0.7, open_for = "10m", probes = 1 }}
 [[providers.p.rules]]
 when = {{ status = "2xx", field = "/status", equals = "queued" }}
 outcome = "pending"

@@ -1044,21 +1044,7 @@ async fn kill_loop(backend: ballast::store::Backend) {
             resumes.push(resumed.unwrap_or_default());
             orphans_back.push(restarted.elapsed());
         }
-        // A kill at a random moment is the fault injected here: the random
-        // time is the point, not a wait for something to happen.
-        tokio::time::sleep(Duration::from_millis(rng.u64(100..700))).await;
-        // Kill while the process holds work (at a random moment it may hold
-        // none: everything waits on backoff or polls).
-        let holding_work = crate::wait::until("work held", Duration::from_secs(10), async || {
-            let held = running_leases(&t.db).await;
-            if held.is_empty() { Err(()) } else { Ok(held) }
-        });
-        let held = match tokio::time::timeout(Duration::from_secs(5), holding_work).await {
-            Ok(held) => held,
-            Err(_) => running_leases(&t.db).await,
-        };
-        signal(&node.child, "KILL");
-        drop(node);
+        let held = kill_while_working(node, &t.db, &mut rng).await;
         killed += 1;
         holding += usize::from(!held.is_empty());
         orphans = held;
@@ -1099,6 +1085,31 @@ async fn kill_loop(backend: ballast::store::Backend) {
         worst <= Duration::from_secs(7),
         "work resumed {worst:?} after a restart (lease 2 s + 5 s)"
     );
+}
+
+/// SIGKILLs `node` at a random moment (100–700 ms from now), once it holds
+/// work if it comes to within 5 s (at a random moment it may hold none:
+/// everything waits on backoff or polls); the records it held then, with
+/// their lease owner.
+async fn kill_while_working(
+    node: Serve,
+    db: &Db,
+    rng: &mut fastrand::Rng,
+) -> std::collections::BTreeMap<i64, String> {
+    // A kill at a random moment is the fault injected here: the random
+    // time is the point, not a wait for something to happen.
+    tokio::time::sleep(Duration::from_millis(rng.u64(100..700))).await;
+    let holding_work = crate::wait::until("work held", Duration::from_secs(10), async || {
+        let held = running_leases(db).await;
+        if held.is_empty() { Err(()) } else { Ok(held) }
+    });
+    let held = match tokio::time::timeout(Duration::from_secs(5), holding_work).await {
+        Ok(held) => held,
+        Err(_) => running_leases(db).await,
+    };
+    signal(&node.child, "KILL");
+    drop(node);
+    held
 }
 
 /// What the store looked like when a restarted process took no work:
@@ -1167,6 +1178,258 @@ async fn sqlite_kill_loop() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_kill_loop() {
     kill_loop(ballast::store::Backend::Postgres).await;
+}
+
+/// How a keyless provider's calls are guarded in [`keyless_kill_loop`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Guard {
+    /// `at_most_once` and a lookup by client reference.
+    Lookup,
+    /// `at_most_once` alone: an uncertain call parks for a person.
+    Park,
+    /// Neither: today's path, resends with the same key.
+    Unguarded,
+}
+
+/// Issue 23's done-when: a submit/poll provider that ignores idempotency
+/// keys, now and then charging and then resetting the connection or
+/// stalling past the timeout, while `ballast serve` is killed with SIGKILL
+/// at `kills` random moments with calls in flight (2,000 records and 10
+/// kills with `BALLAST_FAULTS=full`). The simulator's ledger is compared
+/// call for call with the history: every `POST /v1/jobs` that reached it
+/// must be an attempt of the record whose step key it carried as its
+/// client reference (no holes), and no reference may be charged twice. A
+/// call written down that never arrived (the node killed between the
+/// intent and the send) is counted apart. Without `at_most_once` the run
+/// reports its double charges and holes, so the difference shows.
+async fn keyless_kill_loop(backend: ballast::store::Backend, guard: Guard) {
+    use ballast::domain::{OUTCOME_UNCERTAIN, RecordState};
+    let (n, kills) = if full_run() { (2_000, 10) } else { (300, 3) };
+    let name = format!("keyless_{guard:?}").to_lowercase();
+    let Some(t) = crate::helpers::TestDb::migrated(backend, &name).await else {
+        return;
+    };
+    let mut profile = ballast::sim::Profile::chaos_scaled(23, 0.02);
+    profile.p_job_never = 0.0;
+    profile.ignore_keys = true;
+    profile.p_reset_after_effect = 0.02;
+    profile.p_stall_after_effect = 0.01;
+    let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
+    let guarded = if guard == Guard::Unguarded {
+        ""
+    } else {
+        "at_most_once = true"
+    };
+    let lookup = if guard == Guard::Lookup {
+        r#"lookup = { path = "/v1/jobs?client_reference={{ key | urlencode }}", job_id = "/data/0/id" }"#
+    } else {
+        ""
+    };
+    let pipeline = format!(
+        r#"
+[[pipelines.pay.steps]]
+name = "render"
+provider = "sim"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"client_reference": "{{{{ key }}}}", "amount": {{{{ input.amount }}}}}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "50ms", deadline = "20s" }}
+{lookup}
+outputs = {{ url = "/result/url" }}
+"#
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        format!(
+            "[database]\nurl = \"{}\"\n[engine]\nlease = \"2s\"\n{}{pipeline}",
+            t.url,
+            crate::engine::sim_provider_toml(&sim.base_url(), guarded),
+        ),
+    )
+    .unwrap();
+    let env = [("BALLAST_ADMIN_PASSWORD", "keyless-admin-pw")];
+    let mut rng = fastrand::Rng::with_seed(23);
+    let started = Instant::now();
+    let (part, mut holding) = (n / kills, 0);
+    for round in 0..kills {
+        let records = due_now(
+            "pay",
+            "p-",
+            round * part..(round + 1) * part,
+            |i| json!({ "amount": i }),
+        );
+        t.db.create_records(records, crate::helpers::wall_ms())
+            .await
+            .unwrap();
+        let node = Serve::start(dir.path(), &env).await;
+        holding += usize::from(!kill_while_working(node, &t.db, &mut rng).await.is_empty());
+    }
+    let last = Serve::start(dir.path(), &env).await;
+    let limit = Duration::from_secs(if full_run() { 900 } else { 300 });
+    crate::engine::wait_at_rest(&t.db, n, limit).await;
+    let took = started.elapsed();
+    last.stop().await;
+    let crate::helpers::Audit {
+        ok, failed, parked, ..
+    } = audit_at_rest(&t.db).await;
+
+    // The ledger, by client reference (the step's key).
+    let (mut arrived, mut after_effect) = (
+        std::collections::HashMap::<String, i64>::new(),
+        std::collections::HashSet::<String>::new(),
+    );
+    for a in sim.arrivals() {
+        let reference = a.client_reference.expect("every submit carries its key");
+        if a.fault.ends_with("_after_effect") {
+            after_effect.insert(reference.clone());
+        }
+        *arrived.entry(reference).or_default() += 1;
+    }
+    let (mut holes, mut unsent, mut uncertain, mut without_request) = (0, 0, 0, 0);
+    // Calls a kill caught in flight (read back from their intents), and
+    // attempts with a reply from a call the provider never saw.
+    let (mut caught, mut phantoms, mut lookups) = (0, 0, 0);
+    let mut not_parked = Vec::new();
+    for r in crate::helpers::all_records(&t.db, None).await {
+        let run = t.db.step_runs(r.id).await.unwrap().remove(0);
+        assert!(
+            t.db.open_intents(r.id).await.unwrap().is_empty(),
+            "record {} at rest with a call left open",
+            r.id
+        );
+        let history = t.db.attempts(r.id).await.unwrap();
+        lookups += history
+            .iter()
+            .filter(|a| {
+                a.error_code
+                    .as_deref()
+                    .is_some_and(|c| c.starts_with("lookup_"))
+            })
+            .count();
+        let submits: Vec<_> = history
+            .into_iter()
+            .filter(|a| a.request.as_ref().is_some_and(|q| q.method == "POST"))
+            .collect();
+        // Only a call read back from its intent may never have arrived:
+        // every other attempt had an answer, or a timeout or reset, from
+        // the provider.
+        let left_open = submits
+            .iter()
+            .filter(|a| {
+                a.excerpt
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("no reply recorded"))
+            })
+            .count() as i64;
+        caught += left_open;
+        let calls = arrived.get(&run.idempotency_key).copied().unwrap_or(0);
+        let kept = submits.len() as i64;
+        holes += (calls - kept).max(0);
+        unsent += (kept - calls).max(0);
+        phantoms += (kept - left_open - calls).max(0);
+        let is_uncertain =
+            r.state == RecordState::Parked && r.error_code.as_deref() == Some(OUTCOME_UNCERTAIN);
+        if is_uncertain {
+            uncertain += 1;
+            let last = submits.last().and_then(|a| a.request.as_ref());
+            let whole = last.is_some_and(|q| {
+                q.url.ends_with("/v1/jobs")
+                    && q.body
+                        .as_deref()
+                        .is_some_and(|b| b.contains(&run.idempotency_key))
+            });
+            without_request += usize::from(!whole);
+        } else if after_effect.contains(&run.idempotency_key) {
+            not_parked.push((r.id, r.state, r.error_code.clone()));
+        }
+    }
+    let ledger = sim.ledger();
+    println!(
+        "{} keyless kill -9 loop, {guard:?}: {n} records, {kills} kills ({holding} while holding \
+         work), at rest in {took:.1?}: {ok} succeeded + {failed} failed + {parked} parked \
+         ({uncertain} outcome_uncertain); {} submits reached the provider ({} charged then reset \
+         or stalled); {} double charges; {holes} calls with no attempt in the history, {unsent} \
+         attempts written that never reached it ({caught} calls read back after a kill); \
+         {lookups} lookups",
+        backend.as_str(),
+        arrived.values().sum::<i64>(),
+        after_effect.len(),
+        ledger.double_charges,
+    );
+    assert_eq!(ok + failed + parked, n, "0 lost");
+    assert!(holding > 0, "no kill landed while the process held work");
+    assert!(!after_effect.is_empty(), "no call was charged then cut off");
+    assert_eq!(phantoms, 0, "an attempt with a reply for a call never made");
+    match guard {
+        Guard::Lookup | Guard::Park => {
+            assert_eq!(ledger.double_charges, 0, "0 double charges");
+            assert_eq!(
+                holes, 0,
+                "every call that reached the provider is in the history"
+            );
+            assert!(
+                unsent <= kills * 64,
+                "{unsent} unsent calls: at most what the killed nodes had in flight"
+            );
+        }
+        Guard::Unguarded => {
+            assert!(
+                ledger.double_charges > 0,
+                "without at_most_once, the cut-off charges are sent again"
+            );
+            // At full size a kill always catches calls in flight, which
+            // leave no trace in the history without intents.
+            assert!(!full_run() || holes > 0, "no kill caught a call in flight");
+        }
+    }
+    if guard != Guard::Unguarded {
+        assert!(!full_run() || caught > 0, "no kill caught a call in flight");
+    }
+    if guard == Guard::Lookup {
+        assert!(lookups > 0, "no uncertain call was looked up");
+    }
+    if guard == Guard::Park {
+        assert!(uncertain > 0, "an uncertain call parks");
+        assert_eq!(
+            without_request, 0,
+            "every uncertain record keeps its request"
+        );
+        assert!(
+            not_parked.is_empty(),
+            "records charged then cut off, not parked outcome_uncertain: {not_parked:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keyless_kill_loop_with_lookup() {
+    keyless_kill_loop(ballast::store::Backend::Sqlite, Guard::Lookup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_keyless_kill_loop_with_lookup() {
+    keyless_kill_loop(ballast::store::Backend::Postgres, Guard::Lookup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keyless_kill_loop_parking() {
+    keyless_kill_loop(ballast::store::Backend::Sqlite, Guard::Park).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_keyless_kill_loop_parking() {
+    keyless_kill_loop(ballast::store::Backend::Postgres, Guard::Park).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keyless_kill_loop_unguarded() {
+    keyless_kill_loop(ballast::store::Backend::Sqlite, Guard::Unguarded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_keyless_kill_loop_unguarded() {
+    keyless_kill_loop(ballast::store::Backend::Postgres, Guard::Unguarded).await;
 }
 
 /// Item 1, SIGTERM: a real `ballast serve` stopped while calls are in

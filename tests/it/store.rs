@@ -77,7 +77,7 @@ conformance!(
 /// rescheduled or ended only for their own generation.
 /// `at_most_once`: calls written down before they leave, in one batch;
 /// listed while open; closed by the commit that keeps their attempts, or
-/// by `close_intents` for attempts kept outside one.
+/// by `append_attempts` for attempts kept outside one.
 async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
     use ballast::store::NewIntent;
     let mut recs = Vec::new();
@@ -133,6 +133,9 @@ async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
         vec![(ids[0], 1), (ids[2], 2)]
     );
     assert_eq!(open[1].request, batch[2].request, "the request is kept");
+    // Which providers have calls left open (a node reads them whatever its
+    // own configuration says).
+    assert_eq!(db.intent_providers().await.unwrap(), ["acme"]);
     assert_eq!(
         (open[1].sent_at, open[1].node.as_deref()),
         (T0 + 2, Some("n1"))
@@ -143,10 +146,14 @@ async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
     db.commit(&c).await.unwrap();
     let open = db.open_intents(recs[0].id).await.unwrap();
     assert_eq!(open.iter().map(|i| i.id).collect::<Vec<_>>(), vec![ids[2]]);
-    // Attempts kept outside a commit close theirs apart.
-    db.close_intents(&[ids[2], ids[1]]).await.unwrap();
+    // Attempts kept outside a commit (a pass that lost its lease) close
+    // theirs with them.
+    db.append_attempts(recs[0].id, &[], &[ids[2], ids[1]])
+        .await
+        .unwrap();
     assert!(db.open_intents(recs[0].id).await.unwrap().is_empty());
     assert!(db.open_intents(recs[1].id).await.unwrap().is_empty());
+    assert!(db.intent_providers().await.unwrap().is_empty());
     assert!(db.record_intents(&[]).await.unwrap().is_empty());
 }
 
@@ -806,7 +813,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         now: T0,
         steps: Vec::new(),
         until: None,
-        job_id: None,
+        took: None,
     })
     .await
     .unwrap();
@@ -1281,7 +1288,7 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         now,
         steps: Vec::new(),
         until: None,
-        job_id: None,
+        took: None,
     }
 }
 

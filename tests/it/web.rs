@@ -245,7 +245,7 @@ impl WebApp {
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
             until: None,
-            job_id: None,
+            took: None,
         };
         self.t.db.act(&req).await.unwrap();
     }
@@ -1009,6 +1009,7 @@ async fn provider_data_renders_as_inert_text() {
                         body: Some(payload.into()),
                     }),
                 }],
+                &[],
             )
             .await
             .unwrap();
@@ -1061,7 +1062,7 @@ async fn provider_data_renders_as_inert_text() {
             now: crate::helpers::wall_ms(),
             steps: Vec::new(),
             until: None,
-            job_id: None,
+            took: None,
         };
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;
@@ -1694,4 +1695,89 @@ async fn sessions_survive_a_restart_until_the_key_is_rotated() {
         app.stop().await;
     })
     .await;
+}
+
+/// Issue 23: an `at_most_once` request step whose charge timed out after
+/// the provider took it offers "it took effect" with its outputs to fill
+/// in (a JSON object of the step's output names); outputs that are not
+/// JSON are refused readably, nothing changed; the step's outputs given
+/// succeed the step and the record leaves `parked`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_step_took_effect_with_outputs_given_on_the_page() {
+    let (url, charges, _) = crate::engine::charge_then_receipt().await;
+    let text = crate::engine::charge_then_receipt_toml(&url);
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "took_page", &text).await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    let login = app.login("op").await;
+    // The test's engine works ten days ahead of the wall clock, so the
+    // app's workers leave the record to it.
+    let config = Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let ahead = crate::helpers::wall_ms() + 10 * 86_400_000;
+    let (engine, _clock) =
+        crate::engine::manual_engine_at(&app.t.db, std::sync::Arc::new(config), "wt", ahead).await;
+    let id = engine
+        .enqueue("pay", Some("t-1"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    crate::engine::drain(&engine).await;
+    let page = format!("/records/{id}");
+    let html = app.get(&page, Some(&login)).await.text().await.unwrap();
+    assert!(html.contains(r#"id="took-effect""#), "offered");
+    assert!(
+        html.contains(r#"name="output""#) && !html.contains(r#"name="job_id""#),
+        "a request step names its outputs, not a job"
+    );
+    assert!(
+        html.contains("amount") && html.contains("charge_id"),
+        "the step's outputs are offered to fill in"
+    );
+    let path = format!("/records/{id}/actions");
+    let r = app
+        .post(
+            &path,
+            Some(&login),
+            &[("action", "took_effect"), ("output", "ch_1")],
+        )
+        .await;
+    assert!(r.status().is_client_error(), "{}", r.status());
+    assert!(r.text().await.unwrap().contains("not JSON"));
+    let rec = app.t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.state, ballast::domain::RecordState::Parked);
+    let r = app
+        .post(
+            &path,
+            Some(&login),
+            &[
+                ("action", "took_effect"),
+                ("output", r#"{"charge_id": "ch_9", "amount": 7}"#),
+                ("reason", "found in the gateway's dashboard"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), 303);
+    let rec = app.t.db.get_record(id).await.unwrap().unwrap();
+    assert_ne!(rec.state, ballast::domain::RecordState::Parked);
+    let charge = app
+        .t
+        .db
+        .step_runs(id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.step == "charge")
+        .unwrap();
+    assert_eq!(
+        (charge.state, charge.output),
+        (
+            ballast::domain::StepState::Succeeded,
+            Some(json!({ "charge_id": "ch_9", "amount": 7 }))
+        )
+    );
+    assert_eq!(charges.load(std::sync::atomic::Ordering::SeqCst), 1);
+    app.stop().await;
 }

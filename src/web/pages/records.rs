@@ -344,6 +344,9 @@ struct RecordPage {
     events: Vec<EventView>,
     actions: Vec<&'static str>,
     replay_steps: Vec<String>,
+    /// For "it took effect" on a request step: its outputs to fill in (a
+    /// JSON object); empty for a job step, which names its job.
+    took_outputs: String,
     versions: Vec<VersionView>,
     diff: Option<DiffView>,
 }
@@ -400,8 +403,27 @@ async fn record_page(
         Some(e) => e.steps_of(&rec).await,
         None => steps.iter().map(|s| s.step.clone()).collect(),
     };
-    // "It took effect" only where a call's outcome is uncertain.
+    // "It took effect" only where a call's outcome is uncertain: a job
+    // step names its job, a request step its outputs (a JSON object with
+    // the step's output names, offered empty).
     let uncertain = rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN);
+    let uncertain_step = steps
+        .iter()
+        .find(|s| rec.step.as_deref() == Some(s.step.as_str()) && s.job_id.is_none());
+    let took_outputs = match (&state.engine, uncertain_step) {
+        (Some(e), Some(run)) if uncertain => match e.step_of(&rec, &run.step).await {
+            Some(s) if matches!(s.kind, crate::pipeline::StepKind::Request) => {
+                let blank: serde_json::Map<String, serde_json::Value> = s
+                    .outputs
+                    .keys()
+                    .map(|k| (k.clone(), serde_json::Value::String(String::new())))
+                    .collect();
+                Some(serde_json::Value::Object(blank).to_string())
+            }
+            _ => None,
+        },
+        _ => None,
+    };
     let actions = if caller.can(crate::domain::Role::Operator) {
         allowed_actions(rec.state)
             .into_iter()
@@ -470,6 +492,7 @@ async fn record_page(
             .collect(),
         actions,
         replay_steps,
+        took_outputs: took_outputs.unwrap_or_default(),
         versions: all_versions.into_iter().map(|v| v.3).collect(),
         diff,
     })
@@ -498,8 +521,11 @@ struct ActForm {
     until: Option<String>,
     /// A `datetime-local` value, read as UTC.
     until_time: Option<String>,
-    /// For `took_effect`: the job the provider made.
+    /// For `took_effect`: the job the provider made (a job step).
     job_id: Option<String>,
+    /// For `took_effect`: the step's outputs, a JSON object (a request
+    /// step).
+    output: Option<String>,
 }
 
 async fn act(
@@ -512,10 +538,28 @@ async fn act(
     let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason);
     let step = non_empty(&form.step);
-    if let (OperatorAction::TookEffect, Some(job)) = (action, non_empty(&form.job_id)) {
+    if action == OperatorAction::TookEffect {
+        let output =
+            match non_empty(&form.output) {
+                Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+                    crate::engine::OpsError::Refused {
+                        code: "bad_output",
+                        message: format!(
+                            "the outputs are not JSON ({e}): write them as {{\"name\": value}}"
+                        ),
+                    }
+                })?),
+                None => None,
+            };
         state
             .ops()
-            .took_effect(id, &caller.actor, reason, &job)
+            .took_effect(
+                id,
+                &caller.actor,
+                reason,
+                non_empty(&form.job_id).as_deref(),
+                output,
+            )
             .await?;
         if is_htmx(&headers) {
             let t = record_page(&state, &caller, id, &DiffQuery::default()).await?;
