@@ -54,16 +54,16 @@ pub fn uncertain(reply: &Reply, outcome: Outcome) -> bool {
 }
 
 /// The step of an `at_most_once` call whose outcome is not known: never
-/// sent again blindly. With a `lookup` it asks the provider at `now`
+/// sent again blindly. With a `lookup` it asks the provider at `ask_at`
 /// (callers give a request the provider may still be working on a call's
-/// timeout first); otherwise a required step parks its record
+/// timeout first); otherwise, at `now`, a required step parks its record
 /// `outcome_uncertain` for a person, with `evidence` in the reason, and an
 /// optional one fails alone.
 pub fn uncertain_outcome(
     step: &Step,
     mut write: StepWrite,
     evidence: &str,
-    now: UnixMs,
+    (now, ask_at): (UnixMs, UnixMs),
 ) -> Decision {
     if step.lookup.is_some() && write.job_id.is_none() {
         write.state = StepState::Retrying;
@@ -71,7 +71,7 @@ pub fn uncertain_outcome(
         write.reason = Some(format!(
             "the provider may have taken the call ({evidence}): asking it (lookup) instead of sending it again"
         ));
-        write.next_run_at = Some(now);
+        write.next_run_at = Some(ask_at.max(now));
         return Decision::keep(write);
     }
     let reason = format!(
@@ -93,11 +93,11 @@ pub fn left_open(
     attempt_no: i32,
     guarded: bool,
     evidence: &str,
-    now: UnixMs,
+    times: (UnixMs, UnixMs),
 ) -> Decision {
     write.attempts = write.attempts.max(attempt_no);
     if guarded {
-        uncertain_outcome(step, write, evidence, now)
+        uncertain_outcome(step, write, evidence, times)
     } else {
         Decision::keep(write)
     }
@@ -120,8 +120,13 @@ pub fn took_outputs(
     if let Some(extra) = object.keys().find(|k| !outputs.contains_key(*k)) {
         return Err(format!("`{extra}` is not one of its outputs [{}]", names()));
     }
-    let blank =
-        |v: &serde_json::Value| v.is_null() || v.as_str().is_some_and(|s| s.trim().is_empty());
+    let blank = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => true,
+        serde_json::Value::String(s) => s.trim().is_empty(),
+        serde_json::Value::Array(a) => a.is_empty(),
+        serde_json::Value::Object(o) => o.is_empty(),
+        _ => false,
+    };
     if let Some(missing) = outputs.keys().find(|k| object.get(*k).is_none_or(blank)) {
         return Err(format!(
             "give every output [{}] as the provider has it: `{missing}` is missing or empty",
@@ -516,36 +521,52 @@ enum Looked {
     /// The provider has this job for the call.
     Found(String),
     /// Clearly none: the pointer runs past the end of a list (`/data/0/id`
-    /// in `{"data": []}`), or reaches a null or an empty id.
+    /// in `{"data": []}`), or reaches a null or an empty id by the keys of
+    /// the reply's object (`/job/id` in `{"job": null}`).
     Absent,
     /// The reply lacks the shape the pointer expects (a key it names is
-    /// missing: a typo, or the provider changed its replies): no answer,
-    /// so the call is not sent again on it.
+    /// missing: a typo, or the provider changed its replies), is null as a
+    /// whole, or has a row for the reference whose id is null or empty (a
+    /// job not yet numbered?): no answer, so the call is not sent again on
+    /// it.
     Unclear,
 }
 
 /// Reads `pointer` (RFC 6901) in a lookup's reply.
 fn look_up(json: &Value, pointer: &str) -> Looked {
-    let mut at = json;
+    // A null says "none" only where the reply's own keys lead to it: not
+    // the whole reply, and not inside a row of a list (a row exists).
+    let none = |depth: usize, in_row: bool| {
+        if depth == 0 || in_row {
+            Looked::Unclear
+        } else {
+            Looked::Absent
+        }
+    };
+    let (mut at, mut depth, mut in_row) = (json, 0, false);
     for token in pointer.split('/').skip(1) {
         let token = token.replace("~1", "/").replace("~0", "~");
         at = match at {
-            Value::Null => return Looked::Absent,
+            Value::Null => return none(depth, in_row),
             Value::Object(map) => match map.get(&token) {
                 Some(v) => v,
                 None => return Looked::Unclear,
             },
             Value::Array(items) => match token.parse::<usize>() {
-                Ok(i) if i < items.len() => &items[i],
+                Ok(i) if i < items.len() => {
+                    in_row = true;
+                    &items[i]
+                }
                 Ok(_) => return Looked::Absent,
                 Err(_) => return Looked::Unclear,
             },
             _ => return Looked::Unclear,
         };
+        depth += 1;
     }
     match at {
-        Value::Null => Looked::Absent,
-        Value::String(s) if s.trim().is_empty() => Looked::Absent,
+        Value::Null => none(depth, in_row),
+        Value::String(s) if s.trim().is_empty() => none(depth, in_row),
         Value::String(s) => Looked::Found(s.clone()),
         Value::Number(n) => Looked::Found(n.to_string()),
         _ => Looked::Unclear,
@@ -963,18 +984,18 @@ mod tests {
         let plain = step(1, true, &[], 1_000, 60_000);
         let mut w = StepWrite::pending("s");
         w.attempts = 1;
-        let d = left_open(&plain, w.clone(), 2, true, "sent by n1", 5);
+        let d = left_open(&plain, w.clone(), 2, true, "sent by n1", (5, 5));
         assert_eq!(d.write.attempts, 2, "the call that left is spent");
         assert_eq!(
             d.park.map(|p| p.code).as_deref(),
             Some(crate::domain::OUTCOME_UNCERTAIN)
         );
         // `at_most_once` turned off since: it goes on as configured.
-        let d = left_open(&plain, w.clone(), 2, false, "sent by n1", 5);
+        let d = left_open(&plain, w.clone(), 2, false, "sent by n1", (5, 5));
         assert_eq!(d.park, None);
         assert_eq!((d.write.attempts, d.write.state), (2, w.state));
         // An older intent never lowers the count.
-        assert_eq!(left_open(&plain, w, 0, false, "", 5).write.attempts, 1);
+        assert_eq!(left_open(&plain, w, 0, false, "", (5, 5)).write.attempts, 1);
     }
 
     #[test]
@@ -1005,7 +1026,7 @@ mod tests {
         let plain = step(1, true, &[], 1_000, 60_000);
         let mut w = StepWrite::pending("s");
         w.attempts = 1;
-        let d = uncertain_outcome(&plain, w.clone(), "provider_timeout", 5);
+        let d = uncertain_outcome(&plain, w.clone(), "provider_timeout", (5, 5));
         assert_eq!(
             d.park.as_ref().map(|p| p.code.as_str()),
             Some(crate::domain::OUTCOME_UNCERTAIN)
@@ -1017,7 +1038,13 @@ mod tests {
             request: request(),
             job_id: "/data/0/id".into(),
         });
-        let d = uncertain_outcome(&looked, w, "provider_timeout", 5);
+        // (A call left open after a crash is asked about a call's
+        // timeout after it left, never before now.)
+        let later = left_open(&looked, w.clone(), 1, true, "sent by n1", (5, 400));
+        assert_eq!(later.write.next_run_at, Some(400));
+        let overdue = left_open(&looked, w.clone(), 1, true, "sent by n1", (500, 400));
+        assert_eq!(overdue.write.next_run_at, Some(500));
+        let d = uncertain_outcome(&looked, w, "provider_timeout", (5, 5));
         assert!(d.park.is_none());
         let p = policy(5, 3, 60_000);
         let Before::Call(plan) = before_call(&looked, &d.write, "p", false, &p, 6) else {
@@ -1028,8 +1055,12 @@ mod tests {
             json!({ "items": [] }),
             json!({ "data": [{ "ref": "x" }] }),
             json!({ "data": "none" }),
+            json!(null),
+            json!({ "data": [null] }),
+            json!({ "data": [{ "id": null }] }),
+            json!({ "data": [{ "id": "" }] }),
         ];
-        let absent_replies = [json!({ "data": null }), json!({ "data": [{ "id": "" }] })];
+        let absent_replies = [json!({ "data": null }), json!({ "data": [] })];
         let facts = |status, json| ReplyFacts {
             outcome: Outcome::Success,
             error_code: None,
@@ -1098,6 +1129,11 @@ mod tests {
         assert_eq!(
             look_up(&json!({ "a/b": { "n": 7 } }), "/a~1b/n"),
             Looked::Found("7".into())
+        );
+        assert_eq!(look_up(&json!({ "job": null }), "/job/id"), Looked::Absent);
+        assert_eq!(
+            look_up(&json!({ "job": { "id": "" } }), "/job/id"),
+            Looked::Absent
         );
         // Not taken but the attempts spent: parked, not sent a sixth time.
         let mut spent = plan.clone();

@@ -120,10 +120,11 @@ struct Inner {
     committer: committer::Committer,
     /// Intents of `at_most_once` calls, written in groups.
     intents: intents::IntentWriter,
-    /// Providers with calls left open (read at start and at each provider
-    /// sync, so within a lease of any node writing them), whatever their
-    /// `at_most_once` says here (it may be off here, or turned off since):
-    /// their records' passes read those calls into the history.
+    /// Providers with calls left open, read after each claim (an intent is
+    /// written under its node's lease, so one left on a claimed record is
+    /// seen), whatever their `at_most_once` says here (it may be off here,
+    /// or turned off since): their records' passes read those calls into
+    /// the history.
     left_open: Mutex<std::collections::HashSet<String>>,
 }
 

@@ -189,7 +189,21 @@ impl<'a> Ops<'a> {
                     StepState::Succeeded | StepState::Failed | StepState::Skipped
                 )
         };
-        let uncertain: Vec<_> = runs.iter().filter(open).collect();
+        let engine = self.engine.ok_or_else(|| {
+            OpsError::refused("no_workers", "this node runs no workers to check the step")
+        })?;
+        let mut uncertain = Vec::new();
+        for r in runs.iter().filter(open) {
+            // A step that looks its call up sends nothing again when the
+            // record resumes: not one that blocks settling another.
+            let looks_up = engine
+                .step_of(&rec, &r.step)
+                .await
+                .is_some_and(|s| s.lookup.is_some());
+            if !looks_up || rec.step.as_deref() == Some(r.step.as_str()) {
+                uncertain.push(r);
+            }
+        }
         let parked_on = |r: &&&crate::domain::StepRun| rec.step.as_deref() == Some(r.step.as_str());
         let run = match (uncertain.as_slice(), uncertain.iter().find(parked_on)) {
             _ if rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN) => {
@@ -214,9 +228,6 @@ impl<'a> Ops<'a> {
                 ));
             }
         };
-        let engine = self.engine.ok_or_else(|| {
-            OpsError::refused("no_workers", "this node runs no workers to check the step")
-        })?;
         let Some(step) = engine.step_of(&rec, &run.step).await else {
             return Err(OpsError::refused(
                 "unknown_step",
@@ -224,6 +235,12 @@ impl<'a> Ops<'a> {
             ));
         };
         let job = job_id.map(str::trim).filter(|j| !j.is_empty());
+        if job.is_some() && output.is_some() {
+            return Err(OpsError::refused(
+                "job_id_or_output",
+                "say what the call made one way: a job id for a job step, outputs for a request step",
+            ));
+        }
         let took = match (&step.kind, job) {
             (crate::pipeline::StepKind::SubmitPoll { .. }, Some(job)) => Took::Job(job.to_owned()),
             (crate::pipeline::StepKind::SubmitPoll { .. }, None) => {

@@ -353,7 +353,7 @@ impl Engine {
                 intent.attempt_no,
                 at_most_once(s),
                 &evidence,
-                now.max(intent.sent_at.saturating_add(timeout)),
+                (now, intent.sent_at.saturating_add(timeout)),
             );
             let attempt = NewAttempt {
                 step: intent.step.clone(),

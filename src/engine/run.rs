@@ -87,6 +87,15 @@ impl Engine {
         if claimed.is_empty() {
             return Ok(Vec::new());
         }
+        // Which providers have calls left open, read after the claim: an
+        // intent is written under its node's lease, so any left on these
+        // records is seen here, whatever this node's `at_most_once` says.
+        match i.db.intent_providers().await {
+            Ok(open) => *lock(&i.left_open) = open.into_iter().collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read which providers have calls left open");
+            }
+        }
         let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
         let mut runs: Option<HashMap<i64, Vec<StepRun>>> = match i.db.step_runs_of(&ids).await {
             Ok(all) => {
@@ -407,12 +416,6 @@ impl Engine {
             }
         }
         self.read_provider_states().await;
-        match i.db.intent_providers().await {
-            Ok(open) => *super::lock(&i.left_open) = open.into_iter().collect(),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read which providers have calls left open")
-            }
-        }
     }
 
     /// Takes every provider's shared state as this node's: operator pauses,

@@ -401,7 +401,7 @@ impl StepRun<'_> {
                 self.step,
                 judged.decision.write,
                 &evidence,
-                after + ms(rt.config.timeout.0),
+                (after, after + ms(rt.config.timeout.0)),
             );
         }
         let breaker = if c.outcome == Outcome::Throttled {

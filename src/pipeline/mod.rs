@@ -67,10 +67,14 @@ pub fn compile(config: &Config) -> Result<Pipelines, ConfigError> {
         // cannot be made is a mistake (a pinned definition keeps its own,
         // whatever the provider says now).
         for s in &pipeline.steps {
-            let guarded = config
-                .providers
-                .get(&s.provider)
-                .is_some_and(|pc| s.at_most_once(pc.at_most_once));
+            // A provider's setting spares its `GET`s; a step's own does not.
+            let get = s.request.method == HttpMethod::Get;
+            let guarded = s.at_most_once == Some(true)
+                || (!get
+                    && config
+                        .providers
+                        .get(&s.provider)
+                        .is_some_and(|pc| s.at_most_once(pc.at_most_once)));
             if s.lookup.is_some() && !guarded {
                 return Err(invalid(
                     step_key(name, &s.name, "lookup"),

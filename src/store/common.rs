@@ -784,56 +784,46 @@ where
         if intents.is_empty() {
             return Ok(Vec::new());
         }
-        let rows: Vec<super::batch::IntentJson<'_>> =
-            intents.iter().map(super::batch::IntentJson::from).collect();
-        // Fenced by the lease: a worker that lost it (a stalled node whose
-        // record another claimed) writes nothing and so calls nothing; the
-        // record's row is locked so that no claim moves it meanwhile.
-        let sql = format!(
-            "WITH v AS (SELECT {} FROM {}) \
-             INSERT INTO attempt_intents (record_id, step, provider, attempt_no, node, sent_at, request) \
-             SELECT v.record_id, v.step, v.provider, v.attempt_no, v.node, v.sent_at, v.request FROM v \
-             WHERE EXISTS (SELECT 1 FROM records r WHERE r.id = v.record_id AND r.state = 'running' \
-               AND r.lease_owner = v.lease_owner AND r.lease_token = v.lease_token{}) \
-             RETURNING id, record_id, step, attempt_no",
-            super::batch::select_as(super::batch::INTENT_COLS, DB::DIALECT),
-            DB::DIALECT.rows(),
-            DB::LOCK
-        );
+        // Rows are matched to intents by what they are (record, step,
+        // attempt): one call per step at a time. Two passes of one record
+        // (a lease that ran out and was claimed again while the first
+        // still waited to write) ask with the same key, and only the
+        // holder of the lease gets a row; in one statement both would take
+        // that row as theirs. So a key met again goes to the next
+        // statement, in the same transaction.
+        let mut rounds: Vec<Vec<usize>> = Vec::new();
+        for (at, i) in intents.iter().enumerate() {
+            let key = (i.record_id, i.step.as_str(), i.attempt_no);
+            let free = rounds.iter_mut().find(|r| {
+                !r.iter().any(|&o| {
+                    let o = &intents[o];
+                    (o.record_id, o.step.as_str(), o.attempt_no) == key
+                })
+            });
+            match free {
+                Some(round) => round.push(at),
+                None => rounds.push(vec![at]),
+            }
+        }
         let mut tx = self.begin_write().await?;
-        let returned = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind_json(&rows)
-            .fetch_all(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        let written = returned
-            .iter()
-            .map(|r| {
-                use sqlx::Row;
-                Ok((
-                    r.try_get::<i64, _>(0)?,
-                    r.try_get::<i64, _>(1)?,
-                    r.try_get::<String, _>(2)?,
-                    r.try_get::<i32, _>(3)?,
-                ))
-            })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
-        // Matched by what they are (one pass per record holds its lease,
-        // one call per step at a time), not by the order rows come back in.
-        Ok(intents
+        let mut ids: Vec<StoreResult<i64>> = intents
             .iter()
             .map(|i| {
-                written
-                    .iter()
-                    .find(|w| {
-                        (w.1, w.2.as_str(), w.3) == (i.record_id, i.step.as_str(), i.attempt_no)
-                    })
-                    .map(|w| w.0)
-                    .ok_or(StoreError::LeaseLost {
-                        record_id: i.record_id,
-                    })
+                Err(StoreError::LeaseLost {
+                    record_id: i.record_id,
+                })
             })
-            .collect())
+            .collect();
+        for round in &rounds {
+            let part: Vec<&crate::store::NewIntent> =
+                round.iter().map(|&at| &intents[at]).collect();
+            let written = Self::insert_intents(&mut tx, &part).await?;
+            for (&at, id) in round.iter().zip(written) {
+                ids[at] = id;
+            }
+        }
+        tx.commit().await?;
+        Ok(ids)
     }
 
     async fn open_intents(&self, record_id: i64) -> StoreResult<Vec<crate::domain::Intent>> {

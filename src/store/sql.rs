@@ -302,6 +302,63 @@ where
     }
 
     /// Deletes intents (their attempts are kept in the same transaction).
+    /// Writes `intents` (no two with the same record, step and attempt),
+    /// each only if its worker still holds the record's lease: its id, or
+    /// `LeaseLost`.
+    pub(crate) async fn insert_intents(
+        tx: &mut Tx<DB>,
+        intents: &[&crate::store::NewIntent],
+    ) -> StoreResult<Vec<StoreResult<i64>>> {
+        let rows: Vec<super::batch::IntentJson<'_>> = intents
+            .iter()
+            .map(|i| super::batch::IntentJson::from(*i))
+            .collect();
+        // Fenced by the lease: a worker that lost it (a stalled node whose
+        // record another claimed) writes nothing and so calls nothing; the
+        // record's row is locked so that no claim moves it meanwhile.
+        let sql = format!(
+            "WITH v AS (SELECT {} FROM {}) \
+             INSERT INTO attempt_intents (record_id, step, provider, attempt_no, node, sent_at, request) \
+             SELECT v.record_id, v.step, v.provider, v.attempt_no, v.node, v.sent_at, v.request FROM v \
+             WHERE EXISTS (SELECT 1 FROM records r WHERE r.id = v.record_id AND r.state = 'running' \
+               AND r.lease_owner = v.lease_owner AND r.lease_token = v.lease_token{}) \
+             RETURNING id, record_id, step, attempt_no",
+            super::batch::select_as(super::batch::INTENT_COLS, DB::DIALECT),
+            DB::DIALECT.rows(),
+            DB::LOCK
+        );
+        let returned = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind_json(&rows)
+            .fetch_all(&mut **tx)
+            .await?;
+        let written = returned
+            .iter()
+            .map(|r| {
+                use sqlx::Row;
+                Ok((
+                    r.try_get::<i64, _>(0)?,
+                    r.try_get::<i64, _>(1)?,
+                    r.try_get::<String, _>(2)?,
+                    r.try_get::<i32, _>(3)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        Ok(intents
+            .iter()
+            .map(|i| {
+                written
+                    .iter()
+                    .find(|w| {
+                        (w.1, w.2.as_str(), w.3) == (i.record_id, i.step.as_str(), i.attempt_no)
+                    })
+                    .map(|w| w.0)
+                    .ok_or(StoreError::LeaseLost {
+                        record_id: i.record_id,
+                    })
+            })
+            .collect())
+    }
+
     pub(crate) async fn delete_intents(tx: &mut Tx<DB>, ids: &[i64]) -> StoreResult<()> {
         if ids.is_empty() {
             return Ok(());

@@ -1279,13 +1279,26 @@ outputs = {{ url = "/result/url" }}
         std::collections::HashMap::<String, i64>::new(),
         std::collections::HashSet::<String>::new(),
     );
+    let mut charged = std::collections::HashMap::<String, Vec<String>>::new();
     for a in sim.arrivals() {
         let reference = a.client_reference.expect("every submit carries its key");
         if a.fault.ends_with("_after_effect") {
             after_effect.insert(reference.clone());
         }
+        if a.effect {
+            charged
+                .entry(reference.clone())
+                .or_default()
+                .push(a.fault.clone());
+        }
         *arrived.entry(reference).or_default() += 1;
     }
+    // What the history says of each reference charged twice.
+    let twice: std::collections::BTreeSet<&String> = charged
+        .iter()
+        .filter(|(_, faults)| faults.len() > 1)
+        .map(|(r, _)| r)
+        .collect();
     let (mut holes, mut unsent, mut uncertain, mut without_request) = (0, 0, 0, 0);
     // Calls a kill caught in flight (read back from their intents), and
     // attempts with a reply from a call the provider never saw.
@@ -1323,6 +1336,24 @@ outputs = {{ url = "/result/url" }}
             })
             .count() as i64;
         caught += left_open;
+        if guard != Guard::Unguarded && twice.contains(&run.idempotency_key) {
+            eprintln!(
+                "charged twice: record {} {} {:?} ({:?}), charges {:?}",
+                r.id, r.state, r.error_code, r.reason, charged[&run.idempotency_key]
+            );
+            for a in &submits {
+                eprintln!(
+                    "  attempt {} by {:?} at {}: {} {:?} {:?}",
+                    a.attempt_no, a.node, a.started_at, a.outcome, a.error_code, a.excerpt
+                );
+            }
+            for e in t.db.record_events(r.id).await.unwrap() {
+                eprintln!(
+                    "  event {} {} {:?} → {:?} {:?}",
+                    e.at, e.kind, e.from_state, e.to_state, e.reason
+                );
+            }
+        }
         let calls = arrived.get(&run.idempotency_key).copied().unwrap_or(0);
         let kept = submits.len() as i64;
         holes += (calls - kept).max(0);

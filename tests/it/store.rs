@@ -140,6 +140,28 @@ async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
         (open[1].sent_at, open[1].node.as_deref()),
         (T0 + 2, Some("n1"))
     );
+    // Two passes of one record asking for the same call in one batch (the
+    // first's lease ran out and the record was claimed again): only the
+    // holder of the lease gets the row, in either order.
+    for fresh_first in [true, false] {
+        let n = if fresh_first { 3 } else { 4 };
+        let fresh = intent(recs[1].id, n);
+        let mut stale = intent(recs[1].id, n);
+        stale.lease.token -= 1;
+        let batch = if fresh_first {
+            vec![fresh, stale]
+        } else {
+            vec![stale, fresh]
+        };
+        let written = db.record_intents(&batch).await.unwrap();
+        let (f, st) = if fresh_first { (0, 1) } else { (1, 0) };
+        assert!(
+            matches!(written[st], Err(StoreError::LeaseLost { .. })),
+            "{written:?}"
+        );
+        let id = *written[f].as_ref().unwrap();
+        db.append_attempts(recs[1].id, &[], &[id]).await.unwrap();
+    }
     // A commit keeps the attempt and closes its intent, in one transaction.
     let mut c = Commit::new(lease(recs[0].id), T0 + 5, None);
     c.intents_done = vec![ids[0]];
