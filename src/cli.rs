@@ -80,6 +80,12 @@ pub enum Command {
         /// The record's input, a JSON value.
         #[arg(long, default_value = "{}")]
         input: String,
+        /// Due at this UTC moment (`2026-12-02T09:00Z`) instead of now.
+        #[arg(long, conflicts_with = "delay")]
+        run_at: Option<String>,
+        /// Due this long from now (`90s`, `2h`, `1d`) instead of now.
+        #[arg(long)]
+        delay: Option<String>,
     },
     /// Pause, resume or list providers. A paused provider gets no calls;
     /// its records wait, spending no attempts.
@@ -244,7 +250,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             key,
             group,
             input,
-        } => enqueue(config, &pipeline, key.as_deref(), group.as_deref(), &input).await,
+            run_at,
+            delay,
+        } => {
+            let when = When {
+                run_at: run_at.as_deref(),
+                delay: delay.as_deref(),
+            };
+            enqueue(
+                config,
+                &pipeline,
+                (key.as_deref(), group.as_deref()),
+                &input,
+                when,
+            )
+            .await
+        }
         Command::Provider { action } => {
             let db = crate::app::connect(&config).await?;
             migrate::up(&db, None)
@@ -425,15 +446,30 @@ async fn rotate_secret(config: &Config) -> anyhow::Result<()> {
 }
 
 /// `enqueue`: one record, idempotent on its key.
+/// When an enqueued record falls due, as given on the command line.
+struct When<'a> {
+    run_at: Option<&'a str>,
+    delay: Option<&'a str>,
+}
+
 async fn enqueue(
     config: Config,
     pipeline: &str,
-    key: Option<&str>,
-    group: Option<&str>,
+    (key, group): (Option<&str>, Option<&str>),
     input: &str,
+    when: When<'_>,
 ) -> anyhow::Result<()> {
     let input: serde_json::Value =
         serde_json::from_str(input).map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
+    // Checked before anything is opened: a bad time changes nothing.
+    let delay = when
+        .delay
+        .map(crate::config::parse_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--delay: {e}"))?;
+    let now = crate::domain::Clock::now_ms(&crate::domain::SystemClock);
+    let run_at = crate::domain::schedule::due_at(when.run_at, delay, now)
+        .map_err(|e| anyhow::anyhow!("--run-at/--delay: {e}"))?;
     let db = crate::app::connect(&config).await?;
     migrate::up(&db, None)
         .await
@@ -444,10 +480,18 @@ async fn enqueue(
         crate::engine::EngineOptions::new("cli"),
     )
     .await?;
-    let created = engine.enqueue_in(pipeline, group, key, input).await;
+    let created = engine
+        .enqueue_in_at(pipeline, group, key, input, run_at)
+        .await;
     db.close().await;
     let created = created?;
-    if created.created {
+    if created.created && run_at > now {
+        println!(
+            "enqueued record {} in {pipeline}, due at {}",
+            created.record.id,
+            crate::domain::time::format_ms(run_at)
+        );
+    } else if created.created {
         println!("enqueued record {} in {pipeline}", created.record.id);
     } else {
         println!(

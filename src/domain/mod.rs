@@ -15,6 +15,7 @@ pub mod permits;
 pub mod pipeline;
 pub mod request;
 pub mod rules;
+pub mod schedule;
 pub mod state;
 pub mod step;
 pub mod time;

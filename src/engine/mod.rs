@@ -344,6 +344,24 @@ impl Engine {
         self.create_one(pipeline, group, key, input, now).await
     }
 
+    /// [`enqueue_in`](Self::enqueue_in), due at `run_at` (scheduled work:
+    /// the record waits `pending` until then).
+    pub async fn enqueue_in_at(
+        &self,
+        pipeline: &str,
+        group: Option<&str>,
+        key: Option<&str>,
+        input: Value,
+        run_at: UnixMs,
+    ) -> Result<Created, StoreError> {
+        self.create_one(pipeline, group, key, input, run_at).await
+    }
+
+    /// Now, by this engine's clock.
+    pub fn now_ms(&self) -> UnixMs {
+        self.inner.clock.now_ms()
+    }
+
     /// Enqueues many records of one pipeline in one transaction (keys make
     /// each idempotent, as for [`enqueue`](Self::enqueue)).
     pub async fn enqueue_many(

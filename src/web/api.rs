@@ -102,6 +102,10 @@ struct EnqueueBody {
     group: Option<String>,
     #[serde(default)]
     input: Value,
+    /// Due at this UTC moment (`2026-12-02T09:00Z`), not now.
+    run_at: Option<String>,
+    /// Due this long from now (`90s`, `2h`), not now.
+    delay: Option<String>,
 }
 
 async fn enqueue(
@@ -126,12 +130,21 @@ async fn enqueue(
     }
     crate::engine::check_group(body.group.as_deref())
         .map_err(|e| WebError::bad("invalid_group", e.to_string()))?;
+    let delay = body
+        .delay
+        .as_deref()
+        .map(crate::config::parse_duration)
+        .transpose()
+        .map_err(|e| WebError::bad("invalid_delay", e))?;
+    let run_at = crate::domain::schedule::due_at(body.run_at.as_deref(), delay, engine.now_ms())
+        .map_err(|e| WebError::bad("invalid_run_at", e))?;
     let created = engine
-        .enqueue_in(
+        .enqueue_in_at(
             &body.pipeline,
             body.group.as_deref(),
             body.key.as_deref(),
             body.input,
+            run_at,
         )
         .await?;
     tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued via API");

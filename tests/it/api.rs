@@ -351,6 +351,84 @@ async fn api_round_trip(backend: Backend) {
     sim.stop();
 }
 
+/// Issue 20 item 4: a record enqueued through the API for later (`delay`
+/// or `run_at`) waits `pending` until then; a time already past is now;
+/// both at once, a bad time or one too far ahead are refused with a clear
+/// error and create nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_enqueued_for_later() {
+    let Some(app) = WebApp::spawn(
+        Backend::Sqlite,
+        "api_later",
+        &pipeline("http://127.0.0.1:9"),
+    )
+    .await
+    else {
+        return;
+    };
+    let op = app.token(Role::Operator).await;
+    let post = |body: Value| {
+        app.client
+            .post(app.url("/api/v1/records"))
+            .bearer_auth(&op)
+            .json(&body)
+            .send()
+    };
+    let before = crate::helpers::wall_ms();
+    let r = post(json!({"pipeline": "leads", "key": "later", "delay": "2h"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let after = crate::helpers::wall_ms();
+    let r: Value = r.json().await.unwrap();
+    let due = r["record"]["next_run_at"].as_i64().unwrap();
+    let two_hours = 7_200_000;
+    assert!(
+        (before + two_hours..=after + two_hours).contains(&due),
+        "due {due}, enqueued between {before} and {after}"
+    );
+    assert_eq!(r["record"]["state"], "pending");
+    // A month ahead, to the minute.
+    let at_ms = (before / 60_000 + 30 * 1_440) * 60_000;
+    let text = ballast::domain::time::format_ms(at_ms);
+    let at = json!({"pipeline": "leads", "key": "at", "run_at": text});
+    let r: Value = post(at).await.unwrap().json().await.unwrap();
+    assert_eq!(r["record"]["next_run_at"], json!(at_ms), "{r}");
+    let late = json!({"pipeline": "leads", "key": "late", "run_at": "2020-01-01T00:00Z"});
+    let r: Value = post(late).await.unwrap().json().await.unwrap();
+    assert!(r["record"]["next_run_at"].as_i64().unwrap() >= before);
+    for (body, code) in [
+        (
+            json!({"pipeline": "leads", "key": "x1", "delay": "1h", "run_at": "2099-01-01T00:00Z"}),
+            "invalid_run_at",
+        ),
+        (
+            json!({"pipeline": "leads", "key": "x2", "delay": "soon"}),
+            "invalid_delay",
+        ),
+        (
+            json!({"pipeline": "leads", "key": "x3", "run_at": "noon"}),
+            "invalid_run_at",
+        ),
+        (
+            json!({"pipeline": "leads", "key": "x4", "delay": "500d"}),
+            "invalid_run_at",
+        ),
+    ] {
+        let r = post(body.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"], code, "{body}: {e}");
+    }
+    let all = app.t.db.state_counts().await.unwrap();
+    assert_eq!(
+        all.iter().map(|c| c.count).sum::<i64>(),
+        3,
+        "nothing created by a refused enqueue"
+    );
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_round_trip_sqlite() {
     api_round_trip(Backend::Sqlite).await;

@@ -658,6 +658,87 @@ request = { path = "/charge", body = '{{ input | tojson }}' }
     );
 }
 
+/// Issue 20 item 4 from the command line: `--delay` and `--run-at`; both
+/// at once and a bad time are refused before anything is written.
+#[test]
+fn scheduled_enqueue_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = r#"
+[providers.p]
+base_url = "http://127.0.0.1:9"
+[[pipelines.orders.steps]]
+name = "charge"
+provider = "p"
+request = { path = "/charge", body = '{{ input | tojson }}' }
+"#;
+    std::fs::write(dir.path().join("ballast.toml"), config).unwrap();
+    let before = crate::helpers::wall_ms();
+    let later = ballast(dir.path(), &[], &["enqueue", "orders", "--delay", "2h"]);
+    assert!(later.status.success(), "{}", stderr(&later));
+    let out = stdout(&later);
+    let due = out
+        .trim()
+        .rsplit("due at ")
+        .next()
+        .and_then(|t| ballast::domain::time::parse_utc(t).ok())
+        .unwrap_or_else(|| panic!("{out}"));
+    let after = crate::helpers::wall_ms();
+    assert!(
+        (before + 7_200_000..=after + 7_200_000).contains(&due),
+        "{out}"
+    );
+    // A month ahead, to the minute.
+    let at_ms = (before / 60_000 + 30 * 1_440) * 60_000;
+    let text = ballast::domain::time::format_ms(at_ms);
+    let at = ballast(dir.path(), &[], &["enqueue", "orders", "--run-at", &text]);
+    assert!(
+        stdout(&at).contains(&format!("due at {text}")),
+        "{}",
+        stdout(&at)
+    );
+    let late = ballast(
+        dir.path(),
+        &[],
+        &["enqueue", "orders", "--run-at", "2020-01-01T00:00Z"],
+    );
+    assert!(
+        stdout(&late).trim().ends_with("in orders"),
+        "due now: {}",
+        stdout(&late)
+    );
+    let both = ballast(
+        dir.path(),
+        &[],
+        &[
+            "enqueue",
+            "orders",
+            "--delay",
+            "1h",
+            "--run-at",
+            "2099-01-01",
+        ],
+    );
+    assert!(!both.status.success());
+    assert!(
+        stderr(&both).contains("cannot be used with"),
+        "{}",
+        stderr(&both)
+    );
+    let bad = ballast(dir.path(), &[], &["enqueue", "orders", "--run-at", "noon"]);
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("--run-at/--delay: invalid time `noon`"),
+        "{}",
+        stderr(&bad)
+    );
+    let next = ballast(dir.path(), &[], &["enqueue", "orders"]);
+    assert!(
+        stdout(&next).contains("enqueued record 4 in orders"),
+        "nothing written by the refused ones: {}",
+        stdout(&next)
+    );
+}
+
 #[test]
 fn providers_are_paused_and_resumed_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
