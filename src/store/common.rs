@@ -223,6 +223,31 @@ where
         DB::next_due_in(&self.pools).await
     }
 
+    async fn oldest_due(
+        &self,
+        pipelines: &[String],
+        now: UnixMs,
+    ) -> StoreResult<Vec<(String, UnixMs)>> {
+        // One indexed probe per pipeline (the due index, oldest first),
+        // not a scan of the backlog.
+        let mut out = Vec::new();
+        for p in pipelines {
+            let at: Option<i64> = sqlx::query_scalar(
+                "SELECT next_run_at FROM records WHERE pipeline = $1 \
+                 AND next_run_at IS NOT NULL AND next_run_at <= $2 \
+                 ORDER BY next_run_at LIMIT 1",
+            )
+            .bind(p.clone())
+            .bind(now)
+            .fetch_optional(self.reader())
+            .await?;
+            if let Some(at) = at {
+                out.push((p.clone(), at));
+            }
+        }
+        Ok(out)
+    }
+
     async fn claim_due(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {
         if req.owner.is_empty() {
             return Err(StoreError::Invalid("lease owner is empty".into()));

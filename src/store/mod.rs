@@ -538,6 +538,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// The earliest `next_run_at` of any record (due work or a lease
     /// expiry), so workers can sleep exactly until then.
     fn next_due_at(&self) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
+    /// For each of `pipelines` with work due at `now` (waiting for a
+    /// worker, or a lease run out), when its oldest due record fell due: a
+    /// backlog's age, for alerts.
+    fn oldest_due(
+        &self,
+        pipelines: &[String],
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<Vec<(String, UnixMs)>>> + Send;
     /// Leases up to `limit` due records (and records whose lease expired),
     /// an even share from each (pipeline, group) queue with due work, each
     /// queue's oldest due first, within the request's group caps. Two
@@ -987,6 +995,7 @@ forward! {
     fn provider_counts(&self) -> Vec<StateCount>;
     fn recount_providers(&self) -> Vec<StateCount>;
     fn next_due_at(&self) -> Option<UnixMs>;
+    fn oldest_due(&self, pipelines: &[String], now: UnixMs) -> Vec<(String, UnixMs)>;
     fn claim_due(&self, req: &ClaimRequest) -> Vec<Record>;
     fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> Vec<i64>;
     fn release(&self, leases: &[Lease], now: UnixMs) -> u64;

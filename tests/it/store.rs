@@ -70,6 +70,7 @@ conformance!(
     replaced_results_are_kept_as_versions,
     confirmations_are_held_and_settled,
     intents_are_written_before_and_closed_with_their_attempts,
+    the_oldest_due_record_per_pipeline,
 );
 
 /// Confirmations after success (issue 19 item 6): written with a commit,
@@ -2390,6 +2391,39 @@ async fn rollups_are_replaced_per_node_and_purged(db: &Db) {
     assert_eq!(db.rollups_since(T0 + 1).await.unwrap().len(), 1);
     assert_eq!(db.purge_stats(T0 + 1).await.unwrap(), 2);
     assert_eq!(db.rollups_since(0).await.unwrap().len(), 1);
+}
+
+/// The age of a backlog (`/metrics`): per pipeline asked for, when its
+/// oldest record due fell due; a pipeline with nothing due, or a record
+/// due later or held under a live lease, counts for nothing.
+async fn the_oldest_due_record_per_pipeline(db: &Db) {
+    for (p, k, at) in [
+        ("a", "a1", T0 - 5_000),
+        ("a", "a2", T0 - 9_000),
+        ("b", "b1", T0 + 60_000),
+        ("c", "c1", T0 - 1_000),
+    ] {
+        db.create_record(new_record(p, Some(k), at), T0 - 10_000)
+            .await
+            .unwrap();
+    }
+    // `c`'s one record is taken by a worker: not waiting any more.
+    let held = db.claim_due(&claim("w", T0, 3)).await.unwrap();
+    assert_eq!(held.len(), 3);
+    let c = held.iter().find(|r| r.pipeline == "c").unwrap();
+    db.release(&[c.lease().unwrap()], T0).await.unwrap();
+    let others: Vec<_> = held.iter().filter(|r| r.pipeline == "a").collect();
+    assert_eq!(others.len(), 2);
+    let names: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+    // `a`'s two are running under live leases (due at their expiry);
+    // `c` was given back, due again now.
+    let due = db.oldest_due(&names, T0).await.unwrap();
+    assert_eq!(due, [("c".to_owned(), T0)]);
+    // Past the leases' expiry, `a`'s records are due again.
+    let later = T0 + 600_000;
+    let due = db.oldest_due(&names, later).await.unwrap();
+    assert_eq!(due.len(), 3, "{due:?}");
+    assert!(due.iter().all(|(_, at)| *at <= later));
 }
 
 async fn meta_values_are_set_once(db: &Db) {

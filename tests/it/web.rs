@@ -1781,3 +1781,150 @@ async fn a_request_step_took_effect_with_outputs_given_on_the_page() {
     assert_eq!(charges.load(std::sync::atomic::Ordering::SeqCst), 1);
     app.stop().await;
 }
+
+/// Issue 20 item 5: `/metrics` carries what people alert on, read from the
+/// store at the scrape (records by pipeline and state, the oldest due
+/// record's wait, each provider's breaker, pause and "slow down" pause),
+/// and every metric the shipped alert rules and Grafana dashboard use is
+/// one Ballast exports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "metrics_gauges", "").await else {
+        return;
+    };
+    let token = app.token(Role::Viewer).await;
+    let now = crate::helpers::wall_ms();
+    let record = |pipeline: &str, key: String, run_at: i64| NewRecord {
+        pipeline: pipeline.into(),
+        group: None,
+        pipeline_version: None,
+        external_key: Some(key),
+        input: json!({}),
+        run_at,
+    };
+    let mut batch: Vec<NewRecord> = (0..3)
+        .map(|i| record("g-leads", format!("due-{i}"), now - 90_000 + i * 1_000))
+        .collect();
+    batch.push(record("g-quiet", "later".into(), now + 3_600_000));
+    batch.push(record("g-leads", "to-park".into(), now + 3_600_000));
+    let made = app.t.db.create_records(batch, now).await.unwrap();
+    // (Names of this test's own: the recorder is the process's, and other
+    // tests scrape it too.)
+    app.park(made[4].record.id).await;
+    let mut open = ballast::domain::ProviderState::new("g-sim", now);
+    open.breaker = ballast::domain::BreakerState::Open;
+    open.open_until = Some(now + 60_000);
+    app.t.db.save_provider_state(&open).await.unwrap();
+    app.t
+        .db
+        .set_provider_pause("g-crm", true, "admin", Some("maintenance"), now)
+        .await
+        .unwrap();
+    let scrape = app
+        .client
+        .get(app.url("/metrics"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(scrape.status(), 200);
+    let text = scrape.text().await.unwrap();
+    // The value of the series whose line starts with `series`.
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+    };
+    assert_eq!(
+        value(r#"ballast_records{pipeline="g-leads",state="pending"}"#),
+        3.0
+    );
+    assert_eq!(
+        value(r#"ballast_records{pipeline="g-quiet",state="pending"}"#),
+        1.0
+    );
+    // The oldest due record fell due 90 s before the records were made.
+    let waited = value(r#"ballast_oldest_due_seconds{pipeline="g-leads"}"#);
+    assert!((90.0..150.0).contains(&waited), "{waited}");
+    assert_eq!(
+        value(r#"ballast_oldest_due_seconds{pipeline="g-quiet"}"#),
+        0.0
+    );
+    assert_eq!(
+        value(r#"ballast_records{pipeline="g-leads",state="parked"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"ballast_provider_breaker{provider="g-sim",state="open"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"ballast_provider_breaker{provider="g-sim",state="closed"}"#),
+        0.0
+    );
+    assert_eq!(value(r#"ballast_provider_paused{provider="g-crm"}"#), 1.0);
+    assert_eq!(value(r#"ballast_provider_paused{provider="g-sim"}"#), 0.0);
+
+    // Every `ballast_*` name the shipped rules and dashboard query is one
+    // Ballast exports (gauges above; counters and the histogram as the
+    // engine keeps them).
+    let exported = [
+        "ballast_records",
+        "ballast_oldest_due_seconds",
+        "ballast_provider_breaker",
+        "ballast_provider_paused",
+        "ballast_provider_throttled_seconds",
+        "ballast_attempts_total",
+        "ballast_deferrals_total",
+        "ballast_attempt_duration_seconds_bucket",
+    ];
+    for name in &exported[..5] {
+        assert!(text.contains(&format!("\n{name}{{")), "{name} not exported");
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rules = std::fs::read_to_string(root.join("deploy/prometheus-alerts.yml")).unwrap();
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("deploy/grafana-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let mut exprs: Vec<String> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("expr: "))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(exprs.len(), 5, "one expression per alert rule");
+    for p in dashboard["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push(t["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    for expr in &exprs {
+        let names: Vec<&str> = expr
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("ballast_"))
+            .collect();
+        assert!(!names.is_empty(), "{expr}");
+        for n in names {
+            assert!(
+                exported.contains(&n),
+                "{n} in `{expr}` is not a Ballast metric"
+            );
+        }
+    }
+    // With promtool at hand, the rules are checked as Prometheus would.
+    match std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(root.join("deploy/prometheus-alerts.yml"))
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(_) => println!("SKIP promtool check: promtool is not installed"),
+    }
+    app.stop().await;
+}
