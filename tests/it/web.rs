@@ -622,6 +622,12 @@ async fn every_route_checks_the_role_server_side() {
         ),
         (
             "POST",
+            "/records/enqueue".into(),
+            vec![("pipeline", "none")],
+            Role::Operator,
+        ),
+        (
+            "POST",
             "/providers/p/pause".into(),
             vec![("reason", "matrix")],
             Role::Admin,
@@ -1926,5 +1932,104 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
         ),
         Err(_) => println!("SKIP promtool check: promtool is not installed"),
     }
+    app.stop().await;
+}
+
+/// Issue 20 item 4 on the dashboard: an operator enqueues a record from the
+/// records page, now or later (a UTC time or a delay); a bad input or time
+/// is refused readably and creates nothing; a viewer cannot enqueue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_enqueues_for_later_from_the_records_page() {
+    let config = r#"
+[providers.p]
+base_url = "http://127.0.0.1:9"
+[[pipelines.orders.steps]]
+name = "charge"
+provider = "p"
+request = { path = "/charge", body = '{{ input | tojson }}' }
+"#;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "enqueue_page", config).await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    app.user("v", Role::Viewer).await;
+    let op = app.login("op").await;
+    let html = app.get("/records", Some(&op)).await.text().await.unwrap();
+    assert!(
+        html.contains(r#"id="enqueue""#) && html.contains(r#"name="run_at""#),
+        "the form is offered"
+    );
+    let before = crate::helpers::wall_ms();
+    let r = app
+        .post(
+            "/records/enqueue",
+            Some(&op),
+            &[
+                ("pipeline", "orders"),
+                ("key", "o-later"),
+                ("input", r#"{"amount": 5}"#),
+                ("run_at", ""),
+                ("delay", "2h"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), 303);
+    let to = r.headers()["location"].to_str().unwrap().to_owned();
+    let id: i64 = to.trim_start_matches("/records/").parse().unwrap();
+    let rec = app.t.db.get_record(id).await.unwrap().unwrap();
+    let after = crate::helpers::wall_ms();
+    assert_eq!(rec.input, json!({ "amount": 5 }));
+    let due = rec.next_run_at.unwrap();
+    assert!(
+        (before + 7_200_000..=after + 7_200_000).contains(&due),
+        "{due}"
+    );
+    // A time as the browser's `datetime-local` sends it, read as UTC.
+    let at_ms = (before / 60_000 + 30 * 1_440) * 60_000;
+    let local = ballast::domain::time::format_ms(at_ms)[..16].to_owned();
+    let r = app
+        .post(
+            "/records/enqueue",
+            Some(&op),
+            &[("pipeline", "orders"), ("key", "o-at"), ("run_at", &local)],
+        )
+        .await;
+    assert_eq!(r.status(), 303);
+    let id: i64 = r.headers()["location"].to_str().unwrap()[9..]
+        .parse()
+        .unwrap();
+    let rec = app.t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.next_run_at, Some(at_ms));
+    for (form, says) in [
+        (vec![("input", "{oops")], "not JSON"),
+        (
+            vec![("delay", "1h"), ("run_at", local.as_str())],
+            "not both",
+        ),
+        (vec![("delay", "soon")], "invalid duration"),
+        (vec![("run_at", "noon")], "invalid time"),
+    ] {
+        let mut fields = vec![("pipeline", "orders"), ("key", "o-bad")];
+        fields.extend(form);
+        let r = app.post("/records/enqueue", Some(&op), &fields).await;
+        assert_eq!(r.status(), 400, "{fields:?}");
+        let body = r.text().await.unwrap();
+        assert!(body.contains(says), "{fields:?}: {body}");
+    }
+    let made: i64 = app
+        .t
+        .db
+        .state_counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(made, 2, "nothing created by a refused enqueue");
+    let viewer = app.login("v").await;
+    let r = app
+        .post("/records/enqueue", Some(&viewer), &[("pipeline", "orders")])
+        .await;
+    assert_eq!(r.status(), 403);
     app.stop().await;
 }

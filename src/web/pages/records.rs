@@ -25,6 +25,7 @@ pub fn router() -> Router<AppState> {
     Router::new()
         .route("/records", get(list))
         .route("/records/bulk", post(bulk))
+        .route("/records/enqueue", post(enqueue))
         .route("/records/{id}", get(detail))
         .route("/records/{id}/actions", post(act))
 }
@@ -140,6 +141,62 @@ async fn list(
         return html(&t.as_list());
     }
     html(&t)
+}
+
+/// The records page's enqueue form (operators): one record, due now or
+/// later.
+#[derive(Deserialize)]
+struct EnqueueForm {
+    pipeline: String,
+    key: Option<String>,
+    group: Option<String>,
+    input: Option<String>,
+    /// A `datetime-local` value, read as UTC.
+    run_at: Option<String>,
+    /// `90s`, `2h`, `1d`.
+    delay: Option<String>,
+}
+
+async fn enqueue(
+    caller: Authed<Operator>,
+    State(state): State<AppState>,
+    axum::Form(form): axum::Form<EnqueueForm>,
+) -> WebResult<Response> {
+    let bad = |code: &'static str, message: String| WebError::bad(code, message);
+    let engine = state
+        .engine
+        .as_ref()
+        .ok_or_else(|| bad("no_workers", "this node has no pipelines configured".into()))?;
+    if !state.config.pipelines.contains_key(&form.pipeline) {
+        return Err(bad(
+            "unknown_pipeline",
+            format!("unknown pipeline `{}`", form.pipeline),
+        ));
+    }
+    let input = match non_empty(&form.input) {
+        Some(text) => serde_json::from_str(&text)
+            .map_err(|e| bad("invalid_input", format!("the input is not JSON: {e}")))?,
+        None => serde_json::json!({}),
+    };
+    let delay = non_empty(&form.delay)
+        .map(|d| crate::config::parse_duration(&d))
+        .transpose()
+        .map_err(|e| bad("invalid_delay", e))?;
+    let run_at = non_empty(&form.run_at);
+    let due = crate::domain::schedule::due_at(run_at.as_deref(), delay, engine.now_ms())
+        .map_err(|e| bad("invalid_run_at", e))?;
+    let key = non_empty(&form.key);
+    if key.as_ref().is_some_and(|k| k.len() > 200) {
+        return Err(bad("invalid_key", "key must be 1-200 characters".into()));
+    }
+    let group = non_empty(&form.group);
+    crate::engine::check_group(group.as_deref())
+        .map_err(|e| bad("invalid_group", e.to_string()))?;
+    let created = engine
+        .enqueue_in_at(&form.pipeline, group.as_deref(), key.as_deref(), input, due)
+        .await?;
+    tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued on the dashboard");
+    Ok(Redirect::to(&format!("/records/{}", created.record.id)).into_response())
 }
 
 struct StepView {
