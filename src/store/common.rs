@@ -816,18 +816,16 @@ where
         // holder of the lease gets a row; in one statement both would take
         // that row as theirs. So a key met again goes to the next
         // statement, in the same transaction.
-        let mut rounds: Vec<Vec<usize>> = Vec::new();
+        type Keys<'k> = std::collections::HashSet<(i64, &'k str, i32)>;
+        let mut rounds: Vec<(Keys<'_>, Vec<usize>)> = Vec::new();
         for (at, i) in intents.iter().enumerate() {
             let key = (i.record_id, i.step.as_str(), i.attempt_no);
-            let free = rounds.iter_mut().find(|r| {
-                !r.iter().any(|&o| {
-                    let o = &intents[o];
-                    (o.record_id, o.step.as_str(), o.attempt_no) == key
-                })
-            });
-            match free {
-                Some(round) => round.push(at),
-                None => rounds.push(vec![at]),
+            match rounds.iter_mut().find(|(keys, _)| !keys.contains(&key)) {
+                Some((keys, round)) => {
+                    keys.insert(key);
+                    round.push(at);
+                }
+                None => rounds.push(([key].into(), vec![at])),
             }
         }
         let mut tx = self.begin_write().await?;
@@ -839,7 +837,7 @@ where
                 })
             })
             .collect();
-        for round in &rounds {
+        for (_, round) in &rounds {
             let part: Vec<&crate::store::NewIntent> =
                 round.iter().map(|&at| &intents[at]).collect();
             let written = Self::insert_intents(&mut tx, &part).await?;

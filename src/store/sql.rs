@@ -331,27 +331,25 @@ where
             .bind_json(&rows)
             .fetch_all(&mut **tx)
             .await?;
+        // Each row by what it is: (record, step, attempt) → its id.
         let written = returned
             .iter()
             .map(|r| {
                 use sqlx::Row;
-                Ok((
-                    r.try_get::<i64, _>(0)?,
+                let key = (
                     r.try_get::<i64, _>(1)?,
                     r.try_get::<String, _>(2)?,
                     r.try_get::<i32, _>(3)?,
-                ))
+                );
+                Ok((key, r.try_get::<i64, _>(0)?))
             })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+            .collect::<Result<std::collections::HashMap<_, _>, sqlx::Error>>()?;
         Ok(intents
             .iter()
             .map(|i| {
                 written
-                    .iter()
-                    .find(|w| {
-                        (w.1, w.2.as_str(), w.3) == (i.record_id, i.step.as_str(), i.attempt_no)
-                    })
-                    .map(|w| w.0)
+                    .get(&(i.record_id, i.step.clone(), i.attempt_no))
+                    .copied()
                     .ok_or(StoreError::LeaseLost {
                         record_id: i.record_id,
                     })

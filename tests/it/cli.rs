@@ -594,10 +594,9 @@ request = { method = "POST", path = "/notes", body = '{"text": "ready: {{ steps.
     );
 }
 
-#[test]
-fn enqueue_is_idempotent_on_the_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = r#"
+/// One pipeline, `orders`, whose provider nothing answers: for commands
+/// that only enqueue.
+pub(crate) const ORDERS: &str = r#"
 [providers.p]
 base_url = "http://127.0.0.1:9"
 [[pipelines.orders.steps]]
@@ -605,7 +604,11 @@ name = "charge"
 provider = "p"
 request = { path = "/charge", body = '{{ input | tojson }}' }
 "#;
-    std::fs::write(dir.path().join("ballast.toml"), config).unwrap();
+
+#[test]
+fn enqueue_is_idempotent_on_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ballast.toml"), ORDERS).unwrap();
     let first = ballast(
         dir.path(),
         &[],
@@ -663,15 +666,7 @@ request = { path = "/charge", body = '{{ input | tojson }}' }
 #[test]
 fn scheduled_enqueue_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
-    let config = r#"
-[providers.p]
-base_url = "http://127.0.0.1:9"
-[[pipelines.orders.steps]]
-name = "charge"
-provider = "p"
-request = { path = "/charge", body = '{{ input | tojson }}' }
-"#;
-    std::fs::write(dir.path().join("ballast.toml"), config).unwrap();
+    std::fs::write(dir.path().join("ballast.toml"), ORDERS).unwrap();
     let before = crate::helpers::wall_ms();
     let later = ballast(dir.path(), &[], &["enqueue", "orders", "--delay", "2h"]);
     assert!(later.status.success(), "{}", stderr(&later));

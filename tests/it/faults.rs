@@ -957,7 +957,7 @@ fn full_run() -> bool {
 }
 
 /// Item 1, kill -9 loop: a real `ballast serve` killed with SIGKILL at
-/// `kills` random moments while it holds work, and restarted; a last
+/// `kills` random points of its work (see [`kill_while_working`]) while it holds work, and restarted; a last
 /// process takes every record of a three-step pipeline against the chaos
 /// simulator to rest. The records arrive in `kills` equal parts, one before
 /// each start, so every kill finds work going and every restart has due
@@ -1044,7 +1044,7 @@ async fn kill_loop(backend: ballast::store::Backend) {
             resumes.push(resumed.unwrap_or_default());
             orphans_back.push(restarted.elapsed());
         }
-        let held = kill_while_working(node, &t.db, &mut rng).await;
+        let held = kill_while_working(node, &t.db, &sim, &mut rng).await;
         killed += 1;
         holding += usize::from(!held.is_empty());
         orphans = held;
@@ -1087,18 +1087,25 @@ async fn kill_loop(backend: ballast::store::Backend) {
     );
 }
 
-/// SIGKILLs `node` at a random moment (100–700 ms from now), once it holds
-/// work if it comes to within 5 s (at a random moment it may hold none:
-/// everything waits on backoff or polls); the records it held then, with
-/// their lease owner.
+/// SIGKILLs `node` at a random point of its work: once the simulator has
+/// taken a random 10–120 more calls from it (or 10 s have passed), and
+/// once it holds work if it comes to within 5 s (at that point it may hold
+/// none: everything waits on backoff or polls); the records it held then,
+/// with their lease owner.
 async fn kill_while_working(
     node: Serve,
     db: &Db,
+    sim: &ballast::sim::SimHandle,
     rng: &mut fastrand::Rng,
 ) -> std::collections::BTreeMap<i64, String> {
-    // A kill at a random moment is the fault injected here: the random
-    // time is the point, not a wait for something to happen.
-    tokio::time::sleep(Duration::from_millis(rng.u64(100..700))).await;
+    // The kill's point in the work is random (the fault injected here);
+    // it is found by the calls the provider saw, not by a clock.
+    let target = sim.stats().requests + rng.u64(10..120);
+    let calls = crate::wait::until("calls made", Duration::from_secs(20), async || {
+        let seen = sim.stats().requests;
+        if seen >= target { Ok(()) } else { Err(seen) }
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(10), calls).await;
     let holding_work = crate::wait::until("work held", Duration::from_secs(10), async || {
         let held = running_leases(db).await;
         if held.is_empty() { Err(()) } else { Ok(held) }
@@ -1194,7 +1201,7 @@ enum Guard {
 /// Issue 23's done-when: a submit/poll provider that ignores idempotency
 /// keys, now and then charging and then resetting the connection or
 /// stalling past the timeout, while `ballast serve` is killed with SIGKILL
-/// at `kills` random moments with calls in flight (2,000 records and 10
+/// at `kills` random points of its work with calls in flight (2,000 records and 10
 /// kills with `BALLAST_FAULTS=full`). The simulator's ledger is compared
 /// call for call with the history: every `POST /v1/jobs` that reached it
 /// must be an attempt of the record whose step key it carried as its
@@ -1263,7 +1270,11 @@ outputs = {{ url = "/result/url" }}
             .await
             .unwrap();
         let node = Serve::start(dir.path(), &env).await;
-        holding += usize::from(!kill_while_working(node, &t.db, &mut rng).await.is_empty());
+        holding += usize::from(
+            !kill_while_working(node, &t.db, &sim, &mut rng)
+                .await
+                .is_empty(),
+        );
     }
     let last = Serve::start(dir.path(), &env).await;
     let limit = Duration::from_secs(if full_run() { 900 } else { 300 });

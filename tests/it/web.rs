@@ -1940,14 +1940,7 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
 /// is refused readably and creates nothing; a viewer cannot enqueue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_enqueues_for_later_from_the_records_page() {
-    let config = r#"
-[providers.p]
-base_url = "http://127.0.0.1:9"
-[[pipelines.orders.steps]]
-name = "charge"
-provider = "p"
-request = { path = "/charge", body = '{{ input | tojson }}' }
-"#;
+    let config = crate::cli::ORDERS;
     let Some(app) = WebApp::spawn(Backend::Sqlite, "enqueue_page", config).await else {
         return;
     };
