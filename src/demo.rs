@@ -88,6 +88,11 @@ rate_limits = ["4/s"]
 retry = {{ max_attempts = 5, base = "1s", cap = "10s", deadline = "3m" }}
 breaker = {{ window = 20, min_calls = 8, failure_rate = 0.5, open_for = "15s", probes = 2 }}
 {render_rules}
+# Besides the generator's records, one enqueued by a cron schedule every
+# 30 seconds (the overview lists it with its next and last run).
+[pipelines.lead-enrichment]
+schedule = {{ cron = "*/30 * * * * *", input = {{ email = "scheduled@example.com" }} }}
+
 [[pipelines.lead-enrichment.steps]]
 name = "fetch"
 provider = "people-api"

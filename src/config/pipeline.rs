@@ -24,7 +24,31 @@ pub struct PipelineConfig {
     /// the definitions pinned by this one.
     #[serde(default, skip_serializing)]
     pub group_concurrency: Option<u32>,
+    /// Records enqueued on a cron schedule. Like `group_concurrency`, read
+    /// from the current configuration and not part of the pinned
+    /// definition.
+    #[serde(default, skip_serializing)]
+    pub schedule: Option<ScheduleConfig>,
     pub steps: Vec<StepConfig>,
+}
+
+/// `schedule = { cron = "0 */6 * * *", input = { … }, missed = "skip" }`:
+/// a record with `input` at every tick of `cron` (UTC), fired once across
+/// every node and keyed by its tick.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub cron: String,
+    #[serde(default = "empty_object")]
+    pub input: serde_json::Value,
+    /// Ticks missed while no node ran: the latest fires once (default), or
+    /// none does.
+    #[serde(default)]
+    pub missed: crate::domain::schedule::Missed,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(serde_json::Map::new())
 }
 
 /// How a step talks to its provider.

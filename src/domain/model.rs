@@ -597,6 +597,20 @@ pub struct Node {
     pub draining: bool,
 }
 
+/// A pipeline's cron schedule as the cluster has fired it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScheduleRow {
+    pub pipeline: String,
+    /// The expression it was last fired by.
+    pub cron: String,
+    /// Every tick at or before this moment has been dealt with.
+    pub watermark: UnixMs,
+    /// The last tick fired, and the record it made.
+    pub last_tick: Option<UnixMs>,
+    pub last_record_id: Option<i64>,
+    pub updated_at: UnixMs,
+}
+
 /// Shared state of one provider: breaker and operator pause. Every node
 /// reads it, so a breaker opened on one node defers work on all.
 #[derive(Debug, Clone, PartialEq, Serialize)]

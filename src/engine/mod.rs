@@ -20,6 +20,7 @@ mod permits;
 pub mod redirect;
 mod resume;
 mod run;
+pub mod schedule;
 pub mod stats;
 mod step;
 pub mod token;
@@ -93,6 +94,8 @@ struct Inner {
     /// Pipelines that cap their groups (`group_concurrency`), read once
     /// from the configuration: every claim sends them.
     group_caps: Vec<(String, u32)>,
+    /// Pipelines enqueued on a cron schedule.
+    schedules: Vec<schedule::Scheduled>,
     opts: EngineOptions,
     clock: Arc<dyn Clock>,
     pipelines: Pipelines,
@@ -271,6 +274,7 @@ impl Engine {
             .iter()
             .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
             .collect();
+        let schedules = schedule::scheduled(&config)?;
         Ok(Engine {
             inner: Arc::new(Inner {
                 committer,
@@ -279,6 +283,7 @@ impl Engine {
                 db,
                 config,
                 group_caps,
+                schedules,
                 opts,
                 clock,
                 pipelines,

@@ -133,6 +133,7 @@ impl Engine {
         let flusher = tokio::spawn(self.clone().flush_stats(shutdown.clone()));
         let confirms = tokio::spawn(self.clone().confirm_loop(shutdown.clone()));
         let resumer = tokio::spawn(self.clone().resume_loop(shutdown.clone()));
+        let scheduler = tokio::spawn(self.clone().schedule_loop(shutdown.clone()));
         let listen = match &i.db {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
@@ -267,6 +268,8 @@ impl Engine {
         let _ = confirms.await;
         resumer.abort();
         let _ = resumer.await;
+        scheduler.abort();
+        let _ = scheduler.await;
         if let Some(l) = listen {
             l.abort();
             let _ = l.await;

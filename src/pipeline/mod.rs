@@ -122,6 +122,17 @@ fn compile_one(
             "must be at least 1 (leave it out for no cap)".into(),
         ));
     }
+    if let Some(schedule) = &p.schedule {
+        let key = format!("pipelines.{name}.schedule");
+        crate::domain::schedule::Cron::parse(&schedule.cron)
+            .map_err(|e| invalid(format!("{key}.cron"), e))?;
+        if !schedule.input.is_object() {
+            return Err(invalid(
+                format!("{key}.input"),
+                "must be a table (the record's input)".into(),
+            ));
+        }
+    }
     let by_name = check_steps(name, p, config)?;
     let order = dependency_order(name, p, &by_name)?;
     let mut upstream: HashMap<String, BTreeSet<String>> = HashMap::new();
@@ -511,6 +522,35 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
         let capped = load(&capped).unwrap();
         assert_eq!(
             capped.pipelines["render_video"].hash,
+            plain.pipelines["render_video"].hash
+        );
+    }
+
+    #[test]
+    fn a_schedule_is_checked_and_leaves_the_hash_alone() {
+        let with =
+            |schedule: &str| format!("[pipelines.render_video]\nschedule = {schedule}\n{GOOD}");
+        let err = |text: &str| load(text).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = err(&with(r#"{ cron = "every hour" }"#));
+        assert!(
+            e.contains("pipelines.render_video.schedule.cron") && e.contains("every hour"),
+            "{e}"
+        );
+        let e = err(&with(r#"{ cron = "0 0 30 2 *" }"#));
+        assert!(e.contains("never fires"), "{e}");
+        let e = err(&with(r#"{ cron = "@hourly", input = [1] }"#));
+        assert!(e.contains("pipelines.render_video.schedule.input"), "{e}");
+        let e = err(&with(r#"{ cron = "@hourly", missed = "sometimes" }"#));
+        assert!(e.contains("missed") || e.contains("sometimes"), "{e}");
+        let e = err(&with(r#"{ cron = "@hourly", when = "now" }"#));
+        assert!(e.contains("when"), "{e}");
+        let scheduled = load(&with(
+            r#"{ cron = "@hourly", input = { a = 1 }, missed = "skip" }"#,
+        ))
+        .unwrap();
+        let plain = load(GOOD).unwrap();
+        assert_eq!(
+            scheduled.pipelines["render_video"].hash,
             plain.pipelines["render_video"].hash
         );
     }

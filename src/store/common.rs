@@ -16,13 +16,14 @@ use super::rows::{
 use super::sql::{SqlStore, conflict_or};
 use super::{
     ActionRequest, AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent,
-    NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, RecordFilter, Store, StoreError,
-    StoreResult, UserChange, into_page, node_actor, page_limit, validate_username, worked_state,
+    NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, RecordFilter, ScheduleAdvance,
+    Store, StoreError, StoreResult, UserChange, into_page, node_actor, page_limit,
+    validate_username, worked_state,
 };
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     Attempt, Event, Node, OperatorAction, PipelineVersion, ProviderState, Record, RecordState,
-    Session, StateCount, StepRun, StepVersion, Trigger, UnixMs, User, transition,
+    ScheduleRow, Session, StateCount, StepRun, StepVersion, Trigger, UnixMs, User, transition,
 };
 
 // The bounds are those of the store's inherent methods (`sql.rs`).
@@ -1730,6 +1731,46 @@ where
             .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    async fn schedules(&self) -> StoreResult<Vec<ScheduleRow>> {
+        let rows = sqlx::query(
+            "SELECT pipeline, cron, watermark, last_tick, last_record_id, updated_at \
+             FROM schedules ORDER BY pipeline",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::schedule)
+    }
+
+    async fn advance_schedule(&self, a: &ScheduleAdvance) -> StoreResult<bool> {
+        let (tick, record) = a.fired.unzip();
+        let mut tx = self.begin_write().await?;
+        let done = match a.from {
+            None => sqlx::query(
+                "INSERT INTO schedules \
+                   (pipeline, cron, watermark, last_tick, last_record_id, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (pipeline) DO NOTHING",
+            ),
+            // Compare and set: only from the watermark this node read.
+            Some(_) => sqlx::query(
+                "UPDATE schedules SET cron = $2, watermark = $3, \
+                   last_tick = COALESCE($4, last_tick), \
+                   last_record_id = COALESCE($5, last_record_id), updated_at = $6 \
+                 WHERE pipeline = $1 AND watermark = $7",
+            ),
+        }
+        .bind(a.pipeline.clone())
+        .bind(a.cron.clone())
+        .bind(a.to)
+        .bind(tick)
+        .bind(record)
+        .bind(a.now)
+        .bind(a.from.unwrap_or_default())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {

@@ -39,6 +39,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     9 "0009_step_confirmations" "step_confirmations",
     10 "0010_park_until" "park_until",
     11 "0011_attempt_intents" "attempt_intents",
+    12 "0012_schedules" "schedules",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -52,6 +53,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     9 "0009_step_confirmations" "step_confirmations",
     10 "0010_park_until" "park_until",
     11 "0011_attempt_intents" "attempt_intents",
+    12 "0012_schedules" "schedules",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

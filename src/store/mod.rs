@@ -24,7 +24,7 @@ use serde_json::Value;
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
-    Record, RecordState, Role, Session, StateCount, StepRun, StepState, StepVersion,
+    Record, RecordState, Role, ScheduleRow, Session, StateCount, StepRun, StepState, StepVersion,
     TransitionError, UnixMs, User, WorkResult,
 };
 
@@ -96,6 +96,20 @@ impl StoreError {
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A schedule's watermark moved from what a node read to what it dealt
+/// with ([`Store::advance_schedule`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduleAdvance {
+    pub pipeline: String,
+    pub cron: String,
+    /// The watermark read (none: no row yet).
+    pub from: Option<UnixMs>,
+    pub to: UnixMs,
+    /// The last tick fired in this pass, and its record.
+    pub fired: Option<(UnixMs, i64)>,
+    pub now: UnixMs,
+}
 
 /// A record to enqueue.
 #[derive(Debug, Clone, PartialEq)]
@@ -873,6 +887,18 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Deletes rollups, delivery ids and login counters older than
     /// `before`; returns how many rows.
     fn purge_stats(&self, before: UnixMs) -> impl Future<Output = StoreResult<u64>> + Send;
+
+    // --- schedules -----------------------------------------------------
+    /// Every schedule's row, by pipeline.
+    fn schedules(&self) -> impl Future<Output = StoreResult<Vec<ScheduleRow>>> + Send;
+    /// Moves a schedule's watermark from `from` (as read) to `to`: true if
+    /// this call moved it, false if another node had moved it first (its
+    /// pass stands; this one's fired records, keyed by tick, are the same
+    /// records).
+    fn advance_schedule(
+        &self,
+        adv: &ScheduleAdvance,
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
 }
 
 /// Connection settings shared by both backends.
@@ -1056,6 +1082,8 @@ forward! {
     fn save_rollups(&self, rows: &[StepRollup]) -> ();
     fn rollups_since(&self, since: UnixMs) -> Vec<StepRollup>;
     fn purge_stats(&self, before: UnixMs) -> u64;
+    fn schedules(&self) -> Vec<ScheduleRow>;
+    fn advance_schedule(&self, adv: &ScheduleAdvance) -> bool;
 }
 
 /// An event row as the store writes it, transitions included.

@@ -8,8 +8,8 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 use crate::domain::breaker::SharedBreaker;
 use crate::domain::permits::GrantRow;
 use crate::domain::{
-    ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState, Session,
-    StateCount, StepRun, StepVersion, User,
+    ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState,
+    ScheduleRow, Session, StateCount, StepRun, StepVersion, User,
 };
 use crate::store::{StepRollup, StoreError, StoreResult};
 
@@ -76,6 +76,8 @@ pub trait MapRow {
     fn session(&self) -> StoreResult<Session>;
     /// A `nodes` row.
     fn node(&self) -> StoreResult<Node>;
+    /// A `schedules` row.
+    fn schedule(&self) -> StoreResult<ScheduleRow>;
     /// A `providers` row, read with [`PROVIDER_COLUMNS`].
     fn provider_state(&self) -> StoreResult<ProviderState>;
     /// A `provider_grants` row.
@@ -302,6 +304,17 @@ where
             started_at: self.try_get("started_at")?,
             heartbeat_at: self.try_get("heartbeat_at")?,
             draining: self.try_get("draining")?,
+        })
+    }
+
+    fn schedule(&self) -> StoreResult<ScheduleRow> {
+        Ok(ScheduleRow {
+            pipeline: self.try_get("pipeline")?,
+            cron: self.try_get("cron")?,
+            watermark: self.try_get("watermark")?,
+            last_tick: self.try_get("last_tick")?,
+            last_record_id: self.try_get("last_record_id")?,
+            updated_at: self.try_get("updated_at")?,
         })
     }
 

@@ -697,6 +697,12 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
         started.elapsed().as_secs_f64()
     );
     shot(c, "demo-overview").await;
+    // The demo's schedule, listed with its next run.
+    let schedules = text_of(c, "#schedules").await;
+    assert!(
+        schedules.contains("lead-enrichment") && schedules.contains("*/30 * * * * *"),
+        "{schedules}"
+    );
     c.goto(&format!("{base}/records?state=parked"))
         .await
         .unwrap();

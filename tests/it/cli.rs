@@ -175,7 +175,8 @@ async fn migrate_round_trip(backend: Backend) {
             && pending.contains("0008     pending    step_versions")
             && pending.contains("0009     pending    step_confirmations")
             && pending.contains("0010     pending    park_until")
-            && pending.contains("0011     pending    attempt_intents"),
+            && pending.contains("0011     pending    attempt_intents")
+            && pending.contains("0012     pending    schedules"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);

@@ -116,3 +116,88 @@ async fn three_serve_processes_hold_a_provider_as_one() {
         "{calls} calls"
     );
 }
+
+/// A cron schedule firing every second on two `ballast serve` processes:
+/// over ten ticks and more, each tick fired once (one record per tick, no
+/// tick left out between the first and the last), by whichever node
+/// came first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_schedule_on_two_serve_processes_fires_each_tick_once() {
+    let Some(t) = TestDb::migrated(Backend::Postgres, "two_serve_schedule").await else {
+        return;
+    };
+    let (_provider, url) = Counting::spawn(Duration::from_millis(5)).await;
+    let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let toml = format!(
+        "[database]\nurl = \"{}\"\n[pipelines.pay]\nschedule = {{ cron = \"* * * * * *\", input = {{ n = 1 }} }}\n{}",
+        t.url,
+        single_step_toml(&url, "")
+    );
+    for d in &dirs {
+        std::fs::write(d.path().join("ballast.toml"), &toml).unwrap();
+    }
+    let env = [("BALLAST_ADMIN_PASSWORD", "two-serves-admin-pw")];
+    let mut nodes = Vec::new();
+    for d in &dirs {
+        nodes.push(Serve::start(d.path(), &env).await);
+    }
+    let ticks = || async {
+        let records =
+            t.db.list_records(&ballast::store::RecordFilter {
+                key_prefix: Some("schedule:".into()),
+                limit: 500,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .items;
+        let mut ticks: Vec<i64> = records
+            .iter()
+            .map(|r| {
+                let key = r.external_key.as_deref().unwrap();
+                ballast::domain::time::parse_utc(key.trim_start_matches("schedule:")).unwrap()
+            })
+            .collect();
+        ticks.sort_unstable();
+        ticks
+    };
+    // Both nodes are up before the first tick counted here.
+    let from = crate::helpers::wall_ms();
+    crate::helpers::poll_until("twelve ticks fired", Duration::from_secs(60), || async {
+        let n = ticks().await.iter().filter(|&&t| t > from).count();
+        (n >= 12).then_some(())
+    })
+    .await;
+    for node in &nodes {
+        signal(&node.child, "TERM");
+    }
+    for mut node in nodes {
+        let _ = node.child.wait();
+    }
+    let all = ticks().await;
+    let counted: Vec<i64> = all.iter().copied().filter(|&t| t > from).collect();
+    println!(
+        "{} ticks fired in all, {} since both nodes were up",
+        all.len(),
+        counted.len()
+    );
+    assert!(counted.len() >= 12, "{counted:?}");
+    // One record per tick is the key's doing; none left out is the
+    // watermark's.
+    for w in all.windows(2) {
+        assert_eq!(w[1] - w[0], 1_000, "a tick left out: {all:?}");
+    }
+    // Each record was made by one node, as its log says.
+    let by_node: Vec<usize> = dirs
+        .iter()
+        .map(|d| {
+            let log = std::fs::read_to_string(d.path().join("serve.log")).unwrap();
+            log.lines().filter(|l| l.contains("schedule fired")).count()
+        })
+        .collect();
+    println!("fired by each node: {by_node:?}");
+    assert_eq!(by_node.iter().sum::<usize>(), all.len());
+    let rows = t.db.schedules().await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].last_tick, all.last().copied());
+}

@@ -4433,3 +4433,86 @@ outputs = {{ job = "/result/job" }}
     }
     assert_eq!(jobs.len(), 2, "{jobs:?}");
 }
+
+/// A cron schedule on two nodes (two engines, one database, clocks moved
+/// together by the test): each tick makes one record, keyed by its tick,
+/// whichever node fires it; a node new to the cluster does not fire the
+/// past; ticks missed while every node was down fire once.
+async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
+    use ballast::domain::schedule::tick_key;
+    let Some(t) = TestDb::migrated(backend, "schedules").await else {
+        return;
+    };
+    let toml = format!(
+        "[pipelines.pay]\nschedule = {{ cron = \"0 * * * * *\", input = {{ kind = \"tick\" }} }}\n{}",
+        single_step_toml("http://127.0.0.1:9", "")
+    );
+    let config = Arc::new(Config::parse(&toml, Path::new("schedule.toml")).unwrap());
+    // 30 s past a minute: the ticks are the minutes after.
+    let minute = 60_000;
+    let start = (crate::helpers::wall_ms() / minute) * minute + 30_000;
+    let (a, ca) = manual_engine_at(&t.db, config.clone(), "sa", start).await;
+    let (b, cb) = manual_engine_at(&t.db, config.clone(), "sb", start).await;
+    let fire_both = || async {
+        let (x, y) = tokio::join!(a.fire_schedules(ca.now_ms()), b.fire_schedules(cb.now_ms()));
+        x.unwrap().created + y.unwrap().created
+    };
+    // New: begins now, fires nothing of the past.
+    assert_eq!(fire_both().await, 0);
+    let first = a.fire_schedules(ca.now_ms()).await.unwrap();
+    assert_eq!(first.next, Some(start + 30_000));
+    for i in 1..=10 {
+        ca.advance(minute as u64);
+        cb.advance(minute as u64);
+        assert_eq!(fire_both().await, 1, "tick {i}");
+        // Asked again at the same moment: nothing more.
+        assert_eq!(fire_both().await, 0, "tick {i} again");
+    }
+    let keyed = |from: i64, to: i64| -> Vec<String> {
+        (from..=to)
+            .map(|i| tick_key(start - 30_000 + i * minute))
+            .collect()
+    };
+    let keys = || async {
+        let mut keys: Vec<String> =
+            t.db.list_records(&RecordFilter {
+                key_prefix: Some("schedule:".into()),
+                limit: 500,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|r| {
+                assert_eq!(r.input, json!({"kind": "tick"}));
+                r.external_key.unwrap()
+            })
+            .collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(keys().await, keyed(1, 10));
+    let rows = t.db.schedules().await.unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].last_tick, Some(start - 30_000 + 10 * minute));
+    assert_eq!(rows[0].cron, "0 * * * * *");
+    // Every node down for an hour: ticks 11..=69 were missed, and the
+    // latest of them fires once beside tick 70, which is on time.
+    let (c, cc) = manual_engine_at(&t.db, config, "sc", ca.now_ms() + 60 * minute).await;
+    let fired = c.fire_schedules(cc.now_ms()).await.unwrap();
+    assert_eq!(fired.created, 2);
+    let mut want = keyed(1, 10);
+    want.extend(keyed(69, 70));
+    assert_eq!(keys().await, want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_schedules_fire_each_tick_once_across_nodes() {
+    schedules_fire_each_tick_once_across_nodes(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_schedules_fire_each_tick_once_across_nodes() {
+    schedules_fire_each_tick_once_across_nodes(Backend::Postgres).await;
+}

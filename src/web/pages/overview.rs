@@ -38,6 +38,50 @@ pub struct ProviderRow {
     pub limit_use: String,
 }
 
+pub struct ScheduleLine {
+    pub pipeline: String,
+    pub cron: String,
+    pub missed: &'static str,
+    pub next: String,
+    pub last: String,
+    pub last_record: Option<i64>,
+}
+
+/// The configured schedules, each with its next tick and the last the
+/// cluster fired.
+fn schedule_lines(
+    config: &crate::config::Config,
+    rows: &[crate::domain::ScheduleRow],
+    now: crate::domain::UnixMs,
+) -> Vec<ScheduleLine> {
+    use crate::domain::schedule::{Cron, Missed};
+    config
+        .pipelines
+        .iter()
+        .filter_map(|(name, p)| {
+            let s = p.schedule.as_ref()?;
+            let cron = Cron::parse(&s.cron).ok()?;
+            let row = rows.iter().find(|r| &r.pipeline == name);
+            Some(ScheduleLine {
+                pipeline: name.clone(),
+                cron: cron.as_str().to_owned(),
+                missed: match s.missed {
+                    Missed::FireOnce => "fire once",
+                    Missed::Skip => "skip",
+                },
+                next: cron
+                    .next_after(row.map_or(now, |r| r.watermark.max(now)))
+                    .map(when)
+                    .unwrap_or_default(),
+                last: row
+                    .and_then(|r| r.last_tick)
+                    .map_or_else(|| "not yet".into(), when),
+                last_record: row.and_then(|r| r.last_record_id),
+            })
+        })
+        .collect()
+}
+
 #[derive(Template)]
 #[template(path = "pages/overview.html", blocks = ["live"])]
 struct OverviewPage {
@@ -48,6 +92,7 @@ struct OverviewPage {
     /// Records by the provider of their current step.
     by_provider: Vec<PipelineCounts>,
     providers: Vec<ProviderRow>,
+    schedules: Vec<ScheduleLine>,
     nodes: usize,
     stats: super::super::stats_view::Stats,
 }
@@ -89,12 +134,13 @@ async fn overview(
     headers: HeaderMap,
 ) -> WebResult<Response> {
     let now = state.clock.now_ms();
-    let (counts, per_provider, provider_states, nodes, rollups) = tokio::try_join!(
+    let (counts, per_provider, provider_states, nodes, rollups, schedule_rows) = tokio::try_join!(
         state.db.state_counts(),
         state.db.provider_counts(),
         state.db.provider_states(),
         state.db.list_nodes(),
         state.db.rollups_since(now - 24 * 3600 * 1000),
+        state.db.schedules(),
     )?;
     let pipelines = table(state.config.pipelines.keys(), counts);
     let by_provider = table(state.config.providers.keys(), per_provider);
@@ -121,6 +167,7 @@ async fn overview(
         pipelines,
         by_provider,
         providers,
+        schedules: schedule_lines(&state.config, &schedule_rows, now),
         // Nodes heard from lately; a crashed node's row stays until it ages out.
         nodes: nodes
             .iter()
