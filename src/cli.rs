@@ -61,6 +61,13 @@ pub enum Command {
     /// Validate the configuration, print where each part came from, and exit
     /// non-zero on the first problem.
     CheckConfig,
+    /// Copy a SQLite database to FILE while it serves: one consistent
+    /// moment of it (SQLite's VACUUM INTO), checked after. For PostgreSQL
+    /// use pg_dump (docs/operations.md, "Backups").
+    Backup {
+        /// The new file to write (refused if it exists).
+        file: std::path::PathBuf,
+    },
     /// Replace the generated session signing key (kept in the database) and
     /// end every session. Restart every node afterwards. Not needed when
     /// BALLAST_SECRET_KEY is set: change that variable instead.
@@ -245,6 +252,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             demo_rate,
         } => serve(config, bind, demo, demo_rate).await,
         Command::RotateSecret => rotate_secret(&config).await,
+        Command::Backup { file } => backup(&config, &file).await,
         Command::Enqueue {
             pipeline,
             key,
@@ -422,6 +430,69 @@ async fn serve(
 }
 
 /// `rotate-secret`: a new session signing key; every session ends.
+async fn backup(config: &Config, file: &std::path::Path) -> anyhow::Result<()> {
+    let db = crate::app::connect(config).await?;
+    let crate::store::Db::Sqlite(sqlite) = &db else {
+        db.close().await;
+        anyhow::bail!(
+            "`ballast backup` copies a SQLite database; back up PostgreSQL with pg_dump \
+             (docs/operations.md, \"Backups\")"
+        );
+    };
+    let started = SystemClock.instant();
+    let copied = sqlite.backup_into(file).await;
+    db.close().await;
+    copied.with_context(|| format!("cannot back up into `{}`", file.display()))?;
+    // Read back: the copy opens, holds a current schema and is whole.
+    let url = format!("sqlite://{}", file.display());
+    let copy = crate::store::Db::connect(&url, &crate::store::ConnectOptions::default())
+        .await
+        .with_context(|| format!("cannot open the backup `{}`", file.display()))?;
+    let checked = check_backup(&copy).await;
+    copy.close().await;
+    let (version, records) =
+        checked.with_context(|| format!("the backup `{}` is damaged", file.display()))?;
+    let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "backed up into {} in {:.1} s: {:.1} MiB, schema version {version}, {records} records, integrity ok",
+        file.display(),
+        (SystemClock.instant() - started).as_secs_f64(),
+        bytes as f64 / (1024.0 * 1024.0)
+    );
+    Ok(())
+}
+
+/// A backup's schema version and record count, once SQLite finds it whole.
+async fn check_backup(copy: &crate::store::Db) -> anyhow::Result<(i64, i64)> {
+    let status = migrate::status(copy).await?;
+    let version = status
+        .iter()
+        .filter(|m| m.applied)
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0);
+    // One moment: the maintained counters agree with the rows.
+    let nonzero = |mut v: Vec<crate::domain::StateCount>| {
+        v.retain(|c| c.count != 0);
+        v.sort();
+        v
+    };
+    let counted = nonzero(copy.state_counts().await?);
+    let recounted = nonzero(copy.recount_states().await?);
+    if counted != recounted {
+        anyhow::bail!("its counters ({counted:?}) disagree with its records ({recounted:?})");
+    }
+    let records: i64 = recounted.iter().map(|c| c.count).sum();
+    let crate::store::Db::Sqlite(s) = copy else {
+        anyhow::bail!("not a SQLite database");
+    };
+    let check = s.integrity_check().await?;
+    if check != "ok" {
+        anyhow::bail!("integrity check: {check}");
+    }
+    Ok((version, records))
+}
+
 async fn rotate_secret(config: &Config) -> anyhow::Result<()> {
     let db = crate::app::connect(config).await?;
     migrate::up(&db, None)

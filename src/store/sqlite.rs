@@ -22,7 +22,7 @@ use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
 use super::rows::{MapRow, RECORD_COLUMNS, map_all};
 use super::sql::SqlStore;
-use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
+use super::{ClaimRequest, Claimed, ConnectOptions, StoreError, StoreResult};
 use crate::domain::{UnixMs, fair};
 
 /// The unexpired leases of each group of the pipelines that cap their
@@ -114,6 +114,49 @@ impl SqliteStore {
 
     pub(crate) fn writer(&self) -> &SqlitePool {
         &self.pools.writer
+    }
+
+    /// SQLite's `PRAGMA integrity_check`: `ok`, or what it found.
+    pub async fn integrity_check(&self) -> Result<String, StoreError> {
+        let rows: Vec<String> = sqlx::query_scalar("PRAGMA integrity_check")
+            .fetch_all(&self.pools.reader)
+            .await?;
+        Ok(rows.join("; "))
+    }
+
+    /// Copies the database, as one consistent moment of it, to a new file
+    /// at `to` (SQLite's `VACUUM INTO`: a read transaction, so writers go
+    /// on meanwhile). Written beside `to` and renamed into place once
+    /// complete, so `to` is never a partial copy; an existing `to` is
+    /// refused.
+    pub async fn backup_into(&self, to: &std::path::Path) -> Result<(), StoreError> {
+        if to.exists() {
+            return Err(StoreError::Invalid(format!(
+                "`{}` exists: back up into a new file",
+                to.display()
+            )));
+        }
+        let name = to
+            .file_name()
+            .ok_or_else(|| StoreError::Invalid(format!("`{}` is not a file name", to.display())))?;
+        let mut partial = name.to_owned();
+        partial.push(".partial");
+        let partial = to.with_file_name(partial);
+        let _ = std::fs::remove_file(&partial);
+        let text = partial.to_str().ok_or_else(|| {
+            StoreError::Invalid(format!("`{}` is not valid UTF-8", partial.display()))
+        })?;
+        let copied = sqlx::query("VACUUM INTO $1")
+            .bind(text.to_owned())
+            .execute(&self.pools.reader)
+            .await;
+        if let Err(e) = copied {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e.into());
+        }
+        std::fs::rename(&partial, to).map_err(|e| {
+            StoreError::Invalid(format!("cannot move the copy to `{}`: {e}", to.display()))
+        })
     }
 
     pub async fn close(&self) {

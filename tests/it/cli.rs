@@ -51,6 +51,7 @@ fn help_explains_each_command() {
         (&["user", "--help"], "Manage control-plane users"),
         (&["user", "add", "--help"], "BALLAST_PASSWORD"),
         (&["check-config", "--help"], "Validate the configuration"),
+        (&["backup", "--help"], "VACUUM INTO"),
     ];
     for (args, phrase) in cases {
         let out = ballast(dir.path(), &[], args);
@@ -812,5 +813,143 @@ fn the_examples_load() {
             &["check-config", "--config", f.to_str().unwrap()],
         );
         assert!(out.status.success(), "{}: {}", f.display(), stderr(&out));
+    }
+}
+
+/// `ballast backup FILE` while records are written one commit at a time:
+/// the copy holds every record committed before it began (and none that
+/// was never committed), its counters agree with its rows, and restored
+/// (copied into place) it serves as a database of the current schema. An
+/// existing file and a PostgreSQL database are refused, saying what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_taken_under_load_restores_every_committed_record() {
+    use std::sync::{Arc, Mutex};
+
+    use ballast::store::{ConnectOptions, Db, NewRecord, Store};
+    let dir = tempfile::tempdir().unwrap();
+    let live = dir.path().join("live.db");
+    let url = format!("sqlite://{}?mode=rwc", live.display());
+    let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+    ballast::store::migrate::up(&db, None).await.unwrap();
+    let acked: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let writer = tokio::spawn({
+        let (db, acked, stop) = (db.clone(), acked.clone(), stop.clone());
+        async move {
+            let mut i = 0;
+            while !stop.is_cancelled() {
+                let now = crate::helpers::wall_ms();
+                let new = NewRecord {
+                    pipeline: "pay".into(),
+                    pipeline_version: None,
+                    external_key: Some(format!("b-{i}")),
+                    group: None,
+                    input: serde_json::json!({ "i": i, "pad": "x".repeat(200) }),
+                    run_at: now,
+                };
+                let created = db.create_record(new, now).await.unwrap();
+                acked.lock().unwrap().push(created.record.id);
+                i += 1;
+            }
+        }
+    });
+    // Some history first, so the copy takes a while.
+    crate::helpers::poll_until("records written", Duration::from_secs(60), || async {
+        (acked.lock().unwrap().len() >= 2_000).then_some(())
+    })
+    .await;
+    let env = [("BALLAST_DATABASE_URL", url.as_str())];
+    let before = acked.lock().unwrap().clone();
+    let out = {
+        let dir = dir.path().to_owned();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            let env: Vec<(&str, &str)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            ballast(&dir, &env, &["backup", "copy.db"])
+        })
+        .await
+        .unwrap()
+    };
+    let during = acked.lock().unwrap().len() - before.len();
+    stop.cancel();
+    writer.await.unwrap();
+    let all: std::collections::BTreeSet<i64> = acked.lock().unwrap().iter().copied().collect();
+    db.close().await;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let said = stdout(&out);
+    assert!(
+        said.contains("integrity ok") && said.contains("schema version"),
+        "{said}"
+    );
+    assert!(!dir.path().join("copy.db.partial").exists());
+
+    // Restored: the copy, put where a database is, opened as one.
+    let restored = dir.path().join("restored.db");
+    std::fs::copy(dir.path().join("copy.db"), &restored).unwrap();
+    let restored_url = format!("sqlite://{}", restored.display());
+    let status = ballast(
+        dir.path(),
+        &[("BALLAST_DATABASE_URL", restored_url.as_str())],
+        &["migrate", "status"],
+    );
+    assert!(status.status.success(), "{}", stderr(&status));
+    assert!(!stdout(&status).contains("pending"), "{}", stdout(&status));
+    let copy = Db::connect(&restored_url, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let mut ids = std::collections::BTreeSet::new();
+    let mut cursor = None;
+    loop {
+        let page = copy
+            .list_records(&ballast::store::RecordFilter {
+                before: cursor,
+                limit: 500,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        ids.extend(page.items.iter().map(|r| r.id));
+        match page.next {
+            Some(n) => cursor = Some(n),
+            None => break,
+        }
+    }
+    copy.close().await;
+    println!(
+        "backup under load: {} records committed before it began, {during} while it ran; {} in the copy",
+        before.len(),
+        ids.len()
+    );
+    let missing: Vec<_> = before.iter().filter(|id| !ids.contains(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "committed before the backup, missing from it: {missing:?}"
+    );
+    assert!(
+        ids.is_subset(&all),
+        "the copy holds a record never committed"
+    );
+    assert!(said.contains(&format!("{} records", ids.len())), "{said}");
+
+    // Refused: an existing file; PostgreSQL.
+    let again = ballast(dir.path(), &env, &["backup", "copy.db"]);
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("exists: back up into a new file"),
+        "{}",
+        stderr(&again)
+    );
+    if let Some(pg) = TestDb::new(Backend::Postgres, "backup_refused").await {
+        let out = ballast(
+            dir.path(),
+            &[("BALLAST_DATABASE_URL", pg.url.as_str())],
+            &["backup", "pg.db"],
+        );
+        assert!(!out.status.success());
+        assert!(stderr(&out).contains("pg_dump"), "{}", stderr(&out));
     }
 }
