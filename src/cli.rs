@@ -68,6 +68,22 @@ pub enum Command {
         /// The new file to write (refused if it exists).
         file: std::path::PathBuf,
     },
+    /// Delete finished records past their pipeline's `retain` (and blank
+    /// the excerpts of attempts past `retain_excerpts`), as the nodes do
+    /// once a minute; or, with --dry-run, say what would go. Parked
+    /// records are never deleted.
+    Purge {
+        /// Only this pipeline (one no longer configured needs --older-than).
+        #[arg(long)]
+        pipeline: Option<String>,
+        /// Records finished longer ago than this (`30d`, `12h`), instead
+        /// of each pipeline's `retain`.
+        #[arg(long)]
+        older_than: Option<String>,
+        /// Count what would go; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Replace the generated session signing key (kept in the database) and
     /// end every session. Restart every node afterwards. Not needed when
     /// BALLAST_SECRET_KEY is set: change that variable instead.
@@ -253,6 +269,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         } => serve(config, bind, demo, demo_rate).await,
         Command::RotateSecret => rotate_secret(&config).await,
         Command::Backup { file } => backup(&config, &file).await,
+        Command::Purge {
+            pipeline,
+            older_than,
+            dry_run,
+        } => purge(&config, pipeline, older_than.as_deref(), dry_run).await,
         Command::Enqueue {
             pipeline,
             key,
@@ -430,6 +451,59 @@ async fn serve(
 }
 
 /// `rotate-secret`: a new session signing key; every session ends.
+async fn purge(
+    config: &Config,
+    pipeline: Option<String>,
+    older_than: Option<&str>,
+    dry_run: bool,
+) -> anyhow::Result<()> {
+    use crate::engine::retention::{PurgeOptions, purge};
+    let older_than = older_than
+        .map(crate::config::parse_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--older-than: {e}"))?;
+    let db = crate::app::connect(config).await?;
+    migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    let opts = PurgeOptions {
+        pipeline,
+        older_than,
+        dry_run,
+        actor: cli_actor(),
+        max_batches: None,
+    };
+    let report = purge(&db, config, SystemClock.now_ms(), &opts).await;
+    db.close().await;
+    let report = report?;
+    if report.pipelines.is_empty() {
+        println!("no pipeline has a retention period (`retain`, `retain_excerpts`); nothing to do");
+        return Ok(());
+    }
+    let verb = if dry_run { "would delete" } else { "deleted" };
+    for (name, p) in &report.pipelines {
+        let states: Vec<String> = p.by_state.iter().map(|(s, n)| format!("{n} {s}")).collect();
+        println!(
+            "{name}: {verb} {} records ({}), {} attempts, {} events; {} attempts' excerpts {}",
+            p.records,
+            if states.is_empty() {
+                "none".into()
+            } else {
+                states.join(", ")
+            },
+            p.attempts,
+            p.events,
+            p.stripped,
+            if dry_run {
+                "would be blanked"
+            } else {
+                "blanked"
+            }
+        );
+    }
+    Ok(())
+}
+
 async fn backup(config: &Config, file: &std::path::Path) -> anyhow::Result<()> {
     let db = crate::app::connect(config).await?;
     let crate::store::Db::Sqlite(sqlite) = &db else {

@@ -29,6 +29,16 @@ pub struct PipelineConfig {
     /// definition.
     #[serde(default, skip_serializing)]
     pub schedule: Option<ScheduleConfig>,
+    /// Finished records (succeeded, failed, cancelled) are deleted this
+    /// long after they finished, with their attempts and events (audit
+    /// entries stay); parked ones never are. Unset: kept.
+    #[serde(default, skip_serializing)]
+    pub retain: Option<HumanDuration>,
+    /// The excerpts and requests kept with finished records' attempts
+    /// are blanked this long after the record finished (no longer than
+    /// `retain`). Unset: kept as long as the record.
+    #[serde(default, skip_serializing)]
+    pub retain_excerpts: Option<HumanDuration>,
     pub steps: Vec<StepConfig>,
 }
 

@@ -19,6 +19,7 @@ mod pass;
 mod permits;
 pub mod redirect;
 mod resume;
+pub mod retention;
 mod run;
 pub mod schedule;
 pub mod stats;

@@ -134,6 +134,7 @@ impl Engine {
         let confirms = tokio::spawn(self.clone().confirm_loop(shutdown.clone()));
         let resumer = tokio::spawn(self.clone().resume_loop(shutdown.clone()));
         let scheduler = tokio::spawn(self.clone().schedule_loop(shutdown.clone()));
+        let purger = tokio::spawn(self.clone().purge_loop(shutdown.clone()));
         let listen = match &i.db {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
@@ -270,6 +271,8 @@ impl Engine {
         let _ = resumer.await;
         scheduler.abort();
         let _ = scheduler.await;
+        purger.abort();
+        let _ = purger.await;
         if let Some(l) = listen {
             l.abort();
             let _ = l.await;

@@ -122,6 +122,22 @@ fn compile_one(
             "must be at least 1 (leave it out for no cap)".into(),
         ));
     }
+    for (key, d) in [("retain", p.retain), ("retain_excerpts", p.retain_excerpts)] {
+        if d.is_some_and(|d| d.0 < std::time::Duration::from_secs(1)) {
+            return Err(invalid(
+                format!("pipelines.{name}.{key}"),
+                "must be at least 1s".into(),
+            ));
+        }
+    }
+    if let (Some(r), Some(e)) = (p.retain, p.retain_excerpts) {
+        if e.0 > r.0 {
+            return Err(invalid(
+                format!("pipelines.{name}.retain_excerpts"),
+                "must be no longer than `retain` (the records go first)".into(),
+            ));
+        }
+    }
     if let Some(schedule) = &p.schedule {
         let key = format!("pipelines.{name}.schedule");
         crate::domain::schedule::Cron::parse(&schedule.cron)

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 use sqlx::types::Json;
-use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
+use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
 
 use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::counts::CountDeltas;
@@ -16,8 +16,8 @@ use super::rows::{
 use super::sql::{SqlStore, conflict_or};
 use super::{
     ActionRequest, AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent,
-    NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, RecordFilter, ScheduleAdvance,
-    Store, StoreError, StoreResult, UserChange, into_page, node_actor, page_limit,
+    NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, PurgeRun, Purged, RecordFilter,
+    ScheduleAdvance, Store, StoreError, StoreResult, UserChange, into_page, node_actor, page_limit,
     validate_username, worked_state,
 };
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
@@ -1771,6 +1771,235 @@ where
         .await?;
         tx.commit().await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn purge_finished(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> StoreResult<(Purged, Option<i64>)> {
+        let mut tx = self.begin_write().await?;
+        // PostgreSQL: a record an operator is acting on right now is left
+        // for the next batch rather than waited for.
+        let lock = match DB::DIALECT {
+            super::batch::Dialect::Postgres => " FOR UPDATE SKIP LOCKED",
+            super::batch::Dialect::Sqlite => "",
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT id, state, provider FROM records \
+             WHERE pipeline = $1 AND finished_at IS NOT NULL AND finished_at < $2 \
+             ORDER BY finished_at, id LIMIT $3{lock}"
+        )))
+        .bind(pipeline.to_owned())
+        .bind(finished_before)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut purged = Purged::default();
+        if rows.is_empty() {
+            return Ok((purged, run.event));
+        }
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut deltas = CountDeltas::default();
+        for row in &rows {
+            let id: i64 = row.try_get(0)?;
+            let state: String = row.try_get(1)?;
+            let provider: Option<String> = row.try_get(2)?;
+            let parsed: RecordState = state
+                .parse()
+                .map_err(|_| StoreError::Corrupt(format!("record {id} has state `{state}`")))?;
+            deltas.removed(pipeline, parsed, provider.as_deref());
+            *purged.by_state.entry(state).or_default() += 1;
+            ids.push(id);
+        }
+        let in_ids = Self::in_ids();
+        purged.attempts = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM attempts WHERE record_id {in_ids}"
+        )))
+        .bind_json(&ids)
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get(0)?;
+        let events = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM events WHERE record_id {in_ids} AND NOT audit"
+        )))
+        .bind_json(&ids)
+        .execute(&mut *tx)
+        .await?;
+        purged.events = i64::try_from(events.rows_affected()).unwrap_or(i64::MAX);
+        // Attempts, steps, versions, confirmations, intents and callbacks
+        // go with their record (ON DELETE CASCADE).
+        let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM records WHERE id {in_ids}"
+        )))
+        .bind_json(&ids)
+        .execute(&mut *tx)
+        .await?;
+        purged.records = i64::try_from(deleted.rows_affected()).unwrap_or(i64::MAX);
+        Self::apply_counts(&mut tx, &deltas).await?;
+        let event = Self::audit_purge(&mut tx, run, pipeline, &purged).await?;
+        tx.commit().await?;
+        Ok((purged, event))
+    }
+
+    async fn count_purgeable(
+        &self,
+        pipeline: &str,
+        finished_before: Option<UnixMs>,
+        strip_before: Option<UnixMs>,
+    ) -> StoreResult<Purged> {
+        let mut out = Purged::default();
+        if let Some(before) = finished_before {
+            let finished = "SELECT id FROM records WHERE pipeline = $1 \
+                            AND finished_at IS NOT NULL AND finished_at < $2";
+            let rows = sqlx::query(
+                "SELECT state, COUNT(*) AS n FROM records WHERE pipeline = $1 \
+                 AND finished_at IS NOT NULL AND finished_at < $2 GROUP BY state",
+            )
+            .bind(pipeline.to_owned())
+            .bind(before)
+            .fetch_all(self.reader())
+            .await?;
+            for row in &rows {
+                let n: i64 = row.try_get(1)?;
+                out.records += n;
+                out.by_state.insert(row.try_get(0)?, n);
+            }
+            out.attempts = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM attempts WHERE record_id IN ({finished})"
+            )))
+            .bind(pipeline.to_owned())
+            .bind(before)
+            .fetch_one(self.reader())
+            .await?;
+            out.events = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM events WHERE record_id IN ({finished}) AND NOT audit"
+            )))
+            .bind(pipeline.to_owned())
+            .bind(before)
+            .fetch_one(self.reader())
+            .await?;
+        }
+        if let Some(strip) = strip_before {
+            // Those the purge takes are not stripped first.
+            let kept_from = finished_before.unwrap_or(i64::MIN).min(strip);
+            out.stripped = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM attempts WHERE record_id IN (\
+                   SELECT id FROM records WHERE pipeline = $1 AND finished_at IS NOT NULL \
+                   AND finished_at < $2 AND finished_at >= $3) \
+                 AND (excerpt IS NOT NULL OR request IS NOT NULL)",
+            )
+            .bind(pipeline.to_owned())
+            .bind(strip)
+            .bind(kept_from)
+            .fetch_one(self.reader())
+            .await?;
+        }
+        Ok(out)
+    }
+
+    async fn strip_bodies(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> StoreResult<(i64, bool, Option<i64>)> {
+        let mut tx = self.begin_write().await?;
+        let from = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT finished_at, record_id FROM retention_progress WHERE pipeline = $1{}",
+            DB::LOCK
+        )))
+        .bind(pipeline.to_owned())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let (at, id): (i64, i64) = match &from {
+            Some(row) => (row.try_get(0)?, row.try_get(1)?),
+            None => (i64::MIN, i64::MIN),
+        };
+        let rows = sqlx::query(
+            "SELECT id, finished_at FROM records WHERE pipeline = $1 \
+             AND finished_at IS NOT NULL AND finished_at < $2 \
+             AND (finished_at > $3 OR (finished_at = $3 AND id > $4)) \
+             ORDER BY finished_at, id LIMIT $5",
+        )
+        .bind(pipeline.to_owned())
+        .bind(finished_before)
+        .bind(at)
+        .bind(id)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(last) = rows.last() else {
+            return Ok((0, false, run.event));
+        };
+        let (last_id, last_at): (i64, i64) = (last.try_get(0)?, last.try_get(1)?);
+        let ids = rows
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0))
+            .collect::<Result<Vec<_>, _>>()?;
+        let stripped = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE attempts SET excerpt = NULL, request = NULL WHERE record_id {} \
+             AND (excerpt IS NOT NULL OR request IS NOT NULL)",
+            Self::in_ids()
+        )))
+        .bind_json(&ids)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO retention_progress (pipeline, finished_at, record_id) VALUES ($1, $2, $3) \
+             ON CONFLICT (pipeline) DO UPDATE SET finished_at = excluded.finished_at, \
+               record_id = excluded.record_id",
+        )
+        .bind(pipeline.to_owned())
+        .bind(last_at)
+        .bind(last_id)
+        .execute(&mut *tx)
+        .await?;
+        let n = i64::try_from(stripped.rows_affected()).unwrap_or(i64::MAX);
+        let batch = Purged {
+            stripped: n,
+            ..Purged::default()
+        };
+        let event = Self::audit_purge(&mut tx, run, pipeline, &batch).await?;
+        tx.commit().await?;
+        Ok((n, rows.len() >= limit as usize, event))
+    }
+
+    async fn take_task_lease(
+        &self,
+        name: &str,
+        owner: &str,
+        until: UnixMs,
+        now: UnixMs,
+    ) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
+            "INSERT INTO task_leases (name, owner, until) VALUES ($1, $2, $3) \
+             ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, until = excluded.until \
+             WHERE task_leases.until <= $4 OR task_leases.owner = excluded.owner",
+        )
+        .bind(name.to_owned())
+        .bind(owner.to_owned())
+        .bind(until)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release_task_lease(&self, name: &str, owner: &str) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("DELETE FROM task_leases WHERE name = $1 AND owner = $2")
+            .bind(name.to_owned())
+            .bind(owner.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {

@@ -63,6 +63,15 @@ impl CountDeltas {
         *self.0.entry((pipeline.to_owned(), to)).or_default() += 1;
     }
 
+    /// A record of `pipeline` in `state` (at `provider`, if it has one)
+    /// was deleted.
+    pub(crate) fn removed(&mut self, pipeline: &str, state: RecordState, provider: Option<&str>) {
+        *self.0.entry((pipeline.to_owned(), state)).or_default() -= 1;
+        if let Some(p) = provider {
+            *self.1.entry((p.to_owned(), state)).or_default() -= 1;
+        }
+    }
+
     /// The non-zero deltas, in a stable order.
     pub(crate) fn nonzero(&self) -> impl Iterator<Item = (&str, RecordState, i64)> {
         self.0

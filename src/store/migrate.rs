@@ -40,6 +40,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     10 "0010_park_until" "park_until",
     11 "0011_attempt_intents" "attempt_intents",
     12 "0012_schedules" "schedules",
+    13 "0013_retention" "retention",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -54,6 +55,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     10 "0010_park_until" "park_until",
     11 "0011_attempt_intents" "attempt_intents",
     12 "0012_schedules" "schedules",
+    13 "0013_retention" "retention",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -111,6 +111,72 @@ pub struct ScheduleAdvance {
     pub now: UnixMs,
 }
 
+/// What retention removed from one pipeline, or would (a dry run).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Purged {
+    pub records: i64,
+    /// Their attempts (gone with them).
+    pub attempts: i64,
+    /// Their own events (transitions, workers' notes); audit entries stay.
+    pub events: i64,
+    /// Records by the state they finished in.
+    pub by_state: std::collections::BTreeMap<String, i64>,
+    /// Attempts of records kept whose excerpt and request were blanked.
+    pub stripped: i64,
+}
+
+impl Purged {
+    pub fn add(&mut self, other: &Purged) {
+        self.records += other.records;
+        self.attempts += other.attempts;
+        self.events += other.events;
+        self.stripped += other.stripped;
+        for (state, n) in &other.by_state {
+            *self.by_state.entry(state.clone()).or_default() += n;
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.records == 0 && self.stripped == 0
+    }
+}
+
+/// A purge run as its audit entry says it: written (then updated) in the
+/// transaction of each batch, so the entry counts exactly what went, even
+/// of a run cut short.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PurgeRun {
+    /// The run's audit entry, once its first batch removed something.
+    pub event: Option<i64>,
+    pub actor: String,
+    pub at: UnixMs,
+    /// What the run removed so far, by pipeline.
+    pub report: std::collections::BTreeMap<String, Purged>,
+}
+
+impl PurgeRun {
+    /// Adds a batch of `pipeline`, written as `event`.
+    pub fn record(&mut self, pipeline: &str, batch: &Purged, event: Option<i64>) {
+        if batch.is_empty() {
+            return;
+        }
+        self.report
+            .entry(pipeline.to_owned())
+            .or_default()
+            .add(batch);
+        self.event = event.or(self.event);
+    }
+
+    /// The run's total over every pipeline.
+    pub fn total(&self) -> Purged {
+        let mut all = Purged::default();
+        for p in self.report.values() {
+            all.add(p);
+        }
+        all
+    }
+}
+
 /// A record to enqueue.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewRecord {
@@ -899,6 +965,57 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         adv: &ScheduleAdvance,
     ) -> impl Future<Output = StoreResult<bool>> + Send;
+
+    // --- retention -----------------------------------------------------
+    /// Deletes up to `limit` records of `pipeline` that finished
+    /// (succeeded, failed, cancelled) before `finished_before`, oldest
+    /// first, in one transaction: their attempts, steps, callbacks and own
+    /// events with them (audit entries stay), the counters moved. Records
+    /// another transaction holds are left for the next batch.
+    /// Returns the batch and the run's audit entry (written or updated in
+    /// the batch's transaction when it removed something).
+    fn purge_finished(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> impl Future<Output = StoreResult<(Purged, Option<i64>)>> + Send;
+    /// What [`purge_finished`](Self::purge_finished) would delete, all
+    /// batches together, and how many attempts
+    /// [`strip_bodies`](Self::strip_bodies) would blank for `strip_before`.
+    fn count_purgeable(
+        &self,
+        pipeline: &str,
+        finished_before: Option<UnixMs>,
+        strip_before: Option<UnixMs>,
+    ) -> impl Future<Output = StoreResult<Purged>> + Send;
+    /// Blanks the excerpt and request of the attempts of up to `limit`
+    /// records of `pipeline` that finished before `finished_before`, from
+    /// where the last call stopped (kept per pipeline). Returns the
+    /// attempts blanked, whether records remain, and the run's audit entry
+    /// (as [`purge_finished`](Self::purge_finished)).
+    fn strip_bodies(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> impl Future<Output = StoreResult<(i64, bool, Option<i64>)>> + Send;
+    /// Takes the lease on a task one node does at a time, until `until`:
+    /// true if this owner holds it now (taken, or already its own).
+    fn take_task_lease(
+        &self,
+        name: &str,
+        owner: &str,
+        until: UnixMs,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
+    fn release_task_lease(
+        &self,
+        name: &str,
+        owner: &str,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
 /// Connection settings shared by both backends.
@@ -1084,6 +1201,11 @@ forward! {
     fn purge_stats(&self, before: UnixMs) -> u64;
     fn schedules(&self) -> Vec<ScheduleRow>;
     fn advance_schedule(&self, adv: &ScheduleAdvance) -> bool;
+    fn purge_finished(&self, pipeline: &str, finished_before: UnixMs, limit: u32, run: &PurgeRun) -> (Purged, Option<i64>);
+    fn count_purgeable(&self, pipeline: &str, finished_before: Option<UnixMs>, strip_before: Option<UnixMs>) -> Purged;
+    fn strip_bodies(&self, pipeline: &str, finished_before: UnixMs, limit: u32, run: &PurgeRun) -> (i64, bool, Option<i64>);
+    fn take_task_lease(&self, name: &str, owner: &str, until: UnixMs, now: UnixMs) -> bool;
+    fn release_task_lease(&self, name: &str, owner: &str) -> ();
 }
 
 /// An event row as the store writes it, transitions included.

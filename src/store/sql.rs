@@ -95,6 +95,70 @@ where
     for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
     for<'q> Option<Json<Value>>: Encode<'q, DB>,
 {
+    /// Writes a purge run's audit entry with `batch` of `pipeline` added,
+    /// or updates the run's entry: in the batch's transaction, so the
+    /// entry says exactly what went. Nothing when the batch is empty.
+    pub(crate) async fn audit_purge(
+        tx: &mut Tx<DB>,
+        run: &super::PurgeRun,
+        pipeline: &str,
+        batch: &super::Purged,
+    ) -> StoreResult<Option<i64>> {
+        if batch.is_empty() {
+            return Ok(run.event);
+        }
+        let mut after = run.clone();
+        after.record(pipeline, batch, None);
+        let total = after.total();
+        let reason = format!(
+            "retention: {} finished records, {} attempts and {} events deleted; {} attempts' excerpts blanked",
+            total.records, total.attempts, total.events, total.stripped
+        );
+        let detail = serde_json::to_value(&after.report)
+            .map_err(|e| StoreError::Invalid(format!("purge report: {e}")))?;
+        match run.event {
+            Some(id) => {
+                sqlx::query("UPDATE events SET reason = $1, detail = $2 WHERE id = $3")
+                    .bind(reason)
+                    .bind(Json(detail))
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Some(id))
+            }
+            None => {
+                let e = Self::insert_event(
+                    tx,
+                    &super::EventRow {
+                        record_id: None,
+                        at: run.at,
+                        kind: "purge",
+                        actor: &run.actor,
+                        audit: true,
+                        from: None,
+                        to: None,
+                        step: None,
+                        reason: Some(&reason),
+                        detail: Some(&detail),
+                    },
+                )
+                .await?;
+                Ok(Some(e.id))
+            }
+        }
+    }
+
+    /// `IN` a JSON array of ids bound as `$1`, through the key's index
+    /// (see [`SqlDb::ANY_OF`]).
+    pub(crate) fn in_ids() -> String {
+        format!(
+            "{}SELECT CAST(value AS BIGINT) FROM {}{}",
+            DB::ANY_OF.0,
+            DB::DIALECT.rows(),
+            DB::ANY_OF.1
+        )
+    }
+
     /// Adds counter deltas inside the caller's transaction: one
     /// upsert per counter table (the deltas are unique per key, so
     /// no row is touched twice by one statement).

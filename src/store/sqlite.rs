@@ -12,8 +12,8 @@ use std::time::Duration;
 use serde::Serialize;
 use sqlx::query::Query;
 use sqlx::sqlite::{
-    SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
-    SqlitePoolOptions, SqliteSynchronous,
+    SqliteArguments, SqliteAutoVacuum, SqliteConnectOptions, SqliteConnection, SqliteJournalMode,
+    SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::types::Json;
 use sqlx::{Pool, Sqlite, Transaction};
@@ -92,7 +92,10 @@ impl SqliteStore {
             // Durable commits: a transaction that returned is on disk.
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
+            .foreign_keys(true)
+            // Takes effect on a new file only: space freed by retention
+            // can then be given back (`reclaim_space`).
+            .auto_vacuum(SqliteAutoVacuum::Incremental);
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
@@ -114,6 +117,31 @@ impl SqliteStore {
 
     pub(crate) fn writer(&self) -> &SqlitePool {
         &self.pools.writer
+    }
+
+    /// Gives freed pages back to the file system, a bounded number per
+    /// statement so the writer is not held long. A database created
+    /// before incremental auto-vacuum was set keeps them (and reuses them).
+    pub async fn reclaim_space(&self) -> Result<(), StoreError> {
+        let mode: i64 = sqlx::query_scalar("PRAGMA auto_vacuum")
+            .fetch_one(&self.pools.writer)
+            .await?;
+        // 2: incremental.
+        if mode != 2 {
+            return Ok(());
+        }
+        for _ in 0..16 {
+            let free: i64 = sqlx::query_scalar("PRAGMA freelist_count")
+                .fetch_one(&self.pools.writer)
+                .await?;
+            if free == 0 {
+                break;
+            }
+            sqlx::query("PRAGMA incremental_vacuum(2000)")
+                .execute(&self.pools.writer)
+                .await?;
+        }
+        Ok(())
     }
 
     /// SQLite's `PRAGMA integrity_check`: `ok`, or what it found.

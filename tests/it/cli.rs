@@ -177,7 +177,8 @@ async fn migrate_round_trip(backend: Backend) {
             && pending.contains("0009     pending    step_confirmations")
             && pending.contains("0010     pending    park_until")
             && pending.contains("0011     pending    attempt_intents")
-            && pending.contains("0012     pending    schedules"),
+            && pending.contains("0012     pending    schedules")
+            && pending.contains("0013     pending    retention"),
         "{pending}"
     );
     let up = run(&["migrate", "up"]);
@@ -952,4 +953,91 @@ async fn a_backup_taken_under_load_restores_every_committed_record() {
         assert!(!out.status.success());
         assert!(stderr(&out).contains("pg_dump"), "{}", stderr(&out));
     }
+}
+
+/// `ballast purge`: --dry-run says what would go and removes nothing; a
+/// run removes it and says so; --older-than overrides `retain`; a
+/// pipeline without retention needs --older-than.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_shows_then_removes_finished_records() {
+    use ballast::domain::WorkResult;
+    use ballast::store::{ClaimRequest, Commit, ConnectOptions, Db, NewRecord, Store};
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("p.db").display());
+    let text = format!("[pipelines.orders]\nretain = \"1d\"\n{ORDERS}");
+    std::fs::write(dir.path().join("ballast.toml"), text).unwrap();
+    let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+    ballast::store::migrate::up(&db, None).await.unwrap();
+    // Five records finished two days ago, two an hour ago, one pending.
+    let now = crate::helpers::wall_ms();
+    for (i, at) in [
+        (0, 48),
+        (1, 48),
+        (2, 48),
+        (3, 48),
+        (4, 48),
+        (5, 1),
+        (6, 1),
+        (7, 0),
+    ] {
+        let at = now - at * 3_600_000;
+        let new = NewRecord {
+            pipeline: "orders".into(),
+            pipeline_version: None,
+            external_key: Some(format!("o-{i}")),
+            group: None,
+            input: serde_json::json!({}),
+            run_at: if i == 7 { now + 3_600_000 } else { at },
+        };
+        db.create_record(new, at).await.unwrap();
+        if i < 7 {
+            let claim = ClaimRequest {
+                owner: "w".into(),
+                now: at,
+                lease: Duration::from_secs(30),
+                limit: 1,
+                group_caps: Vec::new(),
+            };
+            let r = db.claim_due(&claim).await.unwrap().remove(0);
+            let done = Commit::new(r.lease().unwrap(), at, Some(WorkResult::Completed));
+            db.commit(&done).await.unwrap();
+        }
+    }
+    db.close().await;
+    let env = [("BALLAST_DATABASE_URL", url.as_str())];
+    let run = |args: &[&str]| {
+        let out = ballast(dir.path(), &env, args);
+        (out.status.success(), stdout(&out), stderr(&out))
+    };
+    let (ok, said, err) = run(&["purge", "--dry-run"]);
+    assert!(ok, "{err}");
+    assert!(
+        said.contains("orders: would delete 5 records (5 succeeded)"),
+        "{said}"
+    );
+    let (ok, said, err) = run(&["purge"]);
+    assert!(ok, "{err}");
+    assert!(
+        said.contains("orders: deleted 5 records (5 succeeded)"),
+        "{said}"
+    );
+    let (_, said, _) = run(&["purge", "--dry-run"]);
+    assert!(said.contains("would delete 0 records (none)"), "{said}");
+    let (ok, said, err) = run(&["purge", "--pipeline", "orders", "--older-than", "30m"]);
+    assert!(ok, "{err}");
+    assert!(
+        said.contains("orders: deleted 2 records (2 succeeded)"),
+        "{said}"
+    );
+    let (ok, _, err) = run(&["purge", "--pipeline", "gone"]);
+    assert!(!ok);
+    assert!(err.contains("give --older-than"), "{err}");
+    let (ok, _, err) = run(&["purge", "--older-than", "soon"]);
+    assert!(!ok);
+    assert!(err.contains("--older-than"), "{err}");
+    let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+    let left = db.recount_states().await.unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!((left[0].state.as_str(), left[0].count), ("pending", 1));
+    db.close().await;
 }

@@ -4516,3 +4516,206 @@ async fn sqlite_schedules_fire_each_tick_once_across_nodes() {
 async fn postgres_schedules_fire_each_tick_once_across_nodes() {
     schedules_fire_each_tick_once_across_nodes(Backend::Postgres).await;
 }
+
+/// Retention with short periods: attempts' excerpts blanked after
+/// `retain_excerpts`, finished records (succeeded, failed, cancelled)
+/// deleted after `retain` with their attempts and own events, while a
+/// parked record, audit entries and the counters stay right; each run
+/// that removed something leaves an audit entry, a dry run says the same
+/// and removes nothing, and one node at a time holds the purge.
+async fn retention_removes_what_finished_and_keeps_the_rest(backend: Backend) {
+    use ballast::engine::retention::{PurgeOptions, purge};
+    use ballast::store::AuditFilter;
+    let Some(t) = TestDb::migrated(backend, "retention").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(5)).await.unwrap();
+    let toml = format!(
+        r#"[pipelines.pay]
+retain = "1h"
+retain_excerpts = "10m"
+
+[pipelines.bad]
+retain = "1h"
+
+[[pipelines.bad.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/nowhere" }}
+{}
+[[providers.sim.rules]]
+when = {{ status = "4xx" }}
+outcome = "fail"
+"#,
+        single_step_toml(&sim.base_url(), "")
+    );
+    let config = Arc::new(Config::parse(&toml, Path::new("retention.toml")).unwrap());
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "r1").await;
+    enqueue_n(&engine, "pay", 10).await;
+    enqueue_n(&engine, "bad", 4).await;
+    let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
+    let by_key = async |pipeline: &str, key: &str| {
+        t.db.list_records(&RecordFilter {
+            pipeline: Some(pipeline.into()),
+            key_prefix: Some(key.into()),
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items[0]
+            .id
+    };
+    let (parked, c8, c9) = (
+        by_key("pay", "k-7").await,
+        by_key("pay", "k-8").await,
+        by_key("pay", "k-9").await,
+    );
+    use ballast::domain::OperatorAction::{Cancel, Park};
+    for (id, action) in [(parked, Park), (c8, Cancel), (c9, Cancel)] {
+        ops.act(id, action, "olga", Some("test".into()), None, None)
+            .await
+            .unwrap();
+    }
+    drive_at_rest(&engine, &clock, 14, 100, 60_000).await;
+    let counts = t.db.state_counts().await.unwrap();
+    let count = |p: &str, s: RecordState| {
+        counts
+            .iter()
+            .find(|c| c.pipeline == p && c.state == s)
+            .map_or(0, |c| c.count)
+    };
+    assert_eq!(
+        (
+            count("pay", RecordState::Succeeded),
+            count("bad", RecordState::Failed)
+        ),
+        (7, 4),
+        "{counts:?}"
+    );
+    let succeeded = by_key("pay", "k-0").await;
+    assert!(t.db.attempts(succeeded).await.unwrap()[0].excerpt.is_some());
+    let purges = async || {
+        t.db.audit_log(&AuditFilter {
+            kind: Some("purge".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items
+    };
+    let dry = |at| {
+        let (db, config) = (t.db.clone(), config.clone());
+        async move {
+            let opts = PurgeOptions {
+                dry_run: true,
+                actor: "test".into(),
+                ..PurgeOptions::default()
+            };
+            purge(&db, &config, at, &opts).await.unwrap().total()
+        }
+    };
+
+    // 20 minutes on: excerpts go, records stay.
+    clock.advance(20 * 60_000);
+    let would = dry(clock.now_ms()).await;
+    assert_eq!((would.records, would.stripped), (0, 7), "{would:?}");
+    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    assert_eq!(run.total(), would);
+    let attempt = &t.db.attempts(succeeded).await.unwrap()[0];
+    assert_eq!((&attempt.excerpt, &attempt.request), (&None, &None));
+    assert_eq!(purges().await.len(), 1);
+
+    // Two hours on: the finished records go.
+    clock.advance(100 * 60_000);
+    let would = dry(clock.now_ms()).await;
+    assert_eq!(
+        (would.records, would.attempts, would.stripped),
+        (13, 11, 0),
+        "{would:?}"
+    );
+    assert_eq!(
+        t.db.list_records(&RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items
+        .len(),
+        14
+    );
+    // Another node holds the lease: this one does nothing.
+    let now = clock.now_ms();
+    assert!(
+        t.db.take_task_lease("purge", "other", now + 1_000, now)
+            .await
+            .unwrap()
+    );
+    assert_eq!(engine.purge_once(now).await.unwrap(), None);
+    assert!(
+        !t.db
+            .take_task_lease("purge", "third", now + 1_000, now)
+            .await
+            .unwrap()
+    );
+    clock.advance(1_000);
+    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    assert_eq!(run.total(), would);
+    assert_eq!(
+        run.pipelines["pay"].by_state,
+        [("cancelled".to_string(), 2), ("succeeded".to_string(), 7)].into()
+    );
+    assert_eq!(
+        run.pipelines["bad"].by_state,
+        [("failed".to_string(), 4)].into()
+    );
+    let left =
+        t.db.list_records(&RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(left.iter().map(|r| r.id).collect::<Vec<_>>(), vec![parked]);
+    for id in [succeeded, c8, c9] {
+        assert!(t.db.get_record(id).await.unwrap().is_none());
+        assert!(t.db.attempts(id).await.unwrap().is_empty());
+        assert!(t.db.step_runs(id).await.unwrap().is_empty());
+    }
+    // The operators' cancellations stay in the audit log; the records'
+    // own events went with them.
+    let kinds = event_kinds(&t.db, c8).await;
+    assert!(
+        !kinds.is_empty() && kinds.iter().all(|k| k == "cancel"),
+        "{kinds:?}"
+    );
+    assert!(event_kinds(&t.db, succeeded).await.is_empty());
+    assert!(!event_kinds(&t.db, parked).await.is_empty());
+    // The counters agree with the rows that are left.
+    crate::helpers::assert_counters_match(&t.db).await;
+    let audit = purges().await;
+    assert_eq!(audit.len(), 2);
+    assert_eq!(audit[0].actor, "system");
+    let detail = audit[0].detail.as_ref().unwrap();
+    assert_eq!(detail["pay"]["records"], 9);
+    assert_eq!(detail["bad"]["records"], 4);
+    // Nothing left to do: no run, no entry.
+    clock.advance(60_000);
+    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    assert!(run.total().is_empty());
+    assert_eq!(purges().await.len(), 2);
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_retention_removes_what_finished_and_keeps_the_rest() {
+    retention_removes_what_finished_and_keeps_the_rest(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retention_removes_what_finished_and_keeps_the_rest() {
+    retention_removes_what_finished_and_keeps_the_rest(Backend::Postgres).await;
+}

@@ -2317,3 +2317,145 @@ async fn sqlite_soak() {
 async fn postgres_soak() {
     soak(ballast::store::Backend::Postgres).await;
 }
+
+/// The database's size in bytes: SQLite's file and its WAL, or
+/// PostgreSQL's `pg_database_size`.
+async fn database_bytes(t: &crate::helpers::TestDb) -> u64 {
+    match &t.db {
+        Db::Sqlite(_) => {
+            let path = t.url.trim_start_matches("sqlite://");
+            let path = path.split('?').next().unwrap();
+            let size = |p: String| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+            size(path.to_owned()) + size(format!("{path}-wal"))
+        }
+        Db::Postgres(_) => {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect(&t.url).await.unwrap();
+            let n: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())")
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+            n as u64
+        }
+    }
+}
+
+/// Retention under load: a real `ballast serve` fed 10 records/s through
+/// the three-step pipeline, with `retain` a short period. Every record fed
+/// is either still there or counted by a purge's audit entry, the counters
+/// agree with the rows, and (the full run) the database's size is flat
+/// once the retention period has passed.
+async fn retention_soak(backend: ballast::store::Backend) {
+    let Some(t) = crate::helpers::TestDb::migrated(backend, "retention_soak").await else {
+        return;
+    };
+    let full = full_run();
+    let secs = std::env::var("BALLAST_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if full { 10 * 60 } else { 20 });
+    let length = Duration::from_secs(secs);
+    // A minute's records kept in the full run (5 s in the smoke run).
+    let retain = if secs >= 120 { 60 } else { 5 };
+    let mut profile = ballast::sim::Profile::chaos_scaled(37, 0.05);
+    profile.p_job_never = 0.0;
+    let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let chain = crate::engine::chain_toml(&sim.base_url());
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        format!(
+            "[database]\nurl = \"{}\"\n[pipelines.chain]\nretain = \"{retain}s\"\nretain_excerpts = \"{}s\"\n{chain}",
+            t.url,
+            retain / 2
+        ),
+    )
+    .unwrap();
+    let node = Serve::start(dir.path(), &[("BALLAST_ADMIN_PASSWORD", "soak-admin-pw")]).await;
+    let started = Instant::now();
+    let feeding = tokio_util::sync::CancellationToken::new();
+    let feeder = feed(
+        &t.db,
+        "chain",
+        "keep-",
+        SOAK_RATE,
+        |i| json!({ "amount": i }),
+        feeding.clone(),
+    );
+    let mut sizes = Vec::new();
+    let mut tick = tokio::time::interval(length / 20);
+    while started.elapsed() < length {
+        tick.tick().await;
+        let bytes = database_bytes(&t).await;
+        let records: i64 =
+            t.db.state_counts()
+                .await
+                .unwrap()
+                .iter()
+                .map(|c| c.count)
+                .sum();
+        sizes.push((started.elapsed().as_secs(), bytes, records));
+    }
+    feeding.cancel();
+    let fed = fed_all(feeder).await;
+    node.stop().await;
+    let purged: i64 =
+        t.db.audit_log(&ballast::store::AuditFilter {
+            kind: Some("purge".into()),
+            limit: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|e| {
+            e.detail.as_ref().unwrap()["chain"]["records"]
+                .as_i64()
+                .unwrap_or(0)
+        })
+        .sum();
+    let left: i64 =
+        t.db.recount_states()
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.count)
+            .sum();
+    crate::helpers::assert_counters_match(&t.db).await;
+    let line: Vec<String> = sizes
+        .iter()
+        .map(|(s, b, r)| format!("{s}s {:.1} MiB/{r}", *b as f64 / 1_048_576.0))
+        .collect();
+    println!(
+        "{} retention soak {length:?}, retain {retain}s: {fed} records fed, {purged} purged, {left} left; size/records: {}",
+        backend.as_str(),
+        line.join(", ")
+    );
+    assert_eq!(
+        purged + left,
+        fed,
+        "every record fed is there or was purged"
+    );
+    assert!(purged > 0, "nothing was purged");
+    if full {
+        // Flat after the retention period: the last size within 15% of
+        // the size at 40% of the run.
+        let at = |f: usize| sizes[sizes.len() * f / 10].1 as f64;
+        let (mid, end) = (at(4), sizes.last().unwrap().1 as f64);
+        assert!(
+            end <= mid * 1.15,
+            "the database grew from {mid} to {end} bytes"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_retention_soak() {
+    retention_soak(ballast::store::Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retention_soak() {
+    retention_soak(ballast::store::Backend::Postgres).await;
+}

@@ -411,3 +411,23 @@ where
 {
     crate::wait::until(what, limit, async || check().await.ok_or("not yet")).await
 }
+
+/// The maintained counters (by pipeline and by provider) agree with a
+/// recount of the rows.
+pub async fn assert_counters_match(db: &Db) {
+    let nonzero = |mut v: Vec<ballast::domain::StateCount>| {
+        v.retain(|c| c.count != 0);
+        v.sort();
+        v
+    };
+    assert_eq!(
+        nonzero(db.state_counts().await.unwrap()),
+        nonzero(db.recount_states().await.unwrap()),
+        "counters by pipeline against the rows"
+    );
+    assert_eq!(
+        nonzero(db.provider_counts().await.unwrap()),
+        nonzero(db.recount_providers().await.unwrap()),
+        "counters by provider against the rows"
+    );
+}
