@@ -49,9 +49,15 @@ pub struct Cron {
 
 impl Cron {
     pub fn parse(text: &str) -> Result<Cron, String> {
+        use croner::parser::{CronParser, Seconds, Year};
         let text = text.trim();
-        let cron: croner::Cron = text
-            .parse()
+        // Five or six fields, no year: a schedule that runs out is a
+        // mistake waiting to happen.
+        let cron = CronParser::builder()
+            .seconds(Seconds::Optional)
+            .year(Year::Disallowed)
+            .build()
+            .parse(text)
             .map_err(|e| format!("`{text}` is not a cron expression: {e}"))?;
         let parsed = Cron {
             cron,
@@ -147,7 +153,7 @@ pub fn plan(cron: &Cron, watermark: Option<UnixMs>, now: UnixMs, missed: Missed)
     }
     let mut t = on_time_from;
     while let Some(next) = cron.next_after(t).filter(|&n| n <= now) {
-        if plan.fire.len() > MAX_ON_TIME {
+        if plan.fire.len() >= MAX_ON_TIME {
             break;
         }
         plan.fire.push(next);
@@ -212,6 +218,10 @@ mod tests {
         assert_eq!(five.next_after(NOW), Some(NOW + 4 * 3_600 * S));
         assert!(Cron::parse("every day").is_err_and(|e| e.contains("not a cron expression")));
         assert!(Cron::parse("0 0 31 2 *").is_err_and(|e| e.contains("never fires")));
+        // A year field is refused: five or six fields.
+        assert!(
+            Cron::parse("0 0 0 1 1 * 2024").is_err_and(|e| e.contains("not a cron expression"))
+        );
     }
 
     #[test]

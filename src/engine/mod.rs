@@ -11,6 +11,7 @@
 mod committer;
 mod confirm;
 mod deliveries;
+pub mod export;
 pub mod http;
 mod intents;
 pub mod limits;

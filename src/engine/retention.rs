@@ -33,7 +33,8 @@ fn every_ms(config: &Config) -> i64 {
 const LEASE_MS: i64 = 10 * 60_000;
 /// Records deleted (or whose attempts are blanked) per transaction.
 pub const BATCH: u32 = 500;
-/// Batches per pipeline in one background run (the next run goes on).
+/// Batches in one background run, all pipelines together (the next run
+/// goes on): a run stays well inside its lease.
 const RUN_BATCHES: usize = 200;
 const LEASE: &str = "purge";
 
@@ -50,7 +51,7 @@ pub struct PurgeOptions {
     pub dry_run: bool,
     /// Who runs it, for the audit entry.
     pub actor: String,
-    /// At most this many batches per pipeline (none: until done).
+    /// At most this many batches in all (none: until done).
     pub max_batches: Option<usize>,
 }
 
@@ -120,6 +121,7 @@ pub async fn purge(
         at: now,
         report: BTreeMap::new(),
     };
+    let mut budget = opts.max_batches.unwrap_or(usize::MAX);
     for name in names {
         let (records, strip) = cutoffs(config, &name, opts, now);
         if records.is_none() && strip.is_none() {
@@ -128,7 +130,7 @@ pub async fn purge(
         let done = if opts.dry_run {
             db.count_purgeable(&name, records, strip).await?
         } else {
-            purge_one(db, &name, records, strip, opts.max_batches, &mut run).await?;
+            purge_one(db, &name, (records, strip), &mut budget, &mut run).await?;
             run.report.get(&name).cloned().unwrap_or_default()
         };
         report.pipelines.insert(name, done);
@@ -146,14 +148,13 @@ pub async fn purge(
 async fn purge_one(
     db: &Db,
     pipeline: &str,
-    records: Option<UnixMs>,
-    strip: Option<UnixMs>,
-    max_batches: Option<usize>,
+    (records, strip): (Option<UnixMs>, Option<UnixMs>),
+    budget: &mut usize,
     run: &mut PurgeRun,
 ) -> Result<(), StoreError> {
-    let max = max_batches.unwrap_or(usize::MAX);
     if let Some(before) = records {
-        for _ in 0..max {
+        while *budget > 0 {
+            *budget -= 1;
             let (batch, event) = db.purge_finished(pipeline, before, BATCH, run).await?;
             run.record(pipeline, &batch, event);
             if batch.records == 0 {
@@ -164,7 +165,8 @@ async fn purge_one(
         }
     }
     if let Some(before) = strip {
-        for _ in 0..max {
+        while *budget > 0 {
+            *budget -= 1;
             let (n, more, event) = db.strip_bodies(pipeline, before, BATCH, run).await?;
             let batch = Purged {
                 stripped: n,

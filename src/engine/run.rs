@@ -269,8 +269,16 @@ impl Engine {
         let _ = confirms.await;
         resumer.abort();
         let _ = resumer.await;
-        scheduler.abort();
-        let _ = scheduler.await;
+        // The scheduler stops by itself between passes: a pass under way
+        // finishes (its records and its watermark go together).
+        let mut scheduler = scheduler;
+        if tokio::time::timeout(Duration::from_secs(5), &mut scheduler)
+            .await
+            .is_err()
+        {
+            scheduler.abort();
+            let _ = scheduler.await;
+        }
         purger.abort();
         let _ = purger.await;
         if let Some(l) = listen {

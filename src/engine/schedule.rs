@@ -83,7 +83,10 @@ impl Engine {
         let rows = i.db.schedules().await?;
         for s in &i.schedules {
             let row = rows.iter().find(|r| r.pipeline == s.pipeline);
-            let p = plan(&s.cron, row.map(|r| r.watermark), now, s.missed);
+            // A changed expression is a new schedule: it begins now rather
+            // than firing the new expression's past.
+            let same = row.filter(|r| r.cron == s.cron.as_str());
+            let p = plan(&s.cron, same.map(|r| r.watermark), now, s.missed);
             if let Some(t) = p.skipped {
                 tracing::info!(
                     pipeline = %s.pipeline,
@@ -91,16 +94,14 @@ impl Engine {
                     "missed ticks skipped (missed = \"skip\")"
                 );
             }
-            let items: Vec<_> = p
-                .fire
-                .iter()
-                .map(|&t| (Some(tick_key(t)), s.input.clone()))
-                .collect();
             let last = p.fire.last().copied();
             let mut last_record = None;
-            if !items.is_empty() {
-                let created = self.create(&s.pipeline, None, items, now).await?;
-                for (c, t) in created.iter().zip(&p.fire) {
+            for &t in &p.fire {
+                // Due at its tick: a node whose clock runs ahead fires
+                // early, but the record waits for its time.
+                let item = vec![(Some(tick_key(t)), s.input.clone())];
+                let created = self.create(&s.pipeline, None, item, t).await?;
+                for c in &created {
                     if c.created {
                         fired.created += 1;
                         metrics::counter!("ballast_schedule_fired_total", "pipeline" => s.pipeline.clone())
@@ -108,7 +109,7 @@ impl Engine {
                         tracing::info!(
                             pipeline = %s.pipeline,
                             record.id = c.record.id,
-                            tick = %crate::domain::time::format_ms(*t),
+                            tick = %crate::domain::time::format_ms(t),
                             "schedule fired"
                         );
                     }

@@ -1018,6 +1018,18 @@ where
         map_all(&rows, MapRow::attempt)
     }
 
+    async fn attempts_of(&self, record_ids: &[i64]) -> StoreResult<Vec<Attempt>> {
+        let sql = format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE record_id {} ORDER BY record_id, id",
+            Self::in_ids()
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind_json(record_ids)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::attempt)
+    }
+
     async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
         let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE record_id = $1 ORDER BY id");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -1746,7 +1758,7 @@ where
     async fn advance_schedule(&self, a: &ScheduleAdvance) -> StoreResult<bool> {
         let (tick, record) = a.fired.unzip();
         let mut tx = self.begin_write().await?;
-        let done = match a.from {
+        let query = match a.from {
             None => sqlx::query(
                 "INSERT INTO schedules \
                    (pipeline, cron, watermark, last_tick, last_record_id, updated_at) \
@@ -1765,10 +1777,12 @@ where
         .bind(a.to)
         .bind(tick)
         .bind(record)
-        .bind(a.now)
-        .bind(a.from.unwrap_or_default())
-        .execute(&mut *tx)
-        .await?;
+        .bind(a.now);
+        let query = match a.from {
+            Some(from) => query.bind(from),
+            None => query,
+        };
+        let done = query.execute(&mut *tx).await?;
         tx.commit().await?;
         Ok(done.rows_affected() == 1)
     }
@@ -1788,8 +1802,9 @@ where
             super::batch::Dialect::Sqlite => "",
         };
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT id, state, provider FROM records \
+            "SELECT id, state, provider FROM records r \
              WHERE pipeline = $1 AND finished_at IS NOT NULL AND finished_at < $2 \
+             AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id) \
              ORDER BY finished_at, id LIMIT $3{lock}"
         )))
         .bind(pipeline.to_owned())
@@ -1852,11 +1867,14 @@ where
     ) -> StoreResult<Purged> {
         let mut out = Purged::default();
         if let Some(before) = finished_before {
-            let finished = "SELECT id FROM records WHERE pipeline = $1 \
-                            AND finished_at IS NOT NULL AND finished_at < $2";
+            let finished = "SELECT id FROM records r WHERE pipeline = $1 \
+                            AND finished_at IS NOT NULL AND finished_at < $2 \
+                            AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id)";
             let rows = sqlx::query(
-                "SELECT state, COUNT(*) AS n FROM records WHERE pipeline = $1 \
-                 AND finished_at IS NOT NULL AND finished_at < $2 GROUP BY state",
+                "SELECT state, COUNT(*) AS n FROM records r WHERE pipeline = $1 \
+                 AND finished_at IS NOT NULL AND finished_at < $2 \
+                 AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id) \
+                 GROUP BY state",
             )
             .bind(pipeline.to_owned())
             .bind(before)
@@ -1922,7 +1940,7 @@ where
         let rows = sqlx::query(
             "SELECT id, finished_at FROM records WHERE pipeline = $1 \
              AND finished_at IS NOT NULL AND finished_at < $2 \
-             AND (finished_at > $3 OR (finished_at = $3 AND id > $4)) \
+             AND (finished_at, id) > ($3, $4) \
              ORDER BY finished_at, id LIMIT $5",
         )
         .bind(pipeline.to_owned())

@@ -760,6 +760,11 @@ pub trait Store: Clone + Send + Sync + 'static {
         record_id: i64,
     ) -> impl Future<Output = StoreResult<Vec<StepVersion>>> + Send;
     fn attempts(&self, record_id: i64) -> impl Future<Output = StoreResult<Vec<Attempt>>> + Send;
+    /// The attempts of several records, by record then in order.
+    fn attempts_of(
+        &self,
+        record_ids: &[i64],
+    ) -> impl Future<Output = StoreResult<Vec<Attempt>>> + Send;
     fn record_events(&self, record_id: i64)
     -> impl Future<Output = StoreResult<Vec<Event>>> + Send;
     fn audit_log(
@@ -1161,6 +1166,7 @@ forward! {
     fn settle_confirmation(&self, record_id: i64, step: &str, generation: i32, next: Option<&crate::domain::confirm::Pending>) -> ();
     fn step_versions(&self, record_id: i64) -> Vec<StepVersion>;
     fn attempts(&self, record_id: i64) -> Vec<Attempt>;
+    fn attempts_of(&self, record_ids: &[i64]) -> Vec<Attempt>;
     fn record_events(&self, record_id: i64) -> Vec<Event>;
     fn audit_log(&self, filter: &AuditFilter) -> Page<Event>;
     fn append_event(&self, event: &NewEvent) -> Event;

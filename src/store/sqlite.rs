@@ -168,7 +168,7 @@ impl SqliteStore {
             .file_name()
             .ok_or_else(|| StoreError::Invalid(format!("`{}` is not a file name", to.display())))?;
         let mut partial = name.to_owned();
-        partial.push(".partial");
+        partial.push(format!(".partial-{}", std::process::id()));
         let partial = to.with_file_name(partial);
         let _ = std::fs::remove_file(&partial);
         let text = partial.to_str().ok_or_else(|| {
@@ -182,7 +182,11 @@ impl SqliteStore {
             let _ = std::fs::remove_file(&partial);
             return Err(e.into());
         }
-        std::fs::rename(&partial, to).map_err(|e| {
+        // A link, not a rename: a file made at `to` meanwhile is refused,
+        // never replaced.
+        let linked = std::fs::hard_link(&partial, to);
+        let _ = std::fs::remove_file(&partial);
+        linked.map_err(|e| {
             StoreError::Invalid(format!("cannot move the copy to `{}`: {e}", to.display()))
         })
     }

@@ -34,6 +34,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
     let per_second = u64::from(limits.api_per_second.max(1));
     let mut routes = Router::new()
         .route("/records", post(enqueue).get(list))
+        .route("/records/export", get(export))
         .route("/records/{id}", get(get_one))
         .route("/records/{id}/actions", post(act));
     let refuse = |_| {
@@ -167,6 +168,17 @@ async fn list(
 ) -> WebResult<Json<Value>> {
     let page = state.db.list_records(&q.to_filter()?).await?;
     Ok(Json(json!({ "items": page.items, "next": page.next })))
+}
+
+/// `GET /api/v1/records/export?format=jsonl|csv&attempts=1&<filters>`:
+/// every record the filters select, streamed (operators).
+async fn export(
+    _caller: Bearer<Operator>,
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+    Query(x): Query<crate::web::query::ExportQuery>,
+) -> WebResult<Response> {
+    x.respond(&state.db, &q, state.clock.now_ms())
 }
 
 async fn get_one(

@@ -25,6 +25,61 @@ pub struct ListQuery {
     pub limit: Option<u32>,
 }
 
+/// An export's own options beside the list's filters.
+#[derive(Debug, Default, Deserialize, Clone)]
+pub struct ExportQuery {
+    /// `jsonl` (the default) or `csv`.
+    pub format: Option<String>,
+    /// `1`/`true`: each record's attempts too.
+    pub attempts: Option<String>,
+}
+
+impl ExportQuery {
+    /// The export of the records `list` filters, as a streamed response
+    /// (a download named after its moment).
+    pub fn respond(
+        &self,
+        db: &crate::store::Db,
+        list: &ListQuery,
+        now: crate::domain::UnixMs,
+    ) -> WebResult<axum::response::Response> {
+        use crate::engine::export::{Export, Format};
+        use axum::http::header;
+        use axum::response::IntoResponse;
+        let format = Format::parse(non_empty(&self.format).as_deref().unwrap_or("jsonl"))
+            .map_err(|e| WebError::bad("bad_format", e))?;
+        let attempts = matches!(
+            non_empty(&self.attempts).as_deref(),
+            Some("1" | "true" | "yes" | "on")
+        );
+        let filter = list.to_filter()?;
+        let export = Export {
+            filter,
+            format,
+            attempts,
+        };
+        let stamp: String = crate::domain::time::format_ms(now)
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .take(15)
+            .collect();
+        let name = format!("ballast-records-{stamp}.{}", format.extension());
+        let body = axum::body::Body::from_stream(crate::engine::export::stream(db.clone(), export));
+        Ok((
+            [
+                (header::CONTENT_TYPE, format.content_type().to_owned()),
+                (
+                    header::CONTENT_DISPOSITION,
+                    format!("attachment; filename=\"{name}\""),
+                ),
+                (header::CACHE_CONTROL, "no-store".to_owned()),
+            ],
+            body,
+        )
+            .into_response())
+    }
+}
+
 pub fn non_empty(v: &Option<String>) -> Option<String> {
     v.as_deref()
         .map(str::trim)

@@ -52,6 +52,8 @@ fn help_explains_each_command() {
         (&["user", "add", "--help"], "BALLAST_PASSWORD"),
         (&["check-config", "--help"], "Validate the configuration"),
         (&["backup", "--help"], "VACUUM INTO"),
+        (&["export", "--help"], "--key-prefix"),
+        (&["purge", "--help"], "--dry-run"),
     ];
     for (args, phrase) in cases {
         let out = ballast(dir.path(), &[], args);
@@ -886,7 +888,11 @@ async fn a_backup_taken_under_load_restores_every_committed_record() {
         said.contains("integrity ok") && said.contains("schema version"),
         "{said}"
     );
-    assert!(!dir.path().join("copy.db.partial").exists());
+    let partial = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().contains(".partial"));
+    assert!(!partial, "a partial copy was left behind");
 
     // Restored: the copy, put where a database is, opened as one.
     let restored = dir.path().join("restored.db");
@@ -1040,4 +1046,82 @@ async fn purge_shows_then_removes_finished_records() {
     assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!((left[0].state.as_str(), left[0].count), ("pending", 1));
     db.close().await;
+}
+
+/// `ballast export` of 10,000 and then 100,000 records to a file: every
+/// record once, and the process's peak memory about the same for both
+/// (one page held at a time). A file that exists is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_streams_with_flat_memory() {
+    use ballast::store::{ConnectOptions, Db, NewRecord, Store};
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("x.db").display());
+    let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+    ballast::store::migrate::up(&db, None).await.unwrap();
+    let env = [
+        ("BALLAST_DATABASE_URL", url.as_str()),
+        ("BALLAST_LOG", "warn"),
+    ];
+    let now = crate::helpers::wall_ms();
+    let mut made = 0;
+    let mut peaks = Vec::new();
+    for total in [10_000, 100_000] {
+        while made < total {
+            let batch = (made..made + 1_000)
+                .map(|i| NewRecord {
+                    pipeline: "orders".into(),
+                    pipeline_version: None,
+                    external_key: Some(format!("x-{i}")),
+                    group: None,
+                    input: serde_json::json!({ "i": i, "note": "some words of input to carry" }),
+                    run_at: now + 3_600_000,
+                })
+                .collect();
+            db.create_records(batch, now).await.unwrap();
+            made += 1_000;
+        }
+        let file = format!("out-{total}.jsonl");
+        let out = {
+            let dir = dir.path().to_owned();
+            let env: Vec<(String, String)> = env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let file = file.clone();
+            tokio::task::spawn_blocking(move || {
+                let env: Vec<(&str, &str)> =
+                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                ballast(&dir, &env, &["export", "--out", &file])
+            })
+            .await
+            .unwrap()
+        };
+        assert!(out.status.success(), "{}", stderr(&out));
+        let said = stderr(&out);
+        let peak: f64 = said
+            .split("peak memory ")
+            .nth(1)
+            .and_then(|s| s.split(' ').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no peak memory said: {said}"));
+        let text = std::fs::read_to_string(dir.path().join(&file)).unwrap();
+        assert_eq!(text.lines().count(), total as usize);
+        println!(
+            "export of {total} records: {} MiB written, peak memory {peak} MiB",
+            text.len() / 1_048_576
+        );
+        peaks.push(peak);
+    }
+    db.close().await;
+    assert!(
+        peaks[1] < peaks[0] + 16.0,
+        "peak memory grew with the export: {peaks:?} MiB"
+    );
+    let again = ballast(dir.path(), &env, &["export", "--out", "out-10000.jsonl"]);
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains("cannot create"),
+        "{}",
+        stderr(&again)
+    );
 }

@@ -4505,6 +4505,15 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     let mut want = keyed(1, 10);
     want.extend(keyed(69, 70));
     assert_eq!(keys().await, want);
+    // Ten minutes on, the expression changed: a new schedule, which does
+    // not fire its past (the old one would fire its missed tick once).
+    let changed = toml.replace("0 * * * * *", "30 * * * * *");
+    let config = Arc::new(Config::parse(&changed, Path::new("schedule.toml")).unwrap());
+    let (d, cd) = manual_engine_at(&t.db, config, "sd", cc.now_ms() + 10 * minute).await;
+    assert_eq!(d.fire_schedules(cd.now_ms()).await.unwrap().created, 0);
+    assert_eq!(t.db.schedules().await.unwrap()[0].cron, "30 * * * * *");
+    cd.advance(minute as u64);
+    assert_eq!(d.fire_schedules(cd.now_ms()).await.unwrap().created, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

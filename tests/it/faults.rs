@@ -2399,22 +2399,32 @@ async fn retention_soak(backend: ballast::store::Backend) {
     feeding.cancel();
     let fed = fed_all(feeder).await;
     node.stop().await;
-    let purged: i64 =
-        t.db.audit_log(&ballast::store::AuditFilter {
-            kind: Some("purge".into()),
-            limit: 500,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .map(|e| {
-            e.detail.as_ref().unwrap()["chain"]["records"]
-                .as_i64()
-                .unwrap_or(0)
-        })
-        .sum();
+    let mut purged = 0;
+    let mut before = None;
+    loop {
+        let page =
+            t.db.audit_log(&ballast::store::AuditFilter {
+                kind: Some("purge".into()),
+                before,
+                limit: 500,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        purged += page
+            .items
+            .iter()
+            .map(|e| {
+                e.detail.as_ref().unwrap()["chain"]["records"]
+                    .as_i64()
+                    .unwrap_or(0)
+            })
+            .sum::<i64>();
+        match page.next {
+            Some(n) => before = Some(n),
+            None => break,
+        }
+    }
     let left: i64 =
         t.db.recount_states()
             .await

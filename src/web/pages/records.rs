@@ -26,6 +26,7 @@ pub fn router() -> Router<AppState> {
         .route("/records", get(list))
         .route("/records/bulk", post(bulk))
         .route("/records/enqueue", post(enqueue))
+        .route("/records/export", get(export))
         .route("/records/{id}", get(detail))
         .route("/records/{id}/actions", post(act))
 }
@@ -141,6 +142,17 @@ async fn list(
         return html(&t.as_list());
     }
     html(&t)
+}
+
+/// The list's records, as its filters select them, downloaded as JSON
+/// Lines or CSV (operators: inputs and outputs in bulk).
+async fn export(
+    _caller: Authed<Operator>,
+    State(state): State<AppState>,
+    Query(q): Query<ListQuery>,
+    Query(x): Query<crate::web::query::ExportQuery>,
+) -> WebResult<Response> {
+    x.respond(&state.db, &q, state.clock.now_ms())
 }
 
 /// The records page's enqueue form (operators): one record, due now or

@@ -1,0 +1,261 @@
+//! Records out, as JSON Lines or CSV: the records list's filter, newest
+//! first, with each record's steps (outputs) and, if asked, its attempts.
+//! Streamed a page at a time (the store's keyset pages), so an export of
+//! a million records holds one page in memory. The dashboard, the API and
+//! `ballast export` all read this.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use futures_util::Stream;
+use serde_json::{Value, json};
+
+use crate::domain::{Attempt, Record, StepRun, time::format_ms};
+use crate::store::{Db, RecordFilter, Store, StoreError};
+
+/// Records per page read from the store.
+const PAGE: u32 = 500;
+
+/// The formats an export comes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// One JSON object per line: `{"record", "steps", "attempts"?}`, the
+    /// shapes the API's `GET /api/v1/records/{id}` gives.
+    Jsonl,
+    /// One row per record; the input, the steps' outputs (and attempts)
+    /// as JSON text in their columns.
+    Csv,
+}
+
+impl Format {
+    pub fn parse(text: &str) -> Result<Format, String> {
+        match text {
+            "jsonl" | "ndjson" | "json" => Ok(Format::Jsonl),
+            "csv" => Ok(Format::Csv),
+            other => Err(format!("unknown export format `{other}` (jsonl or csv)")),
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Jsonl => "application/x-ndjson",
+            Format::Csv => "text/csv; charset=utf-8",
+        }
+    }
+
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::Jsonl => "jsonl",
+            Format::Csv => "csv",
+        }
+    }
+}
+
+/// What to export.
+#[derive(Debug, Clone)]
+pub struct Export {
+    /// The filter (its cursor and page size are the export's own).
+    pub filter: RecordFilter,
+    pub format: Format,
+    /// Each record's attempts too.
+    pub attempts: bool,
+}
+
+const CSV_COLUMNS: [&str; 16] = [
+    "id",
+    "pipeline",
+    "pipeline_version",
+    "external_key",
+    "group",
+    "state",
+    "step",
+    "provider",
+    "error_code",
+    "reason",
+    "created_at",
+    "updated_at",
+    "finished_at",
+    "input",
+    "outputs",
+    "attempts",
+];
+
+/// The export as a stream of chunks, one per page of records (the CSV
+/// header first).
+pub fn stream(db: Db, export: Export) -> impl Stream<Item = Result<Bytes, StoreError>> + Send {
+    struct At {
+        db: Db,
+        export: Export,
+        cursor: Option<i64>,
+        started: bool,
+        done: bool,
+    }
+    let at = At {
+        db,
+        export,
+        cursor: None,
+        started: false,
+        done: false,
+    };
+    futures_util::stream::unfold(at, |mut at| async move {
+        if at.done {
+            return None;
+        }
+        let mut out = Vec::new();
+        if !at.started && at.export.format == Format::Csv {
+            csv_row(&mut out, CSV_COLUMNS.iter().map(|c| (*c).to_owned()));
+        }
+        at.started = true;
+        match page(&at.db, &at.export, at.cursor, &mut out).await {
+            Ok(Some(next)) => at.cursor = Some(next),
+            Ok(None) => at.done = true,
+            Err(e) => {
+                at.done = true;
+                return Some((Err(e), at));
+            }
+        }
+        Some((Ok(Bytes::from(out)), at))
+    })
+}
+
+/// Writes one page after `cursor` to `out`; returns the next cursor.
+async fn page(
+    db: &Db,
+    export: &Export,
+    cursor: Option<i64>,
+    out: &mut Vec<u8>,
+) -> Result<Option<i64>, StoreError> {
+    let filter = RecordFilter {
+        before: cursor,
+        limit: PAGE,
+        ..export.filter.clone()
+    };
+    let page = db.list_records(&filter).await?;
+    let ids: Vec<i64> = page.items.iter().map(|r| r.id).collect();
+    if ids.is_empty() {
+        return Ok(page.next);
+    }
+    let mut steps: BTreeMap<i64, Vec<StepRun>> = BTreeMap::new();
+    for s in db.step_runs_of(&ids).await? {
+        steps.entry(s.record_id).or_default().push(s);
+    }
+    let mut attempts: BTreeMap<i64, Vec<Attempt>> = BTreeMap::new();
+    if export.attempts {
+        for a in db.attempts_of(&ids).await? {
+            attempts.entry(a.record_id).or_default().push(a);
+        }
+    }
+    for r in &page.items {
+        let steps = steps.remove(&r.id).unwrap_or_default();
+        let tried = export
+            .attempts
+            .then(|| attempts.remove(&r.id).unwrap_or_default());
+        match export.format {
+            Format::Jsonl => jsonl_line(out, r, &steps, tried.as_deref()),
+            Format::Csv => csv_record(out, r, &steps, tried.as_deref()),
+        }
+    }
+    Ok(page.next)
+}
+
+fn jsonl_line(out: &mut Vec<u8>, r: &Record, steps: &[StepRun], attempts: Option<&[Attempt]>) {
+    let mut line = json!({ "record": r, "steps": steps });
+    if let Some(a) = attempts {
+        line["attempts"] = json!(a);
+    }
+    // A serialisable value into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, &line);
+    out.push(b'\n');
+}
+
+fn csv_record(out: &mut Vec<u8>, r: &Record, steps: &[StepRun], attempts: Option<&[Attempt]>) {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_default();
+    let time = |t: Option<i64>| t.map(format_ms).unwrap_or_default();
+    let outputs: serde_json::Map<String, Value> = steps
+        .iter()
+        .filter_map(|s| s.output.clone().map(|o| (s.step.clone(), o)))
+        .collect();
+    let fields = [
+        r.id.to_string(),
+        r.pipeline.clone(),
+        r.pipeline_version
+            .map(|v| v.to_string())
+            .unwrap_or_default(),
+        opt(&r.external_key),
+        opt(&r.group),
+        r.state.as_str().to_owned(),
+        opt(&r.step),
+        opt(&r.provider),
+        opt(&r.error_code),
+        opt(&r.reason),
+        format_ms(r.created_at),
+        format_ms(r.updated_at),
+        time(r.finished_at),
+        r.input.to_string(),
+        Value::Object(outputs).to_string(),
+        attempts.map(|a| json!(a).to_string()).unwrap_or_default(),
+    ];
+    csv_row(out, fields);
+}
+
+/// One CSV row (RFC 4180): a field with a comma, quote or line break is
+/// quoted, quotes doubled. A field a spreadsheet would run as a formula
+/// (`=`, `+`, `-`, `@`, tab or CR first) gets a leading `'`: text a
+/// provider sent must not become a formula on an operator's machine.
+fn csv_row(out: &mut Vec<u8>, fields: impl IntoIterator<Item = String>) {
+    for (i, field) in fields.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        let formula = field.starts_with(['=', '+', '-', '@', '\t', '\r']);
+        let quote = formula || field.contains([',', '"', '\n', '\r']);
+        if quote {
+            out.push(b'"');
+        }
+        if formula {
+            out.push(b'\'');
+        }
+        for b in field.bytes() {
+            if b == b'"' {
+                out.push(b'"');
+            }
+            out.push(b);
+        }
+        if quote {
+            out.push(b'"');
+        }
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(fields: &[&str]) -> String {
+        let mut out = Vec::new();
+        csv_row(&mut out, fields.iter().map(|f| (*f).to_owned()));
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn csv_fields_are_quoted_and_formulas_defused() {
+        assert_eq!(row(&["a", "b c", ""]), "a,b c,\r\n");
+        assert_eq!(
+            row(&["x,y", "say \"hi\"", "two\nlines"]),
+            "\"x,y\",\"say \"\"hi\"\"\",\"two\nlines\"\r\n"
+        );
+        assert_eq!(
+            row(&["=HYPERLINK(\"x\")", "-1", "@a"]),
+            "\"'=HYPERLINK(\"\"x\"\")\",\"'-1\",\"'@a\"\r\n"
+        );
+        assert_eq!(row(&["{\"a\":1}"]), "\"{\"\"a\"\":1}\"\r\n");
+    }
+
+    #[test]
+    fn formats_are_named() {
+        assert_eq!(Format::parse("csv"), Ok(Format::Csv));
+        assert_eq!(Format::parse("jsonl"), Ok(Format::Jsonl));
+        assert!(Format::parse("xml").is_err_and(|e| e.contains("jsonl or csv")));
+    }
+}
