@@ -114,6 +114,40 @@ where
         row.as_ref().map(MapRow::record).transpose()
     }
 
+    async fn find_records(&self, q: &str, providers: &[String]) -> StoreResult<Vec<Record>> {
+        let q = q.trim();
+        let mut ids = std::collections::BTreeSet::new();
+        if q.is_empty() || q.contains('\0') {
+            return Ok(Vec::new());
+        }
+        if let Ok(id) = q.trim_start_matches('#').parse::<i64>() {
+            ids.insert(id);
+        }
+        let keyed: Vec<i64> =
+            sqlx::query_scalar("SELECT id FROM records WHERE external_key = $1 LIMIT 50")
+                .bind(q.to_owned())
+                .fetch_all(self.reader())
+                .await?;
+        ids.extend(keyed);
+        for p in providers {
+            let jobs: Vec<i64> = sqlx::query_scalar(
+                "SELECT record_id FROM step_runs WHERE provider = $1 AND job_id = $2 LIMIT 50",
+            )
+            .bind(p.clone())
+            .bind(q.to_owned())
+            .fetch_all(self.reader())
+            .await?;
+            ids.extend(jobs);
+        }
+        let mut found = Vec::new();
+        for id in ids.into_iter().rev().take(50) {
+            if let Some(r) = self.get_record(id).await? {
+                found.push(r);
+            }
+        }
+        Ok(found)
+    }
+
     async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
         let limit = page_limit(filter.limit);
         let query = |f: &RecordFilter, floor: Option<i64>, n: i64| {

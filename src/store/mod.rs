@@ -598,6 +598,14 @@ pub trait Store: Clone + Send + Sync + 'static {
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<Vec<Created>>> + Send;
     fn get_record(&self, id: i64) -> impl Future<Output = StoreResult<Option<Record>>> + Send;
+    /// The records `q` names exactly: by id, by external key (any
+    /// pipeline), or by a provider's job id (`providers`: whose jobs to
+    /// look in), each an indexed probe; at most 50, newest first.
+    fn find_records(
+        &self,
+        q: &str,
+        providers: &[String],
+    ) -> impl Future<Output = StoreResult<Vec<Record>>> + Send;
     fn list_records(
         &self,
         filter: &RecordFilter,
@@ -1137,6 +1145,7 @@ forward! {
     fn create_record(&self, new: NewRecord, now: UnixMs) -> Created;
     fn create_records(&self, batch: Vec<NewRecord>, now: UnixMs) -> Vec<Created>;
     fn get_record(&self, id: i64) -> Option<Record>;
+    fn find_records(&self, q: &str, providers: &[String]) -> Vec<Record>;
     fn list_records(&self, filter: &RecordFilter) -> Page<Record>;
     fn state_counts(&self) -> Vec<StateCount>;
     fn recount_states(&self) -> Vec<StateCount>;

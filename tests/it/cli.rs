@@ -27,6 +27,24 @@ fn ballast(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     cmd.output().unwrap()
 }
 
+/// [`ballast`] on a blocking thread, so that the test's own tasks (a
+/// writer under load, say) go on while the command runs.
+async fn ballast_off_runtime(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
+    let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let (dir, args) = (dir.to_owned(), owned(args));
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        ballast(&dir, &env, &args)
+    })
+    .await
+    .unwrap()
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -863,20 +881,7 @@ async fn a_backup_taken_under_load_restores_every_committed_record() {
     .await;
     let env = [("BALLAST_DATABASE_URL", url.as_str())];
     let before = acked.lock().unwrap().clone();
-    let out = {
-        let dir = dir.path().to_owned();
-        let env: Vec<(String, String)> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        tokio::task::spawn_blocking(move || {
-            let env: Vec<(&str, &str)> =
-                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            ballast(&dir, &env, &["backup", "copy.db"])
-        })
-        .await
-        .unwrap()
-    };
+    let out = ballast_off_runtime(dir.path(), &env, &["backup", "copy.db"]).await;
     let during = acked.lock().unwrap().len() - before.len();
     stop.cancel();
     writer.await.unwrap();
@@ -1081,21 +1086,7 @@ async fn export_streams_with_flat_memory() {
             made += 1_000;
         }
         let file = format!("out-{total}.jsonl");
-        let out = {
-            let dir = dir.path().to_owned();
-            let env: Vec<(String, String)> = env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            let file = file.clone();
-            tokio::task::spawn_blocking(move || {
-                let env: Vec<(&str, &str)> =
-                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-                ballast(&dir, &env, &["export", "--out", &file])
-            })
-            .await
-            .unwrap()
-        };
+        let out = ballast_off_runtime(dir.path(), &env, &["export", "--out", &file]).await;
         assert!(out.status.success(), "{}", stderr(&out));
         let said = stderr(&out);
         let peak: f64 = said

@@ -2320,17 +2320,17 @@ async fn postgres_soak() {
 
 /// The database's size in bytes: SQLite's file and its WAL, or
 /// PostgreSQL's `pg_database_size`.
-async fn database_bytes(t: &crate::helpers::TestDb) -> u64 {
-    match &t.db {
+async fn database_bytes(db: &Db, url: &str) -> u64 {
+    match db {
         Db::Sqlite(_) => {
-            let path = t.url.trim_start_matches("sqlite://");
+            let path = url.trim_start_matches("sqlite://");
             let path = path.split('?').next().unwrap();
             let size = |p: String| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
             size(path.to_owned()) + size(format!("{path}-wal"))
         }
         Db::Postgres(_) => {
             use sqlx::Connection;
-            let mut conn = sqlx::PgConnection::connect(&t.url).await.unwrap();
+            let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
             let n: i64 = sqlx::query_scalar("SELECT pg_database_size(current_database())")
                 .fetch_one(&mut conn)
                 .await
@@ -2344,10 +2344,31 @@ async fn database_bytes(t: &crate::helpers::TestDb) -> u64 {
 /// the three-step pipeline, with `retain` a short period. Every record fed
 /// is either still there or counted by a purge's audit entry, the counters
 /// agree with the rows, and (the full run) the database's size is flat
-/// once the retention period has passed.
+/// once the retention period has passed. PostgreSQL is a server of the
+/// test's own with the default settings (autovacuum on, as deployed: the
+/// shared test server runs with it off).
 async fn retention_soak(backend: ballast::store::Backend) {
-    let Some(t) = crate::helpers::TestDb::migrated(backend, "retention_soak").await else {
-        return;
+    let mut _sqlite = None;
+    let mut _pg = None;
+    let (db, url) = match backend {
+        ballast::store::Backend::Sqlite => {
+            let t = crate::helpers::TestDb::migrated(backend, "retention_soak")
+                .await
+                .unwrap();
+            let both = (t.db.clone(), t.url.clone());
+            _sqlite = Some(t);
+            both
+        }
+        ballast::store::Backend::Postgres => {
+            let Some(pg) = PrivatePg::start() else {
+                return;
+            };
+            let url = pg.url();
+            let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
+            ballast::store::migrate::up(&db, None).await.unwrap();
+            _pg = Some(pg);
+            (db, url)
+        }
     };
     let full = full_run();
     let secs = std::env::var("BALLAST_SOAK_SECS")
@@ -2366,7 +2387,7 @@ async fn retention_soak(backend: ballast::store::Backend) {
         dir.path().join("ballast.toml"),
         format!(
             "[database]\nurl = \"{}\"\n[pipelines.chain]\nretain = \"{retain}s\"\nretain_excerpts = \"{}s\"\n{chain}",
-            t.url,
+            url,
             retain / 2
         ),
     )
@@ -2375,7 +2396,7 @@ async fn retention_soak(backend: ballast::store::Backend) {
     let started = Instant::now();
     let feeding = tokio_util::sync::CancellationToken::new();
     let feeder = feed(
-        &t.db,
+        &db,
         "chain",
         "keep-",
         SOAK_RATE,
@@ -2386,14 +2407,14 @@ async fn retention_soak(backend: ballast::store::Backend) {
     let mut tick = tokio::time::interval(length / 20);
     while started.elapsed() < length {
         tick.tick().await;
-        let bytes = database_bytes(&t).await;
-        let records: i64 =
-            t.db.state_counts()
-                .await
-                .unwrap()
-                .iter()
-                .map(|c| c.count)
-                .sum();
+        let bytes = database_bytes(&db, &url).await;
+        let records: i64 = db
+            .state_counts()
+            .await
+            .unwrap()
+            .iter()
+            .map(|c| c.count)
+            .sum();
         sizes.push((started.elapsed().as_secs(), bytes, records));
     }
     feeding.cancel();
@@ -2402,8 +2423,8 @@ async fn retention_soak(backend: ballast::store::Backend) {
     let mut purged = 0;
     let mut before = None;
     loop {
-        let page =
-            t.db.audit_log(&ballast::store::AuditFilter {
+        let page = db
+            .audit_log(&ballast::store::AuditFilter {
                 kind: Some("purge".into()),
                 before,
                 limit: 500,
@@ -2425,14 +2446,14 @@ async fn retention_soak(backend: ballast::store::Backend) {
             None => break,
         }
     }
-    let left: i64 =
-        t.db.recount_states()
-            .await
-            .unwrap()
-            .iter()
-            .map(|c| c.count)
-            .sum();
-    crate::helpers::assert_counters_match(&t.db).await;
+    let left: i64 = db
+        .recount_states()
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.count)
+        .sum();
+    crate::helpers::assert_counters_match(&db).await;
     let line: Vec<String> = sizes
         .iter()
         .map(|(s, b, r)| format!("{s}s {:.1} MiB/{r}", *b as f64 / 1_048_576.0))

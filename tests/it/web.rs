@@ -608,6 +608,7 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", format!("/records/{r}"), vec![], Role::Viewer),
         ("GET", "/providers".into(), vec![], Role::Viewer),
         ("GET", "/audit".into(), vec![], Role::Viewer),
+        ("GET", "/search?q=m-1".into(), vec![], Role::Viewer),
         (
             "POST",
             format!("/records/{r}/actions"),
@@ -2189,4 +2190,97 @@ async fn sqlite_export_streams_every_selected_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_export_streams_every_selected_record() {
     export_streams_every_selected_record(Backend::Postgres).await;
+}
+
+/// The header's search box: a record named by its id, its key or a
+/// provider's job id opens at once; a key two pipelines share lists both;
+/// nothing found says so; an empty query is the records list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
+    use ballast::domain::StepState;
+    use ballast::store::{ClaimRequest, Commit, StepWrite};
+    let Some(app) = WebApp::spawn(
+        Backend::Sqlite,
+        "search",
+        "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n",
+    )
+    .await
+    else {
+        return;
+    };
+    app.user("vera", Role::Viewer).await;
+    let login = app.login("vera").await;
+    let a = app.record("lead-1").await;
+    let other = app.record("lead-2").await;
+    // The same key in another pipeline.
+    let now = crate::helpers::wall_ms();
+    let twin = app
+        .t
+        .db
+        .create_record(
+            NewRecord {
+                pipeline: "second".into(),
+                group: None,
+                pipeline_version: None,
+                external_key: Some("lead-2".into()),
+                input: json!({}),
+                run_at: now + 3_600_000,
+            },
+            now,
+        )
+        .await
+        .unwrap()
+        .record
+        .id;
+    // A job at provider `p` for `a`.
+    let claim = ClaimRequest {
+        owner: "w".into(),
+        now: now + 3_600_000,
+        lease: Duration::from_secs(30),
+        limit: 1,
+        group_caps: Vec::new(),
+    };
+    let r = app.t.db.claim_due(&claim).await.unwrap().remove(0);
+    assert_eq!(r.id, a);
+    let mut step = StepWrite::pending("render");
+    step.provider = Some("p".into());
+    step.state = StepState::Waiting;
+    step.job_id = Some("job-7f3a".into());
+    let mut c = Commit::new(r.lease().unwrap(), now + 3_600_000, None);
+    c.next_run_at = Some(now + 7_200_000);
+    c.steps = vec![step];
+    app.t.db.commit(&c).await.unwrap();
+    let go = |q: &str| {
+        let path = format!("/search?q={}", q.replace('#', "%23"));
+        let login = &login;
+        let app = &app;
+        async move { app.get(&path, Some(login)).await }
+    };
+    for (q, id) in [
+        (a.to_string(), a),
+        (format!("#{a}"), a),
+        ("lead-1".to_string(), a),
+        ("job-7f3a".to_string(), a),
+        (format!(" {other} "), other),
+    ] {
+        let r = go(&q).await;
+        assert_eq!(r.status(), 303, "{q}");
+        assert_eq!(r.headers()["location"], format!("/records/{id}"), "{q}");
+    }
+    let both = go("lead-2").await;
+    assert_eq!(both.status(), 200);
+    let page = both.text().await.unwrap();
+    assert!(
+        page.contains(&format!("href=\"/records/{other}\""))
+            && page.contains(&format!("href=\"/records/{twin}\"")),
+        "{page}"
+    );
+    let none = go("nothing-like-it").await.text().await.unwrap();
+    assert!(
+        none.contains("No record has that id, key or job id."),
+        "{none}"
+    );
+    let empty = go("").await;
+    assert_eq!(empty.status(), 303);
+    assert_eq!(empty.headers()["location"], "/records");
 }

@@ -27,6 +27,7 @@ pub fn router() -> Router<AppState> {
         .route("/records/bulk", post(bulk))
         .route("/records/enqueue", post(enqueue))
         .route("/records/export", get(export))
+        .route("/search", get(search))
         .route("/records/{id}", get(detail))
         .route("/records/{id}/actions", post(act))
 }
@@ -142,6 +143,42 @@ async fn list(
         return html(&t.as_list());
     }
     html(&t)
+}
+
+#[derive(Deserialize)]
+struct SearchQuery {
+    q: Option<String>,
+}
+
+#[derive(Template)]
+#[template(path = "pages/search.html")]
+struct SearchPage {
+    nav: Nav,
+    q: String,
+    rows: Vec<RecordRow>,
+}
+
+/// The header's search box: the record a query names by id, key or
+/// provider job id; straight to it when it is one.
+async fn search(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    Query(sq): Query<SearchQuery>,
+) -> WebResult<Response> {
+    let q = sq.q.unwrap_or_default().trim().to_owned();
+    if q.is_empty() {
+        return Ok(Redirect::to("/records").into_response());
+    }
+    let providers: Vec<String> = state.config.providers.keys().cloned().collect();
+    let found = state.db.find_records(&q, &providers).await?;
+    if let [one] = found.as_slice() {
+        return Ok(Redirect::to(&format!("/records/{}", one.id)).into_response());
+    }
+    html(&SearchPage {
+        nav: Nav::new(&caller, "records"),
+        q,
+        rows: found.iter().map(RecordRow::from).collect(),
+    })
 }
 
 /// The list's records, as its filters select them, downloaded as JSON
