@@ -576,17 +576,39 @@ async fn export_records(
 ) -> anyhow::Result<()> {
     use futures_util::StreamExt;
     use std::io::Write;
-    let mut sink: Box<dyn Write> = match out {
+    if let Some(path) = out.filter(|p| p.exists()) {
+        anyhow::bail!("cannot create `{}`: it exists", path.display());
+    }
+    let db = crate::app::connect(config).await?;
+    db.append_event(&crate::store::NewEvent {
+        record_id: None,
+        at: SystemClock.now_ms(),
+        kind: "export".into(),
+        actor: cli_actor(),
+        audit: true,
+        step: None,
+        reason: None,
+        detail: Some(serde_json::json!({
+            "filter": format!("{:?}", export.filter),
+            "format": export.format.extension(),
+            "attempts": export.attempts,
+        })),
+    })
+    .await?;
+    // Written beside the file and put in place once complete: a failed
+    // export leaves no file that looks whole.
+    let partial = out.map(|p| {
+        let mut name = p.as_os_str().to_owned();
+        name.push(".partial");
+        std::path::PathBuf::from(name)
+    });
+    let mut sink: Box<dyn Write> = match &partial {
         Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(path)
+            std::fs::File::create(path)
                 .with_context(|| format!("cannot create `{}`", path.display()))?,
         )),
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
     };
-    let db = crate::app::connect(config).await?;
     let mut chunks = std::pin::pin!(crate::engine::export::stream(db.clone(), export));
     let mut bytes = 0usize;
     let mut failed = None;
@@ -606,10 +628,18 @@ async fn export_records(
         }
     }
     db.close().await;
-    if let Some(e) = failed {
+    let flushed = sink.flush().context("cannot write the export");
+    drop(sink);
+    if let Some(e) = failed.or(flushed.err()) {
+        if let Some(p) = &partial {
+            let _ = std::fs::remove_file(p);
+        }
         return Err(e);
     }
-    sink.flush().context("cannot write the export")?;
+    if let (Some(from), Some(to)) = (&partial, out) {
+        crate::store::place_new(from, to)
+            .with_context(|| format!("cannot create `{}`", to.display()))?;
+    }
     // The process's peak resident memory (Linux): flat however many
     // records went out, since one page is held at a time.
     let peak = std::fs::read_to_string("/proc/self/status")

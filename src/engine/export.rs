@@ -13,8 +13,11 @@ use serde_json::{Value, json};
 use crate::domain::{Attempt, Record, StepRun, time::format_ms};
 use crate::store::{Db, RecordFilter, Store, StoreError};
 
-/// Records per page read from the store.
+/// Records per page read from the store; fewer with their attempts (a
+/// record may have many). A chunk holds one page serialised, so memory
+/// is bounded by a page of records, not by the export.
 const PAGE: u32 = 500;
+const PAGE_WITH_ATTEMPTS: u32 = 100;
 
 /// The formats an export comes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +113,7 @@ pub fn stream(db: Db, export: Export) -> impl Stream<Item = Result<Bytes, StoreE
             Ok(Some(next)) => at.cursor = Some(next),
             Ok(None) => at.done = true,
             Err(e) => {
+                tracing::warn!(error = %e, "export stopped part way: the download ends incomplete");
                 at.done = true;
                 return Some((Err(e), at));
             }
@@ -127,7 +131,11 @@ async fn page(
 ) -> Result<Option<i64>, StoreError> {
     let filter = RecordFilter {
         before: cursor,
-        limit: PAGE,
+        limit: if export.attempts {
+            PAGE_WITH_ATTEMPTS
+        } else {
+            PAGE
+        },
         ..export.filter.clone()
     };
     let page = db.list_records(&filter).await?;

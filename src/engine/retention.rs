@@ -121,7 +121,12 @@ pub async fn purge(
         at: now,
         report: BTreeMap::new(),
     };
-    let mut budget = opts.max_batches.unwrap_or(usize::MAX);
+    // The run's batches are shared out: every pipeline (and, in each, the
+    // deletion and the blanking) gets its part, so a pipeline with a
+    // large backlog does not starve the others.
+    let share = opts
+        .max_batches
+        .map_or(usize::MAX, |total| (total / names.len().max(1)).max(2));
     for name in names {
         let (records, strip) = cutoffs(config, &name, opts, now);
         if records.is_none() && strip.is_none() {
@@ -130,7 +135,7 @@ pub async fn purge(
         let done = if opts.dry_run {
             db.count_purgeable(&name, records, strip).await?
         } else {
-            purge_one(db, &name, (records, strip), &mut budget, &mut run).await?;
+            purge_one(db, &name, (records, strip), share, &mut run).await?;
             run.report.get(&name).cloned().unwrap_or_default()
         };
         report.pipelines.insert(name, done);
@@ -149,12 +154,16 @@ async fn purge_one(
     db: &Db,
     pipeline: &str,
     (records, strip): (Option<UnixMs>, Option<UnixMs>),
-    budget: &mut usize,
+    share: usize,
     run: &mut PurgeRun,
 ) -> Result<(), StoreError> {
+    let each = if records.is_some() && strip.is_some() {
+        share.div_ceil(2)
+    } else {
+        share
+    };
     if let Some(before) = records {
-        while *budget > 0 {
-            *budget -= 1;
+        for _ in 0..each {
             let (batch, event) = db.purge_finished(pipeline, before, BATCH, run).await?;
             run.record(pipeline, &batch, event);
             if batch.records == 0 {
@@ -165,8 +174,7 @@ async fn purge_one(
         }
     }
     if let Some(before) = strip {
-        while *budget > 0 {
-            *budget -= 1;
+        for _ in 0..each {
             let (n, more, event) = db.strip_bodies(pipeline, before, BATCH, run).await?;
             let batch = Purged {
                 stripped: n,

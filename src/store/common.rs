@@ -120,8 +120,11 @@ where
         if q.is_empty() || q.contains('\0') {
             return Ok(Vec::new());
         }
-        if let Ok(id) = q.trim_start_matches('#').parse::<i64>() {
-            ids.insert(id);
+        let digits = q.strip_prefix('#').unwrap_or(q);
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            if let Ok(id) = digits.parse::<i64>() {
+                ids.insert(id);
+            }
         }
         let keyed: Vec<i64> =
             sqlx::query_scalar("SELECT id FROM records WHERE external_key = $1 LIMIT 50")

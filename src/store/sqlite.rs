@@ -74,6 +74,18 @@ async fn queue_heads(conn: &mut SqliteConnection) -> StoreResult<Vec<(String, St
     }
 }
 
+/// Moves a finished file `from` to `to`, refusing to replace a file made
+/// at `to` meanwhile: a hard link where the file system has them (it
+/// fails if `to` exists), else a rename after checking.
+pub fn place_new(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+    match std::fs::hard_link(from, to) {
+        Ok(()) => std::fs::remove_file(from),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(e),
+        Err(_) if to.exists() => Err(std::io::ErrorKind::AlreadyExists.into()),
+        Err(_) => std::fs::rename(from, to),
+    }
+}
+
 /// Records and everything else, in one SQLite file.
 pub type SqliteStore = SqlStore<Sqlite>;
 
@@ -168,7 +180,7 @@ impl SqliteStore {
             .file_name()
             .ok_or_else(|| StoreError::Invalid(format!("`{}` is not a file name", to.display())))?;
         let mut partial = name.to_owned();
-        partial.push(format!(".partial-{}", std::process::id()));
+        partial.push(".partial");
         let partial = to.with_file_name(partial);
         let _ = std::fs::remove_file(&partial);
         let text = partial.to_str().ok_or_else(|| {
@@ -182,11 +194,9 @@ impl SqliteStore {
             let _ = std::fs::remove_file(&partial);
             return Err(e.into());
         }
-        // A link, not a rename: a file made at `to` meanwhile is refused,
-        // never replaced.
-        let linked = std::fs::hard_link(&partial, to);
+        let placed = place_new(&partial, to);
         let _ = std::fs::remove_file(&partial);
-        linked.map_err(|e| {
+        placed.map_err(|e| {
             StoreError::Invalid(format!("cannot move the copy to `{}`: {e}", to.display()))
         })
     }

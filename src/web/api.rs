@@ -173,12 +173,13 @@ async fn list(
 /// `GET /api/v1/records/export?format=jsonl|csv&attempts=1&<filters>`:
 /// every record the filters select, streamed (operators).
 async fn export(
-    _caller: Bearer<Operator>,
+    caller: Bearer<Operator>,
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
     Query(x): Query<crate::web::query::ExportQuery>,
 ) -> WebResult<Response> {
-    x.respond(&state.db, &q, state.clock.now_ms())
+    x.respond(&state.db, &q, state.clock.now_ms(), &caller.actor)
+        .await
 }
 
 async fn get_one(

@@ -36,12 +36,14 @@ pub struct ExportQuery {
 
 impl ExportQuery {
     /// The export of the records `list` filters, as a streamed response
-    /// (a download named after its moment).
-    pub fn respond(
+    /// (a download named after its moment), audited as `actor`'s: inputs
+    /// and outputs in bulk leave the system.
+    pub async fn respond(
         &self,
         db: &crate::store::Db,
         list: &ListQuery,
         now: crate::domain::UnixMs,
+        actor: &str,
     ) -> WebResult<axum::response::Response> {
         use crate::engine::export::{Export, Format};
         use axum::http::header;
@@ -53,6 +55,24 @@ impl ExportQuery {
             Some("1" | "true" | "yes" | "on")
         );
         let filter = list.to_filter()?;
+        crate::store::Store::append_event(
+            db,
+            &crate::store::NewEvent {
+                record_id: None,
+                at: now,
+                kind: "export".into(),
+                actor: actor.to_owned(),
+                audit: true,
+                step: None,
+                reason: None,
+                detail: Some(serde_json::json!({
+                    "filter": list.query_string(),
+                    "format": format.extension(),
+                    "attempts": attempts,
+                })),
+            },
+        )
+        .await?;
         let export = Export {
             filter,
             format,

@@ -2180,6 +2180,24 @@ async fn export_streams_every_selected_record(backend: Backend) {
     assert_eq!(bad.status(), 400);
     let body: Value = bad.json().await.unwrap();
     assert_eq!(body["error"], "bad_format");
+    // Each export is in the audit log, with its filter.
+    let audit = app
+        .t
+        .db
+        .audit_log(&ballast::store::AuditFilter {
+            kind: Some("export".into()),
+            limit: 50,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(audit.len(), 5, "{audit:?}");
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.detail.as_ref().unwrap()["filter"] == "state=succeeded")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2195,12 +2213,11 @@ async fn postgres_export_streams_every_selected_record() {
 /// The header's search box: a record named by its id, its key or a
 /// provider's job id opens at once; a key two pipelines share lists both;
 /// nothing found says so; an empty query is the records list.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
+async fn the_search_box_finds_a_record_by_id_key_or_job_id(backend: Backend) {
     use ballast::domain::StepState;
     use ballast::store::{ClaimRequest, Commit, StepWrite};
     let Some(app) = WebApp::spawn(
-        Backend::Sqlite,
+        backend,
         "search",
         "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n",
     )
@@ -2240,8 +2257,9 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
         limit: 1,
         group_caps: Vec::new(),
     };
+    // Whichever record the claim takes gets the job.
     let r = app.t.db.claim_due(&claim).await.unwrap().remove(0);
-    assert_eq!(r.id, a);
+    let jobbed = r.id;
     let mut step = StepWrite::pending("render");
     step.provider = Some("p".into());
     step.state = StepState::Waiting;
@@ -2251,7 +2269,7 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
     c.steps = vec![step];
     app.t.db.commit(&c).await.unwrap();
     let go = |q: &str| {
-        let path = format!("/search?q={}", q.replace('#', "%23"));
+        let path = format!("/search?q={}", q.replace('#', "%23").replace('+', "%2B"));
         let login = &login;
         let app = &app;
         async move { app.get(&path, Some(login)).await }
@@ -2260,7 +2278,7 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
         (a.to_string(), a),
         (format!("#{a}"), a),
         ("lead-1".to_string(), a),
-        ("job-7f3a".to_string(), a),
+        ("job-7f3a".to_string(), jobbed),
         (format!(" {other} "), other),
     ] {
         let r = go(&q).await;
@@ -2275,6 +2293,10 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
             && page.contains(&format!("href=\"/records/{twin}\"")),
         "{page}"
     );
+    // Not numbers: a sign, or a `#` twice.
+    for q in ["+1", "##1"] {
+        assert_eq!(go(q).await.status(), 200, "{q}");
+    }
     let none = go("nothing-like-it").await.text().await.unwrap();
     assert!(
         none.contains("No record has that id, key or job id."),
@@ -2283,4 +2305,14 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id() {
     let empty = go("").await;
     assert_eq!(empty.status(), 303);
     assert_eq!(empty.headers()["location"], "/records");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_the_search_box_finds_a_record_by_id_key_or_job_id() {
+    the_search_box_finds_a_record_by_id_key_or_job_id(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_search_box_finds_a_record_by_id_key_or_job_id() {
+    the_search_box_finds_a_record_by_id_key_or_job_id(Backend::Postgres).await;
 }

@@ -184,12 +184,13 @@ async fn search(
 /// The list's records, as its filters select them, downloaded as JSON
 /// Lines or CSV (operators: inputs and outputs in bulk).
 async fn export(
-    _caller: Authed<Operator>,
+    caller: Authed<Operator>,
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
     Query(x): Query<crate::web::query::ExportQuery>,
 ) -> WebResult<Response> {
-    x.respond(&state.db, &q, state.clock.now_ms())
+    x.respond(&state.db, &q, state.clock.now_ms(), &caller.actor)
+        .await
 }
 
 /// The records page's enqueue form (operators): one record, due now or
