@@ -64,11 +64,7 @@ pub struct PurgeReport {
 
 impl PurgeReport {
     pub fn total(&self) -> Purged {
-        let mut all = Purged::default();
-        for p in self.pipelines.values() {
-            all.add(p);
-        }
-        all
+        Purged::sum(self.pipelines.values())
     }
 }
 

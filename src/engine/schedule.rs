@@ -116,18 +116,25 @@ impl Engine {
                 }
                 last_record = created.last().map(|c| c.record.id);
             }
-            let moved =
-                i.db.advance_schedule(&ScheduleAdvance {
-                    pipeline: s.pipeline.clone(),
-                    cron: s.cron.as_str().to_owned(),
-                    from: row.map(|r| r.watermark),
-                    to: p.watermark,
-                    fired: last.zip(last_record),
-                    now,
-                })
-                .await?;
-            if !moved {
-                tracing::debug!(pipeline = %s.pipeline, "another node moved the schedule first");
+            // A pass that fired and skipped nothing leaves a current row
+            // alone: with no tick between the stored watermark and now,
+            // the next pass plans the same from either, and the database
+            // (SQLite's one writer) is spared a write per pass and node.
+            let idle = same.is_some() && p.fire.is_empty() && p.skipped.is_none();
+            if !idle {
+                let moved =
+                    i.db.advance_schedule(&ScheduleAdvance {
+                        pipeline: s.pipeline.clone(),
+                        cron: s.cron.as_str().to_owned(),
+                        from: row.map(|r| r.watermark),
+                        to: p.watermark,
+                        fired: last.zip(last_record),
+                        now,
+                    })
+                    .await?;
+                if !moved {
+                    tracing::debug!(pipeline = %s.pipeline, "another node moved the schedule first");
+                }
             }
             let next = s.cron.next_after(p.watermark.max(now));
             fired.next = match (fired.next, next) {

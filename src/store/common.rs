@@ -142,13 +142,17 @@ where
             .await?;
             ids.extend(jobs);
         }
-        let mut found = Vec::new();
-        for id in ids.into_iter().rev().take(50) {
-            if let Some(r) = self.get_record(id).await? {
-                found.push(r);
-            }
-        }
-        Ok(found)
+        // The newest 50, read in one statement.
+        let ids: Vec<i64> = ids.into_iter().rev().take(50).collect();
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE id {} ORDER BY id DESC",
+            Self::in_ids()
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind_json(&ids)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::record)
     }
 
     async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {

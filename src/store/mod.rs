@@ -139,6 +139,15 @@ impl Purged {
     pub fn is_empty(&self) -> bool {
         self.records == 0 && self.stripped == 0
     }
+
+    /// Several pipelines' figures added up.
+    pub fn sum<'a>(all: impl IntoIterator<Item = &'a Purged>) -> Purged {
+        let mut total = Purged::default();
+        for p in all {
+            total.add(p);
+        }
+        total
+    }
 }
 
 /// A purge run as its audit entry says it: written (then updated) in the
@@ -169,11 +178,7 @@ impl PurgeRun {
 
     /// The run's total over every pipeline.
     pub fn total(&self) -> Purged {
-        let mut all = Purged::default();
-        for p in self.report.values() {
-            all.add(p);
-        }
-        all
+        Purged::sum(self.report.values())
     }
 }
 
