@@ -467,6 +467,8 @@ struct Setup {
     /// The provider declared `at_most_once` (an intent written before each
     /// call; the chain's render step looks its job up when unsure).
     at_most_once: bool,
+    /// The search indexer runs beside the engine (as it does by default).
+    search_index: bool,
 }
 
 /// Resets this process's peak RSS (`VmHWM`) to its current RSS.
@@ -502,6 +504,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         single_enqueue,
         kind,
         at_most_once,
+        search_index,
     } = *setup;
     let fresh = fresh(backend).await?;
     let sim = match provider {
@@ -523,6 +526,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     let mut opts = EngineOptions::new(format!("bench-{}", uuid::Uuid::new_v4().simple()));
     opts.max_in_flight = in_flight;
     opts.batch = batch;
+    opts.search_index = search_index;
     if matches!(provider, Provider::InProcess) {
         opts.in_process = Some(match kind {
             Kind::Waiting => InProcess(Arc::new(StillRunning)),
@@ -702,6 +706,38 @@ async fn pages_at_scale(
     let mut config = Config::parse(&text, std::path::Path::new("bench.toml")).unwrap();
     config.server.admin_password = Some(ballast::config::Secret::new(password));
     config.validate(&|v| std::env::var(v).ok()).unwrap();
+    // The search indexer reads every seeded event, as it would after an
+    // upgrade, before the pages are timed (they run without an engine).
+    let started = Instant::now();
+    let indexer = Engine::new(
+        fresh.db.clone(),
+        Arc::new(config.clone()),
+        EngineOptions::new("bench-indexer"),
+    )
+    .await
+    .unwrap();
+    let mut docs = 0;
+    loop {
+        let now = ballast::domain::Clock::now_ms(&ballast::domain::SystemClock);
+        let turn = indexer.index_search_once(now).await.unwrap().unwrap();
+        docs += turn.records;
+        if !turn.more {
+            break;
+        }
+    }
+    drop(indexer);
+    let indexed = started.elapsed().as_secs_f64();
+    if backend == Backend::Postgres {
+        // Autovacuum would analyse the new table; it is off here.
+        sqlx::raw_sql("ANALYZE record_search")
+            .execute(&sqlx::PgPool::connect(&fresh.url).await.unwrap())
+            .await
+            .unwrap();
+    }
+    eprintln!(
+        "E {backend:?}: search index built in {indexed:.1} s ({docs} documents written, {:.0}/s)",
+        docs as f64 / indexed
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = CancellationToken::new();
@@ -787,6 +823,22 @@ async fn pages_at_scale(
             "/records?state=succeeded&error_code=http_5xx".to_owned(),
         ),
         ("record detail", format!("/records/{parked}")),
+        // Word search: a word in a fifth of the records (the newest 50 of
+        // 200,000), two words (held together by a tenth, or by none: each
+        // word's every entry is read), a word of one record, a word of
+        // none, a prefix.
+        ("search, common word", "/search?q=Oslo".to_owned()),
+        ("search, two words", "/search?q=Lisbon+exhausted".to_owned()),
+        (
+            "search, two words no record holds both",
+            "/search?q=Oslo+exhausted".to_owned(),
+        ),
+        (
+            "search, one record's word",
+            format!("/search?q=user{}%40example.com", n / 3),
+        ),
+        ("search, no match", "/search?q=Reykjavik".to_owned()),
+        ("search, prefix", "/search?q=Nair*".to_owned()),
         ("audit log", "/audit".to_owned()),
         ("API list", "/api/v1/records?limit=50".to_owned()),
     ];
@@ -919,6 +971,7 @@ fn main() {
                 single_enqueue,
                 kind: Kind::One,
                 at_most_once: false,
+                search_index: true,
             };
             // A and the backlog runs measure throughput: the engine tuned
             // for it (`engine.batch = 500`, `engine.max_in_flight = 1000`).
@@ -941,18 +994,38 @@ fn main() {
                 if !filter.wants(key) {
                     continue;
                 }
-                let rs = runs_of(runs, &tuned(setup(n_a, provider, A_IN_FLIGHT, None, true))).await;
-                if rs.is_empty() {
-                    println!("{name:<44} failed");
-                    continue;
+                let a = tuned(setup(n_a, provider, A_IN_FLIGHT, None, true));
+                // A also without the search indexer beside it, interleaved:
+                // what keeping the index costs.
+                let (rs, unindexed) = if key == "A" {
+                    let off = Setup {
+                        search_index: false,
+                        ..a.clone()
+                    };
+                    let (mut on, mut without) = (Vec::new(), Vec::new());
+                    for _ in 0..runs {
+                        on.extend(run_once(&a).await);
+                        without.extend(run_once(&off).await);
+                    }
+                    (on, without)
+                } else {
+                    (runs_of(runs, &a).await, Vec::new())
+                };
+                for (rs, name) in [
+                    (rs, name),
+                    (unindexed, "   the same, search indexer off".to_owned()),
+                ] {
+                    if rs.is_empty() {
+                        continue;
+                    }
+                    println!(
+                        "{name:<44} {:>22} {:>18} {:>18} {:>20}",
+                        median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
+                        median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
+                        median_spread(rs.iter().map(|r| r.enqueue_per_s).collect()),
+                        median_spread(rs.iter().map(|r| r.batch_enqueue_per_s).collect()),
+                    );
                 }
-                println!(
-                    "{name:<44} {:>22} {:>18} {:>18} {:>20}",
-                    median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
-                    median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
-                    median_spread(rs.iter().map(|r| r.enqueue_per_s).collect()),
-                    median_spread(rs.iter().map(|r| r.batch_enqueue_per_s).collect()),
-                );
             }
             if filter.wants("backlog") {
                 // The same work behind a small and a large queue: claims and

@@ -10,16 +10,22 @@ fn seed_sql(backend: Backend, n: i64) -> Vec<String> {
                  WHEN 3 THEN 'succeeded' WHEN 4 THEN 'failed' WHEN 5 THEN 'parked' WHEN 6 THEN 'cancelled' \
                  WHEN 7 THEN 'pending' WHEN 8 THEN 'retrying' ELSE 'waiting' END";
     let cols = "pipeline, external_key, state, input, next_run_at, step, provider, error_code, reason, created_at, updated_at";
+    // Words to search for: a city shared by a fifth of the records, an
+    // email address each of its own.
+    let city = "CASE n % 5 WHEN 0 THEN 'Lisbon' WHEN 1 THEN 'Oslo' WHEN 2 THEN 'Nairobi' \
+                WHEN 3 THEN 'Quito' ELSE 'Tromsø' END";
     let (source, input) = match backend {
         Backend::Sqlite => (
             format!(
                 "(WITH RECURSIVE seq(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq WHERE n < {n}) SELECT n FROM seq)"
             ),
-            "json_object('n', n)",
+            format!("json_object('n', n, 'email', 'user' || n || '@example.com', 'city', {city})"),
         ),
         Backend::Postgres => (
             format!("(SELECT generate_series(1, {n}) AS n)"),
-            "jsonb_build_object('n', n)",
+            format!(
+                "jsonb_build_object('n', n, 'email', 'user' || n || '@example.com', 'city', {city})"
+            ),
         ),
     };
     let records = format!(
@@ -58,9 +64,10 @@ fn seed_sql(backend: Backend, n: i64) -> Vec<String> {
     all
 }
 
-/// Seeds `n` records (a tenth in each state, three failed attempts each, a
-/// created event each, a park event for the parked) and the counters, with
-/// a few set-based statements; then `ANALYZE`.
+/// Seeds `n` records (a tenth in each state, an input with a city and an
+/// email address, three failed attempts each, a created event each, a
+/// park event for the parked) and the counters, with a few set-based
+/// statements; then `ANALYZE`. Not indexed for word search.
 pub async fn seed(url: &str, backend: Backend, n: i64) -> Result<(), sqlx::Error> {
     let sqls = seed_sql(backend, n);
     match backend {

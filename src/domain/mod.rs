@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod request;
 pub mod rules;
 pub mod schedule;
+pub mod search;
 pub mod state;
 pub mod step;
 pub mod time;

@@ -23,6 +23,7 @@ mod resume;
 pub mod retention;
 mod run;
 pub mod schedule;
+pub mod search;
 pub mod stats;
 mod step;
 pub mod token;
@@ -63,6 +64,9 @@ pub struct EngineOptions {
     /// Every provider answered in-process instead of over HTTP: for
     /// benchmarks of the engine's own cost.
     pub in_process: Option<http::InProcess>,
+    /// Whether this node may keep the search index (one node at a time
+    /// does); off only to measure what it costs.
+    pub search_index: bool,
 }
 
 impl EngineOptions {
@@ -75,6 +79,7 @@ impl EngineOptions {
             idle_max: Duration::from_secs(2),
             provider_sync: Duration::from_secs(2),
             in_process: None,
+            search_index: true,
         }
     }
 }
@@ -131,6 +136,8 @@ struct Inner {
     /// or turned off since): their records' passes read those calls into
     /// the history.
     left_open: Mutex<std::collections::HashSet<String>>,
+    /// The search indexer, on the node holding its lease.
+    search: tokio::sync::Mutex<search::Indexer>,
 }
 
 /// Set when [`Engine::run`] stops claiming: passes already running finish
@@ -282,6 +289,7 @@ impl Engine {
                 committer,
                 intents,
                 left_open,
+                search: tokio::sync::Mutex::default(),
                 db,
                 config,
                 group_caps,

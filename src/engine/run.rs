@@ -135,6 +135,7 @@ impl Engine {
         let resumer = tokio::spawn(self.clone().resume_loop(shutdown.clone()));
         let scheduler = tokio::spawn(self.clone().schedule_loop(shutdown.clone()));
         let purger = tokio::spawn(self.clone().purge_loop(shutdown.clone()));
+        let indexer = tokio::spawn(self.clone().search_loop(shutdown.clone()));
         let listen = match &i.db {
             Db::Postgres(pg) => {
                 let (pg, engine, stop) = (pg.clone(), self.clone(), shutdown.clone());
@@ -281,6 +282,18 @@ impl Engine {
         }
         purger.abort();
         let _ = purger.await;
+        // The indexer gives its lease back when it sees the shutdown.
+        let mut indexer = indexer;
+        if tokio::time::timeout(Duration::from_secs(5), &mut indexer)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the search indexer's batch outlasted 5 s of shutdown; stopped, its lease lapses"
+            );
+            indexer.abort();
+            let _ = indexer.await;
+        }
         if let Some(l) = listen {
             l.abort();
             let _ = l.await;

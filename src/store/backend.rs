@@ -35,6 +35,7 @@ use super::{ClaimRequest, Claimed, StoreResult};
 /// carry, bounds on the database's own associated types, are here.
 pub trait SqlDb:
     Database<Row: MapRow, Arguments: IntoArguments<Self>, QueryResult: RowsAffected>
+    + sqlx::database::HasStatementCache
 {
     /// What the store holds to reach the database (its connection pools).
     type Pools: Clone + Debug + Send + Sync + 'static;
@@ -173,6 +174,7 @@ pub struct Statements {
     pub(crate) insert_records: Cached,
     pub(crate) step_runs_of: Cached,
     pub(crate) claim: Cached,
+    pub(crate) index_records: Cached,
 }
 
 impl Statements {
@@ -190,6 +192,7 @@ impl Statements {
             insert_records: Cached::new(),
             step_runs_of: Cached::new(),
             claim: Cached::new(),
+            index_records: Cached::new(),
         }
     }
 }

@@ -7,6 +7,7 @@ use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
 
 use super::backend::{BindJson, RowsAffected, SqlDb};
+use super::batch::Dialect;
 use super::counts::CountDeltas;
 use super::filter::{push_audit_filter, push_record_filter};
 use super::rows::{
@@ -144,15 +145,79 @@ where
         }
         // The newest 50, read in one statement.
         let ids: Vec<i64> = ids.into_iter().rev().take(50).collect();
-        let sql = format!(
-            "SELECT {RECORD_COLUMNS} FROM records WHERE id {} ORDER BY id DESC",
-            Self::in_ids()
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind_json(&ids)
-            .fetch_all(self.reader())
-            .await?;
-        map_all(&rows, MapRow::record)
+        self.records_by_ids(&ids).await
+    }
+
+    async fn search_records(&self, q: &str, limit: u32) -> StoreResult<Vec<Record>> {
+        use crate::domain::search;
+        let limit = i64::from(limit.clamp(1, super::MAX_PAGE));
+        let ids: Vec<i64> = match DB::DIALECT {
+            // FTS5 walks a word's entries newest first and stops at the
+            // limit, however common the word.
+            Dialect::Sqlite => {
+                let Some(query) = search::fts5_query(q) else {
+                    return Ok(Vec::new());
+                };
+                sqlx::query_scalar(
+                    "SELECT rowid FROM record_search WHERE record_search MATCH $1 \
+                     ORDER BY rowid DESC LIMIT $2",
+                )
+                .bind(query)
+                .bind(limit)
+                .fetch_all(self.reader())
+                .await?
+            }
+            // A GIN index has no order: read through it, every match is
+            // read before the newest are known (fast for a rare word, not
+            // for one in a fifth of the records); read newest first with
+            // the words as a filter, a word that matches nothing reads
+            // every document. So: the newest documents first, a bounded
+            // number of them (enough for any word in more than one
+            // document in 200); then, if the page is not full, every match
+            // below those from the index.
+            Dialect::Postgres => {
+                let Some(query) = search::tsquery(q) else {
+                    return Ok(Vec::new());
+                };
+                // The bound is sent as a value, so that each statement is
+                // planned knowing how many documents lie on each side.
+                let top: Option<i64> =
+                    sqlx::query_scalar("SELECT MAX(record_id) FROM record_search")
+                        .fetch_one(self.reader())
+                        .await?;
+                let floor = top.unwrap_or(0) - search::NEWEST_FIRST;
+                let mut ids: Vec<i64> = sqlx::query_scalar(
+                    "SELECT record_id FROM record_search \
+                     WHERE record_id > $3 AND doc @@ to_tsquery('simple', $1) \
+                     ORDER BY record_id DESC LIMIT $2",
+                )
+                .bind(query.clone())
+                .bind(limit)
+                .bind(floor)
+                .persistent(false)
+                .fetch_all(self.reader())
+                .await?;
+                if (ids.len() as i64) < limit {
+                    // Materialised: every match, found through the index,
+                    // then the newest of them.
+                    let older: Vec<i64> = sqlx::query_scalar(
+                        "WITH hits AS MATERIALIZED (SELECT record_id FROM record_search \
+                         WHERE doc @@ to_tsquery('simple', $1)) \
+                         SELECT record_id FROM hits WHERE record_id <= $3 \
+                         ORDER BY record_id DESC LIMIT $2",
+                    )
+                    .bind(query)
+                    .bind(limit - ids.len() as i64)
+                    .bind(floor)
+                    .persistent(false)
+                    .fetch_all(self.reader())
+                    .await?;
+                    ids.extend(older);
+                }
+                ids
+            }
+        };
+        self.records_by_ids(&ids).await
     }
 
     async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
@@ -1885,6 +1950,15 @@ where
         .execute(&mut *tx)
         .await?;
         purged.events = i64::try_from(events.rows_affected()).unwrap_or(i64::MAX);
+        if DB::DIALECT == Dialect::Sqlite {
+            // PostgreSQL's documents go with their record (a foreign key).
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM record_search WHERE rowid {in_ids}"
+            )))
+            .bind_json(&ids)
+            .execute(&mut *tx)
+            .await?;
+        }
         // Attempts, steps, versions, confirmations, intents and callbacks
         // go with their record (ON DELETE CASCADE).
         let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -2061,6 +2135,85 @@ where
         Ok(())
     }
 
+    async fn search_progress(&self) -> StoreResult<i64> {
+        let at: i64 = sqlx::query_scalar("SELECT event_id FROM search_progress WHERE id = 1")
+            .fetch_one(self.reader())
+            .await?;
+        Ok(at)
+    }
+
+    async fn search_events(
+        &self,
+        after: i64,
+        gaps: &[i64],
+        limit: u32,
+    ) -> StoreResult<Vec<crate::domain::search::SeenEvent>> {
+        let read = |row: &DB::Row| -> StoreResult<crate::domain::search::SeenEvent> {
+            Ok(crate::domain::search::SeenEvent {
+                id: row.try_get(0)?,
+                record: row.try_get(1)?,
+                at: row.try_get(2)?,
+            })
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT id, {SEARCH_RECORD}, at FROM events WHERE id > $1 ORDER BY id LIMIT $2"
+        )))
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(self.reader())
+        .await?;
+        let mut out = map_all(&rows, read)?;
+        if !gaps.is_empty() {
+            let sql = format!(
+                "SELECT id, {SEARCH_RECORD}, at FROM events WHERE id {}",
+                Self::in_ids()
+            );
+            let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind_json(gaps)
+                .fetch_all(self.reader())
+                .await?;
+            out.extend(map_all(&rows, read)?);
+        }
+        Ok(out)
+    }
+
+    async fn index_records(&self, records: &[i64], settled: i64) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        let in_ids = Self::in_ids();
+        let indexed = if records.is_empty() {
+            0
+        } else {
+            if DB::DIALECT == Dialect::Sqlite {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DELETE FROM record_search WHERE rowid {in_ids}"
+                )))
+                .bind_json(records)
+                .execute(&mut *tx)
+                .await?;
+            }
+            let sql = DB::statements()
+                .index_records
+                .get(|| index_sql(DB::DIALECT, &Self::in_ids()));
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind_json(records)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+        };
+        let max = match DB::DIALECT {
+            Dialect::Sqlite => "max",
+            Dialect::Postgres => "GREATEST",
+        };
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE search_progress SET event_id = {max}(event_id, $1) WHERE id = 1"
+        )))
+        .bind(settled)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(indexed)
+    }
+
     async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM webhook_deliveries WHERE provider = $1 AND delivery_id = $2")
@@ -2139,5 +2292,60 @@ where
         .await?;
         tx.commit().await?;
         Ok(a.rows_affected() + b.rows_affected() + c.rows_affected())
+    }
+}
+
+/// An event's record, for the search indexer: none for those that change
+/// nothing a record is searched by (a claim, a lease given back or run
+/// out), so they cost the indexer no document.
+const SEARCH_RECORD: &str =
+    "CASE WHEN kind IN ('claimed', 'released', 'lease_expired') THEN NULL ELSE record_id END";
+
+/// The statement that (re)writes the search documents of the records in
+/// the JSON array `$1` (those that still exist): the words of the key,
+/// reason, error code and input values, and of each step's output values,
+/// reason, error code and job id, the first 64 KiB of them (JSON keys are
+/// not words of the record).
+fn index_sql(dialect: Dialect, in_ids: &str) -> String {
+    match dialect {
+        Dialect::Sqlite => {
+            let values = |doc: &str| {
+                format!(
+                    "(SELECT group_concat(t.value, ' ') FROM json_tree(CASE WHEN json_valid({doc}) THEN {doc} END) t \
+                     WHERE t.type IN ('text', 'integer', 'real'))"
+                )
+            };
+            format!(
+                "INSERT INTO record_search (rowid, body) \
+                 SELECT r.id, substr(concat_ws(' ', r.external_key, r.reason, r.error_code, {input}, \
+                     (SELECT group_concat(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
+                      FROM step_runs s WHERE s.record_id = r.id)), 1, 65536) \
+                 FROM records r WHERE r.id {in_ids}",
+                input = values("r.input"),
+                output = values("s.output"),
+            )
+        }
+        Dialect::Postgres => {
+            let values = |doc: &str| {
+                format!(
+                    "(SELECT string_agg(v #>> '{{}}', ' ') FROM jsonb_path_query({doc}, \
+                     'strict $.** ? (@.type() == \"string\" || @.type() == \"number\")') v)"
+                )
+            };
+            format!(
+                "INSERT INTO record_search (record_id, doc) \
+                 SELECT r.id, to_tsvector('simple', left(concat_ws(' ', r.external_key, r.reason, \
+                     r.error_code, {input}, \
+                     (SELECT string_agg(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
+                      FROM step_runs s WHERE s.record_id = r.id)), 65536)) \
+                 FROM records r \
+                 WHERE r.id {in_ids} \
+                 ORDER BY r.id FOR KEY SHARE OF r \
+                 ON CONFLICT (record_id) DO UPDATE SET doc = excluded.doc \
+                 WHERE record_search.doc IS DISTINCT FROM excluded.doc",
+                input = values("r.input"),
+                output = values("s.output"),
+            )
+        }
     }
 }

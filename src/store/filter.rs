@@ -19,8 +19,12 @@ pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
         f.until.is_some() && f.until != Some(UntilKind::Never),
     ];
     let n = set.iter().filter(|b| **b).count();
-    // No index orders records by id among those with a condition.
-    if matches!(f.until, Some(UntilKind::Time | UntilKind::Provider)) {
+    // No index orders records by id among those with a condition, or
+    // those in a span of time.
+    if matches!(f.until, Some(UntilKind::Time | UntilKind::Provider))
+        || f.created.is_set()
+        || f.updated.is_set()
+    {
         return true;
     }
     // (pipeline, state) has its own index.
@@ -75,6 +79,14 @@ pub(crate) fn push_record_filter<DB>(
         qb.push(" AND external_key >= ").push_bind(prefix.clone());
         qb.push(" AND external_key < ")
             .push_bind(format!("{prefix}\u{10FFFF}"));
+    }
+    for (column, range) in [("created_at", f.created), ("updated_at", f.updated)] {
+        if let Some(from) = range.from {
+            qb.push(format_args!(" AND {column} >= ")).push_bind(from);
+        }
+        if let Some(to) = range.to {
+            qb.push(format_args!(" AND {column} < ")).push_bind(to);
+        }
     }
     if let Some(before) = f.before {
         qb.push(" AND id < ").push_bind(before);

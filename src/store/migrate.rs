@@ -41,6 +41,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     11 "0011_attempt_intents" "attempt_intents",
     12 "0012_schedules" "schedules",
     13 "0013_retention" "retention",
+    14 "0014_search" "search",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -56,6 +57,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     11 "0011_attempt_intents" "attempt_intents",
     12 "0012_schedules" "schedules",
     13 "0013_retention" "retention",
+    14 "0014_search" "search",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -219,9 +219,27 @@ pub struct RecordFilter {
     /// Parked records by their resume condition (`Never`: parked with
     /// none, waiting for a human).
     pub until: Option<crate::domain::park::UntilKind>,
+    /// Created in this span (`created_at`).
+    pub created: TimeRange,
+    /// Last changed in this span (`updated_at`).
+    pub updated: TimeRange,
     /// Only records with an id below this (the previous page's `next`).
     pub before: Option<i64>,
     pub limit: u32,
+}
+
+/// A span of time: from `from` (inclusive) to `to` (exclusive), either
+/// end open.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TimeRange {
+    pub from: Option<UnixMs>,
+    pub to: Option<UnixMs>,
+}
+
+impl TimeRange {
+    pub fn is_set(&self) -> bool {
+        self.from.is_some() || self.to.is_some()
+    }
 }
 
 /// Filters for the audit log (operator actions only).
@@ -610,6 +628,13 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         q: &str,
         providers: &[String],
+    ) -> impl Future<Output = StoreResult<Vec<Record>>> + Send;
+    /// Records holding every word of `q` (see `domain::search`), newest
+    /// first, at most `limit`: as far as the search indexer has come.
+    fn search_records(
+        &self,
+        q: &str,
+        limit: u32,
     ) -> impl Future<Output = StoreResult<Vec<Record>>> + Send;
     fn list_records(
         &self,
@@ -1034,6 +1059,27 @@ pub trait Store: Clone + Send + Sync + 'static {
         name: &str,
         owner: &str,
     ) -> impl Future<Output = StoreResult<()>> + Send;
+
+    // --- word search -----------------------------------------------------
+    /// Where the search indexer stopped: every event up to this id has
+    /// been indexed or given up on (`domain::search::Progress`).
+    fn search_progress(&self) -> impl Future<Output = StoreResult<i64>> + Send;
+    /// The events above `after` (the first `limit`, by id) and those of
+    /// `gaps` that are there now.
+    fn search_events(
+        &self,
+        after: i64,
+        gaps: &[i64],
+        limit: u32,
+    ) -> impl Future<Output = StoreResult<Vec<crate::domain::search::SeenEvent>>> + Send;
+    /// Writes the search documents of `records` anew (those purged are
+    /// skipped) and moves the stored progress up to `settled`, in one
+    /// transaction; returns the documents written.
+    fn index_records(
+        &self,
+        records: &[i64],
+        settled: i64,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
 }
 
 /// Connection settings shared by both backends.
@@ -1226,6 +1272,10 @@ forward! {
     fn strip_bodies(&self, pipeline: &str, finished_before: UnixMs, limit: u32, run: &PurgeRun) -> (i64, bool, Option<i64>);
     fn take_task_lease(&self, name: &str, owner: &str, until: UnixMs, now: UnixMs) -> bool;
     fn release_task_lease(&self, name: &str, owner: &str) -> ();
+    fn search_records(&self, q: &str, limit: u32) -> Vec<Record>;
+    fn search_progress(&self) -> i64;
+    fn search_events(&self, after: i64, gaps: &[i64], limit: u32) -> Vec<crate::domain::search::SeenEvent>;
+    fn index_records(&self, records: &[i64], settled: i64) -> u64;
 }
 
 /// An event row as the store writes it, transitions included.

@@ -148,6 +148,23 @@ where
         }
     }
 
+    /// The records of `ids` (those that exist), newest first, in one
+    /// statement.
+    pub(crate) async fn records_by_ids(&self, ids: &[i64]) -> StoreResult<Vec<Record>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE id {} ORDER BY id DESC",
+            Self::in_ids()
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind_json(ids)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::record)
+    }
+
     /// `IN` a JSON array of ids bound as `$1`, through the key's index
     /// (see [`SqlDb::ANY_OF`]).
     pub(crate) fn in_ids() -> String {

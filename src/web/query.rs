@@ -5,7 +5,7 @@ use serde::Deserialize;
 
 use crate::domain::RecordState;
 use crate::domain::park::UntilKind;
-use crate::store::{MAX_PAGE, RecordFilter};
+use crate::store::{MAX_PAGE, RecordFilter, TimeRange};
 use crate::web::error::{WebError, WebResult};
 
 /// The list's filters, as the form and the API send them. Empty fields
@@ -21,6 +21,13 @@ pub struct ListQuery {
     pub q: Option<String>,
     /// Parked records by resume condition: `time`, `provider`, `never`.
     pub until: Option<String>,
+    /// Created from / until, UTC (`2026-12-02`, `2026-12-02T09:30`, RFC
+    /// 3339); a bare date as the end takes in that whole day.
+    pub created_from: Option<String>,
+    pub created_to: Option<String>,
+    /// Last changed from / until, likewise.
+    pub updated_from: Option<String>,
+    pub updated_to: Option<String>,
     pub before: Option<i64>,
     pub limit: Option<u32>,
 }
@@ -133,6 +140,8 @@ impl ListQuery {
             error_code: non_empty(&self.error_code),
             key_prefix: non_empty(&self.q),
             until,
+            created: span("created", &self.created_from, &self.created_to)?,
+            updated: span("updated", &self.updated_from, &self.updated_to)?,
             before: self.before,
             limit: self.limit.unwrap_or(50).min(MAX_PAGE),
         })
@@ -149,6 +158,10 @@ impl ListQuery {
             ("error_code", &self.error_code),
             ("q", &self.q),
             ("until", &self.until),
+            ("created_from", &self.created_from),
+            ("created_to", &self.created_to),
+            ("updated_from", &self.updated_from),
+            ("updated_to", &self.updated_to),
         ] {
             if let Some(v) = non_empty(v) {
                 s.append_pair(k, &v);
@@ -156,4 +169,33 @@ impl ListQuery {
         }
         s.finish()
     }
+}
+
+/// A span from a filter's `<what>_from` and `<what>_to`: each a UTC moment
+/// as [`parse_utc`](crate::domain::time::parse_utc) reads it; a bare date
+/// as the end means the end of that day.
+fn span(what: &str, from: &Option<String>, to: &Option<String>) -> WebResult<TimeRange> {
+    use crate::domain::time::parse_utc;
+    let read = |end: &str, v: &Option<String>| -> WebResult<Option<i64>> {
+        let Some(text) = non_empty(v) else {
+            return Ok(None);
+        };
+        let at = parse_utc(&text)
+            .map_err(|e| WebError::bad("bad_filter", format!("`{what}_{end}`: {e}")))?;
+        let whole_day = end == "to" && text.len() == 10 && !text.contains(['T', ' ']);
+        Ok(Some(if whole_day { at + 86_400_000 } else { at }))
+    };
+    let range = TimeRange {
+        from: read("from", from)?,
+        to: read("to", to)?,
+    };
+    if let (Some(a), Some(b)) = (range.from, range.to) {
+        if a >= b {
+            return Err(WebError::bad(
+                "bad_filter",
+                format!("`{what}_from` must come before `{what}_to`"),
+            ));
+        }
+    }
+    Ok(range)
 }

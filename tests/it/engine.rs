@@ -4728,3 +4728,293 @@ async fn sqlite_retention_removes_what_finished_and_keeps_the_rest() {
 async fn postgres_retention_removes_what_finished_and_keeps_the_rest() {
     retention_removes_what_finished_and_keeps_the_rest(Backend::Postgres).await;
 }
+
+/// Issue 20 item 3: the words of a record's input values, step outputs,
+/// reasons and error codes find it once the search indexer has read its
+/// events (not before: the index is behind the commits), newest first,
+/// every word required, case aside, `*` for a prefix; a purged record's
+/// document goes with it, and one node at a time indexes.
+async fn word_search_finds_records_by_what_they_hold(backend: Backend) {
+    use ballast::engine::retention::{PurgeOptions, purge};
+    let Some(t) = TestDb::migrated(backend, "search").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(5)).await.unwrap();
+    let toml = format!(
+        r#"[pipelines.pay]
+retain = "1h"
+
+[pipelines.bad]
+
+[[pipelines.bad.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/nowhere" }}
+{}
+[[providers.sim.rules]]
+when = {{ status = "4xx" }}
+outcome = "fail"
+"#,
+        single_step_toml(&sim.base_url(), "")
+    );
+    let config = Arc::new(Config::parse(&toml, Path::new("search.toml")).unwrap());
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "s1").await;
+    let olga = json!({"customer": {"email": "olga.petrova@example.com", "city": "Tromsø"}, "amount": 4242});
+    let ana = json!({"customer": {"name": "Ana Lima", "city": "Lisbon"}});
+    let office = json!({"note": "the Lisbon office", "customer": "ana"});
+    let mut ids = Vec::new();
+    for (key, input) in [("k-0", olga), ("k-1", ana), ("k-2", office)] {
+        ids.push(
+            engine
+                .enqueue("pay", Some(key), input)
+                .await
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    let failing = engine
+        .enqueue("bad", Some("b-0"), json!({"plan": "gold"}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let held = engine
+        .enqueue_at(
+            "pay",
+            Some("k-3"),
+            json!({"city": "Lisbon"}),
+            clock.now_ms() + 86_400_000,
+        )
+        .await
+        .unwrap()
+        .record
+        .id;
+    let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
+    ops.act(
+        held,
+        ballast::domain::OperatorAction::Park,
+        "olga",
+        Some("vendor ticket 4711".into()),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    drive_at_rest(&engine, &clock, 5, 100, 60_000).await;
+    let found = async |q: &str| -> Vec<i64> {
+        t.db.search_records(q, 50)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.id)
+            .collect()
+    };
+    // Nothing is searchable by its words until the indexer has run.
+    assert_eq!(found("Lisbon").await, Vec::<i64>::new());
+    let index = async |engine: &Engine| {
+        // Events are read once they are LAG_MS old.
+        clock.advance(ballast::domain::search::LAG_MS as u64);
+        let mut total = 0;
+        loop {
+            let turn = engine
+                .index_search_once(clock.now_ms())
+                .await
+                .unwrap()
+                .expect("the lease");
+            total += turn.records;
+            if !turn.more {
+                return total;
+            }
+        }
+    };
+    assert_eq!(index(&engine).await, 5, "each record once");
+    let (k0, k1, k2) = (ids[0], ids[1], ids[2]);
+    assert_eq!(found("Lisbon").await, vec![held, k2, k1]);
+    assert_eq!(found("lisbon ANA").await, vec![k2, k1]);
+    assert_eq!(found("Lis*").await, vec![held, k2, k1]);
+    assert_eq!(
+        found("Lis").await,
+        Vec::<i64>::new(),
+        "whole words without a `*`"
+    );
+    assert_eq!(found("olga.petrova@example.com").await, vec![k0]);
+    assert_eq!(found("Tromsø 4242").await, vec![k0]);
+    assert_eq!(found("4711").await, vec![held], "an operator's reason");
+    assert_eq!(
+        found("customer").await,
+        Vec::<i64>::new(),
+        "JSON keys are not words"
+    );
+    assert_eq!(found("  ;; ").await, Vec::<i64>::new());
+    assert_eq!(found("\"'\\ *").await, Vec::<i64>::new());
+    // A step's output and job id, and a failure's error code.
+    let steps = t.db.step_runs(k0).await.unwrap();
+    let out = steps[0].output.as_ref().expect("an output")["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(found(&out).await.contains(&k0), "output {out}");
+    let bad = t.db.get_record(failing).await.unwrap().unwrap();
+    let code = bad.error_code.clone().expect("an error code");
+    assert!(found(&code).await.contains(&failing), "{code}");
+    // The progress stored is every event read.
+    let top: i64 =
+        t.db.search_events(0, &[], 100_000)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.id)
+            .max()
+            .unwrap();
+    assert_eq!(t.db.search_progress().await.unwrap(), top);
+    // Another node does not index while this one holds the lease.
+    let (other, _) = manual_engine(&t.db, config.clone(), "s2").await;
+    assert_eq!(other.index_search_once(clock.now_ms()).await.unwrap(), None);
+    // A record that changes is indexed again: the parked one, resumed and
+    // cancelled with a new reason.
+    ops.act(
+        held,
+        ballast::domain::OperatorAction::Cancel,
+        "olga",
+        Some("duplicate of 9931".into()),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(index(&engine).await, 1);
+    assert_eq!(found("9931").await, vec![held]);
+    // Purged records are no longer found; the document goes with them.
+    clock.advance(7_200_000);
+    let opts = PurgeOptions {
+        actor: "test".into(),
+        ..PurgeOptions::default()
+    };
+    let report = purge(&t.db, &config, clock.now_ms(), &opts).await.unwrap();
+    assert_eq!(report.total().records, 4, "{report:?}");
+    assert_eq!(found("Lisbon").await, Vec::<i64>::new());
+    assert_eq!(found("gold").await, vec![failing], "no `retain` on `bad`");
+    index(&engine).await;
+    assert_eq!(found("Lisbon").await, Vec::<i64>::new());
+    assert_eq!(found("9931").await, Vec::<i64>::new());
+    assert_eq!(
+        found("4711").await,
+        Vec::<i64>::new(),
+        "indexed anew when cancelled"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_word_search_finds_records_by_what_they_hold() {
+    word_search_finds_records_by_what_they_hold(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_word_search_finds_records_by_what_they_hold() {
+    word_search_finds_records_by_what_they_hold(Backend::Postgres).await;
+}
+
+/// On PostgreSQL an event can become visible after one with a higher id
+/// (its transaction commits later): the indexer reads on, remembers the
+/// id it skipped and indexes that record once its transaction commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_word_search_indexes_an_event_committed_late() {
+    use sqlx::Connection;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "search-late").await else {
+        return;
+    };
+    let toml = single_step_toml("http://127.0.0.1:9", "");
+    let config = Arc::new(Config::parse(&toml, Path::new("late.toml")).unwrap());
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "s1").await;
+    let later = clock.now_ms() + 86_400_000;
+    let slow = engine
+        .enqueue_at("pay", Some("slow"), json!({"w": "first"}), later)
+        .await
+        .unwrap()
+        .record
+        .id;
+    let fast = engine
+        .enqueue_at("pay", Some("fast"), json!({"w": "second"}), later)
+        .await
+        .unwrap()
+        .record
+        .id;
+    // Too new to be read yet: a record's burst of events is read at once.
+    let turn = engine
+        .index_search_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(turn.records, 0);
+    // A transaction takes an event id and changes `slow`, and stays open
+    // while another commits a higher one for `fast`.
+    let mut open = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let mut tx = open.begin().await.unwrap();
+    let event = "INSERT INTO events (record_id, at, kind, actor) VALUES ($1, $2, 'test', 'test')";
+    sqlx::query(event)
+        .bind(slow)
+        .bind(clock.now_ms())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE records SET input = '{\"w\": \"zebra\"}' WHERE id = $1")
+        .bind(slow)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut other = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    sqlx::query(event)
+        .bind(fast)
+        .bind(clock.now_ms())
+        .execute(&mut other)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE records SET input = '{\"w\": \"yak\"}' WHERE id = $1")
+        .bind(fast)
+        .execute(&mut other)
+        .await
+        .unwrap();
+    clock.advance(ballast::domain::search::LAG_MS as u64);
+    let turn = engine
+        .index_search_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(turn.records, 2, "both records, once each");
+    let found = async |q: &str| -> Vec<i64> {
+        t.db.search_records(q, 50)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.id)
+            .collect()
+    };
+    assert_eq!(found("yak").await, vec![fast]);
+    assert_eq!(found("zebra").await, Vec::<i64>::new());
+    let stored = t.db.search_progress().await.unwrap();
+    tx.commit().await.unwrap();
+    let turn = engine
+        .index_search_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(turn.records, 1, "the late event's record");
+    assert_eq!(found("zebra").await, vec![slow]);
+    assert!(
+        t.db.search_progress().await.unwrap() > stored,
+        "settled past the gap"
+    );
+    // A node that takes over reads on from what was stored.
+    let (next, _) = manual_engine(&t.db, config, "s2").await;
+    clock.advance(120_000);
+    assert_eq!(
+        next.index_search_once(clock.now_ms())
+            .await
+            .unwrap()
+            .unwrap()
+            .records,
+        0
+    );
+}

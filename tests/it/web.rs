@@ -2299,9 +2299,19 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id(backend: Backend) {
     }
     let none = go("nothing-like-it").await.text().await.unwrap();
     assert!(
-        none.contains("No record has that id, key or job id."),
+        none.contains("No record holds those words, and none has that id, key or job id."),
         "{none}"
     );
+    // Words: once indexed, the records holding them, newest first (`lead`
+    // is no record's key, and in each one's key or input).
+    app.t.db.index_records(&[a, other, twin], 0).await.unwrap();
+    let worded = go("lead").await.text().await.unwrap();
+    let at = |id: i64| {
+        worded
+            .find(&format!("href=\"/records/{id}\""))
+            .unwrap_or_else(|| panic!("{id} listed: {worded}"))
+    };
+    assert!(at(twin) < at(other) && at(other) < at(a), "{worded}");
     let empty = go("").await;
     assert_eq!(empty.status(), 303);
     assert_eq!(empty.headers()["location"], "/records");
@@ -2315,4 +2325,98 @@ async fn sqlite_the_search_box_finds_a_record_by_id_key_or_job_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_the_search_box_finds_a_record_by_id_key_or_job_id() {
     the_search_box_finds_a_record_by_id_key_or_job_id(Backend::Postgres).await;
+}
+
+/// Issue 20 item 3: the records page (and the API's list) takes a
+/// created and an updated date range; a bare date as the end takes in
+/// that whole day; a date it cannot read is a clear error.
+async fn the_records_list_filters_by_created_and_updated_dates(backend: Backend) {
+    let Some(app) = WebApp::spawn(backend, "dates", "").await else {
+        return;
+    };
+    app.user("vera", Role::Viewer).await;
+    let login = app.login("vera").await;
+    // 2026-11-28, 2026-11-30 and 2026-12-01, at noon UTC.
+    let day = 86_400_000;
+    let noon = |d: i64| 1_795_867_200_000 + d * day;
+    let mut ids = Vec::new();
+    for (key, created) in [("d-28", noon(0)), ("d-30", noon(2)), ("d-01", noon(3))] {
+        let new = NewRecord {
+            pipeline: "manual".into(),
+            group: None,
+            pipeline_version: None,
+            external_key: Some(key.into()),
+            input: json!({}),
+            run_at: created + 3_600_000,
+        };
+        ids.push(
+            app.t
+                .db
+                .create_record(new, created)
+                .await
+                .unwrap()
+                .record
+                .id,
+        );
+    }
+    let (d28, d30, d01) = (ids[0], ids[1], ids[2]);
+    let listed = async |query: &str| -> Vec<i64> {
+        let r = app.get(&format!("/records?{query}"), Some(&login)).await;
+        assert_eq!(r.status(), 200, "{query}");
+        let page = r.text().await.unwrap();
+        ids.iter()
+            .copied()
+            .filter(|id| page.contains(&format!("href=\"/records/{id}\"")))
+            .collect()
+    };
+    assert_eq!(listed("created_from=2026-11-30").await, vec![d30, d01]);
+    assert_eq!(
+        listed("created_to=2026-11-30").await,
+        vec![d28, d30],
+        "the whole day"
+    );
+    assert_eq!(
+        listed("created_from=2026-11-29&created_to=2026-11-30T12:00").await,
+        Vec::<i64>::new(),
+        "the end itself is not in"
+    );
+    assert_eq!(
+        listed("created_from=2026-11-30T11:59Z&created_to=2026-11-30T12:01").await,
+        vec![d30]
+    );
+    assert_eq!(
+        listed("updated_from=2026-12-01&state=pending").await,
+        vec![d01]
+    );
+    assert_eq!(listed("updated_to=2026-11-27").await, Vec::<i64>::new());
+    for (query, says) in [
+        ("created_from=yesterday", "created_from"),
+        (
+            "updated_from=2026-12-02&updated_to=2026-12-01",
+            "before `updated_to`",
+        ),
+    ] {
+        let bad = app.get(&format!("/records?{query}"), Some(&login)).await;
+        assert_eq!(bad.status(), 400, "{query}");
+        let text = bad.text().await.unwrap();
+        assert!(text.contains(says), "{query}: {text}");
+    }
+    // The list's links carry the range (the next page, the exports).
+    let page = app
+        .get("/records?created_from=2026-11-30", Some(&login))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("created_from=2026-11-30"), "{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_the_records_list_filters_by_created_and_updated_dates() {
+    the_records_list_filters_by_created_and_updated_dates(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_records_list_filters_by_created_and_updated_dates() {
+    the_records_list_filters_by_created_and_updated_dates(Backend::Postgres).await;
 }

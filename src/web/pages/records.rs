@@ -155,11 +155,15 @@ struct SearchQuery {
 struct SearchPage {
     nav: Nav,
     q: String,
-    rows: Vec<RecordRow>,
+    /// Named by id, key or job id.
+    named: Vec<RecordRow>,
+    /// Holding the words.
+    worded: Vec<RecordRow>,
 }
 
 /// The header's search box: the record a query names by id, key or
-/// provider job id; straight to it when it is one.
+/// provider job id (straight to it when it is one), and the newest
+/// records holding its words.
 async fn search(
     caller: Authed<Viewer>,
     State(state): State<AppState>,
@@ -170,14 +174,16 @@ async fn search(
         return Ok(Redirect::to("/records").into_response());
     }
     let providers: Vec<String> = state.config.providers.keys().cloned().collect();
-    let found = state.db.find_records(&q, &providers).await?;
-    if let [one] = found.as_slice() {
+    let named = state.db.find_records(&q, &providers).await?;
+    if let [one] = named.as_slice() {
         return Ok(Redirect::to(&format!("/records/{}", one.id)).into_response());
     }
+    let worded = state.db.search_records(&q, 50).await?;
     html(&SearchPage {
         nav: Nav::new(&caller, "records"),
         q,
-        rows: found.iter().map(RecordRow::from).collect(),
+        named: named.iter().map(RecordRow::from).collect(),
+        worded: worded.iter().map(RecordRow::from).collect(),
     })
 }
 
@@ -718,6 +724,10 @@ struct BulkForm {
     error_code: Option<String>,
     q: Option<String>,
     until: Option<String>,
+    created_from: Option<String>,
+    created_to: Option<String>,
+    updated_from: Option<String>,
+    updated_to: Option<String>,
 }
 
 impl BulkForm {
@@ -730,6 +740,10 @@ impl BulkForm {
             error_code: self.error_code.clone(),
             q: self.q.clone(),
             until: self.until.clone(),
+            created_from: self.created_from.clone(),
+            created_to: self.created_to.clone(),
+            updated_from: self.updated_from.clone(),
+            updated_to: self.updated_to.clone(),
             before: None,
             limit: None,
         }

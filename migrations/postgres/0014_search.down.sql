@@ -1,0 +1,2 @@
+DROP TABLE search_progress;
+DROP TABLE record_search;
