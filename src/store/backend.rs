@@ -35,7 +35,6 @@ use super::{ClaimRequest, Claimed, StoreResult};
 /// carry, bounds on the database's own associated types, are here.
 pub trait SqlDb:
     Database<Row: MapRow, Arguments: IntoArguments<Self>, QueryResult: RowsAffected>
-    + sqlx::database::HasStatementCache
 {
     /// What the store holds to reach the database (its connection pools).
     type Pools: Clone + Debug + Send + Sync + 'static;
@@ -103,6 +102,30 @@ pub trait SqlDb:
     fn next_due_in(
         pools: &Self::Pools,
     ) -> impl Future<Output = StoreResult<Option<crate::domain::UnixMs>>> + Send;
+
+    /// Word search: the ids of the newest `limit` records whose search
+    /// documents hold every word of `q` (`domain::search`), newest first.
+    fn search_ids(
+        pools: &Self::Pools,
+        q: &str,
+        limit: i64,
+    ) -> impl Future<Output = StoreResult<Vec<i64>>> + Send;
+
+    /// Writes the search documents of `records` anew inside `tx` (those
+    /// purged meanwhile are skipped): the words of the key, reason, error
+    /// code and input values, and of each step's output values, reason,
+    /// error code and job id, the first 64 KiB of them (JSON keys are not
+    /// a record's words). Returns the documents written.
+    fn index_in(
+        tx: &mut Transaction<'static, Self>,
+        records: &[i64],
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+
+    /// Removes the search documents of records deleted in `tx`.
+    fn unindex_in(
+        tx: &mut Transaction<'static, Self>,
+        records: &[i64],
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 
     /// This backend's statement texts, built once each (a `static` in a
     /// generic function would be shared by both backends).

@@ -149,74 +149,8 @@ where
     }
 
     async fn search_records(&self, q: &str, limit: u32) -> StoreResult<Vec<Record>> {
-        use crate::domain::search;
         let limit = i64::from(limit.clamp(1, super::MAX_PAGE));
-        let ids: Vec<i64> = match DB::DIALECT {
-            // FTS5 walks a word's entries newest first and stops at the
-            // limit, however common the word.
-            Dialect::Sqlite => {
-                let Some(query) = search::fts5_query(q) else {
-                    return Ok(Vec::new());
-                };
-                sqlx::query_scalar(
-                    "SELECT rowid FROM record_search WHERE record_search MATCH $1 \
-                     ORDER BY rowid DESC LIMIT $2",
-                )
-                .bind(query)
-                .bind(limit)
-                .fetch_all(self.reader())
-                .await?
-            }
-            // A GIN index has no order: read through it, every match is
-            // read before the newest are known (fast for a rare word, not
-            // for one in a fifth of the records); read newest first with
-            // the words as a filter, a word that matches nothing reads
-            // every document. So: the newest documents first, a bounded
-            // number of them (enough for any word in more than one
-            // document in 200); then, if the page is not full, every match
-            // below those from the index.
-            Dialect::Postgres => {
-                let Some(query) = search::tsquery(q) else {
-                    return Ok(Vec::new());
-                };
-                // The bound is sent as a value, so that each statement is
-                // planned knowing how many documents lie on each side.
-                let top: Option<i64> =
-                    sqlx::query_scalar("SELECT MAX(record_id) FROM record_search")
-                        .fetch_one(self.reader())
-                        .await?;
-                let floor = top.unwrap_or(0) - search::NEWEST_FIRST;
-                let mut ids: Vec<i64> = sqlx::query_scalar(
-                    "SELECT record_id FROM record_search \
-                     WHERE record_id > $3 AND doc @@ to_tsquery('simple', $1) \
-                     ORDER BY record_id DESC LIMIT $2",
-                )
-                .bind(query.clone())
-                .bind(limit)
-                .bind(floor)
-                .persistent(false)
-                .fetch_all(self.reader())
-                .await?;
-                if (ids.len() as i64) < limit {
-                    // Materialised: every match, found through the index,
-                    // then the newest of them.
-                    let older: Vec<i64> = sqlx::query_scalar(
-                        "WITH hits AS MATERIALIZED (SELECT record_id FROM record_search \
-                         WHERE doc @@ to_tsquery('simple', $1)) \
-                         SELECT record_id FROM hits WHERE record_id <= $3 \
-                         ORDER BY record_id DESC LIMIT $2",
-                    )
-                    .bind(query)
-                    .bind(limit - ids.len() as i64)
-                    .bind(floor)
-                    .persistent(false)
-                    .fetch_all(self.reader())
-                    .await?;
-                    ids.extend(older);
-                }
-                ids
-            }
-        };
+        let ids = DB::search_ids(&self.pools, q, limit).await?;
         self.records_by_ids(&ids).await
     }
 
@@ -1950,15 +1884,7 @@ where
         .execute(&mut *tx)
         .await?;
         purged.events = i64::try_from(events.rows_affected()).unwrap_or(i64::MAX);
-        if DB::DIALECT == Dialect::Sqlite {
-            // PostgreSQL's documents go with their record (a foreign key).
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DELETE FROM record_search WHERE rowid {in_ids}"
-            )))
-            .bind_json(&ids)
-            .execute(&mut *tx)
-            .await?;
-        }
+        DB::unindex_in(&mut tx, &ids).await?;
         // Attempts, steps, versions, confirmations, intents and callbacks
         // go with their record (ON DELETE CASCADE).
         let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -2179,26 +2105,10 @@ where
 
     async fn index_records(&self, records: &[i64], settled: i64) -> StoreResult<u64> {
         let mut tx = self.begin_write().await?;
-        let in_ids = Self::in_ids();
         let indexed = if records.is_empty() {
             0
         } else {
-            if DB::DIALECT == Dialect::Sqlite {
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DELETE FROM record_search WHERE rowid {in_ids}"
-                )))
-                .bind_json(records)
-                .execute(&mut *tx)
-                .await?;
-            }
-            let sql = DB::statements()
-                .index_records
-                .get(|| index_sql(DB::DIALECT, &Self::in_ids()));
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind_json(records)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
+            DB::index_in(&mut tx, records).await?
         };
         let max = match DB::DIALECT {
             Dialect::Sqlite => "max",
@@ -2300,52 +2210,3 @@ where
 /// out), so they cost the indexer no document.
 const SEARCH_RECORD: &str =
     "CASE WHEN kind IN ('claimed', 'released', 'lease_expired') THEN NULL ELSE record_id END";
-
-/// The statement that (re)writes the search documents of the records in
-/// the JSON array `$1` (those that still exist): the words of the key,
-/// reason, error code and input values, and of each step's output values,
-/// reason, error code and job id, the first 64 KiB of them (JSON keys are
-/// not words of the record).
-fn index_sql(dialect: Dialect, in_ids: &str) -> String {
-    match dialect {
-        Dialect::Sqlite => {
-            let values = |doc: &str| {
-                format!(
-                    "(SELECT group_concat(t.value, ' ') FROM json_tree(CASE WHEN json_valid({doc}) THEN {doc} END) t \
-                     WHERE t.type IN ('text', 'integer', 'real'))"
-                )
-            };
-            format!(
-                "INSERT INTO record_search (rowid, body) \
-                 SELECT r.id, substr(concat_ws(' ', r.external_key, r.reason, r.error_code, {input}, \
-                     (SELECT group_concat(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
-                      FROM step_runs s WHERE s.record_id = r.id)), 1, 65536) \
-                 FROM records r WHERE r.id {in_ids}",
-                input = values("r.input"),
-                output = values("s.output"),
-            )
-        }
-        Dialect::Postgres => {
-            let values = |doc: &str| {
-                format!(
-                    "(SELECT string_agg(v #>> '{{}}', ' ') FROM jsonb_path_query({doc}, \
-                     'strict $.** ? (@.type() == \"string\" || @.type() == \"number\")') v)"
-                )
-            };
-            format!(
-                "INSERT INTO record_search (record_id, doc) \
-                 SELECT r.id, to_tsvector('simple', left(concat_ws(' ', r.external_key, r.reason, \
-                     r.error_code, {input}, \
-                     (SELECT string_agg(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
-                      FROM step_runs s WHERE s.record_id = r.id)), 65536)) \
-                 FROM records r \
-                 WHERE r.id {in_ids} \
-                 ORDER BY r.id FOR KEY SHARE OF r \
-                 ON CONFLICT (record_id) DO UPDATE SET doc = excluded.doc \
-                 WHERE record_search.doc IS DISTINCT FROM excluded.doc",
-                input = values("r.input"),
-                output = values("s.output"),
-            )
-        }
-    }
-}

@@ -300,6 +300,98 @@ impl SqlDb for Postgres {
             .await?)
     }
 
+    /// A GIN index has no order: read through it, every match is read
+    /// before the newest are known (fast for a rare word, not for one in
+    /// a fifth of the records); read newest first with the words as a
+    /// filter, a word that matches nothing reads every document. So: the
+    /// newest documents first, a bounded number of them (enough for any
+    /// word in more than one document in 200); then, if the page is not
+    /// full, every match below those through the index. Each statement is
+    /// planned for its values (`plan_cache_mode`).
+    async fn search_ids(pool: &PgPool, q: &str, limit: i64) -> StoreResult<Vec<i64>> {
+        use crate::domain::search;
+        let Some(query) = search::tsquery(q) else {
+            return Ok(Vec::new());
+        };
+        let top: Option<i64> = sqlx::query_scalar("SELECT MAX(record_id) FROM record_search")
+            .fetch_one(pool)
+            .await?;
+        let floor = top.unwrap_or(0) - search::NEWEST_FIRST;
+        let mut ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT record_id FROM record_search \
+             WHERE record_id > $3 AND doc @@ to_tsquery('simple', $1) \
+             ORDER BY record_id DESC LIMIT $2",
+        )
+        .bind(&query)
+        .bind(limit)
+        .bind(floor)
+        .fetch_all(pool)
+        .await?;
+        if (ids.len() as i64) < limit {
+            // Materialised: every match, found through the index, then
+            // the newest of them (not a walk down the ids the planner may
+            // prefer for a word it thinks common).
+            let older: Vec<i64> = sqlx::query_scalar(
+                "WITH hits AS MATERIALIZED (SELECT record_id FROM record_search \
+                 WHERE doc @@ to_tsquery('simple', $1)) \
+                 SELECT record_id FROM hits WHERE record_id <= $3 \
+                 ORDER BY record_id DESC LIMIT $2",
+            )
+            .bind(&query)
+            .bind(limit - ids.len() as i64)
+            .bind(floor)
+            .fetch_all(pool)
+            .await?;
+            ids.extend(older);
+        }
+        Ok(ids)
+    }
+
+    /// An upsert that leaves an unchanged document alone (no new index
+    /// entries); records are locked in id order, and one purged meanwhile
+    /// is skipped (the lock waits for the purge, then finds no row).
+    async fn index_in(
+        tx: &mut Transaction<'static, Postgres>,
+        records: &[i64],
+    ) -> StoreResult<u64> {
+        let sql = Self::statements().index_records.get(|| {
+            let values = |doc: &str| {
+                format!(
+                    "(SELECT string_agg(v #>> '{{}}', ' ') FROM jsonb_path_query({doc}, \
+                     'strict $.** ? (@.type() == \"string\" || @.type() == \"number\")') v)"
+                )
+            };
+            format!(
+                "INSERT INTO record_search (record_id, doc) \
+                 SELECT r.id, to_tsvector('simple', left(concat_ws(' ', r.external_key, r.reason, \
+                     r.error_code, {input}, \
+                     (SELECT string_agg(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
+                      FROM step_runs s WHERE s.record_id = r.id)), 65536)) \
+                 FROM records r \
+                 WHERE r.id {in_ids} \
+                 ORDER BY r.id FOR KEY SHARE OF r \
+                 ON CONFLICT (record_id) DO UPDATE SET doc = excluded.doc \
+                 WHERE record_search.doc IS DISTINCT FROM excluded.doc",
+                input = values("r.input"),
+                output = values("s.output"),
+                in_ids = SqlStore::<Postgres>::in_ids(),
+            )
+        });
+        let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(Json(records))
+            .execute(&mut **tx)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// A purged record's document goes with it (a foreign key).
+    async fn unindex_in(
+        _tx: &mut Transaction<'static, Postgres>,
+        _records: &[i64],
+    ) -> StoreResult<()> {
+        Ok(())
+    }
+
     fn statements() -> &'static Statements {
         static STATEMENTS: Statements = Statements::new();
         &STATEMENTS

@@ -319,6 +319,63 @@ impl SqlDb for Sqlite {
         Ok(heads.into_iter().map(|(_, _, first)| first).min())
     }
 
+    /// FTS5 walks a word's entries newest first and stops at the limit,
+    /// however common the word.
+    async fn search_ids(pools: &SqlitePools, q: &str, limit: i64) -> StoreResult<Vec<i64>> {
+        let Some(query) = crate::domain::search::fts5_query(q) else {
+            return Ok(Vec::new());
+        };
+        Ok(sqlx::query_scalar(
+            "SELECT rowid FROM record_search WHERE record_search MATCH $1 \
+             ORDER BY rowid DESC LIMIT $2",
+        )
+        .bind(query)
+        .bind(limit)
+        .fetch_all(&pools.reader)
+        .await?)
+    }
+
+    /// A contentless FTS5 table: the old document is deleted by rowid
+    /// first, then the new one inserted.
+    async fn index_in(tx: &mut Transaction<'static, Sqlite>, records: &[i64]) -> StoreResult<u64> {
+        Self::unindex_in(tx, records).await?;
+        let sql = Self::statements().index_records.get(|| {
+            let values = |doc: &str| {
+                format!(
+                    "(SELECT group_concat(t.value, ' ') FROM json_tree(CASE WHEN json_valid({doc}) THEN {doc} END) t \
+                     WHERE t.type IN ('text', 'integer', 'real'))"
+                )
+            };
+            format!(
+                "INSERT INTO record_search (rowid, body) \
+                 SELECT r.id, substr(concat_ws(' ', r.external_key, r.reason, r.error_code, {input}, \
+                     (SELECT group_concat(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
+                      FROM step_runs s WHERE s.record_id = r.id)), 1, 65536) \
+                 FROM records r WHERE r.id {in_ids}",
+                input = values("r.input"),
+                output = values("s.output"),
+                in_ids = SqlStore::<Sqlite>::in_ids(),
+            )
+        });
+        let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(Json(records))
+            .execute(&mut **tx)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn unindex_in(tx: &mut Transaction<'static, Sqlite>, records: &[i64]) -> StoreResult<()> {
+        let sql = format!(
+            "DELETE FROM record_search WHERE rowid {}",
+            SqlStore::<Sqlite>::in_ids()
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(Json(records))
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
     fn statements() -> &'static Statements {
         static STATEMENTS: Statements = Statements::new();
         &STATEMENTS
