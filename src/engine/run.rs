@@ -272,28 +272,11 @@ impl Engine {
         let _ = resumer.await;
         // The scheduler stops by itself between passes: a pass under way
         // finishes (its records and its watermark go together).
-        let mut scheduler = scheduler;
-        if tokio::time::timeout(Duration::from_secs(5), &mut scheduler)
-            .await
-            .is_err()
-        {
-            scheduler.abort();
-            let _ = scheduler.await;
-        }
+        finish_within(scheduler, "the scheduler's pass").await;
         purger.abort();
         let _ = purger.await;
         // The indexer gives its lease back when it sees the shutdown.
-        let mut indexer = indexer;
-        if tokio::time::timeout(Duration::from_secs(5), &mut indexer)
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "the search indexer's batch outlasted 5 s of shutdown; stopped, its lease lapses"
-            );
-            indexer.abort();
-            let _ = indexer.await;
-        }
+        finish_within(indexer, "the search indexer's batch").await;
         if let Some(l) = listen {
             l.abort();
             let _ = l.await;
@@ -543,5 +526,18 @@ fn shared_breaker(s: &ProviderState) -> SharedBreaker {
         changed_at: s.breaker_changed_at,
         open_until: s.open_until,
         ..SharedBreaker::closed(s.breaker_changed_at)
+    }
+}
+
+/// Lets a background task that stops by itself at shutdown finish its
+/// step, for at most 5 s; then stops it, saying so.
+async fn finish_within(mut task: tokio::task::JoinHandle<()>, what: &str) {
+    if tokio::time::timeout(Duration::from_secs(5), &mut task)
+        .await
+        .is_err()
+    {
+        tracing::warn!("{what} outlasted 5 s of shutdown; stopped");
+        task.abort();
+        let _ = task.await;
     }
 }

@@ -48,8 +48,6 @@ pub(super) struct Indexer {
 pub struct Indexed {
     /// Documents written.
     pub records: u64,
-    /// Events read.
-    pub events: usize,
     /// Whether events remain to be read (the turn ran out of batches).
     pub more: bool,
 }
@@ -152,7 +150,6 @@ impl Engine {
                 state.stored = settled;
             }
             state.progress = Some(progress.clone());
-            turn.events += events.len();
             turn.more = ready == fresh.len() && ready >= BATCH_EVENTS as usize;
             // A turn ends within TURN_MS, so the lease is renewed in time
             // and a shutdown does not wait on a long catch-up.

@@ -39,7 +39,7 @@ pub(crate) enum Ty {
 
 /// Where the SQL runs: the table the rows are read from, and a JSON
 /// cell's path, are spelt differently.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 pub enum Dialect {
     Sqlite,
     Postgres,

@@ -7,7 +7,6 @@ use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
 
 use super::backend::{BindJson, RowsAffected, SqlDb};
-use super::batch::Dialect;
 use super::counts::CountDeltas;
 use super::filter::{push_audit_filter, push_record_filter};
 use super::rows::{
@@ -2110,16 +2109,11 @@ where
         } else {
             DB::index_in(&mut tx, records).await?
         };
-        let max = match DB::DIALECT {
-            Dialect::Sqlite => "max",
-            Dialect::Postgres => "GREATEST",
-        };
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE search_progress SET event_id = {max}(event_id, $1) WHERE id = 1"
-        )))
-        .bind(settled)
-        .execute(&mut *tx)
-        .await?;
+        // Only forward: a node that lost the lease mid-turn never moves it back.
+        sqlx::query("UPDATE search_progress SET event_id = $1 WHERE id = 1 AND event_id < $1")
+            .bind(settled)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(indexed)
     }
