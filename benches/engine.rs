@@ -32,7 +32,8 @@
 //!   while 100,000 are taken to `waiting`.
 //!
 //! `-- --only A,backlog,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
-//! part (to profile one figure). Each figure is the median of the runs (3, or 1 with --quick) with the
+//! part (to profile one figure); `-- --traces` exports every pass's spans
+//! over OTLP to a collector in the process (measure A with and without). Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
 // A benchmark measures real time: the clock rule of `src/` is not for it.
@@ -41,6 +42,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ballast::config::Config;
@@ -895,15 +897,68 @@ async fn runs_of(runs: usize, setup: &Setup) -> Vec<Run> {
     rs
 }
 
+/// An OTLP/HTTP collector that takes every export and keeps only its
+/// count, size and spans, on its own thread and runtime (as a collector
+/// would be elsewhere): where `--traces` sends the spans.
+fn trace_sink() -> (String, Arc<[AtomicU64; 3]>) {
+    let seen: Arc<[AtomicU64; 3]> = Arc::default();
+    let counted = seen.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("sink runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("sink listener");
+            tx.send(listener.local_addr().expect("sink address"))
+                .expect("sink address sent");
+            let app = axum::Router::new().route(
+                "/v1/traces",
+                axum::routing::post(move |body: bytes::Bytes| async move {
+                    use prost::Message as _;
+                    counted[0].fetch_add(1, Ordering::Relaxed);
+                    counted[1].fetch_add(body.len() as u64, Ordering::Relaxed);
+                    let export = opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest::decode(body);
+                    let spans: usize = export
+                        .map(|e| e.resource_spans)
+                        .unwrap_or_default()
+                        .iter()
+                        .flat_map(|r| &r.scope_spans)
+                        .map(|s| s.spans.len())
+                        .sum();
+                    counted[2].fetch_add(spans as u64, Ordering::Relaxed);
+                }),
+            );
+            axum::serve(listener, app).await.expect("sink serves");
+        });
+    });
+    let addr = rx.recv().expect("sink started");
+    (format!("http://{addr}"), seen)
+}
+
 fn main() {
-    // RUST_LOG=ballast::engine=debug shows claims and group commits.
-    if std::env::var_os("RUST_LOG").is_some() {
-        tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_writer(std::io::stderr)
-            .init();
-    }
     let args: Vec<String> = std::env::args().collect();
+    // RUST_LOG=ballast::engine=debug shows claims and group commits.
+    let log = std::env::var("RUST_LOG").ok();
+    // `--traces`: every pass, step run and call exported over OTLP (all
+    // sampled) to a collector in this process, as `[traces]` does.
+    let traces = args.iter().any(|a| a == "--traces");
+    let sink = traces.then(trace_sink);
+    let telemetry = (log.is_some() || traces).then(|| {
+        let config = sink.as_ref().map(|(url, _)| ballast::config::TracesConfig {
+            endpoint: Some(url.clone()),
+            ..Default::default()
+        });
+        let filter = tracing_subscriber::EnvFilter::new(log.as_deref().unwrap_or("warn"));
+        let format = ballast::telemetry::LogFormat {
+            filter,
+            ansi: false,
+        };
+        ballast::telemetry::Telemetry::install(format, config.as_ref()).expect("logging")
+    });
     let quick = args.iter().any(|a| a == "--quick");
     let filter = Filter::from_args(&args);
     let runs = if quick { 1 } else { 3 };
@@ -1246,4 +1301,16 @@ fn main() {
             }
         }
     });
+    if let Some(t) = telemetry {
+        t.shutdown();
+    }
+    if let Some((_, seen)) = sink {
+        println!(
+            "traces: {} spans received in {} exports ({} MiB); 3 a record (pass, step, call) \
+             when none is dropped",
+            seen[2].load(Ordering::Relaxed),
+            seen[0].load(Ordering::Relaxed),
+            seen[1].load(Ordering::Relaxed) >> 20
+        );
+    }
 }

@@ -280,9 +280,18 @@ pub enum UserCommand {
     Enable { username: String },
 }
 
-/// Runs one command to completion.
-pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    let Loaded { config, file, env } = Config::load(cli.config.as_deref())?;
+impl Cli {
+    /// The command runs the workers (`serve`): the one that exports
+    /// traces when `[traces]` names a collector.
+    pub fn serves(&self) -> bool {
+        matches!(self.command, Command::Serve { .. })
+    }
+}
+
+/// Runs one command to completion over its configuration (`Config::load`,
+/// which the binary calls first to set up logging and traces).
+pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
+    let Loaded { config, file, env } = loaded;
     // Every command checks the pipelines, so a mistake in one is reported
     // before anything starts, whichever command was asked for.
     crate::pipeline::compile(&config)?;
@@ -597,14 +606,19 @@ async fn export_records(
     .await?;
     // Written beside the file and put in place once complete: a failed
     // export leaves no file that looks whole.
-    let partial = out.map(|p| {
-        let mut name = p.as_os_str().to_owned();
-        name.push(".partial");
-        std::path::PathBuf::from(name)
-    });
+    let partial = match out {
+        Some(p) => Some(
+            crate::store::partial_beside(p)
+                .ok_or_else(|| anyhow::anyhow!("`{}` is not a file name", p.display()))?,
+        ),
+        None => None,
+    };
     let mut sink: Box<dyn Write> = match &partial {
         Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(path)
+            std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .open(path)
                 .with_context(|| format!("cannot create `{}`", path.display()))?,
         )),
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
@@ -637,8 +651,10 @@ async fn export_records(
         return Err(e);
     }
     if let (Some(from), Some(to)) = (&partial, out) {
-        crate::store::place_new(from, to)
-            .with_context(|| format!("cannot create `{}`", to.display()))?;
+        if let Err(e) = crate::store::place_new(from, to) {
+            let _ = std::fs::remove_file(from);
+            return Err(e).with_context(|| format!("cannot create `{}`", to.display()));
+        }
     }
     // The process's peak resident memory (Linux): flat however many
     // records went out, since one page is held at a time.
@@ -757,6 +773,9 @@ async fn enqueue(
 ) -> anyhow::Result<()> {
     let input: serde_json::Value =
         serde_json::from_str(input).map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
+    if let Some(k) = key {
+        crate::domain::schedule::check_key(k).map_err(|e| anyhow::anyhow!("--key: {e}"))?;
+    }
     // Checked before anything is opened: a bad time changes nothing.
     let delay = when
         .delay
@@ -810,6 +829,14 @@ fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
     }
     println!("server.bind: {}", config.server.bind);
     println!("database.url: {}", config.database.url);
+    match config.traces.export_url() {
+        Some(url) => println!(
+            "traces: to {url} (sample {}, service {})",
+            config.traces.sample,
+            config.traces.service_name.as_deref().unwrap_or("ballast")
+        ),
+        None => println!("traces: off"),
+    }
     for (name, p) in &config.providers {
         let limits: Vec<String> = p.rate_limits.iter().map(|r| format!("{r:?}")).collect();
         println!(

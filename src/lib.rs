@@ -11,4 +11,5 @@ pub mod engine;
 pub mod pipeline;
 pub mod sim;
 pub mod store;
+pub mod telemetry;
 pub mod web;

@@ -1,23 +1,36 @@
-//! The `ballast` binary: parse the command line, set up logging, run.
+//! The `ballast` binary: parse the command line, read the configuration,
+//! set up logging (and traces, for `serve` with `[traces]`), run.
 
 use std::process::ExitCode;
 
+use ballast::config::Config;
+use ballast::telemetry::{LogFormat, Telemetry};
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = ballast::cli::Cli::parse();
+    let loaded = match Config::load(cli.config.as_deref()) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let filter = std::env::var("BALLAST_LOG")
         .ok()
         .and_then(|f| EnvFilter::try_new(f).ok())
         .unwrap_or_else(|| EnvFilter::new("info,sqlx=warn"));
     // Colours only for a person at a terminal, not in files and journals.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .init();
+    let traces = cli.serves().then_some(&loaded.config.traces);
+    let telemetry = match Telemetry::install(LogFormat { filter, ansi }, traces) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -29,12 +42,15 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(ballast::cli::run(cli)) {
+    let result = runtime.block_on(ballast::cli::run(cli, loaded));
+    // One line: the error and its causes, said before the wait below.
+    if let Err(e) = &result {
+        eprintln!("error: {e:#}");
+    }
+    // The last passes' spans leave before the process does.
+    telemetry.shutdown();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // One line: the error and its causes.
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(_) => ExitCode::FAILURE,
     }
 }

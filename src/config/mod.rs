@@ -28,6 +28,108 @@ pub struct Config {
     pub providers: std::collections::BTreeMap<String, provider::ProviderConfig>,
     /// `[pipelines.NAME]`: the workflows over them.
     pub pipelines: std::collections::BTreeMap<String, pipeline::PipelineConfig>,
+    /// `[traces]`: OpenTelemetry export, off unless an endpoint is set.
+    pub traces: TracesConfig,
+}
+
+/// `[traces]`: spans of passes and provider calls exported over OTLP/HTTP
+/// (protobuf), and `traceparent` sent to providers. Off without an
+/// `endpoint`: then no exporter runs and the spans are never built. The
+/// exporter also reads the standard `OTEL_EXPORTER_OTLP_HEADERS` (for a
+/// collector's credentials), `OTEL_EXPORTER_OTLP_TIMEOUT`, `OTEL_BSP_*`
+/// (batching), `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracesConfig {
+    /// The collector, e.g. `http://127.0.0.1:4318` (spans go to its
+    /// `/v1/traces`; a URL with a path is used as it is; no query, user
+    /// or password). Env: `BALLAST_TRACES_ENDPOINT`.
+    pub endpoint: Option<String>,
+    /// The share of passes traced, 0 to 1 (a pass is traced whole or not
+    /// at all; `traceparent` is sent either way). Env: `BALLAST_TRACES_SAMPLE`.
+    pub sample: f64,
+    /// `service.name` of the spans; without it `OTEL_SERVICE_NAME`, else
+    /// `ballast`. Env: `BALLAST_TRACES_SERVICE_NAME`.
+    pub service_name: Option<String>,
+}
+
+impl Default for TracesConfig {
+    fn default() -> Self {
+        TracesConfig {
+            endpoint: None,
+            sample: 1.0,
+            service_name: None,
+        }
+    }
+}
+
+impl TracesConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| ConfigError::Invalid {
+            key: format!("traces.{key}"),
+            message,
+        };
+        if let Some(url) = &self.endpoint {
+            let host = url
+                .strip_prefix("http://")
+                .or_else(|| url.strip_prefix("https://"))
+                .map(|rest| rest.split(['/', '?', '#']).next().unwrap_or(""));
+            let port_ok = |h: &str| match h.rsplit_once(':') {
+                Some((_, port)) if !port.ends_with(']') => port.parse::<u16>().is_ok(),
+                _ => true,
+            };
+            match host {
+                None => {
+                    let message = format!("`{url}` must start with http:// or https://");
+                    return Err(invalid("endpoint", message));
+                }
+                Some(h) if h.is_empty() || url.contains(char::is_whitespace) => {
+                    let message =
+                        format!("`{url}` is not a URL, expected e.g. http://127.0.0.1:4318");
+                    return Err(invalid("endpoint", message));
+                }
+                Some(_) if url.contains(['?', '#']) => {
+                    let message = format!(
+                        "`{url}` must not carry a query or fragment (a collector's \
+                         credentials go in OTEL_EXPORTER_OTLP_HEADERS)"
+                    );
+                    return Err(invalid("endpoint", message));
+                }
+                Some(h) if !port_ok(h) => {
+                    return Err(invalid("endpoint", format!("`{url}`: invalid port")));
+                }
+                Some(h) if h.contains('@') => {
+                    let message = "must not carry a user name or password (a collector's \
+                                   credentials go in OTEL_EXPORTER_OTLP_HEADERS)";
+                    return Err(invalid("endpoint", message.into()));
+                }
+                Some(_) => {}
+            }
+        }
+        if !(0.0..=1.0).contains(&self.sample) {
+            let message = format!("{} is not a share: expected 0 to 1", self.sample);
+            return Err(invalid("sample", message));
+        }
+        if self
+            .service_name
+            .as_ref()
+            .is_some_and(|n| n.trim().is_empty())
+        {
+            return Err(invalid("service_name", "must not be empty".into()));
+        }
+        Ok(())
+    }
+
+    /// Where spans are sent: `endpoint`, with `/v1/traces` when it names
+    /// no path; `None` when traces are off.
+    pub fn export_url(&self) -> Option<String> {
+        let url = self.endpoint.as_deref()?.trim_end_matches('/');
+        let scheme_end = url.find("://").map_or(0, |i| i + 3);
+        Some(match url[scheme_end..].contains('/') {
+            true => url.to_owned(),
+            false => format!("{url}/v1/traces"),
+        })
+    }
 }
 
 /// A secret value (a credential from the environment): never printed.
@@ -367,7 +469,7 @@ impl Config {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
         type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 12] = [
+        let setters: [(&str, Setter); 15] = [
             ("BALLAST_ADMIN_PASSWORD", |c, v| {
                 crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
                 c.server.admin_password = Some(Secret::new(v));
@@ -425,6 +527,20 @@ impl Config {
             }),
             ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", |c, v| {
                 c.database.acquire_timeout = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+            ("BALLAST_TRACES_ENDPOINT", |c, v| {
+                c.traces.endpoint = Some(v.to_owned()).filter(|v| !v.is_empty());
+                Ok(())
+            }),
+            ("BALLAST_TRACES_SERVICE_NAME", |c, v| {
+                c.traces.service_name = Some(v.to_owned());
+                Ok(())
+            }),
+            ("BALLAST_TRACES_SAMPLE", |c, v| {
+                c.traces.sample = v
+                    .parse()
+                    .map_err(|_| format!("invalid number `{v}`, expected 0 to 1"))?;
                 Ok(())
             }),
         ];
@@ -507,6 +623,7 @@ impl Config {
                 ));
             }
         }
+        self.traces.validate()?;
         if !self.server.secure_cookies && !self.server.is_plain_localhost() {
             return Err(invalid(
                 "server.secure_cookies",
@@ -696,6 +813,69 @@ mod tests {
             matches!(&err, Some(ConfigError::Parse { line: 2, key: Some(k), .. }) if k == "server.shutdown_grace"),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn traces_are_off_by_default_and_checked_when_on() {
+        let off = Config::default();
+        assert_eq!(off.traces.export_url(), None);
+        let on = |text: &str| {
+            let c = parse(text)?;
+            c.validate_core()?;
+            Ok::<_, ConfigError>(c.traces)
+        };
+        let t = on("[traces]\nendpoint = \"http://otel:4318\"\nsample = 0.25\n").unwrap();
+        assert_eq!(
+            t.export_url().as_deref(),
+            Some("http://otel:4318/v1/traces")
+        );
+        assert_eq!(t.sample, 0.25);
+        assert_eq!(t.service_name, None);
+        let t = on("[traces]\nendpoint = \"https://otel.example/ingest/traces/\"\n").unwrap();
+        assert_eq!(
+            t.export_url().as_deref(),
+            Some("https://otel.example/ingest/traces")
+        );
+        for (bad, key) in [
+            ("endpoint = \"otel:4318\"", "traces.endpoint"),
+            ("endpoint = \"http://\"", "traces.endpoint"),
+            ("endpoint = \"http://a b\"", "traces.endpoint"),
+            (
+                "endpoint = \"https://u:pw@otel.example\"",
+                "traces.endpoint",
+            ),
+            (
+                "endpoint = \"http://otel:4318?api_key=k\"",
+                "traces.endpoint",
+            ),
+            ("endpoint = \"http://otel:4318/#x\"", "traces.endpoint"),
+            ("endpoint = \"http://otel:99999\"", "traces.endpoint"),
+            ("sample = 1.5", "traces.sample"),
+            ("sample = -0.1", "traces.sample"),
+            ("sample = nan", "traces.sample"),
+            ("service_name = \" \"", "traces.service_name"),
+        ] {
+            match on(&format!("[traces]\n{bad}\n")) {
+                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key, "{bad}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        let env = |v: &str| match v {
+            "BALLAST_TRACES_ENDPOINT" => Some("http://127.0.0.1:4318".to_owned()),
+            "BALLAST_TRACES_SAMPLE" => Some("0.5".to_owned()),
+            _ => None,
+        };
+        let loaded = Config::load_with(None, &env).unwrap();
+        assert_eq!(
+            loaded.config.traces.export_url().as_deref(),
+            Some("http://127.0.0.1:4318/v1/traces")
+        );
+        assert_eq!(loaded.config.traces.sample, 0.5);
+        let env = |v: &str| (v == "BALLAST_TRACES_SAMPLE").then(|| "most".to_owned());
+        assert!(matches!(
+            Config::load_with(None, &env),
+            Err(ConfigError::Env { .. })
+        ));
     }
 
     #[test]

@@ -152,20 +152,42 @@ pub fn plan(cron: &Cron, watermark: Option<UnixMs>, now: UnixMs, missed: Missed)
         }
     }
     let mut t = on_time_from;
+    let mut on_time = 0;
     while let Some(next) = cron.next_after(t).filter(|&n| n <= now) {
-        if plan.fire.len() >= MAX_ON_TIME {
+        if on_time >= MAX_ON_TIME {
+            // The rest waits for the next pass: the watermark stops at the
+            // last tick planned, so none is passed over.
+            plan.watermark = t;
             break;
         }
         plan.fire.push(next);
+        on_time += 1;
         t = next;
     }
     plan
 }
 
+/// A key a person or a client gives a record: 1–200 characters, and not
+/// one of the keys schedules fire by (a record keyed `schedule:<tick>`
+/// would take that tick's place, with another input).
+pub fn check_key(key: &str) -> Result<(), String> {
+    if key.is_empty() || key.len() > 200 {
+        return Err("key must be 1-200 characters".into());
+    }
+    if key.starts_with(TICK_PREFIX) {
+        return Err(format!(
+            "keys starting `{TICK_PREFIX}` are kept for cron schedules"
+        ));
+    }
+    Ok(())
+}
+
+const TICK_PREFIX: &str = "schedule:";
+
 /// The external key of the record a tick fires: two nodes firing one tick
 /// name one record.
 pub fn tick_key(tick: UnixMs) -> String {
-    format!("schedule:{}", super::time::format_ms(tick))
+    format!("{TICK_PREFIX}{}", super::time::format_ms(tick))
 }
 
 #[cfg(test)]
@@ -278,7 +300,24 @@ mod tests {
     }
 
     #[test]
-    fn a_tick_key_names_its_moment() {
+    fn a_gap_before_a_tick_a_second_loses_no_tick() {
+        // Two minutes down, then up on a whole second: the latest missed
+        // tick once, and every tick of the last minute, the newest too.
+        let c = cron("* * * * * *");
+        let p = plan(&c, Some(NOW), NOW + 120 * S, Missed::FireOnce);
+        assert_eq!(p.fire[0], NOW + 60 * S);
+        let on_time: Vec<_> = (61..=120).map(|i| NOW + i * S).collect();
+        assert_eq!(&p.fire[1..], on_time.as_slice());
+        assert_eq!(p.watermark, NOW + 120 * S);
+    }
+
+    #[test]
+    fn a_tick_key_names_its_moment_and_is_nobody_elses() {
         assert_eq!(tick_key(NOW), "schedule:2025-12-02T08:00:00.000Z");
+        assert!(check_key(&tick_key(NOW)).is_err());
+        assert!(check_key("").is_err());
+        assert!(check_key(&"k".repeat(201)).is_err());
+        assert_eq!(check_key("order-42"), Ok(()));
+        assert_eq!(check_key("schedules-are-fine"), Ok(()));
     }
 }

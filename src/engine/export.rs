@@ -17,7 +17,7 @@ use crate::store::{Db, RecordFilter, Store, StoreError};
 /// record may have many). A chunk holds one page serialised, so memory
 /// is bounded by a page of records, not by the export.
 const PAGE: u32 = 500;
-const PAGE_WITH_ATTEMPTS: u32 = 100;
+const PAGE_WITH_ATTEMPTS: u32 = 10;
 
 /// The formats an export comes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -43,6 +43,30 @@ pub struct Call {
     pub decode: Vec<ContentEncoding>,
 }
 
+impl Call {
+    /// Whether the request carries header `name` (any case).
+    pub fn names(&self, name: &str) -> bool {
+        self.headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case(name))
+    }
+}
+
+/// The host and port `url` names, without any user name or password:
+/// where a call went, for a span.
+pub fn host_port(url: &str) -> (&str, Option<u16>) {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..end];
+    let authority = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => (host, port.parse().ok()),
+        _ => (authority, None),
+    }
+}
+
 /// What came back, with the evidence kept for the attempt history.
 #[derive(Debug, Clone)]
 pub struct Exchange {
@@ -52,6 +76,9 @@ pub struct Exchange {
     pub took: Duration,
     /// The start of the body, or the transport error, for people.
     pub excerpt: String,
+    /// The call's span (`call`; disabled with traces off): the attempt's
+    /// verdict is recorded on it once judged.
+    pub span: tracing::Span,
 }
 
 /// At most [`EXCERPT_MAX_BYTES`] of `text` once it is storable: secrets
@@ -103,6 +130,7 @@ pub fn exchange_in_process(
         retry_after: None,
         took: clock.instant() - started,
         excerpt: excerpt(&text, EXCERPT_MAX_BYTES).to_owned(),
+        span: tracing::Span::none(),
     }
 }
 
@@ -131,6 +159,7 @@ pub async fn exchange(
         retry_after: None,
         took: clock.instant() - started,
         excerpt: with_redirects(storable_excerpt(&msg, secrets), None, hops, secrets),
+        span: tracing::Span::none(),
     };
     // One deadline for the whole exchange, redirects and body included.
     let deadline = started + call.timeout;
@@ -267,6 +296,7 @@ pub async fn exchange(
         retry_after,
         took: clock.instant() - started,
         excerpt: with_redirects(excerpt, location.as_deref(), &hops, secrets),
+        span: tracing::Span::none(),
     }
 }
 
@@ -417,6 +447,25 @@ mod tests {
         let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
         e.write_all(data).unwrap();
         e.finish().unwrap()
+    }
+
+    #[test]
+    fn a_calls_host_and_port_leave_path_query_and_credentials_out() {
+        for (url, host, port) in [
+            (
+                "https://api.example.com/v1/jobs?key=s3cret",
+                "api.example.com",
+                None,
+            ),
+            ("http://127.0.0.1:9000", "127.0.0.1", Some(9000)),
+            ("http://user:pw@h.example:8443/x#f", "h.example", Some(8443)),
+            ("https://h.example?q=1", "h.example", None),
+            ("http://[::1]:8080/x", "[::1]", Some(8080)),
+            ("http://[::1]/x", "[::1]", None),
+            ("not a url", "not a url", None),
+        ] {
+            assert_eq!(host_port(url), (host, port), "{url}");
+        }
     }
 
     #[test]

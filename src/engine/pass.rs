@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use tracing::Instrument as _;
 
 use super::step::{self, StepOutput};
 use super::{Engine, Stopping};
@@ -121,13 +122,42 @@ impl Engine {
         stopping: &Stopping,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) {
+        // With traces on, the root of the pass's trace: its step runs and
+        // calls below it, and the state it left the record in.
+        let span = tracing::debug_span!(
+            "pass",
+            record.id = rec.id,
+            pipeline = %rec.pipeline,
+            node.id = %self.inner.opts.node_id,
+            outcome = tracing::field::Empty,
+        );
+        let outcome = self
+            .process_in(rec, runs, stopping, slot)
+            .instrument(span.clone())
+            .await;
+        span.record("outcome", outcome);
+    }
+
+    /// [`process`](Self::process) within its span; says how it ended: the
+    /// record's state after the commit, or why there was none.
+    async fn process_in(
+        &self,
+        rec: Record,
+        runs: Option<Vec<StepRun>>,
+        stopping: &Stopping,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> &'static str {
         let i = &self.inner;
-        let Some(lease) = rec.lease() else { return };
+        let Some(lease) = rec.lease() else {
+            return "not_leased";
+        };
         // A pass is not aborted when its lease is lost: a call already sent
         // is let finish so that its exchange still lands in the history.
         let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
         self.forget_lease(&lease);
-        let Some(commit) = commit else { return };
+        let Some(commit) = commit else {
+            return "dropped";
+        };
         // The semaphore is never closed; `None` would only skip the bound.
         let _committing = i.committing.acquire().await.ok();
         drop(slot);
@@ -136,7 +166,7 @@ impl Engine {
                 record.id = rec.id,
                 "commit lost with the committer; the lease will expire"
             );
-            return;
+            return "commit_lost";
         };
         match result {
             Ok(after) => {
@@ -165,6 +195,7 @@ impl Engine {
                 }
                 self.follow_up_deliveries(&rec, after.state, &commit.steps)
                     .await;
+                after.state.as_str()
             }
             Err(StoreError::LeaseLost { record_id }) => {
                 // Another worker owns the record now: its state is theirs,
@@ -178,11 +209,13 @@ impl Engine {
                 if let Err(e) = kept.await {
                     tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
                 }
+                "lease_lost"
             }
             Err(e) => {
                 // The lease will expire and another pass will redo the work;
                 // idempotency keys keep that from paying twice.
                 tracing::error!(record.id = rec.id, error = %e, "commit failed");
+                "commit_failed"
             }
         }
     }
@@ -508,6 +541,18 @@ impl<'a> PendingStep<'a> {
     /// Runs the step as of `now`.
     async fn with_now(mut self, now: UnixMs) -> StepOutput {
         self.run.now = now;
-        self.run.execute(self.rt.as_deref()).await
+        let span = tracing::debug_span!(
+            "step",
+            step = %self.run.step.name,
+            provider = %self.run.step.provider,
+            outcome = tracing::field::Empty,
+        );
+        let out = self
+            .run
+            .execute(self.rt.as_deref())
+            .instrument(span.clone())
+            .await;
+        span.record("outcome", out.write.state.as_str());
+        out
     }
 }

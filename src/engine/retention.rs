@@ -212,6 +212,14 @@ impl Engine {
         }
     }
 
+    /// Gives the purge's lease back if this node holds it (at shutdown).
+    pub(super) async fn release_purge_lease(&self) {
+        let i = &self.inner;
+        if let Err(e) = i.db.release_task_lease(LEASE, &i.opts.node_id).await {
+            tracing::warn!(error = %e, "could not give the purge lease back; it lapses");
+        }
+    }
+
     /// One background purge at `now`, if this node gets the lease: returns
     /// what it removed (`None`: another node holds the lease).
     pub async fn purge_once(&self, now: UnixMs) -> Result<Option<PurgeReport>, StoreError> {

@@ -273,8 +273,11 @@ impl Engine {
         // The scheduler stops by itself between passes: a pass under way
         // finishes (its records and its watermark go together).
         finish_within(scheduler, "the scheduler's pass").await;
+        // A purge cut short rolls its batch back; its lease goes back so
+        // another node need not wait the lease out.
         purger.abort();
         let _ = purger.await;
+        self.release_purge_lease().await;
         // The indexer gives its lease back when it sees the shutdown.
         finish_within(indexer, "the search indexer's batch").await;
         if let Some(l) = listen {

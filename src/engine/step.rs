@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::{Map, Value, json};
+use tracing::Instrument as _;
 
 use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
@@ -330,6 +331,7 @@ impl StepRun<'_> {
         };
         spend_attempt(&mut plan);
         let attempt_no = plan.write.attempts.max(1);
+        let (call, span) = self.traced(rt, call, attempt_no);
         let mut started = self.clock.now_ms();
         // A call that must not be paid twice is written down, durably,
         // before it leaves; without that, it is not made. A provider's
@@ -354,7 +356,7 @@ impl StepRun<'_> {
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         granted.flight.sent = true;
-        let (mut x, mut sent) = self.exchange(rt, &call, token.as_ref()).await;
+        let (mut x, mut sent) = self.exchange(rt, &call, token.as_ref(), span).await;
         let mut refused = None;
         let mut used = token.clone();
         if let (Some(t), Some(401)) = (&token, x.http_status) {
@@ -508,16 +510,16 @@ impl StepRun<'_> {
             Ok(c) => c,
             Err(e) => return Asked::Broken(e),
         };
-        let started = self.clock.now_ms();
+        let number = (self.write.attempts.max(1), self.clock.now_ms());
+        let (call, span) = self.traced(rt, call, number.0);
         granted.flight.sent = true;
-        let (x, sent) = self.exchange(rt, &call, token.as_ref()).await;
+        let (x, sent) = self.exchange(rt, &call, token.as_ref(), span).await;
         // A 401 drops the token (the next ask gets another); it is never a
         // reversal (`domain::confirm::said`).
         self.judge_token(rt, token.as_ref(), x.http_status);
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
         let verdict = (c.outcome, c.error_code.map(str::to_owned));
-        let number = (self.write.attempts.max(1), started);
         Asked::Said {
             outcome: c.outcome,
             attempt: Box::new(self.attempt(rt, verdict, number, &x, sent)),
@@ -731,22 +733,61 @@ impl StepRun<'_> {
         }
     }
 
-    /// One exchange. A provider may echo the credential it was sent (in an
-    /// error, in a field a step keeps as output), or send NUL characters:
-    /// the reply comes back storable, so the key reaches no output, job
-    /// id, excerpt or log.
+    /// The call's span (`call`, a client span; disabled with traces off)
+    /// and the call carrying its `traceparent` when traces are on (unless
+    /// the pipeline sets one itself), before anything keeps the request:
+    /// its intent and its attempt hold the header that left.
+    fn traced(&self, rt: &ProviderRuntime, mut call: Call, attempt: i32) -> (Call, tracing::Span) {
+        let (host, port) = super::http::host_port(&call.url);
+        let span = tracing::debug_span!(
+            "call",
+            otel.kind = "client",
+            record.id = self.record.id,
+            step = %self.step.name,
+            provider = %rt.name,
+            attempt,
+            http.request.method = call.method.as_str(),
+            server.address = host,
+            server.port = port,
+            http.response.status_code = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        if let Some(tp) = crate::telemetry::traceparent(&span) {
+            if !call.names("traceparent") {
+                call.headers.push(("traceparent".into(), tp));
+            }
+        }
+        (call, span)
+    }
+
+    /// One exchange, within `span` ([`traced`](Self::traced)). A provider
+    /// may echo the credential it was sent (in an error, in a field a step
+    /// keeps as output), or send NUL characters: the reply comes back
+    /// storable, so the key reaches no output, job id, excerpt or log.
     async fn exchange(
         &self,
         rt: &ProviderRuntime,
         call: &Call,
         token: Option<&Secret>,
+        span: tracing::Span,
     ) -> (Exchange, SentRequest) {
         let key = rt.config.credential(&|var| std::env::var(var).ok());
         let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
-        let x = match &rt.in_process {
-            Some(p) => super::http::exchange_in_process(p.0.as_ref(), call, &secrets, self.clock),
-            None => exchange(&rt.client, call, &secrets, self.clock).await,
+        let mut x = match &rt.in_process {
+            Some(p) => span.in_scope(|| {
+                super::http::exchange_in_process(p.0.as_ref(), call, &secrets, self.clock)
+            }),
+            None => {
+                let sent = exchange(&rt.client, call, &secrets, self.clock);
+                sent.instrument(span.clone()).await
+            }
         };
+        if let Some(status) = x.http_status {
+            span.record("http.response.status_code", i64::from(status));
+        }
+        x.span = span;
         // The call as the history keeps it, credentials removed
         // (`domain::request`), with the same secrets as the reply.
         (x, kept_request(rt, call, &secrets))
@@ -843,8 +884,9 @@ impl StepRun<'_> {
         let call = self
             .build_call(rt, plan, Some(&token))
             .map_err(|e| StepOutput::new(template_failed(plan.write.clone(), e, self.now)))?;
+        let (call, span) = self.traced(rt, call, plan.write.attempts.max(1));
         let at = self.clock.now_ms();
-        let (x, sent) = self.exchange(rt, &call, Some(&token)).await;
+        let (x, sent) = self.exchange(rt, &call, Some(&token), span).await;
         Ok((x, sent, at, token, flight))
     }
 
@@ -897,6 +939,16 @@ impl StepRun<'_> {
         x: &Exchange,
         sent: SentRequest,
     ) -> NewAttempt {
+        // The call's span says what the history says of it.
+        if !x.span.is_disabled() {
+            x.span.record("outcome", outcome.as_str());
+            if let Some(code) = &error_code {
+                x.span.record("error.type", code.as_str());
+            }
+            if matches!(outcome, Outcome::Retry | Outcome::Fail | Outcome::Unknown) {
+                x.span.record("otel.status_code", "error");
+            }
+        }
         NewAttempt {
             step: self.step.name.clone(),
             provider: Some(rt.name.clone()),

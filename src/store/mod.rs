@@ -29,7 +29,7 @@ use crate::domain::{
 };
 
 pub use postgres::{Notice, PgStore};
-pub use sqlite::{SqliteStore, place_new};
+pub use sqlite::{SqliteStore, partial_beside, place_new};
 
 /// Why a store call failed. Each variant has a stable [`code`](Self::code).
 #[derive(Debug, thiserror::Error)]

@@ -79,11 +79,31 @@ async fn queue_heads(conn: &mut SqliteConnection) -> StoreResult<Vec<(String, St
 /// fails if `to` exists), else a rename after checking.
 pub fn place_new(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
     match std::fs::hard_link(from, to) {
-        Ok(()) => std::fs::remove_file(from),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(e),
-        Err(_) if to.exists() => Err(std::io::ErrorKind::AlreadyExists.into()),
-        Err(_) => std::fs::rename(from, to),
+        Ok(()) => std::fs::remove_file(from)?,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(e),
+        Err(_) if to.exists() => return Err(std::io::ErrorKind::AlreadyExists.into()),
+        Err(_) => std::fs::rename(from, to)?,
     }
+    // The new name itself survives a power cut.
+    let dir = match to.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// A name beside `to` for the file being written before it is put in
+/// place (`place_new`): `FILE.partial-<pid>-<random>`, so two writers of
+/// one `FILE` (a scheduled backup and a manual one) never share, clear or
+/// place each other's unfinished copy. `None` when `to` names no file.
+pub fn partial_beside(to: &std::path::Path) -> Option<std::path::PathBuf> {
+    let mut name = to.file_name()?.to_owned();
+    name.push(format!(
+        ".partial-{}-{:08x}",
+        std::process::id(),
+        fastrand::u32(..)
+    ));
+    Some(to.with_file_name(name))
 }
 
 /// Records and everything else, in one SQLite file.
@@ -176,13 +196,8 @@ impl SqliteStore {
                 to.display()
             )));
         }
-        let name = to
-            .file_name()
+        let partial = partial_beside(to)
             .ok_or_else(|| StoreError::Invalid(format!("`{}` is not a file name", to.display())))?;
-        let mut partial = name.to_owned();
-        partial.push(".partial");
-        let partial = to.with_file_name(partial);
-        let _ = std::fs::remove_file(&partial);
         let text = partial.to_str().ok_or_else(|| {
             StoreError::Invalid(format!("`{}` is not valid UTF-8", partial.display()))
         })?;
@@ -195,7 +210,9 @@ impl SqliteStore {
             return Err(e.into());
         }
         let placed = place_new(&partial, to);
-        let _ = std::fs::remove_file(&partial);
+        if placed.is_err() {
+            let _ = std::fs::remove_file(&partial);
+        }
         placed.map_err(|e| {
             StoreError::Invalid(format!("cannot move the copy to `{}`: {e}", to.display()))
         })

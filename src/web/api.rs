@@ -125,9 +125,7 @@ async fn enqueue(
         ));
     }
     if let Some(k) = &body.key {
-        if k.is_empty() || k.len() > 200 {
-            return Err(WebError::bad("invalid_key", "key must be 1-200 characters"));
-        }
+        crate::domain::schedule::check_key(k).map_err(|e| WebError::bad("invalid_key", e))?;
     }
     crate::engine::check_group(body.group.as_deref())
         .map_err(|e| WebError::bad("invalid_group", e.to_string()))?;

@@ -2,14 +2,15 @@
 //! API token. The recorder is process-wide (the `metrics` crate's design),
 //! installed once on first use.
 
-use std::sync::OnceLock;
+use std::collections::BTreeSet;
+use std::sync::{Mutex, OnceLock};
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use subtle::ConstantTimeEq;
 
 use crate::store::Store;
@@ -18,20 +19,40 @@ use crate::web::AppState;
 use super::auth;
 use super::error::WebError;
 
+/// The buckets of `ballast_attempt_duration_seconds`, in seconds: a
+/// histogram (`_bucket` series, for `histogram_quantile` over any set of
+/// nodes) rather than a summary computed per process.
+const ATTEMPT_BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
 /// The process's Prometheus recorder, installed on first call. `None` when
 /// another recorder was installed first.
 pub fn handle() -> Option<&'static PrometheusHandle> {
     static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
     HANDLE
-        .get_or_init(|| match PrometheusBuilder::new().install_recorder() {
-            Ok(h) => Some(h),
-            Err(e) => {
-                tracing::warn!(error = %e, "metrics recorder not installed");
-                None
+        .get_or_init(|| {
+            let matcher = Matcher::Full("ballast_attempt_duration_seconds".into());
+            let installed = PrometheusBuilder::new()
+                .set_buckets_for_metric(matcher, &ATTEMPT_BUCKETS)
+                .map_err(|e| e.to_string())
+                .and_then(|b| b.install_recorder().map_err(|e| e.to_string()));
+            match installed {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics recorder not installed");
+                    None
+                }
             }
         })
         .as_ref()
 }
+
+/// Every pipeline this process has reported a gauge for: each scrape
+/// reports them all again (0 where nothing is left), so a series never
+/// keeps a value that is no longer true (a parked count after the last
+/// one was resumed, a pipeline whose records were all purged).
+static REPORTED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
 /// What people alert on, read from the store at each scrape (the same
 /// cluster-wide figures from every node: aggregate with `max`):
@@ -40,7 +61,8 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
 /// - `ballast_oldest_due_seconds{pipeline}`: how long the oldest record due
 ///   has waited for a worker (0 with nothing due);
 /// - `ballast_provider_breaker{provider, state}`: 1 for the breaker's state
-///   (`closed`, `open`, `half_open`), 0 for the others;
+///   (`closed`, `open`, `half_open`), 0 for the others; an open breaker
+///   whose time is up shows `half_open` (its next call is a probe);
 /// - `ballast_provider_paused{provider}`: 1 while an operator pauses it;
 /// - `ballast_provider_throttled_seconds{provider}`: what is left of a
 ///   "slow down" pause.
@@ -53,17 +75,22 @@ async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
     let secs = |ms: i64| ms.max(0) as f64 / 1000.0;
     // Every pipeline configured here, and every one with records at work
     // (another node's, or one no longer configured).
-    let mut pipelines: std::collections::BTreeSet<String> =
-        state.config.pipelines.keys().cloned().collect();
-    for c in state.db.state_counts().await? {
-        metrics::gauge!(
-            "ballast_records",
-            "pipeline" => c.pipeline.clone(),
-            "state" => c.state.as_str()
-        )
-        .set(c.count as f64);
-        if c.count > 0 && !c.state.is_at_rest() {
-            pipelines.insert(c.pipeline);
+    let mut pipelines: BTreeSet<String> = state.config.pipelines.keys().cloned().collect();
+    let counts = state.db.state_counts().await?;
+    pipelines.extend(counts.iter().map(|c| c.pipeline.clone()));
+    {
+        let mut reported = REPORTED.lock().unwrap_or_else(|e| e.into_inner());
+        pipelines.extend(reported.iter().cloned());
+        reported.extend(pipelines.iter().cloned());
+    }
+    for p in &pipelines {
+        for st in crate::domain::RecordState::ALL {
+            let n = counts
+                .iter()
+                .find(|c| c.pipeline == *p && c.state == st)
+                .map_or(0, |c| c.count);
+            metrics::gauge!("ballast_records", "pipeline" => p.clone(), "state" => st.as_str())
+                .set(n as f64);
         }
     }
     let pipelines: Vec<String> = pipelines.into_iter().collect();
@@ -78,12 +105,18 @@ async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
         metrics::gauge!("ballast_oldest_due_seconds", "pipeline" => p.clone()).set(waited);
     }
     for s in state.db.provider_states().await? {
+        let shown = match s.breaker {
+            crate::domain::BreakerState::Open if s.open_until.is_some_and(|u| u <= now) => {
+                crate::domain::BreakerState::HalfOpen
+            }
+            b => b,
+        };
         for b in [
             crate::domain::BreakerState::Closed,
             crate::domain::BreakerState::Open,
             crate::domain::BreakerState::HalfOpen,
         ] {
-            let on = if s.breaker == b { 1.0 } else { 0.0 };
+            let on = if shown == b { 1.0 } else { 0.0 };
             metrics::gauge!(
                 "ballast_provider_breaker",
                 "provider" => s.provider.clone(),
@@ -116,7 +149,12 @@ async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Re
         auth::token_caller(&headers, &state).await?;
     }
     let handle = handle().ok_or_else(|| WebError::Internal("no metrics recorder".into()))?;
-    cluster_gauges(&state).await?;
+    // Without the database the cluster's gauges keep their last values,
+    // and the process's own counters are still served: an outage is when
+    // they matter.
+    if let Err(e) = cluster_gauges(&state).await {
+        tracing::warn!(error = %e, "metrics: the cluster's gauges could not be read");
+    }
     let mut r = handle.render().into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,

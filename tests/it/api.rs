@@ -414,6 +414,10 @@ async fn records_are_enqueued_for_later() {
             json!({"pipeline": "leads", "key": "x4", "delay": "500d"}),
             "invalid_run_at",
         ),
+        (
+            json!({"pipeline": "leads", "key": "schedule:2026-12-24T09:00:00.000Z"}),
+            "invalid_key",
+        ),
     ] {
         let r = post(body.clone()).await.unwrap();
         assert_eq!(r.status(), 400, "{body}");

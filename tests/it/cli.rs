@@ -318,6 +318,7 @@ fn check_config_reports_sources() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("config file: none (defaults)"));
     assert!(stdout(&out).contains("database.url: sqlite://ballast.db?mode=rwc"));
+    assert!(stdout(&out).contains("traces: off"), "{}", stdout(&out));
     std::fs::write(
         dir.path().join("ballast.toml"),
         "[database]\nurl = \"postgres://u:s3cret@db/x\"\n",

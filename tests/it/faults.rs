@@ -38,7 +38,7 @@ impl Serve {
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         for (k, _) in std::env::vars() {
-            if k.starts_with("BALLAST_") {
+            if k.starts_with("BALLAST_") || k.starts_with("OTEL_") {
                 cmd.env_remove(k);
             }
         }

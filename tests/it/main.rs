@@ -23,5 +23,6 @@ mod scale;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
 mod store;
+mod traces;
 mod wait;
 mod web;

@@ -237,9 +237,14 @@ impl WebApp {
     }
 
     pub async fn park(&self, id: i64) {
+        self.act(id, OperatorAction::Park).await;
+    }
+
+    /// `action` on record `id`, by `setup`, straight through the store.
+    pub async fn act(&self, id: i64, action: OperatorAction) {
         let req = ActionRequest {
             record_id: id,
-            action: OperatorAction::Park,
+            action,
             actor: "setup".into(),
             reason: Some("setup".into()),
             now: crate::helpers::wall_ms(),
@@ -1870,6 +1875,11 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
         value(r#"ballast_records{pipeline="g-leads",state="parked"}"#),
         1.0
     );
+    // A state with no records says 0 rather than nothing.
+    assert_eq!(
+        value(r#"ballast_records{pipeline="g-leads",state="cancelled"}"#),
+        0.0
+    );
     assert_eq!(
         value(r#"ballast_provider_breaker{provider="g-sim",state="open"}"#),
         1.0
@@ -1894,7 +1904,35 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
         "ballast_deferrals_total",
         "ballast_attempt_duration_seconds_bucket",
     ];
-    for name in &exported[..5] {
+    // The parked record resumed and one attempt timed: the next scrape
+    // says 0 parked (not the last count) and has the histogram's buckets.
+    app.act(made[4].record.id, OperatorAction::Resume).await;
+    metrics::histogram!("ballast_attempt_duration_seconds", "provider" => "g-sim", "step" => "g")
+        .record(0.2);
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains("\nballast_records{pipeline=\"g-leads\",state=\"parked\"} 0\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "\nballast_attempt_duration_seconds_bucket{provider=\"g-sim\",step=\"g\",le=\"0.25\"} 1\n"
+        ),
+        "{text}"
+    );
+    for name in ["ballast_records", "ballast_attempt_duration_seconds_bucket"]
+        .iter()
+        .chain(&exported[..5])
+    {
         assert!(text.contains(&format!("\n{name}{{")), "{name} not exported");
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -242,8 +242,8 @@ async fn enqueue(
     let due = crate::domain::schedule::due_at(run_at.as_deref(), delay, engine.now_ms())
         .map_err(|e| bad("invalid_run_at", e))?;
     let key = non_empty(&form.key);
-    if key.as_ref().is_some_and(|k| k.len() > 200) {
-        return Err(bad("invalid_key", "key must be 1-200 characters".into()));
+    if let Some(k) = &key {
+        crate::domain::schedule::check_key(k).map_err(|e| bad("invalid_key", e))?;
     }
     let group = non_empty(&form.group);
     crate::engine::check_group(group.as_deref())
