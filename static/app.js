@@ -21,6 +21,59 @@
       flash.appendChild(div);
     }
   });
+  // Keyboard shortcuts (`?` lists them): j/k move along a list of
+  // records, x selects a row, r/p prepare a bulk retry/park, / searches.
+  var current = -1;
+  function rows() {
+    return document.querySelectorAll("#records-list table.grid tbody tr");
+  }
+  function moveTo(i) {
+    var all = rows();
+    if (!all.length || all[0].querySelector("td.empty")) { return; }
+    current = Math.max(0, Math.min(all.length - 1, i));
+    for (var n = 0; n < all.length; n++) { all[n].classList.toggle("current", n === current); }
+    var link = all[current].querySelector("a");
+    if (link) { link.focus(); }
+  }
+  function box(row) { return row ? row.querySelector("input[type=checkbox][name=ids]") : null; }
+  function prepare(action) {
+    var form = document.getElementById("bulk");
+    if (!form) { return; }
+    var ticked = document.querySelectorAll("input[type=checkbox][name=ids]:checked");
+    if (!ticked.length && current >= 0) {
+      var b = box(rows()[current]);
+      if (b) { b.checked = true; }
+    }
+    form.querySelector("select[name=action]").value = action;
+    form.querySelector("input[name=reason]").focus();
+  }
+  document.addEventListener("keydown", function (e) {
+    if (e.ctrlKey || e.metaKey || e.altKey || e.defaultPrevented) { return; }
+    var t = e.target;
+    var tag = t && t.tagName ? t.tagName.toLowerCase() : "";
+    if (tag === "input" || tag === "textarea" || tag === "select" || (t && t.isContentEditable)) { return; }
+    var help = document.getElementById("shortcuts");
+    if (help && help.open) { return; }
+    switch (e.key) {
+      case "?":
+        if (help) { help.showModal(); e.preventDefault(); }
+        break;
+      case "/":
+        var q = document.querySelector("header .search input[name=q]");
+        if (q) { q.focus(); e.preventDefault(); }
+        break;
+      case "j": moveTo(current + 1); break;
+      case "k": moveTo(current - 1); break;
+      case "x":
+        var b = box(rows()[current]);
+        if (b) { b.checked = !b.checked; }
+        break;
+      case "r": prepare("retry"); e.preventDefault(); break;
+      case "p": prepare("park"); e.preventDefault(); break;
+    }
+  });
+  // A new list (a filter changed) starts without a current row.
+  document.addEventListener("htmx:afterSwap", function () { current = -1; });
   // Clear an old message when a new action starts.
   document.addEventListener("htmx:beforeRequest", function (e) {
     var flash = document.getElementById("flash");

@@ -23,7 +23,7 @@ use crate::web::AppState;
 use super::auth::{ApiKey, Bearer, ClientIpKey, Operator, Viewer};
 use super::error::{WebError, WebResult};
 use super::query::ListQuery;
-use crate::engine::Ops;
+use crate::engine::{Ops, Selection};
 
 /// The API's routes with two limits: per token (`api_per_second`, bursts of
 /// twice that) and, outside it, per client address (four times as much), so
@@ -35,6 +35,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
     let mut routes = Router::new()
         .route("/records", post(enqueue).get(list))
         .route("/records/export", get(export))
+        .route("/records/bulk", post(bulk))
         .route("/records/{id}", get(get_one))
         .route("/records/{id}/actions", post(act));
     let refuse = |_| {
@@ -255,4 +256,68 @@ async fn act(
         )
         .await?;
     Ok(Json(json!({ "record": record })))
+}
+
+/// `POST /api/v1/records/bulk`: the records page's bulk action. The
+/// records are `ids`, or every record `filter` matches (the list's
+/// filters; `{}` is every record), at most `bulk_max`; a `reason` is
+/// required; it is a dry run (what would be done, nothing changed) unless
+/// `"apply": true`, which counts against the caller's bulk actions per
+/// minute. Each record acted on is audited as a single action is.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BulkBody {
+    action: String,
+    reason: Option<String>,
+    /// The step a replay starts from.
+    step: Option<String>,
+    #[serde(default)]
+    ids: Vec<i64>,
+    filter: Option<ListQuery>,
+    #[serde(default)]
+    apply: bool,
+}
+
+async fn bulk(
+    caller: Bearer<Operator>,
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<BulkBody>,
+) -> WebResult<Json<Value>> {
+    let action = Ops::parse_action(&body.action)?;
+    let reason = body
+        .reason
+        .filter(|r| !r.trim().is_empty())
+        .ok_or_else(|| WebError::bad("reason_required", "a bulk action needs a reason"))?;
+    let selection = match (body.filter, body.ids.is_empty()) {
+        (Some(f), true) => Selection::Matching(f.to_filter()?),
+        (None, false) => Selection::Ids(body.ids),
+        (Some(_), false) => {
+            return Err(WebError::bad(
+                "bad_selection",
+                "give `ids` or a `filter`, not both",
+            ));
+        }
+        (None, true) => {
+            return Err(WebError::bad(
+                "bad_selection",
+                "give `ids`, or a `filter` (`{}` for every record)",
+            ));
+        }
+    };
+    let step = body.step.filter(|s| !s.is_empty());
+    let what = (action, reason.as_str(), step.as_deref());
+    let outcome = super::query::bulk(&state, &caller.actor, selection, what, body.apply).await?;
+    let failed: Vec<Value> = outcome
+        .failed
+        .into_iter()
+        .map(|(id, e)| json!({ "id": id, "error": WebError::from(e).to_string() }))
+        .collect();
+    Ok(Json(json!({
+        "action": action.as_str(),
+        "applied": body.apply,
+        "matched": outcome.matched,
+        "allowed_ids": outcome.allowed_ids,
+        "refused": outcome.refused,
+        "failed": failed,
+    })))
 }

@@ -199,3 +199,25 @@ fn span(what: &str, from: &Option<String>, to: &Option<String>) -> WebResult<Tim
     }
     Ok(range)
 }
+
+/// A bulk action as the records page and the API run it: the selection
+/// (at most `bulk_max` records), the caller's bulk actions per minute when
+/// it is applied, then `Ops::bulk` (a dry run unless `apply`).
+pub async fn bulk(
+    state: &crate::web::AppState,
+    actor: &str,
+    selection: crate::engine::Selection,
+    (action, reason, step): (crate::domain::OperatorAction, &str, Option<&str>),
+    apply: bool,
+) -> WebResult<crate::engine::BulkOutcome> {
+    let ops = state.ops();
+    let targets = ops
+        .select(selection, state.config.server.limits.bulk_max as usize)
+        .await?;
+    if apply && state.web.bulk_limiter.check_key(&actor.to_owned()).is_err() {
+        return Err(WebError::TooManyRequests(
+            "too many bulk actions; wait a minute".into(),
+        ));
+    }
+    Ok(ops.bulk(&targets, action, actor, reason, step, apply).await)
+}

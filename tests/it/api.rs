@@ -556,3 +556,120 @@ request = {{ method = "POST", path = "/v1/x", body = '{{"ref": "{{{{ record.id }
     );
     app.stop().await;
 }
+
+/// Issue 21 item 4: bulk actions through the API, with the page's rules: a
+/// dry run unless asked to apply, a reason, ids or a filter (not both, not
+/// neither), the cap, the per-user limit, operators only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_actions_through_the_api() {
+    let Some(app) = WebApp::spawn(
+        Backend::Sqlite,
+        "api_bulk",
+        "[server.limits]\nbulk_max = 5\nbulk_per_minute = 2\n",
+    )
+    .await
+    else {
+        return;
+    };
+    let op = app.token(Role::Operator).await;
+    let viewer = app.token(Role::Viewer).await;
+    let mut parked = Vec::new();
+    for k in 0..3 {
+        let id = app.record(&format!("b-{k}")).await;
+        app.park(id).await;
+        parked.push(id);
+    }
+    let waiting = app.record("b-pending").await;
+    let bulk = |body: Value, token: &str| {
+        app.client
+            .post(app.url("/api/v1/records/bulk"))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    let db = &app.t.db;
+    let state = |id: i64| async move { db.get_record(id).await.unwrap().unwrap().state };
+    let mut all = parked.clone();
+    all.push(waiting);
+
+    assert_eq!(
+        bulk(
+            json!({"action": "resume", "reason": "r", "ids": all}),
+            &viewer
+        )
+        .await
+        .unwrap()
+        .status(),
+        403
+    );
+    for (body, code) in [
+        (json!({"action": "resume", "ids": all}), "reason_required"),
+        (json!({"action": "resume", "reason": "r"}), "bad_selection"),
+        (
+            json!({"action": "resume", "reason": "r", "ids": all, "filter": {}}),
+            "bad_selection",
+        ),
+        (
+            json!({"action": "fly", "reason": "r", "ids": all}),
+            "unknown_action",
+        ),
+        (
+            json!({"action": "resume", "reason": "r", "filter": {"state": "asleep"}}),
+            "bad_filter",
+        ),
+    ] {
+        let r = bulk(body.clone(), &op).await.unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"], code, "{body}: {e}");
+    }
+
+    // A dry run: what would happen, nothing changed.
+    let r: Value = bulk(json!({"action": "resume", "reason": "r", "ids": all}), &op)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["applied"], false);
+    assert_eq!(r["matched"], 4);
+    assert_eq!(r["allowed_ids"], json!(parked));
+    assert_eq!(r["refused"], 1);
+    for id in &parked {
+        assert_eq!(state(*id).await, RecordState::Parked);
+    }
+
+    // Applied over a filter: every parked record resumed, each audited.
+    let body = json!({"action": "resume", "reason": "provider back", "filter": {"state": "parked"}, "apply": true});
+    let r: Value = bulk(body, &op).await.unwrap().json().await.unwrap();
+    assert_eq!(
+        (r["applied"].clone(), r["matched"].clone()),
+        (json!(true), json!(3))
+    );
+    assert_eq!(r["failed"], json!([]));
+    for id in &parked {
+        assert_eq!(state(*id).await, RecordState::Pending);
+        let kinds = crate::helpers::event_kinds(&app.t.db, *id).await;
+        assert!(kinds.iter().any(|k| k == "resume"), "{kinds:?}");
+    }
+
+    // More than the cap is refused whole.
+    for k in 0..2 {
+        app.record(&format!("c-{k}")).await;
+    }
+    let r = bulk(
+        json!({"action": "cancel", "reason": "r", "filter": {}}),
+        &op,
+    )
+    .await
+    .unwrap();
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"], "bulk_too_large", "{e}");
+
+    // Two applied actions a minute per user; dry runs do not count.
+    let cancel = json!({"action": "cancel", "reason": "r", "ids": [waiting], "apply": true});
+    assert_eq!(bulk(cancel.clone(), &op).await.unwrap().status(), 200);
+    assert_eq!(state(waiting).await, RecordState::Cancelled);
+    assert_eq!(bulk(cancel, &op).await.unwrap().status(), 429);
+    app.stop().await;
+}

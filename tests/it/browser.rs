@@ -1004,3 +1004,111 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     assert_eq!(e.detail.unwrap()["job_id"], json!(job));
     d.client.clone().close().await.unwrap();
 }
+
+/// The element that has the keyboard's focus, as `css` would name it: its
+/// tag and name (or id).
+async fn focused(c: &Client) -> String {
+    let v = c
+        .execute(
+            "var e = document.activeElement; return e.tagName.toLowerCase() + ':' + (e.name || e.id || '');",
+            vec![],
+        )
+        .await
+        .unwrap();
+    v.as_str().unwrap_or_default().to_owned()
+}
+
+/// Issue 21 item 4: the records list by keyboard. `/` goes to the search
+/// box; `j`/`k` move along the rows (the current one marked and focused),
+/// `x` selects it, `?` lists the shortcuts (`Esc` closes the list), `p`
+/// readies the bulk form to park the selection, asking for the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_records_list_works_by_keyboard() {
+    let Some(d) = driver("keyboard").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "keyboard", "").await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    let mut ids = Vec::new();
+    for k in 0..3 {
+        ids.push(app.record(&format!("kb-{k}")).await);
+    }
+    login(c, &app, "op").await;
+    c.goto(&app.url("/records")).await.unwrap();
+    let keys = async |k: &str| {
+        c.active_element()
+            .await
+            .unwrap()
+            .send_keys(k)
+            .await
+            .unwrap();
+    };
+    keys("/").await;
+    assert_eq!(focused(c).await, "input:q");
+    c.find(Locator::Css("h1"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    assert_eq!(focused(c).await, "body:");
+
+    // Newest first: the second row is the second newest record.
+    keys("j").await;
+    keys("j").await;
+    keys("k").await;
+    keys("j").await;
+    let current = c
+        .find(Locator::Css("#records-list tbody tr.current"))
+        .await
+        .unwrap();
+    assert!(current.text().await.unwrap().contains(&ids[1].to_string()));
+    assert_eq!(focused(c).await, "a:");
+    keys("x").await;
+    let ticked = |id: i64| {
+        let css = format!("input[name=ids][value='{id}']");
+        async move {
+            c.find(Locator::Css(&css))
+                .await
+                .unwrap()
+                .is_selected()
+                .await
+                .unwrap()
+        }
+    };
+    assert!(ticked(ids[1]).await);
+    assert!(!ticked(ids[0]).await && !ticked(ids[2]).await);
+
+    keys("?").await;
+    let help = c.find(Locator::Css("dialog#shortcuts")).await.unwrap();
+    assert!(help.attr("open").await.unwrap().is_some(), "the list opens");
+    assert!(help.text().await.unwrap().contains("next / previous row"));
+    keys("\u{e00c}").await; // Escape
+    assert!(help.attr("open").await.unwrap().is_none(), "Esc closes it");
+
+    keys("p").await;
+    let action = c
+        .find(Locator::Css("#bulk select[name=action]"))
+        .await
+        .unwrap()
+        .prop("value")
+        .await
+        .unwrap();
+    assert_eq!(action.as_deref(), Some("park"));
+    assert_eq!(focused(c).await, "input:reason");
+    // Typing goes to the reason now, not to the shortcuts.
+    keys("jx").await;
+    assert!(!ticked(ids[2]).await);
+    let reason = c
+        .find(Locator::Css("#bulk input[name=reason]"))
+        .await
+        .unwrap()
+        .prop("value")
+        .await
+        .unwrap();
+    assert_eq!(reason.as_deref(), Some("jx"));
+    app.stop().await;
+}

@@ -781,26 +781,9 @@ async fn bulk(
     } else {
         Selection::Ids(form.ids.clone())
     };
-    let ops = state.ops();
-    let targets = ops
-        .select(selection, state.config.server.limits.bulk_max as usize)
-        .await?;
     let apply = form.mode.as_deref() == Some("apply");
-    if apply && state.web.bulk_limiter.check_key(&caller.actor).is_err() {
-        return Err(WebError::TooManyRequests(
-            "too many bulk actions; wait a minute".into(),
-        ));
-    }
-    let outcome = ops
-        .bulk(
-            &targets,
-            action,
-            &caller.actor,
-            &reason,
-            step.as_deref(),
-            apply,
-        )
-        .await;
+    let what = (action, reason.as_str(), step.as_deref());
+    let outcome = crate::web::query::bulk(&state, &caller.actor, selection, what, apply).await?;
     let scope = if form.all_matching.is_some() {
         let q = form.filter().query_string();
         if q.is_empty() {
