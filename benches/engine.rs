@@ -800,6 +800,22 @@ async fn pages_at_scale(
         .unwrap()
         .items[0]
         .id;
+    // The record page's live poll carries the version the page shows.
+    let detail = client
+        .get(format!("{base}/records/{parked}"))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let version = detail
+        .split("/live?v=")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("the record page polls")
+        .to_owned();
     // The seed's shape: a tenth of the records in each state, pipelines
     // p0..p2, providers prov0..prov3, error codes on failed and parked.
     let pages = [
@@ -825,6 +841,12 @@ async fn pages_at_scale(
             "/records?state=succeeded&error_code=http_5xx".to_owned(),
         ),
         ("record detail", format!("/records/{parked}")),
+        // What an open record page costs while its record is quiet: one
+        // of these every 3 s (204, nothing rendered).
+        (
+            "record page's live poll, unchanged",
+            format!("/records/{parked}/live?v={version}"),
+        ),
         // Word search: a word in a fifth of the records (the newest 50 of
         // 200,000), two words (held together by a tenth, or by none: each
         // word's every entry is read), a word of one record, a word of
@@ -856,7 +878,8 @@ async fn pages_at_scale(
             };
             let start = Instant::now();
             let r = req.send().await.unwrap();
-            assert_eq!(r.status(), 200, "{path}");
+            let want = if path.contains("/live?") { 204 } else { 200 };
+            assert_eq!(r.status(), want, "{path}");
             r.bytes().await.unwrap();
             if i > 0 {
                 times.push(start.elapsed().as_secs_f64() * 1000.0);

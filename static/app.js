@@ -74,6 +74,65 @@
   });
   // A new list (a filter changed) starts without a current row.
   document.addEventListener("htmx:afterSwap", function () { current = -1; });
+  // Live parts (class `live`: they poll) stop asking while the page is
+  // hidden or an operator pauses them.
+  var paused = false;
+  document.addEventListener("htmx:beforeRequest", function (e) {
+    var elt = e.detail && e.detail.elt;
+    if (elt && elt.classList && elt.classList.contains("live") && (paused || document.hidden)) {
+      e.preventDefault();
+    }
+  });
+  document.addEventListener("click", function (e) {
+    var b = e.target;
+    if (!b || b.id !== "live-toggle") { return; }
+    paused = !paused;
+    b.setAttribute("aria-pressed", paused ? "true" : "false");
+    b.textContent = paused ? "Resume live updates" : "Pause live updates";
+    var note = document.getElementById("live-note");
+    if (note) {
+      note.textContent = paused ? "Live updates paused: this page shows the record as it was."
+                                : "This page follows the record as it changes.";
+    }
+  });
+  // An action re-renders the record: its toggle says what still holds.
+  document.addEventListener("htmx:afterSwap", function () {
+    var b = document.getElementById("live-toggle");
+    if (b && paused) {
+      b.setAttribute("aria-pressed", "true");
+      b.textContent = "Resume live updates";
+    }
+  });
+  // A record's actions are not replaced under an operator filling them in
+  // (a reason typed, a choice made, a field focused).
+  function dirty(root) {
+    if (root.contains(document.activeElement)) { return true; }
+    var fields = root.querySelectorAll("input:not([type=hidden]), textarea");
+    for (var i = 0; i < fields.length; i++) {
+      if (fields[i].value !== fields[i].defaultValue) { return true; }
+    }
+    var selects = root.querySelectorAll("select");
+    for (var j = 0; j < selects.length; j++) {
+      for (var k = 0; k < selects[j].options.length; k++) {
+        var o = selects[j].options[k];
+        if (o.selected !== o.defaultSelected) { return true; }
+      }
+    }
+    return false;
+  }
+  document.addEventListener("htmx:oobBeforeSwap", function (e) {
+    var t = e.detail && e.detail.target;
+    if (t && t.id === "record-actions" && dirty(t)) { e.detail.shouldSwap = false; }
+  });
+  // Say what changed where assistive technology listens.
+  document.addEventListener("htmx:oobAfterSwap", function (e) {
+    var t = e.detail && e.detail.target;
+    var note = document.getElementById("live-note");
+    var st = document.getElementById("record-state");
+    if (t && t.id === "record-head" && note && st) {
+      note.textContent = "The record changed: now " + st.textContent + ".";
+    }
+  });
   // Clear an old message when a new action starts.
   document.addEventListener("htmx:beforeRequest", function (e) {
     var flash = document.getElementById("flash");

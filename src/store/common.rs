@@ -889,6 +889,19 @@ where
         Ok(ids)
     }
 
+    async fn record_version(&self, id: i64) -> StoreResult<Option<(UnixMs, i64)>> {
+        let row = sqlx::query(
+            "SELECT r.updated_at, \
+                    COALESCE((SELECT MAX(a.id) FROM attempts a WHERE a.record_id = r.id), 0) \
+             FROM records r WHERE r.id = $1",
+        )
+        .bind(id)
+        .fetch_optional(self.reader())
+        .await?;
+        row.map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?)))
+            .transpose()
+    }
+
     async fn open_intents(&self, record_id: i64) -> StoreResult<Vec<crate::domain::Intent>> {
         let sql = format!(
             "SELECT {} FROM attempt_intents WHERE record_id = $1 ORDER BY id",

@@ -1112,3 +1112,80 @@ async fn the_records_list_works_by_keyboard() {
     assert_eq!(reason.as_deref(), Some("jx"));
     app.stop().await;
 }
+
+/// Issue 21 item 1: a record's page follows the record. An operator has
+/// a parked record open and is typing a reason to park it again; meanwhile
+/// someone else resumes it and the engine calls its provider (held, then
+/// answered): the page shows it running, then succeeded, its attempt and
+/// timeline rows, and the actions a succeeded record allows, without a
+/// reload, and the reason being typed is still there (a form being filled
+/// in is never replaced). The pause toggle says it is paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_page_follows_the_record_without_a_reload() {
+    let Some(d) = driver("live record").await else {
+        return;
+    };
+    let c = &d.client;
+    let mut gate = crate::helpers::Gate::spawn().await;
+    let toml = format!(
+        r#"
+[providers.gate]
+base_url = "{}"
+timeout = "30s"
+[[providers.gate.rules]]
+when = {{ status = "2xx" }}
+outcome = "success"
+[[pipelines.manual.steps]]
+name = "charge"
+provider = "gate"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
+outputs = {{ id = "/id" }}
+"#,
+        gate.url
+    );
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "live_record", &toml).await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    let id = app.record("live-1").await;
+    app.park(id).await;
+    login(c, &app, "op").await;
+    c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
+    wait_text(c, "#record-state", "parked").await;
+    let park_reason = "#record-actions form:has(button[data-action=park]) input[name=reason]";
+    c.find(Locator::Css(park_reason))
+        .await
+        .unwrap()
+        .send_keys("typed while it moved")
+        .await
+        .unwrap();
+
+    app.act(id, OperatorAction::Resume).await;
+    let held = gate
+        .next(Duration::from_secs(30), "the resumed record's call")
+        .await;
+    wait_text(c, "#record-state", "running").await;
+    held.release();
+    wait_text(c, "#record-state", "succeeded").await;
+    wait_text(c, "#record-history #attempts", "success").await;
+    wait_text(c, "#record-history #timeline", "succeeded").await;
+    // The actions being filled in stayed as they were.
+    let typed = c
+        .find(Locator::Css(park_reason))
+        .await
+        .unwrap()
+        .prop("value")
+        .await
+        .unwrap();
+    assert_eq!(typed.as_deref(), Some("typed while it moved"));
+    assert!(text_of(c, "#live-note").await.contains("succeeded"));
+
+    let toggle = c.find(Locator::Css("#live-toggle")).await.unwrap();
+    toggle.click().await.unwrap();
+    assert_eq!(
+        toggle.attr("aria-pressed").await.unwrap().as_deref(),
+        Some("true")
+    );
+    assert!(toggle.text().await.unwrap().contains("Resume"));
+    app.stop().await;
+}

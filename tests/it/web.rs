@@ -611,6 +611,12 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", "/".into(), vec![], Role::Viewer),
         ("GET", "/records".into(), vec![], Role::Viewer),
         ("GET", format!("/records/{r}"), vec![], Role::Viewer),
+        (
+            "GET",
+            format!("/records/{r}/live?v=0"),
+            vec![],
+            Role::Viewer,
+        ),
         ("GET", "/providers".into(), vec![], Role::Viewer),
         ("GET", "/audit".into(), vec![], Role::Viewer),
         ("GET", "/search?q=m-1".into(), vec![], Role::Viewer),

@@ -30,6 +30,7 @@ pub fn router() -> Router<AppState> {
         .route("/search", get(search))
         .route("/records/{id}", get(detail))
         .route("/records/{id}/actions", post(act))
+        .route("/records/{id}/live", get(live))
 }
 
 pub struct RecordRow {
@@ -444,7 +445,10 @@ struct EventView {
 }
 
 #[derive(Template)]
-#[template(path = "pages/record.html", blocks = ["detail"])]
+#[template(
+    path = "pages/record.html",
+    blocks = ["detail", "head", "actions_part", "history", "ticker"]
+)]
 struct RecordPage {
     nav: Nav,
     r: RecordRow,
@@ -462,6 +466,17 @@ struct RecordPage {
     took_outputs: String,
     versions: Vec<VersionView>,
     diff: Option<DiffView>,
+    /// What the page shows of the record, as [`version_of`] names it: the
+    /// live poll asks whether it is still current.
+    version: String,
+    /// Rendered for the live poll: the parts swap themselves in (htmx's
+    /// out-of-band swap).
+    oob: bool,
+}
+
+/// A record's [`Store::record_version`] as the page's live poll carries it.
+fn version_of((updated_at, attempt): (crate::domain::UnixMs, i64)) -> String {
+    format!("{updated_at}-{attempt}")
 }
 
 fn pretty(v: &serde_json::Value) -> String {
@@ -608,6 +623,11 @@ async fn record_page(
         took_outputs: took_outputs.unwrap_or_default(),
         versions: all_versions.into_iter().map(|v| v.3).collect(),
         diff,
+        version: version_of((
+            rec.updated_at,
+            attempts.iter().map(|a| a.id).max().unwrap_or(0),
+        )),
+        oob: false,
     })
 }
 
@@ -623,6 +643,45 @@ async fn detail(
         return html(&t.as_detail());
     }
     html(&t)
+}
+
+#[derive(Deserialize)]
+struct LiveQuery {
+    /// The version the page shows.
+    v: Option<String>,
+}
+
+/// The record page's poll (`#record-live`, every 3 s while the page is
+/// open and not paused): `204 No Content` while the record and its
+/// attempts are as the page shows them (one statement, two indexed
+/// probes: the whole cost of a page that watches a quiet record); else
+/// the page's head, actions and history, swapped in out of band (the
+/// page keeps its actions while a field in them is being filled in), and
+/// the next poll.
+async fn live(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Query(q): Query<LiveQuery>,
+) -> WebResult<Response> {
+    let now = state
+        .db
+        .record_version(id)
+        .await?
+        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    if q.v.as_deref() == Some(version_of(now).as_str()) {
+        return Ok(axum::http::StatusCode::NO_CONTENT.into_response());
+    }
+    let mut t = record_page(&state, &caller, id, &DiffQuery::default()).await?;
+    t.oob = true;
+    let body = [
+        t.as_head().render()?,
+        t.as_actions_part().render()?,
+        t.as_history().render()?,
+        t.as_ticker().render()?,
+    ]
+    .concat();
+    Ok(axum::response::Html(body).into_response())
 }
 
 #[derive(Deserialize)]
