@@ -31,7 +31,10 @@
     var all = rows();
     if (!all.length || all[0].querySelector("td.empty")) { return; }
     current = Math.max(0, Math.min(all.length - 1, i));
-    for (var n = 0; n < all.length; n++) { all[n].classList.toggle("current", n === current); }
+    for (var n = 0; n < all.length; n++) {
+      all[n].classList.toggle("current", n === current);
+      if (n === current) { all[n].setAttribute("aria-current", "true"); } else { all[n].removeAttribute("aria-current"); }
+    }
     var link = all[current].querySelector("a");
     if (link) { link.focus(); }
   }
@@ -47,11 +50,17 @@
     form.querySelector("select[name=action]").value = action;
     form.querySelector("input[name=reason]").focus();
   }
+  // Keys go to a field being typed in, not to the shortcuts (a checkbox
+  // or a button is not typed in).
+  function typing(t) {
+    if (!t || !t.tagName) { return false; }
+    var tag = t.tagName.toLowerCase();
+    if (tag === "textarea" || tag === "select" || t.isContentEditable) { return true; }
+    if (tag !== "input") { return false; }
+    return ["checkbox", "radio", "button", "submit", "reset"].indexOf((t.type || "text").toLowerCase()) < 0;
+  }
   document.addEventListener("keydown", function (e) {
-    if (e.ctrlKey || e.metaKey || e.altKey || e.defaultPrevented) { return; }
-    var t = e.target;
-    var tag = t && t.tagName ? t.tagName.toLowerCase() : "";
-    if (tag === "input" || tag === "textarea" || tag === "select" || (t && t.isContentEditable)) { return; }
+    if (e.ctrlKey || e.metaKey || e.altKey || e.defaultPrevented || typing(e.target)) { return; }
     var help = document.getElementById("shortcuts");
     if (help && help.open) { return; }
     switch (e.key) {
@@ -73,14 +82,48 @@
     }
   });
   // A new list (a filter changed) starts without a current row.
-  document.addEventListener("htmx:afterSwap", function () { current = -1; });
+  document.addEventListener("htmx:afterSwap", function (e) {
+    var t = e.detail && e.detail.target;
+    if (t && t.id === "records-list") { current = -1; }
+  });
+
   // Live parts (class `live`: they poll) stop asking while the page is
-  // hidden or an operator pauses them.
+  // hidden, while an operator pauses them, and for good once the server
+  // refuses one (the page says so; it is never sent to the login page
+  // under a reason being typed).
   var paused = false;
+  var stopped = false;
+  var behind = false;
+  var lastState = null;
+  function say(text) {
+    var note = document.getElementById("live-note");
+    if (note) { note.textContent = text; }
+  }
+  function isLive(elt) { return elt && elt.classList && elt.classList.contains("live"); }
   document.addEventListener("htmx:beforeRequest", function (e) {
-    var elt = e.detail && e.detail.elt;
-    if (elt && elt.classList && elt.classList.contains("live") && (paused || document.hidden)) {
+    if (isLive(e.target)) {
+      if (paused || stopped || document.hidden) { e.preventDefault(); }
+      return;
+    }
+    // An action starts: a poll still in flight would land after it and
+    // put back what the action replaced.
+    var ticker = document.getElementById("record-live");
+    if (ticker && window.htmx) { window.htmx.trigger(ticker, "htmx:abort"); }
+  });
+  document.addEventListener("htmx:beforeOnLoad", function (e) {
+    var xhr = e.detail && e.detail.xhr;
+    if (isLive(e.target) && xhr && xhr.status >= 400) {
       e.preventDefault();
+      stopped = true;
+      say("Live updates stopped: the server answered " + xhr.status + ". Reload the page to follow the record again.");
+    }
+  });
+  // Actions kept while being filled in are brought up to date by the
+  // first poll after the operator leaves them.
+  document.addEventListener("htmx:configRequest", function (e) {
+    var actions = document.getElementById("record-actions");
+    if (isLive(e.target) && behind && actions && !dirty(actions)) {
+      e.detail.path = e.detail.path.replace(/([?&]v=)[^&]*/, "$1");
     }
   });
   document.addEventListener("click", function (e) {
@@ -88,20 +131,20 @@
     if (!b || b.id !== "live-toggle") { return; }
     paused = !paused;
     b.setAttribute("aria-pressed", paused ? "true" : "false");
-    b.textContent = paused ? "Resume live updates" : "Pause live updates";
-    var note = document.getElementById("live-note");
-    if (note) {
-      note.textContent = paused ? "Live updates paused: this page shows the record as it was."
-                                : "This page follows the record as it changes.";
-    }
+    say(paused ? "Live updates paused: this page shows the record as it was."
+               : "This page follows the record as it changes.");
   });
-  // An action re-renders the record: its toggle says what still holds.
-  document.addEventListener("htmx:afterSwap", function () {
+  // An action re-renders the record: its toggle and note say what holds.
+  document.addEventListener("htmx:afterSwap", function (e) {
+    var t = e.detail && e.detail.target;
+    if (!t || t.id !== "detail") { return; }
     var b = document.getElementById("live-toggle");
     if (b && paused) {
       b.setAttribute("aria-pressed", "true");
-      b.textContent = "Resume live updates";
+      say("Live updates paused: this page shows the record as it was.");
     }
+    var st = document.getElementById("record-state");
+    lastState = st ? st.textContent : null;
   });
   // A record's actions are not replaced under an operator filling them in
   // (a reason typed, a choice made, a field focused).
@@ -113,25 +156,38 @@
     }
     var selects = root.querySelectorAll("select");
     for (var j = 0; j < selects.length; j++) {
-      for (var k = 0; k < selects[j].options.length; k++) {
-        var o = selects[j].options[k];
-        if (o.selected !== o.defaultSelected) { return true; }
+      var s = selects[j];
+      var initial = 0;
+      for (var k = 0; k < s.options.length; k++) {
+        if (s.options[k].defaultSelected) { initial = k; break; }
       }
+      if (s.options.length && s.selectedIndex !== initial) { return true; }
     }
     return false;
   }
   document.addEventListener("htmx:oobBeforeSwap", function (e) {
     var t = e.detail && e.detail.target;
-    if (t && t.id === "record-actions" && dirty(t)) { e.detail.shouldSwap = false; }
+    if (t && t.id === "record-actions" && dirty(t)) {
+      e.detail.shouldSwap = false;
+      behind = true;
+    }
   });
-  // Say what changed where assistive technology listens.
+  // Say what changed where assistive technology listens: a new state.
   document.addEventListener("htmx:oobAfterSwap", function (e) {
     var t = e.detail && e.detail.target;
-    var note = document.getElementById("live-note");
+    // (Fired for a swap that was held back too.)
+    if (t && t.id === "record-actions" && e.detail.shouldSwap) { behind = false; }
     var st = document.getElementById("record-state");
-    if (t && t.id === "record-head" && note && st) {
-      note.textContent = "The record changed: now " + st.textContent + ".";
+    if (t && t.id === "record-head" && st) {
+      if (lastState !== null && st.textContent !== lastState) {
+        say("The record changed: now " + st.textContent + ".");
+      }
+      lastState = st.textContent;
     }
+  });
+  document.addEventListener("DOMContentLoaded", function () {
+    var st = document.getElementById("record-state");
+    lastState = st ? st.textContent : null;
   });
   // Clear an old message when a new action starts.
   document.addEventListener("htmx:beforeRequest", function (e) {

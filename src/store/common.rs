@@ -889,17 +889,25 @@ where
         Ok(ids)
     }
 
-    async fn record_version(&self, id: i64) -> StoreResult<Option<(UnixMs, i64)>> {
+    async fn record_version(&self, id: i64) -> StoreResult<Option<[i64; 5]>> {
         let row = sqlx::query(
-            "SELECT r.updated_at, \
-                    COALESCE((SELECT MAX(a.id) FROM attempts a WHERE a.record_id = r.id), 0) \
+            "SELECT r.updated_at, COALESCE(r.next_run_at, 0), \
+                    COALESCE((SELECT MAX(a.id) FROM attempts a WHERE a.record_id = r.id), 0), \
+                    COALESCE((SELECT MAX(e.id) FROM events e WHERE e.record_id = r.id), 0), \
+                    COALESCE((SELECT MAX(i.id) FROM attempt_intents i WHERE i.record_id = r.id), 0) \
              FROM records r WHERE r.id = $1",
         )
         .bind(id)
         .fetch_optional(self.reader())
         .await?;
-        row.map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?)))
-            .transpose()
+        row.map(|r| {
+            let mut v = [0i64; 5];
+            for (i, slot) in v.iter_mut().enumerate() {
+                *slot = r.try_get::<i64, _>(i)?;
+            }
+            Ok(v)
+        })
+        .transpose()
     }
 
     async fn open_intents(&self, record_id: i64) -> StoreResult<Vec<crate::domain::Intent>> {

@@ -622,13 +622,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<Vec<Created>>> + Send;
     fn get_record(&self, id: i64) -> impl Future<Output = StoreResult<Option<Record>>> + Send;
     /// What a record's page shows has changed when this has: the record's
-    /// `updated_at` and its newest attempt's id (attempts a confirmation
-    /// poll or a lost lease keep touch no record). Two indexed probes, for
-    /// a page watching the record; `None` when there is no such record.
-    fn record_version(
-        &self,
-        id: i64,
-    ) -> impl Future<Output = StoreResult<Option<(UnixMs, i64)>>> + Send;
+    /// row (`updated_at`, `next_run_at`) and its newest attempt, event and
+    /// intent (a confirmation poll, a reversal keeping the state, a call
+    /// written down before it leaves touch no `updated_at`). One statement
+    /// of indexed probes, for a page watching the record; `None` when there
+    /// is no such record.
+    fn record_version(&self, id: i64)
+    -> impl Future<Output = StoreResult<Option<[i64; 5]>>> + Send;
     /// The records `q` names exactly: by id, by external key (any
     /// pipeline), or by a provider's job id (`providers`: whose jobs to
     /// look in), each an indexed probe; at most 50, newest first.
@@ -1204,7 +1204,7 @@ forward! {
     fn create_record(&self, new: NewRecord, now: UnixMs) -> Created;
     fn create_records(&self, batch: Vec<NewRecord>, now: UnixMs) -> Vec<Created>;
     fn get_record(&self, id: i64) -> Option<Record>;
-    fn record_version(&self, id: i64) -> Option<(UnixMs, i64)>;
+    fn record_version(&self, id: i64) -> Option<[i64; 5]>;
     fn find_records(&self, q: &str, providers: &[String]) -> Vec<Record>;
     fn list_records(&self, filter: &RecordFilter) -> Page<Record>;
     fn state_counts(&self) -> Vec<StateCount>;

@@ -273,9 +273,49 @@ struct BulkBody {
     step: Option<String>,
     #[serde(default)]
     ids: Vec<i64>,
-    filter: Option<ListQuery>,
+    filter: Option<BulkFilter>,
     #[serde(default)]
     apply: bool,
+}
+
+/// The records list's filters, strictly: a misspelled key is refused
+/// rather than read as "any" (which would widen the action to every
+/// record), and there is no page or cursor (a bulk action takes every
+/// record matching, up to the cap).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BulkFilter {
+    pipeline: Option<String>,
+    state: Option<String>,
+    provider: Option<String>,
+    step: Option<String>,
+    error_code: Option<String>,
+    q: Option<String>,
+    until: Option<String>,
+    created_from: Option<String>,
+    created_to: Option<String>,
+    updated_from: Option<String>,
+    updated_to: Option<String>,
+}
+
+impl From<BulkFilter> for ListQuery {
+    fn from(f: BulkFilter) -> ListQuery {
+        ListQuery {
+            pipeline: f.pipeline,
+            state: f.state,
+            provider: f.provider,
+            step: f.step,
+            error_code: f.error_code,
+            q: f.q,
+            until: f.until,
+            created_from: f.created_from,
+            created_to: f.created_to,
+            updated_from: f.updated_from,
+            updated_to: f.updated_to,
+            before: None,
+            limit: None,
+        }
+    }
 }
 
 async fn bulk(
@@ -289,7 +329,7 @@ async fn bulk(
         .filter(|r| !r.trim().is_empty())
         .ok_or_else(|| WebError::bad("reason_required", "a bulk action needs a reason"))?;
     let selection = match (body.filter, body.ids.is_empty()) {
-        (Some(f), true) => Selection::Matching(f.to_filter()?),
+        (Some(f), true) => Selection::Matching(ListQuery::from(f).to_filter()?),
         (None, false) => Selection::Ids(body.ids),
         (Some(_), false) => {
             return Err(WebError::bad(

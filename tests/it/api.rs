@@ -617,6 +617,15 @@ async fn bulk_actions_through_the_api() {
             json!({"action": "resume", "reason": "r", "filter": {"state": "asleep"}}),
             "bad_filter",
         ),
+        // A misspelled filter would mean "any": refused.
+        (
+            json!({"action": "resume", "reason": "r", "filter": {"stat": "parked"}}),
+            "invalid_body",
+        ),
+        (
+            json!({"action": "resume", "reason": "r", "filter": {"limit": 1}}),
+            "invalid_body",
+        ),
     ] {
         let r = bulk(body.clone(), &op).await.unwrap();
         assert_eq!(r.status(), 400, "{body}");

@@ -1062,10 +1062,15 @@ async fn the_records_list_works_by_keyboard() {
     keys("k").await;
     keys("j").await;
     let current = c
-        .find(Locator::Css("#records-list tbody tr.current"))
+        .find(Locator::Css(
+            "#records-list tbody tr.current[aria-current=true] input[name=ids]",
+        ))
         .await
         .unwrap();
-    assert!(current.text().await.unwrap().contains(&ids[1].to_string()));
+    assert_eq!(
+        current.attr("value").await.unwrap(),
+        Some(ids[1].to_string())
+    );
     assert_eq!(focused(c).await, "a:");
     keys("x").await;
     let ticked = |id: i64| {
@@ -1179,6 +1184,26 @@ outputs = {{ id = "/id" }}
         .unwrap();
     assert_eq!(typed.as_deref(), Some("typed while it moved"));
     assert!(text_of(c, "#live-note").await.contains("succeeded"));
+    // Left alone again, the actions catch up with the record: a
+    // succeeded record is not resumed.
+    let field = c.find(Locator::Css(park_reason)).await.unwrap();
+    field.clear().await.unwrap();
+    c.find(Locator::Css("h1"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let resume = "#record-actions button[data-action=resume]";
+    wait::until(
+        "the actions of a succeeded record",
+        Duration::from_secs(20),
+        async || match c.find(Locator::Css(resume)).await {
+            Ok(_) => Err("resume still offered"),
+            Err(_) => Ok(()),
+        },
+    )
+    .await;
 
     let toggle = c.find(Locator::Css("#live-toggle")).await.unwrap();
     toggle.click().await.unwrap();
@@ -1186,6 +1211,6 @@ outputs = {{ id = "/id" }}
         toggle.attr("aria-pressed").await.unwrap().as_deref(),
         Some("true")
     );
-    assert!(toggle.text().await.unwrap().contains("Resume"));
+    assert!(text_of(c, "#live-note").await.contains("paused"));
     app.stop().await;
 }

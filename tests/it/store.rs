@@ -109,6 +109,10 @@ async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
     };
     // A worker that no longer holds the lease writes nothing (and so must
     // not call): one with a stale token in the same batch.
+    // What a watching page asks: a call written down changes it, though
+    // the record's row is untouched.
+    let before = db.record_version(recs[0].id).await.unwrap().unwrap();
+    assert_eq!(db.record_version(i64::MAX).await.unwrap(), None);
     let mut stale = intent(recs[1].id, 2);
     stale.lease.token -= 1;
     let batch = vec![
@@ -125,6 +129,9 @@ async fn intents_are_written_before_and_closed_with_their_attempts(db: &Db) {
     );
     let ids: Vec<i64> = written[..3].iter().map(|r| *r.as_ref().unwrap()).collect();
     assert_eq!(ids.len(), 3);
+    let after = db.record_version(recs[0].id).await.unwrap().unwrap();
+    assert_eq!(after[..2], before[..2], "the row is as it was");
+    assert_eq!(after[4], ids[0].max(ids[2]), "{before:?} {after:?}");
     assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 3);
     let open = db.open_intents(recs[0].id).await.unwrap();
     assert_eq!(

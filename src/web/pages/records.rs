@@ -475,8 +475,8 @@ struct RecordPage {
 }
 
 /// A record's [`Store::record_version`] as the page's live poll carries it.
-fn version_of((updated_at, attempt): (crate::domain::UnixMs, i64)) -> String {
-    format!("{updated_at}-{attempt}")
+fn version_of(v: [i64; 5]) -> String {
+    v.map(|n| n.to_string()).join("-")
 }
 
 fn pretty(v: &serde_json::Value) -> String {
@@ -497,6 +497,9 @@ async fn record_page(
     id: i64,
     q: &DiffQuery,
 ) -> WebResult<RecordPage> {
+    // Read first: a change landing while the page is read shows at the
+    // next poll rather than never.
+    let version = state.db.record_version(id).await?.unwrap_or_default();
     let rec = state
         .db
         .get_record(id)
@@ -623,10 +626,7 @@ async fn record_page(
         took_outputs: took_outputs.unwrap_or_default(),
         versions: all_versions.into_iter().map(|v| v.3).collect(),
         diff,
-        version: version_of((
-            rec.updated_at,
-            attempts.iter().map(|a| a.id).max().unwrap_or(0),
-        )),
+        version: version_of(version),
         oob: false,
     })
 }
