@@ -26,6 +26,11 @@ const ASSETS: &[(&str, &str, &[u8])] = &[
         "text/css",
         include_bytes!("../../static/app.css"),
     ),
+    (
+        "favicon.svg",
+        "image/svg+xml",
+        include_bytes!("../../static/favicon.svg"),
+    ),
 ];
 
 pub fn router() -> Router<AppState> {

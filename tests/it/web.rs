@@ -2464,3 +2464,33 @@ async fn sqlite_the_records_list_filters_by_created_and_updated_dates() {
 async fn postgres_the_records_list_filters_by_created_and_updated_dates() {
     the_records_list_filters_by_created_and_updated_dates(Backend::Postgres).await;
 }
+
+/// Issue 21 item 6, first part: every page links a favicon (served from
+/// the binary), and the stylesheet carries a dark scheme for systems that
+/// ask for one and print styles for a record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_have_a_favicon_a_dark_scheme_and_print_styles() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "favicon", "").await else {
+        return;
+    };
+    app.user("v", Role::Viewer).await;
+    let login = app.login("v").await;
+    for page in [
+        app.get("/login", None).await,
+        app.get("/records", Some(&login)).await,
+    ] {
+        let html = page.text().await.unwrap();
+        assert!(
+            html.contains(r#"<link rel="icon" href="/static/favicon.svg" type="image/svg+xml">"#),
+            "{html}"
+        );
+    }
+    let icon = app.get("/static/favicon.svg", None).await;
+    assert_eq!(icon.status(), 200);
+    assert_eq!(icon.headers()["content-type"], "image/svg+xml");
+    assert!(icon.text().await.unwrap().starts_with("<svg"));
+    let css = app.get("/static/app.css", None).await.text().await.unwrap();
+    assert!(css.contains("@media (prefers-color-scheme: dark)"));
+    assert!(css.contains("@media print"));
+    app.stop().await;
+}
