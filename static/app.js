@@ -131,8 +131,8 @@
     if (!b || b.id !== "live-toggle") { return; }
     paused = !paused;
     b.setAttribute("aria-pressed", paused ? "true" : "false");
-    say(paused ? "Live updates paused: this page shows the record as it was."
-               : "This page follows the record as it changes.");
+    say(paused ? "Live updates paused: this page shows what it showed then."
+               : "Live updates resumed.");
   });
   // An action re-renders the record: its toggle and note say what holds.
   document.addEventListener("htmx:afterSwap", function (e) {
@@ -141,7 +141,7 @@
     var b = document.getElementById("live-toggle");
     if (b && paused) {
       b.setAttribute("aria-pressed", "true");
-      say("Live updates paused: this page shows the record as it was.");
+      say("Live updates paused: this page shows what it showed then.");
     }
     var st = document.getElementById("record-state");
     lastState = st ? st.textContent : null;
@@ -165,6 +165,21 @@
     }
     return false;
   }
+  // A live part holding a form being filled in (a pause reason) waits,
+  // and says so; it updates again once the form is left.
+  var held = false;
+  document.addEventListener("htmx:beforeSwap", function (e) {
+    if (!isLive(e.target) || e.detail.xhr.status === 204) { return; }
+    if (dirty(e.target)) {
+      e.detail.shouldSwap = false;
+      held = true;
+      say("Updates wait while a form here is being filled in.");
+    } else if (held) {
+      held = false;
+      var note = document.getElementById("live-note");
+      if (note && note.dataset.usual) { say(note.dataset.usual); }
+    }
+  });
   document.addEventListener("htmx:oobBeforeSwap", function (e) {
     var t = e.detail && e.detail.target;
     if (t && t.id === "record-actions" && dirty(t)) {

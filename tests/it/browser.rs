@@ -1214,3 +1214,57 @@ outputs = {{ id = "/id" }}
     assert!(text_of(c, "#live-note").await.contains("paused"));
     app.stop().await;
 }
+
+/// Issue 21 item 1: the providers page updates itself. An admin has it
+/// open; another pauses a provider: the page shows it paused without a
+/// reload. While a pause reason is being typed, the list waits (the
+/// reason is kept), and updates once the field is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_providers_page_updates_itself() {
+    let Some(d) = driver("live providers").await else {
+        return;
+    };
+    let c = &d.client;
+    let toml = "[providers.crm]\nbase_url = \"http://127.0.0.1:9\"\n[providers.erp]\nbase_url = \"http://127.0.0.1:9\"\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "live_providers", toml).await else {
+        return;
+    };
+    login(c, &app, "admin").await;
+    c.goto(&app.url("/providers")).await.unwrap();
+    let db = &app.t.db;
+    let pause = |name: &'static str| async move {
+        let now = crate::helpers::wall_ms();
+        db.set_provider_pause(name, true, "other-admin", Some("maintenance"), now)
+            .await
+            .unwrap();
+    };
+    pause("crm").await;
+    wait_text(c, "section#crm h2", "paused").await;
+
+    let reason = "section#erp input[name=reason]";
+    c.find(Locator::Css(reason))
+        .await
+        .unwrap()
+        .send_keys("erp upgrade")
+        .await
+        .unwrap();
+    pause("erp").await;
+    // The list waits while the reason is typed, and says so; left alone,
+    // it updates.
+    wait_text(c, "#live-note", "wait while a form").await;
+    let typed = c.find(Locator::Css(reason)).await.unwrap();
+    assert_eq!(
+        typed.prop("value").await.unwrap().as_deref(),
+        Some("erp upgrade")
+    );
+    typed.clear().await.unwrap();
+    c.find(Locator::Css("h1"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "section#erp h2", "paused").await;
+    wait_text(c, "#live-note", "Updated every 5 s").await;
+    app.stop().await;
+}
