@@ -152,7 +152,9 @@
     if (root.contains(document.activeElement)) { return true; }
     var fields = root.querySelectorAll("input:not([type=hidden]), textarea");
     for (var i = 0; i < fields.length; i++) {
-      if (fields[i].value !== fields[i].defaultValue) { return true; }
+      var f = fields[i];
+      var box = f.type === "checkbox" || f.type === "radio";
+      if (box ? f.checked !== f.defaultChecked : f.value !== f.defaultValue) { return true; }
     }
     var selects = root.querySelectorAll("select");
     for (var j = 0; j < selects.length; j++) {

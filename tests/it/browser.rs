@@ -1268,3 +1268,53 @@ async fn the_providers_page_updates_itself() {
     wait_text(c, "#live-note", "Updated every 5 s").await;
     app.stop().await;
 }
+
+/// Issue 21 item 1: the records list's first page updates itself: a new
+/// record appears without a reload; while a box is ticked the list waits
+/// (the tick is kept, the page says so), and it updates once unticked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_records_list_updates_itself_and_keeps_a_tick() {
+    let Some(d) = driver("live list").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "live_list", "").await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    let first = app.record("list-1").await;
+    login(c, &app, "op").await;
+    c.goto(&app.url("/records")).await.unwrap();
+    wait_text(c, "#records-list", "list-1").await;
+    app.record("list-2").await;
+    wait_text(c, "#records-list", "list-2").await;
+
+    let tick = format!("input[name=ids][value='{first}']");
+    c.find(Locator::Css(&tick))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    c.find(Locator::Css("h1"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    app.record("list-3").await;
+    wait_text(c, "#live-note", "wait while a form").await;
+    let ticked = c.find(Locator::Css(&tick)).await.unwrap();
+    assert!(ticked.is_selected().await.unwrap(), "the tick is kept");
+    assert!(!text_of(c, "#records-list").await.contains("list-3"));
+    ticked.click().await.unwrap();
+    c.find(Locator::Css("h1"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "#records-list", "list-3").await;
+    wait_text(c, "#live-note", "updates itself").await;
+    app.stop().await;
+}
