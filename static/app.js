@@ -11,7 +11,14 @@
     }
   });
   // A request that never reached the server still tells the operator.
-  document.addEventListener("htmx:sendError", function () {
+  document.addEventListener("htmx:sendError", function (e) {
+    // A poll that cannot reach the server says so once, quietly.
+    if (e.target && e.target.classList && e.target.classList.contains("live")) {
+      var note = document.getElementById("live-note");
+      var text = "The server did not answer; trying again.";
+      if (note && note.textContent !== text) { note.textContent = text; }
+      return;
+    }
     var flash = document.getElementById("flash");
     if (flash) {
       flash.textContent = "";
@@ -24,6 +31,7 @@
   // Keyboard shortcuts (`?` lists them): j/k move along a list of
   // records, x selects a row, r/p prepare a bulk retry/park, / searches.
   var current = -1;
+  var currentId = null;
   function rows() {
     return document.querySelectorAll("#records-list table.grid tbody tr");
   }
@@ -37,6 +45,8 @@
     }
     var link = all[current].querySelector("a");
     if (link) { link.focus(); }
+    var b = box(all[current]);
+    currentId = b ? b.value : (link ? link.textContent : null);
   }
   function box(row) { return row ? row.querySelector("input[type=checkbox][name=ids]") : null; }
   function prepare(action) {
@@ -81,10 +91,26 @@
       case "p": prepare("park"); e.preventDefault(); break;
     }
   });
-  // A new list (a filter changed) starts without a current row.
+  // A new list keeps the current row if its record is still there (the
+  // list updated itself), else starts without one (a filter changed).
   document.addEventListener("htmx:afterSwap", function (e) {
     var t = e.detail && e.detail.target;
-    if (t && t.id === "records-list") { current = -1; }
+    if (!t || t.id !== "records-list") { return; }
+    var was = currentId;
+    current = -1;
+    currentId = null;
+    var all = rows();
+    for (var n = 0; was !== null && n < all.length; n++) {
+      var b = box(all[n]);
+      var link = all[n].querySelector("a");
+      var id = b ? b.value : (link ? link.textContent : null);
+      if (id === was) {
+        current = n;
+        currentId = was;
+        all[n].classList.add("current");
+        all[n].setAttribute("aria-current", "true");
+      }
+    }
   });
 
   // Live parts (class `live`: they poll) stop asking while the page is
@@ -106,16 +132,18 @@
       return;
     }
     // An action starts: a poll still in flight would land after it and
-    // put back what the action replaced.
-    var ticker = document.getElementById("record-live");
-    if (ticker && window.htmx) { window.htmx.trigger(ticker, "htmx:abort"); }
+    // put back (or remove) what the action replaces.
+    if (window.htmx) {
+      var live = document.querySelectorAll(".live");
+      for (var i = 0; i < live.length; i++) { window.htmx.trigger(live[i], "htmx:abort"); }
+    }
   });
   document.addEventListener("htmx:beforeOnLoad", function (e) {
     var xhr = e.detail && e.detail.xhr;
     if (isLive(e.target) && xhr && xhr.status >= 400) {
       e.preventDefault();
       stopped = true;
-      say("Live updates stopped: the server answered " + xhr.status + ". Reload the page to follow the record again.");
+      say("Live updates stopped: the server answered " + xhr.status + ". Reload the page to follow it again.");
     }
   });
   // Actions kept while being filled in are brought up to date by the
@@ -171,11 +199,15 @@
   // and says so; it updates again once the form is left.
   var held = false;
   document.addEventListener("htmx:beforeSwap", function (e) {
-    if (!isLive(e.target) || e.detail.xhr.status === 204) { return; }
+    // Only a live part's own poll: an action or a filter aimed at it
+    // always lands.
+    var src = e.detail.requestConfig && e.detail.requestConfig.elt;
+    var status = e.detail.xhr.status;
+    if (!isLive(e.target) || src !== e.target || status === 204 || status >= 400) { return; }
     if (dirty(e.target)) {
       e.detail.shouldSwap = false;
+      if (!held) { say("Updates wait while a form here is being filled in."); }
       held = true;
-      say("Updates wait while a form here is being filled in.");
     } else if (held) {
       held = false;
       var note = document.getElementById("live-note");
