@@ -1341,3 +1341,73 @@ async fn the_records_list_updates_itself_and_keeps_a_tick() {
     wait_text(c, "#live-note", "updates itself").await;
     app.stop().await;
 }
+
+/// Issue 21 item 6: at home on a phone. At 375 px wide no page scrolls
+/// sideways, the records list is cards with its bulk action and links on
+/// the page, and the phone screenshot is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_page_fits_a_phone() {
+    let Some(d) = driver("phone").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(
+        Backend::Sqlite,
+        "phone",
+        "[providers.crm]\nbase_url = \"http://127.0.0.1:9\"\n",
+    )
+    .await
+    else {
+        return;
+    };
+    let id = app
+        .record("a-rather-long-key-for-a-narrow-screen-0001")
+        .await;
+    app.park(id).await;
+    login(c, &app, "admin").await;
+    c.set_window_size(375, 812).await.unwrap();
+    let width = async || {
+        let v = c
+            .execute(
+                "return [document.documentElement.scrollWidth, window.innerWidth];",
+                vec![],
+            )
+            .await
+            .unwrap();
+        (v[0].as_i64().unwrap(), v[1].as_i64().unwrap())
+    };
+    for path in [
+        "/".to_owned(),
+        "/records".to_owned(),
+        format!("/records/{id}"),
+        "/providers".to_owned(),
+        "/audit".to_owned(),
+        "/admin/users".to_owned(),
+    ] {
+        c.goto(&app.url(&path)).await.unwrap();
+        let (scroll, inner) = width().await;
+        assert!(inner <= 400, "a phone's width: {inner}");
+        assert!(
+            scroll <= inner,
+            "{path} scrolls sideways: {scroll} > {inner}"
+        );
+    }
+    c.goto(&app.url("/records")).await.unwrap();
+    let button = c
+        .find(Locator::Css("#bulk button[type=submit]"))
+        .await
+        .unwrap();
+    assert!(button.is_displayed().await.unwrap());
+    let label = c
+        .execute(
+            "return getComputedStyle(document.querySelector('#records-list td[data-label=Key]'), '::before').content;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(label.as_str(), Some("\"Key: \""), "cards label their cells");
+    shot(c, "phone-records").await;
+    c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
+    shot(c, "phone-record").await;
+    app.stop().await;
+}
