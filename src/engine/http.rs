@@ -43,13 +43,9 @@ pub struct Call {
     pub decode: Vec<ContentEncoding>,
 }
 
-impl Call {
-    /// Whether the request carries header `name` (any case).
-    pub fn names(&self, name: &str) -> bool {
-        self.headers
-            .iter()
-            .any(|(k, _)| k.eq_ignore_ascii_case(name))
-    }
+/// Whether `headers` hold one named `name` (any case).
+pub fn names(headers: &[(String, String)], name: &str) -> bool {
+    headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(name))
 }
 
 /// The host and port `url` names, without any user name or password:

@@ -755,7 +755,7 @@ impl StepRun<'_> {
             otel.status_code = tracing::field::Empty,
         );
         if let Some(tp) = crate::telemetry::traceparent(&span) {
-            if !call.names("traceparent") {
+            if !super::http::names(&call.headers, "traceparent") {
                 call.headers.push(("traceparent".into(), tp));
             }
         }
@@ -1072,20 +1072,18 @@ impl StepRun<'_> {
             Some(id) => Some(render(id)?),
             None => None,
         };
-        let named =
-            |h: &[(String, String)], n: &str| h.iter().any(|(k, _)| k.eq_ignore_ascii_case(n));
         // What the client would add by itself, written here so that the
         // request kept is the request sent.
         let agent = concat!("ballast/", env!("CARGO_PKG_VERSION"));
         for (name, value) in [("User-Agent", agent), ("Accept", "*/*")] {
-            if !named(&headers, name) {
+            if !super::http::names(&headers, name) {
                 headers.push((name.into(), value.into()));
             }
         }
-        if body.is_some() && !named(&headers, "content-type") {
+        if body.is_some() && !super::http::names(&headers, "content-type") {
             headers.push(("Content-Type".into(), "application/json".into()));
         }
-        if !rt.config.decode.is_empty() && !named(&headers, "accept-encoding") {
+        if !rt.config.decode.is_empty() && !super::http::names(&headers, "accept-encoding") {
             let codings: Vec<&str> = rt.config.decode.iter().map(|c| c.as_str()).collect();
             headers.push(("Accept-Encoding".into(), codings.join(", ")));
         }

@@ -1005,6 +1005,26 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     d.client.clone().close().await.unwrap();
 }
 
+/// The `value` of the field `css` selects, as the page has it now.
+async fn value_of(c: &Client, css: &str) -> Option<String> {
+    c.find(Locator::Css(css))
+        .await
+        .unwrap()
+        .prop("value")
+        .await
+        .unwrap()
+}
+
+/// Moves the keyboard's focus off any field (a click on the heading).
+async fn blur(c: &Client) {
+    c.find(Locator::Css("h1"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+}
+
 /// The element that has the keyboard's focus, as `css` would name it: its
 /// tag and name (or id).
 async fn focused(c: &Client) -> String {
@@ -1048,12 +1068,7 @@ async fn the_records_list_works_by_keyboard() {
     };
     keys("/").await;
     assert_eq!(focused(c).await, "input:q");
-    c.find(Locator::Css("h1"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    blur(c).await;
     assert_eq!(focused(c).await, "body:");
 
     // Newest first: the second row is the second newest record.
@@ -1095,25 +1110,13 @@ async fn the_records_list_works_by_keyboard() {
     assert!(help.attr("open").await.unwrap().is_none(), "Esc closes it");
 
     keys("p").await;
-    let action = c
-        .find(Locator::Css("#bulk select[name=action]"))
-        .await
-        .unwrap()
-        .prop("value")
-        .await
-        .unwrap();
+    let action = value_of(c, "#bulk select[name=action]").await;
     assert_eq!(action.as_deref(), Some("park"));
     assert_eq!(focused(c).await, "input:reason");
     // Typing goes to the reason now, not to the shortcuts.
     keys("jx").await;
     assert!(!ticked(ids[2]).await);
-    let reason = c
-        .find(Locator::Css("#bulk input[name=reason]"))
-        .await
-        .unwrap()
-        .prop("value")
-        .await
-        .unwrap();
+    let reason = value_of(c, "#bulk input[name=reason]").await;
     assert_eq!(reason.as_deref(), Some("jx"));
     app.stop().await;
 }
@@ -1175,25 +1178,14 @@ outputs = {{ id = "/id" }}
     wait_text(c, "#record-history #attempts", "success").await;
     wait_text(c, "#record-history #timeline", "succeeded").await;
     // The actions being filled in stayed as they were.
-    let typed = c
-        .find(Locator::Css(park_reason))
-        .await
-        .unwrap()
-        .prop("value")
-        .await
-        .unwrap();
+    let typed = value_of(c, park_reason).await;
     assert_eq!(typed.as_deref(), Some("typed while it moved"));
     assert!(text_of(c, "#live-note").await.contains("succeeded"));
     // Left alone again, the actions catch up with the record: a
     // succeeded record is not resumed.
     let field = c.find(Locator::Css(park_reason)).await.unwrap();
     field.clear().await.unwrap();
-    c.find(Locator::Css("h1"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    blur(c).await;
     let resume = "#record-actions button[data-action=resume]";
     wait::until(
         "the actions of a succeeded record",
@@ -1272,17 +1264,12 @@ async fn the_providers_page_updates_itself() {
     wait_text(c, "#live-note", "wait while a form").await;
     let typed = c.find(Locator::Css(&reason("pay"))).await.unwrap();
     assert_eq!(
-        typed.prop("value").await.unwrap().as_deref(),
+        value_of(c, &reason("pay")).await.as_deref(),
         Some("pay window")
     );
     assert!(text_of(c, "section#crm h2").await.contains("paused"));
     typed.clear().await.unwrap();
-    c.find(Locator::Css("h1"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    blur(c).await;
     wait::until("crm shown resumed", Duration::from_secs(20), async || {
         let h = text_of(c, "section#crm h2").await;
         if h.contains("paused") { Err(h) } else { Ok(()) }
@@ -1319,24 +1306,14 @@ async fn the_records_list_updates_itself_and_keeps_a_tick() {
         .click()
         .await
         .unwrap();
-    c.find(Locator::Css("h1"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    blur(c).await;
     app.record("list-3").await;
     wait_text(c, "#live-note", "wait while a form").await;
     let ticked = c.find(Locator::Css(&tick)).await.unwrap();
     assert!(ticked.is_selected().await.unwrap(), "the tick is kept");
     assert!(!text_of(c, "#records-list").await.contains("list-3"));
     ticked.click().await.unwrap();
-    c.find(Locator::Css("h1"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    blur(c).await;
     wait_text(c, "#records-list", "list-3").await;
     wait_text(c, "#live-note", "updates itself").await;
     app.stop().await;

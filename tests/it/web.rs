@@ -1845,15 +1845,18 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
         .set_provider_pause("g-crm", true, "admin", Some("maintenance"), now)
         .await
         .unwrap();
-    let scrape = app
-        .client
-        .get(app.url("/metrics"))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(scrape.status(), 200);
-    let text = scrape.text().await.unwrap();
+    let scrape = async || {
+        let r = app
+            .client
+            .get(app.url("/metrics"))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.text().await.unwrap()
+    };
+    let text = scrape().await;
     // The value of the series whose line starts with `series`.
     let value = |series: &str| -> f64 {
         text.lines()
@@ -1915,16 +1918,7 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
     app.act(made[4].record.id, OperatorAction::Resume).await;
     metrics::histogram!("ballast_attempt_duration_seconds", "provider" => "g-sim", "step" => "g")
         .record(0.2);
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = scrape().await;
     assert!(
         text.contains("\nballast_records{pipeline=\"g-leads\",state=\"parked\"} 0\n"),
         "{text}"

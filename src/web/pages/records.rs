@@ -500,6 +500,17 @@ async fn record_page(
     // Read first: a change landing while the page is read shows at the
     // next poll rather than never.
     let version = state.db.record_version(id).await?.unwrap_or_default();
+    record_page_at(state, caller, id, q, version).await
+}
+
+/// [`record_page`] with its version already read (the live poll's).
+async fn record_page_at(
+    state: &AppState,
+    caller: &crate::web::auth::Caller,
+    id: i64,
+    q: &DiffQuery,
+    version: [i64; 5],
+) -> WebResult<RecordPage> {
     let rec = state
         .db
         .get_record(id)
@@ -672,7 +683,7 @@ async fn live(
     if q.v.as_deref() == Some(version_of(now).as_str()) {
         return Ok(axum::http::StatusCode::NO_CONTENT.into_response());
     }
-    let mut t = record_page(&state, &caller, id, &DiffQuery::default()).await?;
+    let mut t = record_page_at(&state, &caller, id, &DiffQuery::default(), now).await?;
     t.oob = true;
     let body = [
         t.as_head().render()?,
