@@ -687,6 +687,65 @@ impl Filter {
     }
 }
 
+/// The seed's pipelines (p0..p2, each `step0` then `step1`) and providers
+/// (prov0..prov3), for the pipelines page. The node's engine finds nothing
+/// due (the seed schedules its records in 2096) and idles beside the pages.
+fn seeded_pipelines() -> String {
+    let mut text = String::new();
+    for p in 0..4 {
+        text.push_str(&format!(
+            "[providers.prov{p}]\nbase_url = \"http://127.0.0.1:9\"\n"
+        ));
+    }
+    for p in 0..3 {
+        text.push_str(&format!(
+            "[[pipelines.p{p}.steps]]\nname = \"step0\"\nprovider = \"prov{p}\"\nrequest = {{ path = \"/a\" }}\n\
+             [[pipelines.p{p}.steps]]\nname = \"step1\"\nprovider = \"prov{}\"\nneeds = [\"step0\"]\nrequest = {{ path = \"/b\" }}\n",
+            p + 1
+        ));
+    }
+    text
+}
+
+/// A day of one node's per-minute statistics for the seed's six steps, as
+/// a node that ran all day leaves them: what the overview and pipelines
+/// pages sum.
+async fn seed_rollups(db: &Db) {
+    let now = ballast::domain::Clock::now_ms(&ballast::domain::SystemClock);
+    let first = now - now.rem_euclid(60_000) - 24 * 3_600_000;
+    let mut rows = Vec::new();
+    for m in 0..=1440 {
+        for p in 0..3 {
+            for step in 0..2 {
+                let mut latency = vec![0; ballast::engine::stats::LATENCY_BUCKETS_MS.len()];
+                latency[4] = 100;
+                let mut run_latency = vec![0; ballast::engine::stats::RUN_BUCKETS_MS.len()];
+                run_latency[3] = 80;
+                rows.push(ballast::store::StepRollup {
+                    minute: first + m * 60_000,
+                    node: "bench".into(),
+                    pipeline: format!("p{p}"),
+                    step: format!("step{step}"),
+                    provider: format!("prov{}", p + step),
+                    calls: 100,
+                    succeeded: 90,
+                    retried: 10,
+                    records_succeeded: 70,
+                    records_parked: 2,
+                    latency,
+                    runs_succeeded: 75,
+                    runs_failed: 3,
+                    run_latency,
+                    ..Default::default()
+                });
+            }
+        }
+    }
+    for chunk in rows.chunks(1000) {
+        db.save_rollups(chunk).await.unwrap();
+    }
+}
+
 /// E: the control plane over a store seeded with `n` records. Returns the
 /// seeding time and, per page, p50 and p99 in ms over `requests` requests
 /// from a client on loopback (one at a time, after one warm-up request).
@@ -701,15 +760,18 @@ async fn pages_at_scale(
     let seeded = started.elapsed().as_secs_f64();
     let password = "bench-admin-password-0123";
     // Latency is measured here, not the API's rate limit.
+    seed_rollups(&fresh.db).await;
     let text = format!(
-        "[database]\nurl = \"{}\"\n[server.limits]\napi_per_second = 100000\n",
-        fresh.url
+        "[database]\nurl = \"{}\"\n[server.limits]\napi_per_second = 100000\n{}",
+        fresh.url,
+        seeded_pipelines()
     );
     let mut config = Config::parse(&text, std::path::Path::new("bench.toml")).unwrap();
     config.server.admin_password = Some(ballast::config::Secret::new(password));
     config.validate(&|v| std::env::var(v).ok()).unwrap();
     // The search indexer reads every seeded event, as it would after an
-    // upgrade, before the pages are timed (they run without an engine).
+    // upgrade, before the pages are timed (the serving node's own engine
+    // then finds it caught up).
     let started = Instant::now();
     let indexer = Engine::new(
         fresh.db.clone(),
@@ -841,6 +903,9 @@ async fn pages_at_scale(
             "/records?state=succeeded&error_code=http_5xx".to_owned(),
         ),
         ("record detail", format!("/records/{parked}")),
+        // Six steps' figures from a day of rollups, and the records at
+        // each step now from the counters.
+        ("pipelines", "/pipelines".to_owned()),
         // What an open record page costs while its record is quiet: one
         // of these every 3 s (204, nothing rendered).
         (

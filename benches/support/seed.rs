@@ -30,7 +30,7 @@ fn seed_sql(backend: Backend, n: i64) -> Vec<String> {
     };
     let records = format!(
         "INSERT INTO records ({cols}) SELECT 'p' || (n % 3), 'key-' || n, {state}, {input}, \
-         CASE WHEN n % 10 IN (7, 8, 9) THEN 1800000000000 + n END, 'step' || (n % 2), 'prov' || (n % 4), \
+         CASE WHEN n % 10 IN (7, 8, 9) THEN 4000000000000 + n END, 'step' || (n % 2), 'prov' || (n % 4), \
          CASE WHEN n % 10 IN (4, 5) THEN 'http_5xx' END, CASE WHEN n % 10 = 5 THEN 'attempts exhausted' END, \
          1700000000000 + n, 1700000000000 + n FROM {source} AS s"
     );
@@ -57,14 +57,16 @@ fn seed_sql(backend: Backend, n: i64) -> Vec<String> {
         ),
     ];
     let counts = "INSERT INTO record_counts (pipeline, state, shard, n) SELECT pipeline, state, 0, COUNT(*) FROM records GROUP BY pipeline, state".to_owned();
+    let steps = "INSERT INTO step_counts (pipeline, step, state, shard, n) SELECT pipeline, COALESCE(step, ''), state, 0, COUNT(*) FROM records GROUP BY pipeline, COALESCE(step, ''), state".to_owned();
     let mut all = vec![records, attempts];
     all.extend(events);
     all.push(counts);
+    all.push(steps);
     all.push("ANALYZE".into());
     all
 }
 
-/// Seeds `n` records (a tenth in each state, an input with a city and an
+/// Seeds `n` records (a tenth in each state, those scheduled due in 2096, an input with a city and an
 /// email address, three failed attempts each, a created event each, a
 /// park event for the parked) and the counters, with a few set-based
 /// statements; then `ANALYZE`. Not indexed for word search.

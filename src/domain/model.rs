@@ -539,6 +539,9 @@ pub struct User {
     pub disabled: bool,
     pub created_at: UnixMs,
     pub updated_at: UnixMs,
+    /// The dashboard's colour scheme this user chose (`light`, `dark`);
+    /// `None` follows the system's.
+    pub theme: Option<String>,
 }
 
 impl fmt::Debug for User {
@@ -666,6 +669,16 @@ pub struct StateCount {
     pub count: i64,
 }
 
+/// How many records of one pipeline are at one step in one state (`step`
+/// empty: not at any step yet).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct StepCount {
+    pub pipeline: String,
+    pub step: String,
+    pub state: RecordState,
+    pub count: i64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -774,6 +787,7 @@ mod tests {
             disabled: false,
             created_at: 0,
             updated_at: 0,
+            theme: None,
         };
         assert!(!format!("{u:?}").contains("argon2id"));
     }

@@ -44,7 +44,7 @@ use crate::store::{Created, Db, Lease, NewRecord, Store, StoreError};
 use limits::ProviderRuntime;
 
 pub use deliveries::Delivery;
-pub use ops::{BulkOutcome, Ops, OpsError, Selection};
+pub use ops::{ActExtra, BulkOutcome, Ops, OpsError, Selection};
 
 /// How the engine runs on this node.
 #[derive(Debug, Clone)]
@@ -452,9 +452,20 @@ impl Engine {
 
     /// The step names of the pipeline a record runs (its pinned version).
     pub async fn steps_of(&self, rec: &Record) -> Vec<String> {
+        self.graph_of(rec).await.into_iter().map(|s| s.0).collect()
+    }
+
+    /// The steps of the pipeline a record runs (its pinned version), each
+    /// with the steps it needs, in the pipeline's order.
+    pub async fn graph_of(&self, rec: &Record) -> Vec<(String, Vec<String>)> {
         self.compiled(rec)
             .await
-            .map(|c| c.0.steps.iter().map(|s| s.name.clone()).collect())
+            .map(|c| {
+                c.0.steps
+                    .iter()
+                    .map(|s| (s.name.clone(), s.needs.clone()))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 

@@ -102,6 +102,34 @@ impl<'a> Ops<'a> {
         step: Option<&str>,
         until: Option<&str>,
     ) -> Result<Record, OpsError> {
+        let extra = ActExtra {
+            step,
+            until,
+            input: None,
+        };
+        self.act_with(id, action, actor, reason, extra).await
+    }
+
+    /// [`Ops::act`] with all it can carry: a retry or a replay may also
+    /// give the record a new input (`extra.input`; the audit entry keeps
+    /// the old and the new).
+    pub async fn act_with(
+        &self,
+        id: i64,
+        action: OperatorAction,
+        actor: &str,
+        reason: Option<String>,
+        extra: ActExtra<'_>,
+    ) -> Result<Record, OpsError> {
+        let ActExtra { step, until, input } = extra;
+        if input.is_some() && !matches!(action, OperatorAction::Retry | OperatorAction::ReplayFrom)
+        {
+            return Err(OpsError::refused(
+                "input_needs_retry_or_replay",
+                format!("only a retry or a replay takes a new input, not {action}"),
+            ));
+        }
+
         if action == OperatorAction::TookEffect {
             return Err(OpsError::refused(
                 "details_required",
@@ -134,27 +162,26 @@ impl<'a> Ops<'a> {
             }
             Some(text) => self.until(id, text).await?,
         };
+        let req = ActionRequest {
+            record_id: id,
+            action,
+            actor: actor.to_owned(),
+            reason,
+            now: self.clock.now_ms(),
+            steps: Vec::new(),
+            until,
+            took: None,
+            input,
+        };
         let rec = match self.engine {
-            Some(engine) => engine.act(id, action, actor, reason, step, until).await?,
+            Some(engine) => engine.act(req, step).await?,
             None if action == OperatorAction::ReplayFrom => {
                 return Err(OpsError::refused(
                     "replay_unavailable",
                     "replay needs the pipeline definitions (no pipelines configured)",
                 ));
             }
-            None => {
-                let req = ActionRequest {
-                    record_id: id,
-                    action,
-                    actor: actor.to_owned(),
-                    reason,
-                    now: self.clock.now_ms(),
-                    steps: Vec::new(),
-                    until,
-                    took: None,
-                };
-                self.db.act(&req).await?
-            }
+            None => self.db.act(&req).await?,
         };
         tracing::info!(record.id = id, action = %action, actor, "operator action");
         Ok(rec)
@@ -300,6 +327,7 @@ impl<'a> Ops<'a> {
             steps: vec![run.step.clone()],
             until: None,
             took: Some(took),
+            input: None,
         };
         let rec = self.db.act(&req).await?;
         if let Some(engine) = self.engine {
@@ -500,20 +528,30 @@ impl<'a> Ops<'a> {
     }
 }
 
+/// What an operator action carries beyond its record, action, actor and
+/// reason (see [`Ops::act_with`]).
+#[derive(Debug, Default)]
+pub struct ActExtra<'a> {
+    /// Where a replay starts.
+    pub step: Option<&'a str>,
+    /// For a park: when the record resumes by itself.
+    pub until: Option<&'a str>,
+    /// For a retry or a replay: the record's input from now on.
+    pub input: Option<crate::store::InputEdit>,
+}
+
 impl Engine {
     /// An operator action on one record, through the transition table and
-    /// audited. For a replay, `step` names where to start; the steps
-    /// downstream of it come from the record's pinned pipeline.
+    /// audited: `req` with its time and steps filled in here. For a replay,
+    /// `step` names where to start; the steps downstream of it come from
+    /// the record's pinned pipeline.
     pub(super) async fn act(
         &self,
-        record_id: i64,
-        action: crate::domain::OperatorAction,
-        actor: &str,
-        reason: Option<String>,
+        mut req: ActionRequest,
         step: Option<&str>,
-        until: Option<ParkUntil>,
     ) -> Result<Record, StoreError> {
         let i = &self.inner;
+        let (record_id, action) = (req.record_id, req.action);
         let mut steps = Vec::new();
         if action == crate::domain::OperatorAction::ReplayFrom {
             let rec =
@@ -536,16 +574,8 @@ impl Engine {
         if action == crate::domain::OperatorAction::Retry {
             steps = self.reversed_and_after(record_id).await?;
         }
-        let req = crate::store::ActionRequest {
-            record_id,
-            action,
-            actor: actor.to_owned(),
-            reason,
-            now: i.clock.now_ms(),
-            steps,
-            until,
-            took: None,
-        };
+        req.now = i.clock.now_ms();
+        req.steps = steps;
         let after = i.db.act(&req).await?;
         if after.next_run_at.is_some() {
             i.wake.notify_one();

@@ -103,6 +103,52 @@ impl Progress {
     }
 }
 
+/// Counts the step runs a committed pass ended: those it settled, and the
+/// one that parked the record. A run's length is from its first call (a
+/// run parked, then resumed or retried, counts again when it next ends,
+/// its length still from that first call).
+fn runs_ended(stats: &super::stats::StatsRecorder, commit: &Commit, after: &Record) {
+    use super::stats::RunEnd;
+    let provider = |w: &StepWrite| w.provider.clone().unwrap_or_default();
+    for w in &commit.steps {
+        let end = match w.state {
+            StepState::Succeeded => RunEnd::Succeeded,
+            StepState::Failed => RunEnd::Failed,
+            _ => continue,
+        };
+        // Filed under the commit's minute, which the recorder still
+        // holds (a run finished minutes into a long pass would start a
+        // row for a minute already written, and overwrite it).
+        let done = w.finished_at.unwrap_or(commit.now);
+        let took = done - w.started_at.unwrap_or(done);
+        stats.run_ended(
+            commit.now,
+            &after.pipeline,
+            &w.step,
+            &provider(w),
+            end,
+            took,
+        );
+    }
+    if after.state == crate::domain::RecordState::Parked {
+        let parked = commit
+            .steps
+            .iter()
+            .find(|w| Some(&w.step) == after.step.as_ref());
+        if let Some(w) = parked {
+            let took = commit.now - w.started_at.unwrap_or(commit.now);
+            stats.run_ended(
+                commit.now,
+                &after.pipeline,
+                &w.step,
+                &provider(w),
+                RunEnd::Parked,
+                took,
+            );
+        }
+    }
+}
+
 impl Engine {
     /// One pass over one leased record; always ends with a commit (or a
     /// dropped result when the lease was lost). `slot` is the record's
@@ -176,6 +222,7 @@ impl Engine {
                     i.wake.notify_one();
                 }
                 i.stats.attempts(&after.pipeline, &commit.attempts);
+                runs_ended(&i.stats, &commit, &after);
                 if after.state.is_at_rest() {
                     i.stats.finished(
                         commit.now,

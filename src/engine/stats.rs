@@ -30,6 +30,26 @@ pub const LATENCY_BUCKETS_MS: [i64; 14] = [
     i64::MAX,
 ];
 
+/// Upper bounds of the buckets of whole step runs (first call to end, polls
+/// and backoff included), in milliseconds; the last holds everything slower.
+pub const RUN_BUCKETS_MS: [i64; 15] = [
+    100,
+    250,
+    500,
+    1_000,
+    2_500,
+    5_000,
+    10_000,
+    30_000,
+    60_000,
+    300_000,
+    900_000,
+    3_600_000,
+    21_600_000,
+    86_400_000,
+    i64::MAX,
+];
+
 /// How often a node writes its figures.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(5);
 /// How long rollups are kept.
@@ -49,10 +69,24 @@ fn minute(ms: UnixMs) -> UnixMs {
 
 /// The bucket index of a latency.
 pub fn bucket(ms: i64) -> usize {
-    LATENCY_BUCKETS_MS
+    bucket_in(&LATENCY_BUCKETS_MS, ms)
+}
+
+/// The index of the first of `bounds` at or above `ms` (the last if none).
+pub fn bucket_in(bounds: &[i64], ms: i64) -> usize {
+    bounds
         .iter()
         .position(|b| ms <= *b)
-        .unwrap_or(LATENCY_BUCKETS_MS.len() - 1)
+        .unwrap_or(bounds.len().saturating_sub(1))
+}
+
+/// How a step run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunEnd {
+    Succeeded,
+    Failed,
+    /// It parked its record (counted with `records_parked`).
+    Parked,
 }
 
 impl StatsRecorder {
@@ -90,6 +124,7 @@ impl StatsRecorder {
                     step: step.to_owned(),
                     provider: provider.to_owned(),
                     latency: vec![0; LATENCY_BUCKETS_MS.len()],
+                    run_latency: vec![0; RUN_BUCKETS_MS.len()],
                     ..StepRollup::default()
                 },
                 true,
@@ -118,6 +153,32 @@ impl StatsRecorder {
                 }
             });
         }
+    }
+
+    /// Counts a step run that ended at `at` after `duration_ms` (from its
+    /// first call).
+    pub fn run_ended(
+        &self,
+        at: UnixMs,
+        pipeline: &str,
+        step: &str,
+        provider: &str,
+        end: RunEnd,
+        duration_ms: i64,
+    ) {
+        self.with_row(at, pipeline, step, provider, |r| {
+            match end {
+                RunEnd::Succeeded => r.runs_succeeded += 1,
+                RunEnd::Failed => r.runs_failed += 1,
+                RunEnd::Parked => {}
+            }
+            if let Some(slot) = r
+                .run_latency
+                .get_mut(bucket_in(&RUN_BUCKETS_MS, duration_ms))
+            {
+                *slot += 1;
+            }
+        });
     }
 
     /// Counts a record that came to rest at `step`.

@@ -188,6 +188,7 @@ impl Cached {
 pub struct Statements {
     pub(crate) record_counts: Cached,
     pub(crate) provider_counts: Cached,
+    pub(crate) step_counts: Cached,
     pub(crate) insert_event: Cached,
     pub(crate) insert_events: Cached,
     pub(crate) upsert_steps: Cached,
@@ -206,6 +207,7 @@ impl Statements {
         Statements {
             record_counts: Cached::new(),
             provider_counts: Cached::new(),
+            step_counts: Cached::new(),
             insert_event: Cached::new(),
             insert_events: Cached::new(),
             upsert_steps: Cached::new(),

@@ -352,3 +352,13 @@ json_row!(
     shard: i32 => Int,
     n: i64 => Int,
 });
+
+json_row!(
+    /// A per-step counter delta.
+    StepCountJson, STEP_COUNT_COLS {
+    pipeline: &'a str => Text,
+    step: &'a str => Text,
+    state: &'static str => Text,
+    shard: i32 => Int,
+    n: i64 => Int,
+});

@@ -23,7 +23,8 @@ use super::{
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     Attempt, Event, Node, OperatorAction, PipelineVersion, ProviderState, Record, RecordState,
-    ScheduleRow, Session, StateCount, StepRun, StepVersion, Trigger, UnixMs, User, transition,
+    ScheduleRow, Session, StateCount, StepCount, StepRun, StepVersion, Trigger, UnixMs, User,
+    transition,
 };
 
 // The bounds are those of the store's inherent methods (`sql.rs`).
@@ -246,6 +247,26 @@ where
         let mut counts = map_all(&rows, MapRow::state_count)?;
         counts.sort();
         Ok(counts)
+    }
+
+    async fn step_counts(&self) -> StoreResult<Vec<StepCount>> {
+        let rows = sqlx::query(
+            "SELECT pipeline, step, state, CAST(SUM(n) AS BIGINT) AS n FROM step_counts \
+             GROUP BY pipeline, step, state HAVING SUM(n) <> 0",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::step_count)
+    }
+
+    async fn recount_steps(&self) -> StoreResult<Vec<StepCount>> {
+        let rows = sqlx::query(
+            "SELECT pipeline, COALESCE(step, '') AS step, state, COUNT(*) AS n FROM records \
+             GROUP BY pipeline, COALESCE(step, ''), state",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::step_count)
     }
 
     async fn recount_states(&self) -> StoreResult<Vec<StateCount>> {
@@ -580,6 +601,7 @@ where
                 steps: Vec::new(),
                 until: None,
                 took: None,
+                input: None,
             };
             let moved = Self::act_locked(
                 &mut tx,
@@ -1261,6 +1283,28 @@ where
         Ok(user)
     }
 
+    async fn set_theme(&self, id: i64, theme: Option<&str>) -> StoreResult<()> {
+        if theme.is_some_and(|t| t != "light" && t != "dark") {
+            return Err(StoreError::Invalid(
+                "a theme is `light` or `dark` (none: the system's)".into(),
+            ));
+        }
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query("UPDATE users SET theme = $1 WHERE id = $2")
+            .bind(theme.map(str::to_owned))
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() != 1 {
+            return Err(StoreError::NotFound {
+                what: "user",
+                key: id.to_string(),
+            });
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
     async fn create_session(&self, s: &Session) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at, revoked_at) VALUES ($1, $2, $3, $4, $5)")
@@ -1862,7 +1906,7 @@ where
             super::batch::Dialect::Sqlite => "",
         };
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT id, state, provider FROM records r \
+            "SELECT id, state, provider, step FROM records r \
              WHERE pipeline = $1 AND finished_at IS NOT NULL AND finished_at < $2 \
              AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id) \
              ORDER BY finished_at, id LIMIT $3{lock}"
@@ -1882,10 +1926,11 @@ where
             let id: i64 = row.try_get(0)?;
             let state: String = row.try_get(1)?;
             let provider: Option<String> = row.try_get(2)?;
+            let step: Option<String> = row.try_get(3)?;
             let parsed: RecordState = state
                 .parse()
                 .map_err(|_| StoreError::Corrupt(format!("record {id} has state `{state}`")))?;
-            deltas.removed(pipeline, parsed, provider.as_deref());
+            deltas.removed(pipeline, parsed, provider.as_deref(), step.as_deref());
             *purged.by_state.entry(state).or_default() += 1;
             ids.push(id);
         }
@@ -2158,14 +2203,18 @@ where
         for r in rows {
             let latency = serde_json::to_string(&r.latency)
                 .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let run_latency = serde_json::to_string(&r.run_latency)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
             let sql = format!(
                 "INSERT INTO step_rollups ({ROLLUP_COLUMNS}) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                  ON CONFLICT (minute, node, pipeline, step, provider) DO UPDATE SET \
                    calls = excluded.calls, succeeded = excluded.succeeded, failed = excluded.failed, \
                    retried = excluded.retried, unknown = excluded.unknown, \
                    records_succeeded = excluded.records_succeeded, records_failed = excluded.records_failed, \
-                   records_parked = excluded.records_parked, latency = excluded.latency"
+                   records_parked = excluded.records_parked, latency = excluded.latency, \
+                   runs_succeeded = excluded.runs_succeeded, runs_failed = excluded.runs_failed, \
+                   run_latency = excluded.run_latency"
             );
             sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(r.minute)
@@ -2182,6 +2231,9 @@ where
                 .bind(r.records_failed)
                 .bind(r.records_parked)
                 .bind(latency)
+                .bind(r.runs_succeeded)
+                .bind(r.runs_failed)
+                .bind(run_latency)
                 .execute(&mut *tx)
                 .await?;
         }

@@ -1,6 +1,6 @@
-//! Per-(pipeline, state) and per-(provider, state) counter deltas, gathered
-//! during a transaction and applied at its end, so dashboards never
-//! `COUNT(*)` the records table.
+//! Per-(pipeline, state), per-(provider, state) and per-(pipeline, step,
+//! state) counter deltas, gathered during a transaction and applied at its
+//! end, so dashboards never `COUNT(*)` the records table.
 
 use std::collections::BTreeMap;
 
@@ -13,7 +13,13 @@ use crate::domain::{Record, RecordState};
 pub(crate) struct CountDeltas(
     BTreeMap<(String, RecordState), i64>,
     BTreeMap<(String, RecordState), i64>,
+    BTreeMap<(String, String, RecordState), i64>,
 );
+
+/// The step a record counts under: the one it is at, or `''` before any.
+pub(crate) fn step_key(step: Option<&str>) -> &str {
+    step.unwrap_or("")
+}
 
 impl CountDeltas {
     /// A record at provider `provider` (the provider of its current step)
@@ -35,13 +41,69 @@ impl CountDeltas {
         }
     }
 
-    /// `before` became `after` (same record): both counters.
+    /// A record of `pipeline` moved from (`step`, `state`) to the other
+    /// pair; `None`: it is new, or deleted.
+    pub(crate) fn step_moved(
+        &mut self,
+        pipeline: &str,
+        from: Option<(&str, RecordState)>,
+        to: Option<(&str, RecordState)>,
+    ) {
+        if from == to {
+            return;
+        }
+        if let Some((step, s)) = from {
+            *self
+                .2
+                .entry((pipeline.to_owned(), step.to_owned(), s))
+                .or_default() -= 1;
+        }
+        if let Some((step, s)) = to {
+            *self
+                .2
+                .entry((pipeline.to_owned(), step.to_owned(), s))
+                .or_default() += 1;
+        }
+    }
+
+    /// `before` became `after` (same record): every counter.
     pub(crate) fn record_moved(&mut self, before: &Record, after: &Record) {
         self.moved(&after.pipeline, Some(before.state), after.state);
         self.provider_moved(
             before.provider.as_deref().map(|p| (p, before.state)),
             after.provider.as_deref().map(|p| (p, after.state)),
         );
+        self.step_moved(
+            &after.pipeline,
+            Some((step_key(before.step.as_deref()), before.state)),
+            Some((step_key(after.step.as_deref()), after.state)),
+        );
+    }
+
+    /// A record left where it was (step, provider) moved from `from` to
+    /// `to`: every counter.
+    pub(crate) fn state_moved(&mut self, rec: &Record, from: RecordState, to: RecordState) {
+        self.moved(&rec.pipeline, Some(from), to);
+        self.provider_moved(
+            rec.provider.as_deref().map(|p| (p, from)),
+            rec.provider.as_deref().map(|p| (p, to)),
+        );
+        let step = step_key(rec.step.as_deref());
+        self.step_moved(&rec.pipeline, Some((step, from)), Some((step, to)));
+    }
+
+    /// A new record of `pipeline`, pending at no step yet.
+    pub(crate) fn inserted(&mut self, pipeline: &str) {
+        self.moved(pipeline, None, RecordState::Pending);
+        self.step_moved(pipeline, None, Some(("", RecordState::Pending)));
+    }
+
+    /// The non-zero per-step deltas, in a stable order.
+    pub(crate) fn step_nonzero(&self) -> impl Iterator<Item = (&str, &str, RecordState, i64)> {
+        self.2
+            .iter()
+            .filter(|(_, n)| **n != 0)
+            .map(|((p, st, s), n)| (p.as_str(), st.as_str(), *s, *n))
     }
 
     /// The non-zero per-provider deltas, in a stable order.
@@ -63,13 +125,20 @@ impl CountDeltas {
         *self.0.entry((pipeline.to_owned(), to)).or_default() += 1;
     }
 
-    /// A record of `pipeline` in `state` (at `provider`, if it has one)
-    /// was deleted.
-    pub(crate) fn removed(&mut self, pipeline: &str, state: RecordState, provider: Option<&str>) {
+    /// A record of `pipeline` in `state` (at `provider` and `step`, if it
+    /// has them) was deleted.
+    pub(crate) fn removed(
+        &mut self,
+        pipeline: &str,
+        state: RecordState,
+        provider: Option<&str>,
+        step: Option<&str>,
+    ) {
         *self.0.entry((pipeline.to_owned(), state)).or_default() -= 1;
         if let Some(p) = provider {
             *self.1.entry((p.to_owned(), state)).or_default() -= 1;
         }
+        self.step_moved(pipeline, Some((step_key(step), state)), None);
     }
 
     /// The non-zero deltas, in a stable order.
@@ -104,5 +173,42 @@ mod tests {
         );
         let v: Vec<_> = d.provider_nonzero().collect();
         assert_eq!(v, vec![("b", RecordState::Running, 1)]);
+    }
+
+    #[test]
+    fn steps_follow_the_record() {
+        let rec = |step: Option<&str>, state| Record {
+            id: 1,
+            pipeline: "p".into(),
+            pipeline_version: None,
+            external_key: None,
+            group: None,
+            state,
+            input: serde_json::Value::Null,
+            next_run_at: None,
+            lease_owner: None,
+            lease_until: None,
+            lease_token: 0,
+            step: step.map(str::to_owned),
+            provider: None,
+            error_code: None,
+            reason: None,
+            created_at: 0,
+            updated_at: 0,
+            finished_at: None,
+            park_until: None,
+        };
+        let mut d = CountDeltas::default();
+        d.inserted("p");
+        let new = rec(None, RecordState::Pending);
+        let at_a = rec(Some("a"), RecordState::Running);
+        d.record_moved(&new, &at_a);
+        let at_b = rec(Some("b"), RecordState::Pending);
+        d.record_moved(&at_a, &at_b);
+        d.state_moved(&at_b, RecordState::Pending, RecordState::Parked);
+        let v: Vec<_> = d.step_nonzero().collect();
+        assert_eq!(v, vec![("p", "b", RecordState::Parked, 1)]);
+        d.removed("p", RecordState::Parked, None, Some("b"));
+        assert_eq!(d.step_nonzero().count(), 0);
     }
 }

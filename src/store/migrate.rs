@@ -42,6 +42,8 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     12 "0012_schedules" "schedules",
     13 "0013_retention" "retention",
     14 "0014_search" "search",
+    15 "0015_step_figures" "step_figures",
+    16 "0016_user_theme" "user_theme",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -58,6 +60,8 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     12 "0012_schedules" "schedules",
     13 "0013_retention" "retention",
     14 "0014_search" "search",
+    15 "0015_step_figures" "step_figures",
+    16 "0016_user_theme" "user_theme",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -24,8 +24,8 @@ use serde_json::Value;
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
     ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
-    Record, RecordState, Role, ScheduleRow, Session, StateCount, StepRun, StepState, StepVersion,
-    TransitionError, UnixMs, User, WorkResult,
+    Record, RecordState, Role, ScheduleRow, Session, StateCount, StepCount, StepRun, StepState,
+    StepVersion, TransitionError, UnixMs, User, WorkResult,
 };
 
 pub use postgres::{Notice, PgStore};
@@ -468,6 +468,20 @@ pub struct ActionRequest {
     /// For `TookEffect`: what the call of the step named in `steps` did,
     /// as the operator found it at the provider.
     pub took: Option<Took>,
+    /// For `Retry` and `ReplayFrom`: the record's input from now on (the
+    /// audit entry keeps the old and the new). Refused with any other
+    /// action.
+    pub input: Option<InputEdit>,
+}
+
+/// A record's input replaced by an operator's retry or replay.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InputEdit {
+    pub new: serde_json::Value,
+    /// The input the operator saw and edited: refused when the record's
+    /// is no longer that (someone else changed it meanwhile). `None`: no
+    /// check (the API, which names the new input outright).
+    pub was: Option<serde_json::Value>,
 }
 
 /// What a call whose outcome was not known did, as an operator found it at
@@ -595,6 +609,14 @@ pub struct StepRollup {
     pub records_parked: i64,
     /// Attempt counts per latency bucket (`engine::stats::LATENCY_BUCKETS_MS`).
     pub latency: Vec<i64>,
+    /// Step runs (all the attempts and polls of one step of one record)
+    /// that ended in this minute, by result; those that parked their
+    /// record are `records_parked`.
+    pub runs_succeeded: i64,
+    pub runs_failed: i64,
+    /// Ended step runs per duration bucket (`engine::stats::RUN_BUCKETS_MS`),
+    /// from the run's first call to its end; parked runs included.
+    pub run_latency: Vec<i64>,
 }
 
 /// The storage contract, implemented by [`SqliteStore`] and [`PgStore`] and
@@ -659,6 +681,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn provider_counts(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
     /// The same by scanning; for repair and tests only.
     fn recount_providers(&self) -> impl Future<Output = StoreResult<Vec<StateCount>>> + Send;
+    /// Records per (pipeline, step they are at, state), from maintained
+    /// counters, non-zero ones only.
+    fn step_counts(&self) -> impl Future<Output = StoreResult<Vec<StepCount>>> + Send;
+    /// The same by scanning; for repair and tests only.
+    fn recount_steps(&self) -> impl Future<Output = StoreResult<Vec<StepCount>>> + Send;
 
     // --- work ----------------------------------------------------------
     /// The earliest `next_run_at` of any record (due work or a lease
@@ -854,6 +881,13 @@ pub trait Store: Clone + Send + Sync + 'static {
         change: &UserChange,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<User>> + Send;
+    /// Sets the dashboard colour scheme user `id` chose (`light`, `dark`;
+    /// `None`: the system's). Sessions stay: it is a preference.
+    fn set_theme(
+        &self,
+        id: i64,
+        theme: Option<&str>,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
     fn create_session(&self, session: &Session) -> impl Future<Output = StoreResult<()>> + Send;
     fn session(&self, id: &str) -> impl Future<Output = StoreResult<Option<Session>>> + Send;
     fn revoke_session(&self, id: &str, now: UnixMs)
@@ -1211,6 +1245,8 @@ forward! {
     fn recount_states(&self) -> Vec<StateCount>;
     fn provider_counts(&self) -> Vec<StateCount>;
     fn recount_providers(&self) -> Vec<StateCount>;
+    fn step_counts(&self) -> Vec<StepCount>;
+    fn recount_steps(&self) -> Vec<StepCount>;
     fn next_due_at(&self) -> Option<UnixMs>;
     fn oldest_due(&self, pipelines: &[String], now: UnixMs) -> Vec<(String, UnixMs)>;
     fn claim_due(&self, req: &ClaimRequest) -> Vec<Record>;
@@ -1246,6 +1282,7 @@ forward! {
     fn user_by_id(&self, id: i64) -> Option<User>;
     fn list_users(&self) -> Vec<User>;
     fn update_user(&self, id: i64, change: &UserChange, now: UnixMs) -> User;
+    fn set_theme(&self, id: i64, theme: Option<&str>) -> ();
     fn create_session(&self, session: &Session) -> ();
     fn session(&self, id: &str) -> Option<Session>;
     fn revoke_session(&self, id: &str, now: UnixMs) -> ();

@@ -9,7 +9,7 @@ use crate::domain::breaker::SharedBreaker;
 use crate::domain::permits::GrantRow;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState,
-    ScheduleRow, Session, StateCount, StepRun, StepVersion, User,
+    ScheduleRow, Session, StateCount, StepCount, StepRun, StepVersion, User,
 };
 use crate::store::{StepRollup, StoreError, StoreResult};
 
@@ -34,13 +34,14 @@ pub(crate) const INTENT_COLUMNS: &str =
 pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
 pub(crate) const USER_COLUMNS: &str =
-    "id, username, password_hash, role, disabled, created_at, updated_at";
+    "id, username, password_hash, role, disabled, created_at, updated_at, theme";
 pub(crate) const API_TOKEN_COLUMNS: &str =
     "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at";
 pub(crate) const BREAKER_COLUMNS: &str =
     "breaker, breaker_changed_at, open_until, probes_out, probes_ok, probe_until";
 pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
-     failed, retried, unknown, records_succeeded, records_failed, records_parked, latency";
+     failed, retried, unknown, records_succeeded, records_failed, records_parked, latency, \
+     runs_succeeded, runs_failed, run_latency";
 pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at, open_until, paused, \
      paused_by, paused_reason, throttled_until, stats, updated_at";
 
@@ -88,6 +89,7 @@ pub trait MapRow {
     fn pipeline_version(&self) -> StoreResult<PipelineVersion>;
     /// A row of `(pipeline, state, n)`.
     fn state_count(&self) -> StoreResult<StateCount>;
+    fn step_count(&self) -> StoreResult<StepCount>;
 }
 
 impl<R> MapRow for R
@@ -248,6 +250,7 @@ where
             disabled: self.try_get("disabled")?,
             created_at: self.try_get("created_at")?,
             updated_at: self.try_get("updated_at")?,
+            theme: self.try_get("theme")?,
         })
     }
 
@@ -266,6 +269,7 @@ where
 
     fn rollup(&self) -> StoreResult<StepRollup> {
         let latency: String = self.try_get("latency")?;
+        let run_latency: String = self.try_get("run_latency")?;
         Ok(StepRollup {
             minute: self.try_get("minute")?,
             node: self.try_get("node")?,
@@ -282,6 +286,10 @@ where
             records_parked: self.try_get("records_parked")?,
             latency: serde_json::from_str(&latency)
                 .map_err(|e| StoreError::Corrupt(format!("rollup latency: {e}")))?,
+            runs_succeeded: self.try_get("runs_succeeded")?,
+            runs_failed: self.try_get("runs_failed")?,
+            run_latency: serde_json::from_str(&run_latency)
+                .map_err(|e| StoreError::Corrupt(format!("rollup run latency: {e}")))?,
         })
     }
 
@@ -373,6 +381,15 @@ where
     fn state_count(&self) -> StoreResult<StateCount> {
         Ok(StateCount {
             pipeline: self.try_get("pipeline")?,
+            state: parse(&self.try_get::<String, _>("state")?, "record state")?,
+            count: self.try_get("n")?,
+        })
+    }
+
+    fn step_count(&self) -> StoreResult<StepCount> {
+        Ok(StepCount {
+            pipeline: self.try_get("pipeline")?,
+            step: self.try_get("step")?,
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
             count: self.try_get("n")?,
         })

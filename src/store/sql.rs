@@ -210,6 +210,30 @@ where
                 .collect();
             sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
         }
+        let steps: Vec<batch::StepCountJson<'_>> = deltas
+            .step_nonzero()
+            .map(|(pipeline, step, state, n)| batch::StepCountJson {
+                pipeline,
+                step,
+                state: state.as_str(),
+                shard,
+                n,
+            })
+            .collect();
+        if !steps.is_empty() {
+            let sql = DB::statements().step_counts.get(|| {
+                batch::insert(
+                    "step_counts",
+                    batch::STEP_COUNT_COLS,
+                    DB::DIALECT,
+                    "ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n",
+                )
+            });
+            sqlx::query(sql)
+                .bind_json(&steps)
+                .execute(&mut **tx)
+                .await?;
+        }
         Ok(())
     }
 
@@ -516,11 +540,7 @@ where
                 });
                 from = to;
             }
-            deltas.moved(&rec.pipeline, Some(old), from);
-            deltas.provider_moved(
-                rec.provider.as_deref().map(|p| (p, old)),
-                rec.provider.as_deref().map(|p| (p, from)),
-            );
+            deltas.state_moved(rec, old, from);
         }
         Ok((events, deltas))
     }
@@ -637,7 +657,7 @@ where
                 .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
             if next_is_this {
                 if let Some(record) = inserted.next() {
-                    deltas.moved(&record.pipeline, None, RecordState::Pending);
+                    deltas.inserted(&record.pipeline);
                     *slot = Some(Created {
                         record,
                         created: true,
@@ -693,6 +713,203 @@ where
         Ok(done)
     }
 
+    /// `Retry` inside the caller's transaction: a fresh attempt budget for
+    /// every unfinished step; reversed results, and with a `new_input`
+    /// every unfinished step, run again under a new generation.
+    async fn retry_locked(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        rec: &Record,
+        req: &ActionRequest,
+        new_input: bool,
+    ) -> StoreResult<()> {
+        // A fresh attempt budget (and deadline) for every
+        // step that has not finished; a submitted job keeps
+        // its id, so it is polled, not paid for again.
+        sqlx::query(
+            "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
+             error_code = NULL, reason = NULL, updated_at = $1, \
+             state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
+             WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",
+        )
+        .bind(req.now)
+        .bind(rec.id)
+        .execute(&mut **tx)
+        .await?;
+        // A result its provider reversed is not kept by a retry:
+        // its step runs again, a new version, and so do the steps
+        // after it that the engine names in `steps` (read here,
+        // under the record's lock: `steps` counts only when a step
+        // is reversed, and never leaves one out).
+        let mut reversed: Vec<String> = sqlx::query_scalar(
+            "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
+             AND error_code = $2 ORDER BY step",
+        )
+        .bind(rec.id)
+        .bind(crate::domain::REVERSED)
+        .fetch_all(&mut **tx)
+        .await?;
+        if !reversed.is_empty() && !req.steps.is_empty() {
+            let missing: Vec<String> = reversed
+                .iter()
+                .filter(|r| !req.steps.contains(r))
+                .cloned()
+                .collect();
+            reversed = req.steps.iter().cloned().chain(missing).collect();
+        }
+        // A new input is a new request: the steps still to finish
+        // run again under a new generation (a new idempotency key;
+        // a job made from the old input is left behind).
+        let cause = if new_input {
+            let unfinished: Vec<String> = sqlx::query_scalar(
+                "SELECT step FROM step_runs WHERE record_id = $1 \
+                 AND state NOT IN ('succeeded', 'skipped') ORDER BY step",
+            )
+            .bind(rec.id)
+            .fetch_all(&mut **tx)
+            .await?;
+            for step in unfinished {
+                if !reversed.contains(&step) {
+                    reversed.push(step);
+                }
+            }
+            format!("retry with a new input by {}", req.actor)
+        } else {
+            format!("retry by {}", req.actor)
+        };
+        Self::rerun_steps(tx, installation, rec.id, &reversed, req.now, &cause).await?;
+        Ok(())
+    }
+
+    /// `TookEffect` inside the caller's transaction: an operator checked
+    /// with the provider, and the call whose outcome was not known made
+    /// this job (the step follows it), or, for a request step, took effect
+    /// with these outputs (the step succeeded).
+    async fn took_effect_locked(
+        tx: &mut Tx<DB>,
+        rec: &Record,
+        req: &ActionRequest,
+    ) -> StoreResult<()> {
+        let (Some(step), Some(took)) = (req.steps.first(), req.took.as_ref()) else {
+            return Err(StoreError::Invalid(
+                "`took_effect` needs the step and what the provider made".into(),
+            ));
+        };
+        if rec.step.as_deref() != Some(step.as_str())
+            || rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN)
+        {
+            return Err(StoreError::Invalid(format!(
+                "the record does not wait on step `{step}`'s uncertain call"
+            )));
+        }
+        let set = match took {
+            crate::store::Took::Job(job) => {
+                crate::store::refuse_nul("job id", Some(job))?;
+                if job.trim().is_empty() || job.len() > 200 {
+                    return Err(StoreError::Invalid(
+                        "give the provider's job id (1 to 200 characters)".into(),
+                    ));
+                }
+                sqlx::query(
+                    "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
+                     reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
+                     WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
+                     AND state NOT IN ('succeeded', 'failed', 'skipped')",
+                )
+                .bind(job.trim().to_owned())
+                .bind(format!(
+                    "the call took effect: job {} (by {})",
+                    job.trim(),
+                    req.actor
+                ))
+            }
+            crate::store::Took::Output { output, confirm } => {
+                if let Some(p) = confirm {
+                    Self::put_confirmation(tx, p).await?;
+                }
+                if !output.is_object() {
+                    return Err(StoreError::Invalid(
+                        "give the step's outputs as a JSON object".into(),
+                    ));
+                }
+                if crate::domain::json_has_nul(output) {
+                    return Err(StoreError::Invalid(
+                        "the outputs contain a NUL character".into(),
+                    ));
+                }
+                sqlx::query(
+                    "UPDATE step_runs SET output = $1, state = 'succeeded', error_code = NULL, \
+                     reason = $2, next_run_at = NULL, deadline_at = NULL, finished_at = $3, \
+                     updated_at = $3 \
+                     WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
+                     AND state NOT IN ('succeeded', 'failed', 'skipped')",
+                )
+                .bind(Json(output.clone()))
+                .bind(format!(
+                    "the call took effect, outputs given by {}",
+                    req.actor
+                ))
+            }
+        };
+        let done = set
+            .bind(req.now)
+            .bind(rec.id)
+            .bind(step.clone())
+            .bind(crate::domain::OUTCOME_UNCERTAIN)
+            .execute(&mut **tx)
+            .await?;
+        if done.rows_affected() != 1 {
+            return Err(StoreError::Invalid(format!(
+                "step `{step}` has no call whose outcome is uncertain"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sets the record's input to the one a retry or replay gives, inside
+    /// the caller's transaction; the change (`{"old", "new"}`) for the
+    /// audit entry, `None` when there is none.
+    async fn new_input(
+        tx: &mut Tx<DB>,
+        rec: &Record,
+        req: &ActionRequest,
+    ) -> StoreResult<Option<serde_json::Value>> {
+        let Some(edit) = &req.input else {
+            return Ok(None);
+        };
+        let new = &edit.new;
+        if !matches!(
+            req.action,
+            OperatorAction::Retry | OperatorAction::ReplayFrom
+        ) {
+            return Err(StoreError::Invalid(format!(
+                "only a retry or a replay takes a new input, not {}",
+                req.action
+            )));
+        }
+        if crate::domain::json_has_nul(new) {
+            return Err(StoreError::Invalid(
+                "a NUL character (\\u0000) in the input".into(),
+            ));
+        }
+        if edit.was.as_ref().is_some_and(|was| *was != rec.input) {
+            return Err(StoreError::Invalid(
+                "the record's input changed since the page showed it (another operator's \
+                 edit?): nothing was done; reload the record and edit again"
+                    .into(),
+            ));
+        }
+        if *new == rec.input {
+            return Ok(None);
+        }
+        sqlx::query("UPDATE records SET input = $1 WHERE id = $2")
+            .bind(Json(new.clone()))
+            .bind(rec.id)
+            .execute(&mut **tx)
+            .await?;
+        Ok(Some(serde_json::json!({ "old": rec.input, "new": new })))
+    }
+
     /// An action on a record locked in `tx`, through the transition
     /// table: an operator's (`act`), or the system's resume of a record
     /// whose condition held (`resume_parked`, `condition` naming it). Its
@@ -718,44 +935,10 @@ where
             crate::domain::park::check(until, req.now).map_err(StoreError::Invalid)?;
         }
         let to = transition(rec.state, Trigger::Operator(req.action))?;
+        let input = Self::new_input(tx, rec, req).await?;
         match req.action {
             OperatorAction::Retry => {
-                // A fresh attempt budget (and deadline) for every
-                // step that has not finished; a submitted job keeps
-                // its id, so it is polled, not paid for again.
-                sqlx::query(
-                    "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
-                     error_code = NULL, reason = NULL, updated_at = $1, \
-                     state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
-                     WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",
-                )
-                .bind(req.now)
-                .bind(rec.id)
-                .execute(&mut **tx)
-                .await?;
-                // A result its provider reversed is not kept by a retry:
-                // its step runs again, a new version, and so do the steps
-                // after it that the engine names in `steps` (read here,
-                // under the record's lock: `steps` counts only when a step
-                // is reversed, and never leaves one out).
-                let mut reversed: Vec<String> = sqlx::query_scalar(
-                    "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
-                     AND error_code = $2 ORDER BY step",
-                )
-                .bind(rec.id)
-                .bind(crate::domain::REVERSED)
-                .fetch_all(&mut **tx)
-                .await?;
-                if !reversed.is_empty() && !req.steps.is_empty() {
-                    let missing: Vec<String> = reversed
-                        .iter()
-                        .filter(|r| !req.steps.contains(r))
-                        .cloned()
-                        .collect();
-                    reversed = req.steps.iter().cloned().chain(missing).collect();
-                }
-                let cause = format!("retry by {}", req.actor);
-                Self::rerun_steps(tx, installation, rec.id, &reversed, req.now, &cause).await?;
+                Self::retry_locked(tx, installation, rec, req, input.is_some()).await?;
             }
             OperatorAction::ReplayFrom => {
                 let cause = format!("replay by {}", req.actor);
@@ -774,85 +957,7 @@ where
                 .execute(&mut **tx)
                 .await?;
             }
-            // An operator checked with the provider: the call whose
-            // outcome was not known made this job, and the step follows
-            // it; or (a request step) it took effect with these outputs,
-            // and the step succeeded.
-            OperatorAction::TookEffect => {
-                let (Some(step), Some(took)) = (req.steps.first(), req.took.as_ref()) else {
-                    return Err(StoreError::Invalid(
-                        "`took_effect` needs the step and what the provider made".into(),
-                    ));
-                };
-                if rec.step.as_deref() != Some(step.as_str())
-                    || rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN)
-                {
-                    return Err(StoreError::Invalid(format!(
-                        "the record does not wait on step `{step}`'s uncertain call"
-                    )));
-                }
-                let set = match took {
-                    crate::store::Took::Job(job) => {
-                        crate::store::refuse_nul("job id", Some(job))?;
-                        if job.trim().is_empty() || job.len() > 200 {
-                            return Err(StoreError::Invalid(
-                                "give the provider's job id (1 to 200 characters)".into(),
-                            ));
-                        }
-                        sqlx::query(
-                            "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
-                             reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
-                             WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
-                             AND state NOT IN ('succeeded', 'failed', 'skipped')",
-                        )
-                        .bind(job.trim().to_owned())
-                        .bind(format!(
-                            "the call took effect: job {} (by {})",
-                            job.trim(),
-                            req.actor
-                        ))
-                    }
-                    crate::store::Took::Output { output, confirm } => {
-                        if let Some(p) = confirm {
-                            Self::put_confirmation(tx, p).await?;
-                        }
-                        if !output.is_object() {
-                            return Err(StoreError::Invalid(
-                                "give the step's outputs as a JSON object".into(),
-                            ));
-                        }
-                        if crate::domain::json_has_nul(output) {
-                            return Err(StoreError::Invalid(
-                                "the outputs contain a NUL character".into(),
-                            ));
-                        }
-                        sqlx::query(
-                            "UPDATE step_runs SET output = $1, state = 'succeeded', error_code = NULL, \
-                             reason = $2, next_run_at = NULL, deadline_at = NULL, finished_at = $3, \
-                             updated_at = $3 \
-                             WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
-                             AND state NOT IN ('succeeded', 'failed', 'skipped')",
-                        )
-                        .bind(Json(output.clone()))
-                        .bind(format!(
-                            "the call took effect, outputs given by {}",
-                            req.actor
-                        ))
-                    }
-                };
-                let done = set
-                    .bind(req.now)
-                    .bind(rec.id)
-                    .bind(step.clone())
-                    .bind(crate::domain::OUTCOME_UNCERTAIN)
-                    .execute(&mut **tx)
-                    .await?;
-                if done.rows_affected() != 1 {
-                    return Err(StoreError::Invalid(format!(
-                        "step `{step}` has no call whose outcome is uncertain"
-                    )));
-                }
-            }
+            OperatorAction::TookEffect => Self::took_effect_locked(tx, rec, req).await?,
             OperatorAction::Park | OperatorAction::Cancel => {}
         }
         let next = to.is_scheduled().then_some(req.now);
@@ -873,6 +978,15 @@ where
                 None => serde_json::json!({ "step": req.steps.first() }),
             }),
             _ => None,
+        };
+        // The input an operator changed, old and new, beside the rest.
+        let detail = match (detail, input) {
+            (d, None) => d,
+            (Some(serde_json::Value::Object(mut d)), Some(change)) => {
+                d.insert("input".into(), change);
+                Some(serde_json::Value::Object(d))
+            }
+            (_, Some(change)) => Some(serde_json::json!({ "input": change })),
         };
         // Parking and cancelling keep the last error code for
         // filtering; moving on clears it.

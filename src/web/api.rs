@@ -221,6 +221,9 @@ struct ActBody {
     /// For `took_effect`: the step's outputs as the provider has them (a
     /// request step).
     output: Option<Value>,
+    /// For `retry` and `replay_from`: the record's input from now on (the
+    /// audit entry keeps the old and the new).
+    input: Option<Value>,
 }
 
 async fn act(
@@ -244,16 +247,16 @@ async fn act(
             .await?;
         return Ok(Json(json!({ "record": record })));
     }
+    let extra = crate::engine::ActExtra {
+        step: body.step.as_deref(),
+        until: body.until.as_deref(),
+        input: body
+            .input
+            .map(|new| crate::store::InputEdit { new, was: None }),
+    };
     let record = state
         .ops()
-        .act(
-            id,
-            action,
-            &caller.actor,
-            reason,
-            body.step.as_deref(),
-            body.until.as_deref(),
-        )
+        .act_with(id, action, &caller.actor, reason, extra)
         .await?;
     Ok(Json(json!({ "record": record })))
 }

@@ -6,7 +6,9 @@ pub fn millis(ms: i64) -> String {
         format!("{ms} ms")
     } else if ms < 60_000 {
         format!("{:.1} s", ms as f64 / 1000.0)
-    } else {
+    } else if ms < 3_600_000 {
         format!("{:.1} min", ms as f64 / 60_000.0)
+    } else {
+        format!("{:.1} h", ms as f64 / 3_600_000.0)
     }
 }

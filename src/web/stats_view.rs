@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use crate::domain::UnixMs;
-use crate::engine::stats::LATENCY_BUCKETS_MS;
+use crate::engine::stats::{LATENCY_BUCKETS_MS, RUN_BUCKETS_MS};
 use crate::store::StepRollup;
 
 const HOUR: i64 = 3600 * 1000;
@@ -41,23 +41,7 @@ impl Window {
 
     /// The latency bucket holding quantile `q`, as "≤ N ms".
     pub fn quantile(&self, q: f64) -> String {
-        let total: i64 = self.latency.iter().sum();
-        if total == 0 {
-            return "—".into();
-        }
-        let want = (q * total as f64).ceil() as i64;
-        let mut seen = 0;
-        for (i, n) in self.latency.iter().enumerate() {
-            seen += n;
-            if seen >= want {
-                return match LATENCY_BUCKETS_MS.get(i) {
-                    Some(&b) if b == i64::MAX => "> 60 s".into(),
-                    Some(&b) => format!("≤ {}", super::fmt::millis(b)),
-                    None => "—".into(),
-                };
-            }
-        }
-        "—".into()
+        quantile(&self.latency, &LATENCY_BUCKETS_MS, q)
     }
 
     pub fn p50(&self) -> String {
@@ -67,6 +51,99 @@ impl Window {
     pub fn p95(&self) -> String {
         self.quantile(0.95)
     }
+}
+
+/// The bucket of `bounds` holding quantile `q` of `counts`, as "≤ N ms"
+/// ("> N" past the last bound, "—" for no counts).
+fn quantile(counts: &[i64], bounds: &[i64], q: f64) -> String {
+    let total: i64 = counts.iter().sum();
+    if total == 0 {
+        return "—".into();
+    }
+    let want = (q * total as f64).ceil() as i64;
+    let mut seen = 0;
+    for (i, n) in counts.iter().enumerate() {
+        seen += n;
+        if seen >= want {
+            return match bounds.get(i) {
+                Some(&b) if b == i64::MAX => match bounds.len().checked_sub(2).map(|j| bounds[j]) {
+                    Some(last) => format!("> {}", super::fmt::millis(last)),
+                    None => "—".into(),
+                },
+                Some(&b) => format!("≤ {}", super::fmt::millis(b)),
+                None => "—".into(),
+            };
+        }
+    }
+    "—".into()
+}
+
+/// Step runs (every attempt and poll of one step of one record) that
+/// ended in one window: how they ended and how long they took.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Runs {
+    pub succeeded: i64,
+    pub failed: i64,
+    /// Runs that parked their record.
+    pub parked: i64,
+    /// Attempts made (calls and polls), for attempts per run.
+    pub calls: i64,
+    pub latency: Vec<i64>,
+}
+
+impl Runs {
+    fn add(&mut self, r: &StepRollup) {
+        self.succeeded += r.runs_succeeded;
+        self.failed += r.runs_failed;
+        self.parked += r.records_parked;
+        self.calls += r.calls;
+        if self.latency.len() < r.run_latency.len() {
+            self.latency.resize(r.run_latency.len(), 0);
+        }
+        for (a, b) in self.latency.iter_mut().zip(&r.run_latency) {
+            *a += b;
+        }
+    }
+
+    pub fn ended(&self) -> i64 {
+        self.succeeded + self.failed + self.parked
+    }
+
+    /// Share of ended runs that succeeded, as text.
+    pub fn success_rate(&self) -> String {
+        match self.ended() {
+            0 => "—".into(),
+            n => format!("{:.1}%", 100.0 * self.succeeded as f64 / n as f64),
+        }
+    }
+
+    /// Whole-run length at quantile `q` (first call to end), as text.
+    pub fn quantile(&self, q: f64) -> String {
+        quantile(&self.latency, &RUN_BUCKETS_MS, q)
+    }
+
+    pub fn p50(&self) -> String {
+        self.quantile(0.5)
+    }
+
+    pub fn p95(&self) -> String {
+        self.quantile(0.95)
+    }
+}
+
+/// Step-run figures per (pipeline, step), summed over providers and nodes:
+/// (last hour, last day).
+pub fn step_runs(rollups: &[StepRollup], now: UnixMs) -> BTreeMap<(String, String), (Runs, Runs)> {
+    let hour_start = now - HOUR;
+    let mut out: BTreeMap<(String, String), (Runs, Runs)> = BTreeMap::new();
+    for r in rollups {
+        let (hour, day) = out.entry((r.pipeline.clone(), r.step.clone())).or_default();
+        day.add(r);
+        if r.minute >= hour_start - 60_000 {
+            hour.add(r);
+        }
+    }
+    out
 }
 
 /// One row of the step or provider table.
@@ -220,5 +297,35 @@ mod tests {
         assert_eq!(st.hour.p95(), "≤ 1.0 s");
         assert_eq!(s.charts[0].parked_hour, 3);
         assert_eq!(s.charts[0].bars[58].h, CHART_H);
+    }
+
+    #[test]
+    fn step_runs_sum_providers_and_nodes() {
+        let now = 10 * HOUR;
+        let run = |minute, ok, failed, parked, slow| {
+            let mut r = roll(minute, 1, 1, 1, parked);
+            r.runs_succeeded = ok;
+            r.runs_failed = failed;
+            r.run_latency = vec![0; RUN_BUCKETS_MS.len()];
+            r.run_latency[3] = ok + failed + parked - slow;
+            r.run_latency[RUN_BUCKETS_MS.len() - 1] = slow;
+            r
+        };
+        let mut other = run(now - 60_000, 1, 0, 0, 1);
+        other.provider = "y".into();
+        let rows = [
+            run(now - 2 * HOUR, 10, 0, 0, 0),
+            run(now - 60_000, 6, 1, 1, 0),
+            other,
+        ];
+        let m = step_runs(&rows, now);
+        let (hour, day) = &m[&("p".to_owned(), "s".to_owned())];
+        assert_eq!((hour.succeeded, hour.failed, hour.parked), (7, 1, 1));
+        assert_eq!(hour.success_rate(), "77.8%");
+        assert_eq!(hour.p50(), "≤ 1.0 s");
+        assert_eq!(hour.p95(), "> 24.0 h");
+        assert_eq!(day.ended(), 19);
+        assert_eq!(Runs::default().p50(), "—");
+        assert_eq!(Runs::default().success_rate(), "—");
     }
 }

@@ -111,6 +111,30 @@ async fn shot(c: &Client, name: &str) {
     std::fs::write(screenshots().join(format!("{name}.png")), png).unwrap();
 }
 
+/// With `BALLAST_SCREENSHOTS=publish`, copies the screenshots `names`
+/// into `docs/screenshots/`, which the README shows: how they are
+/// regenerated.
+fn publish_screenshots(names: &[&str]) {
+    if std::env::var("BALLAST_SCREENSHOTS").as_deref() != Ok("publish") {
+        return;
+    }
+    let docs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/screenshots");
+    for name in names {
+        let file = format!("{name}.png");
+        std::fs::copy(screenshots().join(&file), docs.join(&file)).unwrap();
+    }
+}
+
+/// Clicks the element `css` selects.
+async fn click(c: &Client, css: &str) {
+    c.find(Locator::Css(css))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+}
+
 async fn login(c: &Client, app: &WebApp, user: &str) {
     c.goto(&app.url("/login")).await.unwrap();
     c.find(Locator::Css("input[name=username]"))
@@ -226,6 +250,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             steps: Vec::new(),
             until: None,
             took: None,
+            input: None,
         })
         .await
         .unwrap();
@@ -379,6 +404,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             steps: Vec::new(),
             until: None,
             took: None,
+            input: None,
         })
         .await
         .unwrap();
@@ -717,8 +743,53 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
     let reason = text_of(c, ".facts").await;
     assert!(reason.contains("Reason"), "{reason}");
     shot(c, "demo-record").await;
+    let record = c.current_url().await.unwrap();
     c.goto(&format!("{base}/providers")).await.unwrap();
     shot(c, "demo-providers").await;
+    // The demo's pipelines drawn, each step with its figures.
+    c.goto(&format!("{base}/pipelines")).await.unwrap();
+    let graphs = c.find_all(Locator::Css("svg.graph")).await.unwrap();
+    assert!(!graphs.is_empty(), "the demo's pipelines as graphs");
+    shot(c, "demo-pipelines").await;
+    // Dark, as the admin chose it (kept with the user), then a phone.
+    click(c, "#theme-toggle").await;
+    wait::until("the page turns dark", Duration::from_secs(10), async || {
+        let theme = c
+            .execute(
+                "return document.documentElement.dataset.theme || '';",
+                vec![],
+            )
+            .await
+            .unwrap();
+        if theme == "dark" { Ok(()) } else { Err(theme) }
+    })
+    .await;
+    shot(c, "demo-pipelines-dark").await;
+    c.goto(record.as_str()).await.unwrap();
+    shot(c, "demo-record-dark").await;
+    c.goto(&format!("{base}/")).await.unwrap();
+    shot(c, "demo-overview-dark").await;
+    c.set_window_size(375, 812).await.unwrap();
+    c.goto(&format!("{base}/records?state=parked"))
+        .await
+        .unwrap();
+    shot(c, "demo-phone-records-dark").await;
+    click(c, "#theme-toggle").await;
+    c.goto(record.as_str()).await.unwrap();
+    shot(c, "demo-phone-record").await;
+    c.set_window_size(1400, 1000).await.unwrap();
+    // Desktop light and dark, and a phone.
+    publish_screenshots(&[
+        "demo-overview",
+        "demo-records",
+        "demo-record",
+        "demo-pipelines",
+        "demo-providers",
+        "demo-record-dark",
+        "demo-pipelines-dark",
+        "demo-phone-record",
+        "demo-phone-records-dark",
+    ]);
 
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -766,6 +837,7 @@ async fn two_versions(app: &WebApp) -> i64 {
                 steps: vec!["enrich".into()],
                 until: None,
                 took: None,
+                input: None,
             };
             app.t.db.act(&replay).await.unwrap();
         }
@@ -1134,20 +1206,28 @@ async fn a_record_page_follows_the_record_without_a_reload() {
         return;
     };
     let c = &d.client;
-    let mut gate = crate::helpers::Gate::spawn().await;
+    // The provider accepts a job and calls back when it is done: the
+    // record waits (`waiting`) until the test delivers the callback.
+    let mut gate = crate::helpers::Gate::spawn_replying("queued").await;
     let toml = format!(
         r#"
 [providers.gate]
 base_url = "{}"
 timeout = "30s"
+webhook_secrets_env = ["HOME"]
 [[providers.gate.rules]]
-when = {{ status = "2xx" }}
+when = {{ status = "2xx", field = "/status", equals = "queued" }}
+outcome = "pending"
+[[providers.gate.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
 outcome = "success"
 [[pipelines.manual.steps]]
 name = "charge"
 provider = "gate"
+kind = "callback"
 request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
-outputs = {{ id = "/id" }}
+job_id = "/id"
+callback = {{ job_id = "/job_id", deadline = "10m" }}
 "#,
         gate.url
     );
@@ -1174,9 +1254,28 @@ outputs = {{ id = "/id" }}
         .await;
     wait_text(c, "#record-state", "running").await;
     held.release();
+    // The job accepted: the record waits for its callback, its step drawn
+    // waiting on the job and its first attempt on the step's lane.
+    wait_text(c, "#record-state", "waiting").await;
+    wait_text(c, "#record-graph", "waiting on its job").await;
+    wait_text(c, "#record-lanes", "1 attempt: 1 pending").await;
+    let body = format!(r#"{{"job_id": "ch_{id}", "status": "succeeded"}}"#);
+    let secret = std::env::var("HOME").unwrap();
+    let now_s = crate::helpers::wall_ms() / 1000;
+    let signature = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body.as_bytes());
+    let (status, reply) = crate::helpers::http_post(
+        app.addr,
+        "/hooks/gate",
+        &[("x-signature", &signature)],
+        body.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 202, "{reply}");
     wait_text(c, "#record-state", "succeeded").await;
     wait_text(c, "#record-history #attempts", "success").await;
     wait_text(c, "#record-history #timeline", "succeeded").await;
+    wait_text(c, "#record-lanes", "2 attempts: 1 pending, 1 success").await;
+    wait_text(c, "#record-graph", "done").await;
     // The actions being filled in stayed as they were.
     let typed = value_of(c, park_reason).await;
     assert_eq!(typed.as_deref(), Some("typed while it moved"));
@@ -1386,5 +1485,156 @@ async fn every_page_fits_a_phone() {
     shot(c, "phone-records").await;
     c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
     shot(c, "phone-record").await;
+    app.stop().await;
+}
+
+/// axe-core as published on npm (`tests/fixtures/axe/README.md`).
+const AXE: &str = include_str!("../fixtures/axe/axe.min.js");
+
+/// The violations axe rates serious or critical on the page `c` shows,
+/// one line each (rule, impact, help, where).
+async fn axe_violations(c: &Client) -> Vec<String> {
+    c.execute(AXE, vec![]).await.unwrap();
+    let found = c
+        .execute_async(
+            r#"const done = arguments[arguments.length - 1];
+axe.run(document, { resultTypes: ["violations"] })
+  .then(r => done({ passed: r.passes.length, bad: r.violations
+    .filter(v => v.impact === "serious" || v.impact === "critical")
+    .map(v => v.id + " (" + v.impact + "): " + v.help + " at "
+      + v.nodes.slice(0, 4).map(n => n.target.join(" ")).join(", ")) }))
+  .catch(e => done({ passed: 0, bad: ["axe could not run: " + e] }));"#,
+            vec![],
+        )
+        .await
+        .unwrap();
+    // A run that checked nothing would find nothing.
+    assert!(
+        found["passed"].as_u64() > Some(10),
+        "axe ran its rules: {found}"
+    );
+    found["bad"]
+        .as_array()
+        .expect("a list of violations")
+        .iter()
+        .map(|v| v.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Issue 21 item 5: axe-core finds no serious or critical violation on
+/// any page, logged out and logged in as each role, light and dark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_page_passes_axe_for_every_role() {
+    let Some(d) = driver("axe").await else {
+        return;
+    };
+    let c = &d.client;
+    // A provider nobody answers: records retry, then park, so pages have
+    // attempts, lanes and a drawn pipeline to check.
+    let config = r#"
+[providers.crm]
+base_url = "http://127.0.0.1:9"
+timeout = "2s"
+retry = { max_attempts = 2, base = "10ms", cap = "20ms", deadline = "30s" }
+[[pipelines.leads.steps]]
+name = "lookup"
+provider = "crm"
+request = { path = "/lookup" }
+[[pipelines.leads.steps]]
+name = "sync"
+provider = "crm"
+needs = ["lookup"]
+required = false
+request = { path = "/sync" }
+"#;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "axe", config).await else {
+        return;
+    };
+    app.user("viewer", Role::Viewer).await;
+    app.user("operator", Role::Operator).await;
+    let token = app.token(Role::Operator).await;
+    for key in ["lead-1", "lead-2"] {
+        let r = app
+            .client
+            .post(app.url("/api/v1/records"))
+            .bearer_auth(&token)
+            .json(&json!({"pipeline": "leads", "key": key, "input": {"email": "a@example.com"}}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
+    let parked = wait::until("a record parks", Duration::from_secs(60), async || {
+        let page = app
+            .t
+            .db
+            .list_records(&ballast::store::RecordFilter {
+                state: Some(ballast::domain::RecordState::Parked),
+                limit: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        page.items.first().map(|r| r.id).ok_or(())
+    })
+    .await;
+    let other = app.record("a-manual-record").await;
+    let mut failures = Vec::new();
+    let check = async |path: &str, who: &str| -> Vec<String> {
+        c.goto(&app.url(path)).await.unwrap();
+        axe_violations(c)
+            .await
+            .into_iter()
+            .map(|v| format!("{path} as {who}: {v}"))
+            .collect()
+    };
+    failures.extend(check("/login", "nobody").await);
+    for user in ["viewer", "operator", "admin"] {
+        login(c, &app, user).await;
+        let mut pages = vec![
+            "/".to_owned(),
+            "/records".to_owned(),
+            "/records?state=parked&pipeline=leads".to_owned(),
+            format!("/records/{parked}"),
+            format!("/records/{other}"),
+            "/pipelines".to_owned(),
+            "/providers".to_owned(),
+            "/audit".to_owned(),
+            "/search?q=lead".to_owned(),
+            "/records/999999999".to_owned(),
+        ];
+        if user == "admin" {
+            pages.extend(["/admin/users".to_owned(), "/admin/tokens".to_owned()]);
+        }
+        for p in &pages {
+            failures.extend(check(p, user).await);
+        }
+        if user == "admin" {
+            // Dark, as chosen with the header's button: kept with the user,
+            // so a new login has it too.
+            click(c, "#theme-toggle").await;
+            c.wait()
+                .at_most(Duration::from_secs(10))
+                .for_element(Locator::Css("html[data-theme=dark]"))
+                .await
+                .unwrap();
+            c.delete_all_cookies().await.unwrap();
+            login(c, &app, user).await;
+            for p in &pages {
+                c.goto(&app.url(p)).await.unwrap();
+                // Error pages are drawn before anyone is known: the system's.
+                let dark = c.find(Locator::Css("html[data-theme=dark]")).await;
+                assert!(
+                    dark.is_ok() || p.contains("999999999"),
+                    "{p} is dark for its user"
+                );
+                for v in axe_violations(c).await {
+                    failures.push(format!("{p} as {user}, dark: {v}"));
+                }
+            }
+        }
+        c.delete_all_cookies().await.unwrap();
+    }
+    assert!(failures.is_empty(), "axe:\n{}", failures.join("\n"));
     app.stop().await;
 }

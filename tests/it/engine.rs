@@ -120,6 +120,7 @@ pub async fn wait_at_rest(db: &Db, total: i64, limit: Duration) -> Duration {
         db.provider_counts().await.unwrap(),
         db.recount_providers().await.unwrap()
     );
+    crate::helpers::assert_counters_match(db).await;
     started.elapsed()
 }
 
@@ -414,7 +415,7 @@ pub(crate) async fn drain(engine: &Engine) -> usize {
 /// Moves `clock` by `step_ms` at a time, draining at each, until all
 /// `total` records are at rest (at most `max_ms` of clock time); checks
 /// the counters against a full scan, as [`wait_at_rest`] does.
-async fn drive_at_rest(
+pub(crate) async fn drive_at_rest(
     engine: &Engine,
     clock: &ManualClock,
     total: i64,

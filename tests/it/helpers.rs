@@ -371,6 +371,12 @@ impl Held {
 
 impl Gate {
     pub async fn spawn() -> Gate {
+        Self::spawn_replying("succeeded").await
+    }
+
+    /// A gate whose replies say `status` (`queued`: a job accepted, for
+    /// a callback step to wait on).
+    pub async fn spawn_replying(status: &'static str) -> Gate {
         use axum::routing::post;
         let (tx, arrived) = tokio::sync::mpsc::unbounded_channel::<Held>();
         let charge = move |axum::Json(body): axum::Json<serde_json::Value>| {
@@ -380,7 +386,7 @@ impl Gate {
                 let (release, released) = tokio::sync::oneshot::channel();
                 let _ = tx.send(Held { release });
                 let _ = released.await;
-                axum::Json(serde_json::json!({ "id": id, "status": "succeeded" }))
+                axum::Json(serde_json::json!({ "id": id, "status": status }))
             }
         };
         let url = serve_router(axum::Router::new().route("/v1/charge", post(charge))).await;
@@ -430,4 +436,10 @@ pub async fn assert_counters_match(db: &Db) {
         nonzero(db.recount_providers().await.unwrap()),
         "counters by provider against the rows"
     );
+    let mut steps = db.step_counts().await.unwrap();
+    steps.sort();
+    let mut recounted = db.recount_steps().await.unwrap();
+    recounted.retain(|c| c.count != 0);
+    recounted.sort();
+    assert_eq!(steps, recounted, "counters by step against the rows");
 }

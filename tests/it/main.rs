@@ -19,6 +19,7 @@ mod fuzz;
 mod helpers;
 mod http;
 mod migrations;
+mod pipelines;
 mod scale;
 #[path = "../../benches/support/seed.rs"]
 mod seed;

@@ -81,6 +81,60 @@ async fn newer_database_is_refused(backend: Backend) {
     assert!(err.to_string().contains("schema version 9999"), "{err}");
 }
 
+/// Migration 15 fills `step_counts` from the records already there.
+async fn step_counts_are_backfilled(backend: Backend) {
+    let Some(t) = TestDb::new(backend, "step_backfill").await else {
+        return;
+    };
+    migrate::up(&t.db, Some(14)).await.unwrap();
+    let rows = "INSERT INTO records (pipeline, external_key, state, input, step, next_run_at, created_at, updated_at) VALUES \
+                ('p', 'k1', 'succeeded', '{}', 'b', NULL, 1, 1), ('p', 'k2', 'succeeded', '{}', 'b', NULL, 1, 1), \
+                ('p', 'k3', 'parked', '{}', 'a', NULL, 1, 1), ('p', 'k4', 'pending', '{}', NULL, 1, 1, 1), \
+                ('q', 'k5', 'failed', '{}', 'x', NULL, 1, 1)";
+    match &t.db {
+        ballast::store::Db::Sqlite(_) => {
+            let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
+            sqlx::query(rows).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+        ballast::store::Db::Postgres(_) => {
+            let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
+            sqlx::query(rows).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+    }
+    migrate::up(&t.db, None).await.unwrap();
+    let mut counted = t.db.step_counts().await.unwrap();
+    counted.sort();
+    let mut recounted = t.db.recount_steps().await.unwrap();
+    recounted.sort();
+    assert_eq!(counted, recounted);
+    let n = |p: &str, step: &str, state: &str| {
+        counted
+            .iter()
+            .find(|c| c.pipeline == p && c.step == step && c.state.as_str() == state)
+            .map_or(0, |c| c.count)
+    };
+    assert_eq!(
+        (
+            n("p", "b", "succeeded"),
+            n("p", "", "pending"),
+            n("q", "x", "failed")
+        ),
+        (2, 1, 1)
+    );
+}
+
+#[tokio::test]
+async fn sqlite_step_counts_are_backfilled() {
+    step_counts_are_backfilled(Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn postgres_step_counts_are_backfilled() {
+    step_counts_are_backfilled(Backend::Postgres).await;
+}
+
 #[tokio::test]
 async fn sqlite_up_down_up() {
     up_down_up(Backend::Sqlite).await;

@@ -844,6 +844,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         steps: Vec::new(),
         until: None,
         took: None,
+        input: None,
     })
     .await
     .unwrap();
@@ -1319,6 +1320,7 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         steps: Vec::new(),
         until: None,
         took: None,
+        input: None,
     }
 }
 

@@ -157,6 +157,25 @@ impl WebApp {
         req.send().await.unwrap()
     }
 
+    /// The page at `path`, as text.
+    pub async fn text(&self, path: &str, login: Option<&Login>) -> String {
+        self.get(path, login).await.text().await.unwrap()
+    }
+
+    /// The fragment an htmx request for `path` gets (a live part's poll).
+    pub async fn fragment(&self, path: &str, login: &Login) -> String {
+        self.client
+            .get(self.url(path))
+            .header("cookie", &login.cookie)
+            .header("hx-request", "true")
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// A form post the way the dashboard sends it: cookie, CSRF header,
     /// and this site's origin.
     pub async fn post(
@@ -251,6 +270,7 @@ impl WebApp {
             steps: Vec::new(),
             until: None,
             took: None,
+            input: None,
         };
         self.t.db.act(&req).await.unwrap();
     }
@@ -618,6 +638,7 @@ async fn every_route_checks_the_role_server_side() {
             Role::Viewer,
         ),
         ("GET", "/providers".into(), vec![], Role::Viewer),
+        ("GET", "/pipelines".into(), vec![], Role::Viewer),
         ("GET", "/audit".into(), vec![], Role::Viewer),
         ("GET", "/search?q=m-1".into(), vec![], Role::Viewer),
         (
@@ -643,6 +664,12 @@ async fn every_route_checks_the_role_server_side() {
             "/records/export?format=csv".into(),
             vec![],
             Role::Operator,
+        ),
+        (
+            "POST",
+            "/me/theme".into(),
+            vec![("theme", "dark")],
+            Role::Viewer,
         ),
         (
             "POST",
@@ -1088,6 +1115,7 @@ async fn provider_data_renders_as_inert_text() {
             steps: Vec::new(),
             until: None,
             took: None,
+            input: None,
         };
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;
@@ -2484,7 +2512,81 @@ async fn pages_have_a_favicon_a_dark_scheme_and_print_styles() {
     assert_eq!(icon.headers()["content-type"], "image/svg+xml");
     assert!(icon.text().await.unwrap().starts_with("<svg"));
     let css = app.get("/static/app.css", None).await.text().await.unwrap();
-    assert!(css.contains("@media (prefers-color-scheme: dark)"));
+    assert!(css.contains("@media screen and (prefers-color-scheme: dark)"));
+    assert!(
+        css.contains(":root[data-theme=dark]"),
+        "a user's choice too"
+    );
     assert!(css.contains("@media print"));
+    app.stop().await;
+}
+
+/// Issue 21 item 6: the colour scheme a user picks is kept with the user
+/// (a new login, another browser, has it) and set on every page's root;
+/// "system" clears it; anything else is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_colour_scheme_follows_them() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "theme", "").await else {
+        return;
+    };
+    app.user("v", Role::Viewer).await;
+    app.user("w", Role::Viewer).await;
+    let login = app.login("v").await;
+    let page = app.text("/records", Some(&login)).await;
+    assert!(
+        page.contains(r#"<html lang="en">"#),
+        "none chosen: the system's"
+    );
+    assert!(page.contains(r#"name="theme" value="dark""#));
+    let set = |theme: &'static str| {
+        let login = login.clone();
+        let app = &app;
+        async move {
+            app.client
+                .post(app.url("/me/theme"))
+                .header("origin", app.origin())
+                .header("referer", app.url("/records?state=parked"))
+                .header("cookie", &login.cookie)
+                .header("x-csrf-token", &login.csrf)
+                .form(&[("theme", theme)])
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let r = set("dark").await;
+    assert_eq!(r.status(), 303);
+    assert_eq!(
+        r.headers()["location"],
+        "/records?state=parked",
+        "back where it was"
+    );
+    let again = app.login("v").await;
+    for l in [&login, &again] {
+        let page = app.text("/audit", Some(l)).await;
+        assert!(
+            page.contains(r#"<html lang="en" data-theme="dark">"#),
+            "{page}"
+        );
+        assert!(page.contains(r#"name="theme" value="light""#));
+    }
+    let other = app.login("w").await;
+    let page = app.text("/audit", Some(&other)).await;
+    assert!(
+        page.contains(r#"<html lang="en">"#),
+        "another user's is their own"
+    );
+    assert_eq!(set("purple").await.status(), 400);
+    assert_eq!(set("light").await.status(), 303);
+    let page = app.text("/", Some(&login)).await;
+    assert!(page.contains(r#"data-theme="light""#));
+    assert_eq!(set("system").await.status(), 303);
+    let page = app.text("/", Some(&login)).await;
+    assert!(!page.contains("data-theme"));
+    let user = app.t.db.user_by_name("v").await.unwrap().unwrap();
+    assert_eq!(user.theme, None);
+    // The login page, before anyone is known, follows the system.
+    let page = app.text("/login", None).await;
+    assert!(!page.contains("data-theme"));
     app.stop().await;
 }

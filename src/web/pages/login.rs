@@ -52,6 +52,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
     Router::new()
         .route("/login", get(page).merge(submit))
         .route("/logout", post(logout))
+        .route("/me/theme", post(theme))
 }
 
 #[derive(Template)]
@@ -160,6 +161,49 @@ async fn logout(
     let mut r = Redirect::to("/login").into_response();
     set_cookie(&mut r, &state.web.keys.clear_cookie())?;
     Ok(r)
+}
+
+#[derive(Deserialize)]
+struct ThemeForm {
+    /// `light`, `dark`, or `system` (follow the system's scheme).
+    theme: String,
+}
+
+/// The path of the page a form was posted from (its `Referer`, which the
+/// dashboard's referrer policy sends to this site only), if on this site.
+fn back_to(headers: &axum::http::HeaderMap) -> String {
+    let referer = headers
+        .get(header::REFERER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|r| r.split_once("://"))
+        .and_then(|(_, rest)| rest.find('/').map(|i| &rest[i..]));
+    safe_next(referer, "/")
+}
+
+/// `POST /me/theme`: the caller's colour scheme, kept with their user so
+/// it follows them to every browser.
+async fn theme(
+    caller: auth::Authed<auth::Viewer>,
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+    Form(form): Form<ThemeForm>,
+) -> WebResult<Response> {
+    let theme = match form.theme.as_str() {
+        "light" => Some("light"),
+        "dark" => Some("dark"),
+        "system" => None,
+        other => {
+            return Err(WebError::BadRequest {
+                code: "bad_theme",
+                message: format!("unknown theme `{other}`: light, dark or system"),
+            });
+        }
+    };
+    let Some(user) = &caller.user else {
+        return Err(WebError::Forbidden);
+    };
+    state.db.set_theme(user.id, theme).await?;
+    Ok(Redirect::to(&back_to(&headers)).into_response())
 }
 
 fn set_cookie(r: &mut Response, cookie: &axum_extra::extract::cookie::Cookie<'_>) -> WebResult<()> {

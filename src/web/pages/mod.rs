@@ -6,6 +6,7 @@ mod admin;
 mod audit;
 mod login;
 mod overview;
+mod pipelines;
 mod providers;
 pub mod records;
 
@@ -26,6 +27,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .merge(overview::router())
         .merge(records::router())
         .merge(providers::router())
+        .merge(pipelines::router())
         .merge(audit::router())
         .merge(admin::router())
 }
@@ -39,6 +41,29 @@ pub struct Nav {
     pub admin: bool,
     /// The menu entry to highlight.
     pub active: &'static str,
+    /// The colour scheme the user chose (`light`, `dark`), or `""` for
+    /// the system's.
+    pub theme: &'static str,
+}
+
+impl Nav {
+    /// The scheme the theme button offers next: system → dark → light.
+    pub fn next_theme(&self) -> &'static str {
+        match self.theme {
+            "dark" => "light",
+            "light" => "system",
+            _ => "dark",
+        }
+    }
+
+    /// The scheme in use, as the button says it.
+    pub fn theme_label(&self) -> &'static str {
+        match self.theme {
+            "dark" => "dark",
+            "light" => "light",
+            _ => "as the system",
+        }
+    }
 }
 
 impl Nav {
@@ -50,6 +75,11 @@ impl Nav {
             operator: caller.can(Role::Operator),
             admin: caller.can(Role::Admin),
             active,
+            theme: match caller.user.as_ref().and_then(|u| u.theme.as_deref()) {
+                Some("dark") => "dark",
+                Some("light") => "light",
+                _ => "",
+            },
         }
     }
 }

@@ -461,6 +461,10 @@ struct RecordPage {
     events: Vec<EventView>,
     actions: Vec<&'static str>,
     replay_steps: Vec<String>,
+    /// The record's steps drawn as its pipeline, each in its state.
+    graph: crate::web::graph::Graph,
+    /// The attempts in a lane per step, over the record's life so far.
+    lanes: crate::web::lanes::Lanes,
     /// For "it took effect" on a request step: its outputs to fill in (a
     /// JSON object); empty for a job step, which names its job.
     took_outputs: String,
@@ -472,6 +476,75 @@ struct RecordPage {
     /// Rendered for the live poll: the parts swap themselves in (htmx's
     /// out-of-band swap).
     oob: bool,
+}
+
+/// A record's steps as a graph of its pipeline (`shape`: each step and
+/// what it needs; when the pipeline is not known here, the step runs
+/// alone), each box saying where its step run is.
+fn step_graph(
+    rec: &crate::domain::Record,
+    shape: &[(String, Vec<String>)],
+    runs: &[crate::domain::StepRun],
+) -> crate::web::graph::Graph {
+    use crate::domain::StepState;
+    use crate::web::graph::{Spec, layout};
+    let none = Vec::new();
+    let mut specs: Vec<Spec<'_>> = shape
+        .iter()
+        .map(|(name, needs)| Spec { name, needs })
+        .collect();
+    for r in runs {
+        if !shape.iter().any(|s| s.0 == r.step) {
+            specs.push(Spec {
+                name: &r.step,
+                needs: &none,
+            });
+        }
+    }
+    let title = format!("The steps of record {}, each in its state", rec.id);
+    layout("record-steps", &title, &specs, |_, n| {
+        let run = runs.iter().find(|r| r.step == n.name);
+        // The step that parked the record, unless it had finished (an
+        // operator parked the record after it).
+        let finished = run.is_some_and(|r| {
+            matches!(
+                r.state,
+                StepState::Succeeded | StepState::Failed | StepState::Skipped
+            )
+        });
+        let parked_here =
+            rec.state == RecordState::Parked && rec.step.as_deref() == Some(&n.name) && !finished;
+        let (class, word) = match run.map(|r| r.state) {
+            _ if parked_here => ("parked", "parked"),
+            None => ("unstarted", "not started"),
+            Some(StepState::Pending) if run.is_some_and(|r| r.attempts == 0) => {
+                ("unstarted", "not started")
+            }
+            Some(StepState::Pending) => ("pending", "due"),
+            Some(StepState::Running) => ("running", "running"),
+            Some(StepState::Waiting) => ("waiting", "waiting on its job"),
+            Some(StepState::Retrying) => ("retrying", "retrying"),
+            Some(StepState::Succeeded) => ("succeeded", "done"),
+            Some(StepState::Failed) => ("failed", "failed"),
+            Some(StepState::Skipped) => ("skipped", "skipped"),
+        };
+        n.class = class;
+        n.state = word.to_owned();
+        if let Some(r) = run {
+            n.lines.push(format!(
+                "{} · {} attempt{}",
+                r.provider.as_deref().unwrap_or("—"),
+                r.attempts,
+                if r.attempts == 1 { "" } else { "s" }
+            ));
+            if let (Some(s), Some(f)) = (r.started_at, r.finished_at) {
+                n.lines.push(format!("took {}", millis(f - s)));
+            }
+            if let Some(code) = &r.error_code {
+                n.lines.push(code.clone());
+            }
+        }
+    })
 }
 
 /// A record's [`Store::record_version`] as the page's live poll carries it.
@@ -503,6 +576,46 @@ async fn record_page(
     record_page_at(state, caller, id, q, version).await
 }
 
+/// A record's attempts as its page lists them, newest first: calls
+/// written down and sent with no reply kept yet (`at_most_once`) above
+/// the attempts made.
+fn attempt_views(
+    open: &[crate::domain::Intent],
+    attempts: &[crate::domain::Attempt],
+) -> Vec<AttemptView> {
+    let sent = open.iter().rev().map(|i| AttemptView {
+        at: when(i.sent_at),
+        step: i.step.clone(),
+        attempt_no: i.attempt_no,
+        duration: "—".into(),
+        status: "—".into(),
+        outcome: "sent",
+        error_code: String::new(),
+        request: i.request.as_ref().map(request_text).unwrap_or_default(),
+        excerpt: format!(
+            "sent by {}; no reply kept yet: in flight, or its node stopped (then whether it took effect is not known)",
+            i.node.as_deref().unwrap_or("a node")
+        ),
+    });
+    sent.chain(attempts.iter().rev().map(|a| {
+        AttemptView {
+            at: when(a.started_at),
+            step: a.step.clone(),
+            attempt_no: a.attempt_no,
+            duration: millis(a.duration_ms),
+            status: a
+                .http_status
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "—".into()),
+            outcome: a.outcome.as_str(),
+            error_code: a.error_code.clone().unwrap_or_default(),
+            request: a.request.as_ref().map(request_text).unwrap_or_default(),
+            excerpt: a.excerpt.clone().unwrap_or_default(),
+        }
+    }))
+    .collect()
+}
+
 /// [`record_page`] with its version already read (the live poll's).
 async fn record_page_at(
     state: &AppState,
@@ -523,26 +636,23 @@ async fn record_page_at(
         state.db.step_versions(id),
         state.db.open_intents(id)
     )?;
-    // Calls written down and sent with no reply kept yet (`at_most_once`),
-    // newest first above the attempts.
-    let sent = open.iter().rev().map(|i| AttemptView {
-        at: when(i.sent_at),
-        step: i.step.clone(),
-        attempt_no: i.attempt_no,
-        duration: "—".into(),
-        status: "—".into(),
-        outcome: "sent",
-        error_code: String::new(),
-        request: i.request.as_ref().map(request_text).unwrap_or_default(),
-        excerpt: format!(
-            "sent by {}; no reply kept yet: in flight, or its node stopped (then whether it took effect is not known)",
-            i.node.as_deref().unwrap_or("a node")
-        ),
-    });
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
+    let shape = match &state.engine {
+        Some(e) => e.graph_of(&rec).await,
+        None => Vec::new(),
+    };
+    let graph = step_graph(&rec, &shape, &steps);
+    let order: Vec<String> = shape.iter().map(|s| s.0.clone()).collect();
+    let lanes = crate::web::lanes::lanes(
+        &order,
+        &attempts,
+        rec.created_at,
+        rec.finished_at.unwrap_or_else(|| state.clock.now_ms()),
+        when,
+    );
     let replay_steps = match &state.engine {
-        Some(e) => e.steps_of(&rec).await,
+        Some(_) => shape.into_iter().map(|s| s.0).collect(),
         None => steps.iter().map(|s| s.step.clone()).collect(),
     };
     // "It took effect" only where a call's outcome is uncertain: a job
@@ -597,24 +707,7 @@ async fn record_page_at(
                 finished: when_opt(s.finished_at),
             })
             .collect(),
-        attempts: sent
-            .chain(attempts.iter().rev().map(|a| {
-                AttemptView {
-                    at: when(a.started_at),
-                    step: a.step.clone(),
-                    attempt_no: a.attempt_no,
-                    duration: millis(a.duration_ms),
-                    status: a
-                        .http_status
-                        .map(|s| s.to_string())
-                        .unwrap_or_else(|| "—".into()),
-                    outcome: a.outcome.as_str(),
-                    error_code: a.error_code.clone().unwrap_or_default(),
-                    request: a.request.as_ref().map(request_text).unwrap_or_default(),
-                    excerpt: a.excerpt.clone().unwrap_or_default(),
-                }
-            }))
-            .collect(),
+        attempts: attempt_views(&open, &attempts),
         events: events
             .iter()
             .rev()
@@ -634,6 +727,8 @@ async fn record_page_at(
             .collect(),
         actions,
         replay_steps,
+        graph,
+        lanes,
         took_outputs: took_outputs.unwrap_or_default(),
         versions: all_versions.into_iter().map(|v| v.3).collect(),
         diff,
@@ -709,6 +804,35 @@ struct ActForm {
     /// For `took_effect`: the step's outputs, a JSON object (a request
     /// step).
     output: Option<String>,
+    /// For `retry` and `replay`: the input, as the page showed it or as
+    /// the operator edited it (JSON); changed, it replaces the
+    /// record's.
+    input: Option<String>,
+    /// The input as the page showed it: the textarea is an edit only when
+    /// it says something else, and refused if the record's input is no
+    /// longer this.
+    input_was: Option<String>,
+}
+
+/// The input a retry or replay form gives: `None` when the textarea says
+/// what the page showed (`was`), else the edit, checked against `was`.
+fn edited_input(
+    text: Option<&str>,
+    was: Option<&str>,
+) -> Result<Option<crate::store::InputEdit>, crate::engine::OpsError> {
+    let parse = |t: &str| serde_json::from_str::<serde_json::Value>(t);
+    let Some(text) = text.filter(|t| !t.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let new = parse(text).map_err(|e| crate::engine::OpsError::Refused {
+        code: "bad_input",
+        message: format!("the input is not JSON ({e}); nothing was done"),
+    })?;
+    let was = was.and_then(|w| parse(w).ok());
+    if was.as_ref() == Some(&new) {
+        return Ok(None);
+    }
+    Ok(Some(crate::store::InputEdit { new, was }))
 }
 
 async fn act(
@@ -755,16 +879,15 @@ async fn act(
         Some("time") => Some(non_empty(&form.until_time).unwrap_or_else(|| "time".into())),
         other => other.map(str::to_owned),
     };
+    let input = edited_input(form.input.as_deref(), form.input_was.as_deref())?;
+    let extra = crate::engine::ActExtra {
+        step: step.as_deref(),
+        until: until.as_deref(),
+        input,
+    };
     state
         .ops()
-        .act(
-            id,
-            action,
-            &caller.actor,
-            reason,
-            step.as_deref(),
-            until.as_deref(),
-        )
+        .act_with(id, action, &caller.actor, reason, extra)
         .await?;
     if is_htmx(&headers) {
         let t = record_page(&state, &caller, id, &DiffQuery::default()).await?;

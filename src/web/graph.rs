@@ -1,0 +1,246 @@
+//! A pipeline's steps laid out as a graph for server-rendered SVG: each
+//! step in the column of its longest chain of `needs` from a first step,
+//! in the order the pipeline lists them within a column, and an edge from
+//! each needed step to the step that needs it. Pure: names in, geometry
+//! out; the templates draw it (`partials/graph.html`).
+
+use std::collections::HashMap;
+
+/// A box's size and the gaps between boxes, in SVG user units.
+pub const NODE_W: i64 = 200;
+pub const NODE_H: i64 = 84;
+const GAP_X: i64 = 56;
+const GAP_Y: i64 = 20;
+const MARGIN: i64 = 8;
+
+/// One step to lay out: its name and the steps it needs.
+pub struct Spec<'a> {
+    pub name: &'a str,
+    pub needs: &'a [String],
+}
+
+/// A laid-out step; `lines` and `class` are the caller's (what the box
+/// says, and how it is styled), `state` the word a reader hears.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    pub x: i64,
+    pub y: i64,
+    pub class: &'static str,
+    /// A short word for the box's state, shown in it (never colour
+    /// alone); empty when the box has none.
+    pub state: String,
+    pub lines: Vec<String>,
+    /// Where the box links to; empty for none.
+    pub href: String,
+}
+
+impl Node {
+    /// Where the box's text starts, left and baseline of the name.
+    pub fn text_x(&self) -> i64 {
+        self.x + 10
+    }
+
+    pub fn name_y(&self) -> i64 {
+        self.y + 20
+    }
+
+    /// The baseline of line `i` of the box.
+    pub fn line_y(&self, i: &usize) -> i64 {
+        self.y + 40 + 16 * i64::try_from(*i).unwrap_or(0)
+    }
+}
+
+/// An edge as an SVG path from the right of one box to the left of another.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Edge {
+    pub from: String,
+    pub to: String,
+    pub d: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graph {
+    /// Unique on the page: names the SVG's title for screen readers.
+    pub id: String,
+    pub title: String,
+    pub nodes: Vec<Node>,
+    pub edges: Vec<Edge>,
+    pub width: i64,
+    pub height: i64,
+    pub node_w: i64,
+    pub node_h: i64,
+}
+
+/// Each step's column: the length of its longest chain of needs. Needs
+/// naming no listed step, and cycles (a checked configuration has none),
+/// count as nothing.
+fn columns(specs: &[Spec<'_>]) -> Vec<usize> {
+    let index: HashMap<&str, usize> = specs.iter().enumerate().map(|(i, s)| (s.name, i)).collect();
+    let mut col: Vec<Option<usize>> = vec![None; specs.len()];
+    // At most n rounds settle a DAG of n steps; a cycle stops there.
+    for _ in 0..=specs.len() {
+        let mut changed = false;
+        for (i, s) in specs.iter().enumerate() {
+            let deps: Vec<Option<usize>> = s
+                .needs
+                .iter()
+                .filter_map(|n| index.get(n.as_str()))
+                .filter(|&&j| j != i)
+                .map(|&j| col[j])
+                .collect();
+            if deps.iter().any(Option::is_none) {
+                continue;
+            }
+            let c = deps.iter().flatten().map(|c| c + 1).max().unwrap_or(0);
+            if col[i] != Some(c) {
+                col[i] = Some(c);
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    col.into_iter().map(|c| c.unwrap_or(0)).collect()
+}
+
+/// Lays `specs` out; `decorate` fills in each node's class, state, lines
+/// and link from its step's index.
+pub fn layout(
+    id: &str,
+    title: &str,
+    specs: &[Spec<'_>],
+    mut decorate: impl FnMut(usize, &mut Node),
+) -> Graph {
+    let cols = columns(specs);
+    let mut rows_in: HashMap<usize, i64> = HashMap::new();
+    let mut at: HashMap<&str, (i64, i64)> = HashMap::new();
+    let mut nodes = Vec::with_capacity(specs.len());
+    for (i, s) in specs.iter().enumerate() {
+        let row = rows_in.entry(cols[i]).or_insert(0);
+        let x = MARGIN + cols[i] as i64 * (NODE_W + GAP_X);
+        let y = MARGIN + *row * (NODE_H + GAP_Y);
+        *row += 1;
+        at.insert(s.name, (x, y));
+        let mut node = Node {
+            name: s.name.to_owned(),
+            x,
+            y,
+            class: "",
+            state: String::new(),
+            lines: Vec::new(),
+            href: String::new(),
+        };
+        decorate(i, &mut node);
+        nodes.push(node);
+    }
+    let mut edges = Vec::new();
+    for s in specs {
+        for n in s.needs {
+            let (Some(&(x1, y1)), Some(&(x2, y2))) = (at.get(n.as_str()), at.get(s.name)) else {
+                continue;
+            };
+            let (x1, y1) = (x1 + NODE_W, y1 + NODE_H / 2);
+            let y2 = y2 + NODE_H / 2;
+            // The arrowhead's tip rests on the box's edge.
+            let x2 = x2 - 2;
+            let mid = (x1 + x2) / 2;
+            edges.push(Edge {
+                from: n.clone(),
+                to: s.name.to_owned(),
+                d: format!("M{x1} {y1} C{mid} {y1} {mid} {y2} {x2} {y2}"),
+            });
+        }
+    }
+    let width = nodes.iter().map(|n| n.x + NODE_W).max().unwrap_or(0) + MARGIN;
+    let height = nodes.iter().map(|n| n.y + NODE_H).max().unwrap_or(0) + MARGIN;
+    Graph {
+        id: id.to_owned(),
+        title: title.to_owned(),
+        nodes,
+        edges,
+        width,
+        height,
+        node_w: NODE_W,
+        node_h: NODE_H,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn needs(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn steps_sit_after_everything_they_need() {
+        // a → b, a → c, (b, c) → d; e stands alone; c is listed before b.
+        let (none, a, bc) = (needs(&[]), needs(&["a"]), needs(&["b", "c"]));
+        let specs = [
+            Spec {
+                name: "a",
+                needs: &none,
+            },
+            Spec {
+                name: "c",
+                needs: &a,
+            },
+            Spec {
+                name: "d",
+                needs: &bc,
+            },
+            Spec {
+                name: "b",
+                needs: &a,
+            },
+            Spec {
+                name: "e",
+                needs: &none,
+            },
+        ];
+        let g = layout("g", "t", &specs, |i, n| n.lines.push(format!("#{i}")));
+        let pos: HashMap<&str, (i64, i64)> = g
+            .nodes
+            .iter()
+            .map(|n| (n.name.as_str(), (n.x, n.y)))
+            .collect();
+        let col = |n: &str| (pos[n].0 - MARGIN) / (NODE_W + GAP_X);
+        assert_eq!(
+            ["a", "b", "c", "d", "e"].map(col),
+            [0, 1, 1, 2, 0],
+            "columns by longest chain"
+        );
+        assert!(pos["c"].1 < pos["b"].1, "listed order within a column");
+        assert!(pos["a"].1 < pos["e"].1);
+        assert_eq!(g.edges.len(), 4);
+        assert!(g.edges.iter().all(|e| e.d.starts_with('M')));
+        assert_eq!(g.nodes[2].lines, ["#2"]);
+        assert_eq!(g.width, MARGIN + 3 * NODE_W + 2 * GAP_X + MARGIN);
+        assert_eq!(g.height, MARGIN + 2 * NODE_H + GAP_Y + MARGIN);
+    }
+
+    #[test]
+    fn unknown_needs_and_cycles_do_not_hang_or_panic() {
+        let (x, a, b) = (needs(&["nowhere"]), needs(&["b"]), needs(&["a"]));
+        let specs = [
+            Spec {
+                name: "x",
+                needs: &x,
+            },
+            Spec {
+                name: "a",
+                needs: &a,
+            },
+            Spec {
+                name: "b",
+                needs: &b,
+            },
+        ];
+        let g = layout("g", "t", &specs, |_, _| {});
+        assert_eq!(g.nodes.len(), 3);
+        assert_eq!(g.edges.len(), 2, "only edges between listed steps");
+    }
+}

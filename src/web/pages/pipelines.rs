@@ -1,0 +1,225 @@
+//! `/pipelines`: each configured pipeline drawn as the graph of its steps,
+//! with per step: the provider it calls, its step runs over the last hour
+//! and day (success per run, p50/p95 of the whole run: every attempt,
+//! backoff and poll), and the records at it now by state. Figures come
+//! from the per-minute rollups and the maintained counters, never from
+//! scans; the figures refresh themselves.
+
+use std::collections::BTreeMap;
+
+use askama::Template;
+use axum::Router;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::routing::get;
+
+use crate::config::pipeline::{PipelineConfig, StepKind};
+use crate::domain::{RecordState, StepCount};
+use crate::store::Store;
+use crate::web::AppState;
+use crate::web::auth::{Authed, Viewer};
+use crate::web::error::WebResult;
+use crate::web::graph::{self, Graph, Spec};
+use crate::web::htmx::is_htmx;
+use crate::web::stats_view::{Runs, step_runs};
+
+use super::{Nav, html, when};
+
+pub fn router() -> Router<AppState> {
+    Router::new().route("/pipelines", get(pipelines))
+}
+
+/// Records at one step in one state, linking to the list of them.
+pub struct Here {
+    pub state: &'static str,
+    pub at_rest: bool,
+    pub count: i64,
+    pub href: String,
+}
+
+pub struct StepRow {
+    pub name: String,
+    pub provider: String,
+    pub kind: &'static str,
+    pub needs: String,
+    pub required: bool,
+    pub hour: Runs,
+    pub day: Runs,
+    /// Attempts per ended run over the last hour, as text.
+    pub calls_per_run: String,
+    pub here: Vec<Here>,
+}
+
+pub struct PipelineView {
+    pub name: String,
+    pub description: String,
+    pub graph: Graph,
+    pub steps: Vec<StepRow>,
+    /// Records not at any step yet (enqueued, never claimed), by state.
+    pub unstarted: Vec<Here>,
+    /// Records at steps this configuration no longer has (an older
+    /// version's), by step.
+    pub elsewhere: Vec<(String, Vec<Here>)>,
+}
+
+#[derive(Template)]
+#[template(path = "pages/pipelines.html", blocks = ["live"])]
+struct PipelinesPage {
+    nav: Nav,
+    updated: String,
+    pipelines: Vec<PipelineView>,
+}
+
+/// The link to the records of `pipeline` at `step` in `state`.
+fn records_href(pipeline: &str, step: &str, state: &str) -> String {
+    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    let mut href = format!("/records?pipeline={}&state={state}", enc(pipeline));
+    if !step.is_empty() {
+        href.push_str(&format!("&step={}", enc(step)));
+    }
+    href
+}
+
+/// The records at each step of `pipeline`, by state, in `RecordState::ALL`
+/// order.
+fn here_by_step(pipeline: &str, counts: &[StepCount]) -> BTreeMap<String, Vec<Here>> {
+    let mut out: BTreeMap<String, Vec<Here>> = BTreeMap::new();
+    for state in RecordState::ALL {
+        for c in counts
+            .iter()
+            .filter(|c| c.pipeline == pipeline && c.state == state && c.count != 0)
+        {
+            out.entry(c.step.clone()).or_default().push(Here {
+                state: state.as_str(),
+                at_rest: state.is_at_rest(),
+                count: c.count,
+                href: records_href(pipeline, &c.step, state.as_str()),
+            });
+        }
+    }
+    out
+}
+
+/// The short line a graph box gives of the records at a step now.
+fn here_line(here: &[Here]) -> String {
+    let active: i64 = here.iter().filter(|h| !h.at_rest).map(|h| h.count).sum();
+    let parked: i64 = here
+        .iter()
+        .filter(|h| h.state == "parked")
+        .map(|h| h.count)
+        .sum();
+    match parked {
+        0 => format!("now: {active} at work"),
+        p => format!("now: {active} at work, {p} parked"),
+    }
+}
+
+fn view(
+    name: &str,
+    p: &PipelineConfig,
+    index: usize,
+    runs: &BTreeMap<(String, String), (Runs, Runs)>,
+    counts: &[StepCount],
+) -> PipelineView {
+    let mut here = here_by_step(name, counts);
+    let unstarted = here.remove("").unwrap_or_default();
+    let steps: Vec<StepRow> = p
+        .steps
+        .iter()
+        .map(|s| {
+            let (hour, day) = runs
+                .get(&(name.to_owned(), s.name.clone()))
+                .cloned()
+                .unwrap_or_default();
+            let calls_per_run = match hour.ended() {
+                0 => "—".to_owned(),
+                n => format!("{:.1}", hour.calls as f64 / n as f64),
+            };
+            StepRow {
+                name: s.name.clone(),
+                provider: s.provider.clone(),
+                kind: match s.kind {
+                    StepKind::Request => "request",
+                    StepKind::SubmitPoll => "submit, poll",
+                    StepKind::Callback => "callback",
+                },
+                needs: s.needs.join(", "),
+                required: s.required,
+                hour,
+                day,
+                calls_per_run,
+                here: here.remove(&s.name).unwrap_or_default(),
+            }
+        })
+        .collect();
+    let specs: Vec<Spec<'_>> = p
+        .steps
+        .iter()
+        .map(|s| Spec {
+            name: &s.name,
+            needs: &s.needs,
+        })
+        .collect();
+    let title = format!("The steps of pipeline {name}, each after the steps it needs");
+    let graph = graph::layout(&format!("pipeline-{index}"), &title, &specs, |i, n| {
+        let row = &steps[i];
+        n.class = if row.required {
+            "step"
+        } else {
+            "step optional"
+        };
+        n.href = format!("#step-{index}-{i}");
+        n.lines = vec![
+            format!(
+                "{} · {}{}",
+                row.provider,
+                row.kind,
+                if row.required { "" } else { " · optional" }
+            ),
+            format!(
+                "1 h: {} ok · p50 {}",
+                row.hour.success_rate(),
+                row.hour.p50()
+            ),
+            here_line(&row.here),
+        ];
+    });
+    PipelineView {
+        name: name.to_owned(),
+        description: p.description.clone().unwrap_or_default(),
+        graph,
+        steps,
+        unstarted,
+        elsewhere: here.into_iter().collect(),
+    }
+}
+
+async fn pipelines(
+    caller: Authed<Viewer>,
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> WebResult<Response> {
+    let now = state.clock.now_ms();
+    let (rollups, counts) = tokio::try_join!(
+        state.db.rollups_since(now - 24 * 3600 * 1000),
+        state.db.step_counts(),
+    )?;
+    let runs = step_runs(&rollups, now);
+    let pipelines = state
+        .config
+        .pipelines
+        .iter()
+        .enumerate()
+        .map(|(i, (name, p))| view(name, p, i, &runs, &counts))
+        .collect();
+    let t = PipelinesPage {
+        nav: Nav::new(&caller, "pipelines"),
+        updated: when(now),
+        pipelines,
+    };
+    if is_htmx(&headers) {
+        return html(&t.as_live());
+    }
+    html(&t)
+}
