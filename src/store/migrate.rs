@@ -177,6 +177,9 @@ fn applied_set(status: &[MigrationStatus]) -> Vec<i64> {
 /// versions applied. Fails, changing nothing, when the database has a
 /// migration this binary does not know (it is newer than the binary).
 pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
+    if let Db::Sqlite(s) = db {
+        return up_sqlite(s.writer(), to).await;
+    }
     let now = status(db).await?;
     if let Some(unknown) = now.iter().find(|m| m.applied && m.description.is_none()) {
         return Err(StoreError::NewerSchema {
@@ -194,6 +197,118 @@ pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
     }
     let after = applied_set(&status(db).await?);
     Ok(after.into_iter().filter(|v| !before.contains(v)).collect())
+}
+
+/// How long a SQLite start-up waits for another process's migrations.
+const SQLITE_MIGRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// [`up`] on SQLite, whose sqlx migrator takes no lock: two processes
+/// starting on a fresh file would both apply migration 1, and one would
+/// fail. Here every pending migration is applied in one `BEGIN IMMEDIATE`
+/// transaction (SQLite runs DDL in transactions), so a second process
+/// waits for the first to finish, then finds the schema current. The
+/// bookkeeping rows are sqlx's, so `status` and `down` read them as ever.
+async fn up_sqlite(pool: &sqlx::SqlitePool, to: Option<i64>) -> StoreResult<Vec<i64>> {
+    let mut conn = pool.acquire().await?;
+    let started = crate::domain::Clock::instant(&crate::domain::SystemClock);
+    loop {
+        match sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
+            Ok(_) => break,
+            // Busy past the connection's busy timeout: another process
+            // holds the write lock (migrating a large file, say).
+            Err(e) if is_busy(&e) => {
+                let waited = crate::domain::Clock::instant(&crate::domain::SystemClock) - started;
+                if waited > SQLITE_MIGRATION_WAIT {
+                    return Err(e.into());
+                }
+                tracing::info!(
+                    waited_s = waited.as_secs(),
+                    "waiting for another process to finish writing the database (migrating?)"
+                );
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let applied = apply_sqlite(&mut conn, to).await;
+    let done = match applied {
+        Ok(v) => sqlx::query("COMMIT")
+            .execute(&mut *conn)
+            .await
+            .map(|_| v)
+            .map_err(StoreError::from),
+        Err(e) => Err(e),
+    };
+    if done.is_err() {
+        // Nothing half-applied stays: the whole run rolls back.
+        let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+    }
+    done
+}
+
+/// SQLite's "database is locked" (`SQLITE_BUSY` and its extended codes).
+fn is_busy(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .and_then(|c| c.parse::<i32>().ok())
+        .is_some_and(|c| c & 0xff == 5)
+}
+
+/// Inside the caller's write transaction: the pending migrations up to
+/// `to`, applied with sqlx's bookkeeping; the versions applied.
+async fn apply_sqlite(conn: &mut sqlx::SqliteConnection, to: Option<i64>) -> StoreResult<Vec<i64>> {
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
+            version BIGINT PRIMARY KEY,
+            description TEXT NOT NULL,
+            installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
+            success BOOLEAN NOT NULL,
+            checksum BLOB NOT NULL,
+            execution_time BIGINT NOT NULL
+        )",
+    )
+    .execute(&mut *conn)
+    .await?;
+    let done: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+        .fetch_all(&mut *conn)
+        .await?;
+    let known = latest_version(Backend::Sqlite);
+    if let Some(newer) = done.iter().copied().filter(|v| *v > known).max() {
+        return Err(StoreError::NewerSchema {
+            version: newer,
+            known,
+        });
+    }
+    let m = migrator(Backend::Sqlite);
+    let mut applied = Vec::new();
+    for migration in m.iter() {
+        let wanted = to.is_none_or(|t| migration.version <= t);
+        if !migration.migration_type.is_up_migration()
+            || done.contains(&migration.version)
+            || !wanted
+        {
+            continue;
+        }
+        sqlx::raw_sql(migration.sql.clone())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| {
+                StoreError::Migrate(sqlx::migrate::MigrateError::ExecuteMigration(
+                    e,
+                    migration.version,
+                ))
+            })?;
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+             VALUES (?1, ?2, TRUE, ?3, -1)",
+        )
+        .bind(migration.version)
+        .bind(migration.description.to_string())
+        .bind(migration.checksum.to_vec())
+        .execute(&mut *conn)
+        .await?;
+        applied.push(migration.version);
+    }
+    Ok(applied)
 }
 
 /// Reverts applied migrations newer than `to`; returns the versions reverted,

@@ -1117,3 +1117,123 @@ async fn export_streams_with_flat_memory() {
         stderr(&again)
     );
 }
+
+/// Issue 24 item 1: five processes started at once on a fresh database
+/// (two `serve`, `enqueue`, `user add`, `migrate up`), twenty rounds on
+/// each backend: every one succeeds (the later ones wait for the first
+/// one's migrations), the schema is current, and the users are the ones
+/// asked for: `bob`, and at most one `admin` (made only while no user
+/// exists).
+async fn concurrent_starts(backend: Backend) {
+    for round in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _pg) = match backend {
+            Backend::Sqlite => (
+                format!(
+                    "sqlite://{}?mode=rwc",
+                    dir.path().join("fresh.db").display()
+                ),
+                None,
+            ),
+            Backend::Postgres => {
+                let Some(t) = database(backend, "concurrent_starts").await else {
+                    return;
+                };
+                (t.url.clone(), Some(t))
+            }
+        };
+        std::fs::write(dir.path().join("ballast.toml"), ORDERS).unwrap();
+        let env = [
+            ("BALLAST_DATABASE_URL", url.as_str()),
+            ("BALLAST_PASSWORD", PASSWORD),
+            ("BALLAST_ADMIN_PASSWORD", PASSWORD),
+        ];
+        let (p1, p2) = (free_port().to_string(), free_port().to_string());
+        let path = dir.path();
+        let (bind1, bind2) = (format!("127.0.0.1:{p1}"), format!("127.0.0.1:{p2}"));
+        let (serve1, serve2) = (["serve", "--bind", &bind1], ["serve", "--bind", &bind2]);
+        let (a, b, enq, user, up) = tokio::join!(
+            start_and_stop(path, &env, &serve1),
+            start_and_stop(path, &env, &serve2),
+            ballast_off_runtime(
+                dir.path(),
+                &env,
+                &["enqueue", "orders", "--key", "k-1", "--input", "{}"]
+            ),
+            ballast_off_runtime(dir.path(), &env, &["user", "add", "bob"]),
+            ballast_off_runtime(dir.path(), &env, &["migrate", "up"]),
+        );
+        for (what, out) in [("enqueue", &enq), ("user add", &user), ("migrate up", &up)] {
+            assert!(
+                out.status.success(),
+                "round {round}, {what}: {}",
+                stderr(out)
+            );
+        }
+        for (what, ok) in [("serve 1", a), ("serve 2", b)] {
+            assert!(ok.0, "round {round}, {what}: {}", ok.1);
+        }
+        let db = ballast::store::Db::connect(&url, &Default::default())
+            .await
+            .unwrap();
+        let status = ballast::store::migrate::status(&db).await.unwrap();
+        assert!(
+            status.iter().all(|m| m.applied),
+            "round {round}: {status:?}"
+        );
+        use ballast::store::Store;
+        let users: Vec<String> = db
+            .list_users()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|u| u.username)
+            .collect();
+        assert!(
+            users == ["admin", "bob"] || users == ["bob"],
+            "round {round}: {users:?}"
+        );
+    }
+}
+
+/// Starts `ballast ARGS` (a `serve`), waits until it serves, stops it with
+/// SIGTERM: whether it stopped cleanly, and its log.
+async fn start_and_stop(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> (bool, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ballast"));
+    cmd.current_dir(dir)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("BALLAST_") {
+            cmd.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut log = wait::Lines::read(child.stderr.take().unwrap());
+    // A serve that fails says so and exits: `until` shows its output.
+    log.until("serve starts", Duration::from_secs(60), |l| {
+        l.contains("dashboard at http://")
+    })
+    .await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = wait::exit(child, "serve stops", Duration::from_secs(30)).await;
+    let text = log.all(Duration::from_secs(15)).await;
+    (status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_concurrent_starts_wait_for_each_other() {
+    concurrent_starts(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_concurrent_starts_wait_for_each_other() {
+    concurrent_starts(Backend::Postgres).await;
+}
