@@ -450,11 +450,6 @@ impl Engine {
         Ok(created)
     }
 
-    /// The step names of the pipeline a record runs (its pinned version).
-    pub async fn steps_of(&self, rec: &Record) -> Vec<String> {
-        self.graph_of(rec).await.into_iter().map(|s| s.0).collect()
-    }
-
     /// The steps of the pipeline a record runs (its pinned version), each
     /// with the steps it needs, in the pipeline's order.
     pub async fn graph_of(&self, rec: &Record) -> Vec<(String, Vec<String>)> {

@@ -121,14 +121,9 @@ impl<'a> Ops<'a> {
         reason: Option<String>,
         extra: ActExtra<'_>,
     ) -> Result<Record, OpsError> {
+        // The store refuses an input with any action but a retry or a
+        // replay, inside the record's transaction.
         let ActExtra { step, until, input } = extra;
-        if input.is_some() && !matches!(action, OperatorAction::Retry | OperatorAction::ReplayFrom)
-        {
-            return Err(OpsError::refused(
-                "input_needs_retry_or_replay",
-                format!("only a retry or a replay takes a new input, not {action}"),
-            ));
-        }
 
         if action == OperatorAction::TookEffect {
             return Err(OpsError::refused(

@@ -109,43 +109,22 @@ impl Progress {
 /// its length still from that first call).
 fn runs_ended(stats: &super::stats::StatsRecorder, commit: &Commit, after: &Record) {
     use super::stats::RunEnd;
-    let provider = |w: &StepWrite| w.provider.clone().unwrap_or_default();
+    let parked_at = (after.state == crate::domain::RecordState::Parked)
+        .then_some(after.step.as_deref())
+        .flatten();
     for w in &commit.steps {
-        let end = match w.state {
-            StepState::Succeeded => RunEnd::Succeeded,
-            StepState::Failed => RunEnd::Failed,
+        let (end, done) = match w.state {
+            StepState::Succeeded => (RunEnd::Succeeded, w.finished_at.unwrap_or(commit.now)),
+            StepState::Failed => (RunEnd::Failed, w.finished_at.unwrap_or(commit.now)),
+            _ if parked_at == Some(w.step.as_str()) => (RunEnd::Parked, commit.now),
             _ => continue,
         };
+        let took = done - w.started_at.unwrap_or(done);
         // Filed under the commit's minute, which the recorder still
         // holds (a run finished minutes into a long pass would start a
         // row for a minute already written, and overwrite it).
-        let done = w.finished_at.unwrap_or(commit.now);
-        let took = done - w.started_at.unwrap_or(done);
-        stats.run_ended(
-            commit.now,
-            &after.pipeline,
-            &w.step,
-            &provider(w),
-            end,
-            took,
-        );
-    }
-    if after.state == crate::domain::RecordState::Parked {
-        let parked = commit
-            .steps
-            .iter()
-            .find(|w| Some(&w.step) == after.step.as_ref());
-        if let Some(w) = parked {
-            let took = commit.now - w.started_at.unwrap_or(commit.now);
-            stats.run_ended(
-                commit.now,
-                &after.pipeline,
-                &w.step,
-                &provider(w),
-                RunEnd::Parked,
-                took,
-            );
-        }
+        let provider = w.provider.as_deref().unwrap_or("");
+        stats.run_ended(commit.now, &after.pipeline, &w.step, provider, end, took);
     }
 }
 

@@ -21,6 +21,20 @@ pub(crate) fn step_key(step: Option<&str>) -> &str {
     step.unwrap_or("")
 }
 
+/// One record leaves counter `from` and joins `to` (`None`: no counter);
+/// nothing when they are the same.
+fn shift<K: Ord>(counts: &mut BTreeMap<K, i64>, from: Option<K>, to: Option<K>) {
+    if from == to {
+        return;
+    }
+    if let Some(k) = from {
+        *counts.entry(k).or_default() -= 1;
+    }
+    if let Some(k) = to {
+        *counts.entry(k).or_default() += 1;
+    }
+}
+
 impl CountDeltas {
     /// A record at provider `provider` (the provider of its current step)
     /// moved from `from` to `to`; records with no provider yet are not
@@ -30,15 +44,11 @@ impl CountDeltas {
         from: Option<(&str, RecordState)>,
         to: Option<(&str, RecordState)>,
     ) {
-        if from == to {
-            return;
-        }
-        if let Some((p, s)) = from {
-            *self.1.entry((p.to_owned(), s)).or_default() -= 1;
-        }
-        if let Some((p, s)) = to {
-            *self.1.entry((p.to_owned(), s)).or_default() += 1;
-        }
+        shift(
+            &mut self.1,
+            from.map(|(p, s)| (p.to_owned(), s)),
+            to.map(|(p, s)| (p.to_owned(), s)),
+        );
     }
 
     /// A record of `pipeline` moved from (`step`, `state`) to the other
@@ -49,21 +59,8 @@ impl CountDeltas {
         from: Option<(&str, RecordState)>,
         to: Option<(&str, RecordState)>,
     ) {
-        if from == to {
-            return;
-        }
-        if let Some((step, s)) = from {
-            *self
-                .2
-                .entry((pipeline.to_owned(), step.to_owned(), s))
-                .or_default() -= 1;
-        }
-        if let Some((step, s)) = to {
-            *self
-                .2
-                .entry((pipeline.to_owned(), step.to_owned(), s))
-                .or_default() += 1;
-        }
+        let key = |(step, s): (&str, RecordState)| (pipeline.to_owned(), step.to_owned(), s);
+        shift(&mut self.2, from.map(key), to.map(key));
     }
 
     /// `before` became `after` (same record): every counter.

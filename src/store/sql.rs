@@ -726,16 +726,17 @@ where
         // A fresh attempt budget (and deadline) for every
         // step that has not finished; a submitted job keeps
         // its id, so it is polled, not paid for again.
-        sqlx::query(
+        let mut unfinished: Vec<String> = sqlx::query_scalar(
             "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
              error_code = NULL, reason = NULL, updated_at = $1, \
              state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
-             WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped')",
+             WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped') RETURNING step",
         )
         .bind(req.now)
         .bind(rec.id)
-        .execute(&mut **tx)
+        .fetch_all(&mut **tx)
         .await?;
+        unfinished.sort();
         // A result its provider reversed is not kept by a retry:
         // its step runs again, a new version, and so do the steps
         // after it that the engine names in `steps` (read here,
@@ -761,13 +762,6 @@ where
         // run again under a new generation (a new idempotency key;
         // a job made from the old input is left behind).
         let cause = if new_input {
-            let unfinished: Vec<String> = sqlx::query_scalar(
-                "SELECT step FROM step_runs WHERE record_id = $1 \
-                 AND state NOT IN ('succeeded', 'skipped') ORDER BY step",
-            )
-            .bind(rec.id)
-            .fetch_all(&mut **tx)
-            .await?;
             for step in unfinished {
                 if !reversed.contains(&step) {
                     reversed.push(step);

@@ -23,12 +23,7 @@ impl Window {
     fn add(&mut self, r: &StepRollup) {
         self.calls += r.calls;
         self.ok += r.succeeded;
-        if self.latency.len() < r.latency.len() {
-            self.latency.resize(r.latency.len(), 0);
-        }
-        for (a, b) in self.latency.iter_mut().zip(&r.latency) {
-            *a += b;
-        }
+        add_counts(&mut self.latency, &r.latency);
     }
 
     /// Share of attempts that succeeded (or reported progress), as text.
@@ -50,6 +45,16 @@ impl Window {
 
     pub fn p95(&self) -> String {
         self.quantile(0.95)
+    }
+}
+
+/// Adds histogram `from` into `into`, bucket by bucket (growing `into`).
+fn add_counts(into: &mut Vec<i64>, from: &[i64]) {
+    if into.len() < from.len() {
+        into.resize(from.len(), 0);
+    }
+    for (a, b) in into.iter_mut().zip(from) {
+        *a += b;
     }
 }
 
@@ -97,12 +102,7 @@ impl Runs {
         self.failed += r.runs_failed;
         self.parked += r.records_parked;
         self.calls += r.calls;
-        if self.latency.len() < r.run_latency.len() {
-            self.latency.resize(r.run_latency.len(), 0);
-        }
-        for (a, b) in self.latency.iter_mut().zip(&r.run_latency) {
-            *a += b;
-        }
+        add_counts(&mut self.latency, &r.run_latency);
     }
 
     pub fn ended(&self) -> i64 {

@@ -331,17 +331,7 @@ async fn api_round_trip(backend: Backend) {
     .await;
     assert!(html.contains("100.0%"), "success rate");
     assert!(html.contains("<rect"), "a throughput chart");
-    let live = app
-        .client
-        .get(app.url("/"))
-        .header("cookie", &login.cookie)
-        .header("hx-request", "true")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let live = app.fragment("/", &login).await;
     assert!(
         live.starts_with("\n<div id=\"live\"") || live.trim_start().starts_with("<div id=\"live\""),
         "the live fragment alone: {}",

@@ -5,6 +5,22 @@ use ballast::store::{Backend, NewRecord, Store, StoreError, migrate};
 
 use crate::helpers::TestDb;
 
+/// Runs one statement on `t` outside the store: `sqlite` or `postgres`.
+async fn execute(t: &TestDb, sqlite: &'static str, postgres: &'static str) {
+    match &t.db {
+        ballast::store::Db::Sqlite(_) => {
+            let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
+            sqlx::query(sqlite).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+        ballast::store::Db::Postgres(_) => {
+            let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
+            sqlx::query(postgres).execute(&pool).await.unwrap();
+            pool.close().await;
+        }
+    }
+}
+
 async fn up_down_up(backend: Backend) {
     let Some(t) = TestDb::new(backend, "up_down_up").await else {
         return;
@@ -61,18 +77,7 @@ async fn newer_database_is_refused(backend: Backend) {
                VALUES (9999, 'from the future', TRUE, X'00', 0)";
     let sql_pg = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
                VALUES (9999, 'from the future', TRUE, '\\x00', 0)";
-    match &t.db {
-        ballast::store::Db::Sqlite(_) => {
-            let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
-            sqlx::query(sql).execute(&pool).await.unwrap();
-            pool.close().await;
-        }
-        ballast::store::Db::Postgres(_) => {
-            let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
-            sqlx::query(sql_pg).execute(&pool).await.unwrap();
-            pool.close().await;
-        }
-    }
+    execute(&t, sql, sql_pg).await;
     let status = migrate::status(&t.db).await.unwrap();
     let future = status.iter().find(|m| m.version == 9999).unwrap();
     assert!(future.applied && future.description.is_none());
@@ -91,18 +96,7 @@ async fn step_counts_are_backfilled(backend: Backend) {
                 ('p', 'k1', 'succeeded', '{}', 'b', NULL, 1, 1), ('p', 'k2', 'succeeded', '{}', 'b', NULL, 1, 1), \
                 ('p', 'k3', 'parked', '{}', 'a', NULL, 1, 1), ('p', 'k4', 'pending', '{}', NULL, 1, 1, 1), \
                 ('q', 'k5', 'failed', '{}', 'x', NULL, 1, 1)";
-    match &t.db {
-        ballast::store::Db::Sqlite(_) => {
-            let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
-            sqlx::query(rows).execute(&pool).await.unwrap();
-            pool.close().await;
-        }
-        ballast::store::Db::Postgres(_) => {
-            let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
-            sqlx::query(rows).execute(&pool).await.unwrap();
-            pool.close().await;
-        }
-    }
+    execute(&t, rows, rows).await;
     migrate::up(&t.db, None).await.unwrap();
     let mut counted = t.db.step_counts().await.unwrap();
     counted.sort();

@@ -1313,16 +1313,8 @@ async fn actions_follow_the_transition_table_and_are_audited() {
         // The bulk form's filter fields come with the list fragment, so an
         // htmx filter change updates what "every matching record" means.
         let frag = app
-            .client
-            .get(app.url("/records?state=parked&provider=crm"))
-            .header("cookie", &login.cookie)
-            .header("hx-request", "true")
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+            .fragment("/records?state=parked&provider=crm", &login)
+            .await;
         assert!(
             frag.contains(r#"form="bulk" name="state" value="parked""#),
             "{frag}"

@@ -73,12 +73,13 @@ struct PipelinesPage {
 
 /// The link to the records of `pipeline` at `step` in `state`.
 fn records_href(pipeline: &str, step: &str, state: &str) -> String {
-    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
-    let mut href = format!("/records?pipeline={}&state={state}", enc(pipeline));
-    if !step.is_empty() {
-        href.push_str(&format!("&step={}", enc(step)));
-    }
-    href
+    let q = crate::web::query::ListQuery {
+        pipeline: Some(pipeline.to_owned()),
+        state: Some(state.to_owned()),
+        step: Some(step.to_owned()),
+        ..Default::default()
+    };
+    format!("/records?{}", q.query_string())
 }
 
 /// The records at each step of `pipeline`, by state, in `RecordState::ALL`
