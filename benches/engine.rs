@@ -707,14 +707,15 @@ fn seeded_pipelines() -> String {
     text
 }
 
-/// A day of one node's per-minute statistics for the seed's six steps, as
-/// a node that ran all day leaves them: what the overview and pipelines
-/// pages sum.
-async fn seed_rollups(db: &Db) {
+/// A day of `nodes` nodes' per-minute statistics for the seed's six
+/// steps, as nodes that ran all day leave them (the minutes more than 61
+/// minutes old folded into hours by their housekeeping): what the overview
+/// and pipelines pages sum.
+async fn seed_rollups(db: &Db, nodes: usize) {
     let now = ballast::domain::Clock::now_ms(&ballast::domain::SystemClock);
     let first = now - now.rem_euclid(60_000) - 24 * 3_600_000;
     let mut rows = Vec::new();
-    for m in 0..=1440 {
+    for (m, node) in (0..=1440).flat_map(|m| (0..nodes).map(move |n| (m, n))) {
         for p in 0..3 {
             for step in 0..2 {
                 let mut latency = vec![0; ballast::engine::stats::LATENCY_BUCKETS_MS.len()];
@@ -723,7 +724,7 @@ async fn seed_rollups(db: &Db) {
                 run_latency[3] = 80;
                 rows.push(ballast::store::StepRollup {
                     minute: first + m * 60_000,
-                    node: "bench".into(),
+                    node: format!("bench-{node}"),
                     pipeline: format!("p{p}"),
                     step: format!("step{step}"),
                     provider: format!("prov{}", p + step),
@@ -744,6 +745,9 @@ async fn seed_rollups(db: &Db) {
     for chunk in rows.chunks(1000) {
         db.save_rollups(chunk).await.unwrap();
     }
+    db.compact_rollups(ballast::web::stats_view::compaction_cutoff(now))
+        .await
+        .unwrap();
 }
 
 /// E: the control plane over a store seeded with `n` records. Returns the
@@ -760,7 +764,12 @@ async fn pages_at_scale(
     let seeded = started.elapsed().as_secs_f64();
     let password = "bench-admin-password-0123";
     // Latency is measured here, not the API's rate limit.
-    seed_rollups(&fresh.db).await;
+    // SQLite runs one node; PostgreSQL is where several share the work.
+    let nodes = match backend {
+        Backend::Sqlite => 1,
+        Backend::Postgres => 3,
+    };
+    seed_rollups(&fresh.db, nodes).await;
     let text = format!(
         "[database]\nurl = \"{}\"\n[server.limits]\napi_per_second = 100000\n{}",
         fresh.url,

@@ -22,15 +22,11 @@ pub async fn connect(config: &Config) -> anyhow::Result<Db> {
     let opts = ConnectOptions {
         max_connections: config.database.max_connections,
         acquire_timeout: config.database.acquire_timeout.0,
+        busy_timeout: config.database.busy_timeout.0,
     };
     Db::connect(config.database.url.expose(), &opts)
         .await
-        .with_context(|| {
-            format!(
-                "cannot open database {} (is it running and reachable? check database.url or BALLAST_DATABASE_URL)",
-                config.database.url
-            )
-        })
+        .with_context(|| format!("cannot open database {}", config.database.url))
 }
 
 /// What start-up did about the first user.

@@ -288,24 +288,6 @@ impl Cli {
     }
 }
 
-/// An error and its causes on one line, each cause said once: a cause
-/// whose text its parent's message already holds (sqlx's migration
-/// errors repeat their source, say) is left out.
-pub fn one_line(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if text.is_empty() || out.contains(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
-}
-
 /// Runs one command to completion over its configuration (`Config::load`,
 /// which the binary calls first to set up logging and traces).
 pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
@@ -510,12 +492,7 @@ async fn serve(
     }
     let listener = tokio::net::TcpListener::bind(config.server.bind)
         .await
-        .with_context(|| {
-            format!(
-                "cannot listen on {} (is another process using it? pick another with --bind)",
-                config.server.bind
-            )
-        })?;
+        .with_context(|| format!("cannot listen on {}", config.server.bind))?;
     let shutdown = CancellationToken::new();
     crate::app::cancel_on_signals(shutdown.clone());
     if !demo {
@@ -1094,23 +1071,6 @@ fn read_new_password(username: &str) -> anyhow::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_cause_already_said_is_not_said_again() {
-        // sqlx's migration error repeats its source in its own text.
-        let db = std::io::Error::other("(code: 1) table meta already exists");
-        let migrate = sqlx::migrate::MigrateError::ExecuteMigration(sqlx::Error::Io(db), 1);
-        let e = anyhow::Error::new(migrate).context("cannot migrate the database");
-        let line = one_line(&e);
-        assert_eq!(
-            line.matches("table meta already exists").count(),
-            1,
-            "{line}"
-        );
-        assert!(line.starts_with("cannot migrate the database: "), "{line}");
-        let plain = anyhow::anyhow!("inner").context("outer");
-        assert_eq!(one_line(&plain), "outer: inner");
-    }
 
     fn sim_args(args: &[&str]) -> Result<SimArgs, clap::Error> {
         let argv = ["ballast", "sim"].iter().chain(args);

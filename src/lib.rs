@@ -1,6 +1,7 @@
 //! Ballast: durable workflows over unreliable third-party APIs, with a
 //! control plane to see and steer every record. See `ARCHITECTURE.md`.
 
+pub mod advice;
 pub mod app;
 pub mod auth;
 pub mod cli;

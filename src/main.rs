@@ -45,7 +45,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(ballast::cli::run(cli, loaded));
     // One line: the error and its causes, said before the wait below.
     if let Err(e) = &result {
-        eprintln!("error: {}", ballast::cli::one_line(e));
+        eprintln!("error: {}", ballast::advice::report(e));
     }
     // The last passes' spans leave before the process does.
     telemetry.shutdown();

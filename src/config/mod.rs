@@ -323,6 +323,10 @@ pub struct DatabaseConfig {
     /// How long to wait for a pooled connection.
     /// Env: `BALLAST_DATABASE_ACQUIRE_TIMEOUT`.
     pub acquire_timeout: HumanDuration,
+    /// SQLite: how long a statement waits for another process's write
+    /// lock before it fails ("database is locked").
+    /// Env: `BALLAST_DATABASE_BUSY_TIMEOUT`.
+    pub busy_timeout: HumanDuration,
 }
 
 impl Default for DatabaseConfig {
@@ -331,6 +335,7 @@ impl Default for DatabaseConfig {
             url: DatabaseUrl("sqlite://ballast.db?mode=rwc".into()),
             max_connections: 10,
             acquire_timeout: HumanDuration::secs(10),
+            busy_timeout: HumanDuration::secs(10),
         }
     }
 }
@@ -469,7 +474,7 @@ impl Config {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
         type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 15] = [
+        let setters: [(&str, Setter); 16] = [
             ("BALLAST_ADMIN_PASSWORD", |c, v| {
                 crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
                 c.server.admin_password = Some(Secret::new(v));
@@ -527,6 +532,10 @@ impl Config {
             }),
             ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", |c, v| {
                 c.database.acquire_timeout = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+            ("BALLAST_DATABASE_BUSY_TIMEOUT", |c, v| {
+                c.database.busy_timeout = HumanDuration(parse_duration(v)?);
                 Ok(())
             }),
             ("BALLAST_TRACES_ENDPOINT", |c, v| {
@@ -607,6 +616,14 @@ impl Config {
             return Err(invalid(
                 "database.max_connections",
                 "must be at least 1".into(),
+            ));
+        }
+        // Zero would turn SQLite's busy handler off: every write beside
+        // another process's would fail at once.
+        if self.database.busy_timeout.0 < std::time::Duration::from_millis(100) {
+            return Err(invalid(
+                "database.busy_timeout",
+                "must be at least 100ms".into(),
             ));
         }
         if let Some(url) = &self.server.public_url {

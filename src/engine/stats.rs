@@ -3,6 +3,13 @@
 //! written to `step_rollups` every few seconds. Each node writes only its
 //! own rows (absolute values, so a rewrite is harmless), and the dashboard
 //! sums them: no hot rows, no scans of the attempts table.
+//!
+//! Because a row is written whole, the recorder never starts a row for a
+//! minute it has forgotten (that would overwrite the written row with a
+//! part of it): an attempt counts in the minute it ended, and anything
+//! dated before the minutes still held counts in the oldest held. Rows a
+//! failed write left unsaved are given up after [`GIVE_UP_MS`], well
+//! before the housekeeping folds their minute into its hour.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -57,10 +64,27 @@ pub const KEEP_MS: i64 = 8 * 24 * 3600 * 1000;
 
 type Key = (UnixMs, String, String, String);
 
+/// How long rows whose writes failed are retried before they are given
+/// up (minute rows are folded into hours 61 minutes at the earliest).
+pub const GIVE_UP_MS: i64 = 30 * 60_000;
+
+/// How long rows are held after their minute (and written again if they
+/// change): a step that ends a few minutes after its minute began.
+const HOLD_MS: i64 = 2 * 60_000;
+
 /// This node's figures for the current and recent minutes.
 pub struct StatsRecorder {
     node: String,
-    rows: Mutex<HashMap<Key, (StepRollup, bool)>>,
+    held: Mutex<Held>,
+}
+
+/// The rows held, each with whether it changed since it was written.
+#[derive(Default)]
+struct Held {
+    rows: HashMap<Key, (StepRollup, bool)>,
+    /// Every minute from this one on has its row held (if it has one); an
+    /// older minute's row may have been written and forgotten.
+    from: UnixMs,
 }
 
 fn minute(ms: UnixMs) -> UnixMs {
@@ -93,7 +117,10 @@ impl StatsRecorder {
     pub fn new(node: &str) -> Self {
         StatsRecorder {
             node: node.to_owned(),
-            rows: Mutex::new(HashMap::new()),
+            held: Mutex::new(Held {
+                rows: HashMap::new(),
+                from: UnixMs::MIN,
+            }),
         }
     }
 
@@ -105,20 +132,21 @@ impl StatsRecorder {
         provider: &str,
         f: impl FnOnce(&mut StepRollup),
     ) {
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = minute(at).max(held.from);
         let key = (
-            minute(at),
+            at,
             pipeline.to_owned(),
             step.to_owned(),
             provider.to_owned(),
         );
-        let mut rows = self
-            .rows
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (row, dirty) = rows.entry(key).or_insert_with(|| {
+        let (row, dirty) = held.rows.entry(key).or_insert_with(|| {
             (
                 StepRollup {
-                    minute: minute(at),
+                    minute: at,
                     node: self.node.clone(),
                     pipeline: pipeline.to_owned(),
                     step: step.to_owned(),
@@ -138,7 +166,8 @@ impl StatsRecorder {
     pub fn attempts(&self, pipeline: &str, attempts: &[NewAttempt]) {
         for a in attempts {
             let provider = a.provider.as_deref().unwrap_or("");
-            self.with_row(a.started_at, pipeline, &a.step, provider, |r| {
+            let ended = a.started_at.saturating_add(a.duration_ms.max(0));
+            self.with_row(ended, pipeline, &a.step, provider, |r| {
                 r.calls += 1;
                 match a.outcome {
                     Outcome::Success | Outcome::Pending => r.succeeded += 1,
@@ -198,42 +227,63 @@ impl StatsRecorder {
         });
     }
 
-    /// Writes changed rows; forgets rows of minutes long past.
+    /// Writes changed rows; forgets rows of minutes long past, and unsaved
+    /// rows older than [`GIVE_UP_MS`].
     pub async fn flush(&self, db: &Db, now: UnixMs) {
-        let dirty: Vec<StepRollup> = {
-            let mut rows = self
-                .rows
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let out = rows
-                .values_mut()
-                .filter(|(_, d)| *d)
-                .map(|(r, d)| {
-                    *d = false;
-                    r.clone()
-                })
-                .collect();
-            rows.retain(|k, (_, d)| *d || k.0 >= minute(now) - 120_000);
-            out
-        };
+        let dirty = self.take_dirty(now);
         if let Err(e) = db.save_rollups(&dirty).await {
             tracing::warn!(error = %e, rows = dirty.len(), "could not save statistics; retrying");
-            let mut rows = self
-                .rows
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            for r in dirty {
-                let key = (
-                    r.minute,
-                    r.pipeline.clone(),
-                    r.step.clone(),
-                    r.provider.clone(),
-                );
-                if let Some((_, d)) = rows.get_mut(&key) {
-                    *d = true;
-                }
+            self.unsaved(&dirty);
+        }
+    }
+
+    /// Marks `rows` (taken by [`take_dirty`](Self::take_dirty)) to be
+    /// written again: their write failed.
+    fn unsaved(&self, rows: &[StepRollup]) {
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for r in rows {
+            let key = (
+                r.minute,
+                r.pipeline.clone(),
+                r.step.clone(),
+                r.provider.clone(),
+            );
+            if let Some((_, d)) = held.rows.get_mut(&key) {
+                *d = true;
             }
         }
+    }
+
+    /// The rows changed since they were written (marked written), after
+    /// forgetting rows of minutes long past and unsaved rows older than
+    /// [`GIVE_UP_MS`].
+    fn take_dirty(&self, now: UnixMs) -> Vec<StepRollup> {
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let from = held.from.max(minute(now) - HOLD_MS);
+        held.from = from;
+        let mut given_up = 0;
+        held.rows.retain(|k, (_, dirty)| {
+            let keep = k.0 >= from || (*dirty && k.0 >= now - GIVE_UP_MS);
+            given_up += usize::from(!keep && *dirty);
+            keep
+        });
+        if given_up > 0 {
+            tracing::warn!(rows = given_up, "gave up writing statistics rows");
+        }
+        held.rows
+            .values_mut()
+            .filter(|(_, d)| *d)
+            .map(|(r, d)| {
+                *d = false;
+                r.clone()
+            })
+            .collect()
     }
 }
 
@@ -250,10 +300,8 @@ mod tests {
         assert_eq!(bucket(-1), 0);
     }
 
-    #[test]
-    fn attempts_fold_into_minute_rows() {
-        let s = StatsRecorder::new("n1");
-        let a = |at, outcome, ms| NewAttempt {
+    fn attempt(at: UnixMs, outcome: Outcome, ms: i64) -> NewAttempt {
+        NewAttempt {
             step: "fetch".into(),
             provider: Some("p".into()),
             attempt_no: 1,
@@ -265,7 +313,52 @@ mod tests {
             error_code: None,
             excerpt: None,
             request: None,
-        };
+        }
+    }
+
+    #[test]
+    fn forgotten_minutes_are_never_started_again() {
+        let s = StatsRecorder::new("n1");
+        s.attempts("pl", &[attempt(60_000, Outcome::Success, 5)]);
+        let written = s.take_dirty(10 * 60_000);
+        assert_eq!(written.len(), 1);
+        assert_eq!(s.take_dirty(10 * 60_000), vec![], "nothing changed");
+        // Minute 1 was written and forgotten: an attempt that started in
+        // it and ran 30 s counts in the oldest minute still held (8),
+        // never in a new row for minute 1 (which would overwrite the
+        // written one with a part of it).
+        s.attempts("pl", &[attempt(60_000, Outcome::Fail, 30_000)]);
+        let rows = s.take_dirty(10 * 60_000);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(
+            (rows[0].minute, rows[0].calls, rows[0].failed),
+            (8 * 60_000, 1, 1)
+        );
+        // A long call counts in the minute it ended.
+        s.attempts("pl", &[attempt(9 * 60_000, Outcome::Success, 70_000)]);
+        let rows = s.take_dirty(10 * 60_000);
+        assert_eq!(rows[0].minute, 10 * 60_000);
+    }
+
+    #[test]
+    fn unsaved_rows_are_given_up_after_a_while() {
+        let s = StatsRecorder::new("n1");
+        s.attempts("pl", &[attempt(0, Outcome::Success, 5)]);
+        // Its writes fail: still held, and still offered, until it is
+        // older than GIVE_UP_MS.
+        let rows = s.take_dirty(60_000);
+        s.unsaved(&rows);
+        let rows = s.take_dirty(GIVE_UP_MS);
+        assert_eq!(rows.len(), 1);
+        s.unsaved(&rows);
+        assert_eq!(s.take_dirty(GIVE_UP_MS + 60_000), vec![]);
+        assert!(s.held.lock().unwrap().rows.is_empty());
+    }
+
+    #[test]
+    fn attempts_fold_into_minute_rows() {
+        let s = StatsRecorder::new("n1");
+        let a = attempt;
         s.attempts(
             "pl",
             &[
@@ -274,7 +367,8 @@ mod tests {
                 a(120_000, Outcome::Success, 1),
             ],
         );
-        let rows = s.rows.lock().unwrap();
+        let held = s.held.lock().unwrap();
+        let rows = &held.rows;
         let first = &rows[&(60_000, "pl".to_owned(), "fetch".to_owned(), "p".to_owned())].0;
         assert_eq!((first.calls, first.succeeded, first.retried), (2, 1, 1));
         assert_eq!(first.latency[bucket(7)], 1);

@@ -13,9 +13,9 @@ use super::rows::{
     API_TOKEN_COLUMNS, ATTEMPT_COLUMNS, BREAKER_COLUMNS, EVENT_COLUMNS, MapRow, PROVIDER_COLUMNS,
     RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, STEP_VERSION_COLUMNS, USER_COLUMNS, map_all,
 };
-use super::sql::{SqlStore, conflict_or};
+use super::sql::{Rollups, SqlStore, conflict_or};
 use super::{
-    ActionRequest, AuditFilter, ClaimRequest, Commit, Created, EventRow, Lease, NewEvent,
+    ActionRequest, AuditFilter, ClaimRequest, Commit, Created, EventRow, HOUR_MS, Lease, NewEvent,
     NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, PurgeRun, Purged, RecordFilter,
     ScheduleAdvance, Store, StoreError, StoreResult, UserChange, into_page, node_actor, page_limit,
     validate_username, worked_state,
@@ -2200,60 +2200,57 @@ where
             return Ok(());
         }
         let mut tx = self.begin_write().await?;
-        for r in rows {
-            let latency = serde_json::to_string(&r.latency)
-                .map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let run_latency = serde_json::to_string(&r.run_latency)
-                .map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let sql = format!(
-                "INSERT INTO step_rollups ({ROLLUP_COLUMNS}) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
-                 ON CONFLICT (minute, node, pipeline, step, provider) DO UPDATE SET \
-                   calls = excluded.calls, succeeded = excluded.succeeded, failed = excluded.failed, \
-                   retried = excluded.retried, unknown = excluded.unknown, \
-                   records_succeeded = excluded.records_succeeded, records_failed = excluded.records_failed, \
-                   records_parked = excluded.records_parked, latency = excluded.latency, \
-                   runs_succeeded = excluded.runs_succeeded, runs_failed = excluded.runs_failed, \
-                   run_latency = excluded.run_latency"
-            );
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(r.minute)
-                .bind(r.node.clone())
-                .bind(r.pipeline.clone())
-                .bind(r.step.clone())
-                .bind(r.provider.clone())
-                .bind(r.calls)
-                .bind(r.succeeded)
-                .bind(r.failed)
-                .bind(r.retried)
-                .bind(r.unknown)
-                .bind(r.records_succeeded)
-                .bind(r.records_failed)
-                .bind(r.records_parked)
-                .bind(latency)
-                .bind(r.runs_succeeded)
-                .bind(r.runs_failed)
-                .bind(run_latency)
-                .execute(&mut *tx)
-                .await?;
-        }
+        Self::put_rollups(&mut tx, Rollups::Minutes, rows).await?;
         tx.commit().await?;
         Ok(())
     }
 
     async fn rollups_since(&self, since: UnixMs) -> StoreResult<Vec<crate::store::StepRollup>> {
-        let sql =
-            format!("SELECT {ROLLUP_COLUMNS} FROM step_rollups WHERE minute >= $1 ORDER BY minute");
+        // One statement, so one snapshot: a compaction committing meanwhile
+        // is seen wholly or not at all (never an hour both as minutes and
+        // as its hour row).
+        let sql = format!(
+            "SELECT {} FROM step_rollup_hours WHERE hour > $2 \
+             UNION ALL SELECT {ROLLUP_COLUMNS} FROM step_rollups WHERE minute >= $1 \
+             ORDER BY minute",
+            Rollups::Hours.select()
+        );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(since)
+            .bind(since - HOUR_MS)
             .fetch_all(self.reader())
             .await?;
         map_all(&rows, MapRow::rollup)
     }
 
+    async fn compact_rollups(&self, before: UnixMs) -> StoreResult<u64> {
+        let mut folded = 0;
+        let mut last = None;
+        loop {
+            let oldest: Option<i64> = sqlx::query_scalar("SELECT MIN(minute) FROM step_rollups")
+                .fetch_one(self.reader())
+                .await?;
+            let Some(oldest) = oldest.filter(|m| *m < before) else {
+                return Ok(folded);
+            };
+            // No row folded and the oldest unchanged would loop for ever.
+            if last == Some(oldest) {
+                return Ok(folded);
+            }
+            last = Some(oldest);
+            let hour = oldest - oldest.rem_euclid(HOUR_MS);
+            let end = (hour + HOUR_MS).min(before);
+            folded += self.compact_hour(hour, end).await?;
+        }
+    }
+
     async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64> {
         let mut tx = self.begin_write().await?;
         let a = sqlx::query("DELETE FROM step_rollups WHERE minute < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+        let hours = sqlx::query("DELETE FROM step_rollup_hours WHERE hour < $1")
             .bind(before)
             .execute(&mut *tx)
             .await?;
@@ -2268,7 +2265,7 @@ where
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(a.rows_affected() + b.rows_affected() + c.rows_affected())
+        Ok(a.rows_affected() + hours.rows_affected() + b.rows_affected() + c.rows_affected())
     }
 }
 

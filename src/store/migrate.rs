@@ -44,6 +44,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     14 "0014_search" "search",
     15 "0015_step_figures" "step_figures",
     16 "0016_user_theme" "user_theme",
+    17 "0017_hourly_rollups" "hourly_rollups",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -62,6 +63,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     14 "0014_search" "search",
     15 "0015_step_figures" "step_figures",
     16 "0016_user_theme" "user_theme",
+    17 "0017_hourly_rollups" "hourly_rollups",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {
@@ -177,15 +179,23 @@ fn applied_set(status: &[MigrationStatus]) -> Vec<i64> {
 /// versions applied. Fails, changing nothing, when the database has a
 /// migration this binary does not know (it is newer than the binary).
 pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
-    if let Db::Sqlite(s) = db {
-        return up_sqlite(s.writer(), to).await;
-    }
     let now = status(db).await?;
     if let Some(unknown) = now.iter().find(|m| m.applied && m.description.is_none()) {
         return Err(StoreError::NewerSchema {
             version: unknown.version,
             known: latest_version(db.backend()),
         });
+    }
+    if let Db::Sqlite(s) = db {
+        // Nothing pending: no write lock to wait for (a node restarting
+        // beside a long write goes on; it meets the lock only if it writes).
+        if !now
+            .iter()
+            .any(|m| !m.applied && to.is_none_or(|t| m.version <= t))
+        {
+            return Ok(Vec::new());
+        }
+        return up_sqlite(s.writer(), to).await;
     }
     let before = applied_set(&now);
     let m = migrator(db.backend());
@@ -210,21 +220,27 @@ const SQLITE_MIGRATION_WAIT: std::time::Duration = std::time::Duration::from_sec
 /// bookkeeping rows are sqlx's, so `status` and `down` read them as ever.
 async fn up_sqlite(pool: &sqlx::SqlitePool, to: Option<i64>) -> StoreResult<Vec<i64>> {
     let mut conn = pool.acquire().await?;
-    let started = crate::domain::Clock::instant(&crate::domain::SystemClock);
+    let clock = crate::domain::SystemClock;
+    let started = crate::domain::Clock::instant(&clock);
+    let mut said = std::time::Duration::ZERO;
     loop {
         match sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
             Ok(_) => break,
-            // Busy past the connection's busy timeout: another process
-            // holds the write lock (migrating a large file, say).
+            // Busy past the connection's busy timeout (at least 100 ms):
+            // another process holds the write lock (migrating a large
+            // file, say).
             Err(e) if is_busy(&e) => {
-                let waited = crate::domain::Clock::instant(&crate::domain::SystemClock) - started;
+                let waited = crate::domain::Clock::instant(&clock) - started;
                 if waited > SQLITE_MIGRATION_WAIT {
                     return Err(e.into());
                 }
-                tracing::info!(
-                    waited_s = waited.as_secs(),
-                    "waiting for another process to finish writing the database (migrating?)"
-                );
+                if waited >= said {
+                    tracing::info!(
+                        waited_s = waited.as_secs(),
+                        "waiting for another process to finish writing the database (migrating?)"
+                    );
+                    said = waited + std::time::Duration::from_secs(10);
+                }
             }
             Err(e) => return Err(e.into()),
         }

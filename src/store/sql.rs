@@ -11,8 +11,8 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
 use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::batch;
 use super::counts::CountDeltas;
-use super::rows::{MapRow, RECORD_COLUMNS, map_all};
-use super::{ActionRequest, Created, EventRow, NewRecord, StoreError, StoreResult};
+use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, map_all};
+use super::{ActionRequest, Created, EventRow, NewRecord, StepRollup, StoreError, StoreResult};
 use crate::domain::park::ParkUntil;
 use crate::domain::{Event, OperatorAction, Record, RecordState, Trigger, UnixMs, transition};
 
@@ -62,6 +62,41 @@ impl<DB: SqlDb> std::fmt::Debug for SqlStore<DB> {
             .field("pools", &self.pools)
             .field("installation", &self.installation)
             .finish()
+    }
+}
+
+/// The two tables of step statistics: per node and minute, as the nodes
+/// write them, and per node and hour, as the minutes are folded.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Rollups {
+    Minutes,
+    Hours,
+}
+
+impl Rollups {
+    fn table(self) -> &'static str {
+        match self {
+            Rollups::Minutes => "step_rollups",
+            Rollups::Hours => "step_rollup_hours",
+        }
+    }
+
+    /// The column of the rows' time (a minute's or an hour's start).
+    fn time(self) -> &'static str {
+        match self {
+            Rollups::Minutes => "minute",
+            Rollups::Hours => "hour",
+        }
+    }
+
+    /// The table's columns, in the order [`ROLLUP_COLUMNS`] names them.
+    fn columns(self) -> String {
+        ROLLUP_COLUMNS.replacen("minute", self.time(), 1)
+    }
+
+    /// Its columns read as [`MapRow::rollup`] reads them.
+    pub(crate) fn select(self) -> String {
+        ROLLUP_COLUMNS.replacen("minute", &format!("{} AS minute", self.time()), 1)
     }
 }
 
@@ -146,6 +181,119 @@ where
                 Ok(Some(e.id))
             }
         }
+    }
+
+    /// Writes rollup rows into `into`, replacing the rows of the same key.
+    pub(crate) async fn put_rollups(
+        tx: &mut Tx<DB>,
+        into: Rollups,
+        rows: &[StepRollup],
+    ) -> StoreResult<()> {
+        let sql = format!(
+            "INSERT INTO {} ({}) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+             ON CONFLICT ({}, node, pipeline, step, provider) DO UPDATE SET \
+               calls = excluded.calls, succeeded = excluded.succeeded, failed = excluded.failed, \
+               retried = excluded.retried, unknown = excluded.unknown, \
+               records_succeeded = excluded.records_succeeded, records_failed = excluded.records_failed, \
+               records_parked = excluded.records_parked, latency = excluded.latency, \
+               runs_succeeded = excluded.runs_succeeded, runs_failed = excluded.runs_failed, \
+               run_latency = excluded.run_latency",
+            into.table(),
+            into.columns(),
+            into.time()
+        );
+        for r in rows {
+            let latency = serde_json::to_string(&r.latency)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let run_latency = serde_json::to_string(&r.run_latency)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                .bind(r.minute)
+                .bind(r.node.clone())
+                .bind(r.pipeline.clone())
+                .bind(r.step.clone())
+                .bind(r.provider.clone())
+                .bind(r.calls)
+                .bind(r.succeeded)
+                .bind(r.failed)
+                .bind(r.retried)
+                .bind(r.unknown)
+                .bind(r.records_succeeded)
+                .bind(r.records_failed)
+                .bind(r.records_parked)
+                .bind(latency)
+                .bind(r.runs_succeeded)
+                .bind(r.runs_failed)
+                .bind(run_latency)
+                .execute(&mut **tx)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Folds the minute rows in `[hour, end)` (all in the hour starting at
+    /// `hour`) into that hour's rows, in one transaction; returns how many
+    /// minute rows. The minute rows folded are exactly those the DELETE
+    /// took (a row written meanwhile is folded next time, never deleted
+    /// unread), and its row locks order compactions running at once on
+    /// several nodes: the second waits, skips the rows the first deleted,
+    /// and reads the hour rows after the first has written them.
+    pub(crate) async fn compact_hour(&self, hour: UnixMs, end: UnixMs) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        let sql = format!(
+            "DELETE FROM step_rollups WHERE minute >= $1 AND minute < $2 RETURNING {}",
+            Rollups::Minutes.select()
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(hour)
+            .bind(end)
+            .fetch_all(&mut *tx)
+            .await?;
+        let minutes = map_all(&rows, MapRow::rollup)?;
+        if minutes.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "SELECT {} FROM step_rollup_hours WHERE hour = $1{}",
+            Rollups::Hours.select(),
+            DB::LOCK
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(hour)
+            .fetch_all(&mut *tx)
+            .await?;
+        type Key = (String, String, String, String);
+        let key = |r: &StepRollup| {
+            (
+                r.node.clone(),
+                r.pipeline.clone(),
+                r.step.clone(),
+                r.provider.clone(),
+            )
+        };
+        let mut hours: std::collections::BTreeMap<Key, StepRollup> =
+            map_all(&rows, MapRow::rollup)?
+                .into_iter()
+                .map(|r| (key(&r), r))
+                .collect();
+        for m in &minutes {
+            hours
+                .entry(key(m))
+                .or_insert_with(|| StepRollup {
+                    minute: hour,
+                    node: m.node.clone(),
+                    pipeline: m.pipeline.clone(),
+                    step: m.step.clone(),
+                    provider: m.provider.clone(),
+                    ..StepRollup::default()
+                })
+                .add(m);
+        }
+        let hours: Vec<StepRollup> = hours.into_values().collect();
+        Self::put_rollups(&mut tx, Rollups::Hours, &hours).await?;
+        tx.commit().await?;
+        Ok(minutes.len() as u64)
     }
 
     /// The records of `ids` (those that exist), newest first, in one

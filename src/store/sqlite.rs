@@ -7,7 +7,6 @@
 //! never block the writer under WAL.
 
 use std::str::FromStr;
-use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::query::Query;
@@ -123,7 +122,7 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             // Durable commits: a transaction that returned is on disk.
             .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(Duration::from_secs(10))
+            .busy_timeout(opts.busy_timeout)
             .foreign_keys(true)
             // Takes effect on a new file only: space freed by retention
             // can then be given back (`reclaim_space`).

@@ -90,16 +90,27 @@ pub(crate) fn clean_every_minute(
 /// counters are kept.
 const KEEP_MS: i64 = crate::engine::stats::KEEP_MS;
 
-/// Background upkeep of the control plane: idle rate-limit keys are
-/// forgotten every minute; expired sessions, old statistics, delivery ids
-/// and login counters are purged hourly (every node does it; the deletes are
-/// idempotent).
+/// Background upkeep of the control plane: every minute, idle rate-limit
+/// keys are forgotten and the statistics' minute rows more than 61
+/// minutes old are folded into hour rows; expired sessions, old statistics,
+/// delivery ids and login counters are purged hourly (every node does both;
+/// the compaction is safe run at once, the deletes are idempotent).
 pub async fn housekeeping(state: AppState) {
     use crate::store::Store;
     let mut minutes: u64 = 0;
     loop {
+        let now = state.clock.now_ms();
+        // The first run after an upgrade may fold days of minutes, an hour
+        // per transaction: a shutdown meanwhile drops the one in hand.
+        tokio::select! {
+            r = state.db.compact_rollups(stats_view::compaction_cutoff(now)) => {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "could not fold statistics into hours");
+                }
+            }
+            () = state.shutdown.cancelled() => break,
+        }
         if minutes % 60 == 0 {
-            let now = state.clock.now_ms();
             if let Err(e) = state.db.purge_sessions(now).await {
                 tracing::warn!(error = %e, "could not purge sessions");
             }

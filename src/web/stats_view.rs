@@ -1,15 +1,25 @@
-//! The overview's figures, summed from every node's per-minute rollups:
-//! success rate and p50/p95 latency per step and per provider over the last
-//! hour and day, and records finished per minute as small server-side SVG
-//! bar charts.
+//! The overview's figures, summed from every node's rollups (per minute for
+//! the last hour or two, per hour before): success rate and p50/p95 latency
+//! per step and per provider over the last hour and the last day (to the
+//! hour: the day's first hour row is counted whole), and records finished
+//! per minute as small server-side SVG bar charts.
 
 use std::collections::BTreeMap;
 
 use crate::domain::UnixMs;
 use crate::engine::stats::{LATENCY_BUCKETS_MS, RUN_BUCKETS_MS};
-use crate::store::StepRollup;
+use crate::store::{StepRollup, add_counts};
 
-const HOUR: i64 = 3600 * 1000;
+const HOUR: i64 = crate::store::HOUR_MS;
+
+/// The minute rows folded into hours at `now`: those before the last 61
+/// minutes, which the hour figures and the per-minute bars read one minute
+/// at a time. (An hour's row may so hold part of its hour for a while: the
+/// day figures read both kinds of row.)
+pub fn compaction_cutoff(now: UnixMs) -> UnixMs {
+    let keep_from = now - HOUR - 60_000;
+    keep_from - keep_from.rem_euclid(60_000)
+}
 
 /// Figures over one window.
 #[derive(Debug, Clone, Default)]
@@ -45,16 +55,6 @@ impl Window {
 
     pub fn p95(&self) -> String {
         self.quantile(0.95)
-    }
-}
-
-/// Adds histogram `from` into `into`, bucket by bucket (growing `into`).
-fn add_counts(into: &mut Vec<i64>, from: &[i64]) {
-    if into.len() < from.len() {
-        into.resize(from.len(), 0);
-    }
-    for (a, b) in into.iter_mut().zip(from) {
-        *a += b;
     }
 }
 
@@ -277,6 +277,14 @@ mod tests {
             latency,
             ..StepRollup::default()
         }
+    }
+
+    #[test]
+    fn the_last_61_minutes_stay_minutes() {
+        let now = 10 * HOUR + 30_500;
+        let cut = compaction_cutoff(now);
+        assert_eq!(cut % 60_000, 0);
+        assert!(cut <= now - HOUR - 60_000 && cut > now - HOUR - 120_000);
     }
 
     #[test]

@@ -14,7 +14,13 @@ const PASSWORD: &str = "correct horse battery staple";
 /// Runs `ballast ARGS` in `dir` with only the given BALLAST_* variables.
 fn ballast(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ballast"));
-    cmd.current_dir(dir).args(args).stdin(Stdio::null());
+    cmd.args(args);
+    run(cmd, dir, env)
+}
+
+/// Runs `cmd` in `dir` with only the given BALLAST_* variables.
+fn run(mut cmd: Command, dir: &Path, env: &[(&str, &str)]) -> Output {
+    cmd.current_dir(dir).stdin(Stdio::null());
     for (k, _) in std::env::vars() {
         if k.starts_with("BALLAST_") {
             cmd.env_remove(k);
@@ -514,7 +520,10 @@ async fn startup_errors_are_one_line_each() {
         last.starts_with("error: cannot open database postgres://nobody@127.0.0.1:1/nowhere"),
         "{err}"
     );
-    assert!(last.contains("is it running"), "says what to do: {last}");
+    assert!(
+        last.contains("is PostgreSQL running and reachable"),
+        "says what to do: {last}"
+    );
     // A database migrated by a newer binary.
     let url = format!("sqlite://{}?mode=rwc", dir.path().join("new.db").display());
     let up = ballast(
@@ -542,6 +551,147 @@ async fn startup_errors_are_one_line_each() {
         "{err}"
     );
     assert!(last.contains("run the newer ballast"), "{err}");
+}
+
+/// The last line of a failed command's stderr.
+fn error_line(out: &Output) -> String {
+    assert!(!out.status.success(), "{}", stdout(out));
+    let err = stderr(out);
+    let last = err.trim().lines().last().unwrap_or_default().to_owned();
+    assert!(last.starts_with("error: "), "{err}");
+    last
+}
+
+/// Issue 24 item 2: the errors a start-up meets each end in one line that
+/// names the cause once and says what to do.
+#[tokio::test]
+async fn startup_errors_say_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("b.db").display());
+    let env = [
+        ("BALLAST_DATABASE_URL", url.as_str()),
+        ("BALLAST_PASSWORD", PASSWORD),
+        ("BALLAST_DATABASE_BUSY_TIMEOUT", "200ms"),
+    ];
+    assert!(
+        ballast(dir.path(), &env, &["migrate", "up"])
+            .status
+            .success()
+    );
+
+    // Busy: another process holds the write lock past the busy timeout.
+    let mut holder = {
+        use sqlx::Connection;
+        sqlx::SqliteConnection::connect(&url).await.unwrap()
+    };
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let out = ballast_off_runtime(dir.path(), &env, &["user", "add", "bob"]).await;
+    let line = error_line(&out);
+    assert!(line.contains("database is locked"), "{line}");
+    assert!(
+        line.contains("kept the SQLite file's write lock past database.busy_timeout"),
+        "{line}"
+    );
+    assert_eq!(line.matches("database is locked").count(), 1, "{line}");
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let out = ballast(dir.path(), &env, &["user", "add", "bob"]);
+    assert!(out.status.success(), "free again: {}", stderr(&out));
+
+    // Permission denied: a file this user cannot write, in a directory it
+    // cannot write. Root writes anywhere, so as root the command runs as
+    // `nobody` (a copy of the binary where `nobody` can reach it).
+    let ro = dir.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    let ro_url = format!("sqlite://{}?mode=rwc", ro.join("r.db").display());
+    let ro_env = [
+        ("BALLAST_DATABASE_URL", ro_url.as_str()),
+        ("BALLAST_PASSWORD", PASSWORD),
+    ];
+    assert!(
+        ballast(dir.path(), &ro_env, &["migrate", "up"])
+            .status
+            .success()
+    );
+    let root = Command::new("id").arg("-u").output().unwrap().stdout == b"0\n";
+    use std::os::unix::fs::PermissionsExt;
+    let mode =
+        |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok();
+    let out = match (root, setpriv) {
+        (true, true) => {
+            mode(dir.path(), 0o755);
+            let bin = dir.path().join("ballast");
+            std::fs::copy(env!("CARGO_BIN_EXE_ballast"), &bin).unwrap();
+            let mut cmd = Command::new("setpriv");
+            cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(&bin)
+                .args(["user", "add", "carol"]);
+            Some(run(cmd, dir.path(), &ro_env))
+        }
+        (true, false) => {
+            assert!(!crate::helpers::in_ci(), "CI runs as root, with setpriv");
+            println!("SKIP the unwritable file: root without setpriv (util-linux)");
+            None
+        }
+        (false, _) => {
+            mode(&ro.join("r.db"), 0o444);
+            mode(&ro, 0o555);
+            let out = ballast(dir.path(), &ro_env, &["user", "add", "carol"]);
+            // Writable again, so the directory can be removed.
+            mode(&ro, 0o755);
+            mode(&ro.join("r.db"), 0o644);
+            Some(out)
+        }
+    };
+    if let Some(out) = out {
+        let line = error_line(&out);
+        assert!(
+            line.contains("this user must be able to read and write the file"),
+            "{line}"
+        );
+    }
+
+    // An address in use.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = ballast(dir.path(), &env, &["serve", "--bind", &addr]);
+    let line = error_line(&out);
+    assert!(line.contains(&format!("cannot listen on {addr}")), "{line}");
+    assert!(
+        line.contains("another process listens on that address"),
+        "{line}"
+    );
+
+    // PostgreSQL refusing a login, and a database that does not exist.
+    if let Some(t) = TestDb::new(Backend::Postgres, "startup_errors").await {
+        // The test server's address and options, another user or database.
+        let (_, rest) = t.url.split_once("://").unwrap();
+        let (authority, _) = rest.split_once('/').unwrap_or((rest, ""));
+        let host = authority
+            .rsplit_once('@')
+            .map_or(authority, |(_, host)| host);
+        let query = t
+            .url
+            .split_once('?')
+            .map_or(String::new(), |(_, q)| format!("?{q}"));
+        let no_role = format!("postgres://no_such_role@{host}/postgres{query}");
+        let no_db = crate::helpers::with_database(&t.url, "no_such_database");
+        for (db_url, says) in [
+            (no_role.as_str(), "PostgreSQL refused the login"),
+            (no_db.as_str(), "that database does not exist"),
+        ] {
+            let out = ballast(
+                dir.path(),
+                &[("BALLAST_DATABASE_URL", db_url)],
+                &["user", "list"],
+            );
+            let line = error_line(&out);
+            assert!(line.contains(says), "{db_url}: {line}");
+        }
+    }
 }
 
 #[test]

@@ -18,7 +18,7 @@ pub fn in_ci() -> bool {
 }
 
 /// `admin` with its database name replaced by `name`.
-fn with_database(admin: &str, name: &str) -> String {
+pub fn with_database(admin: &str, name: &str) -> String {
     let (base, query) = match admin.split_once('?') {
         Some((b, q)) => (b, format!("?{q}")),
         None => (admin, String::new()),

@@ -59,6 +59,7 @@ conformance!(
     login_failures_lock_a_name_for_a_while,
     delivery_ids_are_taken_once,
     rollups_are_replaced_per_node_and_purged,
+    rollups_fold_into_hours,
     meta_values_are_set_once,
     batch_enqueue_is_one_transaction_and_idempotent,
     group_commit_writes_each_pass_and_refuses_only_stale_ones,
@@ -2400,6 +2401,93 @@ async fn rollups_are_replaced_per_node_and_purged(db: &Db) {
     assert_eq!(db.rollups_since(T0 + 1).await.unwrap().len(), 1);
     assert_eq!(db.purge_stats(T0 + 1).await.unwrap(), 2);
     assert_eq!(db.rollups_since(0).await.unwrap().len(), 1);
+}
+
+/// Minute rows more than an hour past become hour rows (issue 21: a day's
+/// figures read 24 rows per step and node, not 1,440): every figure and
+/// histogram bucket summed the same before and after, a late minute row
+/// added to its hour, compactions run at once folding each minute once,
+/// and hour rows read and purged by the hour they cover.
+async fn rollups_fold_into_hours(db: &Db) {
+    use ballast::store::{HOUR_MS, StepRollup};
+    let row = |node: &str, k: i64| StepRollup {
+        minute: T0 + k * 60_000,
+        node: node.into(),
+        pipeline: "p".into(),
+        step: "s".into(),
+        provider: "x".into(),
+        calls: k + 1,
+        succeeded: k,
+        failed: 1,
+        records_parked: k % 2,
+        latency: vec![1, k, 0],
+        runs_succeeded: 1,
+        run_latency: vec![0, k + 2],
+        ..StepRollup::default()
+    };
+    let total = |rows: &[StepRollup]| {
+        let mut sum = StepRollup::default();
+        rows.iter().for_each(|r| sum.add(r));
+        sum
+    };
+    // Three hours of two nodes' minutes.
+    let minutes: Vec<StepRollup> = ["n1", "n2"]
+        .iter()
+        .flat_map(|n| (0..180).map(move |k| row(n, k)))
+        .collect();
+    db.save_rollups(&minutes).await.unwrap();
+    let before = total(&db.rollups_since(T0).await.unwrap());
+    assert_eq!(before, total(&minutes));
+
+    // Folded three times at once (three nodes' housekeeping): each minute
+    // once.
+    let cut = T0 + 2 * HOUR_MS;
+    let (a, b, c) = tokio::join!(
+        db.compact_rollups(cut),
+        db.compact_rollups(cut),
+        db.compact_rollups(cut)
+    );
+    assert_eq!(a.unwrap() + b.unwrap() + c.unwrap(), 240);
+    let after = db.rollups_since(T0).await.unwrap();
+    assert_eq!(
+        after.len(),
+        2 * (2 + 60),
+        "two hour rows and an hour of minutes per node"
+    );
+    assert_eq!(total(&after), before, "the same figures, bucket by bucket");
+    let hours: Vec<_> = after.iter().filter(|r| r.minute < cut).collect();
+    assert!(hours.iter().all(|r| r.minute % HOUR_MS == 0));
+    let n1_first = hours
+        .iter()
+        .find(|r| r.node == "n1" && r.minute == T0)
+        .unwrap();
+    assert_eq!(n1_first.calls, (1..=60).sum::<i64>());
+    assert_eq!(n1_first.latency, vec![60, (0..60).sum::<i64>(), 0]);
+    assert_eq!(
+        db.compact_rollups(cut).await.unwrap(),
+        0,
+        "nothing left to fold"
+    );
+
+    // A minute written late (a node that could not write for a while)
+    // joins its hour's row.
+    let late = row("n1", 7);
+    db.save_rollups(std::slice::from_ref(&late)).await.unwrap();
+    assert_eq!(db.compact_rollups(cut).await.unwrap(), 1);
+    let mut want = before.clone();
+    want.add(&late);
+    assert_eq!(total(&db.rollups_since(T0).await.unwrap()), want);
+
+    // An hour row is read while any of its hour is asked for, and purged
+    // when all of it is past.
+    let since = db.rollups_since(T0 + HOUR_MS + 1).await.unwrap();
+    assert_eq!(
+        since.iter().filter(|r| r.minute < cut).count(),
+        2,
+        "the second hour's rows, not the first's"
+    );
+    assert_eq!(db.purge_stats(T0 + HOUR_MS).await.unwrap(), 2);
+    assert_eq!(db.rollups_since(0).await.unwrap().len(), 2 * (1 + 60));
 }
 
 /// The age of a backlog (`/metrics`): per pipeline asked for, when its
