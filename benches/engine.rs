@@ -1053,6 +1053,7 @@ fn main() {
         let format = ballast::telemetry::LogFormat {
             filter,
             ansi: false,
+            json: false,
         };
         ballast::telemetry::Telemetry::install(format, config.as_ref()).expect("logging")
     });

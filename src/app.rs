@@ -107,10 +107,13 @@ pub async fn run_with(
             tracing::info!("created user `admin` with the password from BALLAST_ADMIN_PASSWORD");
         }
         Bootstrap::Generated(password) => {
-            // Straight to the terminal, not the structured log: shown once.
-            eprintln!(
-                "\nballast: first start: created user `admin` with password\n\n    {password}\n\n  \
-                 It is shown only this once. Change it with `ballast user passwd admin`.\n"
+            // Whatever the log filter: shown once.
+            crate::telemetry::say(
+                tracing::Level::WARN,
+                &format!(
+                    "\nballast: first start: created user `admin` with password\n\n    {password}\n\n  \
+                     It is shown only this once. Change it with `ballast user passwd admin`.\n"
+                ),
             );
         }
     }
@@ -163,7 +166,10 @@ pub async fn run_with(
         .public_url
         .clone()
         .unwrap_or_else(|| format!("http://{addr}/"));
-    eprintln!("ballast: dashboard at {url}");
+    crate::telemetry::say(
+        tracing::Level::INFO,
+        &format!("ballast: dashboard at {url}"),
+    );
     on_start(&state);
     let app = crate::web::router(state.clone());
     let server = axum::serve(

@@ -499,9 +499,12 @@ async fn serve(
         return crate::app::run(config, listener, shutdown).await;
     }
     let demo = crate::demo::prepare(&mut config, demo_rate).await?;
-    eprintln!(
-        "ballast: demo mode: simulated providers, demo pipelines, {demo_rate} records/s, database {}",
-        config.database.url
+    crate::telemetry::say(
+        tracing::Level::INFO,
+        &format!(
+            "ballast: demo mode: simulated providers, demo pipelines, {demo_rate} records/s, database {}",
+            config.database.url
+        ),
     );
     let hook = format!("http://{}/hooks/render-api", listener.local_addr()?);
     let stop = shutdown.clone();

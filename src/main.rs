@@ -24,7 +24,15 @@ fn main() -> ExitCode {
     // Colours only for a person at a terminal, not in files and journals.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let traces = cli.serves().then_some(&loaded.config.traces);
-    let telemetry = match Telemetry::install(LogFormat { filter, ansi }, traces) {
+    let json = match LogFormat::parse_kind(std::env::var("BALLAST_LOG_FORMAT").ok().as_deref()) {
+        Ok(json) => json,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let log = LogFormat { filter, ansi, json };
+    let telemetry = match Telemetry::install(log, traces) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("error: {e}");
@@ -45,7 +53,8 @@ fn main() -> ExitCode {
     let result = runtime.block_on(ballast::cli::run(cli, loaded));
     // One line: the error and its causes, said before the wait below.
     if let Err(e) = &result {
-        eprintln!("error: {}", ballast::advice::report(e));
+        let line = format!("error: {}", ballast::advice::report(e));
+        ballast::telemetry::say(tracing::Level::ERROR, &line);
     }
     // The last passes' spans leave before the process does.
     telemetry.shutdown();

@@ -11,6 +11,7 @@
 //! thread sends them over OTLP/HTTP; the log formatter keeps its own
 //! filter and output.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use opentelemetry::propagation::{Injector, TextMapPropagator};
@@ -45,12 +46,71 @@ pub struct Telemetry {
     traces: Option<SdkTracerProvider>,
 }
 
+/// Whether log lines are JSON objects (set by [`Telemetry::install`]).
+static JSON_LINES: AtomicBool = AtomicBool::new(false);
+
+/// Writes a line a person must see whatever `BALLAST_LOG` lets through
+/// (the dashboard's address, a generated password, the error that ends a
+/// command): as it is, or, when the logs are JSON, as one JSON object
+/// (`timestamp`, `level`, `target`, `message`) so that every line of the
+/// log still parses.
+pub fn say(level: tracing::Level, text: &str) {
+    if JSON_LINES.load(Ordering::Relaxed) {
+        let now = crate::domain::Clock::now_ms(&crate::domain::SystemClock);
+        let line = serde_json::json!({
+            "timestamp": crate::domain::time::format_ms(now),
+            "level": level.as_str(),
+            "target": "ballast",
+            "message": text.trim(),
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("{text}");
+    }
+}
+
 /// How log lines look.
 pub struct LogFormat {
     /// Which events are written (`BALLAST_LOG`).
     pub filter: EnvFilter,
     /// Colours, for a person at a terminal.
     pub ansi: bool,
+    /// One JSON object per line (`BALLAST_LOG_FORMAT=json`), for a log
+    /// pipeline: `timestamp`, `level`, `target`, `message` and the event's
+    /// fields by their dotted names (`record.id`, `request.id`), at the top
+    /// level.
+    pub json: bool,
+}
+
+impl LogFormat {
+    /// `BALLAST_LOG_FORMAT`: `text` (or unset) or `json`.
+    pub fn parse_kind(value: Option<&str>) -> Result<bool, String> {
+        match value.map(str::trim) {
+            None | Some("" | "text") => Ok(false),
+            Some("json") => Ok(true),
+            Some(other) => Err(format!(
+                "BALLAST_LOG_FORMAT must be `text` or `json`, not `{other}`"
+            )),
+        }
+    }
+}
+
+/// The log formatter as a layer: text, or JSON with the event's fields
+/// flattened (and the span it happened in, when spans are on).
+fn fmt_layer<S>(log: &LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    if log.json {
+        layer
+            .json()
+            .flatten_event(true)
+            .with_span_list(false)
+            .boxed()
+    } else {
+        layer.with_ansi(log.ansi).boxed()
+    }
 }
 
 impl Telemetry {
@@ -61,20 +121,18 @@ impl Telemetry {
         log: LogFormat,
         traces: Option<&TracesConfig>,
     ) -> Result<Telemetry, TelemetryError> {
+        JSON_LINES.store(log.json, Ordering::Relaxed);
         let Some((url, traces)) = traces.and_then(|t| Some((t.export_url()?, t))) else {
-            // Exactly the subscriber Ballast had before traces: nothing
-            // added to the cost of a log line or a span site.
-            tracing_subscriber::fmt()
-                .with_env_filter(log.filter)
-                .with_ansi(log.ansi)
-                .with_writer(std::io::stderr)
+            // The formatter and its filter alone: nothing added to the
+            // cost of a log line or a span site.
+            tracing_subscriber::registry()
+                .with(fmt_layer(&log))
+                .with(log.filter)
                 .try_init()
                 .map_err(|e| TelemetryError::Install(e.to_string()))?;
             return Ok(Telemetry { traces: None });
         };
-        let fmt = tracing_subscriber::fmt::layer()
-            .with_ansi(log.ansi)
-            .with_writer(std::io::stderr);
+        let fmt = fmt_layer(&log);
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_endpoint(url.clone())

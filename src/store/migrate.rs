@@ -209,9 +209,6 @@ pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
     Ok(after.into_iter().filter(|v| !before.contains(v)).collect())
 }
 
-/// How long a SQLite start-up waits for another process's migrations.
-const SQLITE_MIGRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
-
 /// [`up`] on SQLite, whose sqlx migrator takes no lock: two processes
 /// starting on a fresh file would both apply migration 1, and one would
 /// fail. Here every pending migration is applied in one `BEGIN IMMEDIATE`
@@ -220,29 +217,11 @@ const SQLITE_MIGRATION_WAIT: std::time::Duration = std::time::Duration::from_sec
 /// bookkeeping rows are sqlx's, so `status` and `down` read them as ever.
 async fn up_sqlite(pool: &sqlx::SqlitePool, to: Option<i64>) -> StoreResult<Vec<i64>> {
     let mut conn = pool.acquire().await?;
-    let clock = crate::domain::SystemClock;
-    let started = crate::domain::Clock::instant(&clock);
-    let mut said = std::time::Duration::ZERO;
+    let mut wait = super::sqlite::BusyWait::new("migrating?");
     loop {
         match sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
             Ok(_) => break,
-            // Busy past the connection's busy timeout (at least 100 ms):
-            // another process holds the write lock (migrating a large
-            // file, say).
-            Err(e) if is_busy(&e) => {
-                let waited = crate::domain::Clock::instant(&clock) - started;
-                if waited > SQLITE_MIGRATION_WAIT {
-                    return Err(e.into());
-                }
-                if waited >= said {
-                    tracing::info!(
-                        waited_s = waited.as_secs(),
-                        "waiting for another process to finish writing the database (migrating?)"
-                    );
-                    said = waited + std::time::Duration::from_secs(10);
-                }
-            }
-            Err(e) => return Err(e.into()),
+            Err(e) => wait.again(e)?,
         }
     }
     let applied = apply_sqlite(&mut conn, to).await;
@@ -259,14 +238,6 @@ async fn up_sqlite(pool: &sqlx::SqlitePool, to: Option<i64>) -> StoreResult<Vec<
         let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
     }
     done
-}
-
-/// SQLite's "database is locked" (`SQLITE_BUSY` and its extended codes).
-fn is_busy(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.code())
-        .and_then(|c| c.parse::<i32>().ok())
-        .is_some_and(|c| c & 0xff == 5)
 }
 
 /// Inside the caller's write transaction: the pending migrations up to

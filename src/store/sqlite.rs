@@ -7,6 +7,7 @@
 //! never block the writer under WAL.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::query::Query;
@@ -115,18 +116,85 @@ pub struct SqlitePools {
     reader: SqlitePool,
 }
 
+/// How long a SQLite start-up waits while another process holds the
+/// write lock (migrating a large file, say).
+const START_WAIT: Duration = Duration::from_secs(600);
+
+/// A start-up step tried again while another process holds SQLite's write
+/// lock: each try has already waited the busy timeout (at least 100 ms).
+pub(crate) struct BusyWait {
+    why: &'static str,
+    started: tokio::time::Instant,
+    /// When the wait is next said in the log.
+    say_at: Duration,
+}
+
+impl BusyWait {
+    pub(crate) fn new(why: &'static str) -> Self {
+        BusyWait {
+            why,
+            started: crate::domain::Clock::instant(&crate::domain::SystemClock),
+            say_at: Duration::ZERO,
+        }
+    }
+
+    /// `Ok` to try again after `e`, if it is SQLite's "database is locked"
+    /// and the start-up has waited less than [`START_WAIT`]; `Err(e)`
+    /// otherwise. Says every 10 s that it waits.
+    pub(crate) fn again(&mut self, e: sqlx::Error) -> Result<(), sqlx::Error> {
+        let busy = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == 5);
+        let waited = crate::domain::Clock::instant(&crate::domain::SystemClock) - self.started;
+        if !busy || waited > START_WAIT {
+            return Err(e);
+        }
+        if waited >= self.say_at {
+            tracing::info!(
+                waited_s = waited.as_secs(),
+                "waiting for another process to finish writing the database ({})",
+                self.why
+            );
+            self.say_at = waited + Duration::from_secs(10);
+        }
+        Ok(())
+    }
+}
+
 impl SqliteStore {
-    /// Opens (creating if the URL says `mode=rwc`) the database file.
+    /// Opens (creating if the URL says `mode=rwc`) the database file,
+    /// waiting while another process holds its write lock (opening a new
+    /// file sets it up, which a process creating or migrating the same
+    /// file holds up).
     pub async fn connect(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
+        let mut wait = BusyWait::new("opening");
+        loop {
+            match Self::open(url, opts).await {
+                Err(e) => wait.again(e)?,
+                Ok(store) => return Ok(store),
+            }
+        }
+    }
+
+    async fn open(url: &str, opts: &ConnectOptions) -> Result<Self, sqlx::Error> {
         let options = SqliteConnectOptions::from_str(url)?
             .journal_mode(SqliteJournalMode::Wal)
             // Durable commits: a transaction that returned is on disk.
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(opts.busy_timeout)
-            .foreign_keys(true)
-            // Takes effect on a new file only: space freed by retention
-            // can then be given back (`reclaim_space`).
-            .auto_vacuum(SqliteAutoVacuum::Incremental);
+            .foreign_keys(true);
+        // Takes effect on a new file only (space freed by retention can
+        // then be given back, `reclaim_space`), and setting it takes the
+        // write lock: an existing file is opened without it, so a start
+        // beside another process's long write meets the lock only if it
+        // writes.
+        let options = if options.get_filename().exists() {
+            options
+        } else {
+            options.auto_vacuum(SqliteAutoVacuum::Incremental)
+        };
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let writer = SqlitePoolOptions::new()
             .max_connections(1)

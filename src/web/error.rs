@@ -122,10 +122,6 @@ impl From<askama::Error> for WebError {
 impl IntoResponse for WebError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if let WebError::Internal(detail) = &self {
-            // Logged once, here; the client sees an opaque message.
-            tracing::error!(error = %detail, "request failed");
-        }
         let info = ErrorInfo {
             code: self.code(),
             message: self.to_string(),
@@ -136,8 +132,18 @@ impl IntoResponse for WebError {
         )
             .into_response();
         response.extensions_mut().insert(info);
+        if let WebError::Internal(detail) = self {
+            // The client sees an opaque message; the detail goes into the
+            // request's log line (`web::requests`), with its id.
+            response.extensions_mut().insert(Failure(detail));
+        }
         response
     }
 }
 
 pub type WebResult<T> = Result<T, WebError>;
+
+/// What an internal error really was, for the log only: attached to the
+/// response, logged with the request's line.
+#[derive(Debug, Clone)]
+pub struct Failure(pub String);

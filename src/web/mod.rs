@@ -19,6 +19,7 @@ pub mod lanes;
 pub mod metrics;
 pub mod pages;
 pub mod query;
+pub mod requests;
 pub mod security;
 mod state;
 pub mod stats_view;
@@ -67,6 +68,9 @@ pub fn router(state: AppState) -> Router {
         .nest("/api/v1", api::router(&state))
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(from_fn(security::headers))
+        // Outermost: every response, errors from the layers above
+        // included, carries the id and is logged once.
+        .layer(from_fn_with_state(state.clone(), requests::request_id))
         .with_state(state)
 }
 

@@ -128,6 +128,10 @@ pub async fn csrf(State(state): State<AppState>, req: Request, next: Next) -> Re
 /// whole page otherwise.
 pub async fn page_errors(req: Request, next: Next) -> Response {
     let htmx = is_htmx(req.headers());
+    let request_id = req
+        .extensions()
+        .get::<super::requests::RequestId>()
+        .map(|r| r.0.clone());
     let response = next.run(req).await;
     let status = response.status();
     let info = match response.extensions().get::<ErrorInfo>().cloned() {
@@ -174,7 +178,7 @@ pub async fn page_errors(req: Request, next: Next) -> Response {
     let html = if htmx {
         super::pages::render_flash(status, &info)
     } else {
-        super::pages::render_error_page(status, &info)
+        super::pages::render_error_page(status, &info, request_id.as_deref())
     };
     let mut r = (status, html).into_response();
     if let Some(retry) = response.headers().get(header::RETRY_AFTER) {

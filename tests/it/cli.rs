@@ -438,6 +438,123 @@ async fn serve_answers_and_stops_on_sigterm() {
     );
 }
 
+/// Issue 24 item 3: with `BALLAST_LOG_FORMAT=json` every line `serve`
+/// writes is a JSON object (jq reads the log line by line), each HTTP
+/// request is logged once with the id its response carries (a caller's
+/// plain id kept, any other replaced), and an error page shows its id.
+#[tokio::test]
+async fn json_logs_carry_each_request_once_with_its_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
+        .current_dir(dir.path())
+        .args(["serve", "--bind", &addr.to_string()])
+        .env_remove("BALLAST_DATABASE_URL")
+        .env("BALLAST_LOG_FORMAT", "json")
+        .env("BALLAST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = wait::Lines::read(child.stderr.take().unwrap());
+    log.until("serve starts", Duration::from_secs(30), |l| {
+        l.contains(&format!("dashboard at http://{addr}/"))
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let base = format!("http://{addr}");
+    let id_of = |r: &reqwest::Response| r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let ready_id = id_of(&ready);
+    assert_eq!(ready_id.len(), 32, "a new id: {ready_id}");
+    // A form post without the dashboard's CSRF token: an error page.
+    let refused = client
+        .post(format!("{base}/login"))
+        .form(&[("username", "a"), ("password", "b")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    let refused_id = id_of(&refused);
+    let page = refused.text().await.unwrap();
+    assert!(
+        page.contains(&refused_id),
+        "the error page shows its id: {page}"
+    );
+    let kept = client
+        .get(format!("{base}/login"))
+        .header("x-request-id", "lb-7f3a.42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(id_of(&kept), "lb-7f3a.42", "a load balancer's id is kept");
+    let odd = client
+        .get(format!("{base}/login"))
+        .header("x-request-id", "a\"b")
+        .send()
+        .await
+        .unwrap();
+    let odd_id = id_of(&odd);
+    assert_ne!(odd_id, "a\"b", "not a plain token: replaced");
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = wait::exit(child, "serve stops", Duration::from_secs(15)).await;
+    let log = log.all(Duration::from_secs(15)).await;
+    assert!(status.success(), "{log}");
+
+    // jq reads every line as one JSON value.
+    let file = dir.path().join("log.jsonl");
+    std::fs::write(&file, &log).unwrap();
+    match Command::new("jq").arg("-c").arg(".").arg(&file).output() {
+        Ok(out) => {
+            assert!(out.status.success(), "jq: {}\n{log}", stderr(&out));
+            assert_eq!(
+                stdout(&out).lines().count(),
+                log.lines().filter(|l| !l.trim().is_empty()).count(),
+                "one value per line"
+            );
+        }
+        Err(_) => {
+            assert!(!crate::helpers::in_ci(), "CI installs jq");
+            println!("SKIP jq: not installed (each line is still parsed below)");
+        }
+    }
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["message"].as_str().unwrap_or("").contains("dashboard at")),
+        "{log}"
+    );
+    for (id, status, path) in [
+        (&ready_id, 200, "/readyz"),
+        (&refused_id, 403, "/login"),
+        (&"lb-7f3a.42".to_owned(), 200, "/login"),
+        (&odd_id, 200, "/login"),
+    ] {
+        let logged: Vec<_> = lines
+            .iter()
+            .filter(|l| l["request.id"].as_str() == Some(id.as_str()))
+            .collect();
+        assert_eq!(logged.len(), 1, "{id} logged once: {log}");
+        let l = logged[0];
+        assert_eq!(l["message"], "request");
+        assert_eq!(l["level"], "INFO");
+        assert_eq!(l["http.status"], status, "{l}");
+        assert_eq!(l["http.path"], path, "{l}");
+        assert!(l["http.duration_ms"].as_f64().is_some(), "{l}");
+    }
+}
+
 /// Runs `ballast serve` until it says it serves, then stops it; returns
 /// its stderr.
 async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {

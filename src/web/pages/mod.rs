@@ -115,6 +115,7 @@ struct ErrorPage<'a> {
     status: u16,
     code: &'a str,
     message: &'a str,
+    request_id: Option<&'a str>,
 }
 
 /// An error as a message for the page's flash area (htmx requests).
@@ -126,12 +127,18 @@ pub fn render_flash(_status: StatusCode, info: &ErrorInfo) -> Html<String> {
     Html(t.render().unwrap_or_else(|_| "error".to_owned()))
 }
 
-/// An error as a whole page (plain requests).
-pub fn render_error_page(status: StatusCode, info: &ErrorInfo) -> Html<String> {
+/// An error as a whole page (plain requests), with the request's id to
+/// quote when reporting it.
+pub fn render_error_page(
+    status: StatusCode,
+    info: &ErrorInfo,
+    request_id: Option<&str>,
+) -> Html<String> {
     let t = ErrorPage {
         status: status.as_u16(),
         code: info.code,
         message: &info.message,
+        request_id,
     };
     Html(t.render().unwrap_or_else(|_| "error".to_owned()))
 }
