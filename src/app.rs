@@ -29,6 +29,43 @@ pub async fn connect(config: &Config) -> anyhow::Result<Db> {
         .with_context(|| format!("cannot open database {}", config.database.url))
 }
 
+/// Tells systemd how start-up and shutdown go, when it started this process
+/// with `Type=notify` (`NOTIFY_SOCKET` set); nothing otherwise.
+fn tell_systemd(state: &[sd_notify::NotifyState]) {
+    if let Err(e) = sd_notify::notify(false, state) {
+        tracing::warn!(error = %e, "could not notify systemd");
+    }
+}
+
+/// Pings systemd's watchdog (`WatchdogSec=`, `WATCHDOG_USEC` set) at half
+/// its interval while the engine's dispatch loop turns (without an
+/// engine, while the server runs): a wedged loop stops the pings, and
+/// systemd restarts the node.
+async fn watchdog(engine: Option<crate::engine::Engine>, shutdown: CancellationToken) {
+    let mut usec = 0;
+    if !sd_notify::watchdog_enabled(false, &mut usec) {
+        return;
+    }
+    let limit = Duration::from_micros(usec);
+    let mut withheld = false;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(limit / 2) => {}
+            () = shutdown.cancelled() => return,
+        }
+        if engine.as_ref().is_none_or(|e| e.turned_within(limit)) {
+            tell_systemd(&[sd_notify::NotifyState::Watchdog]);
+            withheld = false;
+        } else if !withheld {
+            tracing::error!(
+                limit_ms = limit.as_millis() as u64,
+                "the engine's loop has not turned within the watchdog's limit: no ping (systemd restarts the node)"
+            );
+            withheld = true;
+        }
+    }
+}
+
 /// What start-up did about the first user.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Bootstrap {
@@ -150,6 +187,7 @@ pub async fn run_with(
 
     let tasks = TaskTracker::new();
     tasks.spawn(crate::web::housekeeping(state.clone()));
+    tasks.spawn(watchdog(engine.clone(), shutdown.clone()));
     if let Some(engine) = engine {
         let stop = shutdown.clone();
         // The engine keeps the node's heartbeat while it runs.
@@ -171,6 +209,11 @@ pub async fn run_with(
         &format!("ballast: dashboard at {url}"),
     );
     on_start(&state);
+    // Migrated, the first admin made, the listener bound: ready.
+    tell_systemd(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving on {addr}")),
+    ]);
     let app = crate::web::router(state.clone());
     let server = axum::serve(
         listener,
@@ -180,6 +223,7 @@ pub async fn run_with(
     let server = tokio::spawn(async move { server.await });
 
     shutdown.cancelled().await;
+    tell_systemd(&[sd_notify::NotifyState::Stopping]);
     tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down");
     tasks.close();
     // The workers use `grace` for in-flight calls, then release leases.

@@ -118,6 +118,10 @@ struct Inner {
     providers_changed: Notify,
     /// When this node last read providers' shared state.
     providers_read_at: std::sync::atomic::AtomicI64,
+    /// When the dispatch loop last turned, in ms since `born` (systemd's
+    /// watchdog is pinged only while it turns).
+    pulse: std::sync::atomic::AtomicU64,
+    born: tokio::time::Instant,
     /// Leases this node holds, kept alive by the keeper.
     held: Mutex<HashMap<i64, Lease>>,
     slots: Arc<Semaphore>,
@@ -284,6 +288,7 @@ impl Engine {
             .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
             .collect();
         let schedules = schedule::scheduled(&config)?;
+        let born = clock.instant();
         Ok(Engine {
             inner: Arc::new(Inner {
                 committer,
@@ -305,6 +310,8 @@ impl Engine {
                 wake: Notify::new(),
                 providers_changed: Notify::new(),
                 providers_read_at: std::sync::atomic::AtomicI64::new(i64::MIN / 2),
+                pulse: std::sync::atomic::AtomicU64::new(0),
+                born,
                 held: Mutex::default(),
                 slots,
                 committing,

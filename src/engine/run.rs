@@ -25,6 +25,9 @@ const PROVIDERS_READ_EVERY_MS: i64 = 100;
 /// that its last claim could not take (see `idle_sleep`).
 const DUE_BUT_TAKEN: Duration = Duration::from_millis(200);
 
+/// The longest the dispatch loop waits without turning.
+pub const PULSE_EVERY: Duration = Duration::from_secs(1);
+
 impl Engine {
     /// Wakes the loop (new work arrived).
     pub fn wake(&self) {
@@ -119,6 +122,25 @@ impl Engine {
             .collect())
     }
 
+    /// Notes that the dispatch loop turned.
+    fn beat(&self) {
+        let i = &self.inner;
+        let at = i.clock.instant().saturating_duration_since(i.born);
+        i.pulse.store(
+            u64::try_from(at.as_millis()).unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Whether the dispatch loop turned within `limit` (it turns at least
+    /// every [`PULSE_EVERY`] while it runs): what systemd's watchdog asks.
+    pub fn turned_within(&self, limit: Duration) -> bool {
+        let i = &self.inner;
+        let now = i.clock.instant().saturating_duration_since(i.born);
+        let last = Duration::from_millis(i.pulse.load(std::sync::atomic::Ordering::Relaxed));
+        now.saturating_sub(last) < limit
+    }
+
     /// Runs until `shutdown`: claims while there are free slots, sleeps
     /// until signalled or the earliest record is due, keeps leases alive,
     /// and on shutdown stops claiming, lets in-flight work finish within
@@ -164,6 +186,7 @@ impl Engine {
         // waits for a wake-up, a freed slot (a pass started) or this instant.
         let mut waiting: Option<tokio::time::Instant> = None;
         while !shutdown.is_cancelled() {
+            self.beat();
             let mut started = false;
             while !ready.is_empty() {
                 let Ok(permit) = i.slots.clone().try_acquire_owned() else {
@@ -223,6 +246,9 @@ impl Engine {
                 () = tokio::time::sleep_until(until), if waiting.is_some() => waiting = None,
                 // A freed slot: the next pass refills it at the loop's top.
                 Ok(_) = i.slots.acquire(), if busy => waiting = None,
+                // The loop turns at least this often, all slots busy or
+                // not, so that a loop that stops turning is seen (`beat`).
+                () = tokio::time::sleep(PULSE_EVERY) => {}
             }
         }
         // A claim in flight at shutdown is let finish: records it took are
