@@ -187,7 +187,6 @@ pub async fn run_with(
 
     let tasks = TaskTracker::new();
     tasks.spawn(crate::web::housekeeping(state.clone()));
-    tasks.spawn(watchdog(engine.clone(), shutdown.clone()));
     if let Some(engine) = engine {
         let stop = shutdown.clone();
         // The engine keeps the node's heartbeat while it runs.
@@ -214,6 +213,7 @@ pub async fn run_with(
         sd_notify::NotifyState::Ready,
         sd_notify::NotifyState::Status(&format!("serving on {addr}")),
     ]);
+    tasks.spawn(watchdog(state.engine.clone(), shutdown.clone()));
     let app = crate::web::router(state.clone());
     let server = axum::serve(
         listener,

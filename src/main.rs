@@ -10,12 +10,21 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = ballast::cli::Cli::parse();
-    let loaded = match Config::load(cli.config.as_deref()) {
-        Ok(loaded) => loaded,
+    let json = match LogFormat::parse_kind(std::env::var("BALLAST_LOG_FORMAT").ok().as_deref()) {
+        Ok(json) => json,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
+    };
+    ballast::telemetry::say_json(json);
+    let fail = |line: String| {
+        ballast::telemetry::say(tracing::Level::ERROR, &line);
+        ExitCode::FAILURE
+    };
+    let loaded = match Config::load(cli.config.as_deref()) {
+        Ok(loaded) => loaded,
+        Err(e) => return fail(format!("error: {e}")),
     };
     let filter = std::env::var("BALLAST_LOG")
         .ok()
@@ -24,20 +33,10 @@ fn main() -> ExitCode {
     // Colours only for a person at a terminal, not in files and journals.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let traces = cli.serves().then_some(&loaded.config.traces);
-    let json = match LogFormat::parse_kind(std::env::var("BALLAST_LOG_FORMAT").ok().as_deref()) {
-        Ok(json) => json,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
     let log = LogFormat { filter, ansi, json };
     let telemetry = match Telemetry::install(log, traces) {
         Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return fail(format!("error: {e}")),
     };
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -45,16 +44,12 @@ fn main() -> ExitCode {
         .build()
     {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return fail(format!("error: cannot start the async runtime: {e}")),
     };
     let result = runtime.block_on(ballast::cli::run(cli, loaded));
     // One line: the error and its causes, said before the wait below.
     if let Err(e) = &result {
-        let line = format!("error: {}", ballast::advice::report(e));
-        ballast::telemetry::say(tracing::Level::ERROR, &line);
+        fail(format!("error: {}", ballast::advice::report(e)));
     }
     // The last passes' spans leave before the process does.
     telemetry.shutdown();

@@ -49,6 +49,12 @@ pub struct Telemetry {
 /// Whether log lines are JSON objects (set by [`Telemetry::install`]).
 static JSON_LINES: AtomicBool = AtomicBool::new(false);
 
+/// Writes [`say`]'s lines as JSON from now on (set before the
+/// configuration loads, so that its errors are JSON too).
+pub fn say_json(json: bool) {
+    JSON_LINES.store(json, Ordering::Relaxed);
+}
+
 /// Writes a line a person must see whatever `BALLAST_LOG` lets through
 /// (the dashboard's address, a generated password, the error that ends a
 /// command): as it is, or, when the logs are JSON, as one JSON object
@@ -121,7 +127,7 @@ impl Telemetry {
         log: LogFormat,
         traces: Option<&TracesConfig>,
     ) -> Result<Telemetry, TelemetryError> {
-        JSON_LINES.store(log.json, Ordering::Relaxed);
+        say_json(log.json);
         let Some((url, traces)) = traces.and_then(|t| Some((t.export_url()?, t))) else {
             // The formatter and its filter alone: nothing added to the
             // cost of a log line or a span site.

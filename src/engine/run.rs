@@ -133,8 +133,10 @@ impl Engine {
     }
 
     /// Whether the dispatch loop turned within `limit` (it turns at least
-    /// every [`PULSE_EVERY`] while it runs): what systemd's watchdog asks.
+    /// every [`PULSE_EVERY`] while it runs, so a limit under three of
+    /// those counts as three): what systemd's watchdog asks.
     pub fn turned_within(&self, limit: Duration) -> bool {
+        let limit = limit.max(3 * PULSE_EVERY);
         let i = &self.inner;
         let now = i.clock.instant().saturating_duration_since(i.born);
         let last = Duration::from_millis(i.pulse.load(std::sync::atomic::Ordering::Relaxed));

@@ -142,11 +142,13 @@ impl BusyWait {
     /// and the start-up has waited less than [`START_WAIT`]; `Err(e)`
     /// otherwise. Says every 10 s that it waits.
     pub(crate) fn again(&mut self, e: sqlx::Error) -> Result<(), sqlx::Error> {
-        let busy = e
-            .as_database_error()
-            .and_then(|d| d.code())
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|c| c & 0xff == 5);
+        // Opening runs its pragmas within the pool's acquire timeout, which
+        // may run out before the busy timeout does: the same wait.
+        let busy = matches!(e, sqlx::Error::PoolTimedOut)
+            || e.as_database_error()
+                .and_then(|d| d.code())
+                .and_then(|c| c.parse::<i32>().ok())
+                .is_some_and(|c| c & 0xff == 5);
         let waited = crate::domain::Clock::instant(&crate::domain::SystemClock) - self.started;
         if !busy || waited > START_WAIT {
             return Err(e);
@@ -175,6 +177,8 @@ impl SqliteStore {
                 Err(e) => wait.again(e)?,
                 Ok(store) => return Ok(store),
             }
+            // Not a tight loop should SQLite answer "busy" without waiting.
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
@@ -190,7 +194,8 @@ impl SqliteStore {
         // write lock: an existing file is opened without it, so a start
         // beside another process's long write meets the lock only if it
         // writes.
-        let options = if options.get_filename().exists() {
+        let existing = std::fs::metadata(options.get_filename()).is_ok_and(|m| m.len() > 0);
+        let options = if existing {
             options
         } else {
             options.auto_vacuum(SqliteAutoVacuum::Incremental)

@@ -184,6 +184,10 @@ pub async fn page_errors(req: Request, next: Next) -> Response {
     if let Some(retry) = response.headers().get(header::RETRY_AFTER) {
         r.headers_mut().insert(header::RETRY_AFTER, retry.clone());
     }
+    // What an internal error was, for the request's log line.
+    if let Some(failure) = response.extensions().get::<super::error::Failure>() {
+        r.extensions_mut().insert(failure.clone());
+    }
     if htmx {
         // Errors go to the page's message area, whatever the target was.
         r.headers_mut()

@@ -524,6 +524,26 @@ async fn json_logs_carry_each_request_once_with_its_id() {
             println!("SKIP jq: not installed (each line is still parsed below)");
         }
     }
+    // A configuration error, before anything else is set up, is JSON too.
+    let bad = ballast(
+        dir.path(),
+        &[
+            ("BALLAST_LOG_FORMAT", "json"),
+            ("BALLAST_DATABASE_MAX_CONNECTIONS", "many"),
+        ],
+        &["check-config"],
+    );
+    assert!(!bad.status.success());
+    let line: serde_json::Value = serde_json::from_str(stderr(&bad).trim()).unwrap();
+    assert_eq!(line["level"], "ERROR");
+    assert!(
+        line["message"]
+            .as_str()
+            .unwrap()
+            .contains("BALLAST_DATABASE_MAX_CONNECTIONS"),
+        "{line}"
+    );
+
     let lines: Vec<serde_json::Value> = log
         .lines()
         .filter(|l| !l.trim().is_empty())
