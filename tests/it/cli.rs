@@ -354,20 +354,7 @@ async fn serve_answers_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
-        .current_dir(dir.path())
-        .args(["serve", "--bind", &addr.to_string()])
-        .env_remove("BALLAST_DATABASE_URL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut log = wait::Lines::read(child.stderr.take().unwrap());
-    log.until("serve starts", Duration::from_secs(30), |l| {
-        l.contains(&format!("dashboard at http://{addr}/"))
-    })
-    .await;
+    let (child, log) = start_serve(dir.path(), addr, &[]).await;
     assert_eq!(http_get(addr, "/readyz").await.0, 200);
     assert!(
         dir.path().join("ballast.db").exists(),
@@ -447,22 +434,8 @@ async fn json_logs_carry_each_request_once_with_its_id() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
-        .current_dir(dir.path())
-        .args(["serve", "--bind", &addr.to_string()])
-        .env_remove("BALLAST_DATABASE_URL")
-        .env("BALLAST_LOG_FORMAT", "json")
-        .env("BALLAST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut log = wait::Lines::read(child.stderr.take().unwrap());
-    log.until("serve starts", Duration::from_secs(30), |l| {
-        l.contains(&format!("dashboard at http://{addr}/"))
-    })
-    .await;
+    let env = [("BALLAST_LOG_FORMAT", "json"), ("BALLAST_LOG", "info")];
+    let (child, log) = start_serve(dir.path(), addr, &env).await;
     let client = reqwest::Client::new();
     let base = format!("http://{addr}");
     let id_of = |r: &reqwest::Response| r.headers()["x-request-id"].to_str().unwrap().to_owned();
@@ -680,11 +653,13 @@ fn the_systemd_unit_verifies() {
     );
 }
 
-/// Runs `ballast serve` until it says it serves, then stops it; returns
-/// its stderr.
-async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
-    let port = free_port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+/// Starts `ballast serve` in `dir` on `addr` (the default database there,
+/// no configured admin password, `env` added) and waits until it serves.
+async fn start_serve(
+    dir: &Path,
+    addr: std::net::SocketAddr,
+    env: &[(&str, &str)],
+) -> (std::process::Child, wait::Lines) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ballast"));
     cmd.current_dir(dir)
         .args(["serve", "--bind", &addr.to_string()])
@@ -702,6 +677,15 @@ async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
         l.contains(&format!("dashboard at http://{addr}/"))
     })
     .await;
+    (child, log)
+}
+
+/// Runs `ballast serve` until it says it serves, then stops it; returns
+/// its stderr.
+async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
+    let port = free_port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let (child, log) = start_serve(dir, addr, env).await;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
