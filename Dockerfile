@@ -30,6 +30,9 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --home-dir /var/lib/ballast --create-home --uid 10001 ballast
+# The binary only: shell completions and manual pages come from it on
+# demand (`ballast completions bash`, `ballast man`), and the image has no
+# interactive shell or `man` to use them.
 COPY --from=build /src/target/release/ballast /usr/local/bin/ballast
 USER ballast
 WORKDIR /var/lib/ballast

@@ -1,5 +1,6 @@
 //! The command line: `serve` (with `--demo`), `migrate`, `user`,
-//! `check-config`, `rotate-secret`, `enqueue`, `provider`, `sim`.
+//! `check-config`, `rotate-secret`, `enqueue`, `provider`, `sim`, and the
+//! shell completions and manual page made from these definitions.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -148,6 +149,19 @@ pub enum Command {
     /// Run the chaos simulator: a provider that fails like real ones, for
     /// trying pipelines and for tests and benchmarks.
     Sim(SimArgs),
+    /// Print a shell's completion script for every command and flag
+    /// (`ballast completions bash > /etc/bash_completion.d/ballast`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff) to standard output, or with `--dir`
+    /// write one page per command there (`ballast.1`, `ballast-serve.1` …).
+    Man {
+        /// Write every command's page into this directory (it must exist).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// `ballast sim`'s flags.
@@ -281,6 +295,31 @@ pub enum UserCommand {
 }
 
 impl Cli {
+    /// Writes what `completions` and `man` make, which need no
+    /// configuration (none is read for them: a broken one must not stop a
+    /// package build); `None` for every other command.
+    pub fn print_generated(&self) -> Option<std::io::Result<()>> {
+        use clap::CommandFactory;
+        let mut cmd = Cli::command();
+        match &self.command {
+            Command::Completions { shell } => {
+                let mut out = std::io::stdout().lock();
+                clap_complete::generate(*shell, &mut cmd, "ballast", &mut out);
+                Some(std::io::Write::flush(&mut out))
+            }
+            Command::Man { dir: Some(dir) } => Some(clap_mangen::generate_to(cmd, dir)),
+            Command::Man { dir: None } => {
+                let mut out = std::io::stdout().lock();
+                Some(
+                    clap_mangen::Man::new(cmd)
+                        .render(&mut out)
+                        .and_then(|()| std::io::Write::flush(&mut out)),
+                )
+            }
+            _ => None,
+        }
+    }
+
     /// The command runs the workers (`serve`): the one that exports
     /// traces when `[traces]` names a collector.
     pub fn serves(&self) -> bool {
@@ -376,6 +415,7 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
             result
         }
         Command::Sim(args) => sim(args).await,
+        Command::Completions { .. } | Command::Man { .. } => Ok(()),
         Command::Migrate { action } => {
             let db = crate::app::connect(&config).await?;
             let result = migrate_command(&db, action).await;

@@ -10,6 +10,15 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = ballast::cli::Cli::parse();
+    if let Some(written) = cli.print_generated() {
+        return match written {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let json = match LogFormat::parse_kind(std::env::var("BALLAST_LOG_FORMAT").ok().as_deref()) {
         Ok(json) => json,
         Err(e) => {

@@ -618,6 +618,127 @@ async fn serve_tells_systemd_it_is_ready_alive_and_stopping() {
     assert!(status.success(), "{log}");
 }
 
+/// Whether `program` runs here; under CI a missing one fails the test.
+fn have(program: &str) -> bool {
+    let found = Command::new(program)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .is_ok();
+    if !found {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{program} is missing under CI (.ci/run installs it)"
+        );
+        println!("SKIP: {program} is not installed here");
+    }
+    found
+}
+
+/// Runs `script` in `shell` (`-c`) and returns its standard output.
+fn shell_output(shell: &str, script: &str) -> String {
+    let out = Command::new(shell)
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{shell}: {}", stderr(&out));
+    stdout(&out)
+}
+
+/// `ballast completions SHELL` makes a script each shell loads and that
+/// completes commands and flags; it needs no configuration (a broken one
+/// is not read). `ballast man` renders without warnings, one page or a
+/// page per command.
+#[test]
+fn completions_and_the_manual_come_from_the_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[server\n").unwrap();
+    let env = [("BALLAST_CONFIG", broken.to_str().unwrap())];
+    let script = |shell: &str| {
+        let out = ballast(dir.path(), &env, &["completions", shell]);
+        assert!(out.status.success(), "{shell}: {}", stderr(&out));
+        let file = dir.path().join(format!("ballast.{shell}"));
+        std::fs::write(&file, &out.stdout).unwrap();
+        file.to_str().unwrap().to_owned()
+    };
+    let bash = script("bash");
+    // What bash offers after `ballast check-c` and after `ballast serve --d`.
+    let complete = |words: &str| {
+        shell_output(
+            "bash",
+            &format!(
+                "source {bash}; COMP_WORDS=({words}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); \
+                 COMP_LINE='{words}'; COMP_POINT=${{#COMP_LINE}}; \
+                 _ballast ballast \"${{COMP_WORDS[-1]}}\" \"${{COMP_WORDS[-2]}}\"; \
+                 printf '%s\\n' \"${{COMPREPLY[@]}}\""
+            ),
+        )
+    };
+    assert_eq!(complete("ballast check-c").trim(), "check-config");
+    let flags = complete("ballast serve --d");
+    assert!(
+        flags.contains("--demo") && flags.contains("--demo-rate"),
+        "{flags}"
+    );
+    if have("zsh") {
+        let zsh = script("zsh");
+        shell_output("zsh", &format!("zsh -n {zsh}"));
+        assert!(
+            std::fs::read_to_string(&zsh)
+                .unwrap()
+                .contains("check-config")
+        );
+    }
+    if have("fish") {
+        let fish = script("fish");
+        let offered = shell_output(
+            "fish",
+            &format!("source {fish}; complete -C 'ballast check-c'"),
+        );
+        assert!(offered.starts_with("check-config"), "{offered}");
+    }
+    let unknown = ballast(dir.path(), &env, &["completions", "cmd.exe"]);
+    assert!(!unknown.status.success());
+    assert!(stderr(&unknown).contains("bash"), "{}", stderr(&unknown));
+
+    let man = ballast(dir.path(), &env, &["man"]);
+    assert!(man.status.success(), "{}", stderr(&man));
+    let page = dir.path().join("ballast.1");
+    std::fs::write(&page, &man.stdout).unwrap();
+    if have("groff") {
+        // As `man` renders it (`-k`: UTF-8 in), every warning on.
+        let rendered = Command::new("groff")
+            .args(["-k", "-man", "-Tutf8", "-ww", "-z"])
+            .arg(&page)
+            .output()
+            .unwrap();
+        assert!(
+            rendered.status.success() && rendered.stderr.is_empty(),
+            "{}",
+            stderr(&rendered)
+        );
+    }
+    let text = stdout(&man);
+    assert!(text.contains(".TH ballast 1"), "{text}");
+    assert!(
+        text.contains("check\\-config") && text.contains("Durable workflows"),
+        "{text}"
+    );
+    let pages = dir.path().join("man");
+    std::fs::create_dir(&pages).unwrap();
+    let out = ballast(dir.path(), &env, &["man", "--dir", pages.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for name in ["ballast.1", "ballast-serve.1", "ballast-migrate-down.1"] {
+        let body = std::fs::read_to_string(pages.join(name)).unwrap();
+        assert!(body.contains(".TH"), "{name}");
+    }
+    let down = std::fs::read_to_string(pages.join("ballast-migrate-down.1")).unwrap();
+    assert!(down.contains("\\-\\-to"), "{down}");
+}
+
 /// The systemd unit in `deploy/` passes `systemd-analyze verify` (with
 /// the built binary in place of /usr/local/bin/ballast).
 #[test]
