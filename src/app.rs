@@ -14,6 +14,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, Secret};
 use crate::domain::host::HEARTBEAT_EVERY;
 use crate::domain::{Clock, Role, SystemClock};
+use crate::reload::{Reloader, Source};
 use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, Store, StoreError, migrate};
 use crate::web::AppState;
 
@@ -129,6 +130,19 @@ pub async fn run_with(
     shutdown: CancellationToken,
     on_start: impl FnOnce(&AppState),
 ) -> anyhow::Result<()> {
+    let source = Source::Built("made by the program");
+    run_from(config, source, listener, shutdown, on_start).await
+}
+
+/// [`run_with`] for a configuration read from `source`, which SIGHUP and
+/// `POST /api/v1/reload` read again (`crate::reload`).
+pub async fn run_from(
+    config: Config,
+    source: Source,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    on_start: impl FnOnce(&AppState),
+) -> anyhow::Result<()> {
     // Metrics are recorded from the start, not from the first scrape.
     let _ = crate::web::metrics::handle();
     let db = connect(&config).await?;
@@ -175,9 +189,19 @@ pub async fn run_with(
     let web = crate::web::context(&config, &db)
         .await
         .context("cannot set up the control plane")?;
+    let live = crate::config::Live::new(config);
+    let reloader = Arc::new(Reloader::new(
+        source,
+        live.clone(),
+        engine.clone(),
+        db.clone(),
+        node_id.clone(),
+        clock.clone(),
+    ));
     let state = AppState {
         db: db.clone(),
-        config,
+        config: live,
+        reloader: reloader.clone(),
         node_id,
         shutdown: shutdown.clone(),
         engine: engine.clone(),
@@ -187,6 +211,7 @@ pub async fn run_with(
 
     let tasks = TaskTracker::new();
     tasks.spawn(crate::web::housekeeping(state.clone()));
+    tasks.spawn(reload_on_hangup(reloader, shutdown.clone()));
     if let Some(engine) = engine {
         let stop = shutdown.clone();
         // The engine keeps the node's heartbeat while it runs.
@@ -199,6 +224,7 @@ pub async fn run_with(
     tracing::info!(%addr, node.id = %state.node_id, backend = db.backend().as_str(), "ballast listening");
     let url = state
         .config
+        .get()
         .server
         .public_url
         .clone()
@@ -246,11 +272,41 @@ pub async fn run_with(
     Ok(())
 }
 
+/// Reloads the configuration on each SIGHUP until shutdown (a refusal is
+/// logged by the reloader; the node goes on as it was).
+async fn reload_on_hangup(reloader: Arc<Reloader>, shutdown: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(hup) => hup,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; reload through the API");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                got = hup.recv() => if got.is_none() { return },
+                () = shutdown.cancelled() => return,
+            }
+            tracing::info!("SIGHUP: reloading the configuration");
+            let _ = reloader.reload("signal:SIGHUP").await;
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (reloader, shutdown);
+    }
+}
+
 /// Registers this node and beats until shutdown, then deregisters.
 async fn heartbeat(state: AppState) {
     let clock = state.clock.clone();
-    let beat = NodeBeat::this_process(&state.node_id, clock.now_ms());
+    let started = clock.now_ms();
     loop {
+        let beat =
+            NodeBeat::this_process(&state.node_id, started).running(state.config.get().version());
         if let Err(e) = state.db.heartbeat(&beat, clock.now_ms()).await {
             tracing::warn!(error = %e, "heartbeat failed");
         }
@@ -259,7 +315,7 @@ async fn heartbeat(state: AppState) {
             () = state.shutdown.cancelled() => break,
         }
     }
-    if let Err(e) = state.db.remove_node(&beat.id).await {
+    if let Err(e) = state.db.remove_node(&state.node_id).await {
         tracing::warn!(error = %e, "could not deregister node");
     }
 }

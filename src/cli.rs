@@ -149,6 +149,16 @@ pub enum Command {
     /// Run the chaos simulator: a provider that fails like real ones, for
     /// trying pipelines and for tests and benchmarks.
     Sim(SimArgs),
+    /// Ask a running node to read its configuration again, as SIGHUP does:
+    /// providers and pipelines change without a restart (records under way
+    /// keep their pipeline's version); a file that does not pass
+    /// `check-config` is refused and the node runs on as it was. Needs an
+    /// admin API token in BALLAST_API_TOKEN.
+    Reload {
+        /// The node (default: `server.bind` of this configuration).
+        #[arg(long, value_name = "URL")]
+        url: Option<String>,
+    },
     /// Print a shell's completion script for every command and flag
     /// (`ballast completions bash > /etc/bash_completion.d/ballast`).
     Completions {
@@ -320,6 +330,12 @@ impl Cli {
         }
     }
 
+    /// Whether the command needs this process's configuration: all but
+    /// `reload --url` (the node it names reads its own).
+    pub fn needs_config(&self) -> bool {
+        !matches!(&self.command, Command::Reload { url: Some(_) })
+    }
+
     /// The command runs the workers (`serve`): the one that exports
     /// traces when `[traces]` names a collector.
     pub fn serves(&self) -> bool {
@@ -332,7 +348,11 @@ impl Cli {
 pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
     let Loaded { config, file, env } = loaded;
     // Every command checks the pipelines, so a mistake in one is reported
-    // before anything starts, whichever command was asked for.
+    // before anything starts, whichever command was asked for (but
+    // `reload`: the node checks the file it reads, and says what is wrong).
+    if let Command::Reload { url } = cli.command {
+        return reload(&config, url).await;
+    }
     crate::pipeline::compile(&config)?;
     match cli.command {
         Command::CheckConfig => {
@@ -343,7 +363,8 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
             bind,
             demo,
             demo_rate,
-        } => serve(config, bind, demo, demo_rate).await,
+        } => serve(config, file, bind, demo, demo_rate).await,
+        Command::Reload { .. } => Ok(()),
         Command::RotateSecret => rotate_secret(&config).await,
         Command::Backup { file } => backup(&config, &file).await,
         Command::Export {
@@ -523,6 +544,7 @@ fn sim_extras(p: &crate::sim::Profile, secret_said: &str) -> Vec<String> {
 /// `serve [--demo]`: the control plane and the workers until a signal.
 async fn serve(
     mut config: Config,
+    file: Option<PathBuf>,
     bind: Option<std::net::SocketAddr>,
     demo: bool,
     demo_rate: f64,
@@ -536,7 +558,8 @@ async fn serve(
     let shutdown = CancellationToken::new();
     crate::app::cancel_on_signals(shutdown.clone());
     if !demo {
-        return crate::app::run(config, listener, shutdown).await;
+        let source = crate::reload::Source::File { file, bind };
+        return crate::app::run_from(config, source, listener, shutdown, |_| {}).await;
     }
     let demo = crate::demo::prepare(&mut config, demo_rate).await?;
     crate::telemetry::say(
@@ -557,6 +580,75 @@ async fn serve(
         }
     })
     .await
+}
+
+/// The environment variable `reload` reads an admin API token from.
+pub const API_TOKEN_ENV: &str = "BALLAST_API_TOKEN";
+
+/// `reload`: `POST /api/v1/reload` on a running node; prints what changed.
+async fn reload(config: &Config, url: Option<String>) -> anyhow::Result<()> {
+    let token = std::env::var(API_TOKEN_ENV)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .with_context(|| format!("{API_TOKEN_ENV} is not set (an admin's API token)"))?;
+    let base = url.unwrap_or_else(|| {
+        let bind = config.server.bind;
+        // A node listening on every address answers on loopback.
+        let host = if bind.ip().is_unspecified() {
+            std::net::IpAddr::from([127, 0, 0, 1])
+        } else {
+            bind.ip()
+        };
+        format!("http://{}", SocketAddr::new(host, bind.port()))
+    });
+    let endpoint = format!("{}/api/v1/reload", base.trim_end_matches('/'));
+    let reply = reqwest::Client::new()
+        .post(&endpoint)
+        .bearer_auth(token)
+        .timeout(std::time::Duration::from_secs(60))
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {endpoint}"))?;
+    let status = reply.status();
+    let body: serde_json::Value = reply
+        .json()
+        .await
+        .with_context(|| format!("{endpoint} answered {status} with no JSON"))?;
+    let text = |k: &str| {
+        body.get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_owned()
+    };
+    if !status.is_success() {
+        bail!(
+            "the node refused: {} ({}, {status})",
+            text("message"),
+            text("error")
+        );
+    }
+    let lines = |k: &str| -> Vec<String> {
+        body.get(k)
+            .and_then(|v| v.as_array())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|l| l.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    println!("reloaded: configuration {}", text("version"));
+    let changes = lines("changes");
+    if changes.is_empty() {
+        println!("  nothing changed");
+    }
+    for line in changes {
+        println!("  {line}");
+    }
+    for section in lines("at_restart") {
+        println!("  [{section}] changed in the file: takes effect at a restart");
+    }
+    Ok(())
 }
 
 /// `rotate-secret`: a new session signing key; every session ends.
@@ -975,7 +1067,8 @@ fn cli_actor() -> String {
 async fn provider_command(db: &Db, config: &Config, action: ProviderCommand) -> anyhow::Result<()> {
     // The CLI runs no workers: a resume wakes the nodes' loops through
     // their provider sync.
-    let ops = crate::engine::Ops::new(db, config, None, &SystemClock);
+    let config = std::sync::Arc::new(config.clone());
+    let ops = crate::engine::Ops::new(db, &config, None, &SystemClock);
     match action {
         ProviderCommand::Pause { name, reason } => {
             ops.pause_provider(&name, true, &cli_actor(), reason)

@@ -10,6 +10,7 @@ pub mod demo;
 pub mod domain;
 pub mod engine;
 pub mod pipeline;
+pub mod reload;
 pub mod sim;
 pub mod store;
 pub mod telemetry;

@@ -33,6 +33,13 @@ fn main() -> ExitCode {
     };
     let loaded = match Config::load(cli.config.as_deref()) {
         Ok(loaded) => loaded,
+        // `reload --url` asks a node to read its own file; this one is
+        // not needed (and may be the bad one being reloaded).
+        Err(_) if !cli.needs_config() => ballast::config::Loaded {
+            config: Config::default(),
+            file: None,
+            env: Vec::new(),
+        },
         Err(e) => return fail(format!("error: {e}")),
     };
     let filter = std::env::var("BALLAST_LOG")

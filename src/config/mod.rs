@@ -8,6 +8,7 @@ pub mod provider;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -30,6 +31,32 @@ pub struct Config {
     pub pipelines: std::collections::BTreeMap<String, pipeline::PipelineConfig>,
     /// `[traces]`: OpenTelemetry export, off unless an endpoint is set.
     pub traces: TracesConfig,
+}
+
+/// The configuration a running node uses now: read by the control plane
+/// at each request, replaced whole by a reload (`crate::reload`).
+#[derive(Clone)]
+pub struct Live(Arc<std::sync::RwLock<Arc<Config>>>);
+
+impl Live {
+    pub fn new(config: Arc<Config>) -> Self {
+        Live(Arc::new(std::sync::RwLock::new(config)))
+    }
+
+    /// The configuration as it is now.
+    pub fn get(&self) -> Arc<Config> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn set(&self, config: Arc<Config>) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = config;
+    }
 }
 
 /// `[traces]`: spans of passes and provider calls exported over OTLP/HTTP
@@ -419,6 +446,15 @@ pub struct Loaded {
 }
 
 impl Config {
+    /// The version of what a reload can change (providers and pipelines),
+    /// the same on every node whose files say the same: 12 hex digits of a
+    /// SHA-256 over their settings (`Debug`: every field, no secret).
+    pub fn version(&self) -> String {
+        use sha2::Digest;
+        let text = format!("{:?}\n{:?}", self.providers, self.pipelines);
+        hex::encode(&sha2::Sha256::digest(text.as_bytes())[..6])
+    }
+
     /// Loads defaults, then `file` (or `ballast.toml` if present), then the
     /// process environment, then validates (pipelines apart: see
     /// [`validate`](Self::validate)).

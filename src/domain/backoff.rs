@@ -116,6 +116,17 @@ impl RetryBudget {
         self.balance /= 2.0;
     }
 
+    /// New settings (a configuration reload): the balance earned so far
+    /// is kept, within the new cap, and earns at the new rates from now.
+    pub fn retune(&mut self, ratio: f64, floor_per_sec: f64, now_ms: i64) {
+        self.refill(now_ms);
+        let fresh = RetryBudget::new(ratio, floor_per_sec, now_ms);
+        self.ratio = fresh.ratio;
+        self.floor_per_sec = fresh.floor_per_sec;
+        self.max_balance = fresh.max_balance;
+        self.balance = self.balance.min(self.max_balance);
+    }
+
     /// Asks to spend one retry; false means "not now, defer instead".
     pub fn try_retry(&mut self, now_ms: i64) -> bool {
         self.refill(now_ms);
@@ -132,6 +143,28 @@ impl RetryBudget {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_retuned_budget_keeps_its_balance_within_the_new_cap() {
+        let mut b = RetryBudget::new(0.1, 1.0, 0);
+        assert_eq!(b.max_balance, 10.0);
+        assert_eq!(b.balance, 10.0);
+        b.retune(0.1, 0.2, 0);
+        assert_eq!((b.floor_per_sec, b.max_balance), (0.2, 10.0));
+        assert_eq!(b.balance, 10.0, "kept");
+        for _ in 0..10 {
+            assert!(b.try_retry(0));
+        }
+        assert!(!b.try_retry(0));
+        // Earns at the new rate: 0.2 a second, a token in 5 s.
+        assert!(!b.try_retry(4_000));
+        assert!(b.try_retry(5_000));
+        b.retune(0.0, 0.05, 5_000);
+        assert_eq!(b.max_balance, 1.0);
+        b.retune(5.0, 0.0, 5_000);
+        assert_eq!(b.max_balance, 500.0);
+        assert!(b.balance <= 1.0, "not raised by a bigger cap");
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

@@ -131,6 +131,16 @@ impl Breaker {
         self.calls.clear();
     }
 
+    /// New settings (a configuration reload): the state and the calls
+    /// judged so far are kept, the oldest dropped past the new window; an
+    /// open breaker keeps the interval it was given.
+    pub fn set_policy(&mut self, policy: BreakerPolicy) {
+        self.policy = policy;
+        while self.calls.len() > self.policy.window.max(1) as usize {
+            self.calls.pop_front();
+        }
+    }
+
     /// May a call go out now?
     pub fn admit(&self, now: UnixMs) -> Admit {
         match self.state {
@@ -367,6 +377,35 @@ mod tests {
             open_for: Duration::from_secs(30),
             probes: 2,
         }
+    }
+
+    #[test]
+    fn a_new_policy_judges_the_calls_already_seen() {
+        let mut b = Breaker::new(policy(), 0);
+        for i in 0..8 {
+            assert!(!b.record(i % 2 == 0 && i < 4, Duration::ZERO, i));
+        }
+        assert_eq!(b.window_figures(), (8, 2, 0));
+        // A window of 4 keeps the newest four calls (none failed).
+        b.set_policy(BreakerPolicy {
+            window: 4,
+            min_calls: 2,
+            failure_rate: 0.5,
+            ..policy()
+        });
+        assert_eq!(b.window_figures(), (4, 0, 0));
+        assert!(!b.record(true, Duration::ZERO, 10));
+        assert!(b.record(true, Duration::ZERO, 11), "2 of the last 4 failed");
+        assert_eq!(b.open_until(), Some(11 + 30_000));
+        b.set_policy(BreakerPolicy {
+            open_for: Duration::from_secs(1),
+            ..policy()
+        });
+        assert_eq!(
+            b.open_until(),
+            Some(11 + 30_000),
+            "an open breaker keeps its interval"
+        );
     }
 
     const FAST: Duration = Duration::from_millis(10);

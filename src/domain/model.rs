@@ -598,6 +598,8 @@ pub struct Node {
     pub heartbeat_at: UnixMs,
     /// Set when the node is shutting down and no longer claims work.
     pub draining: bool,
+    /// The configuration it runs (`Config::version`), once it has said.
+    pub config_version: Option<String>,
 }
 
 /// A pipeline's cron schedule as the cluster has fired it.

@@ -28,13 +28,15 @@ impl Engine {
     /// Runs confirmations until `shutdown`.
     pub(super) async fn confirm_loop(self, shutdown: CancellationToken) {
         let i = &self.inner;
-        let confirms = i
-            .pipelines
-            .pipelines
-            .values()
-            .any(|p| p.steps.iter().any(|s| s.confirm.is_some()));
-        let every = if confirms { EVERY_MS } else { IDLE_EVERY_MS };
         loop {
+            // Read each time: a reload may add or remove a confirmation.
+            let confirms = i
+                .setup()
+                .pipelines
+                .pipelines
+                .values()
+                .any(|p| p.steps.iter().any(|s| s.confirm.is_some()));
+            let every = if confirms { EVERY_MS } else { IDLE_EVERY_MS };
             let now = i.clock.now_ms();
             if let Err(e) = self.confirm_due(now).await {
                 tracing::warn!(error = %e, "confirmations failed; retrying shortly");

@@ -32,7 +32,7 @@ pub enum Delivery {
 impl Engine {
     /// How `provider`'s webhooks are verified (secrets from the environment).
     pub fn webhook_settings(&self, provider: &str) -> Option<WebhookSettings> {
-        let rt = self.inner.providers.get(provider)?;
+        let rt = self.inner.provider(provider)?;
         let secrets = rt
             .config
             .webhook_secrets_env
@@ -65,13 +65,14 @@ impl Engine {
         delivery_id: Option<&str>,
     ) -> Result<Delivery, StoreError> {
         let i = &self.inner;
-        let Some(rt) = i.providers.get(provider) else {
+        let setup = i.setup();
+        let Some(rt) = setup.providers.get(provider) else {
             return Err(StoreError::NotFound {
                 what: "provider",
                 key: provider.to_owned(),
             });
         };
-        let job_id = i
+        let job_id = setup
             .pipelines
             .pipelines
             .values()
@@ -244,7 +245,7 @@ impl Engine {
     ) {
         let i = &self.inner;
         for (step, provider, job, state) in settled {
-            let Some(rt) = i.providers.get(provider) else {
+            let Some(rt) = i.provider(provider) else {
                 continue;
             };
             let Ok(pending) = i.db.pending_callbacks(provider, job).await else {
@@ -257,7 +258,7 @@ impl Engine {
                 let mut judged = false;
                 for attempt in 0..10u64 {
                     match self
-                        .judge_late_delivery(rt, record_id, step, *state, job, &cb.body, now)
+                        .judge_late_delivery(&rt, record_id, step, *state, job, &cb.body, now)
                         .await
                     {
                         Ok(_) => {

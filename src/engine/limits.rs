@@ -49,7 +49,9 @@ impl Limiter {
     }
 }
 
-/// One provider's runtime on this node.
+/// One provider's runtime on this node: its settings (replaced whole by a
+/// configuration reload; a call in flight keeps the ones it started with)
+/// and its state (the `Arc`s, carried from one set of settings to the next).
 pub struct ProviderRuntime {
     pub name: String,
     pub config: ProviderConfig,
@@ -59,18 +61,18 @@ pub struct ProviderRuntime {
     /// the slots it holds of the cluster's cap.
     pub concurrency: Arc<Semaphore>,
     /// The rate windows and (scope `cluster`) the cap, for the cluster.
-    pub cluster: ClusterLimits,
-    limiter: Mutex<Limiter>,
-    breaker: Mutex<Breaker>,
-    budget: Mutex<RetryBudget>,
+    pub cluster: Arc<ClusterLimits>,
+    limiter: Arc<Mutex<Limiter>>,
+    breaker: Arc<Mutex<Breaker>>,
+    budget: Arc<Mutex<RetryBudget>>,
     /// Paused by an operator (read from the shared provider state).
-    paused: Mutex<bool>,
+    paused: Arc<Mutex<bool>>,
     /// The latest "slow down" pause this node has published to the others.
-    published_throttle: std::sync::atomic::AtomicI64,
+    published_throttle: Arc<std::sync::atomic::AtomicI64>,
     /// Answers calls in-process instead of over HTTP (benchmarks).
     pub in_process: Option<super::http::InProcess>,
     /// The provider's OAuth2 token on this node, when it uses one.
-    pub token: Option<super::token::TokenSource>,
+    pub token: Option<Arc<super::token::TokenSource>>,
 }
 
 /// The longest a call started before a grant or probe lapsed may still be
@@ -85,6 +87,100 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl ProviderRuntime {
     pub fn new(name: &str, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
+        let (rules, client) = Self::settings(name, config)?;
+        Ok(ProviderRuntime {
+            token: Self::token_source(name, config)?,
+            name: name.to_owned(),
+            rules,
+            client,
+            concurrency: match config.concurrency_scope {
+                ConcurrencyScope::Node => Arc::new(Semaphore::new(config.concurrency as usize)),
+                ConcurrencyScope::Cluster => super::permits::cluster_semaphore(),
+            },
+            cluster: Arc::new(ClusterLimits::new(
+                &config.rate_limits,
+                (config.concurrency_scope == ConcurrencyScope::Cluster)
+                    .then_some(config.concurrency),
+                lapse_ms(config),
+            )),
+            limiter: Arc::default(),
+            breaker: Arc::new(Mutex::new(Breaker::new(config.breaker.policy(), now))),
+            budget: Arc::new(Mutex::new(RetryBudget::new(
+                config.retry.budget,
+                config.retry.budget_floor,
+                now,
+            ))),
+            paused: Arc::default(),
+            published_throttle: Arc::default(),
+            config: config.clone(),
+            in_process: None,
+        })
+    }
+
+    /// The same provider with new settings (a configuration reload): its
+    /// state goes on (breaker, budget, pause, "slow down", calls in flight,
+    /// grants and slots, a token still valid for unchanged credentials),
+    /// retuned to the new limits. Calls already made keep `self`'s
+    /// settings to their end. A cap's scope (node or cluster) changes
+    /// only at a restart.
+    pub fn reconfigured(&self, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
+        let name = &self.name;
+        if config.concurrency_scope != self.config.concurrency_scope {
+            return Err(format!(
+                "provider {name}: `concurrency_scope` changes only at a restart"
+            ));
+        }
+        let (rules, client) = Self::settings(name, config)?;
+        let token = if format!("{:?}", config.oauth2) == format!("{:?}", self.config.oauth2) {
+            self.token.clone()
+        } else {
+            Self::token_source(name, config)?
+        };
+        let (old, new) = (self.config.concurrency, config.concurrency);
+        if config.concurrency_scope == ConcurrencyScope::Node && old != new {
+            let sem = self.concurrency.clone();
+            if new > old {
+                sem.add_permits((new - old) as usize);
+            } else {
+                // Free slots go now; the rest as the calls holding them end.
+                let fewer = (old - new) as usize;
+                let owed = fewer - sem.forget_permits(fewer);
+                if owed > 0 {
+                    tokio::spawn(async move {
+                        if let Ok(p) = sem.acquire_many_owned(owed as u32).await {
+                            p.forget();
+                        }
+                    });
+                }
+            }
+        }
+        let cap = (config.concurrency_scope == ConcurrencyScope::Cluster).then_some(new);
+        self.cluster
+            .reconfigure(&config.rate_limits, cap, lapse_ms(config));
+        lock(&self.breaker).set_policy(config.breaker.policy());
+        lock(&self.budget).retune(config.retry.budget, config.retry.budget_floor, now);
+        Ok(ProviderRuntime {
+            name: name.clone(),
+            config: config.clone(),
+            rules,
+            client,
+            concurrency: self.concurrency.clone(),
+            cluster: self.cluster.clone(),
+            limiter: self.limiter.clone(),
+            breaker: self.breaker.clone(),
+            budget: self.budget.clone(),
+            paused: self.paused.clone(),
+            published_throttle: self.published_throttle.clone(),
+            in_process: self.in_process.clone(),
+            token,
+        })
+    }
+
+    /// What a provider's settings make: its reply rules and HTTP client.
+    fn settings(
+        name: &str,
+        config: &ProviderConfig,
+    ) -> Result<(Vec<Rule>, reqwest::Client), String> {
         let rules = config.compile_rules(name).map_err(|e| e.to_string())?;
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout.0)
@@ -96,42 +192,19 @@ impl ProviderRuntime {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("provider {name}: cannot build HTTP client: {e}"))?;
-        let token = match &config.oauth2 {
-            Some(o) => Some(
-                super::token::TokenSource::new(o, &|v| std::env::var(v).ok(), config.timeout.0)
-                    .ok_or_else(|| {
-                        format!("provider {name}: the OAuth2 client id or secret is not set")
-                    })?,
-            ),
-            None => None,
+        Ok((rules, client))
+    }
+
+    fn token_source(
+        name: &str,
+        config: &ProviderConfig,
+    ) -> Result<Option<Arc<super::token::TokenSource>>, String> {
+        let Some(o) = &config.oauth2 else {
+            return Ok(None);
         };
-        Ok(ProviderRuntime {
-            token,
-            name: name.to_owned(),
-            rules,
-            client,
-            concurrency: match config.concurrency_scope {
-                ConcurrencyScope::Node => Arc::new(Semaphore::new(config.concurrency as usize)),
-                ConcurrencyScope::Cluster => super::permits::cluster_semaphore(),
-            },
-            cluster: ClusterLimits::new(
-                &config.rate_limits,
-                (config.concurrency_scope == ConcurrencyScope::Cluster)
-                    .then_some(config.concurrency),
-                lapse_ms(config),
-            ),
-            limiter: Mutex::new(Limiter::default()),
-            breaker: Mutex::new(Breaker::new(config.breaker.policy(), now)),
-            budget: Mutex::new(RetryBudget::new(
-                config.retry.budget,
-                config.retry.budget_floor,
-                now,
-            )),
-            paused: Mutex::new(false),
-            published_throttle: std::sync::atomic::AtomicI64::new(0),
-            config: config.clone(),
-            in_process: None,
-        })
+        super::token::TokenSource::new(o, &|v| std::env::var(v).ok(), config.timeout.0)
+            .map(|t| Some(Arc::new(t)))
+            .ok_or_else(|| format!("provider {name}: the OAuth2 client id or secret is not set"))
     }
 
     /// Notes a pause to publish; false when one lasting as long or longer

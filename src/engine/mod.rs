@@ -18,6 +18,7 @@ pub mod limits;
 mod ops;
 mod pass;
 mod permits;
+mod reconfigure;
 pub mod redirect;
 mod resume;
 pub mod retention;
@@ -45,6 +46,7 @@ use limits::ProviderRuntime;
 
 pub use deliveries::Delivery;
 pub use ops::{ActExtra, BulkOutcome, Ops, OpsError, Selection};
+pub use reconfigure::{Reconfigured, fingerprint};
 
 /// How the engine runs on this node.
 #[derive(Debug, Clone)]
@@ -95,22 +97,32 @@ pub enum EngineError {
 
 type Compiled = (Arc<Pipeline>, Arc<Templates>);
 
-struct Inner {
-    db: Db,
+/// What the configuration sets up on this node, replaced whole by a reload
+/// ([`Engine::reconfigure`]); a pass reads the one current when it looks.
+struct Setup {
     config: Arc<Config>,
-    /// Pipelines that cap their groups (`group_concurrency`), read once
-    /// from the configuration: every claim sends them.
+    /// `config.version()`, said in each heartbeat.
+    version: String,
+    /// Pipelines that cap their groups (`group_concurrency`): every claim
+    /// sends them.
     group_caps: Vec<(String, u32)>,
     /// Pipelines enqueued on a cron schedule.
     schedules: Vec<schedule::Scheduled>,
+    pipelines: Pipelines,
+    providers: HashMap<String, Arc<ProviderRuntime>>,
+}
+
+struct Inner {
+    db: Db,
+    setup: std::sync::RwLock<Arc<Setup>>,
+    /// One reconfiguration at a time.
+    reconfiguring: tokio::sync::Mutex<()>,
     opts: EngineOptions,
     clock: Arc<dyn Clock>,
-    pipelines: Pipelines,
     /// Pinned version id of each current pipeline.
     current: Mutex<HashMap<String, i64>>,
     /// Compiled pipelines by pinned version id.
     pinned: Mutex<HashMap<i64, Compiled>>,
-    providers: HashMap<String, Arc<ProviderRuntime>>,
     installation: String,
     started_at: UnixMs,
     wake: Notify,
@@ -242,6 +254,26 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+impl Inner {
+    /// The configuration's setup as it is now.
+    fn setup(&self) -> Arc<Setup> {
+        self.setup
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A configured provider's runtime, as it is now.
+    fn provider(&self, name: &str) -> Option<Arc<ProviderRuntime>> {
+        self.setup().providers.get(name).cloned()
+    }
+
+    /// The configuration as it is now.
+    fn config(&self) -> Arc<Config> {
+        self.setup().config.clone()
+    }
+}
+
 impl Engine {
     /// Compiles the configuration's pipelines and providers and pins the
     /// current pipeline definitions.
@@ -259,8 +291,6 @@ impl Engine {
         opts: EngineOptions,
         clock: Arc<dyn Clock>,
     ) -> Result<Engine, EngineError> {
-        let pipelines =
-            crate::pipeline::compile(&config).map_err(|e| EngineError::Config(e.to_string()))?;
         let now = clock.now_ms();
         let mut providers = HashMap::new();
         for (name, p) in &config.providers {
@@ -268,13 +298,7 @@ impl Engine {
             rt.in_process = opts.in_process.clone();
             providers.insert(name.clone(), Arc::new(rt));
         }
-        let mut current = HashMap::new();
-        let mut pinned = HashMap::new();
-        for (name, p) in &pipelines.pipelines {
-            let id = db.pin_pipeline(name, &p.hash, &p.definition, now).await?;
-            current.insert(name.clone(), id);
-            pinned.insert(id, (p.clone(), pipelines.templates.clone()));
-        }
+        let (setup, current, pinned) = Setup::pin(&db, config, providers, now).await?;
         let installation = db.installation_id().await?;
         let slots = Arc::new(Semaphore::new(opts.max_in_flight.max(1)));
         let committing = Semaphore::new(opts.max_in_flight.max(1));
@@ -282,12 +306,6 @@ impl Engine {
         let committer = committer::Committer::spawn(db.clone(), clock.clone());
         let intents = intents::IntentWriter::spawn(db.clone());
         let left_open = Mutex::new(db.intent_providers().await?.into_iter().collect());
-        let group_caps = config
-            .pipelines
-            .iter()
-            .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
-            .collect();
-        let schedules = schedule::scheduled(&config)?;
         let born = clock.instant();
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -296,15 +314,12 @@ impl Engine {
                 left_open,
                 search: tokio::sync::Mutex::default(),
                 db,
-                config,
-                group_caps,
-                schedules,
+                setup: std::sync::RwLock::new(Arc::new(setup)),
+                reconfiguring: tokio::sync::Mutex::new(()),
                 opts,
                 clock,
-                pipelines,
                 current: Mutex::new(current),
                 pinned: Mutex::new(pinned),
-                providers,
                 installation,
                 started_at: now,
                 wake: Notify::new(),
@@ -473,7 +488,7 @@ impl Engine {
 
     /// What this node sees of a provider right now, for the dashboard.
     pub fn provider_live(&self, name: &str) -> Option<ProviderLive> {
-        let rt = self.inner.providers.get(name)?;
+        let rt = self.inner.provider(name)?;
         let in_flight = rt.limiter().in_flight();
         let limits = rt.cluster.usage();
         let (breaker, (calls, failed, slow)) = {
@@ -491,9 +506,14 @@ impl Engine {
         })
     }
 
+    /// The version id new records of pipeline `name` are pinned to.
+    pub fn current_version(&self, name: &str) -> Option<i64> {
+        lock(&self.inner.current).get(name).copied()
+    }
+
     /// The current compiled pipeline called `name`.
     pub fn pipeline(&self, name: &str) -> Option<Arc<Pipeline>> {
-        self.inner.pipelines.pipelines.get(name).cloned()
+        self.inner.setup().pipelines.pipelines.get(name).cloned()
     }
 
     async fn compiled(&self, rec: &Record) -> Option<Compiled> {
@@ -507,8 +527,46 @@ impl Engine {
         }
         let pv = i.db.pipeline_version(version).await.ok()??;
         let compiled =
-            crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config).ok()?;
+            crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config()).ok()?;
         lock(&i.pinned).insert(version, compiled.clone());
         Some(compiled)
+    }
+}
+
+impl Setup {
+    /// Compiles `config`'s pipelines and pins each one's definition (its
+    /// version id: the one it had if unchanged), with the providers'
+    /// runtimes made for it: the setup, the version id of each pipeline,
+    /// and the compiled pipelines by version id.
+    async fn pin(
+        db: &Db,
+        config: Arc<Config>,
+        providers: HashMap<String, Arc<ProviderRuntime>>,
+        now: UnixMs,
+    ) -> Result<(Setup, HashMap<String, i64>, HashMap<i64, Compiled>), EngineError> {
+        let pipelines =
+            crate::pipeline::compile(&config).map_err(|e| EngineError::Config(e.to_string()))?;
+        let mut current = HashMap::new();
+        let mut pinned = HashMap::new();
+        for (name, p) in &pipelines.pipelines {
+            let id = db.pin_pipeline(name, &p.hash, &p.definition, now).await?;
+            current.insert(name.clone(), id);
+            pinned.insert(id, (p.clone(), pipelines.templates.clone()));
+        }
+        let group_caps = config
+            .pipelines
+            .iter()
+            .filter_map(|(name, p)| p.group_concurrency.map(|cap| (name.clone(), cap)))
+            .collect();
+        let schedules = schedule::scheduled(&config)?;
+        let setup = Setup {
+            version: config.version(),
+            config,
+            group_caps,
+            schedules,
+            pipelines,
+            providers,
+        };
+        Ok((setup, current, pinned))
     }
 }

@@ -3,6 +3,8 @@
 //! the JSON API and the CLI all call [`Ops`], so a command means the same
 //! thing, checked the same way, wherever an operator gives it.
 
+use std::sync::Arc;
+
 use serde_json::json;
 
 use super::Engine;
@@ -60,10 +62,12 @@ pub struct BulkOutcome {
 /// Operator commands over the store and, where this node runs workers, the
 /// engine (which knows the pipeline graph for replays and is woken when
 /// work becomes due).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Ops<'a> {
     db: &'a Db,
-    config: &'a Config,
+    /// The configuration as it was when the command started (a reload
+    /// does not change it under a command).
+    config: Arc<Config>,
     engine: Option<&'a Engine>,
     clock: &'a dyn Clock,
 }
@@ -71,13 +75,13 @@ pub struct Ops<'a> {
 impl<'a> Ops<'a> {
     pub fn new(
         db: &'a Db,
-        config: &'a Config,
+        config: &Arc<Config>,
         engine: Option<&'a Engine>,
         clock: &'a dyn Clock,
     ) -> Self {
         Ops {
             db,
-            config,
+            config: config.clone(),
             engine,
             clock,
         }
@@ -625,7 +629,7 @@ impl Engine {
     /// audited as `breaker_reset`.
     pub(super) async fn reset_breaker(&self, name: &str, actor: &str) -> Result<(), StoreError> {
         let i = &self.inner;
-        let Some(rt) = i.providers.get(name) else {
+        let Some(rt) = i.provider(name) else {
             return Err(StoreError::NotFound {
                 what: "provider",
                 key: name.to_owned(),

@@ -196,7 +196,11 @@ impl Engine {
         match result {
             Ok(after) => {
                 // A lease of a capped group ended: the group has room again.
-                let capped = i.group_caps.iter().any(|(p, _)| *p == after.pipeline);
+                let capped = i
+                    .setup()
+                    .group_caps
+                    .iter()
+                    .any(|(p, _)| *p == after.pipeline);
                 if after.state == crate::domain::RecordState::Pending || capped {
                     i.wake.notify_one();
                 }
@@ -341,8 +345,8 @@ impl Engine {
             }
         }
         for (name, news) in &progress.breaker {
-            if let Some(rt) = i.providers.get(name) {
-                self.publish_breaker(rt, *news).await;
+            if let Some(rt) = i.provider(name) {
+                self.publish_breaker(&rt, *news).await;
             }
         }
         for (name, until) in &progress.throttled {
@@ -381,8 +385,10 @@ impl Engine {
         now: UnixMs,
     ) -> Result<(), StoreError> {
         let i = &self.inner;
+        let setup = i.setup();
         let at_most_once = |s: &Step| {
-            i.providers
+            setup
+                .providers
                 .get(&s.provider)
                 .is_some_and(|rt| s.at_most_once(rt.config.at_most_once))
         };
@@ -403,7 +409,7 @@ impl Engine {
             );
             // The provider may still be working on it: a lookup asks no
             // sooner than a call's timeout after it left.
-            let timeout = i.providers.get(&s.provider).map_or(0, |rt| {
+            let timeout = setup.providers.get(&s.provider).map_or(0, |rt| {
                 i64::try_from(rt.config.timeout.0.as_millis()).unwrap_or(i64::MAX)
             });
             let d = crate::domain::step::left_open(
@@ -507,7 +513,7 @@ impl Engine {
     ) -> PendingStep<'a> {
         let i = &self.inner;
         PendingStep {
-            rt: i.providers.get(&s.provider).cloned(),
+            rt: i.provider(&s.provider),
             run: step::StepRun {
                 record: rec,
                 step: s,

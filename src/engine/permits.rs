@@ -10,7 +10,7 @@
 //! node is short), and by the provider sync, which closes spent grants and
 //! renews the holding.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::Semaphore;
@@ -72,6 +72,9 @@ impl Lots {
 
 #[derive(Debug, Default)]
 struct Lots {
+    /// The provider's rate limits and their windows' lengths in ms (a
+    /// grant's `window` is an index here).
+    windows: Vec<(RateLimit, i64)>,
     lots: Vec<Lot>,
     /// Closes a failed or abandoned request did not deliver: sent again
     /// with the next one.
@@ -132,7 +135,6 @@ impl Slots {
 
 /// A provider's cluster-wide limits on this node.
 pub struct ClusterLimits {
-    windows: Vec<(RateLimit, i64)>,
     lots: Mutex<Lots>,
     slots: Option<Mutex<Slots>>,
     /// One lease request at a time.
@@ -140,7 +142,7 @@ pub struct ClusterLimits {
     live_nodes: AtomicUsize,
     /// Calls on this node waiting for a slot.
     waiting: AtomicUsize,
-    lapse_ms: i64,
+    lapse_ms: AtomicI64,
 }
 
 /// Why a lease request is made.
@@ -193,8 +195,8 @@ impl ClusterLimits {
     /// leased; the provider's semaphore starts empty).
     pub fn new(limits: &[RateLimit], cap: Option<u32>, lapse_ms: i64) -> Self {
         ClusterLimits {
-            windows: limits.iter().map(|l| (*l, window_ms(l))).collect(),
             lots: Mutex::new(Lots {
+                windows: limits.iter().map(|l| (*l, window_ms(l))).collect(),
                 lots: Vec::new(),
                 unclosed: Vec::new(),
                 full_until: vec![0; limits.len()],
@@ -215,13 +217,52 @@ impl ClusterLimits {
             leasing: tokio::sync::Mutex::new(()),
             live_nodes: AtomicUsize::new(1),
             waiting: AtomicUsize::new(0),
-            lapse_ms,
+            lapse_ms: AtomicI64::new(lapse_ms),
+        }
+    }
+
+    /// New limits (a configuration reload), the cap's scope unchanged.
+    /// Grants in a window whose length and count are unchanged go on being
+    /// drawn on; the others take no more calls and are closed once their
+    /// calls end, so the next call leases under the new limit. A smaller
+    /// cap trims the slots held as calls end (`slot_request`).
+    pub fn reconfigure(&self, limits: &[RateLimit], cap: Option<u32>, lapse_ms: i64) {
+        self.lapse_ms.store(lapse_ms, Ordering::Relaxed);
+        {
+            let mut l = lock(&self.lots);
+            let Lots {
+                windows,
+                lots,
+                full_until,
+                ..
+            } = &mut *l;
+            let new: Vec<(RateLimit, i64)> = limits.iter().map(|l| (*l, window_ms(l))).collect();
+            let same = |w: usize| new.iter().position(|n| Some(n) == windows.get(w));
+            for lot in lots.iter_mut() {
+                match same(lot.window) {
+                    Some(w) => lot.window = w,
+                    None => {
+                        lot.window = usize::MAX;
+                        lot.left = 0;
+                    }
+                }
+            }
+            *full_until = (0..new.len())
+                .map(|w| {
+                    let old = windows.iter().position(|o| *o == new[w]);
+                    old.map_or(0, |o| full_until[o])
+                })
+                .collect();
+            *windows = new;
+        }
+        if let (Some(slots), Some(cap)) = (&self.slots, cap) {
+            lock(slots).cap = cap;
         }
     }
 
     /// Whether there is anything to govern.
     pub fn is_empty(&self) -> bool {
-        self.windows.is_empty() && self.slots.is_none()
+        lock(&self.lots).windows.is_empty() && self.slots.is_none()
     }
 
     pub fn set_live_nodes(&self, n: usize) {
@@ -230,12 +271,12 @@ impl ClusterLimits {
 
     /// Takes one permit in every window, or says what is short.
     pub fn try_take(&self, now: UnixMs) -> Result<Taken, Short> {
-        if self.windows.is_empty() {
+        let mut l = lock(&self.lots);
+        if l.windows.is_empty() {
             return Ok(Taken::default());
         }
-        let mut l = lock(&self.lots);
-        let mut at = Vec::with_capacity(self.windows.len());
-        for w in 0..self.windows.len() {
+        let mut at = Vec::with_capacity(l.windows.len());
+        for w in 0..l.windows.len() {
             match l
                 .lots
                 .iter()
@@ -281,7 +322,7 @@ impl ClusterLimits {
     /// the permits this node has drawn in it, and its count.
     pub fn usage(&self) -> Vec<(String, usize, u32)> {
         let l = lock(&self.lots);
-        self.windows
+        l.windows
             .iter()
             .enumerate()
             .map(|(w, (limit, _))| {
@@ -313,7 +354,7 @@ impl ClusterLimits {
             provider: provider.to_owned(),
             node: node.to_owned(),
             now,
-            lapse_ms: self.lapse_ms,
+            lapse_ms: self.lapse_ms.load(Ordering::Relaxed),
             live_nodes: self.live_nodes.load(Ordering::Relaxed),
             ..PermitRequest::default()
         };
@@ -325,7 +366,7 @@ impl ClusterLimits {
             req.close = std::mem::take(&mut l.unclosed);
             req.close.extend(spent.iter().map(Lot::closing));
             if why == Why::More {
-                for (w, (limit, ms)) in self.windows.iter().enumerate() {
+                for (w, (limit, ms)) in l.windows.iter().enumerate() {
                     if !l.usable(w, now) && l.full_until[w] <= now {
                         req.windows.push((*ms, limit.count, i64::MAX / 4));
                     }
@@ -400,7 +441,7 @@ impl ClusterLimits {
     fn satisfied(&self, now: UnixMs, sem: &Semaphore) -> bool {
         let windows = {
             let l = lock(&self.lots);
-            (0..self.windows.len()).all(|w| l.usable(w, now) || l.full_until[w] > now)
+            (0..l.windows.len()).all(|w| l.usable(w, now) || l.full_until[w] > now)
         };
         let slots = self
             .slots
@@ -419,7 +460,7 @@ impl ClusterLimits {
         {
             let mut l = lock(&self.lots);
             for &(ms, id, answer) in &permits.windows {
-                let Some(w) = self.windows.iter().position(|(_, m)| *m == ms) else {
+                let Some(w) = l.windows.iter().position(|(_, m)| *m == ms) else {
                     continue;
                 };
                 match (answer, id) {
@@ -612,7 +653,7 @@ impl ClusterLimits {
             provider: provider.to_owned(),
             node: node.to_owned(),
             now,
-            lapse_ms: self.lapse_ms,
+            lapse_ms: self.lapse_ms.load(Ordering::Relaxed),
             live_nodes: 1,
             ..PermitRequest::default()
         };
@@ -659,4 +700,63 @@ fn reconcile(s: &mut Slots, sem: &Semaphore) {
 /// A provider's semaphore for a cluster-wide cap: no slots until leased.
 pub fn cluster_semaphore() -> Arc<Semaphore> {
     Arc::new(Semaphore::new(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(text: &str) -> RateLimit {
+        text.parse().unwrap()
+    }
+
+    fn lot(id: i64, window: usize, left: i64) -> Lot {
+        Lot {
+            id,
+            window,
+            left,
+            used: 0,
+            in_flight: 0,
+            granted_at: 0,
+            last_done: 0,
+            expires_at: 10_000,
+        }
+    }
+
+    /// A reload keeps the grants of a window it leaves as it was (moved to
+    /// its new place) and stops the others, which close once their calls
+    /// end; a cap changes in place.
+    #[test]
+    fn new_limits_keep_only_the_grants_of_unchanged_windows() {
+        let c = ClusterLimits::new(&[limit("40/s"), limit("1000/day")], Some(8), 5_000);
+        {
+            let mut l = lock(&c.lots);
+            l.lots = vec![lot(1, 0, 5), lot(2, 1, 50)];
+            l.full_until = vec![700, 900];
+        }
+        assert!(c.try_take(0).is_ok());
+        c.reconfigure(&[limit("1000/day"), limit("20/s")], Some(4), 9_000);
+        let l = lock(&c.lots);
+        assert_eq!(l.windows.len(), 2);
+        assert_eq!(
+            (l.lots[0].window, l.lots[0].left),
+            (usize::MAX, 0),
+            "40/s is gone"
+        );
+        assert_eq!(
+            (l.lots[1].window, l.lots[1].left),
+            (0, 49),
+            "1000/day moved, kept"
+        );
+        assert_eq!(l.full_until, vec![900, 0]);
+        assert!(!l.usable(1, 0), "20/s has no grant yet: a call leases");
+        assert!(
+            l.lots[0].in_flight == 1 && !l.lots[0].spent(0),
+            "its call is still out"
+        );
+        drop(l);
+        assert_eq!(c.lapse_ms.load(Ordering::Relaxed), 9_000);
+        assert_eq!(lock(c.slots.as_ref().unwrap()).cap, 4);
+        assert_eq!(c.try_take(0).err(), Some(Short::Lease));
+    }
 }

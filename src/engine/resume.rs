@@ -52,7 +52,7 @@ impl Engine {
         let states = i.db.provider_states().await?;
         let mut providers = Vec::new();
         let mut at_work = None;
-        for (name, rt) in &i.providers {
+        for (name, rt) in &i.setup().providers {
             let probes = rt.breaker().policy().probes;
             let state = states.iter().find(|s| &s.provider == name);
             match provider_ready(state, probes, now) {

@@ -191,18 +191,21 @@ impl Engine {
     /// until `shutdown`.
     pub(super) async fn purge_loop(self, shutdown: CancellationToken) {
         let i = &self.inner;
-        let retains = i
-            .config
-            .pipelines
-            .values()
-            .any(|p| p.retain.is_some() || p.retain_excerpts.is_some());
-        if !retains {
-            return;
-        }
-        let every = every_ms(&i.config);
         loop {
+            // Read each time: a reload may set or clear a `retain`.
+            let config = i.config();
+            let retains = config
+                .pipelines
+                .values()
+                .any(|p| p.retain.is_some() || p.retain_excerpts.is_some());
+            let every = every_ms(&config);
             let now = i.clock.now_ms();
-            if let Err(e) = self.purge_once(now).await {
+            let purged = if retains {
+                self.purge_once(now).await.map(|_| ())
+            } else {
+                Ok(())
+            };
+            if let Err(e) = purged {
                 tracing::warn!(error = %e, "retention purge failed; trying again later");
             }
             tokio::select! {
@@ -237,7 +240,7 @@ impl Engine {
             max_batches: Some(RUN_BATCHES),
             ..PurgeOptions::default()
         };
-        let report = purge(&i.db, &i.config, now, &opts).await;
+        let report = purge(&i.db, &i.config(), now, &opts).await;
         let released = i.db.release_task_lease(LEASE, node).await;
         let report = report?;
         released?;

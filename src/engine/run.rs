@@ -69,7 +69,7 @@ impl Engine {
             now: i.clock.now_ms(),
             lease: i.opts.lease,
             limit,
-            group_caps: i.group_caps.clone(),
+            group_caps: i.setup().group_caps.clone(),
         };
         let started = i.clock.instant();
         let claimed = i.db.claim_due(&req).await?;
@@ -313,7 +313,12 @@ impl Engine {
             let _ = l.await;
         }
         // This node's share of the providers' limits goes back.
-        for rt in i.providers.values().filter(|rt| !rt.cluster.is_empty()) {
+        for rt in i
+            .setup()
+            .providers
+            .values()
+            .filter(|rt| !rt.cluster.is_empty())
+        {
             let released =
                 rt.cluster
                     .release(&i.db, &rt.name, &i.opts.node_id, &*i.clock, &rt.concurrency);
@@ -425,7 +430,8 @@ impl Engine {
     pub async fn sync_providers_once(&self) {
         let i = &self.inner;
         let now = i.clock.now_ms();
-        let beat = NodeBeat::this_process(&i.opts.node_id, i.started_at);
+        let beat = NodeBeat::this_process(&i.opts.node_id, i.started_at)
+            .running(i.setup().version.clone());
         if let Err(e) = i.db.heartbeat(&beat, now).await {
             tracing::warn!(error = %e, "heartbeat failed");
         }
@@ -437,13 +443,18 @@ impl Engine {
                 .filter(|n| n.heartbeat_at >= now - horizon && !n.draining)
                 .count()
                 .max(1);
-            for rt in i.providers.values() {
+            for rt in i.setup().providers.values() {
                 rt.cluster.set_live_nodes(live);
             }
         }
         // Spent grants go back, the slots held are renewed (or given back
         // when idle).
-        for rt in i.providers.values().filter(|rt| !rt.cluster.is_empty()) {
+        for rt in i
+            .setup()
+            .providers
+            .values()
+            .filter(|rt| !rt.cluster.is_empty())
+        {
             let lease = rt.cluster.lease(
                 &i.db,
                 &rt.name,
@@ -469,8 +480,9 @@ impl Engine {
         let now = i.clock.now_ms();
         i.providers_read_at
             .store(now, std::sync::atomic::Ordering::Relaxed);
+        let setup = i.setup();
         for s in states {
-            if let Some(rt) = i.providers.get(&s.provider) {
+            if let Some(rt) = setup.providers.get(&s.provider) {
                 rt.set_paused(s.paused);
                 // Another node was told to slow down: so is this one.
                 if let Some(until) = s.throttled_until.filter(|u| *u > now) {
@@ -485,7 +497,7 @@ impl Engine {
     /// calls until it ends (they read it in their provider sync).
     pub(super) async fn publish_throttle(&self, name: &str, until: UnixMs) {
         let i = &self.inner;
-        let Some(rt) = i.providers.get(name) else {
+        let Some(rt) = i.provider(name) else {
             return;
         };
         if !rt.note_throttle(until) {

@@ -77,11 +77,12 @@ impl Engine {
     pub async fn fire_schedules(&self, now: UnixMs) -> Result<Fired, StoreError> {
         let i = &self.inner;
         let mut fired = Fired::default();
-        if i.schedules.is_empty() {
+        let setup = i.setup();
+        if setup.schedules.is_empty() {
             return Ok(fired);
         }
         let rows = i.db.schedules().await?;
-        for s in &i.schedules {
+        for s in &setup.schedules {
             let row = rows.iter().find(|r| r.pipeline == s.pipeline);
             // A changed expression is a new schedule: it begins now rather
             // than firing the new expression's past.

@@ -1190,6 +1190,22 @@ where
         row.as_ref().map(MapRow::pipeline_version).transpose()
     }
 
+    async fn pipeline_versions(
+        &self,
+        pipeline: &str,
+        limit: i64,
+    ) -> StoreResult<Vec<PipelineVersion>> {
+        let rows = sqlx::query(
+            "SELECT id, pipeline, hash, definition, created_at FROM pipeline_versions \
+             WHERE pipeline = $1 ORDER BY id DESC LIMIT $2",
+        )
+        .bind(pipeline.to_owned())
+        .bind(limit)
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::pipeline_version)
+    }
+
     async fn create_user(&self, user: &NewUser, now: UnixMs) -> StoreResult<User> {
         validate_username(&user.username)?;
         let mut tx = self.begin_write().await?;
@@ -1354,10 +1370,12 @@ where
     async fn heartbeat(&self, b: &NodeBeat, now: UnixMs) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query(
-            "INSERT INTO nodes (id, hostname, pid, version, started_at, heartbeat_at, draining) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+            "INSERT INTO nodes (id, hostname, pid, version, started_at, heartbeat_at, draining, \
+               config_version) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (id) DO UPDATE SET hostname = excluded.hostname, pid = excluded.pid, \
-               version = excluded.version, heartbeat_at = excluded.heartbeat_at, draining = excluded.draining",
+               version = excluded.version, heartbeat_at = excluded.heartbeat_at, \
+               draining = excluded.draining, config_version = excluded.config_version",
         )
         .bind(b.id.clone())
         .bind(b.hostname.clone())
@@ -1366,6 +1384,7 @@ where
         .bind(b.started_at)
         .bind(now)
         .bind(b.draining)
+        .bind(b.config_version.clone())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -1374,7 +1393,8 @@ where
 
     async fn list_nodes(&self) -> StoreResult<Vec<Node>> {
         let rows = sqlx::query(
-            "SELECT id, hostname, pid, version, started_at, heartbeat_at, draining FROM nodes ORDER BY id",
+            "SELECT id, hostname, pid, version, started_at, heartbeat_at, draining, config_version \
+             FROM nodes ORDER BY id",
         )
         .fetch_all(self.reader())
         .await?;

@@ -45,6 +45,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     15 "0015_step_figures" "step_figures",
     16 "0016_user_theme" "user_theme",
     17 "0017_hourly_rollups" "hourly_rollups",
+    18 "0018_config_version" "config_version",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -64,6 +65,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     15 "0015_step_figures" "step_figures",
     16 "0016_user_theme" "user_theme",
     17 "0017_hourly_rollups" "hourly_rollups",
+    18 "0018_config_version" "config_version",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -542,6 +542,8 @@ pub struct NodeBeat {
     pub version: String,
     pub started_at: UnixMs,
     pub draining: bool,
+    /// The configuration it runs (`Config::version`).
+    pub config_version: Option<String>,
 }
 
 impl NodeBeat {
@@ -554,7 +556,14 @@ impl NodeBeat {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             started_at,
             draining: false,
+            config_version: None,
         }
+    }
+
+    /// The same beat, saying which configuration the node runs.
+    pub fn running(mut self, config_version: String) -> NodeBeat {
+        self.config_version = Some(config_version);
+        self
     }
 }
 
@@ -892,6 +901,12 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         id: i64,
     ) -> impl Future<Output = StoreResult<Option<PipelineVersion>>> + Send;
+    /// Pipeline `pipeline`'s newest `limit` versions, newest first.
+    fn pipeline_versions(
+        &self,
+        pipeline: &str,
+        limit: i64,
+    ) -> impl Future<Output = StoreResult<Vec<PipelineVersion>>> + Send;
 
     // --- users and sessions --------------------------------------------
     fn create_user(
@@ -1320,6 +1335,7 @@ forward! {
     fn append_event(&self, event: &NewEvent) -> Event;
     fn pin_pipeline(&self, pipeline: &str, hash: &str, definition: &Value, now: UnixMs) -> i64;
     fn pipeline_version(&self, id: i64) -> Option<PipelineVersion>;
+    fn pipeline_versions(&self, pipeline: &str, limit: i64) -> Vec<PipelineVersion>;
     fn create_user(&self, user: &NewUser, now: UnixMs) -> User;
     fn user_by_name(&self, username: &str) -> Option<User>;
     fn user_by_id(&self, id: i64) -> Option<User>;

@@ -312,6 +312,7 @@ where
             started_at: self.try_get("started_at")?,
             heartbeat_at: self.try_get("heartbeat_at")?,
             draining: self.try_get("draining")?,
+            config_version: self.try_get("config_version")?,
         })
     }
 

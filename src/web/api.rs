@@ -20,7 +20,7 @@ use crate::config::WebLimits;
 use crate::store::Store;
 use crate::web::AppState;
 
-use super::auth::{ApiKey, Bearer, ClientIpKey, Operator, Viewer};
+use super::auth::{Admin, ApiKey, Bearer, ClientIpKey, Operator, Viewer};
 use super::error::{WebError, WebResult};
 use super::query::ListQuery;
 use crate::engine::{Ops, Selection};
@@ -29,7 +29,7 @@ use crate::engine::{Ops, Selection};
 /// twice that) and, outside it, per client address (four times as much), so
 /// that inventing tokens does not buy more requests.
 pub fn router(state: &AppState) -> Router<AppState> {
-    let limits: &WebLimits = &state.config.server.limits;
+    let limits: &WebLimits = &state.config.get().server.limits;
     let trusted: Arc<[std::net::IpAddr]> = state.web.keys.trusted_proxies.clone();
     let per_second = u64::from(limits.api_per_second.max(1));
     let mut routes = Router::new()
@@ -37,7 +37,8 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .route("/records/export", get(export))
         .route("/records/bulk", post(bulk))
         .route("/records/{id}", get(get_one))
-        .route("/records/{id}/actions", post(act));
+        .route("/records/{id}/actions", post(act))
+        .route("/reload", post(reload));
     let refuse = |_| {
         let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
         r.headers_mut()
@@ -110,6 +111,19 @@ struct EnqueueBody {
     delay: Option<String>,
 }
 
+/// `POST /api/v1/reload` (admins): this node reads its configuration file
+/// again, as SIGHUP makes it. 200 with what changed, or 409
+/// `config_refused` with why (the running configuration kept).
+async fn reload(caller: Bearer<Admin>, State(state): State<AppState>) -> WebResult<Json<Value>> {
+    match state.reloader.reload(&caller.actor).await {
+        Ok(done) => Ok(Json(json!(done))),
+        Err(refused) => Err(WebError::Conflict {
+            code: "config_refused",
+            message: refused.0,
+        }),
+    }
+}
+
 async fn enqueue(
     caller: Bearer<Operator>,
     State(state): State<AppState>,
@@ -119,7 +133,7 @@ async fn enqueue(
         .engine
         .as_ref()
         .ok_or_else(|| WebError::bad("no_workers", "this node has no pipelines configured"))?;
-    if !state.config.pipelines.contains_key(&body.pipeline) {
+    if !state.config.get().pipelines.contains_key(&body.pipeline) {
         return Err(WebError::bad(
             "unknown_pipeline",
             format!("unknown pipeline `{}`", body.pipeline),

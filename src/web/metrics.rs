@@ -75,7 +75,7 @@ async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
     let secs = |ms: i64| ms.max(0) as f64 / 1000.0;
     // Every pipeline configured here, and every one with records at work
     // (another node's, or one no longer configured).
-    let mut pipelines: BTreeSet<String> = state.config.pipelines.keys().cloned().collect();
+    let mut pipelines: BTreeSet<String> = state.config.get().pipelines.keys().cloned().collect();
     let counts = state.db.state_counts().await?;
     pipelines.extend(counts.iter().map(|c| c.pipeline.clone()));
     {

@@ -55,7 +55,7 @@ impl WebContext {
 
 /// Every route of the control plane, with its layers.
 pub fn router(state: AppState) -> Router {
-    let limits = state.config.server.limits.clone();
+    let limits = state.config.get().server.limits.clone();
     let dashboard = pages::router(&state)
         .layer(from_fn_with_state(state.clone(), security::csrf))
         .layer(from_fn(security::page_errors));

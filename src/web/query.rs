@@ -212,7 +212,10 @@ pub async fn bulk(
 ) -> WebResult<crate::engine::BulkOutcome> {
     let ops = state.ops();
     let targets = ops
-        .select(selection, state.config.server.limits.bulk_max as usize)
+        .select(
+            selection,
+            state.config.get().server.limits.bulk_max as usize,
+        )
         .await?;
     if apply && state.web.bulk_limiter.check_key(&actor.to_owned()).is_err() {
         return Err(WebError::TooManyRequests(

@@ -62,7 +62,7 @@ pub fn origin_ok(headers: &HeaderMap, state: &AppState) -> bool {
         return false;
     };
     let origin = origin.to_ascii_lowercase();
-    match state.config.server.public_origin() {
+    match state.config.get().server.public_origin() {
         Some(expected) => origin == expected,
         None => {
             let host = origin
@@ -102,7 +102,7 @@ pub async fn csrf(State(state): State<AppState>, req: Request, next: Next) -> Re
         None => {
             // A plain form: read the body (bounded) to find the field, then
             // hand the same bytes on.
-            let limit = state.config.server.limits.max_body_bytes;
+            let limit = state.config.get().server.limits.max_body_bytes;
             let (parts, body) = req.into_parts();
             let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
                 return WebError::TooLarge.into_response();

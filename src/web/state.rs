@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
 use crate::domain::Clock;
 use crate::store::Db;
 
@@ -12,7 +11,10 @@ use crate::store::Db;
 #[derive(Clone)]
 pub struct AppState {
     pub db: Db,
-    pub config: Arc<Config>,
+    /// The configuration now (a reload replaces its providers and pipelines).
+    pub config: crate::config::Live,
+    /// Reads the configuration again (`POST /api/v1/reload`, SIGHUP).
+    pub reloader: Arc<crate::reload::Reloader>,
     /// This process's id among the nodes sharing the database.
     pub node_id: Arc<str>,
     /// Cancelled when the process starts shutting down.
@@ -30,7 +32,7 @@ impl AppState {
     pub fn ops(&self) -> crate::engine::Ops<'_> {
         crate::engine::Ops::new(
             &self.db,
-            &self.config,
+            &self.config.get(),
             self.engine.as_ref(),
             self.clock.as_ref(),
         )

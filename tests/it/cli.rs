@@ -12,7 +12,7 @@ use crate::wait;
 const PASSWORD: &str = "correct horse battery staple";
 
 /// Runs `ballast ARGS` in `dir` with only the given BALLAST_* variables.
-fn ballast(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
+pub(crate) fn ballast(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ballast"));
     cmd.args(args);
     run(cmd, dir, env)
@@ -51,11 +51,11 @@ async fn ballast_off_runtime(dir: &Path, env: &[(&str, &str)], args: &[&str]) ->
     .unwrap()
 }
 
-fn stdout(o: &Output) -> String {
+pub(crate) fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-fn stderr(o: &Output) -> String {
+pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
@@ -776,7 +776,7 @@ fn the_systemd_unit_verifies() {
 
 /// Starts `ballast serve` in `dir` on `addr` (the default database there,
 /// no configured admin password, `env` added) and waits until it serves.
-async fn start_serve(
+pub(crate) async fn start_serve(
     dir: &Path,
     addr: std::net::SocketAddr,
     env: &[(&str, &str)],

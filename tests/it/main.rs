@@ -20,6 +20,7 @@ mod helpers;
 mod http;
 mod migrations;
 mod pipelines;
+mod reload;
 mod scale;
 #[path = "../../benches/support/seed.rs"]
 mod seed;

@@ -2033,11 +2033,14 @@ async fn nodes_providers_and_pipelines(db: &Db) {
         version: "0.1.0".into(),
         started_at: T0,
         draining: false,
+        config_version: None,
     };
     db.heartbeat(&beat, T0).await.unwrap();
+    assert_eq!(db.list_nodes().await.unwrap()[0].config_version, None);
     db.heartbeat(
         &NodeBeat {
             draining: true,
+            config_version: Some("0123456789ab".into()),
             ..beat.clone()
         },
         T0 + 5_000,
@@ -2054,6 +2057,7 @@ async fn nodes_providers_and_pipelines(db: &Db) {
         ),
         (T0 + 5_000, true, T0)
     );
+    assert_eq!(nodes[0].config_version.as_deref(), Some("0123456789ab"));
     db.remove_node("n1").await.unwrap();
     assert!(db.list_nodes().await.unwrap().is_empty());
 

@@ -2582,3 +2582,63 @@ async fn a_users_colour_scheme_follows_them() {
     assert!(!page.contains("data-theme"));
     app.stop().await;
 }
+
+/// Issue 24 item 5: the overview names the configuration this node runs,
+/// and says when the live nodes do not all run the same one (a node from
+/// before migration 18, which says none, is left out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_says_when_nodes_run_different_configurations() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "config_split", "").await else {
+        return;
+    };
+    app.user("v", Role::Viewer).await;
+    let login = app.login("v").await;
+    let beat = |id: &str, version: Option<&str>| ballast::store::NodeBeat {
+        config_version: version.map(str::to_owned),
+        ..ballast::store::NodeBeat::this_process(id, crate::helpers::wall_ms())
+    };
+    let db = app.t.db.clone();
+    db.heartbeat(&beat("old-node", None), crate::helpers::wall_ms())
+        .await
+        .unwrap();
+    // This node's own beat says its version.
+    let page = crate::helpers::poll_until("this node's beat", Duration::from_secs(30), || async {
+        let page = app.text("/", Some(&login)).await;
+        page.contains("2 live node(s)").then_some(page)
+    })
+    .await;
+    let ours = page
+        .split(r#"<code id="config-version">"#)
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap()
+        .to_owned();
+    assert_eq!(ours.len(), 12, "{ours}");
+    assert!(
+        !page.contains("config-split"),
+        "one version said: no warning"
+    );
+    db.heartbeat(
+        &beat("other", Some("0123456789ab")),
+        crate::helpers::wall_ms(),
+    )
+    .await
+    .unwrap();
+    let page = app.text("/", Some(&login)).await;
+    assert!(page.contains(r#"id="config-split""#), "{page}");
+    assert!(
+        page.contains("other runs <code>0123456789ab</code>"),
+        "{page}"
+    );
+    assert!(
+        page.contains(&format!("runs <code>{ours}</code>")),
+        "{page}"
+    );
+    assert!(!page.contains("old-node runs"), "{page}");
+    db.heartbeat(&beat("other", Some(&ours)), crate::helpers::wall_ms())
+        .await
+        .unwrap();
+    let page = app.text("/", Some(&login)).await;
+    assert!(!page.contains("config-split"), "the same again");
+    app.stop().await;
+}

@@ -24,7 +24,7 @@ use crate::web::error::{WebError, WebResult};
 use super::{html, safe_next};
 
 pub fn router(state: &AppState) -> Router<AppState> {
-    let per_minute = u64::from(state.config.server.limits.logins_per_minute.max(1));
+    let per_minute = u64::from(state.config.get().server.limits.logins_per_minute.max(1));
     // A burst of `per_minute`, refilled evenly over the minute.
     let limit = GovernorConfigBuilder::default()
         .key_extractor(ClientIpKey {
@@ -110,7 +110,7 @@ async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> W
     }
     // Counted before the password is checked, so that parallel guesses
     // cannot all pass the lock check first; a success clears the count.
-    let l = &state.config.server.limits;
+    let l = &state.config.get().server.limits;
     let lock_ms = i64::try_from(l.lockout.0.as_millis()).unwrap_or(i64::MAX);
     let policy = LoginPolicy {
         window_ms: lock_ms,

@@ -94,7 +94,26 @@ struct OverviewPage {
     providers: Vec<ProviderRow>,
     schedules: Vec<ScheduleLine>,
     nodes: usize,
+    /// The configuration this node runs (`Config::version`).
+    config_version: String,
+    /// Each live node and the configuration it runs, when they differ.
+    config_split: Vec<(String, String)>,
     stats: super::super::stats_view::Stats,
+}
+
+/// The live nodes and their configurations, when they do not all run the
+/// same one (a node that has not said, from before migration 18, is left
+/// out); empty otherwise.
+fn config_split(live: &[&crate::domain::Node]) -> Vec<(String, String)> {
+    let said: Vec<(String, String)> = live
+        .iter()
+        .filter_map(|n| Some((n.id.clone(), n.config_version.clone()?)))
+        .collect();
+    let first = said.first().map(|s| s.1.clone());
+    if said.iter().all(|s| Some(&s.1) == first.as_ref()) {
+        return Vec::new();
+    }
+    said
 }
 
 /// Counts by state for each name (configured ones always, others when they
@@ -142,10 +161,14 @@ async fn overview(
         state.db.rollups_since(now - 24 * 3600 * 1000),
         state.db.schedules(),
     )?;
-    let pipelines = table(state.config.pipelines.keys(), counts);
-    let by_provider = table(state.config.providers.keys(), per_provider);
-    let providers = state
-        .config
+    let config = state.config.get();
+    // Nodes heard from lately; a crashed node's row stays until it ages out.
+    let horizon = now - 3 * crate::domain::host::HEARTBEAT_EVERY.as_millis() as i64;
+    let live: Vec<&crate::domain::Node> =
+        nodes.iter().filter(|n| n.heartbeat_at > horizon).collect();
+    let pipelines = table(config.pipelines.keys(), counts);
+    let by_provider = table(config.providers.keys(), per_provider);
+    let providers = config
         .providers
         .keys()
         .map(|name| {
@@ -167,14 +190,10 @@ async fn overview(
         pipelines,
         by_provider,
         providers,
-        schedules: schedule_lines(&state.config, &schedule_rows, now),
-        // Nodes heard from lately; a crashed node's row stays until it ages out.
-        nodes: nodes
-            .iter()
-            .filter(|n| {
-                n.heartbeat_at > now - 3 * crate::domain::host::HEARTBEAT_EVERY.as_millis() as i64
-            })
-            .count(),
+        schedules: schedule_lines(&config, &schedule_rows, now),
+        nodes: live.len(),
+        config_version: config.version(),
+        config_split: config_split(&live),
         stats,
     };
     if is_htmx(&headers) {

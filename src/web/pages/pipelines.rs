@@ -61,7 +61,21 @@ pub struct PipelineView {
     /// Records at steps this configuration no longer has (an older
     /// version's), by step.
     pub elsewhere: Vec<(String, Vec<Here>)>,
+    /// Its newest definitions (records keep the one they started with):
+    /// id, hash, since when, whether new records get it here.
+    pub versions: Vec<VersionRow>,
 }
+
+/// One pinned definition of a pipeline.
+pub struct VersionRow {
+    pub id: i64,
+    pub hash: String,
+    pub since: String,
+    pub current: bool,
+}
+
+/// How many of a pipeline's versions the page lists.
+const VERSIONS_SHOWN: i64 = 5;
 
 #[derive(Template)]
 #[template(path = "pages/pipelines.html", blocks = ["live"])]
@@ -193,6 +207,7 @@ fn view(
         steps,
         unstarted,
         elsewhere: here.into_iter().collect(),
+        versions: Vec::new(),
     }
 }
 
@@ -207,13 +222,25 @@ async fn pipelines(
         state.db.step_counts(),
     )?;
     let runs = step_runs(&rollups, now);
-    let pipelines = state
-        .config
-        .pipelines
-        .iter()
-        .enumerate()
-        .map(|(i, (name, p))| view(name, p, i, &runs, &counts))
-        .collect();
+    let config = state.config.get();
+    let mut pipelines = Vec::with_capacity(config.pipelines.len());
+    for (i, (name, p)) in config.pipelines.iter().enumerate() {
+        let mut v = view(name, p, i, &runs, &counts);
+        let current = state.engine.as_ref().and_then(|e| e.current_version(name));
+        v.versions = state
+            .db
+            .pipeline_versions(name, VERSIONS_SHOWN)
+            .await?
+            .into_iter()
+            .map(|pv| VersionRow {
+                id: pv.id,
+                hash: pv.hash.chars().take(12).collect(),
+                since: when(pv.created_at),
+                current: Some(pv.id) == current,
+            })
+            .collect();
+        pipelines.push(v);
+    }
     let t = PipelinesPage {
         nav: Nav::new(&caller, "pipelines"),
         updated: when(now),

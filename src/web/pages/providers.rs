@@ -53,8 +53,8 @@ struct ProvidersPage {
 async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<ProvidersPage> {
     let shared = state.db.provider_states().await?;
     let now = state.clock.now_ms();
-    let providers = state
-        .config
+    let config = state.config.get();
+    let providers = config
         .providers
         .iter()
         .map(|(name, cfg)| {

@@ -128,8 +128,8 @@ async fn list(
         nav: Nav::new(&caller, "records"),
         filters: q.query_string(),
         f: q,
-        pipelines: state.config.pipelines.keys().cloned().collect(),
-        providers: state.config.providers.keys().cloned().collect(),
+        pipelines: state.config.get().pipelines.keys().cloned().collect(),
+        providers: state.config.get().providers.keys().cloned().collect(),
         states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
         untils: crate::domain::park::UntilKind::ALL
             .iter()
@@ -138,7 +138,7 @@ async fn list(
         partial: page.next.is_some() && (page.items.len() as u32) < filter.limit.max(1),
         rows: page.items.iter().map(RecordRow::from).collect(),
         next: page.next,
-        bulk_max: state.config.server.limits.bulk_max,
+        bulk_max: state.config.get().server.limits.bulk_max,
     };
     if is_htmx(&headers) {
         return html(&t.as_list());
@@ -174,7 +174,7 @@ async fn search(
     if q.is_empty() {
         return Ok(Redirect::to("/records").into_response());
     }
-    let providers: Vec<String> = state.config.providers.keys().cloned().collect();
+    let providers: Vec<String> = state.config.get().providers.keys().cloned().collect();
     let named = state.db.find_records(&q, &providers).await?;
     if let [one] = named.as_slice() {
         return Ok(Redirect::to(&format!("/records/{}", one.id)).into_response());
@@ -224,7 +224,7 @@ async fn enqueue(
         .engine
         .as_ref()
         .ok_or_else(|| bad("no_workers", "this node has no pipelines configured".into()))?;
-    if !state.config.pipelines.contains_key(&form.pipeline) {
+    if !state.config.get().pipelines.contains_key(&form.pipeline) {
         return Err(bad(
             "unknown_pipeline",
             format!("unknown pipeline `{}`", form.pipeline),
@@ -451,6 +451,9 @@ struct EventView {
 )]
 struct RecordPage {
     nav: Nav,
+    /// The pipeline version the record runs on, and how it stands to the
+    /// one new records get.
+    pinned: String,
     r: RecordRow,
     created: String,
     finished: String,
@@ -476,6 +479,17 @@ struct RecordPage {
     /// Rendered for the live poll: the parts swap themselves in (htmx's
     /// out-of-band swap).
     oob: bool,
+}
+
+/// The version a record runs on (`pipeline_versions.id`), said against
+/// the version new records get on this node.
+fn pinned_version(pinned: Option<i64>, current: Option<i64>) -> String {
+    match (pinned, current) {
+        (Some(v), Some(c)) if v == c => format!("version {v} (current)"),
+        (Some(v), Some(c)) => format!("version {v} (new records get version {c})"),
+        (Some(v), None) => format!("version {v} (the pipeline is not configured here)"),
+        (None, _) => "the current version (not pinned)".to_owned(),
+    }
 }
 
 /// A record's steps as a graph of its pipeline (`shape`: each step and
@@ -685,8 +699,13 @@ async fn record_page_at(
     } else {
         Vec::new()
     };
+    let current = state
+        .engine
+        .as_ref()
+        .and_then(|e| e.current_version(&rec.pipeline));
     Ok(RecordPage {
         nav: Nav::new(caller, "records"),
+        pinned: pinned_version(rec.pipeline_version, current),
         r: RecordRow::from(&rec),
         created: when(rec.created_at),
         finished: when_opt(rec.finished_at),
