@@ -143,6 +143,10 @@ pub async fn run_from(
     shutdown: CancellationToken,
     on_start: impl FnOnce(&AppState),
 ) -> anyhow::Result<()> {
+    // SIGHUP's default action ends the process: taken from here on (a
+    // long migration may come first), and read as a reload once serving.
+    #[cfg(unix)]
+    let hangups = hangups();
     // Metrics are recorded from the start, not from the first scrape.
     let _ = crate::web::metrics::handle();
     let db = connect(&config).await?;
@@ -211,7 +215,10 @@ pub async fn run_from(
 
     let tasks = TaskTracker::new();
     tasks.spawn(crate::web::housekeeping(state.clone()));
-    tasks.spawn(reload_on_hangup(reloader, shutdown.clone()));
+    #[cfg(unix)]
+    if let Some(hangups) = hangups {
+        tasks.spawn(reload_on_hangup(hangups, reloader, shutdown.clone()));
+    }
     if let Some(engine) = engine {
         let stop = shutdown.clone();
         // The engine keeps the node's heartbeat while it runs.
@@ -272,31 +279,35 @@ pub async fn run_from(
     Ok(())
 }
 
-/// Reloads the configuration on each SIGHUP until shutdown (a refusal is
-/// logged by the reloader; the node goes on as it was).
-async fn reload_on_hangup(reloader: Arc<Reloader>, shutdown: CancellationToken) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut hup = match signal(SignalKind::hangup()) {
-            Ok(hup) => hup,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGHUP; reload through the API");
-                return;
-            }
-        };
-        loop {
-            tokio::select! {
-                got = hup.recv() => if got.is_none() { return },
-                () = shutdown.cancelled() => return,
-            }
-            tracing::info!("SIGHUP: reloading the configuration");
-            let _ = reloader.reload("signal:SIGHUP").await;
+/// SIGHUP, taken from the process's default (which ends it).
+#[cfg(unix)]
+fn hangups() -> Option<tokio::signal::unix::Signal> {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::hangup()) {
+        Ok(hup) => Some(hup),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; reload through the API");
+            None
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = (reloader, shutdown);
+}
+
+/// Reloads the configuration on each SIGHUP until shutdown (a refusal is
+/// logged by the reloader; the node goes on as it was). A SIGHUP that came
+/// while the node started is one reload now.
+#[cfg(unix)]
+async fn reload_on_hangup(
+    mut hup: tokio::signal::unix::Signal,
+    reloader: Arc<Reloader>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            got = hup.recv() => if got.is_none() { return },
+            () = shutdown.cancelled() => return,
+        }
+        tracing::info!("SIGHUP: reloading the configuration");
+        let _ = reloader.reload("signal:SIGHUP").await;
     }
 }
 
@@ -305,8 +316,7 @@ async fn heartbeat(state: AppState) {
     let clock = state.clock.clone();
     let started = clock.now_ms();
     loop {
-        let beat =
-            NodeBeat::this_process(&state.node_id, started).running(state.config.get().version());
+        let beat = NodeBeat::this_process(&state.node_id, started).running(state.config.version());
         if let Err(e) = state.db.heartbeat(&beat, clock.now_ms()).await {
             tracing::warn!(error = %e, "heartbeat failed");
         }

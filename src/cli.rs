@@ -313,9 +313,15 @@ impl Cli {
         let mut cmd = Cli::command();
         match &self.command {
             Command::Completions { shell } => {
+                // Made whole first: `generate` panics on a failed write
+                // (a closed pipe); this says it as an error instead.
+                let mut script = Vec::new();
+                clap_complete::generate(*shell, &mut cmd, "ballast", &mut script);
                 let mut out = std::io::stdout().lock();
-                clap_complete::generate(*shell, &mut cmd, "ballast", &mut out);
-                Some(std::io::Write::flush(&mut out))
+                Some(
+                    std::io::Write::write_all(&mut out, &script)
+                        .and_then(|()| std::io::Write::flush(&mut out)),
+                )
             }
             Command::Man { dir: Some(dir) } => Some(clap_mangen::generate_to(cmd, dir)),
             Command::Man { dir: None } => {
@@ -330,10 +336,11 @@ impl Cli {
         }
     }
 
-    /// Whether the command needs this process's configuration: all but
-    /// `reload --url` (the node it names reads its own).
+    /// Whether the command needs this process's configuration checked:
+    /// all but `reload` (the node reads and checks its own file, with the
+    /// secrets of its own environment; `reload` reads only the address).
     pub fn needs_config(&self) -> bool {
-        !matches!(&self.command, Command::Reload { url: Some(_) })
+        !matches!(&self.command, Command::Reload { .. })
     }
 
     /// The command runs the workers (`serve`): the one that exports
@@ -351,7 +358,11 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
     // before anything starts, whichever command was asked for (but
     // `reload`: the node checks the file it reads, and says what is wrong).
     if let Command::Reload { url } = cli.command {
-        return reload(&config, url).await;
+        let url = match url {
+            Some(url) => url,
+            None => node_url(cli.config.as_deref())?,
+        };
+        return reload(&url).await;
     }
     crate::pipeline::compile(&config)?;
     match cli.command {
@@ -585,22 +596,44 @@ async fn serve(
 /// The environment variable `reload` reads an admin API token from.
 pub const API_TOKEN_ENV: &str = "BALLAST_API_TOKEN";
 
-/// `reload`: `POST /api/v1/reload` on a running node; prints what changed.
-async fn reload(config: &Config, url: Option<String>) -> anyhow::Result<()> {
+/// The address of the node whose configuration is `file` (or
+/// `./ballast.toml`): its `server.bind` as written, or `BALLAST_SERVER_BIND`.
+/// Nothing else in it is read or checked (the secrets it names are in the
+/// node's environment, not this shell's).
+fn node_url(file: Option<&std::path::Path>) -> anyhow::Result<String> {
+    let file = file
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from(crate::config::DEFAULT_FILE)).filter(|p| p.exists()));
+    let mut bind = Config::default().server.bind;
+    if let Some(file) = &file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {} (or give --url)", file.display()))?;
+        bind = Config::parse(&text, file)
+            .context("cannot read the node's address (or give --url)")?
+            .server
+            .bind;
+    }
+    if let Ok(text) = std::env::var("BALLAST_SERVER_BIND") {
+        bind = text
+            .parse()
+            .with_context(|| format!("BALLAST_SERVER_BIND `{text}` is not an address"))?;
+    }
+    // A node listening on every address answers on loopback.
+    let host = if bind.ip().is_unspecified() {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        bind.ip()
+    };
+    Ok(format!("http://{}", SocketAddr::new(host, bind.port())))
+}
+
+/// `reload`: `POST /api/v1/reload` on the node at `base`; prints what
+/// changed.
+async fn reload(base: &str) -> anyhow::Result<()> {
     let token = std::env::var(API_TOKEN_ENV)
         .ok()
         .filter(|t| !t.is_empty())
         .with_context(|| format!("{API_TOKEN_ENV} is not set (an admin's API token)"))?;
-    let base = url.unwrap_or_else(|| {
-        let bind = config.server.bind;
-        // A node listening on every address answers on loopback.
-        let host = if bind.ip().is_unspecified() {
-            std::net::IpAddr::from([127, 0, 0, 1])
-        } else {
-            bind.ip()
-        };
-        format!("http://{}", SocketAddr::new(host, bind.port()))
-    });
     let endpoint = format!("{}/api/v1/reload", base.trim_end_matches('/'));
     let reply = reqwest::Client::new()
         .post(&endpoint)

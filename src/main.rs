@@ -33,8 +33,9 @@ fn main() -> ExitCode {
     };
     let loaded = match Config::load(cli.config.as_deref()) {
         Ok(loaded) => loaded,
-        // `reload --url` asks a node to read its own file; this one is
-        // not needed (and may be the bad one being reloaded).
+        // `reload` asks a node to read and check its own file (this one
+        // may be the bad one being reloaded, and its secrets are in the
+        // node's environment): it reads only the node's address.
         Err(_) if !cli.needs_config() => ballast::config::Loaded {
             config: Config::default(),
             file: None,

@@ -143,7 +143,7 @@ impl Reloader {
                     .reconfigure(new)
                     .await
                     .map_err(|e| Refused(e.to_string()))?;
-                self.live.set(engine.config());
+                self.live.set(engine.config(), engine.config_version());
                 done.changes
             }
             None if !new.pipelines.is_empty() => {
@@ -154,12 +154,13 @@ impl Reloader {
             }
             None => {
                 let changes = provider_changes(&old, &new);
-                self.live.set(Arc::new(new));
+                let version = new.version();
+                self.live.set(Arc::new(new), version);
                 changes
             }
         };
         Ok(Reloaded {
-            version: self.live.get().version(),
+            version: self.live.version(),
             changes,
             at_restart,
         })

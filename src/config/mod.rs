@@ -36,26 +36,37 @@ pub struct Config {
 /// The configuration a running node uses now: read by the control plane
 /// at each request, replaced whole by a reload (`crate::reload`).
 #[derive(Clone)]
-pub struct Live(Arc<std::sync::RwLock<Arc<Config>>>);
+pub struct Live(Arc<std::sync::RwLock<(Arc<Config>, String)>>);
 
 impl Live {
     pub fn new(config: Arc<Config>) -> Self {
-        Live(Arc::new(std::sync::RwLock::new(config)))
+        let version = config.version();
+        Live(Arc::new(std::sync::RwLock::new((config, version))))
     }
 
     /// The configuration as it is now.
     pub fn get(&self) -> Arc<Config> {
-        self.0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.read().0.clone()
     }
 
-    pub fn set(&self, config: Arc<Config>) {
+    /// The version of the file it came from ([`Config::version`]; a
+    /// reload may keep a provider the file no longer names, which this
+    /// leaves out).
+    pub fn version(&self) -> String {
+        self.read().1.clone()
+    }
+
+    pub fn set(&self, config: Arc<Config>, version: String) {
         *self
             .0
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = config;
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = (config, version);
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, (Arc<Config>, String)> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

@@ -72,10 +72,18 @@ impl Engine {
                 key: provider.to_owned(),
             });
         };
+        // Where the job id is, by the current pipelines' callback steps,
+        // then by those of every version this node runs (a record waiting
+        // on a step a reload removed or changed still hears of its job).
+        let older: Vec<std::sync::Arc<crate::pipeline::Pipeline>> = super::lock(&i.pinned)
+            .values()
+            .map(|c| c.0.clone())
+            .collect();
         let job_id = setup
             .pipelines
             .pipelines
             .values()
+            .chain(older.iter())
             .flat_map(|p| p.steps.iter())
             .find_map(|s| {
                 let cb = s.callback().filter(|_| s.provider == provider)?;

@@ -75,6 +75,15 @@ pub struct ProviderRuntime {
     pub token: Option<Arc<super::token::TokenSource>>,
 }
 
+/// A provider's new settings, checked and built, not yet in use
+/// ([`ProviderRuntime::prepare`]).
+pub struct Prepared {
+    config: ProviderConfig,
+    rules: Vec<Rule>,
+    client: reqwest::Client,
+    token: Option<Arc<super::token::TokenSource>>,
+}
+
 /// The longest a call started before a grant or probe lapsed may still be
 /// under way: twice the provider's timeout, and 5 s.
 pub fn lapse_ms(config: &ProviderConfig) -> i64 {
@@ -124,6 +133,12 @@ impl ProviderRuntime {
     /// settings to their end. A cap's scope (node or cluster) changes
     /// only at a restart.
     pub fn reconfigured(&self, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
+        Ok(self.retuned(self.prepare(config)?, now))
+    }
+
+    /// The fallible part of [`reconfigured`](Self::reconfigured): the new
+    /// settings checked and built, nothing of the running state touched.
+    pub fn prepare(&self, config: &ProviderConfig) -> Result<Prepared, String> {
         let name = &self.name;
         if config.concurrency_scope != self.config.concurrency_scope {
             return Err(format!(
@@ -131,11 +146,33 @@ impl ProviderRuntime {
             ));
         }
         let (rules, client) = Self::settings(name, config)?;
-        let token = if format!("{:?}", config.oauth2) == format!("{:?}", self.config.oauth2) {
+        // A token stays valid for the same credentials asked the same way.
+        let same = |c: &ProviderConfig| format!("{:?} {:?}", c.oauth2, c.timeout);
+        let token = if same(config) == same(&self.config) {
             self.token.clone()
         } else {
             Self::token_source(name, config)?
         };
+        Ok(Prepared {
+            config: config.clone(),
+            rules,
+            client,
+            token,
+        })
+    }
+
+    /// The infallible part of [`reconfigured`](Self::reconfigured): the
+    /// state retuned to `new`'s limits, and the runtime that calls from
+    /// now on use.
+    pub fn retuned(&self, new: Prepared, now: UnixMs) -> Self {
+        let Prepared {
+            config,
+            rules,
+            client,
+            token,
+        } = new;
+        let config = &config;
+        let name = &self.name;
         let (old, new) = (self.config.concurrency, config.concurrency);
         if config.concurrency_scope == ConcurrencyScope::Node && old != new {
             let sem = self.concurrency.clone();
@@ -159,7 +196,7 @@ impl ProviderRuntime {
             .reconfigure(&config.rate_limits, cap, lapse_ms(config));
         lock(&self.breaker).set_policy(config.breaker.policy());
         lock(&self.budget).retune(config.retry.budget, config.retry.budget_floor, now);
-        Ok(ProviderRuntime {
+        ProviderRuntime {
             name: name.clone(),
             config: config.clone(),
             rules,
@@ -173,7 +210,7 @@ impl ProviderRuntime {
             published_throttle: self.published_throttle.clone(),
             in_process: self.in_process.clone(),
             token,
-        })
+        }
     }
 
     /// What a provider's settings make: its reply rules and HTTP client.
@@ -239,6 +276,48 @@ impl ProviderRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn provider(extra: &str) -> ProviderConfig {
+        let text = format!(
+            "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\nconcurrency_scope = \"node\"\n{extra}\n"
+        );
+        let config = crate::config::Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
+        config.providers["p"].clone()
+    }
+
+    /// A node's cap retuned under calls in flight: fewer slots take the
+    /// free ones now and the busy ones as their calls end; more are there
+    /// at once; the state is the same one; a scope change is refused.
+    #[tokio::test]
+    async fn a_smaller_cap_waits_for_calls_in_flight_and_a_larger_one_is_there_now() {
+        let rt = ProviderRuntime::new("p", &provider("concurrency = 4"), 0).unwrap();
+        let mut held: Vec<_> = (0..3)
+            .map(|_| rt.concurrency.clone().try_acquire_owned().unwrap())
+            .collect();
+        let two = rt.reconfigured(&provider("concurrency = 2"), 0).unwrap();
+        assert!(Arc::ptr_eq(&two.concurrency, &rt.concurrency));
+        assert_eq!(rt.concurrency.available_permits(), 0, "the free one went");
+        // One of the three calls ends: its slot is taken away too.
+        drop(held.pop());
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+        assert_eq!(rt.concurrency.available_permits(), 0, "2 in flight, cap 2");
+        drop(held.pop());
+        tokio::task::yield_now().await;
+        assert_eq!(rt.concurrency.available_permits(), 1, "1 in flight, cap 2");
+        let five = two.reconfigured(&provider("concurrency = 5"), 0).unwrap();
+        assert_eq!(
+            five.concurrency.available_permits(),
+            4,
+            "1 in flight, cap 5"
+        );
+        rt.set_paused(true);
+        assert!(five.is_paused(), "one state");
+        let mut cluster = provider("concurrency = 5");
+        cluster.concurrency_scope = ConcurrencyScope::Cluster;
+        let scope = five.reconfigured(&cluster, 0);
+        assert!(scope.err().unwrap().contains("changes only at a restart"));
+    }
 
     #[test]
     fn a_pause_holds_calls_until_it_ends() {

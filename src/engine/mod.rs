@@ -86,6 +86,15 @@ impl EngineOptions {
     }
 }
 
+/// Why a record's pipeline cannot run on this node.
+enum NotHere {
+    /// Not configured, and no pinned version names it.
+    Unknown,
+    /// Its pinned version needs what this node's configuration lacks (a
+    /// provider another node's reload added), or could not be read now.
+    Unavailable(String),
+}
+
 /// Errors that stop the engine from starting.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -128,6 +137,8 @@ struct Inner {
     wake: Notify,
     /// Another node changed a provider's shared state.
     providers_changed: Notify,
+    /// A reload changed the cron schedules.
+    schedules_changed: Notify,
     /// When this node last read providers' shared state.
     providers_read_at: std::sync::atomic::AtomicI64,
     /// When the dispatch loop last turned, in ms since `born` (systemd's
@@ -324,6 +335,7 @@ impl Engine {
                 started_at: now,
                 wake: Notify::new(),
                 providers_changed: Notify::new(),
+                schedules_changed: Notify::new(),
                 providers_read_at: std::sync::atomic::AtomicI64::new(i64::MIN / 2),
                 pulse: std::sync::atomic::AtomicU64::new(0),
                 born,
@@ -517,19 +529,41 @@ impl Engine {
     }
 
     async fn compiled(&self, rec: &Record) -> Option<Compiled> {
+        self.compiled_for(rec).await.ok()
+    }
+
+    /// The pipeline version `rec` runs on, compiled against this node's
+    /// providers (cached by version id).
+    async fn compiled_for(&self, rec: &Record) -> Result<Compiled, NotHere> {
         let i = &self.inner;
         let version = match rec.pipeline_version {
             Some(v) => v,
-            None => *lock(&i.current).get(&rec.pipeline)?,
+            None => *lock(&i.current)
+                .get(&rec.pipeline)
+                .ok_or(NotHere::Unknown)?,
         };
         if let Some(c) = lock(&i.pinned).get(&version).cloned() {
-            return Some(c);
+            return Ok(c);
         }
-        let pv = i.db.pipeline_version(version).await.ok()??;
-        let compiled =
-            crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config()).ok()?;
+        let pv = match i.db.pipeline_version(version).await {
+            Ok(Some(pv)) => pv,
+            Ok(None) => return Err(NotHere::Unknown),
+            Err(e) => {
+                return Err(NotHere::Unavailable(format!(
+                    "cannot read pipeline version {version}: {e}"
+                )));
+            }
+        };
+        let compiled = crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config())
+            .map_err(|e| {
+            NotHere::Unavailable(format!(
+                "pipeline `{}` version {version} does not run with this node's configuration \
+                     ({e}): reload this node with the file the others run",
+                pv.pipeline
+            ))
+        })?;
         lock(&i.pinned).insert(version, compiled.clone());
-        Some(compiled)
+        Ok(compiled)
     }
 }
 

@@ -109,7 +109,7 @@ impl<'a> Ops<'a> {
         let extra = ActExtra {
             step,
             until,
-            input: None,
+            ..ActExtra::default()
         };
         self.act_with(id, action, actor, reason, extra).await
     }
@@ -127,7 +127,18 @@ impl<'a> Ops<'a> {
     ) -> Result<Record, OpsError> {
         // The store refuses an input with any action but a retry or a
         // replay, inside the record's transaction.
-        let ActExtra { step, until, input } = extra;
+        let ActExtra {
+            step,
+            until,
+            input,
+            on_current,
+        } = extra;
+        if on_current && action != OperatorAction::ReplayFrom {
+            return Err(OpsError::refused(
+                "current_needs_replay",
+                format!("only a replay runs a record on the current version, not {action}"),
+            ));
+        }
 
         if action == OperatorAction::TookEffect {
             return Err(OpsError::refused(
@@ -171,9 +182,10 @@ impl<'a> Ops<'a> {
             until,
             took: None,
             input,
+            repin: None,
         };
         let rec = match self.engine {
-            Some(engine) => engine.act(req, step).await?,
+            Some(engine) => engine.act(req, step, on_current).await?,
             None if action == OperatorAction::ReplayFrom => {
                 return Err(OpsError::refused(
                     "replay_unavailable",
@@ -327,6 +339,7 @@ impl<'a> Ops<'a> {
             until: None,
             took: Some(took),
             input: None,
+            repin: None,
         };
         let rec = self.db.act(&req).await?;
         if let Some(engine) = self.engine {
@@ -537,17 +550,23 @@ pub struct ActExtra<'a> {
     pub until: Option<&'a str>,
     /// For a retry or a replay: the record's input from now on.
     pub input: Option<crate::store::InputEdit>,
+    /// For a replay: on the pipeline's current version (the steps from
+    /// `step` on as it defines them), the record pinned to it from now;
+    /// otherwise on the version the record started with.
+    pub on_current: bool,
 }
 
 impl Engine {
     /// An operator action on one record, through the transition table and
     /// audited: `req` with its time and steps filled in here. For a replay,
     /// `step` names where to start; the steps downstream of it come from
-    /// the record's pinned pipeline.
+    /// the record's pinned pipeline, or (`on_current`) from the current
+    /// one, which the record is then pinned to.
     pub(super) async fn act(
         &self,
         mut req: ActionRequest,
         step: Option<&str>,
+        on_current: bool,
     ) -> Result<Record, StoreError> {
         let i = &self.inner;
         let (record_id, action) = (req.record_id, req.action);
@@ -565,7 +584,22 @@ impl Engine {
                     "replay needs a step to start from".into(),
                 ));
             };
-            let compiled = self.compiled(&rec).await;
+            let compiled = if on_current {
+                let current = self.current_version(&rec.pipeline).ok_or_else(|| {
+                    StoreError::Invalid(format!(
+                        "pipeline `{}` is not configured here: there is no current version",
+                        rec.pipeline
+                    ))
+                })?;
+                if rec.pipeline_version != Some(current) {
+                    req.repin = Some(current);
+                }
+                // The version and its steps read together (a reload
+                // between two reads could pair them wrongly).
+                super::lock(&self.inner.pinned).get(&current).cloned()
+            } else {
+                self.compiled(&rec).await
+            };
             steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
                 StoreError::Invalid(format!("pipeline `{}` has no step `{step}`", rec.pipeline))
             })?;

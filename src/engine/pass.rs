@@ -15,6 +15,10 @@ use crate::domain::pass::{PassFacts, may_start_more, ready, skip_blocked, verdic
 use crate::domain::step::Park;
 use crate::domain::{Record, StepRun, StepState, UnixMs, WorkResult};
 use crate::pipeline::{Pipeline, Step, Templates};
+
+/// How long a record whose pipeline version this node cannot run waits
+/// before it is tried again (here after a reload, or on another node).
+const NOT_HERE_RETRY_MS: i64 = 5_000;
 use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, Store, StoreError};
 
 /// What a pass has done: the steps it changed, what is not yet committed
@@ -264,14 +268,26 @@ impl Engine {
     ) -> Option<Commit> {
         let i = &self.inner;
         let now = i.clock.now_ms();
-        let Some((pipeline, templates)) = self.compiled(rec).await else {
-            let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
-            c.error_code = Some("unknown_pipeline".into());
-            c.reason = Some(format!(
-                "pipeline `{}` is not configured on this node",
-                rec.pipeline
-            ));
-            return Some(c);
+        let (pipeline, templates) = match self.compiled_for(rec).await {
+            Ok(c) => c,
+            Err(super::NotHere::Unknown) => {
+                let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+                c.error_code = Some("unknown_pipeline".into());
+                c.reason = Some(format!(
+                    "pipeline `{}` is not configured on this node",
+                    rec.pipeline
+                ));
+                return Some(c);
+            }
+            // Another node's newer configuration (a reload not yet made
+            // here), or a read that failed: later, or on another node.
+            Err(super::NotHere::Unavailable(why)) => {
+                tracing::warn!(record.id = rec.id, reason = %why, "cannot run its pipeline version here; deferring");
+                let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
+                c.next_run_at = Some(now + NOT_HERE_RETRY_MS);
+                c.reason = Some(why);
+                return Some(c);
+            }
         };
         let mut states = match self.step_states(rec, &pipeline, runs).await {
             Ok(states) => states,

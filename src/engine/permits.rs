@@ -40,11 +40,14 @@ struct Lot {
     granted_at: UnixMs,
     last_done: UnixMs,
     expires_at: UnixMs,
+    /// Its limit changed (a reload): no more calls; closed once its calls
+    /// end.
+    retired: bool,
 }
 
 impl Lot {
     fn usable(&self, now: UnixMs) -> bool {
-        self.left > 0 && now < self.expires_at
+        !self.retired && self.left > 0 && now < self.expires_at
     }
 
     fn spent(&self, now: UnixMs) -> bool {
@@ -81,6 +84,9 @@ struct Lots {
     unclosed: Vec<(i64, i64, UnixMs)>,
     /// Per window: when a refused request may be made again.
     full_until: Vec<UnixMs>,
+    /// Moved by each reload: an answer to a request made before one is
+    /// for limits no longer in force (its grants are closed unused).
+    generation: u64,
 }
 
 /// The permits one call holds, one per window; give them back with
@@ -200,6 +206,7 @@ impl ClusterLimits {
                 lots: Vec::new(),
                 unclosed: Vec::new(),
                 full_until: vec![0; limits.len()],
+                generation: 0,
             }),
             slots: cap.map(|cap| {
                 Mutex::new(Slots {
@@ -243,7 +250,7 @@ impl ClusterLimits {
                     Some(w) => lot.window = w,
                     None => {
                         lot.window = usize::MAX;
-                        lot.left = 0;
+                        lot.retired = true;
                     }
                 }
             }
@@ -254,15 +261,18 @@ impl ClusterLimits {
                 })
                 .collect();
             *windows = new;
+            l.generation += 1;
         }
         if let (Some(slots), Some(cap)) = (&self.slots, cap) {
             lock(slots).cap = cap;
         }
     }
 
-    /// Whether there is anything to govern.
+    /// Whether there is anything to govern (or to close: grants left by
+    /// limits a reload removed).
     pub fn is_empty(&self) -> bool {
-        lock(&self.lots).windows.is_empty() && self.slots.is_none()
+        let l = lock(&self.lots);
+        l.windows.is_empty() && l.lots.is_empty() && l.unclosed.is_empty() && self.slots.is_none()
     }
 
     pub fn set_live_nodes(&self, n: usize) {
@@ -456,11 +466,23 @@ impl ClusterLimits {
         lock(&self.lots).unclosed.extend_from_slice(&req.close);
     }
 
-    fn apply(&self, req: &PermitRequest, permits: &Permits, now: UnixMs, sem: &Semaphore) {
+    fn apply(
+        &self,
+        req: &PermitRequest,
+        permits: &Permits,
+        (now, generation): (UnixMs, u64),
+        sem: &Semaphore,
+    ) {
         {
             let mut l = lock(&self.lots);
             for &(ms, id, answer) in &permits.windows {
-                let Some(w) = l.windows.iter().position(|(_, m)| *m == ms) else {
+                let w = l.windows.iter().position(|(_, m)| *m == ms);
+                let Some(w) = w.filter(|_| l.generation == generation) else {
+                    // Granted for limits a reload replaced meanwhile:
+                    // closed unused with the next request.
+                    if let (Granted::Permits { .. }, Some(id)) = (answer, id) {
+                        l.unclosed.push((id, 0, now));
+                    }
                     continue;
                 };
                 match (answer, id) {
@@ -473,6 +495,7 @@ impl ClusterLimits {
                         granted_at: now,
                         last_done: now,
                         expires_at,
+                        retired: false,
                     }),
                     (Granted::Full { retry_at }, _) => l.full_until[w] = retry_at,
                     _ => {}
@@ -599,6 +622,7 @@ impl ClusterLimits {
         why: Why,
         sem: &Semaphore,
     ) -> StoreResult<()> {
+        let generation = lock(&self.lots).generation;
         let Some(req) = self.request(provider, node, now, why, sem) else {
             return Ok(());
         };
@@ -615,7 +639,7 @@ impl ClusterLimits {
         pending.req = None;
         match answer {
             Ok(permits) => {
-                self.apply(&req, &permits, now, sem);
+                self.apply(&req, &permits, (now, generation), sem);
                 // No more slots to be had: calls wait for their own to come
                 // back instead of each asking again at once.
                 if let (Some(slots), Some(before), Some((share, _))) =
@@ -720,6 +744,7 @@ mod tests {
             granted_at: 0,
             last_done: 0,
             expires_at: 10_000,
+            retired: false,
         }
     }
 
@@ -738,9 +763,8 @@ mod tests {
         c.reconfigure(&[limit("1000/day"), limit("20/s")], Some(4), 9_000);
         let l = lock(&c.lots);
         assert_eq!(l.windows.len(), 2);
-        assert_eq!(
-            (l.lots[0].window, l.lots[0].left),
-            (usize::MAX, 0),
+        assert!(
+            l.lots[0].retired && l.lots[0].window == usize::MAX && !l.lots[0].usable(0),
             "40/s is gone"
         );
         assert_eq!(
@@ -758,5 +782,35 @@ mod tests {
         assert_eq!(c.lapse_ms.load(Ordering::Relaxed), 9_000);
         assert_eq!(lock(c.slots.as_ref().unwrap()).cap, 4);
         assert_eq!(c.try_take(0).err(), Some(Short::Lease));
+        // The retired grant's call comes back unsent: still closed, not
+        // drawn on again.
+        c.complete(&Taken { ids: vec![1] }, false, 5);
+        assert!(lock(&c.lots).lots[0].spent(5));
+        assert!(!c.is_empty(), "grants left to close");
+    }
+
+    /// An answer to a request made before a reload is for limits no longer
+    /// in force: its grants are queued to be closed, not drawn on.
+    #[test]
+    fn an_answer_from_before_a_reload_is_closed_unused() {
+        let c = ClusterLimits::new(&[limit("40/s")], None, 5_000);
+        let generation = lock(&c.lots).generation;
+        c.reconfigure(&[limit("20/s")], None, 5_000);
+        let answer = Permits {
+            windows: vec![(
+                1_000,
+                Some(7),
+                Granted::Permits {
+                    count: 40,
+                    expires_at: 9_000,
+                },
+            )],
+            ..Permits::default()
+        };
+        let sem = Semaphore::new(0);
+        c.apply(&PermitRequest::default(), &answer, (100, generation), &sem);
+        let l = lock(&c.lots);
+        assert!(l.lots.is_empty());
+        assert_eq!(l.unclosed, vec![(7, 0, 100)]);
     }
 }

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError};
 
-use super::limits::ProviderRuntime;
+use super::limits::{Prepared, ProviderRuntime};
 use super::{Engine, EngineError, Setup, lock};
 use crate::config::Config;
 
@@ -24,17 +24,29 @@ pub fn fingerprint<T: std::fmt::Debug>(settings: &T) -> String {
     format!("{settings:?}")
 }
 
+/// A provider's runtime after the reload: the same one, one retuned to new
+/// settings (built, not yet applied), or a new one.
+enum Next {
+    Same(Arc<ProviderRuntime>),
+    Retuned(Arc<ProviderRuntime>, Prepared),
+    New(ProviderRuntime),
+}
+
 impl Engine {
     /// Applies `config`'s providers and pipelines (its other sections are
-    /// the caller's to keep). Checked whole before anything changes: on an
-    /// error the running setup is untouched. A provider no longer in
-    /// `config` is kept as it was until a restart (records pinned to an
-    /// older version may still call it) and said so.
+    /// the caller's to keep). Everything that can fail is done first (each
+    /// provider's settings built, the pipelines compiled and pinned); only
+    /// then are providers retuned and the setup swapped, so on an error
+    /// the running setup is untouched. A provider no longer in `config` is
+    /// kept as it was until a restart (records pinned to an older version
+    /// may still call it) and said so. The version said in heartbeats is
+    /// `config`'s own (as a node started on the same file says).
     pub async fn reconfigure(&self, config: Config) -> Result<Reconfigured, EngineError> {
         let i = &self.inner;
         let _one = i.reconfiguring.lock().await;
         let old = i.setup();
         let now = i.clock.now_ms();
+        let version = config.version();
         let mut config = config;
         let mut changes = Vec::new();
         for (name, p) in &old.config.providers {
@@ -45,51 +57,26 @@ impl Engine {
                 config.providers.insert(name.clone(), p.clone());
             }
         }
-        // Checked first: a runtime made from each changed provider's
-        // settings (rules, client, credentials), and its cap's scope.
-        let mut changed = Vec::new();
+        let mut next = Vec::with_capacity(config.providers.len());
         for (name, p) in &config.providers {
-            match old.providers.get(name) {
-                Some(rt) if fingerprint(&rt.config) == fingerprint(p) => {}
-                Some(rt) => {
-                    if p.concurrency_scope != rt.config.concurrency_scope {
-                        return Err(EngineError::Config(format!(
-                            "provider {name}: `concurrency_scope` changes only at a restart"
-                        )));
-                    }
-                    ProviderRuntime::new(name, p, now).map_err(EngineError::Config)?;
-                    changed.push(name.clone());
-                }
-                None => {
-                    ProviderRuntime::new(name, p, now).map_err(EngineError::Config)?;
-                    changed.push(name.clone());
-                }
-            }
-        }
-        // Pinned before any provider is retuned: a database error here
-        // leaves the running setup as it was.
-        let (mut setup, current, pinned) =
-            Setup::pin(&i.db, Arc::new(config), HashMap::new(), now).await?;
-        let mut providers: HashMap<String, Arc<ProviderRuntime>> = old.providers.clone();
-        for name in &changed {
-            let p = &setup.config.providers[name];
-            let rt = match old.providers.get(name) {
+            let n = match old.providers.get(name) {
+                Some(rt) if fingerprint(&rt.config) == fingerprint(p) => Next::Same(rt.clone()),
                 Some(rt) => {
                     changes.push(format!("provider {name}: new settings"));
-                    rt.reconfigured(p, now)
+                    Next::Retuned(rt.clone(), rt.prepare(p).map_err(EngineError::Config)?)
                 }
                 None => {
                     changes.push(format!("provider {name}: added"));
-                    ProviderRuntime::new(name, p, now).map(|mut rt| {
-                        rt.in_process = i.opts.in_process.clone();
-                        rt
-                    })
+                    let mut rt = ProviderRuntime::new(name, p, now).map_err(EngineError::Config)?;
+                    rt.in_process = i.opts.in_process.clone();
+                    Next::New(rt)
                 }
-            }
-            .map_err(EngineError::Config)?;
-            providers.insert(name.clone(), Arc::new(rt));
+            };
+            next.push((name.clone(), n));
         }
-        setup.providers = providers;
+        let (mut setup, current, pinned) =
+            Setup::pin(&i.db, Arc::new(config), HashMap::new(), now).await?;
+        setup.version = version;
         {
             let before = lock(&i.current);
             for (name, id) in &current {
@@ -107,16 +94,35 @@ impl Engine {
                 ));
             }
         }
+        // Nothing can fail from here on.
+        for (name, n) in next {
+            let rt = match n {
+                Next::Same(rt) => rt,
+                Next::Retuned(rt, prepared) => Arc::new(rt.retuned(prepared, now)),
+                Next::New(rt) => Arc::new(rt),
+            };
+            setup.providers.insert(name, rt);
+        }
         *i.setup.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(setup);
         *lock(&i.current) = current;
         lock(&i.pinned).extend(pinned);
-        // New group caps or schedules: the loops look again now.
+        // The loops look again now: claims (group caps), the provider sync
+        // (a new provider's shared state and live nodes; the heartbeat
+        // says the new version), and the cron schedules.
         i.wake.notify_one();
+        i.providers_changed.notify_one();
+        i.schedules_changed.notify_one();
         Ok(Reconfigured { changes })
     }
 
     /// The configuration this engine runs now.
     pub fn config(&self) -> Arc<Config> {
         self.inner.config()
+    }
+
+    /// The version of the configuration it runs (the file's, see
+    /// [`reconfigure`](Self::reconfigure)).
+    pub fn config_version(&self) -> String {
+        self.inner.setup().version.clone()
     }
 }

@@ -313,19 +313,7 @@ impl Engine {
             let _ = l.await;
         }
         // This node's share of the providers' limits goes back.
-        for rt in i
-            .setup()
-            .providers
-            .values()
-            .filter(|rt| !rt.cluster.is_empty())
-        {
-            let released =
-                rt.cluster
-                    .release(&i.db, &rt.name, &i.opts.node_id, &*i.clock, &rt.concurrency);
-            if let Err(e) = released.await {
-                tracing::warn!(provider.name = %rt.name, error = %e, "could not give permits back; they lapse");
-            }
-        }
+        self.release_permits().await;
         if !leases.is_empty() {
             match i.db.release(&leases, i.clock.now_ms()).await {
                 Ok(n) => tracing::info!(released = n, "released leases"),
@@ -406,6 +394,25 @@ impl Engine {
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "lease extension failed"),
+            }
+        }
+    }
+
+    /// Gives back this node's grants and slots of every provider (at
+    /// shutdown; what fails lapses).
+    async fn release_permits(&self) {
+        let i = &self.inner;
+        for rt in i
+            .setup()
+            .providers
+            .values()
+            .filter(|rt| !rt.cluster.is_empty())
+        {
+            let released =
+                rt.cluster
+                    .release(&i.db, &rt.name, &i.opts.node_id, &*i.clock, &rt.concurrency);
+            if let Err(e) = released.await {
+                tracing::warn!(provider.name = %rt.name, error = %e, "could not give permits back; they lapse");
             }
         }
     }

@@ -69,6 +69,7 @@ impl Engine {
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = i.clock.sleep_until(next.clamp(now + 1, now + MAX_SLEEP_MS)) => {}
+                () = i.schedules_changed.notified() => {}
             }
         }
     }

@@ -602,6 +602,7 @@ where
                 until: None,
                 took: None,
                 input: None,
+                repin: None,
             };
             let moved = Self::act_locked(
                 &mut tx,

@@ -474,6 +474,11 @@ pub struct ActionRequest {
     /// audit entry keeps the old and the new). Refused with any other
     /// action.
     pub input: Option<InputEdit>,
+    /// For `ReplayFrom`: the pipeline version the record runs on from now
+    /// (an operator replaying it on the current one; the audit entry keeps
+    /// the old and the new); `None` keeps its own. Refused with any other
+    /// action.
+    pub repin: Option<i64>,
 }
 
 /// A record's input replaced by an operator's retry or replay.

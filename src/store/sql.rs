@@ -1067,6 +1067,12 @@ where
         condition: Option<&ParkUntil>,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
+        if req.repin.is_some() && req.action != OperatorAction::ReplayFrom {
+            return Err(StoreError::Invalid(format!(
+                "only a replay moves a record to another pipeline version, not {}",
+                req.action
+            )));
+        }
         if let Some(until) = &req.until {
             if req.action != OperatorAction::Park {
                 return Err(StoreError::Invalid(format!(
@@ -1085,6 +1091,13 @@ where
             OperatorAction::ReplayFrom => {
                 let cause = format!("replay by {}", req.actor);
                 Self::rerun_steps(tx, installation, rec.id, &req.steps, req.now, &cause).await?;
+                if let Some(version) = req.repin {
+                    sqlx::query("UPDATE records SET pipeline_version = $1 WHERE id = $2")
+                        .bind(version)
+                        .bind(rec.id)
+                        .execute(&mut **tx)
+                        .await?;
+                }
             }
             // A resume accepts a reversed result: it is no longer marked
             // for a retry to run again.
@@ -1104,7 +1117,13 @@ where
         }
         let next = to.is_scheduled().then_some(req.now);
         let detail = match (req.action, &req.until) {
-            (OperatorAction::ReplayFrom, _) => Some(serde_json::json!({ "steps": req.steps })),
+            (OperatorAction::ReplayFrom, _) => Some(match req.repin {
+                Some(to) => serde_json::json!({
+                    "steps": req.steps,
+                    "version": { "from": rec.pipeline_version, "to": to },
+                }),
+                None => serde_json::json!({ "steps": req.steps }),
+            }),
             (OperatorAction::Retry, _) if !req.steps.is_empty() => {
                 Some(serde_json::json!({ "steps": req.steps }))
             }
@@ -1151,7 +1170,7 @@ where
             detail: detail.as_ref(),
         };
         let until = req.until.as_ref().filter(|_| to == RecordState::Parked);
-        let moved = Self::move_record(
+        let mut moved = Self::move_record(
             tx,
             rec,
             (to, until),
@@ -1162,6 +1181,9 @@ where
             deltas,
         )
         .await?;
+        if req.repin.is_some() {
+            moved.pipeline_version = req.repin;
+        }
         Ok(moved)
     }
 

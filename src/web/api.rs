@@ -115,7 +115,14 @@ struct EnqueueBody {
 /// again, as SIGHUP makes it. 200 with what changed, or 409
 /// `config_refused` with why (the running configuration kept).
 async fn reload(caller: Bearer<Admin>, State(state): State<AppState>) -> WebResult<Json<Value>> {
-    match state.reloader.reload(&caller.actor).await {
+    // Its own task: a caller that hangs up does not stop a reload half
+    // way (between the swap and its log line and audit entry).
+    let reloader = state.reloader.clone();
+    let actor = caller.actor.clone();
+    let done = tokio::spawn(async move { reloader.reload(&actor).await })
+        .await
+        .map_err(|e| WebError::Internal(format!("the reload task failed: {e}")))?;
+    match done {
         Ok(done) => Ok(Json(json!(done))),
         Err(refused) => Err(WebError::Conflict {
             code: "config_refused",
@@ -238,6 +245,10 @@ struct ActBody {
     /// For `retry` and `replay_from`: the record's input from now on (the
     /// audit entry keeps the old and the new).
     input: Option<Value>,
+    /// For `replay_from`: on the pipeline's current version, the record
+    /// pinned to it from now (otherwise on the one it started with).
+    #[serde(default)]
+    on_current_version: bool,
 }
 
 async fn act(
@@ -267,6 +278,7 @@ async fn act(
         input: body
             .input
             .map(|new| crate::store::InputEdit { new, was: None }),
+        on_current: body.on_current_version,
     };
     let record = state
         .ops()

@@ -251,6 +251,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             until: None,
             took: None,
             input: None,
+            repin: None,
         })
         .await
         .unwrap();
@@ -405,6 +406,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             until: None,
             took: None,
             input: None,
+            repin: None,
         })
         .await
         .unwrap();
@@ -838,6 +840,7 @@ async fn two_versions(app: &WebApp) -> i64 {
                 until: None,
                 took: None,
                 input: None,
+                repin: None,
             };
             app.t.db.act(&replay).await.unwrap();
         }

@@ -82,6 +82,30 @@ async fn enqueue(
     ids
 }
 
+/// An admin's API token, made through the store.
+async fn admin_token(db: &Db) -> String {
+    let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
+    db.create_api_token(
+        &ballast::store::NewApiToken {
+            name: "reload".into(),
+            token_hash: hash,
+            prefix,
+            role: ballast::domain::Role::Admin,
+            created_by: "test".into(),
+        },
+        crate::helpers::wall_ms(),
+    )
+    .await
+    .unwrap();
+    token
+}
+
+/// The steps a record has run (or is running), in order.
+async fn step_names(db: &Db, id: i64) -> Vec<String> {
+    let runs = db.step_runs(id).await.unwrap();
+    runs.into_iter().map(|s| s.step).collect()
+}
+
 /// The moments of the node's reloads, from the audit log.
 async fn reloads(db: &Db) -> Vec<(i64, serde_json::Value)> {
     let filter = AuditFilter {
@@ -137,19 +161,7 @@ async fn a_reload_under_load_changes_limits_and_steps_and_refuses_a_bad_file() {
     ];
     let (child, mut log) = start_serve(dir.path(), addr, &env).await;
     let db = t.db.clone();
-    let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
-    db.create_api_token(
-        &ballast::store::NewApiToken {
-            name: "reload".into(),
-            token_hash: hash,
-            prefix,
-            role: ballast::domain::Role::Admin,
-            created_by: "test".into(),
-        },
-        crate::helpers::wall_ms(),
-    )
-    .await
-    .unwrap();
+    let token = admin_token(&db).await;
     let base = format!("http://{addr}");
     let client = reqwest::Client::new();
 
@@ -234,13 +246,7 @@ async fn a_reload_under_load_changes_limits_and_steps_and_refuses_a_bad_file() {
     let mut starts = Vec::new();
     let mut attempts = 0;
     for r in &records {
-        let steps: Vec<String> = db
-            .step_runs(r.id)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|s| s.step)
-            .collect();
+        let steps = step_names(&db, r.id).await;
         let want: &[&str] = if r.pipeline_version == v1 {
             &["charge"]
         } else {
@@ -340,42 +346,96 @@ async fn a_reload_under_load_changes_limits_and_steps_and_refuses_a_bad_file() {
         done[0].1["version"].as_str(),
         "{nodes:?}"
     );
+
+    // An operator moves a finished record onto the new version: a replay
+    // on the current one runs its steps as they are now.
+    let act = |id: i64, body: serde_json::Value| {
+        let client = client.clone();
+        let url = format!("{base}/api/v1/records/{id}/actions");
+        let token = token.clone();
+        async move {
+            let r = client
+                .post(url)
+                .bearer_auth(token)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let moved = before[1];
+    let (status, body) = act(
+        moved,
+        json!({ "action": "retry", "reason": "x", "on_current_version": true }),
+    )
+    .await;
+    assert!(
+        status >= 400 && body.contains("current_needs_replay"),
+        "{status} {body}"
+    );
+    let (status, body) = act(
+        moved,
+        json!({ "action": "replay", "step": "charge", "reason": "onto v2",
+                "on_current_version": true }),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    crate::helpers::poll_until("the replay done", Duration::from_secs(60), || {
+        let db = db.clone();
+        async move {
+            let r = db.get_record(moved).await.unwrap().unwrap();
+            (r.state == RecordState::Succeeded).then_some(r)
+        }
+    })
+    .await;
+    let r = db.get_record(moved).await.unwrap().unwrap();
+    assert_eq!(r.pipeline_version, Some(v2));
+    assert_eq!(step_names(&db, moved).await, ["charge", "notify"]);
+    let events = db.record_events(moved).await.unwrap();
+    let replay = events.iter().find(|e| e.kind == "replay").expect("audited");
+    assert_eq!(
+        replay.detail.as_ref().unwrap()["version"],
+        json!({ "from": v1, "to": v2 })
+    );
+
     let _ = Command::new("kill").args(["-TERM", &pid]).status();
     crate::wait::exit(child, "serve stops", Duration::from_secs(30)).await;
     sim.stop();
 }
 
-/// On PostgreSQL each node says which configuration it runs: two nodes
-/// on one file agree; one reloaded with a changed file differs from the
-/// other until that one is reloaded too.
+/// On PostgreSQL each node says which configuration it runs, and a
+/// reload rolls across nodes: node A reloads a file that adds a provider
+/// and a step on it, records enqueued there are pinned to that version,
+/// A stops, and node B (not yet reloaded: it lacks the provider) defers
+/// them, saying why, instead of parking them; reloaded, B runs them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_nodes_say_which_configuration_they_run() {
+async fn postgres_a_reload_rolls_across_nodes() {
     let Some(t) = TestDb::new(Backend::Postgres, "config_versions").await else {
         return;
     };
-    ballast::store::migrate::up(&t.db, None).await.unwrap();
-    let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
-    t.db.create_api_token(
-        &ballast::store::NewApiToken {
-            name: "reload".into(),
-            token_hash: hash,
-            prefix,
-            role: ballast::domain::Role::Admin,
-            created_by: "test".into(),
-        },
-        crate::helpers::wall_ms(),
-    )
+    let sim = SimHandle::spawn(Profile {
+        latency_scale: 0.5,
+        ..Profile::clean(12)
+    })
     .await
     .unwrap();
+    ballast::store::migrate::up(&t.db, None).await.unwrap();
+    let token = admin_token(&t.db).await;
+    let v1 = config(&sim.base_url(), "40/s", false);
+    // A second provider, slow to take calls, and a step on it.
+    let v2 = format!(
+        "{v1}\n[providers.sim2]\nbase_url = \"{}\"\nrate_limits = [\"2/s\"]\n\
+         [[providers.sim2.rules]]\nwhen = {{ status = \"2xx\" }}\noutcome = \"success\"\n\
+         [[pipelines.pay.steps]]\nname = \"notify\"\nprovider = \"sim2\"\nneeds = [\"charge\"]\n\
+         request = {{ method = \"POST\", path = \"/v1/charge\", body = '{{\"ref\": \"n-{{{{ record.id }}}}\", \"amount\": 0}}' }}\n",
+        sim.base_url()
+    );
     let env = [("BALLAST_DATABASE_URL", t.url.as_str())];
     let mut nodes = Vec::new();
     for _ in 0..2 {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("ballast.toml"),
-            config("http://127.0.0.1:9", "40/s", false),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("ballast.toml"), &v1).unwrap();
         let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let (child, log) = start_serve(dir.path(), addr, &env).await;
         nodes.push((dir, addr, child, log));
@@ -401,36 +461,79 @@ async fn postgres_nodes_say_which_configuration_they_run() {
     };
     let first = versions(1).await;
     let api = [("BALLAST_API_TOKEN", token.as_str())];
-    let changed = config("http://127.0.0.1:9", "20/s", false);
-    for (i, (dir, addr, _, _)) in nodes.iter().enumerate() {
-        std::fs::write(dir.path().join("ballast.toml"), &changed).unwrap();
-        let url = format!("http://{addr}");
-        let out = ballast(dir.path(), &api, &["reload", "--url", &url]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        assert!(
-            stdout(&out).contains("provider sim: new settings"),
-            "{}",
-            stdout(&out)
-        );
-        if i == 0 {
-            let split = versions(2).await;
-            assert!(split.is_superset(&first), "{split:?} {first:?}");
+    let (b_dir, b_addr, b_child, _) = nodes.pop().unwrap();
+    let (a_dir, a_addr, a_child, _) = nodes.pop().unwrap();
+    std::fs::write(a_dir.path().join("ballast.toml"), &v2).unwrap();
+    let a_url = format!("http://{a_addr}");
+    let out = ballast(a_dir.path(), &api, &["reload", "--url", &a_url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let said = stdout(&out);
+    assert!(said.contains("provider sim2: added"), "{said}");
+    assert!(said.contains("pipeline pay: version"), "{said}");
+    let split = versions(2).await;
+    assert!(split.is_superset(&first), "{split:?} {first:?}");
+
+    let client = reqwest::Client::new();
+    let ids = enqueue(&client, &a_url, &token, 0, 10).await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &a_child.id().to_string()])
+        .status();
+    crate::wait::exit(a_child, "node A stops", Duration::from_secs(30)).await;
+    // B cannot run version 2 yet: it says so on a record, and waits.
+    let db = t.db.clone();
+    let why = crate::helpers::poll_until("B defers one", Duration::from_secs(60), || {
+        let (db, ids) = (db.clone(), ids.clone());
+        async move {
+            for id in ids {
+                let r = db.get_record(id).await.unwrap().unwrap();
+                if let Some(reason) = r.reason.filter(|w| w.contains("reload this node")) {
+                    return Some(reason);
+                }
+            }
+            None
         }
+    })
+    .await;
+    assert!(why.contains("sim2"), "{why}");
+    // B's address from the environment, as a script on its host would.
+    std::fs::write(b_dir.path().join("ballast.toml"), &v2).unwrap();
+    let b_env = [
+        ("BALLAST_API_TOKEN", token.as_str()),
+        ("BALLAST_SERVER_BIND", &b_addr.to_string()),
+    ];
+    let out = ballast(b_dir.path(), &b_env, &["reload"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    crate::helpers::poll_until("B runs them", Duration::from_secs(60), || {
+        let (db, ids) = (db.clone(), ids.clone());
+        async move {
+            for id in ids {
+                let r = db.get_record(id).await.unwrap().unwrap();
+                if r.state != RecordState::Succeeded {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    for id in &ids {
+        let events = t.db.record_events(*id).await.unwrap();
+        assert!(
+            events
+                .iter()
+                .all(|e| e.to_state != Some(RecordState::Parked)),
+            "record {id} was never parked: {events:?}"
+        );
+        assert_eq!(step_names(&t.db, *id).await, ["charge", "notify"]);
     }
     let last = versions(1).await;
     assert_ne!(last, first);
     // Nothing changed: said so.
-    let (dir, addr, _, _) = &nodes[0];
-    let out = ballast(
-        dir.path(),
-        &api,
-        &["reload", "--url", &format!("http://{addr}")],
-    );
+    let out = ballast(b_dir.path(), &b_env, &["reload"]);
     assert!(stdout(&out).contains("nothing changed"), "{}", stdout(&out));
-    for (_, _, child, _) in nodes {
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        crate::wait::exit(child, "serve stops", Duration::from_secs(30)).await;
-    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &b_child.id().to_string()])
+        .status();
+    crate::wait::exit(b_child, "node B stops", Duration::from_secs(30)).await;
+    sim.stop();
 }

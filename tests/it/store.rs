@@ -846,6 +846,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         until: None,
         took: None,
         input: None,
+        repin: None,
     })
     .await
     .unwrap();
@@ -1322,6 +1323,7 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         until: None,
         took: None,
         input: None,
+        repin: None,
     }
 }
 

@@ -271,6 +271,7 @@ impl WebApp {
             until: None,
             took: None,
             input: None,
+            repin: None,
         };
         self.t.db.act(&req).await.unwrap();
     }
@@ -1116,7 +1117,8 @@ async fn provider_data_renders_as_inert_text() {
             until: None,
             took: None,
             input: None,
-        };
+            repin: None,
+};
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;
         for path in [format!("/records/{id}"), "/records".into(), "/audit".into()] {

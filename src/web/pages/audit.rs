@@ -50,7 +50,7 @@ struct AuditPage {
     next: Option<i64>,
 }
 
-const KINDS: [&str; 13] = [
+const KINDS: [&str; 14] = [
     "retry",
     "park",
     "resume",
@@ -64,6 +64,7 @@ const KINDS: [&str; 13] = [
     "token_created",
     "token_revoked",
     "reversed",
+    "config_reload",
 ];
 
 async fn list(

@@ -192,7 +192,7 @@ async fn overview(
         providers,
         schedules: schedule_lines(&config, &schedule_rows, now),
         nodes: live.len(),
-        config_version: config.version(),
+        config_version: state.config.version(),
         config_split: config_split(&live),
         stats,
     };

@@ -454,6 +454,9 @@ struct RecordPage {
     /// The pipeline version the record runs on, and how it stands to the
     /// one new records get.
     pinned: String,
+    /// The version new records get, when it is not the record's (a replay
+    /// may move the record onto it); empty otherwise.
+    newer: String,
     r: RecordRow,
     created: String,
     finished: String,
@@ -706,6 +709,10 @@ async fn record_page_at(
     Ok(RecordPage {
         nav: Nav::new(caller, "records"),
         pinned: pinned_version(rec.pipeline_version, current),
+        newer: current
+            .filter(|c| rec.pipeline_version.is_some_and(|v| v != *c))
+            .map(|c| c.to_string())
+            .unwrap_or_default(),
         r: RecordRow::from(&rec),
         created: when(rec.created_at),
         finished: when_opt(rec.finished_at),
@@ -831,6 +838,9 @@ struct ActForm {
     /// it says something else, and refused if the record's input is no
     /// longer this.
     input_was: Option<String>,
+    /// For `replay`: a ticked box (`on`) replays on the pipeline's
+    /// current version.
+    on_current: Option<String>,
 }
 
 /// The input a retry or replay form gives: `None` when the textarea says
@@ -903,6 +913,7 @@ async fn act(
         step: step.as_deref(),
         until: until.as_deref(),
         input,
+        on_current: form.on_current.as_deref() == Some("on"),
     };
     state
         .ops()
