@@ -601,23 +601,12 @@ pub const API_TOKEN_ENV: &str = "BALLAST_API_TOKEN";
 /// Nothing else in it is read or checked (the secrets it names are in the
 /// node's environment, not this shell's).
 fn node_url(file: Option<&std::path::Path>) -> anyhow::Result<String> {
-    let file = file
-        .map(PathBuf::from)
-        .or_else(|| Some(PathBuf::from(crate::config::DEFAULT_FILE)).filter(|p| p.exists()));
-    let mut bind = Config::default().server.bind;
-    if let Some(file) = &file {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("cannot read {} (or give --url)", file.display()))?;
-        bind = Config::parse(&text, file)
-            .context("cannot read the node's address (or give --url)")?
-            .server
-            .bind;
-    }
-    if let Ok(text) = std::env::var("BALLAST_SERVER_BIND") {
-        bind = text
+    let bind: SocketAddr = match std::env::var("BALLAST_SERVER_BIND") {
+        Ok(text) => text
             .parse()
-            .with_context(|| format!("BALLAST_SERVER_BIND `{text}` is not an address"))?;
-    }
+            .with_context(|| format!("BALLAST_SERVER_BIND `{text}` is not an address"))?,
+        Err(_) => bind_in(file)?.unwrap_or(Config::default().server.bind),
+    };
     // A node listening on every address answers on loopback.
     let host = if bind.ip().is_unspecified() {
         std::net::IpAddr::from([127, 0, 0, 1])
@@ -625,6 +614,30 @@ fn node_url(file: Option<&std::path::Path>) -> anyhow::Result<String> {
         bind.ip()
     };
     Ok(format!("http://{}", SocketAddr::new(host, bind.port())))
+}
+
+/// `server.bind` as `file` (or `./ballast.toml`) writes it, read as plain
+/// TOML: a mistake elsewhere in the file is the node's to report.
+fn bind_in(file: Option<&std::path::Path>) -> anyhow::Result<Option<SocketAddr>> {
+    let file = file
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from(crate::config::DEFAULT_FILE)).filter(|p| p.exists()));
+    let Some(file) = file else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(&file)
+        .with_context(|| format!("cannot read {} (or give --url)", file.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .with_context(|| format!("{} is not TOML (give --url)", file.display()))?;
+    let Some(bind) = table.get("server").and_then(|s| s.get("bind")) else {
+        return Ok(None);
+    };
+    let bind = bind
+        .as_str()
+        .and_then(|b| b.parse().ok())
+        .with_context(|| format!("server.bind in {} is not an address", file.display()))?;
+    Ok(Some(bind))
 }
 
 /// `reload`: `POST /api/v1/reload` on the node at `base`; prints what

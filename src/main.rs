@@ -31,17 +31,20 @@ fn main() -> ExitCode {
         ballast::telemetry::say(tracing::Level::ERROR, &line);
         ExitCode::FAILURE
     };
-    let loaded = match Config::load(cli.config.as_deref()) {
-        Ok(loaded) => loaded,
-        // `reload` asks a node to read and check its own file (this one
-        // may be the bad one being reloaded, and its secrets are in the
-        // node's environment): it reads only the node's address.
-        Err(_) if !cli.needs_config() => ballast::config::Loaded {
+    // `reload` asks a node to read and check its own file (this one may
+    // be the bad one being reloaded, and its secrets are in the node's
+    // environment): it reads only the node's address, itself.
+    let loaded = if cli.needs_config() {
+        match Config::load(cli.config.as_deref()) {
+            Ok(loaded) => loaded,
+            Err(e) => return fail(format!("error: {e}")),
+        }
+    } else {
+        ballast::config::Loaded {
             config: Config::default(),
             file: None,
             env: Vec::new(),
-        },
-        Err(e) => return fail(format!("error: {e}")),
+        }
     };
     let filter = std::env::var("BALLAST_LOG")
         .ok()

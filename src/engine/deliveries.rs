@@ -2,6 +2,7 @@
 //! step waiting on its job, kept when no step knows the job yet, and judged
 //! against a step already settled (the step's reversal policy applies).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -29,7 +30,43 @@ pub enum Delivery {
     Duplicate,
 }
 
+/// How many pinned versions a node reads to learn the older versions'
+/// callback steps.
+const VERSIONS_LEARNED: i64 = 1_000;
+
+/// How often, at most, a node reads them (a provider sending deliveries
+/// without a job id does not make a read each).
+const LEARN_EVERY_MS: i64 = 60_000;
+
 impl Engine {
+    /// Compiles every pinned version this node has not (the newest
+    /// [`VERSIONS_LEARNED`]; those its configuration cannot run are left
+    /// out), at most once a [`LEARN_EVERY_MS`]; whether it read them.
+    async fn learn_versions(&self) -> bool {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        {
+            let mut at = super::lock(&i.versions_learned_at);
+            if now - *at < LEARN_EVERY_MS {
+                return false;
+            }
+            *at = now;
+        }
+        let Ok(versions) = i.db.pipeline_versions(None, VERSIONS_LEARNED).await else {
+            return false;
+        };
+        let config = i.config();
+        for pv in versions {
+            if super::lock(&i.pinned).contains_key(&pv.id) {
+                continue;
+            }
+            if let Ok(c) = crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &config) {
+                super::lock(&i.pinned).insert(pv.id, c);
+            }
+        }
+        true
+    }
+
     /// How `provider`'s webhooks are verified (secrets from the environment).
     pub fn webhook_settings(&self, provider: &str) -> Option<WebhookSettings> {
         let rt = self.inner.provider(provider)?;
@@ -73,26 +110,34 @@ impl Engine {
             });
         };
         // Where the job id is, by the current pipelines' callback steps,
-        // then by those of every version this node runs (a record waiting
-        // on a step a reload removed or changed still hears of its job).
-        let older: Vec<std::sync::Arc<crate::pipeline::Pipeline>> = super::lock(&i.pinned)
-            .values()
-            .map(|c| c.0.clone())
-            .collect();
-        let job_id = setup
-            .pipelines
-            .pipelines
-            .values()
-            .chain(older.iter())
-            .flat_map(|p| p.steps.iter())
-            .find_map(|s| {
-                let cb = s.callback().filter(|_| s.provider == provider)?;
-                match body.pointer(&cb.delivery_job_id)? {
-                    Value::String(j) => Some(j.clone()),
-                    Value::Null => None,
-                    other => Some(other.to_string()),
-                }
-            });
+        // then by those of every version this node has run, then by those
+        // of every version any node pinned (a record waiting on a step a
+        // reload removed or changed still hears of its job).
+        let find = || {
+            let older: Vec<Arc<crate::pipeline::Pipeline>> = super::lock(&i.pinned)
+                .values()
+                .map(|c| c.0.clone())
+                .collect();
+            setup
+                .pipelines
+                .pipelines
+                .values()
+                .chain(older.iter())
+                .flat_map(|p| p.steps.iter())
+                .find_map(|s| {
+                    let cb = s.callback().filter(|_| s.provider == provider)?;
+                    match body.pointer(&cb.delivery_job_id)? {
+                        Value::String(j) => Some(j.clone()),
+                        Value::Null => None,
+                        other => Some(other.to_string()),
+                    }
+                })
+        };
+        let job_id = match find() {
+            Some(j) => Some(j),
+            None if self.learn_versions().await => find(),
+            None => None,
+        };
         let Some(job_id) = job_id else {
             return Ok(Delivery::NoJobId);
         };
@@ -182,7 +227,16 @@ impl Engine {
         }
         let rec = i.db.get_record(record_id).await?;
         let pipeline = match rec {
-            Some(r) => self.compiled(&r).await.map(|c| c.0),
+            Some(r) => match self.compiled_for(&r).await {
+                Ok(c) => Some(c.0),
+                Err(super::NotHere::Unknown) => None,
+                // Its version does not run here now (a reload under way):
+                // the provider is told to deliver again (503), rather than
+                // the reversal being judged without its steps.
+                Err(super::NotHere::Unread(why) | super::NotHere::Mismatch(why, _)) => {
+                    return Err(StoreError::NotNow(why));
+                }
+            },
             None => None,
         };
         let step = pipeline.as_ref().and_then(|p| p.step(step_name));

@@ -90,9 +90,12 @@ impl EngineOptions {
 enum NotHere {
     /// Not configured, and no pinned version names it.
     Unknown,
+    /// Its pinned version could not be read now.
+    Unread(String),
     /// Its pinned version needs what this node's configuration lacks (a
-    /// provider another node's reload added), or could not be read now.
-    Unavailable(String),
+    /// provider another node's reload added, or one a restart dropped):
+    /// why, and when the version was first pinned.
+    Mismatch(String, UnixMs),
 }
 
 /// Errors that stop the engine from starting.
@@ -139,6 +142,9 @@ struct Inner {
     providers_changed: Notify,
     /// A reload changed the cron schedules.
     schedules_changed: Notify,
+    /// When this node last compiled every pinned version (to match a
+    /// webhook by an older version's callback step).
+    versions_learned_at: Mutex<UnixMs>,
     /// When this node last read providers' shared state.
     providers_read_at: std::sync::atomic::AtomicI64,
     /// When the dispatch loop last turned, in ms since `born` (systemd's
@@ -336,6 +342,7 @@ impl Engine {
                 wake: Notify::new(),
                 providers_changed: Notify::new(),
                 schedules_changed: Notify::new(),
+                versions_learned_at: Mutex::new(i64::MIN / 2),
                 providers_read_at: std::sync::atomic::AtomicI64::new(i64::MIN / 2),
                 pulse: std::sync::atomic::AtomicU64::new(0),
                 born,
@@ -549,18 +556,18 @@ impl Engine {
             Ok(Some(pv)) => pv,
             Ok(None) => return Err(NotHere::Unknown),
             Err(e) => {
-                return Err(NotHere::Unavailable(format!(
+                return Err(NotHere::Unread(format!(
                     "cannot read pipeline version {version}: {e}"
                 )));
             }
         };
         let compiled = crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config())
             .map_err(|e| {
-            NotHere::Unavailable(format!(
-                "pipeline `{}` version {version} does not run with this node's configuration \
-                     ({e}): reload this node with the file the others run",
+            let why = format!(
+                "pipeline `{}` version {version} does not run with this node's configuration ({e})",
                 pv.pipeline
-            ))
+            );
+            NotHere::Mismatch(why, pv.created_at)
         })?;
         lock(&i.pinned).insert(version, compiled.clone());
         Ok(compiled)

@@ -591,6 +591,19 @@ impl Engine {
                         rec.pipeline
                     ))
                 })?;
+                // While nodes run different files, "current" depends on
+                // the node asked: a record could be moved backwards.
+                let nodes = i.db.list_nodes().await?;
+                let split = crate::domain::host::config_split(&nodes, i.clock.now_ms());
+                if !split.is_empty() {
+                    let who: Vec<String> =
+                        split.iter().map(|(n, v)| format!("{n} runs {v}")).collect();
+                    return Err(StoreError::Invalid(format!(
+                        "the nodes run different configurations ({}): reload them with the \
+                         same file, then replay on the current version",
+                        who.join(", ")
+                    )));
+                }
                 if rec.pipeline_version != Some(current) {
                     req.repin = Some(current);
                 }
@@ -600,8 +613,13 @@ impl Engine {
             } else {
                 self.compiled(&rec).await
             };
+            let version = req.repin.or(rec.pipeline_version);
             steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
-                StoreError::Invalid(format!("pipeline `{}` has no step `{step}`", rec.pipeline))
+                let which = version.map(|v| format!(" version {v}")).unwrap_or_default();
+                StoreError::Invalid(format!(
+                    "pipeline `{}`{which} has no step `{step}`",
+                    rec.pipeline
+                ))
             })?;
         }
         if action == crate::domain::OperatorAction::Retry {

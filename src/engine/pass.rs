@@ -15,11 +15,53 @@ use crate::domain::pass::{PassFacts, may_start_more, ready, skip_blocked, verdic
 use crate::domain::step::Park;
 use crate::domain::{Record, StepRun, StepState, UnixMs, WorkResult};
 use crate::pipeline::{Pipeline, Step, Templates};
+use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, Store, StoreError};
 
 /// How long a record whose pipeline version this node cannot run waits
 /// before it is tried again (here after a reload, or on another node).
 const NOT_HERE_RETRY_MS: i64 = 5_000;
-use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, Store, StoreError};
+
+/// How long after a pipeline version was first pinned a node that cannot
+/// run it defers its records (the other nodes are being reloaded); past
+/// it, they are parked for a person.
+const VERSION_WAIT_MS: i64 = 10 * 60_000;
+
+/// A record whose pipeline version this node's configuration cannot run
+/// (`why`): a version another node's reload made lately waits for this
+/// node's reload (or another node's claim); one no node can run any more
+/// waits for a person.
+fn version_unavailable(
+    rec: &Record,
+    lease: Lease,
+    why: &str,
+    pinned_at: UnixMs,
+    now: UnixMs,
+) -> Commit {
+    let wait = now - pinned_at < VERSION_WAIT_MS;
+    let c = if wait {
+        let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
+        c.next_run_at = Some(now + NOT_HERE_RETRY_MS);
+        c.reason = Some(format!(
+            "{why}: waiting for this node's reload (or another node's claim)"
+        ));
+        c
+    } else {
+        let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+        c.error_code = Some("version_unavailable".into());
+        c.reason = Some(format!(
+            "{why}: reload the nodes with a file that has what it needs and resume it, \
+             or replay it on the current version"
+        ));
+        c
+    };
+    tracing::warn!(
+        record.id = rec.id,
+        reason = c.reason.as_deref().unwrap_or(""),
+        parked = !wait,
+        "cannot run its pipeline version here"
+    );
+    c
+}
 
 /// What a pass has done: the steps it changed, what is not yet committed
 /// (attempts, applied deliveries), and what it learned on the way.
@@ -279,14 +321,15 @@ impl Engine {
                 ));
                 return Some(c);
             }
-            // Another node's newer configuration (a reload not yet made
-            // here), or a read that failed: later, or on another node.
-            Err(super::NotHere::Unavailable(why)) => {
-                tracing::warn!(record.id = rec.id, reason = %why, "cannot run its pipeline version here; deferring");
+            Err(super::NotHere::Unread(why)) => {
+                tracing::warn!(record.id = rec.id, reason = %why, "deferring");
                 let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
                 c.next_run_at = Some(now + NOT_HERE_RETRY_MS);
                 c.reason = Some(why);
                 return Some(c);
+            }
+            Err(super::NotHere::Mismatch(why, pinned_at)) => {
+                return Some(version_unavailable(rec, lease, &why, pinned_at, now));
             }
         };
         let mut states = match self.step_states(rec, &pipeline, runs).await {

@@ -786,7 +786,29 @@ mod tests {
         // drawn on again.
         c.complete(&Taken { ids: vec![1] }, false, 5);
         assert!(lock(&c.lots).lots[0].spent(5));
-        assert!(!c.is_empty(), "grants left to close");
+    }
+
+    /// A node-scope provider whose every rate limit a reload removed still
+    /// has grants to close: the provider sync keeps going to it until
+    /// they are closed.
+    #[test]
+    fn limits_all_removed_leave_their_grants_to_close() {
+        let c = ClusterLimits::new(&[limit("40/s")], None, 5_000);
+        assert!(!c.is_empty());
+        lock(&c.lots).lots = vec![lot(1, 0, 5)];
+        c.reconfigure(&[], None, 5_000);
+        assert!(!c.is_empty(), "a grant to close");
+        assert_eq!(
+            c.try_take(0).map(|t| t.ids.len()),
+            Ok(0),
+            "calls are not held"
+        );
+        let sem = Semaphore::new(0);
+        let req = c.request("p", "n", 0, Why::Sync, &sem).expect("a close");
+        assert_eq!(req.close, vec![(1, 0, 0)]);
+        assert!(c.is_empty(), "nothing left");
+        let none = ClusterLimits::new(&[], None, 5_000);
+        assert!(none.is_empty());
     }
 
     /// An answer to a request made before a reload is for limits no longer
@@ -809,8 +831,16 @@ mod tests {
         };
         let sem = Semaphore::new(0);
         c.apply(&PermitRequest::default(), &answer, (100, generation), &sem);
+        {
+            let l = lock(&c.lots);
+            assert!(l.lots.is_empty());
+            assert_eq!(l.unclosed, vec![(7, 0, 100)]);
+        }
+        // The same answer to a request made since is drawn on.
+        let now = lock(&c.lots).generation;
+        c.apply(&PermitRequest::default(), &answer, (100, now), &sem);
         let l = lock(&c.lots);
-        assert!(l.lots.is_empty());
-        assert_eq!(l.unclosed, vec![(7, 0, 100)]);
+        assert_eq!((l.lots.len(), l.lots[0].id, l.lots[0].left), (1, 7, 40));
+        assert!(l.usable(0, 100));
     }
 }

@@ -103,9 +103,11 @@ impl Engine {
             };
             setup.providers.insert(name, rt);
         }
+        // The versions first, then what names them current (a replay on
+        // the current version reads the one, then the other).
+        lock(&i.pinned).extend(pinned);
         *i.setup.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(setup);
         *lock(&i.current) = current;
-        lock(&i.pinned).extend(pinned);
         // The loops look again now: claims (group caps), the provider sync
         // (a new provider's shared state and live nodes; the heartbeat
         // says the new version), and the cron schedules.

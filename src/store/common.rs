@@ -1193,14 +1193,14 @@ where
 
     async fn pipeline_versions(
         &self,
-        pipeline: &str,
+        pipeline: Option<&str>,
         limit: i64,
     ) -> StoreResult<Vec<PipelineVersion>> {
         let rows = sqlx::query(
             "SELECT id, pipeline, hash, definition, created_at FROM pipeline_versions \
-             WHERE pipeline = $1 ORDER BY id DESC LIMIT $2",
+             WHERE ($1 IS NULL OR pipeline = $1) ORDER BY id DESC LIMIT $2",
         )
-        .bind(pipeline.to_owned())
+        .bind(pipeline.map(str::to_owned))
         .bind(limit)
         .fetch_all(self.reader())
         .await?;

@@ -50,6 +50,10 @@ pub enum StoreError {
     /// or someone edited the database by hand).
     #[error("unreadable stored value: {0}")]
     Corrupt(String),
+    /// What is asked for cannot be done here now (another node may, or
+    /// this one later): ask again.
+    #[error("not now: {0}")]
+    NotNow(String),
     #[error("database error: {0}")]
     Database(sqlx::Error),
     #[error("migration error: {0}")]
@@ -88,6 +92,7 @@ impl StoreError {
             StoreError::LeaseLost { .. } => "lease_lost",
             StoreError::Invalid(_) => "invalid_request",
             StoreError::Corrupt(_) => "corrupt_row",
+            StoreError::NotNow(_) => "not_now",
             StoreError::Database(_) => "database_error",
             StoreError::Migrate(_) => "migration_error",
             StoreError::NewerSchema { .. } => "schema_too_new",
@@ -906,10 +911,11 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         id: i64,
     ) -> impl Future<Output = StoreResult<Option<PipelineVersion>>> + Send;
-    /// Pipeline `pipeline`'s newest `limit` versions, newest first.
+    /// Pipeline `pipeline`'s (or, `None`, every pipeline's) newest
+    /// `limit` versions, newest first.
     fn pipeline_versions(
         &self,
-        pipeline: &str,
+        pipeline: Option<&str>,
         limit: i64,
     ) -> impl Future<Output = StoreResult<Vec<PipelineVersion>>> + Send;
 
@@ -1340,7 +1346,7 @@ forward! {
     fn append_event(&self, event: &NewEvent) -> Event;
     fn pin_pipeline(&self, pipeline: &str, hash: &str, definition: &Value, now: UnixMs) -> i64;
     fn pipeline_version(&self, id: i64) -> Option<PipelineVersion>;
-    fn pipeline_versions(&self, pipeline: &str, limit: i64) -> Vec<PipelineVersion>;
+    fn pipeline_versions(&self, pipeline: Option<&str>, limit: i64) -> Vec<PipelineVersion>;
     fn create_user(&self, user: &NewUser, now: UnixMs) -> User;
     fn user_by_name(&self, username: &str) -> Option<User>;
     fn user_by_id(&self, id: i64) -> Option<User>;

@@ -260,6 +260,12 @@ async fn act(
     let action = Ops::parse_action(&body.action)?;
     let reason = body.reason.filter(|r| !r.trim().is_empty());
     if action == crate::domain::OperatorAction::TookEffect {
+        if body.on_current_version {
+            return Err(WebError::bad(
+                "current_needs_replay",
+                "only a replay runs a record on the current version",
+            ));
+        }
         let record = state
             .ops()
             .took_effect(

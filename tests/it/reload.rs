@@ -211,6 +211,26 @@ async fn a_reload_under_load_changes_limits_and_steps_and_refuses_a_bad_file() {
         })
         .await;
     assert!(line.contains("nope"), "{line}");
+    // A misspelt key, asked without --url (the address from the
+    // environment): the file is the node's to check, not this shell's.
+    std::fs::write(
+        &file,
+        good.replace("timeout = \"10s\"", "timeout = \"10s\"\nratee = 1"),
+    )
+    .unwrap();
+    let bind = addr.to_string();
+    let by_env = [
+        ("BALLAST_API_TOKEN", token.as_str()),
+        ("BALLAST_SERVER_BIND", bind.as_str()),
+    ];
+    let refused = ballast(dir.path(), &by_env, &["reload"]);
+    assert!(!refused.status.success(), "{}", stdout(&refused));
+    let said = stderr(&refused);
+    assert!(
+        said.contains("the node refused") && said.contains("ratee"),
+        "{said}"
+    );
+    std::fs::write(&file, &good).unwrap();
     let late = enqueue(&client, &base, &token, 220, 5).await;
 
     // Every record ends; none failed or was parked by the reload.
@@ -268,7 +288,15 @@ async fn a_reload_under_load_changes_limits_and_steps_and_refuses_a_bad_file() {
 
     // The new limit holds from a window after the reload; it did not before.
     let done = reloads(&db).await;
-    assert_eq!(done.len(), 2, "{done:?}");
+    assert_eq!(done.len(), 3, "{done:?}");
+    assert!(
+        done[2].1["refused"]
+            .as_str()
+            .unwrap_or("")
+            .contains("ratee"),
+        "{:?}",
+        done[2]
+    );
     let at = done[0].0;
     assert!(
         done[1].1["refused"].as_str().unwrap_or("").contains("nope"),
@@ -346,6 +374,36 @@ async fn a_reload_under_load_changes_limits_and_steps_and_refuses_a_bad_file() {
         done[0].1["version"].as_str(),
         "{nodes:?}"
     );
+
+    // A provider added, then taken out of the file again: kept until a
+    // restart, said so, and the version the node says is the file's.
+    let reload = || {
+        let client = client.clone();
+        let (url, token) = (format!("{base}/api/v1/reload"), token.clone());
+        async move {
+            let r = client.post(url).bearer_auth(token).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<serde_json::Value>().await.unwrap()
+        }
+    };
+    let extra = format!("{good}\n[providers.extra]\nbase_url = \"http://127.0.0.1:9\"\n");
+    std::fs::write(&file, extra).unwrap();
+    let added = reload().await;
+    assert!(
+        added["changes"]
+            .to_string()
+            .contains("provider extra: added"),
+        "{added}"
+    );
+    std::fs::write(&file, &good).unwrap();
+    let kept = reload().await;
+    assert!(
+        kept["changes"]
+            .to_string()
+            .contains("provider extra: no longer in the file; kept until a restart"),
+        "{kept}"
+    );
+    assert_eq!(kept["version"], done[0].1["version"], "the file's version");
 
     // An operator moves a finished record onto the new version: a replay
     // on the current one runs its steps as they are now.
@@ -486,7 +544,10 @@ async fn postgres_a_reload_rolls_across_nodes() {
         async move {
             for id in ids {
                 let r = db.get_record(id).await.unwrap().unwrap();
-                if let Some(reason) = r.reason.filter(|w| w.contains("reload this node")) {
+                if let Some(reason) = r
+                    .reason
+                    .filter(|w| w.contains("waiting for this node's reload"))
+                {
                     return Some(reason);
                 }
             }

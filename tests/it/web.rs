@@ -1118,7 +1118,7 @@ async fn provider_data_renders_as_inert_text() {
             took: None,
             input: None,
             repin: None,
-};
+        };
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;
         for path in [format!("/records/{id}"), "/records".into(), "/audit".into()] {
@@ -2642,5 +2642,98 @@ async fn the_overview_says_when_nodes_run_different_configurations() {
         .unwrap();
     let page = app.text("/", Some(&login)).await;
     assert!(!page.contains("config-split"), "the same again");
+    app.stop().await;
+}
+
+/// Issue 24 item 5: a record pinned to an older version of its pipeline
+/// says so on its page, whose replay offers the current version; ticked,
+/// the replay runs the current version's steps and the record is pinned
+/// to it, the audit entry keeping both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_on_the_page_may_move_a_record_to_the_current_version() {
+    let text = crate::engine::single_step_toml("http://127.0.0.1:9", "");
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "replay_current", &text).await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    let login = app.login("op").await;
+    let db = app.t.db.clone();
+    let now = crate::helpers::wall_ms();
+    let current = db.pipeline_versions(Some("pay"), 5).await.unwrap();
+    assert_eq!(current.len(), 1, "pinned at start");
+    let (current, definition) = (current[0].id, current[0].definition.clone());
+    let old = db
+        .pin_pipeline("pay", "an-older-hash", &definition, now)
+        .await
+        .unwrap();
+    let created = db
+        .create_records(
+            vec![NewRecord {
+                pipeline: "pay".into(),
+                pipeline_version: Some(old),
+                external_key: Some("old-1".into()),
+                group: None,
+                input: json!({}),
+                run_at: now + 86_400_000,
+            }],
+            now,
+        )
+        .await
+        .unwrap();
+    let id = created[0].record.id;
+    let cancel = ActionRequest {
+        record_id: id,
+        action: OperatorAction::Cancel,
+        actor: "test".into(),
+        reason: None,
+        now,
+        steps: Vec::new(),
+        until: None,
+        took: None,
+        input: None,
+        repin: None,
+    };
+    db.act(&cancel).await.unwrap();
+    let page = app.text(&format!("/records/{id}"), Some(&login)).await;
+    assert!(
+        page.contains(&format!(
+            "version {old} (new records get version {current})"
+        )),
+        "{page}"
+    );
+    assert!(page.contains(r#"name="on_current""#), "{page}");
+    let list = app.text("/pipelines", Some(&login)).await;
+    assert!(list.contains(&format!(r#"data-version="{current}" class="current""#)));
+    assert!(
+        list.contains(&format!(r#"data-version="{old}">"#)),
+        "{list}"
+    );
+    let r = app
+        .post(
+            &format!("/records/{id}/actions"),
+            Some(&login),
+            &[
+                ("action", "replay"),
+                ("step", "charge"),
+                ("on_current", "on"),
+                ("reason", "onto the current version"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), 303, "{:?}", r.text().await);
+    let rec = db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.pipeline_version, Some(current));
+    let events = db.record_events(id).await.unwrap();
+    let replay = events.iter().find(|e| e.kind == "replay").expect("audited");
+    assert_eq!(
+        replay.detail.as_ref().unwrap()["version"],
+        json!({ "from": old, "to": current })
+    );
+    let page = app.text(&format!("/records/{id}"), Some(&login)).await;
+    assert!(page.contains(&format!("version {current} (current)")));
+    assert!(
+        !page.contains(r#"name="on_current""#),
+        "nothing newer to offer"
+    );
     app.stop().await;
 }

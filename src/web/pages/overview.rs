@@ -101,21 +101,6 @@ struct OverviewPage {
     stats: super::super::stats_view::Stats,
 }
 
-/// The live nodes and their configurations, when they do not all run the
-/// same one (a node that has not said, from before migration 18, is left
-/// out); empty otherwise.
-fn config_split(live: &[&crate::domain::Node]) -> Vec<(String, String)> {
-    let said: Vec<(String, String)> = live
-        .iter()
-        .filter_map(|n| Some((n.id.clone(), n.config_version.clone()?)))
-        .collect();
-    let first = said.first().map(|s| s.1.clone());
-    if said.iter().all(|s| Some(&s.1) == first.as_ref()) {
-        return Vec::new();
-    }
-    said
-}
-
 /// Counts by state for each name (configured ones always, others when they
 /// have records), in `RecordState::ALL` order.
 fn table<'a>(
@@ -164,8 +149,7 @@ async fn overview(
     let config = state.config.get();
     // Nodes heard from lately; a crashed node's row stays until it ages out.
     let horizon = now - 3 * crate::domain::host::HEARTBEAT_EVERY.as_millis() as i64;
-    let live: Vec<&crate::domain::Node> =
-        nodes.iter().filter(|n| n.heartbeat_at > horizon).collect();
+    let live = nodes.iter().filter(|n| n.heartbeat_at > horizon).count();
     let pipelines = table(config.pipelines.keys(), counts);
     let by_provider = table(config.providers.keys(), per_provider);
     let providers = config
@@ -191,9 +175,9 @@ async fn overview(
         by_provider,
         providers,
         schedules: schedule_lines(&config, &schedule_rows, now),
-        nodes: live.len(),
+        nodes: live,
         config_version: state.config.version(),
-        config_split: config_split(&live),
+        config_split: crate::domain::host::config_split(&nodes, now),
         stats,
     };
     if is_htmx(&headers) {

@@ -229,7 +229,7 @@ async fn pipelines(
         let current = state.engine.as_ref().and_then(|e| e.current_version(name));
         v.versions = state
             .db
-            .pipeline_versions(name, VERSIONS_SHOWN)
+            .pipeline_versions(Some(name), VERSIONS_SHOWN)
             .await?
             .into_iter()
             .map(|pv| VersionRow {

@@ -668,10 +668,29 @@ async fn record_page_at(
         rec.finished_at.unwrap_or_else(|| state.clock.now_ms()),
         when,
     );
-    let replay_steps = match &state.engine {
+    let mut replay_steps: Vec<String> = match &state.engine {
         Some(_) => shape.into_iter().map(|s| s.0).collect(),
         None => steps.iter().map(|s| s.step.clone()).collect(),
     };
+    let current = state
+        .engine
+        .as_ref()
+        .and_then(|e| e.current_version(&rec.pipeline));
+    // A replay may run on the current version: its steps too (those only
+    // it has come last).
+    if current.is_some() && current != rec.pipeline_version {
+        if let Some(p) = state
+            .engine
+            .as_ref()
+            .and_then(|e| e.pipeline(&rec.pipeline))
+        {
+            for s in &p.steps {
+                if !replay_steps.contains(&s.name) {
+                    replay_steps.push(s.name.clone());
+                }
+            }
+        }
+    }
     // "It took effect" only where a call's outcome is uncertain: a job
     // step names its job, a request step its outputs (a JSON object with
     // the step's output names, offered empty).
@@ -702,10 +721,6 @@ async fn record_page_at(
     } else {
         Vec::new()
     };
-    let current = state
-        .engine
-        .as_ref()
-        .and_then(|e| e.current_version(&rec.pipeline));
     Ok(RecordPage {
         nav: Nav::new(caller, "records"),
         pinned: pinned_version(rec.pipeline_version, current),
