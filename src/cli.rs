@@ -155,7 +155,8 @@ pub enum Command {
     /// `check-config` is refused and the node runs on as it was. Needs an
     /// admin API token in BALLAST_API_TOKEN.
     Reload {
-        /// The node (default: `server.bind` of this configuration).
+        /// The node (default: BALLAST_SERVER_BIND, else `server.bind` of
+        /// the configuration file, on loopback when it is every address).
         #[arg(long, value_name = "URL")]
         url: Option<String>,
     },

@@ -81,13 +81,19 @@ impl Engine {
         let current = runs.iter().any(|r| {
             r.step == p.step && r.generation == p.generation && r.state == StepState::Succeeded
         });
+        if !current {
+            return done().await;
+        }
         let compiled = match self.compiled_for(&rec).await {
             Ok(c) => Some(c),
-            Err(super::NotHere::Unknown) => None,
             // Its version does not run here now (a reload under way, a
             // read that failed): asked again once its hold lapses, here or
-            // on another node.
-            Err(super::NotHere::Unread(_) | super::NotHere::Mismatch(..)) => return Ok(()),
+            // on another node. One no node can run is given up.
+            Err(not) if self.waits_for(&not).await => {
+                tracing::warn!(record.id = rec.id, step = %p.step, "its pipeline version does not run here now; the confirmation waits");
+                return Ok(());
+            }
+            Err(_) => None,
         };
         let step_def = compiled.as_ref().and_then(|c| c.0.step(&p.step));
         let (Some(compiled), Some(step_def), true) = (&compiled, step_def, current) else {

@@ -40,31 +40,43 @@ const LEARN_EVERY_MS: i64 = 60_000;
 
 impl Engine {
     /// Compiles every pinned version this node has not (the newest
-    /// [`VERSIONS_LEARNED`]; those its configuration cannot run are left
-    /// out), at most once a [`LEARN_EVERY_MS`]; whether it read them.
-    async fn learn_versions(&self) -> bool {
+    /// [`VERSIONS_LEARNED`]), at most once a [`LEARN_EVERY_MS`] (callers
+    /// meanwhile wait for a learning under way, then use it). `Err` when
+    /// the versions could not be read, or some do not compile here (their
+    /// callback steps are unknown to this node): the provider should
+    /// deliver again rather than be told there is no job id.
+    async fn learn_versions(&self) -> Result<(), StoreError> {
         let i = &self.inner;
+        let mut learned = i.versions_learned.lock().await;
         let now = i.clock.now_ms();
-        {
-            let mut at = super::lock(&i.versions_learned_at);
-            if now - *at < LEARN_EVERY_MS {
-                return false;
+        if now - learned.0 >= LEARN_EVERY_MS {
+            let versions =
+                i.db.pipeline_versions(None, VERSIONS_LEARNED)
+                    .await
+                    .map_err(|e| {
+                        StoreError::NotNow(format!("cannot read the pipeline versions: {e}"))
+                    })?;
+            let config = i.config();
+            let mut skipped = false;
+            for pv in versions {
+                if super::lock(&i.pinned).contains_key(&pv.id) {
+                    continue;
+                }
+                match crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &config) {
+                    Ok(c) => {
+                        super::lock(&i.pinned).insert(pv.id, c);
+                    }
+                    Err(_) => skipped = true,
+                }
             }
-            *at = now;
+            *learned = (now, skipped);
         }
-        let Ok(versions) = i.db.pipeline_versions(None, VERSIONS_LEARNED).await else {
-            return false;
-        };
-        let config = i.config();
-        for pv in versions {
-            if super::lock(&i.pinned).contains_key(&pv.id) {
-                continue;
-            }
-            if let Ok(c) = crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &config) {
-                super::lock(&i.pinned).insert(pv.id, c);
-            }
+        if learned.1 {
+            return Err(StoreError::NotNow(
+                "a pipeline version this node cannot run may say where the job id is".into(),
+            ));
         }
-        true
+        Ok(())
     }
 
     /// How `provider`'s webhooks are verified (secrets from the environment).
@@ -135,8 +147,10 @@ impl Engine {
         };
         let job_id = match find() {
             Some(j) => Some(j),
-            None if self.learn_versions().await => find(),
-            None => None,
+            None => {
+                self.learn_versions().await?;
+                find()
+            }
         };
         let Some(job_id) = job_id else {
             return Ok(Delivery::NoJobId);
@@ -229,13 +243,14 @@ impl Engine {
         let pipeline = match rec {
             Some(r) => match self.compiled_for(&r).await {
                 Ok(c) => Some(c.0),
-                Err(super::NotHere::Unknown) => None,
                 // Its version does not run here now (a reload under way):
                 // the provider is told to deliver again (503), rather than
-                // the reversal being judged without its steps.
-                Err(super::NotHere::Unread(why) | super::NotHere::Mismatch(why, _)) => {
-                    return Err(StoreError::NotNow(why));
+                // the reversal being judged without its steps. One no node
+                // can run is judged without them (parked).
+                Err(not) if self.waits_for(&not).await => {
+                    return Err(StoreError::NotNow(not.why()));
                 }
+                Err(_) => None,
             },
             None => None,
         };

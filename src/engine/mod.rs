@@ -92,11 +92,26 @@ enum NotHere {
     Unknown,
     /// Its pinned version could not be read now.
     Unread(String),
-    /// Its pinned version needs what this node's configuration lacks (a
-    /// provider another node's reload added, or one a restart dropped):
-    /// why, and when the version was first pinned.
-    Mismatch(String, UnixMs),
+    /// Its pinned version (the id) needs what this node's configuration
+    /// lacks (a provider another node's reload added, or one a restart
+    /// dropped): why.
+    Mismatch(String, i64),
 }
+
+impl NotHere {
+    /// Why, in words.
+    fn why(self) -> String {
+        match self {
+            NotHere::Unknown => "its pipeline is not configured".into(),
+            NotHere::Unread(why) | NotHere::Mismatch(why, _) => why,
+        }
+    }
+}
+
+/// How long a node that meets a pipeline version its configuration cannot
+/// run, while every live node runs the same file, waits before it gives
+/// up on it (a reload's heartbeat may not have been seen yet).
+const VERSION_GRACE_MS: i64 = 60_000;
 
 /// Errors that stop the engine from starting.
 #[derive(Debug, thiserror::Error)]
@@ -143,8 +158,12 @@ struct Inner {
     /// A reload changed the cron schedules.
     schedules_changed: Notify,
     /// When this node last compiled every pinned version (to match a
-    /// webhook by an older version's callback step).
-    versions_learned_at: Mutex<UnixMs>,
+    /// webhook by an older version's callback step), and whether some did
+    /// not compile here; one learning at a time.
+    versions_learned: tokio::sync::Mutex<(UnixMs, bool)>,
+    /// Pipeline versions this node's configuration cannot run, and when
+    /// it first met each.
+    mismatched: Mutex<HashMap<i64, UnixMs>>,
     /// When this node last read providers' shared state.
     providers_read_at: std::sync::atomic::AtomicI64,
     /// When the dispatch loop last turned, in ms since `born` (systemd's
@@ -342,7 +361,8 @@ impl Engine {
                 wake: Notify::new(),
                 providers_changed: Notify::new(),
                 schedules_changed: Notify::new(),
-                versions_learned_at: Mutex::new(i64::MIN / 2),
+                versions_learned: tokio::sync::Mutex::new((i64::MIN / 2, false)),
+                mismatched: Mutex::default(),
                 providers_read_at: std::sync::atomic::AtomicI64::new(i64::MIN / 2),
                 pulse: std::sync::atomic::AtomicU64::new(0),
                 born,
@@ -539,6 +559,34 @@ impl Engine {
         self.compiled_for(rec).await.ok()
     }
 
+    /// Whether work on a record whose version cannot run here waits, to
+    /// be asked again (here after a reload, or on another node), rather
+    /// than being given up: a read that failed always; a version this
+    /// node's configuration lacks while the live nodes run different
+    /// files, or for [`VERSION_GRACE_MS`] after this node first met it.
+    /// Past that, every node runs what this one does, and none can run it.
+    async fn waits_for(&self, not: &NotHere) -> bool {
+        match not {
+            NotHere::Unknown => false,
+            NotHere::Unread(_) => true,
+            NotHere::Mismatch(_, version) => self.version_waits(*version).await,
+        }
+    }
+
+    /// [`waits_for`](Self::waits_for) a version this node cannot run.
+    async fn version_waits(&self, version: i64) -> bool {
+        let i = &self.inner;
+        let now = i.clock.now_ms();
+        let first = *lock(&i.mismatched).entry(version).or_insert(now);
+        if now - first < VERSION_GRACE_MS {
+            return true;
+        }
+        match i.db.list_nodes().await {
+            Ok(nodes) => !crate::domain::host::config_split(&nodes, now).is_empty(),
+            Err(_) => true,
+        }
+    }
+
     /// The pipeline version `rec` runs on, compiled against this node's
     /// providers (cached by version id).
     async fn compiled_for(&self, rec: &Record) -> Result<Compiled, NotHere> {
@@ -567,7 +615,7 @@ impl Engine {
                 "pipeline `{}` version {version} does not run with this node's configuration ({e})",
                 pv.pipeline
             );
-            NotHere::Mismatch(why, pv.created_at)
+            NotHere::Mismatch(why, version)
         })?;
         lock(&i.pinned).insert(version, compiled.clone());
         Ok(compiled)

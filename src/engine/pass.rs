@@ -21,23 +21,11 @@ use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, Store,
 /// before it is tried again (here after a reload, or on another node).
 const NOT_HERE_RETRY_MS: i64 = 5_000;
 
-/// How long after a pipeline version was first pinned a node that cannot
-/// run it defers its records (the other nodes are being reloaded); past
-/// it, they are parked for a person.
-const VERSION_WAIT_MS: i64 = 10 * 60_000;
-
 /// A record whose pipeline version this node's configuration cannot run
-/// (`why`): a version another node's reload made lately waits for this
-/// node's reload (or another node's claim); one no node can run any more
-/// waits for a person.
-fn version_unavailable(
-    rec: &Record,
-    lease: Lease,
-    why: &str,
-    pinned_at: UnixMs,
-    now: UnixMs,
-) -> Commit {
-    let wait = now - pinned_at < VERSION_WAIT_MS;
+/// (`why`): while another node may run it or this one may be reloaded
+/// (`wait`, `Engine::version_waits`) it is deferred; one no node can run
+/// any more waits for a person.
+fn version_unavailable(rec: &Record, lease: Lease, why: &str, wait: bool, now: UnixMs) -> Commit {
     let c = if wait {
         let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
         c.next_run_at = Some(now + NOT_HERE_RETRY_MS);
@@ -328,8 +316,9 @@ impl Engine {
                 c.reason = Some(why);
                 return Some(c);
             }
-            Err(super::NotHere::Mismatch(why, pinned_at)) => {
-                return Some(version_unavailable(rec, lease, &why, pinned_at, now));
+            Err(super::NotHere::Mismatch(why, version)) => {
+                let wait = self.version_waits(version).await;
+                return Some(version_unavailable(rec, lease, &why, wait, now));
             }
         };
         let mut states = match self.step_states(rec, &pipeline, runs).await {

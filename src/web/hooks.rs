@@ -121,6 +121,15 @@ async fn receive(
             tracing::warn!(provider.name = %provider, error = %m, "webhook refused by the store");
             refuse(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", &m)
         }
+        // Not now (a reload under way on the nodes): delivered again later.
+        Err(crate::store::StoreError::NotNow(why)) => {
+            tracing::warn!(provider.name = %provider, reason = %why, "webhook delivery asked again later");
+            refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_now",
+                "cannot take this delivery now; retry later",
+            )
+        }
         Err(e) => {
             tracing::error!(provider.name = %provider, error = %e, "webhook delivery failed");
             // 503 so the provider retries the delivery later.

@@ -5019,3 +5019,78 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
         0
     );
 }
+
+/// Issue 24 item 5: a record pinned to a version that needs a provider
+/// this node's configuration lacks (another node's reload added it) is
+/// deferred, saying why, while this node may yet be reloaded or another
+/// may run it; once every live node has run the same file for a minute,
+/// none can, and it is parked `version_unavailable` for a person.
+async fn a_version_this_node_cannot_run(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "version_unavailable").await else {
+        return;
+    };
+    let without = single_step_toml("http://127.0.0.1:9", "");
+    let with = format!(
+        "{without}\n[providers.other]\nbase_url = \"http://127.0.0.1:9\"\n\
+         [[pipelines.pay.steps]]\nname = \"notify\"\nprovider = \"other\"\nneeds = [\"charge\"]\n\
+         request = {{ method = \"POST\", path = \"/notify\" }}\n"
+    );
+    let config = |text: &str| {
+        let c = Config::parse(text, Path::new("t.toml")).unwrap();
+        c.validate(&|_| None).unwrap();
+        Arc::new(c)
+    };
+    const T0: i64 = 1_800_000_000_000;
+    let (a, _) = manual_engine_at(&t.db, config(&with), "a", T0).await;
+    let id = a
+        .enqueue("pay", Some("k"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let (b, clock) = manual_engine_at(&t.db, config(&without), "b", T0).await;
+    assert_ne!(
+        a.current_version("pay"),
+        b.current_version("pay"),
+        "two versions"
+    );
+    drain(&b).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    let reason = r.reason.clone().unwrap_or_default();
+    assert_eq!(r.state, RecordState::Pending, "{r:?}");
+    assert!(
+        reason.contains("waiting for this node's reload") && reason.contains("other"),
+        "{reason}"
+    );
+    assert_eq!(r.next_run_at, Some(T0 + 5_000));
+    // Still within the minute: deferred again.
+    clock.advance(30_000);
+    drain(&b).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Pending);
+    clock.advance(31_000);
+    drain(&b).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.error_code.as_deref()),
+        (RecordState::Parked, Some("version_unavailable")),
+        "{r:?}"
+    );
+    assert!(
+        r.reason
+            .unwrap_or_default()
+            .contains("replay it on the current version"),
+        "what to do"
+    );
+    assert!(t.db.step_runs(id).await.unwrap().is_empty(), "no call made");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_version_this_node_cannot_run() {
+    a_version_this_node_cannot_run(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_version_this_node_cannot_run() {
+    a_version_this_node_cannot_run(Backend::Postgres).await;
+}

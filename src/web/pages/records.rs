@@ -668,9 +668,11 @@ async fn record_page_at(
         rec.finished_at.unwrap_or_else(|| state.clock.now_ms()),
         when,
     );
+    // The record's own version's steps (its step runs when that version
+    // is not known here).
     let mut replay_steps: Vec<String> = match &state.engine {
-        Some(_) => shape.into_iter().map(|s| s.0).collect(),
-        None => steps.iter().map(|s| s.step.clone()).collect(),
+        Some(_) if !shape.is_empty() => shape.into_iter().map(|s| s.0).collect(),
+        _ => steps.iter().map(|s| s.step.clone()).collect(),
     };
     let current = state
         .engine
