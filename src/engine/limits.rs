@@ -131,7 +131,9 @@ impl ProviderRuntime {
     /// grants and slots, a token still valid for unchanged credentials),
     /// retuned to the new limits. Calls already made keep `self`'s
     /// settings to their end. A cap's scope (node or cluster) changes
-    /// only at a restart.
+    /// only at a restart. (`Engine::reconfigure` makes the two steps apart,
+    /// every provider's `prepare` before any `retuned`.)
+    #[cfg(test)]
     pub fn reconfigured(&self, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
         Ok(self.retuned(self.prepare(config)?, now))
     }
@@ -147,7 +149,7 @@ impl ProviderRuntime {
         }
         let (rules, client) = Self::settings(name, config)?;
         // A token stays valid for the same credentials asked the same way.
-        let same = |c: &ProviderConfig| format!("{:?} {:?}", c.oauth2, c.timeout);
+        let same = |c: &ProviderConfig| super::fingerprint(&(&c.oauth2, c.timeout));
         let token = if same(config) == same(&self.config) {
             self.token.clone()
         } else {
