@@ -70,7 +70,7 @@ static REPORTED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 /// Throttled calls and retry-budget exhaustion are counters kept as they
 /// happen: `ballast_attempts_total{outcome="throttled"}` and
 /// `ballast_deferrals_total{reason="provider retry budget exhausted"}`.
-async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
+async fn cluster_gauges(state: &AppState) -> Result<Vec<Gauge>, WebError> {
     let now = state.clock.now_ms();
     let secs = |ms: i64| ms.max(0) as f64 / 1000.0;
     // Every pipeline configured here, and every one with records at work
@@ -83,14 +83,15 @@ async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
         pipelines.extend(reported.iter().cloned());
         reported.extend(pipelines.iter().cloned());
     }
+    let mut gauges = Vec::new();
     for p in &pipelines {
         for st in crate::domain::RecordState::ALL {
             let n = counts
                 .iter()
                 .find(|c| c.pipeline == *p && c.state == st)
                 .map_or(0, |c| c.count);
-            metrics::gauge!("ballast_records", "pipeline" => p.clone(), "state" => st.as_str())
-                .set(n as f64);
+            let labels = vec![("pipeline", p.clone()), ("state", st.as_str().to_owned())];
+            gauges.push(("ballast_records", labels, n as f64));
         }
     }
     let pipelines: Vec<String> = pipelines.into_iter().collect();
@@ -102,7 +103,11 @@ async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
         .collect();
     for p in &pipelines {
         let waited = oldest.get(p).map_or(0.0, |at| secs(now - at));
-        metrics::gauge!("ballast_oldest_due_seconds", "pipeline" => p.clone()).set(waited);
+        gauges.push((
+            "ballast_oldest_due_seconds",
+            vec![("pipeline", p.clone())],
+            waited,
+        ));
     }
     for s in state.db.provider_states().await? {
         let shown = match s.breaker {
@@ -117,20 +122,39 @@ async fn cluster_gauges(state: &AppState) -> Result<(), WebError> {
             crate::domain::BreakerState::HalfOpen,
         ] {
             let on = if shown == b { 1.0 } else { 0.0 };
-            metrics::gauge!(
-                "ballast_provider_breaker",
-                "provider" => s.provider.clone(),
-                "state" => b.as_str()
-            )
-            .set(on);
+            let labels = vec![
+                ("provider", s.provider.clone()),
+                ("state", b.as_str().to_owned()),
+            ];
+            gauges.push(("ballast_provider_breaker", labels, on));
         }
+        let provider = || vec![("provider", s.provider.clone())];
         let paused = if s.paused { 1.0 } else { 0.0 };
-        metrics::gauge!("ballast_provider_paused", "provider" => s.provider.clone()).set(paused);
+        gauges.push(("ballast_provider_paused", provider(), paused));
         let left = s.throttled_until.map_or(0.0, |u| secs(u - now));
-        metrics::gauge!("ballast_provider_throttled_seconds", "provider" => s.provider.clone())
-            .set(left);
+        gauges.push(("ballast_provider_throttled_seconds", provider(), left));
     }
-    Ok(())
+    Ok(gauges)
+}
+
+/// One gauge's name, labels and value, read from the store.
+type Gauge = (&'static str, Vec<(&'static str, String)>, f64);
+
+/// Sets the gauges read and renders the recorder in one step, under a lock:
+/// the recorder is the process's, so two scrapes at once (two Prometheus
+/// servers; in tests, two apps of one process) must not render a mix of
+/// each other's values.
+fn set_and_render(handle: &PrometheusHandle, gauges: Option<Vec<Gauge>>) -> String {
+    static SCRAPE: Mutex<()> = Mutex::new(());
+    let _one = SCRAPE.lock().unwrap_or_else(|e| e.into_inner());
+    for (name, labels, value) in gauges.into_iter().flatten() {
+        let labels: Vec<metrics::Label> = labels
+            .into_iter()
+            .map(|(k, v)| metrics::Label::new(k, v))
+            .collect();
+        metrics::gauge!(name, labels).set(value);
+    }
+    handle.render()
 }
 
 pub fn router() -> Router<AppState> {
@@ -152,10 +176,13 @@ async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Re
     // Without the database the cluster's gauges keep their last values,
     // and the process's own counters are still served: an outage is when
     // they matter.
-    if let Err(e) = cluster_gauges(&state).await {
-        tracing::warn!(error = %e, "metrics: the cluster's gauges could not be read");
-    }
-    let mut r = handle.render().into_response();
+    let gauges = cluster_gauges(&state)
+        .await
+        .inspect_err(
+            |e| tracing::warn!(error = %e, "metrics: the cluster's gauges could not be read"),
+        )
+        .ok();
+    let mut r = set_and_render(handle, gauges).into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4"),
