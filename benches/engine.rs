@@ -32,7 +32,11 @@
 //!   while 100,000 are taken to `waiting`.
 //!
 //! `-- --only A,backlog,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
-//! part (to profile one figure); `-- --traces` exports every pass's spans
+//! part (to profile one figure), `-- --runs N` N runs per figure;
+//! `-- --pg-profile` prints, for each A run on PostgreSQL, where PostgreSQL
+//! spent its time per record (`support/pgprofile.rs`), and `-- --peer
+//! --pg-profile` the same for graphile-worker's A
+//! (`../shared/peers/graphile/run`); `-- --traces` exports every pass's spans
 //! over OTLP to a collector in the process (measure A with and without). Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
@@ -57,6 +61,73 @@ use tokio_util::sync::CancellationToken;
 
 #[path = "support/seed.rs"]
 mod seed;
+
+#[path = "support/pgprofile.rs"]
+mod pgprofile;
+
+/// `--pg-profile`: A on PostgreSQL prints where PostgreSQL spent its time
+/// per record (see `support/pgprofile.rs`).
+static PG_PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// `--peer` (with `--pg-profile`): graphile-worker's workload A through
+/// `../shared/peers/graphile/run` (its own enqueue, then its tuned worker),
+/// with the same PostgreSQL report over its processing statements.
+async fn peer_profile(n: usize) {
+    let run = std::env::var("BALLAST_PEER_GRAPHILE").unwrap_or_else(|_| {
+        format!(
+            "{}/../shared/peers/graphile/run",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    });
+    let admin = pg_admin();
+    let base = admin.rsplit_once('/').map_or(admin.as_str(), |(b, _)| b);
+    let url = format!("{base}/peer_graphile");
+    let mut conn = sqlx::PgConnection::connect(&admin).await.expect("postgres");
+    let exists: Option<i32> =
+        sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = 'peer_graphile'")
+            .fetch_optional(&mut conn)
+            .await
+            .expect("pg_database");
+    if exists.is_none() {
+        sqlx::raw_sql("CREATE DATABASE peer_graphile")
+            .execute(&mut conn)
+            .await
+            .expect("create database");
+    }
+    let profiling = PG_PROFILE.get().copied().unwrap_or(false);
+    if profiling {
+        pgprofile::reset(&url).await.expect("pg-profile reset");
+    }
+    let out = std::process::Command::new("bash")
+        .args([run.as_str(), "A", &n.to_string()])
+        .env("PG", base)
+        .output()
+        .expect("the graphile-worker peer runs");
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    if profiling {
+        // Its enqueue (single and batch), its set-up and the peer script's
+        // own polling and clean-up are left out: what remains is processing.
+        let skip = [
+            "add_job",
+            "count(*)::int as c",
+            "vacuum",
+            "checkpoint",
+            "migrations",
+            "delete from graphile_worker._private_jobs$",
+        ];
+        match pgprofile::report(&url, n, &skip).await {
+            Ok(r) => println!("PostgreSQL per job, graphile-worker processing {n} (A):\n{r}"),
+            Err(e) => eprintln!("pg-profile: {e}"),
+        }
+    }
+}
+
+fn pg_profiling(backend: Backend, kind: Kind) -> bool {
+    PG_PROFILE.get().copied().unwrap_or(false)
+        && matches!(backend, Backend::Postgres)
+        && kind == Kind::One
+}
 
 struct Ok200;
 
@@ -557,6 +628,12 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         i = end;
     }
     let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
+    let profiling = pg_profiling(backend, kind);
+    if profiling {
+        pgprofile::reset(&fresh.url)
+            .await
+            .expect("pg-profile reset");
+    }
     let stop = CancellationToken::new();
     let cpu0 = cpu_seconds();
     reset_peak_rss();
@@ -602,6 +679,15 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         .sum();
     stop.cancel();
     let _ = runner.await;
+    if profiling {
+        fresh.db.close().await;
+        // The benchmark's own polling of the counters is left out.
+        let skip = ["FROM record_counts"];
+        match pgprofile::report(&fresh.url, n, &skip).await {
+            Ok(r) => println!("PostgreSQL per record, processing {n} (A, this run):\n{r}"),
+            Err(e) => eprintln!("pg-profile: {e}"),
+        }
+    }
     let stats = sim.as_ref().map(|s| s.stats());
     if let Some(s) = &sim {
         s.stop();
@@ -1058,12 +1144,24 @@ fn main() {
         ballast::telemetry::Telemetry::install(format, config.as_ref()).expect("logging")
     });
     let quick = args.iter().any(|a| a == "--quick");
+    let _ = PG_PROFILE.set(args.iter().any(|a| a == "--pg-profile"));
     let filter = Filter::from_args(&args);
-    let runs = if quick { 1 } else { 3 };
+    // `--runs N`: runs per figure (3, or 1 with --quick).
+    let runs = args
+        .iter()
+        .position(|a| a == "--runs")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick { 1 } else { 3 });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime");
+    if args.iter().any(|a| a == "--peer") {
+        let n = if quick { 2_000 } else { 20_000 };
+        rt.block_on(peer_profile(n));
+        return;
+    }
     rt.block_on(async move {
         println!(
             "ballast engine benchmark ({}; {} run(s) per figure; median (min–max))",

@@ -48,6 +48,19 @@ pub use deliveries::Delivery;
 pub use ops::{ActExtra, BulkOutcome, Ops, OpsError, Selection};
 pub use reconfigure::{Reconfigured, fingerprint};
 
+/// One record for [`Engine::enqueue_batch`].
+#[derive(Debug, Clone)]
+pub struct Enqueue {
+    pub pipeline: String,
+    /// Its group (a tenant, say): see [`Engine::enqueue_in`].
+    pub group: Option<String>,
+    /// Makes it idempotent: the same key returns the same record.
+    pub key: Option<String>,
+    pub input: Value,
+    /// Due then; `None`: now.
+    pub run_at: Option<UnixMs>,
+}
+
 /// How the engine runs on this node.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -461,6 +474,35 @@ impl Engine {
             .await
     }
 
+    /// Enqueues records of any pipelines and groups at once, all or none:
+    /// one statement on PostgreSQL, one transaction on SQLite; at most
+    /// [`MAX_BATCH`](crate::store::MAX_BATCH). An unknown pipeline or a bad
+    /// group refuses the whole batch, naming the item (counted from 0).
+    /// Keys make each idempotent, as for [`enqueue`](Self::enqueue).
+    pub async fn enqueue_batch(&self, items: Vec<Enqueue>) -> Result<Vec<Created>, StoreError> {
+        let now = self.inner.clock.now_ms();
+        let mut batch = Vec::with_capacity(items.len());
+        {
+            let current = lock(&self.inner.current);
+            for (i, item) in items.into_iter().enumerate() {
+                check_group(item.group.as_deref())
+                    .map_err(|e| StoreError::Invalid(format!("item {i}: {e}")))?;
+                let version = current.get(&item.pipeline).copied().ok_or_else(|| {
+                    StoreError::Invalid(format!("item {i}: unknown pipeline `{}`", item.pipeline))
+                })?;
+                batch.push(NewRecord {
+                    pipeline: item.pipeline,
+                    pipeline_version: Some(version),
+                    external_key: item.key,
+                    group: item.group,
+                    input: item.input,
+                    run_at: item.run_at.unwrap_or(now),
+                });
+            }
+        }
+        self.insert(batch, now).await
+    }
+
     async fn create_one(
         &self,
         pipeline: &str,
@@ -504,6 +546,11 @@ impl Engine {
                 run_at,
             })
             .collect();
+        self.insert(batch, now).await
+    }
+
+    /// Writes `batch` and wakes this node's workers if a record is new.
+    async fn insert(&self, batch: Vec<NewRecord>, now: UnixMs) -> Result<Vec<Created>, StoreError> {
         let created = self.inner.db.create_records(batch, now).await?;
         if created.iter().any(|c| c.created) {
             self.inner.wake.notify_one();

@@ -87,6 +87,18 @@ pub trait SqlDb:
     /// rows each (pipeline, state) counter is spread over.
     fn counter_shard() -> i32;
 
+    /// Inserts `batch`'s records (as `insert_records` would), their
+    /// `created` events and counter moves, and wakes the workers, in one
+    /// statement: one round trip and one commit. Returns the records
+    /// inserted (a repeated key's row is not), or `None` where the backend
+    /// does it in a transaction instead (SQLite: in the process, where a
+    /// statement costs no round trip and there is one writer).
+    fn insert_records_at_once(
+        pools: &Self::Pools,
+        batch: &[crate::store::NewRecord],
+        now: crate::domain::UnixMs,
+    ) -> impl Future<Output = StoreResult<Option<Vec<crate::domain::Record>>>> + Send;
+
     /// Leases due records inside the caller's transaction, a fair share
     /// from each (pipeline, group) queue (`domain::fair`): returns them in
     /// hand-out order, with the state each was taken from. The caller writes the
@@ -196,6 +208,7 @@ pub struct Statements {
     pub(crate) lock_records: Cached,
     pub(crate) update_records: Cached,
     pub(crate) insert_records: Cached,
+    pub(crate) insert_records_at_once: Cached,
     pub(crate) step_runs_of: Cached,
     pub(crate) claim: Cached,
     pub(crate) index_records: Cached,
@@ -215,6 +228,7 @@ impl Statements {
             lock_records: Cached::new(),
             update_records: Cached::new(),
             insert_records: Cached::new(),
+            insert_records_at_once: Cached::new(),
             step_runs_of: Cached::new(),
             claim: Cached::new(),
             index_records: Cached::new(),

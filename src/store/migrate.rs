@@ -46,6 +46,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     16 "0016_user_theme" "user_theme",
     17 "0017_hourly_rollups" "hourly_rollups",
     18 "0018_config_version" "config_version",
+    19 "0019_hot_path_keys" "hot_path_keys",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -66,6 +67,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     16 "0016_user_theme" "user_theme",
     17 "0017_hourly_rollups" "hourly_rollups",
     18 "0018_config_version" "config_version",
+    19 "0019_hot_path_keys" "hot_path_keys",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -243,6 +243,66 @@ impl SqlDb for Postgres {
         fastrand::i32(0..COUNTER_SHARDS)
     }
 
+    /// One statement whose data-modifying `WITH` parts share its snapshot:
+    /// the records, then an event and the counters for each row the
+    /// `INSERT … ON CONFLICT DO NOTHING` returned, and the wake-up (only
+    /// when one was). Issue 22: a single enqueue was six round trips
+    /// (begin, records, events, counters, notify, commit).
+    async fn insert_records_at_once(
+        pool: &PgPool,
+        batch: &[crate::store::NewRecord],
+        now: crate::domain::UnixMs,
+    ) -> StoreResult<Option<Vec<crate::domain::Record>>> {
+        use super::batch;
+        let rows: Vec<batch::NewRecordJson<'_>> = batch
+            .iter()
+            .map(|r| batch::NewRecordJson::new(r, now))
+            .collect();
+        let sql = Self::statements().insert_records_at_once.get(|| {
+            let records = batch::insert(
+                "records",
+                batch::NEW_RECORD_COLS,
+                Self::DIALECT,
+                &format!(
+                    "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {}",
+                    super::rows::RECORD_COLUMNS
+                ),
+            );
+            // Counter rows are locked in the order every other writer
+            // locks them (`record_counts`, then `step_counts`: see
+            // `counts.rs`), or two writers could deadlock. PostgreSQL runs
+            // the `WITH` parts no one reads at the end, last first, so
+            // `sc` reads `rc`: `rc` is done before `sc` writes a row.
+            format!(
+                "WITH ins AS ({records}), \
+                 ev AS (INSERT INTO events (record_id, at, kind, actor, audit, to_state) \
+                   SELECT id, created_at, 'created', $2, FALSE, 'pending' FROM ins ORDER BY id), \
+                 rc AS (INSERT INTO record_counts (pipeline, state, shard, n) \
+                   SELECT pipeline, 'pending', $3, count(*) FROM ins GROUP BY pipeline ORDER BY pipeline \
+                   ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n \
+                   RETURNING 1), \
+                 sc AS (INSERT INTO step_counts (pipeline, step, state, shard, n) \
+                   SELECT pipeline, '', 'pending', $3, count(*) FROM ins \
+                   CROSS JOIN (SELECT count(*) FROM rc) AS rc_first GROUP BY pipeline ORDER BY pipeline \
+                   ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n), \
+                 wake AS (SELECT pg_notify($4, '') FROM (SELECT 1 FROM ins LIMIT 1) one) \
+                 SELECT ins.* FROM ins LEFT JOIN wake ON TRUE"
+            )
+        });
+        let inserted = sqlx::query(sql)
+            .bind(sqlx::types::Json(&rows))
+            .bind(crate::domain::SYSTEM_ACTOR)
+            .bind(Self::counter_shard())
+            .bind(WORK_CHANNEL)
+            .fetch_all(pool)
+            .await?;
+        let records = inserted
+            .iter()
+            .map(super::rows::MapRow::record)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(records))
+    }
+
     async fn claim_in(
         tx: &mut Transaction<'static, Postgres>,
         req: &ClaimRequest,

@@ -767,13 +767,76 @@ where
     /// their `created` events (or finds the record with the same
     /// external key) inside the caller's transaction; the caller
     /// applies `deltas`. Results are in the order of `batch`.
+    /// The stored record a repeated key names, read after the statement
+    /// that found it stored (committed: the insert waited for it).
+    pub(crate) async fn repeat_of(&self, new: &NewRecord) -> StoreResult<Created> {
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(new.pipeline.clone())
+            .bind(new.external_key.clone())
+            .fetch_optional(self.reader())
+            .await?;
+        // Gone only if retention purged it in between: the next try
+        // creates it anew.
+        let row = row.ok_or_else(|| {
+            StoreError::NotNow(format!(
+                "the record with key `{}` was purged while this enqueue ran: enqueue again",
+                new.external_key.as_deref().unwrap_or_default()
+            ))
+        })?;
+        Ok(Created {
+            record: row.record()?,
+            created: false,
+        })
+    }
+
+    /// Each of `batch`'s rows with the record `inserted` for it, `None`
+    /// for a repeat (of a key already stored or earlier in the batch);
+    /// the inserted records counted in `deltas`.
+    pub(crate) fn match_inserted(
+        batch: &[NewRecord],
+        mut inserted: Vec<Record>,
+        mut deltas: Option<&mut CountDeltas>,
+    ) -> StoreResult<Vec<Option<Created>>> {
+        let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
+        // Ids are taken in the order of the rows (ORDER BY their
+        // position), so the inserted rows, by id, are the batch minus
+        // its repeats (a repeated key can never match a later
+        // inserted row: its key already exists).
+        inserted.sort_unstable_by_key(|r| r.id);
+        let mut inserted = inserted.into_iter().peekable();
+        for (slot, new) in out.iter_mut().zip(batch) {
+            let next_is_this = inserted
+                .peek()
+                .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
+            if next_is_this {
+                if let Some(record) = inserted.next() {
+                    if let Some(d) = deltas.as_deref_mut() {
+                        d.inserted(&record.pipeline);
+                    }
+                    *slot = Some(Created {
+                        record,
+                        created: true,
+                    });
+                }
+            }
+        }
+        if inserted.next().is_some() {
+            return Err(StoreError::Invalid(
+                "inserted records did not match the batch".into(),
+            ));
+        }
+        Ok(out)
+    }
+
     pub(crate) async fn insert_records(
         tx: &mut Tx<DB>,
         batch: &[NewRecord],
         now: UnixMs,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Vec<Created>> {
-        let mut out: Vec<Option<Created>> = batch.iter().map(|_| None).collect();
         let rows: Vec<batch::NewRecordJson<'_>> = batch
             .iter()
             .map(|r| batch::NewRecordJson::new(r, now))
@@ -792,32 +855,8 @@ where
             .bind_json(&rows)
             .fetch_all(&mut **tx)
             .await?;
-        let mut inserted = map_all(&inserted, MapRow::record)?;
-        // Ids are taken in the order of the rows (ORDER BY their
-        // position), so the inserted rows, by id, are the batch minus
-        // its repeats (a repeated key can never match a later
-        // inserted row: its key already exists).
-        inserted.sort_unstable_by_key(|r| r.id);
-        let mut inserted = inserted.into_iter().peekable();
-        for (slot, new) in out.iter_mut().zip(batch) {
-            let next_is_this = inserted
-                .peek()
-                .is_some_and(|r| r.pipeline == new.pipeline && r.external_key == new.external_key);
-            if next_is_this {
-                if let Some(record) = inserted.next() {
-                    deltas.inserted(&record.pipeline);
-                    *slot = Some(Created {
-                        record,
-                        created: true,
-                    });
-                }
-            }
-        }
-        if inserted.next().is_some() {
-            return Err(StoreError::Invalid(
-                "inserted records did not match the batch".into(),
-            ));
-        }
+        let inserted = map_all(&inserted, MapRow::record)?;
+        let out = Self::match_inserted(batch, inserted, Some(deltas))?;
         let events: Vec<EventRow<'_>> = out
             .iter()
             .flatten()

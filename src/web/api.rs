@@ -131,15 +131,78 @@ async fn reload(caller: Bearer<Admin>, State(state): State<AppState>) -> WebResu
     }
 }
 
+/// `POST /api/v1/records`: one record (an object), or up to
+/// [`MAX_BATCH`](crate::store::MAX_BATCH) at once (a list of the same
+/// objects: all or none, in one statement on PostgreSQL). 201 when a
+/// record was created, 200 when every key named one already stored.
 async fn enqueue(
     caller: Bearer<Operator>,
     State(state): State<AppState>,
-    ApiJson(body): ApiJson<EnqueueBody>,
+    ApiJson(body): ApiJson<Value>,
 ) -> WebResult<Response> {
     let engine = state
         .engine
         .as_ref()
         .ok_or_else(|| WebError::bad("no_workers", "this node has no pipelines configured"))?;
+    let now = engine.now_ms();
+    let Value::Array(items) = body else {
+        let body: EnqueueBody = serde_json::from_value(body)
+            .map_err(|e| WebError::bad("invalid_body", e.to_string()))?;
+        let item = to_enqueue(&state, body, now)?;
+        let mut created = engine.enqueue_batch(vec![item]).await?;
+        let created = created
+            .pop()
+            .ok_or_else(|| WebError::Internal("nothing enqueued".into()))?;
+        tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued via API");
+        let status = if created.created {
+            StatusCode::CREATED
+        } else {
+            StatusCode::OK
+        };
+        return Ok((
+            status,
+            Json(json!({ "created": created.created, "record": created.record })),
+        )
+            .into_response());
+    };
+    if items.is_empty() || items.len() > crate::store::MAX_BATCH {
+        return Err(WebError::bad(
+            "invalid_batch",
+            format!(
+                "a list of 1 to {} records, not {}",
+                crate::store::MAX_BATCH,
+                items.len()
+            ),
+        ));
+    }
+    let mut batch = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let body: EnqueueBody = serde_json::from_value(item)
+            .map_err(|e| WebError::bad("invalid_body", format!("item {i}: {e}")))?;
+        batch.push(to_enqueue(&state, body, now).map_err(|e| e.prefixed(&format!("item {i}: ")))?);
+    }
+    let created = engine.enqueue_batch(batch).await?;
+    let new = created.iter().filter(|c| c.created).count();
+    tracing::info!(records = created.len(), created = new, actor = %caller.actor, "enqueued a batch via API");
+    let status = if new > 0 {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let items: Vec<Value> = created
+        .iter()
+        .map(|c| json!({ "created": c.created, "record": c.record }))
+        .collect();
+    Ok((status, Json(json!({ "created": new, "items": items }))).into_response())
+}
+
+/// One enqueue request checked: a configured pipeline, a key and group
+/// that are allowed, a due time that parses.
+fn to_enqueue(
+    state: &AppState,
+    body: EnqueueBody,
+    now: crate::domain::UnixMs,
+) -> WebResult<crate::engine::Enqueue> {
     if !state.config.get().pipelines.contains_key(&body.pipeline) {
         return Err(WebError::bad(
             "unknown_pipeline",
@@ -157,28 +220,15 @@ async fn enqueue(
         .map(crate::config::parse_duration)
         .transpose()
         .map_err(|e| WebError::bad("invalid_delay", e))?;
-    let run_at = crate::domain::schedule::due_at(body.run_at.as_deref(), delay, engine.now_ms())
+    let run_at = crate::domain::schedule::due_at(body.run_at.as_deref(), delay, now)
         .map_err(|e| WebError::bad("invalid_run_at", e))?;
-    let created = engine
-        .enqueue_in_at(
-            &body.pipeline,
-            body.group.as_deref(),
-            body.key.as_deref(),
-            body.input,
-            run_at,
-        )
-        .await?;
-    tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued via API");
-    let status = if created.created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((
-        status,
-        Json(json!({ "created": created.created, "record": created.record })),
-    )
-        .into_response())
+    Ok(crate::engine::Enqueue {
+        pipeline: body.pipeline,
+        group: body.group,
+        key: body.key,
+        input: body.input,
+        run_at: Some(run_at),
+    })
 }
 
 async fn list(

@@ -53,6 +53,18 @@ impl WebError {
         }
     }
 
+    /// The same error with `prefix` before a bad request's message (which
+    /// item of a list it was about).
+    pub fn prefixed(self, prefix: &str) -> Self {
+        match self {
+            WebError::BadRequest { code, message } => WebError::BadRequest {
+                code,
+                message: format!("{prefix}{message}"),
+            },
+            other => other,
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             WebError::Unauthenticated => StatusCode::UNAUTHORIZED,

@@ -423,6 +423,137 @@ async fn records_are_enqueued_for_later() {
     app.stop().await;
 }
 
+/// Issue 22 item 3: a list of up to 1,000 records is enqueued at once,
+/// all or none (one statement on PostgreSQL): keys repeat as for one
+/// record (within the list too), a bad item refuses the list naming it and
+/// creates nothing, and the maintained counters agree with a recount.
+async fn a_list_is_enqueued_at_once(backend: Backend) {
+    let Some(app) = WebApp::spawn(backend, "api_list", &pipeline("http://127.0.0.1:9")).await
+    else {
+        return;
+    };
+    let op = app.token(Role::Operator).await;
+    let post = |body: Value| {
+        app.client
+            .post(app.url("/api/v1/records"))
+            .bearer_auth(&op)
+            .json(&body)
+            .send()
+    };
+    let list = json!([
+        {"pipeline": "leads", "key": "a", "group": "t1", "input": {"n": 1}},
+        {"pipeline": "leads", "delay": "1h"},
+        {"pipeline": "leads", "key": "a", "input": {"n": 2}},
+        {"pipeline": "leads", "input": {"n": 3}},
+    ]);
+    let r = post(list).await.unwrap();
+    assert_eq!(r.status(), 201);
+    let r: Value = r.json().await.unwrap();
+    assert_eq!(r["created"], 3, "{r}");
+    let items = r["items"].as_array().unwrap();
+    assert_eq!(items.len(), 4);
+    let created: Vec<bool> = items.iter().map(|i| i["created"] == true).collect();
+    assert_eq!(created, [true, true, false, true]);
+    assert_eq!(
+        items[2]["record"]["id"], items[0]["record"]["id"],
+        "a repeat in the list"
+    );
+    assert_eq!(items[0]["record"]["group"], "t1");
+    assert_eq!(items[0]["record"]["input"], json!({"n": 1}));
+    let later = items[1]["record"]["next_run_at"].as_i64().unwrap();
+    assert!(
+        later > crate::helpers::wall_ms() + 3_000_000,
+        "delayed an hour"
+    );
+    for item in items {
+        let id = item["record"]["id"].as_i64().unwrap();
+        let events = app.t.db.record_events(id).await.unwrap();
+        let made: Vec<_> = events.iter().filter(|e| e.kind == "created").collect();
+        assert_eq!(made.len(), 1, "one created event for {id}: {events:?}");
+        assert_eq!(made[0].to_state, Some(RecordState::Pending));
+        assert_eq!(made[0].actor, "system");
+    }
+    // All repeats: 200, nothing new.
+    let again = json!([{"pipeline": "leads", "key": "a"}]);
+    let r = post(again).await.unwrap();
+    assert_eq!(r.status(), 200);
+    // A bad item refuses the list, naming it; nothing is created.
+    let total = |c: Vec<ballast::domain::StateCount>| c.iter().map(|c| c.count).sum::<i64>();
+    let before = total(app.t.db.state_counts().await.unwrap());
+    for (list, code, says) in [
+        (
+            json!([{"pipeline": "leads", "key": "b"}, {"pipeline": "nope"}]),
+            "unknown_pipeline",
+            "item 1: unknown pipeline",
+        ),
+        (
+            json!([{"pipeline": "leads", "key": "c"}, {"pipeline": "leads", "delay": "soon"}]),
+            "invalid_delay",
+            "item 1:",
+        ),
+        (
+            json!([{"pipeline": "leads"}, {"pipeline": "leads", "colour": "red"}]),
+            "invalid_body",
+            "item 1: unknown field",
+        ),
+        (json!([]), "invalid_batch", "not 0"),
+    ] {
+        let r = post(list.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{list}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"], code, "{list}: {e}");
+        assert!(e["message"].as_str().unwrap().contains(says), "{e}");
+    }
+    let too_many: Vec<Value> = (0..1_001).map(|_| json!({"pipeline": "leads"})).collect();
+    let r = post(Value::Array(too_many)).await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(total(app.t.db.state_counts().await.unwrap()), before);
+    // The most a call takes, at once.
+    let full: Vec<Value> = (0..1_000)
+        .map(|i| json!({"pipeline": "leads", "key": format!("full-{i}"), "input": {"i": i}}))
+        .collect();
+    let r = post(Value::Array(full)).await.unwrap();
+    assert_eq!(r.status(), 201);
+    let r: Value = r.json().await.unwrap();
+    assert_eq!(r["created"], 1_000);
+    let ids: std::collections::BTreeSet<i64> = r["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["record"]["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1_000);
+    assert_eq!(
+        r["items"][999]["record"]["external_key"], "full-999",
+        "items in the list's order"
+    );
+    assert_eq!(
+        total(app.t.db.state_counts().await.unwrap()),
+        before + 1_000
+    );
+    // The engine stopped (its claims would move records between the two
+    // reads), the counters agree with a count of the rows.
+    let t = app.stop_keeping_db().await;
+    assert_eq!(
+        t.db.state_counts().await.unwrap(),
+        t.db.recount_states().await.unwrap()
+    );
+    assert_eq!(
+        t.db.step_counts().await.unwrap(),
+        t.db.recount_steps().await.unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_list_is_enqueued_at_once() {
+    a_list_is_enqueued_at_once(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_list_is_enqueued_at_once() {
+    a_list_is_enqueued_at_once(Backend::Postgres).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_round_trip_sqlite() {
     api_round_trip(Backend::Sqlite).await;
