@@ -117,16 +117,23 @@ async fn peer_profile(n: usize) {
             "delete from graphile_worker._private_jobs$",
         ];
         match pgprofile::report(&url, n, &skip).await {
-            Ok(r) => println!("PostgreSQL per job, graphile-worker processing {n} (A):\n{r}"),
+            Ok(r) => println!(
+                "PostgreSQL per job, graphile-worker processing {n} (A; its statements \
+                 only, but table rows and cluster WAL include its enqueue and set-up):\n{r}"
+            ),
             Err(e) => eprintln!("pg-profile: {e}"),
         }
     }
 }
 
-fn pg_profiling(backend: Backend, kind: Kind) -> bool {
+/// Profiled: A on PostgreSQL (one step, in-process provider, half the
+/// records enqueued one by one), with or without the search indexer.
+fn pg_profiling(setup: &Setup) -> bool {
     PG_PROFILE.get().copied().unwrap_or(false)
-        && matches!(backend, Backend::Postgres)
-        && kind == Kind::One
+        && matches!(setup.backend, Backend::Postgres)
+        && setup.kind == Kind::One
+        && matches!(setup.provider, Provider::InProcess)
+        && setup.single_enqueue
 }
 
 struct Ok200;
@@ -628,8 +635,11 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         i = end;
     }
     let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
-    let profiling = pg_profiling(backend, kind);
+    let profiling = pg_profiling(setup);
     if profiling {
+        pgprofile::settle(&fresh.url)
+            .await
+            .expect("pg-profile settle");
         pgprofile::reset(&fresh.url)
             .await
             .expect("pg-profile reset");
@@ -684,7 +694,10 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         // The benchmark's own polling of the counters is left out.
         let skip = ["FROM record_counts"];
         match pgprofile::report(&fresh.url, n, &skip).await {
-            Ok(r) => println!("PostgreSQL per record, processing {n} (A, this run):\n{r}"),
+            Ok(r) => println!(
+                "PostgreSQL per record, processing {n} (A, search indexer {}, this run):\n{r}",
+                if search_index { "on" } else { "off" }
+            ),
             Err(e) => eprintln!("pg-profile: {e}"),
         }
     }

@@ -13,10 +13,25 @@
 //!   (`pg_stat_wal`; nothing else should run meanwhile).
 //!
 //! The same report is made for graphile-worker's database when the
-//! benchmark runs its peer (`-- --pg-profile --peer graphile`), so the two
-//! read side by side.
+//! benchmark runs its peer (`-- --peer --pg-profile`), so the two read
+//! side by side; the peer's script enqueues and sets up after the reset,
+//! so its table rows and cluster WAL include that (its statements do not).
 
 use sqlx::{Connection, PgConnection, Row};
+
+/// Lets the enqueue's statistics land before a reset: a backend that
+/// reported less than a second ago may hold its table and WAL counters for
+/// up to 10 s (PostgreSQL 15's idle interval), and autovacuum's and a
+/// checkpoint's work after a bulk insert would otherwise count as the
+/// processing's. Vacuums, checkpoints, then waits those 10 s out.
+pub async fn settle(url: &str) -> Result<(), sqlx::Error> {
+    let mut c = PgConnection::connect(url).await?;
+    sqlx::query("VACUUM ANALYZE").execute(&mut c).await?;
+    sqlx::query("CHECKPOINT").execute(&mut c).await?;
+    c.close().await?;
+    tokio::time::sleep(std::time::Duration::from_secs(11)).await;
+    Ok(())
+}
 
 /// Zeroes the statistics: statements and WAL for the cluster, tables for
 /// the database at `url`.
@@ -28,11 +43,21 @@ pub async fn reset(url: &str) -> Result<(), sqlx::Error> {
     sqlx::query("SELECT pg_stat_reset_shared('wal')")
         .execute(&mut c)
         .await?;
-    if let Err(e) = sqlx::query("SELECT pg_stat_statements_reset()")
+    let statements = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         .execute(&mut c)
-        .await
-    {
-        eprintln!("pg-profile: no pg_stat_statements ({e}); statements not profiled");
+        .await;
+    let statements = match statements {
+        Ok(_) => sqlx::query("SELECT pg_stat_statements_reset()")
+            .execute(&mut c)
+            .await
+            .map(|_| ()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = statements {
+        eprintln!(
+            "pg-profile: no pg_stat_statements ({e}): add it to shared_preload_libraries; \
+             statements not profiled"
+        );
     }
     c.close().await
 }
@@ -59,7 +84,10 @@ pub async fn report(url: &str, n: usize, skip: &[&str]) -> Result<String, sqlx::
     )
     .fetch_all(&mut c)
     .await
-    .unwrap_or_default();
+    .unwrap_or_else(|e| {
+        let _ = writeln!(out, "  (no statements: pg_stat_statements unreadable: {e})");
+        Vec::new()
+    });
     let kept: Vec<_> = statements
         .iter()
         .filter(|r| {
@@ -147,21 +175,19 @@ pub async fn report(url: &str, n: usize, skip: &[&str]) -> Result<String, sqlx::
             touched / n,
         );
     }
-    let wal_row = sqlx::query(
-        "SELECT wal_records, wal_fpi, wal_bytes::float8 AS bytes, wal_sync FROM pg_stat_wal",
-    )
-    .fetch_one(&mut c)
-    .await?;
+    let wal_row =
+        sqlx::query("SELECT wal_records, wal_fpi, wal_bytes::float8 AS bytes FROM pg_stat_wal")
+            .fetch_one(&mut c)
+            .await?;
     let _ = writeln!(
         out,
         "  rows written {:.2}/rec, index entries ≤ {:.1}/rec; cluster WAL {:.1} records, \
-         {:.2} full pages, {:.0} B per record, {:.3} WAL syncs per record",
+         {:.2} full pages, {:.0} B per record",
         written / n,
         entries / n,
         wal_row.get::<i64, _>("wal_records") as f64 / n,
         wal_row.get::<i64, _>("wal_fpi") as f64 / n,
         wal_row.get::<f64, _>("bytes") / n,
-        wal_row.get::<i64, _>("wal_sync") as f64 / n,
     );
     c.close().await?;
     Ok(out)

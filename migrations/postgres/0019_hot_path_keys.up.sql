@@ -3,7 +3,7 @@
 -- three quarters of the time of inserting a pass's step run and attempt,
 -- and of a record's enqueue). Integrity is kept by the writers instead:
 -- a pass writes its step run and attempt in the transaction that holds
--- its record's row locked (`SELECT … FOR UPDATE`, then the lease checked),
+-- its record's row locked (`FOR NO KEY UPDATE`, then the lease checked),
 -- an operator's action likewise, and attempts kept after a lost lease
 -- only while the record's row is locked; retention deletes a record's
 -- attempts and step runs itself, in the transaction that deletes the

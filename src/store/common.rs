@@ -97,14 +97,7 @@ where
         }
         if let Some(inserted) = DB::insert_records_at_once(&self.pools, &batch, now).await? {
             let slots = Self::match_inserted(&batch, inserted, None)?;
-            let mut out = Vec::with_capacity(batch.len());
-            for (slot, new) in slots.into_iter().zip(&batch) {
-                match slot {
-                    Some(created) => out.push(created),
-                    None => out.push(self.repeat_of(new).await?),
-                }
-            }
-            return Ok(out);
+            return self.fill_repeats(&batch, slots).await;
         }
         let mut tx = self.begin_write().await?;
         let mut deltas = CountDeltas::default();

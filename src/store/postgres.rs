@@ -269,8 +269,9 @@ impl SqlDb for Postgres {
                 ),
             );
             // Counter rows are locked in the order every other writer
-            // locks them (`record_counts`, then `step_counts`: see
-            // `counts.rs`), or two writers could deadlock. PostgreSQL runs
+            // locks them (`record_counts`, then `step_counts`, each by the
+            // bytes of its key, as `counts.rs` sorts them: `COLLATE "C"`),
+            // or two writers could deadlock. PostgreSQL runs
             // the `WITH` parts no one reads at the end, last first, so
             // `sc` reads `rc`: `rc` is done before `sc` writes a row.
             format!(
@@ -278,12 +279,12 @@ impl SqlDb for Postgres {
                  ev AS (INSERT INTO events (record_id, at, kind, actor, audit, to_state) \
                    SELECT id, created_at, 'created', $2, FALSE, 'pending' FROM ins ORDER BY id), \
                  rc AS (INSERT INTO record_counts (pipeline, state, shard, n) \
-                   SELECT pipeline, 'pending', $3, count(*) FROM ins GROUP BY pipeline ORDER BY pipeline \
+                   SELECT pipeline, 'pending', $3, count(*) FROM ins GROUP BY pipeline ORDER BY pipeline COLLATE \"C\" \
                    ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n \
                    RETURNING 1), \
                  sc AS (INSERT INTO step_counts (pipeline, step, state, shard, n) \
                    SELECT pipeline, '', 'pending', $3, count(*) FROM ins \
-                   CROSS JOIN (SELECT count(*) FROM rc) AS rc_first GROUP BY pipeline ORDER BY pipeline \
+                   CROSS JOIN (SELECT count(*) FROM rc) AS rc_first GROUP BY pipeline ORDER BY pipeline COLLATE \"C\" \
                    ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n), \
                  wake AS (SELECT pg_notify($4, '') FROM (SELECT 1 FROM ins LIMIT 1) one) \
                  SELECT ins.* FROM ins LEFT JOIN wake ON TRUE"

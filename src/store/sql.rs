@@ -767,29 +767,60 @@ where
     /// their `created` events (or finds the record with the same
     /// external key) inside the caller's transaction; the caller
     /// applies `deltas`. Results are in the order of `batch`.
-    /// The stored record a repeated key names, read after the statement
-    /// that found it stored (committed: the insert waited for it).
-    pub(crate) async fn repeat_of(&self, new: &NewRecord) -> StoreResult<Created> {
-        let sql = format!(
-            "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
-        );
-        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(new.pipeline.clone())
-            .bind(new.external_key.clone())
-            .fetch_optional(self.reader())
-            .await?;
-        // Gone only if retention purged it in between: the next try
-        // creates it anew.
-        let row = row.ok_or_else(|| {
-            StoreError::NotNow(format!(
-                "the record with key `{}` was purged while this enqueue ran: enqueue again",
-                new.external_key.as_deref().unwrap_or_default()
-            ))
-        })?;
-        Ok(Created {
-            record: row.record()?,
-            created: false,
-        })
+    /// `slots` filled: each empty one (a repeated key) with the stored
+    /// record its key names, all read in one statement after the one that
+    /// found them stored (committed: the insert waited for each).
+    pub(crate) async fn fill_repeats(
+        &self,
+        batch: &[NewRecord],
+        slots: Vec<Option<Created>>,
+    ) -> StoreResult<Vec<Created>> {
+        let keys: Vec<(&str, Option<&str>)> = slots
+            .iter()
+            .zip(batch)
+            .filter(|(slot, _)| slot.is_none())
+            .map(|(_, new)| (new.pipeline.as_str(), new.external_key.as_deref()))
+            .collect();
+        let mut stored = std::collections::HashMap::new();
+        if !keys.is_empty() {
+            let sql = format!(
+                "SELECT {RECORD_COLUMNS} FROM records WHERE (pipeline, external_key) IN \
+                 (SELECT value->>0, value->>1 FROM {})",
+                DB::DIALECT.rows()
+            );
+            let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind_json(&keys)
+                .fetch_all(self.reader())
+                .await?;
+            for row in &rows {
+                let rec = row.record()?;
+                stored.insert((rec.pipeline.clone(), rec.external_key.clone()), rec);
+            }
+        }
+        let mut out = Vec::with_capacity(slots.len());
+        for (slot, new) in slots.into_iter().zip(batch) {
+            let created = match slot {
+                Some(c) => c,
+                None => {
+                    let key = (new.pipeline.clone(), new.external_key.clone());
+                    // Gone only if retention purged it in between.
+                    let record = stored.get(&key).cloned().ok_or_else(|| {
+                        StoreError::NotNow(format!(
+                            "the record with key `{}` was purged while this enqueue ran; \
+                             the others are stored: send the same request again (keys \
+                             make that safe)",
+                            new.external_key.as_deref().unwrap_or_default()
+                        ))
+                    })?;
+                    Created {
+                        record,
+                        created: false,
+                    }
+                }
+            };
+            out.push(created);
+        }
+        Ok(out)
     }
 
     /// Each of `batch`'s rows with the record `inserted` for it, `None`

@@ -33,6 +33,9 @@ pub enum WebError {
     TooManyRequests(String),
     #[error("the request body is too large")]
     TooLarge,
+    /// Could not be done now; the same request may be sent again.
+    #[error("{0}")]
+    NotNow(String),
     #[error("internal error")]
     Internal(String),
 }
@@ -74,6 +77,7 @@ impl WebError {
             WebError::Conflict { .. } => StatusCode::CONFLICT,
             WebError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             WebError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            WebError::NotNow(_) => StatusCode::SERVICE_UNAVAILABLE,
             WebError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -87,6 +91,7 @@ impl WebError {
             WebError::BadRequest { code, .. } | WebError::Conflict { code, .. } => code,
             WebError::TooManyRequests(_) => "rate_limited",
             WebError::TooLarge => "body_too_large",
+            WebError::NotNow(_) => "not_now",
             WebError::Internal(_) => "internal_error",
         }
     }
@@ -107,6 +112,7 @@ impl From<StoreError> for WebError {
                 message: t.to_string(),
             },
             StoreError::Invalid(m) => WebError::bad("invalid_request", m),
+            StoreError::NotNow(m) => WebError::NotNow(m),
             other => WebError::Internal(other.to_string()),
         }
     }
