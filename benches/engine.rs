@@ -15,7 +15,10 @@
 //! - A with 2,000 and with 200,000 records queued (all batch-enqueued):
 //!   the rate must not fall as the backlog grows.
 //! - B1000: the same latency, 1,000 in flight, 20,000 records: the ratio to
-//!   the ideal 20,000/s.
+//!   the ideal 20,000/s, and to its ceiling here: a bare reqwest client (no
+//!   engine, no database) sending the same calls, 1,000 at once, to the
+//!   same kind of simulator. `-- --sim-process` runs B's simulator as
+//!   `ballast sim` in its own process (for B, B1000 and the bare client).
 //! - C: rate-limit fidelity. A provider limited to 200/s: calls per whole
 //!   second of the run as a fraction of the limit, and the most calls the
 //!   simulator saw in any one second.
@@ -588,12 +591,18 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     } = *setup;
     let fresh = fresh(backend).await?;
     let sim = match provider {
-        Provider::InProcess => None,
         Provider::Sim(profile) => Some(SimHandle::spawn((**profile).clone()).await.ok()?),
+        Provider::InProcess | Provider::SimProcess => None,
+    };
+    let proc_sim = match provider {
+        Provider::SimProcess => Some(SimProcess::start().await?),
+        _ => None,
     };
     let base = sim
         .as_ref()
-        .map_or("http://in-process.invalid".to_owned(), |s| s.base_url());
+        .map(|s| s.base_url())
+        .or_else(|| proc_sim.as_ref().map(|s| s.base.clone()))
+        .unwrap_or_else(|| "http://in-process.invalid".to_owned());
     let cfg = Arc::new(config(
         &fresh.url,
         &base,
@@ -705,6 +714,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     if let Some(s) = &sim {
         s.stop();
     }
+    drop(proc_sim);
     fresh.drop_now().await;
     Some(Run {
         processed_per_s: n as f64 / took,
@@ -725,6 +735,115 @@ async fn run_once(setup: &Setup) -> Option<Run> {
 enum Provider {
     InProcess,
     Sim(Box<Profile>),
+    /// `ballast sim` in its own process, answering every call in 50 ms
+    /// (B's simulator, `--sim-process`).
+    SimProcess,
+}
+
+/// `--sim-process`: B and B1000 call `ballast sim` in its own process, so
+/// the engine and the provider do not share one runtime (nor, with the
+/// bare client, do the client and the provider).
+static SIM_PROCESS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// `ballast sim --profile clean --seed 2 --latency 50ms` (B's simulator)
+/// as a child process on a free port, stopped when dropped.
+struct SimProcess {
+    child: std::process::Child,
+    base: String,
+}
+
+impl SimProcess {
+    async fn start() -> Option<SimProcess> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
+            .args([
+                "sim",
+                "--profile",
+                "clean",
+                "--seed",
+                "2",
+                "--latency",
+                "50ms",
+            ])
+            .args(["--port", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        let sim = SimProcess {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        };
+        for _ in 0..500 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return Some(sim);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        eprintln!("bench: `ballast sim` did not listen on {port}");
+        None
+    }
+}
+
+impl Drop for SimProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// B1000's ceiling: a bare reqwest client (no engine, no database) sending
+/// B's request (`POST /v1/charge`, a fresh idempotency key each) `n` times,
+/// `in_flight` at once, to a simulator like B1000's: requests/s.
+async fn bare_client(n: usize, in_flight: usize, slow: &Profile) -> Option<f64> {
+    let (in_proc, proc_sim) = if SIM_PROCESS.get().copied().unwrap_or(false) {
+        (None, Some(SimProcess::start().await?))
+    } else {
+        (Some(SimHandle::spawn(slow.clone()).await.ok()?), None)
+    };
+    let base = in_proc
+        .as_ref()
+        .map(|s| s.base_url())
+        .or_else(|| proc_sim.as_ref().map(|s| s.base.clone()))?;
+    let url = format!("{base}/v1/charge");
+    let client = reqwest::Client::new();
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(in_flight);
+    for _ in 0..in_flight {
+        let (client, next, url) = (client.clone(), next.clone(), url.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i as usize >= n {
+                    break;
+                }
+                let sent = client
+                    .post(&url)
+                    .header("Idempotency-Key", format!("bare-{i}"))
+                    .json(&json!({ "ref": format!("bare-{i}"), "amount": 1 }))
+                    .send()
+                    .await;
+                if let Ok(r) = sent {
+                    let _ = r.bytes().await;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    if let Some(s) = in_proc {
+        s.stop();
+    }
+    Some(rate)
 }
 
 fn median_spread(mut v: Vec<f64>) -> String {
@@ -1158,6 +1277,7 @@ fn main() {
     });
     let quick = args.iter().any(|a| a == "--quick");
     let _ = PG_PROFILE.set(args.iter().any(|a| a == "--pg-profile"));
+    let _ = SIM_PROCESS.set(args.iter().any(|a| a == "--sim-process"));
     let filter = Filter::from_args(&args);
     // `--runs N`: runs per figure (3, or 1 with --quick).
     let runs = args
@@ -1328,13 +1448,12 @@ fn main() {
                 if !filter.wants(key) {
                     continue;
                 }
-                let b = setup(
-                    n,
-                    Provider::Sim(Box::new(slow.clone())),
-                    in_flight,
-                    None,
-                    key == "B",
-                );
+                let simulator = if SIM_PROCESS.get().copied().unwrap_or(false) {
+                    Provider::SimProcess
+                } else {
+                    Provider::Sim(Box::new(slow.clone()))
+                };
+                let b = setup(n, simulator, in_flight, None, key == "B");
                 // B also with an intent written before each call.
                 let (rs, guarded) = if key == "B" {
                     with_and_without_intents(runs, &b).await
@@ -1355,9 +1474,37 @@ fn main() {
                     let ratio: Vec<f64> = rate.iter().map(|r| r / ideal * 100.0).collect();
                     println!(
                         "{name:<44} {:>22} {:>18}",
-                        median_spread(rate),
+                        median_spread(rate.clone()),
                         format!("{}% of ideal", median_spread_f(ratio, 1)),
                     );
+                    if key == "B1000" && !rate.is_empty() {
+                        // Its ceiling on this machine: the same calls
+                        // without the engine or the database.
+                        let mut bare = Vec::new();
+                        for _ in 0..runs {
+                            bare.extend(bare_client(n, in_flight, &slow).await);
+                        }
+                        if !bare.is_empty() {
+                            let share = median(&rate) / median(&bare) * 100.0;
+                            println!(
+                                "{:<44} {:>22} {:>18}",
+                                "   bare reqwest client, same simulator",
+                                median_spread(bare.clone()),
+                                format!(
+                                    "{}% of ideal",
+                                    median_spread_f(
+                                        bare.iter().map(|b| b / ideal * 100.0).collect(),
+                                        1
+                                    )
+                                ),
+                            );
+                            println!(
+                                "{:<44} {:>22}",
+                                "   Ballast / bare client (medians)",
+                                format!("{share:.1}%")
+                            );
+                        }
+                    }
                 }
             }
             if filter.wants("C") {

@@ -190,6 +190,10 @@ pub struct SimArgs {
     /// Multiplies every latency (0 for instant answers).
     #[arg(long, default_value_t = 1.0)]
     latency_scale: f64,
+    /// Every answer takes exactly this long (`50ms`), instead of the
+    /// profile's spread of latencies.
+    #[arg(long, value_name = "DURATION", value_parser = crate::config::parse_duration)]
+    latency: Option<std::time::Duration>,
     /// A scheduled outage, AFTER+LASTS[@FRACTION] from the start:
     /// `30s+10s` fails everything for 10 s, `1m+2m@0.5` half of it.
     #[arg(long, value_name = "AFTER+LASTS[@F]")]
@@ -478,6 +482,11 @@ async fn sim(args: SimArgs) -> anyhow::Result<()> {
         _ => crate::sim::Profile::chaos(args.seed),
     };
     p.latency_scale = args.latency_scale;
+    if let Some(fixed) = args.latency {
+        p.latency_median = fixed;
+        p.latency_sigma = 0.0;
+        p.latency_scale = 1.0;
+    }
     p.outages = args.outage;
     p.callback_secret = args
         .callback_secret_env
