@@ -409,11 +409,7 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
     }
     let mut children = Vec::new();
     for i in 0..nodes {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()?
-            .port();
+        let port = free_port()?;
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
             .current_dir(dir.path())
             .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
@@ -591,18 +587,12 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     } = *setup;
     let fresh = fresh(backend).await?;
     let sim = match provider {
-        Provider::Sim(profile) => Some(SimHandle::spawn((**profile).clone()).await.ok()?),
-        Provider::InProcess | Provider::SimProcess => None,
-    };
-    let proc_sim = match provider {
-        Provider::SimProcess => Some(SimProcess::start().await?),
-        _ => None,
+        Provider::InProcess => None,
+        p => Some(Running::start(p).await?),
     };
     let base = sim
         .as_ref()
-        .map(|s| s.base_url())
-        .or_else(|| proc_sim.as_ref().map(|s| s.base.clone()))
-        .unwrap_or_else(|| "http://in-process.invalid".to_owned());
+        .map_or("http://in-process.invalid".to_owned(), Running::base_url);
     let cfg = Arc::new(config(
         &fresh.url,
         &base,
@@ -710,11 +700,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
             Err(e) => eprintln!("pg-profile: {e}"),
         }
     }
-    let stats = sim.as_ref().map(|s| s.stats());
-    if let Some(s) = &sim {
-        s.stop();
-    }
-    drop(proc_sim);
+    let stats = sim.and_then(Running::stop);
     fresh.drop_now().await;
     Some(Run {
         processed_per_s: n as f64 / took,
@@ -745,72 +731,96 @@ enum Provider {
 /// bare client, do the client and the provider).
 static SIM_PROCESS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
-/// `ballast sim --profile clean --seed 2 --latency 50ms` (B's simulator)
-/// as a child process on a free port, stopped when dropped.
-struct SimProcess {
-    child: std::process::Child,
-    base: String,
-}
-
-impl SimProcess {
-    async fn start() -> Option<SimProcess> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+/// A free port on 127.0.0.1 (free when asked: a child process binds it).
+fn free_port() -> Option<u16> {
+    Some(
+        std::net::TcpListener::bind("127.0.0.1:0")
             .ok()?
             .local_addr()
             .ok()?
-            .port();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
-            .args([
-                "sim",
-                "--profile",
-                "clean",
-                "--seed",
-                "2",
-                "--latency",
-                "50ms",
-            ])
-            .args(["--port", &port.to_string()])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .ok()?;
-        let sim = SimProcess {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-        };
-        for _ in 0..500 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                return Some(sim);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        eprintln!("bench: `ballast sim` did not listen on {port}");
-        None
-    }
+            .port(),
+    )
 }
 
-impl Drop for SimProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// The simulator a run calls: in this process, or B's as `ballast sim
+/// --profile clean --seed 2 --latency 50ms` in its own (stopped when
+/// dropped).
+enum Running {
+    Here(SimHandle),
+    Apart { _child: KillOnDrop, base: String },
+}
+
+impl Running {
+    /// `None` for the in-process provider (no simulator), or when one
+    /// could not be started.
+    async fn start(provider: &Provider) -> Option<Running> {
+        match provider {
+            Provider::InProcess => None,
+            Provider::Sim(profile) => Some(Running::Here(
+                SimHandle::spawn((**profile).clone()).await.ok()?,
+            )),
+            Provider::SimProcess => {
+                let port = free_port()?;
+                let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
+                    .args([
+                        "sim",
+                        "--profile",
+                        "clean",
+                        "--seed",
+                        "2",
+                        "--latency",
+                        "50ms",
+                    ])
+                    .args(["--port", &port.to_string()])
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .ok()?;
+                let child = KillOnDrop(child);
+                for _ in 0..500 {
+                    if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                        .await
+                        .is_ok()
+                    {
+                        return Some(Running::Apart {
+                            _child: child,
+                            base: format!("http://127.0.0.1:{port}"),
+                        });
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                eprintln!("bench: `ballast sim` did not listen on {port}");
+                None
+            }
+        }
+    }
+
+    fn base_url(&self) -> String {
+        match self {
+            Running::Here(s) => s.base_url(),
+            Running::Apart { base, .. } => base.clone(),
+        }
+    }
+
+    /// What the simulator counted (in this process only), then stopped.
+    fn stop(self) -> Option<ballast::sim::StatsFigures> {
+        match self {
+            Running::Here(s) => {
+                let stats = s.stats();
+                s.stop();
+                Some(stats)
+            }
+            Running::Apart { .. } => None,
+        }
     }
 }
 
 /// B1000's ceiling: a bare reqwest client (no engine, no database) sending
 /// B's request (`POST /v1/charge`, a fresh idempotency key each) `n` times,
-/// `in_flight` at once, to a simulator like B1000's: requests/s.
-async fn bare_client(n: usize, in_flight: usize, slow: &Profile) -> Option<f64> {
-    let (in_proc, proc_sim) = if SIM_PROCESS.get().copied().unwrap_or(false) {
-        (None, Some(SimProcess::start().await?))
-    } else {
-        (Some(SimHandle::spawn(slow.clone()).await.ok()?), None)
-    };
-    let base = in_proc
-        .as_ref()
-        .map(|s| s.base_url())
-        .or_else(|| proc_sim.as_ref().map(|s| s.base.clone()))?;
+/// `in_flight` at once, to a simulator like B1000's (`provider`):
+/// requests/s.
+async fn bare_client(n: usize, in_flight: usize, provider: &Provider) -> Option<f64> {
+    let sim = Running::start(provider).await?;
+    let base = sim.base_url();
     let url = format!("{base}/v1/charge");
     let client = reqwest::Client::new();
     let next = Arc::new(AtomicU64::new(0));
@@ -840,9 +850,7 @@ async fn bare_client(n: usize, in_flight: usize, slow: &Profile) -> Option<f64> 
         let _ = t.await;
     }
     let rate = n as f64 / started.elapsed().as_secs_f64();
-    if let Some(s) = in_proc {
-        s.stop();
-    }
+    sim.stop();
     Some(rate)
 }
 
@@ -1482,7 +1490,7 @@ fn main() {
                         // without the engine or the database.
                         let mut bare = Vec::new();
                         for _ in 0..runs {
-                            bare.extend(bare_client(n, in_flight, &slow).await);
+                            bare.extend(bare_client(n, in_flight, &b.provider).await);
                         }
                         if !bare.is_empty() {
                             let share = median(&rate) / median(&bare) * 100.0;

@@ -101,13 +101,13 @@ where
         }
         let mut tx = self.begin_write().await?;
         let mut deltas = CountDeltas::default();
-        let out = Self::insert_records(&mut tx, &batch, now, &mut deltas).await?;
+        let slots = Self::insert_records(&mut tx, &batch, now, &mut deltas).await?;
         Self::apply_counts(&mut tx, &deltas).await?;
-        if out.iter().any(|c| c.created) {
+        if slots.iter().any(Option::is_some) {
             DB::notify_work(&mut tx).await?;
         }
         tx.commit().await?;
-        Ok(out)
+        self.fill_repeats(&batch, slots).await
     }
 
     async fn get_record(&self, id: i64) -> StoreResult<Option<Record>> {

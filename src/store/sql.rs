@@ -763,13 +763,10 @@ where
         Ok(())
     }
 
-    /// Inserts a batch of records with multi-row statements and
-    /// their `created` events (or finds the record with the same
-    /// external key) inside the caller's transaction; the caller
-    /// applies `deltas`. Results are in the order of `batch`.
-    /// `slots` filled: each empty one (a repeated key) with the stored
-    /// record its key names, all read in one statement after the one that
-    /// found them stored (committed: the insert waited for each).
+    /// `slots` filled: each empty one (a repeated key, of a record stored
+    /// before or earlier in the batch) with the stored record its key
+    /// names, all read in one statement after the insert committed (it
+    /// waited for each conflicting row's transaction).
     pub(crate) async fn fill_repeats(
         &self,
         batch: &[NewRecord],
@@ -862,12 +859,16 @@ where
         Ok(out)
     }
 
+    /// Inserts `batch`'s records (ON CONFLICT DO NOTHING on the external
+    /// key) and their `created` events inside the caller's transaction;
+    /// the caller applies `deltas`, then fills the repeats
+    /// ([`fill_repeats`](Self::fill_repeats)). In the order of `batch`.
     pub(crate) async fn insert_records(
         tx: &mut Tx<DB>,
         batch: &[NewRecord],
         now: UnixMs,
         deltas: &mut CountDeltas,
-    ) -> StoreResult<Vec<Created>> {
+    ) -> StoreResult<Vec<Option<Created>>> {
         let rows: Vec<batch::NewRecordJson<'_>> = batch
             .iter()
             .map(|r| batch::NewRecordJson::new(r, now))
@@ -905,30 +906,7 @@ where
             })
             .collect();
         Self::insert_events(tx, &events).await?;
-        // Repeats: the record with that key, from before or from
-        // earlier in this batch.
-        let sql = format!(
-            "SELECT {RECORD_COLUMNS} FROM records WHERE pipeline = $1 AND external_key = $2"
-        );
-        let mut done = Vec::with_capacity(batch.len());
-        for (slot, new) in out.into_iter().zip(batch) {
-            let created = match slot {
-                Some(c) => c,
-                None => {
-                    let row = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
-                        .bind(new.pipeline.clone())
-                        .bind(new.external_key.clone())
-                        .fetch_one(&mut **tx)
-                        .await?;
-                    Created {
-                        record: row.record()?,
-                        created: false,
-                    }
-                }
-            };
-            done.push(created);
-        }
-        Ok(done)
+        Ok(out)
     }
 
     /// `Retry` inside the caller's transaction: a fresh attempt budget for

@@ -330,14 +330,6 @@ impl SqlDb for Sqlite {
         0
     }
 
-    async fn insert_records_at_once(
-        _pools: &Self::Pools,
-        _batch: &[crate::store::NewRecord],
-        _now: crate::domain::UnixMs,
-    ) -> StoreResult<Option<Vec<crate::domain::Record>>> {
-        Ok(None)
-    }
-
     /// The single writer makes select-then-update atomic: no other claimer
     /// can run between the two statements.
     async fn claim_in(
