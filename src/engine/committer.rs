@@ -3,12 +3,16 @@
 //! transaction ran in one transaction (`Store::commit_many`), so a busy
 //! node pays one durable commit, and a handful of multi-row statements, per
 //! group instead of per record. An idle node commits a lone pass at once:
-//! nothing waits for a group to fill.
+//! nothing waits for a group to fill. On PostgreSQL two groups are written
+//! at once (issue 22: with one, the committer was busy the whole of A's
+//! run while a third of the two cores idled, each group waiting on its
+//! commit's flush); a record is never in two groups being written.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::{JoinError, JoinSet};
 
 use crate::domain::{Clock, Record};
 use crate::store::{Commit, Db, Store, StoreResult};
@@ -53,21 +57,40 @@ impl Committer {
 }
 
 async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>, clock: Arc<dyn Clock>) {
-    // A pass for a record already in the group waits for the next one.
+    let parallel = groups_at_once(&db);
+    // A pass for a record already in a group (this one, or one being
+    // written) waits for the next.
     let mut carry: Option<Job> = None;
+    let mut writing: JoinSet<Vec<i64>> = JoinSet::new();
+    let mut busy: HashSet<i64> = HashSet::new();
     loop {
+        while let Some(done) = writing.try_join_next() {
+            forget(&mut busy, done, writing.is_empty());
+        }
         let first = match carry.take() {
             Some(job) => job,
             None => match rx.recv().await {
                 Some(job) => job,
-                None => return,
+                None => break,
             },
         };
-        let mut ids = HashSet::from([first.commit.lease.record_id]);
+        // Room for a group, and none holding this record: passes arriving
+        // meanwhile join this group.
+        while writing.len() >= parallel || busy.contains(&first.commit.lease.record_id) {
+            match writing.join_next().await {
+                Some(done) => forget(&mut busy, done, writing.is_empty()),
+                None => break,
+            }
+        }
+        let mut ids = vec![first.commit.lease.record_id];
         let mut group = vec![first];
+        busy.insert(ids[0]);
         while group.len() < GROUP_MAX {
             match rx.try_recv() {
-                Ok(job) if ids.insert(job.commit.lease.record_id) => group.push(job),
+                Ok(job) if busy.insert(job.commit.lease.record_id) => {
+                    ids.push(job.commit.lease.record_id);
+                    group.push(job);
+                }
                 Ok(job) => {
                     carry = Some(job);
                     break;
@@ -75,30 +98,67 @@ async fn run(db: Db, mut rx: mpsc::UnboundedReceiver<Job>, clock: Arc<dyn Clock>
                 Err(_) => break,
             }
         }
-        let (commits, waiters): (Vec<Commit>, Vec<_>) =
-            group.into_iter().map(|j| (j.commit, j.done)).unzip();
-        let started = clock.instant();
-        let results = match db.commit_many(&commits).await {
-            Ok(results) => results,
-            Err(e) if commits.len() == 1 => vec![Err(e)],
-            Err(e) => {
-                // One bad pass must not sink the others: one by one.
-                tracing::warn!(error = %e, group = commits.len(), "group commit failed; committing one by one");
-                let mut each = Vec::with_capacity(commits.len());
-                for c in &commits {
-                    each.push(db.commit(c).await);
-                }
-                each
+        let (db, clock) = (db.clone(), clock.clone());
+        writing.spawn(async move {
+            write(&db, group, clock.as_ref()).await;
+            ids
+        });
+    }
+    while writing.join_next().await.is_some() {}
+}
+
+/// How many groups are written at once: two on PostgreSQL, so that one
+/// group's statements run while another waits for its commit to reach
+/// the disk (their records never overlap; rows are locked in id order and
+/// counter rows in one order, on shards picked at random); one on SQLite,
+/// whose one writer would only queue them.
+fn groups_at_once(db: &Db) -> usize {
+    match db {
+        Db::Postgres(_) => 2,
+        Db::Sqlite(_) => 1,
+    }
+}
+
+/// A written group's records are free for the next; a group whose task
+/// panicked cannot say which were its own, so when none is being written
+/// every record is.
+fn forget(busy: &mut HashSet<i64>, done: Result<Vec<i64>, JoinError>, idle: bool) {
+    match done {
+        Ok(ids) => {
+            for id in ids {
+                busy.remove(&id);
             }
-        };
-        tracing::debug!(
-            group = commits.len(),
-            took_us = (clock.instant() - started).as_micros() as u64,
-            "group committed"
-        );
-        for ((commit, done), result) in commits.into_iter().zip(waiters).zip(results) {
-            // A worker that stopped waiting (shutdown) is not an error.
-            let _ = done.send((commit, result));
         }
+        Err(_) if idle => busy.clear(),
+        Err(_) => {}
+    }
+}
+
+/// Writes one group and answers each of its passes.
+async fn write(db: &Db, group: Vec<Job>, clock: &dyn Clock) {
+    let (commits, waiters): (Vec<Commit>, Vec<_>) =
+        group.into_iter().map(|j| (j.commit, j.done)).unzip();
+    let started = clock.instant();
+    let results = match db.commit_many(&commits).await {
+        Ok(results) => results,
+        Err(e) if commits.len() == 1 => vec![Err(e)],
+        Err(e) => {
+            // One bad pass must not sink the others: one by one.
+            tracing::warn!(error = %e, group = commits.len(), "group commit failed; committing one by one");
+            let mut each = Vec::with_capacity(commits.len());
+            for c in &commits {
+                each.push(db.commit(c).await);
+            }
+            each
+        }
+    };
+    tracing::debug!(
+        group = commits.len(),
+        took_us = (clock.instant() - started).as_micros() as u64,
+        "group committed"
+    );
+    for ((commit, done), result) in commits.into_iter().zip(waiters).zip(results) {
+        // A worker that stopped waiting (shutdown) is not an error.
+        let _ = done.send((commit, result));
     }
 }

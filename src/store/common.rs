@@ -131,11 +131,16 @@ where
                 ids.insert(id);
             }
         }
-        let keyed: Vec<i64> =
-            sqlx::query_scalar("SELECT id FROM records WHERE external_key = $1 LIMIT 50")
-                .bind(q.to_owned())
-                .fetch_all(self.reader())
-                .await?;
+        // Resting and running records apart, each through its index
+        // (migration 20).
+        let keyed: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM records WHERE external_key = $1 AND state <> 'running' \
+             UNION ALL SELECT id FROM records WHERE external_key = $1 AND state = 'running' \
+             LIMIT 50",
+        )
+        .bind(q.to_owned())
+        .fetch_all(self.reader())
+        .await?;
         ids.extend(keyed);
         for p in providers {
             let jobs: Vec<i64> = sqlx::query_scalar(
@@ -159,15 +164,31 @@ where
     }
 
     async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
+        use crate::store::filter::{Part, needs_parts, needs_windows};
         let limit = page_limit(filter.limit);
         let query = |f: &RecordFilter, floor: Option<i64>, n: i64| {
-            let mut qb =
-                sqlx::QueryBuilder::<DB>::new(format!("SELECT {RECORD_COLUMNS} FROM records"));
-            push_record_filter(&mut qb, f, floor);
-            qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
+            let mut qb = sqlx::QueryBuilder::<DB>::new("");
+            let one = |qb: &mut sqlx::QueryBuilder<DB>, part: Part| {
+                qb.push(format_args!("SELECT {RECORD_COLUMNS} FROM records"));
+                push_record_filter(qb, f, floor, part);
+                qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
+            };
+            if needs_parts(f) {
+                // The newest `n` resting and the newest `n` running,
+                // each through its index, merged.
+                qb.push("SELECT * FROM (");
+                one(&mut qb, Part::Resting);
+                qb.push(") resting UNION ALL SELECT * FROM (");
+                one(&mut qb, Part::Running);
+                qb.push(") running ORDER BY id DESC LIMIT ").push_bind(n);
+            } else if f.until == Some(crate::domain::park::UntilKind::Never) {
+                one(&mut qb, Part::Resting);
+            } else {
+                one(&mut qb, Part::All);
+            }
             qb
         };
-        if !crate::store::filter::needs_windows(filter) {
+        if !needs_windows(filter) {
             let rows = query(filter, None, i64::from(limit) + 1)
                 .build()
                 .fetch_all(self.reader())
@@ -293,14 +314,22 @@ where
         pipelines: &[String],
         now: UnixMs,
     ) -> StoreResult<Vec<(String, UnixMs)>> {
-        // One indexed probe per pipeline (the due index, oldest first),
-        // not a scan of the backlog.
+        // Per pipeline, a loose scan of the queue index: one probe for
+        // each of its queues (pipeline, group) and one for its head, not
+        // a scan of the backlog.
         let mut out = Vec::new();
         for p in pipelines {
             let at: Option<i64> = sqlx::query_scalar(
-                "SELECT next_run_at FROM records WHERE pipeline = $1 \
-                 AND next_run_at IS NOT NULL AND next_run_at <= $2 \
-                 ORDER BY next_run_at LIMIT 1",
+                "WITH RECURSIVE g(group_key) AS ( \
+                   SELECT MIN(group_key) FROM records WHERE pipeline = $1 AND next_run_at IS NOT NULL \
+                   UNION ALL \
+                   SELECT (SELECT MIN(r.group_key) FROM records r WHERE r.pipeline = $1 \
+                           AND r.next_run_at IS NOT NULL AND r.group_key > g.group_key) \
+                   FROM g WHERE g.group_key IS NOT NULL) \
+                 SELECT m FROM (SELECT MIN((SELECT MIN(r.next_run_at) FROM records r \
+                     WHERE r.pipeline = $1 AND r.group_key = g.group_key AND r.next_run_at IS NOT NULL)) AS m \
+                   FROM g WHERE g.group_key IS NOT NULL) h \
+                 WHERE m <= $2",
             )
             .bind(p.clone())
             .bind(now)

@@ -47,6 +47,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     17 "0017_hourly_rollups" "hourly_rollups",
     18 "0018_config_version" "config_version",
     19 "0019_hot_path_keys" "hot_path_keys",
+    20 "0020_listing_indexes" "listing_indexes",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -68,6 +69,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     17 "0017_hourly_rollups" "hourly_rollups",
     18 "0018_config_version" "config_version",
     19 "0019_hot_path_keys" "hot_path_keys",
+    20 "0020_listing_indexes" "listing_indexes",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

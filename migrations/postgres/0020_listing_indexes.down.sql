@@ -1,0 +1,15 @@
+DROP INDEX records_running;
+DROP INDEX records_pipeline;
+DROP INDEX records_state;
+DROP INDEX records_provider;
+DROP INDEX records_step;
+DROP INDEX records_error_code;
+DROP INDEX records_external_key;
+CREATE INDEX records_due ON records (next_run_at, id) WHERE next_run_at IS NOT NULL;
+CREATE INDEX records_pipeline ON records (pipeline, id);
+CREATE INDEX records_state ON records (state, id);
+CREATE INDEX records_pipeline_state ON records (pipeline, state, id);
+CREATE INDEX records_provider ON records (provider, id) WHERE provider IS NOT NULL;
+CREATE INDEX records_step ON records (step, id) WHERE step IS NOT NULL;
+CREATE INDEX records_error_code ON records (error_code, id) WHERE error_code IS NOT NULL;
+CREATE INDEX records_external_key ON records (external_key) WHERE external_key IS NOT NULL;
