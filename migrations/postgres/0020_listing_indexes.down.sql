@@ -1,5 +1,6 @@
 DROP INDEX records_running;
 DROP INDEX records_pipeline;
+DROP INDEX records_pipeline_state;
 DROP INDEX records_state;
 DROP INDEX records_provider;
 DROP INDEX records_step;

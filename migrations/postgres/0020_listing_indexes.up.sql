@@ -10,10 +10,8 @@
 -- list's queries say `state <> 'running'` or `state = 'running'` in their
 -- text, so every plan, generic ones too, can use these indexes).
 --
--- `records_due` has served nothing since the claims read the queues
--- (migration 6); `records_pipeline_state` goes: a pipeline and a state
--- together are searched through `records_state` in id windows, as every
--- other pair of filters is.
+-- `records_due` has served only the oldest-due metric since the claims
+-- read the queues (migration 6); that metric now reads the queue index.
 DROP INDEX records_due;
 DROP INDEX records_pipeline_state;
 DROP INDEX records_pipeline;
@@ -23,6 +21,7 @@ DROP INDEX records_step;
 DROP INDEX records_error_code;
 DROP INDEX records_external_key;
 CREATE INDEX records_pipeline ON records (pipeline, id) WHERE state <> 'running';
+CREATE INDEX records_pipeline_state ON records (pipeline, state, id) WHERE state <> 'running';
 CREATE INDEX records_state ON records (state, id) WHERE state <> 'running';
 CREATE INDEX records_provider ON records (provider, id)
     WHERE provider IS NOT NULL AND state <> 'running';

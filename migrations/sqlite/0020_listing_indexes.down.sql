@@ -1,2 +1,1 @@
 CREATE INDEX records_due ON records (next_run_at, id) WHERE next_run_at IS NOT NULL;
-CREATE INDEX records_pipeline_state ON records (pipeline, state, id);

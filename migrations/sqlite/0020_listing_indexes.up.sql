@@ -1,9 +1,6 @@
--- Fewer indexes to keep per pass (issue 22). `records_due` has served
--- nothing since the claims read the queues (migration 6);
--- `records_pipeline_state` goes: a pipeline and a state together are
--- searched through `records_state` in id windows, as every other pair of
--- filters is. (SQLite rewrites only the indexes whose columns an update
--- changes, so the listing indexes stay whole here; on PostgreSQL they
--- leave running records out.)
+-- `records_due` has served only the oldest-due metric since the claims
+-- read the queues (migration 6); that metric now reads the queue index
+-- (issue 22: one index fewer to keep per pass). On PostgreSQL the listing
+-- indexes also leave running records out; SQLite rewrites only the
+-- indexes whose columns an update changes, so they stay whole here.
 DROP INDEX records_due;
-DROP INDEX records_pipeline_state;

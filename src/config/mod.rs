@@ -333,7 +333,8 @@ pub struct EngineConfig {
     /// (the worker extends it while alive); after that another node takes
     /// it over, and the stale worker's write is refused.
     pub lease: HumanDuration,
-    /// Records claimed per database round trip.
+    /// Records claimed per database round trip, at least: a claim takes as
+    /// many as there are free slots, up to 1,000, when that is more.
     pub batch: u32,
     /// Records this node works on at once.
     pub max_in_flight: u32,

@@ -66,7 +66,8 @@ pub struct Enqueue {
 pub struct EngineOptions {
     /// Appears as `lease_owner` and in events as `node:<id>`.
     pub node_id: String,
-    /// Records claimed per round trip.
+    /// Records claimed per round trip, at least (as many as there are free
+    /// slots, up to 1,000, when that is more).
     pub batch: u32,
     /// Records processed at once on this node.
     pub max_in_flight: usize,

@@ -25,6 +25,9 @@ const PROVIDERS_READ_EVERY_MS: i64 = 100;
 /// that its last claim could not take (see `idle_sleep`).
 const DUE_BUT_TAKEN: Duration = Duration::from_millis(200);
 
+/// The most records one claim takes when more slots than a batch are free.
+const CLAIM_MAX: usize = 1_000;
+
 /// The longest the dispatch loop waits without turning.
 pub const PULSE_EVERY: Duration = Duration::from_secs(1);
 
@@ -210,8 +213,13 @@ impl Engine {
             if started {
                 waiting = None;
             }
-            if claiming.is_none() && waiting.is_none() && ready.len() < batch.div_ceil(2) {
-                let want = (batch - ready.len()) as u32;
+            // A claim takes at least a batch, and as many as there are free
+            // slots (up to CLAIM_MAX): with many calls in flight, one round
+            // trip refills what finished meanwhile (issue 22: B1000 claimed
+            // 100 at a time and waited on its claims).
+            let target = batch.max(i.slots.available_permits().min(CLAIM_MAX));
+            if claiming.is_none() && waiting.is_none() && ready.len() < target.div_ceil(2) {
+                let want = (target - ready.len()) as u32;
                 claiming = Some(Box::pin(self.claim(want)));
             }
             let busy = !ready.is_empty();

@@ -62,6 +62,11 @@ pub trait SqlDb:
     /// scan the JSON rows once per record.
     const UPDATE_KEY: &'static str;
 
+    /// Whether the listing indexes leave running records out (PostgreSQL,
+    /// migration 20), so that a list with no state asked reads resting and
+    /// running records apart (`store/filter.rs`). SQLite's are whole.
+    const LISTS_IN_PARTS: bool;
+
     /// The pool for reads outside a write transaction.
     fn reader(pools: &Self::Pools) -> &Pool<Self>;
 

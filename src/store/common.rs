@@ -173,7 +173,7 @@ where
                 push_record_filter(qb, f, floor, part);
                 qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
             };
-            if needs_parts(f) {
+            if DB::LISTS_IN_PARTS && needs_parts(f) {
                 // The newest `n` resting and the newest `n` running,
                 // each through its index, merged.
                 qb.push("SELECT * FROM (");

@@ -9,15 +9,21 @@ use crate::domain::park::UntilKind;
 /// True when no single index serves the filter, so a search that matches
 /// little could walk a whole index: such lists are searched in id windows.
 pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
+    // Running records are few (the calls in flight): any filter over them
+    // is read through `records_running` (or the state index) whole.
+    if f.state == Some(RecordState::Running) {
+        return false;
+    }
+    // "Parked with no condition" is a state.
+    let state = f.state.is_some() || f.until == Some(UntilKind::Never);
     let set = [
         f.pipeline.is_some(),
         f.provider.is_some(),
         f.step.is_some(),
         f.error_code.is_some(),
-        f.state.is_some(),
+        state,
         f.key_prefix.is_some(),
-        // "Parked with no condition" is served by the state index.
-        f.until.is_some() && f.until != Some(UntilKind::Never),
+        matches!(f.until, Some(UntilKind::Time | UntilKind::Provider)),
     ];
     let n = set.iter().filter(|b| **b).count();
     // No index orders records by id among those with a condition, or
@@ -28,7 +34,9 @@ pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
     {
         return true;
     }
-    n >= 2
+    // (pipeline, state) has its own index.
+    let pipeline_state = n == 2 && f.pipeline.is_some() && state;
+    n >= 2 && !pipeline_state
 }
 
 /// Which records one of a list's queries reads. On PostgreSQL the listing
@@ -46,15 +54,16 @@ pub(crate) enum Part {
 }
 
 /// Whether a list is read in two parts, resting and running records,
-/// merged: when one of the listing indexes serves it and no state is
-/// asked for.
+/// merged (where the backend's listing indexes leave running records out):
+/// when one of those indexes serves it, whole or in id windows, and no
+/// state is asked.
 pub(crate) fn needs_parts(f: &RecordFilter) -> bool {
     let indexed = f.pipeline.is_some()
         || f.provider.is_some()
         || f.step.is_some()
         || f.error_code.is_some()
         || f.key_prefix.is_some();
-    indexed && f.state.is_none() && f.until.is_none() && !needs_windows(f)
+    indexed && f.state.is_none() && f.until.is_none()
 }
 
 /// Appends ` WHERE …` for a records filter (no ORDER BY / LIMIT); `floor`

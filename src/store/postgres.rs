@@ -221,6 +221,7 @@ impl SqlDb for Postgres {
     const DIALECT: Dialect = Dialect::Postgres;
     const ANY_OF: (&'static str, &'static str) = ("= ANY(ARRAY(", "))");
     const UPDATE_KEY: &'static str = " AND records.id = ANY(ARRAY(SELECT id FROM v))";
+    const LISTS_IN_PARTS: bool = true;
 
     fn reader(pool: &PgPool) -> &Pool<Postgres> {
         pool

@@ -304,6 +304,7 @@ impl SqlDb for Sqlite {
     const DIALECT: Dialect = Dialect::Sqlite;
     const ANY_OF: (&'static str, &'static str) = ("IN (", ")");
     const UPDATE_KEY: &'static str = "";
+    const LISTS_IN_PARTS: bool = false;
 
     fn reader(pools: &SqlitePools) -> &Pool<Sqlite> {
         &pools.reader

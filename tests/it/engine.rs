@@ -732,6 +732,58 @@ async fn postgres_records_parked_for_an_outage_resume_by_themselves() {
     records_parked_for_an_outage_resume_by_themselves(Backend::Postgres).await;
 }
 
+/// A claim takes as many records as there are free slots, not one batch
+/// (issue 22: B1000 claimed its batch of 100 per round trip and waited on
+/// its claims): 60 records due before the node starts, 100 slots, a batch
+/// of 1, and one claim takes all 60 (one claim, one instant and one node
+/// on every `claimed` event).
+async fn a_claim_fills_the_free_slots(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "claim_fills").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(8)).await.unwrap();
+    let config = single_step(&sim.base_url(), "concurrency = 100");
+    let mut o = options("fill");
+    o.batch = 1;
+    o.max_in_flight = 100;
+    let engine = Engine::new(t.db.clone(), config, o).await.unwrap();
+    enqueue_n(&engine, "pay", 60).await;
+    let (stop, run) = run_in_background(&engine);
+    wait_at_rest(&t.db, 60, Duration::from_secs(60)).await;
+    stop.cancel();
+    run.await.unwrap();
+    let records =
+        t.db.list_records(&RecordFilter {
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(records.len(), 60);
+    let mut claims = std::collections::BTreeSet::new();
+    for r in &records {
+        assert_eq!(r.state, RecordState::Succeeded);
+        for e in t.db.record_events(r.id).await.unwrap() {
+            if e.kind == "claimed" {
+                claims.insert((e.at, e.actor));
+            }
+        }
+    }
+    assert_eq!(claims.len(), 1, "one claim took every record: {claims:?}");
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_claim_fills_the_free_slots() {
+    a_claim_fills_the_free_slots(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_claim_fills_the_free_slots() {
+    a_claim_fills_the_free_slots(Backend::Postgres).await;
+}
+
 async fn retry_storm_stays_within_budget(backend: Backend) {
     let Some(t) = TestDb::migrated(backend, "retry_storm").await else {
         return;

@@ -2624,7 +2624,24 @@ async fn running_records_are_listed_by_every_filter(db: &Db) {
     };
     assert_eq!(ids(state(RecordState::Running)).await, [run.id]);
     assert_eq!(ids(state(RecordState::Parked)).await, [parked.id]);
-    // Two filters: searched in id windows.
+    // Two filters: in id windows, both parts; or a pipeline with a state
+    // (its own index); or anything among running records.
+    let acme_here = RecordFilter {
+        provider: Some("acme".into()),
+        ..pipeline()
+    };
+    assert_eq!(ids(acme_here).await, two);
+    let never_here = RecordFilter {
+        until: Some(ballast::domain::park::UntilKind::Never),
+        ..pipeline()
+    };
+    assert_eq!(ids(never_here).await, [parked.id]);
+    let running_acme = RecordFilter {
+        state: Some(RecordState::Running),
+        provider: Some("acme".into()),
+        ..pipeline()
+    };
+    assert_eq!(ids(running_acme).await, [run.id]);
     let running_here = RecordFilter {
         state: Some(RecordState::Running),
         ..pipeline()
