@@ -189,7 +189,8 @@ struct Inner {
     slots: Arc<Semaphore>,
     /// Passes done with their calls, committing and following up, bounded
     /// apart from `slots` (as many again): a slow database holds about
-    /// twice `max_in_flight` records in memory, plus one claimed batch.
+    /// twice `max_in_flight` records in memory, plus one claim's records
+    /// (a batch, or the free slots up to 1,000).
     committing: Semaphore,
     stats: stats::StatsRecorder,
     /// Group commit of finished passes.

@@ -188,7 +188,7 @@ where
             }
             qb
         };
-        if !needs_windows(filter) {
+        if !needs_windows(filter, DB::LISTS_IN_PARTS) {
             let rows = query(filter, None, i64::from(limit) + 1)
                 .build()
                 .fetch_all(self.reader())

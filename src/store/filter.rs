@@ -8,10 +8,14 @@ use crate::domain::park::UntilKind;
 
 /// True when no single index serves the filter, so a search that matches
 /// little could walk a whole index: such lists are searched in id windows.
-pub(crate) fn needs_windows(f: &RecordFilter) -> bool {
-    // Running records are few (the calls in flight): any filter over them
-    // is read through `records_running` (or the state index) whole.
-    if f.state == Some(RecordState::Running) {
+/// `running_apart`: the backend keeps running records in an index of their
+/// own (`SqlDb::LISTS_IN_PARTS`).
+pub(crate) fn needs_windows(f: &RecordFilter, running_apart: bool) -> bool {
+    // Running records are few (the calls in flight): where they have their
+    // own index, any filter over them reads it whole. (SQLite's planner,
+    // without statistics, could prefer a provider's index to the state's
+    // and walk every record of the provider: there they are windowed.)
+    if running_apart && f.state == Some(RecordState::Running) {
         return false;
     }
     // "Parked with no condition" is a state.

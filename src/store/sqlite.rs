@@ -47,6 +47,26 @@ async fn capped_leases(
     Ok(rows.into_iter().map(|(p, g, n)| ((p, g), n)).collect())
 }
 
+/// Up to `take` of a queue's due records, oldest first, with their states.
+async fn due_in_queue(
+    conn: &mut SqliteConnection,
+    pipeline: &str,
+    group: &str,
+    now: UnixMs,
+    take: u32,
+) -> StoreResult<Vec<(i64, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT id, state FROM records WHERE pipeline = $1 AND group_key = $2 \
+         AND next_run_at IS NOT NULL AND next_run_at <= $3 ORDER BY next_run_at, id LIMIT $4",
+    )
+    .bind(pipeline)
+    .bind(group)
+    .bind(now)
+    .bind(i64::from(take))
+    .fetch_all(conn)
+    .await?)
+}
+
 /// Each (pipeline, group) queue with records needing a worker, and when
 /// its earliest is due: a loose scan of `records_queue_due`, one probe per
 /// queue (finished records are not in the index).
@@ -342,7 +362,7 @@ impl SqlDb for Sqlite {
         // update. Each queue with due work gives its records, oldest first,
         // and `fair::take` shares the batch between them.
         let leased = capped_leases(tx, req).await?;
-        let mut queues = Vec::new();
+        let mut open = Vec::new();
         for (pipeline, group, first) in queue_heads(tx).await? {
             if first > req.now {
                 continue;
@@ -358,18 +378,36 @@ impl SqlDb for Sqlite {
             if room == Some(0) {
                 continue;
             }
-            let take = room.map_or(req.limit, |r| r.min(req.limit));
-            let due: Vec<(i64, String)> = sqlx::query_as(
-                "SELECT id, state FROM records WHERE pipeline = $1 AND group_key = $2 \
-                 AND next_run_at IS NOT NULL AND next_run_at <= $3 ORDER BY next_run_at, id LIMIT $4",
-            )
-            .bind(&pipeline)
-            .bind(&group)
-            .bind(req.now)
-            .bind(i64::from(take))
-            .fetch_all(&mut **tx)
-            .await?;
-            queues.push(fair::Queue { due, room });
+            open.push((pipeline, group, room));
+        }
+        // Each queue's share of the batch first; then, if short queues
+        // left part of it, the queues that gave their whole share give
+        // as much again as is missing: as many rows as `fair::take` can
+        // use, without reading the whole batch from every queue.
+        let share = req
+            .limit
+            .div_ceil(u32::try_from(open.len()).unwrap_or(u32::MAX).max(1));
+        let mut queues = Vec::with_capacity(open.len());
+        for (pipeline, group, room) in &open {
+            let take = room.map_or(share, |r| r.min(share));
+            let due = due_in_queue(tx, pipeline, group, req.now, take).await?;
+            queues.push(fair::Queue { due, room: *room });
+        }
+        let got: usize = queues.iter().map(|q| q.due.len()).sum();
+        let missing = (req.limit as usize).saturating_sub(got);
+        if missing > 0 {
+            for ((pipeline, group, room), q) in open.iter().zip(queues.iter_mut()) {
+                let had = q.due.len();
+                let full = room.map_or(share, |r| r.min(share)) as usize;
+                if had < full {
+                    continue;
+                }
+                let more = u32::try_from(had + missing).unwrap_or(u32::MAX);
+                let take = room.map_or(more, |r| r.min(more));
+                if take as usize > had {
+                    q.due = due_in_queue(tx, pipeline, group, req.now, take).await?;
+                }
+            }
         }
         // The queue served first turns from claim to claim, so that with
         // more queues than the batch each is cut in turn.

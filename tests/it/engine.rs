@@ -742,7 +742,13 @@ async fn a_claim_fills_the_free_slots(backend: Backend) {
         return;
     };
     let sim = SimHandle::spawn(Profile::clean(8)).await.unwrap();
-    let config = single_step(&sim.base_url(), "concurrency = 100");
+    // A long timeout: a call slow on a loaded machine is no retry (and no
+    // second claim).
+    let toml = single_step_toml(&sim.base_url(), "concurrency = 100")
+        .replace("timeout = \"500ms\"", "timeout = \"30s\"");
+    let config = Config::parse(&toml, Path::new("claim_fills.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let config = Arc::new(config);
     let mut o = options("fill");
     o.batch = 1;
     o.max_in_flight = 100;
