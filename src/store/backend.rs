@@ -115,12 +115,12 @@ pub trait SqlDb:
         req: &ClaimRequest,
     ) -> impl Future<Output = StoreResult<Claimed>> + Send;
 
-    /// When the earliest record needing a worker is due (the idle engine's
-    /// wake-up): the earliest of each (pipeline, group) queue, found
-    /// through `records_queue_due` one queue at a time.
-    fn next_due_in(
+    /// Each (pipeline, group) queue with records needing a worker, and when
+    /// its earliest is due, found through `records_queue_due` one queue at
+    /// a time (the idle engine's wake-up, the oldest-due metric).
+    fn queue_heads_in(
         pools: &Self::Pools,
-    ) -> impl Future<Output = StoreResult<Option<crate::domain::UnixMs>>> + Send;
+    ) -> impl Future<Output = StoreResult<Vec<(String, String, crate::domain::UnixMs)>>> + Send;
 
     /// Word search: the ids of the newest `limit` records whose search
     /// documents hold every word of `q` (`domain::search`), newest first.

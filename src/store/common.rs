@@ -181,8 +181,6 @@ where
                 qb.push(") resting UNION ALL SELECT * FROM (");
                 one(&mut qb, Part::Running);
                 qb.push(") running ORDER BY id DESC LIMIT ").push_bind(n);
-            } else if f.until == Some(crate::domain::park::UntilKind::Never) {
-                one(&mut qb, Part::Resting);
             } else {
                 one(&mut qb, Part::All);
             }
@@ -306,7 +304,8 @@ where
     }
 
     async fn next_due_at(&self) -> StoreResult<Option<UnixMs>> {
-        DB::next_due_in(&self.pools).await
+        let heads = DB::queue_heads_in(&self.pools).await?;
+        Ok(heads.into_iter().map(|(_, _, first)| first).min())
     }
 
     async fn oldest_due(
@@ -314,32 +313,20 @@ where
         pipelines: &[String],
         now: UnixMs,
     ) -> StoreResult<Vec<(String, UnixMs)>> {
-        // Per pipeline, a loose scan of the queue index: one probe for
-        // each of its queues (pipeline, group) and one for its head, not
-        // a scan of the backlog.
-        let mut out = Vec::new();
-        for p in pipelines {
-            let at: Option<i64> = sqlx::query_scalar(
-                "WITH RECURSIVE g(group_key) AS ( \
-                   SELECT MIN(group_key) FROM records WHERE pipeline = $1 AND next_run_at IS NOT NULL \
-                   UNION ALL \
-                   SELECT (SELECT MIN(r.group_key) FROM records r WHERE r.pipeline = $1 \
-                           AND r.next_run_at IS NOT NULL AND r.group_key > g.group_key) \
-                   FROM g WHERE g.group_key IS NOT NULL) \
-                 SELECT m FROM (SELECT MIN((SELECT MIN(r.next_run_at) FROM records r \
-                     WHERE r.pipeline = $1 AND r.group_key = g.group_key AND r.next_run_at IS NOT NULL)) AS m \
-                   FROM g WHERE g.group_key IS NOT NULL) h \
-                 WHERE m <= $2",
-            )
-            .bind(p.clone())
-            .bind(now)
-            .fetch_optional(self.reader())
-            .await?;
-            if let Some(at) = at {
-                out.push((p.clone(), at));
-            }
-        }
-        Ok(out)
+        // The queues' heads (one probe per queue, not a scan of the
+        // backlog), the earliest per pipeline asked for.
+        let heads = DB::queue_heads_in(&self.pools).await?;
+        Ok(pipelines
+            .iter()
+            .filter_map(|p| {
+                heads
+                    .iter()
+                    .filter(|(pipeline, _, first)| pipeline == p && *first <= now)
+                    .map(|(_, _, first)| *first)
+                    .min()
+                    .map(|at| (p.clone(), at))
+            })
+            .collect())
     }
 
     async fn claim_due(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>> {

@@ -98,13 +98,14 @@ pub(crate) fn push_record_filter<DB>(
     }
     // A state is written out, not bound: a plan for `state = $1` could use
     // no index that leaves running records out. The states are the
-    // domain's own words.
+    // domain's own words. "Parked with no condition" is a state (below).
     let part = match f.state {
         Some(RecordState::Running) => Part::Running,
         Some(state) => {
             qb.push(format_args!(" AND state = '{}'", state.as_str()));
             Part::Resting
         }
+        None if f.until == Some(UntilKind::Never) => Part::Resting,
         None => part,
     };
     match part {

@@ -350,15 +350,15 @@ impl SqlDb for Postgres {
         Ok((claimed, old_states))
     }
 
-    async fn next_due_in(pool: &PgPool) -> StoreResult<Option<UnixMs>> {
+    async fn queue_heads_in(pool: &PgPool) -> StoreResult<Vec<(String, String, UnixMs)>> {
         let sql = format!(
-            "{QUEUES} SELECT MIN(f.next_run_at) FROM queues q CROSS JOIN LATERAL ( \
+            "{QUEUES} SELECT q.pipeline, q.group_key, f.next_run_at FROM queues q CROSS JOIN LATERAL ( \
                SELECT r.next_run_at FROM records r \
                WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.next_run_at IS NOT NULL \
                ORDER BY r.next_run_at LIMIT 1) f"
         );
-        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .fetch_one(pool)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .fetch_all(pool)
             .await?)
     }
 

@@ -387,10 +387,10 @@ impl SqlDb for Sqlite {
         let share = req
             .limit
             .div_ceil(u32::try_from(open.len()).unwrap_or(u32::MAX).max(1));
+        let within = |room: Option<u32>, n: u32| room.map_or(n, |r| r.min(n));
         let mut queues = Vec::with_capacity(open.len());
         for (pipeline, group, room) in &open {
-            let take = room.map_or(share, |r| r.min(share));
-            let due = due_in_queue(tx, pipeline, group, req.now, take).await?;
+            let due = due_in_queue(tx, pipeline, group, req.now, within(*room, share)).await?;
             queues.push(fair::Queue { due, room: *room });
         }
         let got: usize = queues.iter().map(|q| q.due.len()).sum();
@@ -398,12 +398,11 @@ impl SqlDb for Sqlite {
         if missing > 0 {
             for ((pipeline, group, room), q) in open.iter().zip(queues.iter_mut()) {
                 let had = q.due.len();
-                let full = room.map_or(share, |r| r.min(share)) as usize;
-                if had < full {
+                // A queue short of its share has given all it has.
+                if had < within(*room, share) as usize {
                     continue;
                 }
-                let more = u32::try_from(had + missing).unwrap_or(u32::MAX);
-                let take = room.map_or(more, |r| r.min(more));
+                let take = within(*room, u32::try_from(had + missing).unwrap_or(u32::MAX));
                 if take as usize > had {
                     q.due = due_in_queue(tx, pipeline, group, req.now, take).await?;
                 }
@@ -441,10 +440,9 @@ impl SqlDb for Sqlite {
         Ok((claimed, old_states))
     }
 
-    async fn next_due_in(pools: &SqlitePools) -> StoreResult<Option<UnixMs>> {
+    async fn queue_heads_in(pools: &SqlitePools) -> StoreResult<Vec<(String, String, UnixMs)>> {
         let mut conn = pools.reader.acquire().await?;
-        let heads = queue_heads(&mut conn).await?;
-        Ok(heads.into_iter().map(|(_, _, first)| first).min())
+        queue_heads(&mut conn).await
     }
 
     /// FTS5 walks a word's entries newest first and stops at the limit,

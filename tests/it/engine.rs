@@ -368,8 +368,20 @@ async fn postgres_crash_and_resume() {
 /// One provider on the simulator with the given extra settings, and a
 /// one-step pipeline `pay` that charges it.
 fn single_step(base_url: &str, provider_extra: &str) -> Arc<Config> {
-    let text = single_step_toml(base_url, provider_extra);
-    let config = Config::parse(&text, Path::new("single.toml")).unwrap();
+    parsed(&single_step_toml(base_url, provider_extra))
+}
+
+/// [`single_step`] with a 30 s call timeout: a call slow on a loaded
+/// machine is no failed call.
+fn single_step_patient(base_url: &str, provider_extra: &str) -> Arc<Config> {
+    parsed(
+        &single_step_toml(base_url, provider_extra)
+            .replace("timeout = \"500ms\"", "timeout = \"30s\""),
+    )
+}
+
+fn parsed(text: &str) -> Arc<Config> {
+    let config = Config::parse(text, Path::new("single.toml")).unwrap();
     config.validate(&|_| None).unwrap();
     Arc::new(config)
 }
@@ -744,11 +756,7 @@ async fn a_claim_fills_the_free_slots(backend: Backend) {
     let sim = SimHandle::spawn(Profile::clean(8)).await.unwrap();
     // A long timeout: a call slow on a loaded machine is no retry (and no
     // second claim).
-    let toml = single_step_toml(&sim.base_url(), "concurrency = 100")
-        .replace("timeout = \"500ms\"", "timeout = \"30s\"");
-    let config = Config::parse(&toml, Path::new("claim_fills.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    let config = Arc::new(config);
+    let config = single_step_patient(&sim.base_url(), "concurrency = 100");
     let mut o = options("fill");
     o.batch = 1;
     o.max_in_flight = 100;
@@ -2478,11 +2486,7 @@ async fn three_nodes_use_a_cap_equal_to_their_need_in_full() {
     let (provider, url) = Counting::spawn_rounds(cap).await;
     // Calls wait at the provider for the round to fill: a long timeout, so
     // a slow round is never a failed call.
-    let toml = single_step_toml(&url, &format!("concurrency = {cap}"))
-        .replace("timeout = \"500ms\"", "timeout = \"30s\"");
-    let config = Config::parse(&toml, Path::new("full_cap.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    let config = Arc::new(config);
+    let config = single_step_patient(&url, &format!("concurrency = {cap}"));
     let mut nodes = Vec::new();
     for i in 0..nodes_n {
         let db = Db::connect(&t.url, &ConnectOptions::default())

@@ -1837,24 +1837,15 @@ async fn list_filters_and_keyset_pagination(db: &Db) {
         );
     }
     ids.reverse();
-    let mut seen = Vec::new();
-    let mut before = None;
-    loop {
-        let page = db
-            .list_records(&RecordFilter {
-                limit: 10,
-                before,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(n) => before = Some(n),
-            None => break,
-        }
-    }
-    assert_eq!(seen, ids, "pages cover every record once, newest first");
+    let all = RecordFilter {
+        limit: 10,
+        ..Default::default()
+    };
+    assert_eq!(
+        paged_ids(db, all).await,
+        ids,
+        "pages cover every record once, newest first"
+    );
 
     let beta = db
         .list_records(&RecordFilter {
@@ -2537,6 +2528,26 @@ async fn the_oldest_due_record_per_pipeline(db: &Db) {
     assert!(due.iter().all(|(_, at)| *at <= later));
 }
 
+/// Every id `f` lists, page after page (`f.limit` a page), in list order.
+async fn paged_ids(db: &Db, f: RecordFilter) -> Vec<i64> {
+    let mut seen = Vec::new();
+    let mut before = None;
+    loop {
+        let page = db
+            .list_records(&RecordFilter {
+                before,
+                ..f.clone()
+            })
+            .await
+            .unwrap();
+        seen.extend(page.items.iter().map(|r| r.id));
+        match page.next {
+            Some(n) => before = Some(n),
+            None => return seen,
+        }
+    }
+}
+
 /// Every list filter finds running records beside resting ones (on
 /// PostgreSQL the listing indexes leave running records out and a list
 /// reads them apart, merged: migration 20), pages included; the oldest due
@@ -2632,22 +2643,11 @@ async fn running_records_are_listed_by_every_filter(db: &Db) {
     };
     assert_eq!(ids(acme_here.clone()).await, two);
     // Paged one by one, in windows and parts alike.
-    let mut seen = Vec::new();
-    let mut before = None;
-    loop {
-        let f = RecordFilter {
-            limit: 1,
-            before,
-            ..acme_here.clone()
-        };
-        let page = db.list_records(&f).await.unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(n) => before = Some(n),
-            None => break,
-        }
-    }
-    assert_eq!(seen, two);
+    let one_a_page = RecordFilter {
+        limit: 1,
+        ..acme_here
+    };
+    assert_eq!(paged_ids(db, one_a_page).await, two);
     let never_here = RecordFilter {
         until: Some(ballast::domain::park::UntilKind::Never),
         ..pipeline()
@@ -2670,24 +2670,11 @@ async fn running_records_are_listed_by_every_filter(db: &Db) {
     };
     assert_eq!(ids(parked_here).await, [parked.id]);
     // One a page: the merged parts page like one list.
-    let mut seen = Vec::new();
-    let mut before = None;
-    loop {
-        let page = db
-            .list_records(&RecordFilter {
-                limit: 1,
-                before,
-                ..pipeline()
-            })
-            .await
-            .unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(n) => before = Some(n),
-            None => break,
-        }
-    }
-    assert_eq!(seen, all);
+    let one_a_page = RecordFilter {
+        limit: 1,
+        ..pipeline()
+    };
+    assert_eq!(paged_ids(db, one_a_page).await, all);
     let found: Vec<i64> = db
         .find_records("run-1", &[])
         .await
