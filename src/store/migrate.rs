@@ -48,6 +48,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     18 "0018_config_version" "config_version",
     19 "0019_hot_path_keys" "hot_path_keys",
     20 "0020_listing_indexes" "listing_indexes",
+    21 "0021_enqueue_function" "enqueue_function",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -70,6 +71,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     18 "0018_config_version" "config_version",
     19 "0019_hot_path_keys" "hot_path_keys",
     20 "0020_listing_indexes" "listing_indexes",
+    21 "0021_enqueue_function" "enqueue_function",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

@@ -248,7 +248,11 @@ impl SqlDb for Postgres {
     /// the records, then an event and the counters for each row the
     /// `INSERT … ON CONFLICT DO NOTHING` returned, and the wake-up (only
     /// when one was). Issue 22: a single enqueue was six round trips
-    /// (begin, records, events, counters, notify, commit).
+    /// (begin, records, events, counters, notify, commit). The statement
+    /// is the function `ballast_insert_records` (migration 21), whose plan
+    /// each connection keeps: planned on every execution, as this
+    /// backend's sessions plan statements, it cost a third of a single
+    /// enqueue.
     async fn insert_records_at_once(
         pool: &PgPool,
         batch: &[crate::store::NewRecord],
@@ -259,38 +263,7 @@ impl SqlDb for Postgres {
             .iter()
             .map(|r| batch::NewRecordJson::new(r, now))
             .collect();
-        let sql = Self::statements().insert_records_at_once.get(|| {
-            let records = batch::insert(
-                "records",
-                batch::NEW_RECORD_COLS,
-                Self::DIALECT,
-                &format!(
-                    "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {}",
-                    super::rows::RECORD_COLUMNS
-                ),
-            );
-            // Counter rows are locked in the order every other writer
-            // locks them (`record_counts`, then `step_counts`, each by the
-            // bytes of its key, as `counts.rs` sorts them: `COLLATE "C"`),
-            // or two writers could deadlock. PostgreSQL runs
-            // the `WITH` parts no one reads at the end, last first, so
-            // `sc` reads `rc`: `rc` is done before `sc` writes a row.
-            format!(
-                "WITH ins AS ({records}), \
-                 ev AS (INSERT INTO events (record_id, at, kind, actor, audit, to_state) \
-                   SELECT id, created_at, 'created', $2, FALSE, 'pending' FROM ins ORDER BY id), \
-                 rc AS (INSERT INTO record_counts (pipeline, state, shard, n) \
-                   SELECT pipeline, 'pending', $3, count(*) FROM ins GROUP BY pipeline ORDER BY pipeline COLLATE \"C\" \
-                   ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n \
-                   RETURNING 1), \
-                 sc AS (INSERT INTO step_counts (pipeline, step, state, shard, n) \
-                   SELECT pipeline, '', 'pending', $3, count(*) FROM ins \
-                   CROSS JOIN (SELECT count(*) FROM rc) AS rc_first GROUP BY pipeline ORDER BY pipeline COLLATE \"C\" \
-                   ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n), \
-                 wake AS (SELECT pg_notify($4, '') FROM (SELECT 1 FROM ins LIMIT 1) one) \
-                 SELECT ins.* FROM ins LEFT JOIN wake ON TRUE"
-            )
-        });
+        let sql = "SELECT * FROM ballast_insert_records($1, $2, $3, $4)";
         let inserted = sqlx::query(sql)
             .bind(sqlx::types::Json(&rows))
             .bind(crate::domain::SYSTEM_ACTOR)
@@ -464,5 +437,29 @@ impl SqlDb for Postgres {
         value: T,
     ) -> Query<'q, Postgres, PgArguments> {
         query.bind(Json(value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::batch;
+
+    /// `ballast_insert_records` (migration 21) reads the rows that
+    /// `NewRecordJson` writes: the same columns, cells in the same order.
+    #[test]
+    fn the_enqueue_function_reads_the_rows_rust_writes() {
+        let up = include_str!("../../migrations/postgres/0021_enqueue_function.up.sql");
+        let insert = batch::insert(
+            "records",
+            batch::NEW_RECORD_COLS,
+            batch::Dialect::Postgres,
+            "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING *",
+        )
+        .replace("$1", "p_rows");
+        assert!(
+            up.contains(&insert),
+            "migration 21 no longer matches batch::NEW_RECORD_COLS: a new migration must \
+             replace ballast_insert_records with\n{insert}"
+        );
     }
 }

@@ -1,0 +1,1 @@
+DROP FUNCTION ballast_insert_records(jsonb, text, integer, text);
