@@ -263,13 +263,16 @@ impl Engine {
             }
             Err(StoreError::LeaseLost { record_id }) => {
                 // Another worker owns the record now: its state is theirs,
-                // but the exchanges made are still history.
+                // but the exchanges made are still history. The calls'
+                // intents stay open: what they got (a job id, a charge's
+                // success) was dropped with the result, so for the record
+                // they are calls that went out with no reply kept, which the
+                // next pass treats as uncertain instead of sending again.
                 tracing::warn!(
                     record.id = record_id,
-                    "lease lost before commit; result dropped, attempts kept"
+                    "lease lost before commit; result dropped, attempts kept, calls left uncertain"
                 );
-                let kept =
-                    i.db.append_attempts(record_id, &commit.attempts, &commit.intents_done);
+                let kept = i.db.append_attempts(record_id, &commit.attempts, &[]);
                 if let Err(e) = kept.await {
                     tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
                 }
@@ -452,7 +455,7 @@ impl Engine {
             };
             let by = intent.node.as_deref().unwrap_or("a node");
             let evidence = format!(
-                "sent at {} by {by}, which stopped before it kept the reply",
+                "sent at {} by {by}, which stopped or lost its lease before it kept the reply",
                 crate::domain::time::format_ms(intent.sent_at)
             );
             // The provider may still be working on it: a lookup asks no

@@ -3954,6 +3954,74 @@ async fn left_open(
     assert!(written[0].is_ok(), "{written:?}");
 }
 
+/// A pass whose lease is lost while its `at_most_once` call is out (its
+/// commit came too late: another claim took the record) keeps the
+/// exchange as history but leaves the call's intent open: the reply it
+/// got is not the record's, so the next pass must treat the call as
+/// uncertain, not send it again. (Found by the keyless kill loop in CI:
+/// the intent was closed with the dropped result, the next pass charged
+/// again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_lease_was_lost_stays_uncertain_and_is_not_resent() {
+    let t = TestDb::migrated(Backend::Sqlite, "lost_lease_intent")
+        .await
+        .unwrap();
+    let mut sick = Sick::spawn().await;
+    sick.healed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let config = single_step_patient(&sick.url, "at_most_once = true");
+    let (engine, clock) = manual_engine(&t.db, config, "m1").await;
+    let id = engine
+        .enqueue("pay", Some("lost"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let pass = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.execute_next().await.unwrap() }
+    });
+    // The call is at the provider: its lease runs out and another node
+    // claims the record, then gives it back.
+    let release = sick.arrived.recv().await.expect("the call arrives");
+    assert_eq!(t.db.open_intents(id).await.unwrap().len(), 1);
+    clock.advance(3_000);
+    let stolen =
+        t.db.claim_due(&ballast::store::ClaimRequest {
+            owner: "node:other".into(),
+            now: clock.now_ms(),
+            lease: Duration::from_secs(2),
+            limit: 1,
+            group_caps: Vec::new(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(stolen.len(), 1);
+    t.db.release(&[stolen[0].lease().unwrap()], clock.now_ms())
+        .await
+        .unwrap();
+    // The provider answers; the pass's commit finds the lease gone.
+    release.send(()).unwrap();
+    assert_eq!(pass.await.unwrap(), 1);
+    assert_eq!(
+        t.db.open_intents(id).await.unwrap().len(),
+        1,
+        "the call stays written down"
+    );
+    let attempts = t.db.attempts(id).await.unwrap();
+    assert_eq!(attempts.len(), 1, "the exchange is kept: {attempts:?}");
+    assert_eq!(attempts[0].http_status, Some(200));
+    // The next pass does not send it again.
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.error_code.as_deref()),
+        (RecordState::Parked, Some("outcome_uncertain")),
+        "{rec:?}"
+    );
+    assert_eq!(sick.calls(), 1, "charged once");
+    assert!(t.db.open_intents(id).await.unwrap().is_empty());
+}
+
 /// Issue 23 item 1, first slice: with `at_most_once`, a call is written
 /// down before it leaves; a timeout after it was sent parks the record
 /// `outcome_uncertain` with its request instead of sending it again (the
