@@ -382,9 +382,14 @@ impl SqlDb for Postgres {
         Ok(ids)
     }
 
-    /// An upsert that leaves an unchanged document alone (no new index
-    /// entries); records are locked in id order, and one purged meanwhile
-    /// is skipped (the lock waits for the purge, then finds no row).
+    /// Each record's document is worked out first, and only those that
+    /// differ from the stored one are written: an unchanged document (a
+    /// record indexed again after an event that changed none of its words,
+    /// as when it finished with no output words) costs no row lock and no
+    /// WAL (issue 22: the upsert locked the record and the stored document
+    /// for each, 2 WAL records per unchanged document). Records written are
+    /// locked in id order, and one purged meanwhile is skipped (the lock
+    /// waits for the purge, then finds no row).
     async fn index_in(
         tx: &mut Transaction<'static, Postgres>,
         records: &[i64],
@@ -397,13 +402,15 @@ impl SqlDb for Postgres {
                 )
             };
             format!(
-                "INSERT INTO record_search (record_id, doc) \
-                 SELECT r.id, to_tsvector('simple', left(concat_ws(' ', r.external_key, r.reason, \
+                "WITH d AS MATERIALIZED ( \
+                   SELECT r.id, to_tsvector('simple', left(concat_ws(' ', r.external_key, r.reason, \
                      r.error_code, {input}, \
                      (SELECT string_agg(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
-                      FROM step_runs s WHERE s.record_id = r.id)), 65536)) \
-                 FROM records r \
-                 WHERE r.id {in_ids} \
+                      FROM step_runs s WHERE s.record_id = r.id)), 65536)) AS doc \
+                   FROM records r WHERE r.id {in_ids}) \
+                 INSERT INTO record_search (record_id, doc) \
+                 SELECT r.id, d.doc FROM d JOIN records r ON r.id = d.id \
+                 WHERE NOT EXISTS (SELECT 1 FROM record_search s WHERE s.record_id = d.id AND s.doc = d.doc) \
                  ORDER BY r.id FOR KEY SHARE OF r \
                  ON CONFLICT (record_id) DO UPDATE SET doc = excluded.doc \
                  WHERE record_search.doc IS DISTINCT FROM excluded.doc",

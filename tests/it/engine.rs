@@ -5061,6 +5061,37 @@ outcome = "fail"
     .unwrap();
     assert_eq!(index(&engine).await, 1);
     assert_eq!(found("9931").await, vec![held]);
+    // Indexed again with the same words: PostgreSQL compares and writes
+    // nothing; SQLite's contentless index keeps no document to compare
+    // with and writes both again. Either way they are found as before.
+    // On PostgreSQL neither the records nor their documents are even
+    // locked (a lock writes the row's `xmax`, and WAL).
+    let xmax = async || -> Vec<String> {
+        let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
+        let sql = "SELECT r.xmax::text || '/' || s.xmax::text FROM records r \
+                   JOIN record_search s ON s.record_id = r.id WHERE r.id IN ($1, $2) ORDER BY r.id";
+        let rows = sqlx::query_scalar(sql)
+            .bind(k1)
+            .bind(k2)
+            .fetch_all(&pool)
+            .await;
+        pool.close().await;
+        rows.unwrap()
+    };
+    let before = match backend {
+        Backend::Postgres => xmax().await,
+        Backend::Sqlite => Vec::new(),
+    };
+    let settled = t.db.search_progress().await.unwrap();
+    let rewritten = t.db.index_records(&[k1, k2], settled).await.unwrap();
+    match backend {
+        Backend::Postgres => {
+            assert_eq!(rewritten, 0);
+            assert_eq!(xmax().await, before, "locked by the indexer");
+        }
+        Backend::Sqlite => assert_eq!(rewritten, 2),
+    }
+    assert_eq!(found("lisbon ANA").await, vec![k2, k1]);
     // Purged records are no longer found; the document goes with them.
     clock.advance(7_200_000);
     let opts = PurgeOptions {
