@@ -1,7 +1,8 @@
 //! The engine benchmark: `cargo bench --bench engine` (add `-- --quick` for
 //! a short run). Starts the engine on SQLite and on PostgreSQL (when
 //! reachable: `BALLAST_TEST_POSTGRES_URL`, default
-//! `postgres://postgres@127.0.0.1:5432/postgres`) and prints a table:
+//! `postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable`, no TLS, as
+//! graphile-worker connects) and prints a table:
 //!
 //! - A: overhead. A one-step pipeline whose provider answers in-process
 //!   (no socket), full attempt history and events written: records/s, CPU
@@ -84,8 +85,7 @@ async fn peer_profile(n: usize) {
         )
     });
     let admin = pg_admin();
-    let base = admin.rsplit_once('/').map_or(admin.as_str(), |(b, _)| b);
-    let url = format!("{base}/peer_graphile");
+    let url = pg_url("peer_graphile");
     let mut conn = sqlx::PgConnection::connect(&admin).await.expect("postgres");
     let exists: Option<i32> =
         sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = 'peer_graphile'")
@@ -104,7 +104,7 @@ async fn peer_profile(n: usize) {
     }
     let out = std::process::Command::new("bash")
         .args([run.as_str(), "A", &n.to_string()])
-        .env("PG", base)
+        .env("PG", pg_server())
         .output()
         .expect("the graphile-worker peer runs");
     print!("{}", String::from_utf8_lossy(&out.stdout));
@@ -165,9 +165,37 @@ struct Fresh {
     _dir: Option<tempfile::TempDir>,
 }
 
+/// The PostgreSQL server's admin URL. By default without TLS, as
+/// graphile-worker (node-postgres) connects unless told otherwise: both
+/// sides of a comparison pay the same transport. sqlx's default,
+/// `sslmode=prefer`, encrypts on a server with TLS on (Debian's is):
+/// measured in session 24, rustls was a quarter of this process's
+/// samples in A on PostgreSQL. Set the variable to measure over TLS.
 fn pg_admin() -> String {
-    std::env::var("BALLAST_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+    std::env::var("BALLAST_TEST_POSTGRES_URL").unwrap_or_else(|_| {
+        "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable".to_owned()
+    })
+}
+
+/// The URL of database `name` on the admin URL's server, with its
+/// parameters (`sslmode`).
+fn pg_url(name: &str) -> String {
+    let admin = pg_admin();
+    let params = admin.split_once('?').map_or("", |(_, p)| p);
+    let base = pg_server();
+    if params.is_empty() {
+        format!("{base}/{name}")
+    } else {
+        format!("{base}/{name}?{params}")
+    }
+}
+
+/// The admin URL without its database and parameters (the graphile-worker
+/// peer's `PG`).
+fn pg_server() -> String {
+    let admin = pg_admin();
+    let path = admin.split_once('?').map_or(admin.as_str(), |(p, _)| p);
+    path.rsplit_once('/').map_or(path, |(b, _)| b).to_owned()
 }
 
 async fn fresh(backend: Backend) -> Option<Fresh> {
@@ -195,11 +223,7 @@ async fn fresh(backend: Backend) -> Option<Fresh> {
                 .execute(&mut conn)
                 .await
                 .ok()?;
-            let base = admin
-                .rsplit_once('/')
-                .map_or(admin.as_str(), |(b, _)| b)
-                .to_owned();
-            let url = format!("{base}/{name}");
+            let url = pg_url(&name);
             let opts = ConnectOptions {
                 max_connections: 20,
                 ..ConnectOptions::default()
@@ -1315,9 +1339,14 @@ fn main() {
             runs
         );
         println!(
-            "machine: {} cores, {}",
+            "machine: {} cores, {}; PostgreSQL {}",
             std::thread::available_parallelism().map_or(0, |n| n.get()),
-            std::env::consts::ARCH
+            std::env::consts::ARCH,
+            if pg_admin().contains("sslmode=disable") {
+                "without TLS (sslmode=disable)"
+            } else {
+                "with sqlx's sslmode (TLS where the server offers it)"
+            }
         );
         let zero = {
             let mut p = Profile::clean(1);
