@@ -137,6 +137,13 @@ impl Progress {
     }
 }
 
+/// Whether `a` is a call found left open by an earlier pass, stated as an
+/// uncertain attempt (no reply, `outcome_uncertain`): the attempts a pass
+/// makes itself carry their own verdict's code.
+fn restated(a: &NewAttempt) -> bool {
+    a.http_status.is_none() && a.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
+}
+
 /// Counts the step runs a committed pass ended: those it settled, and the
 /// one that parked the record. A run's length is from its first call (a
 /// run parked, then resumed or retried, counts again when it next ends,
@@ -272,7 +279,16 @@ impl Engine {
                     record.id = record_id,
                     "lease lost before commit; result dropped, attempts kept, calls left uncertain"
                 );
-                let kept = i.db.append_attempts(record_id, &commit.attempts, &[]);
+                // The calls this pass found left open and stated as
+                // uncertain attempts are not kept here: their intents stay
+                // open too, and the next pass states them again.
+                let made: Vec<NewAttempt> = commit
+                    .attempts
+                    .iter()
+                    .filter(|a| !restated(a))
+                    .cloned()
+                    .collect();
+                let kept = i.db.append_attempts(record_id, &made, &[]);
                 if let Err(e) = kept.await {
                     tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
                 }
@@ -455,7 +471,7 @@ impl Engine {
             };
             let by = intent.node.as_deref().unwrap_or("a node");
             let evidence = format!(
-                "sent at {} by {by}, which stopped or lost its lease before it kept the reply",
+                "sent at {} by {by}, whose pass ended before it kept the result",
                 crate::domain::time::format_ms(intent.sent_at)
             );
             // The provider may still be working on it: a lookup asks no
