@@ -105,6 +105,17 @@ async fn peer_profile(n: usize) {
     let out = std::process::Command::new("bash")
         .args([run.as_str(), "A", &n.to_string()])
         .env("PG", pg_server())
+        // The same transport as Ballast's: node-postgres reads PGSSLMODE,
+        // and its `no-verify` encrypts without checking the certificate,
+        // as sqlx's `prefer` and `require` do.
+        .env(
+            "PGSSLMODE",
+            if pg_sslmode() == "disable" {
+                "disable"
+            } else {
+                "no-verify"
+            },
+        )
         .output()
         .expect("the graphile-worker peer runs");
     print!("{}", String::from_utf8_lossy(&out.stdout));
@@ -188,6 +199,17 @@ fn pg_url(name: &str) -> String {
     } else {
         format!("{base}/{name}?{params}")
     }
+}
+
+/// The admin URL's `sslmode` (sqlx's default, `prefer`, when it names none).
+fn pg_sslmode() -> String {
+    let admin = pg_admin();
+    let params = admin.split_once('?').map_or("", |(_, p)| p);
+    params
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("sslmode="))
+        .unwrap_or("prefer")
+        .to_owned()
 }
 
 /// The admin URL without its database and parameters (the graphile-worker

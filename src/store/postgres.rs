@@ -466,7 +466,8 @@ mod tests {
         assert!(
             up.contains(&insert),
             "migration 21 no longer matches batch::NEW_RECORD_COLS: a new migration must \
-             replace ballast_insert_records with\n{insert}"
+             replace ballast_insert_records with the statement below, and this test read \
+             that migration\n{insert}"
         );
     }
 }
