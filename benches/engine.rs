@@ -104,7 +104,7 @@ async fn peer_profile(n: usize) {
     }
     let out = std::process::Command::new("bash")
         .args([run.as_str(), "A", &n.to_string()])
-        .env("PG", pg_server())
+        .env("PG", pg_parts().0)
         // The same transport as Ballast's: node-postgres reads PGSSLMODE,
         // and its `no-verify` encrypts without checking the certificate,
         // as sqlx's `prefer` and `require` do.
@@ -188,36 +188,32 @@ fn pg_admin() -> String {
     })
 }
 
+/// The admin URL split: the server without a database, and the
+/// parameters after `?` (empty when none).
+fn pg_parts() -> (String, String) {
+    let admin = pg_admin();
+    let (path, params) = admin.split_once('?').unwrap_or((admin.as_str(), ""));
+    let server = path.rsplit_once('/').map_or(path, |(b, _)| b);
+    (server.to_owned(), params.to_owned())
+}
+
 /// The URL of database `name` on the admin URL's server, with its
 /// parameters (`sslmode`).
 fn pg_url(name: &str) -> String {
-    let admin = pg_admin();
-    let params = admin.split_once('?').map_or("", |(_, p)| p);
-    let base = pg_server();
-    if params.is_empty() {
-        format!("{base}/{name}")
-    } else {
-        format!("{base}/{name}?{params}")
+    match pg_parts() {
+        (server, params) if params.is_empty() => format!("{server}/{name}"),
+        (server, params) => format!("{server}/{name}?{params}"),
     }
 }
 
 /// The admin URL's `sslmode` (sqlx's default, `prefer`, when it names none).
 fn pg_sslmode() -> String {
-    let admin = pg_admin();
-    let params = admin.split_once('?').map_or("", |(_, p)| p);
+    let (_, params) = pg_parts();
     params
         .split('&')
         .find_map(|kv| kv.strip_prefix("sslmode="))
         .unwrap_or("prefer")
         .to_owned()
-}
-
-/// The admin URL without its database and parameters (the graphile-worker
-/// peer's `PG`).
-fn pg_server() -> String {
-    let admin = pg_admin();
-    let path = admin.split_once('?').map_or(admin.as_str(), |(p, _)| p);
-    path.rsplit_once('/').map_or(path, |(b, _)| b).to_owned()
 }
 
 async fn fresh(backend: Backend) -> Option<Fresh> {
@@ -1364,10 +1360,9 @@ fn main() {
             "machine: {} cores, {}; PostgreSQL {}",
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             std::env::consts::ARCH,
-            if pg_admin().contains("sslmode=disable") {
-                "without TLS (sslmode=disable)"
-            } else {
-                "with sqlx's sslmode (TLS where the server offers it)"
+            match pg_sslmode().as_str() {
+                "disable" => "without TLS (sslmode=disable)".to_owned(),
+                mode => format!("with sslmode={mode}"),
             }
         );
         let zero = {

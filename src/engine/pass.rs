@@ -496,6 +496,7 @@ impl Engine {
                 duration_ms: (now - intent.sent_at).max(0),
                 http_status: None,
                 outcome: crate::domain::Outcome::Unknown,
+                // No status and this code: how `restated` knows it.
                 error_code: Some(crate::domain::OUTCOME_UNCERTAIN.into()),
                 excerpt: Some(format!("no reply recorded: {evidence}")),
                 request: intent.request.clone(),

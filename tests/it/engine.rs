@@ -766,14 +766,7 @@ async fn a_claim_fills_the_free_slots(backend: Backend) {
     wait_at_rest(&t.db, 60, Duration::from_secs(60)).await;
     stop.cancel();
     run.await.unwrap();
-    let records =
-        t.db.list_records(&RecordFilter {
-            limit: 100,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .items;
+    let records = crate::helpers::all_records(&t.db, None).await;
     assert_eq!(records.len(), 60);
     let mut claims = std::collections::BTreeSet::new();
     for r in &records {

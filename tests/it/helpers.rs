@@ -224,14 +224,23 @@ pub async fn all_records(
     db: &Db,
     state: Option<ballast::domain::RecordState>,
 ) -> Vec<ballast::domain::Record> {
+    let f = ballast::store::RecordFilter {
+        state,
+        limit: 500,
+        ..Default::default()
+    };
+    listed(db, &f).await
+}
+
+/// Every record `f` lists, page after page (`f.limit` a page), in list
+/// order.
+pub async fn listed(db: &Db, f: &ballast::store::RecordFilter) -> Vec<ballast::domain::Record> {
     let (mut out, mut before) = (Vec::new(), None);
     loop {
         let page = db
             .list_records(&ballast::store::RecordFilter {
-                state,
-                limit: 500,
                 before,
-                ..Default::default()
+                ..f.clone()
             })
             .await
             .unwrap();

@@ -57,22 +57,11 @@ async fn sparse_filters_page_through(backend: Backend) {
         limit: 500,
         ..Default::default()
     };
-    let mut seen = Vec::new();
-    let mut before = None;
-    loop {
-        let page =
-            t.db.list_records(&RecordFilter {
-                before,
-                ..sparse.clone()
-            })
-            .await
-            .unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(next) => before = Some(next),
-            None => break,
-        }
-    }
+    let seen: Vec<i64> = crate::helpers::listed(&t.db, &sparse)
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
     // Parked is n % 10 == 5 and prov1 is n % 4 == 1: one id in twenty.
     assert_eq!(seen.len() as i64, n / 20);
     assert!(

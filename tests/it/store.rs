@@ -2530,22 +2530,11 @@ async fn the_oldest_due_record_per_pipeline(db: &Db) {
 
 /// Every id `f` lists, page after page (`f.limit` a page), in list order.
 async fn paged_ids(db: &Db, f: RecordFilter) -> Vec<i64> {
-    let mut seen = Vec::new();
-    let mut before = None;
-    loop {
-        let page = db
-            .list_records(&RecordFilter {
-                before,
-                ..f.clone()
-            })
-            .await
-            .unwrap();
-        seen.extend(page.items.iter().map(|r| r.id));
-        match page.next {
-            Some(n) => before = Some(n),
-            None => return seen,
-        }
-    }
+    crate::helpers::listed(db, &f)
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect()
 }
 
 /// Every list filter finds running records beside resting ones (on
