@@ -31,8 +31,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --home-dir /var/lib/ballast --create-home --uid 10001 ballast
 # The binary only: shell completions and manual pages come from it on
-# demand (`ballast completions bash`, `ballast man`), and the image has no
-# interactive shell or `man` to use them.
+# demand (`ballast completions bash`, `ballast man`); nobody logs into
+# the image for a shell's completions, and it has no `man`.
 COPY --from=build /src/target/release/ballast /usr/local/bin/ballast
 USER ballast
 WORKDIR /var/lib/ballast

@@ -80,7 +80,8 @@ pub enum Bootstrap {
 
 /// On a database without users, creates `admin` (role admin) with the
 /// configured password or a random one. There is never a default password.
-/// Several nodes starting at once agree: the second create conflicts.
+/// Several nodes (or a `user add`) at once agree: the first user is made
+/// only while there is none.
 pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Result<Bootstrap> {
     if !db.list_users().await?.is_empty() {
         return Ok(Bootstrap::NotNeeded);
@@ -100,8 +101,11 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Re
         password_hash: hash,
         role: Role::Admin,
     };
-    match db.create_user(&user, SystemClock.now_ms()).await {
-        Ok(_) => Ok(if generated {
+    // Checked again with the creation, atomically: a `user add` or another
+    // node's start-up since the first look leaves this one nothing to do.
+    match db.create_first_user(&user, SystemClock.now_ms()).await {
+        Ok(None) => Ok(Bootstrap::NotNeeded),
+        Ok(Some(_)) => Ok(if generated {
             Bootstrap::Generated(password)
         } else {
             Bootstrap::Configured

@@ -139,11 +139,10 @@ impl Engine {
     /// every [`PULSE_EVERY`] while it runs, so a limit under three of
     /// those counts as three): what systemd's watchdog asks.
     pub fn turned_within(&self, limit: Duration) -> bool {
-        let limit = limit.max(3 * PULSE_EVERY);
         let i = &self.inner;
         let now = i.clock.instant().saturating_duration_since(i.born);
         let last = Duration::from_millis(i.pulse.load(std::sync::atomic::Ordering::Relaxed));
-        now.saturating_sub(last) < limit
+        turned(now, last, limit)
     }
 
     /// Runs until `shutdown`: claims while there are free slots, sleeps
@@ -597,5 +596,31 @@ async fn finish_within(mut task: tokio::task::JoinHandle<()>, what: &str) {
         tracing::warn!("{what} outlasted 5 s of shutdown; stopped");
         task.abort();
         let _ = task.await;
+    }
+}
+
+/// Whether a loop last seen turning at `last` (since its start) has turned
+/// within `limit` of `now`; a limit under three of its turns counts as
+/// three (it turns at least every [`PULSE_EVERY`]).
+fn turned(now: Duration, last: Duration, limit: Duration) -> bool {
+    now.saturating_sub(last) < limit.max(3 * PULSE_EVERY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loop_that_stops_turning_is_seen_once_the_limit_passes() {
+        let s = Duration::from_secs;
+        // Turning: seen within any limit.
+        assert!(turned(s(100), s(100), s(10)));
+        assert!(turned(s(109), s(100), s(10)));
+        // Wedged past the limit: no (systemd then gets no ping).
+        assert!(!turned(s(110), s(100), s(10)));
+        assert!(!turned(s(500), s(100), s(10)));
+        // A limit shorter than three turns waits for three.
+        assert!(turned(s(102), s(100), Duration::from_millis(500)));
+        assert!(!turned(s(103), s(100), Duration::from_millis(500)));
     }
 }

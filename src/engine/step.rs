@@ -612,7 +612,7 @@ impl StepRun<'_> {
                 }
             }
             Err(e) => {
-                tracing::warn!(provider.name = %rt.name, error = %e, "cannot claim a breaker probe");
+                tracing::warn!(record.id = self.record.id, provider.name = %rt.name, error = %e, "cannot claim a breaker probe");
                 Err(self.deferred(now + 1_000, "provider circuit breaker half-open"))
             }
         }
@@ -679,7 +679,7 @@ impl StepRun<'_> {
             r = tokio::time::timeout(self.max_wait, leased) => match r {
                 Ok(Ok(())) => Ok(true),
                 Ok(Err(e)) => {
-                    tracing::warn!(provider.name = %rt.name, error = %e, "cannot lease provider permits");
+                    tracing::warn!(record.id = self.record.id, provider.name = %rt.name, error = %e, "cannot lease provider permits");
                     Ok(false)
                 }
                 Err(_) => Ok(false),

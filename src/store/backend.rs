@@ -44,6 +44,12 @@ pub trait SqlDb:
     /// excludes every other writer (see `postgres.rs` for which lock).
     const LOCK: &'static str;
 
+    /// Taken in a write transaction before it asks whether there is any
+    /// user and creates the first: PostgreSQL's `users` table lock, which
+    /// waits for an insert not yet committed and makes the next wait;
+    /// none on SQLite (one writer).
+    const LOCK_USERS: Option<&'static str>;
+
     /// The spelling of "audit is true" that matches the backend's partial
     /// indexes on `events`.
     const AUDIT: &'static str;

@@ -18,7 +18,7 @@ use super::{
     ActionRequest, AuditFilter, ClaimRequest, Commit, Created, EventRow, HOUR_MS, Lease, NewEvent,
     NewRecord, NewUser, NodeBeat, Page, PermitRequest, Permits, PurgeRun, Purged, RecordFilter,
     ScheduleAdvance, Store, StoreError, StoreResult, UserChange, into_page, node_actor, page_limit,
-    validate_username, worked_state,
+    worked_state,
 };
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::{
@@ -1237,24 +1237,13 @@ where
     }
 
     async fn create_user(&self, user: &NewUser, now: UnixMs) -> StoreResult<User> {
-        validate_username(&user.username)?;
-        let mut tx = self.begin_write().await?;
-        let sql = format!(
-            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $5) RETURNING {USER_COLUMNS}"
-        );
-        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(user.username.clone())
-            .bind(user.password_hash.clone())
-            .bind(user.role.as_str())
-            .bind(false)
-            .bind(now)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(|e| conflict_or(e, "user", &user.username))?;
-        let created = row.user()?;
-        tx.commit().await?;
-        Ok(created)
+        self.insert_user(user, now, false)
+            .await?
+            .ok_or_else(|| StoreError::Invalid("the user was not created".into()))
+    }
+
+    async fn create_first_user(&self, user: &NewUser, now: UnixMs) -> StoreResult<Option<User>> {
+        self.insert_user(user, now, true).await
     }
 
     async fn user_by_name(&self, username: &str) -> StoreResult<Option<User>> {

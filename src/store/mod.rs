@@ -925,6 +925,14 @@ pub trait Store: Clone + Send + Sync + 'static {
         user: &NewUser,
         now: UnixMs,
     ) -> impl Future<Output = StoreResult<User>> + Send;
+    /// Creates `user` only while there is no user at all, atomically with
+    /// that check (start-up's first admin: a `user add` at the same moment
+    /// waits, or comes first and this creates nothing): the user, or `None`.
+    fn create_first_user(
+        &self,
+        user: &NewUser,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<Option<User>>> + Send;
     fn user_by_name(
         &self,
         username: &str,
@@ -1348,6 +1356,7 @@ forward! {
     fn pipeline_version(&self, id: i64) -> Option<PipelineVersion>;
     fn pipeline_versions(&self, pipeline: Option<&str>, limit: i64) -> Vec<PipelineVersion>;
     fn create_user(&self, user: &NewUser, now: UnixMs) -> User;
+    fn create_first_user(&self, user: &NewUser, now: UnixMs) -> Option<User>;
     fn user_by_name(&self, username: &str) -> Option<User>;
     fn user_by_id(&self, id: i64) -> Option<User>;
     fn list_users(&self) -> Vec<User>;

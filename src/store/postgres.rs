@@ -217,6 +217,8 @@ impl SqlDb for Postgres {
     type Pools = PgPool;
 
     const LOCK: &'static str = " FOR NO KEY UPDATE";
+    // Conflicts with the row-exclusive lock of any insert and with itself.
+    const LOCK_USERS: Option<&'static str> = Some("LOCK TABLE users IN SHARE ROW EXCLUSIVE MODE");
     const AUDIT: &'static str = "audit";
     const DIALECT: Dialect = Dialect::Postgres;
     const ANY_OF: (&'static str, &'static str) = ("= ANY(ARRAY(", "))");

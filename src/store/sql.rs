@@ -130,6 +130,42 @@ where
     for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
     for<'q> Option<Json<Value>>: Encode<'q, DB>,
 {
+    /// Creates `user`; with `first_only`, only while there is no user at
+    /// all, atomically with that check (`Store::create_first_user`).
+    pub(crate) async fn insert_user(
+        &self,
+        user: &super::NewUser,
+        now: crate::domain::UnixMs,
+        first_only: bool,
+    ) -> StoreResult<Option<crate::domain::User>> {
+        super::validate_username(&user.username)?;
+        let mut tx = self.begin_write().await?;
+        // SQLite's write transaction already excludes every other writer;
+        // PostgreSQL's would not see an insert not yet committed.
+        if let (true, Some(lock)) = (first_only, DB::LOCK_USERS) {
+            sqlx::query(lock).execute(&mut *tx).await?;
+        }
+        let sql = format!(
+            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at) \
+             SELECT $1, $2, $3, $4, $5, $5 WHERE $6 OR NOT EXISTS (SELECT 1 FROM users) \
+             RETURNING {}",
+            super::rows::USER_COLUMNS
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(user.username.clone())
+            .bind(user.password_hash.clone())
+            .bind(user.role.as_str())
+            .bind(false)
+            .bind(now)
+            .bind(!first_only)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| conflict_or(e, "user", &user.username))?;
+        let created = row.as_ref().map(MapRow::user).transpose()?;
+        tx.commit().await?;
+        Ok(created)
+    }
+
     /// Writes a purge run's audit entry with `batch` of `pipeline` added,
     /// or updates the run's entry: in the batch's transaction, so the
     /// entry says exactly what went. Nothing when the batch is empty.

@@ -320,6 +320,7 @@ impl SqlDb for Sqlite {
     type Pools = SqlitePools;
 
     const LOCK: &'static str = "";
+    const LOCK_USERS: Option<&'static str> = None;
     const AUDIT: &'static str = "audit = 1";
     const DIALECT: Dialect = Dialect::Sqlite;
     const ANY_OF: (&'static str, &'static str) = ("IN (", ")");

@@ -54,6 +54,7 @@ conformance!(
     counters_match_a_recount_after_random_operations,
     list_filters_and_keyset_pagination,
     users_and_sessions,
+    the_first_user_is_made_only_while_there_is_none,
     nodes_providers_and_pipelines,
     api_tokens_are_stored_hashed_and_revocable,
     login_failures_lock_a_name_for_a_while,
@@ -2017,6 +2018,31 @@ async fn users_and_sessions(db: &Db) {
     assert_eq!(db.list_users().await.unwrap().len(), 1);
     assert_eq!(db.purge_sessions(T0 + 3_600_001).await.unwrap(), 2);
     assert!(db.session("jti-2").await.unwrap().is_none());
+}
+
+async fn the_first_user_is_made_only_while_there_is_none(db: &Db) {
+    let user = |name: &str| NewUser {
+        username: name.into(),
+        password_hash: "$argon2id$fake".into(),
+        role: Role::Admin,
+    };
+    let first = db.create_first_user(&user("admin"), T0).await.unwrap();
+    assert_eq!(first.map(|u| u.username).as_deref(), Some("admin"));
+    assert!(
+        db.create_first_user(&user("root"), T0)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(db.user_by_name("root").await.unwrap().is_none());
+    assert_eq!(
+        db.create_first_user(&user("Not A Name"), T0)
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_request"
+    );
+    assert_eq!(db.list_users().await.unwrap().len(), 1);
 }
 
 async fn nodes_providers_and_pipelines(db: &Db) {
