@@ -13,7 +13,7 @@
 //!   1,000 records in flight (elsewhere claims of 100).
 //! - A': the same against the built-in simulator over loopback, no latency.
 //! - B: latency-bound. Simulator latency 50 ms, 100 in flight: records/s
-//!   and the ratio to the ideal 2,000/s.
+//!   and the ratio to the ideal 2,000/s, and to a bare client's (below).
 //! - A with 2,000 and with 200,000 records queued (all batch-enqueued):
 //!   the rate must not fall as the backlog grows.
 //! - B1000: the same latency, 1,000 in flight, 20,000 records: the ratio to
@@ -39,7 +39,8 @@
 //! `-- --only A,backlog,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
 //! part (to profile one figure), `-- --runs N` N runs per figure;
 //! `-- --pg-profile` prints, for each A run on PostgreSQL, where PostgreSQL
-//! spent its time per record (`support/pgprofile.rs`), and `-- --peer
+//! spent its time per record in its batch enqueue and in its processing
+//! (`support/pgprofile.rs`), and `-- --peer
 //! --pg-profile` the same for graphile-worker's A
 //! (`../shared/peers/graphile/run`); `-- --traces` exports every pass's spans
 //! over OTLP to a collector in the process (measure A with and without). Each figure is the median of the runs (3, or 1 with --quick) with the
@@ -71,7 +72,8 @@ mod seed;
 mod pgprofile;
 
 /// `--pg-profile`: A on PostgreSQL prints where PostgreSQL spent its time
-/// per record (see `support/pgprofile.rs`).
+/// per record, enqueueing in batches and processing (see
+/// `support/pgprofile.rs`).
 static PG_PROFILE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 /// `--peer` (with `--pg-profile`): graphile-worker's workload A through
@@ -670,6 +672,16 @@ async fn run_once(setup: &Setup) -> Option<Run> {
             .ok()?;
     }
     let enqueue_per_s = half as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    let profiling = pg_profiling(setup);
+    if profiling {
+        // The batch enqueue profiled on its own, then the processing.
+        pgprofile::settle(&fresh.url)
+            .await
+            .expect("pg-profile settle");
+        pgprofile::reset(&fresh.url)
+            .await
+            .expect("pg-profile reset");
+    }
     let started = Instant::now();
     let mut i = half;
     while i < n {
@@ -681,8 +693,14 @@ async fn run_once(setup: &Setup) -> Option<Run> {
         i = end;
     }
     let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
-    let profiling = pg_profiling(setup);
     if profiling {
+        match pgprofile::report(&fresh.url, n - half, &[]).await {
+            Ok(r) => println!(
+                "PostgreSQL per record, batch enqueue of {} ({ENQUEUE_BATCH} per call, this run):\n{r}",
+                n - half
+            ),
+            Err(e) => eprintln!("pg-profile: {e}"),
+        }
         pgprofile::settle(&fresh.url)
             .await
             .expect("pg-profile settle");
@@ -861,7 +879,7 @@ impl Running {
     }
 }
 
-/// B1000's ceiling: a bare reqwest client (no engine, no database) sending
+/// B's and B1000's ceiling: a bare reqwest client (no engine, no database) sending
 /// B's request (`POST /v1/charge`, a fresh idempotency key each) `n` times,
 /// `in_flight` at once, to a simulator like B1000's (`provider`):
 /// requests/s.
@@ -925,6 +943,15 @@ fn median_spread_f(mut v: Vec<f64>, digits: usize) -> String {
     }
 }
 
+/// The value of `flag` in `args`: `--flag value` or `--flag=value`.
+fn flag_value(args: &[String], flag: &str) -> Option<String> {
+    args.iter().enumerate().find_map(|(i, a)| {
+        a.strip_prefix(&format!("{flag}="))
+            .map(str::to_owned)
+            .or_else(|| (a == flag).then(|| args.get(i + 1).cloned()).flatten())
+    })
+}
+
 /// Which scenarios and backends to run: `--only A,B1000` and
 /// `--backend sqlite` narrow a run (for profiling one figure).
 struct Filter {
@@ -934,16 +961,9 @@ struct Filter {
 
 impl Filter {
     fn from_args(args: &[String]) -> Filter {
-        let value = |flag: &str| {
-            args.iter().enumerate().find_map(|(i, a)| {
-                a.strip_prefix(&format!("{flag}="))
-                    .map(str::to_owned)
-                    .or_else(|| (a == flag).then(|| args.get(i + 1).cloned()).flatten())
-            })
-        };
         Filter {
-            only: value("--only").map(|v| v.split(',').map(str::to_owned).collect()),
-            backend: value("--backend"),
+            only: flag_value(args, "--only").map(|v| v.split(',').map(str::to_owned).collect()),
+            backend: flag_value(args, "--backend"),
         }
     }
 
@@ -1335,10 +1355,7 @@ fn main() {
     let _ = SIM_PROCESS.set(args.iter().any(|a| a == "--sim-process"));
     let filter = Filter::from_args(&args);
     // `--runs N`: runs per figure (3, or 1 with --quick).
-    let runs = args
-        .iter()
-        .position(|a| a == "--runs")
-        .and_then(|i| args.get(i + 1))
+    let runs = flag_value(&args, "--runs")
         .and_then(|v| v.parse().ok())
         .unwrap_or(if quick { 1 } else { 3 });
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -1519,12 +1536,13 @@ fn main() {
                 } else {
                     (runs_of(runs, &b).await, Vec::new())
                 };
-                for (rs, name) in [
+                for (plain, rs, name) in [
                     (
+                        true,
                         rs,
                         format!("{key:<2} 50 ms latency, {in_flight} in flight, {n}"),
                     ),
-                    (guarded, "   the same, at_most_once".to_owned()),
+                    (false, guarded, "   the same, at_most_once".to_owned()),
                 ] {
                     if rs.is_empty() {
                         continue;
@@ -1536,9 +1554,10 @@ fn main() {
                         median_spread(rate.clone()),
                         format!("{}% of ideal", median_spread_f(ratio, 1)),
                     );
-                    if key == "B1000" && !rate.is_empty() {
+                    if plain && !rate.is_empty() {
                         // Its ceiling on this machine: the same calls
-                        // without the engine or the database.
+                        // without the engine or the database (for B, what
+                        // the simulator's timer and loopback HTTP allow).
                         let mut bare = Vec::new();
                         for _ in 0..runs {
                             bare.extend(bare_client(n, in_flight, &b.provider).await);
