@@ -694,6 +694,8 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     }
     let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
     if profiling {
+        // Idle connections hand in their table counters up to 10 s late.
+        tokio::time::sleep(Duration::from_secs(11)).await;
         match pgprofile::report(&fresh.url, n - half, &[]).await {
             Ok(r) => println!(
                 "PostgreSQL per record, batch enqueue of {} ({ENQUEUE_BATCH} per call, this run):\n{r}",
