@@ -15,7 +15,7 @@ use crate::config::{Config, Secret};
 use crate::domain::host::HEARTBEAT_EVERY;
 use crate::domain::{Clock, Role, SystemClock};
 use crate::reload::{Reloader, Source};
-use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, Store, StoreError, migrate};
+use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, Store, migrate};
 use crate::web::AppState;
 
 /// Connects to the configured database.
@@ -104,13 +104,17 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Re
     // Checked again with the creation, atomically: a `user add` or another
     // node's start-up since the first look leaves this one nothing to do.
     match db.create_first_user(&user, SystemClock.now_ms()).await {
-        Ok(None) => Ok(Bootstrap::NotNeeded),
+        Ok(None) => {
+            tracing::info!(
+                "a user was created by another process meanwhile; `admin` is not created"
+            );
+            Ok(Bootstrap::NotNeeded)
+        }
         Ok(Some(_)) => Ok(if generated {
             Bootstrap::Generated(password)
         } else {
             Bootstrap::Configured
         }),
-        Err(StoreError::Conflict { .. }) => Ok(Bootstrap::NotNeeded),
         Err(e) => Err(e.into()),
     }
 }
