@@ -476,7 +476,11 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
 
 /// `sim`: the chaos simulator on 127.0.0.1 until Ctrl-C.
 async fn sim(args: SimArgs) -> anyhow::Result<()> {
-    let env_secret = |var: &str| std::env::var(var).with_context(|| format!("{var} is not set"));
+    let env_secret = |var: &str| -> anyhow::Result<String> {
+        crate::config::secret_var(&|v| std::env::var(v).ok(), var, 1)
+            .map_err(anyhow::Error::msg)?;
+        std::env::var(var).with_context(|| format!("{var} is not set"))
+    };
     let mut p = match args.profile.as_str() {
         "clean" => crate::sim::Profile::clean(args.seed),
         _ => crate::sim::Profile::chaos(args.seed),

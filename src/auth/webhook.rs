@@ -7,6 +7,11 @@
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
+/// The fewest bytes a secret must have to verify anything: configuration
+/// refuses shorter ones, and [`verify`] ignores them, so an empty or short
+/// key that got past configuration still accepts no delivery.
+pub const MIN_SECRET: usize = 16;
+
 /// Why a signature was refused; each has a stable code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
@@ -49,8 +54,9 @@ pub fn sign(secret: &[u8], timestamp: i64, body: &[u8]) -> String {
     }
 }
 
-/// Checks `header` against `body` under any of `secrets`: the timestamp
-/// within `tolerance_s` of `now_s`, then a constant-time comparison.
+/// Checks `header` against `body` under any of `secrets` of at least
+/// [`MIN_SECRET`] bytes: the timestamp within `tolerance_s` of `now_s`,
+/// then a constant-time comparison.
 pub fn verify(
     secrets: &[Vec<u8>],
     header: &str,
@@ -80,11 +86,14 @@ pub fn verify(
     if now_s.abs_diff(timestamp) > tolerance_s.unsigned_abs() {
         return Err(SignatureError::Stale);
     }
-    let ok = secrets.iter().any(|secret| {
-        signatures
-            .iter()
-            .any(|sig| mac(secret, timestamp, body).is_some_and(|m| m.verify_slice(sig).is_ok()))
-    });
+    let ok = secrets
+        .iter()
+        .filter(|s| s.len() >= MIN_SECRET)
+        .any(|secret| {
+            signatures.iter().any(|sig| {
+                mac(secret, timestamp, body).is_some_and(|m| m.verify_slice(sig).is_ok())
+            })
+        });
     if ok {
         Ok(())
     } else {
@@ -100,14 +109,33 @@ mod tests {
     const NOW: i64 = 1_800_000_000;
 
     #[test]
+    fn an_empty_or_short_secret_verifies_nothing() {
+        let body = br#"{"id":"job_1","status":"succeeded"}"#;
+        for short in [&b""[..], b"fifteen-bytes!!"] {
+            let forged = sign(short, NOW, body);
+            assert_eq!(
+                verify(&[short.to_vec()], &forged, body, NOW, 300),
+                Err(SignatureError::Mismatch),
+                "{short:?}"
+            );
+        }
+        let long = b"sixteen-bytes!!!";
+        let sig = sign(long, NOW, body);
+        assert_eq!(verify(&[long.to_vec()], &sig, body, NOW, 300), Ok(()));
+    }
+
+    #[test]
     fn signs_and_verifies_with_rotation_and_a_window() {
         let body = br#"{"id":"job_1","status":"succeeded"}"#;
-        let sig = sign(b"old-secret", NOW, body);
+        let sig = sign(b"old-secret-0123456789", NOW, body);
         assert!(
             sig.starts_with(&format!("t={NOW},v1=")) && sig.len() == 16 + 64,
             "{sig}"
         );
-        let secrets = vec![b"new-secret".to_vec(), b"old-secret".to_vec()];
+        let secrets = vec![
+            b"new-secret-0123456789".to_vec(),
+            b"old-secret-0123456789".to_vec(),
+        ];
         assert_eq!(verify(&secrets, &sig, body, NOW, 300), Ok(()));
         assert_eq!(verify(&secrets, &sig, body, NOW + 300, 300), Ok(()));
         assert_eq!(
@@ -139,10 +167,10 @@ mod tests {
             Err(SignatureError::Mismatch)
         );
         // A provider signing with two secrets during rotation.
-        let new = sign(b"new-secret", NOW, body);
+        let new = sign(b"new-secret-0123456789", NOW, body);
         let both = format!("{sig},v1={}", &new[new.find("v1=").unwrap() + 3..]);
         assert_eq!(
-            verify(&[b"new-secret".to_vec()], &both, body, NOW, 300),
+            verify(&[b"new-secret-0123456789".to_vec()], &both, body, NOW, 300),
             Ok(())
         );
         for bad in [

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 pub use duration::{HumanDuration, parse_duration};
+pub use provider::secret_var;
 
 /// The file read when `--config` is not given, if it exists.
 pub const DEFAULT_FILE: &str = "ballast.toml";
@@ -709,10 +710,13 @@ impl Config {
             }
         }
         if let Some(token) = &self.server.metrics_token {
-            if token.expose().len() < 16 {
+            if token.expose().trim().len() < crate::auth::webhook::MIN_SECRET {
                 return Err(invalid(
                     "server.metrics_token (BALLAST_METRICS_TOKEN)",
-                    "must be at least 16 characters".into(),
+                    format!(
+                        "must be at least {} characters, not blank",
+                        crate::auth::webhook::MIN_SECRET
+                    ),
                 ));
             }
         }

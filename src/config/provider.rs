@@ -506,12 +506,7 @@ impl ProviderConfig {
             if auth.header.trim().is_empty() {
                 return Err(invalid("auth.header", "must not be empty".into()));
             }
-            if env(&auth.value_env).is_none() {
-                return Err(invalid(
-                    "auth.value_env",
-                    format!("environment variable {} is not set", auth.value_env),
-                ));
-            }
+            secret_var(env, &auth.value_env, 1).map_err(|m| invalid("auth.value_env", m))?;
         }
         if let Some(o) = &self.oauth2 {
             if self.auth.is_some() {
@@ -533,21 +528,12 @@ impl ProviderConfig {
                 ("oauth2.client_id_env", &o.client_id_env),
                 ("oauth2.client_secret_env", &o.client_secret_env),
             ] {
-                if env(var).is_none() {
-                    return Err(invalid(
-                        field,
-                        format!("environment variable {var} is not set"),
-                    ));
-                }
+                secret_var(env, var, 1).map_err(|m| invalid(field, m))?;
             }
         }
         for var in &self.webhook_secrets_env {
-            if env(var).is_none() {
-                return Err(invalid(
-                    "webhook_secrets_env",
-                    format!("environment variable {var} is not set"),
-                ));
-            }
+            secret_var(env, var, MIN_VERIFYING_SECRET)
+                .map_err(|m| invalid("webhook_secrets_env", m))?;
         }
         if self.timeout.0.is_zero() {
             return Err(invalid("timeout", "must be more than 0".into()));
@@ -656,6 +642,32 @@ impl ProviderConfig {
             None => value,
         };
         Some((auth.header.clone(), crate::config::Secret::new(value)))
+    }
+}
+
+/// The fewest bytes of a secret Ballast verifies with (webhook secrets, the
+/// metrics token): a shorter key is guessed or forged, and an empty one is a
+/// key everyone knows.
+pub const MIN_VERIFYING_SECRET: usize = crate::auth::webhook::MIN_SECRET;
+
+/// Checks that `var` holds a secret of at least `min` bytes: not unset,
+/// not empty or blank (an env file's `KEY=` sets it to nothing), not short.
+/// The message names the variable, never its value.
+pub fn secret_var(
+    env: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+    min: usize,
+) -> Result<(), String> {
+    match env(var) {
+        None => Err(format!("environment variable {var} is not set")),
+        Some(v) if v.trim().is_empty() => {
+            Err(format!("environment variable {var} is set but empty"))
+        }
+        Some(v) if v.len() < min => Err(format!(
+            "environment variable {var} holds {} bytes; this secret must be at least {min}",
+            v.len()
+        )),
+        Some(_) => Ok(()),
     }
 }
 
@@ -811,6 +823,65 @@ outcome = "fail"
         assert!(
             provider("retry = { tries = 3 }").is_err(),
             "unknown keys are refused"
+        );
+    }
+
+    #[test]
+    fn empty_and_short_secrets_are_refused_naming_the_variable() {
+        let env = |v: &str| match v {
+            "EMPTY" => Some(String::new()),
+            "BLANK" => Some("  ".to_owned()),
+            "SHORT" => Some("fifteen-bytes!!".to_owned()),
+            "GOOD" => Some("sixteen-bytes!!!".to_owned()),
+            _ => None,
+        };
+        let err = |extra: &str| {
+            provider(extra)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .validate("kyc", &env)
+                .err()
+                .map(|e| e.to_string())
+        };
+        for (extra, field, said) in [
+            (
+                "webhook_secrets_env = [\"GOOD\", \"EMPTY\"]",
+                "webhook_secrets_env",
+                "EMPTY is set but empty",
+            ),
+            (
+                "webhook_secrets_env = [\"BLANK\"]",
+                "webhook_secrets_env",
+                "BLANK is set but empty",
+            ),
+            (
+                "webhook_secrets_env = [\"SHORT\"]",
+                "webhook_secrets_env",
+                "SHORT holds 15 bytes; this secret must be at least 16",
+            ),
+            (
+                "auth = { header = \"X-Key\", value_env = \"EMPTY\" }",
+                "auth.value_env",
+                "EMPTY is set but empty",
+            ),
+            (
+                "oauth2 = { token_url = \"https://a.example/t\", client_id_env = \"GOOD\", client_secret_env = \"EMPTY\" }",
+                "oauth2.client_secret_env",
+                "EMPTY is set but empty",
+            ),
+        ] {
+            let e = err(extra).unwrap_or_else(|| panic!("{extra}: accepted"));
+            assert_eq!(
+                e,
+                format!("config `providers.kyc.{field}`: environment variable {said}"),
+                "{extra}"
+            );
+            assert!(!e.contains("fifteen"), "the value is never said: {e}");
+        }
+        assert_eq!(err("webhook_secrets_env = [\"GOOD\"]"), None);
+        // A provider's API key may be short; only an empty one is refused.
+        assert_eq!(
+            err("auth = { header = \"X-Key\", value_env = \"SHORT\" }"),
+            None
         );
     }
 }

@@ -474,12 +474,15 @@ pub fn after_lookup(
     }
 }
 
-/// A request template that cannot render will not render next time: the
-/// step fails (a required step fails its record), with the reason.
-pub fn template_failed(mut write: StepWrite, error: String, now: UnixMs) -> Decision {
+/// A request that cannot be built (a template that does not render, a
+/// path leaving the provider's base URL, a header value with a line
+/// break) will not build next time: the step fails with `code`
+/// (`template_error`, `request_invalid`) and the reason (a required step
+/// fails its record). Nothing was sent, so no attempt is spent.
+pub fn unbuildable(mut write: StepWrite, code: &str, error: String, now: UnixMs) -> Decision {
     write.state = StepState::Failed;
     write.finished_at = Some(now);
-    write.error_code = Some("template_error".into());
+    write.error_code = Some(code.into());
     write.reason = Some(error);
     write.next_run_at = None;
     Decision::keep(write)

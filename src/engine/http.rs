@@ -48,6 +48,21 @@ pub fn names(headers: &[(String, String)], name: &str) -> bool {
     headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(name))
 }
 
+/// Whether a header `name: value` can be sent as the client would send it
+/// (a value with CR, LF, NUL or another control character but tab cannot);
+/// why not, naming the header but never its value.
+pub fn header_ok(name: &str, value: &str) -> Result<(), String> {
+    if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+        return Err(format!("`{name}` is not a header name"));
+    }
+    if reqwest::header::HeaderValue::from_bytes(value.as_bytes()).is_err() {
+        return Err(format!(
+            "header `{name}`'s value holds a character a header cannot carry (a line break or another control character)"
+        ));
+    }
+    Ok(())
+}
+
 /// The host and port `url` names, without any user name or password:
 /// where a call went, for a span.
 pub fn host_port(url: &str) -> (&str, Option<u16>) {

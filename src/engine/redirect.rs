@@ -33,14 +33,41 @@ pub fn next_hop(
     let location = std::str::from_utf8(location?).ok()?;
     let next = Url::parse(current).ok()?.join(location).ok()?;
     let within = Url::parse(&follow.within).ok()?;
-    let prefix = within.path().trim_end_matches('/');
-    let under = next.path() == prefix || next.path().starts_with(&format!("{prefix}/"));
-    let same = next.scheme() == within.scheme()
-        && next.host() == within.host()
-        && next.port_or_known_default() == within.port_or_known_default()
-        && next.username().is_empty()
-        && next.password().is_none();
-    (same && under).then_some(next)
+    let bare = next.username().is_empty() && next.password().is_none();
+    (bare && under(&next, &within)).then_some(next)
+}
+
+/// Whether `url` is under `base`: the same scheme, host and port, and a
+/// path at or below the base's path (`/v1/t/7` is under `/v1/t`,
+/// `/v1/tx` and `/v1/admin` are not). `url` is parsed, so `..` and
+/// `%2e%2e` segments are already resolved.
+pub fn under(url: &Url, base: &Url) -> bool {
+    let prefix = base.path().trim_end_matches('/');
+    let below = url.path() == prefix || url.path().starts_with(&format!("{prefix}/"));
+    below
+        && url.scheme() == base.scheme()
+        && url.host() == base.host()
+        && url.port_or_known_default() == base.port_or_known_default()
+}
+
+/// The URL of a call to `path` (as rendered) on the provider at `base_url`,
+/// if it stays under it; otherwise why not (the base's credentials go only
+/// where the base points).
+pub fn call_url(base_url: &str, path: &str) -> Result<Url, String> {
+    let base = Url::parse(base_url).map_err(|e| format!("base_url is not a URL: {e}"))?;
+    let joined = match path.strip_prefix('/') {
+        Some(_) => format!("{}{path}", base_url.trim_end_matches('/')),
+        None => format!("{}/{path}", base_url.trim_end_matches('/')),
+    };
+    let url = Url::parse(&joined).map_err(|e| format!("the path does not make a URL: {e}"))?;
+    if under(&url, &base) {
+        Ok(url)
+    } else {
+        let to = shown(base_url, joined.as_bytes());
+        Err(format!(
+            "the path leaves the provider's base URL (it reaches {to})"
+        ))
+    }
 }
 
 /// How a redirect's target is kept in the history: resolved against the
@@ -76,6 +103,44 @@ mod tests {
         };
         next_hop(HERE, status, Some(location.as_bytes()), done, Some(&follow))
             .map(|u| u.to_string())
+    }
+
+    #[test]
+    fn a_call_stays_under_its_base_path() {
+        let base = "http://p.example/v1/t/7";
+        let ok = |path: &str| call_url(base, path).map(|u| u.to_string());
+        assert_eq!(
+            ok("/jobs/1").as_deref(),
+            Ok("http://p.example/v1/t/7/jobs/1")
+        );
+        assert_eq!(
+            ok("jobs?a=1").as_deref(),
+            Ok("http://p.example/v1/t/7/jobs?a=1")
+        );
+        assert_eq!(ok("").as_deref(), Ok("http://p.example/v1/t/7/"));
+        assert_eq!(ok("/a/../b").as_deref(), Ok("http://p.example/v1/t/7/b"));
+        for escape in [
+            "/../../admin",
+            "/jobs/../../../admin",
+            "/%2e%2e/%2E%2e/admin",
+            "/..",
+        ] {
+            let e = ok(escape).unwrap_err();
+            assert!(
+                e.contains("leaves the provider's base URL"),
+                "{escape}: {e}"
+            );
+        }
+        assert!(
+            ok("/jobs/..%2F..%2Fadmin").is_ok(),
+            "an encoded slash is one segment"
+        );
+        assert!(ok("@evil.example/x").is_ok_and(|u| u.starts_with("http://p.example/v1/t/7/")));
+        let with_user = "https://u:pw@p.example/v1";
+        let url = call_url(with_user, "/x").unwrap();
+        assert_eq!(url.path(), "/v1/x");
+        let e = call_url(with_user, "/../admin").unwrap_err();
+        assert!(!e.contains("pw"), "the base's password is not said: {e}");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::domain::request::{Outgoing, SentRequest};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
     Before, BudgetMove, Decision, Delivery, Judged, Park, Planned, ReplyFacts, after_reply,
-    apply_deliveries, before_call, defer, park_or_fail, spend_attempt, template_failed,
+    apply_deliveries, before_call, defer, park_or_fail, spend_attempt, unbuildable,
 };
 use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
@@ -327,7 +327,7 @@ impl StepRun<'_> {
         };
         let call = match self.build_call(rt, &plan, token.as_ref()) {
             Ok(c) => c,
-            Err(e) => return StepOutput::new(template_failed(plan.write, e, now)),
+            Err(e) => return StepOutput::new(unbuildable(plan.write, e.code, e.reason, now)),
         };
         spend_attempt(&mut plan);
         let attempt_no = plan.write.attempts.max(1);
@@ -508,7 +508,7 @@ impl StepRun<'_> {
         };
         let call = match self.build_call_of(rt, spec, &plan, token.as_ref()) {
             Ok(c) => c,
-            Err(e) => return Asked::Broken(e),
+            Err(e) => return Asked::Broken(e.reason),
         };
         let number = (self.write.attempts.max(1), self.clock.now_ms());
         let (call, span) = self.traced(rt, call, number.0);
@@ -881,9 +881,9 @@ impl StepRun<'_> {
             taken,
             sent: true,
         };
-        let call = self
-            .build_call(rt, plan, Some(&token))
-            .map_err(|e| StepOutput::new(template_failed(plan.write.clone(), e, self.now)))?;
+        let call = self.build_call(rt, plan, Some(&token)).map_err(|e| {
+            StepOutput::new(unbuildable(plan.write.clone(), e.code, e.reason, self.now))
+        })?;
         let (call, span) = self.traced(rt, call, plan.write.attempts.max(1));
         let at = self.clock.now_ms();
         let (x, sent) = self.exchange(rt, &call, Some(&token), span).await;
@@ -1012,7 +1012,7 @@ impl StepRun<'_> {
         rt: &ProviderRuntime,
         plan: &Planned,
         token: Option<&Secret>,
-    ) -> Result<Call, String> {
+    ) -> Result<Call, Unbuildable> {
         let spec: &RequestSpec = match (self.step.poll(), plan.polling, &self.step.lookup) {
             (_, true, Some(l)) if plan.lookup => &l.request,
             (Some(p), true, _) => &p.request,
@@ -1029,7 +1029,7 @@ impl StepRun<'_> {
         spec: &RequestSpec,
         plan: &Planned,
         token: Option<&Secret>,
-    ) -> Result<Call, String> {
+    ) -> Result<Call, Unbuildable> {
         let mut ctx = self.ctx.clone();
         let key = idempotency_key(
             self.installation,
@@ -1046,18 +1046,17 @@ impl StepRun<'_> {
         let render = |id: &str| {
             self.templates
                 .render(id, &ctx)
-                .map_err(|e| format!("template: {e}"))
+                .map_err(|e| Unbuildable::template(format!("template: {e}")))
         };
         let path = render(&spec.path)?;
-        let base = rt.config.base_url.trim_end_matches('/');
-        let url = if path.starts_with('/') {
-            format!("{base}{path}")
-        } else {
-            format!("{base}/{path}")
-        };
+        let url = super::redirect::call_url(&rt.config.base_url, &path)
+            .map_err(Unbuildable::invalid)?
+            .to_string();
         let mut headers = Vec::new();
         for (name, id) in &spec.headers {
-            headers.push((name.clone(), render(id)?));
+            let value = render(id)?;
+            super::http::header_ok(name, &value).map_err(Unbuildable::invalid)?;
+            headers.push((name.clone(), value));
         }
         if let Some((h, v)) = rt.config.auth_header(&|var| std::env::var(var).ok()) {
             headers.push((h, v.expose().to_owned()));
@@ -1103,5 +1102,32 @@ impl StepRun<'_> {
                 }),
             decode: rt.config.decode.clone(),
         })
+    }
+}
+
+/// A request that cannot be built: its template does not render, or what
+/// it renders is no request (a path leaving the provider's base URL, a
+/// header value a header cannot carry). Nothing was sent: it is the
+/// record's fault, never the provider's, so it counts for no breaker and
+/// is never taken for a call that may have left.
+#[derive(Debug)]
+struct Unbuildable {
+    code: &'static str,
+    reason: String,
+}
+
+impl Unbuildable {
+    fn template(reason: String) -> Self {
+        Unbuildable {
+            code: "template_error",
+            reason,
+        }
+    }
+
+    fn invalid(reason: String) -> Self {
+        Unbuildable {
+            code: "request_invalid",
+            reason,
+        }
     }
 }

@@ -19,7 +19,7 @@ use crate::config::{Config, ConfigError};
 pub use crate::domain::pipeline::{
     CallbackSpec, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step, StepKind,
 };
-pub use template::{TemplateError, Templates};
+pub use template::{Quoting, TemplateError, Templates};
 
 /// Every pipeline of a configuration, with their templates.
 #[derive(Debug, Clone)]
@@ -270,12 +270,28 @@ fn compile_step(
         HttpMethod::parse(m)
             .ok_or_else(|| invalid(key(field), format!("unknown HTTP method `{m}`")))
     };
+    // A body's interpolations are quoted for the content type it is sent as.
+    let body_quoting = Quoting::of_body(
+        s.request
+            .headers
+            .iter()
+            .find(|(h, _)| h.eq_ignore_ascii_case("content-type"))
+            .map(|(_, v)| v.as_str()),
+    );
     let mut tpl_in = |field: &str, source: &str, job_id: bool, output: bool| {
         let id = format!("{pipeline}/{}/{field}", s.name);
+        let quoting = if field.ends_with(".body") {
+            body_quoting
+        } else if field.contains(".headers.") {
+            Quoting::Text
+        } else {
+            Quoting::Url
+        };
         let scope = template::Scope {
             upstream: &up,
             job_id,
             output,
+            quoting,
         };
         templates
             .add(&id, source, &scope)

@@ -3,11 +3,95 @@
 //! key) and, for polls, `job_id`; a confirmation's also over `output`.
 //! Undefined variables are errors, never empty strings, and rendering is
 //! bounded by fuel so a template cannot spin.
+//!
+//! What a template interpolates is quoted for where it lands, so that a
+//! record's input cannot change a request's shape: in a path or query,
+//! percent-encoded (`..` stays, and the engine keeps the URL under the
+//! provider's base path); in a JSON body, a string's characters escaped as
+//! inside a JSON string (a quote in the input cannot end the string and
+//! add a field); in a header, as is (the engine refuses a value a header
+//! cannot carry). Values already made for their place (`tojson`,
+//! `urlencode`) and those marked `| raw` are written as they are.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
-use minijinja::{AutoEscape, Environment, UndefinedBehavior, Value as TplValue};
+use minijinja::{
+    AutoEscape, Environment, Error, Output, State, UndefinedBehavior, Value as TplValue,
+};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde_json::Value;
+
+/// Everything but RFC 3986's unreserved characters (ALPHA, DIGIT and
+/// `-._~`) is percent-encoded: a value is one path segment or one query
+/// value, whatever it holds.
+const COMPONENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// How a template's interpolated values are quoted: by where the rendered
+/// text goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Quoting {
+    /// A URL's path and query, or a form body: percent-encoded.
+    Url,
+    /// A JSON body: strings escaped as inside a JSON string.
+    Json,
+    /// A header or a body of another type: written as is.
+    Text,
+}
+
+impl Quoting {
+    const ALL: [Quoting; 3] = [Quoting::Url, Quoting::Json, Quoting::Text];
+
+    fn index(self) -> usize {
+        match self {
+            Quoting::Url => 0,
+            Quoting::Json => 1,
+            Quoting::Text => 2,
+        }
+    }
+
+    /// A body's quoting, from the content type the step names (JSON when
+    /// it names none, as the engine then sends `application/json`).
+    pub fn of_body(content_type: Option<&str>) -> Quoting {
+        let Some(t) = content_type else {
+            return Quoting::Json;
+        };
+        let essence = t
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if essence == "application/json" || essence.ends_with("+json") {
+            Quoting::Json
+        } else if essence == "application/x-www-form-urlencoded" {
+            Quoting::Url
+        } else {
+            Quoting::Text
+        }
+    }
+
+    /// Writes `value` as this quoting wants it.
+    fn write(self, out: &mut Output, value: &TplValue) -> Result<(), Error> {
+        let text = value.to_string();
+        let quoted = match self {
+            _ if value.is_safe() => text,
+            Quoting::Text => text,
+            Quoting::Url => utf8_percent_encode(&text, COMPONENT).to_string(),
+            Quoting::Json if value.as_str().is_some() => {
+                let json = serde_json::to_string(&text).unwrap_or_default();
+                let inner = json.strip_prefix('"').and_then(|j| j.strip_suffix('"'));
+                inner.unwrap_or_default().to_owned()
+            }
+            Quoting::Json => text,
+        };
+        out.write_str(&quoted)
+            .map_err(|e| Error::new(minijinja::ErrorKind::WriteFailure, e.to_string()))
+    }
+}
 
 /// Instructions one render may execute.
 const FUEL: u64 = 100_000;
@@ -20,6 +104,8 @@ pub struct Scope<'a> {
     pub job_id: bool,
     /// Confirmation templates also see `output`, the step's own output.
     pub output: bool,
+    /// How what the template interpolates is quoted.
+    pub quoting: Quoting,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -44,9 +130,11 @@ impl TemplateError {
     }
 }
 
-/// Every request template of the loaded pipelines.
+/// Every request template of the loaded pipelines: one environment per
+/// quoting (a formatter is the environment's), and which one holds each.
 pub struct Templates {
-    env: Environment<'static>,
+    envs: [Environment<'static>; 3],
+    quoting: HashMap<String, Quoting>,
 }
 
 impl std::fmt::Debug for Templates {
@@ -63,21 +151,20 @@ impl Default for Templates {
 
 impl Templates {
     pub fn new() -> Self {
-        let mut env = Environment::new();
-        env.set_undefined_behavior(UndefinedBehavior::Strict);
-        // Bodies are JSON or plain text: quoting is `tojson`'s job, not HTML's.
-        env.set_auto_escape_callback(|_| AutoEscape::None);
-        env.set_fuel(Some(FUEL));
-        Templates { env }
+        Templates {
+            envs: Quoting::ALL.map(environment),
+            quoting: HashMap::new(),
+        }
     }
 
     /// Parses `source` as template `id` and checks what it refers to.
     pub fn add(&mut self, id: &str, source: &str, scope: &Scope<'_>) -> Result<(), TemplateError> {
-        self.env
-            .add_template_owned(id.to_owned(), source.to_owned())
+        let env = &mut self.envs[scope.quoting.index()];
+        env.add_template_owned(id.to_owned(), source.to_owned())
             .map_err(|e| TemplateError::Syntax(e.to_string()))?;
-        let tpl = self
-            .env
+        self.quoting.insert(id.to_owned(), scope.quoting);
+        let env = &self.envs[scope.quoting.index()];
+        let tpl = env
             .get_template(id)
             .map_err(|e| TemplateError::Syntax(e.to_string()))?;
         let mut vars: Vec<String> = tpl.undeclared_variables(true).into_iter().collect();
@@ -95,7 +182,7 @@ impl Templates {
                 // record, step and generation): a client reference.
                 "input" | "record" | "key" => {}
                 // Functions the environment provides (`range`, `dict`…).
-                root if self.env.globals().any(|(g, _)| g == root) => {}
+                root if env.globals().any(|(g, _)| g == root) => {}
                 "job_id" if scope.job_id => {}
                 "output" if scope.output => {}
                 "steps" => {
@@ -113,13 +200,36 @@ impl Templates {
 
     /// Renders template `id` over `ctx` (a JSON object).
     pub fn render(&self, id: &str, ctx: &Value) -> Result<String, TemplateError> {
-        let tpl = self
-            .env
+        let env = self
+            .quoting
+            .get(id)
+            .map(|q| &self.envs[q.index()])
+            .ok_or_else(|| TemplateError::Missing(id.to_owned()))?;
+        let tpl = env
             .get_template(id)
             .map_err(|_| TemplateError::Missing(id.to_owned()))?;
         tpl.render(TplValue::from(minijinja::value::Serde(ctx)))
             .map_err(|e| TemplateError::Render(e.to_string()))
     }
+}
+
+/// An environment whose interpolations are quoted by `quoting`.
+fn environment(quoting: Quoting) -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_undefined_behavior(UndefinedBehavior::Strict);
+    // Quoting is the formatter's, not HTML's.
+    env.set_auto_escape_callback(|_| AutoEscape::None);
+    env.set_fuel(Some(FUEL));
+    env.set_formatter(move |out: &mut Output, _: &mut State, v: &TplValue| quoting.write(out, v));
+    // Written as is: the template says it means the value unquoted.
+    env.add_filter("raw", |v: TplValue| {
+        TplValue::from_safe_string(v.to_string())
+    });
+    // Jinja's `urlencode` (which keeps `/`), its result made for a URL.
+    env.add_filter("urlencode", |v: &TplValue| {
+        minijinja::filters::urlencode(v).map(TplValue::from_safe_string)
+    });
+    env
 }
 
 #[cfg(test)]
@@ -140,6 +250,7 @@ mod tests {
             upstream: &up,
             job_id: false,
             output: false,
+            quoting: Quoting::Url,
         };
         assert!(
             t.add(
@@ -178,6 +289,7 @@ mod tests {
                     upstream: &up,
                     job_id: true,
                     output: false,
+                    quoting: Quoting::Url,
                 }
             )
             .is_ok()
@@ -191,11 +303,101 @@ mod tests {
             upstream: &up,
             job_id: false,
             output: true,
+            quoting: Quoting::Url,
         };
         assert!(
             t.add("g", "/v1/charges/{{ output.id }}", &confirming)
                 .is_ok()
         );
+    }
+
+    fn quoted(quoting: Quoting, source: &str, input: Value) -> String {
+        let mut t = Templates::new();
+        let up = scope(&[]);
+        let s = Scope {
+            upstream: &up,
+            job_id: true,
+            output: false,
+            quoting,
+        };
+        t.add("t", source, &s).unwrap_or_else(|e| panic!("{e}"));
+        t.render("t", &json!({ "input": input, "job_id": "../../admin" }))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn an_input_cannot_add_a_field_to_a_json_body() {
+        let evil = r#"x", "admin": true, "y": ""#;
+        let body = quoted(
+            Quoting::Json,
+            r#"{"name": "{{ input.name }}", "n": {{ input.n }}, "raw": {{ input.obj | tojson }}, "own": {{ input.frag | raw }}}"#,
+            json!({ "name": evil, "n": 3, "obj": { "a": "b\"" }, "frag": "[1, 2]" }),
+        );
+        let parsed: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        assert_eq!(
+            parsed,
+            json!({ "name": evil, "n": 3, "raw": { "a": "b\"" }, "own": [1, 2] })
+        );
+        assert!(parsed.get("admin").is_none());
+        // Control characters too: a newline in the input is `\n` in the body.
+        let nl = quoted(
+            Quoting::Json,
+            r#"{"s": "{{ input.s }}"}"#,
+            json!({ "s": "a\nb\\" }),
+        );
+        assert_eq!(nl, r#"{"s": "a\nb\\"}"#);
+    }
+
+    #[test]
+    fn a_path_interpolation_is_one_segment() {
+        assert_eq!(
+            quoted(Quoting::Url, "/v1/jobs/{{ job_id }}", json!({})),
+            "/v1/jobs/..%2F..%2Fadmin"
+        );
+        assert_eq!(
+            quoted(
+                Quoting::Url,
+                "/find?q={{ input.q }}&x=1",
+                json!({ "q": "a b&c=d#e?" })
+            ),
+            "/find?q=a%20b%26c%3Dd%23e%3F&x=1"
+        );
+        // Already encoded by the template: not encoded twice.
+        assert_eq!(
+            quoted(
+                Quoting::Url,
+                "/find?d={{ input.q | urlencode }}",
+                json!({ "q": "a@b" })
+            ),
+            "/find?d=a%40b"
+        );
+        // Meant whole: `raw`.
+        assert_eq!(
+            quoted(Quoting::Url, "/{{ input.p | raw }}", json!({ "p": "a/b" })),
+            "/a/b"
+        );
+        assert_eq!(
+            quoted(Quoting::Text, "{{ input.h }}", json!({ "h": "a b/\"c" })),
+            "a b/\"c"
+        );
+    }
+
+    #[test]
+    fn a_body_is_quoted_for_its_content_type() {
+        assert_eq!(Quoting::of_body(None), Quoting::Json);
+        assert_eq!(
+            Quoting::of_body(Some("application/json; charset=utf-8")),
+            Quoting::Json
+        );
+        assert_eq!(
+            Quoting::of_body(Some("application/vnd.api+json")),
+            Quoting::Json
+        );
+        assert_eq!(
+            Quoting::of_body(Some("application/x-www-form-urlencoded")),
+            Quoting::Url
+        );
+        assert_eq!(Quoting::of_body(Some("text/plain")), Quoting::Text);
     }
 
     #[test]
@@ -206,6 +408,7 @@ mod tests {
             upstream: &up,
             job_id: false,
             output: false,
+            quoting: Quoting::Url,
         };
         t.add(
             "spin",
@@ -224,7 +427,7 @@ mod tests {
         fn any_source_is_accepted_or_refused_never_panics(src in ".{0,60}") {
             let mut t = Templates::new();
             let up = scope(&["a"]);
-            if t.add("x", &src, &Scope { upstream: &up, job_id: true, output: true }).is_ok() {
+            if t.add("x", &src, &Scope { upstream: &up, job_id: true, output: true, quoting: Quoting::Json }).is_ok() {
                 let _ = t.render("x", &json!({ "input": {}, "steps": {}, "record": {}, "job_id": "j" }));
             }
         }

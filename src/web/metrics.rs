@@ -168,6 +168,7 @@ async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Re
         .keys
         .metrics_token
         .as_deref()
+        .filter(|t| t.len() >= crate::auth::webhook::MIN_SECRET)
         .is_some_and(|t| bool::from(t.as_bytes().ct_eq(presented.as_bytes())));
     if !by_config {
         auth::token_caller(&headers, &state).await?;

@@ -1217,7 +1217,7 @@ async fn a_record_page_follows_the_record_without_a_reload() {
 [providers.gate]
 base_url = "{}"
 timeout = "30s"
-webhook_secrets_env = ["HOME"]
+webhook_secrets_env = ["TEST_HOOK_SECRET"]
 [[providers.gate.rules]]
 when = {{ status = "2xx", field = "/status", equals = "queued" }}
 outcome = "pending"
@@ -1263,7 +1263,7 @@ callback = {{ job_id = "/job_id", deadline = "10m" }}
     wait_text(c, "#record-graph", "waiting on its job").await;
     wait_text(c, "#record-lanes", "1 attempt: 1 pending").await;
     let body = format!(r#"{{"job_id": "ch_{id}", "status": "succeeded"}}"#);
-    let secret = std::env::var("HOME").unwrap();
+    let secret = crate::helpers::HOOK_SECRET;
     let now_s = crate::helpers::wall_ms() / 1000;
     let signature = ballast::auth::webhook::sign(secret.as_bytes(), now_s, body.as_bytes());
     let (status, reply) = crate::helpers::http_post(

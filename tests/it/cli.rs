@@ -1309,9 +1309,10 @@ fn the_examples_load() {
             && (v.ends_with("_KEY") || v.ends_with("_TOKEN") || v.ends_with("_SECRET"))
     };
     for f in &files {
-        let loaded =
-            ballast::config::Config::load_with(Some(f), &|v| env(v).then(|| "set".to_owned()))
-                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let loaded = ballast::config::Config::load_with(Some(f), &|v| {
+            env(v).then(|| "set-to-sixteen-bytes".to_owned())
+        })
+        .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         assert!(!loaded.config.providers.is_empty() && !loaded.config.pipelines.is_empty());
         ballast::pipeline::compile(&loaded.config)
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
@@ -1327,13 +1328,57 @@ fn the_examples_load() {
                 ("ENRICH_API_KEY", "k"),
                 ("TRANSCRIBE_TOKEN", "t"),
                 ("KYC_TOKEN", "t"),
-                ("KYC_HOOK_SECRET", "s"),
+                ("KYC_HOOK_SECRET", "kyc-hook-secret-0123"),
                 ("RENDER_TOKEN", "t"),
             ],
             &["check-config", "--config", f.to_str().unwrap()],
         );
         assert!(out.status.success(), "{}: {}", f.display(), stderr(&out));
     }
+}
+
+/// A secret set but empty (an env file's `KYC_HOOK_SECRET=`) or too short
+/// to verify with is refused by `check-config` and at start, in one line
+/// naming the variable (never its value): it would be an HMAC key anyone
+/// knows.
+#[test]
+fn an_empty_or_short_secret_stops_check_config_and_serve() {
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/webhook-api.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ballast.toml");
+    let text = std::fs::read_to_string(&example).unwrap();
+    std::fs::write(
+        &file,
+        format!("[database]\nurl = \"sqlite://x.db?mode=rwc\"\n{text}"),
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    for (secret, said) in [
+        ("", "KYC_HOOK_SECRET is set but empty"),
+        (
+            "short-secret",
+            "KYC_HOOK_SECRET holds 12 bytes; this secret must be at least 16",
+        ),
+    ] {
+        let env = [("KYC_TOKEN", "t"), ("KYC_HOOK_SECRET", secret)];
+        for args in [
+            &["--config", file, "check-config"][..],
+            &["--config", file, "serve", "--bind", "127.0.0.1:0"],
+        ] {
+            let out = ballast(dir.path(), &env, args);
+            assert!(!out.status.success(), "{args:?} accepted {secret:?}");
+            let err = stderr(&out);
+            let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+            assert_eq!(lines.len(), 1, "{args:?}: {err}");
+            assert!(
+                lines[0].contains("providers.kyc.webhook_secrets_env"),
+                "{err}"
+            );
+            assert!(lines[0].contains(said), "{args:?}: {err}");
+        }
+    }
+    assert!(!dir.path().join("x.db").exists(), "nothing written");
 }
 
 /// `ballast backup FILE` while records are written one commit at a time:

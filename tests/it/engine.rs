@@ -550,6 +550,176 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
     sim.stop();
 }
 
+/// A request a record's input makes unsendable (a line break in a header
+/// value) is the record's fault: its step fails `request_invalid` with the
+/// reason, nothing reaches the provider, no attempt is spent, the
+/// provider's breaker (shared by every record) does not count it, and an
+/// `at_most_once` provider does not take it for a call that may have left.
+async fn an_unsendable_request_fails_its_record_not_the_provider(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "unsendable").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(5)).await.unwrap();
+    let text = single_step_toml(
+        &sim.base_url(),
+        r#"at_most_once = true
+breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "30s", probes = 1 }"#,
+    )
+    .replace(
+        r#"request = { method = "POST", path = "/v1/charge", "#,
+        r#"request = { method = "POST", path = "/v1/charge", headers = { "X-Ref" = "{{ input.ref }}" }, "#,
+    );
+    let (engine, clock) = manual_engine(&t.db, parsed(&text), "u1").await;
+    for i in 0..25 {
+        let input = json!({ "ref": format!("r{i}\r\nX-Admin: yes") });
+        engine
+            .enqueue("pay", Some(&format!("bad-{i}")), input)
+            .await
+            .unwrap();
+    }
+    engine
+        .enqueue("pay", Some("good"), json!({ "ref": "fine" }))
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 26, 50, 10_000).await;
+    let all = crate::helpers::all_records(&t.db, None).await;
+    let failed: Vec<_> = all
+        .iter()
+        .filter(|r| r.state == RecordState::Failed)
+        .collect();
+    println!(
+        "{} unsendable: {} of 25 failed request_invalid, {} calls reached the provider",
+        backend.as_str(),
+        failed.len(),
+        sim.stats().requests
+    );
+    assert_eq!(failed.len(), 25, "{all:?}");
+    for r in &failed {
+        let run = &t.db.step_runs(r.id).await.unwrap()[0];
+        assert_eq!(
+            run.error_code.as_deref(),
+            Some("request_invalid"),
+            "{run:?}"
+        );
+        assert!(
+            run.reason.as_deref().unwrap_or("").contains("X-Ref"),
+            "{run:?}"
+        );
+        assert_eq!(run.attempts, 0, "nothing was sent: {run:?}");
+    }
+    assert_eq!(sim.stats().requests, 1, "only the good record's call left");
+    let good = all
+        .iter()
+        .find(|r| r.external_key.as_deref() == Some("good"))
+        .unwrap();
+    assert_eq!(good.state, RecordState::Succeeded);
+    let shared = t.db.provider_state("sim").await.unwrap().map(|p| p.breaker);
+    assert_ne!(shared, Some(ballast::domain::BreakerState::Open));
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_unsendable_request_fails_its_record_not_the_provider() {
+    an_unsendable_request_fails_its_record_not_the_provider(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_unsendable_request_fails_its_record_not_the_provider() {
+    an_unsendable_request_fails_its_record_not_the_provider(Backend::Postgres).await;
+}
+
+/// A job id from the provider (or an input) cannot take a call, and the
+/// provider's credentials, outside the provider's base path: interpolated
+/// into a path it is one encoded segment, and a path that leaves the base
+/// anyway (a template that writes it `| raw`) fails its step
+/// `request_invalid` without being sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendered_paths_stay_under_the_base_url() {
+    use std::sync::Mutex;
+    let Some(t) = TestDb::migrated(Backend::Sqlite, "under_base").await else {
+        return;
+    };
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let app = axum::Router::new().fallback({
+        let seen = seen.clone();
+        move |req: axum::extract::Request| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push(req.uri().path().to_owned());
+                let done = req.method() == axum::http::Method::GET;
+                let status = if done { "succeeded" } else { "queued" };
+                axum::Json(json!({ "id": "../../admin", "status": status }))
+            }
+        }
+    });
+    let base = format!("{}/v1/t/7", crate::helpers::serve_router(app).await);
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+auth = {{ header = "X-Key", value_env = "HOME" }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "queued" }}
+outcome = "pending"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[pipelines.encoded.steps]]
+name = "job"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/jobs" }}
+job_id = "/id"
+poll = {{ path = "/jobs/{{{{ job_id }}}}", every = "1s", deadline = "1m" }}
+[[pipelines.raw.steps]]
+name = "job"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/jobs" }}
+job_id = "/id"
+poll = {{ path = "/jobs/{{{{ job_id | raw }}}}", every = "1s", deadline = "1m" }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("under.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let (engine, clock) = manual_engine(&t.db, Arc::new(config), "p1").await;
+    let encoded = engine
+        .enqueue("encoded", Some("e"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let raw = engine
+        .enqueue("raw", Some("r"), json!({}))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drive_at_rest(&engine, &clock, 2, 500, 60_000).await;
+    let paths = seen.lock().unwrap().clone();
+    println!("paths the provider saw: {paths:?}");
+    assert!(paths.iter().all(|p| p.starts_with("/v1/t/7/")), "{paths:?}");
+    assert!(
+        paths.contains(&"/v1/t/7/jobs/..%2F..%2Fadmin".to_owned()),
+        "{paths:?}"
+    );
+    let state = |id| {
+        let db = t.db.clone();
+        async move { db.get_record(id).await.unwrap().unwrap().state }
+    };
+    assert_eq!(state(encoded).await, RecordState::Succeeded);
+    assert_eq!(state(raw).await, RecordState::Failed);
+    let run = &t.db.step_runs(raw).await.unwrap()[0];
+    assert_eq!(run.error_code.as_deref(), Some("request_invalid"));
+    assert!(
+        run.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("leaves the provider's base URL"),
+        "{run:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_breaker_protects_a_failing_provider() {
     breaker_protects_a_failing_provider(Backend::Sqlite).await;

@@ -908,13 +908,11 @@ async fn brute_force_from_many_addresses_is_limited() {
 /// U+FFFD), on both backends: refusing it with a 5xx would have the
 /// provider redeliver it forever.
 async fn webhooks_with_nul_characters_are_kept(backend: ballast::store::Backend) {
-    // The secret comes from a variable every environment has (tests may
-    // not set variables: `unsafe` is forbidden).
-    let secret = std::env::var("HOME").expect("HOME is set");
+    let secret = crate::helpers::HOOK_SECRET;
     let extra = r#"
 [providers.sim]
 base_url = "http://127.0.0.1:9"
-webhook_secrets_env = ["HOME"]
+webhook_secrets_env = ["TEST_HOOK_SECRET"]
 [[pipelines.render.steps]]
 name = "render"
 provider = "sim"
@@ -947,6 +945,53 @@ async fn sqlite_webhooks_with_nul_characters_are_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_webhooks_with_nul_characters_are_kept() {
     webhooks_with_nul_characters_are_kept(ballast::store::Backend::Postgres).await;
+}
+
+/// A provider whose webhook secret is empty or short (set by the program,
+/// where configuration cannot refuse it) still accepts no delivery: one
+/// forged with that key, the key anyone can guess, is refused 401 and
+/// changes nothing; the configured long secret keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_forged_with_an_empty_or_short_key_is_refused() {
+    let extra = r#"
+[providers.kyc]
+base_url = "http://127.0.0.1:9"
+webhook_secrets_env = ["TEST_HOOK_SECRET"]
+[[pipelines.verify.steps]]
+name = "check"
+provider = "kyc"
+kind = "callback"
+request = { method = "POST", path = "/v1/cases" }
+job_id = "/id"
+callback = { job_id = "/job_id", deadline = "2s" }
+"#;
+    let Some(t) = crate::helpers::TestDb::new(ballast::store::Backend::Sqlite, "forged").await
+    else {
+        return;
+    };
+    let app = crate::web::WebApp::spawn_edited(t, extra, true, |c| {
+        let kyc = c.providers.get_mut("kyc").unwrap();
+        kyc.webhook_secrets_inline = vec![
+            ballast::config::Secret::new(""),
+            ballast::config::Secret::new("short-key"),
+        ];
+    })
+    .await;
+    let body = br#"{"job_id": "case_1", "status": "approved"}"#;
+    let now_s = crate::helpers::wall_ms() / 1000;
+    for key in ["", "short-key"] {
+        let forged = ballast::auth::webhook::sign(key.as_bytes(), now_s, body);
+        let (status, reply) =
+            crate::helpers::http_post(app.addr, "/hooks/kyc", &[("x-signature", &forged)], body)
+                .await;
+        assert_eq!(status, 401, "forged with {key:?}: {reply}");
+        assert!(reply.contains("bad_signature"), "{reply}");
+    }
+    let signed = ballast::auth::webhook::sign(crate::helpers::HOOK_SECRET.as_bytes(), now_s, body);
+    let (status, reply) =
+        crate::helpers::http_post(app.addr, "/hooks/kyc", &[("x-signature", &signed)], body).await;
+    assert_eq!(status, 202, "the real secret: {reply}");
+    app.stop().await;
 }
 
 /// How many runs of the long items: `BALLAST_FAULTS=full` for the sizes

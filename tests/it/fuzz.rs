@@ -375,7 +375,7 @@ fn fuzz_config_files() {
 
 #[test]
 fn fuzz_templates() {
-    use ballast::pipeline::template::{Scope, Templates};
+    use ballast::pipeline::template::{Quoting, Scope, Templates};
     let fragments = prop::sample::select(vec![
         "{{ ",
         " }}",
@@ -422,20 +422,23 @@ fn fuzz_templates() {
     let upstream: std::collections::BTreeSet<String> = ["a".to_owned()].into();
     fuzz("templates", strategy, |(parts, input)| {
         let source = parts.concat();
-        let mut t = Templates::new();
-        let scope = Scope {
-            upstream: &upstream,
-            job_id: true,
-            output: true,
-        };
-        if t.add("x", &source, &scope).is_ok() {
-            let ctx = json!({
-                "input": input,
-                "steps": { "a": { "output": input } },
-                "record": { "id": 1 },
-                "job_id": "j",
-            });
-            let _ = t.render("x", &ctx);
+        for quoting in [Quoting::Url, Quoting::Json, Quoting::Text] {
+            let mut t = Templates::new();
+            let scope = Scope {
+                upstream: &upstream,
+                job_id: true,
+                output: true,
+                quoting,
+            };
+            if t.add("x", &source, &scope).is_ok() {
+                let ctx = json!({
+                    "input": input,
+                    "steps": { "a": { "output": input } },
+                    "record": { "id": 1 },
+                    "job_id": "j",
+                });
+                let _ = t.render("x", &ctx);
+            }
         }
         Ok(())
     });

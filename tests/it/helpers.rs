@@ -452,3 +452,25 @@ pub async fn assert_counters_match(db: &Db) {
     recounted.sort();
     assert_eq!(steps, recounted, "counters by step against the rows");
 }
+
+/// The webhook secret tests sign with. Tests may not set environment
+/// variables (`unsafe` is forbidden), so a provider naming
+/// [`HOOK_SECRET_VAR`] in `webhook_secrets_env` gets this value through
+/// [`provide_hook_secret`], as the process's environment would give it.
+pub const HOOK_SECRET: &str = "test-hook-secret-0123456789";
+
+/// The variable name tests' configurations use for [`HOOK_SECRET`].
+pub const HOOK_SECRET_VAR: &str = "TEST_HOOK_SECRET";
+
+/// Stands in for the environment for [`HOOK_SECRET_VAR`]: every provider
+/// naming it verifies with [`HOOK_SECRET`] instead.
+pub fn provide_hook_secret(config: &mut ballast::config::Config) {
+    for p in config.providers.values_mut() {
+        let before = p.webhook_secrets_env.len();
+        p.webhook_secrets_env.retain(|v| v != HOOK_SECRET_VAR);
+        if p.webhook_secrets_env.len() < before {
+            p.webhook_secrets_inline
+                .push(ballast::config::Secret::new(HOOK_SECRET));
+        }
+    }
+}

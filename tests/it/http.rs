@@ -176,16 +176,14 @@ outputs = {{ id = "/id", amount = "/amount" }}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callbacks_complete_steps_and_reversals_park_records() {
     use ballast::store::{RecordFilter, Store};
-    // The webhook secret comes from an environment variable; HOME exists
-    // everywhere, and tests may not set variables (`unsafe` is forbidden).
-    let secret = std::env::var("HOME").expect("HOME is set");
+    let secret = crate::helpers::HOOK_SECRET;
     let mut profile = ballast::sim::Profile::clean(11);
     profile.job_time = (Duration::from_millis(50), Duration::from_millis(300));
     profile.p_job_flip = 0.5;
     profile.p_callback_duplicate = 0.3;
     profile.p_callback_late_progress = 0.3;
     profile.p_callback_lost = 0.2;
-    profile.callback_secret = Some(secret.clone());
+    profile.callback_secret = Some(secret.to_owned());
     let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
     let t = TestDb::sqlite().await;
     let text = format!(
@@ -194,7 +192,7 @@ async fn callbacks_complete_steps_and_reversals_park_records() {
 url = "{}"
 [providers.sim]
 base_url = "{}"
-webhook_secrets_env = ["HOME"]
+webhook_secrets_env = ["TEST_HOOK_SECRET"]
 [[providers.sim.rules]]
 when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
 outcome = "pending"
@@ -218,7 +216,8 @@ on_reversal = "park"
         t.url,
         sim.base_url()
     );
-    let config = Config::parse(&text, std::path::Path::new("callbacks.toml")).unwrap();
+    let mut config = Config::parse(&text, std::path::Path::new("callbacks.toml")).unwrap();
+    crate::helpers::provide_hook_secret(&mut config);
     config.validate(&|v| std::env::var(v).ok()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

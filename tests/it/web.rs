@@ -51,8 +51,21 @@ impl WebApp {
     /// `fixed_secret`: sign sessions with [`SECRET`]; otherwise the key is
     /// generated and kept in the database, as in production by default.
     pub async fn spawn_with(t: TestDb, extra: &str, fixed_secret: bool) -> WebApp {
+        Self::spawn_edited(t, extra, fixed_secret, |_| {}).await
+    }
+
+    /// [`spawn_with`](Self::spawn_with), the configuration changed by
+    /// `edit` after it is read (what a file cannot say, such as the
+    /// secrets the program sets itself).
+    pub async fn spawn_edited(
+        t: TestDb,
+        extra: &str,
+        fixed_secret: bool,
+        edit: impl FnOnce(&mut Config),
+    ) -> WebApp {
         let text = format!("[database]\nurl = \"{}\"\n{extra}", t.url);
         let mut config = Config::parse(&text, std::path::Path::new("web.toml")).unwrap();
+        edit(&mut config);
         if fixed_secret {
             config.server.secret_key = Some(ballast::config::Secret::new(SECRET));
         }
@@ -60,6 +73,7 @@ impl WebApp {
         config.server.admin_password = Some(ballast::config::Secret::new(password_of("admin")));
         config.server.metrics_token =
             Some(ballast::config::Secret::new("metrics-token-0123456789"));
+        crate::helpers::provide_hook_secret(&mut config);
         config.validate(&|v| std::env::var(v).ok()).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
