@@ -805,10 +805,7 @@ async fn export_records(
     };
     let mut sink: Box<dyn Write> = match &partial {
         Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::File::options()
-                .write(true)
-                .create_new(true)
-                .open(path)
+            crate::store::create_private(path)
                 .with_context(|| format!("cannot create `{}`", path.display()))?,
         )),
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
@@ -1021,7 +1018,8 @@ fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
     println!("database.url: {}", config.database.url);
     match config.traces.export_url() {
         Some(url) => println!(
-            "traces: to {url} (sample {}, service {})",
+            "traces: to {} (sample {}, service {})",
+            crate::domain::request::redact_url(&url),
             config.traces.sample,
             config.traces.service_name.as_deref().unwrap_or("ballast")
         ),
@@ -1031,7 +1029,7 @@ fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
         let limits: Vec<String> = p.rate_limits.iter().map(|r| format!("{r:?}")).collect();
         println!(
             "provider {name}: {} (concurrency {}, limits [{}], {} rules)",
-            p.base_url,
+            crate::domain::request::redact_url(&p.base_url),
             p.concurrency,
             limits.join(", "),
             p.rules.len()

@@ -64,19 +64,7 @@ pub fn verify(
     now_s: i64,
     tolerance_s: i64,
 ) -> Result<(), SignatureError> {
-    let mut timestamp = None;
-    let mut signatures = Vec::new();
-    for part in header.split(',') {
-        match part.trim().split_once('=') {
-            Some(("t", v)) => timestamp = v.parse::<i64>().ok(),
-            Some(("v1", v)) => {
-                if let Ok(sig) = hex::decode(v) {
-                    signatures.push(sig);
-                }
-            }
-            _ => {}
-        }
-    }
+    let (timestamp, signatures) = parse(header);
     let Some(timestamp) = timestamp else {
         return Err(SignatureError::Malformed);
     };
@@ -101,12 +89,64 @@ pub fn verify(
     }
 }
 
+/// The header's timestamp and signatures.
+fn parse(header: &str) -> (Option<i64>, Vec<Vec<u8>>) {
+    let mut timestamp = None;
+    let mut signatures = Vec::new();
+    for part in header.split(',') {
+        match part.trim().split_once('=') {
+            Some(("t", v)) => timestamp = v.parse::<i64>().ok(),
+            Some(("v1", v)) => {
+                if let Ok(sig) = hex::decode(v) {
+                    signatures.push(sig);
+                }
+            }
+            _ => {}
+        }
+    }
+    (timestamp, signatures)
+}
+
+/// What a verified delivery's signature covers, as a delivery id
+/// (`sig:` and 32 hex digits of SHA-256 over timestamp and body): the same
+/// signed delivery sent again within the tolerance, with or without the
+/// provider's delivery-id header, has the same key and counts once.
+pub fn replay_key(header: &str, body: &[u8]) -> Option<String> {
+    use sha2::Digest;
+    let timestamp = parse(header).0?;
+    let mut h = Sha256::new();
+    h.update(timestamp.to_string().as_bytes());
+    h.update(b".");
+    h.update(body);
+    Some(format!("sig:{}", hex::encode(&h.finalize()[..16])))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
 
     const NOW: i64 = 1_800_000_000;
+
+    #[test]
+    fn a_replay_key_names_the_signed_content() {
+        let body = br#"{"id":"job_1"}"#;
+        let sig = sign(b"old-secret-0123456789", NOW, body);
+        let key = replay_key(&sig, body).unwrap();
+        assert!(key.starts_with("sig:") && key.len() == 36, "{key}");
+        // The same signed content, however the header is written.
+        let resigned = sign(b"new-secret-0123456789", NOW, body);
+        assert_eq!(
+            replay_key(&format!("{resigned}, v1=00"), body),
+            Some(key.clone())
+        );
+        assert_ne!(
+            replay_key(&sign(b"old-secret-0123456789", NOW + 1, body), body),
+            Some(key.clone())
+        );
+        assert_ne!(replay_key(&sig, b"{}"), Some(key));
+        assert_eq!(replay_key("v1=00", body), None);
+    }
 
     #[test]
     fn an_empty_or_short_secret_verifies_nothing() {

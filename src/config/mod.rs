@@ -259,8 +259,12 @@ pub struct WebLimits {
     pub account_failures: u32,
     /// …for this long.
     pub lockout: HumanDuration,
-    /// API requests per second per token (bursts of twice as many).
+    /// API requests per second per token (bursts of twice as many); four
+    /// times as many per client address, for the API and `/metrics`.
     pub api_per_second: u32,
+    /// Webhook deliveries per second per client address (bursts of twice
+    /// as many), refused 429 before any lookup or signature check.
+    pub hooks_per_second: u32,
     /// Records one bulk action may touch.
     pub bulk_max: u32,
     /// Bulk actions per user per minute.
@@ -276,6 +280,7 @@ impl Default for WebLimits {
             account_failures: 5,
             lockout: HumanDuration::secs(15 * 60),
             api_per_second: 50,
+            hooks_per_second: 500,
             bulk_max: 1000,
             bulk_per_minute: 10,
             max_body_bytes: 256 * 1024,
@@ -725,6 +730,7 @@ impl Config {
             ("server.limits.logins_per_minute", l.logins_per_minute),
             ("server.limits.account_failures", l.account_failures),
             ("server.limits.api_per_second", l.api_per_second),
+            ("server.limits.hooks_per_second", l.hooks_per_second),
             ("server.limits.bulk_max", l.bulk_max),
             ("server.limits.bulk_per_minute", l.bulk_per_minute),
         ] {

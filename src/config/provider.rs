@@ -499,7 +499,10 @@ impl ProviderConfig {
         if !(self.base_url.starts_with("http://") || self.base_url.starts_with("https://")) {
             return Err(invalid(
                 "base_url",
-                format!("`{}` must start with http:// or https://", self.base_url),
+                format!(
+                    "`{}` must start with http:// or https://",
+                    crate::domain::request::redact_url(&self.base_url)
+                ),
             ));
         }
         if let Some(auth) = &self.auth {

@@ -111,7 +111,7 @@ impl Engine {
         &self,
         provider: &str,
         body: Value,
-        delivery_id: Option<&str>,
+        delivery_ids: &[String],
     ) -> Result<Delivery, StoreError> {
         let i = &self.inner;
         let setup = i.setup();
@@ -161,10 +161,10 @@ impl Engine {
             job_id: job_id.clone(),
             body: body.clone(),
             now,
-            delivery_id: delivery_id.map(str::to_owned),
+            delivery_ids: delivery_ids.to_vec(),
         };
         let found = match i.db.record_callback(&cb).await {
-            Err(StoreError::Conflict { .. }) if delivery_id.is_some() => {
+            Err(StoreError::Conflict { .. }) if !delivery_ids.is_empty() => {
                 return Ok(Delivery::Duplicate);
             }
             other => other?,

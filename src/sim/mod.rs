@@ -923,7 +923,12 @@ async fn send_callbacks(sim: Arc<Sim>, job: Job, url: String) {
         for attempt in 0..5u64 {
             match req.try_clone().map(|r| r.body(text.clone())) {
                 Some(r) => match r.send().await {
-                    Ok(resp) if resp.status().is_success() || resp.status().is_client_error() => {
+                    // A 429 (too many deliveries) is tried again, as
+                    // providers do; another 4xx is final.
+                    Ok(resp)
+                        if resp.status().is_success()
+                            || (resp.status().is_client_error() && resp.status() != 429) =>
+                    {
                         break;
                     }
                     _ => tokio::time::sleep(Duration::from_millis(100 * (attempt + 1))).await,

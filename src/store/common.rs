@@ -648,7 +648,7 @@ where
         cb: &crate::store::NewCallback,
     ) -> StoreResult<Option<crate::store::CallbackMatch>> {
         let mut tx = self.begin_write().await?;
-        if let Some(id) = &cb.delivery_id {
+        for id in &cb.delivery_ids {
             let taken = sqlx::query(
                 "INSERT INTO webhook_deliveries (provider, delivery_id, received_at) VALUES ($1, $2, $3) \
                  ON CONFLICT (provider, delivery_id) DO NOTHING",
@@ -2231,6 +2231,19 @@ where
             .await?;
         tx.commit().await?;
         Ok(indexed)
+    }
+
+    async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        // `callbacks_pending` leads with `record_id`: an orphan never had one.
+        let gone = sqlx::query(
+            "DELETE FROM callbacks WHERE record_id IS NULL AND processed_at IS NULL AND received_at < $1",
+        )
+        .bind(before)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(gone.rows_affected())
     }
 
     async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {

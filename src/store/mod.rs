@@ -29,7 +29,7 @@ use crate::domain::{
 };
 
 pub use postgres::{Notice, PgStore};
-pub use sqlite::{SqliteStore, partial_beside, place_new};
+pub use sqlite::{SqliteStore, create_private, partial_beside, place_new};
 
 /// Why a store call failed. Each variant has a stable [`code`](Self::code).
 #[derive(Debug, thiserror::Error)]
@@ -417,9 +417,11 @@ pub struct NewCallback {
     pub job_id: String,
     pub body: Value,
     pub now: UnixMs,
-    /// The provider's delivery id, taken in the same transaction as the
-    /// delivery is stored: a second delivery with the id is `Conflict`.
-    pub delivery_id: Option<String>,
+    /// The ids naming this delivery (the provider's delivery id, the
+    /// signature's replay key), taken in the same transaction as the
+    /// delivery is stored: a second delivery with any of them is
+    /// `Conflict`.
+    pub delivery_ids: Vec<String>,
 }
 
 /// A stored delivery not yet applied to its step.
@@ -1094,6 +1096,13 @@ pub trait Store: Clone + Send + Sync + 'static {
         delivery_id: &str,
     ) -> impl Future<Output = StoreResult<()>> + Send;
 
+    /// Deletes the deliveries received before `before` that no step ever
+    /// took (their job id matched none); returns how many.
+    fn purge_orphan_deliveries(
+        &self,
+        before: UnixMs,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+
     // --- statistics ----------------------------------------------------
     /// Writes (replaces) this node's rows for the given minutes.
     fn save_rollups(&self, rows: &[StepRollup]) -> impl Future<Output = StoreResult<()>> + Send;
@@ -1387,6 +1396,7 @@ forward! {
     fn count_login_attempt(&self, username: &str, now: UnixMs, policy: LoginPolicy) -> i64;
     fn login_succeeded(&self, username: &str) -> ();
     fn forget_delivery(&self, provider: &str, delivery_id: &str) -> ();
+    fn purge_orphan_deliveries(&self, before: UnixMs) -> u64;
     fn save_rollups(&self, rows: &[StepRollup]) -> ();
     fn rollups_since(&self, since: UnixMs) -> Vec<StepRollup>;
     fn compact_rollups(&self, before: UnixMs) -> u64;

@@ -112,6 +112,17 @@ pub fn place_new(from: &std::path::Path, to: &std::path::Path) -> std::io::Resul
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// Creates `path`, which must not exist, readable and writable by its
+/// owner only (0600 on Unix, whatever the umask): a backup holds the
+/// session signing key, an export whatever records hold.
+pub fn create_private(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::File::options();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options.open(path)
+}
+
 /// A name beside `to` for the file being written before it is put in
 /// place (`place_new`): `FILE.partial-<pid>-<random>`, so two writers of
 /// one `FILE` (a scheduled backup and a manual one) never share, clear or
@@ -292,6 +303,11 @@ impl SqliteStore {
             .ok_or_else(|| StoreError::Invalid(format!("`{}` is not a file name", to.display())))?;
         let text = partial.to_str().ok_or_else(|| {
             StoreError::Invalid(format!("`{}` is not valid UTF-8", partial.display()))
+        })?;
+        // SQLite writes into an empty file that exists, keeping its mode:
+        // made private first, so no moment of the copy is readable by others.
+        create_private(&partial).map_err(|e| {
+            StoreError::Invalid(format!("cannot create `{}`: {e}", partial.display()))
         })?;
         let copied = sqlx::query("VACUUM INTO $1")
             .bind(text.to_owned())

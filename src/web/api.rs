@@ -20,7 +20,7 @@ use crate::config::WebLimits;
 use crate::store::Store;
 use crate::web::AppState;
 
-use super::auth::{Admin, ApiKey, Bearer, ClientIpKey, Operator, Viewer};
+use super::auth::{Admin, ApiKey, Bearer, Operator, Viewer};
 use super::error::{WebError, WebResult};
 use super::query::ListQuery;
 use crate::engine::{Ops, Selection};
@@ -57,17 +57,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         super::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
         routes = routes.layer(GovernorLayer::new(Arc::new(config)).error_handler(refuse));
     }
-    let per_address = GovernorConfigBuilder::default()
-        .key_extractor(ClientIpKey { trusted })
-        .per_millisecond((250 / per_second).max(1))
-        .burst_size(u32::try_from(per_second * 8).unwrap_or(u32::MAX))
-        .finish();
-    if let Some(config) = per_address {
-        let limiter = config.limiter().clone();
-        super::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
-        routes = routes.layer(GovernorLayer::new(Arc::new(config)).error_handler(refuse));
-    }
-    routes
+    super::per_address(routes, state, per_second * 4, "API rate limit exceeded")
 }
 
 /// `Json` whose rejections are API errors with stable codes.

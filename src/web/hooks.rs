@@ -1,6 +1,7 @@
 //! `POST /hooks/{provider}`: signed webhook deliveries for `callback` steps.
 //! Open without login by design; the signature (with a timestamp inside the
-//! tolerance window) is the authentication, and each delivery id counts once.
+//! tolerance window) is the authentication, and each delivery id, and each
+//! signed content, counts once.
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
@@ -17,10 +18,17 @@ use crate::web::AppState;
 /// The largest delivery accepted; larger is refused with 413.
 pub const MAX_BODY: usize = 1024 * 1024;
 
-pub fn router() -> Router<AppState> {
-    Router::new()
+pub fn router(state: &AppState) -> Router<AppState> {
+    let per_second = u64::from(state.config.get().server.limits.hooks_per_second);
+    let routes = Router::new()
         .route("/hooks/{provider}", post(receive))
-        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(DefaultBodyLimit::max(MAX_BODY));
+    super::per_address(
+        routes,
+        state,
+        per_second,
+        "too many webhook deliveries from your address",
+    )
 }
 
 fn refuse(status: StatusCode, code: &str, message: &str) -> (StatusCode, Json<Value>) {
@@ -82,19 +90,27 @@ async fn receive(
     let key = settings.credential.as_ref().map(|k| k.expose());
     crate::domain::scrub_json(&mut json, key.as_slice());
     // Each delivery id is applied once (taken in the transaction that
-    // stores the delivery): a redelivery changes nothing.
+    // stores the delivery): a redelivery changes nothing. So is each signed
+    // content: the same signed body sent again without the (unsigned)
+    // delivery-id header is a duplicate too.
     let delivery = headers
         .get(settings.delivery_header.as_str())
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|d| !d.is_empty() && d.len() <= 200)
         .map(str::to_owned);
-    let result = engine.deliver(&provider, json, delivery.as_deref()).await;
-    if let (Err(_), Some(id)) = (&result, &delivery) {
+    let ids: Vec<String> = delivery
+        .into_iter()
+        .chain(webhook::replay_key(signature, &body))
+        .collect();
+    let result = engine.deliver(&provider, json, &ids).await;
+    if result.is_err() {
         // Processing failed after the delivery was stored: let the
-        // provider's retry of this id through.
-        if let Err(e) = state.db.forget_delivery(&provider, id).await {
-            tracing::warn!(provider.name = %provider, error = %e, "could not release a delivery id");
+        // provider's retry of it through.
+        for id in &ids {
+            if let Err(e) = state.db.forget_delivery(&provider, id).await {
+                tracing::warn!(provider.name = %provider, error = %e, "could not release a delivery id");
+            }
         }
     }
     match result {

@@ -157,8 +157,17 @@ fn set_and_render(handle: &PrometheusHandle, gauges: Option<Vec<Gauge>>) -> Stri
     handle.render()
 }
 
-pub fn router() -> Router<AppState> {
-    Router::new().route("/metrics", get(metrics))
+/// `/metrics`, limited per address as the API is (a scraper asks every
+/// few seconds; a guesser of tokens gets no more).
+pub fn router(state: &AppState) -> Router<AppState> {
+    let per_second = u64::from(state.config.get().server.limits.api_per_second) * 4;
+    let routes = Router::new().route("/metrics", get(metrics));
+    super::per_address(
+        routes,
+        state,
+        per_second,
+        "too many metrics requests from your address",
+    )
 }
 
 async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, WebError> {

@@ -3,8 +3,9 @@
 //!
 //! - open: `/healthz`, `/readyz`, `/login`, `/static/*`, signed `/hooks/*`;
 //! - dashboard pages and fragments: a session cookie, CSRF on every write;
-//! - `/api/v1`: bearer API tokens, rate-limited per token;
-//! - `/metrics`: the metrics token or an API token.
+//! - `/api/v1`: bearer API tokens, rate-limited per token and per address;
+//! - `/metrics`: the metrics token or an API token, rate-limited per address;
+//! - `/hooks/*`: rate-limited per address before any lookup or signature check.
 
 mod api;
 mod assets;
@@ -61,17 +62,51 @@ pub fn router(state: AppState) -> Router {
         .layer(from_fn(security::page_errors));
     Router::new()
         .merge(health::router())
-        .merge(hooks::router())
+        .merge(hooks::router(&state))
         .merge(assets::router())
-        .merge(metrics::router())
+        .merge(metrics::router(&state))
         .merge(dashboard)
         .nest("/api/v1", api::router(&state))
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
-        .layer(from_fn(security::headers))
+        .layer(from_fn_with_state(state.clone(), security::headers))
         // Outermost: every response, errors from the layers above
         // included, carries the id and is logged once.
         .layer(from_fn_with_state(state.clone(), requests::request_id))
         .with_state(state)
+}
+
+/// `routes` limited per client address (a trusted proxy's forwarded one):
+/// `per_second` on average, in bursts of twice as many; past it, 429 with
+/// `Retry-After: 1` saying `what`, before the handler reads the body,
+/// looks anything up or checks a signature.
+pub(crate) fn per_address(
+    routes: Router<AppState>,
+    state: &AppState,
+    per_second: u64,
+    what: &'static str,
+) -> Router<AppState> {
+    use axum::http::{HeaderValue, header};
+    use axum::response::IntoResponse;
+    let per_second = per_second.max(1);
+    let config = tower_governor::governor::GovernorConfigBuilder::default()
+        .key_extractor(auth::ClientIpKey {
+            trusted: state.web.keys.trusted_proxies.clone(),
+        })
+        .per_nanosecond((1_000_000_000 / per_second).max(1))
+        .burst_size(u32::try_from(per_second * 2).unwrap_or(u32::MAX))
+        .finish();
+    let Some(config) = config else {
+        return routes;
+    };
+    let limiter = config.limiter().clone();
+    clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
+    let refuse = move |_| {
+        let mut r = error::WebError::TooManyRequests(what.into()).into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    };
+    routes.layer(tower_governor::GovernorLayer::new(Arc::new(config)).error_handler(refuse))
 }
 
 /// Runs `clean` every minute until shutdown: rate limiters forget idle
@@ -97,7 +132,8 @@ const KEEP_MS: i64 = crate::engine::stats::KEEP_MS;
 /// Background upkeep of the control plane: every minute, idle rate-limit
 /// keys are forgotten and the statistics' minute rows more than 61
 /// minutes old are folded into hour rows; expired sessions, old statistics,
-/// delivery ids and login counters are purged hourly (every node does both;
+/// delivery ids, login counters and deliveries no step took (after the
+/// longest signature tolerance) are purged hourly (every node does both;
 /// the compaction is safe run at once, the deletes are idempotent).
 pub async fn housekeeping(state: AppState) {
     use crate::store::Store;
@@ -121,6 +157,10 @@ pub async fn housekeeping(state: AppState) {
             if let Err(e) = state.db.purge_stats(now - KEEP_MS).await {
                 tracing::warn!(error = %e, "could not purge old statistics");
             }
+            let orphans = now - orphan_window_ms(&state.config.get());
+            if let Err(e) = state.db.purge_orphan_deliveries(orphans).await {
+                tracing::warn!(error = %e, "could not purge deliveries no step took");
+            }
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(60)) => {}
@@ -129,6 +169,21 @@ pub async fn housekeeping(state: AppState) {
         minutes += 1;
         state.web.bulk_limiter.retain_recent();
     }
+}
+
+/// How long a delivery no step took is kept: the longest signature
+/// tolerance of the providers (a step committing its job id meanwhile
+/// takes it; a delivery older than that could not be delivered now), at
+/// least the default five minutes.
+fn orphan_window_ms(config: &crate::config::Config) -> i64 {
+    let longest = config
+        .providers
+        .values()
+        .map(|p| p.webhook_tolerance.0)
+        .max()
+        .unwrap_or_default()
+        .max(Duration::from_secs(300));
+    i64::try_from(longest.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Where the generated session signing key is kept (table `meta`).

@@ -20,9 +20,17 @@ pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; 
      connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
 /// Adds the security headers to every response.
-pub async fn headers(req: Request, next: Next) -> Response {
+pub async fn headers(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let mut response = next.run(req).await;
     let h = response.headers_mut();
+    // Cookies marked Secure mean the dashboard is reached over HTTPS:
+    // browsers are told to come back only that way for a year.
+    if state.web.keys.secure {
+        h.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static("max-age=31536000"),
+        );
+    }
     h.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(CSP),

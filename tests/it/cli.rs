@@ -55,6 +55,12 @@ pub(crate) fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A file's permission bits.
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
 pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -345,6 +351,20 @@ fn check_config_reports_sources() {
     assert!(text.contains("server.bind: 127.0.0.1:9999"), "{text}");
     assert!(
         !text.contains("s3cret") && text.contains("postgres://u:***@db/x"),
+        "{text}"
+    );
+    // A provider's base URL is said without its password or key.
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        "[providers.p]\nbase_url = \"https://u:pw-s3cret@api.example/v1?key=k-s3cret&page=2\"\n",
+    )
+    .unwrap();
+    let out = ballast(dir.path(), &[], &["check-config"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(
+        text.contains("provider p: https://u:[redacted]@api.example/v1?key=[redacted]&page=2"),
         "{text}"
     );
 }
@@ -1437,6 +1457,12 @@ async fn a_backup_taken_under_load_restores_every_committed_record() {
         said.contains("integrity ok") && said.contains("schema version"),
         "{said}"
     );
+    // It holds the session signing key: its owner's alone, whatever the umask.
+    assert_eq!(
+        mode_of(&dir.path().join("copy.db")),
+        0o600,
+        "the backup's mode"
+    );
     let partial = std::fs::read_dir(dir.path())
         .unwrap()
         .filter_map(Result::ok)
@@ -1641,6 +1667,7 @@ async fn export_streams_with_flat_memory() {
             .unwrap_or_else(|| panic!("no peak memory said: {said}"));
         let text = std::fs::read_to_string(dir.path().join(&file)).unwrap();
         assert_eq!(text.lines().count(), total as usize);
+        assert_eq!(mode_of(&dir.path().join(&file)), 0o600, "the export's mode");
         println!(
             "export of {total} records: {} MiB written, peak memory {peak} MiB",
             text.len() / 1_048_576

@@ -950,9 +950,10 @@ async fn postgres_webhooks_with_nul_characters_are_kept() {
 /// A provider whose webhook secret is empty or short (set by the program,
 /// where configuration cannot refuse it) still accepts no delivery: one
 /// forged with that key, the key anyone can guess, is refused 401 and
-/// changes nothing; the configured long secret keeps working.
+/// changes nothing; the configured long secret keeps working. A signed
+/// delivery replayed without its delivery id is a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivery_forged_with_an_empty_or_short_key_is_refused() {
+async fn forged_and_replayed_deliveries_change_nothing() {
     let extra = r#"
 [providers.kyc]
 base_url = "http://127.0.0.1:9"
@@ -987,10 +988,40 @@ callback = { job_id = "/job_id", deadline = "2s" }
         assert_eq!(status, 401, "forged with {key:?}: {reply}");
         assert!(reply.contains("bad_signature"), "{reply}");
     }
-    let signed = ballast::auth::webhook::sign(crate::helpers::HOOK_SECRET.as_bytes(), now_s, body);
-    let (status, reply) =
-        crate::helpers::http_post(app.addr, "/hooks/kyc", &[("x-signature", &signed)], body).await;
+    let secret = crate::helpers::HOOK_SECRET.as_bytes();
+    let signed = ballast::auth::webhook::sign(secret, now_s, body);
+    let post = |headers: Vec<(&'static str, String)>| async move {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        crate::helpers::http_post(app.addr, "/hooks/kyc", &headers, body).await
+    };
+    let (status, reply) = post(vec![
+        ("x-signature", signed.clone()),
+        ("x-delivery-id", "d-1".into()),
+    ])
+    .await;
     assert_eq!(status, 202, "the real secret: {reply}");
+    // The same signed delivery again, without its (unsigned) delivery id:
+    // a replay within the tolerance, taken for the duplicate it is.
+    let (status, reply) = post(vec![("x-signature", signed)]).await;
+    assert_eq!(
+        (status, reply.contains("duplicate")),
+        (200, true),
+        "replayed: {reply}"
+    );
+    // Signed anew (the provider's retry), with its delivery id: a duplicate.
+    let again = ballast::auth::webhook::sign(secret, now_s + 1, body);
+    let (status, reply) = post(vec![
+        ("x-signature", again),
+        ("x-delivery-id", "d-1".into()),
+    ])
+    .await;
+    assert_eq!(
+        (status, reply.contains("duplicate")),
+        (200, true),
+        "redelivered: {reply}"
+    );
+    let stored = app.t.db.pending_callbacks("kyc", "case_1").await.unwrap();
+    assert_eq!(stored.len(), 1, "stored once");
     app.stop().await;
 }
 

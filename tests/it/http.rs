@@ -292,7 +292,16 @@ on_reversal = "park"
         413,
         "oversized"
     );
+    // The same signed delivery without its id is a replay, not a new one.
     let (status, reply) = http_post(addr, "/hooks/sim", &[("x-signature", &good)], body).await;
+    assert_eq!(
+        (status, reply.contains("duplicate")),
+        (200, true),
+        "{reply}"
+    );
+    let other = br#"{"job_id": "job_y", "status": "succeeded"}"#;
+    let signed = ballast::auth::webhook::sign(secret.as_bytes(), now_s, other);
+    let (status, reply) = http_post(addr, "/hooks/sim", &[("x-signature", &signed)], other).await;
     assert_eq!(
         (status, reply.contains("stored")),
         (202, true),

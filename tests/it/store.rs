@@ -2347,7 +2347,7 @@ async fn delivery_ids_are_taken_once(db: &Db) {
         job_id: "job-1".into(),
         body: json!({ "job_id": "job-1", "status": "succeeded" }),
         now,
-        delivery_id: Some(id.into()),
+        delivery_ids: vec![id.into()],
     };
     assert_eq!(
         db.record_callback(&cb("p", "d1", T0)).await.unwrap(),
@@ -2375,7 +2375,7 @@ async fn delivery_ids_are_taken_once(db: &Db) {
         "given back after a failure"
     );
     let without = NewCallback {
-        delivery_id: None,
+        delivery_ids: Vec::new(),
         ..cb("p", "", T0 + 3)
     };
     db.record_callback(&without).await.unwrap();
@@ -2391,6 +2391,33 @@ async fn delivery_ids_are_taken_once(db: &Db) {
         "old ids are purged"
     );
     assert!(db.record_callback(&cb("p", "d1", T0 + 3)).await.is_err());
+    // Two ids (the provider's and the signature's): either seen before
+    // makes a duplicate, and neither is taken then.
+    let both = |ids: &[&str]| NewCallback {
+        delivery_ids: ids.iter().map(|s| s.to_string()).collect(),
+        ..cb("p", "", T0 + 4)
+    };
+    db.record_callback(&both(&["d2", "sig:a"])).await.unwrap();
+    for replay in [&["sig:a"][..], &["d3", "sig:a"], &["d2", "sig:b"]] {
+        assert!(
+            matches!(
+                db.record_callback(&both(replay)).await,
+                Err(StoreError::Conflict { .. })
+            ),
+            "{replay:?} is a duplicate"
+        );
+    }
+    db.record_callback(&both(&["d3", "sig:b"])).await.unwrap();
+    // Deliveries no step took (no record) go once their window has passed.
+    let pending = db.pending_callbacks("p", "job-1").await.unwrap().len() as u64;
+    // Provider q's one goes too.
+    assert_eq!(
+        db.purge_orphan_deliveries(T0 + 4).await.unwrap(),
+        pending - 2 + 1
+    );
+    assert_eq!(db.pending_callbacks("p", "job-1").await.unwrap().len(), 2);
+    assert_eq!(db.purge_orphan_deliveries(T0 + 5).await.unwrap(), 2);
+    assert!(db.pending_callbacks("p", "job-1").await.unwrap().is_empty());
 }
 
 async fn rollups_are_replaced_per_node_and_purged(db: &Db) {

@@ -1030,6 +1030,8 @@ async fn every_response_carries_the_security_headers() {
         );
         assert_eq!(h["x-content-type-options"], "nosniff", "{name}");
         assert_eq!(h["referrer-policy"], "same-origin", "{name}");
+        // Cookies marked Secure (the default) mean HTTPS: HSTS for a year.
+        assert_eq!(h["strict-transport-security"], "max-age=31536000", "{name}");
     }
     assert_eq!(responses[0].1.headers()["cache-control"], "no-store");
     assert_eq!(responses[3].1.status(), 404);
@@ -1584,6 +1586,89 @@ async fn the_providers_page_shows_a_throttle_pause() {
         page.contains("Throttled until (every node)") && page.contains("outcome throttled"),
         "{page}"
     );
+    app.stop().await;
+}
+
+/// Served over plain HTTP on localhost (cookies without `Secure`), no
+/// response carries HSTS, which would pin a browser to an HTTPS this
+/// server does not speak.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_on_localhost_brings_no_hsts() {
+    let extra = "[server]\nsecure_cookies = false\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "hsts", extra).await else {
+        return;
+    };
+    for path in ["/healthz", "/login", "/nope", "/api/v1/records"] {
+        let r = app.get(path, None).await;
+        assert!(
+            r.headers().get("strict-transport-security").is_none(),
+            "{path}"
+        );
+    }
+    app.stop().await;
+}
+
+/// `/hooks` and `/metrics` are limited per client address before anything
+/// is looked up or verified: past the burst, 429 with `Retry-After`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hooks_and_metrics_are_limited_per_address() {
+    let extra = "[server.limits]\nhooks_per_second = 1\napi_per_second = 1\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "hook-limit", extra).await else {
+        return;
+    };
+    let mut statuses = Vec::new();
+    for _ in 0..10 {
+        let r = app
+            .client
+            .post(app.url("/hooks/nobody"))
+            .header("x-signature", "t=1,v1=00")
+            .body(vec![b'x'; 1024])
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            assert_eq!(r.headers()["retry-after"], "1");
+        }
+        statuses.push(r.status().as_u16());
+    }
+    // A burst of two is looked up (no such provider), then refused.
+    assert_eq!(&statuses[..2], &[404, 404], "{statuses:?}");
+    assert!(statuses.contains(&429), "{statuses:?}");
+    let mut metrics = Vec::new();
+    for _ in 0..40 {
+        let r = app
+            .client
+            .get(app.url("/metrics"))
+            .bearer_auth("metrics-token-0123456789")
+            .send()
+            .await
+            .unwrap();
+        metrics.push(r.status().as_u16());
+    }
+    assert_eq!(metrics[0], 200, "{metrics:?}");
+    assert!(metrics.contains(&429), "{metrics:?}");
+    app.stop().await;
+}
+
+/// A base URL carrying a password or a key is shown to viewers without
+/// them, as attempts' URLs are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_providers_page_hides_a_base_urls_credentials() {
+    let provider =
+        "[providers.p]\nbase_url = \"http://u:pw-s3cret@127.0.0.1:9/v1?api_key=k-s3cret\"\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "base-url-page", provider).await else {
+        return;
+    };
+    app.user("vera", Role::Viewer).await;
+    let login = app.login("vera").await;
+    let page = app
+        .get("/providers", Some(&login))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(!page.contains("s3cret"), "{page}");
+    assert!(page.contains("127.0.0.1:9/v1?api_key=[redacted]"), "{page}");
     app.stop().await;
 }
 

@@ -62,7 +62,7 @@ async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<
             let live = state.engine.as_ref().and_then(|e| e.provider_live(name));
             ProviderView {
                 name: name.clone(),
-                base_url: cfg.base_url.clone(),
+                base_url: crate::domain::request::redact_url(&cfg.base_url),
                 breaker: ps.map_or("closed", |p| p.breaker.as_str()),
                 breaker_since: ps.map(|p| when(p.breaker_changed_at)).unwrap_or_default(),
                 open_until: when_opt(ps.and_then(|p| p.open_until)),
