@@ -198,6 +198,11 @@ pub struct SimArgs {
     /// `30s+10s` fails everything for 10 s, `1m+2m@0.5` half of it.
     #[arg(long, value_name = "AFTER+LASTS[@F]")]
     outage: Vec<crate::sim::Outage>,
+    /// A scheduled maintenance window, AFTER+LASTS@RETRY_AFTER from the
+    /// start: `1m+10s@30s` answers every call `503` with `Retry-After: 30`
+    /// for 10 s.
+    #[arg(long, value_name = "AFTER+LASTS@RA")]
+    maintenance: Vec<crate::sim::Maintenance>,
     /// Sign callbacks with the secret in this environment variable.
     #[arg(long, value_name = "VAR")]
     callback_secret_env: Option<String>,
@@ -492,6 +497,7 @@ async fn sim(args: SimArgs) -> anyhow::Result<()> {
         p.latency_scale = 1.0;
     }
     p.outages = args.outage;
+    p.maintenance = args.maintenance;
     p.callback_secret = args
         .callback_secret_env
         .as_deref()

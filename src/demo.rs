@@ -1,9 +1,11 @@
-//! `ballast serve --demo`: two chaos simulators mounted in-process, three
+//! `ballast serve --demo`: three chaos simulators mounted in-process, four
 //! providers and two pipelines that look like real work, and a generator
 //! that enqueues records at a steady rate, so the dashboard shows every
 //! kind of outcome within a minute — retries, rate-limit deferrals, parked
 //! records with readable reasons, a breaker opening during a scheduled
-//! outage of the render provider.
+//! outage of the render provider, the AI provider's maintenance windows
+//! (503 with `Retry-After` to every call, confirmations included) and its
+//! OAuth2 tokens dying before their stated lifetime.
 
 use std::time::Duration;
 
@@ -12,7 +14,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, DatabaseUrl, Secret};
-use crate::sim::{Outage, Profile, SimHandle};
+use crate::sim::{Maintenance, Outage, Profile, SimHandle, SimOAuth2};
 
 /// The database the demo uses when none is configured.
 pub const DEMO_DB: &str = "sqlite://ballast-demo.db?mode=rwc";
@@ -34,7 +36,7 @@ impl Drop for Demo {
 /// The demo's providers and pipelines over simulators at `apis` (requests)
 /// and `render` (jobs with signed callbacks). Written as TOML so that it is
 /// checked exactly like an operator's file.
-pub fn demo_toml(apis: &str, render: &str) -> String {
+pub fn demo_toml(apis: &str, llm: &str, render: &str) -> String {
     let rules = |p: &str| {
         format!(
             r#"
@@ -64,13 +66,16 @@ concurrency = 16
 rate_limits = ["8/s"]
 retry = {{ max_attempts = 1, base = "500ms", cap = "8s", deadline = "2m" }}
 {people_rules}
-# An AI model behind an async job API: submit, then poll.
+# An AI model behind an async job API: submit, then poll. OAuth2 tokens
+# that die before their stated lifetime, and maintenance windows answering
+# 503 with Retry-After: 30 to every call (confirmations too).
 [providers.llm]
-base_url = "{apis}"
+base_url = "{llm}"
 timeout = "3s"
 concurrency = 8
 rate_limits = ["15/s"]
 retry = {{ max_attempts = 4, base = "500ms", cap = "8s", deadline = "3m" }}
+oauth2 = {{ token_url = "{llm}/oauth/token", client_id_env = "DEMO_LLM_CLIENT_ID", client_secret_env = "DEMO_LLM_CLIENT_SECRET" }}
 {llm_rules}
 # The CRM: the last, optional step.
 [providers.crm]
@@ -108,6 +113,10 @@ request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.i
 job_id = "/id"
 poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "2s", deadline = "30s" }}
 outputs = {{ summary = "/result/url" }}
+# Asked again 20 s and 40 s after its success: an analysis the model
+# withdraws parks its record.
+confirm = {{ after = "20s", times = 2 }}
+on_reversal = "park"
 
 # Fans out after `fetch`: the email check runs beside the analysis, and
 # the CRM update waits for both.
@@ -161,6 +170,24 @@ pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
     apis.retry_after_max_secs = 5;
     apis.hang = Duration::from_secs(10);
     apis.job_time = (Duration::from_millis(500), Duration::from_secs(8));
+    let mut llm = Profile::chaos(9);
+    llm.latency_scale = 0.5;
+    llm.retry_after_max_secs = 5;
+    llm.hang = Duration::from_secs(10);
+    llm.job_time = (Duration::from_millis(500), Duration::from_secs(8));
+    // Tokens that last 45 s while the endpoint says 2 minutes.
+    let (client_id, client_secret) = ("demo-llm", crate::auth::secret::hex::<16>()?);
+    let mut oauth = SimOAuth2::new(client_id, &client_secret, Duration::from_secs(45));
+    oauth.stated_ttl = Duration::from_secs(120);
+    llm.oauth2 = Some(oauth);
+    // Ten seconds of maintenance 90 s in, and every five minutes after.
+    llm.maintenance = (0..12)
+        .map(|i| Maintenance {
+            after: Duration::from_secs(90 + 300 * i),
+            lasts: Duration::from_secs(10),
+            retry_after: Duration::from_secs(30),
+        })
+        .collect();
     let mut render = Profile::chaos(11);
     render.latency_scale = 0.5;
     render.retry_after_max_secs = 5;
@@ -179,15 +206,21 @@ pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
     let apis = SimHandle::spawn(apis)
         .await
         .context("cannot start the demo simulator")?;
+    let llm = SimHandle::spawn(llm)
+        .await
+        .context("cannot start the demo simulator")?;
     let render = SimHandle::spawn(render)
         .await
         .context("cannot start the demo simulator")?;
-    let text = demo_toml(&apis.base_url(), &render.base_url());
+    let text = demo_toml(&apis.base_url(), &llm.base_url(), &render.base_url());
     let demo = Config::parse(&text, std::path::Path::new("demo.toml"))
         .map_err(|e| anyhow::anyhow!("the demo configuration is broken: {e}"))?;
     for (name, mut p) in demo.providers {
         if name == "render-api" {
             p.webhook_secrets_inline = vec![Secret::new(secret.clone())];
+        }
+        if let Some(o) = p.oauth2.as_mut() {
+            o.inline = Some((Secret::new(client_id), Secret::new(client_secret.clone())));
         }
         config.providers.entry(name).or_insert(p);
     }
@@ -207,7 +240,7 @@ pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
         .and_then(|()| crate::pipeline::compile(config).map(drop))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(Demo {
-        sims: vec![apis, render],
+        sims: vec![apis, llm, render],
         rate,
     })
 }

@@ -176,6 +176,10 @@ pub struct OAuth2Config {
     /// The header the token is sent in, as `Bearer <token>`.
     #[serde(default = "defaults::token_header")]
     pub header: String,
+    /// The client's id and secret set by the program itself (the demo's
+    /// simulator), never from a file: operators name variables instead.
+    #[serde(skip)]
+    pub inline: Option<(crate::config::Secret, crate::config::Secret)>,
 }
 
 /// How a client proves itself to a token endpoint.
@@ -527,10 +531,11 @@ impl ProviderConfig {
             if o.header.trim().is_empty() {
                 return Err(invalid("oauth2.header", "must not be empty".into()));
             }
-            for (field, var) in [
+            let named = [
                 ("oauth2.client_id_env", &o.client_id_env),
                 ("oauth2.client_secret_env", &o.client_secret_env),
-            ] {
+            ];
+            for (field, var) in named.iter().filter(|_| o.inline.is_none()) {
                 secret_var(env, var, 1).map_err(|m| invalid(field, m))?;
             }
         }
@@ -618,6 +623,9 @@ impl ProviderConfig {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Option<crate::config::Secret> {
         if let Some(o) = &self.oauth2 {
+            if let Some((_, secret)) = &o.inline {
+                return Some(secret.clone());
+            }
             return env(&o.client_secret_env).map(crate::config::Secret::new);
         }
         let auth = self.auth.as_ref()?;

@@ -129,22 +129,9 @@ impl Engine {
         };
         let now = i.clock.now_ms();
         pending.run.now = now;
-        let (outcome, attempt) = match pending.run.confirm(&rt).await {
-            Asked::Said { outcome, attempt } => (outcome, attempt),
-            Asked::Later(at) => {
-                let again = Pending {
-                    due_at: at.max(now + 1),
-                    ..p.clone()
-                };
-                return i
-                    .db
-                    .settle_confirmation(p.record_id, &p.step, p.generation, Some(&again))
-                    .await;
-            }
-            Asked::Broken(e) => {
-                tracing::warn!(record.id = rec.id, step = %p.step, error = %e, "confirmation poll cannot be built; given up");
-                return done().await;
-            }
+        let Some((outcome, attempt)) = self.ask(pending.run.confirm(&rt).await, &p, now).await?
+        else {
+            return Ok(());
         };
         let evidence = attempt.excerpt.clone().unwrap_or_default();
         let status = attempt.http_status;
@@ -208,5 +195,50 @@ impl Engine {
                 }
             }
         }
+    }
+}
+
+impl Engine {
+    /// What a confirmation poll's answer leaves to decide: the outcome and
+    /// the attempt, or nothing when it is settled here. What the reply
+    /// told every call is published first; a throttled answer is kept and
+    /// asked again when the pause ends (no try spent), as is a poll a gate
+    /// held back; one that cannot be built is given up.
+    async fn ask(
+        &self,
+        asked: Asked,
+        p: &Pending,
+        now: UnixMs,
+    ) -> Result<Option<(crate::domain::Outcome, Box<crate::store::NewAttempt>)>, StoreError> {
+        let db = &self.inner.db;
+        let again = |at: UnixMs| Pending {
+            due_at: at.max(now + 1),
+            ..p.clone()
+        };
+        let later = match asked {
+            Asked::Said {
+                outcome,
+                attempt,
+                heard,
+            } => {
+                let paused = heard.throttled.as_ref().map(|t| t.1);
+                self.publish_heard(heard).await;
+                let Some(until) = paused else {
+                    return Ok(Some((outcome, attempt)));
+                };
+                db.append_attempts(p.record_id, std::slice::from_ref(&attempt), &[])
+                    .await?;
+                Some(until)
+            }
+            Asked::Later(at) => Some(at),
+            Asked::Broken(e) => {
+                tracing::warn!(record.id = p.record_id, step = %p.step, error = %e, "confirmation poll cannot be built; given up");
+                None
+            }
+        };
+        let next = later.map(again);
+        db.settle_confirmation(p.record_id, &p.step, p.generation, next.as_ref())
+            .await?;
+        Ok(None)
     }
 }

@@ -43,6 +43,11 @@ impl Limiter {
         self.in_flight = self.in_flight.saturating_sub(1);
     }
 
+    /// Until when the provider asked us to wait, if that is after `now`.
+    pub fn paused_at(&self, now: UnixMs) -> Option<UnixMs> {
+        (now < self.paused_until).then_some(self.paused_until)
+    }
+
     /// The provider asked us to slow down (429 with Retry-After).
     pub fn pause_until(&mut self, until: UnixMs) {
         self.paused_until = self.paused_until.max(until);

@@ -509,6 +509,18 @@ impl Engine {
 
     /// Publishes a provider's "slow down" pause so every node holds its
     /// calls until it ends (they read it in their provider sync).
+    /// Publishes what a call outside a pass heard (a confirmation's).
+    pub(super) async fn publish_heard(&self, heard: super::step::Heard) {
+        if let Some((name, news)) = heard.breaker {
+            if let Some(rt) = self.inner.provider(&name) {
+                self.publish_breaker(&rt, news).await;
+            }
+        }
+        if let Some((name, until)) = heard.throttled {
+            self.publish_throttle(&name, until).await;
+        }
+    }
+
     pub(super) async fn publish_throttle(&self, name: &str, until: UnixMs) {
         let i = &self.inner;
         let Some(rt) = i.provider(name) else {

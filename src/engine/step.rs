@@ -218,17 +218,59 @@ pub struct StepRun<'a> {
 /// What a confirmation poll found.
 #[derive(Debug)]
 pub enum Asked {
-    /// The provider answered (or the exchange failed): its outcome, and
-    /// the exchange kept as an attempt.
+    /// The provider answered (or the exchange failed): its outcome, the
+    /// exchange kept as an attempt, and what the reply tells every call
+    /// to the provider.
     Said {
         outcome: Outcome,
         attempt: Box<NewAttempt>,
+        heard: Heard,
     },
     /// A gate said no (a pause, the breaker, the limits, no token): ask
     /// again then.
     Later(UnixMs),
     /// The poll request cannot be built (a template error).
     Broken(String),
+}
+
+/// What one reply tells every call to its provider, whichever call it
+/// answered (a step's call, a poll, a lookup, a confirmation): the pause a
+/// throttled reply asks for, and the breaker's news. The caller publishes
+/// both to the cluster.
+#[derive(Debug, Default)]
+pub struct Heard {
+    pub throttled: Option<(String, UnixMs)>,
+    pub breaker: Option<(String, BreakerNews)>,
+}
+
+/// Hears a reply of `outcome` (`failed`: it counts against the provider's
+/// health) to a call admitted as `probe`: a throttled reply pauses the
+/// provider here at once (the other nodes once it is published) until its
+/// `Retry-After`, or the provider's base backoff, and says nothing of its
+/// health (a half-open probe goes back, still to be made); any other
+/// reply is the breaker's to judge.
+fn heard(
+    rt: &ProviderRuntime,
+    (outcome, failed): (Outcome, bool),
+    x: &Exchange,
+    probe: Probe<'_>,
+    after: UnixMs,
+) -> Heard {
+    if outcome == Outcome::Throttled {
+        drop(probe);
+        let base = rt.config.retry.policy().backoff.base;
+        let until = after + ms(x.retry_after.unwrap_or(base));
+        rt.limiter().pause_until(until);
+        return Heard {
+            throttled: Some((rt.name.clone(), until)),
+            breaker: None,
+        };
+    }
+    let news = probe.record(failed, x.took, after);
+    Heard {
+        throttled: None,
+        breaker: news.map(|n| (rt.name.clone(), n)),
+    }
 }
 
 /// The error code of a `401` answered to a call whose OAuth2 token was
@@ -315,14 +357,22 @@ impl StepRun<'_> {
             Before::Deliveries => return self.apply_callbacks(rt),
             Before::Call(plan) => plan,
         };
-        // A token before anything else: without one there is no call, and
-        // the step waits like behind an open breaker.
+        // Not even a token is asked for while the provider is paused.
+        if let Some(out) = self.held_back(rt) {
+            return out;
+        }
+        // A token before the gate: without one there is no call, and the
+        // step waits like behind an open breaker.
         let token = match self.token(rt).await {
             Ok(t) => t,
             Err(out) => return out,
         };
         let mut granted = match self.gate(rt, &plan).await {
             Ok(g) => g,
+            Err(out) => return out,
+        };
+        let token = match self.token_again(rt, token).await {
+            Ok(t) => t,
             Err(out) => return out,
         };
         let call = match self.build_call(rt, &plan, token.as_ref()) {
@@ -360,6 +410,11 @@ impl StepRun<'_> {
         let mut refused = None;
         let mut used = token.clone();
         if let (Some(t), Some(401)) = (&token, x.http_status) {
+            // Dropped at once, so that no call leaves with it from now on:
+            // the others wait for the renewal this one asks for.
+            if let Some(src) = &rt.token {
+                src.refused(t, self.clock);
+            }
             // The token was refused: renewed once and the call sent again,
             // the 401 kept as evidence without spending the attempt. (The
             // resend's place in the limits is held until the end of the
@@ -383,13 +438,6 @@ impl StepRun<'_> {
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
-        let throttled = (c.outcome == Outcome::Throttled).then(|| {
-            // The whole provider slows down, not just this record: here at
-            // once, on the other nodes once the pass publishes it.
-            let until = after + ms(x.retry_after.unwrap_or(policy.backoff.base));
-            rt.limiter().pause_until(until);
-            (rt.name.clone(), until)
-        });
         let (mut judged, failed) =
             self.judge(plan, (&x, c.outcome, c.error_code), &policy, (now, after));
         if at_most_once && crate::domain::step::uncertain(&x.reply, judged.outcome) {
@@ -406,15 +454,7 @@ impl StepRun<'_> {
                 (after, after + ms(rt.config.timeout.0)),
             );
         }
-        let breaker = if c.outcome == Outcome::Throttled {
-            // "Slow down" says nothing of the provider's health: no
-            // verdict (a half-open probe goes back, still to be made).
-            drop(granted.probe);
-            None
-        } else {
-            let news = granted.probe.record(failed, x.took, after);
-            news.map(|n| (rt.name.clone(), n))
-        };
+        let heard = heard(rt, (c.outcome, failed), &x, granted.probe, after);
         self.move_budget(rt, judged.budget, after);
         let verdict = (judged.outcome, judged.error_code.clone());
         let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, sent);
@@ -432,8 +472,8 @@ impl StepRun<'_> {
         StepOutput {
             confirm,
             attempts: refused.into_iter().chain([attempt]).collect(),
-            breaker,
-            throttled,
+            breaker: heard.breaker,
+            throttled: heard.throttled,
             intents_done: intent.into_iter().collect(),
             ..StepOutput::new(judged.decision)
         }
@@ -495,12 +535,19 @@ impl StepRun<'_> {
         };
         let later =
             |out: StepOutput| Asked::Later(out.write.next_run_at.unwrap_or(self.now + 1_000));
+        if let Some(out) = self.held_back(rt) {
+            return later(out);
+        }
         let token = match self.token(rt).await {
             Ok(t) => t,
             Err(out) => return later(out),
         };
         let mut granted = match self.gate(rt, &plan).await {
             Ok(g) => g,
+            Err(out) => return later(out),
+        };
+        let token = match self.token_again(rt, token).await {
+            Ok(t) => t,
             Err(out) => return later(out),
         };
         let Some(spec) = self.step.confirm_request() else {
@@ -519,10 +566,21 @@ impl StepRun<'_> {
         self.judge_token(rt, token.as_ref(), x.http_status);
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
+        // Heard as any call is: a throttled reply pauses the provider, a
+        // failure counts for its breaker.
+        let failed = matches!(c.outcome, Outcome::Retry | Outcome::Unknown);
+        let heard = heard(
+            rt,
+            (c.outcome, failed),
+            &x,
+            granted.probe,
+            self.clock.now_ms(),
+        );
         let verdict = (c.outcome, c.error_code.map(str::to_owned));
         Asked::Said {
             outcome: c.outcome,
             attempt: Box::new(self.attempt(rt, verdict, number, &x, sent)),
+            heard,
         }
     }
 
@@ -831,6 +889,32 @@ impl StepRun<'_> {
         match src.get(&rt.client, self.clock).await {
             Ok(t) => Ok(Some(t)),
             Err(no) => Err(self.no_token(&no)),
+        }
+    }
+
+    /// The step deferred, before anything is asked of the provider (its
+    /// token endpoint included), while an operator or the provider's own
+    /// "slow down" pauses it; the gate checks both again after its waits.
+    fn held_back(&self, rt: &ProviderRuntime) -> Option<StepOutput> {
+        if rt.is_paused() {
+            return Some(self.deferred(self.now + 5_000, "provider paused by an operator"));
+        }
+        let until = rt.limiter().paused_at(self.clock.now_ms())?;
+        Some(self.deferred(until, "provider asked to slow down"))
+    }
+
+    /// The token for a call that has passed the gate: the one taken
+    /// before it, unless the provider refused that one meanwhile (another
+    /// call's `401` while this one waited for a slot or the rate limit);
+    /// then the renewed one, waiting for the renewal under way.
+    async fn token_again(
+        &self,
+        rt: &ProviderRuntime,
+        before: Option<Secret>,
+    ) -> Result<Option<Secret>, StepOutput> {
+        match before {
+            Some(_) => self.token(rt).await,
+            None => Ok(None),
         }
     }
 

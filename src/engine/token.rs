@@ -95,10 +95,17 @@ impl TokenSource {
         env: &dyn Fn(&str) -> Option<String>,
         timeout: Duration,
     ) -> Option<TokenSource> {
+        let (client_id, client_secret) = match &config.inline {
+            Some(both) => both.clone(),
+            None => (
+                Secret::new(env(&config.client_id_env)?),
+                Secret::new(env(&config.client_secret_env)?),
+            ),
+        };
         Some(TokenSource {
             config: config.clone(),
-            client_id: Secret::new(env(&config.client_id_env)?),
-            client_secret: Secret::new(env(&config.client_secret_env)?),
+            client_id,
+            client_secret,
             timeout,
             state: std::sync::Mutex::new(State::default()),
             fetching: Mutex::new(()),

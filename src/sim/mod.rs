@@ -55,7 +55,7 @@ use crate::domain::{Clock, SystemClock, UnixMs};
 
 pub use ledger::{Arrival, LedgerFigures, Route};
 use ledger::{ArrivalId, Charge, Ledger};
-pub use profile::{Fault, Outage, Profile, SimOAuth2};
+pub use profile::{Fault, Maintenance, Outage, Profile, SimOAuth2};
 
 #[derive(Debug, Clone)]
 struct Job {
@@ -407,7 +407,13 @@ impl Sim {
         let manual = outage
             .filter(|(until, _, _)| now < *until)
             .map(|(_, b, f)| (b, f));
-        let fault = match manual.or(scheduled) {
+        let maintenance = self
+            .profile
+            .maintenance
+            .iter()
+            .find(|m| elapsed >= m.after && elapsed < m.after + m.lasts)
+            .map(|m| (1.0, Fault::Maintenance(m.retry_after.as_secs())));
+        let fault = match maintenance.or(manual).or(scheduled) {
             Some((brownout, fault)) if rng.f64() < brownout.max(f64::EPSILON) => fault,
             _ => self.profile.draw_fault(&mut rng, self.clock.now_system()),
         };
@@ -541,6 +547,12 @@ async fn fault_reply(sim: &Sim, fault: Fault) -> Response {
             }
             resp
         }
+        Fault::Maintenance(secs) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, secs.to_string())],
+            Json(json!({ "error": "maintenance" })),
+        )
+            .into_response(),
         Fault::ServerError(code) => {
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             (status, Json(json!({ "error": "upstream trouble" }))).into_response()

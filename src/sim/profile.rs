@@ -9,6 +9,8 @@ pub enum Fault {
     None,
     /// 429, with a `Retry-After` value (seconds or an HTTP date) or none.
     RateLimited(Option<String>),
+    /// 503 with `Retry-After` (seconds): a maintenance window.
+    Maintenance(u64),
     ServerError(u16),
     ClientError(u16),
     /// Answers only after the profile's `hang`, past any sane client timeout.
@@ -58,6 +60,7 @@ impl Fault {
             | Fault::StallAfterEffect => true,
             Fault::Hang | Fault::Reset => anyway,
             Fault::RateLimited(_)
+            | Fault::Maintenance(_)
             | Fault::ServerError(_)
             | Fault::ClientError(_)
             | Fault::Html
@@ -72,6 +75,7 @@ impl Fault {
         match self {
             Fault::None => "none",
             Fault::RateLimited(_) => "rate_limited",
+            Fault::Maintenance(_) => "maintenance",
             Fault::ServerError(_) => "server_error",
             Fault::ClientError(_) => "client_error",
             Fault::Hang => "hang",
@@ -128,6 +132,10 @@ pub struct Profile {
     pub p_callback_lost: f64,
     /// Scheduled outages, from the simulator's start.
     pub outages: Vec<Outage>,
+    /// Scheduled maintenance windows, from the simulator's start: every
+    /// call (polls and confirmations too) is answered `503` with a
+    /// `Retry-After`.
+    pub maintenance: Vec<Maintenance>,
     /// A `302 Found` to `/v1/moved/{id}`, no side effect applied.
     pub p_redirect: f64,
     /// A gzip bomb: 200, a small body that inflates to 64 MiB.
@@ -182,6 +190,34 @@ pub struct Outage {
     pub brownout: f64,
 }
 
+/// A maintenance window: from `after` the start, for `lasts`, every call
+/// is answered `503` with `Retry-After: retry_after` (whole seconds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Maintenance {
+    pub after: Duration,
+    pub lasts: Duration,
+    pub retry_after: Duration,
+}
+
+impl std::str::FromStr for Maintenance {
+    type Err = String;
+
+    /// `AFTER+LASTS@RETRY_AFTER`, e.g. `1m+10s@30s`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || {
+            format!("invalid maintenance `{s}`: expected AFTER+LASTS@RETRY_AFTER, e.g. 1m+10s@30s")
+        };
+        let (times, retry_after) = s.split_once('@').ok_or_else(bad)?;
+        let (after, lasts) = times.split_once('+').ok_or_else(bad)?;
+        let parse = |d: &str| crate::config::parse_duration(d).map_err(|_| bad());
+        Ok(Maintenance {
+            after: parse(after)?,
+            lasts: parse(lasts)?,
+            retry_after: parse(retry_after)?,
+        })
+    }
+}
+
 impl std::str::FromStr for Outage {
     type Err = String;
 
@@ -232,6 +268,7 @@ impl Profile {
             p_callback_late_progress: 0.1,
             p_callback_lost: 0.02,
             outages: Vec::new(),
+            maintenance: Vec::new(),
             p_redirect: 0.0,
             p_gzip_bomb: 0.0,
             p_bad_utf8: 0.0,

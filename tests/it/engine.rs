@@ -3172,6 +3172,8 @@ struct TokenProvider {
     /// take, whatever its token endpoint grants).
     refuse_all: bool,
     refused: usize,
+    /// The first token dies after this many charges.
+    dies_after: Option<usize>,
 }
 
 /// The `Authorization` a client sends a token endpoint: RFC 6749 §2.3.1,
@@ -3235,6 +3237,9 @@ async fn oauth2_provider(state: Arc<std::sync::Mutex<TokenProvider>>, basic: Str
                     return (StatusCode::UNAUTHORIZED, axum::Json(err)).into_response();
                 }
                 s.charges += 1;
+                if s.dies_after == Some(s.charges) && s.granted.len() == 1 {
+                    s.valid.clear();
+                }
                 axum::Json(json!({ "status": "succeeded", "echo": got })).into_response()
             }),
         );
@@ -5462,4 +5467,302 @@ async fn sqlite_a_version_this_node_cannot_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_version_this_node_cannot_run() {
     a_version_this_node_cannot_run(Backend::Postgres).await;
+}
+
+/// A provider with maintenance windows: while `down`, every call is
+/// answered `503` with `Retry-After: 30`; otherwise a charge succeeds and
+/// a confirmation says it stands. Counts the calls that reach it while
+/// down, and all of them.
+#[derive(Default)]
+struct Maintenance {
+    down: std::sync::atomic::AtomicBool,
+    calls_while_down: std::sync::atomic::AtomicUsize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+async fn maintenance_provider(m: Arc<Maintenance>) -> String {
+    use axum::response::{IntoResponse, Response};
+    use std::sync::atomic::Ordering;
+    let answer = move |m: Arc<Maintenance>, body: serde_json::Value| -> Response {
+        m.calls.fetch_add(1, Ordering::SeqCst);
+        if m.down.load(Ordering::SeqCst) {
+            m.calls_while_down.fetch_add(1, Ordering::SeqCst);
+            let busy = axum::Json(json!({ "error": "maintenance" }));
+            return (
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                [("retry-after", "30")],
+                busy,
+            )
+                .into_response();
+        }
+        axum::Json(body).into_response()
+    };
+    let (m1, m2) = (m.clone(), m.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/charge",
+            axum::routing::post(move || async move {
+                let n = m1.calls.load(Ordering::SeqCst);
+                answer(
+                    m1,
+                    json!({ "id": format!("ch-{n}"), "status": "succeeded" }),
+                )
+            }),
+        )
+        .route(
+            "/v1/charges/{id}",
+            axum::routing::get(move || async move { answer(m2, json!({ "status": "succeeded" })) }),
+        );
+    // A job API whose submit answers nothing anyone understands (the call
+    // may have taken effect), whose lookup finds the job, and whose poll
+    // says it is done.
+    let (m3, m4, m5) = (m.clone(), m.clone(), m);
+    let app = app
+        .route(
+            "/v1/jobs",
+            axum::routing::post(move || async move { answer(m3, json!({ "status": "mystery" })) })
+                .get(move || async move {
+                    answer(
+                        m4,
+                        json!({ "data": [{ "id": "job-1", "status": "queued" }] }),
+                    )
+                }),
+        )
+        .route(
+            "/v1/jobs/{id}",
+            axum::routing::get(move || async move { answer(m5, json!({ "status": "succeeded" })) }),
+        );
+    crate::helpers::serve_router(app).await
+}
+
+/// Every call is governed: 200 confirmations fall due while the provider
+/// answers `503` with `Retry-After: 30`. The first reply pauses the
+/// provider for every call (here at once, on every node through the
+/// store), so no other confirmation reaches it until the pause ends (one
+/// slot: the one call in flight is the only one); then they all resume,
+/// without a try counted for the pause, and confirm.
+async fn confirmations_honour_a_providers_pause(backend: Backend) {
+    use std::sync::atomic::Ordering;
+    let Some(t) = TestDb::migrated(backend, "confirm_pause").await else {
+        return;
+    };
+    let m = Arc::new(Maintenance::default());
+    let base = maintenance_provider(m.clone()).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "5s"
+concurrency = 1
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
+outputs = {{ id = "/id" }}
+confirm = {{ after = "10s", times = 1, path = "/v1/charges/{{{{ output.id }}}}" }}
+"#
+    );
+    let (engine, clock) = manual_engine(&t.db, parsed(&text), "c1").await;
+    enqueue_n(&engine, "pay", 200).await;
+    drive_at_rest(&engine, &clock, 200, 100, 60_000).await;
+    assert_eq!(m.calls.load(Ordering::SeqCst), 200, "one charge each");
+    m.down.store(true, Ordering::SeqCst);
+    clock.advance(10_000);
+    let down_at = clock.now_ms();
+    let mut asked = 0;
+    for _ in 0..100 {
+        match engine.confirm_due(clock.now_ms()).await.unwrap() {
+            0 => break,
+            n => asked += n,
+        }
+    }
+    let reached = m.calls_while_down.load(Ordering::SeqCst);
+    let shared =
+        t.db.provider_state("p")
+            .await
+            .unwrap()
+            .and_then(|p| p.throttled_until);
+    println!(
+        "{} confirmations in maintenance: {asked} taken, {reached} reached the provider; pause shared until +{:?} ms",
+        backend.as_str(),
+        shared.map(|s| s - down_at)
+    );
+    assert!(asked >= 200, "every due confirmation was taken: {asked}");
+    assert_eq!(reached, 1, "one call, then the pause holds");
+    assert!(shared.is_some_and(|s| s >= down_at + 30_000), "{shared:?}");
+    // Within the pause nothing is due; after it, every confirmation asks.
+    clock.advance(29_000);
+    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    m.down.store(false, Ordering::SeqCst);
+    clock.advance(1_000);
+    let mut confirmed = 0;
+    for _ in 0..100 {
+        match engine.confirm_due(clock.now_ms()).await.unwrap() {
+            0 => break,
+            n => confirmed += n,
+        }
+    }
+    assert_eq!(confirmed, 200, "each asked once more, within the limits");
+    assert_eq!(m.calls.load(Ordering::SeqCst), 200 + 1 + 200);
+    let records = crate::helpers::all_records(&t.db, Some(RecordState::Succeeded)).await;
+    assert_eq!(records.len(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_confirmations_honour_a_providers_pause() {
+    confirmations_honour_a_providers_pause(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_confirmations_honour_a_providers_pause() {
+    confirmations_honour_a_providers_pause(Backend::Postgres).await;
+}
+
+/// A refused token is not sent again: the provider stops taking token 1
+/// after its third charge, while 40 records wait for its one slot holding
+/// that token. The first `401` drops it at once, and the calls that pass
+/// the gate after it wait for the renewal instead of leaving with it: at
+/// most the calls already in flight (one slot: one) are refused, one
+/// renewal serves them all, and every record succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_is_not_sent_again() {
+    let Some(t) = TestDb::migrated(Backend::Sqlite, "token_refused_once").await else {
+        return;
+    };
+    let basic = client_basic("ballast", env!("CARGO_MANIFEST_DIR"));
+    // Token 1 dies after three charges (before its stated lifetime).
+    let state = Arc::new(std::sync::Mutex::new(TokenProvider {
+        dies_after: Some(3),
+        ..Default::default()
+    }));
+    let base = oauth2_provider(state.clone(), basic).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "5s"
+concurrency = 1
+oauth2 = {{ token_url = "{base}/oauth/token", client_id_env = "CARGO_PKG_NAME", client_secret_env = "CARGO_MANIFEST_DIR" }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("refused.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let engine = Engine::new(t.db.clone(), Arc::new(config), options("tok"))
+        .await
+        .unwrap();
+    enqueue_n(&engine, "pay", 40).await;
+    let (stop, handle) = run_in_background(&engine);
+    wait_at_rest(&t.db, 40, Duration::from_secs(120)).await;
+    stop.cancel();
+    handle.await.unwrap();
+    let (refused, granted, charges) = {
+        let s = state.lock().unwrap();
+        (s.refused, s.granted.len(), s.charges)
+    };
+    println!("token refused: {refused} calls refused, {granted} tokens granted, {charges} charges");
+    let renewals = granted - 1;
+    assert!(renewals >= 1, "renewed");
+    assert!(
+        refused <= renewals,
+        "{refused} refused for {renewals} renewals"
+    );
+    assert_eq!(charges, 40);
+    let all = crate::helpers::all_records(&t.db, Some(RecordState::Succeeded)).await;
+    assert_eq!(all.len(), 40);
+}
+
+/// The same for lookups: 50 `at_most_once` submits got a reply nobody
+/// understands, so each record asks the provider whether its call took
+/// effect; the lookups fall due during a maintenance window. One reaches
+/// the provider and pauses it for every call; the rest wait for the pause
+/// without spending anything, then find their jobs and finish.
+async fn lookups_honour_a_providers_pause(backend: Backend) {
+    use std::sync::atomic::Ordering;
+    let Some(t) = TestDb::migrated(backend, "lookup_pause").await else {
+        return;
+    };
+    let m = Arc::new(Maintenance::default());
+    let base = maintenance_provider(m.clone()).await;
+    let text = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+timeout = "5s"
+concurrency = 1
+at_most_once = true
+# Replies nobody understands are not this test's subject.
+breaker = {{ min_calls = 100000, window = 100000 }}
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "queued" }}
+outcome = "pending"
+[[providers.p.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.jobs.steps]]
+name = "render"
+provider = "p"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"client_reference": "{{{{ key }}}}"}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
+lookup = {{ path = "/v1/jobs?client_reference={{{{ key | urlencode }}}}", job_id = "/data/0/id" }}
+"#
+    );
+    let (engine, clock) = manual_engine(&t.db, parsed(&text), "l1").await;
+    enqueue_n(&engine, "jobs", 50).await;
+    // One slot: the submits go one after another.
+    for _ in 0..200 {
+        drain(&engine).await;
+        if m.calls.load(Ordering::SeqCst) == 50 {
+            break;
+        }
+        clock.advance(100);
+    }
+    assert_eq!(m.calls.load(Ordering::SeqCst), 50, "one submit each");
+    m.down.store(true, Ordering::SeqCst);
+    // The lookups fall due a call's timeout after their submits, all
+    // within the 30 s the first 503 asks for.
+    clock.advance(5_000);
+    for _ in 0..40 {
+        drain(&engine).await;
+        clock.advance(500);
+    }
+    let reached = m.calls_while_down.load(Ordering::SeqCst);
+    println!(
+        "{} lookups in maintenance: {reached} reached the provider",
+        backend.as_str()
+    );
+    assert_eq!(reached, 1, "one lookup, then the pause holds");
+    m.down.store(false, Ordering::SeqCst);
+    drive_at_rest(&engine, &clock, 50, 1_000, 120_000).await;
+    let done = crate::helpers::all_records(&t.db, Some(RecordState::Succeeded)).await;
+    assert_eq!(
+        done.len(),
+        50,
+        "every job found and finished, none submitted twice"
+    );
+    assert_eq!(m.calls_while_down.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_lookups_honour_a_providers_pause() {
+    lookups_honour_a_providers_pause(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lookups_honour_a_providers_pause() {
+    lookups_honour_a_providers_pause(Backend::Postgres).await;
 }
