@@ -190,6 +190,7 @@ pub async fn run_from(
     } else {
         let mut opts = crate::engine::EngineOptions::new(node_id.to_string());
         opts.lease = config.engine.lease.0;
+        opts.idle_max = config.engine.idle_max.0;
         opts.batch = config.engine.batch;
         opts.max_in_flight = config.engine.max_in_flight as usize;
         Some(

@@ -234,6 +234,19 @@
       lastState = st.textContent;
     }
   });
+  // On a phone the records filters start closed (the list on the first
+  // screen) unless one is set; on wider screens they stay open.
+  function foldFilters() {
+    var box = document.querySelector("details.filter-box");
+    if (box && box.dataset.filtered !== "1" && window.matchMedia("(max-width: 40rem)").matches) {
+      box.open = false;
+    }
+  }
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", foldFilters);
+  } else {
+    foldFilters();
+  }
   document.addEventListener("DOMContentLoaded", function () {
     var st = document.getElementById("record-state");
     lastState = st ? st.textContent : null;

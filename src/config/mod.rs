@@ -344,6 +344,10 @@ pub struct EngineConfig {
     pub batch: u32,
     /// Records this node works on at once.
     pub max_in_flight: u32,
+    /// The longest the workers sleep with nothing due. Work another node
+    /// or process enqueues wakes them at once on PostgreSQL (LISTEN/NOTIFY);
+    /// this bounds how late work is found that nothing announced.
+    pub idle_max: HumanDuration,
 }
 
 impl Default for EngineConfig {
@@ -352,6 +356,7 @@ impl Default for EngineConfig {
             lease: HumanDuration::secs(30),
             batch: 50,
             max_in_flight: 256,
+            idle_max: HumanDuration::secs(2),
         }
     }
 }
@@ -665,6 +670,9 @@ impl Config {
                 "engine.max_in_flight",
                 "must be between 1 and 100000".into(),
             ));
+        }
+        if self.engine.idle_max.0 < std::time::Duration::from_millis(10) {
+            return Err(invalid("engine.idle_max", "must be at least 10ms".into()));
         }
         if self.database.max_connections == 0 {
             return Err(invalid(
@@ -1003,6 +1011,7 @@ mod tests {
             ("[engine]\nbatch = 0\n", "engine.batch"),
             ("[engine]\nbatch = 5000\n", "engine.batch"),
             ("[engine]\nmax_in_flight = 0\n", "engine.max_in_flight"),
+            ("[engine]\nidle_max = \"1ms\"\n", "engine.idle_max"),
         ] {
             let err = parse(text).map(|c| c.validate(&|_| None));
             assert!(

@@ -29,10 +29,40 @@ struct Driver {
 }
 
 impl Drop for Driver {
+    /// Whether the test ended, passed, failed or panicked: chromedriver and
+    /// every browser it started (one process group, chromedriver's) are
+    /// killed, and chromedriver reaped.
     fn drop(&mut self) {
+        kill_group(self.child.id());
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Kills process group `pgid` (the group of chromedriver, which the
+/// browsers it starts join).
+fn kill_group(pgid: u32) {
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pgid}")])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// The live (not zombie) processes in process group `pgid`, from `/proc`.
+fn live_in_group(pgid: u32) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let stat = std::fs::read_to_string(e.ok()?.path().join("stat")).ok()?;
+        // `pid (comm) state ppid pgrp …`: the fields after the last `)`.
+        let (head, rest) = stat.rsplit_once(')')?;
+        let mut fields = rest.split_whitespace();
+        let state = fields.next()?;
+        let pgrp: u32 = fields.nth(1)?.parse().ok()?;
+        (pgrp == pgid && state != "Z").then(|| head.to_owned())
+    })
+    .collect()
 }
 
 fn in_ci() -> bool {
@@ -56,12 +86,17 @@ async fn driver(test: &str) -> Option<Driver> {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let mut child = Command::new(CHROMEDRIVER)
-        .arg(format!("--port={port}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("chromedriver starts");
+    // A process group of its own: the browsers it starts are in it too,
+    // and go with it (Driver's drop).
+    let mut child = std::os::unix::process::CommandExt::process_group(
+        Command::new(CHROMEDRIVER)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+        0,
+    )
+    .spawn()
+    .expect("chromedriver starts");
     // chromedriver says so on its stdout once it listens.
     wait::Lines::read(child.stdout.take().unwrap())
         .until("chromedriver starts", Duration::from_secs(30), |l| {
@@ -282,6 +317,29 @@ async fn the_dashboard_works_in_a_real_browser() {
         "the payload shows as text"
     );
     assert!(text_of(c, ".facts").await.contains("attempts exhausted"));
+    // Each attempt shows the status number it was answered with, in the
+    // HTTP column.
+    let statuses = c
+        .execute(
+            "const head = [...document.querySelectorAll('#attempts thead th')].map(h => h.textContent.trim());
+             const col = head.indexOf('HTTP');
+             return [...document.querySelectorAll('#attempts tbody tr')]
+               .map(r => r.children[col] ? r.children[col].textContent.trim() : null);",
+            vec![],
+        )
+        .await
+        .unwrap();
+    let statuses: Vec<&str> = statuses
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        statuses,
+        ["503", "503", "503"],
+        "each attempt's status number"
+    );
     // Each attempt shows the request sent beside the reply (issue 19
     // item 4): in one row, the request to the left of the reply.
     let beside = c
@@ -1421,6 +1479,47 @@ async fn the_records_list_updates_itself_and_keeps_a_tick() {
     app.stop().await;
 }
 
+/// Search results and the audit log follow what they show, as every other
+/// page of changing state does: a record found by search is parked and its
+/// row says so; an action taken meanwhile appears in the audit log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_and_audit_update_themselves() {
+    let Some(d) = driver("live search and audit").await else {
+        return;
+    };
+    let c = &d.client;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "live_search", "").await else {
+        return;
+    };
+    app.user("op", Role::Operator).await;
+    // One key in two pipelines: the search lists both (one would be
+    // opened straight away).
+    let one = app.record("zebra").await;
+    let other = ballast::store::NewRecord {
+        pipeline: "other".into(),
+        group: None,
+        pipeline_version: None,
+        external_key: Some("zebra".into()),
+        input: json!({}),
+        run_at: crate::helpers::wall_ms() + 3_600_000,
+    };
+    let now = crate::helpers::wall_ms();
+    let two = app.t.db.create_record(other, now).await.unwrap().record.id;
+    login(c, &app, "op").await;
+    c.goto(&app.url("/search?q=zebra")).await.unwrap();
+    wait_text(c, "#search-named", "other").await;
+    assert!(!text_of(c, "#search-named").await.contains("parked"));
+    app.park(one).await;
+    wait_text(c, "#search-named", "parked").await;
+
+    c.goto(&app.url("/audit")).await.unwrap();
+    wait_text(c, "#audit-list", "park").await;
+    assert!(!text_of(c, "#audit-list").await.contains("cancel"));
+    app.act(two, OperatorAction::Cancel).await;
+    wait_text(c, "#audit-list", "cancel").await;
+    app.stop().await;
+}
+
 /// Issue 21 item 6: at home on a phone. At 375 px wide no page scrolls
 /// sideways, the records list is cards with its bulk action and links on
 /// the page, and the phone screenshot is taken.
@@ -1471,6 +1570,41 @@ async fn every_page_fits_a_phone() {
             "{path} scrolls sideways: {scroll} > {inner}"
         );
     }
+    // At 390 px the filters fold behind a disclosure (the list starts on
+    // the first screen), open when a filter is set, and open on a wide
+    // screen.
+    c.set_window_size(390, 844).await.unwrap();
+    let filters_open = async |path: &str| {
+        c.goto(&app.url(path)).await.unwrap();
+        let v = c
+            .execute(
+                "return document.querySelector('details.filter-box').open;",
+                vec![],
+            )
+            .await
+            .unwrap();
+        v.as_bool().unwrap()
+    };
+    assert!(!filters_open("/records").await, "folded on a phone");
+    assert!(
+        filters_open("/records?state=parked").await,
+        "open: a filter is set"
+    );
+    let list_top = c
+        .execute(
+            "return document.querySelector('#records-list').getBoundingClientRect().top < window.innerHeight;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        list_top.as_bool(),
+        Some(true),
+        "the list starts on the first screen"
+    );
+    c.set_window_size(1400, 1000).await.unwrap();
+    assert!(filters_open("/records").await, "open on a wide screen");
+    c.set_window_size(375, 812).await.unwrap();
     c.goto(&app.url("/records")).await.unwrap();
     let button = c
         .find(Locator::Css("#bulk button[type=submit]"))
@@ -1640,4 +1774,36 @@ request = { path = "/sync" }
     }
     assert!(failures.is_empty(), "axe:\n{}", failures.join("\n"));
     app.stop().await;
+}
+
+/// No browser outlives its test: a session opened and a page loaded, then
+/// the driver dropped (as at the end of every browser test, passed,
+/// failed or panicked): no process of chromedriver's group, Chromium and
+/// its helpers included, is left running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_browser_outlives_its_test() {
+    let Some(d) = driver("no browser left").await else {
+        return;
+    };
+    d.client.goto("about:blank").await.unwrap();
+    let group = d.child.id();
+    let running = live_in_group(group);
+    assert!(
+        running.iter().any(|p| p.contains("chrom")),
+        "the browser runs in chromedriver's group: {running:?}"
+    );
+    drop(d);
+    let left = wait::until(
+        "the browsers are gone",
+        Duration::from_secs(30),
+        async || {
+            let left = live_in_group(group);
+            if left.is_empty() { Ok(()) } else { Err(left) }
+        },
+    )
+    .await;
+    println!(
+        "no browser left: {} processes were in the group, none is now {left:?}",
+        running.len()
+    );
 }

@@ -191,3 +191,51 @@ async fn a_schedule_on_two_serve_processes_fires_each_tick_once() {
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].last_tick, all.last().copied());
 }
+
+/// Nodes wake each other with LISTEN/NOTIFY: a `ballast serve` whose
+/// workers sleep up to ten minutes with nothing due (`engine.idle_max`)
+/// takes a record another process (`ballast enqueue`) adds while it
+/// sleeps, within a bound only the notification explains (a minute, a
+/// tenth of its sleep). The first record makes sure it is asleep: the
+/// second comes after the node has finished the first and gone idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sleeping_node_is_woken_by_another_process_enqueueing() {
+    let Some(t) = TestDb::migrated(Backend::Postgres, "notify_wake").await else {
+        return;
+    };
+    let (_provider, url) = Counting::spawn(Duration::from_millis(1)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        "[database]\nurl = \"{}\"\n[engine]\nidle_max = \"10m\"\n{}",
+        t.url,
+        single_step_toml(&url, "")
+    );
+    std::fs::write(dir.path().join("ballast.toml"), &toml).unwrap();
+    let env = [("BALLAST_ADMIN_PASSWORD", "notify-wake-admin-pw")];
+    let node = Serve::start(dir.path(), &env).await;
+    for (i, key) in ["first", "second"].into_iter().enumerate() {
+        let args = ["enqueue", "pay", "--key", key, "--input", "{}"];
+        let out = crate::cli::ballast_off_runtime(dir.path(), &[], &args).await;
+        assert!(out.status.success(), "{}", crate::cli::stderr(&out));
+        let done = crate::wait::until(
+            &format!("the {key} record is taken and done"),
+            Duration::from_secs(60),
+            async || {
+                let counts = t.db.state_counts().await.unwrap();
+                let ok: i64 = counts
+                    .iter()
+                    .filter(|c| c.state == RecordState::Succeeded)
+                    .map(|c| c.count)
+                    .sum();
+                if ok == i as i64 + 1 {
+                    Ok(ok)
+                } else {
+                    Err(counts)
+                }
+            },
+        )
+        .await;
+        println!("notify wake-up: {key} record done ({done} in all)");
+    }
+    node.stop().await;
+}

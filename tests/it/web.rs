@@ -1650,6 +1650,82 @@ async fn hooks_and_metrics_are_limited_per_address() {
     app.stop().await;
 }
 
+/// A record parked by its step ("attempts exhausted") shows that step as
+/// `parked` in its Steps table and its graph, not as the `retrying` it was
+/// about to do, with the step's reason beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_records_step_reads_parked() {
+    let failing = axum::Router::new().fallback(|| async {
+        (
+            axum::http::StatusCode::BAD_GATEWAY,
+            axum::Json(serde_json::json!({ "error": "down" })),
+        )
+    });
+    let base = crate::helpers::serve_router(failing).await;
+    let extra = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+retry = {{ max_attempts = 1, base = "10ms", cap = "10ms", deadline = "1m" }}
+[[pipelines.pay.steps]]
+name = "fetch"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
+"#
+    );
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "parked-step", &extra).await else {
+        return;
+    };
+    app.user("vera", Role::Viewer).await;
+    let new = NewRecord {
+        pipeline: "pay".into(),
+        group: None,
+        pipeline_version: None,
+        external_key: Some("p-1".into()),
+        input: json!({}),
+        run_at: crate::helpers::wall_ms(),
+    };
+    let id = app
+        .t
+        .db
+        .create_record(new, crate::helpers::wall_ms())
+        .await
+        .unwrap()
+        .record
+        .id;
+    let rec = crate::wait::until("the record parks", Duration::from_secs(60), async || {
+        let r = app.t.db.get_record(id).await.unwrap().unwrap();
+        if r.state == ballast::domain::RecordState::Parked {
+            Ok(r)
+        } else {
+            Err(r.state)
+        }
+    })
+    .await;
+    assert_eq!(rec.step.as_deref(), Some("fetch"));
+    let run = &app.t.db.step_runs(id).await.unwrap()[0];
+    let login = app.login("vera").await;
+    let page = app
+        .get(&format!("/records/{id}"), Some(&login))
+        .await
+        .text()
+        .await
+        .unwrap();
+    // The Steps table's row: the step's name, then its state.
+    let row = page
+        .split("<tr><td>fetch</td>")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no steps row: {page}"));
+    let shown: String = row.chars().take(200).collect();
+    assert!(
+        row.starts_with("<td>parked</td>"),
+        "stored as {:?}: {shown}",
+        run.state
+    );
+    assert!(!page.contains("<td>retrying</td>"), "{page}");
+    app.stop().await;
+}
+
 /// A base URL carrying a password or a key is shown to viewers without
 /// them, as attempts' URLs are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,6 +48,8 @@ struct AuditPage {
     filters: String,
     events: Vec<EventView>,
     next: Option<i64>,
+    /// The newest page, which follows new entries (older pages stay).
+    first: bool,
 }
 
 const KINDS: [&str; 14] = [
@@ -116,6 +118,7 @@ async fn list(
             })
             .collect(),
         next: page.next,
+        first: filter.before.is_none(),
     };
     if is_htmx(&headers) {
         return html(&t.as_list());

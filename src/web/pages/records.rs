@@ -152,7 +152,7 @@ struct SearchQuery {
 }
 
 #[derive(Template)]
-#[template(path = "pages/search.html")]
+#[template(path = "pages/search.html", blocks = ["results"])]
 struct SearchPage {
     nav: Nav,
     q: String,
@@ -168,6 +168,7 @@ struct SearchPage {
 async fn search(
     caller: Authed<Viewer>,
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     Query(sq): Query<SearchQuery>,
 ) -> WebResult<Response> {
     let q = sq.q.unwrap_or_default().trim().to_owned();
@@ -176,16 +177,22 @@ async fn search(
     }
     let providers: Vec<String> = state.config.get().providers.keys().cloned().collect();
     let named = state.db.find_records(&q, &providers).await?;
-    if let [one] = named.as_slice() {
+    // The results' own refresh (htmx) stays on this page.
+    let live = crate::web::htmx::is_htmx(&headers);
+    if let ([one], false) = (named.as_slice(), live) {
         return Ok(Redirect::to(&format!("/records/{}", one.id)).into_response());
     }
     let worded = state.db.search_records(&q, 50).await?;
-    html(&SearchPage {
+    let page = SearchPage {
         nav: Nav::new(&caller, "records"),
         q,
         named: named.iter().map(RecordRow::from).collect(),
         worded: worded.iter().map(RecordRow::from).collect(),
-    })
+    };
+    if live {
+        return html(&page.as_results());
+    }
+    html(&page)
 }
 
 /// The list's records, as its filters select them, downloaded as JSON
@@ -495,6 +502,22 @@ fn pinned_version(pinned: Option<i64>, current: Option<i64>) -> String {
     }
 }
 
+/// Whether step `name` (in `state`) is where `rec` is parked: the step
+/// that parked it, unless it had finished (an operator parked the record
+/// after it). Such a step reads `parked`, not what it was about to do.
+fn parked_at(
+    rec: &crate::domain::Record,
+    name: &str,
+    state: Option<crate::domain::StepState>,
+) -> bool {
+    use crate::domain::StepState;
+    let finished = matches!(
+        state,
+        Some(StepState::Succeeded | StepState::Failed | StepState::Skipped)
+    );
+    rec.state == RecordState::Parked && rec.step.as_deref() == Some(name) && !finished
+}
+
 /// A record's steps as a graph of its pipeline (`shape`: each step and
 /// what it needs; when the pipeline is not known here, the step runs
 /// alone), each box saying where its step run is.
@@ -521,16 +544,7 @@ fn step_graph(
     let title = format!("The steps of record {}, each in its state", rec.id);
     layout("record-steps", &title, &specs, |_, n| {
         let run = runs.iter().find(|r| r.step == n.name);
-        // The step that parked the record, unless it had finished (an
-        // operator parked the record after it).
-        let finished = run.is_some_and(|r| {
-            matches!(
-                r.state,
-                StepState::Succeeded | StepState::Failed | StepState::Skipped
-            )
-        });
-        let parked_here =
-            rec.state == RecordState::Parked && rec.step.as_deref() == Some(&n.name) && !finished;
+        let parked_here = parked_at(rec, &n.name, run.map(|r| r.state));
         let (class, word) = match run.map(|r| r.state) {
             _ if parked_here => ("parked", "parked"),
             None => ("unstarted", "not started"),
@@ -739,7 +753,11 @@ async fn record_page_at(
             .iter()
             .map(|s| StepView {
                 name: s.step.clone(),
-                state: s.state.as_str(),
+                state: if parked_at(&rec, &s.step, Some(s.state)) {
+                    "parked"
+                } else {
+                    s.state.as_str()
+                },
                 provider: s.provider.clone().unwrap_or_default(),
                 attempts: s.attempts,
                 job_id: s.job_id.clone().unwrap_or_default(),
