@@ -254,10 +254,16 @@ impl Default for ServerConfig {
 pub struct WebLimits {
     /// Login attempts per client address per minute.
     pub logins_per_minute: u32,
-    /// Failed logins on one account name within `lockout` that lock it…
+    /// Failed logins on one account name after which each further check
+    /// of that name waits (1 s after the latest failure, doubling with each
+    /// one, at most 30 s; a browser that logged in to the name before does
+    /// not wait).
     pub account_failures: u32,
-    /// …for this long.
-    pub lockout: HumanDuration,
+    /// A failure this long after the name's previous one starts its count
+    /// again. (`lockout` is read as this too: it was the window and the
+    /// lock's length when failures locked a name.)
+    #[serde(alias = "lockout")]
+    pub account_window: HumanDuration,
     /// API requests per second per token (bursts of twice as many).
     pub api_per_second: u32,
     /// Records one bulk action may touch.
@@ -273,7 +279,7 @@ impl Default for WebLimits {
         WebLimits {
             logins_per_minute: 10,
             account_failures: 5,
-            lockout: HumanDuration::secs(15 * 60),
+            account_window: HumanDuration::secs(15 * 60),
             api_per_second: 50,
             bulk_max: 1000,
             bulk_per_minute: 10,
@@ -727,6 +733,13 @@ impl Config {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1".into()));
             }
+        }
+        // Shorter than the longest wait, a window would cut the waits short.
+        if l.account_window.0.as_secs() < 60 {
+            return Err(invalid(
+                "server.limits.account_window",
+                "must be at least 1m".into(),
+            ));
         }
         if l.max_body_bytes < 1024 {
             return Err(invalid(

@@ -8,6 +8,7 @@ pub mod confirm;
 pub mod diff;
 pub mod fair;
 pub mod host;
+pub mod login;
 pub mod model;
 pub mod park;
 pub mod pass;

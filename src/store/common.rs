@@ -21,6 +21,7 @@ use super::{
     worked_state,
 };
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
+use crate::domain::login::LoginFailures;
 use crate::domain::{
     Attempt, Event, Node, OperatorAction, PipelineVersion, ProviderState, Record, RecordState,
     ScheduleRow, Session, StateCount, StepCount, StepRun, StepVersion, Trigger, UnixMs, User,
@@ -1839,43 +1840,45 @@ where
         Ok(())
     }
 
-    async fn login_locked_until(&self, username: &str, now: UnixMs) -> StoreResult<Option<UnixMs>> {
-        let until: Option<Option<i64>> =
-            sqlx::query_scalar("SELECT locked_until FROM login_throttle WHERE username = $1")
-                .bind(username.to_owned())
-                .fetch_optional(self.reader())
-                .await?;
-        Ok(until.flatten().filter(|u| *u > now))
+    async fn login_failures(&self, username: &str) -> StoreResult<Option<LoginFailures>> {
+        let row: Option<(i64, i64)> = sqlx::query_as(
+            "SELECT failures, last_failure_at FROM login_throttle WHERE username = $1",
+        )
+        .bind(username.to_owned())
+        .fetch_optional(self.reader())
+        .await?;
+        Ok(row.map(|(failures, last_failure_at)| LoginFailures {
+            failures,
+            last_failure_at,
+        }))
     }
 
-    async fn count_login_attempt(
+    async fn count_login_failure(
         &self,
         username: &str,
         now: UnixMs,
-        policy: crate::store::LoginPolicy,
-    ) -> StoreResult<i64> {
+        forget_before: UnixMs,
+    ) -> StoreResult<LoginFailures> {
         let mut tx = self.begin_write().await?;
-        // One statement, so concurrent attempts on several nodes all count.
-        let count: i64 = sqlx::query_scalar(
-            "INSERT INTO login_throttle (username, failures, window_start, locked_until) \
-             VALUES ($1, 1, $2, CASE WHEN $4 <= 1 THEN $2 + $5 END) \
+        // One statement, so concurrent failures on several nodes all count.
+        let (failures, last_failure_at): (i64, i64) = sqlx::query_as(
+            "INSERT INTO login_throttle (username, failures, last_failure_at) VALUES ($1, 1, $2) \
              ON CONFLICT (username) DO UPDATE SET \
-               failures = CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END, \
-               window_start = CASE WHEN login_throttle.window_start < $3 THEN $2 ELSE login_throttle.window_start END, \
-               locked_until = CASE \
-                 WHEN (CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END) >= $4 \
-                 THEN $2 + $5 ELSE login_throttle.locked_until END \
-             RETURNING failures",
+               failures = CASE WHEN login_throttle.last_failure_at < $3 THEN 1 \
+                 ELSE login_throttle.failures + 1 END, \
+               last_failure_at = $2 \
+             RETURNING failures, last_failure_at",
         )
         .bind(username.to_owned())
         .bind(now)
-        .bind(now - policy.window_ms)
-        .bind(policy.max_failures)
-        .bind(policy.lock_ms)
+        .bind(forget_before)
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(count)
+        Ok(LoginFailures {
+            failures,
+            last_failure_at,
+        })
     }
 
     async fn login_succeeded(&self, username: &str) -> StoreResult<()> {
@@ -2307,12 +2310,10 @@ where
             .bind(before)
             .execute(&mut *tx)
             .await?;
-        let c = sqlx::query(
-            "DELETE FROM login_throttle WHERE window_start < $1 AND (locked_until IS NULL OR locked_until < $1)",
-        )
-        .bind(before)
-        .execute(&mut *tx)
-        .await?;
+        let c = sqlx::query("DELETE FROM login_throttle WHERE last_failure_at < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(a.rows_affected() + hours.rows_affected() + b.rows_affected() + c.rows_affected())
     }

@@ -22,6 +22,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
+use crate::domain::login::LoginFailures;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
     Record, RecordState, Role, ScheduleRow, Session, StateCount, StepCount, StepRun, StepState,
@@ -596,17 +597,6 @@ pub struct NewApiToken {
     pub created_by: String,
 }
 
-/// How failed logins lock an account name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoginPolicy {
-    /// Failures counted within this window…
-    pub window_ms: i64,
-    /// …up to this many lock the name…
-    pub max_failures: i64,
-    /// …for this long.
-    pub lock_ms: i64,
-}
-
 /// An hour in unix ms.
 pub const HOUR_MS: i64 = 3_600_000;
 
@@ -1066,23 +1056,22 @@ pub trait Store: Clone + Send + Sync + 'static {
     -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- login throttling ----------------------------------------------
-    /// Until when `username` is locked, if it is.
-    fn login_locked_until(
+    /// The failed logins counted on `username`, if any.
+    fn login_failures(
+        &self,
+        username: &str,
+    ) -> impl Future<Output = StoreResult<Option<LoginFailures>>> + Send;
+    /// Counts a failed login on `username` in one statement, so that
+    /// failures on several nodes at once all count; a count whose latest
+    /// failure is older than `forget_before` starts again at one. Returns
+    /// the count with this failure.
+    fn count_login_failure(
         &self,
         username: &str,
         now: UnixMs,
-    ) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
-    /// Counts a login attempt on `username` before its password is checked
-    /// (so parallel guesses cannot all slip past the limit), locking the
-    /// name once `max_failures` attempts fall within the window; returns the
-    /// attempts counted in the window, this one included.
-    fn count_login_attempt(
-        &self,
-        username: &str,
-        now: UnixMs,
-        policy: LoginPolicy,
-    ) -> impl Future<Output = StoreResult<i64>> + Send;
-    /// Forgets the attempts of `username` (it logged in).
+        forget_before: UnixMs,
+    ) -> impl Future<Output = StoreResult<LoginFailures>> + Send;
+    /// Forgets the failures of `username` (it logged in).
     fn login_succeeded(&self, username: &str) -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- webhook deliveries --------------------------------------------
@@ -1383,8 +1372,8 @@ forward! {
     fn list_api_tokens(&self) -> Vec<ApiToken>;
     fn revoke_api_token(&self, id: i64, actor: &str, now: UnixMs) -> ApiToken;
     fn touch_api_token(&self, id: i64, now: UnixMs) -> ();
-    fn login_locked_until(&self, username: &str, now: UnixMs) -> Option<UnixMs>;
-    fn count_login_attempt(&self, username: &str, now: UnixMs, policy: LoginPolicy) -> i64;
+    fn login_failures(&self, username: &str) -> Option<LoginFailures>;
+    fn count_login_failure(&self, username: &str, now: UnixMs, forget_before: UnixMs) -> LoginFailures;
     fn login_succeeded(&self, username: &str) -> ();
     fn forget_delivery(&self, provider: &str, delivery_id: &str) -> ();
     fn save_rollups(&self, rows: &[StepRollup]) -> ();

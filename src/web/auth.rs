@@ -28,6 +28,12 @@ use super::error::WebError;
 /// allowed, so the name changes with it.
 pub const SECURE_COOKIE: &str = "__Host-ballast_session";
 pub const PLAIN_COOKIE: &str = "ballast_session";
+/// The device cookie's names (see [`AuthKeys::device_cookie`]), with and
+/// without `Secure` as the session cookie's.
+pub const SECURE_DEVICE_COOKIE: &str = "__Host-ballast_device";
+pub const PLAIN_DEVICE_COOKIE: &str = "ballast_device";
+/// How long a device cookie is honoured after the login that issued it.
+pub const DEVICE_TTL_MS: i64 = 365 * 24 * 3_600_000;
 /// The header htmx sends the CSRF token in.
 pub const CSRF_HEADER: &str = "x-csrf-token";
 /// The form field plain forms send it in.
@@ -40,6 +46,7 @@ pub struct AuthKeys {
     encoding: EncodingKey,
     decoding: DecodingKey,
     csrf_key: Vec<u8>,
+    device_key: Vec<u8>,
     pub secure: bool,
     pub session_ttl_ms: i64,
     pub trusted_proxies: Arc<[IpAddr]>,
@@ -63,9 +70,11 @@ impl AuthKeys {
             mac.update(label);
             Some(mac.finalize().into_bytes().to_vec())
         };
-        let (Some(session_key), Some(csrf_key)) =
-            (derive(b"ballast session v1"), derive(b"ballast csrf v1"))
-        else {
+        let (Some(session_key), Some(csrf_key), Some(device_key)) = (
+            derive(b"ballast session v1"),
+            derive(b"ballast csrf v1"),
+            derive(b"ballast device v1"),
+        ) else {
             return Err(WebError::Internal("cannot derive keys".into()));
         };
         let encoding = EncodingKey::from_secret(&session_key)
@@ -76,6 +85,7 @@ impl AuthKeys {
             encoding,
             decoding,
             csrf_key,
+            device_key,
             secure: config.secure_cookies,
             session_ttl_ms: i64::try_from(config.session_ttl.0.as_millis()).unwrap_or(i64::MAX),
             trusted_proxies: config.trusted_proxies.clone().into(),
@@ -139,6 +149,67 @@ impl AuthKeys {
             .same_site(SameSite::Strict)
             .max_age(cookie_age(0))
             .build()
+    }
+
+    /// The cookie that marks this browser as one that logged in to
+    /// `username` at `now`: `issued.nonce.mac`, the MAC over the name too,
+    /// so it vouches for that name only. A login on the name skips the
+    /// name's failure delay when it carries one (OWASP's "device cookies"):
+    /// an attacker's failures slow the attacker, not the name's owner.
+    pub fn device_cookie(&self, username: &str, now: UnixMs) -> Result<Cookie<'static>, WebError> {
+        let nonce = secret::hex::<16>().map_err(|e| WebError::Internal(e.to_string()))?;
+        let mac = self.device_mac(username, now, &nonce);
+        Ok(
+            Cookie::build((self.device_cookie_name(), format!("{now}.{nonce}.{mac}")))
+                .path("/")
+                .http_only(true)
+                .secure(self.secure)
+                .same_site(SameSite::Strict)
+                .max_age(cookie_age(DEVICE_TTL_MS))
+                .build(),
+        )
+    }
+
+    pub fn device_cookie_name(&self) -> &'static str {
+        if self.secure {
+            SECURE_DEVICE_COOKIE
+        } else {
+            PLAIN_DEVICE_COOKIE
+        }
+    }
+
+    /// True when the request carries a device cookie this server issued
+    /// for `username` within [`DEVICE_TTL_MS`] of `now`.
+    pub fn device_ok(&self, headers: &HeaderMap, username: &str, now: UnixMs) -> bool {
+        use subtle::ConstantTimeEq;
+        let Some(value) = cookie_value(headers, self.device_cookie_name()) else {
+            return false;
+        };
+        let mut parts = value.splitn(3, '.');
+        let (Some(issued), Some(nonce), Some(mac)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return false;
+        };
+        let Ok(issued) = issued.parse::<i64>() else {
+            return false;
+        };
+        let expected = self.device_mac(username, issued, nonce);
+        // A minute's grace for another node's clock ahead of this one's.
+        issued < now.saturating_add(60_000)
+            && now.saturating_sub(issued) < DEVICE_TTL_MS
+            && !expected.is_empty()
+            && bool::from(expected.as_bytes().ct_eq(mac.as_bytes()))
+    }
+
+    fn device_mac(&self, username: &str, issued: UnixMs, nonce: &str) -> String {
+        match <Hmac<Sha256> as KeyInit>::new_from_slice(&self.device_key) {
+            Ok(mut mac) => {
+                // Lengths first, so no two (name, nonce) pairs read alike.
+                mac.update(format!("{}:{username}:{issued}:{nonce}", username.len()).as_bytes());
+                hex::encode(mac.finalize().into_bytes())
+            }
+            Err(_) => String::new(),
+        }
     }
 
     /// The CSRF token of a session: a MAC of its id, so it needs no storage

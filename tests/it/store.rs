@@ -57,7 +57,7 @@ conformance!(
     the_first_user_is_made_only_while_there_is_none,
     nodes_providers_and_pipelines,
     api_tokens_are_stored_hashed_and_revocable,
-    login_failures_lock_a_name_for_a_while,
+    login_failures_are_counted_per_name_and_forgotten,
     delivery_ids_are_taken_once,
     rollups_are_replaced_per_node_and_purged,
     rollups_fold_into_hours,
@@ -2260,84 +2260,72 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
     assert_eq!(kinds, vec!["token_revoked", "token_created"]);
 }
 
-async fn login_failures_lock_a_name_for_a_while(db: &Db) {
-    use ballast::store::LoginPolicy;
-    let policy = LoginPolicy {
-        window_ms: 60_000,
-        max_failures: 3,
-        lock_ms: 10_000,
+async fn login_failures_are_counted_per_name_and_forgotten(db: &Db) {
+    use ballast::domain::login::LoginFailures;
+    let seen = |failures, last_failure_at| LoginFailures {
+        failures,
+        last_failure_at,
     };
-    assert_eq!(db.login_locked_until("alice", T0).await.unwrap(), None);
+    // Failures older than the window given start the count again.
+    let forget = |now: i64| now - 60_000;
+    assert_eq!(db.login_failures("alice").await.unwrap(), None);
+    for (i, now) in [T0, T0 + 1, T0 + 2].into_iter().enumerate() {
+        assert_eq!(
+            db.count_login_failure("alice", now, forget(now))
+                .await
+                .unwrap(),
+            seen(i as i64 + 1, now)
+        );
+    }
     assert_eq!(
-        db.count_login_attempt("alice", T0, policy).await.unwrap(),
-        1
+        db.login_failures("alice").await.unwrap(),
+        Some(seen(3, T0 + 2))
     );
+    assert_eq!(db.login_failures("bob").await.unwrap(), None, "per name");
+    // A failure a window after the latest starts again.
+    let late = T0 + 2 + 60_001;
     assert_eq!(
-        db.count_login_attempt("alice", T0 + 1, policy)
+        db.count_login_failure("alice", late, forget(late))
             .await
             .unwrap(),
-        2
-    );
-    assert_eq!(db.login_locked_until("alice", T0 + 1).await.unwrap(), None);
-    assert_eq!(
-        db.count_login_attempt("alice", T0 + 2, policy)
-            .await
-            .unwrap(),
-        3
-    );
-    assert_eq!(
-        db.login_locked_until("alice", T0 + 3).await.unwrap(),
-        Some(T0 + 10_002)
-    );
-    assert_eq!(
-        db.login_locked_until("bob", T0 + 3).await.unwrap(),
-        None,
-        "per name"
-    );
-    assert_eq!(
-        db.login_locked_until("alice", T0 + 10_003).await.unwrap(),
-        None,
-        "the lock ends"
-    );
-    // Attempts outside the window start a new count.
-    assert_eq!(
-        db.count_login_attempt("alice", T0 + 120_000, policy)
-            .await
-            .unwrap(),
-        1
+        seen(1, late)
     );
     db.login_succeeded("alice").await.unwrap();
     assert_eq!(
-        db.count_login_attempt("alice", T0 + 120_001, policy)
-            .await
-            .unwrap(),
-        1,
+        db.login_failures("alice").await.unwrap(),
+        None,
         "a success clears"
     );
-    // Concurrent attempts all count: exactly one sees each number.
+    assert_eq!(
+        db.count_login_failure("alice", late + 1, forget(late + 1))
+            .await
+            .unwrap(),
+        seen(1, late + 1)
+    );
+    // Concurrent failures all count: exactly one sees each number.
     let tasks: Vec<_> = (0..6)
         .map(|_| {
             let db = db.clone();
-            tokio::spawn(async move { db.count_login_attempt("carol", T0, policy).await.unwrap() })
+            tokio::spawn(async move {
+                db.count_login_failure("carol", T0, forget(T0))
+                    .await
+                    .unwrap()
+                    .failures
+            })
         })
         .collect();
-    let mut seen = Vec::new();
+    let mut counted = Vec::new();
     for t in tasks {
-        seen.push(t.await.unwrap());
+        counted.push(t.await.unwrap());
     }
-    seen.sort_unstable();
-    assert_eq!(seen, vec![1, 2, 3, 4, 5, 6]);
-    assert!(
-        db.login_locked_until("carol", T0 + 1)
-            .await
-            .unwrap()
-            .is_some()
-    );
+    counted.sort_unstable();
+    assert_eq!(counted, vec![1, 2, 3, 4, 5, 6]);
     assert_eq!(
         db.purge_stats(T0 + 200_000).await.unwrap(),
         2,
         "old counters are purged"
     );
+    assert_eq!(db.login_failures("carol").await.unwrap(), None);
 }
 
 async fn delivery_ids_are_taken_once(db: &Db) {

@@ -3,10 +3,11 @@
 //! limits, actions and bulk actions, the API, API tokens and metrics.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ballast::config::Config;
-use ballast::domain::{OperatorAction, Outcome, Role};
+use ballast::domain::{Clock, ManualClock, OperatorAction, Outcome, Role, SystemClock};
 use ballast::store::{ActionRequest, Backend, NewAttempt, NewRecord, NewUser, Store};
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
@@ -51,6 +52,28 @@ impl WebApp {
     /// `fixed_secret`: sign sessions with [`SECRET`]; otherwise the key is
     /// generated and kept in the database, as in production by default.
     pub async fn spawn_with(t: TestDb, extra: &str, fixed_secret: bool) -> WebApp {
+        Self::spawn_on_clock(t, extra, fixed_secret, Arc::new(SystemClock)).await
+    }
+
+    /// [`WebApp::spawn`] on a clock the test moves. Session tokens are
+    /// checked against the wall clock as well, so a test's clock should
+    /// stay behind it (start it an hour or more back).
+    pub async fn spawn_clocked(
+        backend: Backend,
+        test: &str,
+        extra: &str,
+        clock: &ManualClock,
+    ) -> Option<WebApp> {
+        let t = TestDb::new(backend, test).await?;
+        Some(Self::spawn_on_clock(t, extra, true, Arc::new(clock.clone())).await)
+    }
+
+    async fn spawn_on_clock(
+        t: TestDb,
+        extra: &str,
+        fixed_secret: bool,
+        clock: Arc<dyn Clock>,
+    ) -> WebApp {
         let text = format!("[database]\nurl = \"{}\"\n{extra}", t.url);
         let mut config = Config::parse(&text, std::path::Path::new("web.toml")).unwrap();
         if fixed_secret {
@@ -64,7 +87,14 @@ impl WebApp {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
-        let mut server = tokio::spawn(ballast::app::run(config, listener, shutdown.clone()));
+        let mut server = tokio::spawn(ballast::app::run_on_clock(
+            config,
+            ballast::reload::Source::Built("a test's"),
+            listener,
+            shutdown.clone(),
+            clock,
+            |_| {},
+        ));
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(Duration::from_secs(20))
@@ -306,6 +336,17 @@ pub fn session_cookie(headers: &HeaderMap) -> Option<String> {
         .iter()
         .filter_map(|v| v.to_str().ok())
         .find(|v| v.contains("ballast_session="))
+        .and_then(|v| v.split(';').next())
+        .map(str::to_owned)
+}
+
+/// `name=value` of the device cookie a response sets.
+pub fn device_cookie(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.contains("ballast_device="))
         .and_then(|v| v.split(';').next())
         .map(str::to_owned)
 }
@@ -1139,18 +1180,21 @@ async fn provider_data_renders_as_inert_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_are_limited_per_address_and_per_account() {
     let extra = "[server.limits]\nlogins_per_minute = 4\naccount_failures = 3\n";
-    let Some(app) = WebApp::spawn(Backend::Sqlite, "throttle", extra).await else {
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "throttle", extra, &clock).await else {
         return;
     };
     app.user("alice", Role::Viewer).await;
-    // Per account: three failures lock the name, even for the right password.
+    // Per account: three failures make the name wait a second, even for
+    // the right password (the clock stands still, so the wait holds).
     for _ in 0..3 {
         assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
     }
-    let locked = app.try_login("alice", &password_of("alice")).await;
-    assert_eq!(locked.status(), 429);
+    let delayed = app.try_login("alice", &password_of("alice")).await;
+    assert_eq!(delayed.status(), 429);
+    assert_eq!(delayed.headers()["retry-after"], "1");
     assert!(
-        locked
+        delayed
             .text()
             .await
             .unwrap()
@@ -1171,10 +1215,10 @@ async fn logins_are_limited_per_address_and_per_account() {
     assert_eq!(r.headers()["retry-after"], "60");
     assert!(r.text().await.unwrap().contains("too many login attempts"));
     app.stop().await;
-    // Unknown names lock the same way (no enumeration by lockout), and
-    // parallel guesses cannot slip past the limit.
+    // Unknown names wait the same way (no enumeration by delay), and
+    // guesses at once all count.
     let extra = "[server.limits]\nlogins_per_minute = 100\naccount_failures = 3\n";
-    let Some(app) = WebApp::spawn(Backend::Sqlite, "throttle2", extra).await else {
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "throttle2", extra, &clock).await else {
         return;
     };
     app.user("dave", Role::Viewer).await;
@@ -1184,29 +1228,131 @@ async fn logins_are_limited_per_address_and_per_account() {
     assert_eq!(
         app.try_login("ghost", "guess-123456").await.status(),
         429,
-        "an unknown name locks too"
+        "an unknown name waits too"
     );
-    // Eight wrong guesses at once: each is counted before its password is
-    // checked, so no more than the limit are checked. (A right password
-    // among them could land before the lock and, succeeding, clear the
-    // count: it is tried after, and the lock holds for it too.)
     let guesses: Vec<_> = (0..8)
         .map(|_| app.try_login("dave", "guess-123456"))
         .collect();
-    let statuses: Vec<u16> = futures_util::future::join_all(guesses)
-        .await
-        .iter()
-        .map(|r| r.status().as_u16())
-        .collect();
-    let checked = statuses.iter().filter(|s| **s != 429).count();
-    assert!(
-        checked <= 3,
-        "at most 3 of 8 parallel guesses were checked: {statuses:?}"
-    );
+    for r in futures_util::future::join_all(guesses).await {
+        assert!([401, 429].contains(&r.status().as_u16()), "{r:?}");
+    }
     assert_eq!(
         app.try_login("dave", "pw-dave-0123456789").await.status(),
         429,
-        "the right password waits for the lock too"
+        "the right password waits too"
+    );
+    app.stop().await;
+}
+
+/// The name's delay after failures: 1 s at the threshold, doubling with
+/// each further failure, never more than 30 s however many come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_login_delay_grows_with_failures_and_is_capped() {
+    let extra = "[server.limits]\nlogins_per_minute = 1000\naccount_failures = 2\n";
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "delay_cap", extra, &clock).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    // Two failures reach the threshold; each later check waits.
+    for _ in 0..2 {
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
+    }
+    let mut waits = Vec::new();
+    for _ in 0..9 {
+        let r = app.try_login("alice", "wrong-password").await;
+        assert_eq!(r.status(), 429);
+        let secs: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        waits.push(secs);
+        // Just short of the wait, the name still waits; at it, the next
+        // guess is checked (and fails, lengthening the wait).
+        clock.advance(secs * 1000 - 1);
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 429);
+        clock.advance(1);
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
+    }
+    assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30, 30]);
+    // Past the longest wait, the owner gets in, however many failures.
+    clock.advance(30_000);
+    assert_eq!(
+        app.try_login("alice", &password_of("alice")).await.status(),
+        303
+    );
+    app.stop().await;
+}
+
+/// An attacker who keeps failing on a name slows only browsers that never
+/// logged in to it: one holding the device cookie of an earlier login to
+/// that name goes straight to the password check. The cookie is signed
+/// and bound to the name: it helps no other name, and a forged one helps
+/// nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attackers_failures_do_not_keep_out_a_user_with_a_device_cookie() {
+    let extra = "[server.limits]\nlogins_per_minute = 1000\naccount_failures = 3\n";
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "device", extra, &clock).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    app.user("bob", Role::Viewer).await;
+    let first = app.try_login("alice", &password_of("alice")).await;
+    assert_eq!(first.status(), 303);
+    let device = device_cookie(first.headers()).expect("a device cookie");
+    let set = first
+        .headers()
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.contains("ballast_device="))
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(
+        set.contains("httponly") && set.contains("max-age="),
+        "{set}"
+    );
+    // The attacker's failures, on alice and on bob.
+    for name in ["alice", "bob"] {
+        for _ in 0..20 {
+            let r = app.try_login(name, "guess-123456").await;
+            assert!([401, 429].contains(&r.status().as_u16()));
+        }
+    }
+    let with = |name: &str, cookie: &str| {
+        app.client
+            .post(app.url("/login"))
+            .header("origin", app.origin())
+            .header("cookie", cookie.to_owned())
+            .form(&[
+                ("username", name),
+                ("password", &password_of(name)),
+                ("next", "/"),
+            ])
+            .send()
+    };
+    assert_eq!(
+        app.try_login("alice", &password_of("alice")).await.status(),
+        429
+    );
+    assert_eq!(
+        with("bob", &device).await.unwrap().status(),
+        429,
+        "not bob's"
+    );
+    let (value, mac) = device.rsplit_once('.').unwrap();
+    let forged = format!("{value}.{}", "0".repeat(mac.len()));
+    assert_eq!(
+        with("alice", &forged).await.unwrap().status(),
+        429,
+        "forged"
+    );
+    assert_eq!(
+        with("alice", &device).await.unwrap().status(),
+        303,
+        "alice's browser"
     );
     app.stop().await;
 }

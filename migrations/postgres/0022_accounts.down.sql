@@ -1,0 +1,7 @@
+DROP TABLE login_throttle;
+CREATE TABLE login_throttle (
+    username     TEXT    PRIMARY KEY,
+    failures     BIGINT NOT NULL,
+    window_start BIGINT NOT NULL,
+    locked_until BIGINT
+);

@@ -1,0 +1,7 @@
+DROP TABLE login_throttle;
+CREATE TABLE login_throttle (
+    username     TEXT    PRIMARY KEY,
+    failures     INTEGER NOT NULL,
+    window_start INTEGER NOT NULL,
+    locked_until INTEGER
+);
