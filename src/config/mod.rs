@@ -264,6 +264,10 @@ pub struct WebLimits {
     /// lock's length when failures locked a name.)
     #[serde(alias = "lockout")]
     pub account_window: HumanDuration,
+    /// Password checks (argon2, about 19 MiB each) one node runs at once;
+    /// a login past them is answered 503 with `Retry-After` unchecked.
+    /// Default: twice the CPU cores, from 4 to 16.
+    pub password_checks: u32,
     /// API requests per second per token (bursts of twice as many).
     pub api_per_second: u32,
     /// Records one bulk action may touch.
@@ -280,12 +284,22 @@ impl Default for WebLimits {
             logins_per_minute: 10,
             account_failures: 5,
             account_window: HumanDuration::secs(15 * 60),
+            password_checks: default_password_checks(),
             api_per_second: 50,
             bulk_max: 1000,
             bulk_per_minute: 10,
             max_body_bytes: 256 * 1024,
         }
     }
+}
+
+/// Twice the CPU cores, from 4 to 16: enough to keep the cores busy
+/// checking, few enough that the checks' memory stays under about 300 MiB.
+fn default_password_checks() -> u32 {
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
+    u32::try_from(cores.saturating_mul(2))
+        .unwrap_or(u32::MAX)
+        .clamp(4, 16)
 }
 
 impl ServerConfig {
@@ -726,6 +740,7 @@ impl Config {
         for (key, value) in [
             ("server.limits.logins_per_minute", l.logins_per_minute),
             ("server.limits.account_failures", l.account_failures),
+            ("server.limits.password_checks", l.password_checks),
             ("server.limits.api_per_second", l.api_per_second),
             ("server.limits.bulk_max", l.bulk_max),
             ("server.limits.bulk_per_minute", l.bulk_per_minute),

@@ -467,7 +467,22 @@ pub fn client_ip(headers: &HeaderMap, peer: Option<IpAddr>, trusted: &[IpAddr]) 
     Some(peer)
 }
 
-/// tower_governor key: the client address (see [`client_ip`]).
+/// The client a per-address limit counts an address against: an IPv4
+/// address alone, an IPv6 address by its /64. One subscriber or host is
+/// routinely handed a whole /64, so counting its addresses one by one
+/// would give a single client 2^64 budgets.
+pub fn limit_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let network = u128::from(v6) & !u128::from(u64::MAX);
+            IpAddr::V6(std::net::Ipv6Addr::from(network))
+        }
+        v4 => v4,
+    }
+}
+
+/// tower_governor key: the client address (see [`client_ip`]), IPv6 by
+/// its /64 ([`limit_key`]).
 #[derive(Clone)]
 pub struct ClientIpKey {
     pub trusted: Arc<[IpAddr]>,
@@ -482,6 +497,7 @@ impl tower_governor::key_extractor::KeyExtractor for ClientIpKey {
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
         client_ip(req.headers(), peer, &self.trusted)
+            .map(limit_key)
             .ok_or(tower_governor::GovernorError::UnableToExtractKey)
     }
 }
@@ -547,6 +563,27 @@ mod tests {
             client_ip(&HeaderMap::new(), Some(proxy), &[proxy]),
             Some(proxy)
         );
+    }
+
+    #[test]
+    fn limits_count_ipv6_clients_by_their_64() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let net = ip("2001:db8:1:2::");
+        for one in [
+            "2001:db8:1:2::1",
+            "2001:db8:1:2:ffff:ffff:ffff:ffff",
+            "2001:db8:1:2::",
+        ] {
+            assert_eq!(limit_key(ip(one)), net, "{one}");
+        }
+        assert_ne!(limit_key(ip("2001:db8:1:3::1")), net, "the next /64");
+        assert_eq!(limit_key(ip("203.0.113.9")), ip("203.0.113.9"));
+        assert_eq!(
+            limit_key(ip("::ffff:203.0.113.9")),
+            ip("203.0.113.9"),
+            "a mapped IPv4 address is that address"
+        );
+        assert_ne!(limit_key(ip("203.0.113.9")), limit_key(ip("203.0.113.10")));
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct WebApp {
     pub addr: SocketAddr,
     pub t: TestDb,
     pub client: reqwest::Client,
+    /// The running node's state (its limits and keys, as handlers see them).
+    pub state: ballast::web::AppState,
     shutdown: CancellationToken,
     server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -87,13 +89,16 @@ impl WebApp {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
+        let (started, state) = tokio::sync::oneshot::channel();
         let mut server = tokio::spawn(ballast::app::run_on_clock(
             config,
             ballast::reload::Source::Built("a test's"),
             listener,
             shutdown.clone(),
             clock,
-            |_| {},
+            move |s| {
+                let _ = started.send(s.clone());
+            },
         ));
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
@@ -110,10 +115,13 @@ impl WebApp {
         };
         let ready = ready.expect("the server answers /readyz");
         assert_eq!(ready.status(), 200, "{:?}", ready.text().await);
+        // Called before the server serves, so it has been by now.
+        let state = state.await.expect("the app's state");
         WebApp {
             addr,
             t,
             client,
+            state,
             shutdown,
             server: Some(server),
         }
@@ -1234,7 +1242,7 @@ async fn logins_are_limited_per_address_and_per_account() {
         .map(|_| app.try_login("dave", "guess-123456"))
         .collect();
     for r in futures_util::future::join_all(guesses).await {
-        assert!([401, 429].contains(&r.status().as_u16()), "{r:?}");
+        assert!([401, 429, 503].contains(&r.status().as_u16()), "{r:?}");
     }
     assert_eq!(
         app.try_login("dave", "pw-dave-0123456789").await.status(),
@@ -1353,6 +1361,37 @@ async fn an_attackers_failures_do_not_keep_out_a_user_with_a_device_cookie() {
         with("alice", &device).await.unwrap().status(),
         303,
         "alice's browser"
+    );
+    app.stop().await;
+}
+
+/// Password checks are bounded per node: with every place taken, a login
+/// is answered 503 with `Retry-After`, unchecked and uncounted; once a
+/// place is free, logins are checked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_past_the_password_check_cap_are_told_to_come_back() {
+    let extra = "[server.limits]\npassword_checks = 1\naccount_failures = 1\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "check_cap", extra).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    let held = app
+        .state
+        .web
+        .password_checks
+        .try_slot()
+        .expect("the one place");
+    for password in ["wrong-password".to_owned(), password_of("alice")] {
+        let r = app.try_login("alice", &password).await;
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()["retry-after"], "1");
+        assert!(r.text().await.unwrap().contains("Try again in a second"));
+    }
+    drop(held);
+    // Had the refused wrong password counted, alice would wait now.
+    assert_eq!(
+        app.try_login("alice", &password_of("alice")).await.status(),
+        303
     );
     app.stop().await;
 }

@@ -138,14 +138,23 @@ async fn submit(
             return Ok(r);
         }
     }
-    let Some(user) = check_password(&state, &username, form.password).await? else {
-        // Counted once the check is over: nothing is held meanwhile.
-        let count = state
-            .db
-            .count_login_failure(&username, now, policy.forget_before(now))
-            .await?;
-        tracing::warn!(user = %username, failures = count.failures, "failed login");
-        return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
+    let user = match check_password(&state, &username, form.password).await? {
+        Checked::Matches(user) => user,
+        Checked::Busy => {
+            let mut r = refused(StatusCode::SERVICE_UNAVAILABLE, BUSY, &username, &next)?;
+            retry_after(&mut r, 1);
+            return Ok(r);
+        }
+        Checked::Wrong => {
+            // Counted once the check is over and its place given back, so
+            // no check waits on this write.
+            let count = state
+                .db
+                .count_login_failure(&username, now, policy.forget_before(now))
+                .await?;
+            tracing::warn!(user = %username, failures = count.failures, "failed login");
+            return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
+        }
     };
     if seen.is_some() {
         state.db.login_succeeded(&username).await?;
@@ -154,22 +163,36 @@ async fn submit(
 }
 
 const WRONG: &str = "Unknown user or wrong password.";
+const BUSY: &str = "Too many logins are being checked right now. Try again in a second.";
 
-/// The enabled user `username` if `password` is theirs. Always one argon2
-/// verification, against a dummy hash when the user is unknown or
-/// disabled, so timing does not tell which names exist.
-async fn check_password(
-    state: &AppState,
-    username: &str,
-    password: String,
-) -> WebResult<Option<User>> {
+/// What a password check found.
+enum Checked {
+    /// The enabled user whose password it is.
+    Matches(User),
+    /// An unknown or disabled user, or not their password.
+    Wrong,
+    /// Not checked: every place for a check is taken.
+    Busy,
+}
+
+/// Checks `password` for `username`: always one argon2 verification,
+/// against a dummy hash when the user is unknown or disabled, so timing
+/// does not tell which names exist; none when the node's checks are all
+/// taken (`server.limits.password_checks`).
+async fn check_password(state: &AppState, username: &str, password: String) -> WebResult<Checked> {
     let user = state.db.user_by_name(username).await?;
+    let Some(slot) = state.web.password_checks.try_slot() else {
+        return Ok(Checked::Busy);
+    };
     let hash = match &user {
         Some(u) if !u.disabled => u.password_hash.clone(),
         _ => state.web.keys.dummy_hash.clone(),
     };
-    let matches = password::verify_blocking(password, hash).await;
-    Ok(user.filter(|u| matches && !u.disabled))
+    let matches = slot.verify(password, hash).await;
+    Ok(match user {
+        Some(u) if matches && !u.disabled => Checked::Matches(u),
+        _ => Checked::Wrong,
+    })
 }
 
 /// A new session for `user`, its cookie and this browser's device cookie,
