@@ -5,3 +5,6 @@ CREATE TABLE login_throttle (
     window_start BIGINT NOT NULL,
     locked_until BIGINT
 );
+
+-- Sessions kept under hashed ids mean nothing to the older binary.
+DELETE FROM sessions;

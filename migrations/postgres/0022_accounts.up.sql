@@ -10,3 +10,9 @@ CREATE TABLE login_throttle (
     failures        BIGINT  NOT NULL,
     last_failure_at BIGINT  NOT NULL
 );
+
+-- Sessions are kept under the SHA-256 of the id their cookie carries (as
+-- API tokens are), so that a copy of the database opens no session. The
+-- sessions kept under their raw ids are dropped (as on SQLite, which has
+-- no SHA-256 to carry them over with), and everyone logs in again.
+DELETE FROM sessions;

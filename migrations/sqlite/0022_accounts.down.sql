@@ -5,3 +5,6 @@ CREATE TABLE login_throttle (
     window_start INTEGER NOT NULL,
     locked_until INTEGER
 );
+
+-- Sessions kept under hashed ids mean nothing to the older binary.
+DELETE FROM sessions;

@@ -10,3 +10,9 @@ CREATE TABLE login_throttle (
     failures        INTEGER NOT NULL,
     last_failure_at INTEGER NOT NULL
 );
+
+-- Sessions are kept under the SHA-256 of the id their cookie carries (as
+-- API tokens are), so that a copy of the database opens no session. The
+-- sessions kept under their raw ids cannot be carried over (SQLite has no
+-- SHA-256): they are dropped, and everyone logs in again.
+DELETE FROM sessions;

@@ -102,11 +102,12 @@ impl AuthKeys {
         }
     }
 
-    /// The signed token for a session.
-    pub fn issue(&self, session: &Session) -> Result<String, WebError> {
+    /// The signed token for a session, naming it by the id only the
+    /// cookie carries (`sid`; the store keeps its [`session_key`]).
+    pub fn issue(&self, sid: &str, session: &Session) -> Result<String, WebError> {
         let claims = Claims {
             sub: session.user_id.to_string(),
-            sid: session.id.clone(),
+            sid: sid.to_owned(),
             iat: session.created_at / 1000,
             nbf: session.created_at / 1000,
             exp: session.expires_at / 1000,
@@ -275,7 +276,8 @@ pub struct Caller {
     /// The name written into audit events.
     pub actor: String,
     pub role: Role,
-    /// The session id, for CSRF checks and logout; `None` for API tokens.
+    /// The session id the cookie carries, for CSRF checks and logout;
+    /// `None` for API tokens.
     pub session_id: Option<String>,
     /// The session's CSRF token, for pages to embed.
     pub csrf: String,
@@ -386,7 +388,7 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
     let now = state.clock.now_ms();
     let session = state
         .db
-        .session(&claims.sid)
+        .session(&session_key(&claims.sid))
         .await?
         .filter(|s| s.is_live(now) && s.user_id.to_string() == claims.sub)
         .ok_or(WebError::Unauthenticated)?;
@@ -399,8 +401,8 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
     Ok(Caller {
         actor: user.username.clone(),
         role: user.role,
-        csrf: keys.csrf_token(&session.id),
-        session_id: Some(session.id),
+        csrf: keys.csrf_token(&claims.sid),
+        session_id: Some(claims.sid),
         user: Some(user),
     })
 }
@@ -526,16 +528,30 @@ impl tower_governor::key_extractor::KeyExtractor for ApiKey {
     }
 }
 
-/// A new session for `user`, valid for the configured lifetime; its id is
-/// 128 bits from the OS's CSPRNG.
-pub fn new_session(user: &User, now: UnixMs, ttl_ms: i64) -> Result<Session, RandomError> {
-    Ok(Session {
-        id: secret::hex::<16>()?,
+/// A new session for `user`, valid for the configured lifetime: the id
+/// the cookie carries (128 bits from the OS's CSPRNG) and the session as
+/// stored, under that id's [`session_key`].
+pub fn new_session(
+    user: &User,
+    now: UnixMs,
+    ttl_ms: i64,
+) -> Result<(String, Session), RandomError> {
+    let sid = secret::hex::<16>()?;
+    let session = Session {
+        id: session_key(&sid),
         user_id: user.id,
         created_at: now,
         expires_at: now.saturating_add(ttl_ms),
         revoked_at: None,
-    })
+    };
+    Ok((sid, session))
+}
+
+/// The stored form of a session id: its SHA-256, as for API tokens, so
+/// that a copy of the database (a backup, say) names no session a cookie
+/// could carry, even with the signing key beside it.
+pub fn session_key(sid: &str) -> String {
+    hash_token(sid)
 }
 
 #[cfg(test)]

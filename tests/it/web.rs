@@ -465,6 +465,76 @@ fn b64(bytes: &[u8]) -> String {
     out
 }
 
+/// A session row keeps the SHA-256 of the id its cookie carries, never
+/// the id: a copy of the database, signing key and all, opens no session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_stored_hashed() {
+    both("hashed_sessions", async |backend, test| {
+        let Some(app) = WebApp::spawn(backend, test, "").await else {
+            return;
+        };
+        app.user("alice", Role::Admin).await;
+        let login = app.login("alice").await;
+        let token = login.cookie.split_once('=').unwrap().1.to_owned();
+        let payload = token.split('.').nth(1).unwrap();
+        let pad = "=".repeat((4 - payload.len() % 4) % 4);
+        let std = format!("{payload}{pad}")
+            .replace('-', "+")
+            .replace('_', "/");
+        let claims: Value = serde_json::from_slice(&base64_decode(&std)).unwrap();
+        let sid = claims["sid"].as_str().unwrap().to_owned();
+        let stored = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(sid.as_bytes()));
+        assert_eq!(app.t.db.session(&sid).await.unwrap(), None, "{backend:?}");
+        let row = app.t.db.session(&stored).await.unwrap().expect("its row");
+        assert_ne!(row.id, sid);
+        // What a copy of the database gives, signed with the right key,
+        // names no session.
+        let derived = {
+            use hmac::{Hmac, KeyInit, Mac};
+            let mut mac =
+                <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(SECRET.as_bytes()).unwrap();
+            mac.update(b"ballast session v1");
+            mac.finalize().into_bytes().to_vec()
+        };
+        let mut from_copy = claims.clone();
+        from_copy["sid"] = json!(stored);
+        for (what, claims, status) in [
+            ("the cookie's", &claims, 200),
+            ("the row's", &from_copy, 303),
+        ] {
+            let forged = forge(claims, jsonwebtoken::Algorithm::HS256, &derived);
+            let l = Login {
+                cookie: format!("__Host-ballast_session={forged}"),
+                csrf: String::new(),
+            };
+            assert_eq!(app.get("/", Some(&l)).await.status(), status, "{what} id");
+        }
+        // The session works as before: its pages, its CSRF token, logout.
+        assert_eq!(app.get("/", Some(&login)).await.status(), 200);
+        let out = app
+            .client
+            .post(app.url("/logout"))
+            .header("origin", app.origin())
+            .header("cookie", &login.cookie)
+            .form(&[("csrf", login.csrf.as_str())])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(out.status(), 303);
+        assert!(
+            !app.t
+                .db
+                .session(&stored)
+                .await
+                .unwrap()
+                .unwrap()
+                .is_live(crate::helpers::wall_ms())
+        );
+        app.stop().await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_expired_and_confused_tokens_are_refused() {
     let Some(app) = WebApp::spawn(Backend::Sqlite, "jwt", "").await else {

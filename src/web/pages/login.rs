@@ -204,10 +204,10 @@ async fn start_session(
     next: &str,
 ) -> WebResult<Response> {
     let keys = &state.web.keys;
-    let session = auth::new_session(user, now, keys.session_ttl_ms)
+    let (sid, session) = auth::new_session(user, now, keys.session_ttl_ms)
         .map_err(|e| WebError::Internal(e.to_string()))?;
     state.db.create_session(&session).await?;
-    let token = keys.issue(&session)?;
+    let token = keys.issue(&sid, &session)?;
     tracing::info!(user = %user.username, "logged in");
     let mut r = Redirect::to(next).into_response();
     set_cookie(&mut r, &keys.session_cookie(token))?;
@@ -222,7 +222,8 @@ async fn logout(
 ) -> WebResult<Response> {
     if let Ok(caller) = auth::session_caller(&headers, &state).await {
         if let Some(sid) = caller.session_id {
-            state.db.revoke_session(&sid, state.clock.now_ms()).await?;
+            let key = auth::session_key(&sid);
+            state.db.revoke_session(&key, state.clock.now_ms()).await?;
         }
     }
     let mut r = Redirect::to("/login").into_response();
