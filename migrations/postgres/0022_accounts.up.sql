@@ -16,3 +16,7 @@ CREATE TABLE login_throttle (
 -- sessions kept under their raw ids are dropped (as on SQLite, which has
 -- no SHA-256 to carry them over with), and everyone logs in again.
 DELETE FROM sessions;
+
+-- When each session was last used (noted at most once a minute), for the
+-- idle timeout beside the absolute one.
+ALTER TABLE sessions ADD COLUMN last_seen_at BIGINT NOT NULL DEFAULT 0;

@@ -16,3 +16,7 @@ CREATE TABLE login_throttle (
 -- sessions kept under their raw ids cannot be carried over (SQLite has no
 -- SHA-256): they are dropped, and everyone logs in again.
 DELETE FROM sessions;
+
+-- When each session was last used (noted at most once a minute), for the
+-- idle timeout beside the absolute one.
+ALTER TABLE sessions ADD COLUMN last_seen_at INTEGER NOT NULL DEFAULT 0;

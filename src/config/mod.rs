@@ -209,6 +209,9 @@ pub struct ServerConfig {
     pub secure_cookies: bool,
     /// How long a login lasts. Env: `BALLAST_SERVER_SESSION_TTL`.
     pub session_ttl: HumanDuration,
+    /// How long a login lasts unused (within `session_ttl`).
+    /// Env: `BALLAST_SERVER_SESSION_IDLE`.
+    pub session_idle: HumanDuration,
     /// Peers whose `X-Forwarded-For` is believed (reverse proxies that
     /// overwrite it). Others' client address is the peer address.
     /// Env: `BALLAST_SERVER_TRUSTED_PROXIES` (comma-separated).
@@ -239,6 +242,7 @@ impl Default for ServerConfig {
             shutdown_grace: HumanDuration::secs(10),
             secure_cookies: true,
             session_ttl: HumanDuration::secs(8 * 3600),
+            session_idle: HumanDuration::secs(30 * 60),
             trusted_proxies: Vec::new(),
             secret_key: None,
             admin_password: None,
@@ -542,7 +546,7 @@ impl Config {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
         type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 16] = [
+        let setters: [(&str, Setter); 17] = [
             ("BALLAST_ADMIN_PASSWORD", |c, v| {
                 crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
                 c.server.admin_password = Some(Secret::new(v));
@@ -556,6 +560,10 @@ impl Config {
             }),
             ("BALLAST_SERVER_SESSION_TTL", |c, v| {
                 c.server.session_ttl = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+            ("BALLAST_SERVER_SESSION_IDLE", |c, v| {
+                c.server.session_idle = HumanDuration(parse_duration(v)?);
                 Ok(())
             }),
             ("BALLAST_SERVER_TRUSTED_PROXIES", |c, v| {
@@ -719,6 +727,11 @@ impl Config {
         }
         if self.server.session_ttl.0.as_secs() < 60 {
             return Err(invalid("server.session_ttl", "must be at least 1m".into()));
+        }
+        // Uses are noted once a minute: a shorter idle time would end
+        // sessions in use.
+        if self.server.session_idle.0.as_secs() < 5 * 60 {
+            return Err(invalid("server.session_idle", "must be at least 5m".into()));
         }
         if let Some(key) = &self.server.secret_key {
             if key.expose().len() < 32 {

@@ -1343,12 +1343,13 @@ where
 
     async fn create_session(&self, s: &Session) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
-        sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at, revoked_at) VALUES ($1, $2, $3, $4, $5)")
+        sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at, revoked_at, last_seen_at) VALUES ($1, $2, $3, $4, $5, $6)")
             .bind(s.id.clone())
             .bind(s.user_id)
             .bind(s.created_at)
             .bind(s.expires_at)
             .bind(s.revoked_at)
+            .bind(s.last_seen_at)
             .execute(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "session", &s.id))?;
@@ -1358,12 +1359,23 @@ where
 
     async fn session(&self, id: &str) -> StoreResult<Option<Session>> {
         let row = sqlx::query(
-            "SELECT id, user_id, created_at, expires_at, revoked_at FROM sessions WHERE id = $1",
+            "SELECT id, user_id, created_at, expires_at, revoked_at, last_seen_at FROM sessions WHERE id = $1",
         )
         .bind(id.to_owned())
         .fetch_optional(self.reader())
         .await?;
         row.as_ref().map(MapRow::session).transpose()
+    }
+
+    async fn touch_session(&self, id: &str, now: UnixMs) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("UPDATE sessions SET last_seen_at = $1 WHERE id = $2 AND last_seen_at < $1")
+            .bind(now)
+            .bind(id.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn revoke_session(&self, id: &str, now: UnixMs) -> StoreResult<()> {

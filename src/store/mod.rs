@@ -947,6 +947,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<()>> + Send;
     fn create_session(&self, session: &Session) -> impl Future<Output = StoreResult<()>> + Send;
     fn session(&self, id: &str) -> impl Future<Output = StoreResult<Option<Session>>> + Send;
+    /// Notes a use of session `id` at `now` (never moving it back).
+    fn touch_session(&self, id: &str, now: UnixMs) -> impl Future<Output = StoreResult<()>> + Send;
     fn revoke_session(&self, id: &str, now: UnixMs)
     -> impl Future<Output = StoreResult<()>> + Send;
     /// Deletes sessions that expired before `before`; returns how many.
@@ -1353,6 +1355,7 @@ forward! {
     fn set_theme(&self, id: i64, theme: Option<&str>) -> ();
     fn create_session(&self, session: &Session) -> ();
     fn session(&self, id: &str) -> Option<Session>;
+    fn touch_session(&self, id: &str, now: UnixMs) -> ();
     fn revoke_session(&self, id: &str, now: UnixMs) -> ();
     fn purge_sessions(&self, before: UnixMs) -> u64;
     fn heartbeat(&self, beat: &NodeBeat, now: UnixMs) -> ();

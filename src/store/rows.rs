@@ -300,6 +300,7 @@ where
             created_at: self.try_get("created_at")?,
             expires_at: self.try_get("expires_at")?,
             revoked_at: self.try_get("revoked_at")?,
+            last_seen_at: self.try_get("last_seen_at")?,
         })
     }
 

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::auth::secret::{self, RandomError};
-use crate::domain::{Role, Session, UnixMs, User};
+use crate::domain::{Role, Session, SessionUse, UnixMs, User};
 use crate::store::Store;
 use crate::web::AppState;
 
@@ -49,6 +49,7 @@ pub struct AuthKeys {
     device_key: Vec<u8>,
     pub secure: bool,
     pub session_ttl_ms: i64,
+    pub session_idle_ms: i64,
     pub trusted_proxies: Arc<[IpAddr]>,
     /// A hash of a random password: unknown users are verified against it so
     /// that they cost the same time as known ones.
@@ -88,6 +89,7 @@ impl AuthKeys {
             device_key,
             secure: config.secure_cookies,
             session_ttl_ms: i64::try_from(config.session_ttl.0.as_millis()).unwrap_or(i64::MAX),
+            session_idle_ms: i64::try_from(config.session_idle.0.as_millis()).unwrap_or(i64::MAX),
             trusted_proxies: config.trusted_proxies.clone().into(),
             dummy_hash,
             metrics_token: config.metrics_token.as_ref().map(|s| s.expose().to_owned()),
@@ -380,7 +382,8 @@ fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// Resolves the session cookie to a caller: a valid token, a live session
-/// in the store (so logout and user changes apply at once), an enabled user.
+/// in the store (so logout and user changes apply at once) used within the
+/// idle time, an enabled user.
 pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Caller, WebError> {
     let keys = &state.web.keys;
     let token = cookie_value(headers, keys.cookie_name()).ok_or(WebError::Unauthenticated)?;
@@ -390,8 +393,17 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
         .db
         .session(&session_key(&claims.sid))
         .await?
-        .filter(|s| s.is_live(now) && s.user_id.to_string() == claims.sub)
+        .filter(|s| s.user_id.to_string() == claims.sub)
         .ok_or(WebError::Unauthenticated)?;
+    match session.used(now, keys.session_idle_ms) {
+        SessionUse::Dead => return Err(WebError::Unauthenticated),
+        SessionUse::Live { touch: false } => {}
+        SessionUse::Live { touch: true } => {
+            if let Err(e) = state.db.touch_session(&session.id, now).await {
+                tracing::warn!(error = %e, "could not note a session's use");
+            }
+        }
+    }
     let user = state
         .db
         .user_by_id(session.user_id)
@@ -543,6 +555,7 @@ pub fn new_session(
         created_at: now,
         expires_at: now.saturating_add(ttl_ms),
         revoked_at: None,
+        last_seen_at: now,
     };
     Ok((sid, session))
 }

@@ -1980,8 +1980,16 @@ async fn users_and_sessions(db: &Db) {
         created_at: T0,
         expires_at: T0 + 3_600_000,
         revoked_at: None,
+        last_seen_at: T0,
     };
     db.create_session(&s).await.unwrap();
+    // A session's use is noted, never moved back.
+    db.touch_session("jti-1", T0 + 60_000).await.unwrap();
+    db.touch_session("jti-1", T0 + 1).await.unwrap();
+    assert_eq!(
+        db.session("jti-1").await.unwrap().unwrap().last_seen_at,
+        T0 + 60_000
+    );
     let s2 = Session {
         id: "jti-2".into(),
         ..s.clone()

@@ -465,6 +465,54 @@ fn b64(bytes: &[u8]) -> String {
     out
 }
 
+/// A session ends after `session_idle` unused (30 minutes by default),
+/// well within its 8-hour lifetime; each use within it keeps it going,
+/// and uses are written down at most once a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_end_when_idle() {
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3 * 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "idle", "", &clock).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    let login = app.login("alice").await;
+    let sid = {
+        let token = login.cookie.split_once('=').unwrap().1;
+        let payload = token.split('.').nth(1).unwrap();
+        let pad = "=".repeat((4 - payload.len() % 4) % 4);
+        let std = format!("{payload}{pad}")
+            .replace('-', "+")
+            .replace('_', "/");
+        let claims: Value = serde_json::from_slice(&base64_decode(&std)).unwrap();
+        claims["sid"].as_str().unwrap().to_owned()
+    };
+    let stored = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(sid.as_bytes()));
+    let seen = async || {
+        let s = app.t.db.session(&stored).await.unwrap().unwrap();
+        s.last_seen_at
+    };
+    let logged_in = seen().await;
+    clock.advance(30_000);
+    assert_eq!(app.get("/", Some(&login)).await.status(), 200);
+    assert_eq!(seen().await, logged_in, "not noted within a minute");
+    // Used every 20 minutes, it lasts past an hour.
+    for _ in 0..4 {
+        clock.advance(20 * 60_000);
+        assert_eq!(app.get("/", Some(&login)).await.status(), 200);
+    }
+    assert_eq!(seen().await, clock.now_ms(), "noted");
+    clock.advance(30 * 60_000);
+    let r = app.get("/", Some(&login)).await;
+    assert_eq!(r.status(), 303, "idle for 30 minutes");
+    assert!(
+        r.headers()["location"]
+            .to_str()
+            .unwrap()
+            .starts_with("/login")
+    );
+    app.stop().await;
+}
+
 /// A session row keeps the SHA-256 of the id its cookie carries, never
 /// the id: a copy of the database, signing key and all, opens no session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
