@@ -3,7 +3,8 @@
 //! checks of presented passwords bounded in number ([`Checks`]), because
 //! each also takes about 19 MiB.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, LazyLock};
 
 use argon2::Argon2;
 use argon2::password_hash::phc::PasswordHash;
@@ -11,7 +12,7 @@ use argon2::password_hash::{PasswordHasher, PasswordVerifier};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Shortest password accepted for a new account or a change.
-pub const MIN_LEN: usize = 10;
+pub const MIN_LEN: usize = 12;
 /// Longest password accepted (argon2 input is bounded to keep cost bounded).
 pub const MAX_LEN: usize = 1024;
 
@@ -21,11 +22,15 @@ pub enum PasswordError {
     TooShort,
     #[error("password must be at most {MAX_LEN} bytes")]
     TooLong,
+    #[error("that password is among the most common ones: choose another")]
+    Common,
     #[error("password hashing failed: {0}")]
     Hash(String),
 }
 
-/// Checks a new password against the policy.
+/// Checks a new password against the policy: at least [`MIN_LEN`]
+/// characters, at most [`MAX_LEN`] bytes, and none of the most common
+/// passwords ([`is_common`]).
 pub fn check_policy(password: &str) -> Result<(), PasswordError> {
     if password.chars().count() < MIN_LEN {
         return Err(PasswordError::TooShort);
@@ -33,7 +38,30 @@ pub fn check_policy(password: &str) -> Result<(), PasswordError> {
     if password.len() > MAX_LEN {
         return Err(PasswordError::TooLong);
     }
+    if is_common(password) {
+        return Err(PasswordError::Common);
+    }
     Ok(())
+}
+
+/// The list shipped in the binary, one password a line (`#` lines are
+/// its notes).
+const COMMON: &str = include_str!("common-passwords.txt");
+
+static COMMON_SET: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
+    COMMON
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect()
+});
+
+/// True for one of the most common passwords, whatever its case, alone or
+/// followed by digits and punctuation only (`Password1234!`), which is how
+/// such a password is most often stretched to a length rule.
+pub fn is_common(password: &str) -> bool {
+    let lower = password.to_lowercase();
+    let stem = lower.trim_end_matches(|c: char| c.is_ascii_digit() || c.is_ascii_punctuation());
+    COMMON_SET.contains(lower.as_str()) || (!stem.is_empty() && COMMON_SET.contains(stem))
 }
 
 /// Hashes a password to a PHC string (`$argon2id$v=19$…`) with a fresh salt.
@@ -118,6 +146,32 @@ mod tests {
         assert!(!verify("anything", "not a phc string"));
     }
 
+    #[test]
+    fn policy_refuses_the_most_common_passwords() {
+        for common in [
+            "qwerty123456",
+            "1qaz2wsx3edc",
+            "QWERTY123456",
+            "password1234",
+            "Password1234!",
+            "monkey123456789",
+            "iloveyou2024!!",
+        ] {
+            assert!(
+                matches!(check_policy(common), Err(PasswordError::Common)),
+                "{common}"
+            );
+        }
+        for fine in [
+            "correct horse battery staple",
+            "pw-alice-0123456789",
+            "1234password",
+        ] {
+            assert!(check_policy(fine).is_ok(), "{fine}");
+        }
+        assert!(COMMON_SET.len() >= 9_000, "the list is shipped whole");
+    }
+
     #[tokio::test]
     async fn checks_past_the_cap_are_refused_until_a_slot_frees() {
         let checks = Checks::new(1);
@@ -132,6 +186,10 @@ mod tests {
     fn policy_bounds_length() {
         assert!(matches!(
             check_policy("short"),
+            Err(PasswordError::TooShort)
+        ));
+        assert!(matches!(
+            check_policy("eleven char"),
             Err(PasswordError::TooShort)
         ));
         assert!(check_policy("long enough pw").is_ok());

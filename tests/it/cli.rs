@@ -147,7 +147,18 @@ async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
         &["user", "add", "bob"],
     );
     assert!(!short.status.success());
-    assert!(stderr(&short).contains("at least 10"), "{}", stderr(&short));
+    assert!(stderr(&short).contains("at least 12"), "{}", stderr(&short));
+    let common = ballast(
+        dir.path(),
+        &[env[0], ("BALLAST_PASSWORD", "Password1234!")],
+        &["user", "add", "bob"],
+    );
+    assert!(!common.status.success());
+    assert!(
+        stderr(&common).contains("most common"),
+        "{}",
+        stderr(&common)
+    );
 
     let no_tty = ballast(dir.path(), &env[..1], &["user", "add", "carol"]);
     assert!(!no_tty.status.success());
@@ -818,18 +829,16 @@ async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
 #[tokio::test]
 async fn the_first_admin_can_come_from_the_environment() {
     let dir = tempfile::tempdir().unwrap();
-    let weak = ballast(
-        dir.path(),
-        &[("BALLAST_ADMIN_PASSWORD", "short")],
-        &["serve"],
-    );
-    assert!(!weak.status.success());
-    assert!(
-        stderr(&weak).contains("BALLAST_ADMIN_PASSWORD"),
-        "{}",
-        stderr(&weak)
-    );
-    assert_eq!(stderr(&weak).trim().lines().count(), 1, "{}", stderr(&weak));
+    for weak in ["short", "qwerty123456"] {
+        let weak = ballast(dir.path(), &[("BALLAST_ADMIN_PASSWORD", weak)], &["serve"]);
+        assert!(!weak.status.success());
+        assert!(
+            stderr(&weak).contains("BALLAST_ADMIN_PASSWORD"),
+            "{}",
+            stderr(&weak)
+        );
+        assert_eq!(stderr(&weak).trim().lines().count(), 1, "{}", stderr(&weak));
+    }
     assert!(!dir.path().join("ballast.db").exists(), "nothing written");
     let log = serve_briefly(
         dir.path(),

@@ -1784,6 +1784,40 @@ async fn user_changes_take_effect_on_the_next_request() {
     app.stop().await;
 }
 
+/// A new password, on the users page as at the command line, has at
+/// least 12 characters and is none of the most common passwords (nor one
+/// of them with digits after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_passwords_are_long_and_uncommon() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "weak_pw", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let bob = app.user("bob", Role::Operator).await;
+    let admin = app.login("admin").await;
+    for weak in ["eleven char", "qwerty123456", "Monkey1234567"] {
+        let add = [
+            ("username", "carol"),
+            ("role", "viewer"),
+            ("password", weak),
+        ];
+        let reset = [("password", weak)];
+        for (path, form) in [
+            ("/admin/users".to_owned(), &add[..]),
+            (format!("/admin/users/{bob}/password"), &reset[..]),
+        ] {
+            let r = app.post(&path, Some(&admin), form).await;
+            assert_eq!(r.status(), 400, "{path} {weak}");
+        }
+    }
+    assert!(app.t.db.user_by_name("carol").await.unwrap().is_none());
+    assert_eq!(
+        app.try_login("bob", &password_of("bob")).await.status(),
+        303
+    );
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_tokens_are_shown_once_and_revocable() {
     let Some(app) = WebApp::spawn(Backend::Sqlite, "tokens", "").await else {
