@@ -9,3 +9,4 @@ CREATE TABLE login_throttle (
 -- Sessions kept under hashed ids mean nothing to the older binary.
 DELETE FROM sessions;
 ALTER TABLE sessions DROP COLUMN last_seen_at;
+ALTER TABLE api_tokens DROP COLUMN expires_at;

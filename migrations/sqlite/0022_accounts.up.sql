@@ -20,3 +20,6 @@ DELETE FROM sessions;
 -- When each session was last used (noted at most once a minute), for the
 -- idle timeout beside the absolute one.
 ALTER TABLE sessions ADD COLUMN last_seen_at INTEGER NOT NULL DEFAULT 0;
+
+-- API tokens may expire (none: never, as every token made before).
+ALTER TABLE api_tokens ADD COLUMN expires_at INTEGER;

@@ -613,6 +613,15 @@ pub struct ApiToken {
     pub created_at: UnixMs,
     pub last_used_at: Option<UnixMs>,
     pub revoked_at: Option<UnixMs>,
+    /// When it stops working, if ever.
+    pub expires_at: Option<UnixMs>,
+}
+
+impl ApiToken {
+    /// True once `now` has reached its expiry.
+    pub fn is_expired(&self, now: UnixMs) -> bool {
+        self.expires_at.is_some_and(|at| now >= at)
+    }
 }
 
 /// A running `ballast` process, seen through its heartbeats.

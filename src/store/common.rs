@@ -1745,8 +1745,8 @@ where
         crate::store::refuse_nul("token name", Some(&t.name))?;
         let mut tx = self.begin_write().await?;
         let sql = format!(
-            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6) RETURNING {API_TOKEN_COLUMNS}"
+            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {API_TOKEN_COLUMNS}"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(t.name.clone())
@@ -1755,11 +1755,15 @@ where
             .bind(t.role.as_str())
             .bind(t.created_by.clone())
             .bind(now)
+            .bind(t.expires_at)
             .fetch_one(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "api token", &t.prefix))?;
         let token = row.api_token()?;
-        let detail = serde_json::json!({ "token_id": token.id, "name": token.name, "role": token.role.as_str() });
+        let detail = serde_json::json!({
+            "token_id": token.id, "name": token.name, "role": token.role.as_str(),
+            "expires_at": token.expires_at,
+        });
         Self::insert_event(
             &mut tx,
             &EventRow {

@@ -595,6 +595,8 @@ pub struct NewApiToken {
     pub prefix: String,
     pub role: Role,
     pub created_by: String,
+    /// When it stops working, if ever.
+    pub expires_at: Option<UnixMs>,
 }
 
 /// An hour in unix ms.

@@ -431,6 +431,9 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
         .await?
         .ok_or(WebError::Unauthenticated)?;
     let now = state.clock.now_ms();
+    if found.is_expired(now) {
+        return Err(WebError::TokenExpired);
+    }
     // A write at most once a minute per token, not one per request.
     if found.last_used_at.is_none_or(|t| t < now - 60_000) {
         if let Err(e) = state.db.touch_api_token(found.id, now).await {

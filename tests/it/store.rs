@@ -2225,6 +2225,7 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
         prefix: "blt_abcd".into(),
         role: Role::Operator,
         created_by: "admin".into(),
+        expires_at: None,
     };
     let t = db.create_api_token(&new("ci", "h1"), T0).await.unwrap();
     assert_eq!(
@@ -2266,6 +2267,22 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
     let audit = db.audit_log(&AuditFilter::default()).await.unwrap();
     let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, vec!["token_revoked", "token_created"]);
+    let expiring = NewApiToken {
+        expires_at: Some(T0 + 86_400_000),
+        ..new("nightly", "h3")
+    };
+    let e = db.create_api_token(&expiring, T0).await.unwrap();
+    assert_eq!(e.expires_at, Some(T0 + 86_400_000));
+    assert_eq!(
+        db.api_token_by_hash("h3")
+            .await
+            .unwrap()
+            .unwrap()
+            .expires_at,
+        Some(T0 + 86_400_000),
+        "kept with its expiry"
+    );
+    assert_eq!(t.expires_at, None);
 }
 
 async fn login_failures_are_counted_per_name_and_forgotten(db: &Db) {

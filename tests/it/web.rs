@@ -266,6 +266,7 @@ impl WebApp {
                     prefix,
                     role,
                     created_by: "test".into(),
+                    expires_at: None,
                 },
                 crate::helpers::wall_ms(),
             )
@@ -1815,6 +1816,75 @@ async fn new_passwords_are_long_and_uncommon() {
         app.try_login("bob", &password_of("bob")).await.status(),
         303
     );
+    app.stop().await;
+}
+
+/// A token made to last a day works for that day; then it is refused 401
+/// with its own code, and the tokens page says it expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_tokens_may_expire() {
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "token_expiry", "", &clock).await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let admin = app.login("admin").await;
+    let make = async |name: &str, days: &str| {
+        let form = [
+            ("name", name),
+            ("role", "viewer"),
+            ("expires_in_days", days),
+        ];
+        let r = app.post("/admin/tokens", Some(&admin), &form).await;
+        assert_eq!(r.status(), 201, "{name}");
+        let html = r.text().await.unwrap();
+        let at = html.find("blt_").unwrap();
+        html[at..at + 44].to_owned()
+    };
+    let daily = make("daily", "1").await;
+    let forever = make("forever", "").await;
+    let bad = [("name", "x"), ("role", "viewer"), ("expires_in_days", "0")];
+    assert_eq!(
+        app.post("/admin/tokens", Some(&admin), &bad).await.status(),
+        400
+    );
+    // The page says when each expires, and which have.
+    let gone = ballast::store::NewApiToken {
+        name: "gone".into(),
+        token_hash: "h".into(),
+        prefix: "blt_0000".into(),
+        role: Role::Viewer,
+        created_by: "test".into(),
+        expires_at: Some(clock.now_ms() - 1),
+    };
+    app.t
+        .db
+        .create_api_token(&gone, clock.now_ms())
+        .await
+        .unwrap();
+    let page = app.text("/admin/tokens", Some(&admin)).await;
+    let row = |name: &str| {
+        let at = page.find(&format!("<td>{name}</td>")).unwrap();
+        page[at..at + page[at..].find("</tr>").unwrap()].to_owned()
+    };
+    assert!(row("gone").contains("<td>expired</td>"), "{}", row("gone"));
+    assert!(row("forever").contains(">never<") && row("forever").contains("<td>active</td>"));
+    assert!(!row("daily").contains(">never<") && row("daily").contains("<td>active</td>"));
+    let call = async |token: &str| {
+        app.client
+            .get(app.url("/api/v1/records"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap()
+    };
+    clock.advance(86_400_000 - 1);
+    assert_eq!(call(&daily).await.status(), 200, "within its day");
+    clock.advance(1);
+    let r = call(&daily).await;
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"], "token_expired");
+    assert_eq!(call(&forever).await.status(), 200, "no expiry");
     app.stop().await;
 }
 
