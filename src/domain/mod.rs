@@ -2,6 +2,7 @@
 //! the stored shapes of records, steps, attempts and events. No I/O here but
 //! the clock and the host's name (`time`, `host`), which every layer shares.
 
+pub mod account;
 pub mod backoff;
 pub mod breaker;
 pub mod confirm;

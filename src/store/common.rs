@@ -1275,6 +1275,7 @@ where
 
     async fn update_user(&self, id: i64, change: &UserChange, now: UnixMs) -> StoreResult<User> {
         let mut tx = self.begin_write().await?;
+        Self::check_user_change(&mut tx, id, change).await?;
         let set = match change {
             UserChange::Password(_) => "password_hash",
             UserChange::Role(_) => "role",

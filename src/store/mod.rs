@@ -21,6 +21,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::domain::account::AccountRefusal;
+pub use crate::domain::account::UserChange;
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
 use crate::domain::login::LoginFailures;
 use crate::domain::{
@@ -47,6 +49,9 @@ pub enum StoreError {
     LeaseLost { record_id: i64 },
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// An account change that would leave no enabled admin.
+    #[error(transparent)]
+    Refused(#[from] AccountRefusal),
     /// A stored value the code does not understand (a newer binary wrote it,
     /// or someone edited the database by hand).
     #[error("unreadable stored value: {0}")]
@@ -92,6 +97,7 @@ impl StoreError {
             StoreError::Transition(e) => e.code(),
             StoreError::LeaseLost { .. } => "lease_lost",
             StoreError::Invalid(_) => "invalid_request",
+            StoreError::Refused(r) => r.code(),
             StoreError::Corrupt(_) => "corrupt_row",
             StoreError::NotNow(_) => "not_now",
             StoreError::Database(_) => "database_error",
@@ -576,14 +582,6 @@ impl NodeBeat {
         self.config_version = Some(config_version);
         self
     }
-}
-
-/// A change of one user.
-#[derive(Clone, PartialEq)]
-pub enum UserChange {
-    Password(String),
-    Role(Role),
-    Disabled(bool),
 }
 
 /// An API token to store; the caller made the token and hashed it.

@@ -116,6 +116,10 @@ impl From<StoreError> for WebError {
                 message: t.to_string(),
             },
             StoreError::Invalid(m) => WebError::bad("invalid_request", m),
+            StoreError::Refused(r) => WebError::Conflict {
+                code: r.code(),
+                message: r.to_string(),
+            },
             StoreError::NotNow(m) => WebError::NotNow(m),
             other => WebError::Internal(other.to_string()),
         }

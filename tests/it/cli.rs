@@ -170,6 +170,19 @@ async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
 
     let disabled = ballast(dir.path(), &env, &["user", "disable", "alice"]);
     assert!(disabled.status.success(), "{}", stderr(&disabled));
+    let root = ballast(
+        dir.path(),
+        &env,
+        &["user", "add", "root", "--role", "admin"],
+    );
+    assert!(root.status.success(), "{}", stderr(&root));
+    let last = ballast(dir.path(), &env, &["user", "disable", "root"]);
+    assert!(!last.status.success());
+    assert!(
+        stderr(&last).contains("last enabled admin"),
+        "{}",
+        stderr(&last)
+    );
     assert!(stdout(&ballast(dir.path(), &env, &["user", "list"])).contains("disabled"));
     let missing = ballast(dir.path(), &env, &["user", "passwd", "nobody"]);
     assert!(!missing.status.success());

@@ -58,6 +58,7 @@ conformance!(
     nodes_providers_and_pipelines,
     api_tokens_are_stored_hashed_and_revocable,
     login_failures_are_counted_per_name_and_forgotten,
+    the_last_enabled_admin_stays_one,
     delivery_ids_are_taken_once,
     rollups_are_replaced_per_node_and_purged,
     rollups_fold_into_hours,
@@ -2001,10 +2002,10 @@ async fn users_and_sessions(db: &Db) {
     assert!(db.session("jti-2").await.unwrap().unwrap().is_live(T0 + 3));
     // A role change ends every session of the user.
     let changed = db
-        .update_user(u.id, &UserChange::Role(Role::Admin), T0 + 4)
+        .update_user(u.id, &UserChange::Role(Role::Operator), T0 + 4)
         .await
         .unwrap();
-    assert_eq!(changed.role, Role::Admin);
+    assert_eq!(changed.role, Role::Operator);
     assert!(!db.session("jti-2").await.unwrap().unwrap().is_live(T0 + 5));
     let disabled = db
         .update_user(u.id, &UserChange::Disabled(true), T0 + 6)
@@ -2026,6 +2027,69 @@ async fn users_and_sessions(db: &Db) {
     assert_eq!(db.list_users().await.unwrap().len(), 1);
     assert_eq!(db.purge_sessions(T0 + 3_600_001).await.unwrap(), 2);
     assert!(db.session("jti-2").await.unwrap().is_none());
+}
+
+async fn the_last_enabled_admin_stays_one(db: &Db) {
+    let add = async |name: &str, role: Role| {
+        let u = NewUser {
+            username: name.into(),
+            password_hash: "$argon2id$fake".into(),
+            role,
+        };
+        db.create_user(&u, T0).await.unwrap().id
+    };
+    let root = add("root", Role::Admin).await;
+    let viewer = add("vera", Role::Viewer).await;
+    for change in [UserChange::Role(Role::Operator), UserChange::Disabled(true)] {
+        let refused = db.update_user(root, &change, T0).await.unwrap_err();
+        assert_eq!(refused.code(), "last_admin");
+    }
+    let kept = db.user_by_id(root).await.unwrap().unwrap();
+    assert_eq!(
+        (kept.role, kept.disabled),
+        (Role::Admin, false),
+        "unchanged"
+    );
+    db.update_user(root, &UserChange::Password("$argon2id$new".into()), T0)
+        .await
+        .unwrap();
+    // With a second admin, one of them may go; two demoted at once leave
+    // exactly one (each change locks the admins it counts).
+    db.update_user(viewer, &UserChange::Role(Role::Admin), T0)
+        .await
+        .unwrap();
+    let demote = |id: i64| {
+        let db = db.clone();
+        tokio::spawn(async move {
+            db.update_user(id, &UserChange::Role(Role::Viewer), T0)
+                .await
+                .map_err(|e| e.code())
+        })
+    };
+    let (a, b) = (demote(root), demote(viewer));
+    let results = [a.await.unwrap(), b.await.unwrap()];
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "{:?}",
+        results
+            .iter()
+            .map(|r| r.as_ref().map(|u| u.id))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        results
+            .iter()
+            .any(|r| r.as_ref().err() == Some(&"last_admin"))
+    );
+    let admins = db.list_users().await.unwrap();
+    assert_eq!(
+        admins
+            .iter()
+            .filter(|u| u.role == Role::Admin && !u.disabled)
+            .count(),
+        1
+    );
 }
 
 async fn the_first_user_is_made_only_while_there_is_none(db: &Db) {

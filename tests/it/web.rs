@@ -1785,6 +1785,56 @@ async fn user_changes_take_effect_on_the_next_request() {
     app.stop().await;
 }
 
+/// The users page never leaves the control plane without an enabled admin:
+/// the last one can be neither demoted nor disabled (409 `last_admin`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_enabled_admin_cannot_be_demoted_or_disabled() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "last_admin", "").await else {
+        return;
+    };
+    let root = app.user("admin", Role::Admin).await;
+    let ann = app.user("ann", Role::Admin).await;
+    let admin = app.login("admin").await;
+    let post = async |path: String, form: &[(&str, &str)]| {
+        let r = app.post(&path, Some(&admin), form).await;
+        let status = r.status().as_u16();
+        (status, r.text().await.unwrap())
+    };
+    let viewer = [("role", "viewer")];
+    assert_eq!(
+        post(format!("/admin/users/{ann}/disable"), &[]).await.0,
+        303
+    );
+    // Ann is disabled: admin is the last enabled admin.
+    let (status, page) = post(format!("/admin/users/{root}/role"), &viewer).await;
+    assert_eq!(status, 409, "{page}");
+    assert!(page.contains("last enabled admin"), "{page}");
+    assert_eq!(
+        post(format!("/admin/users/{ann}/role"), &viewer).await.0,
+        303
+    );
+    assert_eq!(post(format!("/admin/users/{ann}/enable"), &[]).await.0, 303);
+    // Ann is an enabled viewer now: still no second admin.
+    assert_eq!(
+        post(format!("/admin/users/{root}/role"), &viewer).await.0,
+        409
+    );
+    let admin_role = [("role", "admin")];
+    assert_eq!(
+        post(format!("/admin/users/{ann}/role"), &admin_role)
+            .await
+            .0,
+        303
+    );
+    assert_eq!(
+        post(format!("/admin/users/{root}/role"), &viewer).await.0,
+        303
+    );
+    let kept = app.t.db.user_by_id(root).await.unwrap().unwrap();
+    assert_eq!(kept.role, Role::Viewer);
+    app.stop().await;
+}
+
 /// A new password, on the users page as at the command line, has at
 /// least 12 characters and is none of the most common passwords (nor one
 /// of them with digits after it).
