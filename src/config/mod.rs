@@ -749,30 +749,39 @@ impl Config {
                 ));
             }
         }
-        let l = &self.server.limits;
+        self.server.limits.validate()
+    }
+}
+
+impl WebLimits {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: &str| ConfigError::Invalid {
+            key: key.to_owned(),
+            message: message.to_owned(),
+        };
         for (key, value) in [
-            ("server.limits.logins_per_minute", l.logins_per_minute),
-            ("server.limits.account_failures", l.account_failures),
-            ("server.limits.password_checks", l.password_checks),
-            ("server.limits.api_per_second", l.api_per_second),
-            ("server.limits.bulk_max", l.bulk_max),
-            ("server.limits.bulk_per_minute", l.bulk_per_minute),
+            ("server.limits.logins_per_minute", self.logins_per_minute),
+            ("server.limits.account_failures", self.account_failures),
+            ("server.limits.password_checks", self.password_checks),
+            ("server.limits.api_per_second", self.api_per_second),
+            ("server.limits.bulk_max", self.bulk_max),
+            ("server.limits.bulk_per_minute", self.bulk_per_minute),
         ] {
             if value == 0 {
-                return Err(invalid(key, "must be at least 1".into()));
+                return Err(invalid(key, "must be at least 1"));
             }
         }
         // Shorter than the longest wait, a window would cut the waits short.
-        if l.account_window.0.as_secs() < 60 {
+        if self.account_window.0.as_secs() < 60 {
             return Err(invalid(
                 "server.limits.account_window",
-                "must be at least 1m".into(),
+                "must be at least 1m",
             ));
         }
-        if l.max_body_bytes < 1024 {
+        if self.max_body_bytes < 1024 {
             return Err(invalid(
                 "server.limits.max_body_bytes",
-                "must be at least 1024".into(),
+                "must be at least 1024",
             ));
         }
         Ok(())
@@ -998,6 +1007,26 @@ mod tests {
         let loaded = loaded.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(loaded.config.database.url.expose(), "postgres://u:pw@h/db");
         assert_eq!(loaded.env, vec!["BALLAST_DATABASE_URL".to_owned()]);
+    }
+
+    #[test]
+    fn sessions_idle_for_30_minutes_unless_told_otherwise() {
+        let dir = tempfile::tempdir().ok();
+        let path = dir
+            .as_ref()
+            .map(|d| d.path().join("idle.toml"))
+            .unwrap_or_default();
+        std::fs::write(&path, "").ok();
+        let none = |_: &str| None;
+        let defaults = Config::load_with(Some(&path), &none).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(defaults.config.server.session_idle.0.as_secs(), 30 * 60);
+        let env = |v: &str| (v == "BALLAST_SERVER_SESSION_IDLE").then(|| "1h".to_owned());
+        let loaded = Config::load_with(Some(&path), &env).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(loaded.config.server.session_idle.0.as_secs(), 3600);
+        let mut short = loaded.config;
+        short.server.session_idle = HumanDuration::secs(60);
+        let err = short.validate(&none).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("server.session_idle")));
     }
 
     #[test]
