@@ -1150,6 +1150,7 @@ async fn pages_at_scale(
                 prefix,
                 role: ballast::domain::Role::Viewer,
                 created_by: "bench".into(),
+                expires_at: None,
             },
             ballast::domain::Clock::now_ms(&ballast::domain::SystemClock),
         )

@@ -151,6 +151,20 @@ pub async fn run_from(
     shutdown: CancellationToken,
     on_start: impl FnOnce(&AppState),
 ) -> anyhow::Result<()> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    run_on_clock(config, source, listener, shutdown, clock, on_start).await
+}
+
+/// [`run_from`] reading time from `clock`: tests drive a node's time with
+/// a manual clock (login delays, idle sessions).
+pub async fn run_on_clock(
+    config: Config,
+    source: Source,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    clock: Arc<dyn Clock>,
+    on_start: impl FnOnce(&AppState),
+) -> anyhow::Result<()> {
     // SIGHUP's default action ends the process: taken from here on (a
     // long migration may come first), and read as a reload once serving.
     #[cfg(unix)]
@@ -184,7 +198,6 @@ pub async fn run_from(
     let config = Arc::new(config);
     let node_id: Arc<str> = crate::domain::host::new_node_id().into();
     // One clock for the workers and the control plane.
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let engine = if config.pipelines.is_empty() {
         None
     } else {

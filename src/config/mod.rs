@@ -210,6 +210,9 @@ pub struct ServerConfig {
     pub secure_cookies: bool,
     /// How long a login lasts. Env: `BALLAST_SERVER_SESSION_TTL`.
     pub session_ttl: HumanDuration,
+    /// How long a login lasts unused (within `session_ttl`).
+    /// Env: `BALLAST_SERVER_SESSION_IDLE`.
+    pub session_idle: HumanDuration,
     /// Peers whose `X-Forwarded-For` is believed (reverse proxies that
     /// overwrite it). Others' client address is the peer address.
     /// Env: `BALLAST_SERVER_TRUSTED_PROXIES` (comma-separated).
@@ -240,6 +243,7 @@ impl Default for ServerConfig {
             shutdown_grace: HumanDuration::secs(10),
             secure_cookies: true,
             session_ttl: HumanDuration::secs(8 * 3600),
+            session_idle: HumanDuration::secs(30 * 60),
             trusted_proxies: Vec::new(),
             secret_key: None,
             admin_password: None,
@@ -255,10 +259,20 @@ impl Default for ServerConfig {
 pub struct WebLimits {
     /// Login attempts per client address per minute.
     pub logins_per_minute: u32,
-    /// Failed logins on one account name within `lockout` that lock it…
+    /// Failed logins on one account name after which each further check
+    /// of that name waits (1 s after the latest failure, doubling with each
+    /// one, at most 30 s; a browser that logged in to the name before does
+    /// not wait).
     pub account_failures: u32,
-    /// …for this long.
-    pub lockout: HumanDuration,
+    /// A failure this long after the name's previous one starts its count
+    /// again. (`lockout` is read as this too: it was the window and the
+    /// lock's length when failures locked a name.)
+    #[serde(alias = "lockout")]
+    pub account_window: HumanDuration,
+    /// Password checks (argon2, about 19 MiB each) one node runs at once;
+    /// a login past them is answered 503 with `Retry-After` unchecked.
+    /// Default: twice the CPU cores, from 4 to 16.
+    pub password_checks: u32,
     /// API requests per second per token (bursts of twice as many); four
     /// times as many per client address, for the API and `/metrics`.
     pub api_per_second: u32,
@@ -278,7 +292,8 @@ impl Default for WebLimits {
         WebLimits {
             logins_per_minute: 10,
             account_failures: 5,
-            lockout: HumanDuration::secs(15 * 60),
+            account_window: HumanDuration::secs(15 * 60),
+            password_checks: default_password_checks(),
             api_per_second: 50,
             hooks_per_second: 500,
             bulk_max: 1000,
@@ -286,6 +301,15 @@ impl Default for WebLimits {
             max_body_bytes: 256 * 1024,
         }
     }
+}
+
+/// Twice the CPU cores, from 4 to 16: enough to keep the cores busy
+/// checking, few enough that the checks' memory stays under about 300 MiB.
+fn default_password_checks() -> u32 {
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
+    u32::try_from(cores.saturating_mul(2))
+        .unwrap_or(u32::MAX)
+        .clamp(4, 16)
 }
 
 impl ServerConfig {
@@ -533,7 +557,7 @@ impl Config {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
         type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 16] = [
+        let setters: [(&str, Setter); 17] = [
             ("BALLAST_ADMIN_PASSWORD", |c, v| {
                 crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
                 c.server.admin_password = Some(Secret::new(v));
@@ -547,6 +571,10 @@ impl Config {
             }),
             ("BALLAST_SERVER_SESSION_TTL", |c, v| {
                 c.server.session_ttl = HumanDuration(parse_duration(v)?);
+                Ok(())
+            }),
+            ("BALLAST_SERVER_SESSION_IDLE", |c, v| {
+                c.server.session_idle = HumanDuration(parse_duration(v)?);
                 Ok(())
             }),
             ("BALLAST_SERVER_TRUSTED_PROXIES", |c, v| {
@@ -714,6 +742,11 @@ impl Config {
         if self.server.session_ttl.0.as_secs() < 60 {
             return Err(invalid("server.session_ttl", "must be at least 1m".into()));
         }
+        // Uses are noted once a minute: a shorter idle time would end
+        // sessions in use.
+        if self.server.session_idle.0.as_secs() < 5 * 60 {
+            return Err(invalid("server.session_idle", "must be at least 5m".into()));
+        }
         if let Some(key) = &self.server.secret_key {
             if key.expose().len() < 32 {
                 return Err(invalid(
@@ -733,23 +766,40 @@ impl Config {
                 ));
             }
         }
-        let l = &self.server.limits;
+        self.server.limits.validate()
+    }
+}
+
+impl WebLimits {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: &str| ConfigError::Invalid {
+            key: key.to_owned(),
+            message: message.to_owned(),
+        };
         for (key, value) in [
-            ("server.limits.logins_per_minute", l.logins_per_minute),
-            ("server.limits.account_failures", l.account_failures),
-            ("server.limits.api_per_second", l.api_per_second),
-            ("server.limits.hooks_per_second", l.hooks_per_second),
-            ("server.limits.bulk_max", l.bulk_max),
-            ("server.limits.bulk_per_minute", l.bulk_per_minute),
+            ("server.limits.logins_per_minute", self.logins_per_minute),
+            ("server.limits.account_failures", self.account_failures),
+            ("server.limits.password_checks", self.password_checks),
+            ("server.limits.api_per_second", self.api_per_second),
+            ("server.limits.hooks_per_second", self.hooks_per_second),
+            ("server.limits.bulk_max", self.bulk_max),
+            ("server.limits.bulk_per_minute", self.bulk_per_minute),
         ] {
             if value == 0 {
-                return Err(invalid(key, "must be at least 1".into()));
+                return Err(invalid(key, "must be at least 1"));
             }
         }
-        if l.max_body_bytes < 1024 {
+        // Shorter than the longest wait, a window would cut the waits short.
+        if self.account_window.0.as_secs() < 60 {
+            return Err(invalid(
+                "server.limits.account_window",
+                "must be at least 1m",
+            ));
+        }
+        if self.max_body_bytes < 1024 {
             return Err(invalid(
                 "server.limits.max_body_bytes",
-                "must be at least 1024".into(),
+                "must be at least 1024",
             ));
         }
         Ok(())
@@ -975,6 +1025,26 @@ mod tests {
         let loaded = loaded.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(loaded.config.database.url.expose(), "postgres://u:pw@h/db");
         assert_eq!(loaded.env, vec!["BALLAST_DATABASE_URL".to_owned()]);
+    }
+
+    #[test]
+    fn sessions_idle_for_30_minutes_unless_told_otherwise() {
+        let dir = tempfile::tempdir().ok();
+        let path = dir
+            .as_ref()
+            .map(|d| d.path().join("idle.toml"))
+            .unwrap_or_default();
+        std::fs::write(&path, "").ok();
+        let none = |_: &str| None;
+        let defaults = Config::load_with(Some(&path), &none).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(defaults.config.server.session_idle.0.as_secs(), 30 * 60);
+        let env = |v: &str| (v == "BALLAST_SERVER_SESSION_IDLE").then(|| "1h".to_owned());
+        let loaded = Config::load_with(Some(&path), &env).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(loaded.config.server.session_idle.0.as_secs(), 3600);
+        let mut short = loaded.config;
+        short.server.session_idle = HumanDuration::secs(60);
+        let err = short.validate(&none).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("server.session_idle")));
     }
 
     #[test]

@@ -2,12 +2,14 @@
 //! the stored shapes of records, steps, attempts and events. No I/O here but
 //! the clock and the host's name (`time`, `host`), which every layer shares.
 
+pub mod account;
 pub mod backoff;
 pub mod breaker;
 pub mod confirm;
 pub mod diff;
 pub mod fair;
 pub mod host;
+pub mod login;
 pub mod model;
 pub mod park;
 pub mod pass;

@@ -564,11 +564,39 @@ pub struct Session {
     pub created_at: UnixMs,
     pub expires_at: UnixMs,
     pub revoked_at: Option<UnixMs>,
+    /// When a request last used it, noted at most once a
+    /// [`SESSION_TOUCH_EVERY_MS`].
+    pub last_seen_at: UnixMs,
+}
+
+/// How often a session's use is written down: a request within this of
+/// the last note writes nothing, so the idle timeout costs at most one
+/// write a minute per session (and may end a session up to this early).
+pub const SESSION_TOUCH_EVERY_MS: i64 = 60_000;
+
+/// What a request at some moment makes of a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionUse {
+    /// Revoked, past its lifetime, or idle too long.
+    Dead,
+    /// Live; `touch`: note this use (the last note is a minute old).
+    Live { touch: bool },
 }
 
 impl Session {
+    /// Not revoked and within its absolute lifetime.
     pub fn is_live(&self, now: UnixMs) -> bool {
         self.revoked_at.is_none() && now < self.expires_at
+    }
+
+    /// A request at `now` on a session that ends after `idle_ms` unused.
+    pub fn used(&self, now: UnixMs, idle_ms: i64) -> SessionUse {
+        if !self.is_live(now) || now.saturating_sub(self.last_seen_at) >= idle_ms {
+            return SessionUse::Dead;
+        }
+        SessionUse::Live {
+            touch: now.saturating_sub(self.last_seen_at) >= SESSION_TOUCH_EVERY_MS,
+        }
     }
 }
 
@@ -585,6 +613,15 @@ pub struct ApiToken {
     pub created_at: UnixMs,
     pub last_used_at: Option<UnixMs>,
     pub revoked_at: Option<UnixMs>,
+    /// When it stops working, if ever.
+    pub expires_at: Option<UnixMs>,
+}
+
+impl ApiToken {
+    /// True once `now` has reached its expiry.
+    pub fn is_expired(&self, now: UnixMs) -> bool {
+        self.expires_at.is_some_and(|at| now >= at)
+    }
 }
 
 /// A running `ballast` process, seen through its heartbeats.
@@ -684,6 +721,31 @@ pub struct StepCount {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sessions_end_when_idle_and_are_touched_once_a_minute() {
+        let s = Session {
+            id: "k".into(),
+            user_id: 1,
+            created_at: 0,
+            expires_at: 8 * 3_600_000,
+            revoked_at: None,
+            last_seen_at: 1_000_000,
+        };
+        let idle = 30 * 60_000;
+        let at = |ms: i64| s.used(1_000_000 + ms, idle);
+        assert_eq!(at(0), SessionUse::Live { touch: false });
+        assert_eq!(at(59_999), SessionUse::Live { touch: false });
+        assert_eq!(at(60_000), SessionUse::Live { touch: true });
+        assert_eq!(at(idle - 1), SessionUse::Live { touch: true });
+        assert_eq!(at(idle), SessionUse::Dead, "idle too long");
+        assert_eq!(s.used(8 * 3_600_000, i64::MAX), SessionUse::Dead, "too old");
+        let revoked = Session {
+            revoked_at: Some(1),
+            ..s.clone()
+        };
+        assert_eq!(revoked.used(1_000_000, idle), SessionUse::Dead);
+    }
 
     #[test]
     fn redact_scrubs_secrets() {

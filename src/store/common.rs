@@ -21,6 +21,7 @@ use super::{
     worked_state,
 };
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
+use crate::domain::login::LoginFailures;
 use crate::domain::{
     Attempt, Event, Node, OperatorAction, PipelineVersion, ProviderState, Record, RecordState,
     ScheduleRow, Session, StateCount, StepCount, StepRun, StepVersion, Trigger, UnixMs, User,
@@ -1274,6 +1275,7 @@ where
 
     async fn update_user(&self, id: i64, change: &UserChange, now: UnixMs) -> StoreResult<User> {
         let mut tx = self.begin_write().await?;
+        Self::check_user_change(&mut tx, id, change).await?;
         let set = match change {
             UserChange::Password(_) => "password_hash",
             UserChange::Role(_) => "role",
@@ -1342,12 +1344,13 @@ where
 
     async fn create_session(&self, s: &Session) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
-        sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at, revoked_at) VALUES ($1, $2, $3, $4, $5)")
+        sqlx::query("INSERT INTO sessions (id, user_id, created_at, expires_at, revoked_at, last_seen_at) VALUES ($1, $2, $3, $4, $5, $6)")
             .bind(s.id.clone())
             .bind(s.user_id)
             .bind(s.created_at)
             .bind(s.expires_at)
             .bind(s.revoked_at)
+            .bind(s.last_seen_at)
             .execute(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "session", &s.id))?;
@@ -1357,12 +1360,23 @@ where
 
     async fn session(&self, id: &str) -> StoreResult<Option<Session>> {
         let row = sqlx::query(
-            "SELECT id, user_id, created_at, expires_at, revoked_at FROM sessions WHERE id = $1",
+            "SELECT id, user_id, created_at, expires_at, revoked_at, last_seen_at FROM sessions WHERE id = $1",
         )
         .bind(id.to_owned())
         .fetch_optional(self.reader())
         .await?;
         row.as_ref().map(MapRow::session).transpose()
+    }
+
+    async fn touch_session(&self, id: &str, now: UnixMs) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("UPDATE sessions SET last_seen_at = $1 WHERE id = $2 AND last_seen_at < $1")
+            .bind(now)
+            .bind(id.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn revoke_session(&self, id: &str, now: UnixMs) -> StoreResult<()> {
@@ -1732,8 +1746,8 @@ where
         crate::store::refuse_nul("token name", Some(&t.name))?;
         let mut tx = self.begin_write().await?;
         let sql = format!(
-            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6) RETURNING {API_TOKEN_COLUMNS}"
+            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {API_TOKEN_COLUMNS}"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(t.name.clone())
@@ -1742,11 +1756,15 @@ where
             .bind(t.role.as_str())
             .bind(t.created_by.clone())
             .bind(now)
+            .bind(t.expires_at)
             .fetch_one(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "api token", &t.prefix))?;
         let token = row.api_token()?;
-        let detail = serde_json::json!({ "token_id": token.id, "name": token.name, "role": token.role.as_str() });
+        let detail = serde_json::json!({
+            "token_id": token.id, "name": token.name, "role": token.role.as_str(),
+            "expires_at": token.expires_at,
+        });
         Self::insert_event(
             &mut tx,
             &EventRow {
@@ -1839,43 +1857,45 @@ where
         Ok(())
     }
 
-    async fn login_locked_until(&self, username: &str, now: UnixMs) -> StoreResult<Option<UnixMs>> {
-        let until: Option<Option<i64>> =
-            sqlx::query_scalar("SELECT locked_until FROM login_throttle WHERE username = $1")
-                .bind(username.to_owned())
-                .fetch_optional(self.reader())
-                .await?;
-        Ok(until.flatten().filter(|u| *u > now))
+    async fn login_failures(&self, username: &str) -> StoreResult<Option<LoginFailures>> {
+        let row: Option<(i64, i64)> = sqlx::query_as(
+            "SELECT failures, last_failure_at FROM login_throttle WHERE username = $1",
+        )
+        .bind(username.to_owned())
+        .fetch_optional(self.reader())
+        .await?;
+        Ok(row.map(|(failures, last_failure_at)| LoginFailures {
+            failures,
+            last_failure_at,
+        }))
     }
 
-    async fn count_login_attempt(
+    async fn count_login_failure(
         &self,
         username: &str,
         now: UnixMs,
-        policy: crate::store::LoginPolicy,
-    ) -> StoreResult<i64> {
+        forget_before: UnixMs,
+    ) -> StoreResult<LoginFailures> {
         let mut tx = self.begin_write().await?;
-        // One statement, so concurrent attempts on several nodes all count.
-        let count: i64 = sqlx::query_scalar(
-            "INSERT INTO login_throttle (username, failures, window_start, locked_until) \
-             VALUES ($1, 1, $2, CASE WHEN $4 <= 1 THEN $2 + $5 END) \
+        // One statement, so concurrent failures on several nodes all count.
+        let (failures, last_failure_at): (i64, i64) = sqlx::query_as(
+            "INSERT INTO login_throttle (username, failures, last_failure_at) VALUES ($1, 1, $2) \
              ON CONFLICT (username) DO UPDATE SET \
-               failures = CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END, \
-               window_start = CASE WHEN login_throttle.window_start < $3 THEN $2 ELSE login_throttle.window_start END, \
-               locked_until = CASE \
-                 WHEN (CASE WHEN login_throttle.window_start < $3 THEN 1 ELSE login_throttle.failures + 1 END) >= $4 \
-                 THEN $2 + $5 ELSE login_throttle.locked_until END \
-             RETURNING failures",
+               failures = CASE WHEN login_throttle.last_failure_at < $3 THEN 1 \
+                 ELSE login_throttle.failures + 1 END, \
+               last_failure_at = $2 \
+             RETURNING failures, last_failure_at",
         )
         .bind(username.to_owned())
         .bind(now)
-        .bind(now - policy.window_ms)
-        .bind(policy.max_failures)
-        .bind(policy.lock_ms)
+        .bind(forget_before)
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(count)
+        Ok(LoginFailures {
+            failures,
+            last_failure_at,
+        })
     }
 
     async fn login_succeeded(&self, username: &str) -> StoreResult<()> {
@@ -2320,12 +2340,10 @@ where
             .bind(before)
             .execute(&mut *tx)
             .await?;
-        let c = sqlx::query(
-            "DELETE FROM login_throttle WHERE window_start < $1 AND (locked_until IS NULL OR locked_until < $1)",
-        )
-        .bind(before)
-        .execute(&mut *tx)
-        .await?;
+        let c = sqlx::query("DELETE FROM login_throttle WHERE last_failure_at < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(a.rows_affected() + hours.rows_affected() + b.rows_affected() + c.rows_affected())
     }

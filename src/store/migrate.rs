@@ -49,6 +49,7 @@ const SQLITE: &[Shipped] = shipped!("sqlite":
     19 "0019_hot_path_keys" "hot_path_keys",
     20 "0020_listing_indexes" "listing_indexes",
     21 "0021_enqueue_function" "enqueue_function",
+    22 "0022_accounts" "accounts",
 );
 const POSTGRES: &[Shipped] = shipped!("postgres":
     1 "0001_core" "core",
@@ -72,6 +73,7 @@ const POSTGRES: &[Shipped] = shipped!("postgres":
     19 "0019_hot_path_keys" "hot_path_keys",
     20 "0020_listing_indexes" "listing_indexes",
     21 "0021_enqueue_function" "enqueue_function",
+    22 "0022_accounts" "accounts",
 );
 
 fn shipped(backend: Backend) -> &'static [Shipped] {

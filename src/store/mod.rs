@@ -21,7 +21,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::domain::account::AccountRefusal;
+pub use crate::domain::account::UserChange;
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
+use crate::domain::login::LoginFailures;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, OperatorAction, Outcome, PipelineVersion, ProviderState,
     Record, RecordState, Role, ScheduleRow, Session, StateCount, StepCount, StepRun, StepState,
@@ -46,6 +49,9 @@ pub enum StoreError {
     LeaseLost { record_id: i64 },
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// An account change that would leave no enabled admin.
+    #[error(transparent)]
+    Refused(#[from] AccountRefusal),
     /// A stored value the code does not understand (a newer binary wrote it,
     /// or someone edited the database by hand).
     #[error("unreadable stored value: {0}")]
@@ -91,6 +97,7 @@ impl StoreError {
             StoreError::Transition(e) => e.code(),
             StoreError::LeaseLost { .. } => "lease_lost",
             StoreError::Invalid(_) => "invalid_request",
+            StoreError::Refused(r) => r.code(),
             StoreError::Corrupt(_) => "corrupt_row",
             StoreError::NotNow(_) => "not_now",
             StoreError::Database(_) => "database_error",
@@ -579,14 +586,6 @@ impl NodeBeat {
     }
 }
 
-/// A change of one user.
-#[derive(Clone, PartialEq)]
-pub enum UserChange {
-    Password(String),
-    Role(Role),
-    Disabled(bool),
-}
-
 /// An API token to store; the caller made the token and hashed it.
 #[derive(Clone, PartialEq)]
 pub struct NewApiToken {
@@ -596,17 +595,8 @@ pub struct NewApiToken {
     pub prefix: String,
     pub role: Role,
     pub created_by: String,
-}
-
-/// How failed logins lock an account name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoginPolicy {
-    /// Failures counted within this window…
-    pub window_ms: i64,
-    /// …up to this many lock the name…
-    pub max_failures: i64,
-    /// …for this long.
-    pub lock_ms: i64,
+    /// When it stops working, if ever.
+    pub expires_at: Option<UnixMs>,
 }
 
 /// An hour in unix ms.
@@ -959,6 +949,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<()>> + Send;
     fn create_session(&self, session: &Session) -> impl Future<Output = StoreResult<()>> + Send;
     fn session(&self, id: &str) -> impl Future<Output = StoreResult<Option<Session>>> + Send;
+    /// Notes a use of session `id` at `now` (never moving it back).
+    fn touch_session(&self, id: &str, now: UnixMs) -> impl Future<Output = StoreResult<()>> + Send;
     fn revoke_session(&self, id: &str, now: UnixMs)
     -> impl Future<Output = StoreResult<()>> + Send;
     /// Deletes sessions that expired before `before`; returns how many.
@@ -1068,23 +1060,22 @@ pub trait Store: Clone + Send + Sync + 'static {
     -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- login throttling ----------------------------------------------
-    /// Until when `username` is locked, if it is.
-    fn login_locked_until(
+    /// The failed logins counted on `username`, if any.
+    fn login_failures(
+        &self,
+        username: &str,
+    ) -> impl Future<Output = StoreResult<Option<LoginFailures>>> + Send;
+    /// Counts a failed login on `username` in one statement, so that
+    /// failures on several nodes at once all count; a count whose latest
+    /// failure is older than `forget_before` starts again at one. Returns
+    /// the count with this failure.
+    fn count_login_failure(
         &self,
         username: &str,
         now: UnixMs,
-    ) -> impl Future<Output = StoreResult<Option<UnixMs>>> + Send;
-    /// Counts a login attempt on `username` before its password is checked
-    /// (so parallel guesses cannot all slip past the limit), locking the
-    /// name once `max_failures` attempts fall within the window; returns the
-    /// attempts counted in the window, this one included.
-    fn count_login_attempt(
-        &self,
-        username: &str,
-        now: UnixMs,
-        policy: LoginPolicy,
-    ) -> impl Future<Output = StoreResult<i64>> + Send;
-    /// Forgets the attempts of `username` (it logged in).
+        forget_before: UnixMs,
+    ) -> impl Future<Output = StoreResult<LoginFailures>> + Send;
+    /// Forgets the failures of `username` (it logged in).
     fn login_succeeded(&self, username: &str) -> impl Future<Output = StoreResult<()>> + Send;
 
     // --- webhook deliveries --------------------------------------------
@@ -1373,6 +1364,7 @@ forward! {
     fn set_theme(&self, id: i64, theme: Option<&str>) -> ();
     fn create_session(&self, session: &Session) -> ();
     fn session(&self, id: &str) -> Option<Session>;
+    fn touch_session(&self, id: &str, now: UnixMs) -> ();
     fn revoke_session(&self, id: &str, now: UnixMs) -> ();
     fn purge_sessions(&self, before: UnixMs) -> u64;
     fn heartbeat(&self, beat: &NodeBeat, now: UnixMs) -> ();
@@ -1392,8 +1384,8 @@ forward! {
     fn list_api_tokens(&self) -> Vec<ApiToken>;
     fn revoke_api_token(&self, id: i64, actor: &str, now: UnixMs) -> ApiToken;
     fn touch_api_token(&self, id: i64, now: UnixMs) -> ();
-    fn login_locked_until(&self, username: &str, now: UnixMs) -> Option<UnixMs>;
-    fn count_login_attempt(&self, username: &str, now: UnixMs, policy: LoginPolicy) -> i64;
+    fn login_failures(&self, username: &str) -> Option<LoginFailures>;
+    fn count_login_failure(&self, username: &str, now: UnixMs, forget_before: UnixMs) -> LoginFailures;
     fn login_succeeded(&self, username: &str) -> ();
     fn forget_delivery(&self, provider: &str, delivery_id: &str) -> ();
     fn purge_orphan_deliveries(&self, before: UnixMs) -> u64;

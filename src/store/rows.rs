@@ -36,7 +36,7 @@ pub(crate) const EVENT_COLUMNS: &str =
 pub(crate) const USER_COLUMNS: &str =
     "id, username, password_hash, role, disabled, created_at, updated_at, theme";
 pub(crate) const API_TOKEN_COLUMNS: &str =
-    "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at";
+    "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at, expires_at";
 pub(crate) const BREAKER_COLUMNS: &str =
     "breaker, breaker_changed_at, open_until, probes_out, probes_ok, probe_until";
 pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
@@ -264,6 +264,7 @@ where
             created_at: self.try_get("created_at")?,
             last_used_at: self.try_get("last_used_at")?,
             revoked_at: self.try_get("revoked_at")?,
+            expires_at: self.try_get("expires_at")?,
         })
     }
 
@@ -300,6 +301,7 @@ where
             created_at: self.try_get("created_at")?,
             expires_at: self.try_get("expires_at")?,
             revoked_at: self.try_get("revoked_at")?,
+            last_seen_at: self.try_get("last_seen_at")?,
         })
     }
 

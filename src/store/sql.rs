@@ -130,6 +130,45 @@ where
     for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
     for<'q> Option<Json<Value>>: Encode<'q, DB>,
 {
+    /// Asks `domain::account` whether `change` of user `id` may be made,
+    /// inside the transaction that makes it, with the user and the enabled
+    /// admins locked (PostgreSQL): of two admins demoting each other at
+    /// once, the second finds one admin left and is refused. SQLite's one
+    /// writer already excludes the other change.
+    pub(crate) async fn check_user_change(
+        tx: &mut Tx<DB>,
+        id: i64,
+        change: &super::UserChange,
+    ) -> StoreResult<()> {
+        // The admins first, in id order, then the user: every change locks
+        // in that order, so two of them wait for each other rather than
+        // deadlock (a waiting one then reads the other's change).
+        let sql = format!(
+            "SELECT id FROM users WHERE role = 'admin' AND disabled = $1 ORDER BY id{}",
+            DB::LOCK
+        );
+        let admins: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(false)
+            .fetch_all(&mut **tx)
+            .await?;
+        let sql = format!(
+            "SELECT {} FROM users WHERE id = $1{}",
+            super::rows::USER_COLUMNS,
+            DB::LOCK
+        );
+        let user = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                what: "user",
+                key: id.to_string(),
+            })?
+            .user()?;
+        crate::domain::account::check_change(&admins, &user, change)?;
+        Ok(())
+    }
+
     /// Creates `user`; with `first_only`, only while there is no user at
     /// all, atomically with that check (`Store::create_first_user`).
     pub(crate) async fn insert_user(

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::auth::secret::{self, RandomError};
-use crate::domain::{Role, Session, UnixMs, User};
+use crate::domain::{Role, Session, SessionUse, UnixMs, User};
 use crate::store::Store;
 use crate::web::AppState;
 
@@ -28,6 +28,12 @@ use super::error::WebError;
 /// allowed, so the name changes with it.
 pub const SECURE_COOKIE: &str = "__Host-ballast_session";
 pub const PLAIN_COOKIE: &str = "ballast_session";
+/// The device cookie's names (see [`AuthKeys::device_cookie`]), with and
+/// without `Secure` as the session cookie's.
+pub const SECURE_DEVICE_COOKIE: &str = "__Host-ballast_device";
+pub const PLAIN_DEVICE_COOKIE: &str = "ballast_device";
+/// How long a device cookie is honoured after the login that issued it.
+pub const DEVICE_TTL_MS: i64 = 365 * 24 * 3_600_000;
 /// The header htmx sends the CSRF token in.
 pub const CSRF_HEADER: &str = "x-csrf-token";
 /// The form field plain forms send it in.
@@ -40,8 +46,10 @@ pub struct AuthKeys {
     encoding: EncodingKey,
     decoding: DecodingKey,
     csrf_key: Vec<u8>,
+    device_key: Vec<u8>,
     pub secure: bool,
     pub session_ttl_ms: i64,
+    pub session_idle_ms: i64,
     pub trusted_proxies: Arc<[IpAddr]>,
     /// A hash of a random password: unknown users are verified against it so
     /// that they cost the same time as known ones.
@@ -63,9 +71,11 @@ impl AuthKeys {
             mac.update(label);
             Some(mac.finalize().into_bytes().to_vec())
         };
-        let (Some(session_key), Some(csrf_key)) =
-            (derive(b"ballast session v1"), derive(b"ballast csrf v1"))
-        else {
+        let (Some(session_key), Some(csrf_key), Some(device_key)) = (
+            derive(b"ballast session v1"),
+            derive(b"ballast csrf v1"),
+            derive(b"ballast device v1"),
+        ) else {
             return Err(WebError::Internal("cannot derive keys".into()));
         };
         let encoding = EncodingKey::from_secret(&session_key)
@@ -76,8 +86,10 @@ impl AuthKeys {
             encoding,
             decoding,
             csrf_key,
+            device_key,
             secure: config.secure_cookies,
             session_ttl_ms: i64::try_from(config.session_ttl.0.as_millis()).unwrap_or(i64::MAX),
+            session_idle_ms: i64::try_from(config.session_idle.0.as_millis()).unwrap_or(i64::MAX),
             trusted_proxies: config.trusted_proxies.clone().into(),
             dummy_hash,
             metrics_token: config.metrics_token.as_ref().map(|s| s.expose().to_owned()),
@@ -92,11 +104,12 @@ impl AuthKeys {
         }
     }
 
-    /// The signed token for a session.
-    pub fn issue(&self, session: &Session) -> Result<String, WebError> {
+    /// The signed token for a session, naming it by the id only the
+    /// cookie carries (`sid`; the store keeps its [`session_key`]).
+    pub fn issue(&self, sid: &str, session: &Session) -> Result<String, WebError> {
         let claims = Claims {
             sub: session.user_id.to_string(),
-            sid: session.id.clone(),
+            sid: sid.to_owned(),
             iat: session.created_at / 1000,
             nbf: session.created_at / 1000,
             exp: session.expires_at / 1000,
@@ -139,6 +152,67 @@ impl AuthKeys {
             .same_site(SameSite::Strict)
             .max_age(cookie_age(0))
             .build()
+    }
+
+    /// The cookie that marks this browser as one that logged in to
+    /// `username` at `now`: `issued.nonce.mac`, the MAC over the name too,
+    /// so it vouches for that name only. A login on the name skips the
+    /// name's failure delay when it carries one (OWASP's "device cookies"):
+    /// an attacker's failures slow the attacker, not the name's owner.
+    pub fn device_cookie(&self, username: &str, now: UnixMs) -> Result<Cookie<'static>, WebError> {
+        let nonce = secret::hex::<16>().map_err(|e| WebError::Internal(e.to_string()))?;
+        let mac = self.device_mac(username, now, &nonce);
+        Ok(
+            Cookie::build((self.device_cookie_name(), format!("{now}.{nonce}.{mac}")))
+                .path("/")
+                .http_only(true)
+                .secure(self.secure)
+                .same_site(SameSite::Strict)
+                .max_age(cookie_age(DEVICE_TTL_MS))
+                .build(),
+        )
+    }
+
+    pub fn device_cookie_name(&self) -> &'static str {
+        if self.secure {
+            SECURE_DEVICE_COOKIE
+        } else {
+            PLAIN_DEVICE_COOKIE
+        }
+    }
+
+    /// True when the request carries a device cookie this server issued
+    /// for `username` within [`DEVICE_TTL_MS`] of `now`.
+    pub fn device_ok(&self, headers: &HeaderMap, username: &str, now: UnixMs) -> bool {
+        use subtle::ConstantTimeEq;
+        let Some(value) = cookie_value(headers, self.device_cookie_name()) else {
+            return false;
+        };
+        let mut parts = value.splitn(3, '.');
+        let (Some(issued), Some(nonce), Some(mac)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return false;
+        };
+        let Ok(issued) = issued.parse::<i64>() else {
+            return false;
+        };
+        let expected = self.device_mac(username, issued, nonce);
+        // A minute's grace for another node's clock ahead of this one's.
+        issued < now.saturating_add(60_000)
+            && now.saturating_sub(issued) < DEVICE_TTL_MS
+            && !expected.is_empty()
+            && bool::from(expected.as_bytes().ct_eq(mac.as_bytes()))
+    }
+
+    fn device_mac(&self, username: &str, issued: UnixMs, nonce: &str) -> String {
+        match <Hmac<Sha256> as KeyInit>::new_from_slice(&self.device_key) {
+            Ok(mut mac) => {
+                // Lengths first, so no two (name, nonce) pairs read alike.
+                mac.update(format!("{}:{username}:{issued}:{nonce}", username.len()).as_bytes());
+                hex::encode(mac.finalize().into_bytes())
+            }
+            Err(_) => String::new(),
+        }
     }
 
     /// The CSRF token of a session: a MAC of its id, so it needs no storage
@@ -204,7 +278,8 @@ pub struct Caller {
     /// The name written into audit events.
     pub actor: String,
     pub role: Role,
-    /// The session id, for CSRF checks and logout; `None` for API tokens.
+    /// The session id the cookie carries, for CSRF checks and logout;
+    /// `None` for API tokens.
     pub session_id: Option<String>,
     /// The session's CSRF token, for pages to embed.
     pub csrf: String,
@@ -307,7 +382,8 @@ fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// Resolves the session cookie to a caller: a valid token, a live session
-/// in the store (so logout and user changes apply at once), an enabled user.
+/// in the store (so logout and user changes apply at once) used within the
+/// idle time, an enabled user.
 pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Caller, WebError> {
     let keys = &state.web.keys;
     let token = cookie_value(headers, keys.cookie_name()).ok_or(WebError::Unauthenticated)?;
@@ -315,10 +391,19 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
     let now = state.clock.now_ms();
     let session = state
         .db
-        .session(&claims.sid)
+        .session(&session_key(&claims.sid))
         .await?
-        .filter(|s| s.is_live(now) && s.user_id.to_string() == claims.sub)
+        .filter(|s| s.user_id.to_string() == claims.sub)
         .ok_or(WebError::Unauthenticated)?;
+    match session.used(now, keys.session_idle_ms) {
+        SessionUse::Dead => return Err(WebError::Unauthenticated),
+        SessionUse::Live { touch: false } => {}
+        SessionUse::Live { touch: true } => {
+            if let Err(e) = state.db.touch_session(&session.id, now).await {
+                tracing::warn!(error = %e, "could not note a session's use");
+            }
+        }
+    }
     let user = state
         .db
         .user_by_id(session.user_id)
@@ -328,8 +413,8 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
     Ok(Caller {
         actor: user.username.clone(),
         role: user.role,
-        csrf: keys.csrf_token(&session.id),
-        session_id: Some(session.id),
+        csrf: keys.csrf_token(&claims.sid),
+        session_id: Some(claims.sid),
         user: Some(user),
     })
 }
@@ -346,6 +431,9 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
         .await?
         .ok_or(WebError::Unauthenticated)?;
     let now = state.clock.now_ms();
+    if found.is_expired(now) {
+        return Err(WebError::TokenExpired);
+    }
     // A write at most once a minute per token, not one per request.
     if found.last_used_at.is_none_or(|t| t < now - 60_000) {
         if let Err(e) = state.db.touch_api_token(found.id, now).await {
@@ -396,7 +484,22 @@ pub fn client_ip(headers: &HeaderMap, peer: Option<IpAddr>, trusted: &[IpAddr]) 
     Some(peer)
 }
 
-/// tower_governor key: the client address (see [`client_ip`]).
+/// The client a per-address limit counts an address against: an IPv4
+/// address alone, an IPv6 address by its /64. One subscriber or host is
+/// routinely handed a whole /64, so counting its addresses one by one
+/// would give a single client 2^64 budgets.
+pub fn limit_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let network = u128::from(v6) & !u128::from(u64::MAX);
+            IpAddr::V6(std::net::Ipv6Addr::from(network))
+        }
+        v4 => v4,
+    }
+}
+
+/// tower_governor key: the client address (see [`client_ip`]), IPv6 by
+/// its /64 ([`limit_key`]).
 #[derive(Clone)]
 pub struct ClientIpKey {
     pub trusted: Arc<[IpAddr]>,
@@ -411,6 +514,7 @@ impl tower_governor::key_extractor::KeyExtractor for ClientIpKey {
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
         client_ip(req.headers(), peer, &self.trusted)
+            .map(limit_key)
             .ok_or(tower_governor::GovernorError::UnableToExtractKey)
     }
 }
@@ -439,16 +543,31 @@ impl tower_governor::key_extractor::KeyExtractor for ApiKey {
     }
 }
 
-/// A new session for `user`, valid for the configured lifetime; its id is
-/// 128 bits from the OS's CSPRNG.
-pub fn new_session(user: &User, now: UnixMs, ttl_ms: i64) -> Result<Session, RandomError> {
-    Ok(Session {
-        id: secret::hex::<16>()?,
+/// A new session for `user`, valid for the configured lifetime: the id
+/// the cookie carries (128 bits from the OS's CSPRNG) and the session as
+/// stored, under that id's [`session_key`].
+pub fn new_session(
+    user: &User,
+    now: UnixMs,
+    ttl_ms: i64,
+) -> Result<(String, Session), RandomError> {
+    let sid = secret::hex::<16>()?;
+    let session = Session {
+        id: session_key(&sid),
         user_id: user.id,
         created_at: now,
         expires_at: now.saturating_add(ttl_ms),
         revoked_at: None,
-    })
+        last_seen_at: now,
+    };
+    Ok((sid, session))
+}
+
+/// The stored form of a session id: its SHA-256, as for API tokens, so
+/// that a copy of the database (a backup, say) names no session a cookie
+/// could carry, even with the signing key beside it.
+pub fn session_key(sid: &str) -> String {
+    hash_token(sid)
 }
 
 #[cfg(test)]
@@ -476,6 +595,27 @@ mod tests {
             client_ip(&HeaderMap::new(), Some(proxy), &[proxy]),
             Some(proxy)
         );
+    }
+
+    #[test]
+    fn limits_count_ipv6_clients_by_their_64() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let net = ip("2001:db8:1:2::");
+        for one in [
+            "2001:db8:1:2::1",
+            "2001:db8:1:2:ffff:ffff:ffff:ffff",
+            "2001:db8:1:2::",
+        ] {
+            assert_eq!(limit_key(ip(one)), net, "{one}");
+        }
+        assert_ne!(limit_key(ip("2001:db8:1:3::1")), net, "the next /64");
+        assert_eq!(limit_key(ip("203.0.113.9")), ip("203.0.113.9"));
+        assert_eq!(
+            limit_key(ip("::ffff:203.0.113.9")),
+            ip("203.0.113.9"),
+            "a mapped IPv4 address is that address"
+        );
+        assert_ne!(limit_key(ip("203.0.113.9")), limit_key(ip("203.0.113.10")));
     }
 
     #[test]

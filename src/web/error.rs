@@ -15,6 +15,9 @@ pub enum WebError {
     /// No valid session or token.
     #[error("log in to continue")]
     Unauthenticated,
+    /// An API token past its expiry.
+    #[error("this API token has expired")]
+    TokenExpired,
     /// Authenticated, but the role does not allow it.
     #[error("your role does not allow this")]
     Forbidden,
@@ -70,7 +73,7 @@ impl WebError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            WebError::Unauthenticated => StatusCode::UNAUTHORIZED,
+            WebError::Unauthenticated | WebError::TokenExpired => StatusCode::UNAUTHORIZED,
             WebError::Forbidden | WebError::Csrf => StatusCode::FORBIDDEN,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::BadRequest { .. } => StatusCode::BAD_REQUEST,
@@ -85,6 +88,7 @@ impl WebError {
     pub fn code(&self) -> &'static str {
         match self {
             WebError::Unauthenticated => "unauthenticated",
+            WebError::TokenExpired => "token_expired",
             WebError::Forbidden => "forbidden",
             WebError::Csrf => "csrf_failed",
             WebError::NotFound(_) => "not_found",
@@ -112,6 +116,10 @@ impl From<StoreError> for WebError {
                 message: t.to_string(),
             },
             StoreError::Invalid(m) => WebError::bad("invalid_request", m),
+            StoreError::Refused(r) => WebError::Conflict {
+                code: r.code(),
+                message: r.to_string(),
+            },
             StoreError::NotNow(m) => WebError::NotNow(m),
             other => WebError::Internal(other.to_string()),
         }

@@ -41,6 +41,8 @@ pub struct WebContext {
     pub keys: AuthKeys,
     /// Bulk actions per user.
     pub bulk_limiter: DefaultKeyedRateLimiter<String>,
+    /// Password checks under way on this node, bounded.
+    pub password_checks: crate::auth::password::Checks,
 }
 
 impl WebContext {
@@ -50,6 +52,9 @@ impl WebContext {
         WebContext {
             keys,
             bulk_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
+            password_checks: crate::auth::password::Checks::new(
+                usize::try_from(limits.password_checks).unwrap_or(usize::MAX),
+            ),
         }
     }
 }

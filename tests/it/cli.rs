@@ -153,7 +153,18 @@ async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
         &["user", "add", "bob"],
     );
     assert!(!short.status.success());
-    assert!(stderr(&short).contains("at least 10"), "{}", stderr(&short));
+    assert!(stderr(&short).contains("at least 12"), "{}", stderr(&short));
+    let common = ballast(
+        dir.path(),
+        &[env[0], ("BALLAST_PASSWORD", "Password1234!")],
+        &["user", "add", "bob"],
+    );
+    assert!(!common.status.success());
+    assert!(
+        stderr(&common).contains("most common"),
+        "{}",
+        stderr(&common)
+    );
 
     let no_tty = ballast(dir.path(), &env[..1], &["user", "add", "carol"]);
     assert!(!no_tty.status.success());
@@ -165,6 +176,19 @@ async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
 
     let disabled = ballast(dir.path(), &env, &["user", "disable", "alice"]);
     assert!(disabled.status.success(), "{}", stderr(&disabled));
+    let root = ballast(
+        dir.path(),
+        &env,
+        &["user", "add", "root", "--role", "admin"],
+    );
+    assert!(root.status.success(), "{}", stderr(&root));
+    let last = ballast(dir.path(), &env, &["user", "disable", "root"]);
+    assert!(!last.status.success());
+    assert!(
+        stderr(&last).contains("last enabled admin"),
+        "{}",
+        stderr(&last)
+    );
     assert!(stdout(&ballast(dir.path(), &env, &["user", "list"])).contains("disabled"));
     let missing = ballast(dir.path(), &env, &["user", "passwd", "nobody"]);
     assert!(!missing.status.success());
@@ -398,6 +422,20 @@ async fn serve_answers_and_stops_on_sigterm() {
         stderr(&taken)
     );
 
+    // A failed login's name is logged with its control characters
+    // escaped: a line break in it cannot forge a line.
+    let forged = reqwest::Client::new()
+        .post(format!("http://{addr}/login"))
+        .header("origin", format!("http://{addr}"))
+        .form(&[
+            ("username", "x\nINFO logged in user=admin"),
+            ("password", "wrong-password-1"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(forged.status(), 401);
+
     let kill = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -407,6 +445,15 @@ async fn serve_answers_and_stops_on_sigterm() {
     let log = log.all(Duration::from_secs(15)).await;
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("stopped cleanly"), "{log}");
+    assert!(
+        log.contains("failed login") && log.contains("user=x\\ninfo logged in"),
+        "{log}"
+    );
+    assert!(
+        !log.lines()
+            .any(|l| l.trim_start().starts_with("INFO logged in")),
+        "a forged line: {log}"
+    );
     assert!(
         log.contains(&format!("dashboard at http://{addr}/")),
         "{log}"
@@ -852,18 +899,16 @@ async fn serve_briefly(dir: &Path, env: &[(&str, &str)]) -> String {
 #[tokio::test]
 async fn the_first_admin_can_come_from_the_environment() {
     let dir = tempfile::tempdir().unwrap();
-    let weak = ballast(
-        dir.path(),
-        &[("BALLAST_ADMIN_PASSWORD", "short")],
-        &["serve"],
-    );
-    assert!(!weak.status.success());
-    assert!(
-        stderr(&weak).contains("BALLAST_ADMIN_PASSWORD"),
-        "{}",
-        stderr(&weak)
-    );
-    assert_eq!(stderr(&weak).trim().lines().count(), 1, "{}", stderr(&weak));
+    for weak in ["short", "qwerty123456"] {
+        let weak = ballast(dir.path(), &[("BALLAST_ADMIN_PASSWORD", weak)], &["serve"]);
+        assert!(!weak.status.success());
+        assert!(
+            stderr(&weak).contains("BALLAST_ADMIN_PASSWORD"),
+            "{}",
+            stderr(&weak)
+        );
+        assert_eq!(stderr(&weak).trim().lines().count(), 1, "{}", stderr(&weak));
+    }
     assert!(!dir.path().join("ballast.db").exists(), "nothing written");
     let log = serve_briefly(
         dir.path(),

@@ -92,6 +92,7 @@ async fn admin_token(db: &Db) -> String {
             prefix,
             role: ballast::domain::Role::Admin,
             created_by: "test".into(),
+            expires_at: None,
         },
         crate::helpers::wall_ms(),
     )

@@ -57,7 +57,8 @@ conformance!(
     the_first_user_is_made_only_while_there_is_none,
     nodes_providers_and_pipelines,
     api_tokens_are_stored_hashed_and_revocable,
-    login_failures_lock_a_name_for_a_while,
+    login_failures_are_counted_per_name_and_forgotten,
+    the_last_enabled_admin_stays_one,
     delivery_ids_are_taken_once,
     rollups_are_replaced_per_node_and_purged,
     rollups_fold_into_hours,
@@ -1980,8 +1981,16 @@ async fn users_and_sessions(db: &Db) {
         created_at: T0,
         expires_at: T0 + 3_600_000,
         revoked_at: None,
+        last_seen_at: T0,
     };
     db.create_session(&s).await.unwrap();
+    // A session's use is noted, never moved back.
+    db.touch_session("jti-1", T0 + 60_000).await.unwrap();
+    db.touch_session("jti-1", T0 + 1).await.unwrap();
+    assert_eq!(
+        db.session("jti-1").await.unwrap().unwrap().last_seen_at,
+        T0 + 60_000
+    );
     let s2 = Session {
         id: "jti-2".into(),
         ..s.clone()
@@ -1993,10 +2002,10 @@ async fn users_and_sessions(db: &Db) {
     assert!(db.session("jti-2").await.unwrap().unwrap().is_live(T0 + 3));
     // A role change ends every session of the user.
     let changed = db
-        .update_user(u.id, &UserChange::Role(Role::Admin), T0 + 4)
+        .update_user(u.id, &UserChange::Role(Role::Operator), T0 + 4)
         .await
         .unwrap();
-    assert_eq!(changed.role, Role::Admin);
+    assert_eq!(changed.role, Role::Operator);
     assert!(!db.session("jti-2").await.unwrap().unwrap().is_live(T0 + 5));
     let disabled = db
         .update_user(u.id, &UserChange::Disabled(true), T0 + 6)
@@ -2018,6 +2027,69 @@ async fn users_and_sessions(db: &Db) {
     assert_eq!(db.list_users().await.unwrap().len(), 1);
     assert_eq!(db.purge_sessions(T0 + 3_600_001).await.unwrap(), 2);
     assert!(db.session("jti-2").await.unwrap().is_none());
+}
+
+async fn the_last_enabled_admin_stays_one(db: &Db) {
+    let add = async |name: &str, role: Role| {
+        let u = NewUser {
+            username: name.into(),
+            password_hash: "$argon2id$fake".into(),
+            role,
+        };
+        db.create_user(&u, T0).await.unwrap().id
+    };
+    let root = add("root", Role::Admin).await;
+    let viewer = add("vera", Role::Viewer).await;
+    for change in [UserChange::Role(Role::Operator), UserChange::Disabled(true)] {
+        let refused = db.update_user(root, &change, T0).await.unwrap_err();
+        assert_eq!(refused.code(), "last_admin");
+    }
+    let kept = db.user_by_id(root).await.unwrap().unwrap();
+    assert_eq!(
+        (kept.role, kept.disabled),
+        (Role::Admin, false),
+        "unchanged"
+    );
+    db.update_user(root, &UserChange::Password("$argon2id$new".into()), T0)
+        .await
+        .unwrap();
+    // With a second admin, one of them may go; two demoted at once leave
+    // exactly one (each change locks the admins it counts).
+    db.update_user(viewer, &UserChange::Role(Role::Admin), T0)
+        .await
+        .unwrap();
+    let demote = |id: i64| {
+        let db = db.clone();
+        tokio::spawn(async move {
+            db.update_user(id, &UserChange::Role(Role::Viewer), T0)
+                .await
+                .map_err(|e| e.code())
+        })
+    };
+    let (a, b) = (demote(root), demote(viewer));
+    let results = [a.await.unwrap(), b.await.unwrap()];
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "{:?}",
+        results
+            .iter()
+            .map(|r| r.as_ref().map(|u| u.id))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        results
+            .iter()
+            .any(|r| r.as_ref().err() == Some(&"last_admin"))
+    );
+    let admins = db.list_users().await.unwrap();
+    assert_eq!(
+        admins
+            .iter()
+            .filter(|u| u.role == Role::Admin && !u.disabled)
+            .count(),
+        1
+    );
 }
 
 async fn the_first_user_is_made_only_while_there_is_none(db: &Db) {
@@ -2217,6 +2289,7 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
         prefix: "blt_abcd".into(),
         role: Role::Operator,
         created_by: "admin".into(),
+        expires_at: None,
     };
     let t = db.create_api_token(&new("ci", "h1"), T0).await.unwrap();
     assert_eq!(
@@ -2258,86 +2331,90 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
     let audit = db.audit_log(&AuditFilter::default()).await.unwrap();
     let kinds: Vec<&str> = audit.items.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, vec!["token_revoked", "token_created"]);
+    let expiring = NewApiToken {
+        expires_at: Some(T0 + 86_400_000),
+        ..new("nightly", "h3")
+    };
+    let e = db.create_api_token(&expiring, T0).await.unwrap();
+    assert_eq!(e.expires_at, Some(T0 + 86_400_000));
+    assert_eq!(
+        db.api_token_by_hash("h3")
+            .await
+            .unwrap()
+            .unwrap()
+            .expires_at,
+        Some(T0 + 86_400_000),
+        "kept with its expiry"
+    );
+    assert_eq!(t.expires_at, None);
 }
 
-async fn login_failures_lock_a_name_for_a_while(db: &Db) {
-    use ballast::store::LoginPolicy;
-    let policy = LoginPolicy {
-        window_ms: 60_000,
-        max_failures: 3,
-        lock_ms: 10_000,
+async fn login_failures_are_counted_per_name_and_forgotten(db: &Db) {
+    use ballast::domain::login::LoginFailures;
+    let seen = |failures, last_failure_at| LoginFailures {
+        failures,
+        last_failure_at,
     };
-    assert_eq!(db.login_locked_until("alice", T0).await.unwrap(), None);
+    // Failures older than the window given start the count again.
+    let forget = |now: i64| now - 60_000;
+    assert_eq!(db.login_failures("alice").await.unwrap(), None);
+    for (i, now) in [T0, T0 + 1, T0 + 2].into_iter().enumerate() {
+        assert_eq!(
+            db.count_login_failure("alice", now, forget(now))
+                .await
+                .unwrap(),
+            seen(i as i64 + 1, now)
+        );
+    }
     assert_eq!(
-        db.count_login_attempt("alice", T0, policy).await.unwrap(),
-        1
+        db.login_failures("alice").await.unwrap(),
+        Some(seen(3, T0 + 2))
     );
+    assert_eq!(db.login_failures("bob").await.unwrap(), None, "per name");
+    // A failure a window after the latest starts again.
+    let late = T0 + 2 + 60_001;
     assert_eq!(
-        db.count_login_attempt("alice", T0 + 1, policy)
+        db.count_login_failure("alice", late, forget(late))
             .await
             .unwrap(),
-        2
-    );
-    assert_eq!(db.login_locked_until("alice", T0 + 1).await.unwrap(), None);
-    assert_eq!(
-        db.count_login_attempt("alice", T0 + 2, policy)
-            .await
-            .unwrap(),
-        3
-    );
-    assert_eq!(
-        db.login_locked_until("alice", T0 + 3).await.unwrap(),
-        Some(T0 + 10_002)
-    );
-    assert_eq!(
-        db.login_locked_until("bob", T0 + 3).await.unwrap(),
-        None,
-        "per name"
-    );
-    assert_eq!(
-        db.login_locked_until("alice", T0 + 10_003).await.unwrap(),
-        None,
-        "the lock ends"
-    );
-    // Attempts outside the window start a new count.
-    assert_eq!(
-        db.count_login_attempt("alice", T0 + 120_000, policy)
-            .await
-            .unwrap(),
-        1
+        seen(1, late)
     );
     db.login_succeeded("alice").await.unwrap();
     assert_eq!(
-        db.count_login_attempt("alice", T0 + 120_001, policy)
-            .await
-            .unwrap(),
-        1,
+        db.login_failures("alice").await.unwrap(),
+        None,
         "a success clears"
     );
-    // Concurrent attempts all count: exactly one sees each number.
+    assert_eq!(
+        db.count_login_failure("alice", late + 1, forget(late + 1))
+            .await
+            .unwrap(),
+        seen(1, late + 1)
+    );
+    // Concurrent failures all count: exactly one sees each number.
     let tasks: Vec<_> = (0..6)
         .map(|_| {
             let db = db.clone();
-            tokio::spawn(async move { db.count_login_attempt("carol", T0, policy).await.unwrap() })
+            tokio::spawn(async move {
+                db.count_login_failure("carol", T0, forget(T0))
+                    .await
+                    .unwrap()
+                    .failures
+            })
         })
         .collect();
-    let mut seen = Vec::new();
+    let mut counted = Vec::new();
     for t in tasks {
-        seen.push(t.await.unwrap());
+        counted.push(t.await.unwrap());
     }
-    seen.sort_unstable();
-    assert_eq!(seen, vec![1, 2, 3, 4, 5, 6]);
-    assert!(
-        db.login_locked_until("carol", T0 + 1)
-            .await
-            .unwrap()
-            .is_some()
-    );
+    counted.sort_unstable();
+    assert_eq!(counted, vec![1, 2, 3, 4, 5, 6]);
     assert_eq!(
         db.purge_stats(T0 + 200_000).await.unwrap(),
         2,
         "old counters are purged"
     );
+    assert_eq!(db.login_failures("carol").await.unwrap(), None);
 }
 
 async fn delivery_ids_are_taken_once(db: &Db) {

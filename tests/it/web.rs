@@ -3,10 +3,11 @@
 //! limits, actions and bulk actions, the API, API tokens and metrics.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ballast::config::Config;
-use ballast::domain::{OperatorAction, Outcome, Role};
+use ballast::domain::{Clock, ManualClock, OperatorAction, Outcome, Role, SystemClock};
 use ballast::store::{ActionRequest, Backend, NewAttempt, NewRecord, NewUser, Store};
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
@@ -22,6 +23,8 @@ pub struct WebApp {
     pub addr: SocketAddr,
     pub t: TestDb,
     pub client: reqwest::Client,
+    /// The running node's state (its limits and keys, as handlers see them).
+    pub state: ballast::web::AppState,
     shutdown: CancellationToken,
     server: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -51,7 +54,7 @@ impl WebApp {
     /// `fixed_secret`: sign sessions with [`SECRET`]; otherwise the key is
     /// generated and kept in the database, as in production by default.
     pub async fn spawn_with(t: TestDb, extra: &str, fixed_secret: bool) -> WebApp {
-        Self::spawn_edited(t, extra, fixed_secret, |_| {}).await
+        Self::spawn_on_clock(t, extra, fixed_secret, Arc::new(SystemClock), |_| {}).await
     }
 
     /// [`spawn_with`](Self::spawn_with), the configuration changed by
@@ -61,6 +64,30 @@ impl WebApp {
         t: TestDb,
         extra: &str,
         fixed_secret: bool,
+        edit: impl FnOnce(&mut Config),
+    ) -> WebApp {
+        Self::spawn_on_clock(t, extra, fixed_secret, Arc::new(SystemClock), edit).await
+    }
+
+    /// [`WebApp::spawn`] on a clock the test moves. Session tokens are
+    /// checked against the wall clock as well, so a test's clock should
+    /// stay behind it (start it an hour or more back).
+    pub async fn spawn_clocked(
+        backend: Backend,
+        test: &str,
+        extra: &str,
+        clock: &ManualClock,
+    ) -> Option<WebApp> {
+        let t = TestDb::new(backend, test).await?;
+        let clock = Arc::new(clock.clone());
+        Some(Self::spawn_on_clock(t, extra, true, clock, |_| {}).await)
+    }
+
+    async fn spawn_on_clock(
+        t: TestDb,
+        extra: &str,
+        fixed_secret: bool,
+        clock: Arc<dyn Clock>,
         edit: impl FnOnce(&mut Config),
     ) -> WebApp {
         let text = format!("[database]\nurl = \"{}\"\n{extra}", t.url);
@@ -78,7 +105,17 @@ impl WebApp {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
-        let mut server = tokio::spawn(ballast::app::run(config, listener, shutdown.clone()));
+        let (started, state) = tokio::sync::oneshot::channel();
+        let mut server = tokio::spawn(ballast::app::run_on_clock(
+            config,
+            ballast::reload::Source::Built("a test's"),
+            listener,
+            shutdown.clone(),
+            clock,
+            move |s| {
+                let _ = started.send(s.clone());
+            },
+        ));
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(Duration::from_secs(20))
@@ -94,10 +131,13 @@ impl WebApp {
         };
         let ready = ready.expect("the server answers /readyz");
         assert_eq!(ready.status(), 200, "{:?}", ready.text().await);
+        // Called before the server serves, so it has been by now.
+        let state = state.await.expect("the app's state");
         WebApp {
             addr,
             t,
             client,
+            state,
             shutdown,
             server: Some(server),
         }
@@ -242,6 +282,7 @@ impl WebApp {
                     prefix,
                     role,
                     created_by: "test".into(),
+                    expires_at: None,
                 },
                 crate::helpers::wall_ms(),
             )
@@ -320,6 +361,17 @@ pub fn session_cookie(headers: &HeaderMap) -> Option<String> {
         .iter()
         .filter_map(|v| v.to_str().ok())
         .find(|v| v.contains("ballast_session="))
+        .and_then(|v| v.split(';').next())
+        .map(str::to_owned)
+}
+
+/// `name=value` of the device cookie a response sets.
+pub fn device_cookie(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.contains("ballast_device="))
         .and_then(|v| v.split(';').next())
         .map(str::to_owned)
 }
@@ -428,6 +480,124 @@ fn b64(bytes: &[u8]) -> String {
         }
     }
     out
+}
+
+/// A session ends after `session_idle` unused (30 minutes by default),
+/// well within its 8-hour lifetime; each use within it keeps it going,
+/// and uses are written down at most once a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_end_when_idle() {
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3 * 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "idle", "", &clock).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    let login = app.login("alice").await;
+    let sid = {
+        let token = login.cookie.split_once('=').unwrap().1;
+        let payload = token.split('.').nth(1).unwrap();
+        let pad = "=".repeat((4 - payload.len() % 4) % 4);
+        let std = format!("{payload}{pad}")
+            .replace('-', "+")
+            .replace('_', "/");
+        let claims: Value = serde_json::from_slice(&base64_decode(&std)).unwrap();
+        claims["sid"].as_str().unwrap().to_owned()
+    };
+    let stored = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(sid.as_bytes()));
+    let seen = async || {
+        let s = app.t.db.session(&stored).await.unwrap().unwrap();
+        s.last_seen_at
+    };
+    let logged_in = seen().await;
+    clock.advance(30_000);
+    assert_eq!(app.get("/", Some(&login)).await.status(), 200);
+    assert_eq!(seen().await, logged_in, "not noted within a minute");
+    // Used every 20 minutes, it lasts past an hour.
+    for _ in 0..4 {
+        clock.advance(20 * 60_000);
+        assert_eq!(app.get("/", Some(&login)).await.status(), 200);
+    }
+    assert_eq!(seen().await, clock.now_ms(), "noted");
+    clock.advance(30 * 60_000);
+    let r = app.get("/", Some(&login)).await;
+    assert_eq!(r.status(), 303, "idle for 30 minutes");
+    assert!(
+        r.headers()["location"]
+            .to_str()
+            .unwrap()
+            .starts_with("/login")
+    );
+    app.stop().await;
+}
+
+/// A session row keeps the SHA-256 of the id its cookie carries, never
+/// the id: a copy of the database, signing key and all, opens no session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_stored_hashed() {
+    both("hashed_sessions", async |backend, test| {
+        let Some(app) = WebApp::spawn(backend, test, "").await else {
+            return;
+        };
+        app.user("alice", Role::Admin).await;
+        let login = app.login("alice").await;
+        let token = login.cookie.split_once('=').unwrap().1.to_owned();
+        let payload = token.split('.').nth(1).unwrap();
+        let pad = "=".repeat((4 - payload.len() % 4) % 4);
+        let std = format!("{payload}{pad}")
+            .replace('-', "+")
+            .replace('_', "/");
+        let claims: Value = serde_json::from_slice(&base64_decode(&std)).unwrap();
+        let sid = claims["sid"].as_str().unwrap().to_owned();
+        let stored = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(sid.as_bytes()));
+        assert_eq!(app.t.db.session(&sid).await.unwrap(), None, "{backend:?}");
+        let row = app.t.db.session(&stored).await.unwrap().expect("its row");
+        assert_ne!(row.id, sid);
+        // What a copy of the database gives, signed with the right key,
+        // names no session.
+        let derived = {
+            use hmac::{Hmac, KeyInit, Mac};
+            let mut mac =
+                <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(SECRET.as_bytes()).unwrap();
+            mac.update(b"ballast session v1");
+            mac.finalize().into_bytes().to_vec()
+        };
+        let mut from_copy = claims.clone();
+        from_copy["sid"] = json!(stored);
+        for (what, claims, status) in [
+            ("the cookie's", &claims, 200),
+            ("the row's", &from_copy, 303),
+        ] {
+            let forged = forge(claims, jsonwebtoken::Algorithm::HS256, &derived);
+            let l = Login {
+                cookie: format!("__Host-ballast_session={forged}"),
+                csrf: String::new(),
+            };
+            assert_eq!(app.get("/", Some(&l)).await.status(), status, "{what} id");
+        }
+        // The session works as before: its pages, its CSRF token, logout.
+        assert_eq!(app.get("/", Some(&login)).await.status(), 200);
+        let out = app
+            .client
+            .post(app.url("/logout"))
+            .header("origin", app.origin())
+            .header("cookie", &login.cookie)
+            .form(&[("csrf", login.csrf.as_str())])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(out.status(), 303);
+        assert!(
+            !app.t
+                .db
+                .session(&stored)
+                .await
+                .unwrap()
+                .unwrap()
+                .is_live(crate::helpers::wall_ms())
+        );
+        app.stop().await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1155,18 +1325,21 @@ async fn provider_data_renders_as_inert_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_are_limited_per_address_and_per_account() {
     let extra = "[server.limits]\nlogins_per_minute = 4\naccount_failures = 3\n";
-    let Some(app) = WebApp::spawn(Backend::Sqlite, "throttle", extra).await else {
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "throttle", extra, &clock).await else {
         return;
     };
     app.user("alice", Role::Viewer).await;
-    // Per account: three failures lock the name, even for the right password.
+    // Per account: three failures make the name wait a second, even for
+    // the right password (the clock stands still, so the wait holds).
     for _ in 0..3 {
         assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
     }
-    let locked = app.try_login("alice", &password_of("alice")).await;
-    assert_eq!(locked.status(), 429);
+    let delayed = app.try_login("alice", &password_of("alice")).await;
+    assert_eq!(delayed.status(), 429);
+    assert_eq!(delayed.headers()["retry-after"], "1");
     assert!(
-        locked
+        delayed
             .text()
             .await
             .unwrap()
@@ -1187,10 +1360,10 @@ async fn logins_are_limited_per_address_and_per_account() {
     assert_eq!(r.headers()["retry-after"], "60");
     assert!(r.text().await.unwrap().contains("too many login attempts"));
     app.stop().await;
-    // Unknown names lock the same way (no enumeration by lockout), and
-    // parallel guesses cannot slip past the limit.
+    // Unknown names wait the same way (no enumeration by delay), and
+    // guesses at once all count.
     let extra = "[server.limits]\nlogins_per_minute = 100\naccount_failures = 3\n";
-    let Some(app) = WebApp::spawn(Backend::Sqlite, "throttle2", extra).await else {
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "throttle2", extra, &clock).await else {
         return;
     };
     app.user("dave", Role::Viewer).await;
@@ -1200,29 +1373,162 @@ async fn logins_are_limited_per_address_and_per_account() {
     assert_eq!(
         app.try_login("ghost", "guess-123456").await.status(),
         429,
-        "an unknown name locks too"
+        "an unknown name waits too"
     );
-    // Eight wrong guesses at once: each is counted before its password is
-    // checked, so no more than the limit are checked. (A right password
-    // among them could land before the lock and, succeeding, clear the
-    // count: it is tried after, and the lock holds for it too.)
     let guesses: Vec<_> = (0..8)
         .map(|_| app.try_login("dave", "guess-123456"))
         .collect();
-    let statuses: Vec<u16> = futures_util::future::join_all(guesses)
-        .await
-        .iter()
-        .map(|r| r.status().as_u16())
-        .collect();
-    let checked = statuses.iter().filter(|s| **s != 429).count();
-    assert!(
-        checked <= 3,
-        "at most 3 of 8 parallel guesses were checked: {statuses:?}"
-    );
+    for r in futures_util::future::join_all(guesses).await {
+        assert!([401, 429, 503].contains(&r.status().as_u16()), "{r:?}");
+    }
     assert_eq!(
         app.try_login("dave", "pw-dave-0123456789").await.status(),
         429,
-        "the right password waits for the lock too"
+        "the right password waits too"
+    );
+    app.stop().await;
+}
+
+/// The name's delay after failures: 1 s at the threshold, doubling with
+/// each further failure, never more than 30 s however many come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_login_delay_grows_with_failures_and_is_capped() {
+    let extra = "[server.limits]\nlogins_per_minute = 1000\naccount_failures = 2\n";
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "delay_cap", extra, &clock).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    // Two failures reach the threshold; each later check waits.
+    for _ in 0..2 {
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
+    }
+    let mut waits = Vec::new();
+    for _ in 0..9 {
+        let r = app.try_login("alice", "wrong-password").await;
+        assert_eq!(r.status(), 429);
+        let secs: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        waits.push(secs);
+        // Just short of the wait, the name still waits; at it, the next
+        // guess is checked (and fails, lengthening the wait).
+        clock.advance(secs * 1000 - 1);
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 429);
+        clock.advance(1);
+        assert_eq!(app.try_login("alice", "wrong-password").await.status(), 401);
+    }
+    assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30, 30]);
+    // Past the longest wait, the owner gets in, however many failures.
+    clock.advance(30_000);
+    assert_eq!(
+        app.try_login("alice", &password_of("alice")).await.status(),
+        303
+    );
+    app.stop().await;
+}
+
+/// An attacker who keeps failing on a name slows only browsers that never
+/// logged in to it: one holding the device cookie of an earlier login to
+/// that name goes straight to the password check. The cookie is signed
+/// and bound to the name: it helps no other name, and a forged one helps
+/// nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attackers_failures_do_not_keep_out_a_user_with_a_device_cookie() {
+    let extra = "[server.limits]\nlogins_per_minute = 1000\naccount_failures = 3\n";
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "device", extra, &clock).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    app.user("bob", Role::Viewer).await;
+    let first = app.try_login("alice", &password_of("alice")).await;
+    assert_eq!(first.status(), 303);
+    let device = device_cookie(first.headers()).expect("a device cookie");
+    let set = first
+        .headers()
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.contains("ballast_device="))
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(
+        set.contains("httponly") && set.contains("max-age="),
+        "{set}"
+    );
+    // The attacker's failures, on alice and on bob.
+    for name in ["alice", "bob"] {
+        for _ in 0..20 {
+            let r = app.try_login(name, "guess-123456").await;
+            assert!([401, 429].contains(&r.status().as_u16()));
+        }
+    }
+    let with = |name: &str, cookie: &str| {
+        app.client
+            .post(app.url("/login"))
+            .header("origin", app.origin())
+            .header("cookie", cookie.to_owned())
+            .form(&[
+                ("username", name),
+                ("password", &password_of(name)),
+                ("next", "/"),
+            ])
+            .send()
+    };
+    assert_eq!(
+        app.try_login("alice", &password_of("alice")).await.status(),
+        429
+    );
+    assert_eq!(
+        with("bob", &device).await.unwrap().status(),
+        429,
+        "not bob's"
+    );
+    let (value, mac) = device.rsplit_once('.').unwrap();
+    let forged = format!("{value}.{}", "0".repeat(mac.len()));
+    assert_eq!(
+        with("alice", &forged).await.unwrap().status(),
+        429,
+        "forged"
+    );
+    assert_eq!(
+        with("alice", &device).await.unwrap().status(),
+        303,
+        "alice's browser"
+    );
+    app.stop().await;
+}
+
+/// Password checks are bounded per node: with every place taken, a login
+/// is answered 503 with `Retry-After`, unchecked and uncounted; once a
+/// place is free, logins are checked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_past_the_password_check_cap_are_told_to_come_back() {
+    let extra = "[server.limits]\npassword_checks = 1\naccount_failures = 1\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "check_cap", extra).await else {
+        return;
+    };
+    app.user("alice", Role::Viewer).await;
+    let held = app
+        .state
+        .web
+        .password_checks
+        .try_slot()
+        .expect("the one place");
+    for password in ["wrong-password".to_owned(), password_of("alice")] {
+        let r = app.try_login("alice", &password).await;
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()["retry-after"], "1");
+        assert!(r.text().await.unwrap().contains("Try again in a second"));
+    }
+    drop(held);
+    // Had the refused wrong password counted, alice would wait now.
+    assert_eq!(
+        app.try_login("alice", &password_of("alice")).await.status(),
+        303
     );
     app.stop().await;
 }
@@ -1494,6 +1800,159 @@ async fn user_changes_take_effect_on_the_next_request() {
             .count(),
         3
     );
+    app.stop().await;
+}
+
+/// The users page never leaves the control plane without an enabled admin:
+/// the last one can be neither demoted nor disabled (409 `last_admin`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_enabled_admin_cannot_be_demoted_or_disabled() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "last_admin", "").await else {
+        return;
+    };
+    let root = app.user("admin", Role::Admin).await;
+    let ann = app.user("ann", Role::Admin).await;
+    let admin = app.login("admin").await;
+    let post = async |path: String, form: &[(&str, &str)]| {
+        let r = app.post(&path, Some(&admin), form).await;
+        let status = r.status().as_u16();
+        (status, r.text().await.unwrap())
+    };
+    let viewer = [("role", "viewer")];
+    assert_eq!(
+        post(format!("/admin/users/{ann}/disable"), &[]).await.0,
+        303
+    );
+    // Ann is disabled: admin is the last enabled admin.
+    let (status, page) = post(format!("/admin/users/{root}/role"), &viewer).await;
+    assert_eq!(status, 409, "{page}");
+    assert!(page.contains("last enabled admin"), "{page}");
+    assert_eq!(
+        post(format!("/admin/users/{ann}/role"), &viewer).await.0,
+        303
+    );
+    assert_eq!(post(format!("/admin/users/{ann}/enable"), &[]).await.0, 303);
+    // Ann is an enabled viewer now: still no second admin.
+    assert_eq!(
+        post(format!("/admin/users/{root}/role"), &viewer).await.0,
+        409
+    );
+    let admin_role = [("role", "admin")];
+    assert_eq!(
+        post(format!("/admin/users/{ann}/role"), &admin_role)
+            .await
+            .0,
+        303
+    );
+    assert_eq!(
+        post(format!("/admin/users/{root}/role"), &viewer).await.0,
+        303
+    );
+    let kept = app.t.db.user_by_id(root).await.unwrap().unwrap();
+    assert_eq!(kept.role, Role::Viewer);
+    app.stop().await;
+}
+
+/// A new password, on the users page as at the command line, has at
+/// least 12 characters and is none of the most common passwords (nor one
+/// of them with digits after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_passwords_are_long_and_uncommon() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "weak_pw", "").await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let bob = app.user("bob", Role::Operator).await;
+    let admin = app.login("admin").await;
+    for weak in ["eleven char", "qwerty123456", "Monkey1234567"] {
+        let add = [
+            ("username", "carol"),
+            ("role", "viewer"),
+            ("password", weak),
+        ];
+        let reset = [("password", weak)];
+        for (path, form) in [
+            ("/admin/users".to_owned(), &add[..]),
+            (format!("/admin/users/{bob}/password"), &reset[..]),
+        ] {
+            let r = app.post(&path, Some(&admin), form).await;
+            assert_eq!(r.status(), 400, "{path} {weak}");
+        }
+    }
+    assert!(app.t.db.user_by_name("carol").await.unwrap().is_none());
+    assert_eq!(
+        app.try_login("bob", &password_of("bob")).await.status(),
+        303
+    );
+    app.stop().await;
+}
+
+/// A token made to last a day works for that day; then it is refused 401
+/// with its own code, and the tokens page says it expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_tokens_may_expire() {
+    let clock = ManualClock::new(crate::helpers::wall_ms() - 3_600_000);
+    let Some(app) = WebApp::spawn_clocked(Backend::Sqlite, "token_expiry", "", &clock).await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let admin = app.login("admin").await;
+    let make = async |name: &str, days: &str| {
+        let form = [
+            ("name", name),
+            ("role", "viewer"),
+            ("expires_in_days", days),
+        ];
+        let r = app.post("/admin/tokens", Some(&admin), &form).await;
+        assert_eq!(r.status(), 201, "{name}");
+        let html = r.text().await.unwrap();
+        let at = html.find("blt_").unwrap();
+        html[at..at + 44].to_owned()
+    };
+    let daily = make("daily", "1").await;
+    let forever = make("forever", "").await;
+    let bad = [("name", "x"), ("role", "viewer"), ("expires_in_days", "0")];
+    assert_eq!(
+        app.post("/admin/tokens", Some(&admin), &bad).await.status(),
+        400
+    );
+    // The page says when each expires, and which have.
+    let gone = ballast::store::NewApiToken {
+        name: "gone".into(),
+        token_hash: "h".into(),
+        prefix: "blt_0000".into(),
+        role: Role::Viewer,
+        created_by: "test".into(),
+        expires_at: Some(clock.now_ms() - 1),
+    };
+    app.t
+        .db
+        .create_api_token(&gone, clock.now_ms())
+        .await
+        .unwrap();
+    let page = app.text("/admin/tokens", Some(&admin)).await;
+    let row = |name: &str| {
+        let at = page.find(&format!("<td>{name}</td>")).unwrap();
+        page[at..at + page[at..].find("</tr>").unwrap()].to_owned()
+    };
+    assert!(row("gone").contains("<td>expired</td>"), "{}", row("gone"));
+    assert!(row("forever").contains(">never<") && row("forever").contains("<td>active</td>"));
+    assert!(!row("daily").contains(">never<") && row("daily").contains("<td>active</td>"));
+    let call = async |token: &str| {
+        app.client
+            .get(app.url("/api/v1/records"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap()
+    };
+    clock.advance(86_400_000 - 1);
+    assert_eq!(call(&daily).await.status(), 200, "within its day");
+    clock.advance(1);
+    let r = call(&daily).await;
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"], "token_expired");
+    assert_eq!(call(&forever).await.status(), 200, "no expiry");
     app.stop().await;
 }
 

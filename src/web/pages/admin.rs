@@ -239,8 +239,14 @@ struct TokenView {
     created: String,
     created_by: String,
     last_used: String,
-    revoked: bool,
+    /// When it expires, or "never".
+    expires: String,
+    /// "active", "expired" or "revoked".
+    status: &'static str,
 }
+
+/// The lifetimes the tokens page offers, in days (none: never expires).
+const TOKEN_DAYS: [u32; 5] = [1, 7, 30, 90, 365];
 
 #[derive(Template)]
 #[template(path = "pages/tokens.html")]
@@ -248,6 +254,7 @@ struct TokensPage {
     nav: Nav,
     tokens: Vec<TokenView>,
     roles: [&'static str; 3],
+    days: [u32; 5],
     /// (name, token) right after creation: the only time it is shown.
     created: Option<(String, String)>,
 }
@@ -258,6 +265,7 @@ async fn tokens_page(
     created: Option<(String, String)>,
 ) -> WebResult<Response> {
     let tokens = state.db.list_api_tokens().await?;
+    let now = state.clock.now_ms();
     html(&TokensPage {
         nav: Nav::new(caller, "tokens"),
         tokens: tokens
@@ -270,10 +278,18 @@ async fn tokens_page(
                 created: when(t.created_at),
                 created_by: t.created_by.clone(),
                 last_used: when_opt(t.last_used_at),
-                revoked: t.revoked_at.is_some(),
+                expires: t.expires_at.map_or_else(|| "never".to_owned(), when),
+                status: if t.revoked_at.is_some() {
+                    "revoked"
+                } else if t.is_expired(now) {
+                    "expired"
+                } else {
+                    "active"
+                },
             })
             .collect(),
         roles: ROLES,
+        days: TOKEN_DAYS,
         created,
     })
 }
@@ -286,6 +302,24 @@ async fn tokens(caller: Authed<Admin>, State(state): State<AppState>) -> WebResu
 struct TokenForm {
     name: String,
     role: String,
+    /// Days until it expires; empty or absent: never.
+    #[serde(default)]
+    expires_in_days: String,
+}
+
+/// When a token made at `now` to last `days` (a form's text) expires.
+fn token_expiry(days: &str, now: crate::domain::UnixMs) -> WebResult<Option<i64>> {
+    let days = days.trim();
+    if days.is_empty() || days == "never" {
+        return Ok(None);
+    }
+    match days.parse::<i64>() {
+        Ok(d @ 1..=3650) => Ok(Some(now.saturating_add(d * 86_400_000))),
+        _ => Err(WebError::bad(
+            "bad_token_expiry",
+            format!("a token lasts 1 to 3650 days, or never; not `{days}`"),
+        )),
+    }
 }
 
 async fn create_token(
@@ -294,6 +328,8 @@ async fn create_token(
     Form(f): Form<TokenForm>,
 ) -> WebResult<Response> {
     let role = parse_role(&f.role)?;
+    let now = state.clock.now_ms();
+    let expires_at = token_expiry(&f.expires_in_days, now)?;
     let (token, hash, prefix) =
         auth::new_api_token().map_err(|e| WebError::Internal(e.to_string()))?;
     let name = f.name.trim().to_owned();
@@ -306,8 +342,9 @@ async fn create_token(
                 prefix,
                 role,
                 created_by: caller.actor.clone(),
+                expires_at,
             },
-            state.clock.now_ms(),
+            now,
         )
         .await?;
     let mut r = tokens_page(&state, &caller, Some((name, token))).await?;

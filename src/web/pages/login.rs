@@ -1,12 +1,15 @@
-//! `/login` and `/logout`. Failed logins are limited per client address
-//! (tower_governor) and per account name (a counter in the store, shared by
-//! all nodes); unknown names cost the same argon2 time as known ones.
+//! `/login` and `/logout`. Logins are limited per client address
+//! (tower_governor); failed ones slow the account name's next check by a
+//! delay that grows with them, capped (`domain::login`, a counter in the
+//! store shared by all nodes), which a browser that logged in to the name
+//! before skips (a device cookie); unknown names cost the same argon2 time
+//! as known ones and are counted alike.
 
 use std::sync::Arc;
 
 use askama::Template;
 use axum::extract::{Query, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Form, Router};
@@ -15,9 +18,11 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
 use crate::auth::password;
+use crate::domain::login::{self, LoginPolicy};
+use crate::domain::{UnixMs, User};
 use crate::web::AppState;
 
-use crate::store::{LoginPolicy, Store};
+use crate::store::Store;
 use crate::web::auth::{self, ClientIpKey};
 use crate::web::error::{WebError, WebResult};
 
@@ -83,68 +88,130 @@ struct LoginForm {
     next: Option<String>,
 }
 
-async fn submit(State(state): State<AppState>, Form(form): Form<LoginForm>) -> WebResult<Response> {
+/// The login page again, with `message` and `status`.
+fn refused(status: StatusCode, message: &str, username: &str, next: &str) -> WebResult<Response> {
+    let mut r = html(&LoginPage {
+        error: Some(message.to_owned()),
+        next: next.to_owned(),
+        username: username.to_owned(),
+    })?;
+    *r.status_mut() = status;
+    Ok(r)
+}
+
+fn retry_after(r: &mut Response, secs: i64) {
+    if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+        r.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+}
+
+fn login_policy(state: &AppState) -> LoginPolicy {
+    let l = &state.config.get().server.limits;
+    LoginPolicy {
+        threshold: i64::from(l.account_failures),
+        forget_after_ms: i64::try_from(l.account_window.0.as_millis()).unwrap_or(i64::MAX),
+    }
+}
+
+async fn submit(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Form(form): Form<LoginForm>,
+) -> WebResult<Response> {
     let username = form.username.trim().to_ascii_lowercase();
     let next = safe_next(form.next.as_deref(), "/");
-    let refuse = |status: StatusCode, message: &str| -> WebResult<Response> {
-        let mut r = html(&LoginPage {
-            error: Some(message.to_owned()),
-            next: next.clone(),
-            username: username.clone(),
-        })?;
-        *r.status_mut() = status;
-        Ok(r)
-    };
     if username.is_empty() || username.len() > 64 || form.password.len() > password::MAX_LEN {
-        return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
+        return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
     }
     let now = state.clock.now_ms();
-    let locked = || {
-        refuse(
-            StatusCode::TOO_MANY_REQUESTS,
-            "Too many failed logins for this account. Try again later.",
-        )
-    };
-    if state.db.login_locked_until(&username, now).await?.is_some() {
-        return locked();
+    let policy = login_policy(&state);
+    let seen = state.db.login_failures(&username).await?;
+    // A browser that logged in to this name before skips the name's delay,
+    // so failures from elsewhere cannot keep its owner out.
+    if !state.web.keys.device_ok(&headers, &username, now) {
+        if let Some(wait) = policy.wait_ms(seen, now) {
+            let secs = login::retry_after_secs(wait);
+            let message =
+                format!("Too many failed logins for this account. Try again in {secs} s.");
+            let mut r = refused(StatusCode::TOO_MANY_REQUESTS, &message, &username, &next)?;
+            retry_after(&mut r, secs);
+            return Ok(r);
+        }
     }
-    // Counted before the password is checked, so that parallel guesses
-    // cannot all pass the lock check first; a success clears the count.
-    let l = &state.config.get().server.limits;
-    let lock_ms = i64::try_from(l.lockout.0.as_millis()).unwrap_or(i64::MAX);
-    let policy = LoginPolicy {
-        window_ms: lock_ms,
-        max_failures: i64::from(l.account_failures),
-        lock_ms,
+    let user = match check_password(&state, &username, form.password).await? {
+        Checked::Matches(user) => user,
+        Checked::Busy => {
+            let mut r = refused(StatusCode::SERVICE_UNAVAILABLE, BUSY, &username, &next)?;
+            retry_after(&mut r, 1);
+            return Ok(r);
+        }
+        Checked::Wrong => {
+            // Counted once the check is over and its place given back, so
+            // no check waits on this write.
+            let count = state
+                .db
+                .count_login_failure(&username, now, policy.forget_before(now))
+                .await?;
+            tracing::warn!(user = %username.escape_debug(), failures = count.failures, "failed login");
+            return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
+        }
     };
-    let attempts = state.db.count_login_attempt(&username, now, policy).await?;
-    if attempts > policy.max_failures {
-        return locked();
+    if seen.is_some() {
+        state.db.login_succeeded(&username).await?;
     }
-    let user = state.db.user_by_name(&username).await?;
-    // Always one argon2 verification, against a dummy hash when the user is
-    // unknown or disabled, so timing does not tell which names exist.
+    start_session(&state, &user, now, &next).await
+}
+
+const WRONG: &str = "Unknown user or wrong password.";
+const BUSY: &str = "Too many logins are being checked right now. Try again in a second.";
+
+/// What a password check found.
+enum Checked {
+    /// The enabled user whose password it is.
+    Matches(User),
+    /// An unknown or disabled user, or not their password.
+    Wrong,
+    /// Not checked: every place for a check is taken.
+    Busy,
+}
+
+/// Checks `password` for `username`: always one argon2 verification,
+/// against a dummy hash when the user is unknown or disabled, so timing
+/// does not tell which names exist; none when the node's checks are all
+/// taken (`server.limits.password_checks`).
+async fn check_password(state: &AppState, username: &str, password: String) -> WebResult<Checked> {
+    let user = state.db.user_by_name(username).await?;
+    let Some(slot) = state.web.password_checks.try_slot() else {
+        return Ok(Checked::Busy);
+    };
     let hash = match &user {
         Some(u) if !u.disabled => u.password_hash.clone(),
         _ => state.web.keys.dummy_hash.clone(),
     };
-    let matches = password::verify_blocking(form.password, hash).await;
-    let user = match user {
-        Some(u) if matches && !u.disabled => u,
-        _ => {
-            tracing::warn!(user = %username, attempts, "failed login");
-            return refuse(StatusCode::UNAUTHORIZED, "Unknown user or wrong password.");
-        }
-    };
-    state.db.login_succeeded(&username).await?;
+    let matches = slot.verify(password, hash).await;
+    Ok(match user {
+        Some(u) if matches && !u.disabled => Checked::Matches(u),
+        _ => Checked::Wrong,
+    })
+}
+
+/// A new session for `user`, its cookie and this browser's device cookie,
+/// and the way on to `next`.
+async fn start_session(
+    state: &AppState,
+    user: &User,
+    now: UnixMs,
+    next: &str,
+) -> WebResult<Response> {
     let keys = &state.web.keys;
-    let session = auth::new_session(&user, now, keys.session_ttl_ms)
+    let (sid, session) = auth::new_session(user, now, keys.session_ttl_ms)
         .map_err(|e| WebError::Internal(e.to_string()))?;
     state.db.create_session(&session).await?;
-    let token = keys.issue(&session)?;
-    tracing::info!(user = %username, "logged in");
-    let mut r = Redirect::to(&next).into_response();
+    let token = keys.issue(&sid, &session)?;
+    tracing::info!(user = %user.username, "logged in");
+    let mut r = Redirect::to(next).into_response();
     set_cookie(&mut r, &keys.session_cookie(token))?;
+    set_cookie(&mut r, &keys.device_cookie(&user.username, now)?)?;
     Ok(r)
 }
 
@@ -155,7 +222,8 @@ async fn logout(
 ) -> WebResult<Response> {
     if let Ok(caller) = auth::session_caller(&headers, &state).await {
         if let Some(sid) = caller.session_id {
-            state.db.revoke_session(&sid, state.clock.now_ms()).await?;
+            let key = auth::session_key(&sid);
+            state.db.revoke_session(&key, state.clock.now_ms()).await?;
         }
     }
     let mut r = Redirect::to("/login").into_response();
