@@ -149,6 +149,9 @@
   // Actions kept while being filled in are brought up to date by the
   // first poll after the operator leaves them.
   document.addEventListener("htmx:configRequest", function (e) {
+    // A page refreshing itself is no one using the session: the server
+    // does not count it against the idle timeout.
+    if (isLive(e.target)) { e.detail.headers["X-Ballast-Live"] = "1"; }
     var actions = document.getElementById("record-actions");
     if (isLive(e.target) && behind && actions && !dirty(actions)) {
       e.detail.path = e.detail.path.replace(/([?&]v=)[^&]*/, "$1");

@@ -49,6 +49,16 @@ impl LoginPolicy {
         (FIRST_DELAY_MS << doublings).min(MAX_DELAY_MS)
     }
 
+    /// Whether a check of the name at `now` must take its turn (it has
+    /// reached its threshold within the window): one check at a time per
+    /// wait, whichever node makes it, so guesses sent at once cannot all
+    /// pass the same turn.
+    pub fn takes_turns(&self, seen: Option<LoginFailures>, now: UnixMs) -> bool {
+        seen.is_some_and(|s| {
+            s.last_failure_at >= self.forget_before(now) && s.failures >= self.threshold
+        })
+    }
+
     /// How long a login on the name must still wait at `now`, if at all.
     pub fn wait_ms(&self, seen: Option<LoginFailures>, now: UnixMs) -> Option<i64> {
         let seen = seen?;
@@ -111,6 +121,17 @@ mod tests {
         assert_eq!(
             POLICY.wait_ms(seen(10, 0), POLICY.forget_after_ms + 1),
             None
+        );
+    }
+
+    #[test]
+    fn a_name_at_its_threshold_takes_turns() {
+        assert!(!POLICY.takes_turns(None, 1_000));
+        assert!(!POLICY.takes_turns(seen(2, 1_000), 1_000));
+        assert!(POLICY.takes_turns(seen(3, 1_000), 5_000));
+        assert!(
+            !POLICY.takes_turns(seen(9, 0), POLICY.forget_after_ms + 1),
+            "forgotten"
         );
     }
 

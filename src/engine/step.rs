@@ -524,8 +524,8 @@ impl StepRun<'_> {
 
     /// A confirmation poll of a step that succeeded (`confirm`): the job
     /// asked again through the same gates (no attempt spent, no retry
-    /// budget drawn, no verdict for the breaker: a poll of a finished job
-    /// says nothing of the provider's health that the calls do not).
+    /// budget drawn), its reply heard as any call's (`heard`: a throttled
+    /// one pauses the provider, a failure counts for its breaker).
     pub async fn confirm(&self, rt: &ProviderRuntime) -> Asked {
         let plan = Planned {
             write: self.write.clone(),

@@ -194,9 +194,11 @@ impl TokenSource {
         self.fetch(client, clock).await
     }
 
-    /// A token that was renewed after a `401` was refused too: dropped and
-    /// counted, without asking for another now (the next call does, or
-    /// waits, as [`renew`](Self::renew) says).
+    /// A call with `token` was answered `401`: the token is dropped (if it
+    /// is the one held) and counted, at once, so that no later call leaves
+    /// with it; no other is asked for here (the call that was refused
+    /// renews, and the others wait for that renewal, as
+    /// [`get`](Self::get) and [`renew`](Self::renew) say).
     pub fn refused(&self, token: &Secret, clock: &dyn Clock) {
         let mut s = self.state();
         let _ = self.note_refusal(&mut s, token, clock.now_ms());

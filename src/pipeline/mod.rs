@@ -257,6 +257,25 @@ fn dependency_order(
     Ok(order)
 }
 
+/// How the template of `field` (`request.path`, `request.headers.X`,
+/// `request.body`, `poll.path` …) quotes what it interpolates: a body for
+/// the content type the step sends it as, a header as is, a path or query
+/// percent-encoded.
+fn quoting_of(s: &StepConfig, field: &str) -> Quoting {
+    if field.ends_with(".body") {
+        let content_type = s.request.headers.iter();
+        let named = content_type
+            .filter(|(h, _)| h.eq_ignore_ascii_case("content-type"))
+            .map(|(_, v)| v.as_str())
+            .next();
+        Quoting::of_body(named)
+    } else if field.contains(".headers.") {
+        Quoting::Text
+    } else {
+        Quoting::Url
+    }
+}
+
 /// Compiles one step: its templates (checked against its upstream), its
 /// kind with the data that kind needs, its output pointers.
 fn compile_step(
@@ -270,28 +289,13 @@ fn compile_step(
         HttpMethod::parse(m)
             .ok_or_else(|| invalid(key(field), format!("unknown HTTP method `{m}`")))
     };
-    // A body's interpolations are quoted for the content type it is sent as.
-    let body_quoting = Quoting::of_body(
-        s.request
-            .headers
-            .iter()
-            .find(|(h, _)| h.eq_ignore_ascii_case("content-type"))
-            .map(|(_, v)| v.as_str()),
-    );
     let mut tpl_in = |field: &str, source: &str, job_id: bool, output: bool| {
         let id = format!("{pipeline}/{}/{field}", s.name);
-        let quoting = if field.ends_with(".body") {
-            body_quoting
-        } else if field.contains(".headers.") {
-            Quoting::Text
-        } else {
-            Quoting::Url
-        };
         let scope = template::Scope {
             upstream: &up,
             job_id,
             output,
-            quoting,
+            quoting: quoting_of(s, field),
         };
         templates
             .add(&id, source, &scope)

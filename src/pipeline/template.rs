@@ -6,8 +6,8 @@
 //!
 //! What a template interpolates is quoted for where it lands, so that a
 //! record's input cannot change a request's shape: in a path or query,
-//! percent-encoded (`..` stays, and the engine keeps the URL under the
-//! provider's base path); in a JSON body, a string's characters escaped as
+//! percent-encoded as one segment (a value of `.` or `..` refused), and
+//! the engine keeps the URL under the provider's base path; in a JSON body, a string's characters escaped as
 //! inside a JSON string (a quote in the input cannot end the string and
 //! add a field); in a header, as is (the engine refuses a value a header
 //! cannot carry). Values already made for their place (`tojson`,
@@ -80,6 +80,14 @@ impl Quoting {
         let quoted = match self {
             _ if value.is_safe() => text,
             Quoting::Text => text,
+            // `.` and `..` would move a path even encoded (URL parsers
+            // read `%2e%2e` as `..`): a value cannot be one.
+            Quoting::Url if text == "." || text == ".." => {
+                return Err(Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!("`{text}` cannot be a value in a URL: it would move the path"),
+                ));
+            }
             Quoting::Url => utf8_percent_encode(&text, COMPONENT).to_string(),
             Quoting::Json if value.as_str().is_some() => {
                 let json = serde_json::to_string(&text).unwrap_or_default();
@@ -371,6 +379,21 @@ mod tests {
             ),
             "/find?d=a%40b"
         );
+        // A value of `.` or `..` would move the path: refused.
+        for dots in [".", ".."] {
+            let mut t = Templates::new();
+            let up = scope(&[]);
+            let s = Scope {
+                upstream: &up,
+                job_id: false,
+                output: false,
+                quoting: Quoting::Url,
+            };
+            t.add("t", "/v1/accounts/{{ input.a }}/refunds", &s)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let e = t.render("t", &json!({ "input": { "a": dots } }));
+            assert!(matches!(e, Err(TemplateError::Render(_))), "{dots}: {e:?}");
+        }
         // Meant whole: `raw`.
         assert_eq!(
             quoted(Quoting::Url, "/{{ input.p | raw }}", json!({ "p": "a/b" })),

@@ -1898,6 +1898,27 @@ where
         })
     }
 
+    async fn claim_login_check(
+        &self,
+        username: &str,
+        seen: LoginFailures,
+        now: UnixMs,
+    ) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let taken = sqlx::query(
+            "UPDATE login_throttle SET failures = failures + 1, last_failure_at = $4 \
+             WHERE username = $1 AND failures = $2 AND last_failure_at = $3",
+        )
+        .bind(username.to_owned())
+        .bind(seen.failures)
+        .bind(seen.last_failure_at)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(taken.rows_affected() == 1)
+    }
+
     async fn login_succeeded(&self, username: &str) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM login_throttle WHERE username = $1")

@@ -1075,6 +1075,16 @@ pub trait Store: Clone + Send + Sync + 'static {
         now: UnixMs,
         forget_before: UnixMs,
     ) -> impl Future<Output = StoreResult<LoginFailures>> + Send;
+    /// Counts the check about to be made on `username` as a failure in
+    /// advance, at `now`, if its count is still `seen` (compare and set,
+    /// one statement): true when this caller took it, false when another
+    /// check took it first (on any node).
+    fn claim_login_check(
+        &self,
+        username: &str,
+        seen: LoginFailures,
+        now: UnixMs,
+    ) -> impl Future<Output = StoreResult<bool>> + Send;
     /// Forgets the failures of `username` (it logged in).
     fn login_succeeded(&self, username: &str) -> impl Future<Output = StoreResult<()>> + Send;
 
@@ -1386,6 +1396,7 @@ forward! {
     fn touch_api_token(&self, id: i64, now: UnixMs) -> ();
     fn login_failures(&self, username: &str) -> Option<LoginFailures>;
     fn count_login_failure(&self, username: &str, now: UnixMs, forget_before: UnixMs) -> LoginFailures;
+    fn claim_login_check(&self, username: &str, seen: LoginFailures, now: UnixMs) -> bool;
     fn login_succeeded(&self, username: &str) -> ();
     fn forget_delivery(&self, provider: &str, delivery_id: &str) -> ();
     fn purge_orphan_deliveries(&self, before: UnixMs) -> u64;

@@ -381,6 +381,9 @@ fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
         .map(|c| c.value().to_owned())
 }
 
+/// The header a live page's own refresh carries (app.js).
+pub const LIVE_HEADER: &str = "x-ballast-live";
+
 /// Resolves the session cookie to a caller: a valid token, a live session
 /// in the store (so logout and user changes apply at once) used within the
 /// idle time, an enabled user.
@@ -395,9 +398,13 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
         .await?
         .filter(|s| s.user_id.to_string() == claims.sub)
         .ok_or(WebError::Unauthenticated)?;
+    // A live page's own refresh (`X-Ballast-Live`, set by app.js) is no
+    // one using the session: checked against the idle time, never noted.
+    let refresh = headers.contains_key(LIVE_HEADER);
     match session.used(now, keys.session_idle_ms) {
         SessionUse::Dead => return Err(WebError::Unauthenticated),
         SessionUse::Live { touch: false } => {}
+        SessionUse::Live { touch: true } if refresh => {}
         SessionUse::Live { touch: true } => {
             if let Err(e) = state.db.touch_session(&session.id, now).await {
                 tracing::warn!(error = %e, "could not note a session's use");

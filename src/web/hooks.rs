@@ -31,6 +31,30 @@ pub fn router(state: &AppState) -> Router<AppState> {
     )
 }
 
+/// The ids a verified delivery is taken once by: the provider's delivery
+/// id (its header, unsigned) and what the signature covers.
+fn delivery_ids(headers: &HeaderMap, header: &str, signature: &str, body: &[u8]) -> Vec<String> {
+    let delivery = headers
+        .get(header)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|d| !d.is_empty() && d.len() <= 200)
+        .map(str::to_owned);
+    delivery
+        .into_iter()
+        .chain(webhook::replay_key(signature, body))
+        .collect()
+}
+
+/// Gives a delivery's ids back (its processing failed after it was stored).
+async fn release(state: &AppState, provider: &str, ids: &[String]) {
+    for id in ids {
+        if let Err(e) = state.db.forget_delivery(provider, id).await {
+            tracing::warn!(provider.name = %provider, error = %e, "could not release a delivery id");
+        }
+    }
+}
+
 fn refuse(status: StatusCode, code: &str, message: &str) -> (StatusCode, Json<Value>) {
     (status, Json(json!({ "error": code, "message": message })))
 }
@@ -93,25 +117,12 @@ async fn receive(
     // stores the delivery): a redelivery changes nothing. So is each signed
     // content: the same signed body sent again without the (unsigned)
     // delivery-id header is a duplicate too.
-    let delivery = headers
-        .get(settings.delivery_header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|d| !d.is_empty() && d.len() <= 200)
-        .map(str::to_owned);
-    let ids: Vec<String> = delivery
-        .into_iter()
-        .chain(webhook::replay_key(signature, &body))
-        .collect();
+    let ids = delivery_ids(&headers, &settings.delivery_header, signature, &body);
     let result = engine.deliver(&provider, json, &ids).await;
     if result.is_err() {
         // Processing failed after the delivery was stored: let the
         // provider's retry of it through.
-        for id in &ids {
-            if let Err(e) = state.db.forget_delivery(&provider, id).await {
-                tracing::warn!(provider.name = %provider, error = %e, "could not release a delivery id");
-            }
-        }
+        release(&state, &provider, &ids).await;
     }
     match result {
         Ok(Delivery::Accepted { record_id }) => (

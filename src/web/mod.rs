@@ -138,7 +138,7 @@ const KEEP_MS: i64 = crate::engine::stats::KEEP_MS;
 /// keys are forgotten and the statistics' minute rows more than 61
 /// minutes old are folded into hour rows; expired sessions, old statistics,
 /// delivery ids, login counters and deliveries no step took (after the
-/// longest signature tolerance) are purged hourly (every node does both;
+/// longest callback deadline) are purged hourly (every node does both;
 /// the compaction is safe run at once, the deletes are idempotent).
 pub async fn housekeeping(state: AppState) {
     use crate::store::Store;
@@ -176,18 +176,22 @@ pub async fn housekeeping(state: AppState) {
     }
 }
 
-/// How long a delivery no step took is kept: the longest signature
-/// tolerance of the providers (a step committing its job id meanwhile
-/// takes it; a delivery older than that could not be delivered now), at
-/// least the default five minutes.
+/// How long a delivery no step took is kept for a step that commits its
+/// job id later (after a lookup, an operator's "it took effect"): as long
+/// as any callback step waits for its delivery (the longest `deadline`),
+/// and no less than the longest signature tolerance or an hour.
 fn orphan_window_ms(config: &crate::config::Config) -> i64 {
-    let longest = config
-        .providers
+    let deadlines = config
+        .pipelines
         .values()
-        .map(|p| p.webhook_tolerance.0)
+        .flat_map(|p| p.steps.iter())
+        .filter_map(|s| s.callback.as_ref().map(|c| c.deadline.0));
+    let tolerances = config.providers.values().map(|p| p.webhook_tolerance.0);
+    let longest = deadlines
+        .chain(tolerances)
         .max()
         .unwrap_or_default()
-        .max(Duration::from_secs(300));
+        .max(Duration::from_secs(3600));
     i64::try_from(longest.as_millis()).unwrap_or(i64::MAX)
 }
 

@@ -5623,14 +5623,14 @@ async fn postgres_confirmations_honour_a_providers_pause() {
 }
 
 /// A refused token is not sent again: the provider stops taking token 1
-/// after its third charge, while 40 records wait for its one slot holding
+/// after its third charge, while `n` records wait for its `slots` holding
 /// that token. The first `401` drops it at once, and the calls that pass
 /// the gate after it wait for the renewal instead of leaving with it: at
-/// most the calls already in flight (one slot: one) are refused, one
-/// renewal serves them all, and every record succeeds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_token_is_not_sent_again() {
-    let Some(t) = TestDb::migrated(Backend::Sqlite, "token_refused_once").await else {
+/// most the calls already in flight (`slots` per renewal) are refused, and
+/// every record succeeds.
+async fn a_refused_token_is_not_sent_again(slots: usize, n: usize) {
+    let name = format!("token_refused_{slots}");
+    let Some(t) = TestDb::migrated(Backend::Sqlite, &name).await else {
         return;
     };
     let basic = client_basic("ballast", env!("CARGO_MANIFEST_DIR"));
@@ -5645,7 +5645,7 @@ async fn a_refused_token_is_not_sent_again() {
 [providers.p]
 base_url = "{base}"
 timeout = "5s"
-concurrency = 1
+concurrency = {slots}
 oauth2 = {{ token_url = "{base}/oauth/token", client_id_env = "CARGO_PKG_NAME", client_secret_env = "CARGO_MANIFEST_DIR" }}
 [[providers.p.rules]]
 when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
@@ -5662,25 +5662,37 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     let engine = Engine::new(t.db.clone(), Arc::new(config), options("tok"))
         .await
         .unwrap();
-    enqueue_n(&engine, "pay", 40).await;
+    enqueue_n(&engine, "pay", n).await;
     let (stop, handle) = run_in_background(&engine);
-    wait_at_rest(&t.db, 40, Duration::from_secs(120)).await;
+    wait_at_rest(&t.db, n as i64, Duration::from_secs(120)).await;
     stop.cancel();
     handle.await.unwrap();
     let (refused, granted, charges) = {
         let s = state.lock().unwrap();
         (s.refused, s.granted.len(), s.charges)
     };
-    println!("token refused: {refused} calls refused, {granted} tokens granted, {charges} charges");
+    println!(
+        "token refused, {slots} slots: {refused} calls refused, {granted} tokens granted, {charges} charges"
+    );
     let renewals = granted - 1;
     assert!(renewals >= 1, "renewed");
     assert!(
-        refused <= renewals,
+        refused <= slots * renewals,
         "{refused} refused for {renewals} renewals"
     );
-    assert_eq!(charges, 40);
+    assert_eq!(charges, n);
     let all = crate::helpers::all_records(&t.db, Some(RecordState::Succeeded)).await;
-    assert_eq!(all.len(), 40);
+    assert_eq!(all.len(), n);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_is_not_sent_again_by_waiting_calls() {
+    a_refused_token_is_not_sent_again(1, 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_is_refused_at_most_once_per_call_in_flight() {
+    a_refused_token_is_not_sent_again(16, 200).await;
 }
 
 /// The same for lookups: 50 `at_most_once` submits got a reply nobody

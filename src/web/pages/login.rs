@@ -99,6 +99,15 @@ fn refused(status: StatusCode, message: &str, username: &str, next: &str) -> Web
     Ok(r)
 }
 
+/// 429 for a name that must wait `wait_ms` before its next check.
+fn too_many(wait_ms: i64, username: &str, next: &str) -> WebResult<Response> {
+    let secs = login::retry_after_secs(wait_ms);
+    let message = format!("Too many failed logins for this account. Try again in {secs} s.");
+    let mut r = refused(StatusCode::TOO_MANY_REQUESTS, &message, username, next)?;
+    retry_after(&mut r, secs);
+    Ok(r)
+}
+
 fn retry_after(r: &mut Response, secs: i64) {
     if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
         r.headers_mut().insert(header::RETRY_AFTER, v);
@@ -128,14 +137,23 @@ async fn submit(
     let seen = state.db.login_failures(&username).await?;
     // A browser that logged in to this name before skips the name's delay,
     // so failures from elsewhere cannot keep its owner out.
-    if !state.web.keys.device_ok(&headers, &username, now) {
-        if let Some(wait) = policy.wait_ms(seen, now) {
-            let secs = login::retry_after_secs(wait);
-            let message =
-                format!("Too many failed logins for this account. Try again in {secs} s.");
-            let mut r = refused(StatusCode::TOO_MANY_REQUESTS, &message, &username, &next)?;
-            retry_after(&mut r, secs);
-            return Ok(r);
+    let device = state.web.keys.device_ok(&headers, &username, now);
+    let mut claimed = false;
+    if !device {
+        let wait = match policy.wait_ms(seen, now) {
+            Some(wait) => Some(wait),
+            // Past its threshold, a name is checked one guess at a time:
+            // this check counts as a failure before it is made, if no
+            // other (on any node) took the turn first.
+            None if policy.takes_turns(seen, now) => {
+                let seen = seen.ok_or_else(|| WebError::Internal("no count".into()))?;
+                claimed = state.db.claim_login_check(&username, seen, now).await?;
+                (!claimed).then(|| policy.delay_ms(seen.failures + 1).max(1))
+            }
+            None => None,
+        };
+        if let Some(wait) = wait {
+            return too_many(wait, &username, &next);
         }
     }
     let user = match check_password(&state, &username, form.password).await? {
@@ -147,12 +165,15 @@ async fn submit(
         }
         Checked::Wrong => {
             // Counted once the check is over and its place given back, so
-            // no check waits on this write.
-            let count = state
-                .db
-                .count_login_failure(&username, now, policy.forget_before(now))
-                .await?;
-            tracing::warn!(user = %username.escape_debug(), failures = count.failures, "failed login");
+            // no check waits on this write (a claimed turn counted already).
+            let failures = if claimed {
+                seen.map_or(1, |s| s.failures + 1)
+            } else {
+                let forget_before = policy.forget_before(now);
+                let count = state.db.count_login_failure(&username, now, forget_before);
+                count.await?.failures
+            };
+            tracing::warn!(user = %username.escape_debug(), failures, "failed login");
             return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
         }
     };
