@@ -420,7 +420,7 @@ mod tests {
         assert_eq!(fair_shares(&[("a", 0), ("b", 3)], 2), vec![0, 2]);
     }
 
-    /// Three nodes each needing 20 of a cap of 60 (issue 18's N): whoever
+    /// Three nodes each needing 20 of a cap of 60: whoever
     /// asked first with headroom comes down to its share once the third
     /// needs it, and the third is due the whole of its need.
     #[test]

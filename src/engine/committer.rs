@@ -4,9 +4,8 @@
 //! node pays one durable commit, and a handful of multi-row statements, per
 //! group instead of per record. An idle node commits a lone pass at once:
 //! nothing waits for a group to fill. On PostgreSQL two groups are written
-//! at once (issue 22: with one, the committer was busy the whole of A's
-//! run while a third of the two cores idled, each group waiting on its
-//! commit's flush); a record is never in two groups being written.
+//! at once (with one, a group waited on the previous group's flush while
+//! the cores idled); a record is never in two groups being written.
 
 use std::collections::HashSet;
 use std::sync::Arc;

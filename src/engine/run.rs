@@ -214,8 +214,8 @@ impl Engine {
             }
             // A claim takes at least a batch, and as many as there are free
             // slots (up to CLAIM_MAX): with many calls in flight, one round
-            // trip refills what finished meanwhile (issue 22: B1000 claimed
-            // 100 at a time and waited on its claims).
+            // trip refills what finished meanwhile (claiming a fixed batch,
+            // a node with a thousand calls in flight waited on its claims).
             let target = batch.max(i.slots.available_permits().min(CLAIM_MAX));
             if claiming.is_none() && waiting.is_none() && ready.len() < target.div_ceil(2) {
                 let want = (target - ready.len()) as u32;

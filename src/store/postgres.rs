@@ -249,8 +249,8 @@ impl SqlDb for Postgres {
     /// One statement whose data-modifying `WITH` parts share its snapshot:
     /// the records, then an event and the counters for each row the
     /// `INSERT … ON CONFLICT DO NOTHING` returned, and the wake-up (only
-    /// when one was). Issue 22: a single enqueue was six round trips
-    /// (begin, records, events, counters, notify, commit). The statement
+    /// when one was): one round trip, where a transaction of its parts
+    /// was six (begin, records, events, counters, notify, commit). The statement
     /// is the function `ballast_insert_records` (migration 21), whose plan
     /// each connection keeps: planned on every execution, as this
     /// backend's sessions plan statements, it cost a third of a single
@@ -388,8 +388,8 @@ impl SqlDb for Postgres {
     /// differ from the stored one are written: an unchanged document (a
     /// record indexed again after an event that changed none of its words,
     /// as when it finished with no output words) costs no row lock and no
-    /// WAL (issue 22: the upsert locked the record and the stored document
-    /// for each, 2 WAL records per unchanged document). Records written are
+    /// WAL (an upsert would lock the record and the stored document for
+    /// each: two WAL records per unchanged document). Records written are
     /// locked in id order, and one purged meanwhile is skipped (the lock
     /// waits for the purge, then finds no row).
     async fn index_in(
