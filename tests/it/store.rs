@@ -58,6 +58,7 @@ conformance!(
     nodes_providers_and_pipelines,
     api_tokens_are_stored_hashed_and_revocable,
     login_failures_are_counted_per_name_and_forgotten,
+    a_login_turn_is_claimed_once,
     the_last_enabled_admin_stays_one,
     delivery_ids_are_taken_once,
     rollups_are_replaced_per_node_and_purged,
@@ -2347,6 +2348,37 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
         "kept with its expiry"
     );
     assert_eq!(t.expires_at, None);
+}
+
+/// A name's turn for a password check is taken by one caller: the claim
+/// is a compare-and-set on the count it read, counting the check as a
+/// failure in advance; a claim on a count another caller changed since
+/// takes nothing.
+async fn a_login_turn_is_claimed_once(db: &Db) {
+    for now in [T0, T0 + 1, T0 + 2] {
+        db.count_login_failure("erin", now, now - 60_000)
+            .await
+            .unwrap();
+    }
+    let seen = db.login_failures("erin").await.unwrap().unwrap();
+    assert!(db.claim_login_check("erin", seen, T0 + 10).await.unwrap());
+    assert!(
+        !db.claim_login_check("erin", seen, T0 + 11).await.unwrap(),
+        "the same turn twice"
+    );
+    let now = db.login_failures("erin").await.unwrap().unwrap();
+    assert_eq!(
+        (now.failures, now.last_failure_at),
+        (seen.failures + 1, T0 + 10)
+    );
+    assert!(
+        db.claim_login_check("erin", now, T0 + 20).await.unwrap(),
+        "the next turn"
+    );
+    assert!(
+        !db.claim_login_check("nobody", now, T0 + 20).await.unwrap(),
+        "no count, no turn to take"
+    );
 }
 
 async fn login_failures_are_counted_per_name_and_forgotten(db: &Db) {
