@@ -1,8 +1,10 @@
 //! One pass over one ready step, as an async shell around the pure
 //! decisions of `domain::step`: decide before the call → gate (pause,
 //! concurrency slot, rate limit, breaker, retry budget) → one exchange →
-//! decide what the reply means. Nothing here writes to the store; the
-//! pass hands the step's new state to the committer.
+//! decide what the reply means. It writes to the store only what must be
+//! durable before a call leaves or is judged (an `at_most_once` call's
+//! intent, a half-open probe's claim); the pass hands the step's new state
+//! to the committer.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -233,6 +235,18 @@ pub enum Asked {
     Broken(String),
 }
 
+/// A call that left, as it ended: its reply and the request kept, when
+/// and under which attempt number it was sent, the token it carried, and
+/// the `401` kept before it when a refused token was renewed.
+struct Sent {
+    x: Exchange,
+    request: SentRequest,
+    started: UnixMs,
+    attempt_no: i32,
+    token: Option<Secret>,
+    refused: Option<NewAttempt>,
+}
+
 /// What one reply tells every call to its provider, whichever call it
 /// answered (a step's call, a poll, a lookup, a confirmation): the pause a
 /// throttled reply asks for, and the breaker's news. The caller publishes
@@ -331,67 +345,19 @@ impl StepRun<'_> {
 
     /// gate → exchange → decide; the decisions are `domain::step`'s.
     pub async fn execute(self, rt: Option<&ProviderRuntime>) -> StepOutput {
-        let now = self.now;
-        let Some(rt) = rt else {
-            let reason = format!("provider `{}` is not configured", self.step.provider);
-            let d = park_or_fail(
-                self.step,
-                self.write.clone(),
-                "unknown_provider",
-                reason,
-                now,
-            );
-            return StepOutput::new(d);
+        let (rt, mut plan) = match self.planned(rt) {
+            Ok(p) => p,
+            Err(out) => return *out,
         };
-        let policy = rt.config.retry.policy();
-        let has_deliveries = !self.callbacks.is_empty();
-        let mut plan = match before_call(
-            self.step,
-            &self.write,
-            &rt.name,
-            has_deliveries,
-            &policy,
-            now,
-        ) {
-            Before::Settled(d) => return StepOutput::new(d),
-            Before::Deliveries => return self.apply_callbacks(rt),
-            Before::Call(plan) => plan,
-        };
-        // Not even a token is asked for while the provider is paused.
-        if let Some(out) = self.held_back(rt) {
-            return out;
-        }
-        // A token before the gate: without one there is no call, and the
-        // step waits like behind an open breaker.
-        let token = match self.token(rt).await {
-            Ok(t) => t,
+        let (granted, token, call) = match self.prepared(rt, &plan).await {
+            Ok(ready) => ready,
             Err(out) => return out,
-        };
-        let mut granted = match self.gate(rt, &plan).await {
-            Ok(g) => g,
-            Err(out) => return out,
-        };
-        let token = match self.token_again(rt, token).await {
-            Ok(t) => t,
-            Err(out) => return out,
-        };
-        let call = match self.build_call(rt, &plan, token.as_ref()) {
-            Ok(c) => c,
-            Err(e) => return StepOutput::new(unbuildable(plan.write, e.code, e.reason, now)),
         };
         spend_attempt(&mut plan);
         let attempt_no = plan.write.attempts.max(1);
         let (call, span) = self.traced(rt, call, attempt_no);
-        let mut started = self.clock.now_ms();
-        // A call that must not be paid twice is written down, durably,
-        // before it leaves; without that, it is not made. A provider's
-        // setting spares its `GET`s; a step's own covers its call whatever
-        // the method (a sender that sends on a `GET`). Polls and lookups
-        // only ask.
-        let at_most_once = self.step.at_most_once(rt.config.at_most_once)
-            && !plan.polling
-            && (call.method != crate::pipeline::HttpMethod::Get
-                || self.step.at_most_once == Some(true));
+        let started = self.clock.now_ms();
+        let at_most_once = self.at_most_once(rt, &plan, &call);
         let intent = if at_most_once {
             match self
                 .intend(rt, &call, token.as_ref(), attempt_no, started)
@@ -403,43 +369,167 @@ impl StepRun<'_> {
         } else {
             None
         };
+        let mut granted = granted;
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         granted.flight.sent = true;
-        let (mut x, mut sent) = self.exchange(rt, &call, token.as_ref(), span).await;
-        let mut refused = None;
-        let mut used = token.clone();
-        if let (Some(t), Some(401)) = (&token, x.http_status) {
-            // Dropped at once, so that no call leaves with it from now on:
-            // the others wait for the renewal this one asks for.
-            if let Some(src) = &rt.token {
-                src.refused(t, self.clock);
+        let first = self.exchange(rt, &call, token.as_ref(), span).await;
+        let sent = match self
+            .renewed_if_refused(rt, &plan, token, (first, started, attempt_no))
+            .await
+        {
+            Ok(sent) => sent,
+            Err(mut out) => {
+                // The 401 is kept: its intent closes with it.
+                out.intents_done.extend(intent);
+                return out;
             }
-            // The token was refused: renewed once and the call sent again,
-            // the 401 kept as evidence without spending the attempt. (The
-            // resend's place in the limits is held until the end of the
-            // pass.)
-            let first = self.refused_attempt(rt, (attempt_no, started), &x, sent);
-            match self.resend(rt, &plan, t).await {
-                Ok((again, sent_again, at, renewed, _flight)) => {
-                    (x, sent, started) = (again, sent_again, at);
-                    used = Some(renewed);
-                    refused = Some(first);
-                }
-                Err(mut out) => {
-                    // The 401 is kept: its intent closes with it.
-                    out.attempts.insert(0, first);
-                    out.intents_done.extend(intent);
-                    return out;
-                }
+        };
+        let mut out = self.concluded(rt, plan, granted.probe, sent, at_most_once);
+        out.intents_done.extend(intent);
+        out
+    }
+
+    /// The provider's runtime and the call the step's state plans, or what
+    /// the step becomes without one (no such provider, settled, deliveries
+    /// to apply).
+    fn planned<'r>(
+        &self,
+        rt: Option<&'r ProviderRuntime>,
+    ) -> Result<(&'r ProviderRuntime, Planned), Box<StepOutput>> {
+        let Some(rt) = rt else {
+            let reason = format!("provider `{}` is not configured", self.step.provider);
+            let d = park_or_fail(
+                self.step,
+                self.write.clone(),
+                "unknown_provider",
+                reason,
+                self.now,
+            );
+            return Err(Box::new(StepOutput::new(d)));
+        };
+        let policy = rt.config.retry.policy();
+        let has_deliveries = !self.callbacks.is_empty();
+        match before_call(
+            self.step,
+            &self.write,
+            &rt.name,
+            has_deliveries,
+            &policy,
+            self.now,
+        ) {
+            Before::Settled(d) => Err(Box::new(StepOutput::new(d))),
+            Before::Deliveries => Err(Box::new(self.apply_callbacks(rt))),
+            Before::Call(plan) => Ok((rt, plan)),
+        }
+    }
+
+    /// Everything a call needs before it leaves: no pause (not even a
+    /// token is asked for during one), a token before the gate (without
+    /// one the step waits like behind an open breaker), the gate, the
+    /// token again (one refused meanwhile is not sent), the request built.
+    async fn prepared<'r>(
+        &'r self,
+        rt: &'r ProviderRuntime,
+        plan: &Planned,
+    ) -> Result<(Granted<'r>, Option<Secret>, Call), StepOutput> {
+        if let Some(out) = self.held_back(rt) {
+            return Err(out);
+        }
+        let token = self.token(rt).await?;
+        let granted = self.gate(rt, plan).await?;
+        let token = self.token_again(rt, token).await?;
+        let call = self.build_call(rt, plan, token.as_ref()).map_err(|e| {
+            StepOutput::new(unbuildable(plan.write.clone(), e.code, e.reason, self.now))
+        })?;
+        Ok((granted, token, call))
+    }
+
+    /// Whether this call must not be paid twice, so is written down,
+    /// durably, before it leaves (without that, it is not made). A
+    /// provider's setting spares its `GET`s; a step's own covers its call
+    /// whatever the method (a sender that sends on a `GET`). Polls and
+    /// lookups only ask.
+    fn at_most_once(&self, rt: &ProviderRuntime, plan: &Planned, call: &Call) -> bool {
+        self.step.at_most_once(rt.config.at_most_once)
+            && !plan.polling
+            && (call.method != crate::pipeline::HttpMethod::Get
+                || self.step.at_most_once == Some(true))
+    }
+
+    /// The exchange as it ends: when the token was refused (a `401`), it
+    /// is dropped at once (no call leaves with it from now on: the others
+    /// wait for the renewal this one asks for), renewed, and the call sent
+    /// again, the 401 kept as evidence without spending the attempt. (The
+    /// resend's place in the limits is held until the end of the pass.)
+    async fn renewed_if_refused(
+        &self,
+        rt: &ProviderRuntime,
+        plan: &Planned,
+        token: Option<Secret>,
+        ((x, sent), started, attempt_no): ((Exchange, SentRequest), UnixMs, i32),
+    ) -> Result<Sent, StepOutput> {
+        let (Some(t), Some(401)) = (&token, x.http_status) else {
+            return Ok(Sent {
+                x,
+                request: sent,
+                started,
+                attempt_no,
+                token,
+                refused: None,
+            });
+        };
+        if let Some(src) = &rt.token {
+            src.refused(t, self.clock);
+        }
+        let first = self.refused_attempt(rt, (attempt_no, started), &x, sent);
+        match self.resend(rt, plan, t).await {
+            Ok((again, request, at, renewed, _flight)) => Ok(Sent {
+                x: again,
+                request,
+                started: at,
+                attempt_no,
+                token: Some(renewed),
+                refused: Some(first),
+            }),
+            Err(mut out) => {
+                out.attempts.insert(0, first);
+                Err(out)
             }
         }
-        self.judge_token(rt, used.as_ref(), x.http_status);
+    }
+
+    /// What the exchange means: the step's new state (an uncertain call
+    /// under `at_most_once` looked up or parked, never sent again), what
+    /// every call to the provider hears of it, the attempt kept, and the
+    /// first confirmation of a success.
+    fn concluded(
+        &self,
+        rt: &ProviderRuntime,
+        plan: Planned,
+        probe: Probe<'_>,
+        sent: Sent,
+        at_most_once: bool,
+    ) -> StepOutput {
+        let Sent {
+            x,
+            request,
+            started,
+            attempt_no,
+            token,
+            refused,
+        } = sent;
+        self.judge_token(rt, token.as_ref(), x.http_status);
+        let policy = rt.config.retry.policy();
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
-        let (mut judged, failed) =
-            self.judge(plan, (&x, c.outcome, c.error_code), &policy, (now, after));
+        let (mut judged, failed) = self.judge(
+            plan,
+            (&x, c.outcome, c.error_code),
+            &policy,
+            (self.now, after),
+        );
         if at_most_once && crate::domain::step::uncertain(&x.reply, judged.outcome) {
             let evidence = judged
                 .error_code
@@ -454,10 +544,10 @@ impl StepRun<'_> {
                 (after, after + ms(rt.config.timeout.0)),
             );
         }
-        let heard = heard(rt, (c.outcome, failed), &x, granted.probe, after);
+        let heard = heard(rt, (c.outcome, failed), &x, probe, after);
         self.move_budget(rt, judged.budget, after);
         let verdict = (judged.outcome, judged.error_code.clone());
-        let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, sent);
+        let attempt = self.attempt(rt, verdict, (attempt_no, started), &x, request);
         let w = &judged.decision.write;
         let confirm = match self.step.confirm {
             Some(spec) if w.state == StepState::Succeeded => Some(crate::domain::confirm::first(
@@ -474,7 +564,6 @@ impl StepRun<'_> {
             attempts: refused.into_iter().chain([attempt]).collect(),
             breaker: heard.breaker,
             throttled: heard.throttled,
-            intents_done: intent.into_iter().collect(),
             ..StepOutput::new(judged.decision)
         }
     }
@@ -1050,7 +1139,7 @@ impl StepRun<'_> {
 
     /// Applies webhook deliveries (`domain::step::apply_deliveries`); each
     /// is kept in the attempt history as evidence.
-    fn apply_callbacks(self, rt: &ProviderRuntime) -> StepOutput {
+    fn apply_callbacks(&self, rt: &ProviderRuntime) -> StepOutput {
         let deliveries: Vec<Delivery<'_>> = self
             .callbacks
             .iter()
