@@ -276,6 +276,64 @@ fn quoting_of(s: &StepConfig, field: &str) -> Quoting {
     }
 }
 
+/// One step's templates being added: each under `pipeline/step/field`,
+/// checked against the step's upstream, quoted for where it lands.
+struct StepTemplates<'a> {
+    pipeline: &'a str,
+    step: &'a StepConfig,
+    upstream: &'a BTreeSet<String>,
+    templates: &'a mut Templates,
+}
+
+impl StepTemplates<'_> {
+    fn key(&self, field: &str) -> String {
+        step_key(self.pipeline, &self.step.name, field)
+    }
+
+    /// Adds `source` as the template of `field`; `job_id` and `output`
+    /// say whether it may refer to them. Returns its id.
+    fn add(
+        &mut self,
+        field: &str,
+        source: &str,
+        job_id: bool,
+        output: bool,
+    ) -> Result<String, ConfigError> {
+        let id = format!("{}/{}/{field}", self.pipeline, self.step.name);
+        let scope = template::Scope {
+            upstream: self.upstream,
+            job_id,
+            output,
+            quoting: quoting_of(self.step, field),
+        };
+        self.templates
+            .add(&id, source, &scope)
+            .map_err(|e| invalid(self.key(field), e.to_string()))?;
+        Ok(id)
+    }
+
+    fn method(&self, m: &str, field: &str) -> Result<HttpMethod, ConfigError> {
+        HttpMethod::parse(m)
+            .ok_or_else(|| invalid(self.key(field), format!("unknown HTTP method `{m}`")))
+    }
+
+    /// A bodiless `GET`-like request of `field.path` and `field.method`.
+    fn asking(
+        &mut self,
+        field: &str,
+        (method, path): (&str, &str),
+        job_id: bool,
+        output: bool,
+    ) -> Result<RequestSpec, ConfigError> {
+        Ok(RequestSpec {
+            method: self.method(method, &format!("{field}.method"))?,
+            path: self.add(&format!("{field}.path"), path, job_id, output)?,
+            headers: Vec::new(),
+            body: None,
+        })
+    }
+}
+
 /// Compiles one step: its templates (checked against its upstream), its
 /// kind with the data that kind needs, its output pointers.
 fn compile_step(
@@ -284,111 +342,41 @@ fn compile_step(
     up: BTreeSet<String>,
     templates: &mut Templates,
 ) -> Result<Step, ConfigError> {
-    let key = |field: &str| step_key(pipeline, &s.name, field);
-    let method = |m: &str, field: &str| {
-        HttpMethod::parse(m)
-            .ok_or_else(|| invalid(key(field), format!("unknown HTTP method `{m}`")))
+    let mut t = StepTemplates {
+        pipeline,
+        step: s,
+        upstream: &up,
+        templates,
     };
-    let mut tpl_in = |field: &str, source: &str, job_id: bool, output: bool| {
-        let id = format!("{pipeline}/{}/{field}", s.name);
-        let scope = template::Scope {
-            upstream: &up,
-            job_id,
-            output,
-            quoting: quoting_of(s, field),
-        };
-        templates
-            .add(&id, source, &scope)
-            .map_err(|e| invalid(key(field), e.to_string()))?;
-        Ok::<_, ConfigError>(id)
-    };
-    let mut tpl = |field: &str, source: &str, job_id: bool| tpl_in(field, source, job_id, false);
     let mut headers = Vec::new();
     for (h, v) in &s.request.headers {
-        headers.push((h.clone(), tpl(&format!("request.headers.{h}"), v, false)?));
+        headers.push((
+            h.clone(),
+            t.add(&format!("request.headers.{h}"), v, false, false)?,
+        ));
     }
     let request = RequestSpec {
-        method: method(&s.request.method, "request.method")?,
-        path: tpl("request.path", &s.request.path, false)?,
+        method: t.method(&s.request.method, "request.method")?,
+        path: t.add("request.path", &s.request.path, false, false)?,
         headers,
         body: match &s.request.body {
-            Some(b) => Some(tpl("request.body", b, false)?),
+            Some(b) => Some(t.add("request.body", b, false, false)?),
             None => None,
         },
     };
     let poll = match &s.poll {
         Some(pc) => Some(PollSpec {
-            request: RequestSpec {
-                method: method(&pc.method, "poll.method")?,
-                path: tpl("poll.path", &pc.path, true)?,
-                headers: Vec::new(),
-                body: None,
-            },
+            request: t.asking("poll", (&pc.method, &pc.path), true, false)?,
             every: pc.every.0,
             deadline: pc.deadline.0,
         }),
         None => None,
     };
+    let key = |field: &str| step_key(pipeline, &s.name, field);
     let kind = compile_kind(s, poll, &key)?;
     let (confirm, confirm_request) = match &s.confirm {
         None => (None, None),
-        Some(c) if c.after.0.is_zero() || c.times == 0 || c.times > 100 => {
-            return Err(invalid(
-                key("confirm"),
-                "`after` must be more than 0 and `times` between 1 and 100".into(),
-            ));
-        }
-        Some(_) if matches!(kind, StepKind::Callback { .. }) => {
-            return Err(invalid(
-                key("confirm"),
-                "a callback step is told of changes by its webhooks; confirm a \
-                 `request` or `submit_poll` step"
-                    .into(),
-            ));
-        }
-        Some(c)
-            if c.method
-                .as_deref()
-                .is_some_and(|m| !m.eq_ignore_ascii_case("GET")) =>
-        {
-            return Err(invalid(
-                key("confirm.method"),
-                "a confirmation only asks: it must be `GET`".into(),
-            ));
-        }
-        Some(c) => {
-            let polls = matches!(kind, StepKind::SubmitPoll { .. });
-            let request = match (&c.path, polls) {
-                (Some(path), _) => Some(RequestSpec {
-                    method: method(c.method.as_deref().unwrap_or("GET"), "confirm.method")?,
-                    path: tpl_in("confirm.path", path, polls, true)?,
-                    headers: Vec::new(),
-                    body: None,
-                }),
-                (None, true) if c.method.is_none() => None,
-                (None, true) => {
-                    return Err(invalid(
-                        key("confirm.method"),
-                        "is for a confirmation's own `path`; without one the job's poll is used"
-                            .into(),
-                    ));
-                }
-                (None, false) => {
-                    return Err(invalid(
-                        key("confirm"),
-                        "needs `path`, the request that asks about the result (for example \
-                         \"/v1/charges/{{ output.id }}\"), unless the step polls a job \
-                         (kind = \"submit_poll\")"
-                            .into(),
-                    ));
-                }
-            };
-            let spec = crate::domain::pipeline::Confirm {
-                after: c.after.0,
-                times: c.times,
-            };
-            (Some(spec), request)
-        }
+        Some(c) => compile_confirm(c, &kind, &mut t)?,
     };
     let lookup = match &s.lookup {
         None => None,
@@ -401,12 +389,7 @@ fn compile_step(
         Some(l) => {
             check_pointer(&l.job_id).map_err(|m| invalid(key("lookup.job_id"), m))?;
             Some(crate::domain::pipeline::Lookup {
-                request: RequestSpec {
-                    method: method(&l.method, "lookup.method")?,
-                    path: tpl_in("lookup.path", &l.path, false, false)?,
-                    headers: Vec::new(),
-                    body: None,
-                },
+                request: t.asking("lookup", (&l.method, &l.path), false, false)?,
                 job_id: l.job_id.clone(),
             })
         }
@@ -429,6 +412,72 @@ fn compile_step(
         lookup,
         at_most_once: s.at_most_once,
     })
+}
+
+/// A step's `confirm`: how often, and the request that asks (its own
+/// `path`, or none for a job step, whose poll asks), refusing what cannot
+/// confirm.
+fn compile_confirm(
+    c: &crate::config::pipeline::ConfirmConfig,
+    kind: &StepKind,
+    t: &mut StepTemplates<'_>,
+) -> Result<
+    (
+        Option<crate::domain::pipeline::Confirm>,
+        Option<RequestSpec>,
+    ),
+    ConfigError,
+> {
+    let refuse = |field: &str, message: &str| Err(invalid(t.key(field), message.into()));
+    if c.after.0.is_zero() || c.times == 0 || c.times > 100 {
+        return refuse(
+            "confirm",
+            "`after` must be more than 0 and `times` between 1 and 100",
+        );
+    }
+    if matches!(kind, StepKind::Callback { .. }) {
+        return refuse(
+            "confirm",
+            "a callback step is told of changes by its webhooks; confirm a \
+             `request` or `submit_poll` step",
+        );
+    }
+    if c.method
+        .as_deref()
+        .is_some_and(|m| !m.eq_ignore_ascii_case("GET"))
+    {
+        return refuse(
+            "confirm.method",
+            "a confirmation only asks: it must be `GET`",
+        );
+    }
+    let polls = matches!(kind, StepKind::SubmitPoll { .. });
+    let request = match (&c.path, polls) {
+        (Some(path), _) => {
+            let method = c.method.as_deref().unwrap_or("GET");
+            Some(t.asking("confirm", (method, path), polls, true)?)
+        }
+        (None, true) if c.method.is_none() => None,
+        (None, true) => {
+            return refuse(
+                "confirm.method",
+                "is for a confirmation's own `path`; without one the job's poll is used",
+            );
+        }
+        (None, false) => {
+            return refuse(
+                "confirm",
+                "needs `path`, the request that asks about the result (for example \
+                 \"/v1/charges/{{ output.id }}\"), unless the step polls a job \
+                 (kind = \"submit_poll\")",
+            );
+        }
+    };
+    let spec = crate::domain::pipeline::Confirm {
+        after: c.after.0,
+        times: c.times,
+    };
+    Ok((Some(spec), request))
 }
 
 /// The step's kind with the data it needs, refusing what it lacks (and a

@@ -648,6 +648,82 @@ fn attempt_views(
 }
 
 /// [`record_page`] with its version already read (the live poll's).
+/// The steps a replay may start from: the record's own version's (its
+/// step runs when that version is not known here), then those only the
+/// current version has, since a replay may run on it.
+fn replay_steps(
+    state: &AppState,
+    rec: &crate::domain::Record,
+    shape: Vec<(String, Vec<String>)>,
+    steps: &[crate::domain::StepRun],
+    current: Option<i64>,
+) -> Vec<String> {
+    let mut names: Vec<String> = match &state.engine {
+        Some(_) if !shape.is_empty() => shape.into_iter().map(|s| s.0).collect(),
+        _ => steps.iter().map(|s| s.step.clone()).collect(),
+    };
+    if current.is_none() || current == rec.pipeline_version {
+        return names;
+    }
+    if let Some(p) = state
+        .engine
+        .as_ref()
+        .and_then(|e| e.pipeline(&rec.pipeline))
+    {
+        for s in &p.steps {
+            if !names.contains(&s.name) {
+                names.push(s.name.clone());
+            }
+        }
+    }
+    names
+}
+
+/// For a record parked with an uncertain call at a `request` step: the
+/// step's outputs as a JSON object of empty strings, for the operator to
+/// fill in ("it took effect"); none for a job step (it names its job).
+async fn took_outputs(
+    state: &AppState,
+    rec: &crate::domain::Record,
+    steps: &[crate::domain::StepRun],
+) -> Option<String> {
+    let run = steps
+        .iter()
+        .find(|s| rec.step.as_deref() == Some(s.step.as_str()) && s.job_id.is_none())?;
+    let step = state.engine.as_ref()?.step_of(rec, &run.step).await?;
+    if !matches!(step.kind, crate::pipeline::StepKind::Request) {
+        return None;
+    }
+    let blank: serde_json::Map<String, serde_json::Value> = step
+        .outputs
+        .keys()
+        .map(|k| (k.clone(), serde_json::Value::String(String::new())))
+        .collect();
+    Some(serde_json::Value::Object(blank).to_string())
+}
+
+impl StepView {
+    /// A step run as the record page's Steps table shows it.
+    fn of(rec: &crate::domain::Record, s: &crate::domain::StepRun) -> Self {
+        StepView {
+            name: s.step.clone(),
+            state: if parked_at(rec, &s.step, Some(s.state)) {
+                "parked"
+            } else {
+                s.state.as_str()
+            },
+            provider: s.provider.clone().unwrap_or_default(),
+            attempts: s.attempts,
+            job_id: s.job_id.clone().unwrap_or_default(),
+            output: s.output.as_ref().map(pretty).unwrap_or_default(),
+            error_code: s.error_code.clone().unwrap_or_default(),
+            reason: s.reason.clone().unwrap_or_default(),
+            started: when_opt(s.started_at),
+            finished: when_opt(s.finished_at),
+        }
+    }
+}
+
 async fn record_page_at(
     state: &AppState,
     caller: &crate::web::auth::Caller,
@@ -682,51 +758,19 @@ async fn record_page_at(
         rec.finished_at.unwrap_or_else(|| state.clock.now_ms()),
         when,
     );
-    // The record's own version's steps (its step runs when that version
-    // is not known here).
-    let mut replay_steps: Vec<String> = match &state.engine {
-        Some(_) if !shape.is_empty() => shape.into_iter().map(|s| s.0).collect(),
-        _ => steps.iter().map(|s| s.step.clone()).collect(),
-    };
     let current = state
         .engine
         .as_ref()
         .and_then(|e| e.current_version(&rec.pipeline));
-    // A replay may run on the current version: its steps too (those only
-    // it has come last).
-    if current.is_some() && current != rec.pipeline_version {
-        if let Some(p) = state
-            .engine
-            .as_ref()
-            .and_then(|e| e.pipeline(&rec.pipeline))
-        {
-            for s in &p.steps {
-                if !replay_steps.contains(&s.name) {
-                    replay_steps.push(s.name.clone());
-                }
-            }
-        }
-    }
+    let replay_steps = replay_steps(state, &rec, shape, &steps, current);
     // "It took effect" only where a call's outcome is uncertain: a job
     // step names its job, a request step its outputs (a JSON object with
     // the step's output names, offered empty).
     let uncertain = rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN);
-    let uncertain_step = steps
-        .iter()
-        .find(|s| rec.step.as_deref() == Some(s.step.as_str()) && s.job_id.is_none());
-    let took_outputs = match (&state.engine, uncertain_step) {
-        (Some(e), Some(run)) if uncertain => match e.step_of(&rec, &run.step).await {
-            Some(s) if matches!(s.kind, crate::pipeline::StepKind::Request) => {
-                let blank: serde_json::Map<String, serde_json::Value> = s
-                    .outputs
-                    .keys()
-                    .map(|k| (k.clone(), serde_json::Value::String(String::new())))
-                    .collect();
-                Some(serde_json::Value::Object(blank).to_string())
-            }
-            _ => None,
-        },
-        _ => None,
+    let took_outputs = if uncertain {
+        took_outputs(state, &rec, &steps).await
+    } else {
+        None
     };
     let actions = if caller.can(crate::domain::Role::Operator) {
         allowed_actions(rec.state)
@@ -749,25 +793,7 @@ async fn record_page_at(
         finished: when_opt(rec.finished_at),
         next_run: when_opt(rec.next_run_at),
         input: pretty(&rec.input),
-        steps: steps
-            .iter()
-            .map(|s| StepView {
-                name: s.step.clone(),
-                state: if parked_at(&rec, &s.step, Some(s.state)) {
-                    "parked"
-                } else {
-                    s.state.as_str()
-                },
-                provider: s.provider.clone().unwrap_or_default(),
-                attempts: s.attempts,
-                job_id: s.job_id.clone().unwrap_or_default(),
-                output: s.output.as_ref().map(pretty).unwrap_or_default(),
-                error_code: s.error_code.clone().unwrap_or_default(),
-                reason: s.reason.clone().unwrap_or_default(),
-                started: when_opt(s.started_at),
-                finished: when_opt(s.finished_at),
-            })
-            .collect(),
+        steps: steps.iter().map(|s| StepView::of(&rec, s)).collect(),
         attempts: attempt_views(&open, &attempts),
         events: events
             .iter()
