@@ -60,7 +60,7 @@ use ballast::domain::RecordState;
 use ballast::engine::http::{Call, InProcess, InProcessProvider};
 use ballast::engine::{Engine, EngineOptions};
 use ballast::sim::{Profile, SimHandle};
-use ballast::store::{Backend, ConnectOptions, Db, NewRecord, Store, migrate};
+use ballast::store::{Backend, ConnectOptions, Db, NewRecord, migrate};
 use serde_json::{Value, json};
 use sqlx::Connection;
 use tokio_util::sync::CancellationToken;

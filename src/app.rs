@@ -15,7 +15,7 @@ use crate::config::{Config, Secret};
 use crate::domain::host::HEARTBEAT_EVERY;
 use crate::domain::{Clock, Role, SystemClock};
 use crate::reload::{Reloader, Source};
-use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, Store, migrate};
+use crate::store::{ConnectOptions, Db, NewUser, NodeBeat, migrate};
 use crate::web::AppState;
 
 /// Connects to the configured database.

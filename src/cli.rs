@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::password;
 use crate::config::{Config, Loaded};
 use crate::domain::{Clock, Role, SystemClock, time::format_ms};
-use crate::store::{Db, NewUser, Store, StoreError, UserChange, migrate};
+use crate::store::{Db, NewUser, StoreError, UserChange, migrate};
 
 /// Environment variable that supplies a password to `user add` and `user passwd`.
 pub const PASSWORD_ENV: &str = "BALLAST_PASSWORD";

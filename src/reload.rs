@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::config::{Config, Live};
 use crate::domain::Clock;
 use crate::engine::{Engine, fingerprint};
-use crate::store::{Db, NewEvent, Store};
+use crate::store::{Db, NewEvent};
 
 /// Where a node's configuration came from.
 #[derive(Debug, Clone)]

@@ -30,7 +30,7 @@ pub struct LoginPolicy {
 }
 
 impl LoginPolicy {
-    /// The `since` for [`count_login_failure`](crate::store::Store::count_login_failure):
+    /// The `since` for [`count_login_failure`](crate::store::People::count_login_failure):
     /// a count whose latest failure is older starts again.
     pub fn forget_before(&self, now: UnixMs) -> UnixMs {
         now.saturating_sub(self.forget_after_ms)

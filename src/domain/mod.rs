@@ -3,6 +3,7 @@
 //! the clock and the host's name (`time`, `host`), which every layer shares.
 
 pub mod account;
+pub mod action;
 pub mod backoff;
 pub mod breaker;
 pub mod confirm;
@@ -16,6 +17,7 @@ pub mod pass;
 pub mod permits;
 pub mod pipeline;
 pub mod request;
+pub mod reversal;
 pub mod rules;
 pub mod schedule;
 pub mod search;

@@ -7,7 +7,10 @@ use std::collections::HashMap;
 
 use super::pipeline::Step;
 use super::step::Park;
-use super::{StepState, StepWrite, UnixMs, WorkResult};
+use super::{
+    Record, RecordState, StepState, StepWrite, TransitionError, Trigger, UnixMs, WorkResult,
+    transition,
+};
 
 /// A step that will not run again in this generation.
 pub fn is_done(state: StepState) -> bool {
@@ -210,6 +213,52 @@ fn scheduled(
     } else {
         (WorkResult::Deferred, next)
     }
+}
+
+/// What a pass's commit says of its record.
+#[derive(Debug, Clone, Copy)]
+pub struct Committed<'a> {
+    pub now: UnixMs,
+    /// `None`: a checkpoint; the record stays leased.
+    pub result: Option<WorkResult>,
+    /// When a scheduled record is due again (`now` when not given).
+    pub next_run_at: Option<UnixMs>,
+    /// The step and provider it is at, when they changed.
+    pub step: Option<&'a str>,
+    pub provider: Option<&'a str>,
+    pub error_code: Option<&'a str>,
+    pub reason: Option<&'a str>,
+    pub park_until: Option<&'a super::park::ParkUntil>,
+}
+
+/// The record as a commit leaves it, and the state it moved to (`None`
+/// for a checkpoint), through the transition table: a record is leased
+/// (`running`) while a pass works it.
+pub fn after_commit(
+    rec: &Record,
+    c: Committed<'_>,
+) -> Result<(Record, Option<RecordState>), TransitionError> {
+    let mut after = rec.clone();
+    after.updated_at = c.now;
+    after.error_code = c.error_code.map(str::to_owned);
+    after.reason = c.reason.map(str::to_owned);
+    if let Some(step) = c.step {
+        after.step = Some(step.to_owned());
+    }
+    if let Some(provider) = c.provider {
+        after.provider = Some(provider.to_owned());
+    }
+    let Some(result) = c.result else {
+        return Ok((after, None));
+    };
+    let to = transition(RecordState::Running, Trigger::Worked(result))?;
+    after.state = to;
+    after.next_run_at = to.is_scheduled().then(|| c.next_run_at.unwrap_or(c.now));
+    after.lease_owner = None;
+    after.lease_until = None;
+    after.finished_at = to.is_terminal().then_some(c.now);
+    after.park_until = c.park_until.filter(|_| to == RecordState::Parked).cloned();
+    Ok((after, Some(to)))
 }
 
 #[cfg(test)]

@@ -88,7 +88,7 @@ pub fn tsquery(q: &str) -> Option<String> {
 }
 
 /// On PostgreSQL, how many of the newest documents a search reads in id
-/// order before it asks the word index for the rest (`Store::search_records`).
+/// order before it asks the word index for the rest (`History::search_records`).
 pub const NEWEST_FIRST: i64 = 10_000;
 
 /// Events the indexer keeps looking for at most this long after it first

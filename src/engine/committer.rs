@@ -1,6 +1,6 @@
 //! Group commit. Workers hand their finished passes to one committer task
 //! per engine; it writes every pass that arrived while the previous
-//! transaction ran in one transaction (`Store::commit_many`), so a busy
+//! transaction ran in one transaction (`Work::commit_many`), so a busy
 //! node pays one durable commit, and a handful of multi-row statements, per
 //! group instead of per record. An idle node commits a lone pass at once:
 //! nothing waits for a group to fill. On PostgreSQL two groups are written
@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::{JoinError, JoinSet};
 
 use crate::domain::{Clock, Record};
-use crate::store::{Commit, Db, Store, StoreResult};
+use crate::store::{Commit, Db, StoreResult};
 
 /// The most passes written in one transaction.
 const GROUP_MAX: usize = 1_000;

@@ -13,7 +13,7 @@ use super::Engine;
 use super::step::{self, Asked};
 use crate::domain::confirm::{Next, Pending, next, said};
 use crate::domain::{StepState, UnixMs};
-use crate::store::{StepWrite, Store, StoreError};
+use crate::store::{StepWrite, StoreError};
 
 /// How often a node looks for due confirmations, when a configured step
 /// confirms.

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::limits::ProviderRuntime;
 use super::{Engine, WebhookSettings};
 use crate::domain::{Record, StepState, UnixMs};
-use crate::store::{StepWrite, Store, StoreError};
+use crate::store::{StepWrite, StoreError};
 
 /// What became of a webhook delivery.
 #[derive(Debug, Clone, PartialEq)]

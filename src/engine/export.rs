@@ -11,7 +11,7 @@ use futures_util::Stream;
 use serde_json::{Value, json};
 
 use crate::domain::{Attempt, Record, StepRun, time::format_ms};
-use crate::store::{Db, RecordFilter, Store, StoreError};
+use crate::store::{Db, RecordFilter, StoreError};
 
 /// Records per page read from the store; fewer with their attempts (a
 /// record may have many). A chunk holds one page serialised, so memory

@@ -5,7 +5,7 @@
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::store::{Db, NewIntent, Store, StoreError};
+use crate::store::{Db, NewIntent, StoreError};
 
 /// The most intents written in one transaction.
 const BATCH_MAX: usize = 1_000;

@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::domain::{Clock, Record, StepRun, SystemClock, UnixMs};
 use crate::pipeline::{Pipeline, Pipelines, Templates};
-use crate::store::{Created, Db, Lease, NewRecord, Store, StoreError};
+use crate::store::{Created, Db, Lease, NewRecord, StoreError};
 
 use limits::ProviderRuntime;
 

@@ -13,7 +13,7 @@ use crate::domain::park::ParkUntil;
 use crate::domain::{
     Clock, OperatorAction, ProviderState, Record, RecordState, StepState, Trigger, transition,
 };
-use crate::store::{ActionRequest, Db, RecordFilter, Store, StoreError, Took};
+use crate::store::{ActionRequest, Db, RecordFilter, StoreError, Took};
 
 /// Why a command was refused, or the store error that stopped it.
 #[derive(Debug, thiserror::Error)]

@@ -15,7 +15,7 @@ use crate::domain::pass::{PassFacts, may_start_more, ready, skip_blocked, verdic
 use crate::domain::step::Park;
 use crate::domain::{Record, StepRun, StepState, UnixMs, WorkResult};
 use crate::pipeline::{Pipeline, Step, Templates};
-use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, Store, StoreError};
+use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, StoreError};
 
 /// How long a record whose pipeline version this node cannot run waits
 /// before it is tried again (here after a reload, or on another node).

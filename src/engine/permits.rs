@@ -1,6 +1,6 @@
 //! A provider's limits as this node draws on the cluster's budget: rate
 //! permits leased in small grants, and concurrency slots held, from the
-//! database (`Store::lease_permits`, decided by `domain::permits`), so the
+//! database (`Cluster::lease_permits`, decided by `domain::permits`), so the
 //! calls of every node together stay within each window and the cap.
 //!
 //! Calls take permits from the grants in memory; a lease request (one
@@ -18,7 +18,7 @@ use tokio::sync::Semaphore;
 use crate::config::provider::RateLimit;
 use crate::domain::permits::{Granted, SlotAsk, headroom};
 use crate::domain::{Clock, UnixMs};
-use crate::store::{Db, PermitRequest, Permits, SlotRequest, Store, StoreResult};
+use crate::store::{Db, PermitRequest, Permits, SlotRequest, StoreResult};
 
 /// How long a holding of slots lasts unless renewed (the provider sync
 /// renews it every few seconds).

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::Engine;
 use crate::domain::UnixMs;
 use crate::domain::park::{Ready, provider_ready};
-use crate::store::{ResumeDue, Store, StoreError};
+use crate::store::{ResumeDue, StoreError};
 
 /// How often a node looks for records to resume.
 const EVERY_MS: i64 = 1_000;

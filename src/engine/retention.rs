@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::Engine;
 use crate::config::Config;
 use crate::domain::UnixMs;
-use crate::store::{Db, PurgeRun, Purged, Store, StoreError};
+use crate::store::{Db, PurgeRun, Purged, StoreError};
 
 /// How often a node asks for the purge lease: once a minute, or four
 /// times per shortest retention period if that is shorter (at most once a

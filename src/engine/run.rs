@@ -15,7 +15,7 @@ use super::step::BreakerNews;
 use super::{ClaimFuture, Engine, Stopping, lock, stats};
 use crate::domain::breaker::{SharedBreaker, SharedOp};
 use crate::domain::{ProviderState, Record, StepRun, UnixMs};
-use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Notice, Store, StoreError};
+use crate::store::{ClaimRequest, Db, Lease, NodeBeat, Notice, StoreError};
 
 /// How stale a SQLite node's view of other processes' provider changes
 /// may be when it claims.

@@ -11,7 +11,7 @@ use super::{Engine, EngineError};
 use crate::config::Config;
 use crate::domain::UnixMs;
 use crate::domain::schedule::{Cron, Missed, plan, tick_key};
-use crate::store::{ScheduleAdvance, Store, StoreError};
+use crate::store::{ScheduleAdvance, StoreError};
 
 /// The longest a node sleeps between passes: a clock set forward, or a
 /// watermark another node moved, is seen within it.

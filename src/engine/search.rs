@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::Engine;
 use crate::domain::UnixMs;
 use crate::domain::search::{self, Progress, SeenEvent};
-use crate::store::{Store, StoreError};
+use crate::store::StoreError;
 
 const LEASE: &str = "search-index";
 /// How long the lease lasts; the holder renews it when half is left.

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::domain::{Outcome, RecordState, UnixMs};
-use crate::store::{Db, NewAttempt, StepRollup, Store};
+use crate::store::{Db, NewAttempt, StepRollup};
 
 /// Upper bounds of the latency buckets, in milliseconds; the last bucket
 /// holds everything slower.

@@ -26,7 +26,7 @@ use crate::domain::step::{
 };
 use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
-use crate::store::{Db, NewAttempt, StepWrite, Store};
+use crate::store::{Db, NewAttempt, StepWrite};
 
 /// A call's place in the provider's limits: its rate permits and its
 /// count in flight, given back on drop, whether it finished, failed

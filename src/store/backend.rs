@@ -5,7 +5,7 @@
 //! SQLite and PostgreSQL accept the same SQL for almost everything Ballast
 //! does (`$n` placeholders, `ON CONFLICT`, `RETURNING`, partial indexes), so
 //! the store's logic is written once, in [`SqlStore`](super::sql::SqlStore)
-//! and its [`Store`](super::Store) implementation (`common.rs`). What really
+//! and the aggregates' implementations of [`Store`](super::Store). What really
 //! differs is this trait: how a write transaction begins (a single writer
 //! with `BEGIN IMMEDIATE` against row locks), a few spellings in the SQL,
 //! counter sharding, waking other nodes, and claiming (`FOR NO KEY UPDATE

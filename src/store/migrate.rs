@@ -12,69 +12,10 @@ use super::{Backend, Db, StoreError, StoreResult};
 /// One migration as shipped: (version, description, up SQL, down SQL).
 type Shipped = (i64, &'static str, &'static str, &'static str);
 
-/// Embeds `migrations/<backend>/<file>.{up,down}.sql` for each
-/// `version "file" "description"`.
-macro_rules! shipped {
-    ($backend:literal: $( $version:literal $file:literal $name:literal ),* $(,)?) => {
-        &[ $( (
-            $version,
-            $name,
-            include_str!(concat!("../../migrations/", $backend, "/", $file, ".up.sql")),
-            include_str!(concat!("../../migrations/", $backend, "/", $file, ".down.sql")),
-        ) ),* ]
-    };
-}
-
-// A new migration is a new line in both lists, never an edit of a file
-// that has landed.
-const SQLITE: &[Shipped] = shipped!("sqlite":
-    1 "0001_core" "core",
-    2 "0002_control_plane" "control_plane",
-    3 "0003_throttled" "throttled",
-    4 "0004_cluster_breaker" "cluster_breaker",
-    5 "0005_provider_grants" "provider_grants",
-    6 "0006_fair_queues" "fair_queues",
-    7 "0007_attempt_requests" "attempt_requests",
-    8 "0008_step_versions" "step_versions",
-    9 "0009_step_confirmations" "step_confirmations",
-    10 "0010_park_until" "park_until",
-    11 "0011_attempt_intents" "attempt_intents",
-    12 "0012_schedules" "schedules",
-    13 "0013_retention" "retention",
-    14 "0014_search" "search",
-    15 "0015_step_figures" "step_figures",
-    16 "0016_user_theme" "user_theme",
-    17 "0017_hourly_rollups" "hourly_rollups",
-    18 "0018_config_version" "config_version",
-    19 "0019_hot_path_keys" "hot_path_keys",
-    20 "0020_listing_indexes" "listing_indexes",
-    21 "0021_enqueue_function" "enqueue_function",
-    22 "0022_accounts" "accounts",
-);
-const POSTGRES: &[Shipped] = shipped!("postgres":
-    1 "0001_core" "core",
-    2 "0002_control_plane" "control_plane",
-    3 "0003_throttled" "throttled",
-    4 "0004_cluster_breaker" "cluster_breaker",
-    5 "0005_provider_grants" "provider_grants",
-    6 "0006_fair_queues" "fair_queues",
-    7 "0007_attempt_requests" "attempt_requests",
-    8 "0008_step_versions" "step_versions",
-    9 "0009_step_confirmations" "step_confirmations",
-    10 "0010_park_until" "park_until",
-    11 "0011_attempt_intents" "attempt_intents",
-    12 "0012_schedules" "schedules",
-    13 "0013_retention" "retention",
-    14 "0014_search" "search",
-    15 "0015_step_figures" "step_figures",
-    16 "0016_user_theme" "user_theme",
-    17 "0017_hourly_rollups" "hourly_rollups",
-    18 "0018_config_version" "config_version",
-    19 "0019_hot_path_keys" "hot_path_keys",
-    20 "0020_listing_indexes" "listing_indexes",
-    21 "0021_enqueue_function" "enqueue_function",
-    22 "0022_accounts" "accounts",
-);
+// `SQLITE` and `POSTGRES`, one entry per file pair under `migrations/`
+// (made by `build.rs`). A new migration is a new pair of files in each
+// folder, never an edit of a file that has landed.
+include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
 
 fn shipped(backend: Backend) -> &'static [Shipped] {
     match backend {

@@ -1,6 +1,7 @@
 //! The store both backends share: [`SqlStore`], generic over the backend's
-//! [`SqlDb`], and the writes it makes inside a transaction (the pieces its
-//! [`Store`](super::Store) implementation in `common.rs` is built from).
+//! [`SqlDb`], and the writes it makes inside a transaction (the pieces the
+//! aggregates' implementations, `records.rs` to `housekeeping.rs`, are
+//! built from).
 
 use std::sync::Arc;
 
@@ -13,8 +14,10 @@ use super::batch;
 use super::counts::CountDeltas;
 use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, map_all};
 use super::{ActionRequest, Created, EventRow, NewRecord, StepRollup, StoreError, StoreResult};
+use crate::domain::action::{self, Plan, StepChange};
 use crate::domain::park::ParkUntil;
-use crate::domain::{Event, OperatorAction, Record, RecordState, Trigger, UnixMs, transition};
+use crate::domain::reversal::ReversedSteps;
+use crate::domain::{Event, Record, RecordState, Trigger, UnixMs, transition};
 
 /// A write transaction.
 pub(crate) type Tx<DB> = Transaction<'static, DB>;
@@ -113,8 +116,9 @@ pub(crate) fn conflict_or(e: sqlx::Error, what: &'static str, key: &str) -> Stor
 
 // The bounds below say that sqlx can run statements on `DB`'s connections
 // and bind and read the Rust types the store uses; both backends meet them.
-// They are repeated on the `Store` implementation in `common.rs` (see
-// `SqlDb` for why they cannot live in one trait).
+// They are repeated on each aggregate's implementation (`records.rs`,
+// `history.rs`, `work.rs`, `cluster.rs`, `people.rs`, `housekeeping.rs`;
+// see `SqlDb` for why they cannot live in one trait).
 impl<DB> SqlStore<DB>
 where
     DB: SqlDb,
@@ -170,7 +174,7 @@ where
     }
 
     /// Creates `user`; with `first_only`, only while there is no user at
-    /// all, atomically with that check (`Store::create_first_user`).
+    /// all, atomically with that check (`People::create_first_user`).
     pub(crate) async fn insert_user(
         &self,
         user: &super::NewUser,
@@ -984,36 +988,107 @@ where
         Ok(out)
     }
 
-    /// `Retry` inside the caller's transaction: a fresh attempt budget for
-    /// every unfinished step; reversed results, and with a `new_input`
-    /// every unfinished step, run again under a new generation.
-    async fn retry_locked(
+    /// Whether a reversal of `req.step` still applies to `rec`: always,
+    /// unless it names the generation it contradicts and the step has
+    /// since run again or no longer succeeded.
+    pub(crate) async fn reversal_applies(
+        tx: &mut Tx<DB>,
+        rec: &Record,
+        req: &crate::store::ReverseRequest,
+    ) -> StoreResult<bool> {
+        let Some(g) = req.generation else {
+            return Ok(true);
+        };
+        let current: Option<(i64, String)> = sqlx::query_as(
+            "SELECT CAST(generation AS BIGINT), state FROM step_runs WHERE record_id = $1 AND step = $2",
+        )
+        .bind(rec.id)
+        .bind(req.step.clone())
+        .fetch_optional(&mut **tx)
+        .await?;
+        Ok(current == Some((i64::from(g), "succeeded".to_owned())))
+    }
+
+    /// Applies a reversal's decision to the record's steps.
+    pub(crate) async fn reverse_steps(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        record_id: i64,
+        req: &crate::store::ReverseRequest,
+        steps: ReversedSteps,
+    ) -> StoreResult<()> {
+        match steps {
+            ReversedSteps::RunAgain => {
+                let cause = "rerun after reversal";
+                Self::rerun_steps(tx, installation, record_id, &req.steps, req.now, cause).await
+            }
+            ReversedSteps::Mark => {
+                sqlx::query(
+                    "UPDATE step_runs SET error_code = $1, updated_at = $2 \
+                     WHERE record_id = $3 AND step = $4 AND state = 'succeeded'",
+                )
+                .bind(crate::domain::REVERSED)
+                .bind(req.now)
+                .bind(record_id)
+                .bind(req.step.clone())
+                .execute(&mut **tx)
+                .await?;
+                Ok(())
+            }
+            ReversedSteps::Keep => Ok(()),
+        }
+    }
+
+    /// A record parked until a condition and parked again by a reversal:
+    /// it no longer resumes by itself, and says why it is parked now.
+    pub(crate) async fn park_for_a_human(
+        tx: &mut Tx<DB>,
+        record_id: i64,
+        reason: &str,
+        now: UnixMs,
+    ) -> StoreResult<Record> {
+        let sql = format!(
+            "UPDATE records SET park_until_at = NULL, park_until_provider = NULL, \
+             error_code = $1, reason = $2, updated_at = $3 WHERE id = $4 \
+             RETURNING {RECORD_COLUMNS}"
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(crate::domain::REVERSED)
+            .bind(reason.to_owned())
+            .bind(now)
+            .bind(record_id)
+            .fetch_one(&mut **tx)
+            .await?;
+        row.record()
+    }
+
+    /// A fresh attempt budget (and deadline) for every step of `rec` that
+    /// has not finished (a submitted job keeps its id, so it is polled, not
+    /// paid for again); reversed results run again, a new generation, with
+    /// the steps after them that `after` names (read here, under the
+    /// record's lock: `after` counts only when a step is reversed, and never
+    /// leaves one out); with a new input, every unfinished step runs again
+    /// too (a new request: a new idempotency key, a job made from the old
+    /// input left behind).
+    async fn fresh_start(
         tx: &mut Tx<DB>,
         installation: &str,
         rec: &Record,
-        req: &ActionRequest,
-        new_input: bool,
+        (after, new_input, cause): (&[String], bool, &str),
+        now: UnixMs,
     ) -> StoreResult<()> {
-        // A fresh attempt budget (and deadline) for every
-        // step that has not finished; a submitted job keeps
-        // its id, so it is polled, not paid for again.
         let mut unfinished: Vec<String> = sqlx::query_scalar(
             "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
              error_code = NULL, reason = NULL, updated_at = $1, \
              state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
              WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped') RETURNING step",
         )
-        .bind(req.now)
+        .bind(now)
         .bind(rec.id)
         .fetch_all(&mut **tx)
         .await?;
         unfinished.sort();
-        // A result its provider reversed is not kept by a retry:
-        // its step runs again, a new version, and so do the steps
-        // after it that the engine names in `steps` (read here,
-        // under the record's lock: `steps` counts only when a step
-        // is reversed, and never leaves one out).
-        let mut reversed: Vec<String> = sqlx::query_scalar(
+        let mut again: Vec<String> = sqlx::query_scalar(
             "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \
              AND error_code = $2 ORDER BY step",
         )
@@ -1021,103 +1096,72 @@ where
         .bind(crate::domain::REVERSED)
         .fetch_all(&mut **tx)
         .await?;
-        if !reversed.is_empty() && !req.steps.is_empty() {
-            let missing: Vec<String> = reversed
+        if !again.is_empty() && !after.is_empty() {
+            let missing: Vec<String> = again
                 .iter()
-                .filter(|r| !req.steps.contains(r))
+                .filter(|r| !after.contains(r))
                 .cloned()
                 .collect();
-            reversed = req.steps.iter().cloned().chain(missing).collect();
+            again = after.iter().cloned().chain(missing).collect();
         }
-        // A new input is a new request: the steps still to finish
-        // run again under a new generation (a new idempotency key;
-        // a job made from the old input is left behind).
-        let cause = if new_input {
+        if new_input {
             for step in unfinished {
-                if !reversed.contains(&step) {
-                    reversed.push(step);
+                if !again.contains(&step) {
+                    again.push(step);
                 }
             }
-            format!("retry with a new input by {}", req.actor)
-        } else {
-            format!("retry by {}", req.actor)
-        };
-        Self::rerun_steps(tx, installation, rec.id, &reversed, req.now, &cause).await?;
-        Ok(())
+        }
+        Self::rerun_steps(tx, installation, rec.id, &again, now, cause).await
     }
 
-    /// `TookEffect` inside the caller's transaction: an operator checked
-    /// with the provider, and the call whose outcome was not known made
-    /// this job (the step follows it), or, for a request step, took effect
-    /// with these outputs (the step succeeded).
+    /// Writes what an uncertain call of `step` did, as an operator found
+    /// it at the provider: the job it made (the step follows it) or the
+    /// outputs it took effect with (the step succeeds). Refused when the
+    /// step has no such call any more.
     async fn took_effect_locked(
         tx: &mut Tx<DB>,
         rec: &Record,
-        req: &ActionRequest,
+        change: &StepChange,
+        now: UnixMs,
     ) -> StoreResult<()> {
-        let (Some(step), Some(took)) = (req.steps.first(), req.took.as_ref()) else {
-            return Err(StoreError::Invalid(
-                "`took_effect` needs the step and what the provider made".into(),
-            ));
-        };
-        if rec.step.as_deref() != Some(step.as_str())
-            || rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN)
-        {
-            return Err(StoreError::Invalid(format!(
-                "the record does not wait on step `{step}`'s uncertain call"
-            )));
-        }
-        let set = match took {
-            crate::store::Took::Job(job) => {
-                crate::store::refuse_nul("job id", Some(job))?;
-                if job.trim().is_empty() || job.len() > 200 {
-                    return Err(StoreError::Invalid(
-                        "give the provider's job id (1 to 200 characters)".into(),
-                    ));
-                }
+        let (set, step) = match change {
+            StepChange::TookJob { step, job, reason } => (
                 sqlx::query(
                     "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
                      reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
                      WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
                      AND state NOT IN ('succeeded', 'failed', 'skipped')",
                 )
-                .bind(job.trim().to_owned())
-                .bind(format!(
-                    "the call took effect: job {} (by {})",
-                    job.trim(),
-                    req.actor
-                ))
-            }
-            crate::store::Took::Output { output, confirm } => {
+                .bind(job.clone())
+                .bind(reason.clone()),
+                step,
+            ),
+            StepChange::TookOutput {
+                step,
+                output,
+                confirm,
+                reason,
+            } => {
                 if let Some(p) = confirm {
                     Self::put_confirmation(tx, p).await?;
                 }
-                if !output.is_object() {
-                    return Err(StoreError::Invalid(
-                        "give the step's outputs as a JSON object".into(),
-                    ));
-                }
-                if crate::domain::json_has_nul(output) {
-                    return Err(StoreError::Invalid(
-                        "the outputs contain a NUL character".into(),
-                    ));
-                }
-                sqlx::query(
-                    "UPDATE step_runs SET output = $1, state = 'succeeded', error_code = NULL, \
-                     reason = $2, next_run_at = NULL, deadline_at = NULL, finished_at = $3, \
-                     updated_at = $3 \
-                     WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
-                     AND state NOT IN ('succeeded', 'failed', 'skipped')",
+                (
+                    sqlx::query(
+                        "UPDATE step_runs SET output = $1, state = 'succeeded', error_code = NULL, \
+                         reason = $2, next_run_at = NULL, deadline_at = NULL, finished_at = $3, \
+                         updated_at = $3 \
+                         WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
+                         AND state NOT IN ('succeeded', 'failed', 'skipped')",
+                    )
+                    .bind(Json(output.clone()))
+                    .bind(reason.clone()),
+                    step,
                 )
-                .bind(Json(output.clone()))
-                .bind(format!(
-                    "the call took effect, outputs given by {}",
-                    req.actor
-                ))
             }
+            _ => return Ok(()),
         };
         let done = set
-            .bind(req.now)
+            .bind(now)
             .bind(rec.id)
             .bind(step.clone())
             .bind(crate::domain::OUTCOME_UNCERTAIN)
@@ -1131,100 +1175,24 @@ where
         Ok(())
     }
 
-    /// Sets the record's input to the one a retry or replay gives, inside
-    /// the caller's transaction; the change (`{"old", "new"}`) for the
-    /// audit entry, `None` when there is none.
-    async fn new_input(
-        tx: &mut Tx<DB>,
-        rec: &Record,
-        req: &ActionRequest,
-    ) -> StoreResult<Option<serde_json::Value>> {
-        let Some(edit) = &req.input else {
-            return Ok(None);
-        };
-        let new = &edit.new;
-        if !matches!(
-            req.action,
-            OperatorAction::Retry | OperatorAction::ReplayFrom
-        ) {
-            return Err(StoreError::Invalid(format!(
-                "only a retry or a replay takes a new input, not {}",
-                req.action
-            )));
-        }
-        if crate::domain::json_has_nul(new) {
-            return Err(StoreError::Invalid(
-                "a NUL character (\\u0000) in the input".into(),
-            ));
-        }
-        if edit.was.as_ref().is_some_and(|was| *was != rec.input) {
-            return Err(StoreError::Invalid(
-                "the record's input changed since the page showed it (another operator's \
-                 edit?): nothing was done; reload the record and edit again"
-                    .into(),
-            ));
-        }
-        if *new == rec.input {
-            return Ok(None);
-        }
-        sqlx::query("UPDATE records SET input = $1 WHERE id = $2")
-            .bind(Json(new.clone()))
-            .bind(rec.id)
-            .execute(&mut **tx)
-            .await?;
-        Ok(Some(serde_json::json!({ "old": rec.input, "new": new })))
-    }
-
-    /// An action on a record locked in `tx`, through the transition
-    /// table: an operator's (`act`), or the system's resume of a record
-    /// whose condition held (`resume_parked`, `condition` naming it). Its
-    /// step changes and its audited event; its counter moves go into
-    /// `deltas`, which the caller applies (once, after every record it
-    /// locks: counter rows are taken last), before it wakes the workers
-    /// and commits.
-    pub(crate) async fn act_locked(
+    /// Applies `plan`'s change to the steps of `rec`.
+    async fn change_steps(
         tx: &mut Tx<DB>,
         installation: &str,
         rec: &Record,
         req: &ActionRequest,
-        condition: Option<&ParkUntil>,
-        deltas: &mut CountDeltas,
-    ) -> StoreResult<Record> {
-        if req.repin.is_some() && req.action != OperatorAction::ReplayFrom {
-            return Err(StoreError::Invalid(format!(
-                "only a replay moves a record to another pipeline version, not {}",
-                req.action
-            )));
-        }
-        if let Some(until) = &req.until {
-            if req.action != OperatorAction::Park {
-                return Err(StoreError::Invalid(format!(
-                    "only parking takes a condition, not {}",
-                    req.action
-                )));
+        plan: &Plan,
+    ) -> StoreResult<()> {
+        match &plan.steps {
+            StepChange::Keep => Ok(()),
+            StepChange::FreshStart { new_input, cause } => {
+                let how = (req.steps.as_slice(), *new_input, cause.as_str());
+                Self::fresh_start(tx, installation, rec, how, req.now).await
             }
-            crate::domain::park::check(until, req.now).map_err(StoreError::Invalid)?;
-        }
-        let to = transition(rec.state, Trigger::Operator(req.action))?;
-        let input = Self::new_input(tx, rec, req).await?;
-        match req.action {
-            OperatorAction::Retry => {
-                Self::retry_locked(tx, installation, rec, req, input.is_some()).await?;
+            StepChange::RunAgain { steps, cause } => {
+                Self::rerun_steps(tx, installation, rec.id, steps, req.now, cause).await
             }
-            OperatorAction::ReplayFrom => {
-                let cause = format!("replay by {}", req.actor);
-                Self::rerun_steps(tx, installation, rec.id, &req.steps, req.now, &cause).await?;
-                if let Some(version) = req.repin {
-                    sqlx::query("UPDATE records SET pipeline_version = $1 WHERE id = $2")
-                        .bind(version)
-                        .bind(rec.id)
-                        .execute(&mut **tx)
-                        .await?;
-                }
-            }
-            // A resume accepts a reversed result: it is no longer marked
-            // for a retry to run again.
-            OperatorAction::Resume => {
+            StepChange::AcceptReversed => {
                 sqlx::query(
                     "UPDATE step_runs SET error_code = NULL, updated_at = $1 \
                      WHERE record_id = $2 AND state = 'succeeded' AND error_code = $3",
@@ -1234,50 +1202,45 @@ where
                 .bind(crate::domain::REVERSED)
                 .execute(&mut **tx)
                 .await?;
+                Ok(())
             }
-            OperatorAction::TookEffect => Self::took_effect_locked(tx, rec, req).await?,
-            OperatorAction::Park | OperatorAction::Cancel => {}
+            change @ (StepChange::TookJob { .. } | StepChange::TookOutput { .. }) => {
+                Self::took_effect_locked(tx, rec, change, req.now).await
+            }
         }
-        let next = to.is_scheduled().then_some(req.now);
-        let detail = match (req.action, &req.until) {
-            (OperatorAction::ReplayFrom, _) => Some(match req.repin {
-                Some(to) => serde_json::json!({
-                    "steps": req.steps,
-                    "version": { "from": rec.pipeline_version, "to": to },
-                }),
-                None => serde_json::json!({ "steps": req.steps }),
-            }),
-            (OperatorAction::Retry, _) if !req.steps.is_empty() => {
-                Some(serde_json::json!({ "steps": req.steps }))
-            }
-            (OperatorAction::Park, Some(until)) => Some(until.detail()),
-            (OperatorAction::Resume, _) => condition.map(ParkUntil::detail),
-            (OperatorAction::TookEffect, _) => Some(match &req.took {
-                Some(crate::store::Took::Output { output, .. }) => {
-                    serde_json::json!({ "step": req.steps.first(), "output": output })
-                }
-                Some(crate::store::Took::Job(job)) => {
-                    serde_json::json!({ "step": req.steps.first(), "job_id": job })
-                }
-                None => serde_json::json!({ "step": req.steps.first() }),
-            }),
-            _ => None,
-        };
-        // The input an operator changed, old and new, beside the rest.
-        let detail = match (detail, input) {
-            (d, None) => d,
-            (Some(serde_json::Value::Object(mut d)), Some(change)) => {
-                d.insert("input".into(), change);
-                Some(serde_json::Value::Object(d))
-            }
-            (_, Some(change)) => Some(serde_json::json!({ "input": change })),
-        };
-        // Parking and cancelling keep the last error code for
-        // filtering; moving on clears it.
-        let error_code = match to {
-            RecordState::Parked | RecordState::Cancelled => rec.error_code.clone(),
-            _ => None,
-        };
+    }
+
+    /// An action on a record locked in `tx`: an operator's (`act`), or the
+    /// system's resume of a record whose condition held (`resume_parked`,
+    /// `condition` naming it). The domain decides it (`action::plan`);
+    /// this writes its input, step changes, version and audited event; its
+    /// counter moves go into `deltas`, which the caller applies (once,
+    /// after every record it locks: counter rows are taken last), before it
+    /// wakes the workers and commits.
+    pub(crate) async fn act_locked(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        rec: &Record,
+        req: &ActionRequest,
+        condition: Option<&ParkUntil>,
+        deltas: &mut CountDeltas,
+    ) -> StoreResult<Record> {
+        let plan = action::plan(rec, req, condition)?;
+        if let Some(new) = &plan.input {
+            sqlx::query("UPDATE records SET input = $1 WHERE id = $2")
+                .bind(Json(new.clone()))
+                .bind(rec.id)
+                .execute(&mut **tx)
+                .await?;
+        }
+        Self::change_steps(tx, installation, rec, req, &plan).await?;
+        if let Some(version) = plan.repin {
+            sqlx::query("UPDATE records SET pipeline_version = $1 WHERE id = $2")
+                .bind(version)
+                .bind(rec.id)
+                .execute(&mut **tx)
+                .await?;
+        }
         let event = EventRow {
             record_id: Some(rec.id),
             at: req.now,
@@ -1285,27 +1248,24 @@ where
             actor: &req.actor,
             audit: true,
             from: Some(rec.state),
-            to: Some(to),
-            step: (req.action == OperatorAction::ReplayFrom)
-                .then(|| req.steps.first().map(String::as_str))
-                .flatten(),
+            to: Some(plan.to),
+            step: plan.event_step.as_deref(),
             reason: req.reason.as_deref(),
-            detail: detail.as_ref(),
+            detail: plan.detail.as_ref(),
         };
-        let until = req.until.as_ref().filter(|_| to == RecordState::Parked);
         let mut moved = Self::move_record(
             tx,
             rec,
-            (to, until),
-            next,
+            (plan.to, plan.until.as_ref()),
+            plan.next_run_at,
             req.now,
             event,
-            error_code.as_deref(),
+            plan.error_code.as_deref(),
             deltas,
         )
         .await?;
-        if req.repin.is_some() {
-            moved.pipeline_version = req.repin;
+        if plan.repin.is_some() {
+            moved.pipeline_version = plan.repin;
         }
         Ok(moved)
     }

@@ -17,7 +17,6 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
 use crate::config::WebLimits;
-use crate::store::Store;
 use crate::web::AppState;
 
 use super::auth::{Admin, ApiKey, Bearer, Operator, Viewer};

@@ -18,7 +18,6 @@ use sha2::{Digest, Sha256};
 
 use crate::auth::secret::{self, RandomError};
 use crate::domain::{Role, Session, SessionUse, UnixMs, User};
-use crate::store::Store;
 use crate::web::AppState;
 
 use super::error::WebError;

@@ -9,7 +9,6 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{Value, json};
 
-use crate::store::Store;
 use crate::web::AppState;
 
 /// How long readiness waits for the database before saying no.

@@ -12,7 +12,6 @@ use serde_json::{Value, json};
 
 use crate::auth::webhook;
 use crate::engine::Delivery;
-use crate::store::Store;
 use crate::web::AppState;
 
 /// The largest delivery accepted; larger is refused with 413.

@@ -13,7 +13,6 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use subtle::ConstantTimeEq;
 
-use crate::store::Store;
 use crate::web::AppState;
 
 use super::auth;

@@ -141,7 +141,6 @@ const KEEP_MS: i64 = crate::engine::stats::KEEP_MS;
 /// longest callback deadline) are purged hourly (every node does both;
 /// the compaction is safe run at once, the deletes are idempotent).
 pub async fn housekeeping(state: AppState) {
-    use crate::store::Store;
     let mut minutes: u64 = 0;
     loop {
         let now = state.clock.now_ms();
@@ -209,7 +208,6 @@ pub async fn context(
     config: &crate::config::Config,
     db: &crate::store::Db,
 ) -> anyhow::Result<Arc<WebContext>> {
-    use crate::store::Store;
     let secret = match &config.server.secret_key {
         Some(key) => key.expose().as_bytes().to_vec(),
         None => {

@@ -62,8 +62,8 @@ impl ExportQuery {
             Some("1" | "true" | "yes" | "on")
         );
         let filter = list.to_filter()?;
-        crate::store::Store::append_event(
-            db,
+        crate::store::History::append_event(
+            &**db,
             &crate::store::NewEvent {
                 record_id: None,
                 at: now,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use ballast::domain::{RecordState, Role};
 use ballast::sim::{Profile, SimHandle};
-use ballast::store::{Backend, Store};
+use ballast::store::Backend;
 use serde_json::{Value, json};
 
 use crate::wait;

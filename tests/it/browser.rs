@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ballast::domain::{OperatorAction, Outcome, Role};
-use ballast::store::{ActionRequest, Backend, NewAttempt, Store};
+use ballast::store::{ActionRequest, Backend, NewAttempt};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
 

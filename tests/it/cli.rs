@@ -130,7 +130,6 @@ async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
         stdout(&list)
     );
 
-    use ballast::store::Store;
     let user = t.db.user_by_name("alice").await.unwrap().unwrap();
     assert!(
         user.password_hash.starts_with("$argon2id$"),
@@ -1471,7 +1470,7 @@ fn an_empty_or_short_secret_stops_check_config_and_serve() {
 async fn a_backup_taken_under_load_restores_every_committed_record() {
     use std::sync::{Arc, Mutex};
 
-    use ballast::store::{ConnectOptions, Db, NewRecord, Store};
+    use ballast::store::{ConnectOptions, Db, NewRecord};
     let dir = tempfile::tempdir().unwrap();
     let live = dir.path().join("live.db");
     let url = format!("sqlite://{}?mode=rwc", live.display());
@@ -1603,7 +1602,7 @@ async fn a_backup_taken_under_load_restores_every_committed_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_shows_then_removes_finished_records() {
     use ballast::domain::WorkResult;
-    use ballast::store::{ClaimRequest, Commit, ConnectOptions, Db, NewRecord, Store};
+    use ballast::store::{ClaimRequest, Commit, ConnectOptions, Db, NewRecord};
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}?mode=rwc", dir.path().join("p.db").display());
     let text = format!("[pipelines.orders]\nretain = \"1d\"\n{ORDERS}");
@@ -1689,7 +1688,7 @@ async fn purge_shows_then_removes_finished_records() {
 /// (one page held at a time). A file that exists is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn export_streams_with_flat_memory() {
-    use ballast::store::{ConnectOptions, Db, NewRecord, Store};
+    use ballast::store::{ConnectOptions, Db, NewRecord};
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}?mode=rwc", dir.path().join("x.db").display());
     let db = Db::connect(&url, &ConnectOptions::default()).await.unwrap();
@@ -1812,7 +1811,7 @@ async fn concurrent_starts(backend: Backend) {
             status.iter().all(|m| m.applied),
             "round {round}: {status:?}"
         );
-        use ballast::store::Store;
+
         let mut users = db.list_users().await.unwrap();
         // `admin` is made only while there is no user: first, if at all.
         users.sort_by_key(|u| u.id);

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ballast::domain::RecordState;
-use ballast::store::{Backend, NewRecord, Store};
+use ballast::store::{Backend, NewRecord};
 use serde_json::json;
 
 use crate::engine::{Counting, single_step_toml, wait_at_rest};

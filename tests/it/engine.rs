@@ -12,7 +12,7 @@ use ballast::domain::breaker::SharedOp;
 use ballast::domain::{Clock, ManualClock, RecordState};
 use ballast::engine::{Engine, EngineOptions};
 use ballast::sim::{Profile, SimHandle};
-use ballast::store::{Backend, ConnectOptions, Db, RecordFilter, Store};
+use ballast::store::{Backend, ConnectOptions, Db, RecordFilter};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use ballast::domain::Role;
-use ballast::store::{ConnectOptions, Db, Store};
+use ballast::store::{ConnectOptions, Db};
 use serde_json::{Value, json};
 
 use crate::helpers::{all_records, audit_at_rest, free_port, lease_holders, running_leases};

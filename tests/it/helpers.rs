@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ballast::store::{Backend, ConnectOptions, Db, Store, migrate};
+use ballast::store::{Backend, ConnectOptions, Db, migrate};
 use sqlx::Connection;
 use tempfile::TempDir;
 

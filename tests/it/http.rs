@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use ballast::config::{Config, DatabaseUrl};
-use ballast::store::Store;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestDb, http_get, http_post};
@@ -102,7 +101,6 @@ async fn readiness_reports_a_lost_database() {
 /// while it runs is processed against a provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_runs_the_workers() {
-    use ballast::store::Store;
     let t = TestDb::sqlite().await;
     let sim = ballast::sim::SimHandle::spawn(ballast::sim::Profile::clean(1))
         .await
@@ -175,7 +173,7 @@ outputs = {{ id = "/id", amount = "/amount" }}
 /// that withdraws a result it gave parks the record with a `reversed` event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callbacks_complete_steps_and_reversals_park_records() {
-    use ballast::store::{RecordFilter, Store};
+    use ballast::store::RecordFilter;
     let secret = crate::helpers::HOOK_SECRET;
     let mut profile = ballast::sim::Profile::clean(11);
     profile.job_time = (Duration::from_millis(50), Duration::from_millis(300));

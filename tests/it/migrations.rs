@@ -1,7 +1,7 @@
 //! Migrations go up, down to zero and up again on both backends, and a
 //! database migrated by a newer binary is refused.
 
-use ballast::store::{Backend, NewRecord, Store, StoreError, migrate};
+use ballast::store::{Backend, NewRecord, StoreError, migrate};
 
 use crate::helpers::TestDb;
 

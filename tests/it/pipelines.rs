@@ -13,7 +13,7 @@ use axum::routing::post;
 use ballast::config::Config;
 use ballast::domain::{RecordState, Role, StepState};
 use ballast::engine::stats::RUN_BUCKETS_MS;
-use ballast::store::{Backend, Store};
+use ballast::store::Backend;
 use serde_json::{Value, json};
 
 use crate::web::WebApp;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ballast::domain::{Outcome, RecordState};
 use ballast::sim::{Profile, SimHandle};
-use ballast::store::{AuditFilter, Backend, Db, Store};
+use ballast::store::{AuditFilter, Backend, Db};
 use serde_json::json;
 
 use crate::cli::{ballast, start_serve, stderr, stdout};

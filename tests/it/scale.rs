@@ -2,7 +2,7 @@
 //! response times at 1,000,000 records are scenario E of the engine
 //! benchmark (`cargo bench --bench engine -- --only E`).
 
-use ballast::store::{Backend, Store};
+use ballast::store::Backend;
 
 use crate::helpers::TestDb;
 use crate::seed::seed;

@@ -11,7 +11,7 @@ use ballast::domain::{
 };
 use ballast::store::{
     ActionRequest, AuditFilter, ClaimRequest, Commit, Db, NewAttempt, NewEvent, NewRecord, NewUser,
-    NodeBeat, RecordFilter, StepWrite, Store, StoreError, UserChange,
+    NodeBeat, RecordFilter, StepWrite, StoreError, UserChange,
 };
 use serde_json::json;
 

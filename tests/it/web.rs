@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ballast::config::Config;
 use ballast::domain::{Clock, ManualClock, OperatorAction, Outcome, Role, SystemClock};
-use ballast::store::{ActionRequest, Backend, NewAttempt, NewRecord, NewUser, Store};
+use ballast::store::{ActionRequest, Backend, NewAttempt, NewRecord, NewUser};
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;

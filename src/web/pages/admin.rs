@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::auth::password;
 use crate::domain::Role;
-use crate::store::{NewApiToken, NewEvent, NewUser, Store, UserChange};
+use crate::store::{NewApiToken, NewEvent, NewUser, UserChange};
 use crate::web::AppState;
 use crate::web::auth::{self, Admin, Authed};
 use crate::web::error::{WebError, WebResult};

@@ -9,7 +9,7 @@ use axum::response::Response;
 use axum::routing::get;
 use serde::Deserialize;
 
-use crate::store::{AuditFilter, Store};
+use crate::store::AuditFilter;
 use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;

@@ -22,7 +22,6 @@ use crate::domain::login::{self, LoginPolicy};
 use crate::domain::{UnixMs, User};
 use crate::web::AppState;
 
-use crate::store::Store;
 use crate::web::auth::{self, ClientIpKey};
 use crate::web::error::{WebError, WebResult};
 

@@ -11,7 +11,6 @@ use axum::response::Response;
 use axum::routing::get;
 
 use crate::domain::RecordState;
-use crate::store::Store;
 use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;

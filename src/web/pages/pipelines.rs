@@ -16,7 +16,6 @@ use axum::routing::get;
 
 use crate::config::pipeline::{PipelineConfig, StepKind};
 use crate::domain::{RecordState, StepCount};
-use crate::store::Store;
 use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;

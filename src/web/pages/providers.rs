@@ -9,7 +9,6 @@ use axum::routing::{get, post};
 use axum::{Form, Router};
 use serde::Deserialize;
 
-use crate::store::Store;
 use crate::web::AppState;
 use crate::web::auth::{Admin, Authed, Viewer};
 use crate::web::error::WebResult;

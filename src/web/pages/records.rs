@@ -11,7 +11,6 @@ use serde::Deserialize;
 
 use crate::domain::{OperatorAction, Record, RecordState, Trigger, transition};
 use crate::engine::{Ops, Selection};
-use crate::store::Store;
 use crate::web::AppState;
 use crate::web::auth::{Authed, Operator, Viewer};
 use crate::web::error::{WebError, WebResult};
@@ -578,7 +577,7 @@ fn step_graph(
     })
 }
 
-/// A record's [`Store::record_version`] as the page's live poll carries it.
+/// A record's [`Records::record_version`] as the page's live poll carries it.
 fn version_of(v: [i64; 5]) -> String {
     v.map(|n| n.to_string()).join("-")
 }

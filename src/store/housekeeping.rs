@@ -1,0 +1,526 @@
+//! Chores that keep the database in shape: retention, the search index,
+//! step statistics, cron schedules and webhook deliveries no record claimed.
+
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
+
+use super::StepRollup;
+use super::backend::{BindJson, RowsAffected, SqlDb};
+use super::counts::CountDeltas;
+use super::rows::{MapRow, ROLLUP_COLUMNS, map_all};
+use super::sql::{Rollups, SqlStore};
+use super::{HOUR_MS, PurgeRun, Purged, ScheduleAdvance, StoreError, StoreResult};
+use crate::domain::{RecordState, ScheduleRow, UnixMs};
+
+/// Housekeeping: retention, the search index, statistics, schedules and
+/// orphan webhook deliveries.
+#[async_trait::async_trait]
+pub trait Housekeeping: Send + Sync {
+    /// Gives a delivery id back (its processing failed after the delivery
+    /// was stored; the provider's retry must get through).
+    async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()>;
+    /// Deletes the deliveries received before `before` that no step ever
+    /// took (their job id matched none); returns how many.
+    async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64>;
+    /// Writes (replaces) this node's rows for the given minutes.
+    async fn save_rollups(&self, rows: &[StepRollup]) -> StoreResult<()>;
+    /// Every node's rows from `since` on: minute rows, and hour rows (with
+    /// `minute` the hour's start) of the hours that end after `since`.
+    async fn rollups_since(&self, since: UnixMs) -> StoreResult<Vec<StepRollup>>;
+    /// Folds every node's minute rows older than `before` into hour rows,
+    /// one hour per transaction, oldest first; returns how many minute rows
+    /// were folded. Nodes may run it at once: each hour's minute rows are
+    /// locked as they are read, so a second compaction waits and then finds
+    /// them gone.
+    async fn compact_rollups(&self, before: UnixMs) -> StoreResult<u64>;
+    /// Deletes rollups, delivery ids and login counters older than
+    /// `before`; returns how many rows.
+    async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64>;
+    /// Every schedule's row, by pipeline.
+    async fn schedules(&self) -> StoreResult<Vec<ScheduleRow>>;
+    /// Moves a schedule's watermark from `from` (as read) to `to`: true if
+    /// this call moved it, false if another node had moved it first (its
+    /// pass stands; this one's fired records, keyed by tick, are the same
+    /// records).
+    async fn advance_schedule(&self, adv: &ScheduleAdvance) -> StoreResult<bool>;
+    /// Deletes up to `limit` records of `pipeline` that finished
+    /// (succeeded, failed, cancelled) before `finished_before`, oldest
+    /// first, in one transaction: their attempts, steps, callbacks and own
+    /// events with them (audit entries stay), the counters moved. Records
+    /// another transaction holds are left for the next batch.
+    /// Returns the batch and the run's audit entry (written or updated in
+    /// the batch's transaction when it removed something).
+    async fn purge_finished(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> StoreResult<(Purged, Option<i64>)>;
+    /// What [`purge_finished`](Self::purge_finished) would delete, all
+    /// batches together, and how many attempts
+    /// [`strip_bodies`](Self::strip_bodies) would blank for `strip_before`.
+    async fn count_purgeable(
+        &self,
+        pipeline: &str,
+        finished_before: Option<UnixMs>,
+        strip_before: Option<UnixMs>,
+    ) -> StoreResult<Purged>;
+    /// Blanks the excerpt and request of the attempts of up to `limit`
+    /// records of `pipeline` that finished before `finished_before`, from
+    /// where the last call stopped (kept per pipeline). Returns the
+    /// attempts blanked, whether records remain, and the run's audit entry
+    /// (as [`purge_finished`](Self::purge_finished)).
+    async fn strip_bodies(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> StoreResult<(i64, bool, Option<i64>)>;
+    /// Where the search indexer stopped: every event up to this id has
+    /// been indexed or given up on (`domain::search::Progress`).
+    async fn search_progress(&self) -> StoreResult<i64>;
+    /// The events above `after` (the first `limit`, by id) and those of
+    /// `gaps` that are there now.
+    async fn search_events(
+        &self,
+        after: i64,
+        gaps: &[i64],
+        limit: u32,
+    ) -> StoreResult<Vec<crate::domain::search::SeenEvent>>;
+    /// Writes the search documents of `records` anew (those purged are
+    /// skipped) and moves the stored progress up to `settled`, in one
+    /// transaction; returns the documents written.
+    async fn index_records(&self, records: &[i64], settled: i64) -> StoreResult<u64>;
+}
+
+#[async_trait::async_trait]
+impl<DB> Housekeeping for SqlStore<DB>
+where
+    DB: SqlDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<i64>: Encode<'q, DB>,
+    for<'q> i32: Decode<'q, DB> + Type<DB>,
+    for<'q> bool: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<String>: Encode<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<Json<Value>>: Encode<'q, DB>,
+{
+    async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("DELETE FROM webhook_deliveries WHERE provider = $1 AND delivery_id = $2")
+            .bind(provider.to_owned())
+            .bind(delivery_id.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        // `callbacks_pending` leads with `record_id`: an orphan never had one.
+        let gone = sqlx::query(
+            "DELETE FROM callbacks WHERE record_id IS NULL AND processed_at IS NULL AND received_at < $1",
+        )
+        .bind(before)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(gone.rows_affected())
+    }
+
+    async fn save_rollups(&self, rows: &[crate::store::StepRollup]) -> StoreResult<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin_write().await?;
+        Self::put_rollups(&mut tx, Rollups::Minutes, rows).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn rollups_since(&self, since: UnixMs) -> StoreResult<Vec<crate::store::StepRollup>> {
+        // One statement, so one snapshot: a compaction committing meanwhile
+        // is seen wholly or not at all (never an hour both as minutes and
+        // as its hour row).
+        let sql = format!(
+            "SELECT {} FROM step_rollup_hours WHERE hour > $2 \
+             UNION ALL SELECT {ROLLUP_COLUMNS} FROM step_rollups WHERE minute >= $1 \
+             ORDER BY minute",
+            Rollups::Hours.select()
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(since)
+            .bind(since - HOUR_MS)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::rollup)
+    }
+
+    async fn compact_rollups(&self, before: UnixMs) -> StoreResult<u64> {
+        let mut folded = 0;
+        let mut last = None;
+        loop {
+            let oldest: Option<i64> = sqlx::query_scalar("SELECT MIN(minute) FROM step_rollups")
+                .fetch_one(self.reader())
+                .await?;
+            let Some(oldest) = oldest.filter(|m| *m < before) else {
+                return Ok(folded);
+            };
+            // No row folded and the oldest unchanged would loop for ever.
+            if last == Some(oldest) {
+                return Ok(folded);
+            }
+            last = Some(oldest);
+            let hour = oldest - oldest.rem_euclid(HOUR_MS);
+            let end = (hour + HOUR_MS).min(before);
+            folded += self.compact_hour(hour, end).await?;
+        }
+    }
+
+    async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        let a = sqlx::query("DELETE FROM step_rollups WHERE minute < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+        let hours = sqlx::query("DELETE FROM step_rollup_hours WHERE hour < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+        let b = sqlx::query("DELETE FROM webhook_deliveries WHERE received_at < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+        let c = sqlx::query("DELETE FROM login_throttle WHERE last_failure_at < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(a.rows_affected() + hours.rows_affected() + b.rows_affected() + c.rows_affected())
+    }
+
+    async fn schedules(&self) -> StoreResult<Vec<ScheduleRow>> {
+        let rows = sqlx::query(
+            "SELECT pipeline, cron, watermark, last_tick, last_record_id, updated_at \
+             FROM schedules ORDER BY pipeline",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::schedule)
+    }
+
+    async fn advance_schedule(&self, a: &ScheduleAdvance) -> StoreResult<bool> {
+        let (tick, record) = a.fired.unzip();
+        let mut tx = self.begin_write().await?;
+        let query = match a.from {
+            None => sqlx::query(
+                "INSERT INTO schedules \
+                   (pipeline, cron, watermark, last_tick, last_record_id, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (pipeline) DO NOTHING",
+            ),
+            // Compare and set: only from the watermark this node read.
+            Some(_) => sqlx::query(
+                "UPDATE schedules SET cron = $2, watermark = $3, \
+                   last_tick = COALESCE($4, last_tick), \
+                   last_record_id = COALESCE($5, last_record_id), updated_at = $6 \
+                 WHERE pipeline = $1 AND watermark = $7",
+            ),
+        }
+        .bind(a.pipeline.clone())
+        .bind(a.cron.clone())
+        .bind(a.to)
+        .bind(tick)
+        .bind(record)
+        .bind(a.now);
+        let query = match a.from {
+            Some(from) => query.bind(from),
+            None => query,
+        };
+        let done = query.execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn purge_finished(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> StoreResult<(Purged, Option<i64>)> {
+        let mut tx = self.begin_write().await?;
+        // PostgreSQL: a record an operator is acting on right now is left
+        // for the next batch rather than waited for.
+        let lock = match DB::DIALECT {
+            super::batch::Dialect::Postgres => " FOR UPDATE SKIP LOCKED",
+            super::batch::Dialect::Sqlite => "",
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT id, state, provider, step FROM records r \
+             WHERE pipeline = $1 AND finished_at IS NOT NULL AND finished_at < $2 \
+             AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id) \
+             ORDER BY finished_at, id LIMIT $3{lock}"
+        )))
+        .bind(pipeline.to_owned())
+        .bind(finished_before)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut purged = Purged::default();
+        if rows.is_empty() {
+            return Ok((purged, run.event));
+        }
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut deltas = CountDeltas::default();
+        for row in &rows {
+            let id: i64 = row.try_get(0)?;
+            let state: String = row.try_get(1)?;
+            let provider: Option<String> = row.try_get(2)?;
+            let step: Option<String> = row.try_get(3)?;
+            let parsed: RecordState = state
+                .parse()
+                .map_err(|_| StoreError::Corrupt(format!("record {id} has state `{state}`")))?;
+            deltas.removed(pipeline, parsed, provider.as_deref(), step.as_deref());
+            *purged.by_state.entry(state).or_default() += 1;
+            ids.push(id);
+        }
+        let in_ids = Self::in_ids();
+        purged.attempts = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM attempts WHERE record_id {in_ids}"
+        )))
+        .bind_json(&ids)
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get(0)?;
+        let events = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM events WHERE record_id {in_ids} AND NOT audit"
+        )))
+        .bind_json(&ids)
+        .execute(&mut *tx)
+        .await?;
+        purged.events = i64::try_from(events.rows_affected()).unwrap_or(i64::MAX);
+        DB::unindex_in(&mut tx, &ids).await?;
+        // Attempts and step runs have no foreign key on PostgreSQL (the hot
+        // path's checks cost too much: migration 19): deleted here. Versions,
+        // confirmations, intents and callbacks go with their record (ON
+        // DELETE CASCADE).
+        for table in ["attempts", "step_runs"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM {table} WHERE record_id {in_ids}"
+            )))
+            .bind_json(&ids)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM records WHERE id {in_ids}"
+        )))
+        .bind_json(&ids)
+        .execute(&mut *tx)
+        .await?;
+        purged.records = i64::try_from(deleted.rows_affected()).unwrap_or(i64::MAX);
+        Self::apply_counts(&mut tx, &deltas).await?;
+        let event = Self::audit_purge(&mut tx, run, pipeline, &purged).await?;
+        tx.commit().await?;
+        Ok((purged, event))
+    }
+
+    async fn count_purgeable(
+        &self,
+        pipeline: &str,
+        finished_before: Option<UnixMs>,
+        strip_before: Option<UnixMs>,
+    ) -> StoreResult<Purged> {
+        let mut out = Purged::default();
+        if let Some(before) = finished_before {
+            let finished = "SELECT id FROM records r WHERE pipeline = $1 \
+                            AND finished_at IS NOT NULL AND finished_at < $2 \
+                            AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id)";
+            let rows = sqlx::query(
+                "SELECT state, COUNT(*) AS n FROM records r WHERE pipeline = $1 \
+                 AND finished_at IS NOT NULL AND finished_at < $2 \
+                 AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id) \
+                 GROUP BY state",
+            )
+            .bind(pipeline.to_owned())
+            .bind(before)
+            .fetch_all(self.reader())
+            .await?;
+            for row in &rows {
+                let n: i64 = row.try_get(1)?;
+                out.records += n;
+                out.by_state.insert(row.try_get(0)?, n);
+            }
+            out.attempts = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM attempts WHERE record_id IN ({finished})"
+            )))
+            .bind(pipeline.to_owned())
+            .bind(before)
+            .fetch_one(self.reader())
+            .await?;
+            out.events = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM events WHERE record_id IN ({finished}) AND NOT audit"
+            )))
+            .bind(pipeline.to_owned())
+            .bind(before)
+            .fetch_one(self.reader())
+            .await?;
+        }
+        if let Some(strip) = strip_before {
+            // Those the purge takes are not stripped first.
+            let kept_from = finished_before.unwrap_or(i64::MIN).min(strip);
+            out.stripped = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM attempts WHERE record_id IN (\
+                   SELECT id FROM records WHERE pipeline = $1 AND finished_at IS NOT NULL \
+                   AND finished_at < $2 AND finished_at >= $3) \
+                 AND (excerpt IS NOT NULL OR request IS NOT NULL)",
+            )
+            .bind(pipeline.to_owned())
+            .bind(strip)
+            .bind(kept_from)
+            .fetch_one(self.reader())
+            .await?;
+        }
+        Ok(out)
+    }
+
+    async fn strip_bodies(
+        &self,
+        pipeline: &str,
+        finished_before: UnixMs,
+        limit: u32,
+        run: &PurgeRun,
+    ) -> StoreResult<(i64, bool, Option<i64>)> {
+        let mut tx = self.begin_write().await?;
+        let from = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT finished_at, record_id FROM retention_progress WHERE pipeline = $1{}",
+            DB::LOCK
+        )))
+        .bind(pipeline.to_owned())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let (at, id): (i64, i64) = match &from {
+            Some(row) => (row.try_get(0)?, row.try_get(1)?),
+            None => (i64::MIN, i64::MIN),
+        };
+        let rows = sqlx::query(
+            "SELECT id, finished_at FROM records WHERE pipeline = $1 \
+             AND finished_at IS NOT NULL AND finished_at < $2 \
+             AND (finished_at, id) > ($3, $4) \
+             ORDER BY finished_at, id LIMIT $5",
+        )
+        .bind(pipeline.to_owned())
+        .bind(finished_before)
+        .bind(at)
+        .bind(id)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(last) = rows.last() else {
+            return Ok((0, false, run.event));
+        };
+        let (last_id, last_at): (i64, i64) = (last.try_get(0)?, last.try_get(1)?);
+        let ids = rows
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0))
+            .collect::<Result<Vec<_>, _>>()?;
+        let stripped = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE attempts SET excerpt = NULL, request = NULL WHERE record_id {} \
+             AND (excerpt IS NOT NULL OR request IS NOT NULL)",
+            Self::in_ids()
+        )))
+        .bind_json(&ids)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO retention_progress (pipeline, finished_at, record_id) VALUES ($1, $2, $3) \
+             ON CONFLICT (pipeline) DO UPDATE SET finished_at = excluded.finished_at, \
+               record_id = excluded.record_id",
+        )
+        .bind(pipeline.to_owned())
+        .bind(last_at)
+        .bind(last_id)
+        .execute(&mut *tx)
+        .await?;
+        let n = i64::try_from(stripped.rows_affected()).unwrap_or(i64::MAX);
+        let batch = Purged {
+            stripped: n,
+            ..Purged::default()
+        };
+        let event = Self::audit_purge(&mut tx, run, pipeline, &batch).await?;
+        tx.commit().await?;
+        Ok((n, rows.len() >= limit as usize, event))
+    }
+
+    async fn search_progress(&self) -> StoreResult<i64> {
+        let at: i64 = sqlx::query_scalar("SELECT event_id FROM search_progress WHERE id = 1")
+            .fetch_one(self.reader())
+            .await?;
+        Ok(at)
+    }
+
+    async fn search_events(
+        &self,
+        after: i64,
+        gaps: &[i64],
+        limit: u32,
+    ) -> StoreResult<Vec<crate::domain::search::SeenEvent>> {
+        let read = |row: &DB::Row| -> StoreResult<crate::domain::search::SeenEvent> {
+            Ok(crate::domain::search::SeenEvent {
+                id: row.try_get(0)?,
+                record: row.try_get(1)?,
+                at: row.try_get(2)?,
+            })
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT id, {SEARCH_RECORD}, at FROM events WHERE id > $1 ORDER BY id LIMIT $2"
+        )))
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(self.reader())
+        .await?;
+        let mut out = map_all(&rows, read)?;
+        if !gaps.is_empty() {
+            let sql = format!(
+                "SELECT id, {SEARCH_RECORD}, at FROM events WHERE id {}",
+                Self::in_ids()
+            );
+            let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind_json(gaps)
+                .fetch_all(self.reader())
+                .await?;
+            out.extend(map_all(&rows, read)?);
+        }
+        Ok(out)
+    }
+
+    async fn index_records(&self, records: &[i64], settled: i64) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        let indexed = if records.is_empty() {
+            0
+        } else {
+            DB::index_in(&mut tx, records).await?
+        };
+        // Only forward: a node that lost the lease mid-turn never moves it back.
+        sqlx::query("UPDATE search_progress SET event_id = $1 WHERE id = 1 AND event_id < $1")
+            .bind(settled)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(indexed)
+    }
+}
+
+/// An event's record, for the search indexer: none for those that change
+/// nothing a record is searched by (a claim, a lease given back or run
+/// out), so they cost the indexer no document.
+const SEARCH_RECORD: &str =
+    "CASE WHEN kind IN ('claimed', 'released', 'lease_expired') THEN NULL ELSE record_id END";

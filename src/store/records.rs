@@ -1,0 +1,447 @@
+//! Records as the pages, the API and the operators see them: enqueue,
+//! read, list and find, and the changes an operator decides (an action, a
+//! reversal, a resume) applied under the record's lock.
+
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
+
+use super::backend::{BindJson, RowsAffected, SqlDb};
+use super::counts::CountDeltas;
+use super::filter::push_record_filter;
+use super::rows::{MapRow, RECORD_COLUMNS, STEP_COLUMNS, map_all};
+use super::sql::SqlStore;
+use super::{
+    ActionRequest, Created, EventRow, NewRecord, Page, RecordFilter, StoreError, StoreResult,
+    into_page, page_limit,
+};
+use super::{Cluster, ResumeDue, ReverseRequest};
+use crate::domain::action;
+use crate::domain::reversal;
+use crate::domain::{Record, StepRun, Trigger, UnixMs};
+
+/// Records: enqueued, read, listed, found, and changed by an operator.
+#[async_trait::async_trait]
+pub trait Records: Send + Sync {
+    async fn create_record(&self, new: NewRecord, now: UnixMs) -> StoreResult<Created>;
+    /// Enqueues many records in one transaction (one commit, one wake-up):
+    /// the same per record as [`create_record`](Self::create_record), in
+    /// order; at most [`MAX_BATCH`].
+    async fn create_records(&self, batch: Vec<NewRecord>, now: UnixMs)
+    -> StoreResult<Vec<Created>>;
+    async fn get_record(&self, id: i64) -> StoreResult<Option<Record>>;
+    /// What a record's page shows has changed when this has: the record's
+    /// row (`updated_at`, `next_run_at`) and its newest attempt, event and
+    /// intent (a confirmation poll, a reversal keeping the state, a call
+    /// written down before it leaves touch no `updated_at`). One statement
+    /// of indexed probes, for a page watching the record; `None` when there
+    /// is no such record.
+    async fn record_version(&self, id: i64) -> StoreResult<Option<[i64; 5]>>;
+    /// The records `q` names exactly: by id, by external key (any
+    /// pipeline), or by a provider's job id (`providers`: whose jobs to
+    /// look in), each an indexed probe; at most 50, newest first.
+    async fn find_records(&self, q: &str, providers: &[String]) -> StoreResult<Vec<Record>>;
+    async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>>;
+    async fn step_runs(&self, record_id: i64) -> StoreResult<Vec<StepRun>>;
+    /// The step runs of many records in one query (a claimed batch).
+    async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>>;
+    /// An operator action through the transition table, audited.
+    async fn act(&self, req: &ActionRequest) -> StoreResult<Record>;
+    /// Resumes parked records whose condition holds: a time come, or a
+    /// provider named in `req.providers` (lowest id first, up to its
+    /// count). Each is audited as a `resume` by `system` naming the
+    /// condition. A record acted on meanwhile (no longer parked, or parked
+    /// on another condition) is left alone. Returns those resumed.
+    async fn resume_parked(&self, req: &ResumeDue) -> StoreResult<Vec<Record>>;
+    /// Applies a provider's reversal through the transition table, audited
+    /// as a `reversed` event.
+    async fn reverse(&self, req: &ReverseRequest) -> StoreResult<Record>;
+    /// Makes a waiting record due now (a delivery arrived for it).
+    async fn wake_record(&self, record_id: i64, now: UnixMs) -> StoreResult<()>;
+}
+
+#[async_trait::async_trait]
+impl<DB> Records for SqlStore<DB>
+where
+    DB: SqlDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<i64>: Encode<'q, DB>,
+    for<'q> i32: Decode<'q, DB> + Type<DB>,
+    for<'q> bool: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<String>: Encode<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Option<Json<Value>>: Encode<'q, DB>,
+{
+    async fn create_record(&self, new: NewRecord, now: UnixMs) -> StoreResult<Created> {
+        let mut created = self.create_records(vec![new], now).await?;
+        created
+            .pop()
+            .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
+    }
+
+    async fn create_records(
+        &self,
+        batch: Vec<NewRecord>,
+        now: UnixMs,
+    ) -> StoreResult<Vec<Created>> {
+        if batch.iter().any(|n| n.pipeline.is_empty()) {
+            return Err(StoreError::Invalid("pipeline name is empty".into()));
+        }
+        // Refused on both backends alike (PostgreSQL cannot store it).
+        let nul = |s: &str| s.contains('\0');
+        if batch.iter().any(|n| {
+            nul(&n.pipeline)
+                || n.external_key.as_deref().is_some_and(nul)
+                || n.group.as_deref().is_some_and(nul)
+                || crate::domain::json_has_nul(&n.input)
+        }) {
+            return Err(StoreError::Invalid(
+                "a NUL character (\\u0000) in the pipeline, key, group or input".into(),
+            ));
+        }
+        if batch.len() > crate::store::MAX_BATCH {
+            return Err(StoreError::Invalid(format!(
+                "at most {} records per batch",
+                crate::store::MAX_BATCH
+            )));
+        }
+        if let Some(inserted) = DB::insert_records_at_once(&self.pools, &batch, now).await? {
+            let slots = Self::match_inserted(&batch, inserted, None)?;
+            return self.fill_repeats(&batch, slots).await;
+        }
+        let mut tx = self.begin_write().await?;
+        let mut deltas = CountDeltas::default();
+        let slots = Self::insert_records(&mut tx, &batch, now, &mut deltas).await?;
+        Self::apply_counts(&mut tx, &deltas).await?;
+        if slots.iter().any(Option::is_some) {
+            DB::notify_work(&mut tx).await?;
+        }
+        tx.commit().await?;
+        self.fill_repeats(&batch, slots).await
+    }
+
+    async fn get_record(&self, id: i64) -> StoreResult<Option<Record>> {
+        let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE id = $1");
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(self.reader())
+            .await?;
+        row.as_ref().map(MapRow::record).transpose()
+    }
+
+    async fn record_version(&self, id: i64) -> StoreResult<Option<[i64; 5]>> {
+        let row = sqlx::query(
+            "SELECT r.updated_at, COALESCE(r.next_run_at, 0), \
+                    COALESCE((SELECT MAX(a.id) FROM attempts a WHERE a.record_id = r.id), 0), \
+                    COALESCE((SELECT MAX(e.id) FROM events e WHERE e.record_id = r.id), 0), \
+                    COALESCE((SELECT MAX(i.id) FROM attempt_intents i WHERE i.record_id = r.id), 0) \
+             FROM records r WHERE r.id = $1",
+        )
+        .bind(id)
+        .fetch_optional(self.reader())
+        .await?;
+        row.map(|r| {
+            let mut v = [0i64; 5];
+            for (i, slot) in v.iter_mut().enumerate() {
+                *slot = r.try_get::<i64, _>(i)?;
+            }
+            Ok(v)
+        })
+        .transpose()
+    }
+
+    async fn find_records(&self, q: &str, providers: &[String]) -> StoreResult<Vec<Record>> {
+        let q = q.trim();
+        let mut ids = std::collections::BTreeSet::new();
+        if q.is_empty() || q.contains('\0') {
+            return Ok(Vec::new());
+        }
+        let digits = q.strip_prefix('#').unwrap_or(q);
+        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+            if let Ok(id) = digits.parse::<i64>() {
+                ids.insert(id);
+            }
+        }
+        // Resting and running records apart, each through its index
+        // (migration 20).
+        let keyed: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM records WHERE external_key = $1 AND state <> 'running' \
+             UNION ALL SELECT id FROM records WHERE external_key = $1 AND state = 'running' \
+             LIMIT 50",
+        )
+        .bind(q.to_owned())
+        .fetch_all(self.reader())
+        .await?;
+        ids.extend(keyed);
+        for p in providers {
+            let jobs: Vec<i64> = sqlx::query_scalar(
+                "SELECT record_id FROM step_runs WHERE provider = $1 AND job_id = $2 LIMIT 50",
+            )
+            .bind(p.clone())
+            .bind(q.to_owned())
+            .fetch_all(self.reader())
+            .await?;
+            ids.extend(jobs);
+        }
+        // The newest 50, read in one statement.
+        let ids: Vec<i64> = ids.into_iter().rev().take(50).collect();
+        self.records_by_ids(&ids).await
+    }
+
+    async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
+        use crate::store::filter::{Part, needs_parts, needs_windows};
+        let limit = page_limit(filter.limit);
+        let query = |f: &RecordFilter, floor: Option<i64>, n: i64| {
+            let mut qb = sqlx::QueryBuilder::<DB>::new("");
+            let one = |qb: &mut sqlx::QueryBuilder<DB>, part: Part| {
+                qb.push(format_args!("SELECT {RECORD_COLUMNS} FROM records"));
+                push_record_filter(qb, f, floor, part);
+                qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
+            };
+            if DB::LISTS_IN_PARTS && needs_parts(f) {
+                // The newest `n` resting and the newest `n` running,
+                // each through its index, merged.
+                qb.push("SELECT * FROM (");
+                one(&mut qb, Part::Resting);
+                qb.push(") resting UNION ALL SELECT * FROM (");
+                one(&mut qb, Part::Running);
+                qb.push(") running ORDER BY id DESC LIMIT ").push_bind(n);
+            } else {
+                one(&mut qb, Part::All);
+            }
+            qb
+        };
+        if !needs_windows(filter, DB::LISTS_IN_PARTS) {
+            let rows = query(filter, None, i64::from(limit) + 1)
+                .build()
+                .fetch_all(self.reader())
+                .await?;
+            return Ok(into_page(map_all(&rows, MapRow::record)?, limit, |r| r.id));
+        }
+        // Several filters and no index for them together: search
+        // windows of ids from the top down, at most LIST_SCAN_IDS ids
+        // per call, so a search that matches little stays bounded.
+        // A short page with a `next` says "keep searching from here".
+        use crate::store::{LIST_SCAN_IDS, LIST_WINDOW_IDS};
+        let top = match filter.before {
+            Some(b) => b,
+            None => {
+                let max: Option<i64> = sqlx::query_scalar("SELECT MAX(id) FROM records")
+                    .fetch_one(self.reader())
+                    .await?;
+                max.unwrap_or(0) + 1
+            }
+        };
+        let stop = (top - LIST_SCAN_IDS).max(1);
+        let mut upper = top;
+        let mut items: Vec<Record> = Vec::new();
+        loop {
+            let lower = (upper - LIST_WINDOW_IDS).max(stop);
+            let mut f = filter.clone();
+            f.before = Some(upper);
+            let want = i64::from(limit) + 1 - items.len() as i64;
+            let rows = query(&f, Some(lower), want)
+                .build()
+                .fetch_all(self.reader())
+                .await?;
+            items.extend(map_all(&rows, MapRow::record)?);
+            if items.len() > limit as usize {
+                return Ok(into_page(items, limit, |r| r.id));
+            }
+            if lower <= 1 {
+                return Ok(Page { items, next: None });
+            }
+            if lower <= stop {
+                return Ok(Page {
+                    items,
+                    next: Some(lower),
+                });
+            }
+            upper = lower;
+        }
+    }
+
+    async fn step_runs(&self, record_id: i64) -> StoreResult<Vec<StepRun>> {
+        let sql =
+            format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::step_run)
+    }
+
+    async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
+        let sql = DB::statements().step_runs_of.get(|| format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id {}SELECT CAST(value AS BIGINT) FROM {}{} \
+             ORDER BY record_id, step",
+            DB::ANY_OF.0,
+            DB::DIALECT.rows(),
+            DB::ANY_OF.1
+        ));
+        let rows = sqlx::query(sql)
+            .bind_json(record_ids)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::step_run)
+    }
+
+    async fn act(&self, req: &ActionRequest) -> StoreResult<Record> {
+        crate::domain::action::check_request(req)?;
+        let installation = self.installation_id().await?;
+        let mut tx = self.begin_write().await?;
+        let rec = Self::lock_record(&mut tx, req.record_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                what: "record",
+                key: req.record_id.to_string(),
+            })?;
+        let mut deltas = CountDeltas::default();
+        let moved = Self::act_locked(&mut tx, &installation, &rec, req, None, &mut deltas).await?;
+        Self::apply_counts(&mut tx, &deltas).await?;
+        if moved.next_run_at.is_some() {
+            DB::notify_work(&mut tx).await?;
+        }
+        tx.commit().await?;
+        Ok(moved)
+    }
+
+    async fn resume_parked(&self, req: &crate::store::ResumeDue) -> StoreResult<Vec<Record>> {
+        // Candidates first (through the partial indexes), then each one
+        // locked and checked again: an operator may have acted meanwhile,
+        // or another node resumed it.
+        let mut ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM records WHERE park_until_at IS NOT NULL AND park_until_at <= $1 \
+             ORDER BY park_until_at, id LIMIT $2",
+        )
+        .bind(req.now)
+        .bind(i64::from(req.limit))
+        .fetch_all(self.reader())
+        .await?;
+        for (provider, n) in &req.providers {
+            let waiting: Vec<i64> = sqlx::query_scalar(
+                "SELECT id FROM records WHERE park_until_provider = $1 ORDER BY id LIMIT $2",
+            )
+            .bind(provider.clone())
+            .bind(i64::from(*n))
+            .fetch_all(self.reader())
+            .await?;
+            ids.extend(waiting);
+        }
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let installation = self.installation_id().await?;
+        let mut tx = self.begin_write().await?;
+        // Every candidate locked at once, in id order, then the counters
+        // once at the end: the same order as every multi-row write.
+        let held = Self::lock_records(&mut tx, &ids).await?;
+        let mut deltas = CountDeltas::default();
+        let mut resumed = Vec::new();
+        for id in ids {
+            let Some(rec) = held.get(&id) else {
+                continue;
+            };
+            let providers = req.providers.iter().map(|(p, _)| p.as_str());
+            let Some((action, until)) = action::resume_due(rec, req.now, providers) else {
+                continue;
+            };
+            let moved = Self::act_locked(
+                &mut tx,
+                &installation,
+                rec,
+                &action,
+                Some(&until),
+                &mut deltas,
+            )
+            .await?;
+            resumed.push(moved);
+        }
+        Self::apply_counts(&mut tx, &deltas).await?;
+        if !resumed.is_empty() {
+            DB::notify_work(&mut tx).await?;
+        }
+        tx.commit().await?;
+        Ok(resumed)
+    }
+
+    async fn reverse(&self, req: &crate::store::ReverseRequest) -> StoreResult<Record> {
+        let installation = self.installation_id().await?;
+        let mut tx = self.begin_write().await?;
+        let rec = Self::lock_record(&mut tx, req.record_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                what: "record",
+                key: req.record_id.to_string(),
+            })?;
+        if !Self::reversal_applies(&mut tx, &rec, req).await? {
+            return Ok(rec);
+        }
+        let decided = reversal::decide(rec.state, req.policy, rec.park_until.is_some())?;
+        let detail = reversal::detail(req.detail.clone(), req.policy);
+        let event = EventRow {
+            record_id: Some(rec.id),
+            at: req.now,
+            kind: Trigger::Reversed(req.policy).kind(),
+            actor: "provider",
+            audit: false,
+            from: Some(rec.state),
+            to: Some(decided.to),
+            step: Some(&req.step),
+            reason: Some(&req.reason),
+            detail: Some(&detail),
+        };
+        Self::reverse_steps(&mut tx, &installation, rec.id, req, decided.steps).await?;
+        let rec = if decided.to == rec.state {
+            Self::insert_event(&mut tx, &event).await?;
+            if decided.needs_human {
+                Self::park_for_a_human(&mut tx, rec.id, &req.reason, req.now).await?
+            } else {
+                rec
+            }
+        } else {
+            let next = decided.wake.then_some(req.now);
+            let mut deltas = CountDeltas::default();
+            let moved = Self::move_record(
+                &mut tx,
+                &rec,
+                (decided.to, None),
+                next,
+                req.now,
+                event,
+                Some(crate::domain::REVERSED),
+                &mut deltas,
+            )
+            .await?;
+            Self::apply_counts(&mut tx, &deltas).await?;
+            moved
+        };
+        if decided.wake {
+            DB::notify_work(&mut tx).await?;
+        }
+        tx.commit().await?;
+        Ok(rec)
+    }
+
+    async fn wake_record(&self, record_id: i64, now: UnixMs) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
+            "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND next_run_at > $1",
+        )
+        .bind(now)
+        .bind(record_id)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() > 0 {
+            DB::notify_work(&mut tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}

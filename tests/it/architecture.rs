@@ -1,0 +1,185 @@
+//! The shape of `src/`, checked: functions fit on a screen, the store
+//! keeps no rules and its traits stay small. These read the source files,
+//! so a change that breaks the shape fails here, naming where.
+
+use std::path::{Path, PathBuf};
+
+/// The most methods one store trait may declare.
+const MAX_TRAIT_METHODS: usize = 30;
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+fn sources(under: &str) -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    rust_files(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join(under),
+        &mut files,
+    );
+    files.sort();
+    files
+        .into_iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap();
+            (p, text)
+        })
+        .collect()
+}
+
+/// The lines before a file's unit tests (`#[cfg(test)]` then `mod`).
+fn before_tests(text: &str) -> Vec<&str> {
+    let lines: Vec<&str> = text.lines().collect();
+    let end = (0..lines.len())
+        .find(|&i| {
+            lines[i].trim() == "#[cfg(test)]"
+                && lines
+                    .get(i + 1)
+                    .is_some_and(|l| l.trim_start().starts_with("mod "))
+        })
+        .unwrap_or(lines.len());
+    lines[..end].to_vec()
+}
+
+/// A line's code with string and character literals and `//` comments
+/// blanked, for counting braces.
+fn code_of(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                while let Some(d) = chars.next() {
+                    match d {
+                        '\\' => {
+                            chars.next();
+                        }
+                        '"' => break,
+                        _ => {}
+                    }
+                }
+            }
+            '\'' => {
+                // A char literal ('x', '\n', '{'), not a lifetime.
+                let rest: String = chars.clone().take(3).collect();
+                if rest.starts_with('\\') {
+                    chars.find(|&d| d == '\'');
+                } else if rest.chars().nth(1) == Some('\'') {
+                    chars.nth(1);
+                }
+            }
+            '/' if chars.peek() == Some(&'/') => break,
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// A function's name when `line` starts one.
+fn fn_name(line: &str) -> Option<&str> {
+    let mut rest = line.trim_start();
+    for prefix in [
+        "pub(crate) ",
+        "pub(super) ",
+        "pub ",
+        "const ",
+        "async ",
+        "unsafe ",
+    ] {
+        rest = rest.strip_prefix(prefix).unwrap_or(rest);
+    }
+    let rest = rest.strip_prefix("async ").unwrap_or(rest);
+    let name = rest.strip_prefix("fn ")?;
+    Some(
+        name.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .next()
+            .unwrap_or(""),
+    )
+}
+
+/// (file, line, name, length) of every function in `lines` with a body.
+fn functions(file: &Path, lines: &[&str]) -> Vec<(String, usize, String, usize)> {
+    let mut found = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let Some(name) = fn_name(line) else {
+            continue;
+        };
+        let (mut depth, mut opened) = (0i64, false);
+        for (end, l) in lines.iter().enumerate().skip(start) {
+            let code = code_of(l);
+            if !opened && code.contains(';') && !code.contains('{') {
+                break;
+            }
+            for c in code.chars() {
+                match c {
+                    '{' => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+            }
+            if opened && depth == 0 {
+                let at = format!("{}", file.display());
+                found.push((at, start + 1, name.to_owned(), end - start + 1));
+                break;
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_counter_sees_a_long_function() {
+    let body: String = (0..120)
+        .map(|i| format!("    let x{i} = '{{';\n"))
+        .collect();
+    let text = format!("fn long() {{\n{body}}}\n\nfn short() {{}}\n");
+    let lines: Vec<&str> = text.lines().collect();
+    let found = functions(Path::new("x.rs"), &lines);
+    let lengths: Vec<(&str, usize)> = found.iter().map(|f| (f.2.as_str(), f.3)).collect();
+    assert_eq!(lengths, [("long", 122), ("short", 1)]);
+}
+
+#[test]
+fn the_store_keeps_no_rules_and_its_traits_are_small() {
+    for (path, text) in sources("src/store") {
+        let lines = before_tests(&text);
+        for (n, line) in lines.iter().enumerate() {
+            let code = code_of(line);
+            for rule in ["OperatorAction::", "ReversalPolicy::"] {
+                assert!(
+                    !code.contains(rule),
+                    "{}:{}: the store decides with `{rule}`: decide in domain/",
+                    path.display(),
+                    n + 1
+                );
+            }
+        }
+        let mut trait_at = None;
+        let mut methods = 0;
+        for (n, line) in lines.iter().enumerate() {
+            if line.starts_with("pub trait ") && line.trim_end().ends_with('{') {
+                (trait_at, methods) = (Some(n + 1), 0);
+            } else if trait_at.is_some() && *line == "}" {
+                assert!(
+                    methods <= MAX_TRAIT_METHODS,
+                    "{}:{}: a store trait of {methods} methods (at most {MAX_TRAIT_METHODS})",
+                    path.display(),
+                    trait_at.unwrap_or(0)
+                );
+                trait_at = None;
+            } else if trait_at.is_some() && fn_name(line).is_some() {
+                methods += 1;
+            }
+        }
+    }
+}
