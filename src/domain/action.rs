@@ -8,8 +8,8 @@ use serde_json::{Value, json};
 
 use super::park::ParkUntil;
 use super::{
-    OUTCOME_UNCERTAIN, OperatorAction, Record, RecordState, TransitionError, Trigger, UnixMs,
-    json_has_nul, transition,
+    OUTCOME_UNCERTAIN, OperatorAction, Record, RecordState, StepRun, StepState, TransitionError,
+    Trigger, UnixMs, json_has_nul, transition,
 };
 
 /// An operator's action on one record.
@@ -160,6 +160,50 @@ pub fn resume_due<'a>(
         repin: None,
     };
     Some((request, until))
+}
+
+/// The one call of `rec` whose outcome is uncertain and that an operator
+/// may settle ("it took effect"): the step it parked at, still open (a
+/// step already ended, or one an optional failure left behind, is not the
+/// operator's to settle). A step that looks its call up (`looks_up`) sends
+/// nothing again when the record resumes, so it does not block settling
+/// another. Refused, with a stable code, when there is none or several
+/// (resuming would send the others again).
+pub fn uncertain_call<'r>(
+    rec: &Record,
+    runs: &'r [StepRun],
+    looks_up: impl Fn(&str) -> bool,
+) -> Result<&'r StepRun, (&'static str, &'static str)> {
+    if rec.error_code.as_deref() != Some(OUTCOME_UNCERTAIN) {
+        return Err((
+            "nothing_uncertain",
+            "this record does not wait on a call whose outcome is uncertain",
+        ));
+    }
+    let parked_on = |r: &StepRun| rec.step.as_deref() == Some(r.step.as_str());
+    let uncertain: Vec<&StepRun> = runs
+        .iter()
+        .filter(|r| {
+            r.job_id.is_none()
+                && r.error_code.as_deref() == Some(OUTCOME_UNCERTAIN)
+                && !matches!(
+                    r.state,
+                    StepState::Succeeded | StepState::Failed | StepState::Skipped
+                )
+        })
+        .filter(|r| !looks_up(&r.step) || parked_on(r))
+        .collect();
+    match uncertain.as_slice() {
+        [run] if parked_on(run) => Ok(run),
+        [_, _, ..] => Err((
+            "several_uncertain",
+            "several of this record's calls are uncertain: retry (sends them again) or cancel",
+        )),
+        _ => Err((
+            "nothing_uncertain",
+            "this record's step has no call whose outcome is uncertain",
+        )),
+    }
 }
 
 /// What can be refused before the record is read: a reason the database

@@ -11,7 +11,7 @@ use super::Engine;
 use crate::config::Config;
 use crate::domain::park::ParkUntil;
 use crate::domain::{
-    Clock, OperatorAction, ProviderState, Record, RecordState, StepState, Trigger, transition,
+    Clock, OperatorAction, ProviderState, Record, RecordState, StepRun, Trigger, transition,
 };
 use crate::store::{ActionRequest, Db, RecordFilter, StoreError, Took};
 
@@ -215,116 +215,17 @@ impl<'a> Ops<'a> {
             what: "record",
             key: id.to_string(),
         })?;
-        // The record waits on an uncertain call: the step it parked at,
-        // still open (a step already ended, or one an optional failure
-        // left behind, is not the operator's to settle here).
-        let runs = self.db.step_runs(id).await?;
-        let open = |r: &&crate::domain::StepRun| {
-            r.job_id.is_none()
-                && r.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
-                && !matches!(
-                    r.state,
-                    StepState::Succeeded | StepState::Failed | StepState::Skipped
-                )
-        };
         let engine = self.engine.ok_or_else(|| {
             OpsError::refused("no_workers", "this node runs no workers to check the step")
         })?;
-        let mut uncertain = Vec::new();
-        for r in runs.iter().filter(open) {
-            // A step that looks its call up sends nothing again when the
-            // record resumes: not one that blocks settling another.
-            let looks_up = engine
-                .step_of(&rec, &r.step)
-                .await
-                .is_some_and(|s| s.lookup.is_some());
-            if !looks_up || rec.step.as_deref() == Some(r.step.as_str()) {
-                uncertain.push(r);
-            }
-        }
-        let parked_on = |r: &&&crate::domain::StepRun| rec.step.as_deref() == Some(r.step.as_str());
-        let run = match (uncertain.as_slice(), uncertain.iter().find(parked_on)) {
-            _ if rec.error_code.as_deref() != Some(crate::domain::OUTCOME_UNCERTAIN) => {
-                return Err(OpsError::refused(
-                    "nothing_uncertain",
-                    "this record does not wait on a call whose outcome is uncertain",
-                ));
-            }
-            ([run], Some(_)) => *run,
-            // Resuming the record would run every other uncertain step,
-            // that is, send its call again: one at a time only.
-            ([_, _, ..], _) => {
-                return Err(OpsError::refused(
-                    "several_uncertain",
-                    "several of this record's calls are uncertain: retry (sends them again) or cancel",
-                ));
-            }
-            _ => {
-                return Err(OpsError::refused(
-                    "nothing_uncertain",
-                    "this record's step has no call whose outcome is uncertain",
-                ));
-            }
-        };
+        let run = self.uncertain_run(engine, &rec).await?;
         let Some(step) = engine.step_of(&rec, &run.step).await else {
             return Err(OpsError::refused(
                 "unknown_step",
                 format!("step `{}` is not in the record's pipeline", run.step),
             ));
         };
-        let job = job_id.map(str::trim).filter(|j| !j.is_empty());
-        if job.is_some() && output.is_some() {
-            return Err(OpsError::refused(
-                "job_id_or_output",
-                "say what the call made one way: a job id for a job step, outputs for a request step",
-            ));
-        }
-        let took = match (&step.kind, job) {
-            (crate::pipeline::StepKind::SubmitPoll { .. }, Some(job)) => Took::Job(job.to_owned()),
-            (crate::pipeline::StepKind::SubmitPoll { .. }, None) => {
-                return Err(OpsError::refused(
-                    "job_id_required",
-                    format!(
-                        "step `{}` follows a job: name the job the provider made (`job_id`)",
-                        run.step
-                    ),
-                ));
-            }
-            (crate::pipeline::StepKind::Request, Some(_)) => {
-                return Err(OpsError::refused(
-                    "output_required",
-                    format!(
-                        "step `{}` makes no job: give its outputs (`output`) instead of a job id",
-                        run.step
-                    ),
-                ));
-            }
-            (crate::pipeline::StepKind::Request, None) => Took::Output {
-                output: crate::domain::step::took_outputs(&step.outputs, output).map_err(
-                    |why| OpsError::refused("bad_output", format!("step `{}`: {why}", run.step)),
-                )?,
-                // A result given by hand is confirmed like any other.
-                confirm: step.confirm.map(|spec| {
-                    crate::domain::confirm::first(
-                        id,
-                        &run.step,
-                        run.generation,
-                        spec,
-                        self.clock.now_ms(),
-                    )
-                }),
-            },
-            // A callback step's wait is not rebuilt here yet.
-            (crate::pipeline::StepKind::Callback { .. }, _) => {
-                return Err(OpsError::refused(
-                    "not_a_job_step",
-                    format!(
-                        "step `{}` waits for a callback: retry it (it may charge again) or cancel",
-                        run.step
-                    ),
-                ));
-            }
-        };
+        let took = self.took(&run, step, job_id, output)?;
         let described = match &took {
             Took::Job(job) => format!("job {job}"),
             Took::Output { output, .. } => format!("outputs {output}"),
@@ -342,9 +243,7 @@ impl<'a> Ops<'a> {
             repin: None,
         };
         let rec = self.db.act(&req).await?;
-        if let Some(engine) = self.engine {
-            engine.wake();
-        }
+        engine.wake();
         tracing::info!(
             record.id = id,
             actor,
@@ -352,6 +251,81 @@ impl<'a> Ops<'a> {
             "operator: the call took effect"
         );
         Ok(rec)
+    }
+
+    /// The one call of `rec` whose outcome is uncertain and that the
+    /// operator may settle (see [`crate::domain::action::uncertain_call`]).
+    async fn uncertain_run(&self, engine: &Engine, rec: &Record) -> Result<StepRun, OpsError> {
+        let runs = self.db.step_runs(rec.id).await?;
+        let mut looks_up = std::collections::HashSet::new();
+        for r in &runs {
+            if engine
+                .step_of(rec, &r.step)
+                .await
+                .is_some_and(|s| s.lookup.is_some())
+            {
+                looks_up.insert(r.step.clone());
+            }
+        }
+        crate::domain::action::uncertain_call(rec, &runs, |step| looks_up.contains(step))
+            .cloned()
+            .map_err(|(code, message)| OpsError::refused(code, message))
+    }
+
+    /// What the operator says the call of `run` (a step `step`) made, as
+    /// its kind takes it: a job id for a job step, outputs for a request
+    /// step (confirmed like any other result).
+    fn took(
+        &self,
+        run: &StepRun,
+        step: crate::pipeline::Step,
+        job_id: Option<&str>,
+        output: Option<serde_json::Value>,
+    ) -> Result<Took, OpsError> {
+        let job = job_id.map(str::trim).filter(|j| !j.is_empty());
+        if job.is_some() && output.is_some() {
+            return Err(OpsError::refused(
+                "job_id_or_output",
+                "say what the call made one way: a job id for a job step, outputs for a request step",
+            ));
+        }
+        let name = &run.step;
+        match (&step.kind, job) {
+            (crate::pipeline::StepKind::SubmitPoll { .. }, Some(job)) => {
+                Ok(Took::Job(job.to_owned()))
+            }
+            (crate::pipeline::StepKind::SubmitPoll { .. }, None) => Err(OpsError::refused(
+                "job_id_required",
+                format!("step `{name}` follows a job: name the job the provider made (`job_id`)"),
+            )),
+            (crate::pipeline::StepKind::Request, Some(_)) => Err(OpsError::refused(
+                "output_required",
+                format!(
+                    "step `{name}` makes no job: give its outputs (`output`) instead of a job id"
+                ),
+            )),
+            (crate::pipeline::StepKind::Request, None) => Ok(Took::Output {
+                output: crate::domain::step::took_outputs(&step.outputs, output).map_err(
+                    |why| OpsError::refused("bad_output", format!("step `{name}`: {why}")),
+                )?,
+                confirm: step.confirm.map(|spec| {
+                    crate::domain::confirm::first(
+                        run.record_id,
+                        name,
+                        run.generation,
+                        spec,
+                        self.clock.now_ms(),
+                    )
+                }),
+            }),
+            // A callback step's wait is not rebuilt here yet.
+            (crate::pipeline::StepKind::Callback { .. }, _) => Err(OpsError::refused(
+                "not_a_job_step",
+                format!(
+                    "step `{name}` waits for a callback: retry it (it may charge again) or cancel"
+                ),
+            )),
+        }
     }
 
     /// Reads when a record parked now resumes by itself, as an operator
