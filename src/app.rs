@@ -171,14 +171,67 @@ pub async fn run_on_clock(
     let hangups = hangups();
     // Metrics are recorded from the start, not from the first scrape.
     let _ = crate::web::metrics::handle();
-    let db = connect(&config).await?;
+    let db = ready_database(&config).await?;
+    let grace = config.server.shutdown_grace.0;
+    let (state, engine) = assemble(config, source, &db, &shutdown, clock).await?;
+
+    let tasks = TaskTracker::new();
+    tasks.spawn(crate::web::housekeeping(state.clone()));
+    #[cfg(unix)]
+    if let Some(hangups) = hangups {
+        let reloader = state.reloader.clone();
+        tasks.spawn(reload_on_hangup(hangups, reloader, shutdown.clone()));
+    }
+    if let Some(engine) = engine {
+        let stop = shutdown.clone();
+        // The engine keeps the node's heartbeat while it runs.
+        tasks.spawn(async move { engine.run(stop, grace).await });
+    } else {
+        tasks.spawn(heartbeat(state.clone()));
+    }
+
+    let addr = listener.local_addr()?;
+    say_listening(addr, &state);
+    on_start(&state);
+    // Migrated, the first admin made, the listener bound: ready.
+    tell_systemd(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving on {addr}")),
+    ]);
+    tasks.spawn(watchdog(state.engine.clone(), shutdown.clone()));
+    let app = crate::web::router(state.clone());
+    let server = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = tokio::spawn(async move { server.await });
+
+    shutdown.cancelled().await;
+    drain(server, &tasks, grace).await;
+    db.close().await;
+    Ok(())
+}
+
+/// The configured database, connected and migrated, with its first user
+/// made if it had none.
+async fn ready_database(config: &Config) -> anyhow::Result<Db> {
+    let db = connect(config).await?;
     let applied = migrate::up(&db, None)
         .await
         .context("cannot migrate the database")?;
     if !applied.is_empty() {
         tracing::info!(versions = ?applied, "applied migrations");
     }
-    match bootstrap_admin(&db, config.server.admin_password.as_ref()).await? {
+    let bootstrap = bootstrap_admin(&db, config.server.admin_password.as_ref()).await?;
+    announce_bootstrap(bootstrap);
+    Ok(db)
+}
+
+/// Says what start-up did about the first user: a generated password is
+/// shown once, whatever the log filter.
+fn announce_bootstrap(bootstrap: Bootstrap) {
+    match bootstrap {
         Bootstrap::NotNeeded => {}
         Bootstrap::Configured => {
             tracing::info!("created user `admin` with the password from BALLAST_ADMIN_PASSWORD");
@@ -194,7 +247,18 @@ pub async fn run_on_clock(
             );
         }
     }
-    let grace = config.server.shutdown_grace.0;
+}
+
+/// The node's state: its id, its workers (when the configuration has
+/// pipelines; returned beside the state to be run) and the control plane,
+/// all on one clock.
+async fn assemble(
+    config: Config,
+    source: Source,
+    db: &Db,
+    shutdown: &CancellationToken,
+    clock: Arc<dyn Clock>,
+) -> anyhow::Result<(AppState, Option<crate::engine::Engine>)> {
     let config = Arc::new(config);
     let node_id: Arc<str> = crate::domain::host::new_node_id().into();
     // One clock for the workers and the control plane.
@@ -212,7 +276,7 @@ pub async fn run_on_clock(
                 .context("cannot start the workers")?,
         )
     };
-    let web = crate::web::context(&config, &db)
+    let web = crate::web::context(&config, db)
         .await
         .context("cannot set up the control plane")?;
     let live = crate::config::Live::new(config);
@@ -227,30 +291,19 @@ pub async fn run_on_clock(
     let state = AppState {
         db: db.clone(),
         config: live,
-        reloader: reloader.clone(),
+        reloader,
         node_id,
         shutdown: shutdown.clone(),
         engine: engine.clone(),
         web,
         clock,
     };
+    Ok((state, engine))
+}
 
-    let tasks = TaskTracker::new();
-    tasks.spawn(crate::web::housekeeping(state.clone()));
-    #[cfg(unix)]
-    if let Some(hangups) = hangups {
-        tasks.spawn(reload_on_hangup(hangups, reloader, shutdown.clone()));
-    }
-    if let Some(engine) = engine {
-        let stop = shutdown.clone();
-        // The engine keeps the node's heartbeat while it runs.
-        tasks.spawn(async move { engine.run(stop, grace).await });
-    } else {
-        tasks.spawn(heartbeat(state.clone()));
-    }
-
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, node.id = %state.node_id, backend = db.backend().as_str(), "ballast listening");
+/// Logs where the node listens and says where its dashboard is.
+fn say_listening(addr: SocketAddr, state: &AppState) {
+    tracing::info!(%addr, node.id = %state.node_id, backend = state.db.backend().as_str(), "ballast listening");
     let url = state
         .config
         .get()
@@ -262,22 +315,15 @@ pub async fn run_on_clock(
         tracing::Level::INFO,
         &format!("ballast: dashboard at {url}"),
     );
-    on_start(&state);
-    // Migrated, the first admin made, the listener bound: ready.
-    tell_systemd(&[
-        sd_notify::NotifyState::Ready,
-        sd_notify::NotifyState::Status(&format!("serving on {addr}")),
-    ]);
-    tasks.spawn(watchdog(state.engine.clone(), shutdown.clone()));
-    let app = crate::web::router(state.clone());
-    let server = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    let server = tokio::spawn(async move { server.await });
+}
 
-    shutdown.cancelled().await;
+/// Once shutdown is asked: waits for the server and the background tasks
+/// up to `grace` (and five seconds more), and says how the stop went.
+async fn drain(
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    tasks: &TaskTracker,
+    grace: Duration,
+) {
     tell_systemd(&[sd_notify::NotifyState::Stopping]);
     tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down");
     tasks.close();
@@ -297,8 +343,6 @@ pub async fn run_on_clock(
             "grace period over; stopping with work still running"
         ),
     }
-    db.close().await;
-    Ok(())
 }
 
 /// SIGHUP, taken from the process's default (which ends it).

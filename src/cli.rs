@@ -88,32 +88,7 @@ pub enum Command {
     /// Write records as JSON Lines or CSV, newest first, with their steps'
     /// outputs (and attempts): the records page's filters, streamed, so a
     /// million records do not sit in memory.
-    Export {
-        #[arg(long)]
-        pipeline: Option<String>,
-        /// pending, running, waiting, retrying, succeeded, failed, parked,
-        /// cancelled.
-        #[arg(long)]
-        state: Option<String>,
-        #[arg(long)]
-        provider: Option<String>,
-        #[arg(long)]
-        step: Option<String>,
-        #[arg(long)]
-        error_code: Option<String>,
-        /// Records whose external key starts with this.
-        #[arg(long)]
-        key_prefix: Option<String>,
-        /// jsonl or csv.
-        #[arg(long, default_value = "jsonl")]
-        format: String,
-        /// Each record's attempts too.
-        #[arg(long)]
-        attempts: bool,
-        /// Write to this new file instead of standard output.
-        #[arg(long, short)]
-        out: Option<std::path::PathBuf>,
-    },
+    Export(ExportArgs),
     /// Replace the generated session signing key (kept in the database) and
     /// end every session. Restart every node afterwards. Not needed when
     /// BALLAST_SECRET_KEY is set: change that variable instead.
@@ -173,6 +148,35 @@ pub enum Command {
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
+}
+
+/// `ballast export`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct ExportArgs {
+    #[arg(long)]
+    pipeline: Option<String>,
+    /// pending, running, waiting, retrying, succeeded, failed, parked,
+    /// cancelled.
+    #[arg(long)]
+    state: Option<String>,
+    #[arg(long)]
+    provider: Option<String>,
+    #[arg(long)]
+    step: Option<String>,
+    #[arg(long)]
+    error_code: Option<String>,
+    /// Records whose external key starts with this.
+    #[arg(long)]
+    key_prefix: Option<String>,
+    /// jsonl or csv.
+    #[arg(long, default_value = "jsonl")]
+    format: String,
+    /// Each record's attempts too.
+    #[arg(long)]
+    attempts: bool,
+    /// Write to this new file instead of standard output.
+    #[arg(long, short)]
+    out: Option<std::path::PathBuf>,
 }
 
 /// `ballast sim`'s flags.
@@ -388,39 +392,7 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
         Command::Reload { .. } => Ok(()),
         Command::RotateSecret => rotate_secret(&config).await,
         Command::Backup { file } => backup(&config, &file).await,
-        Command::Export {
-            pipeline,
-            state,
-            provider,
-            step,
-            error_code,
-            key_prefix,
-            format,
-            attempts,
-            out,
-        } => {
-            let state = state
-                .map(|s| s.parse::<crate::domain::RecordState>())
-                .transpose()
-                .map_err(|_| anyhow::anyhow!("--state: unknown state"))?;
-            let filter = crate::store::RecordFilter {
-                pipeline,
-                state,
-                provider,
-                step,
-                error_code,
-                key_prefix,
-                ..Default::default()
-            };
-            let format = crate::engine::export::Format::parse(&format)
-                .map_err(|e| anyhow::anyhow!("--format: {e}"))?;
-            let export = crate::engine::export::Export {
-                filter,
-                format,
-                attempts,
-            };
-            export_records(&config, export, out.as_deref()).await
-        }
+        Command::Export(args) => export(&config, args).await,
         Command::Purge {
             pipeline,
             older_than,
@@ -447,36 +419,83 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
             )
             .await
         }
-        Command::Provider { action } => {
-            let db = crate::app::connect(&config).await?;
-            migrate::up(&db, None)
-                .await
-                .context("cannot migrate the database")?;
-            let result = provider_command(&db, &config, action).await;
-            db.close().await;
-            result
-        }
+        Command::Provider { action } => manage_providers(&config, action).await,
         Command::Sim(args) => sim(args).await,
         Command::Completions { .. } | Command::Man { .. } => Ok(()),
-        Command::Migrate { action } => {
-            let db = crate::app::connect(&config).await?;
-            let result = migrate_command(&db, action).await;
-            db.close().await;
-            result
-        }
-        Command::User { action } => {
-            let db = crate::app::connect(&config).await?;
-            let applied = migrate::up(&db, None)
-                .await
-                .context("cannot migrate the database")?;
-            if !applied.is_empty() {
-                eprintln!("applied migrations {applied:?}");
-            }
-            let result = user_command(&db, action).await;
-            db.close().await;
-            result
-        }
+        Command::Migrate { action } => manage_migrations(&config, action).await,
+        Command::User { action } => manage_users(&config, action).await,
     }
+}
+
+/// `export`: the records the flags select, in the format they name, to
+/// `--out` or standard output.
+async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
+    let ExportArgs {
+        pipeline,
+        state,
+        provider,
+        step,
+        error_code,
+        key_prefix,
+        format,
+        attempts,
+        out,
+    } = args;
+    let state = state
+        .map(|s| s.parse::<crate::domain::RecordState>())
+        .transpose()
+        .map_err(|_| anyhow::anyhow!("--state: unknown state"))?;
+    let filter = crate::store::RecordFilter {
+        pipeline,
+        state,
+        provider,
+        step,
+        error_code,
+        key_prefix,
+        ..Default::default()
+    };
+    let format = crate::engine::export::Format::parse(&format)
+        .map_err(|e| anyhow::anyhow!("--format: {e}"))?;
+    let export = crate::engine::export::Export {
+        filter,
+        format,
+        attempts,
+    };
+    export_records(config, export, out.as_deref()).await
+}
+
+/// `provider`: the action on the configured database, migrated first.
+async fn manage_providers(config: &Config, action: ProviderCommand) -> anyhow::Result<()> {
+    let db = crate::app::connect(config).await?;
+    migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    let result = provider_command(&db, config, action).await;
+    db.close().await;
+    result
+}
+
+/// `migrate`: the action on the configured database, as it is.
+async fn manage_migrations(config: &Config, action: MigrateCommand) -> anyhow::Result<()> {
+    let db = crate::app::connect(config).await?;
+    let result = migrate_command(&db, action).await;
+    db.close().await;
+    result
+}
+
+/// `user`: the action on the configured database, migrated first (saying
+/// which migrations that applied).
+async fn manage_users(config: &Config, action: UserCommand) -> anyhow::Result<()> {
+    let db = crate::app::connect(config).await?;
+    let applied = migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    if !applied.is_empty() {
+        eprintln!("applied migrations {applied:?}");
+    }
+    let result = user_command(&db, action).await;
+    db.close().await;
+    result
 }
 
 /// `sim`: the chaos simulator on 127.0.0.1 until Ctrl-C.

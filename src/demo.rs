@@ -37,24 +37,17 @@ impl Drop for Demo {
 /// and `render` (jobs with signed callbacks). Written as TOML so that it is
 /// checked exactly like an operator's file.
 pub fn demo_toml(apis: &str, llm: &str, render: &str) -> String {
-    let rules = |p: &str| {
-        format!(
-            r#"
-[[providers.{p}.rules]]
-when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
-outcome = "pending"
-[[providers.{p}.rules]]
-when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
-outcome = "success"
-[[providers.{p}.rules]]
-when = {{ status = "2xx", field = "/status", equals = "failed" }}
-outcome = "fail"
-[[providers.{p}.rules]]
-when = {{ status = ["400", "404", "422"] }}
-outcome = "fail"
-"#
-        )
-    };
+    // Each piece opens with a line break and ends without a blank line, so
+    // that they join as one file.
+    let mut toml = demo_providers(apis, llm, render);
+    toml.push_str(LEAD_ENRICHMENT);
+    toml.push_str(MEDIA_RENDER);
+    toml
+}
+
+/// The demo's four providers (`people-api` and `crm` at `apis`, `llm`,
+/// `render-api`), each with its limits, retries and rules.
+fn demo_providers(apis: &str, llm: &str, render: &str) -> String {
     format!(
         r#"
 # A paid people-data API: rate-limited, sometimes 429s. Each lookup costs
@@ -92,30 +85,61 @@ concurrency = 8
 rate_limits = ["4/s"]
 retry = {{ max_attempts = 5, base = "1s", cap = "10s", deadline = "3m" }}
 breaker = {{ window = 20, min_calls = 8, failure_rate = 0.5, open_for = "15s", probes = 2 }}
-{render_rules}
+{render_rules}"#,
+        people_rules = demo_rules("people-api"),
+        llm_rules = demo_rules("llm"),
+        crm_rules = demo_rules("crm"),
+        render_rules = demo_rules("render-api"),
+    )
+}
+
+/// The rules every demo provider `p` shares: a job's `/status` says
+/// pending, success or failure, and 400, 404 and 422 fail.
+fn demo_rules(p: &str) -> String {
+    format!(
+        r#"
+[[providers.{p}.rules]]
+when = {{ status = "2xx", field = "/status", in = ["queued", "running"] }}
+outcome = "pending"
+[[providers.{p}.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+[[providers.{p}.rules]]
+when = {{ status = "2xx", field = "/status", equals = "failed" }}
+outcome = "fail"
+[[providers.{p}.rules]]
+when = {{ status = ["400", "404", "422"] }}
+outcome = "fail"
+"#
+    )
+}
+
+/// The `lead-enrichment` pipeline: a cron schedule, then fetch, an
+/// analysis and an email check side by side, and an optional CRM update.
+const LEAD_ENRICHMENT: &str = r#"
 # Besides the generator's records, one enqueued by a cron schedule every
 # 30 seconds (the overview lists it with its next and last run).
 [pipelines.lead-enrichment]
-schedule = {{ cron = "*/30 * * * * *", input = {{ email = "scheduled@example.com" }} }}
+schedule = { cron = "*/30 * * * * *", input = { email = "scheduled@example.com" } }
 
 [[pipelines.lead-enrichment.steps]]
 name = "fetch"
 provider = "people-api"
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-fetch", "amount": 0, "email": {{{{ input.email | tojson }}}}}}' }}
-outputs = {{ person_id = "/id" }}
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-fetch", "amount": 0, "email": {{ input.email | tojson }}}' }
+outputs = { person_id = "/id" }
 
 [[pipelines.lead-enrichment.steps]]
 name = "analyse"
 provider = "llm"
 kind = "submit_poll"
 needs = ["fetch"]
-request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}-analyse", "person": {{{{ steps.fetch.output.person_id | tojson }}}}}}' }}
+request = { method = "POST", path = "/v1/jobs", body = '{"ref": "{{ record.id }}-analyse", "person": {{ steps.fetch.output.person_id | tojson }}}' }
 job_id = "/id"
-poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "2s", deadline = "30s" }}
-outputs = {{ summary = "/result/url" }}
+poll = { path = "/v1/jobs/{{ job_id }}", every = "2s", deadline = "30s" }
+outputs = { summary = "/result/url" }
 # Asked again 20 s and 40 s after its success: an analysis the model
 # withdraws parks its record.
-confirm = {{ after = "20s", times = 2 }}
+confirm = { after = "20s", times = 2 }
 on_reversal = "park"
 
 # Fans out after `fetch`: the email check runs beside the analysis, and
@@ -124,39 +148,37 @@ on_reversal = "park"
 name = "verify-email"
 provider = "crm"
 needs = ["fetch"]
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-verify", "amount": 0, "email": {{{{ input.email | tojson }}}}}}' }}
-outputs = {{ check_id = "/id" }}
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-verify", "amount": 0, "email": {{ input.email | tojson }}}' }
+outputs = { check_id = "/id" }
 
 [[pipelines.lead-enrichment.steps]]
 name = "crm-update"
 provider = "crm"
 needs = ["analyse", "verify-email"]
 required = false
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-crm", "amount": 0}}' }}
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-crm", "amount": 0}' }
+"#;
 
+/// The `media-render` pipeline: a render that calls back (polled when the
+/// callback does not come), then its publication.
+const MEDIA_RENDER: &str = r#"
 [[pipelines.media-render.steps]]
 name = "render"
 provider = "render-api"
 kind = "callback"
-request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}-render", "video": {{{{ input.video | tojson }}}}, "callback_url": {{{{ input.callback_url | tojson }}}}}}' }}
+request = { method = "POST", path = "/v1/jobs", body = '{"ref": "{{ record.id }}-render", "video": {{ input.video | tojson }}, "callback_url": {{ input.callback_url | tojson }}}' }
 job_id = "/id"
-callback = {{ job_id = "/job_id", deadline = "45s", fallback = "poll" }}
-poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "2s", deadline = "2m" }}
-outputs = {{ url = "/result/url" }}
+callback = { job_id = "/job_id", deadline = "45s", fallback = "poll" }
+poll = { path = "/v1/jobs/{{ job_id }}", every = "2s", deadline = "2m" }
+outputs = { url = "/result/url" }
 on_reversal = "park"
 
 [[pipelines.media-render.steps]]
 name = "publish"
 provider = "crm"
 needs = ["render"]
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}-publish", "amount": 1, "url": {{{{ steps.render.output.url | tojson }}}}}}' }}
-"#,
-        people_rules = rules("people-api"),
-        llm_rules = rules("llm"),
-        crm_rules = rules("crm"),
-        render_rules = rules("render-api"),
-    )
-}
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-publish", "amount": 1, "url": {{ steps.render.output.url | tojson }}}' }
+"#;
 
 /// Starts the simulators and adds the demo's providers and pipelines to
 /// `config` (the operator's own stay), with the demo database unless one is

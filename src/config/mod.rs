@@ -482,6 +482,103 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
 }
 
+/// Sets one setting from its environment variable's value; why not, when
+/// the value does not parse.
+type Setter = fn(&mut Config, &str) -> Result<(), String>;
+
+/// The `BALLAST_SERVER_*` variables (and the server's secrets), in the
+/// order they are applied.
+const SERVER_ENV: [(&str, Setter); 10] = [
+    ("BALLAST_ADMIN_PASSWORD", |c, v| {
+        crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
+        c.server.admin_password = Some(Secret::new(v));
+        Ok(())
+    }),
+    ("BALLAST_SERVER_SECURE_COOKIES", |c, v| {
+        c.server.secure_cookies = v
+            .parse()
+            .map_err(|_| format!("invalid boolean `{v}`, expected true or false"))?;
+        Ok(())
+    }),
+    ("BALLAST_SERVER_SESSION_TTL", |c, v| {
+        c.server.session_ttl = HumanDuration(parse_duration(v)?);
+        Ok(())
+    }),
+    ("BALLAST_SERVER_SESSION_IDLE", |c, v| {
+        c.server.session_idle = HumanDuration(parse_duration(v)?);
+        Ok(())
+    }),
+    ("BALLAST_SERVER_TRUSTED_PROXIES", |c, v| {
+        c.server.trusted_proxies = v
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().map_err(|_| format!("invalid IP address `{s}`")))
+            .collect::<Result<_, _>>()?;
+        Ok(())
+    }),
+    ("BALLAST_SECRET_KEY", |c, v| {
+        c.server.secret_key = Some(Secret::new(v));
+        Ok(())
+    }),
+    ("BALLAST_METRICS_TOKEN", |c, v| {
+        c.server.metrics_token = Some(Secret::new(v));
+        Ok(())
+    }),
+    ("BALLAST_SERVER_BIND", |c, v| {
+        c.server.bind = v
+            .parse()
+            .map_err(|_| format!("invalid address `{v}`, expected e.g. 127.0.0.1:8080"))?;
+        Ok(())
+    }),
+    ("BALLAST_SERVER_PUBLIC_URL", |c, v| {
+        c.server.public_url = Some(v.to_owned());
+        Ok(())
+    }),
+    ("BALLAST_SERVER_SHUTDOWN_GRACE", |c, v| {
+        c.server.shutdown_grace = HumanDuration(parse_duration(v)?);
+        Ok(())
+    }),
+];
+
+/// The `BALLAST_DATABASE_*` variables, applied after the server's.
+const DATABASE_ENV: [(&str, Setter); 4] = [
+    ("BALLAST_DATABASE_URL", |c, v| {
+        c.database.url = DatabaseUrl::new(v);
+        Ok(())
+    }),
+    ("BALLAST_DATABASE_MAX_CONNECTIONS", |c, v| {
+        c.database.max_connections = v.parse().map_err(|_| format!("invalid number `{v}`"))?;
+        Ok(())
+    }),
+    ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", |c, v| {
+        c.database.acquire_timeout = HumanDuration(parse_duration(v)?);
+        Ok(())
+    }),
+    ("BALLAST_DATABASE_BUSY_TIMEOUT", |c, v| {
+        c.database.busy_timeout = HumanDuration(parse_duration(v)?);
+        Ok(())
+    }),
+];
+
+/// The `BALLAST_TRACES_*` variables, applied last.
+const TRACES_ENV: [(&str, Setter); 3] = [
+    ("BALLAST_TRACES_ENDPOINT", |c, v| {
+        c.traces.endpoint = Some(v.to_owned()).filter(|v| !v.is_empty());
+        Ok(())
+    }),
+    ("BALLAST_TRACES_SERVICE_NAME", |c, v| {
+        c.traces.service_name = Some(v.to_owned());
+        Ok(())
+    }),
+    ("BALLAST_TRACES_SAMPLE", |c, v| {
+        c.traces.sample = v
+            .parse()
+            .map_err(|_| format!("invalid number `{v}`, expected 0 to 1"))?;
+        Ok(())
+    }),
+];
+
 /// Where the configuration came from, for `check-config`.
 #[derive(Debug, Clone)]
 pub struct Loaded {
@@ -552,102 +649,21 @@ impl Config {
         })
     }
 
+    /// Applies each variable of [`SERVER_ENV`], [`DATABASE_ENV`] and
+    /// [`TRACES_ENV`] that `env` sets, in that order: the names of those
+    /// applied, or the first one that does not parse.
     fn apply_env(
         &mut self,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Vec<String>, ConfigError> {
-        type Setter = fn(&mut Config, &str) -> Result<(), String>;
-        let setters: [(&str, Setter); 17] = [
-            ("BALLAST_ADMIN_PASSWORD", |c, v| {
-                crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
-                c.server.admin_password = Some(Secret::new(v));
-                Ok(())
-            }),
-            ("BALLAST_SERVER_SECURE_COOKIES", |c, v| {
-                c.server.secure_cookies = v
-                    .parse()
-                    .map_err(|_| format!("invalid boolean `{v}`, expected true or false"))?;
-                Ok(())
-            }),
-            ("BALLAST_SERVER_SESSION_TTL", |c, v| {
-                c.server.session_ttl = HumanDuration(parse_duration(v)?);
-                Ok(())
-            }),
-            ("BALLAST_SERVER_SESSION_IDLE", |c, v| {
-                c.server.session_idle = HumanDuration(parse_duration(v)?);
-                Ok(())
-            }),
-            ("BALLAST_SERVER_TRUSTED_PROXIES", |c, v| {
-                c.server.trusted_proxies = v
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(|s| s.parse().map_err(|_| format!("invalid IP address `{s}`")))
-                    .collect::<Result<_, _>>()?;
-                Ok(())
-            }),
-            ("BALLAST_SECRET_KEY", |c, v| {
-                c.server.secret_key = Some(Secret::new(v));
-                Ok(())
-            }),
-            ("BALLAST_METRICS_TOKEN", |c, v| {
-                c.server.metrics_token = Some(Secret::new(v));
-                Ok(())
-            }),
-            ("BALLAST_SERVER_BIND", |c, v| {
-                c.server.bind = v
-                    .parse()
-                    .map_err(|_| format!("invalid address `{v}`, expected e.g. 127.0.0.1:8080"))?;
-                Ok(())
-            }),
-            ("BALLAST_SERVER_PUBLIC_URL", |c, v| {
-                c.server.public_url = Some(v.to_owned());
-                Ok(())
-            }),
-            ("BALLAST_SERVER_SHUTDOWN_GRACE", |c, v| {
-                c.server.shutdown_grace = HumanDuration(parse_duration(v)?);
-                Ok(())
-            }),
-            ("BALLAST_DATABASE_URL", |c, v| {
-                c.database.url = DatabaseUrl::new(v);
-                Ok(())
-            }),
-            ("BALLAST_DATABASE_MAX_CONNECTIONS", |c, v| {
-                c.database.max_connections =
-                    v.parse().map_err(|_| format!("invalid number `{v}`"))?;
-                Ok(())
-            }),
-            ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", |c, v| {
-                c.database.acquire_timeout = HumanDuration(parse_duration(v)?);
-                Ok(())
-            }),
-            ("BALLAST_DATABASE_BUSY_TIMEOUT", |c, v| {
-                c.database.busy_timeout = HumanDuration(parse_duration(v)?);
-                Ok(())
-            }),
-            ("BALLAST_TRACES_ENDPOINT", |c, v| {
-                c.traces.endpoint = Some(v.to_owned()).filter(|v| !v.is_empty());
-                Ok(())
-            }),
-            ("BALLAST_TRACES_SERVICE_NAME", |c, v| {
-                c.traces.service_name = Some(v.to_owned());
-                Ok(())
-            }),
-            ("BALLAST_TRACES_SAMPLE", |c, v| {
-                c.traces.sample = v
-                    .parse()
-                    .map_err(|_| format!("invalid number `{v}`, expected 0 to 1"))?;
-                Ok(())
-            }),
-        ];
         let mut applied = Vec::new();
-        for (var, set) in setters {
+        for (var, set) in SERVER_ENV.iter().chain(&DATABASE_ENV).chain(&TRACES_ENV) {
             if let Some(value) = env(var) {
                 set(self, &value).map_err(|message| ConfigError::Env {
-                    var: var.to_owned(),
+                    var: (*var).to_owned(),
                     message,
                 })?;
-                applied.push(var.to_owned());
+                applied.push((*var).to_owned());
             }
         }
         Ok(applied)
@@ -673,11 +689,20 @@ impl Config {
         Ok(())
     }
 
+    /// Checks everything but the providers and pipelines, in the order the
+    /// first problem is reported: storage and engine, the public URL,
+    /// traces, sessions and secrets, then the web limits.
     fn validate_core(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &str, message: String| ConfigError::Invalid {
-            key: key.to_owned(),
-            message,
-        };
+        self.validate_storage_and_engine()?;
+        self.server.validate_public_url()?;
+        self.traces.validate()?;
+        self.server.validate_sessions()?;
+        self.server.limits.validate()
+    }
+
+    /// Whether the database can be opened and the engine's settings are
+    /// within bounds.
+    fn validate_storage_and_engine(&self) -> Result<(), ConfigError> {
         if Backend::of_url(self.database.url.expose()).is_none() {
             return Err(invalid(
                 "database.url",
@@ -716,22 +741,36 @@ impl Config {
                 "must be at least 100ms".into(),
             ));
         }
-        if let Some(url) = &self.server.public_url {
+        Ok(())
+    }
+}
+
+impl ServerConfig {
+    /// Whether `public_url`, when set, is an HTTP(S) URL without a user
+    /// name or password.
+    fn validate_public_url(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.public_url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
                 return Err(invalid(
                     "server.public_url",
                     format!("`{url}` must start with http:// or https://"),
                 ));
             }
-            if self.server.public_origin().is_some_and(|o| o.contains('@')) {
+            if self.public_origin().is_some_and(|o| o.contains('@')) {
                 return Err(invalid(
                     "server.public_url",
                     format!("`{url}` must not carry a user name or password"),
                 ));
             }
         }
-        self.traces.validate()?;
-        if !self.server.secure_cookies && !self.server.is_plain_localhost() {
+        Ok(())
+    }
+
+    /// Whether sessions are safe: cookies without `Secure` only on plain
+    /// localhost, lifetimes long enough to use, and keys and tokens long
+    /// enough to resist guessing.
+    fn validate_sessions(&self) -> Result<(), ConfigError> {
+        if !self.secure_cookies && !self.is_plain_localhost() {
             return Err(invalid(
                 "server.secure_cookies",
                 "may be false only when the dashboard is served over plain HTTP on localhost \
@@ -739,15 +778,15 @@ impl Config {
                     .into(),
             ));
         }
-        if self.server.session_ttl.0.as_secs() < 60 {
+        if self.session_ttl.0.as_secs() < 60 {
             return Err(invalid("server.session_ttl", "must be at least 1m".into()));
         }
         // Uses are noted once a minute: a shorter idle time would end
         // sessions in use.
-        if self.server.session_idle.0.as_secs() < 5 * 60 {
+        if self.session_idle.0.as_secs() < 5 * 60 {
             return Err(invalid("server.session_idle", "must be at least 5m".into()));
         }
-        if let Some(key) = &self.server.secret_key {
+        if let Some(key) = &self.secret_key {
             if key.expose().len() < 32 {
                 return Err(invalid(
                     "server.secret_key (BALLAST_SECRET_KEY)",
@@ -755,7 +794,7 @@ impl Config {
                 ));
             }
         }
-        if let Some(token) = &self.server.metrics_token {
+        if let Some(token) = &self.metrics_token {
             if token.expose().trim().len() < crate::auth::webhook::MIN_SECRET {
                 return Err(invalid(
                     "server.metrics_token (BALLAST_METRICS_TOKEN)",
@@ -766,7 +805,15 @@ impl Config {
                 ));
             }
         }
-        self.server.limits.validate()
+        Ok(())
+    }
+}
+
+/// The error for the setting at `key` (dotted, as in the file).
+fn invalid(key: &str, message: String) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_owned(),
+        message,
     }
 }
 

@@ -182,6 +182,30 @@ pub struct OAuth2Config {
     pub inline: Option<(crate::config::Secret, crate::config::Secret)>,
 }
 
+impl OAuth2Config {
+    /// Whether the token endpoint is an HTTP(S) URL, the token's header is
+    /// named and, unless set by the program, the client's variables are set.
+    fn check(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), FieldError> {
+        if !(self.token_url.starts_with("http://") || self.token_url.starts_with("https://")) {
+            return Err((
+                "oauth2.token_url",
+                format!("`{}` must start with http:// or https://", self.token_url),
+            ));
+        }
+        if self.header.trim().is_empty() {
+            return Err(("oauth2.header", "must not be empty".into()));
+        }
+        let named = [
+            ("oauth2.client_id_env", &self.client_id_env),
+            ("oauth2.client_secret_env", &self.client_secret_env),
+        ];
+        for (field, var) in named.iter().filter(|_| self.inline.is_none()) {
+            secret_var(env, var, 1).map_err(|m| (*field, m))?;
+        }
+        Ok(())
+    }
+}
+
 /// How a client proves itself to a token endpoint.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -190,6 +214,10 @@ pub enum ClientAuth {
     Basic,
     Body,
 }
+
+/// A provider's field (its path below `providers.NAME`) and what is wrong
+/// with it.
+type FieldError = (&'static str, String);
 
 /// `retry = { max_attempts = 8, base = "500ms", cap = "2m", deadline = "30m", budget = 0.2 }`
 #[derive(Debug, Clone, Deserialize)]
@@ -240,6 +268,33 @@ impl RetryConfig {
             deadline: self.deadline.0,
         }
     }
+
+    /// Whether the retries are bounded sensibly: at least one attempt, a
+    /// backoff that grows from more than 0, a budget that is a fraction.
+    fn check(&self) -> Result<(), FieldError> {
+        if self.max_attempts == 0 {
+            return Err(("retry.max_attempts", "must be at least 1".into()));
+        }
+        if self.base.0.is_zero() || self.cap.0 < self.base.0 {
+            return Err((
+                "retry.cap",
+                format!(
+                    "must be at least `retry.base` ({}), and base more than 0",
+                    self.base
+                ),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.budget) {
+            return Err((
+                "retry.budget",
+                format!("{} is not a fraction between 0 and 1", self.budget),
+            ));
+        }
+        if !(self.budget_floor >= 0.0 && self.budget_floor.is_finite()) {
+            return Err(("retry.budget_floor", "must be 0 or more".into()));
+        }
+        Ok(())
+    }
 }
 
 /// `breaker = { window = 50, min_calls = 20, failure_rate = 0.5, slow_call = "5s", open_for = "30s", probes = 3 }`
@@ -281,6 +336,29 @@ impl BreakerConfig {
             open_for: self.open_for.0,
             probes: self.probes,
         }
+    }
+
+    /// Whether the breaker can judge: its rates fractions in (0, 1], its
+    /// minimum of calls within its window, and at least one probe.
+    fn check(&self) -> Result<(), FieldError> {
+        for (field, rate) in [
+            ("breaker.failure_rate", self.failure_rate),
+            ("breaker.slow_rate", self.slow_rate),
+        ] {
+            if !(rate > 0.0 && rate <= 1.0) {
+                return Err((field, format!("{rate} is not a fraction in (0, 1]")));
+            }
+        }
+        if self.window == 0 || self.min_calls == 0 || self.min_calls > self.window {
+            return Err((
+                "breaker.min_calls",
+                "must be between 1 and `breaker.window`".into(),
+            ));
+        }
+        if self.probes == 0 {
+            return Err(("breaker.probes", "must be at least 1".into()));
+        }
+        Ok(())
     }
 }
 
@@ -496,12 +574,24 @@ impl ProviderConfig {
         name: &str,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        let invalid = |field: &str, message: String| ConfigError::Invalid {
+        let checked = self
+            .check_base_url()
+            .and_then(|()| self.check_credentials(env))
+            .and_then(|()| self.check_calls())
+            .and_then(|()| self.retry.check())
+            .and_then(|()| self.breaker.check());
+        checked.map_err(|(field, message)| ConfigError::Invalid {
             key: format!("providers.{name}.{field}"),
             message,
-        };
+        })?;
+        self.compile_rules(name)?;
+        Ok(())
+    }
+
+    /// Whether `base_url` is an HTTP(S) URL.
+    fn check_base_url(&self) -> Result<(), FieldError> {
         if !(self.base_url.starts_with("http://") || self.base_url.starts_with("https://")) {
-            return Err(invalid(
+            return Err((
                 "base_url",
                 format!(
                     "`{}` must start with http:// or https://",
@@ -509,109 +599,59 @@ impl ProviderConfig {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Whether the credentials are whole: one way to authenticate, its
+    /// header named and its secrets set, and the webhook secrets long
+    /// enough to verify with.
+    fn check_credentials(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), FieldError> {
         if let Some(auth) = &self.auth {
             if auth.header.trim().is_empty() {
-                return Err(invalid("auth.header", "must not be empty".into()));
+                return Err(("auth.header", "must not be empty".into()));
             }
-            secret_var(env, &auth.value_env, 1).map_err(|m| invalid("auth.value_env", m))?;
+            secret_var(env, &auth.value_env, 1).map_err(|m| ("auth.value_env", m))?;
         }
         if let Some(o) = &self.oauth2 {
             if self.auth.is_some() {
-                return Err(invalid(
+                return Err((
                     "oauth2",
                     "a provider uses `auth` or `oauth2`, not both".into(),
                 ));
             }
-            if !(o.token_url.starts_with("http://") || o.token_url.starts_with("https://")) {
-                return Err(invalid(
-                    "oauth2.token_url",
-                    format!("`{}` must start with http:// or https://", o.token_url),
-                ));
-            }
-            if o.header.trim().is_empty() {
-                return Err(invalid("oauth2.header", "must not be empty".into()));
-            }
-            let named = [
-                ("oauth2.client_id_env", &o.client_id_env),
-                ("oauth2.client_secret_env", &o.client_secret_env),
-            ];
-            for (field, var) in named.iter().filter(|_| o.inline.is_none()) {
-                secret_var(env, var, 1).map_err(|m| invalid(field, m))?;
-            }
+            o.check(env)?;
         }
         for var in &self.webhook_secrets_env {
-            secret_var(env, var, MIN_VERIFYING_SECRET)
-                .map_err(|m| invalid("webhook_secrets_env", m))?;
+            secret_var(env, var, MIN_VERIFYING_SECRET).map_err(|m| ("webhook_secrets_env", m))?;
         }
+        Ok(())
+    }
+
+    /// Whether calls can be made at all: a timeout, a concurrency and rate
+    /// limits that allow one, and redirects within bounds.
+    fn check_calls(&self) -> Result<(), FieldError> {
         if self.timeout.0.is_zero() {
-            return Err(invalid("timeout", "must be more than 0".into()));
+            return Err(("timeout", "must be more than 0".into()));
         }
         if self.concurrency == 0 {
-            return Err(invalid("concurrency", "must be at least 1".into()));
+            return Err(("concurrency", "must be at least 1".into()));
         }
         if self.follow_redirects > MAX_REDIRECTS {
-            return Err(invalid(
-                "follow_redirects",
-                format!("at most {MAX_REDIRECTS}"),
-            ));
+            return Err(("follow_redirects", format!("at most {MAX_REDIRECTS}")));
         }
         // Each window is leased apart, by its length: two of one length
         // are one window (keep the smaller count).
         for (i, l) in self.rate_limits.iter().enumerate() {
             if l.count == 0 || l.per.is_zero() {
-                return Err(invalid("rate_limits", format!("`{l:?}` allows no call")));
+                return Err(("rate_limits", format!("`{l:?}` allows no call")));
             }
             if let Some(other) = self.rate_limits[..i].iter().find(|o| o.per == l.per) {
-                return Err(invalid(
+                return Err((
                     "rate_limits",
                     format!("`{other:?}` and `{l:?}` are the same window; keep one"),
                 ));
             }
         }
-        let r = &self.retry;
-        if r.max_attempts == 0 {
-            return Err(invalid("retry.max_attempts", "must be at least 1".into()));
-        }
-        if r.base.0.is_zero() || r.cap.0 < r.base.0 {
-            return Err(invalid(
-                "retry.cap",
-                format!(
-                    "must be at least `retry.base` ({}), and base more than 0",
-                    r.base
-                ),
-            ));
-        }
-        if !(0.0..=1.0).contains(&r.budget) {
-            return Err(invalid(
-                "retry.budget",
-                format!("{} is not a fraction between 0 and 1", r.budget),
-            ));
-        }
-        if !(r.budget_floor >= 0.0 && r.budget_floor.is_finite()) {
-            return Err(invalid("retry.budget_floor", "must be 0 or more".into()));
-        }
-        let b = &self.breaker;
-        for (field, rate) in [
-            ("breaker.failure_rate", b.failure_rate),
-            ("breaker.slow_rate", b.slow_rate),
-        ] {
-            if !(rate > 0.0 && rate <= 1.0) {
-                return Err(invalid(
-                    field,
-                    format!("{rate} is not a fraction in (0, 1]"),
-                ));
-            }
-        }
-        if b.window == 0 || b.min_calls == 0 || b.min_calls > b.window {
-            return Err(invalid(
-                "breaker.min_calls",
-                "must be between 1 and `breaker.window`".into(),
-            ));
-        }
-        if b.probes == 0 {
-            return Err(invalid("breaker.probes", "must be at least 1".into()));
-        }
-        self.compile_rules(name)?;
         Ok(())
     }
 

@@ -596,42 +596,20 @@ pub fn after_reply(
     } = plan;
     let mut outcome = reply.outcome;
     let mut code = reply.error_code.map(str::to_owned);
-    let settled_budget = if is_retry {
-        BudgetMove::RetrySucceeded
-    } else {
-        BudgetMove::None
-    };
     let submitting = !matches!(step.kind, StepKind::Request) && !polling;
     // A submit is accepted when the provider says done or "queued": either
     // way there must be a job id to follow.
     if outcome == Outcome::Success || (submitting && outcome == Outcome::Pending) {
-        match (submitting, step.job_pointer()) {
-            (true, Some(pointer)) => match job_id_in(reply.json, pointer) {
-                Some(id) => {
-                    let decision = Decision::keep(submitted(step, w, id, after));
-                    return judged(decision, outcome, code, settled_budget);
-                }
-                None => {
-                    outcome = Outcome::Unknown;
-                    code = Some("job_id_missing".into());
-                }
-            },
-            _ => match extract_outputs(&step.outputs, reply.json) {
-                Ok(output) => {
-                    w.state = StepState::Succeeded;
-                    w.output = Some(output);
-                    w.finished_at = Some(after);
-                    w.next_run_at = None;
-                    w.error_code = None;
-                    w.reason = None;
-                    return judged(Decision::keep(w), outcome, code, settled_budget);
-                }
-                Err(name) => {
-                    outcome = Outcome::Unknown;
-                    code = Some("output_missing".into());
-                    w.reason = Some(format!("output `{name}` not found in the reply"));
-                }
-            },
+        match accepted(step, w, submitting, reply.json, after) {
+            Accepted::Taken(w) => {
+                let budget = retry_settled(is_retry, true);
+                return judged(Decision::keep(w), outcome, code, budget);
+            }
+            Accepted::Missing(back, missing) => {
+                w = back;
+                outcome = Outcome::Unknown;
+                code = Some(missing.into());
+            }
         }
     }
     match outcome {
@@ -641,35 +619,18 @@ pub fn after_reply(
             judged(d, outcome, code, BudgetMove::None)
         }
         Outcome::Fail => {
-            w.state = StepState::Failed;
-            w.finished_at = Some(after);
-            w.next_run_at = None;
-            w.error_code = code.clone();
-            w.reason = Some(format!(
-                "provider refused the call ({})",
-                reply
-                    .http_status
-                    .map_or_else(|| "no status".to_owned(), |s| format!("HTTP {s}"))
-            ));
-            judged(Decision::keep(w), outcome, code, BudgetMove::None)
+            let d = refused(w, code.clone(), reply.http_status, after);
+            judged(d, outcome, code, BudgetMove::None)
         }
         Outcome::Throttled => {
             // A retry's token, taken at the gate, goes back: being told to
             // slow down is not a failed retry.
-            let budget = if is_retry {
-                BudgetMove::RetrySucceeded
-            } else {
-                BudgetMove::None
-            };
+            let budget = retry_settled(is_retry, true);
             let d = throttled(step, w, polling, reply, policy, (now, after), jitter);
             judged(d, outcome, code, budget)
         }
         Outcome::Retry | Outcome::Unknown => {
-            let budget = if is_retry {
-                BudgetMove::RetryFailed
-            } else {
-                BudgetMove::None
-            };
+            let budget = retry_settled(is_retry, false);
             let failure = Failure {
                 outcome,
                 code: code.as_deref(),
@@ -678,6 +639,77 @@ pub fn after_reply(
             let d = failed_try(step, w, polling, &failure, policy, (now, after), jitter);
             judged(d, outcome, code, budget)
         }
+    }
+}
+
+/// What an accepting reply makes of the step.
+enum Accepted {
+    /// Taken: the step waits on its job, or succeeded.
+    Taken(StepWrite),
+    /// The job id or an output is missing: the step (with the reason, for
+    /// an output) and the code that makes the reply `unknown`.
+    Missing(StepWrite, &'static str),
+}
+
+/// An accepting reply taken: a submit's job id kept (the step waits on
+/// the job), or a call's outputs (the step succeeded); or what is missing.
+fn accepted(
+    step: &Step,
+    mut w: StepWrite,
+    submitting: bool,
+    json: Option<&Value>,
+    after: UnixMs,
+) -> Accepted {
+    match (submitting, step.job_pointer()) {
+        (true, Some(pointer)) => match job_id_in(json, pointer) {
+            Some(id) => Accepted::Taken(submitted(step, w, id, after)),
+            None => Accepted::Missing(w, "job_id_missing"),
+        },
+        _ => match extract_outputs(&step.outputs, json) {
+            Ok(output) => {
+                w.state = StepState::Succeeded;
+                w.output = Some(output);
+                w.finished_at = Some(after);
+                w.next_run_at = None;
+                w.error_code = None;
+                w.reason = None;
+                Accepted::Taken(w)
+            }
+            Err(name) => {
+                w.reason = Some(format!("output `{name}` not found in the reply"));
+                Accepted::Missing(w, "output_missing")
+            }
+        },
+    }
+}
+
+/// The provider refused the call: the step fails, with the code and the
+/// HTTP status (if any) as its reason.
+fn refused(
+    mut w: StepWrite,
+    code: Option<String>,
+    http_status: Option<u16>,
+    after: UnixMs,
+) -> Decision {
+    w.state = StepState::Failed;
+    w.finished_at = Some(after);
+    w.next_run_at = None;
+    w.error_code = code;
+    w.reason = Some(format!(
+        "provider refused the call ({})",
+        http_status.map_or_else(|| "no status".to_owned(), |s| format!("HTTP {s}"))
+    ));
+    Decision::keep(w)
+}
+
+/// How a reply moves the retry budget: a retry's token goes back when the
+/// retry was `answered` (taken, or only told to slow down) and stays spent
+/// when it failed again; a first call took none.
+fn retry_settled(is_retry: bool, answered: bool) -> BudgetMove {
+    match (is_retry, answered) {
+        (false, _) => BudgetMove::None,
+        (true, true) => BudgetMove::RetrySucceeded,
+        (true, false) => BudgetMove::RetryFailed,
     }
 }
 

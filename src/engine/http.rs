@@ -154,144 +154,27 @@ pub async fn exchange(
     clock: &dyn Clock,
 ) -> Exchange {
     let started = clock.instant();
-    let method = match call.method {
-        HttpMethod::Get => reqwest::Method::GET,
-        HttpMethod::Post => reqwest::Method::POST,
-        HttpMethod::Put => reqwest::Method::PUT,
-        HttpMethod::Patch => reqwest::Method::PATCH,
-        HttpMethod::Delete => reqwest::Method::DELETE,
+    let mut sending = Sending {
+        call,
+        secrets,
+        clock,
+        started,
+        // One deadline for the whole exchange, redirects and body included.
+        deadline: started + call.timeout,
+        hops: Vec::new(),
     };
-    // Redirects followed (only where the call allows: a poll's GET, within
-    // its provider's base URL), each kept for the excerpt, failures too.
-    let mut hops: Vec<String> = Vec::new();
-    let failed = |e: ReplyError, msg: String, started: Instant, hops: &[String]| Exchange {
-        reply: Reply::Failed(e),
-        http_status: None,
-        retry_after: None,
-        took: clock.instant() - started,
-        excerpt: with_redirects(storable_excerpt(&msg, secrets), None, hops, secrets),
-        span: tracing::Span::none(),
+    let (resp, url) = match sending.follow(client).await {
+        Ok(sent) => sent,
+        Err(failed) => return failed,
     };
-    // One deadline for the whole exchange, redirects and body included.
-    let deadline = started + call.timeout;
-    let mut url = call.url.clone();
-    let resp = loop {
-        let mut req = client.request(method.clone(), &url);
-        for (k, v) in &call.headers {
-            req = req.header(k, v);
-        }
-        if let Some(body) = &call.body {
-            req = req.body(body.clone());
-        }
-        let resp = match tokio::time::timeout_at(deadline, req.send()).await {
-            Err(_) => {
-                return failed(
-                    ReplyError::Timeout,
-                    format!("no reply within {:?}", call.timeout),
-                    started,
-                    &hops,
-                );
-            }
-            Ok(Err(e)) => return failed(classify_error(&e), error_chain(&e), started, &hops),
-            Ok(Ok(r)) => r,
-        };
-        let status = resp.status().as_u16();
-        let location = resp
-            .headers()
-            .get(reqwest::header::LOCATION)
-            .map(|v| v.as_bytes());
-        match super::redirect::next_hop(&url, status, location, hops.len(), call.follow.as_ref()) {
-            Some(next) => {
-                let to = super::redirect::shown(&url, next.as_str().as_bytes());
-                hops.push(format!("{status} -> {to}"));
-                url = next.to_string();
-            }
-            None => break resp,
-        }
+    let head = Head::read(&resp, &url, clock);
+    let (body, body_error) = match sending.read_body(resp, &head).await {
+        Ok(read) => read,
+        Err(failed) => return failed,
     };
-    let status = resp.status().as_u16();
-    let location = crate::domain::rules::is_redirect(status)
-        .then(|| resp.headers().get(reqwest::header::LOCATION))
-        .flatten()
-        .map(|v| super::redirect::shown(&url, v.as_bytes()));
-    let retry_after = resp
-        .headers()
-        .get(reqwest::header::RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_retry_after(v, clock.now_system()))
-        // Honoured, but bounded: a provider asking for years is asking for
-        // an hour, and the step's deadline decides the rest.
-        .map(|d| d.min(MAX_RETRY_AFTER));
-    // "Slow down" is said by the status and its Retry-After: a body that
-    // then stalls or breaks does not make it a transport failure (which
-    // would spend an attempt).
-    let encoding = resp
-        .headers()
-        .get(reqwest::header::CONTENT_ENCODING)
-        .map(|v| {
-            String::from_utf8_lossy(v.as_bytes())
-                .trim()
-                .to_ascii_lowercase()
-        })
-        .filter(|e| !e.is_empty() && e != "identity");
-    let throttling = status == 429 || (status == 503 && retry_after.is_some());
-    let cut_short = |mut x: Exchange, e: ReplyError| {
-        x.http_status = Some(status);
-        x.retry_after = retry_after;
-        if throttling {
-            x.reply = Reply::Http {
-                status,
-                json: None,
-                body_error: Some(e),
-                retry_after: retry_after.is_some(),
-            };
-        }
-        x
-    };
-    let mut body: Vec<u8> = Vec::new();
-    let mut stream = resp.bytes_stream();
-    let mut body_error = None;
-    loop {
-        match tokio::time::timeout_at(deadline, stream.next()).await {
-            Err(_) => {
-                let x = failed(
-                    ReplyError::Timeout,
-                    format!("body not complete within {:?}", call.timeout),
-                    started,
-                    &hops,
-                );
-                return cut_short(x, ReplyError::Timeout);
-            }
-            Ok(None) => break,
-            Ok(Some(Ok(chunk))) => {
-                if body.len() as u64 + chunk.len() as u64 > call.max_body {
-                    body_error = Some(ReplyError::BodyTooLarge);
-                    break;
-                }
-                body.extend_from_slice(&chunk);
-            }
-            Ok(Some(Err(e))) => {
-                let mut x = failed(ReplyError::Reset, error_chain(&e), started, &hops);
-                x.excerpt = storable_excerpt(
-                    &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
-                    secrets,
-                );
-                return cut_short(x, ReplyError::Reset);
-            }
-        }
-    }
-    let mut not_decoded = None;
-    if let Some(enc) = &encoding {
-        let gzip = enc == "gzip" && call.decode.contains(&ContentEncoding::Gzip);
-        // An empty body stays `body_empty`, and a body cut at `max_body`
-        // is not decoded (the excerpt shows the bytes as they came).
-        if gzip && body_error.is_none() && !body.is_empty() {
-            (body, body_error) = gunzip(&body, call.max_body);
-        } else if !gzip || body_error.is_some() {
-            not_decoded = Some(format!("[Content-Encoding: {enc}, not decoded] "));
-        }
-    }
-    let (mut reply, mut excerpt) = read_reply(status, &body, body_error, call.max_body, secrets);
+    let (body, body_error, not_decoded) = decoded(body, body_error, head.encoding.as_deref(), call);
+    let (mut reply, mut excerpt) =
+        read_reply(head.status, &body, body_error, call.max_body, secrets);
     if let Some(note) = not_decoded {
         excerpt = storable_excerpt(&format!("{}{excerpt}", self::excerpt(&note, 200)), secrets);
     }
@@ -299,15 +182,234 @@ pub async fn exchange(
         retry_after: named, ..
     } = &mut reply
     {
-        *named = retry_after.is_some();
+        *named = head.retry_after.is_some();
     }
     Exchange {
         reply,
-        http_status: Some(status),
-        retry_after,
+        http_status: Some(head.status),
+        retry_after: head.retry_after,
         took: clock.instant() - started,
-        excerpt: with_redirects(excerpt, location.as_deref(), &hops, secrets),
+        excerpt: with_redirects(excerpt, head.location.as_deref(), &sending.hops, secrets),
         span: tracing::Span::none(),
+    }
+}
+
+/// One exchange under way: what it sends, when it started, its one
+/// deadline and the redirects it has followed.
+struct Sending<'a> {
+    call: &'a Call,
+    secrets: &'a [&'a str],
+    clock: &'a dyn Clock,
+    started: Instant,
+    deadline: Instant,
+    /// Redirects followed (only where the call allows: a poll's GET, within
+    /// its provider's base URL), each kept for the excerpt, failures too.
+    hops: Vec<String>,
+}
+
+impl Sending<'_> {
+    /// The exchange a transport failure `e` ends in, its message `msg` made
+    /// storable and led by the redirects followed.
+    fn failed(&self, e: ReplyError, msg: String) -> Exchange {
+        Exchange {
+            reply: Reply::Failed(e),
+            http_status: None,
+            retry_after: None,
+            took: self.clock.instant() - self.started,
+            excerpt: with_redirects(
+                storable_excerpt(&msg, self.secrets),
+                None,
+                &self.hops,
+                self.secrets,
+            ),
+            span: tracing::Span::none(),
+        }
+    }
+
+    /// Sends the call, following the redirects it may: the response that
+    /// is not followed and the URL it came from, or the failed exchange.
+    async fn follow(
+        &mut self,
+        client: &reqwest::Client,
+    ) -> Result<(reqwest::Response, String), Exchange> {
+        let call = self.call;
+        let method = reqwest_method(call.method);
+        let mut url = call.url.clone();
+        loop {
+            let mut req = client.request(method.clone(), &url);
+            for (k, v) in &call.headers {
+                req = req.header(k, v);
+            }
+            if let Some(body) = &call.body {
+                req = req.body(body.clone());
+            }
+            let resp = match tokio::time::timeout_at(self.deadline, req.send()).await {
+                Err(_) => {
+                    let msg = format!("no reply within {:?}", call.timeout);
+                    return Err(self.failed(ReplyError::Timeout, msg));
+                }
+                Ok(Err(e)) => return Err(self.failed(classify_error(&e), error_chain(&e))),
+                Ok(Ok(r)) => r,
+            };
+            let status = resp.status().as_u16();
+            let location = resp
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .map(|v| v.as_bytes());
+            let next = super::redirect::next_hop(
+                &url,
+                status,
+                location,
+                self.hops.len(),
+                call.follow.as_ref(),
+            );
+            match next {
+                Some(next) => {
+                    let to = super::redirect::shown(&url, next.as_str().as_bytes());
+                    self.hops.push(format!("{status} -> {to}"));
+                    url = next.to_string();
+                }
+                None => return Ok((resp, url)),
+            }
+        }
+    }
+
+    /// Reads the body within the deadline, up to the call's `max_body`: the
+    /// bytes and whether they were cut there (`BodyTooLarge`), or the
+    /// failed exchange when the body stalled or broke.
+    async fn read_body(
+        &self,
+        resp: reqwest::Response,
+        head: &Head,
+    ) -> Result<(Vec<u8>, Option<ReplyError>), Exchange> {
+        let mut body: Vec<u8> = Vec::new();
+        let mut stream = resp.bytes_stream();
+        loop {
+            match tokio::time::timeout_at(self.deadline, stream.next()).await {
+                Err(_) => {
+                    let msg = format!("body not complete within {:?}", self.call.timeout);
+                    let x = self.failed(ReplyError::Timeout, msg);
+                    return Err(head.cut_short(x, ReplyError::Timeout));
+                }
+                Ok(None) => return Ok((body, None)),
+                Ok(Some(Ok(chunk))) => {
+                    if body.len() as u64 + chunk.len() as u64 > self.call.max_body {
+                        return Ok((body, Some(ReplyError::BodyTooLarge)));
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(Some(Err(e))) => {
+                    let mut x = self.failed(ReplyError::Reset, error_chain(&e));
+                    x.excerpt = storable_excerpt(
+                        &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
+                        self.secrets,
+                    );
+                    return Err(head.cut_short(x, ReplyError::Reset));
+                }
+            }
+        }
+    }
+}
+
+/// The method `method` names, as the client spells it.
+fn reqwest_method(method: HttpMethod) -> reqwest::Method {
+    match method {
+        HttpMethod::Get => reqwest::Method::GET,
+        HttpMethod::Post => reqwest::Method::POST,
+        HttpMethod::Put => reqwest::Method::PUT,
+        HttpMethod::Patch => reqwest::Method::PATCH,
+        HttpMethod::Delete => reqwest::Method::DELETE,
+    }
+}
+
+/// What the final response's status and headers say, read before its body.
+struct Head {
+    status: u16,
+    /// Where a redirect that was not followed pointed, as shown.
+    location: Option<String>,
+    retry_after: Option<Duration>,
+    /// The `Content-Encoding`, lowercased; `None` when absent or `identity`.
+    encoding: Option<String>,
+}
+
+impl Head {
+    /// The status and headers of `resp`, which came from `url`.
+    fn read(resp: &reqwest::Response, url: &str, clock: &dyn Clock) -> Head {
+        let status = resp.status().as_u16();
+        let location = crate::domain::rules::is_redirect(status)
+            .then(|| resp.headers().get(reqwest::header::LOCATION))
+            .flatten()
+            .map(|v| super::redirect::shown(url, v.as_bytes()));
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| parse_retry_after(v, clock.now_system()))
+            // Honoured, but bounded: a provider asking for years is asking for
+            // an hour, and the step's deadline decides the rest.
+            .map(|d| d.min(MAX_RETRY_AFTER));
+        let encoding = resp
+            .headers()
+            .get(reqwest::header::CONTENT_ENCODING)
+            .map(|v| {
+                String::from_utf8_lossy(v.as_bytes())
+                    .trim()
+                    .to_ascii_lowercase()
+            })
+            .filter(|e| !e.is_empty() && e != "identity");
+        Head {
+            status,
+            location,
+            retry_after,
+            encoding,
+        }
+    }
+
+    /// The failed exchange `x` (its body stalled or broke with `e`) as this
+    /// head makes it: with the status and Retry-After kept, and still a
+    /// "slow down" reply when the head said so.
+    fn cut_short(&self, mut x: Exchange, e: ReplyError) -> Exchange {
+        // "Slow down" is said by the status and its Retry-After: a body that
+        // then stalls or breaks does not make it a transport failure (which
+        // would spend an attempt).
+        let throttling = self.status == 429 || (self.status == 503 && self.retry_after.is_some());
+        x.http_status = Some(self.status);
+        x.retry_after = self.retry_after;
+        if throttling {
+            x.reply = Reply::Http {
+                status: self.status,
+                json: None,
+                body_error: Some(e),
+                retry_after: self.retry_after.is_some(),
+            };
+        }
+        x
+    }
+}
+
+/// The body as read, decoded when its `encoding` is gzip and the call
+/// decodes gzip; otherwise (or when it was cut at `max_body`) the note the
+/// excerpt leads with, that it was not decoded.
+fn decoded(
+    body: Vec<u8>,
+    body_error: Option<ReplyError>,
+    encoding: Option<&str>,
+    call: &Call,
+) -> (Vec<u8>, Option<ReplyError>, Option<String>) {
+    let Some(enc) = encoding else {
+        return (body, body_error, None);
+    };
+    let gzip = enc == "gzip" && call.decode.contains(&ContentEncoding::Gzip);
+    // An empty body stays `body_empty`, and a body cut at `max_body`
+    // is not decoded (the excerpt shows the bytes as they came).
+    if gzip && body_error.is_none() && !body.is_empty() {
+        let (body, body_error) = gunzip(&body, call.max_body);
+        (body, body_error, None)
+    } else if !gzip || body_error.is_some() {
+        let note = format!("[Content-Encoding: {enc}, not decoded] ");
+        (body, body_error, Some(note))
+    } else {
+        (body, body_error, None)
     }
 }
 

@@ -11,7 +11,7 @@ use axum::{Json, Router};
 use serde_json::{Value, json};
 
 use crate::auth::webhook;
-use crate::engine::Delivery;
+use crate::engine::{Delivery, WebhookSettings};
 use crate::web::AppState;
 
 /// The largest delivery accepted; larger is refused with 413.
@@ -54,7 +54,11 @@ async fn release(state: &AppState, provider: &str, ids: &[String]) {
     }
 }
 
-fn refuse(status: StatusCode, code: &str, message: &str) -> (StatusCode, Json<Value>) {
+/// What a delivery is answered: a status and a JSON body.
+type Answer = (StatusCode, Json<Value>);
+
+/// A refusal: `status`, with the error's code and message.
+fn refuse(status: StatusCode, code: &str, message: &str) -> Answer {
     (status, Json(json!({ "error": code, "message": message })))
 }
 
@@ -63,28 +67,11 @@ async fn receive(
     Path(provider): Path<String>,
     headers: HeaderMap,
     body: Bytes,
-) -> (StatusCode, Json<Value>) {
-    let Some(engine) = &state.engine else {
-        return refuse(
-            StatusCode::NOT_FOUND,
-            "unknown_provider",
-            "no such provider",
-        );
+) -> Answer {
+    let (engine, settings) = match receiving(&state, &provider) {
+        Ok(found) => found,
+        Err(refused) => return refused,
     };
-    let Some(settings) = engine.webhook_settings(&provider) else {
-        return refuse(
-            StatusCode::NOT_FOUND,
-            "unknown_provider",
-            "no such provider",
-        );
-    };
-    if settings.secrets.is_empty() {
-        return refuse(
-            StatusCode::FORBIDDEN,
-            "webhooks_not_configured",
-            "this provider has no webhook secret",
-        );
-    }
     let signature = headers
         .get(settings.signature_header.as_str())
         .and_then(|v| v.to_str().ok())
@@ -123,6 +110,43 @@ async fn receive(
         // provider's retry of it through.
         release(&state, &provider, &ids).await;
     }
+    answer(&provider, result)
+}
+
+/// The engine and `provider`'s webhook settings when it takes deliveries:
+/// refused when there is no such provider (or no engine), or when it has no
+/// webhook secret.
+fn receiving<'a>(
+    state: &'a AppState,
+    provider: &str,
+) -> Result<(&'a crate::engine::Engine, WebhookSettings), Answer> {
+    let Some(engine) = &state.engine else {
+        return Err(refuse(
+            StatusCode::NOT_FOUND,
+            "unknown_provider",
+            "no such provider",
+        ));
+    };
+    let Some(settings) = engine.webhook_settings(provider) else {
+        return Err(refuse(
+            StatusCode::NOT_FOUND,
+            "unknown_provider",
+            "no such provider",
+        ));
+    };
+    if settings.secrets.is_empty() {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "webhooks_not_configured",
+            "this provider has no webhook secret",
+        ));
+    }
+    Ok((engine, settings))
+}
+
+/// The answer a delivery's outcome gets: 2xx when it was taken (or was a
+/// duplicate), 422 when sending it again cannot help, 503 when it can.
+fn answer(provider: &str, result: Result<Delivery, crate::store::StoreError>) -> Answer {
     match result {
         Ok(Delivery::Accepted { record_id }) => (
             StatusCode::ACCEPTED,
