@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 use ballast::config::Config;
 use ballast::domain::RecordState;
 use ballast::engine::http::{Call, InProcess, InProcessProvider};
-use ballast::engine::{Engine, EngineOptions};
+use ballast::engine::{Engine, EngineOptions, SearchIndexer};
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, ConnectOptions, Db, NewRecord, Store, migrate};
 use serde_json::{Value, json};
@@ -1087,7 +1087,11 @@ async fn pages_at_scale(
     let mut docs = 0;
     loop {
         let now = ballast::domain::Clock::now_ms(&ballast::domain::SystemClock);
-        let turn = indexer.index_search_once(now).await.unwrap().unwrap();
+        let turn = SearchIndexer::of(&indexer)
+            .index_search_once(now)
+            .await
+            .unwrap()
+            .unwrap();
         docs += turn.records;
         if !turn.more {
             break;

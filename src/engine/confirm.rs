@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Engine;
 use super::step::{self, Asked};
+use super::supervisor::Loop;
 use crate::domain::confirm::{Next, Pending, next, said};
 use crate::domain::{StepState, UnixMs};
 use crate::store::{StepWrite, Store, StoreError};
@@ -24,10 +25,18 @@ const IDLE_EVERY_MS: i64 = 5_000;
 /// How many it takes at once.
 const BATCH: u32 = 16;
 
-impl Engine {
-    /// Runs confirmations until `shutdown`.
-    pub(super) async fn confirm_loop(self, shutdown: CancellationToken) {
-        let i = &self.inner;
+/// The confirmations loop: on every node, takes the confirmations due
+/// and asks each.
+#[derive(Clone)]
+pub struct Confirmations {
+    engine: Engine,
+}
+
+impl Loop for Confirmations {
+    /// A confirmation poll cut short keeps its hold; another node (or this
+    /// one, restarted) asks when the hold ends.
+    async fn run(self, shutdown: CancellationToken) {
+        let i = &self.engine.inner;
         loop {
             // Read each time: a reload may add or remove a confirmation.
             let confirms = i
@@ -47,11 +56,20 @@ impl Engine {
             }
         }
     }
+}
+
+impl Confirmations {
+    /// The confirmations of `engine`.
+    pub fn of(engine: &Engine) -> Confirmations {
+        Confirmations {
+            engine: engine.clone(),
+        }
+    }
 
     /// Takes and makes the confirmations due at `now`; how many. (A poll
     /// under way when the node stops is let finish: it is one call.)
     pub async fn confirm_due(&self, now: UnixMs) -> Result<usize, StoreError> {
-        let i = &self.inner;
+        let i = &self.engine.inner;
         let stopping = &super::Stopping::default();
         // Held for as long as a poll may take (its gates and its timeout),
         // then another node may ask.
@@ -69,7 +87,7 @@ impl Engine {
     }
 
     async fn confirm_one(&self, p: Pending, stopping: &super::Stopping) -> Result<(), StoreError> {
-        let i = &self.inner;
+        let i = &self.engine.inner;
         let done = || {
             i.db.settle_confirmation(p.record_id, &p.step, p.generation, None)
         };
@@ -84,12 +102,12 @@ impl Engine {
         if !current {
             return done().await;
         }
-        let compiled = match self.compiled_for(&rec).await {
+        let compiled = match self.engine.compiled_for(&rec).await {
             Ok(c) => Some(c),
             // Its version does not run here now (a reload under way, a
             // read that failed): asked again once its hold lapses, here or
             // on another node. One no node can run is given up.
-            Err(not) if self.waits_for(&not).await => {
+            Err(not) if self.engine.waits_for(&not).await => {
                 tracing::warn!(record.id = rec.id, step = %p.step, "its pipeline version does not run here now; the confirmation waits");
                 return Ok(());
             }
@@ -115,7 +133,7 @@ impl Engine {
             .get(&p.step)
             .cloned()
             .unwrap_or_else(|| StepWrite::pending(&p.step));
-        let mut pending = self.step_run(
+        let mut pending = self.engine.step_run(
             &rec,
             step_def,
             write,
@@ -178,7 +196,7 @@ impl Engine {
                 };
                 match i.db.reverse(&req).await {
                     Ok(_) => {
-                        self.wake();
+                        self.engine.wake();
                         done().await
                     }
                     // Leased by a pass this moment: ask again in a while (a
@@ -196,9 +214,7 @@ impl Engine {
             }
         }
     }
-}
 
-impl Engine {
     /// What a confirmation poll's answer leaves to decide: the outcome and
     /// the attempt, or nothing when it is settled here. What the reply
     /// told every call is published first; a throttled answer is kept and
@@ -210,7 +226,7 @@ impl Engine {
         p: &Pending,
         now: UnixMs,
     ) -> Result<Option<(crate::domain::Outcome, Box<crate::store::NewAttempt>)>, StoreError> {
-        let db = &self.inner.db;
+        let db = &self.engine.inner.db;
         let again = |at: UnixMs| Pending {
             due_at: at.max(now + 1),
             ..p.clone()
@@ -222,7 +238,7 @@ impl Engine {
                 heard,
             } => {
                 let paused = heard.throttled.as_ref().map(|t| t.1);
-                self.publish_heard(heard).await;
+                super::sync::publish_heard(&self.engine.inner, heard).await;
                 let Some(until) = paused else {
                     return Ok(Some((outcome, attempt)));
                 };

@@ -14,7 +14,9 @@ mod deliveries;
 pub mod export;
 pub mod http;
 mod intents;
+mod leases;
 pub mod limits;
+mod listen;
 mod ops;
 mod pass;
 mod permits;
@@ -27,6 +29,8 @@ pub mod schedule;
 pub mod search;
 pub mod stats;
 mod step;
+mod supervisor;
+mod sync;
 pub mod token;
 
 use std::collections::HashMap;
@@ -38,15 +42,22 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::domain::{Clock, Record, StepRun, SystemClock, UnixMs};
+use crate::domain::{Clock, Record, SystemClock, UnixMs};
 use crate::pipeline::{Pipeline, Pipelines, Templates};
 use crate::store::{Created, Db, Lease, NewRecord, Store, StoreError};
 
 use limits::ProviderRuntime;
 
+pub use confirm::Confirmations;
 pub use deliveries::Delivery;
 pub use ops::{ActExtra, BulkOutcome, Ops, OpsError, Selection};
 pub use reconfigure::{Reconfigured, fingerprint};
+pub use resume::Resumer;
+pub use retention::Purger;
+pub use schedule::Scheduler;
+pub use search::SearchIndexer;
+pub use stats::StatsFlusher;
+pub use sync::ProviderSync;
 
 /// One record for [`Engine::enqueue_batch`].
 #[derive(Debug, Clone)]
@@ -268,15 +279,6 @@ impl ProviderLive {
             .join(", ")
     }
 }
-
-/// A claim in flight beside the run loop's dispatch.
-type ClaimFuture<'a> = std::pin::Pin<
-    Box<
-        dyn std::future::Future<Output = Result<Vec<(Record, Option<Vec<StepRun>>)>, StoreError>>
-            + Send
-            + 'a,
-    >,
->;
 
 /// A handle on the engine; cheap to clone.
 #[derive(Clone)]

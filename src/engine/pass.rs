@@ -220,7 +220,7 @@ impl Engine {
         // A pass is not aborted when its lease is lost: a call already sent
         // is let finish so that its exchange still lands in the history.
         let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
-        self.forget_lease(&lease);
+        super::leases::forget_lease(i, &lease);
         let Some(commit) = commit else {
             return "dropped";
         };
@@ -413,11 +413,11 @@ impl Engine {
         }
         for (name, news) in &progress.breaker {
             if let Some(rt) = i.provider(name) {
-                self.publish_breaker(&rt, *news).await;
+                super::sync::publish_breaker(i, &rt, *news).await;
             }
         }
         for (name, until) in &progress.throttled {
-            self.publish_throttle(name, *until).await;
+            super::sync::publish_throttle(i, name, *until).await;
         }
         let now = i.clock.now_ms();
         let facts = PassFacts {

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use ballast::config::Config;
 use ballast::domain::breaker::SharedOp;
 use ballast::domain::{Clock, ManualClock, RecordState};
-use ballast::engine::{Engine, EngineOptions};
+use ballast::engine::{
+    Confirmations, Engine, EngineOptions, ProviderSync, Purger, Resumer, Scheduler, SearchIndexer,
+};
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, ConnectOptions, Db, RecordFilter, Store};
 use serde_json::json;
@@ -833,7 +835,13 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
         "{by_provider:?}"
     );
     // Still open: nothing resumes.
-    assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Resumer::of(&engine)
+            .resume_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
     // An operator cancels one meanwhile; the others wait on.
     let cancelled = parked[0].id;
     ops.act(
@@ -851,11 +859,20 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
     sim.outage(0, 1.0);
     let mut first_round = None;
     for _ in 0..400 {
-        let n = engine.resume_due(clock.now_ms()).await.unwrap();
+        let n = Resumer::of(&engine)
+            .resume_due(clock.now_ms())
+            .await
+            .unwrap();
         if n > 0 && first_round.is_none() {
             first_round = Some(n);
             // Asked again before those two made their probes: no more.
-            assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
+            assert_eq!(
+                Resumer::of(&engine)
+                    .resume_due(clock.now_ms())
+                    .await
+                    .unwrap(),
+                0
+            );
         }
         drain(&engine).await;
         let done = t.db.state_counts().await.unwrap();
@@ -1099,8 +1116,8 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
         (t.db.list_nodes().await.unwrap().len() == 2).then_some(())
     })
     .await;
-    a.sync_providers_once().await;
-    b.sync_providers_once().await;
+    ProviderSync::of(&a).sync_providers_once().await;
+    ProviderSync::of(&b).sync_providers_once().await;
     let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
     sqlx::query("UPDATE records SET next_run_at = $1 WHERE state = 'pending'")
         .bind(crate::helpers::wall_ms())
@@ -1228,7 +1245,7 @@ async fn paused_providers_get_no_calls() {
         .await
         .unwrap();
     // The engine learns of the pause as its provider sync would.
-    engine.sync_providers_once().await;
+    ProviderSync::of(&engine).sync_providers_once().await;
     enqueue_n(&engine, "pay", 10).await;
     // A minute of clock time: the records come due again and again.
     for _ in 0..12 {
@@ -1244,7 +1261,7 @@ async fn paused_providers_get_no_calls() {
     t.db.set_provider_pause("sim", false, "alice", None, clock.now_ms())
         .await
         .unwrap();
-    engine.sync_providers_once().await;
+    ProviderSync::of(&engine).sync_providers_once().await;
     drive_at_rest(&engine, &clock, 10, 1_000, 30_000).await;
     assert_eq!(sim.stats().requests, 10);
     let audit =
@@ -1394,7 +1411,7 @@ async fn a_throttle_pause_holds_every_node() {
         Some(clock.now_ms() + 5_000),
         "A published the pause"
     );
-    b.sync_providers_once().await;
+    ProviderSync::of(&b).sync_providers_once().await;
     enqueue_n(&b, "pay", 5).await;
     // 4.9 s of the pause: B's records come due and are held, not called.
     for _ in 0..49 {
@@ -2294,7 +2311,7 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "1s", pro
     assert_eq!(sick.calls(), 5, "five failures trip A's window");
     let shared = t.db.provider_state("sim").await.unwrap().unwrap();
     assert_eq!(shared.breaker, BreakerState::Open, "A opened the cluster's");
-    b.sync_providers_once().await;
+    ProviderSync::of(&b).sync_providers_once().await;
     assert_eq!(b.provider_live("sim").unwrap().breaker, BreakerState::Open);
     for i in 0..5 {
         let key = format!("b{i}");
@@ -2330,7 +2347,7 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "1s", pro
     // Both resume. (Running nodes learn it from the store's notification;
     // these are driven by hand, so they read it with their provider sync.)
     for node in [&a, &b] {
-        node.sync_providers_once().await;
+        ProviderSync::of(node).sync_providers_once().await;
         assert_eq!(
             node.provider_live("sim").unwrap().breaker,
             BreakerState::Closed
@@ -2415,7 +2432,7 @@ async fn sqlite_nodes_see_a_pause_at_their_next_claim() {
     let engine = Engine::with_clock(t.db.clone(), config, o, Arc::new(clock.clone()))
         .await
         .unwrap();
-    engine.sync_providers_once().await;
+    ProviderSync::of(&engine).sync_providers_once().await;
     t.db.set_provider_pause("sim", true, "alice", None, clock.now_ms())
         .await
         .unwrap();
@@ -2586,12 +2603,12 @@ async fn three_nodes_hold_the_limits_and_the_cap_as_one() {
         let engine = Engine::new(db, config.clone(), options(name))
             .await
             .unwrap();
-        engine.sync_providers_once().await;
+        ProviderSync::of(&engine).sync_providers_once().await;
         nodes.push(engine);
     }
     for n in &nodes {
         // Each sees the other two (grants are sized by the live nodes).
-        n.sync_providers_once().await;
+        ProviderSync::of(n).sync_providers_once().await;
     }
     let runs: Vec<_> = nodes.iter().map(run_in_background).collect();
     enqueue_n(&nodes[0], "pay", 45).await;
@@ -2660,11 +2677,11 @@ async fn three_nodes_use_a_cap_equal_to_their_need_in_full() {
         o.batch = per_node as u32;
         o.provider_sync = Duration::from_secs(3_600);
         let engine = Engine::new(db, config.clone(), o).await.unwrap();
-        engine.sync_providers_once().await;
+        ProviderSync::of(&engine).sync_providers_once().await;
         nodes.push(engine);
     }
     for n in &nodes {
-        n.sync_providers_once().await;
+        ProviderSync::of(n).sync_providers_once().await;
     }
     let runs: Vec<_> = nodes.iter().map(run_in_background).collect();
     // More than the rounds take, so no node runs out of work.
@@ -3550,14 +3567,26 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     }
     // The first confirmation (30 s on) says the charge stands.
     clock.advance(30_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        2
+    );
     for id in &ids {
         let r = t.db.get_record(*id).await.unwrap().unwrap();
         assert_eq!(r.state, RecordState::Succeeded);
     }
     // The second (60 s on): `k-0`'s charge was declined since.
     clock.advance(30_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        2
+    );
     let declined = t.db.get_record(ids[0]).await.unwrap().unwrap();
     assert_eq!(
         (declined.state, declined.error_code.as_deref()),
@@ -3584,7 +3613,13 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     assert_eq!(kept.state, RecordState::Succeeded);
     // Two confirmations each, and no more.
     clock.advance(300_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
 }
 
 /// A provider that changes its mind after a polled success is noticed
@@ -3676,10 +3711,22 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     let succeeded_at = clock.now_ms();
     // Not before its time (30 s after `render` succeeded, a second ago).
     clock.advance(28000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
     // 30 s after success: each job is asked again, and now says failed.
     clock.advance(1000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 3);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        3
+    );
     let reversed_at = |id: i64| {
         let db = t.db.clone();
         async move {
@@ -3772,11 +3819,20 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     }
     for _ in 0..2 {
         clock.advance(30000);
-        assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+        assert_eq!(
+            Confirmations::of(&engine)
+                .confirm_due(clock.now_ms())
+                .await
+                .unwrap(),
+            2
+        );
     }
     clock.advance(30000);
     assert_eq!(
-        engine.confirm_due(clock.now_ms()).await.unwrap(),
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
         0,
         "two each, then none"
     );
@@ -3950,7 +4006,10 @@ on_reversal = "record"
     // Ten simulated minutes in steps of 250 ms: passes and confirmations.
     for _ in 0..2_400 {
         drain(&engine).await;
-        engine.confirm_due(clock.now_ms()).await.unwrap();
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap();
         clock.advance(250);
     }
     let records = crate::helpers::all_records(&t.db, None).await;
@@ -4798,12 +4857,16 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     let (a, ca) = manual_engine_at(&t.db, config.clone(), "sa", start).await;
     let (b, cb) = manual_engine_at(&t.db, config.clone(), "sb", start).await;
     let fire_both = || async {
-        let (x, y) = tokio::join!(a.fire_schedules(ca.now_ms()), b.fire_schedules(cb.now_ms()));
+        let (sa, sb) = (Scheduler::of(&a), Scheduler::of(&b));
+        let (x, y) = tokio::join!(
+            sa.fire_schedules(ca.now_ms()),
+            sb.fire_schedules(cb.now_ms())
+        );
         x.unwrap().created + y.unwrap().created
     };
     // New: begins now, fires nothing of the past.
     assert_eq!(fire_both().await, 0);
-    let first = a.fire_schedules(ca.now_ms()).await.unwrap();
+    let first = Scheduler::of(&a).fire_schedules(ca.now_ms()).await.unwrap();
     assert_eq!(first.next, Some(start + 30_000));
     for i in 1..=10 {
         ca.advance(minute as u64);
@@ -4844,7 +4907,7 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     // Every node down for an hour: ticks 11..=69 were missed, and the
     // latest of them fires once beside tick 70, which is on time.
     let (c, cc) = manual_engine_at(&t.db, config, "sc", ca.now_ms() + 60 * minute).await;
-    let fired = c.fire_schedules(cc.now_ms()).await.unwrap();
+    let fired = Scheduler::of(&c).fire_schedules(cc.now_ms()).await.unwrap();
     assert_eq!(fired.created, 2);
     let mut want = keyed(1, 10);
     want.extend(keyed(69, 70));
@@ -4854,10 +4917,24 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     let changed = toml.replace("0 * * * * *", "30 * * * * *");
     let config = Arc::new(Config::parse(&changed, Path::new("schedule.toml")).unwrap());
     let (d, cd) = manual_engine_at(&t.db, config, "sd", cc.now_ms() + 10 * minute).await;
-    assert_eq!(d.fire_schedules(cd.now_ms()).await.unwrap().created, 0);
+    assert_eq!(
+        Scheduler::of(&d)
+            .fire_schedules(cd.now_ms())
+            .await
+            .unwrap()
+            .created,
+        0
+    );
     assert_eq!(t.db.schedules().await.unwrap()[0].cron, "30 * * * * *");
     cd.advance(minute as u64);
-    assert_eq!(d.fire_schedules(cd.now_ms()).await.unwrap().created, 1);
+    assert_eq!(
+        Scheduler::of(&d)
+            .fire_schedules(cd.now_ms())
+            .await
+            .unwrap()
+            .created,
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -4974,7 +5051,11 @@ outcome = "fail"
     clock.advance(20 * 60_000);
     let would = dry(clock.now_ms()).await;
     assert_eq!((would.records, would.stripped), (0, 7), "{would:?}");
-    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    let run = Purger::of(&engine)
+        .purge_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(run.total(), would);
     let attempt = &t.db.attempts(succeeded).await.unwrap()[0];
     assert_eq!((&attempt.excerpt, &attempt.request), (&None, &None));
@@ -5006,7 +5087,7 @@ outcome = "fail"
             .await
             .unwrap()
     );
-    assert_eq!(engine.purge_once(now).await.unwrap(), None);
+    assert_eq!(Purger::of(&engine).purge_once(now).await.unwrap(), None);
     assert!(
         !t.db
             .take_task_lease("purge", "third", now + 1_000, now)
@@ -5014,7 +5095,11 @@ outcome = "fail"
             .unwrap()
     );
     clock.advance(1_000);
-    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    let run = Purger::of(&engine)
+        .purge_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(run.total(), would);
     assert_eq!(
         run.pipelines["pay"].by_state,
@@ -5057,7 +5142,11 @@ outcome = "fail"
     assert_eq!(detail["bad"]["records"], 4);
     // Nothing left to do: no run, no entry.
     clock.advance(60_000);
-    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    let run = Purger::of(&engine)
+        .purge_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(run.total().is_empty());
     assert_eq!(purges().await.len(), 2);
     sim.stop();
@@ -5161,7 +5250,7 @@ outcome = "fail"
         clock.advance(ballast::domain::search::LAG_MS as u64);
         let mut total = 0;
         loop {
-            let turn = engine
+            let turn = SearchIndexer::of(engine)
                 .index_search_once(clock.now_ms())
                 .await
                 .unwrap()
@@ -5214,7 +5303,13 @@ outcome = "fail"
     assert_eq!(t.db.search_progress().await.unwrap(), top);
     // Another node does not index while this one holds the lease.
     let (other, _) = manual_engine(&t.db, config.clone(), "s2").await;
-    assert_eq!(other.index_search_once(clock.now_ms()).await.unwrap(), None);
+    assert_eq!(
+        SearchIndexer::of(&other)
+            .index_search_once(clock.now_ms())
+            .await
+            .unwrap(),
+        None
+    );
     // A record that changes is indexed again: the parked one, resumed and
     // cancelled with a new reason.
     ops.act(
@@ -5317,7 +5412,7 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
         .record
         .id;
     // Too new to be read yet: a record's burst of events is read at once.
-    let turn = engine
+    let turn = SearchIndexer::of(&engine)
         .index_search_once(clock.now_ms())
         .await
         .unwrap()
@@ -5352,7 +5447,7 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
         .await
         .unwrap();
     clock.advance(ballast::domain::search::LAG_MS as u64);
-    let turn = engine
+    let turn = SearchIndexer::of(&engine)
         .index_search_once(clock.now_ms())
         .await
         .unwrap()
@@ -5370,7 +5465,7 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
     assert_eq!(found("zebra").await, Vec::<i64>::new());
     let stored = t.db.search_progress().await.unwrap();
     tx.commit().await.unwrap();
-    let turn = engine
+    let turn = SearchIndexer::of(&engine)
         .index_search_once(clock.now_ms())
         .await
         .unwrap()
@@ -5385,7 +5480,8 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
     let (next, _) = manual_engine(&t.db, config, "s2").await;
     clock.advance(120_000);
     assert_eq!(
-        next.index_search_once(clock.now_ms())
+        SearchIndexer::of(&next)
+            .index_search_once(clock.now_ms())
             .await
             .unwrap()
             .unwrap()
@@ -5575,7 +5671,11 @@ confirm = {{ after = "10s", times = 1, path = "/v1/charges/{{{{ output.id }}}}" 
     let down_at = clock.now_ms();
     let mut asked = 0;
     for _ in 0..100 {
-        match engine.confirm_due(clock.now_ms()).await.unwrap() {
+        match Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap()
+        {
             0 => break,
             n => asked += n,
         }
@@ -5596,12 +5696,22 @@ confirm = {{ after = "10s", times = 1, path = "/v1/charges/{{{{ output.id }}}}" 
     assert!(shared.is_some_and(|s| s >= down_at + 30_000), "{shared:?}");
     // Within the pause nothing is due; after it, every confirmation asks.
     clock.advance(29_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
     m.down.store(false, Ordering::SeqCst);
     clock.advance(1_000);
     let mut confirmed = 0;
     for _ in 0..100 {
-        match engine.confirm_due(clock.now_ms()).await.unwrap() {
+        match Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap()
+        {
             0 => break,
             n => confirmed += n,
         }

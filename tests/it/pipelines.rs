@@ -12,6 +12,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use ballast::config::Config;
 use ballast::domain::{RecordState, Role, StepState};
+use ballast::engine::StatsFlusher;
 use ballast::engine::stats::RUN_BUCKETS_MS;
 use ballast::store::{Backend, Store};
 use serde_json::{Value, json};
@@ -149,7 +150,7 @@ async fn twelve_at_rest(test: &str) -> Option<AtRest> {
         "{before}"
     );
     crate::engine::drive_at_rest(&engine, &clock, total, 500, 60_000).await;
-    engine.flush_stats_now().await;
+    StatsFlusher::of(&engine).flush().await;
     Some(AtRest {
         app,
         login,
