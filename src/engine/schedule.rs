@@ -8,7 +8,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::supervisor::{Loop, Stop};
-use super::{Engine, EngineError};
+use super::{Engine, EngineError, Enqueue};
 use crate::config::Config;
 use crate::domain::UnixMs;
 use crate::domain::schedule::{Cron, Missed, plan, tick_key};
@@ -120,22 +120,20 @@ impl Scheduler {
             for &t in &p.fire {
                 // Due at its tick: a node whose clock runs ahead fires
                 // early, but the record waits for its time.
-                let item = vec![(Some(tick_key(t)), s.input.clone())];
-                let created = self.engine.create(&s.pipeline, None, item, t).await?;
-                for c in &created {
-                    if c.created {
-                        fired.created += 1;
-                        metrics::counter!("ballast_schedule_fired_total", "pipeline" => s.pipeline.clone())
-                            .increment(1);
-                        tracing::info!(
-                            pipeline = %s.pipeline,
-                            record.id = c.record.id,
-                            tick = %crate::domain::time::format_ms(t),
-                            "schedule fired"
-                        );
-                    }
+                let item = Enqueue::new(&s.pipeline, Some(&tick_key(t)), s.input.clone()).at(t);
+                let c = self.engine.enqueue(item).await?;
+                if c.created {
+                    fired.created += 1;
+                    metrics::counter!("ballast_schedule_fired_total", "pipeline" => s.pipeline.clone())
+                        .increment(1);
+                    tracing::info!(
+                        pipeline = %s.pipeline,
+                        record.id = c.record.id,
+                        tick = %crate::domain::time::format_ms(t),
+                        "schedule fired"
+                    );
                 }
-                last_record = created.last().map(|c| c.record.id);
+                last_record = Some(c.record.id);
             }
             // A pass that fired and skipped nothing leaves a current row
             // alone: with no tick between the stored watermark and now,

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ballast::domain::{OperatorAction, Outcome, Role};
-use ballast::engine::Resumer;
+use ballast::engine::{Enqueue, Resumer};
 use ballast::store::{ActionRequest, Backend, NewAttempt, Store};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
@@ -1075,7 +1075,7 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     let (engine, clock) =
         crate::engine::manual_engine_at(&app.t.db, std::sync::Arc::new(config), "bu", ahead).await;
     let id = engine
-        .enqueue("render", Some("u-1"), json!({}))
+        .enqueue(Enqueue::new("render", Some("u-1"), json!({})))
         .await
         .unwrap()
         .record

@@ -11,7 +11,8 @@ use ballast::config::Config;
 use ballast::domain::breaker::SharedOp;
 use ballast::domain::{Clock, ManualClock, RecordState};
 use ballast::engine::{
-    Confirmations, Engine, EngineOptions, ProviderSync, Purger, Resumer, Scheduler, SearchIndexer,
+    Confirmations, Engine, EngineOptions, Enqueue, ProviderSync, Purger, Resumer, Scheduler,
+    SearchIndexer,
 };
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, ConnectOptions, Db, RecordFilter, Store};
@@ -139,7 +140,11 @@ async fn chaos_run(backend: Backend) {
     const N: i64 = 1000;
     for i in 0..N {
         engine
-            .enqueue("chain", Some(&format!("order-{i}")), json!({ "amount": i }))
+            .enqueue(Enqueue::new(
+                "chain",
+                Some(&format!("order-{i}")),
+                json!({ "amount": i }),
+            ))
             .await
             .unwrap();
     }
@@ -220,7 +225,7 @@ async fn postgres_enqueues_beside_the_engine_never_deadlock() {
             for i in 0..EACH {
                 let key = format!("t{task}-{i}");
                 engine
-                    .enqueue("chain", Some(&key), json!({ "amount": i }))
+                    .enqueue(Enqueue::new("chain", Some(&key), json!({ "amount": i })))
                     .await
                     .unwrap_or_else(|e| panic!("enqueue {key}: {e}"));
             }
@@ -277,7 +282,11 @@ async fn crash_and_resume(backend: Backend) {
     const N: i64 = 300;
     for i in 0..N {
         enqueuer
-            .enqueue("chain", Some(&format!("c-{i}")), json!({ "amount": i }))
+            .enqueue(Enqueue::new(
+                "chain",
+                Some(&format!("c-{i}")),
+                json!({ "amount": i }),
+            ))
             .await
             .unwrap();
     }
@@ -414,7 +423,7 @@ outputs = {{ id = "/id" }}
 pub(crate) async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
     for i in 0..n {
         engine
-            .enqueue(pipeline, Some(&format!("k-{i}")), json!({}))
+            .enqueue(Enqueue::new(pipeline, Some(&format!("k-{i}")), json!({})))
             .await
             .unwrap();
     }
@@ -575,12 +584,12 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "30s", pr
     for i in 0..25 {
         let input = json!({ "ref": format!("r{i}\r\nX-Admin: yes") });
         engine
-            .enqueue("pay", Some(&format!("bad-{i}")), input)
+            .enqueue(Enqueue::new("pay", Some(&format!("bad-{i}")), input))
             .await
             .unwrap();
     }
     engine
-        .enqueue("pay", Some("good"), json!({ "ref": "fine" }))
+        .enqueue(Enqueue::new("pay", Some("good"), json!({ "ref": "fine" })))
         .await
         .unwrap();
     drive_at_rest(&engine, &clock, 26, 50, 10_000).await;
@@ -686,13 +695,13 @@ poll = {{ path = "/jobs/{{{{ job_id | raw }}}}", every = "1s", deadline = "1m" }
     config.validate(&|v| std::env::var(v).ok()).unwrap();
     let (engine, clock) = manual_engine(&t.db, Arc::new(config), "p1").await;
     let encoded = engine
-        .enqueue("encoded", Some("e"), json!({}))
+        .enqueue(Enqueue::new("encoded", Some("e"), json!({})))
         .await
         .unwrap()
         .record
         .id;
     let raw = engine
-        .enqueue("raw", Some("r"), json!({}))
+        .enqueue(Enqueue::new("raw", Some("r"), json!({})))
         .await
         .unwrap()
         .record
@@ -1106,7 +1115,7 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
     // both nodes have heartbeated and taken their half of the limit.
     let later = crate::helpers::wall_ms() + 600_000;
     for i in 0..2000 {
-        a.enqueue_at("pay", Some(&format!("k-{i}")), json!({}), later)
+        a.enqueue(Enqueue::new("pay", Some(&format!("k-{i}")), json!({})).at(later))
             .await
             .unwrap();
     }
@@ -1323,7 +1332,10 @@ when = { status = "2xx", field = "/error", equals = "rate limited" }
 outcome = "throttled""#,
     );
     let (engine, clock) = manual_engine(&t.db, config, "t1").await;
-    let created = engine.enqueue("pay", Some("k"), json!({})).await.unwrap();
+    let created = engine
+        .enqueue(Enqueue::new("pay", Some("k"), json!({})))
+        .await
+        .unwrap();
     // Two seconds after each 429 the record is due again, not before.
     drain(&engine).await;
     assert_eq!(calls.load(Ordering::SeqCst), 1);
@@ -1402,7 +1414,9 @@ async fn a_throttle_pause_holds_every_node() {
         }
     };
     let (a, b) = (node("a").await, node("b").await);
-    a.enqueue("pay", Some("first"), json!({})).await.unwrap();
+    a.enqueue(Enqueue::new("pay", Some("first"), json!({})))
+        .await
+        .unwrap();
     drain(&a).await;
     assert_eq!(calls.load(Ordering::SeqCst), 1, "A was told to slow down");
     let kept = t.db.provider_state("sim").await.unwrap().unwrap();
@@ -1684,29 +1698,23 @@ async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Ba
     o.batch = 4;
     o.max_in_flight = 2;
     let engine = Engine::new(t.db.clone(), config, o).await.unwrap();
-    let items = |keys: &[&str]| -> Vec<(Option<String>, serde_json::Value)> {
+    let items = |keys: &[&str]| -> Vec<Enqueue> {
         keys.iter()
-            .map(|k| (Some((*k).to_owned()), json!({})))
+            .map(|k| Enqueue::new("pay", Some(k), json!({})))
             .collect()
     };
     let bound = Duration::from_secs(10);
-    engine.enqueue_many("pay", items(&["a"])).await.unwrap();
+    engine.enqueue_batch(items(&["a"])).await.unwrap();
     let stop = CancellationToken::new();
     let run = tokio::spawn({
         let (engine, stop) = (engine.clone(), stop.clone());
         async move { engine.run(stop, Duration::from_secs(5)).await }
     });
     let a = gate.next(bound, "A").await;
-    engine
-        .enqueue_many("pay", items(&["b", "c", "d"]))
-        .await
-        .unwrap();
+    engine.enqueue_batch(items(&["b", "c", "d"])).await.unwrap();
     engine.wake();
     let b = gate.next(bound, "B, in the second slot").await;
-    engine
-        .enqueue_many("pay", items(&["e", "f", "g"]))
-        .await
-        .unwrap();
+    engine.enqueue_batch(items(&["e", "f", "g"])).await.unwrap();
     let lock = WriteLock::take(&t, backend).await;
     a.release();
     let c = gate
@@ -1884,11 +1892,19 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "100ms", deadline = "1s" }
         .await
         .unwrap();
     let done = engine
-        .enqueue("job", Some("done"), json!({ "finish": "succeeded" }))
+        .enqueue(Enqueue::new(
+            "job",
+            Some("done"),
+            json!({ "finish": "succeeded" }),
+        ))
         .await
         .unwrap();
     let late = engine
-        .enqueue("job", Some("late"), json!({ "finish": "running" }))
+        .enqueue(Enqueue::new(
+            "job",
+            Some("late"),
+            json!({ "finish": "running" }),
+        ))
         .await
         .unwrap();
     let (stop, run) = run_in_background(&engine);
@@ -2010,9 +2026,9 @@ async fn postgres_claims_and_commits_use_indexes_whatever_the_statistics() {
     for chunk in (0..N).collect::<Vec<_>>().chunks(500) {
         let items = chunk
             .iter()
-            .map(|i| (Some(format!("p-{i}")), json!({})))
+            .map(|i| Enqueue::new("pay", Some(&format!("p-{i}")), json!({})))
             .collect();
-        engine.enqueue_many("pay", items).await.unwrap();
+        engine.enqueue_batch(items).await.unwrap();
     }
     let stop = CancellationToken::new();
     let run = tokio::spawn({
@@ -2173,7 +2189,10 @@ request = {{ path = "/d", body = '{{"record": {{{{ record.id }}}}, "a": {{{{ ste
     let engine = Engine::new(t.db.clone(), Arc::new(config), options("fan"))
         .await
         .unwrap();
-    let rec = engine.enqueue("fan", Some("one"), json!({})).await.unwrap();
+    let rec = engine
+        .enqueue(Enqueue::new("fan", Some("one"), json!({})))
+        .await
+        .unwrap();
     // Each round claims the record and runs every ready step of it.
     for _ in 0..5 {
         if engine.execute_next().await.unwrap() == 0 {
@@ -2315,7 +2334,9 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "1s", pro
     assert_eq!(b.provider_live("sim").unwrap().breaker, BreakerState::Open);
     for i in 0..5 {
         let key = format!("b{i}");
-        b.enqueue("pay", Some(&key), json!({})).await.unwrap();
+        b.enqueue(Enqueue::new("pay", Some(&key), json!({})))
+            .await
+            .unwrap();
     }
     // 0.9 s of the open second: B runs every due record and calls nothing.
     for _ in 0..9 {
@@ -2812,12 +2833,9 @@ async fn a_backlog_does_not_starve_another_group(backend: Backend) {
     for chunk in (0..X).collect::<Vec<_>>().chunks(1_000) {
         let items = chunk
             .iter()
-            .map(|i| (Some(format!("x-{i}")), json!({})))
+            .map(|i| Enqueue::new("pay", Some(&format!("x-{i}")), json!({})).in_group(Some("x")))
             .collect();
-        engine
-            .enqueue_many_in("pay", Some("x"), items)
-            .await
-            .unwrap();
+        engine.enqueue_batch(items).await.unwrap();
     }
     const BOUND: usize = 3 * 100 + 50 + 32;
     let succeeded = |db: Db| async move {
@@ -2836,10 +2854,10 @@ async fn a_backlog_does_not_starve_another_group(backend: Backend) {
     })
     .await;
     let items = (0..100)
-        .map(|i| (Some(format!("y-{i}")), json!({})))
+        .map(|i| Enqueue::new("pay", Some(&format!("y-{i}")), json!({})).in_group(Some("y")))
         .collect();
     let y: Vec<i64> = engine
-        .enqueue_many_in("pay", Some("y"), items)
+        .enqueue_batch(items)
         .await
         .unwrap()
         .iter()
@@ -3005,13 +3023,16 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "20ms", deadline = "30s" }
     let engine = Engine::new(t.db.clone(), Arc::new(config), options("redirects"))
         .await
         .unwrap();
-    let charge = engine.enqueue("pay", Some("c"), json!({})).await.unwrap();
+    let charge = engine
+        .enqueue(Enqueue::new("pay", Some("c"), json!({})))
+        .await
+        .unwrap();
     let near = engine
-        .enqueue("job", Some("near"), json!({ "job": "near" }))
+        .enqueue(Enqueue::new("job", Some("near"), json!({ "job": "near" })))
         .await
         .unwrap();
     let far = engine
-        .enqueue("job", Some("far"), json!({ "job": "far" }))
+        .enqueue(Enqueue::new("job", Some("far"), json!({ "job": "far" })))
         .await
         .unwrap();
     let (stop, run) = run_in_background(&engine);
@@ -3133,7 +3154,7 @@ request = {{ method = "POST", path = "{path}", body = '{{}}' }}
     for p in ["ok", "bomb", "raw"] {
         ids.push(
             engine
-                .enqueue(p, Some(p), json!({}))
+                .enqueue(Enqueue::new(p, Some(p), json!({})))
                 .await
                 .unwrap()
                 .record
@@ -3307,7 +3328,9 @@ outputs = {{ echo = "/echo" }}
             let mut ids = Vec::new();
             for n in keys {
                 let key = format!("r{n}");
-                let r = engine.enqueue("pay", Some(&key), json!({ "n": n })).await;
+                let r = engine
+                    .enqueue(Enqueue::new("pay", Some(&key), json!({ "n": n })))
+                    .await;
                 ids.push(r.unwrap().record.id);
             }
             ids
@@ -3553,7 +3576,7 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     for k in ["k-0", "k-1"] {
         ids.push(
             engine
-                .enqueue("pay", Some(k), json!({}))
+                .enqueue(Enqueue::new("pay", Some(k), json!({})))
                 .await
                 .unwrap()
                 .record
@@ -3687,7 +3710,7 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
         ids.insert(
             p,
             engine
-                .enqueue(p, Some(p), json!({}))
+                .enqueue(Enqueue::new(p, Some(p), json!({})))
                 .await
                 .unwrap()
                 .record
@@ -3888,7 +3911,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     let (engine, clock) = manual_engine(&t.db, Arc::new(config), "s1").await;
     for n in 0..20 {
         engine
-            .enqueue("pay", Some(&format!("r{n}")), json!({}))
+            .enqueue(Enqueue::new("pay", Some(&format!("r{n}")), json!({})))
             .await
             .unwrap();
     }
@@ -3999,7 +4022,7 @@ on_reversal = "record"
     for n in 0..N {
         let pipeline = if n % 2 == 0 { "pay" } else { "render" };
         engine
-            .enqueue(pipeline, Some(&format!("k{n}")), json!({}))
+            .enqueue(Enqueue::new(pipeline, Some(&format!("k{n}")), json!({})))
             .await
             .unwrap();
     }
@@ -4198,7 +4221,7 @@ async fn a_call_whose_lease_was_lost_stays_uncertain_and_is_not_resent() {
     let config = single_step_patient(&sick.url, "at_most_once = true");
     let (engine, clock) = manual_engine(&t.db, config, "m1").await;
     let id = engine
-        .enqueue("pay", Some("lost"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("lost"), json!({})))
         .await
         .unwrap()
         .record
@@ -4267,7 +4290,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let config = single_step(&base, &format!("at_most_once = true\n{retry}"));
     let (engine, clock) = manual_engine(&t.db, config, "m1").await;
     let live = engine
-        .enqueue("pay", Some("live"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("live"), json!({})))
         .await
         .unwrap()
         .record
@@ -4314,7 +4337,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     // A node wrote a call down, sent it, and died before its reply: the
     // next pass finds the intent open.
     let crashed = engine
-        .enqueue("pay", Some("crashed"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("crashed"), json!({})))
         .await
         .unwrap()
         .record
@@ -4361,7 +4384,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let (base2, charges2, _) = charging_then_stalling(None).await;
     let (plain, clock2) = manual_engine(&t2.db, single_step(&base2, retry), "m2").await;
     let id = plain
-        .enqueue("pay", Some("plain"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("plain"), json!({})))
         .await
         .unwrap()
         .record
@@ -4386,7 +4409,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     // stopped mid-call): the call is still read into the history, as an
     // uncertain attempt spent, and the step goes on as now configured.
     let left = plain
-        .enqueue("pay", Some("left"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("left"), json!({})))
         .await
         .unwrap()
         .record
@@ -4560,7 +4583,7 @@ async fn a_request_step_that_took_effect_goes_on_with_the_operators_outputs() {
     let config = Arc::new(config);
     let (engine, clock) = manual_engine(&t.db, config.clone(), "t1").await;
     let id = engine
-        .enqueue("pay", Some("p-1"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("p-1"), json!({})))
         .await
         .unwrap()
         .record
@@ -4719,7 +4742,10 @@ outcome = "unknown"
     let (engine, clock) = manual_engine(&t.db, Arc::new(config), "a1").await;
     let mut ids = Vec::new();
     for pipeline in ["gateway", "busy", "plain"] {
-        let r = engine.enqueue(pipeline, None, json!({})).await.unwrap();
+        let r = engine
+            .enqueue(Enqueue::new(pipeline, None, json!({})))
+            .await
+            .unwrap();
         ids.push((pipeline, r.record.id));
     }
     for _ in 0..10 {
@@ -4792,7 +4818,7 @@ outputs = {{ job = "/result/job" }}
     let mut ids = HashMap::new();
     for mode in ["took", "lost"] {
         let r = engine
-            .enqueue("render", Some(mode), json!({ "mode": mode }))
+            .enqueue(Enqueue::new("render", Some(mode), json!({ "mode": mode })))
             .await
             .unwrap();
         ids.insert(mode, r.record.id);
@@ -5199,7 +5225,7 @@ outcome = "fail"
     for (key, input) in [("k-0", olga), ("k-1", ana), ("k-2", office)] {
         ids.push(
             engine
-                .enqueue("pay", Some(key), input)
+                .enqueue(Enqueue::new("pay", Some(key), input))
                 .await
                 .unwrap()
                 .record
@@ -5207,17 +5233,15 @@ outcome = "fail"
         );
     }
     let failing = engine
-        .enqueue("bad", Some("b-0"), json!({"plan": "gold"}))
+        .enqueue(Enqueue::new("bad", Some("b-0"), json!({"plan": "gold"})))
         .await
         .unwrap()
         .record
         .id;
     let held = engine
-        .enqueue_at(
-            "pay",
-            Some("k-3"),
-            json!({"city": "Lisbon"}),
-            clock.now_ms() + 86_400_000,
+        .enqueue(
+            Enqueue::new("pay", Some("k-3"), json!({"city": "Lisbon"}))
+                .at(clock.now_ms() + 86_400_000),
         )
         .await
         .unwrap()
@@ -5400,13 +5424,13 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
     let (engine, clock) = manual_engine(&t.db, config.clone(), "s1").await;
     let later = clock.now_ms() + 86_400_000;
     let slow = engine
-        .enqueue_at("pay", Some("slow"), json!({"w": "first"}), later)
+        .enqueue(Enqueue::new("pay", Some("slow"), json!({"w": "first"})).at(later))
         .await
         .unwrap()
         .record
         .id;
     let fast = engine
-        .enqueue_at("pay", Some("fast"), json!({"w": "second"}), later)
+        .enqueue(Enqueue::new("pay", Some("fast"), json!({"w": "second"})).at(later))
         .await
         .unwrap()
         .record
@@ -5513,7 +5537,7 @@ async fn a_version_this_node_cannot_run(backend: Backend) {
     const T0: i64 = 1_800_000_000_000;
     let (a, _) = manual_engine_at(&t.db, config(&with), "a", T0).await;
     let id = a
-        .enqueue("pay", Some("k"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("k"), json!({})))
         .await
         .unwrap()
         .record

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use ballast::config::{Config, DatabaseUrl};
+use ballast::engine::Enqueue;
 use ballast::store::Store;
 use tokio_util::sync::CancellationToken;
 
@@ -145,7 +146,7 @@ outputs = {{ id = "/id", amount = "/amount" }}
     )
     .await
     .unwrap()
-    .enqueue("pay", Some("p-1"), serde_json::json!({}))
+    .enqueue(Enqueue::new("pay", Some("p-1"), serde_json::json!({})))
     .await
     .unwrap()
     .record
@@ -317,11 +318,11 @@ on_reversal = "park"
     .unwrap();
     const N: i64 = 40;
     for i in 0..N {
-        enq.enqueue(
+        enq.enqueue(Enqueue::new(
             "render",
             Some(&format!("v-{i}")),
             serde_json::json!({ "hook": hook }),
-        )
+        ))
         .await
         .unwrap();
     }

@@ -12,8 +12,8 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use ballast::config::Config;
 use ballast::domain::{RecordState, Role, StepState};
-use ballast::engine::StatsFlusher;
 use ballast::engine::stats::RUN_BUCKETS_MS;
+use ballast::engine::{Enqueue, StatsFlusher};
 use ballast::store::{Backend, Store};
 use serde_json::{Value, json};
 
@@ -141,7 +141,9 @@ async fn twelve_at_rest(test: &str) -> Option<AtRest> {
     let mut ids = Vec::new();
     for n in 0..total {
         let key = format!("k-{n}");
-        let created = engine.enqueue("fan", Some(&key), json!({"n": n})).await;
+        let created = engine
+            .enqueue(Enqueue::new("fan", Some(&key), json!({"n": n})))
+            .await;
         ids.push(created.unwrap().record.id);
     }
     let before = app.text("/pipelines", Some(&login)).await;

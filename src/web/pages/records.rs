@@ -257,7 +257,11 @@ async fn enqueue(
     crate::engine::check_group(group.as_deref())
         .map_err(|e| bad("invalid_group", e.to_string()))?;
     let created = engine
-        .enqueue_in_at(&form.pipeline, group.as_deref(), key.as_deref(), input, due)
+        .enqueue(
+            crate::engine::Enqueue::new(&form.pipeline, key.as_deref(), input)
+                .in_group(group.as_deref())
+                .at(due),
+        )
         .await?;
     tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued on the dashboard");
     Ok(Redirect::to(&format!("/records/{}", created.record.id)).into_response())
@@ -668,7 +672,7 @@ fn replay_steps(
     if let Some(p) = state
         .engine
         .as_ref()
-        .and_then(|e| e.pipeline(&rec.pipeline))
+        .and_then(|e| e.versions().pipeline(&rec.pipeline))
     {
         for s in &p.steps {
             if !names.contains(&s.name) {
@@ -746,7 +750,7 @@ async fn record_page_at(
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
     let shape = match &state.engine {
-        Some(e) => e.graph_of(&rec).await,
+        Some(e) => e.versions().graph_of(&rec).await,
         None => Vec::new(),
     };
     let graph = step_graph(&rec, &shape, &steps);
