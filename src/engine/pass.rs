@@ -24,7 +24,7 @@ const NOT_HERE_RETRY_MS: i64 = 5_000;
 
 /// A record whose pipeline version this node's configuration cannot run
 /// (`why`): while another node may run it or this one may be reloaded
-/// (`wait`, `Engine::version_waits`) it is deferred; one no node can run
+/// (`wait`, `Versions::version_waits`) it is deferred; one no node can run
 /// any more waits for a person.
 fn version_unavailable(rec: &Record, lease: Lease, why: &str, wait: bool, now: UnixMs) -> Commit {
     let c = if wait {
