@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 use ballast::config::Config;
 use ballast::domain::RecordState;
 use ballast::engine::http::{Call, InProcess, InProcessProvider};
-use ballast::engine::{Engine, EngineOptions};
+use ballast::engine::{Engine, EngineOptions, Enqueue, SearchIndexer};
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, ConnectOptions, Db, NewRecord, migrate};
 use serde_json::{Value, json};
@@ -667,7 +667,11 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     let started = Instant::now();
     for i in 0..half {
         engine
-            .enqueue(pipeline, Some(&format!("k{i}")), json!({ "amount": i }))
+            .enqueue(Enqueue::new(
+                pipeline,
+                Some(&format!("k{i}")),
+                json!({ "amount": i }),
+            ))
             .await
             .ok()?;
     }
@@ -687,9 +691,9 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     while i < n {
         let end = (i + ENQUEUE_BATCH).min(n);
         let items = (i..end)
-            .map(|k| (Some(format!("k{k}")), json!({ "amount": k })))
+            .map(|k| Enqueue::new(pipeline, Some(&format!("k{k}")), json!({ "amount": k })))
             .collect();
-        engine.enqueue_many(pipeline, items).await.ok()?;
+        engine.enqueue_batch(items).await.ok()?;
         i = end;
     }
     let batch_enqueue_per_s = (n - half) as f64 / started.elapsed().as_secs_f64();
@@ -1087,7 +1091,11 @@ async fn pages_at_scale(
     let mut docs = 0;
     loop {
         let now = ballast::domain::Clock::now_ms(&ballast::domain::SystemClock);
-        let turn = indexer.index_search_once(now).await.unwrap().unwrap();
+        let turn = SearchIndexer::of(&indexer)
+            .index_search_once(now)
+            .await
+            .unwrap()
+            .unwrap();
         docs += turn.records;
         if !turn.more {
             break;

@@ -1008,7 +1008,11 @@ async fn enqueue(
     )
     .await?;
     let created = engine
-        .enqueue_in_at(pipeline, group, key, input, run_at)
+        .enqueue(
+            crate::engine::Enqueue::new(pipeline, key, input)
+                .in_group(group)
+                .at(run_at),
+        )
         .await;
     db.close().await;
     let created = created?;

@@ -304,7 +304,10 @@ pub async fn generate(
                 json!({ "email": format!("lead{n}@{company}.example"), "company": company }),
             )
         };
-        if let Err(e) = engine.enqueue(pipeline, Some(&key), input).await {
+        if let Err(e) = engine
+            .enqueue(crate::engine::Enqueue::new(pipeline, Some(&key), input))
+            .await
+        {
             tracing::warn!(error = %e, "demo generator could not enqueue");
         }
     }

@@ -143,7 +143,8 @@ impl Reloader {
                     .reconfigure(new)
                     .await
                     .map_err(|e| Refused(e.to_string()))?;
-                self.live.set(engine.config(), engine.config_version());
+                self.live
+                    .set(engine.config(), engine.versions().config_version());
                 done.changes
             }
             None if !new.pipelines.is_empty() => {

@@ -2,15 +2,14 @@
 //! step waiting on its job, kept when no step knows the job yet, and judged
 //! against a step already settled (the step's reversal policy applies).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use super::limits::ProviderRuntime;
-use super::{Engine, WebhookSettings};
+use super::{Engine, Inner, Setup, WebhookSettings};
 use crate::domain::{Record, StepState, UnixMs};
-use crate::store::{StepWrite, StoreError};
+use crate::store::{CallbackMatch, StepWrite, StoreError};
 
 /// What became of a webhook delivery.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,55 +29,7 @@ pub enum Delivery {
     Duplicate,
 }
 
-/// How many pinned versions a node reads to learn the older versions'
-/// callback steps.
-const VERSIONS_LEARNED: i64 = 1_000;
-
-/// How often, at most, a node reads them (a provider sending deliveries
-/// without a job id does not make a read each).
-const LEARN_EVERY_MS: i64 = 60_000;
-
 impl Engine {
-    /// Compiles every pinned version this node has not (the newest
-    /// [`VERSIONS_LEARNED`]), at most once a [`LEARN_EVERY_MS`] (callers
-    /// meanwhile wait for a learning under way, then use it). `Err` when
-    /// the versions could not be read, or some do not compile here (their
-    /// callback steps are unknown to this node): the provider should
-    /// deliver again rather than be told there is no job id.
-    async fn learn_versions(&self) -> Result<(), StoreError> {
-        let i = &self.inner;
-        let mut learned = i.versions_learned.lock().await;
-        let now = i.clock.now_ms();
-        if now - learned.0 >= LEARN_EVERY_MS {
-            let versions =
-                i.db.pipeline_versions(None, VERSIONS_LEARNED)
-                    .await
-                    .map_err(|e| {
-                        StoreError::NotNow(format!("cannot read the pipeline versions: {e}"))
-                    })?;
-            let config = i.config();
-            let mut skipped = false;
-            for pv in versions {
-                if super::lock(&i.pinned).contains_key(&pv.id) {
-                    continue;
-                }
-                match crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &config) {
-                    Ok(c) => {
-                        super::lock(&i.pinned).insert(pv.id, c);
-                    }
-                    Err(_) => skipped = true,
-                }
-            }
-            *learned = (now, skipped);
-        }
-        if learned.1 {
-            return Err(StoreError::NotNow(
-                "a pipeline version this node cannot run may say where the job id is".into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// How `provider`'s webhooks are verified (secrets from the environment).
     pub fn webhook_settings(&self, provider: &str) -> Option<WebhookSettings> {
         let rt = self.inner.provider(provider)?;
@@ -121,38 +72,7 @@ impl Engine {
                 key: provider.to_owned(),
             });
         };
-        // Where the job id is, by the current pipelines' callback steps,
-        // then by those of every version this node has run, then by those
-        // of every version any node pinned (a record waiting on a step a
-        // reload removed or changed still hears of its job).
-        let find = || {
-            let older: Vec<Arc<crate::pipeline::Pipeline>> = super::lock(&i.pinned)
-                .values()
-                .map(|c| c.0.clone())
-                .collect();
-            setup
-                .pipelines
-                .pipelines
-                .values()
-                .chain(older.iter())
-                .flat_map(|p| p.steps.iter())
-                .find_map(|s| {
-                    let cb = s.callback().filter(|_| s.provider == provider)?;
-                    match body.pointer(&cb.delivery_job_id)? {
-                        Value::String(j) => Some(j.clone()),
-                        Value::Null => None,
-                        other => Some(other.to_string()),
-                    }
-                })
-        };
-        let job_id = match find() {
-            Some(j) => Some(j),
-            None => {
-                self.learn_versions().await?;
-                find()
-            }
-        };
-        let Some(job_id) = job_id else {
+        let Some(job_id) = job_id_of(i, &setup, provider, &body).await? else {
             return Ok(Delivery::NoJobId);
         };
         let now = i.clock.now_ms();
@@ -176,190 +96,232 @@ impl Engine {
             found.step_state,
             StepState::Succeeded | StepState::Failed | StepState::Skipped
         ) {
-            // The step is settled: this delivery is a duplicate, a stale
-            // progress report, or a contradiction.
-            let reversed = self
-                .judge_late_delivery(
-                    rt,
-                    found.record_id,
-                    &found.step,
-                    found.step_state,
-                    &job_id,
-                    &body,
-                    now,
-                )
-                .await;
-            // Judged or not, this row is done: on failure the provider is
-            // told to retry (503), and its retry is a new delivery.
-            i.db.mark_callbacks(&[found.callback_id], now).await?;
-            let reversed = reversed?;
-            if let Some(state) = reversed {
-                return Ok(Delivery::Reversed {
-                    record_id: found.record_id,
-                    state,
-                });
-            }
-            return Ok(Delivery::Accepted {
-                record_id: found.record_id,
-            });
+            return settled_delivery(i, rt, &found, &job_id, &body, now).await;
         }
         self.wake();
         Ok(Delivery::Accepted {
             record_id: found.record_id,
         })
     }
+}
 
-    /// A delivery for a settled step: when its outcome contradicts the
-    /// step's result, applies the step's reversal policy. Returns the
-    /// record's new state when it reversed.
-    #[allow(clippy::too_many_arguments)]
-    async fn judge_late_delivery(
-        &self,
-        rt: &ProviderRuntime,
-        record_id: i64,
-        step_name: &str,
-        step_state: StepState,
-        job_id: &str,
-        body: &Value,
-        now: UnixMs,
-    ) -> Result<Option<crate::domain::RecordState>, StoreError> {
-        let i = &self.inner;
-        let reply = crate::domain::rules::Reply::Http {
-            status: 200,
-            json: Some(body.clone()),
-            body_error: None,
-            retry_after: false,
-        };
-        let verdict = crate::domain::rules::classify(&rt.rules, &reply).outcome;
-        let contradicts = match step_state {
-            StepState::Succeeded => verdict == crate::domain::Outcome::Fail,
-            StepState::Failed => verdict == crate::domain::Outcome::Success,
-            _ => false,
-        };
-        if !contradicts {
-            return Ok(None);
-        }
-        let rec = i.db.get_record(record_id).await?;
-        let pipeline = match rec {
-            Some(r) => match self.compiled_for(&r).await {
-                Ok(c) => Some(c.0),
-                // Its version does not run here now (a reload under way):
-                // the provider is told to deliver again (503), rather than
-                // the reversal being judged without its steps. One no node
-                // can run is judged without them (parked).
-                Err(not) if self.waits_for(&not).await => {
-                    return Err(StoreError::NotNow(not.why()));
+/// Where the job id is in a delivery from `provider`, by the current
+/// pipelines' callback steps, then by those of every version this node has
+/// run, then by those of every version any node pinned (a record waiting
+/// on a step a reload removed or changed still hears of its job).
+async fn job_id_of(
+    i: &Inner,
+    setup: &Setup,
+    provider: &str,
+    body: &Value,
+) -> Result<Option<String>, StoreError> {
+    let find = || {
+        let older = i.versions().pinned_pipelines();
+        setup
+            .pipelines
+            .pipelines
+            .values()
+            .chain(older.iter())
+            .flat_map(|p| p.steps.iter())
+            .find_map(|s| {
+                let cb = s.callback().filter(|_| s.provider == provider)?;
+                match body.pointer(&cb.delivery_job_id)? {
+                    Value::String(j) => Some(j.clone()),
+                    Value::Null => None,
+                    other => Some(other.to_string()),
                 }
-                Err(_) => None,
-            },
-            None => None,
-        };
-        let step = pipeline.as_ref().and_then(|p| p.step(step_name));
-        let policy = step.map_or(crate::domain::ReversalPolicy::Park, |s| s.on_reversal);
-        let steps = pipeline
-            .as_ref()
-            .and_then(|p| p.from_step(step_name))
-            .unwrap_or_default();
-        let req = crate::store::ReverseRequest {
-            record_id,
-            step: step_name.to_owned(),
-            policy,
-            reason: format!("provider reversed step `{step_name}` after it was {step_state}"),
-            detail: Some(json!({ "job_id": job_id, "callback": body })),
-            now,
-            steps,
-            generation: None,
-        };
-        let after = i.db.reverse(&req).await?;
-        self.wake();
-        Ok(Some(after.state))
+            })
+    };
+    match find() {
+        Some(j) => Ok(Some(j)),
+        None => {
+            i.versions().learn().await?;
+            Ok(find())
+        }
     }
+}
 
-    /// After a commit, the deliveries of its callback steps that the pass
-    /// could not see: those that arrived while it ran, or before the job id
-    /// was committed. Settled steps judge them (a contradiction is a
-    /// reversal); waiting steps get their record woken to apply them.
-    pub(super) async fn follow_up_deliveries(
-        &self,
-        rec: &Record,
-        state: crate::domain::RecordState,
-        steps: &[StepWrite],
-    ) {
-        let i = &self.inner;
-        let Some((pipeline, _)) = self.compiled(rec).await else {
-            return;
-        };
-        let is_callback = |name: &str| pipeline.step(name).is_some_and(|s| s.callback().is_some());
-        let mut settled = Vec::new();
-        for w in steps.iter().filter(|w| is_callback(&w.step)) {
-            let (Some(provider), Some(job)) = (&w.provider, &w.job_id) else {
-                continue;
-            };
-            if crate::domain::pass::is_done(w.state) {
-                settled.push((w.step.clone(), provider.clone(), job.clone(), w.state));
-            } else if w.state == StepState::Waiting
-                && state == crate::domain::RecordState::Waiting
-                && i.db
-                    .pending_callbacks(provider, job)
-                    .await
-                    .is_ok_and(|c| !c.is_empty())
-            {
-                let _ = i.db.wake_record(rec.id, i.clock.now_ms()).await;
-                self.wake();
+/// A delivery for a step already settled: a duplicate, a stale progress
+/// report, or a contradiction (judged under the step's reversal policy).
+async fn settled_delivery(
+    i: &Inner,
+    rt: &ProviderRuntime,
+    found: &CallbackMatch,
+    job_id: &str,
+    body: &Value,
+    now: UnixMs,
+) -> Result<Delivery, StoreError> {
+    let reversed = judge_late_delivery(
+        i,
+        rt,
+        found.record_id,
+        &found.step,
+        found.step_state,
+        job_id,
+        body,
+        now,
+    )
+    .await;
+    // Judged or not, this row is done: on failure the provider is told to
+    // retry (503), and its retry is a new delivery.
+    i.db.mark_callbacks(&[found.callback_id], now).await?;
+    let reversed = reversed?;
+    if let Some(state) = reversed {
+        return Ok(Delivery::Reversed {
+            record_id: found.record_id,
+            state,
+        });
+    }
+    Ok(Delivery::Accepted {
+        record_id: found.record_id,
+    })
+}
+
+/// A delivery for a settled step: when its outcome contradicts the
+/// step's result, applies the step's reversal policy. Returns the
+/// record's new state when it reversed.
+#[allow(clippy::too_many_arguments)]
+async fn judge_late_delivery(
+    i: &Inner,
+    rt: &ProviderRuntime,
+    record_id: i64,
+    step_name: &str,
+    step_state: StepState,
+    job_id: &str,
+    body: &Value,
+    now: UnixMs,
+) -> Result<Option<crate::domain::RecordState>, StoreError> {
+    let reply = crate::domain::rules::Reply::Http {
+        status: 200,
+        json: Some(body.clone()),
+        body_error: None,
+        retry_after: false,
+    };
+    let verdict = crate::domain::rules::classify(&rt.rules, &reply).outcome;
+    let contradicts = match step_state {
+        StepState::Succeeded => verdict == crate::domain::Outcome::Fail,
+        StepState::Failed => verdict == crate::domain::Outcome::Success,
+        _ => false,
+    };
+    if !contradicts {
+        return Ok(None);
+    }
+    let rec = i.db.get_record(record_id).await?;
+    let pipeline = match rec {
+        Some(r) => match i.versions().compiled_for(&r).await {
+            Ok(c) => Some(c.0),
+            // Its version does not run here now (a reload under way):
+            // the provider is told to deliver again (503), rather than
+            // the reversal being judged without its steps. One no node
+            // can run is judged without them (parked).
+            Err(not) if i.versions().waits_for(&not).await => {
+                return Err(StoreError::NotNow(not.why()));
             }
-        }
-        if !settled.is_empty() {
-            self.reconcile_late_deliveries(rec.id, &settled).await;
+            Err(_) => None,
+        },
+        None => None,
+    };
+    let step = pipeline.as_ref().and_then(|p| p.step(step_name));
+    let policy = step.map_or(crate::domain::ReversalPolicy::Park, |s| s.on_reversal);
+    let steps = pipeline
+        .as_ref()
+        .and_then(|p| p.from_step(step_name))
+        .unwrap_or_default();
+    let req = crate::store::ReverseRequest {
+        record_id,
+        step: step_name.to_owned(),
+        policy,
+        reason: format!("provider reversed step `{step_name}` after it was {step_state}"),
+        detail: Some(json!({ "job_id": job_id, "callback": body })),
+        now,
+        steps,
+        generation: None,
+    };
+    let after = i.db.reverse(&req).await?;
+    i.wake.notify_one();
+    Ok(Some(after.state))
+}
+
+/// After a commit, the deliveries of its callback steps that the pass
+/// could not see: those that arrived while it ran, or before the job id
+/// was committed. Settled steps judge them (a contradiction is a
+/// reversal); waiting steps get their record woken to apply them.
+pub(super) async fn follow_up_deliveries(
+    i: &Inner,
+    rec: &Record,
+    state: crate::domain::RecordState,
+    steps: &[StepWrite],
+) {
+    let Some((pipeline, _)) = i.versions().compiled(rec).await else {
+        return;
+    };
+    let is_callback = |name: &str| pipeline.step(name).is_some_and(|s| s.callback().is_some());
+    let mut settled = Vec::new();
+    for w in steps.iter().filter(|w| is_callback(&w.step)) {
+        let (Some(provider), Some(job)) = (&w.provider, &w.job_id) else {
+            continue;
+        };
+        if crate::domain::pass::is_done(w.state) {
+            settled.push((w.step.clone(), provider.clone(), job.clone(), w.state));
+        } else if w.state == StepState::Waiting
+            && state == crate::domain::RecordState::Waiting
+            && i.db
+                .pending_callbacks(provider, job)
+                .await
+                .is_ok_and(|c| !c.is_empty())
+        {
+            let _ = i.db.wake_record(rec.id, i.clock.now_ms()).await;
+            i.wake.notify_one();
         }
     }
+    if !settled.is_empty() {
+        reconcile_late_deliveries(i, rec.id, &settled).await;
+    }
+}
 
-    /// After a commit that settled callback steps, judges deliveries that
-    /// arrived while the pass ran (they found the step still waiting).
-    async fn reconcile_late_deliveries(
-        &self,
-        record_id: i64,
-        settled: &[(String, String, String, StepState)],
-    ) {
-        let i = &self.inner;
-        for (step, provider, job, state) in settled {
-            let Some(rt) = i.provider(provider) else {
-                continue;
-            };
-            let Ok(pending) = i.db.pending_callbacks(provider, job).await else {
-                continue;
-            };
-            for cb in pending {
-                let now = i.clock.now_ms();
-                // The record may be held by a worker for a moment (it moved
-                // on to its next step): try again a few times.
-                let mut judged = false;
-                for attempt in 0..10u64 {
-                    match self
-                        .judge_late_delivery(&rt, record_id, step, *state, job, &cb.body, now)
-                        .await
-                    {
-                        Ok(_) => {
-                            judged = true;
-                            break;
-                        }
-                        Err(StoreError::Transition(_)) => {
-                            tokio::time::sleep(Duration::from_millis(200 * (attempt + 1))).await;
-                        }
-                        Err(e) => {
-                            tracing::warn!(record.id = record_id, error = %e, "late delivery not judged");
-                            break;
-                        }
+/// After a commit that settled callback steps, judges deliveries that
+/// arrived while the pass ran (they found the step still waiting).
+async fn reconcile_late_deliveries(
+    i: &Inner,
+    record_id: i64,
+    settled: &[(String, String, String, StepState)],
+) {
+    for (step, provider, job, state) in settled {
+        let Some(rt) = i.provider(provider) else {
+            continue;
+        };
+        let Ok(pending) = i.db.pending_callbacks(provider, job).await else {
+            continue;
+        };
+        for cb in pending {
+            let now = i.clock.now_ms();
+            // The record may be held by a worker for a moment (it moved
+            // on to its next step): try again a few times.
+            let mut judged = false;
+            for attempt in 0..10u64 {
+                match judge_late_delivery(i, &rt, record_id, step, *state, job, &cb.body, now).await
+                {
+                    Ok(_) => {
+                        judged = true;
+                        break;
+                    }
+                    Err(StoreError::Transition(_)) => {
+                        tokio::time::sleep(Duration::from_millis(200 * (attempt + 1))).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(record.id = record_id, error = %e, "late delivery not judged");
+                        break;
                     }
                 }
-                if !judged {
-                    tracing::warn!(
-                        record.id = record_id,
-                        "late delivery could not be judged; kept unprocessed"
-                    );
-                    continue;
-                }
-                let _ = i.db.mark_callbacks(&[cb.id], now).await;
             }
+            if !judged {
+                tracing::warn!(
+                    record.id = record_id,
+                    "late delivery could not be judged; kept unprocessed"
+                );
+                continue;
+            }
+            let _ = i.db.mark_callbacks(&[cb.id], now).await;
         }
     }
 }

@@ -11,10 +11,13 @@
 mod committer;
 mod confirm;
 mod deliveries;
+mod enqueue;
 pub mod export;
 pub mod http;
 mod intents;
+mod leases;
 pub mod limits;
+mod listen;
 mod ops;
 mod pass;
 mod permits;
@@ -27,39 +30,37 @@ pub mod schedule;
 pub mod search;
 pub mod stats;
 mod step;
+mod supervisor;
+mod sync;
 pub mod token;
+mod versions;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use serde_json::Value;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::domain::{Clock, Record, StepRun, SystemClock, UnixMs};
+use crate::domain::{Clock, SystemClock, UnixMs};
 use crate::pipeline::{Pipeline, Pipelines, Templates};
-use crate::store::{Created, Db, Lease, NewRecord, StoreError};
+use crate::store::{Db, Lease, StoreError};
 
 use limits::ProviderRuntime;
 
+pub use confirm::Confirmations;
 pub use deliveries::Delivery;
+pub use enqueue::{Enqueue, MAX_GROUP_LEN, check_group};
 pub use ops::{ActExtra, BulkOutcome, Ops, OpsError, Selection};
 pub use reconfigure::{Reconfigured, fingerprint};
-
-/// One record for [`Engine::enqueue_batch`].
-#[derive(Debug, Clone)]
-pub struct Enqueue {
-    pub pipeline: String,
-    /// Its group (a tenant, say): see [`Engine::enqueue_in`].
-    pub group: Option<String>,
-    /// Makes it idempotent: the same key returns the same record.
-    pub key: Option<String>,
-    pub input: Value,
-    /// Due then; `None`: now.
-    pub run_at: Option<UnixMs>,
-}
+pub use resume::Resumer;
+pub use retention::Purger;
+pub use schedule::Scheduler;
+pub use search::SearchIndexer;
+pub use stats::StatsFlusher;
+pub use sync::ProviderSync;
+pub use versions::Versions;
 
 /// How the engine runs on this node.
 #[derive(Debug, Clone)]
@@ -121,11 +122,6 @@ impl NotHere {
         }
     }
 }
-
-/// How long a node that meets a pipeline version its configuration cannot
-/// run, while every live node runs the same file, waits before it gives
-/// up on it (a reload's heartbeat may not have been seen yet).
-const VERSION_GRACE_MS: i64 = 60_000;
 
 /// Errors that stop the engine from starting.
 #[derive(Debug, thiserror::Error)]
@@ -269,36 +265,10 @@ impl ProviderLive {
     }
 }
 
-/// A claim in flight beside the run loop's dispatch.
-type ClaimFuture<'a> = std::pin::Pin<
-    Box<
-        dyn std::future::Future<Output = Result<Vec<(Record, Option<Vec<StepRun>>)>, StoreError>>
-            + Send
-            + 'a,
-    >,
->;
-
 /// A handle on the engine; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
-}
-
-/// The longest group name, in characters.
-pub const MAX_GROUP_LEN: usize = 200;
-
-/// A group is named or absent: an empty name would be the same queue as
-/// none, and a very long one is a mistake.
-pub fn check_group(group: Option<&str>) -> Result<(), StoreError> {
-    match group {
-        Some("") => Err(StoreError::Invalid(
-            "group is empty (leave it out for none)".into(),
-        )),
-        Some(g) if g.chars().count() > MAX_GROUP_LEN => Err(StoreError::Invalid(format!(
-            "group is longer than {MAX_GROUP_LEN} characters"
-        ))),
-        _ => Ok(()),
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -322,6 +292,11 @@ impl Inner {
     /// The configuration as it is now.
     fn config(&self) -> Arc<Config> {
         self.setup().config.clone()
+    }
+
+    /// The pipeline versions this node runs.
+    fn versions(&self) -> versions::Versions<'_> {
+        versions::Versions { i: self }
     }
 }
 
@@ -393,185 +368,14 @@ impl Engine {
         &self.inner.db
     }
 
-    pub fn node_id(&self) -> &str {
-        &self.inner.opts.node_id
-    }
-
-    /// Enqueues a record, idempotent on (pipeline, external key), and wakes
-    /// the workers.
-    pub async fn enqueue(
-        &self,
-        pipeline: &str,
-        key: Option<&str>,
-        input: Value,
-    ) -> Result<Created, StoreError> {
-        self.enqueue_at(pipeline, key, input, self.inner.clock.now_ms())
-            .await
-    }
-
-    /// [`enqueue`](Self::enqueue), due at `run_at` instead of now.
-    pub async fn enqueue_at(
-        &self,
-        pipeline: &str,
-        key: Option<&str>,
-        input: Value,
-        run_at: UnixMs,
-    ) -> Result<Created, StoreError> {
-        self.create_one(pipeline, None, key, input, run_at).await
-    }
-
-    /// [`enqueue`](Self::enqueue) into a group (a tenant, say): the
-    /// pipeline's groups share the workers fairly (`domain::fair`), and the
-    /// pipeline's `group_concurrency` caps each. A repeated key returns the
-    /// record it named, whatever its group.
-    pub async fn enqueue_in(
-        &self,
-        pipeline: &str,
-        group: Option<&str>,
-        key: Option<&str>,
-        input: Value,
-    ) -> Result<Created, StoreError> {
-        let now = self.inner.clock.now_ms();
-        self.create_one(pipeline, group, key, input, now).await
-    }
-
-    /// [`enqueue_in`](Self::enqueue_in), due at `run_at` (scheduled work:
-    /// the record waits `pending` until then).
-    pub async fn enqueue_in_at(
-        &self,
-        pipeline: &str,
-        group: Option<&str>,
-        key: Option<&str>,
-        input: Value,
-        run_at: UnixMs,
-    ) -> Result<Created, StoreError> {
-        self.create_one(pipeline, group, key, input, run_at).await
-    }
-
     /// Now, by this engine's clock.
     pub fn now_ms(&self) -> UnixMs {
         self.inner.clock.now_ms()
     }
 
-    /// Enqueues many records of one pipeline in one transaction (keys make
-    /// each idempotent, as for [`enqueue`](Self::enqueue)).
-    pub async fn enqueue_many(
-        &self,
-        pipeline: &str,
-        items: Vec<(Option<String>, Value)>,
-    ) -> Result<Vec<Created>, StoreError> {
-        self.create(pipeline, None, items, self.inner.clock.now_ms())
-            .await
-    }
-
-    /// [`enqueue_many`](Self::enqueue_many) into one group (see
-    /// [`enqueue_in`](Self::enqueue_in)).
-    pub async fn enqueue_many_in(
-        &self,
-        pipeline: &str,
-        group: Option<&str>,
-        items: Vec<(Option<String>, Value)>,
-    ) -> Result<Vec<Created>, StoreError> {
-        self.create(pipeline, group, items, self.inner.clock.now_ms())
-            .await
-    }
-
-    /// Enqueues records of any pipelines and groups at once, all or none:
-    /// one statement on PostgreSQL, one transaction on SQLite; at most
-    /// [`MAX_BATCH`](crate::store::MAX_BATCH). An unknown pipeline or a bad
-    /// group refuses the whole batch, naming the item (counted from 0).
-    /// Keys make each idempotent, as for [`enqueue`](Self::enqueue).
-    pub async fn enqueue_batch(&self, items: Vec<Enqueue>) -> Result<Vec<Created>, StoreError> {
-        let now = self.inner.clock.now_ms();
-        let mut batch = Vec::with_capacity(items.len());
-        {
-            let current = lock(&self.inner.current);
-            for (i, item) in items.into_iter().enumerate() {
-                check_group(item.group.as_deref())
-                    .map_err(|e| StoreError::Invalid(format!("item {i}: {e}")))?;
-                let version = current.get(&item.pipeline).copied().ok_or_else(|| {
-                    StoreError::Invalid(format!("item {i}: unknown pipeline `{}`", item.pipeline))
-                })?;
-                batch.push(NewRecord {
-                    pipeline: item.pipeline,
-                    pipeline_version: Some(version),
-                    external_key: item.key,
-                    group: item.group,
-                    input: item.input,
-                    run_at: item.run_at.unwrap_or(now),
-                });
-            }
-        }
-        self.insert(batch, now).await
-    }
-
-    async fn create_one(
-        &self,
-        pipeline: &str,
-        group: Option<&str>,
-        key: Option<&str>,
-        input: Value,
-        run_at: UnixMs,
-    ) -> Result<Created, StoreError> {
-        let item = vec![(key.map(str::to_owned), input)];
-        let mut created = self.create(pipeline, group, item, run_at).await?;
-        created
-            .pop()
-            .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
-    }
-
-    /// Creates records pinned to the pipeline's current version, due at
-    /// `run_at`, and wakes the workers if any is new.
-    async fn create(
-        &self,
-        pipeline: &str,
-        group: Option<&str>,
-        items: Vec<(Option<String>, Value)>,
-        run_at: UnixMs,
-    ) -> Result<Vec<Created>, StoreError> {
-        check_group(group)?;
-        let version = lock(&self.inner.current).get(pipeline).copied();
-        let Some(version) = version else {
-            return Err(StoreError::Invalid(format!(
-                "unknown pipeline `{pipeline}`"
-            )));
-        };
-        let now = self.inner.clock.now_ms();
-        let batch = items
-            .into_iter()
-            .map(|(key, input)| NewRecord {
-                pipeline: pipeline.to_owned(),
-                pipeline_version: Some(version),
-                external_key: key,
-                group: group.map(str::to_owned),
-                input,
-                run_at,
-            })
-            .collect();
-        self.insert(batch, now).await
-    }
-
-    /// Writes `batch` and wakes this node's workers if a record is new.
-    async fn insert(&self, batch: Vec<NewRecord>, now: UnixMs) -> Result<Vec<Created>, StoreError> {
-        let created = self.inner.db.create_records(batch, now).await?;
-        if created.iter().any(|c| c.created) {
-            self.inner.wake.notify_one();
-        }
-        Ok(created)
-    }
-
-    /// The steps of the pipeline a record runs (its pinned version), each
-    /// with the steps it needs, in the pipeline's order.
-    pub async fn graph_of(&self, rec: &Record) -> Vec<(String, Vec<String>)> {
-        self.compiled(rec)
-            .await
-            .map(|c| {
-                c.0.steps
-                    .iter()
-                    .map(|s| (s.name.clone(), s.needs.clone()))
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// The pipeline versions this node runs.
+    pub fn versions(&self) -> versions::Versions<'_> {
+        self.inner.versions()
     }
 
     /// What this node sees of a provider right now, for the dashboard.
@@ -592,82 +396,6 @@ impl Engine {
             window_failed: failed,
             window_slow: slow,
         })
-    }
-
-    /// The version id new records of pipeline `name` are pinned to.
-    pub fn current_version(&self, name: &str) -> Option<i64> {
-        lock(&self.inner.current).get(name).copied()
-    }
-
-    /// The current compiled pipeline called `name`.
-    pub fn pipeline(&self, name: &str) -> Option<Arc<Pipeline>> {
-        self.inner.setup().pipelines.pipelines.get(name).cloned()
-    }
-
-    async fn compiled(&self, rec: &Record) -> Option<Compiled> {
-        self.compiled_for(rec).await.ok()
-    }
-
-    /// Whether work on a record whose version cannot run here waits, to
-    /// be asked again (here after a reload, or on another node), rather
-    /// than being given up: a read that failed always; a version this
-    /// node's configuration lacks while the live nodes run different
-    /// files, or for [`VERSION_GRACE_MS`] after this node first met it.
-    /// Past that, every node runs what this one does, and none can run it.
-    async fn waits_for(&self, not: &NotHere) -> bool {
-        match not {
-            NotHere::Unknown => false,
-            NotHere::Unread(_) => true,
-            NotHere::Mismatch(_, version) => self.version_waits(*version).await,
-        }
-    }
-
-    /// [`waits_for`](Self::waits_for) a version this node cannot run.
-    async fn version_waits(&self, version: i64) -> bool {
-        let i = &self.inner;
-        let now = i.clock.now_ms();
-        let first = *lock(&i.mismatched).entry(version).or_insert(now);
-        if now - first < VERSION_GRACE_MS {
-            return true;
-        }
-        match i.db.list_nodes().await {
-            Ok(nodes) => !crate::domain::host::config_split(&nodes, now).is_empty(),
-            Err(_) => true,
-        }
-    }
-
-    /// The pipeline version `rec` runs on, compiled against this node's
-    /// providers (cached by version id).
-    async fn compiled_for(&self, rec: &Record) -> Result<Compiled, NotHere> {
-        let i = &self.inner;
-        let version = match rec.pipeline_version {
-            Some(v) => v,
-            None => *lock(&i.current)
-                .get(&rec.pipeline)
-                .ok_or(NotHere::Unknown)?,
-        };
-        if let Some(c) = lock(&i.pinned).get(&version).cloned() {
-            return Ok(c);
-        }
-        let pv = match i.db.pipeline_version(version).await {
-            Ok(Some(pv)) => pv,
-            Ok(None) => return Err(NotHere::Unknown),
-            Err(e) => {
-                return Err(NotHere::Unread(format!(
-                    "cannot read pipeline version {version}: {e}"
-                )));
-            }
-        };
-        let compiled = crate::pipeline::compile_pinned(&pv.pipeline, &pv.definition, &i.config())
-            .map_err(|e| {
-            let why = format!(
-                "pipeline `{}` version {version} does not run with this node's configuration ({e})",
-                pv.pipeline
-            );
-            NotHere::Mismatch(why, version)
-        })?;
-        lock(&i.pinned).insert(version, compiled.clone());
-        Ok(compiled)
     }
 }
 

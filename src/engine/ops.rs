@@ -185,7 +185,7 @@ impl<'a> Ops<'a> {
             repin: None,
         };
         let rec = match self.engine {
-            Some(engine) => engine.act(req, step, on_current).await?,
+            Some(engine) => act_on(engine, req, step, on_current).await?,
             None if action == OperatorAction::ReplayFrom => {
                 return Err(OpsError::refused(
                     "replay_unavailable",
@@ -219,7 +219,7 @@ impl<'a> Ops<'a> {
             OpsError::refused("no_workers", "this node runs no workers to check the step")
         })?;
         let run = self.uncertain_run(engine, &rec).await?;
-        let Some(step) = engine.step_of(&rec, &run.step).await else {
+        let Some(step) = engine.versions().step_of(&rec, &run.step).await else {
             return Err(OpsError::refused(
                 "unknown_step",
                 format!("step `{}` is not in the record's pipeline", run.step),
@@ -260,6 +260,7 @@ impl<'a> Ops<'a> {
         let mut looks_up = std::collections::HashSet::new();
         for r in &runs {
             if engine
+                .versions()
                 .step_of(rec, &r.step)
                 .await
                 .is_some_and(|s| s.lookup.is_some())
@@ -499,7 +500,7 @@ impl<'a> Ops<'a> {
         let engine = self
             .engine
             .ok_or_else(|| OpsError::refused("no_workers", "this node runs no workers"))?;
-        Ok(engine.reset_breaker(name, actor).await?)
+        Ok(reset_breaker(engine, name, actor).await?)
     }
 
     fn known(&self, name: &str) -> Result<(), OpsError> {
@@ -530,153 +531,143 @@ pub struct ActExtra<'a> {
     pub on_current: bool,
 }
 
-impl Engine {
-    /// An operator action on one record, through the transition table and
-    /// audited: `req` with its time and steps filled in here. For a replay,
-    /// `step` names where to start; the steps downstream of it come from
-    /// the record's pinned pipeline, or (`on_current`) from the current
-    /// one, which the record is then pinned to.
-    pub(super) async fn act(
-        &self,
-        mut req: ActionRequest,
-        step: Option<&str>,
-        on_current: bool,
-    ) -> Result<Record, StoreError> {
-        let i = &self.inner;
-        let (record_id, action) = (req.record_id, req.action);
-        let mut steps = Vec::new();
-        if action == crate::domain::OperatorAction::ReplayFrom {
-            let rec =
-                i.db.get_record(record_id)
-                    .await?
-                    .ok_or(StoreError::NotFound {
-                        what: "record",
-                        key: record_id.to_string(),
-                    })?;
-            let Some(step) = step else {
-                return Err(StoreError::Invalid(
-                    "replay needs a step to start from".into(),
-                ));
-            };
-            let compiled = if on_current {
-                let current = self.current_version(&rec.pipeline).ok_or_else(|| {
-                    StoreError::Invalid(format!(
-                        "pipeline `{}` is not configured here: there is no current version",
-                        rec.pipeline
-                    ))
+/// An operator action on one record, through the transition table and
+/// audited: `req` with its time and steps filled in here. For a replay,
+/// `step` names where to start; the steps downstream of it come from
+/// the record's pinned pipeline, or (`on_current`) from the current
+/// one, which the record is then pinned to.
+async fn act_on(
+    engine: &Engine,
+    mut req: ActionRequest,
+    step: Option<&str>,
+    on_current: bool,
+) -> Result<Record, StoreError> {
+    let i = &engine.inner;
+    let (record_id, action) = (req.record_id, req.action);
+    let mut steps = Vec::new();
+    if action == crate::domain::OperatorAction::ReplayFrom {
+        let rec =
+            i.db.get_record(record_id)
+                .await?
+                .ok_or(StoreError::NotFound {
+                    what: "record",
+                    key: record_id.to_string(),
                 })?;
-                // While nodes run different files, "current" depends on
-                // the node asked: a record could be moved backwards.
-                let nodes = i.db.list_nodes().await?;
-                let split = crate::domain::host::config_split(&nodes, i.clock.now_ms());
-                if !split.is_empty() {
-                    let who: Vec<String> =
-                        split.iter().map(|(n, v)| format!("{n} runs {v}")).collect();
-                    return Err(StoreError::Invalid(format!(
-                        "the nodes run different configurations ({}): reload them with the \
-                         same file, then replay on the current version",
-                        who.join(", ")
-                    )));
-                }
-                if rec.pipeline_version != Some(current) {
-                    req.repin = Some(current);
-                }
-                // The version and its steps read together (a reload
-                // between two reads could pair them wrongly).
-                super::lock(&self.inner.pinned).get(&current).cloned()
-            } else {
-                self.compiled(&rec).await
-            };
-            let version = req.repin.or(rec.pipeline_version);
-            steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
-                let which = version.map(|v| format!(" version {v}")).unwrap_or_default();
+        let Some(step) = step else {
+            return Err(StoreError::Invalid(
+                "replay needs a step to start from".into(),
+            ));
+        };
+        let compiled = if on_current {
+            let current = engine.versions().current(&rec.pipeline).ok_or_else(|| {
                 StoreError::Invalid(format!(
-                    "pipeline `{}`{which} has no step `{step}`",
+                    "pipeline `{}` is not configured here: there is no current version",
                     rec.pipeline
                 ))
             })?;
-        }
-        if action == crate::domain::OperatorAction::Retry {
-            steps = self.reversed_and_after(record_id).await?;
-        }
-        req.now = i.clock.now_ms();
-        req.steps = steps;
-        let after = i.db.act(&req).await?;
-        if after.next_run_at.is_some() {
-            i.wake.notify_one();
-        }
-        Ok(after)
-    }
-
-    /// The definition of step `name` in the pipeline `rec` runs on.
-    pub(crate) async fn step_of(&self, rec: &Record, name: &str) -> Option<crate::pipeline::Step> {
-        self.compiled(rec)
-            .await
-            .and_then(|c| c.0.step(name).cloned())
-    }
-
-    /// The steps a retry runs again for a record parked by a reversal: each
-    /// step whose result its provider reversed (`REVERSED`) and every step
-    /// downstream of it, in pipeline order; none otherwise.
-    async fn reversed_and_after(&self, record_id: i64) -> Result<Vec<String>, StoreError> {
-        let i = &self.inner;
-        let runs = i.db.step_runs(record_id).await?;
-        let reversed: Vec<&str> = runs
-            .iter()
-            .filter(|r| {
-                r.state == crate::domain::StepState::Succeeded
-                    && r.error_code.as_deref() == Some(crate::domain::REVERSED)
-            })
-            .map(|r| r.step.as_str())
-            .collect();
-        if reversed.is_empty() {
-            return Ok(Vec::new());
-        }
-        let Some(rec) = i.db.get_record(record_id).await? else {
-            return Ok(Vec::new());
+            // While nodes run different files, "current" depends on
+            // the node asked: a record could be moved backwards.
+            let nodes = i.db.list_nodes().await?;
+            let split = crate::domain::host::config_split(&nodes, i.clock.now_ms());
+            if !split.is_empty() {
+                let who: Vec<String> = split.iter().map(|(n, v)| format!("{n} runs {v}")).collect();
+                return Err(StoreError::Invalid(format!(
+                    "the nodes run different configurations ({}): reload them with the \
+                     same file, then replay on the current version",
+                    who.join(", ")
+                )));
+            }
+            if rec.pipeline_version != Some(current) {
+                req.repin = Some(current);
+            }
+            // The version and its steps read together (a reload
+            // between two reads could pair them wrongly).
+            engine.versions().pinned(current)
+        } else {
+            engine.versions().compiled(&rec).await
         };
-        let Some(compiled) = self.compiled(&rec).await else {
-            return Ok(Vec::new());
-        };
-        let mut wanted: std::collections::BTreeSet<String> = Default::default();
-        for step in reversed {
-            wanted.extend(compiled.0.from_step(step).unwrap_or_default());
-        }
-        Ok(compiled
-            .0
-            .steps
-            .iter()
-            .filter(|s| wanted.contains(&s.name))
-            .map(|s| s.name.clone())
-            .collect())
+        let version = req.repin.or(rec.pipeline_version);
+        steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
+            let which = version.map(|v| format!(" version {v}")).unwrap_or_default();
+            StoreError::Invalid(format!(
+                "pipeline `{}`{which} has no step `{step}`",
+                rec.pipeline
+            ))
+        })?;
     }
+    if action == crate::domain::OperatorAction::Retry {
+        steps = reversed_and_after(engine, record_id).await?;
+    }
+    req.now = i.clock.now_ms();
+    req.steps = steps;
+    let after = i.db.act(&req).await?;
+    if after.next_run_at.is_some() {
+        i.wake.notify_one();
+    }
+    Ok(after)
+}
 
-    /// Closes a provider's breaker on this node and in the shared state,
-    /// audited as `breaker_reset`.
-    pub(super) async fn reset_breaker(&self, name: &str, actor: &str) -> Result<(), StoreError> {
-        let i = &self.inner;
-        let Some(rt) = i.provider(name) else {
-            return Err(StoreError::NotFound {
-                what: "provider",
-                key: name.to_owned(),
-            });
-        };
-        let now = i.clock.now_ms();
-        rt.breaker().reset(now);
-        let op = crate::domain::breaker::SharedOp::Reset;
-        i.db.breaker_op(name, op, None, now).await?;
-        i.db.append_event(&crate::store::NewEvent {
-            record_id: None,
-            at: now,
-            kind: "breaker_reset".into(),
-            actor: actor.to_owned(),
-            audit: true,
-            step: None,
-            reason: None,
-            detail: Some(json!({ "provider": name })),
+/// The steps a retry runs again for a record parked by a reversal: each
+/// step whose result its provider reversed (`REVERSED`) and every step
+/// downstream of it, in pipeline order; none otherwise.
+async fn reversed_and_after(engine: &Engine, record_id: i64) -> Result<Vec<String>, StoreError> {
+    let i = &engine.inner;
+    let runs = i.db.step_runs(record_id).await?;
+    let reversed: Vec<&str> = runs
+        .iter()
+        .filter(|r| {
+            r.state == crate::domain::StepState::Succeeded
+                && r.error_code.as_deref() == Some(crate::domain::REVERSED)
         })
-        .await?;
-        self.wake();
-        Ok(())
+        .map(|r| r.step.as_str())
+        .collect();
+    if reversed.is_empty() {
+        return Ok(Vec::new());
     }
+    let Some(rec) = i.db.get_record(record_id).await? else {
+        return Ok(Vec::new());
+    };
+    let Some(compiled) = engine.versions().compiled(&rec).await else {
+        return Ok(Vec::new());
+    };
+    let mut wanted: std::collections::BTreeSet<String> = Default::default();
+    for step in reversed {
+        wanted.extend(compiled.0.from_step(step).unwrap_or_default());
+    }
+    Ok(compiled
+        .0
+        .steps
+        .iter()
+        .filter(|s| wanted.contains(&s.name))
+        .map(|s| s.name.clone())
+        .collect())
+}
+
+/// Closes a provider's breaker on this node and in the shared state,
+/// audited as `breaker_reset`.
+async fn reset_breaker(engine: &Engine, name: &str, actor: &str) -> Result<(), StoreError> {
+    let i = &engine.inner;
+    let Some(rt) = i.provider(name) else {
+        return Err(StoreError::NotFound {
+            what: "provider",
+            key: name.to_owned(),
+        });
+    };
+    let now = i.clock.now_ms();
+    rt.breaker().reset(now);
+    let op = crate::domain::breaker::SharedOp::Reset;
+    i.db.breaker_op(name, op, None, now).await?;
+    i.db.append_event(&crate::store::NewEvent {
+        record_id: None,
+        at: now,
+        kind: "breaker_reset".into(),
+        actor: actor.to_owned(),
+        audit: true,
+        step: None,
+        reason: None,
+        detail: Some(json!({ "provider": name })),
+    })
+    .await?;
+    engine.wake();
+    Ok(())
 }

@@ -4,13 +4,14 @@
 //! the steps' states mean for the record is `domain::pass`'s decision.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tracing::Instrument as _;
 
 use super::step::{self, StepOutput};
-use super::{Engine, Stopping};
+use super::{Engine, Inner, NotHere, Stopping};
 use crate::domain::pass::{PassFacts, may_start_more, ready, skip_blocked, verdict};
 use crate::domain::step::Park;
 use crate::domain::{Record, StepRun, StepState, UnixMs, WorkResult};
@@ -23,7 +24,7 @@ const NOT_HERE_RETRY_MS: i64 = 5_000;
 
 /// A record whose pipeline version this node's configuration cannot run
 /// (`why`): while another node may run it or this one may be reloaded
-/// (`wait`, `Engine::version_waits`) it is deferred; one no node can run
+/// (`wait`, `Versions::version_waits`) it is deferred; one no node can run
 /// any more waits for a person.
 fn version_unavailable(rec: &Record, lease: Lease, why: &str, wait: bool, now: UnixMs) -> Commit {
     let c = if wait {
@@ -197,156 +198,160 @@ impl Engine {
             node.id = %self.inner.opts.node_id,
             outcome = tracing::field::Empty,
         );
-        let outcome = self
-            .process_in(rec, runs, stopping, slot)
+        let outcome = process_in(&self.inner, rec, runs, stopping, slot)
             .instrument(span.clone())
             .await;
         span.record("outcome", outcome);
     }
+}
 
-    /// [`process`](Self::process) within its span; says how it ended: the
-    /// record's state after the commit, or why there was none.
-    async fn process_in(
-        &self,
-        rec: Record,
-        runs: Option<Vec<StepRun>>,
-        stopping: &Stopping,
-        slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> &'static str {
-        let i = &self.inner;
-        let Some(lease) = rec.lease() else {
-            return "not_leased";
-        };
-        // A pass is not aborted when its lease is lost: a call already sent
-        // is let finish so that its exchange still lands in the history.
-        let commit = self.pass(&rec, lease.clone(), runs, stopping).await;
-        self.forget_lease(&lease);
-        let Some(commit) = commit else {
-            return "dropped";
-        };
-        // The semaphore is never closed; `None` would only skip the bound.
-        let _committing = i.committing.acquire().await.ok();
-        drop(slot);
-        let Some((commit, result)) = i.committer.commit(commit).await else {
-            tracing::error!(
-                record.id = rec.id,
-                "commit lost with the committer; the lease will expire"
-            );
-            return "commit_lost";
-        };
-        match result {
-            Ok(after) => {
-                // A lease of a capped group ended: the group has room again.
-                let capped = i
-                    .setup()
-                    .group_caps
-                    .iter()
-                    .any(|(p, _)| *p == after.pipeline);
-                if after.state == crate::domain::RecordState::Pending || capped {
-                    i.wake.notify_one();
-                }
-                i.stats.attempts(&after.pipeline, &commit.attempts);
-                runs_ended(&i.stats, &commit, &after);
-                if after.state.is_at_rest() {
-                    i.stats.finished(
-                        commit.now,
-                        &after.pipeline,
-                        after.step.as_deref().unwrap_or(""),
-                        after.provider.as_deref().unwrap_or(""),
-                        after.state,
-                    );
-                    metrics::counter!(
-                        "ballast_records_finished_total",
-                        &[
-                            ("pipeline", after.pipeline.clone()),
-                            ("state", after.state.as_str().to_owned()),
-                        ]
-                    )
-                    .increment(1);
-                }
-                self.follow_up_deliveries(&rec, after.state, &commit.steps)
-                    .await;
-                after.state.as_str()
-            }
-            Err(StoreError::LeaseLost { record_id }) => {
-                // Another worker owns the record now: its state is theirs,
-                // but the exchanges made are still history. The calls'
-                // intents stay open: what they got (a job id, a charge's
-                // success) was dropped with the result, so for the record
-                // they are calls that went out with no reply kept, which the
-                // next pass treats as uncertain instead of sending again.
-                tracing::warn!(
-                    record.id = record_id,
-                    "lease lost before commit; result dropped, attempts kept, calls left uncertain"
-                );
-                // The calls this pass found left open and stated as
-                // uncertain attempts are not kept here: their intents stay
-                // open too, and the next pass states them again.
-                let made: Vec<NewAttempt> = commit
-                    .attempts
-                    .iter()
-                    .filter(|a| !restated(a))
-                    .cloned()
-                    .collect();
-                let kept = i.db.append_attempts(record_id, &made, &[]);
-                if let Err(e) = kept.await {
-                    tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
-                }
-                "lease_lost"
-            }
-            Err(e) => {
-                // The lease will expire and another pass will redo the work;
-                // idempotency keys keep that from paying twice.
-                tracing::error!(record.id = rec.id, error = %e, "commit failed");
-                "commit_failed"
-            }
+/// [`Engine::process`] within its span; says how it ended: the record's
+/// state after the commit, or why there was none.
+async fn process_in(
+    i: &Inner,
+    rec: Record,
+    runs: Option<Vec<StepRun>>,
+    stopping: &Stopping,
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+) -> &'static str {
+    let Some(lease) = rec.lease() else {
+        return "not_leased";
+    };
+    // A pass is not aborted when its lease is lost: a call already sent is
+    // let finish so that its exchange still lands in the history.
+    let pass = Pass {
+        i,
+        rec: &rec,
+        lease: lease.clone(),
+        stopping,
+    };
+    let commit = pass.run(runs).await;
+    super::leases::forget_lease(i, &lease);
+    let Some(commit) = commit else {
+        return "dropped";
+    };
+    // The semaphore is never closed; `None` would only skip the bound.
+    let _committing = i.committing.acquire().await.ok();
+    drop(slot);
+    let Some((commit, result)) = i.committer.commit(commit).await else {
+        tracing::error!(
+            record.id = rec.id,
+            "commit lost with the committer; the lease will expire"
+        );
+        return "commit_lost";
+    };
+    match result {
+        Ok(after) => {
+            committed(i, &rec, &commit, &after).await;
+            after.state.as_str()
+        }
+        Err(StoreError::LeaseLost { record_id }) => {
+            lease_lost(i, record_id, &commit).await;
+            "lease_lost"
+        }
+        Err(e) => {
+            // The lease will expire and another pass will redo the work;
+            // idempotency keys keep that from paying twice.
+            tracing::error!(record.id = rec.id, error = %e, "commit failed");
+            "commit_failed"
         }
     }
+}
 
+/// After a pass's commit: wakes the workers when the record (or its
+/// group) has room again, counts what it did, and follows up deliveries
+/// its callback steps could not see.
+async fn committed(i: &Inner, rec: &Record, commit: &Commit, after: &Record) {
+    // A lease of a capped group ended: the group has room again.
+    let capped = i
+        .setup()
+        .group_caps
+        .iter()
+        .any(|(p, _)| *p == after.pipeline);
+    if after.state == crate::domain::RecordState::Pending || capped {
+        i.wake.notify_one();
+    }
+    i.stats.attempts(&after.pipeline, &commit.attempts);
+    runs_ended(&i.stats, commit, after);
+    if after.state.is_at_rest() {
+        i.stats.finished(
+            commit.now,
+            &after.pipeline,
+            after.step.as_deref().unwrap_or(""),
+            after.provider.as_deref().unwrap_or(""),
+            after.state,
+        );
+        metrics::counter!(
+            "ballast_records_finished_total",
+            &[
+                ("pipeline", after.pipeline.clone()),
+                ("state", after.state.as_str().to_owned()),
+            ]
+        )
+        .increment(1);
+    }
+    super::deliveries::follow_up_deliveries(i, rec, after.state, &commit.steps).await;
+}
+
+/// A pass whose lease was lost before its commit. Another worker owns the
+/// record now: its state is theirs, but the exchanges made are still
+/// history. The calls' intents stay open: what they got (a job id, a
+/// charge's success) was dropped with the result, so for the record they
+/// are calls that went out with no reply kept, which the next pass treats
+/// as uncertain instead of sending again.
+async fn lease_lost(i: &Inner, record_id: i64, commit: &Commit) {
+    tracing::warn!(
+        record.id = record_id,
+        "lease lost before commit; result dropped, attempts kept, calls left uncertain"
+    );
+    // The calls this pass found left open and stated as uncertain attempts
+    // are not kept here: their intents stay open too, and the next pass
+    // states them again.
+    let made: Vec<NewAttempt> = commit
+        .attempts
+        .iter()
+        .filter(|a| !restated(a))
+        .cloned()
+        .collect();
+    let kept = i.db.append_attempts(record_id, &made, &[]);
+    if let Err(e) = kept.await {
+        tracing::warn!(record.id = record_id, error = %e, "could not keep the attempts");
+    }
+}
+
+/// A commit that defers the record by `after_ms`.
+fn deferred(lease: Lease, now: UnixMs, after_ms: i64) -> Commit {
+    let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
+    c.next_run_at = Some(now + after_ms);
+    c
+}
+
+/// One pass over one leased record.
+struct Pass<'a> {
+    i: &'a Inner,
+    rec: &'a Record,
+    lease: Lease,
+    stopping: &'a Stopping,
+}
+
+impl Pass<'_> {
     /// Works out and runs the record's ready steps; returns what to commit.
     /// A step whose needs are met starts then: when a step succeeds while
     /// its siblings are still out, its output is committed (a checkpoint:
     /// nothing finished is paid for twice) and its ready dependants start
     /// at once instead of waiting for the slowest sibling.
-    async fn pass(
-        &self,
-        rec: &Record,
-        lease: Lease,
-        runs: Option<Vec<StepRun>>,
-        stopping: &Stopping,
-    ) -> Option<Commit> {
-        let i = &self.inner;
+    async fn run(&self, runs: Option<Vec<StepRun>>) -> Option<Commit> {
+        let (i, rec) = (self.i, self.rec);
         let now = i.clock.now_ms();
-        let (pipeline, templates) = match self.compiled_for(rec).await {
+        let (pipeline, templates) = match i.versions().compiled_for(rec).await {
             Ok(c) => c,
-            Err(super::NotHere::Unknown) => {
-                let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
-                c.error_code = Some("unknown_pipeline".into());
-                c.reason = Some(format!(
-                    "pipeline `{}` is not configured on this node",
-                    rec.pipeline
-                ));
-                return Some(c);
-            }
-            Err(super::NotHere::Unread(why)) => {
-                tracing::warn!(record.id = rec.id, reason = %why, "deferring");
-                let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
-                c.next_run_at = Some(now + NOT_HERE_RETRY_MS);
-                c.reason = Some(why);
-                return Some(c);
-            }
-            Err(super::NotHere::Mismatch(why, version)) => {
-                let wait = self.version_waits(version).await;
-                return Some(version_unavailable(rec, lease, &why, wait, now));
-            }
+            Err(not) => return Some(self.not_here(not, now).await),
         };
-        let mut states = match self.step_states(rec, &pipeline, runs).await {
+        let mut states = match self.step_states(&pipeline, runs).await {
             Ok(states) => states,
             Err(e) => {
                 tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");
-                let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
-                c.next_run_at = Some(now + 1000);
-                return Some(c);
+                return Some(deferred(self.lease.clone(), now, 1000));
             }
         };
         let mut progress = Progress {
@@ -356,68 +361,21 @@ impl Engine {
         // Calls an earlier pass left open (its node stopped mid-call): it
         // is not known whether they took effect, and nothing else runs.
         if let Err(e) = self
-            .open_intents(rec, &pipeline, &mut states, &mut progress, now)
+            .open_intents(&pipeline, &mut states, &mut progress, now)
             .await
         {
             tracing::warn!(record.id = rec.id, error = %e, "cannot read open intents; deferring");
-            let mut c = Commit::new(lease, now, Some(WorkResult::Deferred));
-            c.next_run_at = Some(now + 1000);
-            return Some(c);
+            return Some(deferred(self.lease.clone(), now, 1000));
         }
-        let deliveries = self.deliveries(rec, &pipeline, &states).await;
-        let has_deliveries = |n: &str| deliveries.contains_key(n);
-        let mut started: HashSet<String> = HashSet::new();
-        let mut running = FuturesUnordered::new();
-        let mut wave = match progress.park {
-            Some(_) => Vec::new(),
-            None => ready(&pipeline.steps, &states, now, &has_deliveries, &|_| false),
-        };
-        let mut wave_at = now;
-        let mut may_start = true;
-        loop {
-            if !wave.is_empty() {
-                let ctx = step::context(rec, &states);
-                for s in wave.drain(..) {
-                    started.insert(s.name.clone());
-                    let write = states[&s.name].clone();
-                    let callbacks = deliveries.get(&s.name).cloned().unwrap_or_default();
-                    let run = self.step_run(rec, s, write, &ctx, &templates, callbacks, stopping);
-                    running.push(run.with_now(wave_at));
-                }
-            }
-            let Some(out) = running.next().await else {
-                break;
-            };
-            let succeeded = out.write.state == StepState::Succeeded;
-            progress.absorb(out, &mut states);
-            // Only a success while siblings are still out starts more in
-            // this pass; otherwise the verdict reschedules the record.
-            let more = succeeded && may_start && !running.is_empty() && !stopping.is_set();
-            if !more || !may_start_more(&pipeline.steps, &states, progress.park.as_ref()) {
-                continue;
-            }
-            wave_at = i.clock.now_ms();
-            let is_started = |n: &str| started.contains(n);
-            wave = ready(
-                &pipeline.steps,
-                &states,
-                wave_at,
-                &has_deliveries,
-                &is_started,
-            );
-            if !wave.is_empty() && !self.checkpoint(rec, &lease, &states, &mut progress).await {
-                // Not committed: nothing that needs the step may start.
-                wave.clear();
-                may_start = false;
-            }
-        }
+        let steps = (&*pipeline, &templates);
+        self.run_steps(steps, &mut states, &mut progress, now).await;
         for (name, news) in &progress.breaker {
             if let Some(rt) = i.provider(name) {
-                self.publish_breaker(&rt, *news).await;
+                super::sync::publish_breaker(i, &rt, *news).await;
             }
         }
         for (name, until) in &progress.throttled {
-            self.publish_throttle(name, *until).await;
+            super::sync::publish_throttle(i, name, *until).await;
         }
         let now = i.clock.now_ms();
         let facts = PassFacts {
@@ -427,7 +385,7 @@ impl Engine {
             now,
         };
         let v = verdict(&pipeline.steps, &states, &facts);
-        let mut commit = progress.commit(lease, now, Some(v.result), &states);
+        let mut commit = progress.commit(self.lease.clone(), now, Some(v.result), &states);
         commit.next_run_at = v.next_run_at;
         if v.step.is_some() {
             commit.step = v.step;
@@ -438,6 +396,93 @@ impl Engine {
         Some(commit)
     }
 
+    /// What to commit for a record whose pipeline version does not run
+    /// here.
+    async fn not_here(&self, not: NotHere, now: UnixMs) -> Commit {
+        let (rec, lease) = (self.rec, self.lease.clone());
+        match not {
+            NotHere::Unknown => {
+                let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+                c.error_code = Some("unknown_pipeline".into());
+                c.reason = Some(format!(
+                    "pipeline `{}` is not configured on this node",
+                    rec.pipeline
+                ));
+                c
+            }
+            NotHere::Unread(why) => {
+                tracing::warn!(record.id = rec.id, reason = %why, "deferring");
+                let mut c = deferred(lease, now, NOT_HERE_RETRY_MS);
+                c.reason = Some(why);
+                c
+            }
+            NotHere::Mismatch(why, version) => {
+                let wait = self.i.versions().version_waits(version).await;
+                version_unavailable(rec, lease, &why, wait, now)
+            }
+        }
+    }
+
+    /// Runs the ready steps as waves: each success while siblings are still
+    /// out is checkpointed and starts the steps it made ready.
+    async fn run_steps(
+        &self,
+        (pipeline, templates): (&Pipeline, &Arc<Templates>),
+        states: &mut HashMap<String, StepWrite>,
+        progress: &mut Progress,
+        now: UnixMs,
+    ) {
+        let (i, rec) = (self.i, self.rec);
+        let deliveries = self.deliveries(pipeline, states).await;
+        let has_deliveries = |n: &str| deliveries.contains_key(n);
+        let mut started: HashSet<String> = HashSet::new();
+        let mut running = FuturesUnordered::new();
+        let mut wave = match progress.park {
+            Some(_) => Vec::new(),
+            None => ready(&pipeline.steps, states, now, &has_deliveries, &|_| false),
+        };
+        let mut wave_at = now;
+        let mut may_start = true;
+        loop {
+            if !wave.is_empty() {
+                let ctx = step::context(rec, states);
+                for s in wave.drain(..) {
+                    started.insert(s.name.clone());
+                    let write = states[&s.name].clone();
+                    let callbacks = deliveries.get(&s.name).cloned().unwrap_or_default();
+                    let call =
+                        step_call(i, rec, s, write, &ctx, templates, callbacks, self.stopping);
+                    running.push(call.with_now(wave_at));
+                }
+            }
+            let Some(out) = running.next().await else {
+                break;
+            };
+            let succeeded = out.write.state == StepState::Succeeded;
+            progress.absorb(out, states);
+            // Only a success while siblings are still out starts more in
+            // this pass; otherwise the verdict reschedules the record.
+            let more = succeeded && may_start && !running.is_empty() && !self.stopping.is_set();
+            if !more || !may_start_more(&pipeline.steps, states, progress.park.as_ref()) {
+                continue;
+            }
+            wave_at = i.clock.now_ms();
+            let is_started = |n: &str| started.contains(n);
+            wave = ready(
+                &pipeline.steps,
+                states,
+                wave_at,
+                &has_deliveries,
+                &is_started,
+            );
+            if !wave.is_empty() && !self.checkpoint(states, progress).await {
+                // Not committed: nothing that needs the step may start.
+                wave.clear();
+                may_start = false;
+            }
+        }
+    }
+
     /// Judges the calls an earlier pass left open (`at_most_once`: its
     /// node stopped between writing a call down and keeping its reply):
     /// each becomes an attempt whose outcome is not known, and its step
@@ -445,13 +490,12 @@ impl Engine {
     /// for pipelines with such a provider.
     async fn open_intents(
         &self,
-        rec: &Record,
         pipeline: &Pipeline,
         states: &mut HashMap<String, StepWrite>,
         progress: &mut Progress,
         now: UnixMs,
     ) -> Result<(), StoreError> {
-        let i = &self.inner;
+        let (i, rec) = (self.i, self.rec);
         let setup = i.setup();
         let at_most_once = |s: &Step| {
             setup
@@ -517,13 +561,12 @@ impl Engine {
     /// now, and a fresh pending run for each step not started yet.
     async fn step_states(
         &self,
-        rec: &Record,
         pipeline: &Pipeline,
         runs: Option<Vec<StepRun>>,
     ) -> Result<HashMap<String, StepWrite>, StoreError> {
         let runs = match runs {
             Some(runs) => runs,
-            None => self.inner.db.step_runs(rec.id).await?,
+            None => self.i.db.step_runs(self.rec.id).await?,
         };
         let runs: HashMap<String, StepRun> =
             runs.into_iter().map(|s| (s.step.clone(), s)).collect();
@@ -545,7 +588,6 @@ impl Engine {
     /// make those steps ready at once).
     async fn deliveries(
         &self,
-        rec: &Record,
         pipeline: &Pipeline,
         states: &HashMap<String, StepWrite>,
     ) -> HashMap<String, Vec<PendingCallback>> {
@@ -556,49 +598,17 @@ impl Engine {
             else {
                 continue;
             };
-            match self.inner.db.pending_callbacks(&s.provider, job).await {
+            match self.i.db.pending_callbacks(&s.provider, job).await {
                 Ok(found) if !found.is_empty() => {
                     found_all.insert(s.name.clone(), found);
                 }
                 Ok(_) => {}
-                Err(e) => tracing::warn!(record.id = rec.id, error = %e, "cannot read callbacks"),
+                Err(e) => {
+                    tracing::warn!(record.id = self.rec.id, error = %e, "cannot read callbacks")
+                }
             }
         }
         found_all
-    }
-
-    /// One step's pass, ready to run.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn step_run<'a>(
-        &'a self,
-        rec: &'a Record,
-        s: &'a Step,
-        write: StepWrite,
-        ctx: &serde_json::Value,
-        templates: &std::sync::Arc<Templates>,
-        callbacks: Vec<PendingCallback>,
-        stopping: &'a Stopping,
-    ) -> PendingStep<'a> {
-        let i = &self.inner;
-        PendingStep {
-            rt: i.provider(&s.provider),
-            run: step::StepRun {
-                record: rec,
-                step: s,
-                write,
-                ctx: ctx.clone(),
-                templates: templates.clone(),
-                node: &i.opts.node_id,
-                installation: &i.installation,
-                clock: &*i.clock,
-                db: &i.db,
-                intents: &i.intents,
-                now: 0,
-                callbacks,
-                max_wait: i.opts.lease / 4,
-                stopping,
-            },
-        }
     }
 
     /// Commits what the pass has done so far, keeping the lease; true when
@@ -606,13 +616,11 @@ impl Engine {
     /// commit (which a lost lease turns into kept history).
     async fn checkpoint(
         &self,
-        rec: &Record,
-        lease: &Lease,
         states: &HashMap<String, StepWrite>,
         progress: &mut Progress,
     ) -> bool {
-        let i = &self.inner;
-        let c = progress.commit(lease.clone(), i.clock.now_ms(), None, states);
+        let (i, rec) = (self.i, self.rec);
+        let c = progress.commit(self.lease.clone(), i.clock.now_ms(), None, states);
         match i.committer.commit(c).await {
             Some((c, Ok(_))) => {
                 i.stats.attempts(&rec.pipeline, &c.attempts);
@@ -631,24 +639,57 @@ impl Engine {
     }
 }
 
-/// A step's pass waiting for its start time and its provider's runtime.
+/// One step's call, ready to run.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn step_call<'a>(
+    i: &'a Inner,
+    rec: &'a Record,
+    s: &'a Step,
+    write: StepWrite,
+    ctx: &serde_json::Value,
+    templates: &Arc<Templates>,
+    callbacks: Vec<PendingCallback>,
+    stopping: &'a Stopping,
+) -> PendingStep<'a> {
+    PendingStep {
+        rt: i.provider(&s.provider),
+        call: step::StepCall {
+            record: rec,
+            step: s,
+            write,
+            ctx: ctx.clone(),
+            templates: templates.clone(),
+            node: &i.opts.node_id,
+            installation: &i.installation,
+            clock: &*i.clock,
+            db: &i.db,
+            intents: &i.intents,
+            now: 0,
+            callbacks,
+            max_wait: i.opts.lease / 4,
+            stopping,
+        },
+    }
+}
+
+/// A step's call waiting for its start time and its provider's runtime.
 pub(super) struct PendingStep<'a> {
-    pub(super) rt: Option<std::sync::Arc<super::limits::ProviderRuntime>>,
-    pub(super) run: step::StepRun<'a>,
+    pub(super) rt: Option<Arc<super::limits::ProviderRuntime>>,
+    pub(super) call: step::StepCall<'a>,
 }
 
 impl<'a> PendingStep<'a> {
     /// Runs the step as of `now`.
     async fn with_now(mut self, now: UnixMs) -> StepOutput {
-        self.run.now = now;
+        self.call.now = now;
         let span = tracing::debug_span!(
             "step",
-            step = %self.run.step.name,
-            provider = %self.run.step.provider,
+            step = %self.call.step.name,
+            provider = %self.call.step.provider,
             outcome = tracing::field::Empty,
         );
         let out = self
-            .run
+            .call
             .execute(self.rt.as_deref())
             .instrument(span.clone())
             .await;

@@ -121,10 +121,4 @@ impl Engine {
     pub fn config(&self) -> Arc<Config> {
         self.inner.config()
     }
-
-    /// The version of the configuration it runs (the file's, see
-    /// [`reconfigure`](Self::reconfigure)).
-    pub fn config_version(&self) -> String {
-        self.inner.setup().version.clone()
-    }
 }

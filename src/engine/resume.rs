@@ -9,6 +9,7 @@
 use tokio_util::sync::CancellationToken;
 
 use super::Engine;
+use super::supervisor::Loop;
 use crate::domain::UnixMs;
 use crate::domain::park::{Ready, provider_ready};
 use crate::store::{ResumeDue, StoreError};
@@ -18,10 +19,15 @@ const EVERY_MS: i64 = 1_000;
 /// How many it resumes at once (parked until a time; and per provider).
 const BATCH: u32 = 200;
 
-impl Engine {
-    /// Resumes parked records whose condition holds, until `shutdown`.
-    pub(super) async fn resume_loop(self, shutdown: CancellationToken) {
-        let i = &self.inner;
+/// The resume loop: on every node, resumes the parked records whose
+/// condition holds.
+pub struct Resumer {
+    engine: Engine,
+}
+
+impl Loop for Resumer {
+    async fn run(self, shutdown: CancellationToken) {
+        let i = &self.engine.inner;
         loop {
             let now = i.clock.now_ms();
             let again = match self.resume_due(now).await {
@@ -40,6 +46,15 @@ impl Engine {
             }
         }
     }
+}
+
+impl Resumer {
+    /// The resume loop of `engine`.
+    pub fn of(engine: &Engine) -> Resumer {
+        Resumer {
+            engine: engine.clone(),
+        }
+    }
 
     /// Resumes the parked records whose condition holds at `now`: those
     /// parked until a time now past, and those waiting for a configured
@@ -48,7 +63,7 @@ impl Engine {
     /// records at work in the cluster (pending, running, retrying,
     /// waiting) are no more than its breaker's probes. Returns how many.
     pub async fn resume_due(&self, now: UnixMs) -> Result<usize, StoreError> {
-        let i = &self.inner;
+        let i = &self.engine.inner;
         let states = i.db.provider_states().await?;
         let mut providers = Vec::new();
         let mut at_work = None;

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::Engine;
+use super::supervisor::{HandBack, Loop};
 use crate::config::Config;
 use crate::domain::UnixMs;
 use crate::store::{Db, PurgeRun, Purged, StoreError};
@@ -186,11 +187,15 @@ async fn purge_one(
     Ok(())
 }
 
-impl Engine {
-    /// Runs the purge on whichever node holds its lease, once a minute,
-    /// until `shutdown`.
-    pub(super) async fn purge_loop(self, shutdown: CancellationToken) {
-        let i = &self.inner;
+/// The purge loop: runs the purge on whichever node holds its lease, once
+/// a minute (or more often for short retention periods).
+pub struct Purger {
+    engine: Engine,
+}
+
+impl Loop for Purger {
+    async fn run(self, shutdown: CancellationToken) {
+        let i = &self.engine.inner;
         loop {
             // Read each time: a reload may set or clear a `retain`.
             let config = i.config();
@@ -215,18 +220,31 @@ impl Engine {
         }
     }
 
-    /// Gives the purge's lease back if this node holds it (at shutdown).
-    pub(super) async fn release_purge_lease(&self) {
-        let i = &self.inner;
-        if let Err(e) = i.db.release_task_lease(LEASE, &i.opts.node_id).await {
-            tracing::warn!(error = %e, "could not give the purge lease back; it lapses");
+    /// A purge cut short rolls its batch back; its lease goes back so
+    /// another node need not wait the lease out.
+    fn hand_back(&self) -> Option<HandBack> {
+        let engine = self.engine.clone();
+        Some(Box::pin(async move {
+            let i = &engine.inner;
+            if let Err(e) = i.db.release_task_lease(LEASE, &i.opts.node_id).await {
+                tracing::warn!(error = %e, "could not give the purge lease back; it lapses");
+            }
+        }))
+    }
+}
+
+impl Purger {
+    /// The purge loop of `engine`.
+    pub fn of(engine: &Engine) -> Purger {
+        Purger {
+            engine: engine.clone(),
         }
     }
 
     /// One background purge at `now`, if this node gets the lease: returns
     /// what it removed (`None`: another node holds the lease).
     pub async fn purge_once(&self, now: UnixMs) -> Result<Option<PurgeReport>, StoreError> {
-        let i = &self.inner;
+        let i = &self.engine.inner;
         let node = &i.opts.node_id;
         if !i
             .db

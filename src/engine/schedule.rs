@@ -7,7 +7,8 @@
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use super::{Engine, EngineError};
+use super::supervisor::{Loop, Stop};
+use super::{Engine, EngineError, Enqueue};
 use crate::config::Config;
 use crate::domain::UnixMs;
 use crate::domain::schedule::{Cron, Missed, plan, tick_key};
@@ -53,10 +54,19 @@ pub struct Fired {
     pub next: Option<UnixMs>,
 }
 
-impl Engine {
-    /// Fires the schedules' ticks as they come, until `shutdown`.
-    pub(super) async fn schedule_loop(self, shutdown: CancellationToken) {
-        let i = &self.inner;
+/// The schedule loop: on every node, fires the schedules' ticks as they
+/// come.
+pub struct Scheduler {
+    engine: Engine,
+}
+
+impl Loop for Scheduler {
+    /// It stops by itself between passes: a pass under way finishes (its
+    /// records and its watermark go together).
+    const STOP: Stop = Stop::Finish("the scheduler's pass");
+
+    async fn run(self, shutdown: CancellationToken) {
+        let i = &self.engine.inner;
         loop {
             let now = i.clock.now_ms();
             let next = match self.fire_schedules(now).await {
@@ -73,10 +83,19 @@ impl Engine {
             }
         }
     }
+}
+
+impl Scheduler {
+    /// The schedule loop of `engine`.
+    pub fn of(engine: &Engine) -> Scheduler {
+        Scheduler {
+            engine: engine.clone(),
+        }
+    }
 
     /// Fires every schedule's ticks due at `now` and moves its watermark.
     pub async fn fire_schedules(&self, now: UnixMs) -> Result<Fired, StoreError> {
-        let i = &self.inner;
+        let i = &self.engine.inner;
         let mut fired = Fired::default();
         let setup = i.setup();
         if setup.schedules.is_empty() {
@@ -101,22 +120,20 @@ impl Engine {
             for &t in &p.fire {
                 // Due at its tick: a node whose clock runs ahead fires
                 // early, but the record waits for its time.
-                let item = vec![(Some(tick_key(t)), s.input.clone())];
-                let created = self.create(&s.pipeline, None, item, t).await?;
-                for c in &created {
-                    if c.created {
-                        fired.created += 1;
-                        metrics::counter!("ballast_schedule_fired_total", "pipeline" => s.pipeline.clone())
-                            .increment(1);
-                        tracing::info!(
-                            pipeline = %s.pipeline,
-                            record.id = c.record.id,
-                            tick = %crate::domain::time::format_ms(t),
-                            "schedule fired"
-                        );
-                    }
+                let item = Enqueue::new(&s.pipeline, Some(&tick_key(t)), s.input.clone()).at(t);
+                let c = self.engine.enqueue(item).await?;
+                if c.created {
+                    fired.created += 1;
+                    metrics::counter!("ballast_schedule_fired_total", "pipeline" => s.pipeline.clone())
+                        .increment(1);
+                    tracing::info!(
+                        pipeline = %s.pipeline,
+                        record.id = c.record.id,
+                        tick = %crate::domain::time::format_ms(t),
+                        "schedule fired"
+                    );
                 }
-                last_record = created.last().map(|c| c.record.id);
+                last_record = Some(c.record.id);
             }
             // A pass that fired and skipped nothing leaves a current row
             // alone: with no tick between the stored watermark and now,

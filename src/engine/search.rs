@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 use tokio_util::sync::CancellationToken;
 
 use super::Engine;
+use super::supervisor::{Loop, Stop};
 use crate::domain::UnixMs;
 use crate::domain::search::{self, Progress, SeenEvent};
 use crate::store::StoreError;
@@ -52,12 +53,19 @@ pub struct Indexed {
     pub more: bool,
 }
 
-impl Engine {
-    /// Keeps the search documents up to date on whichever node holds the
-    /// indexer's lease, until `shutdown`; gives the lease back on the way
-    /// out so another node takes over at once.
-    pub(super) async fn search_loop(self, shutdown: CancellationToken) {
-        let i = &self.inner;
+/// The search indexer's loop: keeps the search documents up to date on
+/// whichever node holds the indexer's lease; gives the lease back on the
+/// way out so another node takes over at once.
+pub struct SearchIndexer {
+    engine: Engine,
+}
+
+impl Loop for SearchIndexer {
+    /// It gives its lease back when it sees the shutdown.
+    const STOP: Stop = Stop::Finish("the search indexer's batch");
+
+    async fn run(self, shutdown: CancellationToken) {
+        let i = &self.engine.inner;
         if !i.opts.search_index {
             return;
         }
@@ -92,12 +100,22 @@ impl Engine {
             state.held_until = 0;
         }
     }
+}
+
+impl SearchIndexer {
+    /// The search indexer of `engine` (its state is the engine's: one per
+    /// node).
+    pub fn of(engine: &Engine) -> SearchIndexer {
+        SearchIndexer {
+            engine: engine.clone(),
+        }
+    }
 
     /// One turn of the search indexer at `now`, if this node holds its
     /// lease (or gets it): up to 50 batches of events read and their
     /// records' documents written. `None`: another node holds the lease.
     pub async fn index_search_once(&self, now: UnixMs) -> Result<Option<Indexed>, StoreError> {
-        let i = &self.inner;
+        let i = &self.engine.inner;
         let mut state = i.search.lock().await;
         if now >= state.held_until - LEASE_MS / 2 {
             let node = &i.opts.node_id;

@@ -287,6 +287,49 @@ impl StatsRecorder {
     }
 }
 
+/// The statistics flusher: writes this node's figures every
+/// [`FLUSH_EVERY`] (the control plane purges old ones), and the last
+/// seconds' figures once it has stopped.
+pub struct StatsFlusher {
+    engine: super::Engine,
+}
+
+impl StatsFlusher {
+    /// The flusher of `engine`.
+    pub fn of(engine: &super::Engine) -> StatsFlusher {
+        StatsFlusher {
+            engine: engine.clone(),
+        }
+    }
+
+    /// Writes this node's statistics now (tests, shutdown).
+    pub async fn flush(&self) {
+        let i = &self.engine.inner;
+        i.stats.flush(&i.db, i.clock.now_ms()).await;
+    }
+}
+
+impl super::supervisor::Loop for StatsFlusher {
+    /// It runs while the node hands back what it holds.
+    const STOP: super::supervisor::Stop = super::supervisor::Stop::Last;
+
+    async fn run(self, shutdown: tokio_util::sync::CancellationToken) {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = tokio::time::sleep(FLUSH_EVERY) => {}
+            }
+            self.flush().await;
+        }
+    }
+
+    /// The last seconds' figures.
+    fn hand_back(&self) -> Option<super::supervisor::HandBack> {
+        let flusher = StatsFlusher::of(&self.engine);
+        Some(Box::pin(async move { flusher.flush().await }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

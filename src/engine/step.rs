@@ -1,10 +1,13 @@
-//! One pass over one ready step, as an async shell around the pure
-//! decisions of `domain::step`: decide before the call → gate (pause,
+//! One step's call in a pass ([`StepCall`]), as an async shell around the
+//! pure decisions of `domain::step`: decide before the call → gate (pause,
 //! concurrency slot, rate limit, breaker, retry budget) → one exchange →
 //! decide what the reply means. It writes to the store only what must be
-//! durable before a call leaves or is judged (an `at_most_once` call's
-//! intent, a half-open probe's claim); the pass hands the step's new state
-//! to the committer.
+//! settled before a call leaves: an `at_most_once` call's intent (through
+//! the intent writer), a half-open probe's claim on the cluster's breaker
+//! (given back when no probe is made), and the provider's cluster permits
+//! its gates lease. The step's new state, its attempts and what the reply
+//! told every call go back to the caller (the pass, or a confirmation
+//! poll), which commits and publishes them.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -194,8 +197,9 @@ impl StepOutput {
     }
 }
 
-/// Everything one step pass needs.
-pub struct StepRun<'a> {
+/// One step's call in a pass, with everything it needs: its record, its
+/// state, the request's context, and the node's gates and writers.
+pub struct StepCall<'a> {
     pub record: &'a Record,
     pub step: &'a Step,
     pub write: StepWrite,
@@ -204,7 +208,8 @@ pub struct StepRun<'a> {
     pub node: &'a str,
     pub installation: &'a str,
     pub clock: &'a dyn Clock,
-    /// For the cluster's breaker: half-open probes are claimed there.
+    /// For the cluster's breaker (half-open probes are claimed there) and
+    /// the provider's cluster permits.
     pub db: &'a Db,
     /// Where `at_most_once` calls write their intents.
     pub(crate) intents: &'a super::intents::IntentWriter,
@@ -307,7 +312,7 @@ fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequ
     SentRequest::of(&out, rt.config.credential_header(), secrets)
 }
 
-impl StepRun<'_> {
+impl StepCall<'_> {
     /// Gives the step back, due now, without a call: the node is stopping.
     fn shutting_down(&self) -> StepOutput {
         StepOutput {

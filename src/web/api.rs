@@ -90,7 +90,7 @@ struct EnqueueBody {
     pipeline: String,
     /// Makes the call idempotent: the same key returns the same record.
     key: Option<String>,
-    /// The record's group (a tenant, say): see `Engine::enqueue_in`.
+    /// The record's group (a tenant, say): see `Enqueue::group`.
     group: Option<String>,
     #[serde(default)]
     input: Value,

@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+/// The longest a function in `src/` may be (its `#[cfg(test)] mod`s aside).
+const MAX_FN_LINES: usize = 100;
 /// The most methods one store trait may declare.
 const MAX_TRAIT_METHODS: usize = 30;
 
@@ -138,6 +140,23 @@ fn functions(file: &Path, lines: &[&str]) -> Vec<(String, usize, String, usize)>
 }
 
 #[test]
+fn no_function_in_src_is_over_100_lines() {
+    let mut long = Vec::new();
+    for (path, text) in sources("src") {
+        for f in functions(&path, &before_tests(&text)) {
+            if f.3 > MAX_FN_LINES {
+                long.push(format!("{}:{} {} ({} lines)", f.0, f.1, f.2, f.3));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines:\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
 fn the_counter_sees_a_long_function() {
     let body: String = (0..120)
         .map(|i| format!("    let x{i} = '{{';\n"))
@@ -182,4 +201,31 @@ fn the_store_keeps_no_rules_and_its_traits_are_small() {
             }
         }
     }
+}
+
+#[test]
+fn the_engine_keeps_to_claiming_passing_and_committing() {
+    const MAX_ENGINE_METHODS: usize = 25;
+    let mut methods = Vec::new();
+    for (path, text) in sources("src/engine") {
+        let lines = before_tests(&text);
+        let mut inside = false;
+        for line in lines {
+            if line.starts_with("impl Engine {") {
+                inside = true;
+            } else if inside && line == "}" {
+                inside = false;
+            } else if inside && line.starts_with("    ") && !line.starts_with("     ") {
+                if let Some(name) = fn_name(line) {
+                    methods.push(format!("{}: {name}", path.display()));
+                }
+            }
+        }
+    }
+    assert!(
+        methods.len() <= MAX_ENGINE_METHODS,
+        "Engine has {} methods (at most {MAX_ENGINE_METHODS}):\n{}",
+        methods.len(),
+        methods.join("\n")
+    );
 }

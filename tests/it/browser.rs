@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ballast::domain::{OperatorAction, Outcome, Role};
+use ballast::engine::{Enqueue, Resumer};
 use ballast::store::{ActionRequest, Backend, NewAttempt};
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
@@ -1000,7 +1001,10 @@ breaker = { window = 10, min_calls = 4, failure_rate = 0.5, open_for = "1s", pro
     // resumes to probe, then the rest, each by itself.
     sim.outage(0, 1.0);
     for _ in 0..200 {
-        engine.resume_due(clock.now_ms()).await.unwrap();
+        Resumer::of(&engine)
+            .resume_due(clock.now_ms())
+            .await
+            .unwrap();
         crate::engine::drain(&engine).await;
         let done = app.t.db.get_record(watched).await.unwrap().unwrap();
         if done.state == ballast::domain::RecordState::Succeeded {
@@ -1071,7 +1075,7 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     let (engine, clock) =
         crate::engine::manual_engine_at(&app.t.db, std::sync::Arc::new(config), "bu", ahead).await;
     let id = engine
-        .enqueue("render", Some("u-1"), json!({}))
+        .enqueue(Enqueue::new("render", Some("u-1"), json!({})))
         .await
         .unwrap()
         .record

@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 use ballast::config::Config;
 use ballast::domain::breaker::SharedOp;
 use ballast::domain::{Clock, ManualClock, RecordState};
-use ballast::engine::{Engine, EngineOptions};
+use ballast::engine::{
+    Confirmations, Engine, EngineOptions, Enqueue, ProviderSync, Purger, Resumer, Scheduler,
+    SearchIndexer,
+};
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::{Backend, ConnectOptions, Db, RecordFilter};
 use serde_json::json;
@@ -137,7 +140,11 @@ async fn chaos_run(backend: Backend) {
     const N: i64 = 1000;
     for i in 0..N {
         engine
-            .enqueue("chain", Some(&format!("order-{i}")), json!({ "amount": i }))
+            .enqueue(Enqueue::new(
+                "chain",
+                Some(&format!("order-{i}")),
+                json!({ "amount": i }),
+            ))
             .await
             .unwrap();
     }
@@ -218,7 +225,7 @@ async fn postgres_enqueues_beside_the_engine_never_deadlock() {
             for i in 0..EACH {
                 let key = format!("t{task}-{i}");
                 engine
-                    .enqueue("chain", Some(&key), json!({ "amount": i }))
+                    .enqueue(Enqueue::new("chain", Some(&key), json!({ "amount": i })))
                     .await
                     .unwrap_or_else(|e| panic!("enqueue {key}: {e}"));
             }
@@ -275,7 +282,11 @@ async fn crash_and_resume(backend: Backend) {
     const N: i64 = 300;
     for i in 0..N {
         enqueuer
-            .enqueue("chain", Some(&format!("c-{i}")), json!({ "amount": i }))
+            .enqueue(Enqueue::new(
+                "chain",
+                Some(&format!("c-{i}")),
+                json!({ "amount": i }),
+            ))
             .await
             .unwrap();
     }
@@ -412,7 +423,7 @@ outputs = {{ id = "/id" }}
 pub(crate) async fn enqueue_n(engine: &Engine, pipeline: &str, n: usize) {
     for i in 0..n {
         engine
-            .enqueue(pipeline, Some(&format!("k-{i}")), json!({}))
+            .enqueue(Enqueue::new(pipeline, Some(&format!("k-{i}")), json!({})))
             .await
             .unwrap();
     }
@@ -573,12 +584,12 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "30s", pr
     for i in 0..25 {
         let input = json!({ "ref": format!("r{i}\r\nX-Admin: yes") });
         engine
-            .enqueue("pay", Some(&format!("bad-{i}")), input)
+            .enqueue(Enqueue::new("pay", Some(&format!("bad-{i}")), input))
             .await
             .unwrap();
     }
     engine
-        .enqueue("pay", Some("good"), json!({ "ref": "fine" }))
+        .enqueue(Enqueue::new("pay", Some("good"), json!({ "ref": "fine" })))
         .await
         .unwrap();
     drive_at_rest(&engine, &clock, 26, 50, 10_000).await;
@@ -684,13 +695,13 @@ poll = {{ path = "/jobs/{{{{ job_id | raw }}}}", every = "1s", deadline = "1m" }
     config.validate(&|v| std::env::var(v).ok()).unwrap();
     let (engine, clock) = manual_engine(&t.db, Arc::new(config), "p1").await;
     let encoded = engine
-        .enqueue("encoded", Some("e"), json!({}))
+        .enqueue(Enqueue::new("encoded", Some("e"), json!({})))
         .await
         .unwrap()
         .record
         .id;
     let raw = engine
-        .enqueue("raw", Some("r"), json!({}))
+        .enqueue(Enqueue::new("raw", Some("r"), json!({})))
         .await
         .unwrap()
         .record
@@ -833,7 +844,13 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
         "{by_provider:?}"
     );
     // Still open: nothing resumes.
-    assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Resumer::of(&engine)
+            .resume_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
     // An operator cancels one meanwhile; the others wait on.
     let cancelled = parked[0].id;
     ops.act(
@@ -851,11 +868,20 @@ breaker = { window = 20, min_calls = 10, failure_rate = 0.5, open_for = "1s", pr
     sim.outage(0, 1.0);
     let mut first_round = None;
     for _ in 0..400 {
-        let n = engine.resume_due(clock.now_ms()).await.unwrap();
+        let n = Resumer::of(&engine)
+            .resume_due(clock.now_ms())
+            .await
+            .unwrap();
         if n > 0 && first_round.is_none() {
             first_round = Some(n);
             // Asked again before those two made their probes: no more.
-            assert_eq!(engine.resume_due(clock.now_ms()).await.unwrap(), 0);
+            assert_eq!(
+                Resumer::of(&engine)
+                    .resume_due(clock.now_ms())
+                    .await
+                    .unwrap(),
+                0
+            );
         }
         drain(&engine).await;
         let done = t.db.state_counts().await.unwrap();
@@ -1089,7 +1115,7 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
     // both nodes have heartbeated and taken their half of the limit.
     let later = crate::helpers::wall_ms() + 600_000;
     for i in 0..2000 {
-        a.enqueue_at("pay", Some(&format!("k-{i}")), json!({}), later)
+        a.enqueue(Enqueue::new("pay", Some(&format!("k-{i}")), json!({})).at(later))
             .await
             .unwrap();
     }
@@ -1099,8 +1125,8 @@ async fn postgres_two_engines_share_the_work_and_the_limit() {
         (t.db.list_nodes().await.unwrap().len() == 2).then_some(())
     })
     .await;
-    a.sync_providers_once().await;
-    b.sync_providers_once().await;
+    ProviderSync::of(&a).sync_providers_once().await;
+    ProviderSync::of(&b).sync_providers_once().await;
     let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
     sqlx::query("UPDATE records SET next_run_at = $1 WHERE state = 'pending'")
         .bind(crate::helpers::wall_ms())
@@ -1228,7 +1254,7 @@ async fn paused_providers_get_no_calls() {
         .await
         .unwrap();
     // The engine learns of the pause as its provider sync would.
-    engine.sync_providers_once().await;
+    ProviderSync::of(&engine).sync_providers_once().await;
     enqueue_n(&engine, "pay", 10).await;
     // A minute of clock time: the records come due again and again.
     for _ in 0..12 {
@@ -1244,7 +1270,7 @@ async fn paused_providers_get_no_calls() {
     t.db.set_provider_pause("sim", false, "alice", None, clock.now_ms())
         .await
         .unwrap();
-    engine.sync_providers_once().await;
+    ProviderSync::of(&engine).sync_providers_once().await;
     drive_at_rest(&engine, &clock, 10, 1_000, 30_000).await;
     assert_eq!(sim.stats().requests, 10);
     let audit =
@@ -1306,7 +1332,10 @@ when = { status = "2xx", field = "/error", equals = "rate limited" }
 outcome = "throttled""#,
     );
     let (engine, clock) = manual_engine(&t.db, config, "t1").await;
-    let created = engine.enqueue("pay", Some("k"), json!({})).await.unwrap();
+    let created = engine
+        .enqueue(Enqueue::new("pay", Some("k"), json!({})))
+        .await
+        .unwrap();
     // Two seconds after each 429 the record is due again, not before.
     drain(&engine).await;
     assert_eq!(calls.load(Ordering::SeqCst), 1);
@@ -1385,7 +1414,9 @@ async fn a_throttle_pause_holds_every_node() {
         }
     };
     let (a, b) = (node("a").await, node("b").await);
-    a.enqueue("pay", Some("first"), json!({})).await.unwrap();
+    a.enqueue(Enqueue::new("pay", Some("first"), json!({})))
+        .await
+        .unwrap();
     drain(&a).await;
     assert_eq!(calls.load(Ordering::SeqCst), 1, "A was told to slow down");
     let kept = t.db.provider_state("sim").await.unwrap().unwrap();
@@ -1394,7 +1425,7 @@ async fn a_throttle_pause_holds_every_node() {
         Some(clock.now_ms() + 5_000),
         "A published the pause"
     );
-    b.sync_providers_once().await;
+    ProviderSync::of(&b).sync_providers_once().await;
     enqueue_n(&b, "pay", 5).await;
     // 4.9 s of the pause: B's records come due and are held, not called.
     for _ in 0..49 {
@@ -1667,29 +1698,23 @@ async fn a_waiting_claim_neither_blocks_dispatch_nor_strands_records(backend: Ba
     o.batch = 4;
     o.max_in_flight = 2;
     let engine = Engine::new(t.db.clone(), config, o).await.unwrap();
-    let items = |keys: &[&str]| -> Vec<(Option<String>, serde_json::Value)> {
+    let items = |keys: &[&str]| -> Vec<Enqueue> {
         keys.iter()
-            .map(|k| (Some((*k).to_owned()), json!({})))
+            .map(|k| Enqueue::new("pay", Some(k), json!({})))
             .collect()
     };
     let bound = Duration::from_secs(10);
-    engine.enqueue_many("pay", items(&["a"])).await.unwrap();
+    engine.enqueue_batch(items(&["a"])).await.unwrap();
     let stop = CancellationToken::new();
     let run = tokio::spawn({
         let (engine, stop) = (engine.clone(), stop.clone());
         async move { engine.run(stop, Duration::from_secs(5)).await }
     });
     let a = gate.next(bound, "A").await;
-    engine
-        .enqueue_many("pay", items(&["b", "c", "d"]))
-        .await
-        .unwrap();
+    engine.enqueue_batch(items(&["b", "c", "d"])).await.unwrap();
     engine.wake();
     let b = gate.next(bound, "B, in the second slot").await;
-    engine
-        .enqueue_many("pay", items(&["e", "f", "g"]))
-        .await
-        .unwrap();
+    engine.enqueue_batch(items(&["e", "f", "g"])).await.unwrap();
     let lock = WriteLock::take(&t, backend).await;
     a.release();
     let c = gate
@@ -1867,11 +1892,19 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "100ms", deadline = "1s" }
         .await
         .unwrap();
     let done = engine
-        .enqueue("job", Some("done"), json!({ "finish": "succeeded" }))
+        .enqueue(Enqueue::new(
+            "job",
+            Some("done"),
+            json!({ "finish": "succeeded" }),
+        ))
         .await
         .unwrap();
     let late = engine
-        .enqueue("job", Some("late"), json!({ "finish": "running" }))
+        .enqueue(Enqueue::new(
+            "job",
+            Some("late"),
+            json!({ "finish": "running" }),
+        ))
         .await
         .unwrap();
     let (stop, run) = run_in_background(&engine);
@@ -1993,9 +2026,9 @@ async fn postgres_claims_and_commits_use_indexes_whatever_the_statistics() {
     for chunk in (0..N).collect::<Vec<_>>().chunks(500) {
         let items = chunk
             .iter()
-            .map(|i| (Some(format!("p-{i}")), json!({})))
+            .map(|i| Enqueue::new("pay", Some(&format!("p-{i}")), json!({})))
             .collect();
-        engine.enqueue_many("pay", items).await.unwrap();
+        engine.enqueue_batch(items).await.unwrap();
     }
     let stop = CancellationToken::new();
     let run = tokio::spawn({
@@ -2156,7 +2189,10 @@ request = {{ path = "/d", body = '{{"record": {{{{ record.id }}}}, "a": {{{{ ste
     let engine = Engine::new(t.db.clone(), Arc::new(config), options("fan"))
         .await
         .unwrap();
-    let rec = engine.enqueue("fan", Some("one"), json!({})).await.unwrap();
+    let rec = engine
+        .enqueue(Enqueue::new("fan", Some("one"), json!({})))
+        .await
+        .unwrap();
     // Each round claims the record and runs every ready step of it.
     for _ in 0..5 {
         if engine.execute_next().await.unwrap() == 0 {
@@ -2294,11 +2330,13 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "1s", pro
     assert_eq!(sick.calls(), 5, "five failures trip A's window");
     let shared = t.db.provider_state("sim").await.unwrap().unwrap();
     assert_eq!(shared.breaker, BreakerState::Open, "A opened the cluster's");
-    b.sync_providers_once().await;
+    ProviderSync::of(&b).sync_providers_once().await;
     assert_eq!(b.provider_live("sim").unwrap().breaker, BreakerState::Open);
     for i in 0..5 {
         let key = format!("b{i}");
-        b.enqueue("pay", Some(&key), json!({})).await.unwrap();
+        b.enqueue(Enqueue::new("pay", Some(&key), json!({})))
+            .await
+            .unwrap();
     }
     // 0.9 s of the open second: B runs every due record and calls nothing.
     for _ in 0..9 {
@@ -2330,7 +2368,7 @@ breaker = { window = 10, min_calls = 5, failure_rate = 0.5, open_for = "1s", pro
     // Both resume. (Running nodes learn it from the store's notification;
     // these are driven by hand, so they read it with their provider sync.)
     for node in [&a, &b] {
-        node.sync_providers_once().await;
+        ProviderSync::of(node).sync_providers_once().await;
         assert_eq!(
             node.provider_live("sim").unwrap().breaker,
             BreakerState::Closed
@@ -2415,7 +2453,7 @@ async fn sqlite_nodes_see_a_pause_at_their_next_claim() {
     let engine = Engine::with_clock(t.db.clone(), config, o, Arc::new(clock.clone()))
         .await
         .unwrap();
-    engine.sync_providers_once().await;
+    ProviderSync::of(&engine).sync_providers_once().await;
     t.db.set_provider_pause("sim", true, "alice", None, clock.now_ms())
         .await
         .unwrap();
@@ -2586,12 +2624,12 @@ async fn three_nodes_hold_the_limits_and_the_cap_as_one() {
         let engine = Engine::new(db, config.clone(), options(name))
             .await
             .unwrap();
-        engine.sync_providers_once().await;
+        ProviderSync::of(&engine).sync_providers_once().await;
         nodes.push(engine);
     }
     for n in &nodes {
         // Each sees the other two (grants are sized by the live nodes).
-        n.sync_providers_once().await;
+        ProviderSync::of(n).sync_providers_once().await;
     }
     let runs: Vec<_> = nodes.iter().map(run_in_background).collect();
     enqueue_n(&nodes[0], "pay", 45).await;
@@ -2660,11 +2698,11 @@ async fn three_nodes_use_a_cap_equal_to_their_need_in_full() {
         o.batch = per_node as u32;
         o.provider_sync = Duration::from_secs(3_600);
         let engine = Engine::new(db, config.clone(), o).await.unwrap();
-        engine.sync_providers_once().await;
+        ProviderSync::of(&engine).sync_providers_once().await;
         nodes.push(engine);
     }
     for n in &nodes {
-        n.sync_providers_once().await;
+        ProviderSync::of(n).sync_providers_once().await;
     }
     let runs: Vec<_> = nodes.iter().map(run_in_background).collect();
     // More than the rounds take, so no node runs out of work.
@@ -2795,12 +2833,9 @@ async fn a_backlog_does_not_starve_another_group(backend: Backend) {
     for chunk in (0..X).collect::<Vec<_>>().chunks(1_000) {
         let items = chunk
             .iter()
-            .map(|i| (Some(format!("x-{i}")), json!({})))
+            .map(|i| Enqueue::new("pay", Some(&format!("x-{i}")), json!({})).in_group(Some("x")))
             .collect();
-        engine
-            .enqueue_many_in("pay", Some("x"), items)
-            .await
-            .unwrap();
+        engine.enqueue_batch(items).await.unwrap();
     }
     const BOUND: usize = 3 * 100 + 50 + 32;
     let succeeded = |db: Db| async move {
@@ -2819,10 +2854,10 @@ async fn a_backlog_does_not_starve_another_group(backend: Backend) {
     })
     .await;
     let items = (0..100)
-        .map(|i| (Some(format!("y-{i}")), json!({})))
+        .map(|i| Enqueue::new("pay", Some(&format!("y-{i}")), json!({})).in_group(Some("y")))
         .collect();
     let y: Vec<i64> = engine
-        .enqueue_many_in("pay", Some("y"), items)
+        .enqueue_batch(items)
         .await
         .unwrap()
         .iter()
@@ -2988,13 +3023,16 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "20ms", deadline = "30s" }
     let engine = Engine::new(t.db.clone(), Arc::new(config), options("redirects"))
         .await
         .unwrap();
-    let charge = engine.enqueue("pay", Some("c"), json!({})).await.unwrap();
+    let charge = engine
+        .enqueue(Enqueue::new("pay", Some("c"), json!({})))
+        .await
+        .unwrap();
     let near = engine
-        .enqueue("job", Some("near"), json!({ "job": "near" }))
+        .enqueue(Enqueue::new("job", Some("near"), json!({ "job": "near" })))
         .await
         .unwrap();
     let far = engine
-        .enqueue("job", Some("far"), json!({ "job": "far" }))
+        .enqueue(Enqueue::new("job", Some("far"), json!({ "job": "far" })))
         .await
         .unwrap();
     let (stop, run) = run_in_background(&engine);
@@ -3116,7 +3154,7 @@ request = {{ method = "POST", path = "{path}", body = '{{}}' }}
     for p in ["ok", "bomb", "raw"] {
         ids.push(
             engine
-                .enqueue(p, Some(p), json!({}))
+                .enqueue(Enqueue::new(p, Some(p), json!({})))
                 .await
                 .unwrap()
                 .record
@@ -3290,7 +3328,9 @@ outputs = {{ echo = "/echo" }}
             let mut ids = Vec::new();
             for n in keys {
                 let key = format!("r{n}");
-                let r = engine.enqueue("pay", Some(&key), json!({ "n": n })).await;
+                let r = engine
+                    .enqueue(Enqueue::new("pay", Some(&key), json!({ "n": n })))
+                    .await;
                 ids.push(r.unwrap().record.id);
             }
             ids
@@ -3536,7 +3576,7 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     for k in ["k-0", "k-1"] {
         ids.push(
             engine
-                .enqueue("pay", Some(k), json!({}))
+                .enqueue(Enqueue::new("pay", Some(k), json!({})))
                 .await
                 .unwrap()
                 .record
@@ -3550,14 +3590,26 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     }
     // The first confirmation (30 s on) says the charge stands.
     clock.advance(30_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        2
+    );
     for id in &ids {
         let r = t.db.get_record(*id).await.unwrap().unwrap();
         assert_eq!(r.state, RecordState::Succeeded);
     }
     // The second (60 s on): `k-0`'s charge was declined since.
     clock.advance(30_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        2
+    );
     let declined = t.db.get_record(ids[0]).await.unwrap().unwrap();
     assert_eq!(
         (declined.state, declined.error_code.as_deref()),
@@ -3584,7 +3636,13 @@ confirm = {{ after = "30s", times = 2, path = "/v1/charges/{{{{ output.id }}}}" 
     assert_eq!(kept.state, RecordState::Succeeded);
     // Two confirmations each, and no more.
     clock.advance(300_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
 }
 
 /// A provider that changes its mind after a polled success is noticed
@@ -3652,7 +3710,7 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
         ids.insert(
             p,
             engine
-                .enqueue(p, Some(p), json!({}))
+                .enqueue(Enqueue::new(p, Some(p), json!({})))
                 .await
                 .unwrap()
                 .record
@@ -3676,10 +3734,22 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     let succeeded_at = clock.now_ms();
     // Not before its time (30 s after `render` succeeded, a second ago).
     clock.advance(28000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
     // 30 s after success: each job is asked again, and now says failed.
     clock.advance(1000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 3);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        3
+    );
     let reversed_at = |id: i64| {
         let db = t.db.clone();
         async move {
@@ -3772,11 +3842,20 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
     }
     for _ in 0..2 {
         clock.advance(30000);
-        assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 2);
+        assert_eq!(
+            Confirmations::of(&engine)
+                .confirm_due(clock.now_ms())
+                .await
+                .unwrap(),
+            2
+        );
     }
     clock.advance(30000);
     assert_eq!(
-        engine.confirm_due(clock.now_ms()).await.unwrap(),
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
         0,
         "two each, then none"
     );
@@ -3832,7 +3911,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     let (engine, clock) = manual_engine(&t.db, Arc::new(config), "s1").await;
     for n in 0..20 {
         engine
-            .enqueue("pay", Some(&format!("r{n}")), json!({}))
+            .enqueue(Enqueue::new("pay", Some(&format!("r{n}")), json!({})))
             .await
             .unwrap();
     }
@@ -3943,14 +4022,17 @@ on_reversal = "record"
     for n in 0..N {
         let pipeline = if n % 2 == 0 { "pay" } else { "render" };
         engine
-            .enqueue(pipeline, Some(&format!("k{n}")), json!({}))
+            .enqueue(Enqueue::new(pipeline, Some(&format!("k{n}")), json!({})))
             .await
             .unwrap();
     }
     // Ten simulated minutes in steps of 250 ms: passes and confirmations.
     for _ in 0..2_400 {
         drain(&engine).await;
-        engine.confirm_due(clock.now_ms()).await.unwrap();
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap();
         clock.advance(250);
     }
     let records = crate::helpers::all_records(&t.db, None).await;
@@ -4139,7 +4221,7 @@ async fn a_call_whose_lease_was_lost_stays_uncertain_and_is_not_resent() {
     let config = single_step_patient(&sick.url, "at_most_once = true");
     let (engine, clock) = manual_engine(&t.db, config, "m1").await;
     let id = engine
-        .enqueue("pay", Some("lost"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("lost"), json!({})))
         .await
         .unwrap()
         .record
@@ -4208,7 +4290,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let config = single_step(&base, &format!("at_most_once = true\n{retry}"));
     let (engine, clock) = manual_engine(&t.db, config, "m1").await;
     let live = engine
-        .enqueue("pay", Some("live"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("live"), json!({})))
         .await
         .unwrap()
         .record
@@ -4255,7 +4337,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     // A node wrote a call down, sent it, and died before its reply: the
     // next pass finds the intent open.
     let crashed = engine
-        .enqueue("pay", Some("crashed"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("crashed"), json!({})))
         .await
         .unwrap()
         .record
@@ -4302,7 +4384,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     let (base2, charges2, _) = charging_then_stalling(None).await;
     let (plain, clock2) = manual_engine(&t2.db, single_step(&base2, retry), "m2").await;
     let id = plain
-        .enqueue("pay", Some("plain"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("plain"), json!({})))
         .await
         .unwrap()
         .record
@@ -4327,7 +4409,7 @@ async fn at_most_once_calls_are_written_before_and_never_resent_blindly() {
     // stopped mid-call): the call is still read into the history, as an
     // uncertain attempt spent, and the step goes on as now configured.
     let left = plain
-        .enqueue("pay", Some("left"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("left"), json!({})))
         .await
         .unwrap()
         .record
@@ -4501,7 +4583,7 @@ async fn a_request_step_that_took_effect_goes_on_with_the_operators_outputs() {
     let config = Arc::new(config);
     let (engine, clock) = manual_engine(&t.db, config.clone(), "t1").await;
     let id = engine
-        .enqueue("pay", Some("p-1"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("p-1"), json!({})))
         .await
         .unwrap()
         .record
@@ -4660,7 +4742,10 @@ outcome = "unknown"
     let (engine, clock) = manual_engine(&t.db, Arc::new(config), "a1").await;
     let mut ids = Vec::new();
     for pipeline in ["gateway", "busy", "plain"] {
-        let r = engine.enqueue(pipeline, None, json!({})).await.unwrap();
+        let r = engine
+            .enqueue(Enqueue::new(pipeline, None, json!({})))
+            .await
+            .unwrap();
         ids.push((pipeline, r.record.id));
     }
     for _ in 0..10 {
@@ -4733,7 +4818,7 @@ outputs = {{ job = "/result/job" }}
     let mut ids = HashMap::new();
     for mode in ["took", "lost"] {
         let r = engine
-            .enqueue("render", Some(mode), json!({ "mode": mode }))
+            .enqueue(Enqueue::new("render", Some(mode), json!({ "mode": mode })))
             .await
             .unwrap();
         ids.insert(mode, r.record.id);
@@ -4798,12 +4883,16 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     let (a, ca) = manual_engine_at(&t.db, config.clone(), "sa", start).await;
     let (b, cb) = manual_engine_at(&t.db, config.clone(), "sb", start).await;
     let fire_both = || async {
-        let (x, y) = tokio::join!(a.fire_schedules(ca.now_ms()), b.fire_schedules(cb.now_ms()));
+        let (sa, sb) = (Scheduler::of(&a), Scheduler::of(&b));
+        let (x, y) = tokio::join!(
+            sa.fire_schedules(ca.now_ms()),
+            sb.fire_schedules(cb.now_ms())
+        );
         x.unwrap().created + y.unwrap().created
     };
     // New: begins now, fires nothing of the past.
     assert_eq!(fire_both().await, 0);
-    let first = a.fire_schedules(ca.now_ms()).await.unwrap();
+    let first = Scheduler::of(&a).fire_schedules(ca.now_ms()).await.unwrap();
     assert_eq!(first.next, Some(start + 30_000));
     for i in 1..=10 {
         ca.advance(minute as u64);
@@ -4844,7 +4933,7 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     // Every node down for an hour: ticks 11..=69 were missed, and the
     // latest of them fires once beside tick 70, which is on time.
     let (c, cc) = manual_engine_at(&t.db, config, "sc", ca.now_ms() + 60 * minute).await;
-    let fired = c.fire_schedules(cc.now_ms()).await.unwrap();
+    let fired = Scheduler::of(&c).fire_schedules(cc.now_ms()).await.unwrap();
     assert_eq!(fired.created, 2);
     let mut want = keyed(1, 10);
     want.extend(keyed(69, 70));
@@ -4854,10 +4943,24 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
     let changed = toml.replace("0 * * * * *", "30 * * * * *");
     let config = Arc::new(Config::parse(&changed, Path::new("schedule.toml")).unwrap());
     let (d, cd) = manual_engine_at(&t.db, config, "sd", cc.now_ms() + 10 * minute).await;
-    assert_eq!(d.fire_schedules(cd.now_ms()).await.unwrap().created, 0);
+    assert_eq!(
+        Scheduler::of(&d)
+            .fire_schedules(cd.now_ms())
+            .await
+            .unwrap()
+            .created,
+        0
+    );
     assert_eq!(t.db.schedules().await.unwrap()[0].cron, "30 * * * * *");
     cd.advance(minute as u64);
-    assert_eq!(d.fire_schedules(cd.now_ms()).await.unwrap().created, 1);
+    assert_eq!(
+        Scheduler::of(&d)
+            .fire_schedules(cd.now_ms())
+            .await
+            .unwrap()
+            .created,
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -4974,7 +5077,11 @@ outcome = "fail"
     clock.advance(20 * 60_000);
     let would = dry(clock.now_ms()).await;
     assert_eq!((would.records, would.stripped), (0, 7), "{would:?}");
-    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    let run = Purger::of(&engine)
+        .purge_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(run.total(), would);
     let attempt = &t.db.attempts(succeeded).await.unwrap()[0];
     assert_eq!((&attempt.excerpt, &attempt.request), (&None, &None));
@@ -5006,7 +5113,7 @@ outcome = "fail"
             .await
             .unwrap()
     );
-    assert_eq!(engine.purge_once(now).await.unwrap(), None);
+    assert_eq!(Purger::of(&engine).purge_once(now).await.unwrap(), None);
     assert!(
         !t.db
             .take_task_lease("purge", "third", now + 1_000, now)
@@ -5014,7 +5121,11 @@ outcome = "fail"
             .unwrap()
     );
     clock.advance(1_000);
-    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    let run = Purger::of(&engine)
+        .purge_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(run.total(), would);
     assert_eq!(
         run.pipelines["pay"].by_state,
@@ -5057,7 +5168,11 @@ outcome = "fail"
     assert_eq!(detail["bad"]["records"], 4);
     // Nothing left to do: no run, no entry.
     clock.advance(60_000);
-    let run = engine.purge_once(clock.now_ms()).await.unwrap().unwrap();
+    let run = Purger::of(&engine)
+        .purge_once(clock.now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(run.total().is_empty());
     assert_eq!(purges().await.len(), 2);
     sim.stop();
@@ -5110,7 +5225,7 @@ outcome = "fail"
     for (key, input) in [("k-0", olga), ("k-1", ana), ("k-2", office)] {
         ids.push(
             engine
-                .enqueue("pay", Some(key), input)
+                .enqueue(Enqueue::new("pay", Some(key), input))
                 .await
                 .unwrap()
                 .record
@@ -5118,17 +5233,15 @@ outcome = "fail"
         );
     }
     let failing = engine
-        .enqueue("bad", Some("b-0"), json!({"plan": "gold"}))
+        .enqueue(Enqueue::new("bad", Some("b-0"), json!({"plan": "gold"})))
         .await
         .unwrap()
         .record
         .id;
     let held = engine
-        .enqueue_at(
-            "pay",
-            Some("k-3"),
-            json!({"city": "Lisbon"}),
-            clock.now_ms() + 86_400_000,
+        .enqueue(
+            Enqueue::new("pay", Some("k-3"), json!({"city": "Lisbon"}))
+                .at(clock.now_ms() + 86_400_000),
         )
         .await
         .unwrap()
@@ -5161,7 +5274,7 @@ outcome = "fail"
         clock.advance(ballast::domain::search::LAG_MS as u64);
         let mut total = 0;
         loop {
-            let turn = engine
+            let turn = SearchIndexer::of(engine)
                 .index_search_once(clock.now_ms())
                 .await
                 .unwrap()
@@ -5214,7 +5327,13 @@ outcome = "fail"
     assert_eq!(t.db.search_progress().await.unwrap(), top);
     // Another node does not index while this one holds the lease.
     let (other, _) = manual_engine(&t.db, config.clone(), "s2").await;
-    assert_eq!(other.index_search_once(clock.now_ms()).await.unwrap(), None);
+    assert_eq!(
+        SearchIndexer::of(&other)
+            .index_search_once(clock.now_ms())
+            .await
+            .unwrap(),
+        None
+    );
     // A record that changes is indexed again: the parked one, resumed and
     // cancelled with a new reason.
     ops.act(
@@ -5305,19 +5424,19 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
     let (engine, clock) = manual_engine(&t.db, config.clone(), "s1").await;
     let later = clock.now_ms() + 86_400_000;
     let slow = engine
-        .enqueue_at("pay", Some("slow"), json!({"w": "first"}), later)
+        .enqueue(Enqueue::new("pay", Some("slow"), json!({"w": "first"})).at(later))
         .await
         .unwrap()
         .record
         .id;
     let fast = engine
-        .enqueue_at("pay", Some("fast"), json!({"w": "second"}), later)
+        .enqueue(Enqueue::new("pay", Some("fast"), json!({"w": "second"})).at(later))
         .await
         .unwrap()
         .record
         .id;
     // Too new to be read yet: a record's burst of events is read at once.
-    let turn = engine
+    let turn = SearchIndexer::of(&engine)
         .index_search_once(clock.now_ms())
         .await
         .unwrap()
@@ -5352,7 +5471,7 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
         .await
         .unwrap();
     clock.advance(ballast::domain::search::LAG_MS as u64);
-    let turn = engine
+    let turn = SearchIndexer::of(&engine)
         .index_search_once(clock.now_ms())
         .await
         .unwrap()
@@ -5370,7 +5489,7 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
     assert_eq!(found("zebra").await, Vec::<i64>::new());
     let stored = t.db.search_progress().await.unwrap();
     tx.commit().await.unwrap();
-    let turn = engine
+    let turn = SearchIndexer::of(&engine)
         .index_search_once(clock.now_ms())
         .await
         .unwrap()
@@ -5385,7 +5504,8 @@ async fn postgres_word_search_indexes_an_event_committed_late() {
     let (next, _) = manual_engine(&t.db, config, "s2").await;
     clock.advance(120_000);
     assert_eq!(
-        next.index_search_once(clock.now_ms())
+        SearchIndexer::of(&next)
+            .index_search_once(clock.now_ms())
             .await
             .unwrap()
             .unwrap()
@@ -5417,15 +5537,15 @@ async fn a_version_this_node_cannot_run(backend: Backend) {
     const T0: i64 = 1_800_000_000_000;
     let (a, _) = manual_engine_at(&t.db, config(&with), "a", T0).await;
     let id = a
-        .enqueue("pay", Some("k"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("k"), json!({})))
         .await
         .unwrap()
         .record
         .id;
     let (b, clock) = manual_engine_at(&t.db, config(&without), "b", T0).await;
     assert_ne!(
-        a.current_version("pay"),
-        b.current_version("pay"),
+        a.versions().current("pay"),
+        b.versions().current("pay"),
         "two versions"
     );
     drain(&b).await;
@@ -5575,7 +5695,11 @@ confirm = {{ after = "10s", times = 1, path = "/v1/charges/{{{{ output.id }}}}" 
     let down_at = clock.now_ms();
     let mut asked = 0;
     for _ in 0..100 {
-        match engine.confirm_due(clock.now_ms()).await.unwrap() {
+        match Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap()
+        {
             0 => break,
             n => asked += n,
         }
@@ -5596,12 +5720,22 @@ confirm = {{ after = "10s", times = 1, path = "/v1/charges/{{{{ output.id }}}}" 
     assert!(shared.is_some_and(|s| s >= down_at + 30_000), "{shared:?}");
     // Within the pause nothing is due; after it, every confirmation asks.
     clock.advance(29_000);
-    assert_eq!(engine.confirm_due(clock.now_ms()).await.unwrap(), 0);
+    assert_eq!(
+        Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap(),
+        0
+    );
     m.down.store(false, Ordering::SeqCst);
     clock.advance(1_000);
     let mut confirmed = 0;
     for _ in 0..100 {
-        match engine.confirm_due(clock.now_ms()).await.unwrap() {
+        match Confirmations::of(&engine)
+            .confirm_due(clock.now_ms())
+            .await
+            .unwrap()
+        {
             0 => break,
             n => confirmed += n,
         }

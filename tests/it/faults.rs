@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use ballast::domain::Role;
+use ballast::engine::Enqueue;
 use ballast::store::{ConnectOptions, Db};
 use serde_json::{Value, json};
 
@@ -550,7 +551,11 @@ outputs = {{ id = "/id", output = "/output" }}
     const N: i64 = 32;
     for n in 0..N {
         engine
-            .enqueue("junk", Some(&format!("g-{n}")), json!({ "n": n }))
+            .enqueue(Enqueue::new(
+                "junk",
+                Some(&format!("g-{n}")),
+                json!({ "n": n }),
+            ))
             .await
             .unwrap();
     }

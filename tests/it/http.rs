@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use ballast::config::{Config, DatabaseUrl};
+use ballast::engine::Enqueue;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestDb, http_get, http_post};
@@ -143,7 +144,7 @@ outputs = {{ id = "/id", amount = "/amount" }}
     )
     .await
     .unwrap()
-    .enqueue("pay", Some("p-1"), serde_json::json!({}))
+    .enqueue(Enqueue::new("pay", Some("p-1"), serde_json::json!({})))
     .await
     .unwrap()
     .record
@@ -315,11 +316,11 @@ on_reversal = "park"
     .unwrap();
     const N: i64 = 40;
     for i in 0..N {
-        enq.enqueue(
+        enq.enqueue(Enqueue::new(
             "render",
             Some(&format!("v-{i}")),
             serde_json::json!({ "hook": hook }),
-        )
+        ))
         .await
         .unwrap();
     }

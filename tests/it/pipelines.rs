@@ -13,6 +13,7 @@ use axum::routing::post;
 use ballast::config::Config;
 use ballast::domain::{RecordState, Role, StepState};
 use ballast::engine::stats::RUN_BUCKETS_MS;
+use ballast::engine::{Enqueue, StatsFlusher};
 use ballast::store::Backend;
 use serde_json::{Value, json};
 
@@ -140,7 +141,9 @@ async fn twelve_at_rest(test: &str) -> Option<AtRest> {
     let mut ids = Vec::new();
     for n in 0..total {
         let key = format!("k-{n}");
-        let created = engine.enqueue("fan", Some(&key), json!({"n": n})).await;
+        let created = engine
+            .enqueue(Enqueue::new("fan", Some(&key), json!({"n": n})))
+            .await;
         ids.push(created.unwrap().record.id);
     }
     let before = app.text("/pipelines", Some(&login)).await;
@@ -149,7 +152,7 @@ async fn twelve_at_rest(test: &str) -> Option<AtRest> {
         "{before}"
     );
     crate::engine::drive_at_rest(&engine, &clock, total, 500, 60_000).await;
-    engine.flush_stats_now().await;
+    StatsFlusher::of(&engine).flush().await;
     Some(AtRest {
         app,
         login,

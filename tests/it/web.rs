@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use ballast::config::Config;
 use ballast::domain::{Clock, ManualClock, OperatorAction, Outcome, Role, SystemClock};
+use ballast::engine::Enqueue;
 use ballast::store::{ActionRequest, Backend, NewAttempt, NewRecord, NewUser};
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
@@ -2447,7 +2448,7 @@ async fn a_request_step_took_effect_with_outputs_given_on_the_page() {
     let (engine, _clock) =
         crate::engine::manual_engine_at(&app.t.db, std::sync::Arc::new(config), "wt", ahead).await;
     let id = engine
-        .enqueue("pay", Some("t-1"), json!({}))
+        .enqueue(Enqueue::new("pay", Some("t-1"), json!({})))
         .await
         .unwrap()
         .record

@@ -225,7 +225,10 @@ async fn pipelines(
     let mut pipelines = Vec::with_capacity(config.pipelines.len());
     for (i, (name, p)) in config.pipelines.iter().enumerate() {
         let mut v = view(name, p, i, &runs, &counts);
-        let current = state.engine.as_ref().and_then(|e| e.current_version(name));
+        let current = state
+            .engine
+            .as_ref()
+            .and_then(|e| e.versions().current(name));
         v.versions = state
             .db
             .pipeline_versions(Some(name), VERSIONS_SHOWN)

@@ -256,7 +256,11 @@ async fn enqueue(
     crate::engine::check_group(group.as_deref())
         .map_err(|e| bad("invalid_group", e.to_string()))?;
     let created = engine
-        .enqueue_in_at(&form.pipeline, group.as_deref(), key.as_deref(), input, due)
+        .enqueue(
+            crate::engine::Enqueue::new(&form.pipeline, key.as_deref(), input)
+                .in_group(group.as_deref())
+                .at(due),
+        )
         .await?;
     tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued on the dashboard");
     Ok(Redirect::to(&format!("/records/{}", created.record.id)).into_response())
@@ -667,7 +671,7 @@ fn replay_steps(
     if let Some(p) = state
         .engine
         .as_ref()
-        .and_then(|e| e.pipeline(&rec.pipeline))
+        .and_then(|e| e.versions().pipeline(&rec.pipeline))
     {
         for s in &p.steps {
             if !names.contains(&s.name) {
@@ -689,7 +693,12 @@ async fn took_outputs(
     let run = steps
         .iter()
         .find(|s| rec.step.as_deref() == Some(s.step.as_str()) && s.job_id.is_none())?;
-    let step = state.engine.as_ref()?.step_of(rec, &run.step).await?;
+    let step = state
+        .engine
+        .as_ref()?
+        .versions()
+        .step_of(rec, &run.step)
+        .await?;
     if !matches!(step.kind, crate::pipeline::StepKind::Request) {
         return None;
     }
@@ -745,7 +754,7 @@ async fn record_page_at(
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
     let shape = match &state.engine {
-        Some(e) => e.graph_of(&rec).await,
+        Some(e) => e.versions().graph_of(&rec).await,
         None => Vec::new(),
     };
     let graph = step_graph(&rec, &shape, &steps);
@@ -760,7 +769,7 @@ async fn record_page_at(
     let current = state
         .engine
         .as_ref()
-        .and_then(|e| e.current_version(&rec.pipeline));
+        .and_then(|e| e.versions().current(&rec.pipeline));
     let replay_steps = replay_steps(state, &rec, shape, &steps, current);
     // "It took effect" only where a call's outcome is uncertain: a job
     // step names its job, a request step its outputs (a JSON object with
