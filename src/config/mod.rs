@@ -2,6 +2,7 @@
 //! environment variables, strict about unknown keys, quiet about secrets.
 
 mod duration;
+mod env;
 pub mod pipeline;
 pub mod provider;
 
@@ -482,103 +483,6 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
 }
 
-/// Sets one setting from its environment variable's value; why not, when
-/// the value does not parse.
-type Setter = fn(&mut Config, &str) -> Result<(), String>;
-
-/// The `BALLAST_SERVER_*` variables (and the server's secrets), in the
-/// order they are applied.
-const SERVER_ENV: [(&str, Setter); 10] = [
-    ("BALLAST_ADMIN_PASSWORD", |c, v| {
-        crate::auth::password::check_policy(v).map_err(|e| e.to_string())?;
-        c.server.admin_password = Some(Secret::new(v));
-        Ok(())
-    }),
-    ("BALLAST_SERVER_SECURE_COOKIES", |c, v| {
-        c.server.secure_cookies = v
-            .parse()
-            .map_err(|_| format!("invalid boolean `{v}`, expected true or false"))?;
-        Ok(())
-    }),
-    ("BALLAST_SERVER_SESSION_TTL", |c, v| {
-        c.server.session_ttl = HumanDuration(parse_duration(v)?);
-        Ok(())
-    }),
-    ("BALLAST_SERVER_SESSION_IDLE", |c, v| {
-        c.server.session_idle = HumanDuration(parse_duration(v)?);
-        Ok(())
-    }),
-    ("BALLAST_SERVER_TRUSTED_PROXIES", |c, v| {
-        c.server.trusted_proxies = v
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(|s| s.parse().map_err(|_| format!("invalid IP address `{s}`")))
-            .collect::<Result<_, _>>()?;
-        Ok(())
-    }),
-    ("BALLAST_SECRET_KEY", |c, v| {
-        c.server.secret_key = Some(Secret::new(v));
-        Ok(())
-    }),
-    ("BALLAST_METRICS_TOKEN", |c, v| {
-        c.server.metrics_token = Some(Secret::new(v));
-        Ok(())
-    }),
-    ("BALLAST_SERVER_BIND", |c, v| {
-        c.server.bind = v
-            .parse()
-            .map_err(|_| format!("invalid address `{v}`, expected e.g. 127.0.0.1:8080"))?;
-        Ok(())
-    }),
-    ("BALLAST_SERVER_PUBLIC_URL", |c, v| {
-        c.server.public_url = Some(v.to_owned());
-        Ok(())
-    }),
-    ("BALLAST_SERVER_SHUTDOWN_GRACE", |c, v| {
-        c.server.shutdown_grace = HumanDuration(parse_duration(v)?);
-        Ok(())
-    }),
-];
-
-/// The `BALLAST_DATABASE_*` variables, applied after the server's.
-const DATABASE_ENV: [(&str, Setter); 4] = [
-    ("BALLAST_DATABASE_URL", |c, v| {
-        c.database.url = DatabaseUrl::new(v);
-        Ok(())
-    }),
-    ("BALLAST_DATABASE_MAX_CONNECTIONS", |c, v| {
-        c.database.max_connections = v.parse().map_err(|_| format!("invalid number `{v}`"))?;
-        Ok(())
-    }),
-    ("BALLAST_DATABASE_ACQUIRE_TIMEOUT", |c, v| {
-        c.database.acquire_timeout = HumanDuration(parse_duration(v)?);
-        Ok(())
-    }),
-    ("BALLAST_DATABASE_BUSY_TIMEOUT", |c, v| {
-        c.database.busy_timeout = HumanDuration(parse_duration(v)?);
-        Ok(())
-    }),
-];
-
-/// The `BALLAST_TRACES_*` variables, applied last.
-const TRACES_ENV: [(&str, Setter); 3] = [
-    ("BALLAST_TRACES_ENDPOINT", |c, v| {
-        c.traces.endpoint = Some(v.to_owned()).filter(|v| !v.is_empty());
-        Ok(())
-    }),
-    ("BALLAST_TRACES_SERVICE_NAME", |c, v| {
-        c.traces.service_name = Some(v.to_owned());
-        Ok(())
-    }),
-    ("BALLAST_TRACES_SAMPLE", |c, v| {
-        c.traces.sample = v
-            .parse()
-            .map_err(|_| format!("invalid number `{v}`, expected 0 to 1"))?;
-        Ok(())
-    }),
-];
-
 /// Where the configuration came from, for `check-config`.
 #[derive(Debug, Clone)]
 pub struct Loaded {
@@ -625,7 +529,7 @@ impl Config {
             }
             None => Config::default(),
         };
-        let applied = config.apply_env(env)?;
+        let applied = env::apply(&mut config, env)?;
         config.validate(env)?;
         Ok(Loaded {
             config,
@@ -647,26 +551,6 @@ impl Config {
                 message: e.message().trim().to_owned(),
             }
         })
-    }
-
-    /// Applies each variable of [`SERVER_ENV`], [`DATABASE_ENV`] and
-    /// [`TRACES_ENV`] that `env` sets, in that order: the names of those
-    /// applied, or the first one that does not parse.
-    fn apply_env(
-        &mut self,
-        env: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Vec<String>, ConfigError> {
-        let mut applied = Vec::new();
-        for (var, set) in SERVER_ENV.iter().chain(&DATABASE_ENV).chain(&TRACES_ENV) {
-            if let Some(value) = env(var) {
-                set(self, &value).map_err(|message| ConfigError::Env {
-                    var: (*var).to_owned(),
-                    message,
-                })?;
-                applied.push((*var).to_owned());
-            }
-        }
-        Ok(applied)
     }
 
     /// Checks everything but the pipelines, which `pipeline::compile` checks
