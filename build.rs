@@ -2,7 +2,8 @@
 //! become one list per backend in `$OUT_DIR/migrations.rs`, read by
 //! `store::migrate`. A new migration is a new pair of files in each
 //! backend's folder; the build stops when the two folders disagree on the
-//! versions or a file lacks its other half.
+//! versions, or a `.sql` file is misnamed or lacks its other half (other
+//! files there are ignored).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -19,6 +20,9 @@ fn migrations(dir: &Path) -> BuildResult<Found> {
     for entry in std::fs::read_dir(dir)? {
         let file = entry?.file_name();
         let file = file.to_string_lossy();
+        if !file.ends_with(".sql") {
+            continue;
+        }
         let stem = file
             .strip_suffix(".up.sql")
             .or_else(|| file.strip_suffix(".down.sql"))

@@ -1,6 +1,6 @@
 //! What a provider's reversal of a result already handled does to a
-//! record, decided from the record's state and the provider's policy; the
-//! store applies the decision under the record's lock.
+//! record, decided from the record's state and the step's `on_reversal`
+//! policy; the store applies the decision under the record's lock.
 
 use super::{RecordState, ReversalPolicy, TransitionError, Trigger, transition};
 

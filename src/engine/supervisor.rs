@@ -1,7 +1,9 @@
 //! The background loops beside the dispatch loop, started and stopped in
 //! one place. Each loop is a type of its own module implementing
 //! [`Loop`]; a new one is its module plus one line in
-//! [`Supervisor::start`], whose order is the order they start and stop in.
+//! [`Supervisor::start`], whose order is the order they start in and, but
+//! for the [`Stop::Last`] ones (stopped after the node's hand-back), the
+//! order they stop in.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,6 +1,7 @@
 //! Records as the pages, the API and the operators see them: enqueue,
-//! read, list and find, and the changes an operator decides (an action, a
-//! reversal, a resume) applied under the record's lock.
+//! read, list and find; and the changes the domain decides for them (an
+//! operator's action, a provider's reversal, the system's resume of a
+//! parked record) applied under the record's lock.
 
 use serde_json::Value;
 use sqlx::types::Json;
