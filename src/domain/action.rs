@@ -40,6 +40,31 @@ pub struct ActionRequest {
     pub repin: Option<i64>,
 }
 
+impl ActionRequest {
+    /// `action` on record `record_id` by `actor` at `now`, with nothing
+    /// else (no steps, condition, outputs, input or version).
+    pub fn new(
+        record_id: i64,
+        action: OperatorAction,
+        actor: &str,
+        reason: Option<String>,
+        now: UnixMs,
+    ) -> Self {
+        ActionRequest {
+            record_id,
+            action,
+            actor: actor.to_owned(),
+            reason,
+            now,
+            steps: Vec::new(),
+            until: None,
+            took: None,
+            input: None,
+            repin: None,
+        }
+    }
+}
+
 /// A record's input replaced by an operator's retry or replay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InputEdit {
@@ -147,18 +172,13 @@ pub fn resume_due<'a>(
             format!("parked {until}: provider `{provider}` takes calls again")
         }
     };
-    let request = ActionRequest {
-        record_id: rec.id,
-        action: OperatorAction::Resume,
-        actor: super::SYSTEM_ACTOR.into(),
-        reason: Some(reason),
+    let request = ActionRequest::new(
+        rec.id,
+        OperatorAction::Resume,
+        super::SYSTEM_ACTOR,
+        Some(reason),
         now,
-        steps: Vec::new(),
-        until: None,
-        took: None,
-        input: None,
-        repin: None,
-    };
+    );
     Some((request, until))
 }
 
@@ -183,14 +203,7 @@ pub fn uncertain_call<'r>(
     let parked_on = |r: &StepRun| rec.step.as_deref() == Some(r.step.as_str());
     let uncertain: Vec<&StepRun> = runs
         .iter()
-        .filter(|r| {
-            r.job_id.is_none()
-                && r.error_code.as_deref() == Some(OUTCOME_UNCERTAIN)
-                && !matches!(
-                    r.state,
-                    StepState::Succeeded | StepState::Failed | StepState::Skipped
-                )
-        })
+        .filter(|r| open_uncertain(r))
         .filter(|r| !looks_up(&r.step) || parked_on(r))
         .collect();
     match uncertain.as_slice() {
@@ -204,6 +217,17 @@ pub fn uncertain_call<'r>(
             "this record's step has no call whose outcome is uncertain",
         )),
     }
+}
+
+/// Whether `run` still waits on a call whose outcome is uncertain (no job
+/// came of it, and the step has not ended).
+pub fn open_uncertain(run: &StepRun) -> bool {
+    run.job_id.is_none()
+        && run.error_code.as_deref() == Some(OUTCOME_UNCERTAIN)
+        && !matches!(
+            run.state,
+            StepState::Succeeded | StepState::Failed | StepState::Skipped
+        )
 }
 
 /// What can be refused before the record is read: a reason the database
@@ -426,18 +450,7 @@ mod tests {
     }
 
     fn request(action: OperatorAction) -> ActionRequest {
-        ActionRequest {
-            record_id: 7,
-            action,
-            actor: "ann".into(),
-            reason: None,
-            now: 1_000,
-            steps: vec![],
-            until: None,
-            took: None,
-            input: None,
-            repin: None,
-        }
+        ActionRequest::new(7, action, "ann", None, 1_000)
     }
 
     fn refusal(r: Result<Plan, Refused>) -> String {

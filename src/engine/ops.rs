@@ -173,16 +173,9 @@ impl<'a> Ops<'a> {
             Some(text) => self.until(id, text).await?,
         };
         let req = ActionRequest {
-            record_id: id,
-            action,
-            actor: actor.to_owned(),
-            reason,
-            now: self.clock.now_ms(),
-            steps: Vec::new(),
             until,
-            took: None,
             input,
-            repin: None,
+            ..ActionRequest::new(id, action, actor, reason, self.clock.now_ms())
         };
         let rec = match self.engine {
             Some(engine) => act_on(engine, req, step, on_current).await?,
@@ -231,16 +224,15 @@ impl<'a> Ops<'a> {
             Took::Output { output, .. } => format!("outputs {output}"),
         };
         let req = ActionRequest {
-            record_id: id,
-            action: OperatorAction::TookEffect,
-            actor: actor.to_owned(),
-            reason,
-            now: self.clock.now_ms(),
             steps: vec![run.step.clone()],
-            until: None,
             took: Some(took),
-            input: None,
-            repin: None,
+            ..ActionRequest::new(
+                id,
+                OperatorAction::TookEffect,
+                actor,
+                reason,
+                self.clock.now_ms(),
+            )
         };
         let rec = self.db.act(&req).await?;
         engine.wake();
@@ -258,7 +250,10 @@ impl<'a> Ops<'a> {
     async fn uncertain_run(&self, engine: &Engine, rec: &Record) -> Result<StepRun, OpsError> {
         let runs = self.db.step_runs(rec.id).await?;
         let mut looks_up = std::collections::HashSet::new();
-        for r in &runs {
+        for r in runs
+            .iter()
+            .filter(|r| crate::domain::action::open_uncertain(r))
+        {
             if engine
                 .versions()
                 .step_of(rec, &r.step)

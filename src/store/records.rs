@@ -295,12 +295,7 @@ where
         crate::domain::action::check_request(req)?;
         let installation = self.installation_id().await?;
         let mut tx = self.begin_write().await?;
-        let rec = Self::lock_record(&mut tx, req.record_id)
-            .await?
-            .ok_or_else(|| StoreError::NotFound {
-                what: "record",
-                key: req.record_id.to_string(),
-            })?;
+        let rec = Self::lock_found(&mut tx, req.record_id).await?;
         let mut deltas = CountDeltas::default();
         let moved = Self::act_locked(&mut tx, &installation, &rec, req, None, &mut deltas).await?;
         Self::apply_counts(&mut tx, &deltas).await?;
@@ -375,12 +370,7 @@ where
     async fn reverse(&self, req: &crate::store::ReverseRequest) -> StoreResult<Record> {
         let installation = self.installation_id().await?;
         let mut tx = self.begin_write().await?;
-        let rec = Self::lock_record(&mut tx, req.record_id)
-            .await?
-            .ok_or_else(|| StoreError::NotFound {
-                what: "record",
-                key: req.record_id.to_string(),
-            })?;
+        let rec = Self::lock_found(&mut tx, req.record_id).await?;
         if !Self::reversal_applies(&mut tx, &rec, req).await? {
             return Ok(rec);
         }

@@ -543,6 +543,16 @@ where
         row.as_ref().map(MapRow::record).transpose()
     }
 
+    /// [`lock_record`](Self::lock_record), a missing record `NotFound`.
+    pub(crate) async fn lock_found(tx: &mut Tx<DB>, id: i64) -> StoreResult<Record> {
+        Self::lock_record(tx, id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                what: "record",
+                key: id.to_string(),
+            })
+    }
+
     pub(crate) async fn upsert_step(
         tx: &mut Tx<DB>,
         installation: &str,

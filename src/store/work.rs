@@ -370,12 +370,7 @@ where
             tx.commit().await?;
             return Ok(None);
         };
-        let rec = Self::lock_record(&mut tx, record_id)
-            .await?
-            .ok_or_else(|| StoreError::NotFound {
-                what: "record",
-                key: record_id.to_string(),
-            })?;
+        let rec = Self::lock_found(&mut tx, record_id).await?;
         if rec.state == RecordState::Waiting {
             sqlx::query("UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting'")
                 .bind(cb.now)
