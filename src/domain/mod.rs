@@ -10,6 +10,7 @@ pub mod confirm;
 pub mod diff;
 pub mod fair;
 pub mod host;
+pub mod kind;
 pub mod login;
 pub mod model;
 pub mod park;

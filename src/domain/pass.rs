@@ -264,7 +264,7 @@ pub fn after_commit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::pipeline::{HttpMethod, RequestSpec, StepKind};
+    use crate::domain::pipeline::{HttpMethod, RequestSpec};
     use proptest::prelude::*;
 
     /// A fan-out and fan-in: `a` and `b` independent, `c` needs both, `d`
@@ -278,7 +278,7 @@ mod tests {
             .map(|((name, needs), optional)| Step {
                 name: (*name).into(),
                 provider: "p".into(),
-                kind: StepKind::Request,
+                kind: std::sync::Arc::new(crate::pipeline::kinds::Request),
                 needs: needs.iter().map(|n| (*n).to_owned()).collect(),
                 upstream: needs.iter().map(|n| (*n).to_owned()).collect(),
                 required: !optional,

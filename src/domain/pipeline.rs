@@ -1,13 +1,16 @@
-//! Pipelines as the engine runs them: compiled, checked steps whose kind
-//! carries the data that kind needs (`crate::pipeline` compiles them from
-//! configuration; nothing after compilation falls back to a default).
+//! Pipelines as the engine runs them: compiled, checked steps, each with
+//! its kind (`super::kind::Kind`) and the shapes kinds share (requests,
+//! polls, callbacks). `crate::pipeline` compiles them from configuration;
+//! nothing after compilation falls back to a default.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
 
 use super::ReversalPolicy;
+use super::kind::Kind;
 
 /// A compiled request: templates by name in `pipeline::Templates`.
 #[derive(Debug, Clone)]
@@ -78,39 +81,13 @@ pub struct CallbackSpec {
     pub fallback: Fallback,
 }
 
-/// How a step talks to its provider, with what that needs.
-#[derive(Debug, Clone)]
-pub enum StepKind {
-    /// One call; its reply is the result.
-    Request,
-    /// Submit a job, keep its id (`job_id`, a JSON pointer into the submit
-    /// reply), poll until it ends.
-    SubmitPoll { job_id: String, poll: PollSpec },
-    /// Submit a job (id at `job_id` in the reply), wait for a signed
-    /// webhook naming it.
-    Callback {
-        job_id: String,
-        callback: CallbackSpec,
-    },
-}
-
-impl StepKind {
-    /// The kind's name as configured.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            StepKind::Request => "request",
-            StepKind::SubmitPoll { .. } => "submit_poll",
-            StepKind::Callback { .. } => "callback",
-        }
-    }
-}
-
 /// One step, compiled.
 #[derive(Debug, Clone)]
 pub struct Step {
     pub name: String,
     pub provider: String,
-    pub kind: StepKind,
+    /// What its kind adds (`crate::pipeline::kinds`, one module each).
+    pub kind: Arc<dyn Kind>,
     pub needs: Vec<String>,
     /// Every step this one depends on, directly or not.
     pub upstream: BTreeSet<String>,
@@ -156,10 +133,7 @@ impl Step {
 
     /// JSON pointer to the job id in the submit reply (job steps only).
     pub fn job_pointer(&self) -> Option<&str> {
-        match &self.kind {
-            StepKind::Request => None,
-            StepKind::SubmitPoll { job_id, .. } | StepKind::Callback { job_id, .. } => Some(job_id),
-        }
+        self.kind.job_pointer()
     }
 
     /// The request a confirmation makes: its own, or the job's poll.
@@ -171,22 +145,12 @@ impl Step {
 
     /// The request that asks about a submitted job, if the step ever polls.
     pub fn poll(&self) -> Option<&PollSpec> {
-        match &self.kind {
-            StepKind::SubmitPoll { poll, .. } => Some(poll),
-            StepKind::Callback { callback, .. } => match &callback.fallback {
-                Fallback::Poll(poll) => Some(poll),
-                Fallback::Park => None,
-            },
-            StepKind::Request => None,
-        }
+        self.kind.poll()
     }
 
     /// How the step waits for webhooks (callback steps only).
     pub fn callback(&self) -> Option<&CallbackSpec> {
-        match &self.kind {
-            StepKind::Callback { callback, .. } => Some(callback),
-            _ => None,
-        }
+        self.kind.callback()
     }
 }
 

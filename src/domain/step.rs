@@ -11,7 +11,8 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use super::backoff::Backoff;
-use super::pipeline::{Fallback, Step, StepKind};
+use super::kind::Ready;
+use super::pipeline::{Fallback, Step};
 use super::rules::{Reply, Rule, classify};
 use super::{Outcome, StepState, StepWrite, UnixMs};
 
@@ -177,7 +178,7 @@ pub struct Decision {
 }
 
 impl Decision {
-    fn keep(write: StepWrite) -> Self {
+    pub fn keep(write: StepWrite) -> Self {
         Decision { write, park: None }
     }
 }
@@ -236,7 +237,7 @@ pub struct Judged {
     pub budget: BudgetMove,
 }
 
-fn ms(d: Duration) -> i64 {
+pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
@@ -304,30 +305,9 @@ pub fn before_call(
     policy: &RetryPolicy,
     now: UnixMs,
 ) -> Before {
-    let polling = match &step.kind {
-        StepKind::Request => false,
-        StepKind::SubmitPoll { .. } => write.job_id.is_some(),
-        StepKind::Callback { callback, .. } => {
-            if write.job_id.is_none() {
-                false
-            } else {
-                let due = callback_due(step, write).unwrap_or(now);
-                if has_deliveries {
-                    return Before::Deliveries;
-                }
-                if now < due {
-                    let mut w = write.clone();
-                    w.next_run_at = Some(due);
-                    return Before::Settled(Decision::keep(w));
-                }
-                if matches!(callback.fallback, Fallback::Park) {
-                    let reason = "no callback arrived before the callback deadline".into();
-                    let d = park_or_fail(step, write.clone(), "callback_timeout", reason, now);
-                    return Before::Settled(d);
-                }
-                true
-            }
-        }
+    let polling = match step.kind.ready(step, write, has_deliveries, now) {
+        Ready::Call { polling } => polling,
+        Ready::Done(before) => return *before,
     };
     let mut w = write.clone();
     w.provider = Some(provider.to_owned());
@@ -596,7 +576,7 @@ pub fn after_reply(
     } = plan;
     let mut outcome = reply.outcome;
     let mut code = reply.error_code.map(str::to_owned);
-    let submitting = !matches!(step.kind, StepKind::Request) && !polling;
+    let submitting = step.job_pointer().is_some() && !polling;
     // A submit is accepted when the provider says done or "queued": either
     // way there must be a job id to follow.
     if outcome == Outcome::Success || (submitting && outcome == Outcome::Pending) {
@@ -734,27 +714,7 @@ fn submitted(step: &Step, mut w: StepWrite, job_id: String, after: UnixMs) -> St
     w.state = StepState::Waiting;
     w.error_code = None;
     w.reason = None;
-    match &step.kind {
-        StepKind::Callback { callback, .. } => {
-            // Wake at the callback deadline; a delivery before then wakes
-            // the record earlier.
-            let extra = match &callback.fallback {
-                Fallback::Poll(p) => p.deadline,
-                Fallback::Park => Duration::ZERO,
-            };
-            w.next_run_at = Some(after + ms(callback.deadline));
-            w.deadline_at = Some(after + ms(callback.deadline) + ms(extra));
-        }
-        StepKind::SubmitPoll { poll, .. } => {
-            // The first poll comes no later than the deadline (the last poll).
-            let deadline = after + ms(poll.deadline);
-            w.next_run_at = Some((after + ms(poll.every)).min(deadline));
-            w.deadline_at = Some(deadline);
-        }
-        // A request step submits nothing; it is never here.
-        StepKind::Request => {}
-    }
-    w
+    step.kind.submitted(w, after)
 }
 
 /// A half-state: ask again later, without spending an attempt, and never
@@ -1010,9 +970,11 @@ pub fn apply_deliveries(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::kind::Kind;
     use crate::domain::pipeline::{CallbackSpec, HttpMethod, PollSpec, RequestSpec};
     use proptest::prelude::*;
     use serde_json::json;
+    use std::sync::Arc;
 
     #[test]
     fn a_call_left_open_is_spent_and_judged_by_the_step_as_it_is_now() {
@@ -1239,23 +1201,26 @@ mod tests {
 
     /// 0: request, 1: submit_poll, 2: callback parking, 3: callback polling.
     fn step(kind: u8, required: bool, outputs: &[&str], every: u64, deadline: u64) -> Step {
-        let callback = |fallback| StepKind::Callback {
-            job_id: "/id".into(),
-            callback: CallbackSpec {
-                delivery_job_id: "/id".into(),
-                deadline: Duration::from_millis(deadline),
-                fallback,
-            },
+        use crate::pipeline::kinds::{Callback, Request, SubmitPoll};
+        let callback = |fallback| -> Arc<dyn Kind> {
+            Arc::new(Callback {
+                job_id: "/id".into(),
+                callback: CallbackSpec {
+                    delivery_job_id: "/id".into(),
+                    deadline: Duration::from_millis(deadline),
+                    fallback,
+                },
+            })
         };
         Step {
             name: "s".into(),
             provider: "p".into(),
             kind: match kind {
-                0 => StepKind::Request,
-                1 => StepKind::SubmitPoll {
+                0 => Arc::new(Request),
+                1 => Arc::new(SubmitPoll {
                     job_id: "/id".into(),
                     poll: poll(every, deadline),
-                },
+                }),
                 2 => callback(Fallback::Park),
                 _ => callback(Fallback::Poll(poll(every, deadline))),
             },
@@ -1469,7 +1434,7 @@ mod tests {
                 prop_assert!(nw.attempts >= w.attempts);
                 if let Some((plan, j)) = &call {
                     // A pending reply to a request or a poll spends no attempt.
-                    if said.outcome == Outcome::Pending && (plan.polling || matches!(s.kind, StepKind::Request)) {
+                    if said.outcome == Outcome::Pending && (plan.polling || s.job_pointer().is_none()) {
                         prop_assert_eq!(nw.attempts, w.attempts);
                     }
                     // A poll never spends an attempt.
@@ -1498,7 +1463,7 @@ mod tests {
                         let out = nw.output.clone().unwrap_or_default();
                         prop_assert!(s.outputs.keys().all(|k| out.get(k).is_some()), "{out}");
                     }
-                    let submitting = !plan.polling && !matches!(s.kind, StepKind::Request);
+                    let submitting = !plan.polling && s.job_pointer().is_some();
                     if said.outcome == Outcome::Success && !submitting && !said.has_outputs {
                         prop_assert_eq!(j.outcome, Outcome::Unknown);
                         prop_assert_eq!(j.error_code.as_deref(), Some("output_missing"));

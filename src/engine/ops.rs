@@ -9,10 +9,9 @@ use serde_json::json;
 
 use super::Engine;
 use crate::config::Config;
+use crate::domain::kind::Made;
 use crate::domain::park::ParkUntil;
-use crate::domain::{
-    Clock, OperatorAction, ProviderState, Record, RecordState, StepRun, Trigger, transition,
-};
+use crate::domain::{Clock, OperatorAction, ProviderState, Record, RecordState, StepRun};
 use crate::store::{ActionRequest, Db, RecordFilter, StoreError, Took};
 
 /// Why a command was refused, or the store error that stopped it.
@@ -33,6 +32,17 @@ impl OpsError {
         OpsError::Refused {
             code,
             message: message.into(),
+        }
+    }
+}
+
+impl From<crate::domain::action::Refused> for OpsError {
+    fn from(r: crate::domain::action::Refused) -> Self {
+        match r {
+            crate::domain::action::Refused::Invalid { code, message } => {
+                OpsError::Refused { code, message }
+            }
+            transition => OpsError::Store(transition.into()),
         }
     }
 }
@@ -133,27 +143,14 @@ impl<'a> Ops<'a> {
             input,
             on_current,
         } = extra;
-        if on_current && action != OperatorAction::ReplayFrom {
-            return Err(OpsError::refused(
-                "current_needs_replay",
-                format!("only a replay runs a record on the current version, not {action}"),
-            ));
-        }
-
-        if action == OperatorAction::TookEffect {
-            return Err(OpsError::refused(
-                "details_required",
-                "`took_effect` says what the provider made: `job_id` for a job step, \
-                 `output` for a request step",
-            ));
-        }
-        if action == OperatorAction::Park && reason.is_none() {
-            return Err(OpsError::refused(
-                "reason_required",
-                "parking needs a reason",
-            ));
-        }
-        let until = match until.map(str::trim).filter(|t| !t.is_empty()) {
+        let until = until.map(str::trim).filter(|t| !t.is_empty());
+        let command = crate::domain::action::Command {
+            reason: reason.is_some(),
+            until: until.is_some(),
+            on_current,
+        };
+        crate::domain::action::check_command(action, &command)?;
+        let until = match until {
             // Parked again without saying until when: it keeps what it
             // waits for (`never` clears it).
             None if action == OperatorAction::Park => self
@@ -164,12 +161,6 @@ impl<'a> Ops<'a> {
                 .and_then(|r| r.park_until)
                 .filter(|u| crate::domain::park::check(u, self.clock.now_ms()).is_ok()),
             None => None,
-            Some(_) if action != OperatorAction::Park => {
-                return Err(OpsError::refused(
-                    "until_needs_park",
-                    format!("only parking takes a resume condition (`until`), not {action}"),
-                ));
-            }
             Some(text) => self.until(id, text).await?,
         };
         let req = ActionRequest {
@@ -211,7 +202,8 @@ impl<'a> Ops<'a> {
         let engine = self.engine.ok_or_else(|| {
             OpsError::refused("no_workers", "this node runs no workers to check the step")
         })?;
-        let run = self.uncertain_run(engine, &rec).await?;
+        let runs = self.db.step_runs(rec.id).await?;
+        let run = uncertain_run(engine, &rec, &runs).await?;
         let Some(step) = engine.versions().step_of(&rec, &run.step).await else {
             return Err(OpsError::refused(
                 "unknown_step",
@@ -245,29 +237,6 @@ impl<'a> Ops<'a> {
         Ok(rec)
     }
 
-    /// The one call of `rec` whose outcome is uncertain and that the
-    /// operator may settle (see [`crate::domain::action::uncertain_call`]).
-    async fn uncertain_run(&self, engine: &Engine, rec: &Record) -> Result<StepRun, OpsError> {
-        let runs = self.db.step_runs(rec.id).await?;
-        let mut looks_up = std::collections::HashSet::new();
-        for r in runs
-            .iter()
-            .filter(|r| crate::domain::action::open_uncertain(r))
-        {
-            if engine
-                .versions()
-                .step_of(rec, &r.step)
-                .await
-                .is_some_and(|s| s.lookup.is_some())
-            {
-                looks_up.insert(r.step.clone());
-            }
-        }
-        crate::domain::action::uncertain_call(rec, &runs, |step| looks_up.contains(step))
-            .cloned()
-            .map_err(|(code, message)| OpsError::refused(code, message))
-    }
-
     /// What the operator says the call of `run` (a step `step`) made, as
     /// its kind takes it: a job id for a job step, outputs for a request
     /// step (confirmed like any other result).
@@ -286,21 +255,19 @@ impl<'a> Ops<'a> {
             ));
         }
         let name = &run.step;
-        match (&step.kind, job) {
-            (crate::pipeline::StepKind::SubmitPoll { .. }, Some(job)) => {
-                Ok(Took::Job(job.to_owned()))
-            }
-            (crate::pipeline::StepKind::SubmitPoll { .. }, None) => Err(OpsError::refused(
+        match (step.kind.made(), job) {
+            (Made::Job, Some(job)) => Ok(Took::Job(job.to_owned())),
+            (Made::Job, None) => Err(OpsError::refused(
                 "job_id_required",
                 format!("step `{name}` follows a job: name the job the provider made (`job_id`)"),
             )),
-            (crate::pipeline::StepKind::Request, Some(_)) => Err(OpsError::refused(
+            (Made::Output, Some(_)) => Err(OpsError::refused(
                 "output_required",
                 format!(
                     "step `{name}` makes no job: give its outputs (`output`) instead of a job id"
                 ),
             )),
-            (crate::pipeline::StepKind::Request, None) => Ok(Took::Output {
+            (Made::Output, None) => Ok(Took::Output {
                 output: crate::domain::step::took_outputs(&step.outputs, output).map_err(
                     |why| OpsError::refused("bad_output", format!("step `{name}`: {why}")),
                 )?,
@@ -314,12 +281,9 @@ impl<'a> Ops<'a> {
                     )
                 }),
             }),
-            // A callback step's wait is not rebuilt here yet.
-            (crate::pipeline::StepKind::Callback { .. }, _) => Err(OpsError::refused(
+            (Made::Neither(why), _) => Err(OpsError::refused(
                 "not_a_job_step",
-                format!(
-                    "step `{name}` waits for a callback: retry it (it may charge again) or cancel"
-                ),
+                format!("step `{name}` {why}"),
             )),
         }
     }
@@ -437,14 +401,9 @@ impl<'a> Ops<'a> {
         step: Option<&str>,
         apply: bool,
     ) -> BulkOutcome {
-        // Parking a parked record sets its condition: one record at a
-        // time, never in bulk (that would erase what each waits for); and
-        // "it took effect" names one record's job.
-        let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets.iter().partition(|r| {
-            transition(r.state, Trigger::Operator(action)).is_ok()
-                && !(action == OperatorAction::Park && r.state == RecordState::Parked)
-                && action != OperatorAction::TookEffect
-        });
+        let (allowed, refused): (Vec<&Record>, Vec<&Record>) = targets
+            .iter()
+            .partition(|r| crate::domain::action::in_bulk(action, r));
         let mut failed = Vec::new();
         if apply {
             for r in &allowed {
@@ -665,4 +624,31 @@ async fn reset_breaker(engine: &Engine, name: &str, actor: &str) -> Result<(), S
     .await?;
     engine.wake();
     Ok(())
+}
+
+/// The one call of `rec` (with its step runs `runs`) whose outcome is
+/// uncertain and that an operator may settle: what the record page offers
+/// and `took_effect` acts on (see [`crate::domain::action::uncertain_call`]).
+pub async fn uncertain_run(
+    engine: &Engine,
+    rec: &Record,
+    runs: &[StepRun],
+) -> Result<StepRun, OpsError> {
+    let mut looks_up = std::collections::HashSet::new();
+    for r in runs
+        .iter()
+        .filter(|r| crate::domain::action::open_uncertain(r))
+    {
+        if engine
+            .versions()
+            .step_of(rec, &r.step)
+            .await
+            .is_some_and(|s| s.lookup.is_some())
+        {
+            looks_up.insert(r.step.clone());
+        }
+    }
+    crate::domain::action::uncertain_call(rec, runs, |step| looks_up.contains(step))
+        .cloned()
+        .map_err(|(code, message)| OpsError::refused(code, message))
 }

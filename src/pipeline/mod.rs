@@ -2,6 +2,7 @@
 //! upstream sets, and their request templates, all checked at load so that
 //! `ballast check-config` catches what would otherwise fail at 3 a.m.
 
+pub mod kinds;
 pub mod template;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -10,14 +11,13 @@ use std::sync::Arc;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::config::pipeline::{
-    CallbackFallback, PipelineConfig, StepConfig, StepKind as KindConfig,
-};
+use crate::config::pipeline::{PipelineConfig, StepConfig};
 use crate::config::provider::check_pointer;
 use crate::config::{Config, ConfigError};
 
+use crate::domain::kind::Confirms;
 pub use crate::domain::pipeline::{
-    CallbackSpec, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step, StepKind,
+    CallbackSpec, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step,
 };
 pub use template::{Quoting, TemplateError, Templates};
 
@@ -364,23 +364,15 @@ fn compile_step(
             None => None,
         },
     };
-    let poll = match &s.poll {
-        Some(pc) => Some(PollSpec {
-            request: t.asking("poll", (&pc.method, &pc.path), true, false)?,
-            every: pc.every.0,
-            deadline: pc.deadline.0,
-        }),
-        None => None,
-    };
+    let kind = kinds::compile(s, &mut t)?;
     let key = |field: &str| step_key(pipeline, &s.name, field);
-    let kind = compile_kind(s, poll, &key)?;
     let (confirm, confirm_request) = match &s.confirm {
         None => (None, None),
-        Some(c) => compile_confirm(c, &kind, &mut t)?,
+        Some(c) => compile_confirm(c, kind.confirms(), &mut t)?,
     };
     let lookup = match &s.lookup {
         None => None,
-        Some(_) if matches!(kind, StepKind::Request) => {
+        Some(_) if kind.job_pointer().is_none() => {
             return Err(invalid(
                 key("lookup"),
                 "finds a job a submit made: give it to a `submit_poll` or `callback` step".into(),
@@ -419,7 +411,7 @@ fn compile_step(
 /// confirm.
 fn compile_confirm(
     c: &crate::config::pipeline::ConfirmConfig,
-    kind: &StepKind,
+    confirms: Confirms,
     t: &mut StepTemplates<'_>,
 ) -> Result<
     (
@@ -435,12 +427,8 @@ fn compile_confirm(
             "`after` must be more than 0 and `times` between 1 and 100",
         );
     }
-    if matches!(kind, StepKind::Callback { .. }) {
-        return refuse(
-            "confirm",
-            "a callback step is told of changes by its webhooks; confirm a \
-             `request` or `submit_poll` step",
-        );
+    if let Confirms::Never(why) = confirms {
+        return refuse("confirm", why);
     }
     if c.method
         .as_deref()
@@ -451,7 +439,7 @@ fn compile_confirm(
             "a confirmation only asks: it must be `GET`",
         );
     }
-    let polls = matches!(kind, StepKind::SubmitPoll { .. });
+    let polls = confirms == Confirms::PollOrOwn;
     let request = match (&c.path, polls) {
         (Some(path), _) => {
             let method = c.method.as_deref().unwrap_or("GET");
@@ -478,74 +466,6 @@ fn compile_confirm(
         times: c.times,
     };
     Ok((Some(spec), request))
-}
-
-/// The step's kind with the data it needs, refusing what it lacks (and a
-/// `request` step given job settings it would ignore).
-fn compile_kind(
-    s: &StepConfig,
-    poll: Option<PollSpec>,
-    key: &dyn Fn(&str) -> String,
-) -> Result<StepKind, ConfigError> {
-    let job_id = |what: &str| {
-        let j = s.job_id.as_ref().ok_or_else(|| {
-            invalid(
-                key("job_id"),
-                format!("a `{what}` step needs `job_id` (a JSON pointer into the submit reply)"),
-            )
-        })?;
-        check_pointer(j).map_err(|m| invalid(key("job_id"), m))?;
-        Ok::<_, ConfigError>(j.clone())
-    };
-    Ok(match s.kind {
-        KindConfig::Request => {
-            if s.poll.is_some() || s.callback.is_some() || s.job_id.is_some() {
-                return Err(invalid(
-                    key("kind"),
-                    "a `request` step has no `job_id`, `poll` or `callback`; use \
-                     `submit_poll` or `callback`"
-                        .into(),
-                ));
-            }
-            StepKind::Request
-        }
-        KindConfig::SubmitPoll => {
-            let job_id = job_id("submit_poll")?;
-            let Some(poll) = poll else {
-                return Err(invalid(
-                    key("poll"),
-                    "a `submit_poll` step needs `poll = { path = ... }`".into(),
-                ));
-            };
-            StepKind::SubmitPoll { job_id, poll }
-        }
-        KindConfig::Callback => {
-            let job_id = job_id("callback")?;
-            let Some(cb) = &s.callback else {
-                return Err(invalid(
-                    key("callback"),
-                    "a `callback` step needs `callback = { job_id = ... }`".into(),
-                ));
-            };
-            check_pointer(&cb.job_id).map_err(|m| invalid(key("callback.job_id"), m))?;
-            let fallback = match (cb.fallback, poll) {
-                (CallbackFallback::Park, _) => Fallback::Park,
-                (CallbackFallback::Poll, Some(poll)) => Fallback::Poll(poll),
-                (CallbackFallback::Poll, None) => {
-                    return Err(invalid(
-                        key("callback.fallback"),
-                        "`fallback = \"poll\"` needs a `poll` request".into(),
-                    ));
-                }
-            };
-            let callback = CallbackSpec {
-                delivery_job_id: cb.job_id.clone(),
-                deadline: cb.deadline.0,
-                fallback,
-            };
-            StepKind::Callback { job_id, callback }
-        }
-    })
 }
 
 #[cfg(test)]

@@ -56,6 +56,9 @@ pub enum StoreError {
     LeaseLost { record_id: i64 },
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// An operator's action the domain refused, with its stable code.
+    #[error("invalid request: {message}")]
+    Declined { code: &'static str, message: String },
     /// An account change that would leave no enabled admin.
     #[error(transparent)]
     Refused(#[from] AccountRefusal),
@@ -83,7 +86,9 @@ impl From<crate::domain::action::Refused> for StoreError {
     fn from(r: crate::domain::action::Refused) -> Self {
         match r {
             crate::domain::action::Refused::Transition(e) => StoreError::Transition(e),
-            crate::domain::action::Refused::Invalid(why) => StoreError::Invalid(why),
+            crate::domain::action::Refused::Invalid { code, message } => {
+                StoreError::Declined { code, message }
+            }
         }
     }
 }
@@ -113,6 +118,7 @@ impl StoreError {
             StoreError::Transition(e) => e.code(),
             StoreError::LeaseLost { .. } => "lease_lost",
             StoreError::Invalid(_) => "invalid_request",
+            StoreError::Declined { code, .. } => code,
             StoreError::Refused(r) => r.code(),
             StoreError::Corrupt(_) => "corrupt_row",
             StoreError::NotNow(_) => "not_now",

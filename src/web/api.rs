@@ -401,7 +401,9 @@ async fn bulk(
     let reason = body
         .reason
         .filter(|r| !r.trim().is_empty())
-        .ok_or_else(|| WebError::bad("reason_required", "a bulk action needs a reason"))?;
+        .ok_or_else(|| {
+            WebError::bad("reason_required", crate::domain::action::BULK_NEEDS_REASON)
+        })?;
     let selection = match (body.filter, body.ids.is_empty()) {
         (Some(f), true) => Selection::Matching(ListQuery::from(f).to_filter()?),
         (None, false) => Selection::Ids(body.ids),

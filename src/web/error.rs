@@ -116,6 +116,7 @@ impl From<StoreError> for WebError {
                 message: t.to_string(),
             },
             StoreError::Invalid(m) => WebError::bad("invalid_request", m),
+            StoreError::Declined { code, message } => WebError::bad(code, message),
             StoreError::Refused(r) => WebError::Conflict {
                 code: r.code(),
                 message: r.to_string(),

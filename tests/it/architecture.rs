@@ -229,3 +229,89 @@ fn the_engine_keeps_to_claiming_passing_and_committing() {
         methods.join("\n")
     );
 }
+
+/// Where `needle` is named in `src/` code (tests aside), outside `allowed`
+/// (paths under `src/`).
+fn named_outside(needle: &str, allowed: &[&str]) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for (path, text) in sources("src") {
+        let rel = path
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if allowed.iter().any(|a| rel.starts_with(a)) {
+            continue;
+        }
+        for (n, line) in before_tests(&text).iter().enumerate() {
+            if code_of(line).contains(needle) {
+                found.push(format!("src/{rel}:{}", n + 1));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn a_step_kind_and_an_operator_action_are_each_one_module() {
+    // Which kind a step is, is asked of its kind (`domain::kind::Kind`),
+    // never matched on outside the kinds' folder and the configuration.
+    let kinds = named_outside("StepKind::", &["pipeline/kinds/", "config/pipeline.rs"]);
+    assert!(
+        kinds.is_empty(),
+        "kinds matched on outside pipeline/kinds/: {kinds:?}"
+    );
+    for kind in ["kinds::Request", "kinds::SubmitPoll", "kinds::Callback"] {
+        let named = named_outside(kind, &["pipeline/kinds/"]);
+        assert!(
+            named.is_empty(),
+            "`{kind}` named outside its module: {named:?}"
+        );
+    }
+    // What an action allows is decided by its module under domain/action/:
+    // nothing else reads the transition table for an operator.
+    let table = named_outside("Trigger::Operator", &["domain/"]);
+    assert!(
+        table.is_empty(),
+        "actions decided outside domain/action/: {table:?}"
+    );
+}
+
+#[test]
+fn the_module_check_sees_a_match_outside() {
+    let found = named_outside("fn named_outside", &[]);
+    assert!(found.is_empty(), "this file is not under src/: {found:?}");
+    let here = named_outside("pub fn transition(", &[]);
+    assert_eq!(here.len(), 1, "{here:?}");
+}
+
+#[test]
+fn the_architecture_page_is_a_map_and_its_invariants_name_tests() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("ARCHITECTURE.md");
+    let text = std::fs::read_to_string(path).unwrap();
+    let chars = text.chars().count();
+    assert!(
+        chars <= 15_000,
+        "ARCHITECTURE.md is {chars} characters (at most 15,000)"
+    );
+    let invariants = text.split("\n## Invariants").nth(1).unwrap();
+    let invariants = invariants.split("\n## ").next().unwrap();
+    // Items start with "N. " at the line's start; each names a test
+    // (`module::name`).
+    let mut items: Vec<String> = Vec::new();
+    for line in invariants.lines() {
+        let number = line.split_once(". ").map(|(n, _)| n);
+        if number.is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
+            items.push(String::new());
+        }
+        if let Some(item) = items.last_mut() {
+            item.push_str(line);
+            item.push('\n');
+        }
+    }
+    assert!(items.len() >= 30, "{} invariants found", items.len());
+    for item in &items {
+        assert!(item.contains("::"), "an invariant names no test:\n{item}");
+    }
+}

@@ -1355,7 +1355,7 @@ async fn parked_records_resume_when_their_condition_holds(db: &Db) {
     // A time already past, and a condition on anything but a park, are
     // refused with nothing changed.
     let past = db.act(&park("time", at(T0))).await.unwrap_err();
-    assert_eq!(past.code(), "invalid_request", "{past}");
+    assert_eq!(past.code(), "bad_until", "{past}");
     assert!(past.to_string().contains("already passed"), "{past}");
     let not_park = ActionRequest {
         until: at(T0 + 100),
@@ -1363,7 +1363,7 @@ async fn parked_records_resume_when_their_condition_holds(db: &Db) {
     };
     assert_eq!(
         db.act(&not_park).await.unwrap_err().code(),
-        "invalid_request"
+        "until_needs_park"
     );
     assert_eq!(
         db.get_record(ids["time"]).await.unwrap().unwrap().state,
@@ -1645,7 +1645,7 @@ async fn operator_actions_follow_the_table_and_are_audited(db: &Db) {
     .unwrap();
     let mut replay = action(rec.id, OperatorAction::ReplayFrom, T0 + 8);
     assert!(
-        matches!(db.act(&replay).await, Err(StoreError::Invalid(_))),
+        matches!(db.act(&replay).await, Err(e) if e.code() == "step_required"),
         "replay needs a step"
     );
     replay.steps = vec!["submit".into(), "notify".into()];
@@ -1803,7 +1803,7 @@ async fn counters_match_a_recount_after_random_operations(db: &Db) {
                     match db.act(&req).await {
                         Ok(_) | Err(StoreError::Transition(_)) => {}
                         // (No step here has an uncertain call to take.)
-                        Err(StoreError::Invalid(_)) if a == OperatorAction::TookEffect => {}
+                        Err(StoreError::Declined { .. }) if a == OperatorAction::TookEffect => {}
                         Err(e) => panic!("round {round}: {e}"),
                     }
                 }

@@ -14,7 +14,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::get;
 
-use crate::config::pipeline::{PipelineConfig, StepKind};
+use crate::config::pipeline::PipelineConfig;
 use crate::domain::{RecordState, StepCount};
 use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
@@ -153,11 +153,7 @@ fn view(
             StepRow {
                 name: s.name.clone(),
                 provider: s.provider.clone(),
-                kind: match s.kind {
-                    StepKind::Request => "request",
-                    StepKind::SubmitPoll => "submit, poll",
-                    StepKind::Callback => "callback",
-                },
+                kind: crate::pipeline::kinds::registered(s.kind).label,
                 needs: s.needs.join(", "),
                 required: s.required,
                 hour,

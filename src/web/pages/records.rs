@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use crate::domain::{OperatorAction, Record, RecordState, Trigger, transition};
+use crate::domain::{OperatorAction, Record, RecordState};
 use crate::engine::{Ops, Selection};
 use crate::web::AppState;
 use crate::web::auth::{Authed, Operator, Viewer};
@@ -590,14 +590,6 @@ fn pretty(v: &serde_json::Value) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default()
 }
 
-/// The operator actions a record's state allows, by the transition table.
-pub fn allowed_actions(state: RecordState) -> Vec<OperatorAction> {
-    OperatorAction::ALL
-        .into_iter()
-        .filter(|a| transition(state, Trigger::Operator(*a)).is_ok())
-        .collect()
-}
-
 async fn record_page(
     state: &AppState,
     caller: &crate::web::auth::Caller,
@@ -682,24 +674,21 @@ fn replay_steps(
     names
 }
 
-/// For a record parked with an uncertain call at a `request` step: the
+/// For a record whose uncertain call `run` is at a `request` step: the
 /// step's outputs as a JSON object of empty strings, for the operator to
 /// fill in ("it took effect"); none for a job step (it names its job).
 async fn took_outputs(
     state: &AppState,
     rec: &crate::domain::Record,
-    steps: &[crate::domain::StepRun],
+    run: &crate::domain::StepRun,
 ) -> Option<String> {
-    let run = steps
-        .iter()
-        .find(|s| rec.step.as_deref() == Some(s.step.as_str()) && s.job_id.is_none())?;
     let step = state
         .engine
         .as_ref()?
         .versions()
         .step_of(rec, &run.step)
         .await?;
-    if !matches!(step.kind, crate::pipeline::StepKind::Request) {
+    if step.kind.made() != crate::domain::kind::Made::Output {
         return None;
     }
     let blank: serde_json::Map<String, serde_json::Value> = step
@@ -771,19 +760,26 @@ async fn record_page_at(
         .as_ref()
         .and_then(|e| e.versions().current(&rec.pipeline));
     let replay_steps = replay_steps(state, &rec, shape, &steps, current);
-    // "It took effect" only where a call's outcome is uncertain: a job
-    // step names its job, a request step its outputs (a JSON object with
-    // the step's output names, offered empty).
-    let uncertain = rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN);
-    let took_outputs = if uncertain {
-        took_outputs(state, &rec, &steps).await
-    } else {
-        None
+    // "It took effect" only where one call's outcome is uncertain (the
+    // same answer `took_effect` acts on): a job step names its job, a
+    // request step its outputs (a JSON object with the step's output
+    // names, offered empty).
+    let uncertain = match &state.engine {
+        Some(engine) => crate::engine::uncertain_run(engine, &rec, &steps)
+            .await
+            .ok(),
+        None => None,
+    };
+    let took_outputs = match &uncertain {
+        Some(run) => took_outputs(state, &rec, run).await,
+        None => None,
+    };
+    let facts = crate::domain::action::Facts {
+        uncertain: uncertain.is_some(),
     };
     let actions = if caller.can(crate::domain::Role::Operator) {
-        allowed_actions(rec.state)
+        crate::domain::action::offered(&rec, &facts)
             .into_iter()
-            .filter(|a| *a != OperatorAction::TookEffect || uncertain)
             .map(|a| a.as_str())
             .collect()
     } else {
@@ -1065,8 +1061,9 @@ async fn bulk(
     axum_extra::extract::Form(form): axum_extra::extract::Form<BulkForm>,
 ) -> WebResult<Response> {
     let action = Ops::parse_action(&form.action)?;
-    let reason = non_empty(&form.reason)
-        .ok_or_else(|| WebError::bad("reason_required", "a bulk action needs a reason"))?;
+    let reason = non_empty(&form.reason).ok_or_else(|| {
+        WebError::bad("reason_required", crate::domain::action::BULK_NEEDS_REASON)
+    })?;
     let step = non_empty(&form.step);
     let selection = if form.all_matching.is_some() {
         Selection::Matching(form.filter().to_filter()?)

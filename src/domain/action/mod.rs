@@ -1,16 +1,128 @@
-//! What an operator's action does to a record, decided as a value: the
-//! checks an action must pass against the record as it stands (under its
-//! lock), the state it moves to, the audit entry's detail, and the change
-//! to its steps. The store locks the record, asks [`plan`], and applies
-//! the answer.
+//! What an operator's action does to a record, decided as a value. Each
+//! action is one module here (its options, whether it is offered, what it
+//! does to the steps, its audit detail), answering [`Rules`]; [`rules`] is
+//! the registry, one line each. The shared frame (the transition table,
+//! options an action does not take, the input an operator edited) is
+//! [`plan`]. The store locks the record, asks [`plan`], and applies the
+//! answer; the pages, the API and the CLI ask [`offered`], [`check_command`]
+//! and [`bulk::takes`] what they may offer and send. Every refusal carries a
+//! stable code.
+
+mod bulk;
+mod cancel;
+mod park;
+mod replay;
+mod resume;
+mod retry;
+mod took_effect;
 
 use serde_json::{Value, json};
 
 use super::park::ParkUntil;
 use super::{
-    OUTCOME_UNCERTAIN, OperatorAction, Record, RecordState, StepRun, StepState, TransitionError,
-    Trigger, UnixMs, json_has_nul, transition,
+    OperatorAction, Record, RecordState, TransitionError, Trigger, UnixMs, json_has_nul, transition,
 };
+
+pub use bulk::{BULK_NEEDS_REASON, in_bulk};
+pub use resume::resume_due;
+pub use took_effect::{Took, open_uncertain, uncertain_call};
+
+/// What one action decides: one implementation per module.
+trait Rules: Sync {
+    /// How the action's refusals name it ("a retry", "parking").
+    fn noun(&self) -> &'static str;
+
+    /// The options a request of it may carry besides a reason.
+    fn takes(&self) -> Takes {
+        Takes::default()
+    }
+
+    /// Whether an operator must say why.
+    fn needs_reason(&self) -> bool {
+        false
+    }
+
+    /// Refused through the plain action command (it has one of its own),
+    /// with why.
+    fn own_command(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Checked before the record is read.
+    fn check(&self, _req: &ActionRequest) -> Result<(), Refused> {
+        Ok(())
+    }
+
+    /// Offered on `rec` (which the transition table lets it leave by this
+    /// action), given what else is known of it.
+    fn offered(&self, _rec: &Record, _facts: &Facts) -> bool {
+        true
+    }
+
+    /// Taken on `rec` as one of many (a bulk action).
+    fn in_bulk(&self, _rec: &Record) -> bool {
+        true
+    }
+
+    /// What it does to the record's steps (`new_input`: the request
+    /// changes the input).
+    fn steps(
+        &self,
+        rec: &Record,
+        req: &ActionRequest,
+        new_input: bool,
+    ) -> Result<StepChange, Refused>;
+
+    /// The audit entry's detail, before any input change; `condition`:
+    /// the one that held, for the system's resume.
+    fn detail(
+        &self,
+        _rec: &Record,
+        _req: &ActionRequest,
+        _condition: Option<&ParkUntil>,
+    ) -> Option<Value> {
+        None
+    }
+
+    /// The audit entry's step.
+    fn event_step(&self, _req: &ActionRequest) -> Option<String> {
+        None
+    }
+}
+
+/// The registry: every action's rules, one line each.
+fn rules(action: OperatorAction) -> &'static dyn Rules {
+    match action {
+        OperatorAction::Retry => &retry::Retry,
+        OperatorAction::Park => &park::Park,
+        OperatorAction::Resume => &resume::Resume,
+        OperatorAction::Cancel => &cancel::Cancel,
+        OperatorAction::ReplayFrom => &replay::Replay,
+        OperatorAction::TookEffect => &took_effect::TookEffect,
+    }
+}
+
+/// Options of a request beyond its reason.
+#[derive(Debug, Clone, Copy, Default)]
+struct Takes {
+    /// A new input (`ActionRequest::input`).
+    input: bool,
+    /// A resume condition (`ActionRequest::until`).
+    until: bool,
+    /// Another pipeline version (`ActionRequest::repin`).
+    repin: bool,
+}
+
+/// "a retry or a replay": the actions that take an option.
+fn takers(takes: impl Fn(Takes) -> bool) -> String {
+    let nouns: Vec<&str> = OperatorAction::ALL
+        .into_iter()
+        .map(rules)
+        .filter(|r| takes(r.takes()))
+        .map(|r| r.noun())
+        .collect();
+    nouns.join(" or ")
+}
 
 /// An operator's action on one record.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,7 +133,8 @@ pub struct ActionRequest {
     pub reason: Option<String>,
     pub now: UnixMs,
     /// For `ReplayFrom`: the chosen step followed by every step downstream of
-    /// it (the caller knows the pipeline graph). Ignored otherwise.
+    /// it (the caller knows the pipeline graph). For `TookEffect`: the step.
+    /// Ignored otherwise.
     pub steps: Vec<String>,
     /// For `Park`: when the record resumes by itself (`None`: a human
     /// decides). Refused with any other action.
@@ -75,30 +188,32 @@ pub struct InputEdit {
     pub was: Option<serde_json::Value>,
 }
 
-/// What a call whose outcome was not known did, as an operator found it at
-/// the provider (`TookEffect`).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Took {
-    /// A job step's submit made this job: the step follows it.
-    Job(String),
-    /// A request step's call took effect: the step succeeds with these
-    /// outputs (an object of the step's output names), its confirmation
-    /// scheduled if it has one.
-    Output {
-        output: serde_json::Value,
-        confirm: Option<super::confirm::Pending>,
-    },
-}
-
-/// Why an action was refused.
+/// Why an action was refused: always with a stable code.
 #[derive(Debug, thiserror::Error)]
 pub enum Refused {
     /// The transition table does not allow it from the record's state.
     #[error(transparent)]
     Transition(#[from] TransitionError),
     /// The request does not fit the action or the record.
-    #[error("{0}")]
-    Invalid(String),
+    #[error("{message}")]
+    Invalid { code: &'static str, message: String },
+}
+
+impl Refused {
+    /// The stable code the API and the pages show.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refused::Transition(t) => t.code(),
+            Refused::Invalid { code, .. } => code,
+        }
+    }
+}
+
+fn invalid<T>(code: &'static str, message: impl Into<String>) -> Result<T, Refused> {
+    Err(Refused::Invalid {
+        code,
+        message: message.into(),
+    })
 }
 
 /// What an action does to a record's steps.
@@ -150,96 +265,70 @@ pub struct Plan {
     pub detail: Option<Value>,
 }
 
-/// The system's resume of `rec` when the condition it is parked until
-/// holds at `now` (`free`: the providers taking calls again), with that
-/// condition; `None` when it does not, or the record is no longer parked.
-pub fn resume_due<'a>(
-    rec: &Record,
-    now: UnixMs,
-    mut free: impl Iterator<Item = &'a str>,
-) -> Option<(ActionRequest, ParkUntil)> {
-    let until = rec.park_until.clone()?;
-    let holds = match &until {
-        ParkUntil::Time { at } => *at <= now,
-        ParkUntil::Provider { provider } => free.any(|p| p == provider),
-    };
-    if !holds || rec.state != RecordState::Parked {
-        return None;
-    }
-    let reason = match &until {
-        ParkUntil::Time { .. } => format!("parked {until}: the time came"),
-        ParkUntil::Provider { provider } => {
-            format!("parked {until}: provider `{provider}` takes calls again")
-        }
-    };
-    let request = ActionRequest::new(
-        rec.id,
-        OperatorAction::Resume,
-        super::SYSTEM_ACTOR,
-        Some(reason),
-        now,
-    );
-    Some((request, until))
+/// What is known of a record beside its row when its page offers actions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Facts {
+    /// It waits on one call whose outcome is uncertain, which an operator
+    /// may settle ([`uncertain_call`] found it).
+    pub uncertain: bool,
 }
 
-/// The one call of `rec` whose outcome is uncertain and that an operator
-/// may settle ("it took effect"): the step it parked at, still open (a
-/// step already ended, or one an optional failure left behind, is not the
-/// operator's to settle). A step that looks its call up (`looks_up`) sends
-/// nothing again when the record resumes, so it does not block settling
-/// another. Refused, with a stable code, when there is none or several
-/// (resuming would send the others again).
-pub fn uncertain_call<'r>(
-    rec: &Record,
-    runs: &'r [StepRun],
-    looks_up: impl Fn(&str) -> bool,
-) -> Result<&'r StepRun, (&'static str, &'static str)> {
-    if rec.error_code.as_deref() != Some(OUTCOME_UNCERTAIN) {
-        return Err((
-            "nothing_uncertain",
-            "this record does not wait on a call whose outcome is uncertain",
-        ));
-    }
-    let parked_on = |r: &StepRun| rec.step.as_deref() == Some(r.step.as_str());
-    let uncertain: Vec<&StepRun> = runs
-        .iter()
-        .filter(|r| open_uncertain(r))
-        .filter(|r| !looks_up(&r.step) || parked_on(r))
-        .collect();
-    match uncertain.as_slice() {
-        [run] if parked_on(run) => Ok(run),
-        [_, _, ..] => Err((
-            "several_uncertain",
-            "several of this record's calls are uncertain: retry (sends them again) or cancel",
-        )),
-        _ => Err((
-            "nothing_uncertain",
-            "this record's step has no call whose outcome is uncertain",
-        )),
-    }
+/// The actions offered on `rec` as it stands: those the transition table
+/// allows from its state and the action's own rules offer.
+pub fn offered(rec: &Record, facts: &Facts) -> Vec<OperatorAction> {
+    OperatorAction::ALL
+        .into_iter()
+        .filter(|a| transition(rec.state, Trigger::Operator(*a)).is_ok())
+        .filter(|a| rules(*a).offered(rec, facts))
+        .collect()
 }
 
-/// Whether `run` still waits on a call whose outcome is uncertain (no job
-/// came of it, and the step has not ended).
-pub fn open_uncertain(run: &StepRun) -> bool {
-    run.job_id.is_none()
-        && run.error_code.as_deref() == Some(OUTCOME_UNCERTAIN)
-        && !matches!(
-            run.state,
-            StepState::Succeeded | StepState::Failed | StepState::Skipped
-        )
+/// An action command as a page, the API or the CLI sends it, before the
+/// record is read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Command {
+    /// It gives a reason.
+    pub reason: bool,
+    /// It names a resume condition.
+    pub until: bool,
+    /// It asks to run on the current pipeline version.
+    pub on_current: bool,
+}
+
+/// Refuses a command whose options do not fit its action, or that lacks
+/// what the action needs.
+pub fn check_command(action: OperatorAction, c: &Command) -> Result<(), Refused> {
+    let r = rules(action);
+    if c.on_current && !r.takes().repin {
+        let who = takers(|t| t.repin);
+        return invalid(
+            "current_needs_replay",
+            format!("only {who} runs a record on the current version, not {action}"),
+        );
+    }
+    if let Some(why) = r.own_command() {
+        return invalid("details_required", why);
+    }
+    if r.needs_reason() && !c.reason {
+        return invalid("reason_required", format!("{} needs a reason", r.noun()));
+    }
+    if c.until && !r.takes().until {
+        let who = takers(|t| t.until);
+        return invalid(
+            "until_needs_park",
+            format!("only {who} takes a resume condition (`until`), not {action}"),
+        );
+    }
+    Ok(())
 }
 
 /// What can be refused before the record is read: a reason the database
-/// cannot store, a replay that names no step.
+/// cannot store, a request its action cannot read.
 pub fn check_request(req: &ActionRequest) -> Result<(), Refused> {
     if req.reason.as_deref().is_some_and(|r| r.contains('\0')) {
-        return invalid("a NUL character (\\u0000) in the reason".into());
+        return invalid("invalid_request", "a NUL character (\\u0000) in the reason");
     }
-    if req.action == OperatorAction::ReplayFrom && req.steps.is_empty() {
-        return invalid("replay needs the step to replay from".into());
-    }
-    Ok(())
+    rules(req.action).check(req)
 }
 
 /// Decides `req` on `rec` (locked by the caller); `condition`: the one
@@ -250,21 +339,31 @@ pub fn plan(
     condition: Option<&ParkUntil>,
 ) -> Result<Plan, Refused> {
     let action = req.action;
-    if req.repin.is_some() && action != OperatorAction::ReplayFrom {
-        return invalid(format!(
-            "only a replay moves a record to another pipeline version, not {action}"
-        ));
+    let r = rules(action);
+    if req.repin.is_some() && !r.takes().repin {
+        let who = takers(|t| t.repin);
+        return invalid(
+            "current_needs_replay",
+            format!("only {who} moves a record to another pipeline version, not {action}"),
+        );
     }
     if let Some(until) = &req.until {
-        if action != OperatorAction::Park {
-            return invalid(format!("only parking takes a condition, not {action}"));
+        if !r.takes().until {
+            let who = takers(|t| t.until);
+            return invalid(
+                "until_needs_park",
+                format!("only {who} takes a condition, not {action}"),
+            );
         }
-        super::park::check(until, req.now).map_err(Refused::Invalid)?;
+        super::park::check(until, req.now).map_err(|e| Refused::Invalid {
+            code: "bad_until",
+            message: e,
+        })?;
     }
     let to = transition(rec.state, Trigger::Operator(action))?;
-    let input = new_input(rec, req)?;
-    let steps = step_change(rec, req, input.is_some())?;
-    let detail = with_input(detail(rec, req, condition), input.as_ref(), rec);
+    let input = new_input(rec, req, r)?;
+    let steps = r.steps(rec, req, input.is_some())?;
+    let detail = with_input(r.detail(rec, req, condition), input.as_ref(), rec);
     Ok(Plan {
         to,
         next_run_at: to.is_scheduled().then_some(req.now),
@@ -276,133 +375,35 @@ pub fn plan(
         input,
         steps,
         repin: req.repin,
-        event_step: (action == OperatorAction::ReplayFrom)
-            .then(|| req.steps.first().cloned())
-            .flatten(),
+        event_step: r.event_step(req),
         detail,
     })
 }
 
-fn invalid<T>(why: String) -> Result<T, Refused> {
-    Err(Refused::Invalid(why))
-}
-
 /// The input a retry or replay gives, checked against the one the
 /// operator saw; `None` when there is no change.
-fn new_input(rec: &Record, req: &ActionRequest) -> Result<Option<Value>, Refused> {
+fn new_input(rec: &Record, req: &ActionRequest, r: &dyn Rules) -> Result<Option<Value>, Refused> {
     let Some(edit) = &req.input else {
         return Ok(None);
     };
-    if !matches!(
-        req.action,
-        OperatorAction::Retry | OperatorAction::ReplayFrom
-    ) {
-        return invalid(format!(
-            "only a retry or a replay takes a new input, not {}",
-            req.action
-        ));
+    if !r.takes().input {
+        let who = takers(|t| t.input);
+        return invalid(
+            "input_not_taken",
+            format!("only {who} takes a new input, not {}", req.action),
+        );
     }
     if json_has_nul(&edit.new) {
-        return invalid("a NUL character (\\u0000) in the input".into());
+        return invalid("invalid_request", "a NUL character (\\u0000) in the input");
     }
     if edit.was.as_ref().is_some_and(|was| *was != rec.input) {
         return invalid(
+            "input_changed",
             "the record's input changed since the page showed it (another operator's \
-             edit?): nothing was done; reload the record and edit again"
-                .into(),
+             edit?): nothing was done; reload the record and edit again",
         );
     }
     Ok((edit.new != rec.input).then(|| edit.new.clone()))
-}
-
-/// What the action does to the record's steps.
-fn step_change(rec: &Record, req: &ActionRequest, new_input: bool) -> Result<StepChange, Refused> {
-    Ok(match req.action {
-        OperatorAction::Retry => StepChange::FreshStart {
-            new_input,
-            cause: if new_input {
-                format!("retry with a new input by {}", req.actor)
-            } else {
-                format!("retry by {}", req.actor)
-            },
-        },
-        OperatorAction::ReplayFrom => StepChange::RunAgain {
-            steps: req.steps.clone(),
-            cause: format!("replay by {}", req.actor),
-        },
-        // A resume accepts a reversed result: it is no longer marked for
-        // a retry to run again.
-        OperatorAction::Resume => StepChange::AcceptReversed,
-        OperatorAction::TookEffect => took_effect(rec, req)?,
-        OperatorAction::Park | OperatorAction::Cancel => StepChange::Keep,
-    })
-}
-
-/// `TookEffect`: an operator checked with the provider, and the call
-/// whose outcome was not known made this job, or took effect with these
-/// outputs.
-fn took_effect(rec: &Record, req: &ActionRequest) -> Result<StepChange, Refused> {
-    let (Some(step), Some(took)) = (req.steps.first(), req.took.as_ref()) else {
-        return invalid("`took_effect` needs the step and what the provider made".into());
-    };
-    if rec.step.as_deref() != Some(step.as_str())
-        || rec.error_code.as_deref() != Some(OUTCOME_UNCERTAIN)
-    {
-        return invalid(format!(
-            "the record does not wait on step `{step}`'s uncertain call"
-        ));
-    }
-    let step = step.clone();
-    match took {
-        Took::Job(job) => {
-            if job.contains('\0') {
-                return invalid("a NUL character (\\u0000) in the job id".into());
-            }
-            if job.trim().is_empty() || job.len() > 200 {
-                return invalid("give the provider's job id (1 to 200 characters)".into());
-            }
-            let job = job.trim().to_owned();
-            let reason = format!("the call took effect: job {job} (by {})", req.actor);
-            Ok(StepChange::TookJob { step, job, reason })
-        }
-        Took::Output { output, confirm } => {
-            if !output.is_object() {
-                return invalid("give the step's outputs as a JSON object".into());
-            }
-            if json_has_nul(output) {
-                return invalid("the outputs contain a NUL character".into());
-            }
-            Ok(StepChange::TookOutput {
-                step,
-                output: output.clone(),
-                confirm: confirm.clone(),
-                reason: format!("the call took effect, outputs given by {}", req.actor),
-            })
-        }
-    }
-}
-
-/// The audit entry's detail, before any input change.
-fn detail(rec: &Record, req: &ActionRequest, condition: Option<&ParkUntil>) -> Option<Value> {
-    let first = req.steps.first();
-    match (req.action, &req.until) {
-        (OperatorAction::ReplayFrom, _) => Some(match req.repin {
-            Some(to) => json!({
-                "steps": req.steps,
-                "version": { "from": rec.pipeline_version, "to": to },
-            }),
-            None => json!({ "steps": req.steps }),
-        }),
-        (OperatorAction::Retry, _) if !req.steps.is_empty() => Some(json!({ "steps": req.steps })),
-        (OperatorAction::Park, Some(until)) => Some(until.detail()),
-        (OperatorAction::Resume, _) => condition.map(ParkUntil::detail),
-        (OperatorAction::TookEffect, _) => Some(match &req.took {
-            Some(Took::Output { output, .. }) => json!({ "step": first, "output": output }),
-            Some(Took::Job(job)) => json!({ "step": first, "job_id": job }),
-            None => json!({ "step": first }),
-        }),
-        _ => None,
-    }
 }
 
 /// The detail with the input an operator changed, old and new, beside
@@ -424,6 +425,7 @@ fn with_input(detail: Option<Value>, input: Option<&Value>, rec: &Record) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::OUTCOME_UNCERTAIN;
 
     fn record(state: RecordState) -> Record {
         Record {
@@ -455,7 +457,7 @@ mod tests {
 
     fn refusal(r: Result<Plan, Refused>) -> String {
         match r {
-            Err(Refused::Invalid(why)) => why,
+            Err(Refused::Invalid { message, .. }) => message,
             other => panic!("expected a refusal, got {other:?}"),
         }
     }
@@ -563,5 +565,76 @@ mod tests {
         let p = plan(&rec, &req, None).unwrap();
         assert_eq!(p.to, RecordState::Pending);
         assert!(matches!(&p.steps, StepChange::TookJob { job, .. } if job == "j-1"));
+    }
+
+    #[test]
+    fn what_is_offered_is_what_the_table_and_the_actions_allow() {
+        for state in RecordState::ALL {
+            let rec = record(state);
+            for uncertain in [false, true] {
+                let offered = offered(&rec, &Facts { uncertain });
+                for action in OperatorAction::ALL {
+                    let by_table = transition(state, Trigger::Operator(action)).is_ok();
+                    let took = action == OperatorAction::TookEffect;
+                    assert_eq!(
+                        offered.contains(&action),
+                        by_table && (!took || uncertain),
+                        "{action} from {state}, uncertain: {uncertain}"
+                    );
+                    let parked_park =
+                        action == OperatorAction::Park && state == RecordState::Parked;
+                    assert_eq!(in_bulk(action, &rec), by_table && !took && !parked_park);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn commands_are_refused_with_stable_codes() {
+        let code = |action, c: Command| check_command(action, &c).map_err(|r| r.code());
+        let none = Command::default();
+        assert_eq!(code(OperatorAction::Park, none), Err("reason_required"));
+        let reason = Command {
+            reason: true,
+            ..none
+        };
+        assert_eq!(code(OperatorAction::Park, reason), Ok(()));
+        let until = Command {
+            until: true,
+            ..reason
+        };
+        assert_eq!(code(OperatorAction::Park, until), Ok(()));
+        assert_eq!(code(OperatorAction::Retry, until), Err("until_needs_park"));
+        let current = Command {
+            on_current: true,
+            ..none
+        };
+        assert_eq!(code(OperatorAction::ReplayFrom, current), Ok(()));
+        assert_eq!(
+            code(OperatorAction::Cancel, current),
+            Err("current_needs_replay")
+        );
+        assert_eq!(
+            code(OperatorAction::TookEffect, reason),
+            Err("details_required")
+        );
+        let refused = check_command(OperatorAction::Retry, &until).unwrap_err();
+        assert!(
+            refused.to_string().contains("only parking takes"),
+            "{refused}"
+        );
+        let mut req = request(OperatorAction::Cancel);
+        req.input = Some(InputEdit {
+            new: json!({}),
+            was: None,
+        });
+        let r = plan(&record(RecordState::Parked), &req, None).unwrap_err();
+        assert_eq!(r.code(), "input_not_taken");
+        let r = plan(
+            &record(RecordState::Succeeded),
+            &request(OperatorAction::Park),
+            None,
+        );
+        assert_eq!(r.unwrap_err().code(), "transition_not_allowed");
     }
 }

@@ -1,0 +1,15 @@
+//! `cancel`: stop for good; the steps stay as they are.
+
+use super::{ActionRequest, Record, Refused, Rules, StepChange};
+
+pub(super) struct Cancel;
+
+impl Rules for Cancel {
+    fn noun(&self) -> &'static str {
+        "a cancel"
+    }
+
+    fn steps(&self, _: &Record, _: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+        Ok(StepChange::Keep)
+    }
+}

@@ -1,0 +1,63 @@
+//! `resume`: a parked record continues where it stopped (accepting a
+//! reversed result); the system resumes one whose condition holds.
+
+use super::{ActionRequest, Record, Refused, Rules, StepChange};
+use crate::domain::park::ParkUntil;
+use crate::domain::{OperatorAction, RecordState, SYSTEM_ACTOR, UnixMs};
+use serde_json::Value;
+
+pub(super) struct Resume;
+
+impl Rules for Resume {
+    fn noun(&self) -> &'static str {
+        "a resume"
+    }
+
+    /// A resume accepts a reversed result: it is no longer marked for a
+    /// retry to run again.
+    fn steps(&self, _: &Record, _: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+        Ok(StepChange::AcceptReversed)
+    }
+
+    /// The condition that held, for the system's resume.
+    fn detail(
+        &self,
+        _: &Record,
+        _: &ActionRequest,
+        condition: Option<&ParkUntil>,
+    ) -> Option<Value> {
+        condition.map(ParkUntil::detail)
+    }
+}
+
+/// The system's resume of `rec` when the condition it is parked until
+/// holds at `now` (`free`: the providers taking calls again), with that
+/// condition; `None` when it does not, or the record is no longer parked.
+pub fn resume_due<'a>(
+    rec: &Record,
+    now: UnixMs,
+    mut free: impl Iterator<Item = &'a str>,
+) -> Option<(ActionRequest, ParkUntil)> {
+    let until = rec.park_until.clone()?;
+    let holds = match &until {
+        ParkUntil::Time { at } => *at <= now,
+        ParkUntil::Provider { provider } => free.any(|p| p == provider),
+    };
+    if !holds || rec.state != RecordState::Parked {
+        return None;
+    }
+    let reason = match &until {
+        ParkUntil::Time { .. } => format!("parked {until}: the time came"),
+        ParkUntil::Provider { provider } => {
+            format!("parked {until}: provider `{provider}` takes calls again")
+        }
+    };
+    let request = ActionRequest::new(
+        rec.id,
+        OperatorAction::Resume,
+        SYSTEM_ACTOR,
+        Some(reason),
+        now,
+    );
+    Some((request, until))
+}

@@ -1,0 +1,73 @@
+//! Step kinds, one module each: what a kind accepts in its settings, its
+//! compiled form, and its answers to `domain::kind::Kind` (the decisions
+//! particular to it). A new kind is a new module here and one line in
+//! [`registered`] (with its name in `config::pipeline::StepKind`).
+
+mod callback;
+mod request;
+mod submit_poll;
+
+use std::sync::Arc;
+
+pub use callback::Callback;
+pub use request::Request;
+pub use submit_poll::SubmitPoll;
+
+use super::{PollSpec, StepTemplates, invalid};
+use crate::config::ConfigError;
+use crate::config::pipeline::{StepConfig, StepKind as KindConfig};
+use crate::config::provider::check_pointer;
+use crate::domain::kind::Kind;
+
+/// Checks a step's settings for a kind and compiles them.
+type Compile = fn(&StepConfig, &mut StepTemplates<'_>) -> Result<Arc<dyn Kind>, ConfigError>;
+
+/// A kind as the rest of the house reaches it.
+#[derive(Clone, Copy)]
+pub struct Registered {
+    /// How the pages name it.
+    pub label: &'static str,
+    compile: Compile,
+}
+
+/// Every kind, by its configured name: one line each.
+pub fn registered(kind: KindConfig) -> Registered {
+    match kind {
+        KindConfig::Request => request::REGISTERED,
+        KindConfig::SubmitPoll => submit_poll::REGISTERED,
+        KindConfig::Callback => callback::REGISTERED,
+    }
+}
+
+/// The step's kind with what it needs, refusing what it lacks or would
+/// ignore.
+pub(super) fn compile(
+    s: &StepConfig,
+    t: &mut StepTemplates<'_>,
+) -> Result<Arc<dyn Kind>, ConfigError> {
+    (registered(s.kind).compile)(s, t)
+}
+
+/// A job kind's `job_id`: a JSON pointer into the submit reply.
+fn job_id(s: &StepConfig, t: &StepTemplates<'_>, kind: &str) -> Result<String, ConfigError> {
+    let j = s.job_id.as_ref().ok_or_else(|| {
+        invalid(
+            t.key("job_id"),
+            format!("a `{kind}` step needs `job_id` (a JSON pointer into the submit reply)"),
+        )
+    })?;
+    check_pointer(j).map_err(|m| invalid(t.key("job_id"), m))?;
+    Ok(j.clone())
+}
+
+/// The step's `poll`, compiled, when given.
+fn poll(s: &StepConfig, t: &mut StepTemplates<'_>) -> Result<Option<PollSpec>, ConfigError> {
+    let Some(pc) = &s.poll else {
+        return Ok(None);
+    };
+    Ok(Some(PollSpec {
+        request: t.asking("poll", (&pc.method, &pc.path), true, false)?,
+        every: pc.every.0,
+        deadline: pc.deadline.0,
+    }))
+}
