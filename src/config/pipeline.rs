@@ -78,6 +78,9 @@ pub enum StepKind {
 #[serde(deny_unknown_fields)]
 pub struct StepConfig {
     pub name: String,
+    /// The provider a calling kind calls; absent for a kind that calls
+    /// none (its kind's module says which).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub provider: String,
     #[serde(default = "defaults::kind")]
     pub kind: StepKind,
@@ -87,7 +90,9 @@ pub struct StepConfig {
     /// A failed optional step is recorded and the record goes on.
     #[serde(default = "defaults::yes")]
     pub required: bool,
-    pub request: RequestConfig,
+    /// The call of a calling kind; absent for a kind that calls none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RequestConfig>,
     /// JSON pointer to the provider's job id in the submit reply.
     #[serde(default)]
     pub job_id: Option<String>,

@@ -9,13 +9,25 @@ use std::fmt::Debug;
 use super::StepWrite;
 use super::UnixMs;
 use super::pipeline::{CallbackSpec, PollSpec, Step};
-use super::step::Before;
+use super::step::{Before, Decision};
 
 /// What a step kind answers. Every method but `name` has the answer of a
 /// kind that makes one call whose reply is the result.
 pub trait Kind: Debug + Send + Sync {
     /// The kind's name as configured (`kind = "..."`).
     fn name(&self) -> &'static str;
+
+    /// Whether its steps call a provider (and so have a `provider` and a
+    /// `request`).
+    fn calls(&self) -> bool {
+        true
+    }
+
+    /// For a kind that calls no provider: what a pass over its ready step
+    /// decides (a wait, or its end). `None` for a kind that calls.
+    fn settle(&self, _step: &Step, _write: &StepWrite, _now: UnixMs) -> Option<Decision> {
+        None
+    }
 
     /// JSON pointer to the job id in the submit reply: set for a kind that
     /// submits a job and follows it; `None` when the call's reply is the

@@ -282,12 +282,12 @@ mod tests {
                 needs: needs.iter().map(|n| (*n).to_owned()).collect(),
                 upstream: needs.iter().map(|n| (*n).to_owned()).collect(),
                 required: !optional,
-                request: RequestSpec {
+                request: Some(RequestSpec {
                     method: HttpMethod::Get,
                     path: "p".into(),
                     headers: Vec::new(),
                     body: None,
-                },
+                }),
                 outputs: Default::default(),
                 on_reversal: crate::domain::ReversalPolicy::Park,
                 confirm: None,

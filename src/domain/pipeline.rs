@@ -92,7 +92,9 @@ pub struct Step {
     /// Every step this one depends on, directly or not.
     pub upstream: BTreeSet<String>,
     pub required: bool,
-    pub request: RequestSpec,
+    /// The step's call (`None` for a kind that calls no provider, whose
+    /// `provider` is empty).
+    pub request: Option<RequestSpec>,
     pub outputs: BTreeMap<String, String>,
     pub on_reversal: ReversalPolicy,
     /// Requests after success that must still say success.

@@ -1227,7 +1227,7 @@ mod tests {
             needs: Vec::new(),
             upstream: Default::default(),
             required,
-            request: request(),
+            request: Some(request()),
             outputs: outputs
                 .iter()
                 .map(|o| ((*o).to_owned(), format!("/out/{o}")))

@@ -402,6 +402,10 @@ impl StepCall<'_> {
         &self,
         rt: Option<&'r ProviderRuntime>,
     ) -> Result<(&'r ProviderRuntime, Planned), Box<StepOutput>> {
+        // A kind that calls no provider decides its pass alone.
+        if let Some(d) = self.step.kind.settle(self.step, &self.write, self.now) {
+            return Err(Box::new(StepOutput::new(d)));
+        }
         let Some(rt) = rt else {
             let reason = format!("provider `{}` is not configured", self.step.provider);
             let d = park_or_fail(
@@ -1194,7 +1198,11 @@ impl StepCall<'_> {
         let spec: &RequestSpec = match (self.step.poll(), plan.polling, &self.step.lookup) {
             (_, true, Some(l)) if plan.lookup => &l.request,
             (Some(p), true, _) => &p.request,
-            _ => &self.step.request,
+            // A calling kind always has its request (checked at compile).
+            _ => self.step.request.as_ref().ok_or_else(|| Unbuildable {
+                code: "request_invalid",
+                reason: format!("step `{}` has no request to make", self.step.name),
+            })?,
         };
         self.build_call_of(rt, spec, plan, token)
     }

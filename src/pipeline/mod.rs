@@ -15,7 +15,7 @@ use crate::config::pipeline::{PipelineConfig, StepConfig};
 use crate::config::provider::check_pointer;
 use crate::config::{Config, ConfigError};
 
-use crate::domain::kind::Confirms;
+use crate::domain::kind::{Confirms, Kind};
 pub use crate::domain::pipeline::{
     CallbackSpec, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step,
 };
@@ -68,7 +68,10 @@ pub fn compile(config: &Config) -> Result<Pipelines, ConfigError> {
         // whatever the provider says now).
         for s in &pipeline.steps {
             // A provider's setting spares its `GET`s; a step's own does not.
-            let get = s.request.method == HttpMethod::Get;
+            let get = s
+                .request
+                .as_ref()
+                .is_some_and(|r| r.method == HttpMethod::Get);
             let guarded = s.at_most_once == Some(true)
                 || (!get
                     && config
@@ -200,7 +203,7 @@ fn check_steps<'p>(
         }
     }
     for s in &p.steps {
-        if !config.providers.contains_key(&s.provider) {
+        if !s.provider.is_empty() && !config.providers.contains_key(&s.provider) {
             return Err(invalid(
                 step_key(name, &s.name, "provider"),
                 format!("unknown provider `{}`", s.provider),
@@ -263,7 +266,7 @@ fn dependency_order(
 /// percent-encoded.
 fn quoting_of(s: &StepConfig, field: &str) -> Quoting {
     if field.ends_with(".body") {
-        let content_type = s.request.headers.iter();
+        let content_type = s.request.iter().flat_map(|r| r.headers.iter());
         let named = content_type
             .filter(|(h, _)| h.eq_ignore_ascii_case("content-type"))
             .map(|(_, v)| v.as_str())
@@ -348,23 +351,12 @@ fn compile_step(
         upstream: &up,
         templates,
     };
-    let mut headers = Vec::new();
-    for (h, v) in &s.request.headers {
-        headers.push((
-            h.clone(),
-            t.add(&format!("request.headers.{h}"), v, false, false)?,
-        ));
-    }
-    let request = RequestSpec {
-        method: t.method(&s.request.method, "request.method")?,
-        path: t.add("request.path", &s.request.path, false, false)?,
-        headers,
-        body: match &s.request.body {
-            Some(b) => Some(t.add("request.body", b, false, false)?),
-            None => None,
-        },
+    let request = match &s.request {
+        Some(r) => Some(compile_request(r, &mut t)?),
+        None => None,
     };
     let kind = kinds::compile(s, &mut t)?;
+    fits_kind(s, kind.as_ref(), &t)?;
     let key = |field: &str| step_key(pipeline, &s.name, field);
     let (confirm, confirm_request) = match &s.confirm {
         None => (None, None),
@@ -404,6 +396,66 @@ fn compile_step(
         lookup,
         at_most_once: s.at_most_once,
     })
+}
+
+/// The step's call: method, path, headers and body, each a template.
+fn compile_request(
+    r: &crate::config::pipeline::RequestConfig,
+    t: &mut StepTemplates<'_>,
+) -> Result<RequestSpec, ConfigError> {
+    let mut headers = Vec::new();
+    for (h, v) in &r.headers {
+        headers.push((
+            h.clone(),
+            t.add(&format!("request.headers.{h}"), v, false, false)?,
+        ));
+    }
+    Ok(RequestSpec {
+        method: t.method(&r.method, "request.method")?,
+        path: t.add("request.path", &r.path, false, false)?,
+        headers,
+        body: match &r.body {
+            Some(b) => Some(t.add("request.body", b, false, false)?),
+            None => None,
+        },
+    })
+}
+
+/// A calling kind has a provider and a request; a kind that calls none
+/// has neither, nor anything only a call has (outputs read from a reply,
+/// a confirmation, a lookup, `at_most_once`).
+fn fits_kind(s: &StepConfig, kind: &dyn Kind, t: &StepTemplates<'_>) -> Result<(), ConfigError> {
+    let name = kind.name();
+    if kind.calls() {
+        if s.provider.is_empty() {
+            return Err(invalid(
+                t.key("provider"),
+                format!("a `{name}` step calls a provider: name it (`provider = \"...\"`)"),
+            ));
+        }
+        if s.request.is_none() {
+            return Err(invalid(
+                t.key("request"),
+                format!("a `{name}` step needs `request = {{ path = ... }}`"),
+            ));
+        }
+        return Ok(());
+    }
+    let given = [
+        ("provider", !s.provider.is_empty()),
+        ("request", s.request.is_some()),
+        ("outputs", !s.outputs.is_empty()),
+        ("confirm", s.confirm.is_some()),
+        ("lookup", s.lookup.is_some()),
+        ("at_most_once", s.at_most_once.is_some()),
+    ];
+    match given.iter().find(|(_, set)| *set) {
+        Some((field, _)) => Err(invalid(
+            t.key(field),
+            format!("a `{name}` step calls no provider: it takes no `{field}`"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A step's `confirm`: how often, and the request that asks (its own
@@ -611,7 +663,7 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
         let ctx = serde_json::json!({ "input": { "url": "s3://a \"b\"" }, "record": { "id": 1 } });
         let body = p.templates.render(
             rv.step("submit")
-                .and_then(|s| s.request.body.as_deref())
+                .and_then(|s| s.request.as_ref()?.body.as_deref())
                 .unwrap_or(""),
             &ctx,
         );
@@ -675,6 +727,29 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
                 GOOD.replace("name = \"notify\"", "name = \"submit\""),
                 "pipelines.render_video.steps[submit].name",
                 "two steps",
+            ),
+            (
+                GOOD.replace("required = false", "required = false\njob_id = \"/id\""),
+                "pipelines.render_video.steps[notify].job_id",
+                "a `request` step takes no `job_id`",
+            ),
+            (
+                GOOD.replace("provider = \"crm\"\n", ""),
+                "pipelines.render_video.steps[notify].provider",
+                "calls a provider",
+            ),
+            (
+                GOOD.replace("request = { path = \"/notes\"", "rqst = { path = \"/notes\""),
+                "t.toml:",
+                "rqst",
+            ),
+            (
+                GOOD.replace(
+                    "request = { path = \"/notes\", body = '{\"text\": \"ready: {{ steps.submit.output.video_url }}\"}' }",
+                    "",
+                ),
+                "pipelines.render_video.steps[notify].request",
+                "needs `request",
             ),
         ];
         for (text, key, message) in cases {

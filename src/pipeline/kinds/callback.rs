@@ -14,6 +14,8 @@ use crate::domain::{StepWrite, UnixMs};
 use crate::pipeline::{StepTemplates, invalid};
 
 pub(super) const REGISTERED: Registered = Registered {
+    name: "callback",
+    fields: &["job_id", "poll", "callback"],
     label: "callback",
     compile,
 };

@@ -25,10 +25,31 @@ type Compile = fn(&StepConfig, &mut StepTemplates<'_>) -> Result<Arc<dyn Kind>, 
 /// A kind as the rest of the house reaches it.
 #[derive(Clone, Copy)]
 pub struct Registered {
+    /// Its name as configured (`kind = "..."`).
+    pub name: &'static str,
     /// How the pages name it.
     pub label: &'static str,
+    /// The step settings particular to it (beside [`COMMON`]); another
+    /// kind's are refused.
+    fields: &'static [&'static str],
     compile: Compile,
 }
+
+/// The step settings every kind reads; the rest belong to the kinds that
+/// list them.
+const COMMON: &[&str] = &[
+    "name",
+    "provider",
+    "kind",
+    "needs",
+    "required",
+    "request",
+    "outputs",
+    "on_reversal",
+    "confirm",
+    "lookup",
+    "at_most_once",
+];
 
 /// Every kind, by its configured name: one line each.
 pub fn registered(kind: KindConfig) -> Registered {
@@ -45,7 +66,30 @@ pub(super) fn compile(
     s: &StepConfig,
     t: &mut StepTemplates<'_>,
 ) -> Result<Arc<dyn Kind>, ConfigError> {
-    (registered(s.kind).compile)(s, t)
+    let kind = registered(s.kind);
+    if let Some(field) = foreign(s, kind.fields) {
+        return Err(invalid(
+            t.key(&field),
+            format!(
+                "a `{}` step takes no `{field}` (another kind's setting)",
+                kind.name
+            ),
+        ));
+    }
+    (kind.compile)(s, t)
+}
+
+/// A setting given to `s` that belongs to another kind than its own
+/// (`own`): read from the step as it serializes, so a new kind's setting
+/// is refused on the others without a word here.
+fn foreign(s: &StepConfig, own: &[&str]) -> Option<String> {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(s) else {
+        return None;
+    };
+    fields
+        .into_iter()
+        .find(|(k, v)| !v.is_null() && !COMMON.contains(&k.as_str()) && !own.contains(&k.as_str()))
+        .map(|(k, _)| k)
 }
 
 /// A job kind's `job_id`: a JSON pointer into the submit reply.

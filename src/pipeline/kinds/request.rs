@@ -6,9 +6,11 @@ use super::Registered;
 use crate::config::ConfigError;
 use crate::config::pipeline::StepConfig;
 use crate::domain::kind::Kind;
-use crate::pipeline::{StepTemplates, invalid};
+use crate::pipeline::StepTemplates;
 
 pub(super) const REGISTERED: Registered = Registered {
+    name: "request",
+    fields: &[],
     label: "request",
     compile,
 };
@@ -24,16 +26,8 @@ impl Kind for Request {
     }
 }
 
-/// A `request` step takes no job settings: given any, it says which kind
-/// the author meant.
-fn compile(s: &StepConfig, t: &mut StepTemplates<'_>) -> Result<Arc<dyn Kind>, ConfigError> {
-    if s.poll.is_some() || s.callback.is_some() || s.job_id.is_some() {
-        return Err(invalid(
-            t.key("kind"),
-            "a `request` step has no `job_id`, `poll` or `callback`; use \
-             `submit_poll` or `callback`"
-                .into(),
-        ));
-    }
+/// A `request` step reads nothing of its own (another kind's settings
+/// are refused before this).
+fn compile(_: &StepConfig, _: &mut StepTemplates<'_>) -> Result<Arc<dyn Kind>, ConfigError> {
     Ok(Arc::new(Request))
 }

@@ -12,6 +12,8 @@ use crate::domain::{StepWrite, UnixMs};
 use crate::pipeline::{StepTemplates, invalid};
 
 pub(super) const REGISTERED: Registered = Registered {
+    name: "submit_poll",
+    fields: &["job_id", "poll"],
     label: "submit, poll",
     compile,
 };
