@@ -71,6 +71,8 @@ pub enum StepKind {
     SubmitPoll,
     /// Submit a job, wait for a signed webhook naming it.
     Callback,
+    /// Wait, calling nothing: a durable timer.
+    Sleep,
 }
 
 /// `[[pipelines.NAME.steps]]`
@@ -100,6 +102,9 @@ pub struct StepConfig {
     pub poll: Option<PollConfig>,
     #[serde(default)]
     pub callback: Option<CallbackConfig>,
+    /// `kind = "sleep"`: how long the step sleeps (`for = "24h"`).
+    #[serde(default, rename = "for", skip_serializing_if = "Option::is_none")]
+    pub sleep_for: Option<HumanDuration>,
     /// Output name → JSON pointer into the final reply.
     #[serde(default)]
     pub outputs: BTreeMap<String, String>,

@@ -90,7 +90,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     )
 }
 
-fn options(node: &str) -> EngineOptions {
+pub(crate) fn options(node: &str) -> EngineOptions {
     let mut o = EngineOptions::new(node);
     o.lease = Duration::from_secs(2);
     o.idle_max = Duration::from_millis(100);

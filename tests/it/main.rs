@@ -29,3 +29,4 @@ mod store;
 mod traces;
 mod wait;
 mod web;
+mod workflows;

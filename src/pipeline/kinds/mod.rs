@@ -5,12 +5,14 @@
 
 mod callback;
 mod request;
+mod sleep;
 mod submit_poll;
 
 use std::sync::Arc;
 
 pub use callback::Callback;
 pub use request::Request;
+pub use sleep::Sleep;
 pub use submit_poll::SubmitPoll;
 
 use super::{PollSpec, StepTemplates, invalid};
@@ -57,6 +59,7 @@ pub fn registered(kind: KindConfig) -> Registered {
         KindConfig::Request => request::REGISTERED,
         KindConfig::SubmitPoll => submit_poll::REGISTERED,
         KindConfig::Callback => callback::REGISTERED,
+        KindConfig::Sleep => sleep::REGISTERED,
     }
 }
 

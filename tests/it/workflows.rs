@@ -1,0 +1,166 @@
+//! Workflows beyond one call per step: steps whose kind calls no provider
+//! (a durable sleep), on both backends, on a clock the test moves.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ballast::config::Config;
+use ballast::domain::{RecordState, StepState};
+use ballast::engine::Enqueue;
+use ballast::sim::{Profile, SimHandle};
+use ballast::store::Backend;
+use serde_json::json;
+
+use crate::engine::{drain, manual_engine_at};
+use crate::helpers::TestDb;
+
+const DAY_MS: i64 = 24 * 3600 * 1000;
+
+/// Charge, sleep a day, then a second call that reads when the sleep
+/// ended.
+fn charge_sleep_email(base_url: &str) -> Arc<Config> {
+    let text = format!(
+        r#"
+[providers.sim]
+base_url = "{base_url}"
+timeout = "30s"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.ship.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "c-{{{{ record.id }}}}", "amount": 1}}' }}
+
+[[pipelines.ship.steps]]
+name = "wait"
+kind = "sleep"
+for = "24h"
+needs = ["charge"]
+
+[[pipelines.ship.steps]]
+name = "email"
+provider = "sim"
+needs = ["wait"]
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "e-{{{{ steps.wait.output.woke_at }}}}", "amount": 1}}' }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("sleep.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    Arc::new(config)
+}
+
+async fn a_sleep_holds_no_worker_and_wakes_after_a_restart(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "sleep").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = charge_sleep_email(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let id = engine
+        .enqueue(Enqueue::new("ship", Some("order-1"), json!({})))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drain(&engine).await;
+    // Charged; asleep until a day from the sleep's first pass, the record
+    // due then and held by no worker.
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    let wake = start + DAY_MS;
+    assert_eq!(rec.state, RecordState::Waiting, "{:?}", rec.reason);
+    assert_eq!(
+        (rec.next_run_at, rec.lease_owner.as_deref()),
+        (Some(wake), None)
+    );
+    let runs = t.db.step_runs(id).await.unwrap();
+    let sleep = runs.iter().find(|r| r.step == "wait").unwrap();
+    assert_eq!(
+        (sleep.state, sleep.deadline_at),
+        (StepState::Waiting, Some(wake))
+    );
+    assert_eq!(sleep.attempts, 0, "a sleep calls nothing");
+    let said = sleep.reason.clone().unwrap_or_default();
+    let until = ballast::domain::time::format_ms(wake);
+    assert!(said == format!("asleep until {until}"), "{said}");
+    assert_eq!(sim.arrivals().len(), 1);
+    // Nothing is due before the wake time: no pass runs.
+    clock.advance((DAY_MS - 1) as u64);
+    assert_eq!(drain(&engine).await, 0);
+    drop(engine);
+    // A restart: another node, its clock at the wake time, ends the sleep
+    // and makes the call after it, which reads when the sleep ended.
+    let (engine, _clock) = manual_engine_at(&t.db, config, "n2", wake).await;
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.state, RecordState::Succeeded, "{:?}", rec.reason);
+    let runs = t.db.step_runs(id).await.unwrap();
+    let sleep = runs.iter().find(|r| r.step == "wait").unwrap();
+    assert_eq!(sleep.state, StepState::Succeeded);
+    assert_eq!(sleep.output, Some(json!({ "woke_at": wake })));
+    let arrivals = sim.arrivals();
+    assert_eq!(arrivals.len(), 2, "one charge, one email: {arrivals:?}");
+    let audit = crate::helpers::event_kinds(&t.db, id).await;
+    println!("sleep on {backend:?}: events {audit:?}");
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_sleep_holds_no_worker_and_wakes_after_a_restart() {
+    a_sleep_holds_no_worker_and_wakes_after_a_restart(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_sleep_holds_no_worker_and_wakes_after_a_restart() {
+    a_sleep_holds_no_worker_and_wakes_after_a_restart(Backend::Postgres).await;
+}
+
+#[test]
+fn check_config_refuses_a_sleep_that_calls_or_has_no_length() {
+    let base = "http://127.0.0.1:9";
+    let good = {
+        let c = charge_sleep_email(base);
+        assert!(ballast::pipeline::compile(&c).is_ok());
+        r#"name = "wait"
+kind = "sleep"
+for = "24h""#
+    };
+    let cases = [
+        (good.replace("for = \"24h\"", ""), "needs `for`"),
+        (good.replace("24h", "0s"), "more than 0"),
+        (format!("{good}\nprovider = \"sim\""), "takes no `provider`"),
+        (format!("{good}\njob_id = \"/id\""), "takes no `job_id`"),
+        (
+            good.replace(
+                "kind = \"sleep\"\nfor = \"24h\"",
+                "for = \"24h\"\nprovider = \"sim\"\nrequest = { path = \"/x\" }",
+            ),
+            "a `request` step takes no `for`",
+        ),
+    ];
+    let whole = |wait: &str| {
+        let text = format!(
+            r#"
+[providers.sim]
+base_url = "{base}"
+[[pipelines.ship.steps]]
+{wait}
+"#
+        );
+        Config::parse(&text, Path::new("sleep.toml"))
+            .and_then(|c| ballast::pipeline::compile(&c).map(|_| ()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    for (wait, expected) in cases {
+        let err = whole(&wait);
+        assert!(
+            err.contains(expected),
+            "expected {expected:?} for {wait:?}: {err}"
+        );
+        assert!(err.contains("pipelines.ship.steps[wait]"), "{err}");
+    }
+}
