@@ -258,8 +258,12 @@ async fn get_one(
         state.db.step_versions(id),
         state.db.open_intents(id)
     )?;
+    // By the names the act endpoint takes.
+    let (offered, _) = crate::web::query::offered(&state, &record, &steps).await;
+    let actions: Vec<&str> = offered.iter().map(|a| a.as_str()).collect();
     Ok(Json(json!({
         "record": record,
+        "actions": actions,
         "steps": steps,
         "versions": versions,
         "attempts": attempts,

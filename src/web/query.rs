@@ -224,3 +224,26 @@ pub async fn bulk(
     }
     Ok(ops.bulk(&targets, action, actor, reason, step, apply).await)
 }
+
+/// The actions an operator may take on `rec` as it stands (its step runs
+/// `runs`), and its one uncertain call an operator may settle, if any:
+/// what the record page offers and the API's record detail lists, asked
+/// of `domain::action::offered` and the uncertain call `took_effect` acts
+/// on.
+pub async fn offered(
+    state: &crate::web::AppState,
+    rec: &crate::domain::Record,
+    runs: &[crate::domain::StepRun],
+) -> (
+    Vec<crate::domain::OperatorAction>,
+    Option<crate::domain::StepRun>,
+) {
+    let uncertain = match &state.engine {
+        Some(engine) => crate::engine::uncertain_run(engine, rec, runs).await.ok(),
+        None => None,
+    };
+    let facts = crate::domain::action::Facts {
+        uncertain: uncertain.is_some(),
+    };
+    (crate::domain::action::offered(rec, &facts), uncertain)
+}

@@ -158,6 +158,14 @@ async fn api_round_trip(backend: Backend) {
     assert_eq!(detail["record"]["state"], "succeeded");
     assert_eq!(detail["attempts"][0]["http_status"], 200);
     assert!(detail["events"].as_array().unwrap().len() >= 2);
+    // It lists what may be done to it, as the page offers it: a finished
+    // record is replayed, nothing else.
+    assert_eq!(
+        detail["actions"],
+        json!(["replay"]),
+        "{}",
+        detail["actions"]
+    );
     // Actions follow the same rules as the page.
     let r = post(
         &format!("/api/v1/records/{id}/actions"),

@@ -764,24 +764,13 @@ async fn record_page_at(
     // same answer `took_effect` acts on): a job step names its job, a
     // request step its outputs (a JSON object with the step's output
     // names, offered empty).
-    let uncertain = match &state.engine {
-        Some(engine) => crate::engine::uncertain_run(engine, &rec, &steps)
-            .await
-            .ok(),
-        None => None,
-    };
+    let (offered, uncertain) = crate::web::query::offered(state, &rec, &steps).await;
     let took_outputs = match &uncertain {
         Some(run) => took_outputs(state, &rec, run).await,
         None => None,
     };
-    let facts = crate::domain::action::Facts {
-        uncertain: uncertain.is_some(),
-    };
     let actions = if caller.can(crate::domain::Role::Operator) {
-        crate::domain::action::offered(&rec, &facts)
-            .into_iter()
-            .map(|a| a.as_str())
-            .collect()
+        offered.into_iter().map(|a| a.as_str()).collect()
     } else {
         Vec::new()
     };
