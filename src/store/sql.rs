@@ -12,12 +12,12 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
 use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::batch;
 use super::counts::CountDeltas;
-use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, map_all};
 use super::{ActionRequest, Created, EventRow, NewRecord, StepRollup, StoreError, StoreResult};
 use crate::domain::action::{self, Plan, StepChange};
 use crate::domain::park::ParkUntil;
 use crate::domain::reversal::ReversedSteps;
-use crate::domain::{Event, Record, RecordState, Trigger, UnixMs, transition};
+use crate::domain::{Event, Record, RecordState, StepRun, Trigger, UnixMs, transition};
 
 /// A write transaction.
 pub(crate) type Tx<DB> = Transaction<'static, DB>;
@@ -1217,7 +1217,33 @@ where
             change @ (StepChange::TookJob { .. } | StepChange::TookOutput { .. }) => {
                 Self::took_effect_locked(tx, rec, change, req.now).await
             }
+            StepChange::EndWait { steps, reason } => {
+                for step in steps {
+                    sqlx::query(
+                        "UPDATE step_runs SET deadline_at = $1, next_run_at = $1, reason = $2, \
+                         updated_at = $1 WHERE record_id = $3 AND step = $4 AND state = 'waiting'",
+                    )
+                    .bind(req.now)
+                    .bind(reason.clone())
+                    .bind(rec.id)
+                    .bind(step.clone())
+                    .execute(&mut **tx)
+                    .await?;
+                }
+                Ok(())
+            }
         }
+    }
+
+    /// The step runs of a record whose row `tx` holds, as they stand.
+    async fn step_runs_locked(tx: &mut Tx<DB>, record_id: i64) -> StoreResult<Vec<StepRun>> {
+        let sql =
+            format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .fetch_all(&mut **tx)
+            .await?;
+        map_all(&rows, MapRow::step_run)
     }
 
     /// An action on a record locked in `tx`: an operator's (`act`), or the
@@ -1235,7 +1261,8 @@ where
         condition: Option<&ParkUntil>,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
-        let plan = action::plan(rec, req, condition)?;
+        let runs = Self::step_runs_locked(tx, rec.id).await?;
+        let plan = action::plan(rec, &runs, req, condition)?;
         if let Some(new) = &plan.input {
             sqlx::query("UPDATE records SET input = $1 WHERE id = $2")
                 .bind(Json(new.clone()))

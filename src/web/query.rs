@@ -243,6 +243,7 @@ pub async fn offered(
         None => None,
     };
     let facts = crate::domain::action::Facts {
+        runs,
         uncertain: uncertain.is_some(),
     };
     (crate::domain::action::offered(rec, &facts), uncertain)

@@ -1,6 +1,6 @@
 //! `cancel`: stop for good; the steps stay as they are.
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange};
+use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun};
 
 pub(super) struct Cancel;
 
@@ -9,7 +9,13 @@ impl Rules for Cancel {
         "a cancel"
     }
 
-    fn steps(&self, _: &Record, _: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+    fn steps(
+        &self,
+        _: &Record,
+        _: &[StepRun],
+        _: &ActionRequest,
+        _: bool,
+    ) -> Result<StepChange, Refused> {
         Ok(StepChange::Keep)
     }
 }

@@ -20,7 +20,8 @@ use serde_json::{Value, json};
 
 use super::park::ParkUntil;
 use super::{
-    OperatorAction, Record, RecordState, TransitionError, Trigger, UnixMs, json_has_nul, transition,
+    OperatorAction, Record, RecordState, StepRun, TransitionError, Trigger, UnixMs, json_has_nul,
+    transition,
 };
 
 pub use bulk::{BULK_NEEDS_REASON, in_bulk};
@@ -64,11 +65,12 @@ trait Rules: Sync {
         true
     }
 
-    /// What it does to the record's steps (`new_input`: the request
-    /// changes the input).
+    /// What it does to the record's steps (`runs`: as they stand, under
+    /// the record's lock; `new_input`: the request changes the input).
     fn steps(
         &self,
         rec: &Record,
+        runs: &[StepRun],
         req: &ActionRequest,
         new_input: bool,
     ) -> Result<StepChange, Refused>;
@@ -235,6 +237,9 @@ pub enum StepChange {
         job: String,
         reason: String,
     },
+    /// These steps, waiting on time alone, are due now: their wait ends
+    /// (the kind decides at the next pass what that means).
+    EndWait { steps: Vec<String>, reason: String },
     /// The uncertain call of `step` took effect with these outputs.
     TookOutput {
         step: String,
@@ -267,7 +272,9 @@ pub struct Plan {
 
 /// What is known of a record beside its row when its page offers actions.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Facts {
+pub struct Facts<'a> {
+    /// Its step runs.
+    pub runs: &'a [StepRun],
     /// It waits on one call whose outcome is uncertain, which an operator
     /// may settle ([`uncertain_call`] found it).
     pub uncertain: bool,
@@ -335,6 +342,7 @@ pub fn check_request(req: &ActionRequest) -> Result<(), Refused> {
 /// that held, when the system resumes a record parked until it.
 pub fn plan(
     rec: &Record,
+    runs: &[StepRun],
     req: &ActionRequest,
     condition: Option<&ParkUntil>,
 ) -> Result<Plan, Refused> {
@@ -362,7 +370,7 @@ pub fn plan(
     }
     let to = transition(rec.state, Trigger::Operator(action))?;
     let input = new_input(rec, req, r)?;
-    let steps = r.steps(rec, req, input.is_some())?;
+    let steps = r.steps(rec, runs, req, input.is_some())?;
     let detail = with_input(r.detail(rec, req, condition), input.as_ref(), rec);
     Ok(Plan {
         to,
@@ -466,6 +474,7 @@ mod tests {
     fn parking_keeps_the_error_code_and_moving_on_clears_it() {
         let parked = plan(
             &record(RecordState::Retrying),
+            &[],
             &request(OperatorAction::Park),
             None,
         );
@@ -478,6 +487,7 @@ mod tests {
         );
         let retried = plan(
             &record(RecordState::Parked),
+            &[],
             &request(OperatorAction::Retry),
             None,
         );
@@ -493,14 +503,14 @@ mod tests {
     fn options_that_belong_to_another_action_are_refused() {
         let mut req = request(OperatorAction::Retry);
         req.repin = Some(2);
-        let why = refusal(plan(&record(RecordState::Parked), &req, None));
+        let why = refusal(plan(&record(RecordState::Parked), &[], &req, None));
         assert!(why.contains("only a replay"), "{why}");
         let mut req = request(OperatorAction::Cancel);
         req.input = Some(InputEdit {
             new: json!({}),
             was: None,
         });
-        let why = refusal(plan(&record(RecordState::Parked), &req, None));
+        let why = refusal(plan(&record(RecordState::Parked), &[], &req, None));
         assert!(why.contains("only a retry or a replay"), "{why}");
         let mut req = request(OperatorAction::ReplayFrom);
         assert!(check_request(&req).is_err(), "a replay names its step");
@@ -516,12 +526,12 @@ mod tests {
             new: json!({ "a": 2 }),
             was: Some(json!({ "a": 0 })),
         });
-        assert!(refusal(plan(&rec, &req, None)).contains("changed since the page"));
+        assert!(refusal(plan(&rec, &[], &req, None)).contains("changed since the page"));
         req.input = Some(InputEdit {
             new: json!({ "a": 2 }),
             was: Some(json!({ "a": 1 })),
         });
-        let p = plan(&rec, &req, None).unwrap();
+        let p = plan(&rec, &[], &req, None).unwrap();
         assert_eq!(p.input, Some(json!({ "a": 2 })));
         assert_eq!(
             p.detail,
@@ -538,7 +548,7 @@ mod tests {
             new: json!({ "a": 1 }),
             was: None,
         });
-        let same = plan(&rec, &req, None).unwrap();
+        let same = plan(&rec, &[], &req, None).unwrap();
         assert_eq!(
             (same.input, same.detail),
             (None, None),
@@ -552,17 +562,17 @@ mod tests {
         let mut req = request(OperatorAction::TookEffect);
         req.steps = vec!["ship".into()];
         req.took = Some(Took::Job("j-1".into()));
-        assert!(refusal(plan(&rec, &req, None)).contains("does not wait on step `ship`"));
+        assert!(refusal(plan(&rec, &[], &req, None)).contains("does not wait on step `ship`"));
         req.steps = vec!["charge".into()];
         req.took = Some(Took::Job("  ".into()));
-        assert!(refusal(plan(&rec, &req, None)).contains("1 to 200"));
+        assert!(refusal(plan(&rec, &[], &req, None)).contains("1 to 200"));
         req.took = Some(Took::Output {
             output: json!([1]),
             confirm: None,
         });
-        assert!(refusal(plan(&rec, &req, None)).contains("JSON object"));
+        assert!(refusal(plan(&rec, &[], &req, None)).contains("JSON object"));
         req.took = Some(Took::Job(" j-1 ".into()));
-        let p = plan(&rec, &req, None).unwrap();
+        let p = plan(&rec, &[], &req, None).unwrap();
         assert_eq!(p.to, RecordState::Pending);
         assert!(matches!(&p.steps, StepChange::TookJob { job, .. } if job == "j-1"));
     }
@@ -572,7 +582,13 @@ mod tests {
         for state in RecordState::ALL {
             let rec = record(state);
             for uncertain in [false, true] {
-                let offered = offered(&rec, &Facts { uncertain });
+                let offered = offered(
+                    &rec,
+                    &Facts {
+                        runs: &[],
+                        uncertain,
+                    },
+                );
                 for action in OperatorAction::ALL {
                     let by_table = transition(state, Trigger::Operator(action)).is_ok();
                     let took = action == OperatorAction::TookEffect;
@@ -628,10 +644,11 @@ mod tests {
             new: json!({}),
             was: None,
         });
-        let r = plan(&record(RecordState::Parked), &req, None).unwrap_err();
+        let r = plan(&record(RecordState::Parked), &[], &req, None).unwrap_err();
         assert_eq!(r.code(), "input_not_taken");
         let r = plan(
             &record(RecordState::Succeeded),
+            &[],
             &request(OperatorAction::Park),
             None,
         );

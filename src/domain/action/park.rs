@@ -1,7 +1,7 @@
 //! `park`: stop and wait for a person, with a reason, optionally until a
 //! condition holds (a time, a provider taking calls again).
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange, Takes};
+use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun, Takes};
 use crate::domain::RecordState;
 use crate::domain::park::ParkUntil;
 use serde_json::Value;
@@ -30,7 +30,13 @@ impl Rules for Park {
         rec.state != RecordState::Parked
     }
 
-    fn steps(&self, _: &Record, _: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+    fn steps(
+        &self,
+        _: &Record,
+        _: &[StepRun],
+        _: &ActionRequest,
+        _: bool,
+    ) -> Result<StepChange, Refused> {
         Ok(StepChange::Keep)
     }
 

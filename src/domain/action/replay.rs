@@ -2,7 +2,7 @@
 //! pay again), optionally with a new input or on the current pipeline
 //! version.
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange, Takes, invalid};
+use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun, Takes, invalid};
 use crate::domain::park::ParkUntil;
 use serde_json::{Value, json};
 
@@ -28,7 +28,13 @@ impl Rules for Replay {
         Ok(())
     }
 
-    fn steps(&self, _: &Record, req: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+    fn steps(
+        &self,
+        _: &Record,
+        _: &[StepRun],
+        req: &ActionRequest,
+        _: bool,
+    ) -> Result<StepChange, Refused> {
         Ok(StepChange::RunAgain {
             steps: req.steps.clone(),
             cause: format!("replay by {}", req.actor),

@@ -1,7 +1,7 @@
 //! `resume`: a parked record continues where it stopped (accepting a
 //! reversed result); the system resumes one whose condition holds.
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange};
+use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun};
 use crate::domain::park::ParkUntil;
 use crate::domain::{OperatorAction, RecordState, SYSTEM_ACTOR, UnixMs};
 use serde_json::Value;
@@ -15,7 +15,13 @@ impl Rules for Resume {
 
     /// A resume accepts a reversed result: it is no longer marked for a
     /// retry to run again.
-    fn steps(&self, _: &Record, _: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+    fn steps(
+        &self,
+        _: &Record,
+        _: &[StepRun],
+        _: &ActionRequest,
+        _: bool,
+    ) -> Result<StepChange, Refused> {
         Ok(StepChange::AcceptReversed)
     }
 

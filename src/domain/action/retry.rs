@@ -1,7 +1,7 @@
 //! `retry`: due now, with a fresh attempt budget for every unfinished
 //! step, optionally with a new input.
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange, Takes};
+use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun, Takes};
 use serde_json::{Value, json};
 
 pub(super) struct Retry;
@@ -21,6 +21,7 @@ impl Rules for Retry {
     fn steps(
         &self,
         _rec: &Record,
+        _runs: &[StepRun],
         req: &ActionRequest,
         new_input: bool,
     ) -> Result<StepChange, Refused> {

@@ -46,7 +46,13 @@ impl Rules for TookEffect {
         false
     }
 
-    fn steps(&self, rec: &Record, req: &ActionRequest, _: bool) -> Result<StepChange, Refused> {
+    fn steps(
+        &self,
+        rec: &Record,
+        _: &[StepRun],
+        req: &ActionRequest,
+        _: bool,
+    ) -> Result<StepChange, Refused> {
         let (Some(step), Some(took)) = (req.steps.first(), req.took.as_ref()) else {
             return invalid(
                 "details_required",
