@@ -576,7 +576,8 @@ impl Pass<'_> {
             .map(|s| {
                 let w = runs.get(&s.name).map(StepWrite::from).unwrap_or_else(|| {
                     let mut w = StepWrite::pending(&s.name);
-                    w.provider = Some(s.provider.clone());
+                    // None for a kind that calls no provider.
+                    w.provider = Some(s.provider.clone()).filter(|p| !p.is_empty());
                     w
                 });
                 (s.name.clone(), w)
