@@ -173,16 +173,19 @@ pub enum OperatorAction {
     /// A call whose outcome was not known did take effect: continue with
     /// the job the provider made (an operator checked), nothing sent again.
     TookEffect,
+    /// End a sleep now, before its wake time.
+    Wake,
 }
 
 impl OperatorAction {
-    pub const ALL: [OperatorAction; 6] = [
+    pub const ALL: [OperatorAction; 7] = [
         OperatorAction::Retry,
         OperatorAction::Park,
         OperatorAction::Resume,
         OperatorAction::Cancel,
         OperatorAction::ReplayFrom,
         OperatorAction::TookEffect,
+        OperatorAction::Wake,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -193,6 +196,7 @@ impl OperatorAction {
             OperatorAction::Cancel => "cancel",
             OperatorAction::ReplayFrom => "replay",
             OperatorAction::TookEffect => "took_effect",
+            OperatorAction::Wake => "wake",
         }
     }
 }
@@ -341,6 +345,7 @@ pub fn transition(from: RecordState, trigger: Trigger) -> Result<RecordState, Tr
                 (A::Park, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Parked),
                 (A::Resume | A::TookEffect, S::Parked) => Ok(S::Pending),
                 (A::Cancel, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Cancelled),
+                (A::Wake, S::Waiting) => Ok(S::Pending),
                 (A::ReplayFrom, S::Succeeded | S::Failed | S::Parked | S::Cancelled) => {
                     Ok(S::Pending)
                 }

@@ -1,11 +1,12 @@
 //! Workflows beyond one call per step: steps whose kind calls no provider
-//! (a durable sleep), on both backends, on a clock the test moves.
+//! (a durable sleep, woken early by an operator), on both backends, on a
+//! clock the test moves.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use ballast::config::Config;
-use ballast::domain::{RecordState, StepState};
+use ballast::domain::{OperatorAction, RecordState, StepState};
 use ballast::engine::Enqueue;
 use ballast::sim::{Profile, SimHandle};
 use ballast::store::Backend;
@@ -81,7 +82,11 @@ async fn a_sleep_holds_no_worker_and_wakes_after_a_restart(backend: Backend) {
         (sleep.state, sleep.deadline_at),
         (StepState::Waiting, Some(wake))
     );
-    assert_eq!(sleep.attempts, 0, "a sleep calls nothing");
+    assert_eq!(
+        (sleep.attempts, sleep.provider.as_deref()),
+        (0, None),
+        "a sleep calls nothing"
+    );
     let said = sleep.reason.clone().unwrap_or_default();
     let until = ballast::domain::time::format_ms(wake);
     assert!(said == format!("asleep until {until}"), "{said}");
@@ -115,6 +120,78 @@ async fn sqlite_a_sleep_holds_no_worker_and_wakes_after_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_sleep_holds_no_worker_and_wakes_after_a_restart() {
     a_sleep_holds_no_worker_and_wakes_after_a_restart(Backend::Postgres).await;
+}
+
+async fn an_operator_wakes_a_sleep_early(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "wake").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = charge_sleep_email(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let id = engine
+        .enqueue(Enqueue::new("ship", Some("order-2"), json!({})))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
+    let wake = OperatorAction::Wake;
+    // Nothing sleeps yet: a pending record cannot be woken.
+    let early = ops
+        .act(id, wake, "ann", None, None, None)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        ballast::web::error::WebError::from(early).code(),
+        "transition_not_allowed"
+    );
+    drain(&engine).await;
+    assert_eq!(sim.arrivals().len(), 1);
+    // An hour into the sleep, an operator wakes it: due now, audited.
+    clock.advance(3_600_000);
+    let woken_at = start + 3_600_000;
+    let reason = Some("the customer asked".to_owned());
+    let rec = ops.act(id, wake, "ann", reason, None, None).await.unwrap();
+    assert_eq!(
+        (rec.state, rec.next_run_at),
+        (RecordState::Pending, Some(woken_at))
+    );
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.state, RecordState::Succeeded, "{:?}", rec.reason);
+    let runs = t.db.step_runs(id).await.unwrap();
+    let sleep = runs.iter().find(|r| r.step == "wait").unwrap();
+    assert_eq!(sleep.output, Some(json!({ "woke_at": woken_at })));
+    assert_eq!(sim.arrivals().len(), 2, "the email went out a day early");
+    let events = t.db.record_events(id).await.unwrap();
+    let audited = events.iter().find(|e| e.kind == "wake").unwrap();
+    assert!(audited.audit);
+    assert_eq!(
+        (audited.actor.as_str(), audited.reason.as_deref()),
+        ("ann", Some("the customer asked"))
+    );
+    // Woken once, it cannot be woken again.
+    let again = ops
+        .act(id, wake, "ann", None, None, None)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        ballast::web::error::WebError::from(again).code(),
+        "transition_not_allowed"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_operator_wakes_a_sleep_early() {
+    an_operator_wakes_a_sleep_early(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_operator_wakes_a_sleep_early() {
+    an_operator_wakes_a_sleep_early(Backend::Postgres).await;
 }
 
 #[test]

@@ -15,6 +15,7 @@ mod replay;
 mod resume;
 mod retry;
 mod took_effect;
+mod wake;
 
 use serde_json::{Value, json};
 
@@ -101,6 +102,7 @@ fn rules(action: OperatorAction) -> &'static dyn Rules {
         OperatorAction::Cancel => &cancel::Cancel,
         OperatorAction::ReplayFrom => &replay::Replay,
         OperatorAction::TookEffect => &took_effect::TookEffect,
+        OperatorAction::Wake => &wake::Wake,
     }
 }
 
@@ -433,7 +435,7 @@ fn with_input(detail: Option<Value>, input: Option<&Value>, rec: &Record) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::OUTCOME_UNCERTAIN;
+    use crate::domain::{OUTCOME_UNCERTAIN, StepState};
 
     fn record(state: RecordState) -> Record {
         Record {
@@ -579,22 +581,43 @@ mod tests {
 
     #[test]
     fn what_is_offered_is_what_the_table_and_the_actions_allow() {
+        let sleeping = StepRun {
+            record_id: 7,
+            step: "nap".into(),
+            provider: None,
+            state: StepState::Waiting,
+            generation: 0,
+            attempts: 0,
+            unknowns: 0,
+            idempotency_key: "k".into(),
+            job_id: None,
+            output: None,
+            error_code: None,
+            reason: Some("asleep until later".into()),
+            next_run_at: Some(5_000),
+            deadline_at: Some(5_000),
+            started_at: Some(0),
+            finished_at: None,
+            updated_at: 0,
+            cause: None,
+        };
         for state in RecordState::ALL {
             let rec = record(state);
-            for uncertain in [false, true] {
+            for (uncertain, runs) in [(false, vec![]), (true, vec![sleeping.clone()])] {
                 let offered = offered(
                     &rec,
                     &Facts {
-                        runs: &[],
+                        runs: &runs,
                         uncertain,
                     },
                 );
                 for action in OperatorAction::ALL {
                     let by_table = transition(state, Trigger::Operator(action)).is_ok();
                     let took = action == OperatorAction::TookEffect;
+                    let wake = action == OperatorAction::Wake;
                     assert_eq!(
                         offered.contains(&action),
-                        by_table && (!took || uncertain),
+                        by_table && (!took || uncertain) && (!wake || !runs.is_empty()),
                         "{action} from {state}, uncertain: {uncertain}"
                     );
                     let parked_park =
@@ -603,6 +626,19 @@ mod tests {
                 }
             }
         }
+        // A wake ends the sleeping steps' wait, and nothing else's.
+        let mut runs = vec![sleeping.clone()];
+        runs.push(StepRun {
+            job_id: Some("j-1".into()),
+            ..sleeping.clone()
+        });
+        runs[1].step = "render".into();
+        let req = request(OperatorAction::Wake);
+        let p = plan(&record(RecordState::Waiting), &runs, &req, None).unwrap();
+        assert_eq!(p.to, RecordState::Pending);
+        assert!(matches!(&p.steps, StepChange::EndWait { steps, .. } if steps == &["nap"]));
+        let none = plan(&record(RecordState::Waiting), &runs[1..], &req, None);
+        assert_eq!(none.unwrap_err().code(), "nothing_asleep");
     }
 
     #[test]
