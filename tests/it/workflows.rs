@@ -52,20 +52,54 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "e-{{{{ step
     Arc::new(config)
 }
 
-async fn a_sleep_holds_no_worker_and_wakes_after_a_restart(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "sleep").await else {
-        return;
-    };
+/// One record of `ship` on a fresh engine whose clock the test moves.
+struct Shipping {
+    t: TestDb,
+    sim: SimHandle,
+    config: Arc<Config>,
+    engine: ballast::engine::Engine,
+    clock: ballast::domain::ManualClock,
+    /// The clock's start.
+    start: i64,
+    id: i64,
+}
+
+async fn shipping(backend: Backend, test: &str) -> Option<Shipping> {
+    let t = TestDb::migrated(backend, test).await?;
     let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
     let config = charge_sleep_email(&sim.base_url());
     let start = crate::helpers::wall_ms();
     let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let id = engine
-        .enqueue(Enqueue::new("ship", Some("order-1"), json!({})))
+        .enqueue(Enqueue::new("ship", Some(test), json!({})))
         .await
         .unwrap()
         .record
         .id;
+    Some(Shipping {
+        t,
+        sim,
+        config,
+        engine,
+        clock,
+        start,
+        id,
+    })
+}
+
+async fn a_sleep_holds_no_worker_and_wakes_after_a_restart(backend: Backend) {
+    let Some(Shipping {
+        t,
+        sim,
+        config,
+        engine,
+        clock,
+        start,
+        id,
+    }) = shipping(backend, "sleep").await
+    else {
+        return;
+    };
     drain(&engine).await;
     // Charged; asleep until a day from the sleep's first pass, the record
     // due then and held by no worker.
@@ -123,19 +157,18 @@ async fn postgres_a_sleep_holds_no_worker_and_wakes_after_a_restart() {
 }
 
 async fn an_operator_wakes_a_sleep_early(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "wake").await else {
+    let Some(Shipping {
+        t,
+        sim,
+        config,
+        engine,
+        clock,
+        start,
+        id,
+    }) = shipping(backend, "wake").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = charge_sleep_email(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
-    let id = engine
-        .enqueue(Enqueue::new("ship", Some("order-2"), json!({})))
-        .await
-        .unwrap()
-        .record
-        .id;
     let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
     let wake = OperatorAction::Wake;
     // Nothing sleeps yet: a pending record cannot be woken.

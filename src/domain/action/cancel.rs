@@ -1,21 +1,11 @@
-//! `cancel`: stop for good; the steps stay as they are.
+//! `cancel`: stop for good; the steps stay as they are (the default).
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun};
+use super::Rules;
 
 pub(super) struct Cancel;
 
 impl Rules for Cancel {
     fn noun(&self) -> &'static str {
         "a cancel"
-    }
-
-    fn steps(
-        &self,
-        _: &Record,
-        _: &[StepRun],
-        _: &ActionRequest,
-        _: bool,
-    ) -> Result<StepChange, Refused> {
-        Ok(StepChange::Keep)
     }
 }

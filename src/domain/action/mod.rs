@@ -67,14 +67,17 @@ trait Rules: Sync {
     }
 
     /// What it does to the record's steps (`runs`: as they stand, under
-    /// the record's lock; `new_input`: the request changes the input).
+    /// the record's lock; `new_input`: the request changes the input):
+    /// nothing, unless it says.
     fn steps(
         &self,
-        rec: &Record,
-        runs: &[StepRun],
-        req: &ActionRequest,
-        new_input: bool,
-    ) -> Result<StepChange, Refused>;
+        _rec: &Record,
+        _runs: &[StepRun],
+        _req: &ActionRequest,
+        _new_input: bool,
+    ) -> Result<StepChange, Refused> {
+        Ok(StepChange::Keep)
+    }
 
     /// The audit entry's detail, before any input change; `condition`:
     /// the one that held, for the system's resume.

@@ -1,7 +1,7 @@
 //! `park`: stop and wait for a person, with a reason, optionally until a
 //! condition holds (a time, a provider taking calls again).
 
-use super::{ActionRequest, Record, Refused, Rules, StepChange, StepRun, Takes};
+use super::{ActionRequest, Record, Rules, Takes};
 use crate::domain::RecordState;
 use crate::domain::park::ParkUntil;
 use serde_json::Value;
@@ -28,16 +28,6 @@ impl Rules for Park {
     /// never in bulk (that would erase what each waits for).
     fn in_bulk(&self, rec: &Record) -> bool {
         rec.state != RecordState::Parked
-    }
-
-    fn steps(
-        &self,
-        _: &Record,
-        _: &[StepRun],
-        _: &ActionRequest,
-        _: bool,
-    ) -> Result<StepChange, Refused> {
-        Ok(StepChange::Keep)
     }
 
     fn detail(&self, _: &Record, req: &ActionRequest, _: Option<&ParkUntil>) -> Option<Value> {
