@@ -1,6 +1,6 @@
 //! The seam between a step's kind and the decisions every step shares.
-//! Each kind (request, submit and poll, callback) is one module of
-//! `crate::pipeline::kinds`: its settings checked, its compiled form, and
+//! Each kind (a call, a job polled or called back, a sleep, …) is one
+//! module of `crate::pipeline::kinds`: its settings checked, its compiled form, and
 //! its answers to this trait. The shared decisions (`step.rs`) ask the
 //! kind; nothing outside a kind's module matches on which kind it is.
 

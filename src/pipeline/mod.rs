@@ -763,6 +763,17 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
     }
 
     #[test]
+    fn a_callback_table_on_a_submit_poll_step_is_ignored_as_it_always_was() {
+        let stray = GOOD.replace(
+            "job_id = \"/id\"\n",
+            "job_id = \"/id\"\ncallback = { job_id = \"/id\" }\n",
+        );
+        let p = load(&stray).unwrap_or_else(|e| panic!("{e}"));
+        let submit = p.pipelines["render_video"].step("submit").unwrap();
+        assert!(submit.poll().is_some() && submit.callback().is_none());
+    }
+
+    #[test]
     fn cycles_are_refused() {
         let text = r#"
 [[pipelines.p.steps]]

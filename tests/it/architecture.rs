@@ -262,7 +262,12 @@ fn a_step_kind_and_an_operator_action_are_each_one_module() {
         kinds.is_empty(),
         "kinds matched on outside pipeline/kinds/: {kinds:?}"
     );
-    for kind in ["kinds::Request", "kinds::SubmitPoll", "kinds::Callback"] {
+    for kind in [
+        "kinds::Request",
+        "kinds::SubmitPoll",
+        "kinds::Callback",
+        "kinds::Sleep",
+    ] {
         let named = named_outside(kind, &["pipeline/kinds/"]);
         assert!(
             named.is_empty(),

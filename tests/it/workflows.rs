@@ -141,8 +141,12 @@ async fn a_sleep_holds_no_worker_and_wakes_after_a_restart(backend: Backend) {
     assert_eq!(sleep.output, Some(json!({ "woke_at": wake })));
     let arrivals = sim.arrivals();
     assert_eq!(arrivals.len(), 2, "one charge, one email: {arrivals:?}");
-    let audit = crate::helpers::event_kinds(&t.db, id).await;
-    println!("sleep on {backend:?}: events {audit:?}");
+    let kinds = crate::helpers::event_kinds(&t.db, id).await;
+    let waited = kinds.iter().position(|k| k == "waiting");
+    assert!(
+        waited.is_some() && kinds.last().map(String::as_str) == Some("completed"),
+        "{kinds:?}"
+    );
     sim.stop();
 }
 
@@ -225,6 +229,59 @@ async fn sqlite_an_operator_wakes_a_sleep_early() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_an_operator_wakes_a_sleep_early() {
     an_operator_wakes_a_sleep_early(Backend::Postgres).await;
+}
+
+/// A record parked while it sleeps and then retried sleeps on to the
+/// wake time it had: the sleep is not started again.
+async fn a_retry_keeps_a_sleeps_wake_time(backend: Backend) {
+    let Some(Shipping {
+        t,
+        sim,
+        config,
+        engine,
+        clock,
+        start,
+        id,
+    }) = shipping(backend, "retry-sleep").await
+    else {
+        return;
+    };
+    drain(&engine).await;
+    let ops = ballast::engine::Ops::new(&t.db, &config, Some(&engine), &clock);
+    clock.advance(23 * 3_600_000);
+    let why = || Some("hold it".to_owned());
+    ops.act(id, OperatorAction::Park, "ann", why(), None, None)
+        .await
+        .unwrap();
+    let rec = ops
+        .act(id, OperatorAction::Retry, "ann", why(), None, None)
+        .await
+        .unwrap();
+    assert_eq!(rec.state, RecordState::Pending);
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.next_run_at),
+        (RecordState::Waiting, Some(start + DAY_MS)),
+        "{:?}",
+        rec.reason
+    );
+    clock.advance(3_600_000);
+    drain(&engine).await;
+    let rec = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(rec.state, RecordState::Succeeded, "{:?}", rec.reason);
+    assert_eq!(sim.arrivals().len(), 2);
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_retry_keeps_a_sleeps_wake_time() {
+    a_retry_keeps_a_sleeps_wake_time(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_retry_keeps_a_sleeps_wake_time() {
+    a_retry_keeps_a_sleeps_wake_time(Backend::Postgres).await;
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! `kind = "sleep"`: a durable timer. The step calls nothing; from its
 //! first pass it waits `for` a duration, then succeeds. It holds no
 //! worker meanwhile (its record is due again at the wake time, like any
-//! wait), and the wake time is the step's stored deadline, so a restart
-//! or a reload changes nothing.
+//! wait), and the wake time follows from what is stored with the step
+//! (its start, or an operator's earlier wake), so a restart, a reload or
+//! an operator's retry of the record changes nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,28 +42,26 @@ impl Kind for Sleep {
         false
     }
 
-    /// The first pass sets the wake time (the step's deadline) and waits;
-    /// a pass before it waits on; one at or after it ends the sleep, with
-    /// the wake time as the step's output (`steps.NAME.output.woke_at`).
+    /// The wake time is the step's start (its first pass, kept by a retry)
+    /// plus `for`, unless an operator's wake set an earlier one (the
+    /// deadline). A pass before it waits, holding the wake time as the
+    /// step's deadline; one at or after it ends the sleep, with the wake
+    /// time as the step's output (`steps.NAME.output.woke_at`).
     fn settle(&self, _step: &Step, write: &StepWrite, now: UnixMs) -> Option<Decision> {
         let mut w = write.clone();
-        match w.deadline_at {
-            Some(wake) if now >= wake => {
-                w.state = StepState::Succeeded;
-                w.output = Some(json!({ "woke_at": wake }));
-                w.finished_at = Some(now);
-                w.next_run_at = None;
-                w.reason = None;
-            }
-            Some(wake) => w.next_run_at = Some(wake),
-            None => {
-                let wake = now + ms(self.duration);
-                w.state = StepState::Waiting;
-                w.started_at.get_or_insert(now);
-                w.deadline_at = Some(wake);
-                w.next_run_at = Some(wake);
-                w.reason = Some(format!("asleep until {}", format_ms(wake)));
-            }
+        let started = *w.started_at.get_or_insert(now);
+        let wake = w.deadline_at.unwrap_or(started + ms(self.duration));
+        if now >= wake {
+            w.state = StepState::Succeeded;
+            w.output = Some(json!({ "woke_at": wake }));
+            w.finished_at = Some(now);
+            w.next_run_at = None;
+            w.reason = None;
+        } else {
+            w.state = StepState::Waiting;
+            w.deadline_at = Some(wake);
+            w.next_run_at = Some(wake);
+            w.reason = Some(format!("asleep until {}", format_ms(wake)));
         }
         w.error_code = None;
         Some(Decision::keep(w))

@@ -13,7 +13,9 @@ use crate::pipeline::{StepTemplates, invalid};
 
 pub(super) const REGISTERED: Registered = Registered {
     name: "submit_poll",
-    fields: &["job_id", "poll"],
+    // A `callback` table on a `submit_poll` step has always been ignored:
+    // definitions pinned with one must still compile.
+    fields: &["job_id", "poll", "callback"],
     label: "submit, poll",
     compile,
 };

@@ -181,12 +181,16 @@ fn view(
         };
         n.href = format!("#step-{index}-{i}");
         n.lines = vec![
-            format!(
-                "{} · {}{}",
-                row.provider,
+            // A kind that calls no provider names only itself.
+            [
+                row.provider.as_str(),
                 row.kind,
-                if row.required { "" } else { " · optional" }
-            ),
+                if row.required { "" } else { "optional" },
+            ]
+            .into_iter()
+            .filter(|part| !part.is_empty())
+            .collect::<Vec<_>>()
+            .join(" · "),
             format!(
                 "1 h: {} ok · p50 {}",
                 row.hour.success_rate(),
