@@ -105,6 +105,10 @@ pub struct StepConfig {
     /// `kind = "sleep"`: how long the step sleeps (`for = "24h"`).
     #[serde(default, rename = "for", skip_serializing_if = "Option::is_none")]
     pub sleep_for: Option<HumanDuration>,
+    /// `kind = "sleep"`: until when, a template giving a UTC time
+    /// (`until = "{{ input.ship_at }}"`), instead of `for`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<String>,
     /// Output name → JSON pointer into the final reply.
     #[serde(default)]
     pub outputs: BTreeMap<String, String>,

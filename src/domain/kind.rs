@@ -24,8 +24,15 @@ pub trait Kind: Debug + Send + Sync {
     }
 
     /// For a kind that calls no provider: what a pass over its ready step
-    /// decides (a wait, or its end). `None` for a kind that calls.
-    fn settle(&self, _step: &Step, _write: &StepWrite, _now: UnixMs) -> Option<Decision> {
+    /// decides (a wait, or its end); `render` renders one of the step's
+    /// templates over what its pass sees. `None` for a kind that calls.
+    fn settle(
+        &self,
+        _step: &Step,
+        _write: &StepWrite,
+        _now: UnixMs,
+        _render: &Render<'_>,
+    ) -> Option<Decision> {
         None
     }
 
@@ -70,6 +77,10 @@ pub trait Kind: Debug + Send + Sync {
         Confirms::OwnRequest
     }
 }
+
+/// Renders the template of this id over what the step's pass sees (its
+/// record, input and the outputs it needs), or says why it cannot.
+pub type Render<'a> = dyn Fn(&str) -> Result<String, String> + 'a;
 
 /// A ready step's course before the shared checks.
 #[derive(Debug, Clone, PartialEq)]

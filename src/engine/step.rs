@@ -403,7 +403,16 @@ impl StepCall<'_> {
         rt: Option<&'r ProviderRuntime>,
     ) -> Result<(&'r ProviderRuntime, Planned), Box<StepOutput>> {
         // A kind that calls no provider decides its pass alone.
-        if let Some(d) = self.step.kind.settle(self.step, &self.write, self.now) {
+        let render = |id: &str| {
+            self.templates
+                .render(id, &self.ctx)
+                .map_err(|e| e.to_string())
+        };
+        if let Some(d) = self
+            .step
+            .kind
+            .settle(self.step, &self.write, self.now, &render)
+        {
             return Err(Box::new(StepOutput::new(d)));
         }
         let Some(rt) = rt else {

@@ -20,6 +20,11 @@ const DAY_MS: i64 = 24 * 3600 * 1000;
 /// Charge, sleep a day, then a second call that reads when the sleep
 /// ended.
 fn charge_sleep_email(base_url: &str) -> Arc<Config> {
+    charge_sleep_then_email(base_url, r#"for = "24h""#)
+}
+
+/// [`charge_sleep_email`] with the sleep's own setting (`for` or `until`).
+fn charge_sleep_then_email(base_url: &str, sleep: &str) -> Arc<Config> {
     let text = format!(
         r#"
 [providers.sim]
@@ -37,7 +42,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "c-{{{{ reco
 [[pipelines.ship.steps]]
 name = "wait"
 kind = "sleep"
-for = "24h"
+{sleep}
 needs = ["charge"]
 
 [[pipelines.ship.steps]]
@@ -284,6 +289,71 @@ async fn postgres_a_retry_keeps_a_sleeps_wake_time() {
     a_retry_keeps_a_sleeps_wake_time(Backend::Postgres).await;
 }
 
+/// `until`: each record sleeps to the time its input gives; one already
+/// past does not sleep; one that gives no time parks its record.
+async fn a_sleep_until_a_time_the_input_gives(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "until").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = charge_sleep_then_email(&sim.base_url(), r#"until = "{{ input.ship_at }}""#);
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config, "n1", start).await;
+    let at = start + 2 * 3_600_000;
+    let format = ballast::domain::time::format_ms;
+    let mut ids = Vec::new();
+    for (key, ship_at) in [
+        ("later", format(at)),
+        ("past", format(start - 60_000)),
+        ("bad", "soon".to_owned()),
+    ] {
+        let e = Enqueue::new("ship", Some(key), json!({ "ship_at": ship_at }));
+        ids.push(engine.enqueue(e).await.unwrap().record.id);
+    }
+    drain(&engine).await;
+    let rec = |i: usize| {
+        let db = t.db.clone();
+        let id = ids[i];
+        async move { db.get_record(id).await.unwrap().unwrap() }
+    };
+    let later = rec(0).await;
+    assert_eq!(
+        (later.state, later.next_run_at),
+        (RecordState::Waiting, Some(at))
+    );
+    assert_eq!(
+        rec(1).await.state,
+        RecordState::Succeeded,
+        "a time past: no sleep"
+    );
+    let bad = rec(2).await;
+    assert_eq!(
+        (bad.state, bad.error_code.as_deref()),
+        (RecordState::Parked, Some("until_invalid"))
+    );
+    assert!(
+        bad.reason.as_deref().unwrap_or("").contains("soon"),
+        "{:?}",
+        bad.reason
+    );
+    clock.advance(2 * 3_600_000);
+    drain(&engine).await;
+    assert_eq!(rec(0).await.state, RecordState::Succeeded);
+    // Two charges and two emails; the bad one charged only.
+    assert_eq!(sim.arrivals().len(), 5);
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_sleep_until_a_time_the_input_gives() {
+    a_sleep_until_a_time_the_input_gives(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_sleep_until_a_time_the_input_gives() {
+    a_sleep_until_a_time_the_input_gives(Backend::Postgres).await;
+}
+
 #[test]
 fn check_config_refuses_a_sleep_that_calls_or_has_no_length() {
     let base = "http://127.0.0.1:9";
@@ -296,6 +366,14 @@ for = "24h""#
     };
     let cases = [
         (good.replace("for = \"24h\"", ""), "needs `for`"),
+        (
+            format!("{good}\nuntil = \"{{{{ input.at }}}}\""),
+            "not both",
+        ),
+        (
+            good.replace("for = \"24h\"", "until = \"{{ steps.x.output.at }}\""),
+            "`x`",
+        ),
         (good.replace("24h", "0s"), "more than 0"),
         (format!("{good}\nprovider = \"sim\""), "takes no `provider`"),
         (format!("{good}\njob_id = \"/id\""), "takes no `job_id`"),

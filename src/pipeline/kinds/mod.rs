@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 pub use callback::Callback;
 pub use request::Request;
-pub use sleep::Sleep;
+pub use sleep::{Sleep, Wake};
 pub use submit_poll::SubmitPoll;
 
 use super::{PollSpec, StepTemplates, invalid};
