@@ -403,10 +403,21 @@ impl StepCall<'_> {
         rt: Option<&'r ProviderRuntime>,
     ) -> Result<(&'r ProviderRuntime, Planned), Box<StepOutput>> {
         // A kind that calls no provider decides its pass alone.
+        // What a call's templates see, `key` included (check-config lets
+        // every template read it).
         let render = |id: &str| {
-            self.templates
-                .render(id, &self.ctx)
-                .map_err(|e| e.to_string())
+            let mut ctx = self.ctx.clone();
+            if let Some(obj) = ctx.as_object_mut() {
+                let generation = self.write.generation;
+                let key = idempotency_key(
+                    self.installation,
+                    self.record.id,
+                    &self.step.name,
+                    generation,
+                );
+                obj.insert("key".into(), json!(key));
+            }
+            self.templates.render(id, &ctx).map_err(|e| e.to_string())
         };
         if let Some(d) = self
             .step

@@ -262,8 +262,8 @@ fn dependency_order(
 
 /// How the template of `field` (`request.path`, `request.headers.X`,
 /// `request.body`, `poll.path`, `until` …) quotes what it interpolates: a
-/// body for the content type the step sends it as, a path or query
-/// percent-encoded, the rest (a header, a sleep's `until`) as is.
+/// body for the content type the step sends it as, a header or a sleep's
+/// `until` as is, anything else (a path or query) percent-encoded.
 fn quoting_of(s: &StepConfig, field: &str) -> Quoting {
     if field.ends_with(".body") {
         let content_type = s.request.iter().flat_map(|r| r.headers.iter());
@@ -272,12 +272,12 @@ fn quoting_of(s: &StepConfig, field: &str) -> Quoting {
             .map(|(_, v)| v.as_str())
             .next();
         Quoting::of_body(named)
-    } else if field.ends_with(".path") && !field.contains(".headers.") {
-        Quoting::Url
-    } else {
-        // Headers, and values that are no part of a request (a sleep's
+    } else if field.contains(".headers.") || field == "until" {
+        // A header, and a value that is no part of a request (a sleep's
         // `until`), as they are.
         Quoting::Text
+    } else {
+        Quoting::Url
     }
 }
 

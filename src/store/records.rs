@@ -297,7 +297,16 @@ where
         let mut tx = self.begin_write().await?;
         let rec = Self::lock_found(&mut tx, req.record_id).await?;
         let mut deltas = CountDeltas::default();
-        let moved = Self::act_locked(&mut tx, &installation, &rec, req, None, &mut deltas).await?;
+        let moved =
+            match Self::act_locked(&mut tx, &installation, &rec, req, None, &mut deltas).await {
+                Ok(moved) => moved,
+                Err(refused) => {
+                    // Let go of the record's row now, not when the
+                    // connection is next used: a claim skips a locked row.
+                    let _ = tx.rollback().await;
+                    return Err(refused);
+                }
+            };
         Self::apply_counts(&mut tx, &deltas).await?;
         if moved.next_run_at.is_some() {
             DB::notify_work(&mut tx).await?;

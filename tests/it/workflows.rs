@@ -326,6 +326,9 @@ async fn a_sleep_until_a_time_the_input_gives(backend: Backend) {
         RecordState::Succeeded,
         "a time past: no sleep"
     );
+    let past = t.db.step_runs(ids[1]).await.unwrap();
+    let slept = past.iter().find(|r| r.step == "wait").unwrap();
+    assert_eq!(slept.output, Some(json!({ "woke_at": start - 60_000 })));
     let bad = rec(2).await;
     assert_eq!(
         (bad.state, bad.error_code.as_deref()),
@@ -339,7 +342,7 @@ async fn a_sleep_until_a_time_the_input_gives(backend: Backend) {
     clock.advance(2 * 3_600_000);
     drain(&engine).await;
     assert_eq!(rec(0).await.state, RecordState::Succeeded);
-    // Two charges and two emails; the bad one charged only.
+    // Three charges and two emails: the unreadable one charged only.
     assert_eq!(sim.arrivals().len(), 5);
     sim.stop();
 }
