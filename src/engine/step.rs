@@ -406,17 +406,7 @@ impl StepCall<'_> {
         // What a call's templates see, `key` included (check-config lets
         // every template read it).
         let render = |id: &str| {
-            let mut ctx = self.ctx.clone();
-            if let Some(obj) = ctx.as_object_mut() {
-                let generation = self.write.generation;
-                let key = idempotency_key(
-                    self.installation,
-                    self.record.id,
-                    &self.step.name,
-                    generation,
-                );
-                obj.insert("key".into(), json!(key));
-            }
+            let (ctx, _) = self.context_of(&self.write);
             self.templates.render(id, &ctx).map_err(|e| e.to_string())
         };
         if let Some(d) = self
@@ -1206,6 +1196,26 @@ impl StepCall<'_> {
         }
     }
 
+    /// What the step's templates see in the state `write`: the pass's
+    /// context with the step's `key` (its idempotency key, also returned)
+    /// and, once it has one, its `job_id`.
+    fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
+        let mut ctx = self.ctx.clone();
+        let key = idempotency_key(
+            self.installation,
+            self.record.id,
+            &self.step.name,
+            write.generation,
+        );
+        if let Some(obj) = ctx.as_object_mut() {
+            obj.insert("key".into(), json!(key));
+            if let Some(job) = &write.job_id {
+                obj.insert("job_id".into(), json!(job));
+            }
+        }
+        (ctx, key)
+    }
+
     /// The call the plan makes: the poll request for a poll, the step's
     /// request otherwise, rendered over the record's context (and the job
     /// id, for a poll).
@@ -1236,19 +1246,7 @@ impl StepCall<'_> {
         plan: &Planned,
         token: Option<&Secret>,
     ) -> Result<Call, Unbuildable> {
-        let mut ctx = self.ctx.clone();
-        let key = idempotency_key(
-            self.installation,
-            self.record.id,
-            &self.step.name,
-            plan.write.generation,
-        );
-        if let Some(obj) = ctx.as_object_mut() {
-            obj.insert("key".into(), json!(key));
-            if let Some(job) = &plan.write.job_id {
-                obj.insert("job_id".into(), json!(job));
-            }
-        }
+        let (ctx, key) = self.context_of(&plan.write);
         let render = |id: &str| {
             self.templates
                 .render(id, &ctx)
