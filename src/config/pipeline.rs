@@ -89,6 +89,18 @@ pub struct StepConfig {
     /// Steps that must succeed first; independent steps run in parallel.
     #[serde(default)]
     pub needs: Vec<String>,
+    /// A join after branches: the step runs once any of these succeeded
+    /// and the rest ended (skipped or failed), besides everything in
+    /// `needs`; none succeeding skips it. Not written into a pinned
+    /// definition when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub needs_any: Vec<String>,
+    /// An expression over `input`, `record` and the outputs of the steps
+    /// upstream (`when = "steps.kyc.output.verdict == 'review'"`): false,
+    /// and the step is skipped with what it read kept. Not written into a
+    /// pinned definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when: Option<String>,
     /// A failed optional step is recorded and the record goes on.
     #[serde(default = "defaults::yes")]
     pub required: bool,

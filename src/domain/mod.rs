@@ -6,6 +6,7 @@ pub mod account;
 pub mod action;
 pub mod backoff;
 pub mod breaker;
+pub mod condition;
 pub mod confirm;
 pub mod diff;
 pub mod fair;

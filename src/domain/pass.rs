@@ -20,14 +20,41 @@ pub fn is_done(state: StepState) -> bool {
     )
 }
 
-/// Every step `s` needs has succeeded and `s` itself is not finished.
+/// Every step `s` needs has succeeded, its join (`needs_any`) is met, and
+/// `s` itself is not finished.
 pub fn unblocked(s: &Step, states: &HashMap<String, StepWrite>) -> bool {
+    let state = |n: &String| states.get(n).map(|w| w.state);
     states.get(&s.name).is_some_and(|w| !is_done(w.state))
-        && s.needs.iter().all(|n| {
-            states
-                .get(n)
-                .is_some_and(|d| d.state == StepState::Succeeded)
-        })
+        && s.needs
+            .iter()
+            .all(|n| state(n) == Some(StepState::Succeeded))
+        && join(s, states) != Join::Waiting
+}
+
+/// Where a step's `needs_any` stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Join {
+    /// None given, or every one ended and one succeeded.
+    Met,
+    /// Every one ended and none succeeded.
+    Lost,
+    /// Some have not ended.
+    Waiting,
+}
+
+fn join(s: &Step, states: &HashMap<String, StepWrite>) -> Join {
+    let state = |n: &String| states.get(n).map(|w| w.state);
+    if s.needs_any.iter().any(|n| !state(n).is_some_and(is_done)) {
+        Join::Waiting
+    } else if s.needs_any.is_empty()
+        || s.needs_any
+            .iter()
+            .any(|n| state(n) == Some(StepState::Succeeded))
+    {
+        Join::Met
+    } else {
+        Join::Lost
+    }
 }
 
 /// [`unblocked`], and due by `now`.
@@ -38,9 +65,10 @@ pub fn is_runnable(s: &Step, states: &HashMap<String, StepWrite>, now: UnixMs) -
             .is_some_and(|w| w.next_run_at.is_none_or(|t| t <= now))
 }
 
-/// Skips every unfinished step behind a failed or skipped step (steps come
-/// in dependency order, so a skip propagates downstream); returns the
-/// names of the steps it changed.
+/// Skips every unfinished step behind a failed or skipped step it needs,
+/// or whose join (`needs_any`) ended with none succeeded (steps come in
+/// dependency order, so a skip propagates downstream); returns the names
+/// of the steps it changed.
 pub fn skip_blocked(
     steps: &[Step],
     states: &mut HashMap<String, StepWrite>,
@@ -48,17 +76,25 @@ pub fn skip_blocked(
 ) -> Vec<String> {
     let mut changed = Vec::new();
     for s in steps {
-        let blocked = s.needs.iter().any(|n| {
+        let lost = s.needs.iter().find(|n| {
             states
-                .get(n)
+                .get(*n)
                 .is_some_and(|w| matches!(w.state, StepState::Failed | StepState::Skipped))
         });
+        let why = match (lost, join(s, states)) {
+            (Some(n), _) => format!("`{n}`, which it needs, did not succeed"),
+            (None, Join::Lost) => format!(
+                "none of `{}` (it needs any one) succeeded",
+                s.needs_any.join("`, `")
+            ),
+            (None, _) => continue,
+        };
         let Some(st) = states.get_mut(&s.name) else {
             continue;
         };
-        if blocked && !is_done(st.state) {
+        if !is_done(st.state) {
             st.state = StepState::Skipped;
-            st.reason = Some("an upstream step did not succeed".into());
+            st.reason = Some(why);
             st.finished_at = Some(now);
             changed.push(s.name.clone());
         }
@@ -280,6 +316,8 @@ mod tests {
                 provider: "p".into(),
                 kind: std::sync::Arc::new(crate::pipeline::kinds::Request),
                 needs: needs.iter().map(|n| (*n).to_owned()).collect(),
+                needs_any: Vec::new(),
+                when: None,
                 upstream: needs.iter().map(|n| (*n).to_owned()).collect(),
                 required: !optional,
                 request: Some(RequestSpec {
@@ -364,6 +402,42 @@ mod tests {
             if v.result == WorkResult::Completed {
                 prop_assert!(steps.iter().all(|s| is_done(states[&s.name].state)));
             }
+        }
+    }
+
+    #[test]
+    fn a_join_waits_for_every_branch_and_runs_after_any_success() {
+        // `c` joins `a` and `b` (any one), `d` needs `c`.
+        let mut steps = steps([false; 4]);
+        steps[2].needs = Vec::new();
+        steps[2].needs_any = vec!["a".into(), "b".into()];
+        steps[3].needs = vec!["c".into()];
+        let none = |_: &str| false;
+        let names = |v: Vec<&Step>| v.iter().map(|s| s.name.clone()).collect::<Vec<_>>();
+        let at = |a: StepState, b: StepState| {
+            let mut states = states_of(&steps, &[(StepState::Pending, None); 4]);
+            states.get_mut("a").unwrap().state = a;
+            states.get_mut("b").unwrap().state = b;
+            states
+        };
+        // One branch skipped, the other still out: the join waits.
+        let mut states = at(StepState::Skipped, StepState::Waiting);
+        assert!(skip_blocked(&steps, &mut states, 0).is_empty());
+        assert!(!unblocked(&steps[2], &states));
+        // It succeeded: the join runs.
+        let mut states = at(StepState::Skipped, StepState::Succeeded);
+        assert!(skip_blocked(&steps, &mut states, 0).is_empty());
+        assert_eq!(names(ready(&steps, &states, 0, &none, &none)), ["c"]);
+        // Neither succeeded: the join is skipped, and what needs it.
+        for (a, b) in [
+            (StepState::Skipped, StepState::Failed),
+            (StepState::Skipped, StepState::Skipped),
+        ] {
+            let mut states = at(a, b);
+            assert_eq!(skip_blocked(&steps, &mut states, 0), ["c", "d"]);
+            let why = states["c"].reason.clone().unwrap_or_default();
+            assert!(why.contains("none of `a`, `b`"), "{why}");
+            assert_eq!(states["c"].state, StepState::Skipped);
         }
     }
 

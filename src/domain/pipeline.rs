@@ -89,6 +89,10 @@ pub struct Step {
     /// What its kind adds (`crate::pipeline::kinds`, one module each).
     pub kind: Arc<dyn Kind>,
     pub needs: Vec<String>,
+    /// A join: any one of these must succeed (and the rest end).
+    pub needs_any: Vec<String>,
+    /// Whether the step runs at all, judged when it is first ready.
+    pub when: Option<Condition>,
     /// Every step this one depends on, directly or not.
     pub upstream: BTreeSet<String>,
     pub required: bool,
@@ -107,6 +111,35 @@ pub struct Step {
     pub lookup: Option<Lookup>,
     /// The step's own `at_most_once`, over its provider's when set.
     pub at_most_once: Option<bool>,
+}
+
+/// A step as the pages draw it: what it needs, its join and its
+/// condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    pub name: String,
+    pub needs: Vec<String>,
+    pub needs_any: Vec<String>,
+    pub when: Option<String>,
+}
+
+impl From<&Step> for Shape {
+    fn from(s: &Step) -> Self {
+        Shape {
+            name: s.name.clone(),
+            needs: s.needs.clone(),
+            needs_any: s.needs_any.clone(),
+            when: s.when.as_ref().map(|c| c.source.clone()),
+        }
+    }
+}
+
+/// A step's `when`: its source, and its id among the loaded conditions
+/// (`pipeline::Templates::judge`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    pub id: String,
+    pub source: String,
 }
 
 /// `lookup = { path = "/v1/jobs?client_reference={{ key }}", job_id = "/data/0/id" }`:

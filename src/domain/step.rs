@@ -1225,6 +1225,8 @@ mod tests {
                 _ => callback(Fallback::Poll(poll(every, deadline))),
             },
             needs: Vec::new(),
+            needs_any: Vec::new(),
+            when: None,
             upstream: Default::default(),
             required,
             request: Some(request()),

@@ -458,15 +458,19 @@ impl Pass<'_> {
             let Some(out) = running.next().await else {
                 break;
             };
-            let succeeded = out.write.state == StepState::Succeeded;
+            let ended = matches!(out.write.state, StepState::Succeeded | StepState::Skipped);
             progress.absorb(out, states);
-            // Only a success while siblings are still out starts more in
-            // this pass; otherwise the verdict reschedules the record.
-            let more = succeeded && may_start && !running.is_empty() && !self.stopping.is_set();
+            // What it ended skips the steps that can no longer run.
+            wave_at = i.clock.now_ms();
+            let skipped = skip_blocked(&pipeline.steps, states, wave_at);
+            progress.changed.extend(skipped);
+            // Only a success (or a skip) while siblings are still out
+            // starts more in this pass; otherwise the verdict reschedules
+            // the record.
+            let more = ended && may_start && !running.is_empty() && !self.stopping.is_set();
             if !more || !may_start_more(&pipeline.steps, states, progress.park.as_ref()) {
                 continue;
             }
-            wave_at = i.clock.now_ms();
             let is_started = |n: &str| started.contains(n);
             wave = ready(
                 &pipeline.steps,

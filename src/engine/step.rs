@@ -402,6 +402,9 @@ impl StepCall<'_> {
         &self,
         rt: Option<&'r ProviderRuntime>,
     ) -> Result<(&'r ProviderRuntime, Planned), Box<StepOutput>> {
+        if let Some(d) = self.judged() {
+            return Err(Box::new(StepOutput::new(d)));
+        }
         // A kind that calls no provider decides its pass alone.
         // What a call's templates see, `key` included (check-config lets
         // every template read it).
@@ -1193,6 +1196,27 @@ impl StepCall<'_> {
             attempts,
             callbacks_done: verdicts.iter().map(|v| v.id).collect(),
             ..StepOutput::new(Decision { write, park: None })
+        }
+    }
+
+    /// The step's `when`, judged on its first pass over what its
+    /// templates see: a step skipped (or one whose condition cannot be
+    /// judged), or `None` to go on.
+    fn judged(&self) -> Option<Decision> {
+        use crate::domain::condition;
+        let c = self.step.when.as_ref()?;
+        if !condition::to_judge(self.step, &self.write) {
+            return None;
+        }
+        let (ctx, _) = self.context_of(&self.write);
+        match self.templates.judge(&c.id, &ctx) {
+            Ok(j) => condition::judged(&self.write, &c.source, j.holds, &j.read, self.now),
+            Err(e) => Some(condition::unjudgeable(
+                self.step,
+                &self.write,
+                &e.to_string(),
+                self.now,
+            )),
         }
     }
 

@@ -51,15 +51,10 @@ impl Versions<'_> {
 
     /// The steps of the pipeline a record runs (its pinned version), each
     /// with the steps it needs, in the pipeline's order.
-    pub async fn graph_of(&self, rec: &Record) -> Vec<(String, Vec<String>)> {
+    pub async fn graph_of(&self, rec: &Record) -> Vec<crate::domain::pipeline::Shape> {
         self.compiled(rec)
             .await
-            .map(|c| {
-                c.0.steps
-                    .iter()
-                    .map(|s| (s.name.clone(), s.needs.clone()))
-                    .collect()
-            })
+            .map(|c| c.0.steps.iter().map(Into::into).collect())
             .unwrap_or_default()
     }
 

@@ -17,9 +17,9 @@ use crate::config::{Config, ConfigError};
 
 use crate::domain::kind::{Confirms, Kind};
 pub use crate::domain::pipeline::{
-    CallbackSpec, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step,
+    CallbackSpec, Condition, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step,
 };
-pub use template::{Quoting, TemplateError, Templates};
+pub use template::{Judged, Quoting, TemplateError, Templates};
 
 /// Every pipeline of a configuration, with their templates.
 #[derive(Debug, Clone)]
@@ -159,7 +159,7 @@ fn compile_one(
     for i in order {
         let s = &p.steps[i];
         let mut up = BTreeSet::new();
-        for need in &s.needs {
+        for need in s.needs.iter().chain(&s.needs_any) {
             up.insert(need.clone());
             up.extend(upstream.get(need).cloned().unwrap_or_default());
         }
@@ -209,19 +209,27 @@ fn check_steps<'p>(
                 format!("unknown provider `{}`", s.provider),
             ));
         }
-        for need in &s.needs {
-            if !by_name.contains_key(need.as_str()) {
-                return Err(invalid(
-                    step_key(name, &s.name, "needs"),
-                    format!("unknown step `{need}`"),
-                ));
+        for (field, needs) in [("needs", &s.needs), ("needs_any", &s.needs_any)] {
+            for need in needs {
+                if !by_name.contains_key(need.as_str()) {
+                    return Err(invalid(
+                        step_key(name, &s.name, field),
+                        format!("unknown step `{need}`"),
+                    ));
+                }
+                if need == &s.name {
+                    return Err(invalid(
+                        step_key(name, &s.name, field),
+                        "a step cannot need itself".into(),
+                    ));
+                }
             }
-            if need == &s.name {
-                return Err(invalid(
-                    step_key(name, &s.name, "needs"),
-                    "a step cannot need itself".into(),
-                ));
-            }
+        }
+        if let Some(both) = s.needs_any.iter().find(|n| s.needs.contains(n)) {
+            return Err(invalid(
+                step_key(name, &s.name, "needs_any"),
+                format!("`{both}` is in `needs` too: a step is needed by all or by any, not both"),
+            ));
         }
     }
     Ok(by_name)
@@ -242,6 +250,7 @@ fn dependency_order(
                 && p.steps[i]
                     .needs
                     .iter()
+                    .chain(&p.steps[i].needs_any)
                     .all(|n| by_name.get(n.as_str()).is_some_and(|&j| placed[j]))
         });
         let Some(i) = next else {
@@ -251,7 +260,10 @@ fn dependency_order(
                 .collect();
             return Err(invalid(
                 format!("pipelines.{name}.steps"),
-                format!("the `needs` of steps {} form a cycle", stuck.join(", ")),
+                format!(
+                    "the `needs` (and `needs_any`) of steps {} form a cycle",
+                    stuck.join(", ")
+                ),
             ));
         };
         placed[i] = true;
@@ -317,6 +329,25 @@ impl StepTemplates<'_> {
         Ok(id)
     }
 
+    /// Adds `source` as the step's `when`, an expression over what its
+    /// templates see.
+    fn condition(&mut self, source: &str) -> Result<Condition, ConfigError> {
+        let id = format!("{}/{}/when", self.pipeline, self.step.name);
+        let scope = template::Scope {
+            upstream: self.upstream,
+            job_id: false,
+            output: false,
+            quoting: Quoting::Text,
+        };
+        self.templates
+            .add_condition(&id, source, &scope)
+            .map_err(|e| invalid(self.key("when"), e.to_string()))?;
+        Ok(Condition {
+            id,
+            source: source.to_owned(),
+        })
+    }
+
     fn method(&self, m: &str, field: &str) -> Result<HttpMethod, ConfigError> {
         HttpMethod::parse(m)
             .ok_or_else(|| invalid(self.key(field), format!("unknown HTTP method `{m}`")))
@@ -357,6 +388,10 @@ fn compile_step(
         Some(r) => Some(compile_request(r, &mut t)?),
         None => None,
     };
+    let when = match &s.when {
+        Some(source) => Some(t.condition(source)?),
+        None => None,
+    };
     let kind = kinds::compile(s, &mut t)?;
     fits_kind(s, kind.as_ref(), &t)?;
     let key = |field: &str| step_key(pipeline, &s.name, field);
@@ -388,6 +423,8 @@ fn compile_step(
         provider: s.provider.clone(),
         kind,
         needs: s.needs.clone(),
+        needs_any: s.needs_any.clone(),
+        when,
         upstream: up,
         required: s.required,
         request,

@@ -143,6 +143,16 @@ impl TemplateError {
 pub struct Templates {
     envs: [Environment<'static>; 3],
     quoting: HashMap<String, Quoting>,
+    /// Conditions by id: each one's source and the variables it reads.
+    conditions: HashMap<String, (String, Vec<String>)>,
+}
+
+/// What a condition found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Judged {
+    pub holds: bool,
+    /// Each variable it names (`steps.kyc.output.verdict`) and its value.
+    pub read: Vec<(String, Value)>,
 }
 
 impl std::fmt::Debug for Templates {
@@ -162,6 +172,7 @@ impl Templates {
         Templates {
             envs: Quoting::ALL.map(environment),
             quoting: HashMap::new(),
+            conditions: HashMap::new(),
         }
     }
 
@@ -175,35 +186,69 @@ impl Templates {
         let tpl = env
             .get_template(id)
             .map_err(|e| TemplateError::Syntax(e.to_string()))?;
-        let mut vars: Vec<String> = tpl.undeclared_variables(true).into_iter().collect();
-        vars.sort();
-        let hint = match (scope.job_id, scope.output) {
-            (true, true) => ", `job_id`, `output`",
-            (false, true) => ", `output`",
-            (true, false) => ", `job_id`",
-            (false, false) => "",
-        };
-        for var in vars {
-            let mut parts = var.split('.');
-            match parts.next().unwrap_or("") {
-                // The step's stable key (its idempotency key, one per
-                // record, step and generation): a client reference.
-                "input" | "record" | "key" => {}
-                // Functions the environment provides (`range`, `dict`…).
-                root if env.globals().any(|(g, _)| g == root) => {}
-                "job_id" if scope.job_id => {}
-                "output" if scope.output => {}
-                "steps" => {
-                    if let Some(step) = parts.next() {
-                        if !scope.upstream.contains(step) {
-                            return Err(TemplateError::NotUpstream(step.to_owned()));
-                        }
-                    }
-                }
-                _ => return Err(TemplateError::UnknownVariable(var.clone(), hint)),
-            }
-        }
+        let vars = tpl.undeclared_variables(true);
+        check_variables(vars, env, scope)?;
         Ok(())
+    }
+
+    /// Parses `source` as condition `id` (a `when`: an expression, true
+    /// or false) and checks what it refers to as [`Templates::add`] does.
+    pub fn add_condition(
+        &mut self,
+        id: &str,
+        source: &str,
+        scope: &Scope<'_>,
+    ) -> Result<(), TemplateError> {
+        let env = &self.envs[Quoting::Text.index()];
+        let expr = env
+            .compile_expression(source)
+            .map_err(|e| TemplateError::Syntax(e.to_string()))?;
+        let vars = expr.undeclared_variables(true);
+        let mut read: Vec<String> = vars
+            .iter()
+            .filter(|v| !is_global(env, v))
+            .cloned()
+            .collect();
+        read.sort();
+        check_variables(vars, env, scope)?;
+        self.conditions
+            .insert(id.to_owned(), (source.to_owned(), read));
+        Ok(())
+    }
+
+    /// Evaluates condition `id` over `ctx`: whether it holds, and the
+    /// values it read (each variable it names, as `ctx` has it; `null`
+    /// where `ctx` has none).
+    pub fn judge(&self, id: &str, ctx: &Value) -> Result<Judged, TemplateError> {
+        let (source, read) = self
+            .conditions
+            .get(id)
+            .ok_or_else(|| TemplateError::Missing(id.to_owned()))?;
+        let env = &self.envs[Quoting::Text.index()];
+        let expr = env
+            .compile_expression(source)
+            .map_err(|e| TemplateError::Syntax(e.to_string()))?;
+        let value = expr
+            .eval(TplValue::from(minijinja::value::Serde(ctx)))
+            .map_err(|e| TemplateError::Render(e.to_string()))?;
+        if value.is_undefined() {
+            return Err(TemplateError::Render(format!(
+                "`{source}` is undefined here (test with `is defined` what may be missing)"
+            )));
+        }
+        let read = read
+            .iter()
+            .map(|path| {
+                (
+                    path.clone(),
+                    lookup(ctx, path).cloned().unwrap_or(Value::Null),
+                )
+            })
+            .collect();
+        Ok(Judged {
+            holds: value.is_true(),
+            read,
+        })
     }
 
     /// Renders template `id` over `ctx` (a JSON object).
@@ -219,6 +264,60 @@ impl Templates {
         tpl.render(TplValue::from(minijinja::value::Serde(ctx)))
             .map_err(|e| TemplateError::Render(e.to_string()))
     }
+}
+
+/// Whether `var` is one of the functions the environment provides
+/// (`range`, `dict` …) rather than a value of the context.
+fn is_global(env: &Environment<'_>, var: &str) -> bool {
+    let root = var.split('.').next().unwrap_or("");
+    env.globals().any(|(g, _)| g == root)
+}
+
+/// Checks the variables a template or condition refers to against what
+/// its scope lets it see.
+fn check_variables(
+    vars: std::collections::HashSet<String>,
+    env: &Environment<'_>,
+    scope: &Scope<'_>,
+) -> Result<(), TemplateError> {
+    let mut vars: Vec<String> = vars.into_iter().collect();
+    vars.sort();
+    let hint = match (scope.job_id, scope.output) {
+        (true, true) => ", `job_id`, `output`",
+        (false, true) => ", `output`",
+        (true, false) => ", `job_id`",
+        (false, false) => "",
+    };
+    for var in vars {
+        let mut parts = var.split('.');
+        match parts.next().unwrap_or("") {
+            // The step's stable key (its idempotency key, one per
+            // record, step and generation): a client reference.
+            "input" | "record" | "key" => {}
+            // Functions the environment provides (`range`, `dict`…).
+            _ if is_global(env, &var) => {}
+            "job_id" if scope.job_id => {}
+            "output" if scope.output => {}
+            "steps" => {
+                if let Some(step) = parts.next() {
+                    if !scope.upstream.contains(step) {
+                        return Err(TemplateError::NotUpstream(step.to_owned()));
+                    }
+                }
+            }
+            _ => return Err(TemplateError::UnknownVariable(var.clone(), hint)),
+        }
+    }
+    Ok(())
+}
+
+/// The value at dotted `path` (`steps.kyc.output.verdict`) in `ctx`.
+fn lookup<'v>(ctx: &'v Value, path: &str) -> Option<&'v Value> {
+    path.split('.').try_fold(ctx, |v, part| match v {
+        Value::Object(m) => m.get(part),
+        Value::Array(a) => part.parse::<usize>().ok().and_then(|i| a.get(i)),
+        _ => None,
+    })
 }
 
 /// An environment whose interpolations are quoted by `quoting`.
@@ -317,6 +416,62 @@ mod tests {
             t.add("g", "/v1/charges/{{ output.id }}", &confirming)
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_condition_is_judged_with_what_it_read() {
+        let mut t = Templates::new();
+        let up = scope(&["kyc"]);
+        let s = Scope {
+            upstream: &up,
+            job_id: false,
+            output: false,
+            quoting: Quoting::Text,
+        };
+        let source = "steps.kyc.output.verdict == 'review' and input.n > 2";
+        t.add_condition("c", source, &s)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let ctx = |verdict: &str| json!({ "input": { "n": 3 }, "steps": { "kyc": { "output": { "verdict": verdict } } } });
+        let j = t
+            .judge("c", &ctx("review"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(j.holds);
+        assert_eq!(
+            j.read,
+            vec![
+                ("input.n".to_owned(), json!(3)),
+                ("steps.kyc.output.verdict".to_owned(), json!("review")),
+            ]
+        );
+        assert!(!t.judge("c", &ctx("clear")).map(|j| j.holds).unwrap_or(true));
+        // What may be missing is tested for; what is missing otherwise is
+        // an error, never false.
+        t.add_condition("d", "input.flag is defined and input.flag", &s)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            !t.judge("d", &json!({ "input": {} }))
+                .map(|j| j.holds)
+                .unwrap_or(true)
+        );
+        t.add_condition("e", "input.flag", &s)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(
+            t.judge("e", &json!({ "input": {} })),
+            Err(TemplateError::Render(_))
+        ));
+        assert!(matches!(
+            t.add_condition("f", "steps.other.output.x", &s),
+            Err(TemplateError::NotUpstream(_))
+        ));
+        assert!(matches!(
+            t.add_condition("g", "input.x ==", &s),
+            Err(TemplateError::Syntax(_))
+        ));
+        // Bounded like a template.
+        t.add_condition("h", "range(100000) | map('string') | join | length > 0", &s)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let spun = t.judge("h", &json!({})).map_err(|e| e.to_string());
+        assert!(spun.as_ref().is_err_and(|e| e.contains("fuel")), "{spun:?}");
     }
 
     fn quoted(quoting: Quoting, source: &str, input: Value) -> String {

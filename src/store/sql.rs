@@ -1073,8 +1073,9 @@ where
     }
 
     /// A fresh attempt budget (and deadline) for every step of `rec` that
-    /// has not finished (a submitted job keeps its id, so it is polled, not
-    /// paid for again); reversed results run again, a new generation, with
+    /// has not succeeded (a submitted job keeps its id, so it is polled, not
+    /// paid for again; a skipped step is judged again, its `when` over the
+    /// input as it now is); reversed results run again, a new generation, with
     /// the steps after them that `after` names (read here, under the
     /// record's lock: `after` counts only when a step is reversed, and never
     /// leaves one out); with a new input, every unfinished step runs again
@@ -1090,8 +1091,10 @@ where
         let mut unfinished: Vec<String> = sqlx::query_scalar(
             "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
              error_code = NULL, reason = NULL, updated_at = $1, \
+             output = CASE WHEN state = 'skipped' THEN NULL ELSE output END, \
+             finished_at = CASE WHEN state = 'skipped' THEN NULL ELSE finished_at END, \
              state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
-             WHERE record_id = $2 AND state NOT IN ('succeeded', 'skipped') RETURNING step",
+             WHERE record_id = $2 AND state <> 'succeeded' RETURNING step",
         )
         .bind(now)
         .bind(rec.id)

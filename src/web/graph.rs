@@ -8,15 +8,66 @@ use std::collections::HashMap;
 
 /// A box's size and the gaps between boxes, in SVG user units.
 pub const NODE_W: i64 = 200;
-pub const NODE_H: i64 = 84;
+pub const NODE_H: i64 = 100;
 const GAP_X: i64 = 56;
+/// The gap between columns when an edge carries a condition: room for
+/// its label.
+const GAP_X_LABELLED: i64 = 150;
 const GAP_Y: i64 = 20;
 const MARGIN: i64 = 8;
 
-/// One step to lay out: its name and the steps it needs.
+/// One step to lay out: its name, the steps it needs (all of `needs`,
+/// any of `needs_any`) and its condition.
 pub struct Spec<'a> {
     pub name: &'a str,
     pub needs: &'a [String],
+    pub needs_any: &'a [String],
+    pub when: Option<&'a str>,
+}
+
+impl<'a> Spec<'a> {
+    /// A step that needs `needs`, with no join or condition.
+    pub fn new(name: &'a str, needs: &'a [String]) -> Self {
+        Spec {
+            name,
+            needs,
+            needs_any: &[],
+            when: None,
+        }
+    }
+
+    /// A compiled step's shape.
+    pub fn of(s: &'a crate::domain::pipeline::Shape) -> Self {
+        Spec {
+            name: &s.name,
+            needs: &s.needs,
+            needs_any: &s.needs_any,
+            when: s.when.as_deref(),
+        }
+    }
+
+    /// Every step it waits for: (name, whether only as one of a join).
+    fn inputs(&self) -> impl Iterator<Item = (&'a String, bool)> {
+        let needs: &'a [String] = self.needs;
+        let any: &'a [String] = self.needs_any;
+        needs
+            .iter()
+            .map(|n| (n, false))
+            .chain(any.iter().map(|n| (n, true)))
+    }
+}
+
+/// The longest a condition is quoted on its edge (in characters).
+const LABEL_MAX: usize = 22;
+
+/// `when` as an edge's label: `if <expression>`, cut to fit.
+fn label_of(when: &str) -> String {
+    let mut label = format!("if {when}");
+    if label.chars().count() > LABEL_MAX {
+        label = label.chars().take(LABEL_MAX - 1).collect();
+        label.push('…');
+    }
+    label
 }
 
 /// A laid-out step; `lines` and `class` are the caller's (what the box
@@ -33,6 +84,9 @@ pub struct Node {
     pub lines: Vec<String>,
     /// Where the box links to; empty for none.
     pub href: String,
+    /// Its condition, when no edge into it carries it (a step that needs
+    /// nothing); empty for none.
+    pub condition: String,
 }
 
 impl Node {
@@ -45,18 +99,30 @@ impl Node {
         self.y + 20
     }
 
+    /// The baseline of the box's condition, under its lines.
+    pub fn condition_y(&self) -> i64 {
+        self.y + NODE_H - 10
+    }
+
     /// The baseline of line `i` of the box.
     pub fn line_y(&self, i: &usize) -> i64 {
         self.y + 40 + 16 * i64::try_from(*i).unwrap_or(0)
     }
 }
 
-/// An edge as an SVG path from the right of one box to the left of another.
+/// An edge as an SVG path from the right of one box to the left of
+/// another: `any` when it is one of a join's (`needs_any`), and a label
+/// (the condition of the step it leads to, on its first edge in).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Edge {
     pub from: String,
     pub to: String,
     pub d: String,
+    pub any: bool,
+    /// Empty for none; drawn at (`label_x`, `label_y`).
+    pub label: String,
+    pub label_x: i64,
+    pub label_y: i64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -83,9 +149,8 @@ fn columns(specs: &[Spec<'_>]) -> Vec<usize> {
         let mut changed = false;
         for (i, s) in specs.iter().enumerate() {
             let deps: Vec<Option<usize>> = s
-                .needs
-                .iter()
-                .filter_map(|n| index.get(n.as_str()))
+                .inputs()
+                .filter_map(|(n, _)| index.get(n.as_str()))
                 .filter(|&&j| j != i)
                 .map(|&j| col[j])
                 .collect();
@@ -114,12 +179,17 @@ pub fn layout(
     mut decorate: impl FnMut(usize, &mut Node),
 ) -> Graph {
     let cols = columns(specs);
+    let gap_x = if specs.iter().any(|s| s.when.is_some()) {
+        GAP_X_LABELLED
+    } else {
+        GAP_X
+    };
     let mut rows_in: HashMap<usize, i64> = HashMap::new();
     let mut at: HashMap<&str, (i64, i64)> = HashMap::new();
     let mut nodes = Vec::with_capacity(specs.len());
     for (i, s) in specs.iter().enumerate() {
         let row = rows_in.entry(cols[i]).or_insert(0);
-        let x = MARGIN + cols[i] as i64 * (NODE_W + GAP_X);
+        let x = MARGIN + cols[i] as i64 * (NODE_W + gap_x);
         let y = MARGIN + *row * (NODE_H + GAP_Y);
         *row += 1;
         at.insert(s.name, (x, y));
@@ -131,13 +201,15 @@ pub fn layout(
             state: String::new(),
             lines: Vec::new(),
             href: String::new(),
+            condition: String::new(),
         };
         decorate(i, &mut node);
         nodes.push(node);
     }
     let mut edges = Vec::new();
     for s in specs {
-        for n in s.needs {
+        let mut label = s.when.map(label_of);
+        for (n, any) in s.inputs() {
             let (Some(&(x1, y1)), Some(&(x2, y2))) = (at.get(n.as_str()), at.get(s.name)) else {
                 continue;
             };
@@ -150,7 +222,16 @@ pub fn layout(
                 from: n.clone(),
                 to: s.name.to_owned(),
                 d: format!("M{x1} {y1} C{mid} {y1} {mid} {y2} {x2} {y2}"),
+                any,
+                // Above the edge's end, ending where it enters the box
+                // (drawn with `text-anchor: end`).
+                label: label.take().unwrap_or_default(),
+                label_x: x2 - 6,
+                label_y: y2 - 6,
             });
+        }
+        if let (Some(label), Some(node)) = (label, nodes.iter_mut().find(|n| n.name == s.name)) {
+            node.condition = label;
         }
     }
     let width = nodes.iter().map(|n| n.x + NODE_W).max().unwrap_or(0) + MARGIN;
@@ -180,26 +261,11 @@ mod tests {
         // a → b, a → c, (b, c) → d; e stands alone; c is listed before b.
         let (none, a, bc) = (needs(&[]), needs(&["a"]), needs(&["b", "c"]));
         let specs = [
-            Spec {
-                name: "a",
-                needs: &none,
-            },
-            Spec {
-                name: "c",
-                needs: &a,
-            },
-            Spec {
-                name: "d",
-                needs: &bc,
-            },
-            Spec {
-                name: "b",
-                needs: &a,
-            },
-            Spec {
-                name: "e",
-                needs: &none,
-            },
+            Spec::new("a", &none),
+            Spec::new("c", &a),
+            Spec::new("d", &bc),
+            Spec::new("b", &a),
+            Spec::new("e", &none),
         ];
         let g = layout("g", "t", &specs, |i, n| n.lines.push(format!("#{i}")));
         let pos: HashMap<&str, (i64, i64)> = g
@@ -223,22 +289,56 @@ mod tests {
     }
 
     #[test]
-    fn unknown_needs_and_cycles_do_not_hang_or_panic() {
-        let (x, a, b) = (needs(&["nowhere"]), needs(&["b"]), needs(&["a"]));
+    fn a_condition_labels_its_first_edge_and_a_join_is_drawn_as_one() {
+        // a → (b if x, c if y) → d (any of b, c); e alone, if z.
+        let (none, a, bc) = (needs(&[]), needs(&["a"]), needs(&["b", "c"]));
         let specs = [
+            Spec::new("a", &none),
             Spec {
-                name: "x",
-                needs: &x,
+                when: Some("steps.a.output.kind == 'long one'"),
+                ..Spec::new("b", &a)
             },
             Spec {
-                name: "a",
-                needs: &a,
+                when: Some("y"),
+                ..Spec::new("c", &a)
             },
             Spec {
-                name: "b",
-                needs: &b,
+                needs_any: &bc,
+                ..Spec::new("d", &none)
+            },
+            Spec {
+                when: Some("input.z"),
+                ..Spec::new("e", &none)
             },
         ];
+        let g = layout("g", "t", &specs, |_, _| {});
+        let edge = |from: &str, to: &str| g.edges.iter().find(|e| e.from == from && e.to == to);
+        let ab = edge("a", "b").unwrap();
+        assert_eq!(ab.label, "if steps.a.output.kin…");
+        assert!(!ab.any);
+        assert_eq!(edge("a", "c").unwrap().label, "if y");
+        let joined = [edge("b", "d").unwrap(), edge("c", "d").unwrap()];
+        assert!(joined.iter().all(|e| e.any && e.label.is_empty()));
+        // The join sits after both branches.
+        let x = |n: &str| g.nodes.iter().find(|m| m.name == n).unwrap().x;
+        assert!(x("d") > x("b") && x("b") > x("a"));
+        // A condition with no edge in is written in its box.
+        let e = g.nodes.iter().find(|n| n.name == "e").unwrap();
+        assert_eq!(e.condition, "if input.z");
+        assert!(
+            g.nodes
+                .iter()
+                .filter(|n| n.name != "e")
+                .all(|n| n.condition.is_empty())
+        );
+        // Room for the labels between columns.
+        assert_eq!(x("b") - x("a"), NODE_W + GAP_X_LABELLED);
+    }
+
+    #[test]
+    fn unknown_needs_and_cycles_do_not_hang_or_panic() {
+        let (x, a, b) = (needs(&["nowhere"]), needs(&["b"]), needs(&["a"]));
+        let specs = [Spec::new("x", &x), Spec::new("a", &a), Spec::new("b", &b)];
         let g = layout("g", "t", &specs, |_, _| {});
         assert_eq!(g.nodes.len(), 3);
         assert_eq!(g.edges.len(), 2, "only edges between listed steps");

@@ -14,6 +14,7 @@ mod architecture;
 mod browser;
 mod cli;
 mod cluster;
+mod conditions;
 mod engine;
 mod faults;
 mod fuzz;

@@ -44,6 +44,8 @@ const COMMON: &[&str] = &[
     "provider",
     "kind",
     "needs",
+    "needs_any",
+    "when",
     "required",
     "request",
     "outputs",

@@ -41,7 +41,10 @@ pub struct StepRow {
     pub name: String,
     pub provider: String,
     pub kind: &'static str,
+    /// What it needs: all of `needs`, then any one of `needs_any`.
     pub needs: String,
+    /// Its condition (`when`); empty for none.
+    pub when: String,
     pub required: bool,
     pub hour: Runs,
     pub day: Runs,
@@ -154,7 +157,8 @@ fn view(
                 name: s.name.clone(),
                 provider: s.provider.clone(),
                 kind: crate::pipeline::kinds::registered(s.kind).label,
-                needs: s.needs.join(", "),
+                needs: needs_text(&s.needs, &s.needs_any),
+                when: s.when.clone().unwrap_or_default(),
                 required: s.required,
                 hour,
                 day,
@@ -169,6 +173,8 @@ fn view(
         .map(|s| Spec {
             name: &s.name,
             needs: &s.needs,
+            needs_any: &s.needs_any,
+            when: s.when.as_deref(),
         })
         .collect();
     let title = format!("The steps of pipeline {name}, each after the steps it needs");
@@ -208,6 +214,17 @@ fn view(
         elsewhere: here.into_iter().collect(),
         versions: Vec::new(),
     }
+}
+
+/// `a, b`, `any of c, d`, or both: what a step waits for, in words.
+fn needs_text(all: &[String], any: &[String]) -> String {
+    let any = (!any.is_empty()).then(|| format!("any of {}", any.join(", ")));
+    let all = (!all.is_empty()).then(|| all.join(", "));
+    [all, any]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 async fn pipelines(

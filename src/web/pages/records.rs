@@ -526,22 +526,15 @@ fn parked_at(
 /// alone), each box saying where its step run is.
 fn step_graph(
     rec: &crate::domain::Record,
-    shape: &[(String, Vec<String>)],
+    shape: &[crate::domain::pipeline::Shape],
     runs: &[crate::domain::StepRun],
 ) -> crate::web::graph::Graph {
     use crate::domain::StepState;
     use crate::web::graph::{Spec, layout};
-    let none = Vec::new();
-    let mut specs: Vec<Spec<'_>> = shape
-        .iter()
-        .map(|(name, needs)| Spec { name, needs })
-        .collect();
+    let mut specs: Vec<Spec<'_>> = shape.iter().map(Spec::of).collect();
     for r in runs {
-        if !shape.iter().any(|s| s.0 == r.step) {
-            specs.push(Spec {
-                name: &r.step,
-                needs: &none,
-            });
+        if !shape.iter().any(|s| s.name == r.step) {
+            specs.push(Spec::new(&r.step, &[]));
         }
     }
     let title = format!("The steps of record {}, each in its state", rec.id);
@@ -649,12 +642,12 @@ fn attempt_views(
 fn replay_steps(
     state: &AppState,
     rec: &crate::domain::Record,
-    shape: Vec<(String, Vec<String>)>,
+    shape: Vec<crate::domain::pipeline::Shape>,
     steps: &[crate::domain::StepRun],
     current: Option<i64>,
 ) -> Vec<String> {
     let mut names: Vec<String> = match &state.engine {
-        Some(_) if !shape.is_empty() => shape.into_iter().map(|s| s.0).collect(),
+        Some(_) if !shape.is_empty() => shape.into_iter().map(|s| s.name).collect(),
         _ => steps.iter().map(|s| s.step.clone()).collect(),
     };
     if current.is_none() || current == rec.pipeline_version {
@@ -747,7 +740,7 @@ async fn record_page_at(
         None => Vec::new(),
     };
     let graph = step_graph(&rec, &shape, &steps);
-    let order: Vec<String> = shape.iter().map(|s| s.0.clone()).collect();
+    let order: Vec<String> = shape.iter().map(|s| s.name.clone()).collect();
     let lanes = crate::web::lanes::lanes(
         &order,
         &attempts,
