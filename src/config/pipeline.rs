@@ -73,6 +73,24 @@ pub enum StepKind {
     Callback,
     /// Wait, calling nothing: a durable timer.
     Sleep,
+    /// Wait for an operator to approve or reject.
+    Approval,
+    /// Wait for a caller's signal through the API.
+    Signal,
+}
+
+/// What a step that waits for a person or a signal does when its
+/// `timeout` passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// Park the record for a human (the step can still be decided).
+    #[default]
+    Park,
+    /// Fail the step (a required one fails its record).
+    Fail,
+    /// Succeed with `timeout_output`, and go on.
+    Continue,
 }
 
 /// `[[pipelines.NAME.steps]]`
@@ -121,6 +139,16 @@ pub struct StepConfig {
     /// (`until = "{{ input.ship_at }}"`), instead of `for`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until: Option<String>,
+    /// `kind = "approval"` or `"signal"`: how long the step waits (none:
+    /// as long as it takes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<HumanDuration>,
+    /// What its `timeout` does (park when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<OnTimeout>,
+    /// With `on_timeout = "continue"`: the step's output then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_output: Option<serde_json::Value>,
     /// Output name → JSON pointer into the final reply.
     #[serde(default)]
     pub outputs: BTreeMap<String, String>,

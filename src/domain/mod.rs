@@ -4,6 +4,7 @@
 
 pub mod account;
 pub mod action;
+pub mod awaiting;
 pub mod backoff;
 pub mod breaker;
 pub mod condition;

@@ -57,12 +57,15 @@ fn join(s: &Step, states: &HashMap<String, StepWrite>) -> Join {
     }
 }
 
-/// [`unblocked`], and due by `now`.
+/// [`unblocked`], and due by `now`: at its next run, or now when it has
+/// none, unless it waits for a person or a signal (only their coming, or
+/// its timeout, ends that wait).
 pub fn is_runnable(s: &Step, states: &HashMap<String, StepWrite>, now: UnixMs) -> bool {
-    unblocked(s, states)
-        && states
-            .get(&s.name)
-            .is_some_and(|w| w.next_run_at.is_none_or(|t| t <= now))
+    let due = |w: &StepWrite| match w.next_run_at {
+        Some(t) => t <= now,
+        None => super::awaiting::Awaits::waiting(w.state, w.error_code.as_deref()).is_none(),
+    };
+    unblocked(s, states) && states.get(&s.name).is_some_and(due)
 }
 
 /// Skips every unfinished step behind a failed or skipped step it needs,
@@ -214,6 +217,18 @@ pub fn verdict(
         }
         (None, None) => {
             v.error_code = facts.last_error.map(str::to_owned);
+            // A record waiting for a person or a signal says so (the
+            // records list filters on it), unless a call said more.
+            if v.result == WorkResult::Waiting && v.error_code.is_none() {
+                let person = steps.iter().filter_map(|s| states.get(&s.name)).find(|w| {
+                    super::awaiting::Awaits::waiting(w.state, w.error_code.as_deref()).is_some()
+                });
+                if let Some(w) = person {
+                    v.step = Some(w.step.clone());
+                    v.error_code = w.error_code.clone();
+                    v.reason = w.reason.clone();
+                }
+            }
             if facts.stopped && result == WorkResult::Deferred {
                 v.reason = Some(super::SHUTDOWN_REASON.into());
             }
@@ -289,7 +304,12 @@ pub fn after_commit(
     };
     let to = transition(RecordState::Running, Trigger::Worked(result))?;
     after.state = to;
-    after.next_run_at = to.is_scheduled().then(|| c.next_run_at.unwrap_or(c.now));
+    after.next_run_at = match to {
+        // A wait with no time (for a person, with no timeout) is due only
+        // when something ends it.
+        RecordState::Waiting => c.next_run_at,
+        _ => to.is_scheduled().then(|| c.next_run_at.unwrap_or(c.now)),
+    };
     after.lease_owner = None;
     after.lease_until = None;
     after.finished_at = to.is_terminal().then_some(c.now);

@@ -175,10 +175,16 @@ pub enum OperatorAction {
     TookEffect,
     /// End a sleep now, before its wake time.
     Wake,
+    /// Approve a step that waits for an approval.
+    Approve,
+    /// Reject a step that waits for an approval.
+    Reject,
+    /// End a step that waits for a signal (through the API).
+    Signal,
 }
 
 impl OperatorAction {
-    pub const ALL: [OperatorAction; 7] = [
+    pub const ALL: [OperatorAction; 10] = [
         OperatorAction::Retry,
         OperatorAction::Park,
         OperatorAction::Resume,
@@ -186,6 +192,9 @@ impl OperatorAction {
         OperatorAction::ReplayFrom,
         OperatorAction::TookEffect,
         OperatorAction::Wake,
+        OperatorAction::Approve,
+        OperatorAction::Reject,
+        OperatorAction::Signal,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -197,6 +206,9 @@ impl OperatorAction {
             OperatorAction::ReplayFrom => "replay",
             OperatorAction::TookEffect => "took_effect",
             OperatorAction::Wake => "wake",
+            OperatorAction::Approve => "approve",
+            OperatorAction::Reject => "reject",
+            OperatorAction::Signal => "signal",
         }
     }
 }
@@ -346,6 +358,12 @@ pub fn transition(from: RecordState, trigger: Trigger) -> Result<RecordState, Tr
                 (A::Resume | A::TookEffect, S::Parked) => Ok(S::Pending),
                 (A::Cancel, S::Pending | S::Retrying | S::Waiting | S::Parked) => Ok(S::Cancelled),
                 (A::Wake, S::Waiting) => Ok(S::Pending),
+                // A decision or a signal may also come once the wait ran
+                // past its timeout (parked), or while another step is due.
+                (
+                    A::Approve | A::Reject | A::Signal,
+                    S::Waiting | S::Pending | S::Retrying | S::Parked,
+                ) => Ok(S::Pending),
                 (A::ReplayFrom, S::Succeeded | S::Failed | S::Parked | S::Cancelled) => {
                     Ok(S::Pending)
                 }

@@ -166,6 +166,9 @@ impl<'a> Ops<'a> {
         let req = ActionRequest {
             until,
             input,
+            // The step it names (a decision's); a replay's and a retry's
+            // are worked out from the pipeline.
+            steps: step.map(|s| vec![s.to_owned()]).unwrap_or_default(),
             ..ActionRequest::new(id, action, actor, reason, self.clock.now_ms())
         };
         let rec = match self.engine {
@@ -180,6 +183,68 @@ impl<'a> Ops<'a> {
         };
         tracing::info!(record.id = id, action = %action, actor, "operator action");
         Ok(rec)
+    }
+
+    /// A signal for step `step` of record `id`: its JSON body becomes the
+    /// step's output. With an id (`signal_id`), idempotent: the same
+    /// signal again, once taken, changes nothing and answers as the first
+    /// did (`Signalled::again`). Audited as `signal`, by `actor`.
+    pub async fn signal(
+        &self,
+        id: i64,
+        step: &str,
+        actor: &str,
+        body: serde_json::Value,
+        signal_id: Option<String>,
+    ) -> Result<SignalTaken, OpsError> {
+        let taken = |runs: &[crate::domain::StepRun]| {
+            runs.iter().any(|r| {
+                r.step == step
+                    && r.state == crate::domain::StepState::Succeeded
+                    && signal_id.is_some()
+                    && r.job_id == signal_id
+            })
+        };
+        if taken(&self.db.step_runs(id).await?) {
+            return self.signal_again(id).await;
+        }
+        let req = ActionRequest {
+            steps: vec![step.to_owned()],
+            signal: Some(crate::domain::action::Signalled {
+                body,
+                id: signal_id.clone(),
+            }),
+            ..ActionRequest::new(id, OperatorAction::Signal, actor, None, self.clock.now_ms())
+        };
+        match self.db.act(&req).await {
+            Ok(record) => {
+                if let Some(engine) = self.engine {
+                    engine.wake();
+                }
+                tracing::info!(record.id = id, step, actor, "signal taken");
+                Ok(SignalTaken {
+                    record,
+                    again: false,
+                })
+            }
+            // The same signal, sent twice at once: the other one took it.
+            Err(e) if taken(&self.db.step_runs(id).await?) => {
+                tracing::debug!(record.id = id, error = %e, "signal taken by its twin");
+                self.signal_again(id).await
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn signal_again(&self, id: i64) -> Result<SignalTaken, OpsError> {
+        let record = self.db.get_record(id).await?.ok_or(StoreError::NotFound {
+            what: "record",
+            key: id.to_string(),
+        })?;
+        Ok(SignalTaken {
+            record,
+            again: true,
+        })
     }
 
     /// A call whose outcome was not known (`outcome_uncertain`) did take
@@ -469,11 +534,19 @@ impl<'a> Ops<'a> {
     }
 }
 
+/// A signal taken: the record after it, and whether this was the same
+/// signal again (nothing changed).
+#[derive(Debug)]
+pub struct SignalTaken {
+    pub record: Record,
+    pub again: bool,
+}
+
 /// What an operator action carries beyond its record, action, actor and
 /// reason (see [`Ops::act_with`]).
 #[derive(Debug, Default)]
 pub struct ActExtra<'a> {
-    /// Where a replay starts.
+    /// Where a replay starts, or the step a decision is about.
     pub step: Option<&'a str>,
     /// For a park: when the record resumes by itself.
     pub until: Option<&'a str>,
@@ -498,7 +571,7 @@ async fn act_on(
 ) -> Result<Record, StoreError> {
     let i = &engine.inner;
     let (record_id, action) = (req.record_id, req.action);
-    let mut steps = Vec::new();
+    let mut steps = std::mem::take(&mut req.steps);
     if action == crate::domain::OperatorAction::ReplayFrom {
         let rec =
             i.db.get_record(record_id)

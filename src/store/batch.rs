@@ -300,7 +300,12 @@ impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
         RecordUpdateJson {
             id: r.id,
             state: r.state.as_str(),
-            next_run_at: r.next_run_at,
+            // A record waiting with no time (for a person) keeps a time
+            // no clock reaches: the schema wants one for a scheduled state.
+            next_run_at: match (r.state, r.next_run_at) {
+                (crate::domain::RecordState::Waiting, None) => Some(super::rows::NO_TIME),
+                (_, at) => at,
+            },
             lease_owner: r.lease_owner.as_deref(),
             lease_until: r.lease_until,
             step: r.step.as_deref(),

@@ -13,6 +13,12 @@ use crate::domain::{
 };
 use crate::store::{StepRollup, StoreError, StoreResult};
 
+/// The `next_run_at` stored for a record waiting with no time (for a
+/// person or a signal, with no timeout): 9999-12-31T23:59:59.999Z, which
+/// no claim reaches; read back as none. The schema wants a time for every
+/// scheduled state.
+pub(crate) const NO_TIME: crate::domain::UnixMs = 253_402_300_799_999;
+
 /// Parses a stored enum name, turning an unknown one into `Corrupt`.
 pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> StoreResult<T> {
     text.parse()
@@ -121,7 +127,9 @@ where
             group: Some(self.try_get::<String, _>("group_key")?).filter(|g| !g.is_empty()),
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
             input: self.json("input")?.unwrap_or(Value::Null),
-            next_run_at: self.try_get("next_run_at")?,
+            next_run_at: self
+                .try_get::<Option<crate::domain::UnixMs>, _>("next_run_at")?
+                .filter(|t| *t != NO_TIME),
             lease_owner: self.try_get("lease_owner")?,
             lease_until: self.try_get("lease_until")?,
             lease_token: self.try_get("lease_token")?,

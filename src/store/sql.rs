@@ -1220,6 +1220,29 @@ where
             change @ (StepChange::TookJob { .. } | StepChange::TookOutput { .. }) => {
                 Self::took_effect_locked(tx, rec, change, req.now).await
             }
+            StepChange::Decide {
+                step,
+                output,
+                job_id,
+                reason,
+            } => {
+                // The domain found the step waiting under this lock.
+                sqlx::query(
+                    "UPDATE step_runs SET state = 'succeeded', output = $1, job_id = $2, \
+                     error_code = NULL, reason = $3, next_run_at = NULL, deadline_at = NULL, \
+                     finished_at = $4, updated_at = $4 \
+                     WHERE record_id = $5 AND step = $6 AND state = 'waiting'",
+                )
+                .bind(Json(output.clone()))
+                .bind(job_id.clone())
+                .bind(reason.clone())
+                .bind(req.now)
+                .bind(rec.id)
+                .bind(step.clone())
+                .execute(&mut **tx)
+                .await?;
+                Ok(())
+            }
             StepChange::EndWait { steps, reason } => {
                 for step in steps {
                     sqlx::query(

@@ -37,6 +37,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .route("/records/bulk", post(bulk))
         .route("/records/{id}", get(get_one))
         .route("/records/{id}/actions", post(act))
+        .route("/records/{id}/signals/{step}", post(signal))
         .route("/reload", post(reload));
     let refuse = |_| {
         let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
@@ -334,6 +335,32 @@ async fn act(
         .act_with(id, action, &caller.actor, reason, extra)
         .await?;
     Ok(Json(json!({ "record": record })))
+}
+
+/// `POST /api/v1/records/{id}/signals/{step}` (operators): ends the
+/// step's wait for a signal, its JSON body the step's output. An
+/// `Idempotency-Key` header names the signal: sent again once taken, it
+/// changes nothing and answers 200 with `"again": true`.
+async fn signal(
+    caller: Bearer<Operator>,
+    State(state): State<AppState>,
+    Path((id, step)): Path<(i64, String)>,
+    headers: axum::http::HeaderMap,
+    ApiJson(body): ApiJson<Value>,
+) -> WebResult<Json<Value>> {
+    let signal_id = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => Some(v.to_str().map(str::to_owned).map_err(|_| {
+            WebError::bad("bad_signal_id", "the Idempotency-Key header is not text")
+        })?),
+    };
+    let taken = state
+        .ops()
+        .signal(id, &step, &caller.actor, body, signal_id)
+        .await?;
+    Ok(Json(
+        json!({ "record": taken.record, "again": taken.again }),
+    ))
 }
 
 /// `POST /api/v1/records/bulk`: the records page's bulk action. The

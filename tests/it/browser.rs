@@ -288,6 +288,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             took: None,
             input: None,
             repin: None,
+            signal: None,
         })
         .await
         .unwrap();
@@ -466,6 +467,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             took: None,
             input: None,
             repin: None,
+            signal: None,
         })
         .await
         .unwrap();
@@ -900,6 +902,7 @@ async fn two_versions(app: &WebApp) -> i64 {
                 took: None,
                 input: None,
                 repin: None,
+                signal: None,
             };
             app.t.db.act(&replay).await.unwrap();
         }
@@ -1139,6 +1142,102 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s", deadline = "10m" }}
         .unwrap();
     assert_eq!((e.actor.as_str(), e.audit), ("admin", true));
     assert_eq!(e.detail.unwrap()["job_id"], json!(job));
+    d.client.clone().close().await.unwrap();
+}
+
+/// A record waiting for a person: found through the records list's
+/// "waiting for a person", its graph saying so, approved on its page with
+/// a comment (required), the decision audited and branched on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_approves_a_waiting_record_on_its_page() {
+    let Some(d) = driver("browser_approval").await else {
+        return;
+    };
+    let c = &d.client;
+    let text = r#"
+[[pipelines.onboard.steps]]
+name = "review"
+kind = "approval"
+[[pipelines.onboard.steps]]
+name = "welcome"
+kind = "sleep"
+for = "1ms"
+needs = ["review"]
+when = "steps.review.output.decision == 'approved'"
+"#;
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "browser_approval", text).await else {
+        return;
+    };
+    app.user("admin", Role::Admin).await;
+    let engine = app.state.engine.clone().expect("the app runs workers");
+    let id = engine
+        .enqueue(Enqueue::new(
+            "onboard",
+            Some("o-1"),
+            json!({ "name": "Ada" }),
+        ))
+        .await
+        .unwrap()
+        .record
+        .id;
+    wait::until(
+        "the record waits for a person",
+        Duration::from_secs(20),
+        async || match app.t.db.get_record(id).await {
+            Ok(Some(r)) if r.error_code.as_deref() == Some("awaiting_approval") => Ok(()),
+            other => Err(other.map(|r| r.map(|r| (r.state, r.error_code)))),
+        },
+    )
+    .await;
+    login(c, &app, "admin").await;
+    c.goto(&app.url("/records")).await.unwrap();
+    click(c, "#waiting-for-a-person").await;
+    wait_text(c, "#records-list", "o-1").await;
+    c.goto(&app.url(&format!("/records/{id}"))).await.unwrap();
+    wait_text(c, "#record-state", "waiting").await;
+    assert!(text_of(c, ".graph").await.contains("awaits approval"));
+    shot(c, "record-awaiting-approval").await;
+    // No comment, no decision: the browser holds the form back.
+    click(c, "#decide button[data-action=approve]").await;
+    assert_eq!(
+        app.t.db.get_record(id).await.unwrap().unwrap().state,
+        ballast::domain::RecordState::Waiting
+    );
+    c.find(Locator::Css("#decide input[name=reason]"))
+        .await
+        .unwrap()
+        .send_keys("passport checked by phone")
+        .await
+        .unwrap();
+    click(c, "#decide button[data-action=approve]").await;
+    wait_text(c, "#record-state", "succeeded").await;
+    wait_text(c, "#timeline", "approve").await;
+    let runs = app.t.db.step_runs(id).await.unwrap();
+    let review = runs.iter().find(|r| r.step == "review").unwrap();
+    let output = review.output.clone().unwrap_or_default();
+    assert_eq!(
+        (&output["decision"], &output["comment"], &output["by"]),
+        (
+            &json!("approved"),
+            &json!("passport checked by phone"),
+            &json!("admin")
+        )
+    );
+    let welcome = runs.iter().find(|r| r.step == "welcome").unwrap();
+    assert_eq!(welcome.state, ballast::domain::StepState::Succeeded);
+    let e = app
+        .t
+        .db
+        .record_events(id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == "approve")
+        .unwrap();
+    assert_eq!(
+        (e.actor.as_str(), e.audit, e.reason.as_deref()),
+        ("admin", true, Some("passport checked by phone"))
+    );
     d.client.clone().close().await.unwrap();
 }
 

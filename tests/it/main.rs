@@ -10,6 +10,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod api;
+mod approvals;
 mod architecture;
 mod browser;
 mod cli;

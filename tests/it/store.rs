@@ -851,6 +851,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         took: None,
         input: None,
         repin: None,
+        signal: None,
     })
     .await
     .unwrap();
@@ -1328,6 +1329,7 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         took: None,
         input: None,
         repin: None,
+        signal: None,
     }
 }
 
@@ -1802,13 +1804,19 @@ async fn counters_match_a_recount_after_random_operations(db: &Db) {
                     req.steps = vec!["s1".into()];
                     match db.act(&req).await {
                         Ok(_) | Err(StoreError::Transition(_)) => {}
-                        // (No step here has an uncertain call to take, nor
-                        // sleeps.)
+                        // (No step here has an uncertain call to take,
+                        // sleeps, or waits for a decision or a signal; a
+                        // signal carries its body, which this has not.)
                         Err(StoreError::Declined { code, .. })
                             if matches!(
                                 (a, code),
                                 (OperatorAction::TookEffect, _)
                                     | (OperatorAction::Wake, "nothing_asleep")
+                                    | (
+                                        OperatorAction::Approve | OperatorAction::Reject,
+                                        "nothing_awaited"
+                                    )
+                                    | (OperatorAction::Signal, "details_required")
                             ) => {}
                         Err(e) => panic!("round {round}: {e}"),
                     }

@@ -328,6 +328,7 @@ impl WebApp {
             took: None,
             input: None,
             repin: None,
+            signal: None,
         };
         self.t.db.act(&req).await.unwrap();
     }
@@ -1321,6 +1322,7 @@ async fn provider_data_renders_as_inert_text() {
             took: None,
             input: None,
             repin: None,
+            signal: None,
         };
         app.t.db.act(&req).await.unwrap();
         let mut inert = 0;
@@ -3374,6 +3376,7 @@ async fn a_replay_on_the_page_may_move_a_record_to_the_current_version() {
         took: None,
         input: None,
         repin: None,
+        signal: None,
     };
     db.act(&cancel).await.unwrap();
     let page = app.text(&format!("/records/{id}"), Some(&login)).await;

@@ -10,10 +10,12 @@
 
 mod bulk;
 mod cancel;
+mod decide;
 mod park;
 mod replay;
 mod resume;
 mod retry;
+mod signal;
 mod took_effect;
 mod wake;
 
@@ -27,6 +29,7 @@ use super::{
 
 pub use bulk::{BULK_NEEDS_REASON, in_bulk};
 pub use resume::resume_due;
+pub use signal::Signalled;
 pub use took_effect::{Took, open_uncertain, uncertain_call};
 
 /// What one action decides: one implementation per module.
@@ -106,6 +109,9 @@ fn rules(action: OperatorAction) -> &'static dyn Rules {
         OperatorAction::ReplayFrom => &replay::Replay,
         OperatorAction::TookEffect => &took_effect::TookEffect,
         OperatorAction::Wake => &wake::Wake,
+        OperatorAction::Approve => &decide::Decide(super::awaiting::Decision::Approved),
+        OperatorAction::Reject => &decide::Decide(super::awaiting::Decision::Rejected),
+        OperatorAction::Signal => &signal::Signal,
     }
 }
 
@@ -153,6 +159,8 @@ pub struct ActionRequest {
     /// audit entry keeps the old and the new). Refused with any other
     /// action.
     pub input: Option<InputEdit>,
+    /// For `Signal`: its body and id (the step is the one `steps` names).
+    pub signal: Option<Signalled>,
     /// For `ReplayFrom`: the pipeline version the record runs on from now
     /// (an operator replaying it on the current one; the audit entry keeps
     /// the old and the new); `None` keeps its own. Refused with any other
@@ -180,6 +188,7 @@ impl ActionRequest {
             until: None,
             took: None,
             input: None,
+            signal: None,
             repin: None,
         }
     }
@@ -245,6 +254,14 @@ pub enum StepChange {
     /// These steps, waiting on time alone, are due now: their wait ends
     /// (the kind decides at the next pass what that means).
     EndWait { steps: Vec<String>, reason: String },
+    /// A step waiting for a decision or a signal has it: it succeeds with
+    /// `output`, keeping `job_id` (a signal's id).
+    Decide {
+        step: String,
+        output: Value,
+        job_id: Option<String>,
+        reason: String,
+    },
     /// The uncertain call of `step` took effect with these outputs.
     TookOutput {
         step: String,
@@ -604,28 +621,60 @@ mod tests {
             updated_at: 0,
             cause: None,
         };
+        let awaiting = |code: &str| StepRun {
+            step: "review".into(),
+            error_code: Some(code.into()),
+            next_run_at: None,
+            deadline_at: None,
+            ..sleeping.clone()
+        };
+        use crate::domain::awaiting::Awaits;
+        let cases = [
+            (false, vec![], None),
+            (true, vec![sleeping.clone()], None),
+            (
+                false,
+                vec![awaiting("awaiting_approval")],
+                Some(Awaits::Approval),
+            ),
+            (
+                false,
+                vec![awaiting("approval_timed_out")],
+                Some(Awaits::Approval),
+            ),
+            (
+                false,
+                vec![awaiting("awaiting_signal")],
+                Some(Awaits::Signal),
+            ),
+        ];
         for state in RecordState::ALL {
             let rec = record(state);
-            for (uncertain, runs) in [(false, vec![]), (true, vec![sleeping.clone()])] {
-                let offered = offered(
-                    &rec,
-                    &Facts {
-                        runs: &runs,
-                        uncertain,
-                    },
-                );
+            for (uncertain, runs, awaits) in &cases {
+                let (uncertain, runs) = (*uncertain, runs.as_slice());
+                let offered = offered(&rec, &Facts { runs, uncertain });
                 for action in OperatorAction::ALL {
+                    use OperatorAction as A;
                     let by_table = transition(state, Trigger::Operator(action)).is_ok();
-                    let took = action == OperatorAction::TookEffect;
-                    let wake = action == OperatorAction::Wake;
+                    let own = match action {
+                        A::TookEffect => uncertain,
+                        A::Wake => !runs.is_empty() && awaits.is_none(),
+                        A::Approve | A::Reject => *awaits == Some(Awaits::Approval),
+                        A::Signal => *awaits == Some(Awaits::Signal),
+                        _ => true,
+                    };
                     assert_eq!(
                         offered.contains(&action),
-                        by_table && (!took || uncertain) && (!wake || !runs.is_empty()),
-                        "{action} from {state}, uncertain: {uncertain}"
+                        by_table && own,
+                        "{action} from {state}, uncertain: {uncertain}, {awaits:?}"
                     );
-                    let parked_park =
-                        action == OperatorAction::Park && state == RecordState::Parked;
-                    assert_eq!(in_bulk(action, &rec), by_table && !took && !parked_park);
+                    let one_records =
+                        matches!(action, A::TookEffect | A::Approve | A::Reject | A::Signal);
+                    let parked_park = action == A::Park && state == RecordState::Parked;
+                    assert_eq!(
+                        in_bulk(action, &rec),
+                        by_table && !one_records && !parked_park
+                    );
                 }
             }
         }

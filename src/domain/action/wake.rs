@@ -4,14 +4,16 @@
 
 use super::{ActionRequest, Facts, Record, Refused, Rules, StepChange, StepRun, invalid};
 use crate::domain::StepState;
+use crate::domain::awaiting::Awaits;
 
 pub(super) struct Wake;
 
 /// The steps of `runs` asleep: waiting on time alone (no job, no
-/// provider), which only a sleep does today.
+/// provider, not for a person or a signal), which only a sleep does.
 fn asleep(runs: &[StepRun]) -> Vec<String> {
     runs.iter()
         .filter(|r| r.state == StepState::Waiting && r.job_id.is_none() && r.provider.is_none())
+        .filter(|r| Awaits::of(r).is_none())
         .map(|r| r.step.clone())
         .collect()
 }

@@ -3,8 +3,11 @@
 //! particular to it). A new kind is a new module here and one line in
 //! [`registered`] (with its name in `config::pipeline::StepKind`).
 
+mod approval;
 mod callback;
+mod person;
 mod request;
+mod signal;
 mod sleep;
 mod submit_poll;
 
@@ -62,6 +65,8 @@ pub fn registered(kind: KindConfig) -> Registered {
         KindConfig::SubmitPoll => submit_poll::REGISTERED,
         KindConfig::Callback => callback::REGISTERED,
         KindConfig::Sleep => sleep::REGISTERED,
+        KindConfig::Approval => approval::REGISTERED,
+        KindConfig::Signal => signal::REGISTERED,
     }
 }
 

@@ -9,6 +9,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
+use crate::domain::awaiting::Awaits;
 use crate::domain::{OperatorAction, Record, RecordState};
 use crate::engine::{Ops, Selection};
 use crate::web::AppState;
@@ -476,6 +477,8 @@ struct RecordPage {
     attempts: Vec<AttemptView>,
     events: Vec<EventView>,
     actions: Vec<&'static str>,
+    /// The steps waiting for an approval (the decision form's).
+    awaiting: Vec<String>,
     replay_steps: Vec<String>,
     /// The record's steps drawn as its pipeline, each in its state.
     graph: crate::web::graph::Graph,
@@ -549,7 +552,14 @@ fn step_graph(
             }
             Some(StepState::Pending) => ("pending", "due"),
             Some(StepState::Running) => ("running", "running"),
-            Some(StepState::Waiting) => ("waiting", "waiting on its job"),
+            Some(StepState::Waiting) => match run.and_then(Awaits::of) {
+                Some(Awaits::Approval) => ("waiting", "awaits approval"),
+                Some(Awaits::Signal) => ("waiting", "awaits a signal"),
+                None if run.is_some_and(|r| r.job_id.is_none() && r.provider.is_none()) => {
+                    ("waiting", "asleep")
+                }
+                None => ("waiting", "waiting on its job"),
+            },
             Some(StepState::Retrying) => ("retrying", "retrying"),
             Some(StepState::Succeeded) => ("succeeded", "done"),
             Some(StepState::Failed) => ("failed", "failed"),
@@ -557,13 +567,17 @@ fn step_graph(
         };
         n.class = class;
         n.state = word.to_owned();
-        if let Some(r) = run {
+        // A step that calls nothing (a sleep, an approval) has no
+        // attempts to count.
+        if let Some(r) = run.filter(|r| r.provider.is_some() || r.attempts > 0) {
             n.lines.push(format!(
                 "{} · {} attempt{}",
                 r.provider.as_deref().unwrap_or("—"),
                 r.attempts,
                 if r.attempts == 1 { "" } else { "s" }
             ));
+        }
+        if let Some(r) = run {
             if let (Some(s), Some(f)) = (r.started_at, r.finished_at) {
                 n.lines.push(format!("took {}", millis(f - s)));
             }
@@ -767,8 +781,13 @@ async fn record_page_at(
     } else {
         Vec::new()
     };
+    let awaiting = crate::domain::awaiting::waiting_for(&steps, Awaits::Approval)
+        .into_iter()
+        .map(|r| r.step.clone())
+        .collect();
     Ok(RecordPage {
         nav: Nav::new(caller, "records"),
+        awaiting,
         pinned: pinned_version(rec.pipeline_version, current),
         newer: current
             .filter(|c| rec.pipeline_version.is_some_and(|v| v != *c))
