@@ -69,6 +69,13 @@ impl Awaits {
     }
 }
 
+/// Whether a step run in `state` with `code` is held by its wait: only
+/// a decision, a signal or its timeout makes it due (not one parked past
+/// its timeout and then resumed, which waits again).
+pub fn holds(state: StepState, code: Option<&str>) -> bool {
+    state == StepState::Waiting && Awaits::ALL.iter().any(|a| Some(a.code()) == code)
+}
+
 /// The step runs of `runs` waiting for `what`.
 pub fn waiting_for(runs: &[StepRun], what: Awaits) -> Vec<&StepRun> {
     runs.iter()

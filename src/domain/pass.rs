@@ -63,7 +63,7 @@ fn join(s: &Step, states: &HashMap<String, StepWrite>) -> Join {
 pub fn is_runnable(s: &Step, states: &HashMap<String, StepWrite>, now: UnixMs) -> bool {
     let due = |w: &StepWrite| match w.next_run_at {
         Some(t) => t <= now,
-        None => super::awaiting::Awaits::waiting(w.state, w.error_code.as_deref()).is_none(),
+        None => !super::awaiting::holds(w.state, w.error_code.as_deref()),
     };
     unblocked(s, states) && states.get(&s.name).is_some_and(due)
 }
@@ -218,8 +218,10 @@ pub fn verdict(
         (None, None) => {
             v.error_code = facts.last_error.map(str::to_owned);
             // A record waiting for a person or a signal says so (the
-            // records list filters on it), unless a call said more.
-            if v.result == WorkResult::Waiting && v.error_code.is_none() {
+            // records list filters on it), unless a call said more and
+            // the record is due again to say it once more.
+            let at_rest = v.next_run_at.is_none();
+            if v.result == WorkResult::Waiting && (v.error_code.is_none() || at_rest) {
                 let person = steps.iter().filter_map(|s| states.get(&s.name)).find(|w| {
                     super::awaiting::Awaits::waiting(w.state, w.error_code.as_deref()).is_some()
                 });

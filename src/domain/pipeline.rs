@@ -121,6 +121,8 @@ pub struct Shape {
     pub needs: Vec<String>,
     pub needs_any: Vec<String>,
     pub when: Option<String>,
+    /// Its kind's name.
+    pub kind: String,
 }
 
 impl From<&Step> for Shape {
@@ -130,6 +132,7 @@ impl From<&Step> for Shape {
             needs: s.needs.clone(),
             needs_any: s.needs_any.clone(),
             when: s.when.as_ref().map(|c| c.source.clone()),
+            kind: s.kind.name().to_owned(),
         }
     }
 }

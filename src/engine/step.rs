@@ -1225,6 +1225,12 @@ impl StepCall<'_> {
     /// and, once it has one, its `job_id`.
     fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
         let mut ctx = self.ctx.clone();
+        // Only the outputs of the steps upstream of this one: what
+        // check-config let it name (a subscript it cannot check, such as
+        // `steps["a-b"]`, sees no more than that, however the pass went).
+        if let Some(steps) = ctx.get_mut("steps").and_then(|s| s.as_object_mut()) {
+            steps.retain(|name, _| self.step.upstream.contains(name));
+        }
         let key = idempotency_key(
             self.installation,
             self.record.id,

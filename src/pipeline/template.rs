@@ -204,9 +204,11 @@ impl Templates {
             .compile_expression(source)
             .map_err(|e| TemplateError::Syntax(e.to_string()))?;
         let vars = expr.undeclared_variables(true);
+        // Evidence names values: a bare `steps` (read by a subscript, as
+        // `steps["a-b"]`) would keep every output, and says nothing.
         let mut read: Vec<String> = vars
             .iter()
-            .filter(|v| !is_global(env, v))
+            .filter(|v| !is_global(env, v) && v.as_str() != "steps")
             .cloned()
             .collect();
         read.sort();

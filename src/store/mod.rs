@@ -398,7 +398,8 @@ pub struct Commit {
     /// id before its first poll, say) and the worker keeps the lease.
     pub result: Option<WorkResult>,
     /// When the record is due again, for results that keep it scheduled;
-    /// `now` when not given.
+    /// `now` when not given, except for `waiting`: none then means a wait
+    /// only a decision or a signal ends.
     pub next_run_at: Option<UnixMs>,
     pub step: Option<String>,
     pub provider: Option<String>,

@@ -1074,8 +1074,9 @@ where
 
     /// A fresh attempt budget (and deadline) for every step of `rec` that
     /// has not succeeded (a submitted job keeps its id, so it is polled, not
-    /// paid for again; a skipped step is judged again, its `when` over the
-    /// input as it now is); reversed results run again, a new generation, with
+    /// paid for again; a step skipped behind one that did not succeed runs
+    /// if that one now does, while a step its own `when` skipped stays so,
+    /// its evidence kept: its branch's join may have run); reversed results run again, a new generation, with
     /// the steps after them that `after` names (read here, under the
     /// record's lock: `after` counts only when a step is reversed, and never
     /// leaves one out); with a new input, every unfinished step runs again
@@ -1091,10 +1092,10 @@ where
         let mut unfinished: Vec<String> = sqlx::query_scalar(
             "UPDATE step_runs SET attempts = 0, unknowns = 0, deadline_at = NULL, next_run_at = NULL, \
              error_code = NULL, reason = NULL, updated_at = $1, \
-             output = CASE WHEN state = 'skipped' THEN NULL ELSE output END, \
              finished_at = CASE WHEN state = 'skipped' THEN NULL ELSE finished_at END, \
              state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
-             WHERE record_id = $2 AND state <> 'succeeded' RETURNING step",
+             WHERE record_id = $2 AND state <> 'succeeded' \
+             AND NOT (state = 'skipped' AND output IS NOT NULL) RETURNING step",
         )
         .bind(now)
         .bind(rec.id)
@@ -1227,7 +1228,7 @@ where
                 reason,
             } => {
                 // The domain found the step waiting under this lock.
-                sqlx::query(
+                let done = sqlx::query(
                     "UPDATE step_runs SET state = 'succeeded', output = $1, job_id = $2, \
                      error_code = NULL, reason = $3, next_run_at = NULL, deadline_at = NULL, \
                      finished_at = $4, updated_at = $4 \
@@ -1241,6 +1242,12 @@ where
                 .bind(step.clone())
                 .execute(&mut **tx)
                 .await?;
+                if done.rows_affected() != 1 {
+                    return Err(StoreError::Declined {
+                        code: "nothing_awaited",
+                        message: format!("step `{step}` no longer waits"),
+                    });
+                }
                 Ok(())
             }
             StepChange::EndWait { steps, reason } => {

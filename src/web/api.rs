@@ -357,7 +357,18 @@ async fn signal(
     let taken = state
         .ops()
         .signal(id, &step, &caller.actor, body, signal_id)
-        .await?;
+        .await
+        .map_err(|e| match WebError::from(e) {
+            // A pass is working the record: the same signal may be sent
+            // again in a moment.
+            e if e.code() == "record_busy" => WebError::NotNow(e.to_string()),
+            // Not waiting (yet, or any more): the record's state decides.
+            e if e.code() == "nothing_awaited" => WebError::Conflict {
+                code: "nothing_awaited",
+                message: e.to_string(),
+            },
+            e => e,
+        })?;
     Ok(Json(
         json!({ "record": taken.record, "again": taken.again }),
     ))

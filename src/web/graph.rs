@@ -17,12 +17,13 @@ const GAP_Y: i64 = 20;
 const MARGIN: i64 = 8;
 
 /// One step to lay out: its name, the steps it needs (all of `needs`,
-/// any of `needs_any`) and its condition.
+/// any of `needs_any`), its condition and its kind's name (its outline).
 pub struct Spec<'a> {
     pub name: &'a str,
     pub needs: &'a [String],
     pub needs_any: &'a [String],
     pub when: Option<&'a str>,
+    pub kind: &'a str,
 }
 
 impl<'a> Spec<'a> {
@@ -33,6 +34,7 @@ impl<'a> Spec<'a> {
             needs,
             needs_any: &[],
             when: None,
+            kind: "",
         }
     }
 
@@ -43,6 +45,7 @@ impl<'a> Spec<'a> {
             needs: &s.needs,
             needs_any: &s.needs_any,
             when: s.when.as_deref(),
+            kind: &s.kind,
         }
     }
 
@@ -87,6 +90,41 @@ pub struct Node {
     /// Its condition, when no edge into it carries it (a step that needs
     /// nothing); empty for none.
     pub condition: String,
+    /// Its outline, by its kind: a box with corners of radius `rx`, or
+    /// the polygon `points` when not empty.
+    pub rx: i64,
+    pub points: String,
+}
+
+/// A step's outline by its kind's name: a box for a call (rounded for a
+/// sleep), a hexagon for an approval, an arrow for a signal.
+fn outline(kind: &str, x: i64, y: i64) -> (i64, String) {
+    let (w, h, cut) = (NODE_W, NODE_H, 14);
+    let points = |p: &[(i64, i64)]| {
+        p.iter()
+            .map(|(px, py)| format!("{},{}", x + px, y + py))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    match kind {
+        "sleep" => (h / 3, String::new()),
+        "approval" => (
+            0,
+            points(&[
+                (cut, 0),
+                (w - cut, 0),
+                (w, h / 2),
+                (w - cut, h),
+                (cut, h),
+                (0, h / 2),
+            ]),
+        ),
+        "signal" => (
+            0,
+            points(&[(0, 0), (w - cut, 0), (w, h / 2), (w - cut, h), (0, h)]),
+        ),
+        _ => (6, String::new()),
+    }
 }
 
 impl Node {
@@ -202,7 +240,10 @@ pub fn layout(
             lines: Vec::new(),
             href: String::new(),
             condition: String::new(),
+            rx: 0,
+            points: String::new(),
         };
+        (node.rx, node.points) = outline(s.kind, x, y);
         decorate(i, &mut node);
         nodes.push(node);
     }
@@ -333,6 +374,42 @@ mod tests {
         );
         // Room for the labels between columns.
         assert_eq!(x("b") - x("a"), NODE_W + GAP_X_LABELLED);
+    }
+
+    #[test]
+    fn a_step_is_drawn_in_its_kinds_shape() {
+        let none = needs(&[]);
+        let kinds = ["request", "sleep", "approval", "signal"];
+        let specs: Vec<Spec<'_>> = kinds
+            .iter()
+            .map(|k| Spec {
+                kind: k,
+                ..Spec::new(k, &none)
+            })
+            .collect();
+        let g = layout("g", "t", &specs, |_, _| {});
+        let by = |k: &str| g.nodes.iter().find(|n| n.name == k).unwrap();
+        assert_eq!((by("request").rx, by("request").points.as_str()), (6, ""));
+        assert!(by("sleep").rx > 6 && by("sleep").points.is_empty());
+        // A hexagon and an arrow, each within its box.
+        for (k, corners) in [("approval", 6), ("signal", 5)] {
+            let n = by(k);
+            let points: Vec<(i64, i64)> = n
+                .points
+                .split(' ')
+                .map(|p| {
+                    let (x, y) = p.split_once(',').unwrap();
+                    (x.parse().unwrap(), y.parse().unwrap())
+                })
+                .collect();
+            assert_eq!(points.len(), corners, "{k}");
+            assert!(
+                points
+                    .iter()
+                    .all(|(x, y)| (n.x..=n.x + NODE_W).contains(x)
+                        && (n.y..=n.y + NODE_H).contains(y))
+            );
+        }
     }
 
     #[test]

@@ -234,13 +234,44 @@ async fn an_approval_past_its_timeout(backend: Backend) {
             run(&runs, "review").output.clone(),
         ));
         if i == 0 {
-            // Parked: a late approval still counts, and the record goes on.
             let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
-            let extra = ActExtra::default();
-            let why = Some("found it in the spam folder".to_owned());
-            ops.act_with(id, OperatorAction::Approve, "ann", why, extra)
-                .await
-                .unwrap();
+            let act = |action: OperatorAction| {
+                let ops = &ops;
+                async move {
+                    let why = Some("found it in the spam folder".to_owned());
+                    ops.act_with(id, action, "ann", why, ActExtra::default())
+                        .await
+                }
+            };
+            // Resumed, it waits again, a new timeout from then.
+            act(OperatorAction::Resume).await.unwrap();
+            drain(&engine).await;
+            let rec = t.db.get_record(id).await.unwrap().unwrap();
+            assert_eq!(
+                (rec.state, rec.next_run_at, rec.error_code.as_deref()),
+                (
+                    RecordState::Waiting,
+                    Some(start + 144 * HOUR_MS),
+                    Some("awaiting_approval")
+                )
+            );
+            // Parked by an operator (not by its timeout), it takes no
+            // decision until someone resumes it.
+            act(OperatorAction::Park).await.unwrap();
+            let held = act(OperatorAction::Approve).await.unwrap_err();
+            assert_eq!(
+                ballast::web::error::WebError::from(held).code(),
+                "record_parked"
+            );
+            act(OperatorAction::Resume).await.unwrap();
+            drain(&engine).await;
+            // Past its timeout again and parked: a late approval still
+            // counts, and the record goes on.
+            clock.advance((72 * HOUR_MS) as u64);
+            drain(&engine).await;
+            let rec = t.db.get_record(id).await.unwrap().unwrap();
+            assert_eq!(rec.error_code.as_deref(), Some("approval_timed_out"));
+            act(OperatorAction::Approve).await.unwrap();
             drain(&engine).await;
             let rec = t.db.get_record(id).await.unwrap().unwrap();
             assert_eq!(rec.state, RecordState::Succeeded, "{:?}", rec.reason);
@@ -386,11 +417,12 @@ outputs = { amount = "/amount" }
         .unwrap();
     assert_eq!(again.status(), 200);
     assert_eq!(again.json::<Value>().await.unwrap()["again"], true);
+    let done = once(id, "state", "succeeded").await;
+    // Another signal once the step has one: refused, nothing changed.
     let other = post(path.clone(), json!({ "amount": 1 }), &op, Some("s-2"))
         .await
         .unwrap();
     assert_eq!(other.status(), 409);
-    let done = once(id, "state", "succeeded").await;
     let steps = done["steps"].as_array().cloned().unwrap_or_default();
     let step = |name: &str| {
         steps

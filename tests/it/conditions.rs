@@ -228,8 +228,15 @@ async fn a_condition_that_cannot_be_judged_parks_until_a_new_input(backend: Back
     assert_eq!(rec.state, RecordState::Succeeded, "{:?}", rec.reason);
     let runs = t.db.step_runs(id).await.unwrap();
     assert_eq!(run(&runs, "audit").state, StepState::Succeeded);
-    // The skipped review was judged again over the new input: still skipped.
-    assert_eq!(run(&runs, "review").state, StepState::Skipped);
+    // The review its condition skipped stays skipped, its evidence kept
+    // (its branch's join may have run): a retry re-runs what did not run
+    // for want of a step that did not succeed, not a branch not taken.
+    let review = run(&runs, "review");
+    assert_eq!(review.state, StepState::Skipped);
+    assert_eq!(
+        review.output.as_ref().map(|o| &o["when"]),
+        Some(&json!("steps.check.output.amount > 100"))
+    );
     assert!(called(&sim).contains(&format!("audit-{id}")));
     sim.stop();
 }

@@ -1814,7 +1814,7 @@ async fn counters_match_a_recount_after_random_operations(db: &Db) {
                                     | (OperatorAction::Wake, "nothing_asleep")
                                     | (
                                         OperatorAction::Approve | OperatorAction::Reject,
-                                        "nothing_awaited"
+                                        "nothing_awaited" | "record_parked"
                                     )
                                     | (OperatorAction::Signal, "details_required")
                             ) => {}

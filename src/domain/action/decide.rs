@@ -11,13 +11,31 @@ use serde_json::{Value, json};
 /// `approve` (`Decide(Decision::Approved)`) or `reject`.
 pub(super) struct Decide(pub Decision);
 
-/// The step `req` decides: the one it names, or the only one awaiting an
-/// approval.
+/// Whether `rec` may take a decision or a signal for `what`: not while
+/// it is parked for another reason than that wait's timeout (a reversal,
+/// an operator's park), which a person resumes or retries first.
+pub(super) fn open_to(rec: &Record, what: Awaits) -> bool {
+    rec.state != crate::domain::RecordState::Parked
+        || rec.error_code.as_deref() == Some(what.timed_out_code())
+}
+
+/// The step `req` decides on `rec`: the one it names, or the only one
+/// awaiting `what`.
 pub(super) fn awaited<'r>(
+    rec: &Record,
     runs: &'r [StepRun],
     req: &ActionRequest,
     what: Awaits,
 ) -> Result<&'r StepRun, Refused> {
+    if !open_to(rec, what) {
+        return invalid(
+            "record_parked",
+            format!(
+                "the record is parked ({}): resume or retry it first, then decide",
+                rec.error_code.as_deref().unwrap_or("by an operator")
+            ),
+        );
+    }
     let waiting = waiting_for(runs, what);
     let noun = what.noun();
     match (req.steps.first(), waiting.as_slice()) {
@@ -53,8 +71,8 @@ impl Rules for Decide {
         true
     }
 
-    fn offered(&self, _rec: &Record, facts: &Facts) -> bool {
-        !waiting_for(facts.runs, Awaits::Approval).is_empty()
+    fn offered(&self, rec: &Record, facts: &Facts) -> bool {
+        open_to(rec, Awaits::Approval) && !waiting_for(facts.runs, Awaits::Approval).is_empty()
     }
 
     /// A decision is one record's, read on its page.
@@ -64,12 +82,12 @@ impl Rules for Decide {
 
     fn steps(
         &self,
-        _rec: &Record,
+        rec: &Record,
         runs: &[StepRun],
         req: &ActionRequest,
         _: bool,
     ) -> Result<StepChange, Refused> {
-        let run = awaited(runs, req, Awaits::Approval)?;
+        let run = awaited(rec, runs, req, Awaits::Approval)?;
         let comment = req.reason.as_deref().unwrap_or_default();
         Ok(StepChange::Decide {
             step: run.step.clone(),
@@ -128,13 +146,13 @@ mod tests {
         let code = |r: Result<&StepRun, Refused>| r.err().map(|e| e.code());
         let one = [run("review", Some("awaiting_approval")), run("nap", None)];
         assert_eq!(
-            awaited(&one, &req, Awaits::Approval)
+            awaited(&record(), &one, &req, Awaits::Approval)
                 .map(|r| r.step.as_str())
                 .ok(),
             Some("review")
         );
         assert_eq!(
-            code(awaited(&one, &req, Awaits::Signal)),
+            code(awaited(&record(), &one, &req, Awaits::Signal)),
             Some("nothing_awaited")
         );
         let two = [
@@ -142,19 +160,19 @@ mod tests {
             run("finance", Some("approval_timed_out")),
         ];
         assert_eq!(
-            code(awaited(&two, &req, Awaits::Approval)),
+            code(awaited(&record(), &two, &req, Awaits::Approval)),
             Some("step_required")
         );
         req.steps = vec!["finance".into()];
         assert_eq!(
-            awaited(&two, &req, Awaits::Approval)
+            awaited(&record(), &two, &req, Awaits::Approval)
                 .map(|r| r.step.as_str())
                 .ok(),
             Some("finance")
         );
         req.steps = vec!["nap".into()];
         assert_eq!(
-            code(awaited(&one, &req, Awaits::Approval)),
+            code(awaited(&record(), &one, &req, Awaits::Approval)),
             Some("nothing_awaited")
         );
         // The decision, its comment, who and when, as the step's output.

@@ -659,8 +659,13 @@ mod tests {
                     let own = match action {
                         A::TookEffect => uncertain,
                         A::Wake => !runs.is_empty() && awaits.is_none(),
-                        A::Approve | A::Reject => *awaits == Some(Awaits::Approval),
-                        A::Signal => *awaits == Some(Awaits::Signal),
+                        // Not on a record parked for another reason.
+                        A::Approve | A::Reject => {
+                            *awaits == Some(Awaits::Approval) && state != RecordState::Parked
+                        }
+                        A::Signal => {
+                            *awaits == Some(Awaits::Signal) && state != RecordState::Parked
+                        }
                         _ => true,
                     };
                     assert_eq!(

@@ -4,7 +4,7 @@
 //! that a resent signal changes nothing. Audited like any action, its
 //! actor the caller's token.
 
-use super::decide::awaited;
+use super::decide::{awaited, open_to};
 use super::{ActionRequest, Facts, Record, Refused, Rules, StepChange, StepRun, invalid};
 use crate::domain::awaiting::{Awaits, waiting_for};
 use crate::domain::json_has_nul;
@@ -50,8 +50,8 @@ impl Rules for Signal {
         Ok(())
     }
 
-    fn offered(&self, _rec: &Record, facts: &Facts) -> bool {
-        !waiting_for(facts.runs, Awaits::Signal).is_empty()
+    fn offered(&self, rec: &Record, facts: &Facts) -> bool {
+        open_to(rec, Awaits::Signal) && !waiting_for(facts.runs, Awaits::Signal).is_empty()
     }
 
     fn in_bulk(&self, _rec: &Record) -> bool {
@@ -60,7 +60,7 @@ impl Rules for Signal {
 
     fn steps(
         &self,
-        _rec: &Record,
+        rec: &Record,
         runs: &[StepRun],
         req: &ActionRequest,
         _: bool,
@@ -68,7 +68,7 @@ impl Rules for Signal {
         let Some(s) = &req.signal else {
             return invalid("details_required", "a signal needs its body");
         };
-        let run = awaited(runs, req, Awaits::Signal)?;
+        let run = awaited(rec, runs, req, Awaits::Signal)?;
         Ok(StepChange::Decide {
             step: run.step.clone(),
             output: s.body.clone(),

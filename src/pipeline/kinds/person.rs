@@ -43,10 +43,12 @@ impl Wait {
     pub fn settle(&self, write: &StepWrite, now: UnixMs) -> Decision {
         let mut w = write.clone();
         w.started_at.get_or_insert(now);
-        // A retry resets the run to pending: a new window from then.
+        // A retry resets the run to pending, and a resume after the
+        // timeout finds it timed out: a new window from then.
+        let waiting = crate::domain::awaiting::holds(w.state, w.error_code.as_deref());
         let deadline = match &self.timeout {
             None => None,
-            Some(_) if w.state == StepState::Waiting && w.deadline_at.is_some() => w.deadline_at,
+            Some(_) if waiting && w.deadline_at.is_some() => w.deadline_at,
             Some(t) => Some(now.saturating_add(ms(t.after))),
         };
         if let (Some(t), Some(at)) = (&self.timeout, deadline) {

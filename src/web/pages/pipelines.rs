@@ -175,6 +175,7 @@ fn view(
             needs: &s.needs,
             needs_any: &s.needs_any,
             when: s.when.as_deref(),
+            kind: crate::pipeline::kinds::registered(s.kind).name,
         })
         .collect();
     let title = format!("The steps of pipeline {name}, each after the steps it needs");
