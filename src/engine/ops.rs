@@ -188,7 +188,7 @@ impl<'a> Ops<'a> {
     /// A signal for step `step` of record `id`: its JSON body becomes the
     /// step's output. With an id (`signal_id`), idempotent: the same
     /// signal again, once taken, changes nothing and answers as the first
-    /// did (`Signalled::again`). Audited as `signal`, by `actor`.
+    /// did (`SignalTaken::again`). Audited as `signal`, by `actor`.
     pub async fn signal(
         &self,
         id: i64,
@@ -205,9 +205,6 @@ impl<'a> Ops<'a> {
                     && r.job_id == signal_id
             })
         };
-        if taken(&self.db.step_runs(id).await?) {
-            return self.signal_again(id).await;
-        }
         let req = ActionRequest {
             steps: vec![step.to_owned()],
             signal: Some(crate::domain::action::Signalled {
@@ -227,7 +224,8 @@ impl<'a> Ops<'a> {
                     again: false,
                 })
             }
-            // The same signal, sent twice at once: the other one took it.
+            // Refused because the step has its signal: this one (sent
+            // again, or twice at once) when the id is the same.
             Err(e) if taken(&self.db.step_runs(id).await?) => {
                 tracing::debug!(record.id = id, error = %e, "signal taken by its twin");
                 self.signal_again(id).await

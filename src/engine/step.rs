@@ -1224,13 +1224,25 @@ impl StepCall<'_> {
     /// context with the step's `key` (its idempotency key, also returned)
     /// and, once it has one, its `job_id`.
     fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
-        let mut ctx = self.ctx.clone();
         // Only the outputs of the steps upstream of this one: what
         // check-config let it name (a subscript it cannot check, such as
-        // `steps["a-b"]`, sees no more than that, however the pass went).
-        if let Some(steps) = ctx.get_mut("steps").and_then(|s| s.as_object_mut()) {
-            steps.retain(|name, _| self.step.upstream.contains(name));
+        // `steps["a-b"]`, sees no more than that, however the pass went),
+        // and only they are copied.
+        let mut ctx = Map::new();
+        for (k, v) in self.ctx.as_object().into_iter().flatten() {
+            let v = match (k.as_str(), v.as_object()) {
+                ("steps", Some(outputs)) => Value::Object(
+                    outputs
+                        .iter()
+                        .filter(|(name, _)| self.step.upstream.contains(*name))
+                        .map(|(name, o)| (name.clone(), o.clone()))
+                        .collect(),
+                ),
+                _ => v.clone(),
+            };
+            ctx.insert(k.clone(), v);
         }
+        let mut ctx = Value::Object(ctx);
         let key = idempotency_key(
             self.installation,
             self.record.id,

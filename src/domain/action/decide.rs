@@ -19,6 +19,12 @@ pub(super) fn open_to(rec: &Record, what: Awaits) -> bool {
         || rec.error_code.as_deref() == Some(what.timed_out_code())
 }
 
+/// Whether `rec` takes a decision or a signal for `what` now: open to
+/// one, with a step waiting for it (what the actions offer).
+pub(super) fn awaits_now(rec: &Record, runs: &[StepRun], what: Awaits) -> bool {
+    open_to(rec, what) && !waiting_for(runs, what).is_empty()
+}
+
 /// The step `req` decides on `rec`: the one it names, or the only one
 /// awaiting `what`.
 pub(super) fn awaited<'r>(
@@ -72,7 +78,7 @@ impl Rules for Decide {
     }
 
     fn offered(&self, rec: &Record, facts: &Facts) -> bool {
-        open_to(rec, Awaits::Approval) && !waiting_for(facts.runs, Awaits::Approval).is_empty()
+        awaits_now(rec, facts.runs, Awaits::Approval)
     }
 
     /// A decision is one record's, read on its page.

@@ -4,9 +4,9 @@
 //! that a resent signal changes nothing. Audited like any action, its
 //! actor the caller's token.
 
-use super::decide::{awaited, open_to};
+use super::decide::{awaited, awaits_now};
 use super::{ActionRequest, Facts, Record, Refused, Rules, StepChange, StepRun, invalid};
-use crate::domain::awaiting::{Awaits, waiting_for};
+use crate::domain::awaiting::Awaits;
 use crate::domain::json_has_nul;
 use serde_json::{Value, json};
 
@@ -51,7 +51,7 @@ impl Rules for Signal {
     }
 
     fn offered(&self, rec: &Record, facts: &Facts) -> bool {
-        open_to(rec, Awaits::Signal) && !waiting_for(facts.runs, Awaits::Signal).is_empty()
+        awaits_now(rec, facts.runs, Awaits::Signal)
     }
 
     fn in_bulk(&self, _rec: &Record) -> bool {
