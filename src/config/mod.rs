@@ -540,7 +540,7 @@ impl Config {
 
     /// Parses TOML text; errors point at `file`'s line, column and key.
     pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| {
+        let mut config: Config = toml::from_str(text).map_err(|e| {
             let offset = e.span().map_or(0, |s| s.start);
             let (line, column) = line_col(text, offset);
             ConfigError::Parse {
@@ -550,7 +550,22 @@ impl Config {
                 key: key_at(text, offset),
                 message: e.message().trim().to_owned(),
             }
-        })
+        })?;
+        config.note_step_timeouts();
+        Ok(config)
+    }
+
+    /// Tells each provider the longest call timeout its steps give.
+    fn note_step_timeouts(&mut self) {
+        let steps = self.pipelines.values().flat_map(|p| &p.steps);
+        for s in steps {
+            let (Some(t), Some(p)) = (s.timeout, self.providers.get_mut(&s.provider)) else {
+                continue;
+            };
+            if t > p.timeout && p.longest_step_timeout.is_none_or(|l| t > l) {
+                p.longest_step_timeout = Some(t);
+            }
+        }
     }
 
     /// Checks everything but the pipelines, which `pipeline::compile` checks

@@ -139,10 +139,17 @@ pub struct StepConfig {
     /// (`until = "{{ input.ship_at }}"`), instead of `for`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until: Option<String>,
-    /// `kind = "approval"` or `"signal"`: how long the step waits (none:
-    /// as long as it takes).
+    /// A calling kind: each call's timeout, over its provider's (a slow
+    /// generation beside a fast status check). `kind = "approval"` or
+    /// `"signal"`: how long the step waits (none: as long as it takes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout: Option<HumanDuration>,
+    /// A calling kind: its own retries, each setting given over its
+    /// provider's (`retry = { max_attempts = 3, deadline = "2h" }`); the
+    /// retry budget stays the provider's. Not written into a pinned
+    /// definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<StepRetryConfig>,
     /// What its `timeout` does (park when unset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_timeout: Option<OnTimeout>,
@@ -174,6 +181,36 @@ pub struct StepConfig {
     /// written into a pinned definition when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at_most_once: Option<bool>,
+}
+
+/// A step's `retry`: the settings it gives replace its provider's.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepRetryConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<HumanDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cap: Option<HumanDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<HumanDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unknown_attempts: Option<u32>,
+}
+
+impl StepRetryConfig {
+    /// The provider's retries with this step's settings in their place.
+    pub fn over(&self, provider: &super::provider::RetryConfig) -> super::provider::RetryConfig {
+        super::provider::RetryConfig {
+            max_attempts: self.max_attempts.unwrap_or(provider.max_attempts),
+            base: self.base.unwrap_or(provider.base),
+            cap: self.cap.unwrap_or(provider.cap),
+            deadline: self.deadline.unwrap_or(provider.deadline),
+            unknown_attempts: self.unknown_attempts.unwrap_or(provider.unknown_attempts),
+            ..provider.clone()
+        }
+    }
 }
 
 /// `lookup = { path = "/v1/jobs?client_reference={{ key }}", job_id = "/data/0/id" }`

@@ -59,6 +59,11 @@ pub struct ProviderConfig {
     /// Per-attempt timeout for the whole exchange.
     #[serde(default = "defaults::timeout")]
     pub timeout: HumanDuration,
+    /// The longest `timeout` a step of the loaded pipelines gives its
+    /// calls to this provider, when longer than its own (set on loading,
+    /// not configured): how long a call may be under way.
+    #[serde(skip)]
+    pub longest_step_timeout: Option<HumanDuration>,
     #[serde(default = "defaults::connect_timeout")]
     pub connect_timeout: HumanDuration,
     /// Largest reply body read, in bytes; larger is `body_too_large`.
@@ -271,7 +276,7 @@ impl RetryConfig {
 
     /// Whether the retries are bounded sensibly: at least one attempt, a
     /// backoff that grows from more than 0, a budget that is a fraction.
-    fn check(&self) -> Result<(), FieldError> {
+    pub(crate) fn check(&self) -> Result<(), FieldError> {
         if self.max_attempts == 0 {
             return Err(("retry.max_attempts", "must be at least 1".into()));
         }

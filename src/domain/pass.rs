@@ -354,6 +354,8 @@ mod tests {
                 confirm_request: None,
                 lookup: None,
                 at_most_once: None,
+                timeout: None,
+                retry: crate::domain::step::RetryOverride::default(),
             })
             .collect()
     }

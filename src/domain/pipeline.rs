@@ -111,6 +111,10 @@ pub struct Step {
     pub lookup: Option<Lookup>,
     /// The step's own `at_most_once`, over its provider's when set.
     pub at_most_once: Option<bool>,
+    /// Its calls' timeout, over its provider's when set (calling kinds).
+    pub timeout: Option<Duration>,
+    /// Its retry settings, over its provider's.
+    pub retry: super::step::RetryOverride,
 }
 
 /// A step as the pages draw it: what it needs, its join and its
@@ -167,6 +171,16 @@ impl Step {
     /// they leave and never resent blindly, given its provider's setting.
     pub fn at_most_once(&self, provider: bool) -> bool {
         self.at_most_once.unwrap_or(provider)
+    }
+
+    /// How long each of its calls may take, given its provider's timeout.
+    pub fn call_timeout(&self, provider: Duration) -> Duration {
+        self.timeout.unwrap_or(provider)
+    }
+
+    /// Its retries, given its provider's.
+    pub fn retry_policy(&self, provider: super::step::RetryPolicy) -> super::step::RetryPolicy {
+        self.retry.over(provider)
     }
 
     /// JSON pointer to the job id in the submit reply (job steps only).

@@ -32,6 +32,31 @@ pub struct RetryPolicy {
     pub deadline: Duration,
 }
 
+/// A step's own retry settings; each one given replaces its provider's.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RetryOverride {
+    pub max_attempts: Option<u32>,
+    pub unknown_attempts: Option<u32>,
+    pub base: Option<Duration>,
+    pub cap: Option<Duration>,
+    pub deadline: Option<Duration>,
+}
+
+impl RetryOverride {
+    /// `provider`'s policy with these settings in place.
+    pub fn over(&self, provider: RetryPolicy) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: self.max_attempts.unwrap_or(provider.max_attempts),
+            unknown_attempts: self.unknown_attempts.unwrap_or(provider.unknown_attempts),
+            backoff: Backoff {
+                base: self.base.unwrap_or(provider.backoff.base),
+                cap: self.cap.unwrap_or(provider.backoff.cap),
+            },
+            deadline: self.deadline.unwrap_or(provider.deadline),
+        }
+    }
+}
+
 /// Why a required step parks its record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Park {
@@ -1239,6 +1264,8 @@ mod tests {
             confirm_request: None,
             lookup: None,
             at_most_once: None,
+            timeout: None,
+            retry: RetryOverride::default(),
         }
     }
 

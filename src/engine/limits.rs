@@ -90,9 +90,13 @@ pub struct Prepared {
 }
 
 /// The longest a call started before a grant or probe lapsed may still be
-/// under way: twice the provider's timeout, and 5 s.
+/// under way: twice the longest timeout its calls have (the provider's or
+/// a step's), and 5 s.
 pub fn lapse_ms(config: &ProviderConfig) -> i64 {
-    2 * i64::try_from(config.timeout.0.as_millis()).unwrap_or(i64::MAX / 8) + 5_000
+    let longest = config
+        .longest_step_timeout
+        .map_or(config.timeout, |t| t.max(config.timeout));
+    2 * i64::try_from(longest.0.as_millis()).unwrap_or(i64::MAX / 8) + 5_000
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -525,7 +525,7 @@ impl Pass<'_> {
             // The provider may still be working on it: a lookup asks no
             // sooner than a call's timeout after it left.
             let timeout = setup.providers.get(&s.provider).map_or(0, |rt| {
-                i64::try_from(rt.config.timeout.0.as_millis()).unwrap_or(i64::MAX)
+                i64::try_from(s.call_timeout(rt.config.timeout.0).as_millis()).unwrap_or(i64::MAX)
             });
             let d = crate::domain::step::left_open(
                 s,

@@ -430,7 +430,7 @@ impl StepCall<'_> {
             );
             return Err(Box::new(StepOutput::new(d)));
         };
-        let policy = rt.config.retry.policy();
+        let policy = self.step.retry_policy(rt.config.retry.policy());
         let has_deliveries = !self.callbacks.is_empty();
         match before_call(
             self.step,
@@ -542,7 +542,7 @@ impl StepCall<'_> {
             refused,
         } = sent;
         self.judge_token(rt, token.as_ref(), x.http_status);
-        let policy = rt.config.retry.policy();
+        let policy = self.step.retry_policy(rt.config.retry.policy());
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
@@ -563,7 +563,10 @@ impl StepCall<'_> {
                 self.step,
                 judged.decision.write,
                 &evidence,
-                (after, after + ms(rt.config.timeout.0)),
+                (
+                    after,
+                    after + ms(self.step.call_timeout(rt.config.timeout.0)),
+                ),
             );
         }
         let heard = heard(rt, (c.outcome, failed), &x, probe, after);
@@ -1337,7 +1340,7 @@ impl StepCall<'_> {
             url,
             headers,
             body,
-            timeout: rt.config.timeout.0,
+            timeout: self.step.call_timeout(rt.config.timeout.0),
             max_body: rt.config.max_body,
             follow: (plan.polling
                 && spec.method == crate::pipeline::HttpMethod::Get

@@ -225,6 +225,20 @@ fn check_steps<'p>(
                 }
             }
         }
+        if let (Some(retry), Some(p)) = (&s.retry, config.providers.get(&s.provider)) {
+            retry.over(&p.retry).check().map_err(|(field, message)| {
+                invalid(
+                    step_key(name, &s.name, field),
+                    format!("{message} (with the provider's settings this step keeps)"),
+                )
+            })?;
+        }
+        if s.timeout.is_some_and(|t| t.0.is_zero()) {
+            return Err(invalid(
+                step_key(name, &s.name, "timeout"),
+                "must be more than 0".into(),
+            ));
+        }
         if let Some(both) = s.needs_any.iter().find(|n| s.needs.contains(n)) {
             return Err(invalid(
                 step_key(name, &s.name, "needs_any"),
@@ -394,6 +408,7 @@ fn compile_step(
     };
     let kind = kinds::compile(s, &mut t)?;
     fits_kind(s, kind.as_ref(), &t)?;
+    let kind_calls = kind.calls();
     let key = |field: &str| step_key(pipeline, &s.name, field);
     let (confirm, confirm_request) = match &s.confirm {
         None => (None, None),
@@ -434,6 +449,16 @@ fn compile_step(
         confirm_request,
         lookup,
         at_most_once: s.at_most_once,
+        timeout: s.timeout.filter(|_| kind_calls).map(|t| t.0),
+        retry: s.retry.as_ref().map_or_else(Default::default, |r| {
+            crate::domain::step::RetryOverride {
+                max_attempts: r.max_attempts,
+                unknown_attempts: r.unknown_attempts,
+                base: r.base.map(|d| d.0),
+                cap: r.cap.map(|d| d.0),
+                deadline: r.deadline.map(|d| d.0),
+            }
+        }),
     })
 }
 

@@ -162,13 +162,15 @@ async fn chaos_run(backend: Backend) {
         failed,
         parked,
         attempts,
+        answered,
         ..
     } = crate::helpers::audit_at_rest(&t.db).await;
     let ledger = sim.ledger();
     let stats = sim.stats();
     println!(
         "{} chaos: {N} records in {took:?}: {ok} succeeded, {failed} failed, {parked} parked; \
-         {attempts} attempts ({:.2}/record), simulator saw {} requests; {} effects, {} double charges",
+         {attempts} attempts ({:.2}/record, {answered} answered), simulator saw {} requests; \
+         {} effects, {} double charges",
         backend.as_str(),
         attempts as f64 / N as f64,
         stats.requests,
@@ -188,9 +190,14 @@ async fn chaos_run(backend: Backend) {
         "the chaos mix finishes some records unsuccessfully"
     );
     assert_eq!(ledger.double_charges, 0, "nothing charged twice");
-    assert_eq!(
-        stats.requests as usize, attempts,
-        "every exchange is in the attempt history"
+    // Every request the simulator saw is in the attempt history, and every
+    // answered attempt was seen. An attempt that timed out may have left
+    // no trace there: under load its 300 ms can lapse before the
+    // simulator reads the request.
+    let seen = stats.requests as usize;
+    assert!(
+        answered <= seen && seen <= attempts,
+        "every exchange is in the attempt history: {answered} answered <= {seen} seen <= {attempts} attempts"
     );
     sim.stop();
 }

@@ -293,6 +293,9 @@ pub struct Audit {
     pub failed: i64,
     pub parked: i64,
     pub attempts: usize,
+    /// Attempts that got an HTTP reply: each surely reached the provider
+    /// (one that timed out or was reset may not have).
+    pub answered: usize,
     /// `lease_expired` events: leases another worker took over.
     pub taken_over: usize,
 }
@@ -305,6 +308,7 @@ pub async fn audit_at_rest(db: &Db) -> Audit {
         failed: 0,
         parked: 0,
         attempts: 0,
+        answered: 0,
         taken_over: 0,
     };
     let mut why = std::collections::BTreeMap::<String, usize>::new();
@@ -335,6 +339,7 @@ pub async fn audit_at_rest(db: &Db) -> Audit {
         let history = db.attempts(r.id).await.unwrap();
         assert!(!history.is_empty(), "record {} has no attempts", r.id);
         a.attempts += history.len();
+        a.answered += history.iter().filter(|h| h.http_status.is_some()).count();
         for e in db.record_events(r.id).await.unwrap() {
             a.taken_over += usize::from(e.kind == "lease_expired");
         }

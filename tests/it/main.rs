@@ -22,6 +22,7 @@ mod fuzz;
 mod helpers;
 mod http;
 mod migrations;
+mod per_step;
 mod pipelines;
 mod reload;
 mod scale;

@@ -58,6 +58,10 @@ const COMMON: &[&str] = &[
     "at_most_once",
 ];
 
+/// The settings of a kind that calls a provider: its calls' own timeout
+/// and retries.
+const CALLS: &[&str] = &["timeout", "retry"];
+
 /// Every kind, by its configured name: one line each.
 pub fn registered(kind: KindConfig) -> Registered {
     match kind {

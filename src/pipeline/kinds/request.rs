@@ -10,7 +10,7 @@ use crate::pipeline::StepTemplates;
 
 pub(super) const REGISTERED: Registered = Registered {
     name: "request",
-    fields: &[],
+    fields: super::CALLS,
     label: "request",
     compile,
 };
