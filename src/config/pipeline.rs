@@ -77,6 +77,8 @@ pub enum StepKind {
     Approval,
     /// Wait for a caller's signal through the API.
     Signal,
+    /// Start a record of another pipeline and wait for it.
+    Pipeline,
 }
 
 /// What a step that waits for a person or a signal does when its
@@ -156,6 +158,14 @@ pub struct StepConfig {
     /// With `on_timeout = "continue"`: the step's output then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_output: Option<serde_json::Value>,
+    /// `kind = "pipeline"`: the pipeline its child record runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<String>,
+    /// `kind = "pipeline"`: a template giving the child's input as JSON
+    /// (`input = '{"doc": {{ steps.upload.output.url | tojson }}}'`);
+    /// unset, the child gets the parent's input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
     /// Output name → JSON pointer into the final reply.
     #[serde(default)]
     pub outputs: BTreeMap<String, String>,

@@ -53,6 +53,12 @@ pub trait Kind: Debug + Send + Sync {
         None
     }
 
+    /// The record of another pipeline the step starts and waits for, if
+    /// it does (`kind = "pipeline"`).
+    fn child(&self) -> Option<&super::child::ChildSpec> {
+        None
+    }
+
     /// A ready step, before the checks every step shares (its clock, its
     /// deadline, a lookup): whether its call polls the job it has, or what
     /// it does without a call (waits, applies deliveries, gives up).

@@ -7,6 +7,7 @@ pub mod action;
 pub mod awaiting;
 pub mod backoff;
 pub mod breaker;
+pub mod child;
 pub mod condition;
 pub mod confirm;
 pub mod diff;

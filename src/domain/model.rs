@@ -131,6 +131,10 @@ pub struct Record {
     /// When a parked record resumes by itself; `None` (always, unless
     /// parked) waits for a human.
     pub park_until: Option<super::park::ParkUntil>,
+    /// The record whose step (`parent_step`) started this one (a step of
+    /// kind `pipeline`); `None` for a record enqueued otherwise.
+    pub parent_id: Option<i64>,
+    pub parent_step: Option<String>,
 }
 
 /// One step of one record.

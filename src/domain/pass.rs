@@ -58,12 +58,15 @@ fn join(s: &Step, states: &HashMap<String, StepWrite>) -> Join {
 }
 
 /// [`unblocked`], and due by `now`: at its next run, or now when it has
-/// none, unless it waits for a person or a signal (only their coming, or
-/// its timeout, ends that wait).
+/// none, unless it waits for a person, a signal or a child (only their
+/// coming, or its timeout, ends that wait).
 pub fn is_runnable(s: &Step, states: &HashMap<String, StepWrite>, now: UnixMs) -> bool {
     let due = |w: &StepWrite| match w.next_run_at {
         Some(t) => t <= now,
-        None => !super::awaiting::holds(w.state, w.error_code.as_deref()),
+        None => {
+            let code = w.error_code.as_deref();
+            !super::awaiting::holds(w.state, code) && !super::child::holds(w.state, code)
+        }
     };
     unblocked(s, states) && states.get(&s.name).is_some_and(due)
 }
@@ -217,13 +220,15 @@ pub fn verdict(
         }
         (None, None) => {
             v.error_code = facts.last_error.map(str::to_owned);
-            // A record waiting for a person or a signal says so (the
-            // records list filters on it), unless a call said more and
-            // the record is due again to say it once more.
+            // A record waiting for a person, a signal or a child says so
+            // (the records list filters on it), unless a call said more
+            // and the record is due again to say it once more.
             let at_rest = v.next_run_at.is_none();
             if v.result == WorkResult::Waiting && (v.error_code.is_none() || at_rest) {
                 let person = steps.iter().filter_map(|s| states.get(&s.name)).find(|w| {
-                    super::awaiting::Awaits::waiting(w.state, w.error_code.as_deref()).is_some()
+                    let code = w.error_code.as_deref();
+                    super::awaiting::Awaits::waiting(w.state, code).is_some()
+                        || super::child::holds(w.state, code)
                 });
                 if let Some(w) = person {
                     v.step = Some(w.step.clone());

@@ -71,29 +71,7 @@ impl Engine {
     /// Enqueues a record, idempotent on (pipeline, external key), pinned to
     /// its pipeline's current version, and wakes the workers if it is new.
     pub async fn enqueue(&self, item: Enqueue) -> Result<Created, StoreError> {
-        let i = &self.inner;
-        let run_at = item.run_at.unwrap_or_else(|| i.clock.now_ms());
-        check_group(item.group.as_deref())?;
-        let version = lock(&i.current).get(&item.pipeline).copied();
-        let Some(version) = version else {
-            return Err(StoreError::Invalid(format!(
-                "unknown pipeline `{}`",
-                item.pipeline
-            )));
-        };
-        let now = i.clock.now_ms();
-        let batch = vec![NewRecord {
-            pipeline: item.pipeline,
-            pipeline_version: Some(version),
-            external_key: item.key,
-            group: item.group,
-            input: item.input,
-            run_at,
-        }];
-        let mut created = insert(i, batch, now).await?;
-        created
-            .pop()
-            .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
+        enqueue_in(&self.inner, item).await
     }
 
     /// Enqueues records of any pipelines and groups at once, all or none:
@@ -133,4 +111,31 @@ async fn insert(i: &Inner, batch: Vec<NewRecord>, now: UnixMs) -> Result<Vec<Cre
         i.wake.notify_one();
     }
     Ok(created)
+}
+
+/// [`Engine::enqueue`] on the engine's insides (a `pipeline` step starts
+/// its child through it).
+pub(super) async fn enqueue_in(i: &Inner, item: Enqueue) -> Result<Created, StoreError> {
+    let run_at = item.run_at.unwrap_or_else(|| i.clock.now_ms());
+    check_group(item.group.as_deref())?;
+    let version = lock(&i.current).get(&item.pipeline).copied();
+    let Some(version) = version else {
+        return Err(StoreError::Invalid(format!(
+            "unknown pipeline `{}`",
+            item.pipeline
+        )));
+    };
+    let now = i.clock.now_ms();
+    let batch = vec![NewRecord {
+        pipeline: item.pipeline,
+        pipeline_version: Some(version),
+        external_key: item.key,
+        group: item.group,
+        input: item.input,
+        run_at,
+    }];
+    let mut created = insert(i, batch, now).await?;
+    created
+        .pop()
+        .ok_or_else(|| StoreError::Invalid("nothing enqueued".into()))
 }

@@ -291,6 +291,7 @@ async fn committed(i: &Inner, rec: &Record, commit: &Commit, after: &Record) {
         .increment(1);
     }
     super::deliveries::follow_up_deliveries(i, rec, after.state, &commit.steps).await;
+    super::child::follow_up(i, after, &commit.steps).await;
 }
 
 /// A pass whose lease was lost before its commit. Another worker owns the
@@ -393,6 +394,7 @@ impl Pass<'_> {
         commit.error_code = v.error_code;
         commit.reason = v.reason;
         commit.park_until = v.park_until;
+        commit.wake = super::child::parent_to_wake(rec, v.result);
         Some(commit)
     }
 
@@ -434,7 +436,8 @@ impl Pass<'_> {
     ) {
         let (i, rec) = (self.i, self.rec);
         let deliveries = self.deliveries(pipeline, states).await;
-        let has_deliveries = |n: &str| deliveries.contains_key(n);
+        let children = super::child::with_news(i, pipeline, states).await;
+        let has_deliveries = |n: &str| deliveries.contains_key(n) || children.contains(n);
         let mut started: HashSet<String> = HashSet::new();
         let mut running = FuturesUnordered::new();
         let mut wave = match progress.park {
@@ -673,6 +676,7 @@ pub(super) fn step_call<'a>(
             callbacks,
             max_wait: i.opts.lease / 4,
             stopping,
+            engine: i,
         },
     }
 }

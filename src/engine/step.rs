@@ -220,6 +220,8 @@ pub struct StepCall<'a> {
     pub max_wait: Duration,
     /// The node is shutting down: make no new call.
     pub stopping: &'a super::Stopping,
+    /// The engine's insides, for a `pipeline` step's child record.
+    pub(super) engine: &'a super::Inner,
 }
 
 /// What a confirmation poll found.
@@ -322,7 +324,7 @@ impl StepCall<'_> {
     }
 
     /// Defers the step to `at` without spending an attempt.
-    fn deferred(&self, at: UnixMs, why: &str) -> StepOutput {
+    pub(super) fn deferred(&self, at: UnixMs, why: &str) -> StepOutput {
         metrics::counter!(
             "ballast_deferrals_total",
             &[
@@ -350,6 +352,9 @@ impl StepCall<'_> {
 
     /// gate → exchange → decide; the decisions are `domain::step`'s.
     pub async fn execute(self, rt: Option<&ProviderRuntime>) -> StepOutput {
+        if let Some(spec) = self.step.kind.child() {
+            return self.run_child(spec).await;
+        }
         let (rt, mut plan) = match self.planned(rt) {
             Ok(p) => p,
             Err(out) => return *out,
@@ -1205,7 +1210,7 @@ impl StepCall<'_> {
     /// The step's `when`, judged on its first pass over what its
     /// templates see: a step skipped (or one whose condition cannot be
     /// judged), or `None` to go on.
-    fn judged(&self) -> Option<Decision> {
+    pub(super) fn judged(&self) -> Option<Decision> {
         use crate::domain::condition;
         let c = self.step.when.as_ref()?;
         if !condition::to_judge(self.step, &self.write) {
@@ -1226,7 +1231,7 @@ impl StepCall<'_> {
     /// What the step's templates see in the state `write`: the pass's
     /// context with the step's `key` (its idempotency key, also returned)
     /// and, once it has one, its `job_id`.
-    fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
+    pub(super) fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
         // Only the outputs of the steps upstream of this one: what
         // check-config let it name (a subscript it cannot check, such as
         // `steps["a-b"]`, sees no more than that, however the pass went),

@@ -91,10 +91,77 @@ pub fn compile(config: &Config) -> Result<Pipelines, ConfigError> {
         }
         pipelines.insert(name.clone(), Arc::new(pipeline));
     }
+    check_children(&pipelines)?;
     Ok(Pipelines {
         pipelines,
         templates: Arc::new(templates),
     })
+}
+
+/// The most levels of child records below a record (a child's child is
+/// two).
+pub const MAX_CHILD_DEPTH: usize = 5;
+
+/// Every `pipeline` step names a configured pipeline, and no chain of
+/// children runs into a cycle or deeper than [`MAX_CHILD_DEPTH`].
+fn check_children(pipelines: &BTreeMap<String, Arc<Pipeline>>) -> Result<(), ConfigError> {
+    let children = |p: &Pipeline| -> Vec<(String, String)> {
+        let steps = p.steps.iter();
+        steps
+            .filter_map(|s| Some((s.name.clone(), s.kind.child()?.pipeline.clone())))
+            .collect()
+    };
+    for (name, p) in pipelines {
+        for (step, child) in children(p) {
+            if !pipelines.contains_key(&child) {
+                return Err(invalid(
+                    step_key(name, &step, "pipeline"),
+                    format!("unknown pipeline `{child}`"),
+                ));
+            }
+        }
+    }
+    // Depth first from each pipeline, along its chain of children.
+    fn deepest(
+        at: &str,
+        pipelines: &BTreeMap<String, Arc<Pipeline>>,
+        chain: &mut Vec<String>,
+        children: &dyn Fn(&Pipeline) -> Vec<(String, String)>,
+    ) -> Result<(), (String, String)> {
+        if chain.len() - 1 > MAX_CHILD_DEPTH {
+            return Err(("depth".into(), chain.join(" → ")));
+        }
+        for (_, child) in children(&pipelines[at]) {
+            if chain.contains(&child) {
+                chain.push(child);
+                return Err(("cycle".into(), chain.join(" → ")));
+            }
+            chain.push(child.clone());
+            deepest(&child, pipelines, chain, children)?;
+            chain.pop();
+        }
+        Ok(())
+    }
+    for (name, p) in pipelines {
+        for (step, child) in children(p) {
+            let mut chain = vec![name.clone(), child.clone()];
+            let found = if &child == name {
+                Err(("cycle".to_owned(), chain.join(" → ")))
+            } else {
+                deepest(&child, pipelines, &mut chain, &children)
+            };
+            if let Err((what, path)) = found {
+                let message = match what.as_str() {
+                    "cycle" => format!("child pipelines run in a cycle: {path}"),
+                    _ => {
+                        format!("child pipelines nest deeper than {MAX_CHILD_DEPTH} levels: {path}")
+                    }
+                };
+                return Err(invalid(step_key(name, &step, "pipeline"), message));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn invalid(key: String, message: String) -> ConfigError {
@@ -298,6 +365,9 @@ fn quoting_of(s: &StepConfig, field: &str) -> Quoting {
             .map(|(_, v)| v.as_str())
             .next();
         Quoting::of_body(named)
+    } else if field == "input" {
+        // A child record's input: JSON, as a body is.
+        Quoting::Json
     } else if field.contains(".headers.") || field == "until" {
         // A header, and a value that is no part of a request (a sleep's
         // `until`), as they are.

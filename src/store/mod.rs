@@ -416,6 +416,9 @@ pub struct Commit {
     /// Intents this pass's attempts complete (or found open and judged),
     /// deleted with them.
     pub intents_done: Vec<i64>,
+    /// A record to make due now if it is waiting (the parent of a child
+    /// this commit brings to rest), locked with the group's records.
+    pub wake: Option<i64>,
 }
 
 impl Commit {
@@ -450,6 +453,7 @@ impl Commit {
             confirms: Vec::new(),
             park_until: None,
             intents_done: Vec::new(),
+            wake: None,
         }
     }
 }

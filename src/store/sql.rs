@@ -643,6 +643,26 @@ where
         Ok(out)
     }
 
+    /// Makes the records of `ids` that are waiting due at `now` (and
+    /// tells the workers); whether any was.
+    pub(crate) async fn wake_all(tx: &mut Tx<DB>, ids: &[i64], now: UnixMs) -> StoreResult<bool> {
+        let mut woke = false;
+        for id in ids {
+            let done = sqlx::query(
+                "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting'",
+            )
+            .bind(now)
+            .bind(*id)
+            .execute(&mut **tx)
+            .await?;
+            woke |= done.rows_affected() > 0;
+        }
+        if woke {
+            DB::notify_work(tx).await?;
+        }
+        Ok(woke)
+    }
+
     /// Deletes intents (their attempts are kept in the same transaction).
     /// Writes `intents` (no two with the same record, step and attempt),
     /// each only if its worker still holds the record's lease: its id, or

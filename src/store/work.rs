@@ -8,7 +8,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
 
 use super::backend::{RowsAffected, SqlDb};
 use super::counts::CountDeltas;
-use super::rows::{MapRow, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, map_all};
 use super::sql::SqlStore;
 use super::{CallbackMatch, Cluster, NewAttempt, NewCallback, NewIntent, PendingCallback};
 use super::{ClaimRequest, Commit, EventRow, Lease, StoreError, StoreResult, node_actor};
@@ -47,6 +47,14 @@ pub trait Work: Send + Sync {
     /// whole group (the database) comes back as `Err`, nothing written. The
     /// commits must name distinct records.
     async fn commit_many(&self, commits: &[Commit]) -> StoreResult<Vec<StoreResult<Record>>>;
+    /// Names `parent`'s `step` as what started record `child`; a record
+    /// that has a parent keeps it.
+    async fn link_child(&self, child: i64, parent: i64, step: &str) -> StoreResult<()>;
+    /// The records `parent` started, oldest first.
+    async fn children(&self, parent: i64) -> StoreResult<Vec<Record>>;
+    /// Makes record `id` due at `now` if it is waiting (a child at rest
+    /// wakes its parent); whether it was.
+    async fn wake_waiting(&self, id: i64, now: UnixMs) -> StoreResult<bool>;
     /// Stores a delivery (and takes its delivery id: a repeated id is
     /// `Conflict`, nothing stored), attaches it to the step waiting on that
     /// job (if any) and makes a waiting record due now. Deliveries that arrive
@@ -251,8 +259,9 @@ where
         }
         let installation = self.installation_id().await?;
         let actors: Vec<String> = commits.iter().map(|c| node_actor(&c.lease.owner)).collect();
+        let (locked, wakes) = lock_set(&ids, commits);
         let mut tx = self.begin_write().await?;
-        let held = Self::lock_records(&mut tx, &ids).await?;
+        let held = Self::lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
         let mut moved = Vec::with_capacity(commits.len());
         let mut steps = Vec::new();
@@ -320,8 +329,39 @@ where
         for p in confirms {
             Self::put_confirmation(&mut tx, p).await?;
         }
+        Self::wake_all(&mut tx, &wakes, commits[0].now).await?;
         tx.commit().await?;
         Ok(results)
+    }
+
+    async fn link_child(&self, child: i64, parent: i64, step: &str) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "UPDATE records SET parent_id = $1, parent_step = $2 WHERE id = $3 AND parent_id IS NULL",
+        )
+        .bind(parent)
+        .bind(step.to_owned())
+        .bind(child)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn children(&self, parent: i64) -> StoreResult<Vec<Record>> {
+        let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE parent_id = $1 ORDER BY id");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(parent)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::record)
+    }
+
+    async fn wake_waiting(&self, id: i64, now: UnixMs) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let woke = Self::wake_all(&mut tx, &[id], now).await?;
+        tx.commit().await?;
+        Ok(woke)
     }
 
     async fn record_callback(
@@ -603,4 +643,20 @@ where
         tx.commit().await?;
         Ok(())
     }
+}
+
+/// The records a group commit locks, in one order before anything is
+/// written, and of those the ones it wakes (parents of children it brings
+/// to rest): a child's commit and its parent's then cannot cross, and the
+/// parent's pass reads its children after its own commit, so one of the
+/// two sees the other.
+fn lock_set(ids: &[i64], commits: &[Commit]) -> (Vec<i64>, Vec<i64>) {
+    let mut wakes: Vec<i64> = commits.iter().filter_map(|c| c.wake).collect();
+    wakes.sort_unstable();
+    wakes.dedup();
+    let mut locked = ids.to_vec();
+    locked.extend(&wakes);
+    locked.sort_unstable();
+    locked.dedup();
+    (locked, wakes)
 }

@@ -252,13 +252,20 @@ async fn get_one(
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (steps, attempts, events, versions, sent) = tokio::try_join!(
+    let (steps, attempts, events, versions, sent, children) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
         state.db.record_events(id),
         state.db.step_versions(id),
-        state.db.open_intents(id)
+        state.db.open_intents(id),
+        state.db.children(id)
     )?;
+    // The records its `pipeline` steps started (its parent is in the
+    // record: `parent_id`, `parent_step`).
+    let children: Vec<Value> = children
+        .iter()
+        .map(|c| json!({ "id": c.id, "pipeline": c.pipeline, "state": c.state, "step": c.parent_step }))
+        .collect();
     // By the names the act endpoint takes.
     let (offered, _) = crate::web::query::offered(&state, &record, &steps).await;
     let actions: Vec<&str> = offered.iter().map(|a| a.as_str()).collect();
@@ -270,6 +277,7 @@ async fn get_one(
         "attempts": attempts,
         "sent": sent,
         "events": events,
+        "children": children,
     })))
 }
 

@@ -1383,7 +1383,7 @@ fn the_examples_load() {
         .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
     files.sort();
-    assert_eq!(files.len(), 4, "{files:?}");
+    assert_eq!(files.len(), 5, "{files:?}");
     let env = |v: &str| {
         !v.starts_with("BALLAST_")
             && (v.ends_with("_KEY") || v.ends_with("_TOKEN") || v.ends_with("_SECRET"))

@@ -13,6 +13,7 @@ mod api;
 mod approvals;
 mod architecture;
 mod browser;
+mod children;
 mod cli;
 mod cluster;
 mod conditions;

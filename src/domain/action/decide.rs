@@ -215,6 +215,8 @@ mod tests {
             updated_at: 0,
             finished_at: None,
             park_until: None,
+            parent_id: None,
+            parent_step: None,
         }
     }
 }

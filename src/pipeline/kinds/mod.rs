@@ -5,6 +5,7 @@
 
 mod approval;
 mod callback;
+mod child;
 mod person;
 mod request;
 mod signal;
@@ -71,6 +72,7 @@ pub fn registered(kind: KindConfig) -> Registered {
         KindConfig::Sleep => sleep::REGISTERED,
         KindConfig::Approval => approval::REGISTERED,
         KindConfig::Signal => signal::REGISTERED,
+        KindConfig::Pipeline => child::REGISTERED,
     }
 }
 

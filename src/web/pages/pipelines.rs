@@ -40,6 +40,9 @@ pub struct Here {
 pub struct StepRow {
     pub name: String,
     pub provider: String,
+    /// The pipeline its child record runs (`kind = "pipeline"`); empty
+    /// for another kind.
+    pub child: String,
     pub kind: &'static str,
     /// What it needs: all of `needs`, then any one of `needs_any`.
     pub needs: String,
@@ -156,6 +159,7 @@ fn view(
             StepRow {
                 name: s.name.clone(),
                 provider: s.provider.clone(),
+                child: s.pipeline.clone().unwrap_or_default(),
                 kind: crate::pipeline::kinds::registered(s.kind).label,
                 needs: needs_text(&s.needs, &s.needs_any),
                 when: s.when.clone().unwrap_or_default(),
@@ -186,11 +190,20 @@ fn view(
         } else {
             "step optional"
         };
-        n.href = format!("#step-{index}-{i}");
+        // A child's step links to the child's pipeline.
+        n.href = match row.child.as_str() {
+            "" => format!("#step-{index}-{i}"),
+            child => format!("#pipeline-{child}"),
+        };
+        let runs = match row.child.as_str() {
+            "" => String::new(),
+            child => format!("runs {child}"),
+        };
         n.lines = vec![
             // A kind that calls no provider names only itself.
             [
                 row.provider.as_str(),
+                runs.as_str(),
                 row.kind,
                 if row.required { "" } else { "optional" },
             ]

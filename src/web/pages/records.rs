@@ -479,6 +479,10 @@ struct RecordPage {
     actions: Vec<&'static str>,
     /// The steps waiting for an approval (the decision form's).
     awaiting: Vec<String>,
+    /// The record and step that started this one (a child record's).
+    parent: Option<(i64, String)>,
+    /// The records this one's `pipeline` steps started.
+    children: Vec<ChildView>,
     replay_steps: Vec<String>,
     /// The record's steps drawn as its pipeline, each in its state.
     graph: crate::web::graph::Graph,
@@ -495,6 +499,16 @@ struct RecordPage {
     /// Rendered for the live poll: the parts swap themselves in (htmx's
     /// out-of-band swap).
     oob: bool,
+}
+
+/// A child record, as its parent's page lists it.
+struct ChildView {
+    id: i64,
+    pipeline: String,
+    state: &'static str,
+    /// The parent's step that started it.
+    step: String,
+    reason: String,
 }
 
 /// The version a record runs on (`pipeline_versions.id`), said against
@@ -555,6 +569,18 @@ fn step_graph(
             Some(StepState::Waiting) => match run.and_then(Awaits::of) {
                 Some(Awaits::Approval) => ("waiting", "awaits approval"),
                 Some(Awaits::Signal) => ("waiting", "awaits a signal"),
+                None if run.is_some_and(|r| {
+                    r.error_code.as_deref() == Some(crate::domain::child::PARKED)
+                }) =>
+                {
+                    ("parked", "child parked")
+                }
+                None if run.is_some_and(|r| {
+                    r.error_code.as_deref() == Some(crate::domain::child::AWAITING)
+                }) =>
+                {
+                    ("waiting", "awaits its child")
+                }
                 None if run.is_some_and(|r| r.job_id.is_none() && r.provider.is_none()) => {
                     ("waiting", "asleep")
                 }
@@ -740,12 +766,13 @@ async fn record_page_at(
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (steps, attempts, events, replaced, open) = tokio::try_join!(
+    let (steps, attempts, events, replaced, open, children) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
         state.db.record_events(id),
         state.db.step_versions(id),
-        state.db.open_intents(id)
+        state.db.open_intents(id),
+        state.db.children(id)
     )?;
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
@@ -788,6 +815,19 @@ async fn record_page_at(
     Ok(RecordPage {
         nav: Nav::new(caller, "records"),
         awaiting,
+        parent: rec
+            .parent_id
+            .map(|p| (p, rec.parent_step.clone().unwrap_or_default())),
+        children: children
+            .iter()
+            .map(|c| ChildView {
+                id: c.id,
+                pipeline: c.pipeline.clone(),
+                state: c.state.as_str(),
+                step: c.parent_step.clone().unwrap_or_default(),
+                reason: c.reason.clone().unwrap_or_default(),
+            })
+            .collect(),
         pinned: pinned_version(rec.pipeline_version, current),
         newer: current
             .filter(|c| rec.pipeline_version.is_some_and(|v| v != *c))

@@ -1,0 +1,380 @@
+//! Child pipelines: a `pipeline` step starts one record of another
+//! pipeline, keyed from its parent, waits for it holding no worker, and
+//! takes its outputs; a parked child shows on its parent; cancelling the
+//! parent cancels the child. Both backends, on a clock the test moves.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ballast::config::Config;
+use ballast::domain::{OperatorAction, Record, RecordState, Role, StepRun, StepState};
+use ballast::engine::{ActExtra, Enqueue, Ops};
+use ballast::sim::{Profile, SimHandle};
+use ballast::store::{Backend, Db};
+use serde_json::{Value, json};
+
+use crate::engine::{drain, manual_engine_at};
+use crate::helpers::TestDb;
+
+/// `onboard` checks, runs a `kyc` child (a check of the amount, then an
+/// analyst's approval), then opens the account with what the child found.
+fn onboarding(base_url: &str) -> Arc<Config> {
+    let text = onboarding_toml(base_url);
+    let config = Config::parse(&text, Path::new("children.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    ballast::pipeline::compile(&config).unwrap();
+    Arc::new(config)
+}
+
+fn onboarding_toml(base_url: &str) -> String {
+    format!(
+        r#"
+[providers.sim]
+base_url = "{base_url}"
+timeout = "30s"
+[[providers.sim.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+
+[[pipelines.onboard.steps]]
+name = "check"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "check-{{{{ record.id }}}}", "amount": {{{{ input.amount }}}}}}' }}
+outputs = {{ amount = "/amount" }}
+
+[[pipelines.onboard.steps]]
+name = "kyc"
+kind = "pipeline"
+pipeline = "kyc"
+needs = ["check"]
+input = '{{"amount": {{{{ steps.check.output.amount }}}}, "who": {{{{ input.who | tojson }}}}}}'
+
+[[pipelines.onboard.steps]]
+name = "open"
+provider = "sim"
+needs = ["kyc"]
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "open-{{{{ record.id }}}}", "amount": {{{{ steps.kyc.output.verify.amount + 1 }}}}}}' }}
+
+[[pipelines.kyc.steps]]
+name = "verify"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "verify-{{{{ input.who }}}}", "amount": {{{{ input.amount }}}}}}' }}
+outputs = {{ amount = "/amount" }}
+
+[[pipelines.kyc.steps]]
+name = "review"
+kind = "approval"
+needs = ["verify"]
+"#
+    )
+}
+
+fn run<'r>(runs: &'r [StepRun], step: &str) -> &'r StepRun {
+    runs.iter().find(|r| r.step == step).unwrap()
+}
+
+async fn record(db: &Db, id: i64) -> Record {
+    db.get_record(id).await.unwrap().unwrap()
+}
+
+/// The one child of `parent`.
+async fn only_child(db: &Db, parent: i64) -> Record {
+    let children = db.children(parent).await.unwrap();
+    assert_eq!(children.len(), 1, "one child, never a second: {children:?}");
+    children.into_iter().next().unwrap()
+}
+
+async fn a_parent_waits_for_its_child_and_takes_its_outputs(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = onboarding(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let e = Enqueue::new(
+        "onboard",
+        Some("ann"),
+        json!({ "amount": 40, "who": "ann" }),
+    );
+    let parent = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+
+    // The parent started its child and waits; the child waits for its
+    // analyst. Nothing is due, however long that takes.
+    let p = record(&t.db, parent).await;
+    assert_eq!(p.state, RecordState::Waiting, "{:?}", p.reason);
+    assert_eq!(p.error_code.as_deref(), Some("awaiting_child"));
+    let child = only_child(&t.db, parent).await;
+    assert_eq!(child.pipeline, "kyc");
+    assert_eq!(child.parent_id, Some(parent));
+    assert_eq!(child.parent_step.as_deref(), Some("kyc"));
+    assert_eq!(child.input, json!({ "amount": 40, "who": "ann" }));
+    assert_eq!(child.state, RecordState::Waiting);
+    assert_eq!(child.error_code.as_deref(), Some("awaiting_approval"));
+    let kyc = run(&t.db.step_runs(parent).await.unwrap(), "kyc").clone();
+    assert_eq!(kyc.job_id, Some(child.id.to_string()));
+    clock.advance(7 * 24 * 3600 * 1000);
+    assert_eq!(drain(&engine).await, 0, "a wait costs no pass");
+
+    // The analyst approves the child: it finishes, wakes its parent, and
+    // the parent goes on with the child's outputs.
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let extra = ActExtra {
+        step: Some("review"),
+        ..Default::default()
+    };
+    let comment = Some("documents match".to_owned());
+    ops.act_with(child.id, OperatorAction::Approve, "ann", comment, extra)
+        .await
+        .unwrap();
+    drain(&engine).await;
+    let child = record(&t.db, child.id).await;
+    assert_eq!(child.state, RecordState::Succeeded, "{:?}", child.reason);
+    let p = record(&t.db, parent).await;
+    assert_eq!(p.state, RecordState::Succeeded, "{:?}", p.reason);
+    let runs = t.db.step_runs(parent).await.unwrap();
+    let kyc = run(&runs, "kyc");
+    assert_eq!(kyc.state, StepState::Succeeded);
+    let output = kyc.output.clone().unwrap();
+    assert_eq!(output["verify"]["amount"], json!(40));
+    assert_eq!(output["review"]["decision"], json!("approved"));
+    let opened = sim
+        .arrivals()
+        .iter()
+        .any(|a| a.client_reference.as_deref() == Some(&format!("open-{parent}")));
+    assert!(opened, "open ran after the child");
+    only_child(&t.db, parent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_parent_waits_for_its_child_and_takes_its_outputs() {
+    a_parent_waits_for_its_child_and_takes_its_outputs(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_parent_waits_for_its_child_and_takes_its_outputs() {
+    a_parent_waits_for_its_child_and_takes_its_outputs(Backend::Postgres).await;
+}
+
+async fn a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children_parked").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = onboarding(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let e = Enqueue::new("onboard", Some("bob"), json!({ "amount": 7, "who": "bob" }));
+    let parent = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+    let child = only_child(&t.db, parent).await;
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let reason = Some("the documents are unreadable".to_owned());
+    ops.act_with(
+        child.id,
+        OperatorAction::Park,
+        "ann",
+        reason,
+        ActExtra::default(),
+    )
+    .await
+    .unwrap();
+    drain(&engine).await;
+    let p = record(&t.db, parent).await;
+    assert_eq!(p.state, RecordState::Waiting);
+    assert_eq!(p.error_code.as_deref(), Some("child_parked"));
+    let said = p.reason.clone().unwrap_or_default();
+    assert!(
+        said.contains("waiting on a parked child") && said.contains(&child.id.to_string()),
+        "{said}"
+    );
+    assert_eq!(drain(&engine).await, 0, "a parked child is news once");
+
+    let reason = Some("customer withdrew".to_owned());
+    let cancelled = ops
+        .act_with(
+            parent,
+            OperatorAction::Cancel,
+            "ann",
+            reason,
+            ActExtra::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(cancelled.state, RecordState::Cancelled);
+    let child = record(&t.db, child.id).await;
+    assert_eq!(child.state, RecordState::Cancelled);
+    let said = child.reason.clone().unwrap_or_default();
+    assert!(
+        said.contains(&format!("cancelled with its parent record {parent}")),
+        "{said}"
+    );
+    let audited = t.db.record_events(child.id).await.unwrap();
+    assert!(
+        audited.iter().any(|e| e.kind == "cancel" && e.audit),
+        "{audited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it() {
+    a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it() {
+    a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it(Backend::Postgres).await;
+}
+
+#[test]
+fn check_config_refuses_unknown_cyclic_and_deep_children() {
+    let pipeline = |name: &str, child: &str| {
+        format!(
+            r#"
+[[pipelines.{name}.steps]]
+name = "run"
+kind = "pipeline"
+pipeline = "{child}"
+"#
+        )
+    };
+    let leaf = r#"
+[[pipelines.leaf.steps]]
+name = "wait"
+kind = "sleep"
+for = "1h"
+"#;
+    let whole = |body: &str| {
+        Config::parse(body, Path::new("children.toml"))
+            .and_then(|c| ballast::pipeline::compile(&c).map(|_| ()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    // Five levels below `p0` are allowed; six are not.
+    let chain = |levels: usize| {
+        let mut text = String::from(leaf);
+        for i in 0..levels {
+            let child = if i + 1 == levels {
+                "leaf".to_owned()
+            } else {
+                format!("p{}", i + 1)
+            };
+            text.push_str(&pipeline(&format!("p{i}"), &child));
+        }
+        text
+    };
+    assert_eq!(whole(&chain(5)), "", "five levels of children");
+    let deep = whole(&chain(6));
+    assert!(deep.contains("deeper than 5 levels"), "{deep}");
+    assert!(deep.contains("p0 → p1"), "{deep}");
+    let cases = [
+        (pipeline("a", "nowhere"), "unknown pipeline `nowhere`"),
+        (pipeline("a", "a"), "cycle: a → a"),
+        (
+            format!("{}{}", pipeline("a", "b"), pipeline("b", "a")),
+            "cycle: a → b → a",
+        ),
+        (
+            pipeline("a", "leaf").replace("pipeline = \"leaf\"", ""),
+            "needs `pipeline`",
+        ),
+        (
+            format!(
+                "{}input = '{{{{ steps.x.output }}}}'",
+                pipeline("a", "leaf")
+            ),
+            "`x`",
+        ),
+        (
+            format!("{}job_id = \"/id\"", pipeline("a", "leaf")),
+            "takes no `job_id`",
+        ),
+    ];
+    for (body, expected) in cases {
+        let err = whole(&format!("{leaf}{body}"));
+        assert!(
+            err.contains(expected),
+            "expected {expected:?}: {err}\n{body}"
+        );
+        assert!(err.contains("steps[run]"), "{err}");
+    }
+}
+
+/// Parent and child link each other in the API and on their pages.
+async fn parent_and_child_link_each_other(backend: Backend) {
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let text = onboarding_toml(&sim.base_url());
+    let Some(app) = crate::web::WebApp::spawn(backend, "children_links", &text).await else {
+        sim.stop();
+        return;
+    };
+    let op = app.token(Role::Operator).await;
+    let made: Value = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .json(&json!({ "pipeline": "onboard", "key": "cy", "input": { "amount": 3, "who": "cy" } }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let parent = made["record"]["id"].as_i64().unwrap();
+    let detail = async |id: i64| -> Value {
+        let r = app.client.get(app.url(&format!("/api/v1/records/{id}")));
+        r.bearer_auth(&op)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    };
+    let what = format!("record {parent} waits on its child");
+    let found = crate::wait::until(&what, Duration::from_secs(30), async || {
+        let r = detail(parent).await;
+        match r["children"].as_array().map(Vec::len) {
+            Some(1) if r["record"]["error_code"] == "awaiting_child" => Ok(r),
+            _ => Err(r),
+        }
+    })
+    .await;
+    let child = found["children"][0]["id"].as_i64().unwrap();
+    assert_eq!(found["children"][0]["pipeline"], "kyc");
+    assert_eq!(found["children"][0]["step"], "kyc");
+    let c = detail(child).await;
+    assert_eq!(c["record"]["parent_id"], json!(parent));
+    assert_eq!(c["record"]["parent_step"], "kyc");
+    app.user("v", Role::Viewer).await;
+    let login = app.login("v").await;
+    let page = app.text(&format!("/records/{parent}"), Some(&login)).await;
+    assert!(
+        page.contains(&format!(
+            r#"<a href="/records/{child}">record {child}</a> (kyc"#
+        )),
+        "{page}"
+    );
+    let page = app.text(&format!("/records/{child}"), Some(&login)).await;
+    assert!(
+        page.contains(&format!(
+            r#"<a href="/records/{parent}">record {parent}</a>, its step kyc"#
+        )),
+        "{page}"
+    );
+    app.stop().await;
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_parent_and_child_link_each_other() {
+    parent_and_child_link_each_other(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_parent_and_child_link_each_other() {
+    parent_and_child_link_each_other(Backend::Postgres).await;
+}
