@@ -56,8 +56,12 @@ impl StepCall<'_> {
             }
         };
         let key = child::key(self.record.id, &self.step.name, self.write.generation);
+        // Enqueued due at no time, so that no worker claims it before it
+        // names its parent (a child that cannot wake its parent); linking
+        // it makes it due.
         let e = Enqueue::new(spec.pipeline.clone(), Some(&key), input)
-            .in_group(self.record.group.as_deref());
+            .in_group(self.record.group.as_deref())
+            .at(crate::store::NO_TIME);
         let created = match super::enqueue::enqueue_in(self.engine, e).await {
             Ok(c) => c.record,
             Err(crate::store::StoreError::Invalid(why)) => {
@@ -78,11 +82,12 @@ impl StepCall<'_> {
         };
         let linked = self
             .db
-            .link_child(created.id, self.record.id, &self.step.name)
+            .link_child(created.id, self.record.id, &self.step.name, self.now)
             .await;
         if let Err(e) = linked {
             return self.deferred(self.now + AGAIN_MS, &format!("child not linked: {e}"));
         }
+        self.engine.wake.notify_one();
         StepOutput::new(child::started(
             &self.write,
             created.id,
@@ -172,29 +177,77 @@ async fn news_of(i: &Inner, w: &StepWrite) -> Option<RecordState> {
     }
 }
 
-/// After a parent's commit that left it waiting on children: a child that
-/// came to rest before the commit landed found the parent still running
-/// and could not wake it; the parent wakes itself instead.
-pub(super) async fn follow_up(i: &Inner, after: &Record, steps: &[StepWrite]) {
-    if after.state != RecordState::Waiting {
-        return;
-    }
-    for w in steps {
-        let news = news_of(i, w).await.is_some_and(|s| child::has_news(w, s));
-        if news {
-            let woke = i.db.wake_waiting(after.id, i.clock.now_ms()).await;
-            if let Err(e) = woke {
-                tracing::warn!(record.id = after.id, error = %e, "cannot wake a parent");
-            }
-            return;
-        }
-    }
-}
-
 /// The parent a commit bringing `rec` to `result` wakes: a child at rest.
 pub(super) fn parent_to_wake(rec: &Record, result: crate::domain::WorkResult) -> Option<i64> {
     use crate::domain::WorkResult as W;
     matches!(result, W::Completed | W::Failed | W::Parked)
         .then_some(rec.parent_id)
         .flatten()
+}
+
+/// After a child's commit: a child whose parent was cancelled while it
+/// ran (the cancel could not touch it then) is cancelled now, with its
+/// own children.
+pub(super) async fn parent_cancelled(i: &Inner, after: &Record) {
+    let Some(parent) = after.parent_id else {
+        return;
+    };
+    if finished(after.state) {
+        return;
+    }
+    match i.db.get_record(parent).await {
+        Ok(Some(p)) if p.state == RecordState::Cancelled => {
+            let reason = format!("cancelled with its parent record {parent}");
+            cancel_family(&i.db, after.id, "system", &reason, i.clock.now_ms()).await;
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(record.id = parent, error = %e, "cannot read a parent"),
+    }
+}
+
+/// Whether a record in `state` is done with for good: a cancel leaves it
+/// alone (a parked one is not: it may still go on).
+pub(crate) fn finished(state: RecordState) -> bool {
+    matches!(
+        state,
+        RecordState::Succeeded | RecordState::Failed | RecordState::Cancelled
+    )
+}
+
+/// Cancels record `id` (when not finished) and, depth first, every
+/// unfinished record it started, each audited with `reason`. A record
+/// running now refuses (its pass is under way): it is cancelled when
+/// that pass commits ([`parent_cancelled`]).
+pub(crate) async fn cancel_family(
+    db: &crate::store::Db,
+    id: i64,
+    actor: &str,
+    reason: &str,
+    now: crate::domain::UnixMs,
+) {
+    let mut stack = vec![id];
+    while let Some(id) = stack.pop() {
+        let req = crate::domain::action::ActionRequest::new(
+            id,
+            crate::domain::OperatorAction::Cancel,
+            actor,
+            Some(reason.to_owned()),
+            now,
+        );
+        match db.get_record(id).await {
+            Ok(Some(r)) if !finished(r.state) => {
+                if let Err(e) = db.act(&req).await {
+                    tracing::warn!(record.id = id, error = %e, "cannot cancel a child yet");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(record.id = id, error = %e, "cannot read a child"),
+        }
+        match db.children(id).await {
+            Ok(children) => {
+                stack.extend(children.iter().filter(|c| !finished(c.state)).map(|c| c.id))
+            }
+            Err(e) => tracing::warn!(record.id = id, error = %e, "cannot read the children"),
+        }
+    }
 }

@@ -186,38 +186,17 @@ impl<'a> Ops<'a> {
         Ok(rec)
     }
 
-    /// After an action on `rec`: a child brought to rest wakes its parent
-    /// (waiting on it), and a cancelled parent cancels its unfinished
-    /// children (and theirs), each audited.
+    /// After an action on `rec`: a cancelled parent cancels its
+    /// unfinished children (and theirs), each audited. (A child the
+    /// action brought to rest woke its parent in the action's own
+    /// transaction.)
     async fn family_follows(&self, rec: &Record, action: OperatorAction, actor: &str) {
-        if let (Some(parent), true) = (rec.parent_id, rec.state.is_at_rest()) {
-            if let Err(e) = self.db.wake_waiting(parent, self.clock.now_ms()).await {
-                tracing::warn!(record.id = parent, error = %e, "cannot wake a parent");
-            }
-        }
         if action != OperatorAction::Cancel || rec.state != RecordState::Cancelled {
             return;
         }
-        let children = match self.db.children(rec.id).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(record.id = rec.id, error = %e, "cannot read the children to cancel");
-                return;
-            }
-        };
-        let unfinished = children.into_iter().filter(|c| {
-            !matches!(
-                c.state,
-                RecordState::Succeeded | RecordState::Failed | RecordState::Cancelled
-            )
-        });
-        for c in unfinished {
-            let reason = format!("cancelled with its parent record {}", rec.id);
-            let done = Box::pin(self.act(c.id, action, actor, Some(reason), None, None)).await;
-            if let Err(e) = done {
-                tracing::warn!(record.id = c.id, error = ?e, "cannot cancel a child");
-            }
-        }
+        let reason = format!("cancelled with its parent record {}", rec.id);
+        let now = self.clock.now_ms();
+        super::child::cancel_family(self.db, rec.id, actor, &reason, now).await;
     }
 
     /// A signal for step `step` of record `id`: its JSON body becomes the

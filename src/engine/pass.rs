@@ -36,6 +36,7 @@ fn version_unavailable(rec: &Record, lease: Lease, why: &str, wait: bool, now: U
         c
     } else {
         let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+        c.wake = rec.parent_id;
         c.error_code = Some("version_unavailable".into());
         c.reason = Some(format!(
             "{why}: reload the nodes with a file that has what it needs and resume it, \
@@ -291,7 +292,7 @@ async fn committed(i: &Inner, rec: &Record, commit: &Commit, after: &Record) {
         .increment(1);
     }
     super::deliveries::follow_up_deliveries(i, rec, after.state, &commit.steps).await;
-    super::child::follow_up(i, after, &commit.steps).await;
+    super::child::parent_cancelled(i, after).await;
 }
 
 /// A pass whose lease was lost before its commit. Another worker owns the
@@ -395,6 +396,9 @@ impl Pass<'_> {
         commit.reason = v.reason;
         commit.park_until = v.park_until;
         commit.wake = super::child::parent_to_wake(rec, v.result);
+        commit.awaits_children = states
+            .values()
+            .any(|w| crate::domain::child::holds(w.state, w.error_code.as_deref()));
         Some(commit)
     }
 
@@ -405,6 +409,7 @@ impl Pass<'_> {
         match not {
             NotHere::Unknown => {
                 let mut c = Commit::new(lease, now, Some(WorkResult::Parked));
+                c.wake = rec.parent_id;
                 c.error_code = Some("unknown_pipeline".into());
                 c.reason = Some(format!(
                     "pipeline `{}` is not configured on this node",

@@ -38,6 +38,7 @@ pub use housekeeping::Housekeeping;
 pub use people::People;
 pub use postgres::{Notice, PgStore};
 pub use records::Records;
+pub(crate) use rows::NO_TIME;
 pub use sqlite::{SqliteStore, create_private, partial_beside, place_new};
 pub use work::Work;
 
@@ -419,6 +420,10 @@ pub struct Commit {
     /// A record to make due now if it is waiting (the parent of a child
     /// this commit brings to rest), locked with the group's records.
     pub wake: Option<i64>,
+    /// The record waits on child records: committed `waiting`, it is made
+    /// due at once if one of them is already at rest (it came to rest
+    /// while this pass ran, and could not wake it then).
+    pub awaits_children: bool,
 }
 
 impl Commit {
@@ -454,6 +459,7 @@ impl Commit {
             park_until: None,
             intents_done: Vec::new(),
             wake: None,
+            awaits_children: false,
         }
     }
 }

@@ -295,6 +295,17 @@ where
         crate::domain::action::check_request(req)?;
         let installation = self.installation_id().await?;
         let mut tx = self.begin_write().await?;
+        // A child's parent is locked first (its id is the lower, as a
+        // group commit locks them): an action that brings the child to
+        // rest wakes it in this transaction.
+        let parent: Option<i64> = sqlx::query_scalar("SELECT parent_id FROM records WHERE id = $1")
+            .bind(req.record_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .flatten();
+        if let Some(p) = parent {
+            Self::lock_records(&mut tx, &[p]).await?;
+        }
         let rec = Self::lock_found(&mut tx, req.record_id).await?;
         let mut deltas = CountDeltas::default();
         let moved =
@@ -310,6 +321,9 @@ where
         Self::apply_counts(&mut tx, &deltas).await?;
         if moved.next_run_at.is_some() {
             DB::notify_work(&mut tx).await?;
+        }
+        if let (Some(p), true) = (parent, moved.state.is_at_rest()) {
+            Self::wake_all(&mut tx, &[p], req.now).await?;
         }
         tx.commit().await?;
         Ok(moved)

@@ -663,6 +663,40 @@ where
         Ok(woke)
     }
 
+    /// Makes each record of `ids` (committed waiting) due at `now` when a
+    /// step of it waits on a child (its job id) that came to rest since:
+    /// any end for a step `awaiting_child`, an end other than parked for
+    /// one already `child_parked`.
+    pub(crate) async fn wake_for_children(
+        tx: &mut Tx<DB>,
+        ids: &[i64],
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        use crate::domain::child::{AWAITING, PARKED};
+        let mut woke = false;
+        for id in ids {
+            let done = sqlx::query(
+                "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND EXISTS (\
+                   SELECT 1 FROM records c JOIN step_runs s \
+                     ON s.record_id = $2 AND s.job_id = CAST(c.id AS TEXT) \
+                   WHERE c.parent_id = $2 AND s.state = 'waiting' AND (\
+                     (s.error_code = $3 AND c.state IN ('succeeded', 'failed', 'parked', 'cancelled')) \
+                     OR (s.error_code = $4 AND c.state IN ('succeeded', 'failed', 'cancelled'))))",
+            )
+            .bind(now)
+            .bind(*id)
+            .bind(AWAITING)
+            .bind(PARKED)
+            .execute(&mut **tx)
+            .await?;
+            woke |= done.rows_affected() > 0;
+        }
+        if woke {
+            DB::notify_work(tx).await?;
+        }
+        Ok(())
+    }
+
     /// Deletes intents (their attempts are kept in the same transaction).
     /// Writes `intents` (no two with the same record, step and attempt),
     /// each only if its worker still holds the record's lease: its id, or

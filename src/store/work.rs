@@ -47,14 +47,13 @@ pub trait Work: Send + Sync {
     /// whole group (the database) comes back as `Err`, nothing written. The
     /// commits must name distinct records.
     async fn commit_many(&self, commits: &[Commit]) -> StoreResult<Vec<StoreResult<Record>>>;
-    /// Names `parent`'s `step` as what started record `child`; a record
-    /// that has a parent keeps it.
-    async fn link_child(&self, child: i64, parent: i64, step: &str) -> StoreResult<()>;
+    /// Names `parent`'s `step` as what started record `child` (a record
+    /// that has a parent keeps it), and makes the child due at `now` if it
+    /// was enqueued due at no time (to be claimed only once linked).
+    async fn link_child(&self, child: i64, parent: i64, step: &str, now: UnixMs)
+    -> StoreResult<()>;
     /// The records `parent` started, oldest first.
     async fn children(&self, parent: i64) -> StoreResult<Vec<Record>>;
-    /// Makes record `id` due at `now` if it is waiting (a child at rest
-    /// wakes its parent); whether it was.
-    async fn wake_waiting(&self, id: i64, now: UnixMs) -> StoreResult<bool>;
     /// Stores a delivery (and takes its delivery id: a repeated id is
     /// `Conflict`, nothing stored), attaches it to the step waiting on that
     /// job (if any) and makes a waiting record due now. Deliveries that arrive
@@ -259,7 +258,10 @@ where
         }
         let installation = self.installation_id().await?;
         let actors: Vec<String> = commits.iter().map(|c| node_actor(&c.lease.owner)).collect();
-        let (locked, wakes) = lock_set(&ids, commits);
+        let locked = lock_set(&ids, commits);
+        // Parents to wake (of children the accepted commits bring to
+        // rest), and records committed waiting on children.
+        let (mut wakes, mut parents) = (Vec::new(), Vec::new());
         let mut tx = self.begin_write().await?;
         let held = Self::lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
@@ -309,6 +311,12 @@ where
             callbacks.extend(c.callbacks_done.iter().map(|id| (rec.id, *id, c.now)));
             confirms.extend(c.confirms.iter());
             intents.extend(c.intents_done.iter().copied());
+            if let Some(parent) = c.wake {
+                wakes.push(parent);
+            }
+            if c.awaits_children && after.state == RecordState::Waiting {
+                parents.push(after.id);
+            }
             moved.push(after.clone());
             results.push(Ok(after));
         }
@@ -329,21 +337,37 @@ where
         for p in confirms {
             Self::put_confirmation(&mut tx, p).await?;
         }
+        wakes.sort_unstable();
+        wakes.dedup();
         Self::wake_all(&mut tx, &wakes, commits[0].now).await?;
+        Self::wake_for_children(&mut tx, &parents, commits[0].now).await?;
         tx.commit().await?;
         Ok(results)
     }
 
-    async fn link_child(&self, child: i64, parent: i64, step: &str) -> StoreResult<()> {
+    async fn link_child(
+        &self,
+        child: i64,
+        parent: i64,
+        step: &str,
+        now: UnixMs,
+    ) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query(
-            "UPDATE records SET parent_id = $1, parent_step = $2 WHERE id = $3 AND parent_id IS NULL",
+            "UPDATE records SET parent_id = COALESCE(parent_id, $1), \
+               parent_step = COALESCE(parent_step, $2), \
+               next_run_at = CASE WHEN state = 'pending' AND next_run_at = $3 THEN $4 \
+                 ELSE next_run_at END \
+             WHERE id = $5",
         )
         .bind(parent)
         .bind(step.to_owned())
+        .bind(super::rows::NO_TIME)
+        .bind(now)
         .bind(child)
         .execute(&mut *tx)
         .await?;
+        DB::notify_work(&mut tx).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -355,13 +379,6 @@ where
             .fetch_all(self.reader())
             .await?;
         map_all(&rows, MapRow::record)
-    }
-
-    async fn wake_waiting(&self, id: i64, now: UnixMs) -> StoreResult<bool> {
-        let mut tx = self.begin_write().await?;
-        let woke = Self::wake_all(&mut tx, &[id], now).await?;
-        tx.commit().await?;
-        Ok(woke)
     }
 
     async fn record_callback(
@@ -646,17 +663,14 @@ where
 }
 
 /// The records a group commit locks, in one order before anything is
-/// written, and of those the ones it wakes (parents of children it brings
-/// to rest): a child's commit and its parent's then cannot cross, and the
-/// parent's pass reads its children after its own commit, so one of the
-/// two sees the other.
-fn lock_set(ids: &[i64], commits: &[Commit]) -> (Vec<i64>, Vec<i64>) {
-    let mut wakes: Vec<i64> = commits.iter().filter_map(|c| c.wake).collect();
-    wakes.sort_unstable();
-    wakes.dedup();
+/// written: its own, and the parents its children's commits may wake. A
+/// child's commit and its parent's then take turns on the parent's row:
+/// the child's wakes a parent already waiting, the parent's finds a child
+/// already at rest (`wake_for_children`), so one of the two sees the other.
+fn lock_set(ids: &[i64], commits: &[Commit]) -> Vec<i64> {
     let mut locked = ids.to_vec();
-    locked.extend(&wakes);
+    locked.extend(commits.iter().filter_map(|c| c.wake));
     locked.sort_unstable();
     locked.dedup();
-    (locked, wakes)
+    locked
 }

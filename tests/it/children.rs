@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ballast::config::Config;
+use ballast::domain::{Clock, StepWrite, WorkResult};
 use ballast::domain::{OperatorAction, Record, RecordState, Role, StepRun, StepState};
 use ballast::engine::{ActExtra, Enqueue, Ops};
 use ballast::sim::{Profile, SimHandle};
-use ballast::store::{Backend, Db};
+use ballast::store::{Backend, ClaimRequest, Commit, Db, NewRecord};
 use serde_json::{Value, json};
 
 use crate::engine::{drain, manual_engine_at};
@@ -377,4 +378,173 @@ async fn sqlite_parent_and_child_link_each_other() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_parent_and_child_link_each_other() {
     parent_and_child_link_each_other(Backend::Postgres).await;
+}
+
+/// A pass that leaves `parent` waiting on `child` at its step `kyc`.
+fn parent_waits(lease: ballast::store::Lease, child: i64, code: &str, now: i64) -> Commit {
+    let mut c = Commit::new(lease, now, Some(WorkResult::Waiting));
+    let mut w = StepWrite::pending("kyc");
+    w.state = StepState::Waiting;
+    w.job_id = Some(child.to_string());
+    w.error_code = Some(code.into());
+    c.steps = vec![w];
+    c.awaits_children = true;
+    c
+}
+
+/// Claims every due record for `owner`; by id.
+async fn claim_all(db: &Db, owner: &str, now: i64) -> std::collections::HashMap<i64, Record> {
+    let claimed = db
+        .claim_due(&ClaimRequest {
+            owner: owner.into(),
+            now,
+            lease: Duration::from_secs(60),
+            limit: 10,
+            group_caps: Vec::new(),
+        })
+        .await
+        .unwrap();
+    claimed.into_iter().map(|r| (r.id, r)).collect()
+}
+
+/// Whichever of a child's commit (at rest) and its parent's (waiting on
+/// it) lands first, the parent ends due: the child's wakes a parent
+/// already waiting; the parent's finds its child already at rest. A child
+/// parked, which the parent already says it waits on, wakes it no more.
+async fn a_child_and_its_parent_never_miss_each_other(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children_race").await else {
+        return;
+    };
+    let now = crate::helpers::wall_ms();
+    // (child's end, the parent's code, child's commit first, woken)
+    let rounds = [
+        (WorkResult::Completed, "awaiting_child", true, true),
+        (WorkResult::Completed, "awaiting_child", false, true),
+        (WorkResult::Parked, "awaiting_child", false, true),
+        (WorkResult::Parked, "child_parked", true, false),
+    ];
+    for (round, (ended, code, child_first, woken)) in rounds.into_iter().enumerate() {
+        let new = |key: String| NewRecord {
+            pipeline: "onboard".into(),
+            pipeline_version: None,
+            external_key: Some(key),
+            group: None,
+            input: json!({}),
+            run_at: now,
+        };
+        let made =
+            t.db.create_records(
+                vec![new(format!("p{round}")), new(format!("c{round}"))],
+                now,
+            )
+            .await
+            .unwrap();
+        let (parent, child) = (made[0].record.id, made[1].record.id);
+        t.db.link_child(child, parent, "kyc", now).await.unwrap();
+        let held = claim_all(&t.db, "n1", now).await;
+        let lease = |id: i64| held[&id].lease().unwrap();
+        let mut done = Commit::new(lease(child), now, Some(ended));
+        if ended == WorkResult::Parked {
+            done.error_code = Some("parked_by_test".into());
+            done.reason = Some("a test parks it".into());
+        }
+        done.wake = Some(parent);
+        let waits = parent_waits(lease(parent), child, code, now);
+        let order = if child_first {
+            [done, waits]
+        } else {
+            [waits, done]
+        };
+        for c in order {
+            t.db.commit(&c).await.unwrap();
+        }
+        let p = record(&t.db, parent).await;
+        assert_eq!(p.state, RecordState::Waiting);
+        let due = woken.then_some(now);
+        assert_eq!(p.next_run_at, due, "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_child_and_its_parent_never_miss_each_other() {
+    a_child_and_its_parent_never_miss_each_other(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_child_and_its_parent_never_miss_each_other() {
+    a_child_and_its_parent_never_miss_each_other(Backend::Postgres).await;
+}
+
+/// A child running when its parent is cancelled refuses the cancel (its
+/// pass is under way); the commit of that pass cancels it.
+async fn a_running_child_is_cancelled_when_its_pass_ends(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children_running").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let mut text = onboarding_toml(&sim.base_url());
+    text.push_str(
+        r#"
+[[pipelines.kyc.steps]]
+name = "sign-off"
+kind = "approval"
+needs = ["review"]
+"#,
+    );
+    let config = Arc::new(Config::parse(&text, Path::new("children.toml")).unwrap());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let e = Enqueue::new("onboard", Some("dee"), json!({ "amount": 9, "who": "dee" }));
+    let parent = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+    let child = only_child(&t.db, parent).await.id;
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let extra = ActExtra {
+        step: Some("review"),
+        ..Default::default()
+    };
+    ops.act_with(
+        child,
+        OperatorAction::Approve,
+        "ann",
+        Some("ok".into()),
+        extra,
+    )
+    .await
+    .unwrap();
+    // Another worker holds the child when the parent is cancelled.
+    let held = claim_all(&t.db, "other", clock.now_ms()).await;
+    let lease = held[&child].lease().unwrap();
+    ops.act_with(
+        parent,
+        OperatorAction::Cancel,
+        "ann",
+        Some("withdrawn".into()),
+        ActExtra::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(record(&t.db, child).await.state, RecordState::Running);
+    // That worker gives it back; this node's pass over it ends waiting for
+    // its sign-off, and its commit cancels it.
+    t.db.release(&[lease], clock.now_ms()).await.unwrap();
+    drain(&engine).await;
+    let c = record(&t.db, child).await;
+    assert_eq!(c.state, RecordState::Cancelled, "{:?}", c.reason);
+    let said = c.reason.unwrap_or_default();
+    assert!(
+        said.contains(&format!("cancelled with its parent record {parent}")),
+        "{said}"
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_running_child_is_cancelled_when_its_pass_ends() {
+    a_running_child_is_cancelled_when_its_pass_ends(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_running_child_is_cancelled_when_its_pass_ends() {
+    a_running_child_is_cancelled_when_its_pass_ends(Backend::Postgres).await;
 }
