@@ -42,6 +42,7 @@ pub fn demo_toml(apis: &str, llm: &str, render: &str) -> String {
     let mut toml = demo_providers(apis, llm, render);
     toml.push_str(LEAD_ENRICHMENT);
     toml.push_str(MEDIA_RENDER);
+    toml.push_str(ONBOARDING);
     toml
 }
 
@@ -180,6 +181,69 @@ needs = ["render"]
 request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-publish", "amount": 1, "url": {{ steps.render.output.url | tojson }}}' }
 "#;
 
+/// The `onboarding` pipeline, every workflow feature at once: a child
+/// `identity-check` record; a branch on the credit limit (an analyst's
+/// approval above 5,000, a short timer below); the join; an account opened
+/// (undone if a later step fails); a durable timer; a welcome that may
+/// fail (one attempt, and the people API fails some calls).
+const ONBOARDING: &str = r#"
+[pipelines.identity-check]
+description = "Checks one applicant's documents (started by onboarding)."
+
+[[pipelines.identity-check.steps]]
+name = "documents"
+provider = "people-api"
+timeout = "5s"
+retry = { max_attempts = 2 }
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-documents", "amount": 0, "email": {{ input.email | tojson }}}' }
+outputs = { check = "/id" }
+
+[pipelines.onboarding]
+description = "Opens an account: identity check, an analyst's approval above 5,000, a welcome 20 s later; undone on failure."
+on_failure = "undo"
+
+[[pipelines.onboarding.steps]]
+name = "identity"
+kind = "pipeline"
+pipeline = "identity-check"
+input = '{"email": {{ input.email | tojson }}}'
+
+[[pipelines.onboarding.steps]]
+name = "review"
+kind = "approval"
+needs = ["identity"]
+when = "input.limit > 5000"
+timeout = "10m"
+
+[[pipelines.onboarding.steps]]
+name = "auto-approve"
+kind = "sleep"
+for = "2s"
+needs = ["identity"]
+when = "input.limit <= 5000"
+
+[[pipelines.onboarding.steps]]
+name = "open-account"
+provider = "crm"
+needs_any = ["review", "auto-approve"]
+when = "steps.review is not defined or steps.review.output.decision == 'approved'"
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-open", "amount": 1}' }
+outputs = { account = "/id" }
+undo = { request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-close", "amount": 0, "account": {{ output.account | tojson }}}' } }
+
+[[pipelines.onboarding.steps]]
+name = "welcome-later"
+kind = "sleep"
+for = "20s"
+needs = ["open-account"]
+
+[[pipelines.onboarding.steps]]
+name = "welcome"
+provider = "people-api"
+needs = ["welcome-later"]
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-welcome", "amount": 0, "email": {{ input.email | tojson }}}' }
+"#;
+
 /// Starts the simulators and adds the demo's providers and pipelines to
 /// `config` (the operator's own stay), with the demo database unless one is
 /// configured. `serve_addr` is where the callbacks go.
@@ -267,8 +331,8 @@ pub async fn prepare(config: &mut Config, rate: f64) -> anyhow::Result<Demo> {
     })
 }
 
-/// Enqueues demo records at `demo.rate` per second until `stop`: leads and
-/// videos, each with an external key.
+/// Enqueues demo records at `demo.rate` per second until `stop`: leads,
+/// videos and onboardings, each with an external key.
 pub async fn generate(
     engine: crate::engine::Engine,
     demo: Demo,
@@ -292,7 +356,13 @@ pub async fn generate(
         }
         n += 1;
         let key = format!("{}-{n}", &run[..6]);
-        let (pipeline, input) = if n % 3 == 0 {
+        let (pipeline, input) = if n % 5 == 0 {
+            let company = companies[(n as usize) % companies.len()];
+            (
+                "onboarding",
+                json!({ "email": format!("applicant{n}@{company}.example"), "limit": (n * 1_337) % 10_000 }),
+            )
+        } else if n % 3 == 0 {
             (
                 "media-render",
                 json!({ "video": format!("vid_{key}"), "callback_url": callback_url }),
@@ -312,4 +382,25 @@ pub async fn generate(
         }
     }
     drop(demo);
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    #[test]
+    fn the_demo_pipelines_compile() {
+        let url = "http://127.0.0.1:9";
+        let text = super::demo_toml(url, url, url);
+        let config = Config::parse(&text, std::path::Path::new("demo.toml")).unwrap();
+        let compiled = crate::pipeline::compile(&config).unwrap();
+        for name in [
+            "lead-enrichment",
+            "media-render",
+            "onboarding",
+            "identity-check",
+        ] {
+            assert!(compiled.pipelines.contains_key(name), "{name}");
+        }
+    }
 }

@@ -39,7 +39,35 @@ pub struct PipelineConfig {
     /// `retain`). Unset: kept as long as the record.
     #[serde(default, skip_serializing)]
     pub retain_excerpts: Option<HumanDuration>,
+    /// `"undo"`: when a required step fails, the undo calls of the steps
+    /// that succeeded run (in reverse order of completion) before the
+    /// record ends failed. Unset, a failure only fails the record. Not
+    /// written into a pinned definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_failure: Option<OnFailure>,
     pub steps: Vec<StepConfig>,
+}
+
+/// What a pipeline does when a required step fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// The record fails; nothing is undone (an operator may still undo).
+    Stop,
+    /// The succeeded steps' undo calls run first.
+    Undo,
+}
+
+/// `undo = { provider = "pay", request = { method = "POST", path = "/refunds", body = '…{{ output.charge }}…' } }`:
+/// the call that undoes a step's effect, its templates seeing the step's
+/// own output as `output`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct UndoConfig {
+    /// The provider it calls; unset, the step's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    pub request: RequestConfig,
 }
 
 /// `schedule = { cron = "0 */6 * * *", input = { … }, missed = "skip" }`:
@@ -158,6 +186,11 @@ pub struct StepConfig {
     /// With `on_timeout = "continue"`: the step's output then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_output: Option<serde_json::Value>,
+    /// A calling kind: the call that undoes its effect (a refund for a
+    /// charge), made by an undo (`on_failure = "undo"`, or an operator's).
+    /// Not written into a pinned definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub undo: Option<UndoConfig>,
     /// `kind = "pipeline"`: the pipeline its child record runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<String>,

@@ -29,6 +29,7 @@ pub mod state;
 pub mod step;
 pub mod time;
 pub mod token;
+pub mod undo;
 
 pub use model::*;
 pub use state::{

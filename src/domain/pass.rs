@@ -361,6 +361,7 @@ mod tests {
                 at_most_once: None,
                 timeout: None,
                 retry: crate::domain::step::RetryOverride::default(),
+                undoes: None,
             })
             .collect()
     }

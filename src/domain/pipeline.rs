@@ -115,6 +115,9 @@ pub struct Step {
     pub timeout: Option<Duration>,
     /// Its retry settings, over its provider's.
     pub retry: super::step::RetryOverride,
+    /// For an undo step (`Pipeline::undo`): the step whose effect it
+    /// undoes, whose output its templates see as `output`.
+    pub undoes: Option<String>,
 }
 
 /// A step as the pages draw it: what it needs, its join and its
@@ -212,6 +215,11 @@ pub struct Pipeline {
     pub name: String,
     /// Steps in an order where every step comes after the steps it needs.
     pub steps: Vec<Step>,
+    /// The undo calls of the steps that declare one (`undo:NAME`, each
+    /// a `request` step), run only by an undo (`domain::undo`).
+    pub undo: Vec<Step>,
+    /// A required step's failure runs the undo first (`on_failure`).
+    pub undo_on_failure: bool,
     /// The definition as JSON, pinned by records that start with it.
     pub definition: Value,
     /// SHA-256 of `definition`, hex.

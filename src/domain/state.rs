@@ -181,10 +181,12 @@ pub enum OperatorAction {
     Reject,
     /// End a step that waits for a signal (through the API).
     Signal,
+    /// Run the undo calls of the succeeded steps, last finished first.
+    Undo,
 }
 
 impl OperatorAction {
-    pub const ALL: [OperatorAction; 10] = [
+    pub const ALL: [OperatorAction; 11] = [
         OperatorAction::Retry,
         OperatorAction::Park,
         OperatorAction::Resume,
@@ -195,6 +197,7 @@ impl OperatorAction {
         OperatorAction::Approve,
         OperatorAction::Reject,
         OperatorAction::Signal,
+        OperatorAction::Undo,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -209,6 +212,7 @@ impl OperatorAction {
             OperatorAction::Approve => "approve",
             OperatorAction::Reject => "reject",
             OperatorAction::Signal => "signal",
+            OperatorAction::Undo => "undo",
         }
     }
 }
@@ -364,6 +368,7 @@ pub fn transition(from: RecordState, trigger: Trigger) -> Result<RecordState, Tr
                     A::Approve | A::Reject | A::Signal,
                     S::Waiting | S::Pending | S::Retrying | S::Parked,
                 ) => Ok(S::Pending),
+                (A::Undo, S::Failed | S::Parked | S::Cancelled) => Ok(S::Pending),
                 (A::ReplayFrom, S::Succeeded | S::Failed | S::Parked | S::Cancelled) => {
                     Ok(S::Pending)
                 }

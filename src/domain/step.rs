@@ -1266,6 +1266,7 @@ mod tests {
             at_most_once: None,
             timeout: None,
             retry: RetryOverride::default(),
+            undoes: None,
         }
     }
 

@@ -637,6 +637,13 @@ async fn act_on(
     if action == crate::domain::OperatorAction::Retry {
         steps = reversed_and_after(engine, record_id).await?;
     }
+    if action == crate::domain::OperatorAction::Undo {
+        let rec = i.db.get_record(record_id).await?;
+        let runs = i.db.step_runs(record_id).await?;
+        if let Some(rec) = rec {
+            steps = engine.versions().undo_steps(&rec, &runs).await;
+        }
+    }
     req.now = i.clock.now_ms();
     req.steps = steps;
     let after = i.db.act(&req).await?;

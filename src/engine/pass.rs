@@ -328,6 +328,36 @@ fn deferred(lease: Lease, now: UnixMs, after_ms: i64) -> Commit {
     c
 }
 
+/// A record whose required step failed, in a pipeline that undoes on
+/// failure: the undo steps of its succeeded steps are to run first (each
+/// a new generation of its run, the commit's `rerun`), and the record
+/// goes on to run them; with nothing to undo it fails as `v` says.
+fn undo_first(
+    whole: &Pipeline,
+    v: crate::domain::pass::Verdict,
+    states: &HashMap<String, StepWrite>,
+    now: UnixMs,
+) -> (crate::domain::pass::Verdict, Option<(Vec<String>, String)>) {
+    let names = crate::domain::undo::to_run(whole, states);
+    if names.is_empty() {
+        return (v, None);
+    }
+    let failed = v.step.clone().unwrap_or_default();
+    let why = v.reason.clone().unwrap_or_default();
+    let undoing = crate::domain::pass::Verdict {
+        result: WorkResult::Advanced,
+        next_run_at: Some(now),
+        step: v.step,
+        error_code: Some("undoing".into()),
+        reason: Some(format!("undoing: `{failed}` failed ({why})")),
+        park_until: None,
+    };
+    (
+        undoing,
+        Some((names, format!("undo after `{failed}` failed"))),
+    )
+}
+
 /// One pass over one leased record.
 struct Pass<'a> {
     i: &'a Inner,
@@ -355,6 +385,13 @@ impl Pass<'_> {
                 tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");
                 return Some(deferred(self.lease.clone(), now, 1000));
             }
+        };
+        // An undo under way runs its chain of undo steps and nothing else.
+        let whole = pipeline.clone();
+        let undoing = crate::domain::undo::under_way(&states);
+        let pipeline = match undoing {
+            true => Arc::new(crate::domain::undo::chain(&whole, &states)),
+            false => pipeline,
         };
         let mut progress = Progress {
             changed: skip_blocked(&pipeline.steps, &mut states, now),
@@ -386,8 +423,16 @@ impl Pass<'_> {
             last_error: progress.last.as_ref().and_then(|l| l.2.as_deref()),
             now,
         };
-        let v = verdict(&pipeline.steps, &states, &facts);
+        let mut v = verdict(&pipeline.steps, &states, &facts);
+        let mut rerun = None;
+        if undoing {
+            let parked_at = progress.park_at.as_ref().map(|(s, _)| s.as_str());
+            v = crate::domain::undo::verdict_of(v, &pipeline, parked_at);
+        } else if v.result == WorkResult::Failed && whole.undo_on_failure {
+            (v, rerun) = undo_first(&whole, v, &states, now);
+        }
         let mut commit = progress.commit(self.lease.clone(), now, Some(v.result), &states);
+        commit.rerun = rerun;
         commit.next_run_at = v.next_run_at;
         if v.step.is_some() {
             commit.step = v.step;
@@ -582,7 +627,7 @@ impl Pass<'_> {
         };
         let runs: HashMap<String, StepRun> =
             runs.into_iter().map(|s| (s.step.clone(), s)).collect();
-        Ok(pipeline
+        let mut states: HashMap<String, StepWrite> = pipeline
             .steps
             .iter()
             .map(|s| {
@@ -594,7 +639,14 @@ impl Pass<'_> {
                 });
                 (s.name.clone(), w)
             })
-            .collect())
+            .collect();
+        // The undo steps' runs, when an undo ever started them.
+        for u in &pipeline.undo {
+            if let Some(run) = runs.get(&u.name) {
+                states.insert(u.name.clone(), StepWrite::from(run));
+            }
+        }
+        Ok(states)
     }
 
     /// Deliveries waiting for the record's waiting callback steps (they

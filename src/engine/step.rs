@@ -1257,10 +1257,19 @@ impl StepCall<'_> {
             &self.step.name,
             write.generation,
         );
+        // An undo step sees the output of the step it undoes.
+        let undone = self
+            .step
+            .undoes
+            .as_deref()
+            .map(|s| ctx["steps"][s]["output"].clone());
         if let Some(obj) = ctx.as_object_mut() {
             obj.insert("key".into(), json!(key));
             if let Some(job) = &write.job_id {
                 obj.insert("job_id".into(), json!(job));
+            }
+            if let Some(output) = undone {
+                obj.insert("output".into(), output);
             }
         }
         (ctx, key)

@@ -65,9 +65,23 @@ impl Versions<'_> {
 
     /// The definition of step `name` in the pipeline `rec` runs on.
     pub async fn step_of(&self, rec: &Record, name: &str) -> Option<crate::pipeline::Step> {
-        self.compiled(rec)
-            .await
-            .and_then(|c| c.0.step(name).cloned())
+        self.compiled(rec).await.and_then(|c| {
+            let undo = || c.0.undo.iter().find(|u| u.name == name);
+            c.0.step(name).or_else(undo).cloned()
+        })
+    }
+
+    /// The undo steps an undo of `rec` would run (its steps that
+    /// succeeded and have an undo call, last finished first).
+    pub async fn undo_steps(&self, rec: &Record, runs: &[crate::domain::StepRun]) -> Vec<String> {
+        let Some((pipeline, _)) = self.compiled(rec).await else {
+            return Vec::new();
+        };
+        let states = runs
+            .iter()
+            .map(|r| (r.step.clone(), crate::domain::StepWrite::from(r)))
+            .collect();
+        crate::domain::undo::to_run(&pipeline, &states)
     }
 
     /// Pinned version `id`, compiled, with its steps (read together: a

@@ -231,17 +231,84 @@ fn compile_one(
             up.extend(upstream.get(need).cloned().unwrap_or_default());
         }
         upstream.insert(s.name.clone(), up.clone());
-        steps.push(compile_step(name, s, up, templates)?);
+        steps.push(compile_step(name, s, up, templates, None)?);
     }
+    let undo = compile_undo(name, p, config, &upstream, templates)?;
     let definition =
         serde_json::to_value(p).map_err(|e| invalid(format!("pipelines.{name}"), e.to_string()))?;
     let hash = hex::encode(Sha256::digest(definition.to_string().as_bytes()));
     Ok(Pipeline {
         name: name.to_owned(),
         steps,
+        undo,
+        undo_on_failure: p.on_failure == Some(crate::config::pipeline::OnFailure::Undo),
         definition,
         hash,
     })
+}
+
+/// Each step's `undo` as a step of its own (`undo:NAME`, a `request` to
+/// the undo's provider, or the step's): it sees what the step saw, and
+/// the step's output as `output`; its retries and timeout are the
+/// step's, and its calls `at_most_once` when the step's are.
+fn compile_undo(
+    name: &str,
+    p: &PipelineConfig,
+    config: &Config,
+    upstream: &HashMap<String, BTreeSet<String>>,
+    templates: &mut Templates,
+) -> Result<Vec<Step>, ConfigError> {
+    let mut undo = Vec::new();
+    if p.on_failure == Some(crate::config::pipeline::OnFailure::Undo)
+        && p.steps.iter().all(|s| s.undo.is_none())
+    {
+        return Err(invalid(
+            format!("pipelines.{name}.on_failure"),
+            "`undo`, but no step says how it is undone (`undo = { request = … }`)".into(),
+        ));
+    }
+    for s in &p.steps {
+        let Some(u) = &s.undo else {
+            continue;
+        };
+        let provider = u.provider.clone().unwrap_or_else(|| s.provider.clone());
+        if !config.providers.contains_key(&provider) {
+            return Err(invalid(
+                step_key(name, &s.name, "undo.provider"),
+                format!("unknown provider `{provider}`"),
+            ));
+        }
+        let step = StepConfig {
+            name: crate::domain::undo::name_of(&s.name),
+            provider,
+            kind: kinds::REQUEST,
+            needs: Vec::new(),
+            needs_any: Vec::new(),
+            when: None,
+            required: true,
+            request: Some(u.request.clone()),
+            outputs: BTreeMap::new(),
+            undo: None,
+            pipeline: None,
+            input: None,
+            confirm: None,
+            lookup: None,
+            job_id: None,
+            poll: None,
+            callback: None,
+            ..s.clone()
+        };
+        let mut up = upstream.get(&s.name).cloned().unwrap_or_default();
+        up.insert(s.name.clone());
+        undo.push(compile_step(
+            name,
+            &step,
+            up,
+            templates,
+            Some(s.name.clone()),
+        )?);
+    }
+    Ok(undo)
 }
 
 /// Checks step names (valid, unique), providers (configured) and needs
@@ -461,6 +528,7 @@ fn compile_step(
     s: &StepConfig,
     up: BTreeSet<String>,
     templates: &mut Templates,
+    undoes: Option<String>,
 ) -> Result<Step, ConfigError> {
     let mut t = StepTemplates {
         pipeline,
@@ -469,7 +537,7 @@ fn compile_step(
         templates,
     };
     let request = match &s.request {
-        Some(r) => Some(compile_request(r, &mut t)?),
+        Some(r) => Some(compile_request(r, &mut t, undoes.is_some())?),
         None => None,
     };
     let when = match &s.when {
@@ -519,6 +587,7 @@ fn compile_step(
         confirm_request,
         lookup,
         at_most_once: s.at_most_once,
+        undoes,
         timeout: s.timeout.filter(|_| kind_calls).map(|t| t.0),
         retry: s.retry.as_ref().map_or_else(Default::default, |r| {
             crate::domain::step::RetryOverride {
@@ -536,20 +605,21 @@ fn compile_step(
 fn compile_request(
     r: &crate::config::pipeline::RequestConfig,
     t: &mut StepTemplates<'_>,
+    output: bool,
 ) -> Result<RequestSpec, ConfigError> {
     let mut headers = Vec::new();
     for (h, v) in &r.headers {
         headers.push((
             h.clone(),
-            t.add(&format!("request.headers.{h}"), v, false, false)?,
+            t.add(&format!("request.headers.{h}"), v, false, output)?,
         ));
     }
     Ok(RequestSpec {
         method: t.method(&r.method, "request.method")?,
-        path: t.add("request.path", &r.path, false, false)?,
+        path: t.add("request.path", &r.path, false, output)?,
         headers,
         body: match &r.body {
-            Some(b) => Some(t.add("request.body", b, false, false)?),
+            Some(b) => Some(t.add("request.body", b, false, output)?),
             None => None,
         },
     })

@@ -424,6 +424,9 @@ pub struct Commit {
     /// due at once if one of them is already at rest (it came to rest
     /// while this pass ran, and could not wake it then).
     pub awaits_children: bool,
+    /// Steps to run again as a new generation, their results kept as
+    /// versions, with the cause (an undo's steps, started by a failure).
+    pub rerun: Option<(Vec<String>, String)>,
 }
 
 impl Commit {
@@ -460,6 +463,7 @@ impl Commit {
             intents_done: Vec::new(),
             wake: None,
             awaits_children: false,
+            rerun: None,
         }
     }
 }

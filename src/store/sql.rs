@@ -863,6 +863,68 @@ where
     /// Starts a new generation of each of `steps` (a new idempotency key),
     /// `cause` saying what started it. A run with a result is kept in
     /// `step_versions` first, so a result is never overwritten.
+    /// [`rerun_steps`](Self::rerun_steps), after retiring the undo runs
+    /// it does not run again (their results kept as versions): an undo
+    /// that starts is only its own steps, and a replay ends any undo. The
+    /// steps an undo undoes are confirmed no more.
+    pub(crate) async fn run_again(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        record_id: i64,
+        steps: &[String],
+        now: UnixMs,
+        cause: &str,
+    ) -> StoreResult<()> {
+        use crate::domain::undo::{PREFIX, undone_step};
+        let undo: Vec<String> =
+            sqlx::query_scalar("SELECT step FROM step_runs WHERE record_id = $1 AND step LIKE $2")
+                .bind(record_id)
+                .bind(format!("{PREFIX}%"))
+                .fetch_all(&mut **tx)
+                .await?;
+        for step in undo.iter().filter(|u| !steps.contains(u)) {
+            Self::keep_version(tx, record_id, step, (now, cause)).await?;
+            sqlx::query("DELETE FROM step_runs WHERE record_id = $1 AND step = $2")
+                .bind(record_id)
+                .bind(step.clone())
+                .execute(&mut **tx)
+                .await?;
+        }
+        for undone in steps.iter().filter_map(|s| undone_step(s)) {
+            sqlx::query("DELETE FROM step_confirmations WHERE record_id = $1 AND step = $2")
+                .bind(record_id)
+                .bind(undone.to_owned())
+                .execute(&mut **tx)
+                .await?;
+        }
+        Self::rerun_steps(tx, installation, record_id, steps, now, cause).await
+    }
+
+    /// Keeps step `step`'s result (when it has one) as a version, replaced
+    /// at `now` by `cause`.
+    async fn keep_version(
+        tx: &mut Tx<DB>,
+        record_id: i64,
+        step: &str,
+        (now, cause): (UnixMs, &str),
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
+               error_code, cause, started_at, finished_at, replaced_at, replaced_by) \
+             SELECT record_id, step, generation, state, output, job_id, error_code, cause, \
+               started_at, finished_at, $3, $4 \
+             FROM step_runs WHERE record_id = $1 AND step = $2 AND output IS NOT NULL \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(record_id)
+        .bind(step.to_owned())
+        .bind(now)
+        .bind(cause)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
     pub(crate) async fn rerun_steps(
         tx: &mut Tx<DB>,
         installation: &str,
@@ -872,20 +934,7 @@ where
         cause: &str,
     ) -> StoreResult<()> {
         for step in steps {
-            sqlx::query(
-                "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
-                   error_code, cause, started_at, finished_at, replaced_at, replaced_by) \
-                 SELECT record_id, step, generation, state, output, job_id, error_code, cause, \
-                   started_at, finished_at, $3, $4 \
-                 FROM step_runs WHERE record_id = $1 AND step = $2 AND output IS NOT NULL \
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(record_id)
-            .bind(step.clone())
-            .bind(now)
-            .bind(cause)
-            .execute(&mut **tx)
-            .await?;
+            Self::keep_version(tx, record_id, step, (now, cause)).await?;
             let generation: Option<i32> = sqlx::query_scalar(
                 "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
             )
@@ -1258,7 +1307,7 @@ where
                 Self::fresh_start(tx, installation, rec, how, req.now).await
             }
             StepChange::RunAgain { steps, cause } => {
-                Self::rerun_steps(tx, installation, rec.id, steps, req.now, cause).await
+                Self::run_again(tx, installation, rec.id, steps, req.now, cause).await
             }
             StepChange::AcceptReversed => {
                 sqlx::query(

@@ -259,9 +259,7 @@ where
         let installation = self.installation_id().await?;
         let actors: Vec<String> = commits.iter().map(|c| node_actor(&c.lease.owner)).collect();
         let locked = lock_set(&ids, commits);
-        // Parents to wake (of children the accepted commits bring to
-        // rest), and records committed waiting on children.
-        let (mut wakes, mut parents) = (Vec::new(), Vec::new());
+        let mut then = Then::default();
         let mut tx = self.begin_write().await?;
         let held = Self::lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
@@ -311,16 +309,14 @@ where
             callbacks.extend(c.callbacks_done.iter().map(|id| (rec.id, *id, c.now)));
             confirms.extend(c.confirms.iter());
             intents.extend(c.intents_done.iter().copied());
-            if let Some(parent) = c.wake {
-                wakes.push(parent);
-            }
-            if c.awaits_children && after.state == RecordState::Waiting {
-                parents.push(after.id);
-            }
+            then.note(c, &after);
             moved.push(after.clone());
             results.push(Ok(after));
         }
         Self::upsert_steps(&mut tx, &installation, &steps).await?;
+        for (id, names, cause, now) in &then.reruns {
+            Self::run_again(&mut tx, &installation, *id, names, *now, cause).await?;
+        }
         Self::insert_attempts(&mut tx, &attempts).await?;
         for (record_id, id, now) in callbacks {
             sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
@@ -337,10 +333,10 @@ where
         for p in confirms {
             Self::put_confirmation(&mut tx, p).await?;
         }
-        wakes.sort_unstable();
-        wakes.dedup();
-        Self::wake_all(&mut tx, &wakes, commits[0].now).await?;
-        Self::wake_for_children(&mut tx, &parents, commits[0].now).await?;
+        then.wakes.sort_unstable();
+        then.wakes.dedup();
+        Self::wake_all(&mut tx, &then.wakes, commits[0].now).await?;
+        Self::wake_for_children(&mut tx, &then.parents, commits[0].now).await?;
         tx.commit().await?;
         Ok(results)
     }
@@ -659,6 +655,29 @@ where
         }
         tx.commit().await?;
         Ok(())
+    }
+}
+
+/// What a group commit does after its records' own writes: the parents
+/// to wake (of children its accepted commits bring to rest), the records
+/// committed waiting on children, and the steps to run again.
+#[derive(Default)]
+struct Then<'c> {
+    wakes: Vec<i64>,
+    parents: Vec<i64>,
+    reruns: Vec<(i64, &'c [String], &'c str, UnixMs)>,
+}
+
+impl<'c> Then<'c> {
+    /// Notes what accepted commit `c` (its record now `after`) asks for.
+    fn note(&mut self, c: &'c Commit, after: &Record) {
+        self.wakes.extend(c.wake);
+        if c.awaits_children && after.state == RecordState::Waiting {
+            self.parents.push(after.id);
+        }
+        if let Some((names, cause)) = &c.rerun {
+            self.reruns.push((after.id, names, cause, c.now));
+        }
     }
 }
 

@@ -242,9 +242,14 @@ pub async fn offered(
         Some(engine) => crate::engine::uncertain_run(engine, rec, runs).await.ok(),
         None => None,
     };
+    let undoable = match &state.engine {
+        Some(engine) => !engine.versions().undo_steps(rec, runs).await.is_empty(),
+        None => false,
+    };
     let facts = crate::domain::action::Facts {
         runs,
         uncertain: uncertain.is_some(),
+        undoable,
     };
     (crate::domain::action::offered(rec, &facts), uncertain)
 }

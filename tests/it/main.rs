@@ -31,6 +31,7 @@ mod scale;
 mod seed;
 mod store;
 mod traces;
+mod undo;
 mod wait;
 mod web;
 mod workflows;

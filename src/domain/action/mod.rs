@@ -17,6 +17,7 @@ mod resume;
 mod retry;
 mod signal;
 mod took_effect;
+mod undo;
 mod wake;
 
 use serde_json::{Value, json};
@@ -112,6 +113,7 @@ fn rules(action: OperatorAction) -> &'static dyn Rules {
         OperatorAction::Approve => &decide::Decide(super::awaiting::Decision::Approved),
         OperatorAction::Reject => &decide::Decide(super::awaiting::Decision::Rejected),
         OperatorAction::Signal => &signal::Signal,
+        OperatorAction::Undo => &undo::Undo,
     }
 }
 
@@ -300,6 +302,8 @@ pub struct Facts<'a> {
     /// It waits on one call whose outcome is uncertain, which an operator
     /// may settle ([`uncertain_call`] found it).
     pub uncertain: bool,
+    /// A step of it that succeeded has an undo call (`domain::undo`).
+    pub undoable: bool,
 }
 
 /// The actions offered on `rec` as it stands: those the transition table
@@ -654,7 +658,14 @@ mod tests {
             let rec = record(state);
             for (uncertain, runs, awaits) in &cases {
                 let (uncertain, runs) = (*uncertain, runs.as_slice());
-                let offered = offered(&rec, &Facts { runs, uncertain });
+                let offered = offered(
+                    &rec,
+                    &Facts {
+                        runs,
+                        uncertain,
+                        undoable: false,
+                    },
+                );
                 for action in OperatorAction::ALL {
                     use OperatorAction as A;
                     let by_table = transition(state, Trigger::Operator(action)).is_ok();
@@ -668,6 +679,8 @@ mod tests {
                         A::Signal => {
                             *awaits == Some(Awaits::Signal) && state != RecordState::Parked
                         }
+                        // Offered only where a succeeded step has an undo.
+                        A::Undo => false,
                         _ => true,
                     };
                     assert_eq!(
@@ -675,8 +688,10 @@ mod tests {
                         by_table && own,
                         "{action} from {state}, uncertain: {uncertain}, {awaits:?}"
                     );
-                    let one_records =
-                        matches!(action, A::TookEffect | A::Approve | A::Reject | A::Signal);
+                    let one_records = matches!(
+                        action,
+                        A::TookEffect | A::Approve | A::Reject | A::Signal | A::Undo
+                    );
                     let parked_park = action == A::Park && state == RecordState::Parked;
                     assert_eq!(
                         in_bulk(action, &rec),
@@ -748,5 +763,39 @@ mod tests {
             None,
         );
         assert_eq!(r.unwrap_err().code(), "transition_not_allowed");
+    }
+
+    #[test]
+    fn an_undo_is_offered_where_a_succeeded_step_has_one() {
+        let facts = |undoable| Facts {
+            runs: &[],
+            uncertain: false,
+            undoable,
+        };
+        for state in RecordState::ALL {
+            let by_table = transition(state, Trigger::Operator(OperatorAction::Undo)).is_ok();
+            let offered_with = offered(&record(state), &facts(true));
+            assert_eq!(
+                offered_with.contains(&OperatorAction::Undo),
+                by_table,
+                "{state}"
+            );
+            let offered_without = offered(&record(state), &facts(false));
+            assert!(!offered_without.contains(&OperatorAction::Undo));
+        }
+        assert!(
+            transition(
+                RecordState::Cancelled,
+                Trigger::Operator(OperatorAction::Undo)
+            )
+            .is_ok()
+        );
+        assert!(
+            transition(
+                RecordState::Succeeded,
+                Trigger::Operator(OperatorAction::Undo)
+            )
+            .is_err()
+        );
     }
 }

@@ -18,13 +18,29 @@ impl Rules for Retry {
         }
     }
 
+    /// Not on a record whose effects were undone: it would go on from
+    /// its failed step on top of them (a replay runs it again whole).
+    fn offered(&self, rec: &Record, _facts: &super::Facts) -> bool {
+        !undone(rec)
+    }
+
+    fn in_bulk(&self, rec: &Record) -> bool {
+        !undone(rec)
+    }
+
     fn steps(
         &self,
-        _rec: &Record,
+        rec: &Record,
         _runs: &[StepRun],
         req: &ActionRequest,
         new_input: bool,
     ) -> Result<StepChange, Refused> {
+        if undone(rec) {
+            return super::invalid(
+                "record_undone",
+                "its effects were undone: replay it from its first step to run it again",
+            );
+        }
         let cause = if new_input {
             format!("retry with a new input by {}", req.actor)
         } else {
@@ -42,4 +58,9 @@ impl Rules for Retry {
     ) -> Option<Value> {
         (!req.steps.is_empty()).then(|| json!({ "steps": req.steps }))
     }
+}
+
+/// Whether `rec` ended with its effects undone.
+fn undone(rec: &Record) -> bool {
+    rec.state == crate::domain::RecordState::Failed && rec.error_code.as_deref() == Some("undone")
 }

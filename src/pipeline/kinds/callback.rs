@@ -15,7 +15,7 @@ use crate::pipeline::{StepTemplates, invalid};
 
 pub(super) const REGISTERED: Registered = Registered {
     name: "callback",
-    fields: &["job_id", "poll", "callback", "timeout", "retry"],
+    fields: &["job_id", "poll", "callback", "timeout", "retry", "undo"],
     label: "callback",
     compile,
 };

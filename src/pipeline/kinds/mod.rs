@@ -15,7 +15,7 @@ mod submit_poll;
 use std::sync::Arc;
 
 pub use callback::Callback;
-pub use request::Request;
+pub use request::{KIND as REQUEST, Request};
 pub use sleep::{Sleep, Wake};
 pub use submit_poll::SubmitPoll;
 
@@ -60,8 +60,8 @@ const COMMON: &[&str] = &[
 ];
 
 /// The settings of a kind that calls a provider: its calls' own timeout
-/// and retries.
-const CALLS: &[&str] = &["timeout", "retry"];
+/// and retries, and the call that undoes it.
+const CALLS: &[&str] = &["timeout", "retry", "undo"];
 
 /// Every kind, by its configured name: one line each.
 pub fn registered(kind: KindConfig) -> Registered {

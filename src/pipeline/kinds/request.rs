@@ -8,6 +8,9 @@ use crate::config::pipeline::StepConfig;
 use crate::domain::kind::Kind;
 use crate::pipeline::StepTemplates;
 
+/// The kind an undo call's step has (`pipeline::compile_undo`).
+pub const KIND: crate::config::pipeline::StepKind = crate::config::pipeline::StepKind::Request;
+
 pub(super) const REGISTERED: Registered = Registered {
     name: "request",
     fields: super::CALLS,

@@ -15,7 +15,7 @@ pub(super) const REGISTERED: Registered = Registered {
     name: "submit_poll",
     // A `callback` table on a `submit_poll` step has always been ignored:
     // definitions pinned with one must still compile.
-    fields: &["job_id", "poll", "callback", "timeout", "retry"],
+    fields: &["job_id", "poll", "callback", "timeout", "retry", "undo"],
     label: "submit, poll",
     compile,
 };

@@ -43,6 +43,8 @@ pub struct StepRow {
     /// The pipeline its child record runs (`kind = "pipeline"`); empty
     /// for another kind.
     pub child: String,
+    /// It has an undo call.
+    pub undo: bool,
     pub kind: &'static str,
     /// What it needs: all of `needs`, then any one of `needs_any`.
     pub needs: String,
@@ -160,6 +162,7 @@ fn view(
                 name: s.name.clone(),
                 provider: s.provider.clone(),
                 child: s.pipeline.clone().unwrap_or_default(),
+                undo: s.undo.is_some(),
                 kind: crate::pipeline::kinds::registered(s.kind).label,
                 needs: needs_text(&s.needs, &s.needs_any),
                 when: s.when.clone().unwrap_or_default(),
@@ -204,6 +207,7 @@ fn view(
             [
                 row.provider.as_str(),
                 runs.as_str(),
+                if row.undo { "↶ undo" } else { "" },
                 row.kind,
                 if row.required { "" } else { "optional" },
             ]
