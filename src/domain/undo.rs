@@ -12,6 +12,9 @@ use super::pass::Verdict;
 use super::pipeline::{Pipeline, Step};
 use super::{StepState, StepWrite, WorkResult};
 
+/// The code of a park on a call whose outcome is not known.
+const UNCERTAIN: &str = "outcome_uncertain";
+
 /// What an undo step's name starts with (no step name has a colon).
 pub const PREFIX: &str = "undo:";
 
@@ -36,19 +39,20 @@ pub fn under_way(states: &HashMap<String, StepWrite>) -> bool {
 }
 
 /// The undo steps an undo runs, by name: those of the steps that
-/// succeeded (and were neither reversed by their provider nor undone
-/// since), the last finished first.
+/// succeeded and were neither reversed by their provider nor undone
+/// already (a step run again loses its undo run, so an undo run that
+/// succeeded undid the step's current effect), the last finished first.
 pub fn to_run(pipeline: &Pipeline, states: &HashMap<String, StepWrite>) -> Vec<String> {
     let mut done: Vec<(&Step, i64)> = pipeline
         .undo
         .iter()
         .filter_map(|u| {
             let w = states.get(u.undoes.as_deref()?)?;
-            let finished = w.finished_at.unwrap_or(0);
             let reversed = w.error_code.as_deref() == Some(super::REVERSED);
-            let undone = states.get(&u.name).is_some_and(|r| {
-                r.state == StepState::Succeeded && r.finished_at.unwrap_or(0) >= finished
-            });
+            let undone = states
+                .get(&u.name)
+                .is_some_and(|r| r.state == StepState::Succeeded);
+            let finished = w.finished_at.unwrap_or(0);
             (w.state == StepState::Succeeded && !reversed && !undone).then_some((u, finished))
         })
         .collect();
@@ -120,8 +124,11 @@ pub fn verdict_of(mut v: Verdict, chain: &Pipeline, parked_at: Option<&str>) -> 
             v.step = chain.steps.last().map(|s| s.name.clone());
             v.next_run_at = None;
         }
-        // A park that ends by itself (the provider's outage) stays one.
-        WorkResult::Parked if v.park_until.is_some() => {}
+        // A park that ends by itself (the provider's outage) stays one,
+        // and so does a call whose outcome is not known (an operator
+        // settles it with "it took effect").
+        WorkResult::Parked
+            if v.park_until.is_some() || v.error_code.as_deref() == Some(UNCERTAIN) => {}
         WorkResult::Failed | WorkResult::Parked => {
             let step = v.step.as_deref().or(parked_at);
             let which = step.and_then(undone_step).unwrap_or("a step");

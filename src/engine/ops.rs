@@ -626,6 +626,7 @@ async fn act_on(
             engine.versions().compiled(&rec).await
         };
         let version = req.repin.or(rec.pipeline_version);
+        let undone = undone_steps(i, record_id).await?;
         steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
             let which = version.map(|v| format!(" version {v}")).unwrap_or_default();
             StoreError::Invalid(format!(
@@ -633,6 +634,16 @@ async fn act_on(
                 rec.pipeline
             ))
         })?;
+        // A replay that would leave an undone step as it is would go on on
+        // top of its undone effect.
+        if let Some(left) = undone.iter().find(|u| !steps.contains(u)) {
+            return Err(StoreError::Declined {
+                code: "replay_past_undone",
+                message: format!(
+                    "step `{left}` was undone: replay from it or an earlier step, so that it runs again"
+                ),
+            });
+        }
     }
     if action == crate::domain::OperatorAction::Retry {
         steps = reversed_and_after(engine, record_id).await?;
@@ -743,4 +754,14 @@ pub async fn uncertain_run(
     crate::domain::action::uncertain_call(rec, runs, |step| looks_up.contains(step))
         .cloned()
         .map_err(|(code, message)| OpsError::refused(code, message))
+}
+
+/// The steps of record `id` that have an undo run (undone, or being
+/// undone).
+async fn undone_steps(i: &super::Inner, id: i64) -> Result<Vec<String>, StoreError> {
+    let runs = i.db.step_runs(id).await?;
+    Ok(runs
+        .iter()
+        .filter_map(|r| crate::domain::undo::undone_step(&r.step).map(str::to_owned))
+        .collect())
 }

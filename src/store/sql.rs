@@ -863,10 +863,9 @@ where
     /// Starts a new generation of each of `steps` (a new idempotency key),
     /// `cause` saying what started it. A run with a result is kept in
     /// `step_versions` first, so a result is never overwritten.
-    /// [`rerun_steps`](Self::rerun_steps), after retiring the undo runs
-    /// it does not run again (their results kept as versions): an undo
-    /// that starts is only its own steps, and a replay ends any undo. The
-    /// steps an undo undoes are confirmed no more.
+    /// [`rerun_steps`](Self::rerun_steps); an undo that starts (undo
+    /// steps among `steps`) also ends the record's confirmations: a
+    /// result asked about again after its undo would look reversed.
     pub(crate) async fn run_again(
         tx: &mut Tx<DB>,
         installation: &str,
@@ -875,56 +874,48 @@ where
         now: UnixMs,
         cause: &str,
     ) -> StoreResult<()> {
-        use crate::domain::undo::{PREFIX, undone_step};
-        let undo: Vec<String> =
-            sqlx::query_scalar("SELECT step FROM step_runs WHERE record_id = $1 AND step LIKE $2")
+        if steps
+            .iter()
+            .any(|s| crate::domain::undo::undone_step(s).is_some())
+        {
+            sqlx::query("DELETE FROM step_confirmations WHERE record_id = $1")
                 .bind(record_id)
-                .bind(format!("{PREFIX}%"))
-                .fetch_all(&mut **tx)
-                .await?;
-        for step in undo.iter().filter(|u| !steps.contains(u)) {
-            Self::keep_version(tx, record_id, step, (now, cause)).await?;
-            sqlx::query("DELETE FROM step_runs WHERE record_id = $1 AND step = $2")
-                .bind(record_id)
-                .bind(step.clone())
-                .execute(&mut **tx)
-                .await?;
-        }
-        for undone in steps.iter().filter_map(|s| undone_step(s)) {
-            sqlx::query("DELETE FROM step_confirmations WHERE record_id = $1 AND step = $2")
-                .bind(record_id)
-                .bind(undone.to_owned())
                 .execute(&mut **tx)
                 .await?;
         }
         Self::rerun_steps(tx, installation, record_id, steps, now, cause).await
     }
 
-    /// Keeps step `step`'s result (when it has one) as a version, replaced
-    /// at `now` by `cause`.
+    /// Keeps step `step`'s result as a version, replaced at `now` by
+    /// `cause`: when it has one, or (`any`) whatever it has (a retired
+    /// run, whose generation must not be used again).
     async fn keep_version(
         tx: &mut Tx<DB>,
         record_id: i64,
         step: &str,
-        (now, cause): (UnixMs, &str),
+        (now, cause, any): (UnixMs, &str, bool),
     ) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
                error_code, cause, started_at, finished_at, replaced_at, replaced_by) \
              SELECT record_id, step, generation, state, output, job_id, error_code, cause, \
                started_at, finished_at, $3, $4 \
-             FROM step_runs WHERE record_id = $1 AND step = $2 AND output IS NOT NULL \
+             FROM step_runs WHERE record_id = $1 AND step = $2 AND ($5 OR output IS NOT NULL) \
              ON CONFLICT DO NOTHING",
         )
         .bind(record_id)
         .bind(step.to_owned())
         .bind(now)
         .bind(cause)
+        .bind(any)
         .execute(&mut **tx)
         .await?;
         Ok(())
     }
 
+    /// Runs `steps` again, each a new generation (its result kept as a
+    /// version). A step run again loses the run of its undo step (kept as
+    /// a version too): its new effect is not undone yet.
     pub(crate) async fn rerun_steps(
         tx: &mut Tx<DB>,
         installation: &str,
@@ -933,14 +924,29 @@ where
         now: UnixMs,
         cause: &str,
     ) -> StoreResult<()> {
+        use crate::domain::undo::{name_of, undone_step};
+        for step in steps.iter().filter(|s| undone_step(s).is_none()) {
+            let undo = name_of(step);
+            Self::keep_version(tx, record_id, &undo, (now, cause, true)).await?;
+            sqlx::query("DELETE FROM step_runs WHERE record_id = $1 AND step = $2")
+                .bind(record_id)
+                .bind(undo)
+                .execute(&mut **tx)
+                .await?;
+        }
         for step in steps {
-            Self::keep_version(tx, record_id, step, (now, cause)).await?;
+            Self::keep_version(tx, record_id, step, (now, cause, false)).await?;
+            // The latest generation, kept as a run or (a retired undo run)
+            // only as a version: a new one never takes an old one's key.
             let generation: Option<i32> = sqlx::query_scalar(
-                "SELECT generation FROM step_runs WHERE record_id = $1 AND step = $2",
+                "SELECT MAX(g) FROM (SELECT generation AS g FROM step_runs \
+                   WHERE record_id = $1 AND step = $2 \
+                 UNION ALL SELECT generation AS g FROM step_versions \
+                   WHERE record_id = $1 AND step = $2) AS known",
             )
             .bind(record_id)
             .bind(step.clone())
-            .fetch_optional(&mut **tx)
+            .fetch_one(&mut **tx)
             .await?;
             let mut write = crate::store::StepWrite::pending(step);
             write.generation = generation.map_or(0, |g| g + 1);

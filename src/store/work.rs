@@ -314,9 +314,6 @@ where
             results.push(Ok(after));
         }
         Self::upsert_steps(&mut tx, &installation, &steps).await?;
-        for (id, names, cause, now) in &then.reruns {
-            Self::run_again(&mut tx, &installation, *id, names, *now, cause).await?;
-        }
         Self::insert_attempts(&mut tx, &attempts).await?;
         for (record_id, id, now) in callbacks {
             sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
@@ -332,6 +329,10 @@ where
         Self::apply_counts(&mut tx, &deltas).await?;
         for p in confirms {
             Self::put_confirmation(&mut tx, p).await?;
+        }
+        // After the confirmations: an undo that starts ends them.
+        for (id, names, cause, now) in &then.reruns {
+            Self::run_again(&mut tx, &installation, *id, names, *now, cause).await?;
         }
         then.wakes.sort_unstable();
         then.wakes.dedup();

@@ -391,3 +391,105 @@ name = "charge"
         assert!(err.contains(expected), "expected {expected:?}: {err}");
     }
 }
+
+/// An undo stopped part-way (one call made, one failed) is finished by a
+/// second undo, which makes only the call not made; a resume, which
+/// would park it again, is refused; a replay must start no later than
+/// the first step undone.
+async fn a_partial_undo_is_finished_not_repeated(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "undo_partial").await else {
+        return;
+    };
+    let shop = Shop::spawn().await;
+    shop.refunds_fail.store(true, Ordering::SeqCst);
+    let config = shop_config(&shop.url);
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let id = engine
+        .enqueue(Enqueue::new("order", Some("o2"), json!({})))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = record(&t.db, id).await;
+    assert_eq!(
+        r.error_code.as_deref(),
+        Some("undo_failed"),
+        "{:?}",
+        r.reason
+    );
+    assert_eq!(
+        (shop.bodies("release").len(), shop.bodies("refund").len()),
+        (1, 2)
+    );
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let act = |action: OperatorAction, step: Option<&'static str>| {
+        let ops = &ops;
+        let extra = ActExtra {
+            step,
+            ..Default::default()
+        };
+        async move {
+            ops.act_with(id, action, "ann", Some("ops".into()), extra)
+                .await
+        }
+    };
+    let resumed = act(OperatorAction::Resume, None).await.unwrap_err();
+    assert_eq!(
+        ballast::web::error::WebError::from(resumed).code(),
+        "undo_call_failed"
+    );
+    shop.refunds_fail.store(false, Ordering::SeqCst);
+    act(OperatorAction::Undo, None).await.unwrap();
+    drain(&engine).await;
+    let r = record(&t.db, id).await;
+    assert_eq!(r.error_code.as_deref(), Some("undone"), "{:?}", r.reason);
+    assert_eq!(
+        (shop.bodies("release").len(), shop.bodies("refund").len()),
+        (1, 3),
+        "the release is not made twice"
+    );
+    let past = act(OperatorAction::ReplayFrom, Some("reserve"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        ballast::web::error::WebError::from(past).code(),
+        "replay_past_undone"
+    );
+    act(OperatorAction::ReplayFrom, Some("charge"))
+        .await
+        .unwrap();
+    drain(&engine).await;
+    // Charged again, shipping refused again: both undone again, as new
+    // calls (new idempotency keys).
+    let r = record(&t.db, id).await;
+    assert_eq!(r.error_code.as_deref(), Some("undone"), "{:?}", r.reason);
+    assert_eq!(
+        (shop.bodies("release").len(), shop.bodies("refund").len()),
+        (2, 4)
+    );
+    let attempts = t.db.attempts(id).await.unwrap();
+    let keys: std::collections::BTreeSet<String> = attempts
+        .iter()
+        .filter(|a| a.step == "undo:charge" && a.http_status == Some(200))
+        .filter_map(|a| a.request.as_ref())
+        .filter_map(|r| {
+            r.headers
+                .iter()
+                .find(|(h, _)| h.eq_ignore_ascii_case("idempotency-key"))
+                .map(|(_, v)| v.clone())
+        })
+        .collect();
+    assert_eq!(keys.len(), 2, "each refund its own key: {keys:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_partial_undo_is_finished_not_repeated() {
+    a_partial_undo_is_finished_not_repeated(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_partial_undo_is_finished_not_repeated() {
+    a_partial_undo_is_finished_not_repeated(Backend::Postgres).await;
+}

@@ -13,15 +13,27 @@ impl Rules for Resume {
         "a resume"
     }
 
+    /// Not where an undo call failed: a resume would park it again at
+    /// once (a retry makes the call again).
+    fn offered(&self, rec: &Record, facts: &super::Facts) -> bool {
+        !undo_call_failed(rec, facts.runs)
+    }
+
     /// A resume accepts a reversed result: it is no longer marked for a
     /// retry to run again.
     fn steps(
         &self,
-        _: &Record,
-        _: &[StepRun],
+        rec: &Record,
+        runs: &[StepRun],
         _: &ActionRequest,
         _: bool,
     ) -> Result<StepChange, Refused> {
+        if undo_call_failed(rec, runs) {
+            return super::invalid(
+                "undo_call_failed",
+                "an undo call failed: retry it (a resume would park the record again)",
+            );
+        }
         Ok(StepChange::AcceptReversed)
     }
 
@@ -66,4 +78,11 @@ pub fn resume_due<'a>(
         now,
     );
     Some((request, until))
+}
+
+/// Whether `rec` is parked on an undo call that could not complete (its
+/// attempts spent, or failed): a resume, which gives it no fresh budget,
+/// would park it again.
+fn undo_call_failed(rec: &Record, _runs: &[StepRun]) -> bool {
+    rec.state == RecordState::Parked && rec.error_code.as_deref() == Some("undo_failed")
 }

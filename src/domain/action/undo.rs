@@ -37,15 +37,25 @@ impl Rules for Undo {
         false
     }
 
+    /// The steps the caller worked out, less those undone meanwhile (read
+    /// again under the record's lock).
     fn steps(
         &self,
         _: &Record,
-        _: &[StepRun],
+        runs: &[StepRun],
         req: &ActionRequest,
         _: bool,
     ) -> Result<StepChange, Refused> {
+        let done = |s: &String| {
+            runs.iter()
+                .any(|r| &r.step == s && r.state == crate::domain::StepState::Succeeded)
+        };
+        let steps: Vec<String> = req.steps.iter().filter(|s| !done(s)).cloned().collect();
+        if steps.is_empty() {
+            return invalid("nothing_to_undo", "every undo call was made meanwhile");
+        }
         Ok(StepChange::RunAgain {
-            steps: req.steps.clone(),
+            steps,
             cause: format!("undo by {}", req.actor),
         })
     }
