@@ -1065,10 +1065,44 @@ fn check_config(config: &Config, file: Option<PathBuf>, env: &[String]) {
         );
     }
     for (name, p) in &config.pipelines {
-        let steps: Vec<&str> = p.steps.iter().map(|s| s.name.as_str()).collect();
-        println!("pipeline {name}: {}", steps.join(" → "));
+        let steps: Vec<String> = p.steps.iter().map(step_summary).collect();
+        let undo = match p.on_failure {
+            Some(crate::config::pipeline::OnFailure::Undo) => "; on failure: undo",
+            _ => "",
+        };
+        println!("pipeline {name}: {}{undo}", steps.join(" → "));
     }
     println!("configuration is valid");
+}
+
+/// A step as `check-config` lists it: its name, then in brackets what is
+/// more than a required call (its kind, its child pipeline, its join, its
+/// condition, its undo).
+fn step_summary(s: &crate::config::pipeline::StepConfig) -> String {
+    let kind = crate::pipeline::kinds::registered(s.kind);
+    let mut notes: Vec<String> = Vec::new();
+    if kind.name != "request" {
+        notes.push(match &s.pipeline {
+            Some(child) => format!("{}: runs {child}", kind.label),
+            None => kind.label.to_owned(),
+        });
+    }
+    if !s.needs_any.is_empty() {
+        notes.push(format!("any of {}", s.needs_any.join(", ")));
+    }
+    if let Some(when) = &s.when {
+        notes.push(format!("if {when}"));
+    }
+    if s.undo.is_some() {
+        notes.push("undo".into());
+    }
+    if !s.required {
+        notes.push("optional".into());
+    }
+    match notes.is_empty() {
+        true => s.name.clone(),
+        false => format!("{} [{}]", s.name, notes.join("; ")),
+    }
 }
 
 async fn migrate_command(db: &Db, action: MigrateCommand) -> anyhow::Result<()> {

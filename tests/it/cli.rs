@@ -1170,7 +1170,7 @@ request = { method = "POST", path = "/notes", body = '{"text": "ready: {{ steps.
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(
-        text.contains("pipeline render_video: submit → notify"),
+        text.contains("pipeline render_video: submit [submit, poll] → notify [optional]"),
         "{text}"
     );
     assert!(text.contains("limits [20/1s, 10000/86400s]"), "{text}");
@@ -1414,6 +1414,17 @@ fn the_examples_load() {
             &["check-config", "--config", f.to_str().unwrap()],
         );
         assert!(out.status.success(), "{}: {}", f.display(), stderr(&out));
+        if f.ends_with("onboarding.toml") {
+            // Each step says what it is beyond a required call.
+            let said = String::from_utf8_lossy(&out.stdout);
+            for part in [
+                "identity [child pipeline: runs identity] → review [approval; if ",
+                "open [any of review, cleared; if ",
+                "; undo] → card → funded [signal] → a-day-later [sleep] → welcome [optional]; on failure: undo",
+            ] {
+                assert!(said.contains(part), "{part:?} in {said}");
+            }
+        }
     }
 }
 
