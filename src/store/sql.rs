@@ -643,9 +643,9 @@ where
         Ok(out)
     }
 
-    /// Makes the records of `ids` that are waiting due at `now` (and
-    /// tells the workers); whether any was.
-    pub(crate) async fn wake_all(tx: &mut Tx<DB>, ids: &[i64], now: UnixMs) -> StoreResult<bool> {
+    /// Makes the records of `ids` that are waiting due at `now`, and tells
+    /// the workers when any was.
+    pub(crate) async fn wake_all(tx: &mut Tx<DB>, ids: &[i64], now: UnixMs) -> StoreResult<()> {
         let mut woke = false;
         for id in ids {
             let done = sqlx::query(
@@ -660,7 +660,7 @@ where
         if woke {
             DB::notify_work(tx).await?;
         }
-        Ok(woke)
+        Ok(())
     }
 
     /// Makes each record of `ids` (committed waiting) due at `now` when a

@@ -455,6 +455,24 @@ struct EventView {
     reason: String,
 }
 
+impl EventView {
+    fn of(e: &crate::domain::Event) -> Self {
+        EventView {
+            at: when(e.at),
+            kind: e.kind.clone(),
+            actor: e.actor.clone(),
+            audit: e.audit,
+            change: match (e.from_state, e.to_state) {
+                (Some(f), Some(t)) if f != t => format!("{f} → {t}"),
+                (_, Some(t)) => t.to_string(),
+                _ => String::new(),
+            },
+            step: e.step.clone().unwrap_or_default(),
+            reason: e.reason.clone().unwrap_or_default(),
+        }
+    }
+}
+
 #[derive(Template)]
 #[template(
     path = "pages/record.html",
@@ -509,6 +527,18 @@ struct ChildView {
     /// The parent's step that started it.
     step: String,
     reason: String,
+}
+
+impl ChildView {
+    fn of(c: &Record) -> Self {
+        ChildView {
+            id: c.id,
+            pipeline: c.pipeline.clone(),
+            state: c.state.as_str(),
+            step: c.parent_step.clone().unwrap_or_default(),
+            reason: c.reason.clone().unwrap_or_default(),
+        }
+    }
 }
 
 /// The version a record runs on (`pipeline_versions.id`), said against
@@ -818,16 +848,7 @@ async fn record_page_at(
         parent: rec
             .parent_id
             .map(|p| (p, rec.parent_step.clone().unwrap_or_default())),
-        children: children
-            .iter()
-            .map(|c| ChildView {
-                id: c.id,
-                pipeline: c.pipeline.clone(),
-                state: c.state.as_str(),
-                step: c.parent_step.clone().unwrap_or_default(),
-                reason: c.reason.clone().unwrap_or_default(),
-            })
-            .collect(),
+        children: children.iter().map(ChildView::of).collect(),
         pinned: pinned_version(rec.pipeline_version, current),
         newer: current
             .filter(|c| rec.pipeline_version.is_some_and(|v| v != *c))
@@ -840,23 +861,7 @@ async fn record_page_at(
         input: pretty(&rec.input),
         steps: steps.iter().map(|s| StepView::of(&rec, s)).collect(),
         attempts: attempt_views(&open, &attempts),
-        events: events
-            .iter()
-            .rev()
-            .map(|e| EventView {
-                at: when(e.at),
-                kind: e.kind.clone(),
-                actor: e.actor.clone(),
-                audit: e.audit,
-                change: match (e.from_state, e.to_state) {
-                    (Some(f), Some(t)) if f != t => format!("{f} → {t}"),
-                    (_, Some(t)) => t.to_string(),
-                    _ => String::new(),
-                },
-                step: e.step.clone().unwrap_or_default(),
-                reason: e.reason.clone().unwrap_or_default(),
-            })
-            .collect(),
+        events: events.iter().rev().map(EventView::of).collect(),
         actions,
         replay_steps,
         graph,
