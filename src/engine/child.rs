@@ -1,7 +1,9 @@
 //! The engine's side of a `pipeline` step (`domain::child` decides): the
 //! child record enqueued under a key from its parent and linked to it,
-//! read again when it wakes its parent, and the parent woken when its
-//! child came to rest while the parent's own pass was under way.
+//! and read again when it wakes its parent (the wake itself is the
+//! store's, in the commit that brings the child to rest or leaves the
+//! parent waiting); a child whose parent was cancelled while it ran is
+//! cancelled after its pass.
 
 use std::collections::{HashMap, HashSet};
 
