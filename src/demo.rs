@@ -182,7 +182,8 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
 "#;
 
 /// The `onboarding` pipeline, every workflow feature at once: a child
-/// `identity-check` record; a branch on the credit limit (an analyst's
+/// `identity-check` record; each of the applicant's documents scanned
+/// (a step for each item, two at once); a branch on the credit limit (an analyst's
 /// approval above 5,000, a short timer below); the join; an account opened
 /// (undone if a later step fails); a durable timer; a welcome that may
 /// fail (one attempt, and the people API fails some calls).
@@ -209,9 +210,17 @@ pipeline = "identity-check"
 input = '{"email": {{ input.email | tojson }}}'
 
 [[pipelines.onboarding.steps]]
+name = "scan"
+provider = "people-api"
+for_each = "/input/documents"
+max_parallel = 2
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-scan-{{ item_index }}", "amount": 0, "document": {{ item | tojson }}}' }
+outputs = { scan = "/id" }
+
+[[pipelines.onboarding.steps]]
 name = "review"
 kind = "approval"
-needs = ["identity"]
+needs = ["identity", "scan"]
 when = "input.limit > 5000"
 timeout = "10m"
 
@@ -219,7 +228,7 @@ timeout = "10m"
 name = "auto-approve"
 kind = "sleep"
 for = "2s"
-needs = ["identity"]
+needs = ["identity", "scan"]
 when = "input.limit <= 5000"
 
 [[pipelines.onboarding.steps]]
@@ -360,7 +369,11 @@ pub async fn generate(
             let company = companies[(n as usize) % companies.len()];
             (
                 "onboarding",
-                json!({ "email": format!("applicant{n}@{company}.example"), "limit": (n * 1_337) % 10_000 }),
+                json!({
+                    "email": format!("applicant{n}@{company}.example"),
+                    "limit": (n * 1_337) % 10_000,
+                    "documents": (0..2 + n % 4).map(|d| format!("doc-{key}-{d}")).collect::<Vec<_>>(),
+                }),
             )
         } else if n % 3 == 0 {
             (

@@ -224,6 +224,29 @@ pub struct StepConfig {
     /// written into a pinned definition when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at_most_once: Option<bool>,
+    /// A step for each item: a JSON pointer to a list in what the step's
+    /// templates see (`"/input/chunks"`, `"/steps/split/output/parts"`);
+    /// the step runs once per item, its templates seeing `item` and
+    /// `item_index`, its output the items' outputs in item order. Not
+    /// written into a pinned definition when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub for_each: Option<String>,
+    /// With `for_each`: the most items of one record unfinished at once
+    /// (10 when unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallel: Option<u32>,
+    /// With `for_each`: how many items must succeed, `"all"` (the
+    /// default) or a count; the rest may fail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub items_required: Option<ItemsRequired>,
+}
+
+/// A for-each step's `items_required`: `"all"` or a count.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum ItemsRequired {
+    Count(u32),
+    Word(String),
 }
 
 /// A step's `retry`: the settings it gives replace its provider's.

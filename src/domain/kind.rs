@@ -82,6 +82,12 @@ pub trait Kind: Debug + Send + Sync {
     fn confirms(&self) -> Confirms {
         Confirms::OwnRequest
     }
+
+    /// Whether a step of this kind may run once per item (`for_each`):
+    /// one call or one job per item.
+    fn for_each(&self) -> bool {
+        false
+    }
 }
 
 /// Renders the template of this id over what the step's pass sees (its

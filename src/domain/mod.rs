@@ -11,6 +11,7 @@ pub mod child;
 pub mod condition;
 pub mod confirm;
 pub mod diff;
+pub mod each;
 pub mod fair;
 pub mod host;
 pub mod kind;

@@ -362,6 +362,7 @@ mod tests {
                 timeout: None,
                 retry: crate::domain::step::RetryOverride::default(),
                 undoes: None,
+                each: None,
             })
             .collect()
     }

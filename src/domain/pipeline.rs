@@ -118,6 +118,9 @@ pub struct Step {
     /// For an undo step (`Pipeline::undo`): the step whose effect it
     /// undoes, whose output its templates see as `output`.
     pub undoes: Option<String>,
+    /// `for_each`: the step runs once per item of a list
+    /// (`super::each`).
+    pub each: Option<super::each::Each>,
 }
 
 /// A step as the pages draw it: what it needs, its join and its
@@ -130,6 +133,8 @@ pub struct Shape {
     pub when: Option<String>,
     /// Its kind's name.
     pub kind: String,
+    /// A step for each item: how many items of a record run at once.
+    pub each: Option<u32>,
 }
 
 impl From<&Step> for Shape {
@@ -140,6 +145,7 @@ impl From<&Step> for Shape {
             needs_any: s.needs_any.clone(),
             when: s.when.as_ref().map(|c| c.source.clone()),
             kind: s.kind.name().to_owned(),
+            each: s.each.as_ref().map(|e| e.max_parallel),
         }
     }
 }

@@ -1267,6 +1267,7 @@ mod tests {
             timeout: None,
             retry: RetryOverride::default(),
             undoes: None,
+            each: None,
         }
     }
 

@@ -12,6 +12,7 @@ mod child;
 mod committer;
 mod confirm;
 mod deliveries;
+mod each;
 mod enqueue;
 pub mod export;
 pub mod http;

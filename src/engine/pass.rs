@@ -155,7 +155,9 @@ fn runs_ended(stats: &super::stats::StatsRecorder, commit: &Commit, after: &Reco
     let parked_at = (after.state == crate::domain::RecordState::Parked)
         .then_some(after.step.as_deref())
         .flatten();
-    for w in &commit.steps {
+    // An item's run is no run of its step (which counts once, ending).
+    let steps = commit.steps.iter();
+    for w in steps.filter(|w| crate::domain::each::item_of(&w.step).is_none()) {
         let (end, done) = match w.state {
             StepState::Succeeded => (RunEnd::Succeeded, w.finished_at.unwrap_or(commit.now)),
             StepState::Failed => (RunEnd::Failed, w.finished_at.unwrap_or(commit.now)),
@@ -505,14 +507,17 @@ impl Pass<'_> {
                     let callbacks = deliveries.get(&s.name).cloned().unwrap_or_default();
                     let call =
                         step_call(i, rec, s, write, &ctx, templates, callbacks, self.stopping);
-                    running.push(call.with_now(wave_at));
+                    running.push(started_step(call, states, wave_at));
                 }
             }
-            let Some(out) = running.next().await else {
+            let Some(outs) = running.next().await else {
                 break;
             };
-            let ended = matches!(out.write.state, StepState::Succeeded | StepState::Skipped);
-            progress.absorb(out, states);
+            let mut ended = false;
+            for out in outs {
+                ended = matches!(out.write.state, StepState::Succeeded | StepState::Skipped);
+                progress.absorb(out, states);
+            }
             // What it ended skips the steps that can no longer run.
             wave_at = i.clock.now_ms();
             let skipped = skip_blocked(&pipeline.steps, states, wave_at);
@@ -566,9 +571,18 @@ impl Pass<'_> {
             return Ok(());
         }
         for intent in i.db.open_intents(rec.id).await? {
-            let (Some(s), Some(write)) = (pipeline.step(&intent.step), states.get(&intent.step))
-            else {
-                continue;
+            let item;
+            let (s, write) = match (pipeline.step(&intent.step), states.get(&intent.step)) {
+                (Some(s), Some(w)) => (s, w.clone()),
+                // An item of a step for each item.
+                _ => {
+                    let steps = (pipeline.steps.as_slice(), &*states);
+                    item = super::each::left_open_item(i, rec.id, steps, &intent.step).await?;
+                    match &item {
+                        Some((s, w)) => (s, w.clone()),
+                        None => continue,
+                    }
+                }
             };
             let by = intent.node.as_deref().unwrap_or("a node");
             let evidence = format!(
@@ -738,6 +752,29 @@ pub(super) fn step_call<'a>(
     }
 }
 
+/// A step's pass started as of `now`: its outputs (a step for each item
+/// gives its items' first, its own last). A step for each item is given
+/// the item runs the pass judged already (calls left open).
+fn started_step<'a>(
+    call: PendingStep<'a>,
+    states: &HashMap<String, StepWrite>,
+    now: UnixMs,
+) -> futures_util::future::BoxFuture<'a, Vec<StepOutput>> {
+    use futures_util::FutureExt as _;
+    let Some(each) = call.call.step.each.as_ref() else {
+        return call.with_now(now).map(|out| vec![out]).boxed();
+    };
+    let name = call.call.step.name.as_str();
+    let known: Vec<StepWrite> = states
+        .values()
+        .filter(|w| crate::domain::each::item_of(&w.step).is_some_and(|(of, _)| of == name))
+        .cloned()
+        .collect();
+    let mut call = call;
+    call.call.now = now;
+    super::each::run(call, each, known).boxed()
+}
+
 /// A step's call waiting for its start time and its provider's runtime.
 pub(super) struct PendingStep<'a> {
     pub(super) rt: Option<Arc<super::limits::ProviderRuntime>>,
@@ -746,7 +783,7 @@ pub(super) struct PendingStep<'a> {
 
 impl<'a> PendingStep<'a> {
     /// Runs the step as of `now`.
-    async fn with_now(mut self, now: UnixMs) -> StepOutput {
+    pub(super) async fn with_now(mut self, now: UnixMs) -> StepOutput {
         self.call.now = now;
         let span = tracing::debug_span!(
             "step",

@@ -167,7 +167,9 @@ impl StatsRecorder {
         for a in attempts {
             let provider = a.provider.as_deref().unwrap_or("");
             let ended = a.started_at.saturating_add(a.duration_ms.max(0));
-            self.with_row(ended, pipeline, &a.step, provider, |r| {
+            // An item's call counts for its step.
+            let step = crate::domain::each::step_of(&a.step);
+            self.with_row(ended, pipeline, step, provider, |r| {
                 r.calls += 1;
                 match a.outcome {
                     Outcome::Success | Outcome::Pending => r.succeeded += 1,

@@ -67,7 +67,12 @@ impl Versions<'_> {
     pub async fn step_of(&self, rec: &Record, name: &str) -> Option<crate::pipeline::Step> {
         self.compiled(rec).await.and_then(|c| {
             let undo = || c.0.undo.iter().find(|u| u.name == name);
-            c.0.step(name).or_else(undo).cloned()
+            let item = || {
+                let (of, index) = crate::domain::each::item_of(name)?;
+                let s = c.0.step(of)?;
+                Some(super::each::item_step(s, s.each.as_ref()?, index))
+            };
+            c.0.step(name).or_else(undo).cloned().or_else(item)
         })
     }
 

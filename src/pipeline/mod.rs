@@ -2,6 +2,7 @@
 //! upstream sets, and their request templates, all checked at load so that
 //! `ballast check-config` catches what would otherwise fail at 3 a.m.
 
+mod each;
 pub mod kinds;
 pub mod template;
 
@@ -296,6 +297,9 @@ fn compile_undo(
             job_id: None,
             poll: None,
             callback: None,
+            for_each: None,
+            max_parallel: None,
+            items_required: None,
             ..s.clone()
         };
         let mut up = upstream.get(&s.name).cloned().unwrap_or_default();
@@ -473,6 +477,7 @@ impl StepTemplates<'_> {
             job_id,
             output,
             quoting: quoting_of(self.step, field),
+            item: self.step.for_each.is_some(),
         };
         self.templates
             .add(&id, source, &scope)
@@ -489,6 +494,7 @@ impl StepTemplates<'_> {
             job_id: false,
             output: false,
             quoting: Quoting::Text,
+            item: false,
         };
         self.templates
             .add_condition(&id, source, &scope)
@@ -571,6 +577,7 @@ fn compile_step(
     for (out, pointer) in &s.outputs {
         check_pointer(pointer).map_err(|m| invalid(key(&format!("outputs.{out}")), m))?;
     }
+    let each = each::compile(s, kind.as_ref(), &up).map_err(|(f, m)| invalid(key(f), m))?;
     Ok(Step {
         name: s.name.clone(),
         provider: s.provider.clone(),
@@ -588,6 +595,7 @@ fn compile_step(
         lookup,
         at_most_once: s.at_most_once,
         undoes,
+        each,
         timeout: s.timeout.filter(|_| kind_calls).map(|t| t.0),
         retry: s.retry.as_ref().map_or_else(Default::default, |r| {
             crate::domain::step::RetryOverride {

@@ -114,6 +114,8 @@ pub struct Scope<'a> {
     pub output: bool,
     /// How what the template interpolates is quoted.
     pub quoting: Quoting,
+    /// A for-each step's templates also see `item` and `item_index`.
+    pub item: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -300,6 +302,7 @@ fn check_variables(
             _ if is_global(env, &var) => {}
             "job_id" if scope.job_id => {}
             "output" if scope.output => {}
+            "item" | "item_index" if scope.item => {}
             "steps" => {
                 if let Some(step) = parts.next() {
                     if !scope.upstream.contains(step) {
@@ -360,6 +363,7 @@ mod tests {
             job_id: false,
             output: false,
             quoting: Quoting::Url,
+            item: false,
         };
         assert!(
             t.add(
@@ -399,6 +403,7 @@ mod tests {
                     job_id: true,
                     output: false,
                     quoting: Quoting::Url,
+                    item: false,
                 }
             )
             .is_ok()
@@ -413,6 +418,7 @@ mod tests {
             job_id: false,
             output: true,
             quoting: Quoting::Url,
+            item: false,
         };
         assert!(
             t.add("g", "/v1/charges/{{ output.id }}", &confirming)
@@ -429,6 +435,7 @@ mod tests {
             job_id: false,
             output: false,
             quoting: Quoting::Text,
+            item: false,
         };
         let source = "steps.kyc.output.verdict == 'review' and input.n > 2";
         t.add_condition("c", source, &s)
@@ -484,6 +491,7 @@ mod tests {
             job_id: true,
             output: false,
             quoting,
+            item: false,
         };
         t.add("t", source, &s).unwrap_or_else(|e| panic!("{e}"));
         t.render("t", &json!({ "input": input, "job_id": "../../admin" }))
@@ -545,6 +553,7 @@ mod tests {
                 job_id: false,
                 output: false,
                 quoting: Quoting::Url,
+                item: false,
             };
             t.add("t", "/v1/accounts/{{ input.a }}/refunds", &s)
                 .unwrap_or_else(|e| panic!("{e}"));
@@ -589,6 +598,7 @@ mod tests {
             job_id: false,
             output: false,
             quoting: Quoting::Url,
+            item: false,
         };
         t.add(
             "spin",
@@ -607,7 +617,7 @@ mod tests {
         fn any_source_is_accepted_or_refused_never_panics(src in ".{0,60}") {
             let mut t = Templates::new();
             let up = scope(&["a"]);
-            if t.add("x", &src, &Scope { upstream: &up, job_id: true, output: true, quoting: Quoting::Json }).is_ok() {
+            if t.add("x", &src, &Scope { upstream: &up, job_id: true, output: true, quoting: Quoting::Json, item: false }).is_ok() {
                 let _ = t.render("x", &json!({ "input": {}, "steps": {}, "record": {}, "job_id": "j" }));
             }
         }

@@ -181,10 +181,13 @@ json_row!(StepJson, STEP_COLS {
     updated_at: UnixMs => Int,
     provider: Option<&'a str> => Text,
     unknowns: i32 => Int,
+    item_of: Option<&'a str> => Text,
+    item_no: Option<i64> => Int,
 });
 
 impl<'a> StepJson<'a> {
     pub(crate) fn new(installation: &str, record_id: i64, s: &'a StepWrite, now: UnixMs) -> Self {
+        let item = crate::domain::each::item_of(&s.step);
         StepJson {
             record_id,
             step: &s.step,
@@ -208,6 +211,8 @@ impl<'a> StepJson<'a> {
             updated_at: now,
             provider: s.provider.as_deref(),
             unknowns: s.unknowns,
+            item_of: item.map(|(of, _)| of),
+            item_no: item.map(|(_, no)| no),
         }
     }
 }

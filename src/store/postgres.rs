@@ -408,7 +408,7 @@ impl SqlDb for Postgres {
                    SELECT r.id, to_tsvector('simple', left(concat_ws(' ', r.external_key, r.reason, \
                      r.error_code, {input}, \
                      (SELECT string_agg(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
-                      FROM step_runs s WHERE s.record_id = r.id)), 65536)) AS doc \
+                      FROM step_runs s WHERE s.record_id = r.id AND s.item_of IS NULL)), 65536)) AS doc \
                    FROM records r WHERE r.id {in_ids}) \
                  INSERT INTO record_search (record_id, doc) \
                  SELECT r.id, d.doc FROM d JOIN records r ON r.id = d.id \

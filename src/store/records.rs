@@ -18,6 +18,7 @@ use super::{
 };
 use super::{Cluster, ResumeDue, ReverseRequest};
 use crate::domain::action;
+use crate::domain::each::Tally;
 use crate::domain::reversal;
 use crate::domain::{Record, StepRun, Trigger, UnixMs};
 
@@ -59,7 +60,32 @@ pub trait Records: Send + Sync {
     async fn reverse(&self, req: &ReverseRequest) -> StoreResult<Record>;
     /// Makes a waiting record due now (a delivery arrived for it).
     async fn wake_record(&self, record_id: i64, now: UnixMs) -> StoreResult<()>;
+    /// Where the items of a record's step for each item stand: counted
+    /// (its `total` left for the caller), and the unfinished ones due by
+    /// `now`, at most `limit`, lowest index first. The tally counts those
+    /// due beyond `limit` as unfinished and due; the ones returned are the
+    /// caller's to count.
+    async fn items(
+        &self,
+        record_id: i64,
+        step: &str,
+        now: UnixMs,
+        limit: i64,
+    ) -> StoreResult<(Tally, Vec<StepRun>)>;
+    /// The outputs of a step's succeeded items, by index.
+    async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>>;
+    /// A step's item runs from index `from`, at most `limit`, in order.
+    async fn item_runs(
+        &self,
+        record_id: i64,
+        step: &str,
+        from: i64,
+        limit: i64,
+    ) -> StoreResult<Vec<StepRun>>;
 }
+
+/// A step run's state that has not ended, in SQL.
+const OPEN: &str = "state NOT IN ('succeeded', 'failed', 'skipped')";
 
 #[async_trait::async_trait]
 impl<DB> Records for SqlStore<DB>
@@ -267,8 +293,9 @@ where
     }
 
     async fn step_runs(&self, record_id: i64) -> StoreResult<Vec<StepRun>> {
-        let sql =
-            format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
+        let sql = format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of IS NULL ORDER BY step"
+        );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(record_id)
             .fetch_all(self.reader())
@@ -279,7 +306,7 @@ where
     async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
         let sql = DB::statements().step_runs_of.get(|| format!(
             "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id {}SELECT CAST(value AS BIGINT) FROM {}{} \
-             ORDER BY record_id, step",
+             AND item_of IS NULL ORDER BY record_id, step",
             DB::ANY_OF.0,
             DB::DIALECT.rows(),
             DB::ANY_OF.1
@@ -457,5 +484,96 @@ where
         }
         tx.commit().await?;
         Ok(())
+    }
+
+    async fn items(
+        &self,
+        record_id: i64,
+        step: &str,
+        now: UnixMs,
+        limit: i64,
+    ) -> StoreResult<(Tally, Vec<StepRun>)> {
+        let due = "(next_run_at IS NULL OR next_run_at <= $3)";
+        let count = |cond: &str| {
+            format!("CAST(COALESCE(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END), 0) AS BIGINT)")
+        };
+        let sql = format!(
+            "SELECT CAST(COALESCE(MAX(item_no) + 1, 0) AS BIGINT), {}, {}, {}, {}, \
+               MIN(CASE WHEN {OPEN} AND next_run_at > $3 THEN next_run_at END), {}, {} \
+             FROM step_runs WHERE record_id = $1 AND item_of = $2",
+            count("state = 'succeeded'"),
+            count("state IN ('failed', 'skipped')"),
+            count(OPEN),
+            count(&format!("{OPEN} AND {due}")),
+            count("state = 'waiting' AND next_run_at > $3"),
+            count("state = 'retrying' AND next_run_at > $3"),
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .bind(now)
+            .fetch_one(self.reader())
+            .await?;
+        let sql = format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of = $2 \
+             AND {OPEN} AND {due} ORDER BY item_no LIMIT $4"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .bind(now)
+            .bind(limit)
+            .fetch_all(self.reader())
+            .await?;
+        let runs = map_all(&rows, MapRow::step_run)?;
+        let loaded = i64::try_from(runs.len()).unwrap_or(i64::MAX);
+        let (open, due): (i64, i64) = (row.try_get(3)?, row.try_get(4)?);
+        let tally = Tally {
+            total: 0,
+            next: row.try_get(0)?,
+            succeeded: row.try_get(1)?,
+            failed: row.try_get(2)?,
+            open: open - loaded,
+            due_now: due > loaded,
+            later_at: row.try_get(5)?,
+            waiting: row.try_get::<i64, _>(6)? > 0,
+            retrying: row.try_get::<i64, _>(7)? > 0,
+        };
+        Ok((tally, runs))
+    }
+
+    async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>> {
+        let rows = sqlx::query(
+            "SELECT item_no, output FROM step_runs WHERE record_id = $1 AND item_of = $2 \
+             AND state = 'succeeded' ORDER BY item_no",
+        )
+        .bind(record_id)
+        .bind(step.to_owned())
+        .fetch_all(self.reader())
+        .await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get(0)?, r.json("output")?.unwrap_or(Value::Null))))
+            .collect()
+    }
+
+    async fn item_runs(
+        &self,
+        record_id: i64,
+        step: &str,
+        from: i64,
+        limit: i64,
+    ) -> StoreResult<Vec<StepRun>> {
+        let sql = format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of = $2 \
+             AND item_no >= $3 ORDER BY item_no LIMIT $4"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .bind(from)
+            .bind(limit)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::step_run)
     }
 }

@@ -895,21 +895,33 @@ where
         step: &str,
         (now, cause, any): (UnixMs, &str, bool),
     ) -> StoreResult<()> {
-        sqlx::query(
+        Self::keep_versions(tx, record_id, ("step", step), (now, cause, any)).await
+    }
+
+    /// [`keep_version`](Self::keep_version) of the runs whose `column`
+    /// (`step`, or `item_of`: a step's items) is `name`.
+    async fn keep_versions(
+        tx: &mut Tx<DB>,
+        record_id: i64,
+        (column, name): (&'static str, &str),
+        (now, cause, any): (UnixMs, &str, bool),
+    ) -> StoreResult<()> {
+        let sql = format!(
             "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
                error_code, cause, started_at, finished_at, replaced_at, replaced_by) \
              SELECT record_id, step, generation, state, output, job_id, error_code, cause, \
                started_at, finished_at, $3, $4 \
-             FROM step_runs WHERE record_id = $1 AND step = $2 AND ($5 OR output IS NOT NULL) \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(record_id)
-        .bind(step.to_owned())
-        .bind(now)
-        .bind(cause)
-        .bind(any)
-        .execute(&mut **tx)
-        .await?;
+             FROM step_runs WHERE record_id = $1 AND {column} = $2 AND ($5 OR output IS NOT NULL) \
+             ON CONFLICT DO NOTHING"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .bind(name.to_owned())
+            .bind(now)
+            .bind(cause)
+            .bind(any)
+            .execute(&mut **tx)
+            .await?;
         Ok(())
     }
 
@@ -924,6 +936,7 @@ where
         now: UnixMs,
         cause: &str,
     ) -> StoreResult<()> {
+        use crate::domain::each::item_of;
         use crate::domain::undo::{name_of, undone_step};
         for step in steps.iter().filter(|s| undone_step(s).is_none()) {
             let undo = name_of(step);
@@ -934,7 +947,16 @@ where
                 .execute(&mut **tx)
                 .await?;
         }
+        // A step for each item starts its items afresh: their results kept
+        // as versions; an item's run is never run again on its own.
+        let steps = steps.iter().filter(|s| item_of(s).is_none());
         for step in steps {
+            Self::keep_versions(tx, record_id, ("item_of", step), (now, cause, false)).await?;
+            sqlx::query("DELETE FROM step_runs WHERE record_id = $1 AND item_of = $2")
+                .bind(record_id)
+                .bind(step.clone())
+                .execute(&mut **tx)
+                .await?;
             Self::keep_version(tx, record_id, step, (now, cause, false)).await?;
             // The latest generation, kept as a run or (a retired undo run)
             // only as a version: a new one never takes an old one's key.
@@ -1377,12 +1399,17 @@ where
         }
     }
 
-    /// The step runs of a record whose row `tx` holds, as they stand.
-    async fn step_runs_locked(tx: &mut Tx<DB>, record_id: i64) -> StoreResult<Vec<StepRun>> {
-        let sql =
-            format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 ORDER BY step");
+    /// The step runs of a record whose row `tx` holds, as they stand:
+    /// its steps' and the item it stopped at, if any (not every item of a
+    /// step for each item).
+    async fn step_runs_locked(tx: &mut Tx<DB>, rec: &Record) -> StoreResult<Vec<StepRun>> {
+        let sql = format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 \
+             AND (item_of IS NULL OR step = $2) ORDER BY step"
+        );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(record_id)
+            .bind(rec.id)
+            .bind(rec.step.clone())
             .fetch_all(&mut **tx)
             .await?;
         map_all(&rows, MapRow::step_run)
@@ -1403,7 +1430,7 @@ where
         condition: Option<&ParkUntil>,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
-        let runs = Self::step_runs_locked(tx, rec.id).await?;
+        let runs = Self::step_runs_locked(tx, rec).await?;
         let plan = action::plan(rec, &runs, req, condition)?;
         if let Some(new) = &plan.input {
             sqlx::query("UPDATE records SET input = $1 WHERE id = $2")

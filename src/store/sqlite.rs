@@ -493,7 +493,7 @@ impl SqlDb for Sqlite {
                 "INSERT INTO record_search (rowid, body) \
                  SELECT r.id, substr(concat_ws(' ', r.external_key, r.reason, r.error_code, {input}, \
                      (SELECT group_concat(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
-                      FROM step_runs s WHERE s.record_id = r.id)), 1, 65536) \
+                      FROM step_runs s WHERE s.record_id = r.id AND s.item_of IS NULL)), 1, 65536) \
                  FROM records r WHERE r.id {in_ids}",
                 input = values("r.input"),
                 output = values("s.output"),

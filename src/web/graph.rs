@@ -24,6 +24,8 @@ pub struct Spec<'a> {
     pub needs_any: &'a [String],
     pub when: Option<&'a str>,
     pub kind: &'a str,
+    /// A step for each item: drawn as a stack of boxes.
+    pub stacked: bool,
 }
 
 impl<'a> Spec<'a> {
@@ -35,6 +37,7 @@ impl<'a> Spec<'a> {
             needs_any: &[],
             when: None,
             kind: "",
+            stacked: false,
         }
     }
 
@@ -46,6 +49,7 @@ impl<'a> Spec<'a> {
             needs_any: &s.needs_any,
             when: s.when.as_deref(),
             kind: &s.kind,
+            stacked: s.each.is_some(),
         }
     }
 
@@ -94,6 +98,8 @@ pub struct Node {
     /// the polygon `points` when not empty.
     pub rx: i64,
     pub points: String,
+    /// A step for each item: a box drawn behind it, as a stack.
+    pub stacked: bool,
 }
 
 /// A step's outline by its kind's name: a box for a call (rounded for a
@@ -128,6 +134,15 @@ fn outline(kind: &str, x: i64, y: i64) -> (i64, String) {
 }
 
 impl Node {
+    /// Where the box behind a stacked one is drawn: up and to the right.
+    pub fn stack_x(&self) -> i64 {
+        self.x + 6
+    }
+
+    pub fn stack_y(&self) -> i64 {
+        self.y - 6
+    }
+
     /// Where the box's text starts, left and baseline of the name.
     pub fn text_x(&self) -> i64 {
         self.x + 10
@@ -242,6 +257,7 @@ pub fn layout(
             condition: String::new(),
             rx: 0,
             points: String::new(),
+            stacked: s.stacked,
         };
         (node.rx, node.points) = outline(s.kind, x, y);
         decorate(i, &mut node);

@@ -89,18 +89,20 @@ pub fn lanes(
     let (start, end) = (start.min(first), end.max(last));
     let span = (end - start).max(1);
     let at = |t: UnixMs| LABEL_W + ((t - start) as i128 * PLOT_W as i128 / span as i128) as i64;
+    // An item's calls go in its step's lane.
+    let lane = |a: &Attempt| crate::domain::each::step_of(&a.step).to_owned();
     let mut steps: Vec<String> = order.to_vec();
     for a in attempts {
-        if !steps.contains(&a.step) {
-            steps.push(a.step.clone());
+        if !steps.contains(&lane(a)) {
+            steps.push(lane(a));
         }
     }
-    steps.retain(|s| attempts.iter().any(|a| &a.step == s));
+    steps.retain(|s| attempts.iter().any(|a| &lane(a) == s));
     let lanes: Vec<Lane> = steps
         .iter()
         .enumerate()
         .map(|(i, step)| {
-            let mut mine: Vec<&Attempt> = attempts.iter().filter(|a| &a.step == step).collect();
+            let mut mine: Vec<&Attempt> = attempts.iter().filter(|a| &lane(a) == step).collect();
             mine.sort_by_key(|a| (a.started_at, a.attempt_no));
             let marks: Vec<Mark> = mine
                 .iter()

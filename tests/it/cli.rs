@@ -1418,7 +1418,7 @@ fn the_examples_load() {
             // Each step says what it is beyond a required call.
             let said = String::from_utf8_lossy(&out.stdout);
             for part in [
-                "identity [child pipeline: runs identity] → review [approval; if ",
+                "identity [child pipeline: runs identity] → scan [for each of /input/documents, 2 at once] → review [approval; if ",
                 "open [any of review, cleared; if ",
                 "; undo] → card → funded [signal] → a-day-later [sleep] → welcome [optional]; on failure: undo",
             ] {

@@ -429,6 +429,7 @@ fn fuzz_templates() {
                 job_id: true,
                 output: true,
                 quoting,
+                item: false,
             };
             if t.add("x", &source, &scope).is_ok() {
                 let ctx = json!({

@@ -19,6 +19,7 @@ mod cluster;
 mod conditions;
 mod engine;
 mod faults;
+mod for_each;
 mod fuzz;
 mod helpers;
 mod http;

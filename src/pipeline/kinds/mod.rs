@@ -57,6 +57,9 @@ const COMMON: &[&str] = &[
     "confirm",
     "lookup",
     "at_most_once",
+    "for_each",
+    "max_parallel",
+    "items_required",
 ];
 
 /// The settings of a kind that calls a provider: its calls' own timeout

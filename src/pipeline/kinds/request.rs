@@ -27,6 +27,10 @@ impl Kind for Request {
     fn name(&self) -> &'static str {
         "request"
     }
+
+    fn for_each(&self) -> bool {
+        true
+    }
 }
 
 /// A `request` step reads nothing of its own (another kind's settings

@@ -33,6 +33,10 @@ impl Kind for SubmitPoll {
         "submit_poll"
     }
 
+    fn for_each(&self) -> bool {
+        true
+    }
+
     fn job_pointer(&self) -> Option<&str> {
         Some(&self.job_id)
     }

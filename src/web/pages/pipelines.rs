@@ -43,6 +43,8 @@ pub struct StepRow {
     /// The pipeline its child record runs (`kind = "pipeline"`); empty
     /// for another kind.
     pub child: String,
+    /// A step for each item: `for each ×N` (N at once).
+    pub each: Option<String>,
     /// It has an undo call.
     pub undo: bool,
     pub kind: &'static str,
@@ -162,6 +164,12 @@ fn view(
                 name: s.name.clone(),
                 provider: s.provider.clone(),
                 child: s.pipeline.clone().unwrap_or_default(),
+                each: s.for_each.as_ref().map(|_| {
+                    let at_once = s
+                        .max_parallel
+                        .unwrap_or(crate::domain::each::DEFAULT_PARALLEL);
+                    format!("for each ×{at_once}")
+                }),
                 undo: s.undo.is_some(),
                 kind: crate::pipeline::kinds::registered(s.kind).label,
                 needs: needs_text(&s.needs, &s.needs_any),
@@ -183,6 +191,7 @@ fn view(
             needs_any: &s.needs_any,
             when: s.when.as_deref(),
             kind: crate::pipeline::kinds::registered(s.kind).name,
+            stacked: s.for_each.is_some(),
         })
         .collect();
     let title = format!("The steps of pipeline {name}, each after the steps it needs");
@@ -198,23 +207,8 @@ fn view(
             "" => format!("#step-{index}-{i}"),
             child => format!("#pipeline-{child}"),
         };
-        let runs = match row.child.as_str() {
-            "" => String::new(),
-            child => format!("runs {child}"),
-        };
         n.lines = vec![
-            // A kind that calls no provider names only itself.
-            [
-                row.provider.as_str(),
-                runs.as_str(),
-                if row.undo { "↶ undo" } else { "" },
-                row.kind,
-                if row.required { "" } else { "optional" },
-            ]
-            .into_iter()
-            .filter(|part| !part.is_empty())
-            .collect::<Vec<_>>()
-            .join(" · "),
+            what_it_is(row),
             format!(
                 "1 h: {} ok · p50 {}",
                 row.hour.success_rate(),
@@ -232,6 +226,28 @@ fn view(
         elsewhere: here.into_iter().collect(),
         versions: Vec::new(),
     }
+}
+
+/// A step's box's first line: its provider (a kind that calls none names
+/// only itself), the child it runs, for each item, its undo, its kind,
+/// optional.
+fn what_it_is(row: &StepRow) -> String {
+    let runs = match row.child.as_str() {
+        "" => String::new(),
+        child => format!("runs {child}"),
+    };
+    [
+        row.provider.as_str(),
+        runs.as_str(),
+        row.each.as_deref().unwrap_or(""),
+        if row.undo { "↶ undo" } else { "" },
+        row.kind,
+        if row.required { "" } else { "optional" },
+    ]
+    .into_iter()
+    .filter(|part| !part.is_empty())
+    .collect::<Vec<_>>()
+    .join(" · ")
 }
 
 /// `a, b`, `any of c, d`, or both: what a step waits for, in words.

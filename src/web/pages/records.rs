@@ -345,6 +345,50 @@ pub struct DiffQuery {
     diff: Option<String>,
     from: Option<i32>,
     to: Option<i32>,
+    /// The first item shown of each step for each item.
+    items_from: Option<i64>,
+}
+
+/// How many items of a step for each item the record page shows at once.
+const ITEMS_SHOWN: i64 = 100;
+
+/// A page of the items of one step for each item.
+struct ItemsView {
+    step: String,
+    /// How far they are (`7 of 10 items done: …`).
+    said: String,
+    rows: Vec<StepView>,
+    /// The first item of the next page, when there is one.
+    next: Option<i64>,
+}
+
+/// The items of the record's steps for each item (its pipeline's
+/// `shape` says which), a page of each from item `from`.
+async fn item_views(
+    state: &AppState,
+    rec: &crate::domain::Record,
+    (shape, steps): (&[crate::domain::pipeline::Shape], &[crate::domain::StepRun]),
+    from: i64,
+) -> WebResult<Vec<ItemsView>> {
+    let mut out = Vec::new();
+    for s in shape.iter().filter(|s| s.each.is_some()) {
+        let Some(run) = steps.iter().find(|r| r.step == s.name) else {
+            continue;
+        };
+        let from = from.max(0);
+        let rows = state
+            .db
+            .item_runs(rec.id, &s.name, from, ITEMS_SHOWN + 1)
+            .await?;
+        let shown = rows.iter().take(ITEMS_SHOWN as usize);
+        out.push(ItemsView {
+            step: s.name.clone(),
+            said: run.reason.clone().unwrap_or_default(),
+            rows: shown.map(|r| StepView::of(rec, r)).collect(),
+            next: (rows.len() as i64 > ITEMS_SHOWN).then_some(from + ITEMS_SHOWN),
+        });
+    }
+    Ok(out)
 }
 
 /// Every version of each step (replaced ones, then the current one), in
@@ -491,6 +535,8 @@ struct RecordPage {
     finished: String,
     next_run: String,
     input: String,
+    /// The items of its steps for each item, a page of each.
+    items: Vec<ItemsView>,
     steps: Vec<StepView>,
     attempts: Vec<AttemptView>,
     events: Vec<EventView>,
@@ -623,9 +669,13 @@ fn step_graph(
         };
         n.class = class;
         n.state = word.to_owned();
-        // A step that calls nothing (a sleep, an approval) has no
-        // attempts to count.
-        if let Some(r) = run.filter(|r| r.provider.is_some() || r.attempts > 0) {
+        // A step for each item says how far its items are (its items
+        // have the attempts); one that calls nothing (a sleep, an
+        // approval) has no attempts to count.
+        let items = run.filter(|_| n.stacked).and_then(|r| r.reason.as_deref());
+        if let Some(done) = items.and_then(|why| why.split(':').next()) {
+            n.lines.push(done.to_owned());
+        } else if let Some(r) = run.filter(|r| r.provider.is_some() || r.attempts > 0) {
             n.lines.push(format!(
                 "{} · {} attempt{}",
                 r.provider.as_deref().unwrap_or("—"),
@@ -811,6 +861,7 @@ async fn record_page_at(
         None => Vec::new(),
     };
     let graph = step_graph(&rec, &shape, &steps);
+    let items = item_views(state, &rec, (&shape, &steps), q.items_from.unwrap_or(0)).await?;
     let order: Vec<String> = shape.iter().map(|s| s.name.clone()).collect();
     let lanes = crate::web::lanes::lanes(
         &order,
@@ -859,6 +910,7 @@ async fn record_page_at(
         finished: when_opt(rec.finished_at),
         next_run: when_opt(rec.next_run_at),
         input: pretty(&rec.input),
+        items,
         steps: steps.iter().map(|s| StepView::of(&rec, s)).collect(),
         attempts: attempt_views(&open, &attempts),
         events: events.iter().rev().map(EventView::of).collect(),

@@ -1,0 +1,272 @@
+//! A step for each item (`domain::each`) in a pass: the step's items
+//! due now run, and new ones start in item order while fewer than
+//! `max_parallel` are unfinished, each as a step of its own (`STEP#INDEX`:
+//! its own call, attempts, idempotency key, intent, permits and breaker
+//! verdicts), up to a few rounds per pass; the step's own run is then
+//! judged from the items' tally. Only the items a pass runs are read: the
+//! rest are counted in SQL, so a pass costs the same at 10 items or
+//! 10,000.
+
+use std::collections::HashMap;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use serde_json::{Value, json};
+
+use super::pass::{PendingStep, step_call};
+use super::step::StepOutput;
+use crate::domain::each::{Each, Tally, assembled, item_name, item_of, items, judge};
+use crate::domain::step::{Decision, defer};
+use crate::domain::{StepState, StepWrite, UnixMs};
+use crate::pipeline::Step;
+
+/// Step `s` as its item `index` runs: its name the item's, its condition
+/// judged already for the whole step, and (when only some items must
+/// succeed) an item that cannot be made fails rather than parks.
+pub(super) fn item_step(s: &Step, each: &Each, index: i64) -> Step {
+    let mut item = s.clone();
+    item.name = item_name(&s.name, index);
+    item.each = None;
+    item.when = None;
+    item.required = each.required.is_none() && s.required;
+    item
+}
+
+/// The run of a step's item that an earlier pass left with its call open
+/// (`at_most_once`), to be judged as such: the item's step and its run as
+/// stored (a fresh one of the step's generation when none was kept).
+pub(super) async fn left_open_item(
+    i: &super::Inner,
+    record_id: i64,
+    steps: (&[Step], &HashMap<String, StepWrite>),
+    name: &str,
+) -> Result<Option<(Step, StepWrite)>, crate::store::StoreError> {
+    let (pipeline, states) = steps;
+    let Some((of, index)) = item_of(name) else {
+        return Ok(None);
+    };
+    let Some((s, each)) = pipeline
+        .iter()
+        .find(|s| s.name == of)
+        .and_then(|s| Some((s, s.each.as_ref()?)))
+    else {
+        return Ok(None);
+    };
+    let Some(aggregate) = states.get(of) else {
+        return Ok(None);
+    };
+    let stored = i.db.item_runs(record_id, of, index, 1).await?;
+    let write = match stored.first().filter(|r| r.step == name) {
+        Some(run) => StepWrite::from(run),
+        None => fresh(&item_name(of, index), &s.provider, aggregate.generation),
+    };
+    Ok(Some((item_step(s, each, index), write)))
+}
+
+/// A record's step runs, and the run of the item it stopped at (its
+/// step, when that is an item of a step for each item): what an
+/// operator's action on the item needs.
+pub(super) async fn runs_with_item(
+    db: &crate::store::Db,
+    rec: &crate::domain::Record,
+) -> Result<Vec<crate::domain::StepRun>, crate::store::StoreError> {
+    let mut runs = db.step_runs(rec.id).await?;
+    if let Some((of, index)) = rec.step.as_deref().and_then(item_of) {
+        let item = db.item_runs(rec.id, of, index, 1).await?;
+        runs.extend(
+            item.into_iter()
+                .filter(|r| Some(&r.step) == rec.step.as_ref()),
+        );
+    }
+    Ok(runs)
+}
+
+/// A new item's run, `name`: pending, in its step's `generation`.
+fn fresh(name: &str, provider: &str, generation: i32) -> StepWrite {
+    let mut w = StepWrite::pending(name);
+    w.provider = Some(provider.to_owned());
+    w.generation = generation;
+    w
+}
+
+/// The step's run failed with `code` before any item ran (its list is
+/// not one).
+fn failed(mut write: StepWrite, code: &str, reason: String, now: UnixMs) -> StepOutput {
+    write.state = StepState::Failed;
+    write.error_code = Some(code.to_owned());
+    write.reason = Some(reason);
+    write.next_run_at = None;
+    write.finished_at = Some(now);
+    StepOutput::new(Decision::keep(write))
+}
+
+/// The step's run put off to `at` (its items could not be read).
+fn put_off(write: StepWrite, why: &str, now: UnixMs) -> Vec<StepOutput> {
+    vec![StepOutput::new(Decision::keep(defer(
+        write,
+        now + 1_000,
+        why,
+        now,
+    )))]
+}
+
+/// One pass of for-each step `p` (`each`): the items it runs, each its
+/// own step output, then the step's own run, last. `known`: the item
+/// runs this pass already judged (calls left open by an earlier pass).
+pub(super) async fn run(p: PendingStep<'_>, each: &Each, known: Vec<StepWrite>) -> Vec<StepOutput> {
+    let call = &p.call;
+    let (i, rec, s, now) = (call.engine, call.record, call.step, call.now);
+    if let Some(d) = call.judged() {
+        return vec![StepOutput::new(d)];
+    }
+    let list = match items(each, &call.ctx) {
+        Ok(list) => list,
+        Err((code, reason)) => return vec![failed(call.write.clone(), code, reason, now)],
+    };
+    let limit = i64::from(each.max_parallel);
+    let (mut tally, due) = match i.db.items(rec.id, &s.name, now, limit).await {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::warn!(record.id = rec.id, error = %e, "cannot read the step's items");
+            return put_off(call.write.clone(), "its items could not be read", now);
+        }
+    };
+    tally.total = i64::try_from(list.len()).unwrap_or(i64::MAX);
+    let mut known: HashMap<String, StepWrite> =
+        known.into_iter().map(|w| (w.step.clone(), w)).collect();
+    let mut todo: Vec<StepWrite> = due
+        .iter()
+        .map(|run| {
+            known
+                .remove(&run.step)
+                .unwrap_or_else(|| StepWrite::from(run))
+        })
+        .collect();
+    for (name, w) in known {
+        let Some((_, index)) = item_of(&name) else {
+            continue;
+        };
+        if index < tally.next {
+            // Counted unfinished by the store; counted again below.
+            tally.open -= 1;
+        }
+        tally.next = tally.next.max(index + 1);
+        match w.next_run_at {
+            Some(t) if t > now => tally.add(&w, now),
+            _ => todo.push(w),
+        }
+    }
+    let room = each.per_pass().saturating_sub(todo.len());
+    let new = usize::try_from(tally.total - tally.next)
+        .unwrap_or(0)
+        .min(room);
+    let first_new = tally.next;
+    // Every item this pass may run, made before any runs (the calls
+    // borrow them).
+    let steps: Vec<Step> = todo
+        .iter()
+        .filter_map(|w| item_of(&w.step).map(|(_, index)| index))
+        .chain((0..new as i64).map(|k| first_new + k))
+        .map(|index| item_step(s, each, index))
+        .collect();
+    let mut outs = run_items(&p, each, list, (&steps, todo), &mut tally).await;
+    let ended_at = i.clock.now_ms();
+    let mut w = judge(each, call.write.clone(), &tally, ended_at);
+    if w.state == StepState::Succeeded {
+        match i.db.item_outputs(rec.id, &s.name).await {
+            Ok(stored) => {
+                let made = outs.iter().filter_map(|o| {
+                    let (_, index) = item_of(&o.write.step)?;
+                    let out = o.write.output.clone();
+                    (o.write.state == StepState::Succeeded)
+                        .then(|| (index, out.unwrap_or(Value::Null)))
+                });
+                w.output = Some(assembled(tally.total, stored.into_iter().chain(made)));
+            }
+            Err(e) => {
+                tracing::warn!(record.id = rec.id, error = %e, "cannot read the items' outputs");
+                outs.extend(put_off(
+                    call.write.clone(),
+                    "its items' outputs could not be read",
+                    ended_at,
+                ));
+                return outs;
+            }
+        }
+    }
+    outs.push(StepOutput::new(Decision::keep(w)));
+    outs
+}
+
+/// Item step `s`'s call, from `write`, as of `at`: its templates see its
+/// item of `list` as `item` and its index as `item_index`.
+fn start<'b>(
+    call: &super::step::StepCall<'b>,
+    list: &[Value],
+    s: &'b Step,
+    write: StepWrite,
+    at: UnixMs,
+) -> impl std::future::Future<Output = StepOutput> + 'b {
+    let index = item_of(&s.name).map_or(0, |(_, index)| index);
+    let item = usize::try_from(index).ok().and_then(|k| list.get(k));
+    let mut ctx = call.ctx.clone();
+    if let Some(obj) = ctx.as_object_mut() {
+        obj.insert("item".into(), item.cloned().unwrap_or(Value::Null));
+        obj.insert("item_index".into(), json!(index));
+    }
+    let pending = step_call(
+        call.engine,
+        call.record,
+        s,
+        write,
+        &ctx,
+        &call.templates,
+        Vec::new(),
+        call.stopping,
+    );
+    pending.with_now(at)
+}
+
+/// Runs the items: those in `todo` at once, then new ones in order (the
+/// rest of `steps`) while fewer than `max_parallel` are unfinished, none
+/// parked the record and the node is not stopping. Counts each in
+/// `tally` as it ends; returns their outputs.
+async fn run_items(
+    p: &PendingStep<'_>,
+    each: &Each,
+    list: &[Value],
+    (steps, todo): (&[Step], Vec<StepWrite>),
+    tally: &mut Tally,
+) -> Vec<StepOutput> {
+    let call = &p.call;
+    let i = call.engine;
+    let mut running = FuturesUnordered::new();
+    let mut steps = steps.iter();
+    for w in todo {
+        let Some(s) = steps.next() else { break };
+        running.push(start(call, list, s, w, call.now));
+    }
+    let mut outs = Vec::new();
+    let mut go_on = true;
+    loop {
+        while go_on
+            && tally.open + i64::try_from(running.len()).unwrap_or(i64::MAX)
+                < i64::from(each.max_parallel)
+            && tally.next < tally.total
+        {
+            let Some(s) = steps.next() else { break };
+            tally.next += 1;
+            let w = fresh(&s.name, &s.provider, call.write.generation);
+            running.push(start(call, list, s, w, i.clock.now_ms()));
+        }
+        let Some(out) = running.next().await else {
+            break;
+        };
+        tally.add(&out.write, i.clock.now_ms());
+        // No new item once the record parks, the node stops, or the step
+        // can no longer succeed.
+        go_on &= out.park.is_none() && !out.stopped && !call.stopping.is_set() && !tally.lost(each);
+        outs.push(out);
+    }
+    outs
+}

@@ -1,0 +1,499 @@
+//! A step for each item (`for_each`): one call per item, each with its
+//! own attempts and idempotency key, at most `max_parallel` of a record
+//! at once, the outputs in item order; `items_required` lets some fail;
+//! a retry runs only the failed items. Both backends, on a clock the
+//! test moves, against a real HTTP provider.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{HeaderMap, StatusCode};
+use ballast::config::Config;
+use ballast::domain::{OperatorAction, RecordState, StepState};
+use ballast::engine::{ActExtra, Enqueue, Ops};
+use ballast::store::Backend;
+use serde_json::{Value, json};
+
+use crate::engine::{drive_at_rest, manual_engine};
+use crate::helpers::TestDb;
+
+/// What the provider saw.
+#[derive(Default)]
+struct Seen {
+    /// Item calls now under way, and the most at once.
+    in_flight: usize,
+    most: usize,
+    /// Each item's calls: the idempotency keys sent, in order.
+    calls: BTreeMap<u64, Vec<String>>,
+    /// Items that answer 500 once, then succeed.
+    flaky: HashSet<u64>,
+    /// Items that answer 400 (a failure) while listed.
+    failing: HashSet<u64>,
+    /// What the merge was sent.
+    merged: Option<Value>,
+}
+
+#[derive(Clone)]
+struct Provider {
+    seen: Arc<Mutex<Seen>>,
+    /// How many item calls have started: the first three wait until all
+    /// three are under way, so the most at once is seen, not guessed.
+    started: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+async fn item(
+    State(p): State<Provider>,
+    UrlPath(n): UrlPath<u64>,
+    headers: HeaderMap,
+) -> (StatusCode, axum::Json<Value>) {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let first_three = {
+        let mut s = p.seen.lock().unwrap();
+        s.in_flight += 1;
+        s.most = s.most.max(s.in_flight);
+        s.calls.entry(n).or_default().push(key);
+        let mut started = 0;
+        p.started.send_modify(|c| {
+            *c += 1;
+            started = *c;
+        });
+        started <= 3
+    };
+    if first_three {
+        let mut rx = p.started.subscribe();
+        let _ = rx.wait_for(|c| *c >= 3).await;
+    }
+    let mut s = p.seen.lock().unwrap();
+    s.in_flight -= 1;
+    if s.flaky.remove(&n) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(json!({})));
+    }
+    if s.failing.contains(&n) {
+        return (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({ "error": "no" })),
+        );
+    }
+    (StatusCode::OK, axum::Json(json!({ "double": n * 2 })))
+}
+
+async fn provider() -> (String, Provider) {
+    let p = Provider {
+        seen: Arc::default(),
+        started: Arc::new(tokio::sync::watch::channel(0).0),
+    };
+    let app = axum::Router::new()
+        .route(
+            "/v1/split",
+            axum::routing::post(|| async {
+                let parts: Vec<Value> = (0..10).map(|n| json!({ "n": n })).collect();
+                axum::Json(json!({ "parts": parts }))
+            }),
+        )
+        .route("/v1/item/{n}", axum::routing::post(item))
+        .route(
+            "/v1/merge",
+            axum::routing::post(
+                |State(p): State<Provider>, axum::Json(body): axum::Json<Value>| async move {
+                    let count = body.as_array().map_or(0, Vec::len);
+                    p.seen.lock().unwrap().merged = Some(body);
+                    axum::Json(json!({ "count": count }))
+                },
+            ),
+        )
+        .with_state(p.clone());
+    (crate::helpers::serve_router(app).await, p)
+}
+
+/// `fan`: split, a call for each part (three at once), then a merge of
+/// the outputs. `some`: a call for each item of the input, three of
+/// five required. `all`: the same, all required.
+fn config(base_url: &str) -> Arc<Config> {
+    let text = pipelines_toml(base_url);
+    let config = Config::parse(&text, Path::new("for-each.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    ballast::pipeline::compile(&config).unwrap();
+    Arc::new(config)
+}
+
+/// [`config`]'s text.
+fn pipelines_toml(base_url: &str) -> String {
+    format!(
+        r#"
+[providers.p]
+base_url = "{base_url}"
+timeout = "10s"
+retry = {{ max_attempts = 3, base = "1s", cap = "1s", deadline = "1h" }}
+[[providers.p.rules]]
+when = {{ status = ["400"] }}
+outcome = "fail"
+[[providers.p.rules]]
+when = {{ status = "2xx" }}
+outcome = "success"
+
+[[pipelines.fan.steps]]
+name = "split"
+provider = "p"
+request = {{ method = "POST", path = "/v1/split" }}
+outputs = {{ parts = "/parts" }}
+
+[[pipelines.fan.steps]]
+name = "each"
+provider = "p"
+needs = ["split"]
+for_each = "/steps/split/output/parts"
+max_parallel = 3
+request = {{ method = "POST", path = "/v1/item/{{{{ item.n }}}}" }}
+outputs = {{ doubled = "/double" }}
+
+[[pipelines.fan.steps]]
+name = "merge"
+provider = "p"
+needs = ["each"]
+request = {{ method = "POST", path = "/v1/merge", body = '{{{{ steps.each.output | tojson }}}}', headers = {{ "Content-Type" = "application/json" }} }}
+
+[[pipelines.some.steps]]
+name = "each"
+provider = "p"
+for_each = "/input/items"
+items_required = 3
+request = {{ method = "POST", path = "/v1/item/{{{{ item }}}}" }}
+outputs = {{ doubled = "/double" }}
+
+[[pipelines.all.steps]]
+name = "each"
+provider = "p"
+for_each = "/input/items"
+max_parallel = 2
+request = {{ method = "POST", path = "/v1/item/{{{{ item }}}}" }}
+outputs = {{ at = "/double" }}
+"#
+    )
+}
+
+async fn items_fan_out_within_their_cap_and_come_back_in_order(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "for_each_fan").await else {
+        return;
+    };
+    let (url, p) = provider().await;
+    p.seen.lock().unwrap().flaky.insert(4);
+    let (engine, clock) = manual_engine(&t.db, config(&url), "n1").await;
+    let id = engine
+        .enqueue(Enqueue::new("fan", Some("r1"), json!({})))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    let expected: Vec<Value> = (0..10).map(|n| json!({ "doubled": n * 2 })).collect();
+    {
+        let seen = p.seen.lock().unwrap();
+        assert_eq!(seen.most, 3, "three items at once, never more");
+        assert_eq!(seen.calls.len(), 10, "{:?}", seen.calls);
+        let mut keys = HashSet::new();
+        for (n, sent) in &seen.calls {
+            let calls = if *n == 4 { 2 } else { 1 };
+            assert_eq!(sent.len(), calls, "item {n}: {sent:?}");
+            assert!(
+                sent.iter().all(|k| k == &sent[0]),
+                "one key per item: {sent:?}"
+            );
+            assert!(sent[0].ends_with(&format!("-each#{n}-0")), "{}", sent[0]);
+            keys.insert(sent[0].clone());
+        }
+        assert_eq!(keys.len(), 10, "a key of its own for each item");
+        assert_eq!(seen.merged, Some(Value::Array(expected.clone())));
+    }
+
+    let runs = t.db.step_runs(id).await.unwrap();
+    let each = runs.iter().find(|r| r.step == "each").unwrap();
+    assert_eq!(each.output, Some(Value::Array(expected)));
+    assert!(
+        runs.iter().all(|r| !r.step.contains('#')),
+        "items are not among the record's steps: {runs:?}"
+    );
+    let items = t.db.item_runs(id, "each", 0, 100).await.unwrap();
+    assert_eq!(items.len(), 10);
+    assert_eq!(items[4].attempts, 2, "{:?}", items[4]);
+    let attempts = t.db.attempts(id).await.unwrap();
+    let of_item4 = attempts.iter().filter(|a| a.step == "each#4").count();
+    assert_eq!(of_item4, 2, "each item's attempts under its own name");
+
+    // A replay from the step runs every item again, each with a new key;
+    // the first results are kept as versions.
+    let config = config(&url);
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let extra = ActExtra {
+        step: Some("each"),
+        ..ActExtra::default()
+    };
+    let reason = Some("the items changed".to_owned());
+    ops.act_with(id, OperatorAction::ReplayFrom, "ann", reason, extra)
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    {
+        let seen = p.seen.lock().unwrap();
+        for (n, sent) in &seen.calls {
+            let last = sent.last().unwrap();
+            assert!(last.ends_with(&format!("-each#{n}-1")), "{n}: {sent:?}");
+        }
+    }
+    let versions = t.db.step_versions(id).await.unwrap();
+    let items = versions.iter().filter(|v| v.step.starts_with("each#"));
+    assert_eq!(items.count(), 10, "{versions:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_items_fan_out_within_their_cap_and_come_back_in_order() {
+    items_fan_out_within_their_cap_and_come_back_in_order(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_items_fan_out_within_their_cap_and_come_back_in_order() {
+    items_fan_out_within_their_cap_and_come_back_in_order(Backend::Postgres).await;
+}
+
+async fn some_items_may_fail_and_a_retry_runs_only_the_failed(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "for_each_some").await else {
+        return;
+    };
+    let (url, p) = provider().await;
+    p.seen.lock().unwrap().failing.extend([1, 2]);
+    let config = config(&url);
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
+    let items = json!({ "items": [0, 1, 2, 3, 4] });
+    let some = engine
+        .enqueue(Enqueue::new("some", Some("s1"), items.clone()))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let all = engine
+        .enqueue(Enqueue::new("all", Some("a1"), items))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drive_at_rest(&engine, &clock, 2, 1_000, 60_000).await;
+
+    // Three of five succeeded: enough; the failed ones are null.
+    let r = t.db.get_record(some).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    let runs = t.db.step_runs(some).await.unwrap();
+    assert_eq!(
+        runs[0].output,
+        Some(json!([{ "doubled": 0 }, null, null, { "doubled": 6 }, { "doubled": 8 }]))
+    );
+    assert_eq!(
+        runs[0].reason.as_deref(),
+        Some("5 of 5 items done: 3 succeeded, 2 failed")
+    );
+
+    // All required: item 1's failure fails the step, and no item starts
+    // after it.
+    let r = t.db.get_record(all).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Failed, "{r:?}");
+    assert_eq!(r.error_code.as_deref(), Some("items_failed"), "{r:?}");
+    let before: BTreeMap<String, StepState> =
+        t.db.item_runs(all, "each", 0, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.step, r.state))
+            .collect();
+    assert_eq!(before.get("each#1"), Some(&StepState::Failed), "{before:?}");
+
+    // The provider mends; a retry runs the failed items and the rest,
+    // never again the ones that succeeded.
+    p.seen.lock().unwrap().failing.clear();
+    let calls_before: BTreeMap<u64, usize> = p
+        .seen
+        .lock()
+        .unwrap()
+        .calls
+        .iter()
+        .map(|(n, k)| (*n, k.len()))
+        .collect();
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    ops.act_with(all, OperatorAction::Retry, "ann", None, ActExtra::default())
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 2, 1_000, 60_000).await;
+    let r = t.db.get_record(all).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    {
+        let seen = p.seen.lock().unwrap();
+        for (name, state) in &before {
+            let n: u64 = name.trim_start_matches("each#").parse().unwrap();
+            let again = seen.calls[&n].len() - calls_before[&n];
+            let expected = usize::from(*state != StepState::Succeeded);
+            assert_eq!(again, expected, "{name} was {state:?}");
+        }
+    }
+    let runs = t.db.step_runs(all).await.unwrap();
+    let at: Vec<Value> = [0, 1, 2, 3, 4]
+        .iter()
+        .map(|n| json!({ "at": n * 2 }))
+        .collect();
+    assert_eq!(runs[0].output, Some(Value::Array(at)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_some_items_may_fail_and_a_retry_runs_only_the_failed() {
+    some_items_may_fail_and_a_retry_runs_only_the_failed(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_some_items_may_fail_and_a_retry_runs_only_the_failed() {
+    some_items_may_fail_and_a_retry_runs_only_the_failed(Backend::Postgres).await;
+}
+
+/// The record page says how far the items are, lists each with its
+/// attempts, and draws the step as a stack; so does the pipelines page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pages_show_the_items() {
+    let (url, _p) = provider().await;
+    let text = pipelines_toml(&url);
+    let Some(app) = crate::web::WebApp::spawn(Backend::Sqlite, "for_each_pages", &text).await
+    else {
+        return;
+    };
+    let op = app.token(ballast::domain::Role::Operator).await;
+    let made: Value = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .json(&json!({ "pipeline": "fan", "key": "f1", "input": {} }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = made["record"]["id"].as_i64().unwrap();
+    let db = app.t.db.clone();
+    crate::wait::until(
+        "the record succeeds",
+        std::time::Duration::from_secs(60),
+        async || {
+            let r = db.get_record(id).await.unwrap().unwrap();
+            match r.state {
+                RecordState::Succeeded => Ok(()),
+                _ => Err(r),
+            }
+        },
+    )
+    .await;
+    app.user("v", ballast::domain::Role::Viewer).await;
+    let login = app.login("v").await;
+    let page = app.text(&format!("/records/{id}"), Some(&login)).await;
+    for part in [
+        "Items of each",
+        "10 of 10 items done: 10 succeeded, 0 failed",
+        "<td>each#0</td>",
+        "<td>each#9</td>",
+        "outline stack",
+        "10 of 10 items done</text>",
+    ] {
+        assert!(page.contains(part), "{part:?} in {page}");
+    }
+    let page = app.text("/pipelines", Some(&login)).await;
+    assert!(page.contains("p · for each ×3 · request"), "{page}");
+    assert!(page.contains("outline stack"), "{page}");
+    app.stop().await;
+}
+
+#[test]
+fn check_config_refuses_a_for_each_it_cannot_run() {
+    let whole = |step: &str| {
+        let text = format!(
+            r#"
+[providers.p]
+base_url = "http://127.0.0.1:9"
+[[pipelines.fan.steps]]
+name = "split"
+provider = "p"
+request = {{ path = "/split" }}
+[[pipelines.fan.steps]]
+name = "other"
+provider = "p"
+request = {{ path = "/other" }}
+[[pipelines.fan.steps]]
+name = "each"
+needs = ["split"]
+{step}
+"#
+        );
+        Config::parse(&text, Path::new("fan.toml"))
+            .and_then(|c| ballast::pipeline::compile(&c).map(|_| ()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let call = "provider = \"p\"\nrequest = { path = \"/item/{{ item.id }}/{{ item_index }}\" }";
+    assert_eq!(
+        whole(&format!("{call}\nfor_each = \"/steps/split/output/parts\"")),
+        ""
+    );
+    assert_eq!(
+        whole(&format!(
+            "{call}\nfor_each = \"/input/parts\"\nmax_parallel = 4\nitems_required = \"all\""
+        )),
+        ""
+    );
+    for (step, expected) in [
+        (
+            format!("{call}\nfor_each = \"/steps/other/output/parts\""),
+            "reads step `other`, which this step does not need",
+        ),
+        (
+            format!("{call}\nfor_each = \"/record/id\""),
+            "a JSON pointer into the input",
+        ),
+        (
+            format!("{call}\nfor_each = \"/input/x\"\nmax_parallel = 0"),
+            "pipelines.fan.steps[each].max_parallel",
+        ),
+        (
+            format!("{call}\nfor_each = \"/input/x\"\nitems_required = \"most\""),
+            "`\"all\"` or how many items must succeed",
+        ),
+        (
+            "provider = \"p\"\nrequest = { path = \"/x\" }\nmax_parallel = 3".to_owned(),
+            "give `for_each` too",
+        ),
+        (
+            "provider = \"p\"\nrequest = { path = \"/x/{{ item }}\" }".to_owned(),
+            "item",
+        ),
+        (
+            format!("{call}\nfor_each = \"/input/x\"\nundo = {{ request = {{ path = \"/u\" }} }}"),
+            "takes no `undo`",
+        ),
+        (
+            "kind = \"approval\"\nfor_each = \"/input/x\"".to_owned(),
+            "a `approval` step cannot run once per item",
+        ),
+        (
+            "provider = \"p\"\nkind = \"callback\"\njob_id = \"/id\"\n\
+             request = { path = \"/x\" }\ncallback = { job_id = \"/job_id\" }\nfor_each = \"/input/x\""
+                .to_owned(),
+            "cannot run once per item",
+        ),
+    ] {
+        let err = whole(&step);
+        assert!(err.contains(expected), "expected {expected:?}: {err}");
+    }
+}
