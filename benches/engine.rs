@@ -36,7 +36,7 @@
 //!   (in-process provider; polls every 10 minutes): peak RSS of this process
 //!   while 100,000 are taken to `waiting`.
 //!
-//! `-- --only A,backlog,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
+//! `-- --only A,backlog,I,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
 //! part (to profile one figure), `-- --runs N` N runs per figure;
 //! `-- --pg-profile` prints, for each A run on PostgreSQL, where PostgreSQL
 //! spent its time per record in its batch enqueue and in its processing
@@ -284,6 +284,9 @@ enum Kind {
     Chain,
     /// One submit-and-poll step whose job never finishes (`wait`).
     Waiting,
+    /// One request step for each item of one record's input (`items`):
+    /// `n` items, `max_parallel` the engine's calls in flight.
+    Items,
 }
 
 impl Kind {
@@ -292,6 +295,7 @@ impl Kind {
             Kind::One => "one",
             Kind::Chain => "chain",
             Kind::Waiting => "wait",
+            Kind::Items => "items",
         }
     }
 }
@@ -344,6 +348,16 @@ required = false
 request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-notify", "amount": 0}' }
 "#
         }
+        Kind::Items => {
+            r#"
+[[pipelines.items.steps]]
+name = "call"
+provider = "p"
+for_each = "/input/items"
+max_parallel = {concurrency}
+request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-{{ item_index }}", "amount": {{ item }}}' }
+"#
+        }
         Kind::Waiting => {
             r#"
 [[pipelines.wait.steps]]
@@ -363,7 +377,9 @@ poll = { path = "/v1/jobs/{{ job_id }}", every = "10m", deadline = "1h" }
     } else {
         ""
     };
-    let pipeline = pipeline.replace("{lookup}", lookup);
+    let pipeline = pipeline
+        .replace("{lookup}", lookup)
+        .replace("{concurrency}", &concurrency.to_string());
     let text = config_text(url, base_url, concurrency, &limits, &pipeline);
     let config = Config::parse(&text, std::path::Path::new("bench.toml")).expect("bench config");
     config.validate(&|_| None).expect("bench config is valid");
@@ -687,7 +703,15 @@ async fn run_once(setup: &Setup) -> Option<Run> {
             .expect("pg-profile reset");
     }
     let started = Instant::now();
-    let mut i = half;
+    // One record of `n` items.
+    let mut i = if kind == Kind::Items {
+        let items: Vec<usize> = (0..n).collect();
+        let one = Enqueue::new(pipeline, Some("items"), json!({ "items": items }));
+        engine.enqueue(one).await.ok()?;
+        n
+    } else {
+        half
+    };
     while i < n {
         let end = (i + ENQUEUE_BATCH).min(n);
         let items = (i..end)
@@ -731,11 +755,18 @@ async fn run_once(setup: &Setup) -> Option<Run> {
             .iter()
             .filter(|c| match kind {
                 Kind::One => c.state == RecordState::Succeeded,
+                Kind::Items => c.state == RecordState::Succeeded,
                 Kind::Chain => c.state.is_at_rest(),
                 Kind::Waiting => c.state == RecordState::Waiting,
             })
             .map(|c| c.count)
             .sum();
+        // The one record of items stands for its `n` items.
+        let done = if kind == Kind::Items {
+            done * n as i64
+        } else {
+            done
+        };
         if done as usize >= n {
             break;
         }
@@ -1525,6 +1556,47 @@ fn main() {
                         "{:<44} {:>22}",
                         "   large / small backlog",
                         format!("{:.2}", large / small)
+                    );
+                }
+            }
+            if filter.wants("I") {
+                // A step for each of 1,000 items against 1,000 one-step
+                // records, interleaved: the same calls, in-process, 100 at
+                // once.
+                let records = setup(1_000, Provider::InProcess, 100, None, false);
+                let items = Setup {
+                    kind: Kind::Items,
+                    ..records.clone()
+                };
+                let (mut r, mut it) = (Vec::new(), Vec::new());
+                for _ in 0..runs {
+                    r.extend(run_once(&records).await);
+                    it.extend(run_once(&items).await);
+                }
+                for (rs, name) in [
+                    (&it, "I  1,000 items of one record, in-process"),
+                    (&r, "   1,000 one-step records, the same calls"),
+                ] {
+                    if rs.is_empty() {
+                        continue;
+                    }
+                    println!(
+                        "{name:<44} {:>22} {:>18}",
+                        median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
+                        median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
+                    );
+                }
+                if !r.is_empty() && !it.is_empty() {
+                    let rate = |v: &[Run]| {
+                        median(&v.iter().map(|r| r.processed_per_s).collect::<Vec<_>>())
+                    };
+                    let cpu =
+                        |v: &[Run]| median(&v.iter().map(|r| r.cpu_per_1000).collect::<Vec<_>>());
+                    println!(
+                        "{:<44} {:>22} {:>18}",
+                        "   items / records (medians)",
+                        format!("{:.2}x the rate", rate(&it) / rate(&r)),
+                        format!("{:.2}x the CPU", cpu(&it) / cpu(&r)),
                     );
                 }
             }

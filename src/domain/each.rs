@@ -191,9 +191,11 @@ pub fn judge(each: &Each, mut w: StepWrite, t: &Tally, now: UnixMs) -> StepWrite
         w.finished_at = Some(now);
     } else {
         let now_due = t.due_now || t.may_start(each);
+        // Unfinished items all have a time; without one (never expected)
+        // the step looks again a minute on rather than at once.
         w.next_run_at = match now_due {
             true => Some(now),
-            false => t.later_at.or(Some(now)),
+            false => t.later_at.or(Some(now + 60_000)),
         };
         w.state = if now_due {
             StepState::Pending

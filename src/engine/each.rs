@@ -4,8 +4,8 @@
 //! its own call, attempts, idempotency key, intent, permits and breaker
 //! verdicts), up to a few rounds per pass; the step's own run is then
 //! judged from the items' tally. Only the items a pass runs are read: the
-//! rest are counted in SQL, so a pass costs the same at 10 items or
-//! 10,000.
+//! rest are counted in SQL (a scan of the step's items on its index), so
+//! a pass holds no more than its own items in memory.
 
 use std::collections::HashMap;
 
@@ -63,20 +63,17 @@ pub(super) async fn left_open_item(
     Ok(Some((item_step(s, each, index), write)))
 }
 
-/// A record's step runs, and the run of the item it stopped at (its
-/// step, when that is an item of a step for each item): what an
-/// operator's action on the item needs.
-pub(super) async fn runs_with_item(
+/// `runs`, a record's step runs, with the items of its step whose call's
+/// outcome is not known, when it is parked on one (what "it took effect"
+/// answers for, and refuses when there are several).
+pub async fn with_uncertain_items(
     db: &crate::store::Db,
     rec: &crate::domain::Record,
+    mut runs: Vec<crate::domain::StepRun>,
 ) -> Result<Vec<crate::domain::StepRun>, crate::store::StoreError> {
-    let mut runs = db.step_runs(rec.id).await?;
-    if let Some((of, index)) = rec.step.as_deref().and_then(item_of) {
-        let item = db.item_runs(rec.id, of, index, 1).await?;
-        runs.extend(
-            item.into_iter()
-                .filter(|r| Some(&r.step) == rec.step.as_ref()),
-        );
+    let uncertain = rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN);
+    if let (true, Some(step)) = (uncertain, rec.step.as_deref()) {
+        runs.extend(db.uncertain_items(rec.id, step).await?);
     }
     Ok(runs)
 }
@@ -87,6 +84,59 @@ fn fresh(name: &str, provider: &str, generation: i32) -> StepWrite {
     w.provider = Some(provider.to_owned());
     w.generation = generation;
     w
+}
+
+/// The items a pass runs: those due (`due`, as stored or as this pass
+/// judged them already), the `known` ones (calls left open) still to
+/// run, and any item a lost pass started that left no trace (between
+/// the last stored and the last known); the rest are counted in `tally`.
+/// The stored items are a prefix of the list (a pass commits all it
+/// started), so a known item below the stored `next` has a stored,
+/// unfinished run, counted by the store.
+fn with_known(
+    (s, generation): (&Step, i32),
+    (tally, due): (&mut Tally, Vec<crate::domain::StepRun>),
+    known: Vec<StepWrite>,
+    now: UnixMs,
+) -> Vec<StepWrite> {
+    let mut known: std::collections::BTreeMap<i64, StepWrite> = known
+        .into_iter()
+        .filter_map(|w| Some((item_of(&w.step)?.1, w)))
+        .collect();
+    let mut todo = Vec::new();
+    // An item that ended, or is due later, is counted and not run.
+    let mut take = |w: StepWrite, tally: &mut Tally| match w.next_run_at {
+        _ if crate::domain::pass::is_done(w.state) => tally.add(&w, now),
+        Some(t) if t > now => tally.add(&w, now),
+        _ => todo.push(w),
+    };
+    for run in &due {
+        let index = item_of(&run.step).map_or(-1, |(_, i)| i);
+        let w = known.remove(&index).unwrap_or_else(|| StepWrite::from(run));
+        take(w, tally);
+    }
+    let stored_next = tally.next;
+    let top = known
+        .keys()
+        .next_back()
+        .map_or(stored_next, |k| (k + 1).max(stored_next));
+    for index in stored_next..top {
+        if !known.contains_key(&index) {
+            take(
+                fresh(&item_name(&s.name, index), &s.provider, generation),
+                tally,
+            );
+        }
+    }
+    for (index, w) in known {
+        if index < stored_next {
+            // Counted unfinished by the store; counted again here.
+            tally.open -= 1;
+        }
+        take(w, tally);
+    }
+    tally.next = top;
+    todo
 }
 
 /// The step's run failed with `code` before any item ran (its list is
@@ -132,30 +182,7 @@ pub(super) async fn run(p: PendingStep<'_>, each: &Each, known: Vec<StepWrite>) 
         }
     };
     tally.total = i64::try_from(list.len()).unwrap_or(i64::MAX);
-    let mut known: HashMap<String, StepWrite> =
-        known.into_iter().map(|w| (w.step.clone(), w)).collect();
-    let mut todo: Vec<StepWrite> = due
-        .iter()
-        .map(|run| {
-            known
-                .remove(&run.step)
-                .unwrap_or_else(|| StepWrite::from(run))
-        })
-        .collect();
-    for (name, w) in known {
-        let Some((_, index)) = item_of(&name) else {
-            continue;
-        };
-        if index < tally.next {
-            // Counted unfinished by the store; counted again below.
-            tally.open -= 1;
-        }
-        tally.next = tally.next.max(index + 1);
-        match w.next_run_at {
-            Some(t) if t > now => tally.add(&w, now),
-            _ => todo.push(w),
-        }
-    }
+    let todo = with_known((s, call.write.generation), (&mut tally, due), known, now);
     let room = each.per_pass().saturating_sub(todo.len());
     let new = usize::try_from(tally.total - tally.next)
         .unwrap_or(0)
@@ -242,12 +269,16 @@ async fn run_items(
     let i = call.engine;
     let mut running = FuturesUnordered::new();
     let mut steps = steps.iter();
+    // No item runs for a step that can no longer succeed.
+    let mut go_on = !tally.lost(each);
     for w in todo {
         let Some(s) = steps.next() else { break };
-        running.push(start(call, list, s, w, call.now));
+        match go_on {
+            true => running.push(start(call, list, s, w, call.now)),
+            false => tally.add(&w, call.now),
+        }
     }
     let mut outs = Vec::new();
-    let mut go_on = true;
     loop {
         while go_on
             && tally.open + i64::try_from(running.len()).unwrap_or(i64::MAX)
@@ -269,4 +300,74 @@ async fn run_items(
         outs.push(out);
     }
     outs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step() -> Step {
+        let text = r#"
+[providers.p]
+base_url = "http://127.0.0.1:9"
+[[pipelines.fan.steps]]
+name = "each"
+provider = "p"
+for_each = "/input/items"
+request = { path = "/x/{{ item }}" }
+"#;
+        let config = crate::config::Config::parse(text, std::path::Path::new("t.toml")).unwrap();
+        let compiled = crate::pipeline::compile(&config).unwrap();
+        compiled.pipelines["fan"].steps[0].clone()
+    }
+
+    fn left_open(index: i64) -> StepWrite {
+        fresh(&item_name("each", index), "p", 2)
+    }
+
+    /// A lost pass that started items 3 to 6 left calls open on 3 and 6
+    /// only (4 and 5 waited for a permit): all four run again, 4 and 5 as
+    /// new runs, and the stored count of unfinished items (3) is not
+    /// counted twice.
+    #[test]
+    fn items_a_lost_pass_started_are_all_run_and_counted_once() {
+        let s = step();
+        let mut tally = Tally {
+            total: 10,
+            next: 4,
+            succeeded: 3,
+            open: 1,
+            ..Tally::default()
+        };
+        let todo = with_known(
+            (&s, 2),
+            (&mut tally, Vec::new()),
+            vec![left_open(6), left_open(3)],
+            50,
+        );
+        let mut names: Vec<&str> = todo.iter().map(|w| w.step.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["each#3", "each#4", "each#5", "each#6"]);
+        assert!(todo.iter().all(|w| w.generation == 2));
+        assert_eq!((tally.next, tally.open), (7, 0));
+    }
+
+    /// An item a pass found ended (an uncertain call failed where only
+    /// some items must succeed) is counted, never run again.
+    #[test]
+    fn an_ended_item_is_never_run_again() {
+        let s = step();
+        let mut tally = Tally {
+            total: 10,
+            next: 2,
+            succeeded: 1,
+            open: 1,
+            ..Tally::default()
+        };
+        let mut failed = left_open(1);
+        failed.state = StepState::Failed;
+        let todo = with_known((&s, 2), (&mut tally, Vec::new()), vec![failed], 50);
+        assert!(todo.is_empty(), "{todo:?}");
+        assert_eq!((tally.open, tally.failed, tally.next), (0, 1, 2));
+    }
 }

@@ -13,6 +13,7 @@ mod committer;
 mod confirm;
 mod deliveries;
 mod each;
+pub use each::with_uncertain_items;
 mod enqueue;
 pub mod export;
 pub mod http;

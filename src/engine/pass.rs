@@ -125,14 +125,17 @@ impl Progress {
         c.callbacks_done = self.callbacks_done.clone();
         c.confirms = self.confirms.clone();
         c.intents_done = self.intents_done.clone();
+        // A record is at a step (an item's step, for an item: the item
+        // itself is found by its state).
+        let at = |step: &str| Some(crate::domain::each::step_of(step).to_owned());
         if let Some((step, provider, _)) = &self.last {
-            c.step = Some(step.clone());
+            c.step = at(step);
             c.provider = provider.clone();
         }
         // A parked record is at the step that parked it (an outage parks
         // one that may never have made a call).
         if let (Some(WorkResult::Parked), Some((step, provider))) = (result, &self.park_at) {
-            c.step = Some(step.clone());
+            c.step = at(step);
             c.provider = provider.clone().or_else(|| c.provider.clone());
         }
         c

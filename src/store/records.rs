@@ -74,6 +74,9 @@ pub trait Records: Send + Sync {
     ) -> StoreResult<(Tally, Vec<StepRun>)>;
     /// The outputs of a step's succeeded items, by index.
     async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>>;
+    /// A step's unfinished items whose call's outcome is not known (at
+    /// most 10, in order): what "it took effect" answers for.
+    async fn uncertain_items(&self, record_id: i64, step: &str) -> StoreResult<Vec<StepRun>>;
     /// A step's item runs from index `from`, at most `limit`, in order.
     async fn item_runs(
         &self,
@@ -554,6 +557,20 @@ where
         rows.iter()
             .map(|r| Ok((r.try_get(0)?, r.json("output")?.unwrap_or(Value::Null))))
             .collect()
+    }
+
+    async fn uncertain_items(&self, record_id: i64, step: &str) -> StoreResult<Vec<StepRun>> {
+        let sql = format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of = $2 \
+             AND {OPEN} AND error_code = $3 ORDER BY item_no LIMIT 10"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .bind(crate::domain::OUTCOME_UNCERTAIN)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::step_run)
     }
 
     async fn item_runs(

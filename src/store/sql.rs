@@ -1226,7 +1226,10 @@ where
              finished_at = CASE WHEN state = 'skipped' THEN NULL ELSE finished_at END, \
              state = CASE WHEN job_id IS NULL THEN 'pending' ELSE 'waiting' END \
              WHERE record_id = $2 AND state <> 'succeeded' \
-             AND NOT (state = 'skipped' AND output IS NOT NULL) RETURNING step",
+             AND NOT (state = 'skipped' AND output IS NOT NULL) \
+             AND (item_of IS NULL OR EXISTS (SELECT 1 FROM step_runs a \
+               WHERE a.record_id = step_runs.record_id AND a.step = step_runs.item_of \
+               AND a.state <> 'succeeded')) RETURNING step",
         )
         .bind(now)
         .bind(rec.id)
@@ -1400,19 +1403,36 @@ where
     }
 
     /// The step runs of a record whose row `tx` holds, as they stand:
-    /// its steps' and the item it stopped at, if any (not every item of a
-    /// step for each item).
-    async fn step_runs_locked(tx: &mut Tx<DB>, rec: &Record) -> StoreResult<Vec<StepRun>> {
+    /// its steps', and the runs of the items `items` names (not every
+    /// item of a step for each item).
+    async fn step_runs_locked(
+        tx: &mut Tx<DB>,
+        record_id: i64,
+        items: &[String],
+    ) -> StoreResult<Vec<StepRun>> {
         let sql = format!(
             "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 \
-             AND (item_of IS NULL OR step = $2) ORDER BY step"
+             AND item_of IS NULL ORDER BY step"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(rec.id)
-            .bind(rec.step.clone())
+            .bind(record_id)
             .fetch_all(&mut **tx)
             .await?;
-        map_all(&rows, MapRow::step_run)
+        let mut runs = map_all(&rows, MapRow::step_run)?;
+        let items = items
+            .iter()
+            .filter(|s| crate::domain::each::item_of(s).is_some());
+        for item in items {
+            let sql =
+                format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND step = $2");
+            let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(record_id)
+                .bind(item.clone())
+                .fetch_optional(&mut **tx)
+                .await?;
+            runs.extend(row.as_ref().map(MapRow::step_run).transpose()?);
+        }
+        Ok(runs)
     }
 
     /// An action on a record locked in `tx`: an operator's (`act`), or the
@@ -1430,7 +1450,7 @@ where
         condition: Option<&ParkUntil>,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
-        let runs = Self::step_runs_locked(tx, rec).await?;
+        let runs = Self::step_runs_locked(tx, rec.id, &req.steps).await?;
         let plan = action::plan(rec, &runs, req, condition)?;
         if let Some(new) = &plan.input {
             sqlx::query("UPDATE records SET input = $1 WHERE id = $2")

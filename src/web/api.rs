@@ -37,6 +37,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .route("/records/bulk", post(bulk))
         .route("/records/{id}", get(get_one))
         .route("/records/{id}/actions", post(act))
+        .route("/records/{id}/items/{step}", get(items))
         .route("/records/{id}/signals/{step}", post(signal))
         .route("/reload", post(reload));
     let refuse = |_| {
@@ -279,6 +280,39 @@ async fn get_one(
         "events": events,
         "children": children,
     })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ItemsQuery {
+    /// The first item's index (0 when unset).
+    from: Option<i64>,
+    /// How many (100 when unset, at most 1,000).
+    limit: Option<i64>,
+}
+
+/// The items of a record's step for each item, in order: each item's run
+/// (state, attempts, error, output) from index `from`; `next` is the
+/// index to ask from for more.
+async fn items(
+    _caller: Bearer<Viewer>,
+    State(state): State<AppState>,
+    Path((id, step)): Path<(i64, String)>,
+    Query(q): Query<ItemsQuery>,
+) -> WebResult<Json<Value>> {
+    state
+        .db
+        .get_record(id)
+        .await?
+        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    let (from, limit) = (
+        q.from.unwrap_or(0).max(0),
+        q.limit.unwrap_or(100).clamp(1, 1_000),
+    );
+    let mut items = state.db.item_runs(id, &step, from, limit + 1).await?;
+    let next = (items.len() as i64 > limit).then_some(from + limit);
+    items.truncate(limit as usize);
+    Ok(Json(json!({ "items": items, "next": next })))
 }
 
 #[derive(Deserialize)]

@@ -26,6 +26,9 @@ pub struct Spec<'a> {
     pub kind: &'a str,
     /// A step for each item: drawn as a stack of boxes.
     pub stacked: bool,
+    /// It has an undo call: a dashed edge comes back to it from each
+    /// step that needs it (that step failing undoes this one).
+    pub undo: bool,
 }
 
 impl<'a> Spec<'a> {
@@ -38,6 +41,7 @@ impl<'a> Spec<'a> {
             when: None,
             kind: "",
             stacked: false,
+            undo: false,
         }
     }
 
@@ -50,6 +54,7 @@ impl<'a> Spec<'a> {
             when: s.when.as_deref(),
             kind: &s.kind,
             stacked: s.each.is_some(),
+            undo: false,
         }
     }
 
@@ -172,6 +177,9 @@ pub struct Edge {
     pub to: String,
     pub d: String,
     pub any: bool,
+    /// A dashed edge back to a step with an undo call from a step that
+    /// needs it.
+    pub undo: bool,
     /// Empty for none; drawn at (`label_x`, `label_y`).
     pub label: String,
     pub label_x: i64,
@@ -280,6 +288,7 @@ pub fn layout(
                 to: s.name.to_owned(),
                 d: format!("M{x1} {y1} C{mid} {y1} {mid} {y2} {x2} {y2}"),
                 any,
+                undo: false,
                 // Above the edge's end, ending where it enters the box
                 // (drawn with `text-anchor: end`).
                 label: label.take().unwrap_or_default(),
@@ -291,8 +300,11 @@ pub fn layout(
             node.condition = label;
         }
     }
+    let back = undo_edges(specs, &at);
     let width = nodes.iter().map(|n| n.x + NODE_W).max().unwrap_or(0) + MARGIN;
-    let height = nodes.iter().map(|n| n.y + NODE_H).max().unwrap_or(0) + MARGIN;
+    let below = if back.is_empty() { 0 } else { UNDO_DIP + 4 };
+    let height = nodes.iter().map(|n| n.y + NODE_H).max().unwrap_or(0) + MARGIN + below;
+    edges.extend(back);
     Graph {
         id: id.to_owned(),
         title: title.to_owned(),
@@ -305,9 +317,70 @@ pub fn layout(
     }
 }
 
+/// How far below the boxes an undo edge dips.
+const UNDO_DIP: i64 = 28;
+
+/// The dashed edges back to each step with an undo call, one from each
+/// step that needs it: from under the later box to under the earlier.
+fn undo_edges(specs: &[Spec<'_>], at: &HashMap<&str, (i64, i64)>) -> Vec<Edge> {
+    let mut edges = Vec::new();
+    for undone in specs.iter().filter(|s| s.undo) {
+        for later in specs {
+            let needs_it = later.inputs().any(|(n, _)| n == undone.name);
+            let (Some(&(x1, y1)), Some(&(x2, y2)), true) =
+                (at.get(later.name), at.get(undone.name), needs_it)
+            else {
+                continue;
+            };
+            let (x1, y1) = (x1 + 24, y1 + NODE_H);
+            let (x2, y2) = (x2 + NODE_W - 24, y2 + NODE_H + 2);
+            let low = y1.max(y2) + UNDO_DIP;
+            edges.push(Edge {
+                from: later.name.to_owned(),
+                to: undone.name.to_owned(),
+                d: format!("M{x1} {y1} C{x1} {low} {x2} {low} {x2} {y2}"),
+                any: false,
+                undo: true,
+                label: String::new(),
+                label_x: 0,
+                label_y: 0,
+            });
+        }
+    }
+    edges
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_undo_comes_back_dashed_from_each_step_that_needs_it() {
+        let (none, a) = (needs(&[]), needs(&["a"]));
+        let specs = [
+            Spec {
+                undo: true,
+                ..Spec::new("a", &none)
+            },
+            Spec::new("b", &a),
+            Spec::new("c", &a),
+        ];
+        let g = layout("g", "t", &specs, |_, _| {});
+        let back: Vec<(&str, &str)> = g
+            .edges
+            .iter()
+            .filter(|e| e.undo)
+            .map(|e| (e.from.as_str(), e.to.as_str()))
+            .collect();
+        assert_eq!(back, [("b", "a"), ("c", "a")]);
+        let plain = layout(
+            "g",
+            "t",
+            &[Spec::new("a", &none), Spec::new("b", &a)],
+            |_, _| {},
+        );
+        assert!(g.height > plain.height, "room below for the dip");
+    }
 
     fn needs(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| (*s).to_owned()).collect()

@@ -238,9 +238,11 @@ pub async fn offered(
     Vec<crate::domain::OperatorAction>,
     Option<crate::domain::StepRun>,
 ) {
-    let uncertain = match &state.engine {
-        Some(engine) => crate::engine::uncertain_run(engine, rec, runs).await.ok(),
-        None => None,
+    // With the items parked on a call whose outcome is not known.
+    let items = crate::engine::with_uncertain_items(&state.db, rec, runs.to_vec()).await;
+    let uncertain = match (&state.engine, items) {
+        (Some(engine), Ok(runs)) => crate::engine::uncertain_run(engine, rec, &runs).await.ok(),
+        _ => None,
     };
     let undoable = match &state.engine {
         Some(engine) => !engine.versions().undo_steps(rec, runs).await.is_empty(),

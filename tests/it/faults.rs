@@ -85,7 +85,7 @@ impl Drop for Serve {
 
 /// Records of `pipeline` due now, one for each `i` in `range`, keyed
 /// `{prefix}{i}`, with `input(i)`.
-fn due_now(
+pub(crate) fn due_now(
     pipeline: &str,
     prefix: &str,
     range: std::ops::Range<i64>,
@@ -1066,7 +1066,7 @@ callback = { job_id = "/job_id", deadline = "2s" }
 /// How many runs of the long items: `BALLAST_FAULTS=full` for the sizes
 /// the issue names, a smaller run (still real processes and real kills)
 /// otherwise.
-fn full_run() -> bool {
+pub(crate) fn full_run() -> bool {
     std::env::var("BALLAST_FAULTS").is_ok_and(|v| v == "full")
 }
 
@@ -1206,7 +1206,7 @@ async fn kill_loop(backend: ballast::store::Backend) {
 /// once it holds work if it comes to within 5 s (at that point it may hold
 /// none: everything waits on backoff or polls); the records it held then,
 /// with their lease owner.
-async fn kill_while_working(
+pub(crate) async fn kill_while_working(
     node: Serve,
     db: &Db,
     sim: &ballast::sim::SimHandle,

@@ -31,6 +31,8 @@ struct Seen {
     flaky: HashSet<u64>,
     /// Items that answer 400 (a failure) while listed.
     failing: HashSet<u64>,
+    /// Items that never answer while listed.
+    hanging: HashSet<u64>,
     /// What the merge was sent.
     merged: Option<Value>,
 }
@@ -68,6 +70,11 @@ async fn item(
     if first_three {
         let mut rx = p.started.subscribe();
         let _ = rx.wait_for(|c| *c >= 3).await;
+    }
+    let hangs = p.seen.lock().unwrap().hanging.contains(&n);
+    if hangs {
+        p.seen.lock().unwrap().in_flight -= 1;
+        std::future::pending::<()>().await;
     }
     let mut s = p.seen.lock().unwrap();
     s.in_flight -= 1;
@@ -163,6 +170,21 @@ name = "each"
 provider = "p"
 for_each = "/input/items"
 items_required = 3
+request = {{ method = "POST", path = "/v1/item/{{{{ item }}}}" }}
+outputs = {{ doubled = "/double" }}
+
+[providers.q]
+base_url = "{base_url}"
+timeout = "300ms"
+at_most_once = true
+[[providers.q.rules]]
+when = {{ status = "2xx" }}
+outcome = "success"
+
+[[pipelines.once.steps]]
+name = "each"
+provider = "q"
+for_each = "/input/items"
 request = {{ method = "POST", path = "/v1/item/{{{{ item }}}}" }}
 outputs = {{ doubled = "/double" }}
 
@@ -360,6 +382,79 @@ async fn postgres_some_items_may_fail_and_a_retry_runs_only_the_failed() {
     some_items_may_fail_and_a_retry_runs_only_the_failed(Backend::Postgres).await;
 }
 
+/// Items of an `at_most_once` provider whose calls time out park the
+/// record at the step with their outcome uncertain: "it took effect" is
+/// refused while two are, and answers for the one left after a retry;
+/// nothing is sent again on a guess.
+async fn an_uncertain_item_is_settled_by_an_operator(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "for_each_uncertain").await else {
+        return;
+    };
+    let (url, p) = provider().await;
+    p.seen.lock().unwrap().hanging.extend([1, 2]);
+    let config = config(&url);
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
+    let id = engine
+        .enqueue(Enqueue::new(
+            "once",
+            Some("u1"),
+            json!({ "items": [0, 1, 2, 3] }),
+        ))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.error_code.as_deref(), r.step.as_deref()),
+        (RecordState::Parked, Some("outcome_uncertain"), Some("each")),
+        "{r:?}"
+    );
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let output = Some(json!({ "doubled": 2 }));
+    let several = ops
+        .took_effect(id, "olga", None, None, output.clone())
+        .await
+        .unwrap_err();
+    assert!(several.to_string().contains("several"), "{several}");
+
+    // A retry sends the two again (an operator's word); item 2 answers.
+    p.seen.lock().unwrap().hanging.remove(&2);
+    ops.act_with(id, OperatorAction::Retry, "olga", None, ActExtra::default())
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.error_code.as_deref(), Some("outcome_uncertain"), "{r:?}");
+    let rec = ops
+        .took_effect(id, "olga", Some("found it".into()), None, output)
+        .await
+        .unwrap();
+    assert_eq!(rec.state, RecordState::Pending);
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    let runs = t.db.step_runs(id).await.unwrap();
+    assert_eq!(
+        runs[0].output,
+        Some(json!([{ "doubled": 0 }, { "doubled": 2 }, { "doubled": 4 }, { "doubled": 6 }]))
+    );
+    let seen = p.seen.lock().unwrap();
+    let calls: Vec<usize> = (0..4).map(|n| seen.calls[&n].len()).collect();
+    assert_eq!(calls, [1, 2, 2, 1], "only the retry sent items again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_uncertain_item_is_settled_by_an_operator() {
+    an_uncertain_item_is_settled_by_an_operator(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_uncertain_item_is_settled_by_an_operator() {
+    an_uncertain_item_is_settled_by_an_operator(Backend::Postgres).await;
+}
+
 /// The record page says how far the items are, lists each with its
 /// attempts, and draws the step as a stack; so does the pipelines page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -409,6 +504,19 @@ async fn the_pages_show_the_items() {
     ] {
         assert!(page.contains(part), "{part:?} in {page}");
     }
+    let items: Value = app
+        .client
+        .get(app.url(&format!("/api/v1/records/{id}/items/each?from=8&limit=1")))
+        .bearer_auth(&op)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(items["items"][0]["step"], "each#8", "{items}");
+    assert_eq!(items["items"][0]["output"], json!({ "doubled": 16 }));
+    assert_eq!(items["next"], 9, "{items}");
     let page = app.text("/pipelines", Some(&login)).await;
     assert!(page.contains("p · for each ×3 · request"), "{page}");
     assert!(page.contains("outline stack"), "{page}");
@@ -496,4 +604,170 @@ needs = ["split"]
         let err = whole(&step);
         assert!(err.contains(expected), "expected {expected:?}: {err}");
     }
+}
+
+/// Issue 48's done-when for items: `ballast serve` killed with SIGKILL at
+/// random points while it runs records of a 50-item step against a job
+/// provider that ignores idempotency keys (`at_most_once`, with a lookup
+/// by client reference), now and then charging and then resetting the
+/// connection or stalling (and failing some jobs outright: 40 of 50 items
+/// must succeed). Every item that succeeded is charged exactly once, none
+/// twice, nothing is lost, and every submit that reached
+/// the provider is an attempt of the item whose key it carried.
+async fn a_step_for_each_item_survives_kills(backend: Backend) {
+    use crate::faults::{Serve, due_now, full_run, kill_while_working};
+    let (n, kills) = if full_run() { (40, 10) } else { (6, 3) };
+    let Some(t) = TestDb::migrated(backend, "for_each_kills").await else {
+        return;
+    };
+    let mut profile = ballast::sim::Profile::chaos_scaled(48, 0.02);
+    profile.p_job_never = 0.0;
+    profile.ignore_keys = true;
+    profile.p_reset_after_effect = 0.03;
+    profile.p_stall_after_effect = 0.01;
+    let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
+    let pipeline = r#"
+[[pipelines.pay.steps]]
+name = "render"
+provider = "sim"
+kind = "submit_poll"
+for_each = "/input/items"
+max_parallel = 10
+items_required = 40
+request = { method = "POST", path = "/v1/jobs", body = '{"client_reference": "{{ key }}", "amount": {{ item }}}' }
+job_id = "/id"
+poll = { path = "/v1/jobs/{{ job_id }}", every = "50ms", deadline = "20s" }
+lookup = { path = "/v1/jobs?client_reference={{ key | urlencode }}", job_id = "/data/0/id" }
+outputs = { url = "/result/url" }
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        format!(
+            "[database]\nurl = \"{}\"\n[engine]\nlease = \"2s\"\n{}{pipeline}",
+            t.url,
+            crate::engine::sim_provider_toml(&sim.base_url(), "at_most_once = true"),
+        ),
+    )
+    .unwrap();
+    let env = [("BALLAST_ADMIN_PASSWORD", "for-each-admin-pw")];
+    let mut rng = fastrand::Rng::with_seed(48);
+    let part = n / kills;
+    for round in 0..kills {
+        let records = due_now(
+            "pay",
+            "each-",
+            round * part..(round + 1) * part,
+            |_| json!({ "items": (1..=50).collect::<Vec<i64>>() }),
+        );
+        t.db.create_records(records, crate::helpers::wall_ms())
+            .await
+            .unwrap();
+        let node = Serve::start(dir.path(), &env).await;
+        kill_while_working(node, &t.db, &sim, &mut rng).await;
+    }
+    let last = Serve::start(dir.path(), &env).await;
+    let limit = std::time::Duration::from_secs(if full_run() { 900 } else { 300 });
+    crate::engine::wait_at_rest(&t.db, n, limit).await;
+    last.stop().await;
+    let audit = crate::helpers::audit_at_rest(&t.db).await;
+
+    let mut arrived = std::collections::HashMap::<String, usize>::new();
+    let mut charged = std::collections::HashMap::<String, usize>::new();
+    for a in sim.arrivals() {
+        let reference = a.client_reference.expect("every submit carries its key");
+        *charged.entry(reference.clone()).or_default() += usize::from(a.effect);
+        *arrived.entry(reference).or_default() += 1;
+    }
+    let (mut holes, mut items_done, mut uncertain) = (0, 0, 0);
+    // Calls a kill caught in flight (read back from their intents), and
+    // lookups that settled them.
+    let (mut caught, mut lookups) = (0, 0);
+    for r in crate::helpers::all_records(&t.db, None).await {
+        assert!(
+            t.db.open_intents(r.id).await.unwrap().is_empty(),
+            "record {} at rest with a call left open",
+            r.id
+        );
+        let attempts = t.db.attempts(r.id).await.unwrap();
+        caught += attempts
+            .iter()
+            .filter(|a| {
+                a.excerpt
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("no reply recorded"))
+            })
+            .count();
+        lookups += attempts
+            .iter()
+            .filter(|a| {
+                a.error_code
+                    .as_deref()
+                    .is_some_and(|c| c.starts_with("lookup_"))
+            })
+            .count();
+        let items = t.db.item_runs(r.id, "render", 0, 100).await.unwrap();
+        for item in &items {
+            let submits = attempts
+                .iter()
+                .filter(|a| a.step == item.step)
+                .filter(|a| a.request.as_ref().is_some_and(|q| q.method == "POST"))
+                .count();
+            let calls = arrived.get(&item.idempotency_key).copied().unwrap_or(0);
+            holes += calls.saturating_sub(submits);
+            let charges = charged.get(&item.idempotency_key).copied().unwrap_or(0);
+            if item.state == StepState::Succeeded {
+                items_done += 1;
+                assert_eq!(charges, 1, "{} charged {charges} times", item.step);
+            }
+            assert!(charges <= 1, "{} charged {charges} times", item.step);
+        }
+        match r.state {
+            RecordState::Succeeded => {
+                assert_eq!(items.len(), 50, "record {}: {items:?}", r.id);
+                let run = t.db.step_runs(r.id).await.unwrap().remove(0);
+                let output = run.output.unwrap_or_default();
+                let urls = output
+                    .as_array()
+                    .map_or(0, |o| o.iter().filter(|u| !u.is_null()).count());
+                let succeeded = items
+                    .iter()
+                    .filter(|i| i.state == StepState::Succeeded)
+                    .count();
+                assert!(urls >= 40 && urls == succeeded, "record {}: {output}", r.id);
+            }
+            RecordState::Parked => uncertain += 1,
+            _ => {}
+        }
+    }
+    let ledger = sim.ledger();
+    println!(
+        "{} for-each kill -9 loop: {n} records of 50 items, {kills} kills: {} succeeded + {} \
+         failed + {} parked ({uncertain} parked records); {items_done} items done, {} submits \
+         reached the provider, {} double charges, {holes} calls with no attempt; {caught} calls \
+         read back after a kill, {lookups} lookups",
+        backend.as_str(),
+        audit.ok,
+        audit.failed,
+        audit.parked,
+        arrived.values().sum::<usize>(),
+        ledger.double_charges,
+    );
+    assert_eq!(audit.ok + audit.failed + audit.parked, n, "0 lost");
+    assert_eq!(ledger.double_charges, 0, "0 double charges");
+    assert_eq!(
+        holes, 0,
+        "every call that reached the provider is in the history"
+    );
+    assert!(audit.ok > 0, "some records succeeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_step_for_each_item_survives_kills() {
+    a_step_for_each_item_survives_kills(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_step_for_each_item_survives_kills() {
+    a_step_for_each_item_survives_kills(Backend::Postgres).await;
 }

@@ -987,6 +987,12 @@ async fn every_route_checks_the_role_server_side() {
     let api: Vec<(&str, String, Option<Value>, Role)> = vec![
         ("GET", "/api/v1/records".into(), None, Role::Viewer),
         ("GET", format!("/api/v1/records/{r}"), None, Role::Viewer),
+        (
+            "GET",
+            format!("/api/v1/records/{r}/items/fetch"),
+            None,
+            Role::Viewer,
+        ),
         ("GET", "/api/v1/records/export".into(), None, Role::Operator),
         (
             "POST",

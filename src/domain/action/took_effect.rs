@@ -59,7 +59,8 @@ impl Rules for TookEffect {
                 "`took_effect` needs the step and what the provider made",
             );
         };
-        if rec.step.as_deref() != Some(step.as_str())
+        // The record is at the step, or at the step an item is of.
+        if rec.step.as_deref() != Some(super::super::each::step_of(step))
             || rec.error_code.as_deref() != Some(OUTCOME_UNCERTAIN)
         {
             return invalid(
@@ -129,7 +130,8 @@ pub fn uncertain_call<'r>(
             "this record does not wait on a call whose outcome is uncertain",
         ));
     }
-    let parked_on = |r: &StepRun| rec.step.as_deref() == Some(r.step.as_str());
+    // The record's step, or an item of it (a record is at an item's step).
+    let parked_on = |r: &StepRun| rec.step.as_deref() == Some(super::super::each::step_of(&r.step));
     let uncertain: Vec<&StepRun> = runs
         .iter()
         .filter(|r| open_uncertain(r))

@@ -192,6 +192,7 @@ fn view(
             when: s.when.as_deref(),
             kind: crate::pipeline::kinds::registered(s.kind).name,
             stacked: s.for_each.is_some(),
+            undo: s.undo.is_some(),
         })
         .collect();
     let title = format!("The steps of pipeline {name}, each after the steps it needs");
