@@ -4,8 +4,9 @@
 //! its own call, attempts, idempotency key, intent, permits and breaker
 //! verdicts), up to a few rounds per pass; the step's own run is then
 //! judged from the items' tally. Only the items a pass runs are read: the
-//! rest are counted in SQL (a scan of the step's items on its index), so
-//! a pass holds no more than its own items in memory.
+//! rest are counted in SQL (a scan of the step's items on its index).
+//! Each running item's call holds a copy of the record's context (with
+//! the list in it).
 
 use std::collections::HashMap;
 
@@ -63,19 +64,47 @@ pub(super) async fn left_open_item(
     Ok(Some((item_step(s, each, index), write)))
 }
 
-/// `runs`, a record's step runs, with the items of its step whose call's
-/// outcome is not known, when it is parked on one (what "it took effect"
-/// answers for, and refuses when there are several).
+/// `runs`, a record's step runs, with the items of its steps parked on a
+/// call whose outcome is not known, when it is parked on one (what "it
+/// took effect" answers for, and refuses when there are several).
 pub async fn with_uncertain_items(
     db: &crate::store::Db,
     rec: &crate::domain::Record,
     mut runs: Vec<crate::domain::StepRun>,
 ) -> Result<Vec<crate::domain::StepRun>, crate::store::StoreError> {
-    let uncertain = rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN);
-    if let (true, Some(step)) = (uncertain, rec.step.as_deref()) {
-        runs.extend(db.uncertain_items(rec.id, step).await?);
+    if rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN) {
+        runs.extend(db.uncertain_items(rec.id).await?);
     }
     Ok(runs)
+}
+
+/// The items of the record's steps for each item that a lost pass
+/// started but left no trace of: below the highest item whose call it
+/// left open (in `states`, judged this pass) and above the highest
+/// stored, with no call of their own. Fresh runs, to be written with the
+/// pass.
+pub(super) async fn unstarted(
+    i: &super::Inner,
+    record_id: i64,
+    (pipeline, states): (&[Step], &HashMap<String, StepWrite>),
+    now: UnixMs,
+) -> Result<Vec<StepWrite>, crate::store::StoreError> {
+    let mut out = Vec::new();
+    for s in pipeline.iter().filter(|s| s.each.is_some()) {
+        let known: std::collections::BTreeSet<i64> = states
+            .keys()
+            .filter_map(|n| item_of(n).filter(|(of, _)| *of == s.name).map(|(_, i)| i))
+            .collect();
+        let (Some(&top), Some(aggregate)) = (known.last(), states.get(&s.name)) else {
+            continue;
+        };
+        let (tally, _) = i.db.items(record_id, &s.name, now, 0).await?;
+        for index in (tally.next..top).filter(|k| !known.contains(k)) {
+            let name = item_name(&s.name, index);
+            out.push(fresh(&name, &s.provider, aggregate.generation));
+        }
+    }
+    Ok(out)
 }
 
 /// A new item's run, `name`: pending, in its step's `generation`.
@@ -119,7 +148,8 @@ fn with_known(
     let top = known
         .keys()
         .next_back()
-        .map_or(stored_next, |k| (k + 1).max(stored_next));
+        .map_or(stored_next, |k| (k + 1).max(stored_next))
+        .min(tally.total.max(stored_next));
     for index in stored_next..top {
         if !known.contains_key(&index) {
             take(
@@ -271,9 +301,14 @@ async fn run_items(
     let mut steps = steps.iter();
     // No item runs for a step that can no longer succeed.
     let mut go_on = !tally.lost(each);
+    // Items already started run while fewer than `max_parallel` are
+    // under way (after a lost pass there may be more); the rest wait,
+    // counted as due.
     for w in todo {
         let Some(s) = steps.next() else { break };
-        match go_on {
+        let room = tally.open + i64::try_from(running.len()).unwrap_or(i64::MAX)
+            < i64::from(each.max_parallel);
+        match go_on && room {
             true => running.push(start(call, list, s, w, call.now)),
             false => tally.add(&w, call.now),
         }

@@ -13,7 +13,7 @@ use tracing::Instrument as _;
 use super::step::{self, StepOutput};
 use super::{Engine, Inner, NotHere, Stopping};
 use crate::domain::pass::{PassFacts, may_start_more, ready, skip_blocked, verdict};
-use crate::domain::step::Park;
+use crate::domain::step::{Decision, Park};
 use crate::domain::{Record, StepRun, StepState, UnixMs, WorkResult};
 use crate::pipeline::{Pipeline, Step, Templates};
 use crate::store::{Commit, Lease, NewAttempt, PendingCallback, StepWrite, StoreError};
@@ -627,6 +627,13 @@ impl Pass<'_> {
                 },
                 states,
             );
+        }
+        // Items the lost pass started without a call left open (waiting
+        // for a permit): written now, whatever this pass does next, so a
+        // step's items stay a list without holes.
+        let steps = (pipeline.steps.as_slice(), &*states);
+        for w in super::each::unstarted(i, rec.id, steps, now).await? {
+            progress.absorb(StepOutput::new(Decision::keep(w)), states);
         }
         Ok(())
     }

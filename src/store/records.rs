@@ -74,9 +74,10 @@ pub trait Records: Send + Sync {
     ) -> StoreResult<(Tally, Vec<StepRun>)>;
     /// The outputs of a step's succeeded items, by index.
     async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>>;
-    /// A step's unfinished items whose call's outcome is not known (at
-    /// most 10, in order): what "it took effect" answers for.
-    async fn uncertain_items(&self, record_id: i64, step: &str) -> StoreResult<Vec<StepRun>>;
+    /// A record's unfinished items stopped on a call whose outcome is not
+    /// known, with no lookup pending (at most 10): what "it took effect"
+    /// answers for.
+    async fn uncertain_items(&self, record_id: i64) -> StoreResult<Vec<StepRun>>;
     /// A step's item runs from index `from`, at most `limit`, in order.
     async fn item_runs(
         &self,
@@ -559,14 +560,14 @@ where
             .collect()
     }
 
-    async fn uncertain_items(&self, record_id: i64, step: &str) -> StoreResult<Vec<StepRun>> {
+    async fn uncertain_items(&self, record_id: i64) -> StoreResult<Vec<StepRun>> {
         let sql = format!(
-            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of = $2 \
-             AND {OPEN} AND error_code = $3 ORDER BY item_no LIMIT 10"
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of IS NOT NULL \
+             AND {OPEN} AND error_code = $2 AND next_run_at IS NULL AND job_id IS NULL \
+             ORDER BY item_of, item_no LIMIT 10"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(record_id)
-            .bind(step.to_owned())
             .bind(crate::domain::OUTCOME_UNCERTAIN)
             .fetch_all(self.reader())
             .await?;

@@ -1235,6 +1235,8 @@ where
         .bind(rec.id)
         .fetch_all(&mut **tx)
         .await?;
+        // An item runs again with its step, never on its own.
+        unfinished.retain(|s| crate::domain::each::item_of(s).is_none());
         unfinished.sort();
         let mut again: Vec<String> = sqlx::query_scalar(
             "SELECT step FROM step_runs WHERE record_id = $1 AND state = 'succeeded' \

@@ -305,10 +305,11 @@ async fn items(
         .get_record(id)
         .await?
         .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
-    let (from, limit) = (
-        q.from.unwrap_or(0).max(0),
-        q.limit.unwrap_or(100).clamp(1, 1_000),
-    );
+    let from = q
+        .from
+        .unwrap_or(0)
+        .clamp(0, crate::domain::each::MAX_ITEMS as i64);
+    let limit = q.limit.unwrap_or(100).clamp(1, 1_000);
     let mut items = state.db.item_runs(id, &step, from, limit + 1).await?;
     let next = (items.len() as i64 > limit).then_some(from + limit);
     items.truncate(limit as usize);

@@ -318,7 +318,7 @@ pub fn layout(
 }
 
 /// How far below the boxes an undo edge dips.
-const UNDO_DIP: i64 = 28;
+const UNDO_DIP: i64 = GAP_Y / 2;
 
 /// The dashed edges back to each step with an undo call, one from each
 /// step that needs it: from under the later box to under the earlier.

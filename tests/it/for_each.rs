@@ -455,6 +455,102 @@ async fn postgres_an_uncertain_item_is_settled_by_an_operator() {
     an_uncertain_item_is_settled_by_an_operator(Backend::Postgres).await;
 }
 
+/// A node that died with item 2's call open and items 0 and 1 not yet
+/// sent (they waited for a permit): the next pass finds item 2's call
+/// uncertain and parks the record, and writes items 0 and 1 so they are
+/// not lost; once an operator says item 2 took effect, 0, 1 and 3 are
+/// called once each and 2 never again.
+async fn items_a_dead_node_left_are_neither_lost_nor_resent(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "for_each_dead_node").await else {
+        return;
+    };
+    let (url, p) = provider().await;
+    let config = config(&url);
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
+    let id = engine
+        .enqueue(Enqueue::new(
+            "once",
+            Some("d1"),
+            json!({ "items": [0, 1, 2, 3] }),
+        ))
+        .await
+        .unwrap()
+        .record
+        .id;
+    let now = ballast::domain::Clock::now_ms(&clock);
+    let held =
+        t.db.claim_due(&ballast::store::ClaimRequest {
+            owner: "ghost".into(),
+            now,
+            lease: std::time::Duration::from_secs(1),
+            limit: 1,
+            group_caps: Vec::new(),
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    let written =
+        t.db.record_intents(&[ballast::store::NewIntent {
+            lease: held.lease().unwrap(),
+            record_id: id,
+            step: "each#2".into(),
+            provider: Some("q".into()),
+            attempt_no: 1,
+            node: Some("ghost".into()),
+            sent_at: now,
+            request: None,
+        }])
+        .await
+        .unwrap();
+    assert!(written[0].is_ok(), "{written:?}");
+    clock.advance(2_000);
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(
+        (r.state, r.error_code.as_deref(), r.step.as_deref()),
+        (RecordState::Parked, Some("outcome_uncertain"), Some("each")),
+        "{r:?}"
+    );
+    let items: Vec<String> =
+        t.db.item_runs(id, "each", 0, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.step)
+            .collect();
+    assert_eq!(
+        items,
+        ["each#0", "each#1", "each#2"],
+        "no hole below the open call"
+    );
+    assert!(
+        p.seen.lock().unwrap().calls.is_empty(),
+        "nothing sent on a guess"
+    );
+
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let output = Some(json!({ "doubled": 4 }));
+    ops.took_effect(id, "olga", Some("found it".into()), None, output)
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    let seen = p.seen.lock().unwrap();
+    let calls: BTreeMap<u64, usize> = seen.calls.iter().map(|(n, k)| (*n, k.len())).collect();
+    assert_eq!(calls, BTreeMap::from([(0, 1), (1, 1), (3, 1)]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_items_a_dead_node_left_are_neither_lost_nor_resent() {
+    items_a_dead_node_left_are_neither_lost_nor_resent(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_items_a_dead_node_left_are_neither_lost_nor_resent() {
+    items_a_dead_node_left_are_neither_lost_nor_resent(Backend::Postgres).await;
+}
+
 /// The record page says how far the items are, lists each with its
 /// attempts, and draws the step as a stack; so does the pipelines page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -375,7 +375,7 @@ async fn item_views(
         let Some(run) = steps.iter().find(|r| r.step == s.name) else {
             continue;
         };
-        let from = from.max(0);
+        let from = from.clamp(0, crate::domain::each::MAX_ITEMS as i64);
         let rows = state
             .db
             .item_runs(rec.id, &s.name, from, ITEMS_SHOWN + 1)
