@@ -1091,10 +1091,7 @@ fn step_summary(s: &crate::config::pipeline::StepConfig) -> String {
         notes.push(format!("any of {}", s.needs_any.join(", ")));
     }
     if let Some(list) = &s.for_each {
-        let at_once = s
-            .max_parallel
-            .unwrap_or(crate::domain::each::DEFAULT_PARALLEL);
-        notes.push(format!("for each of {list}, {at_once} at once"));
+        notes.push(format!("for each of {list}, {} at once", s.items_at_once()));
     }
     if let Some(when) = &s.when {
         notes.push(format!("if {when}"));

@@ -241,6 +241,15 @@ pub struct StepConfig {
     pub items_required: Option<ItemsRequired>,
 }
 
+impl StepConfig {
+    /// With `for_each`: how many items of one record run at once (its
+    /// `max_parallel`, or the default).
+    pub fn items_at_once(&self) -> u32 {
+        self.max_parallel
+            .unwrap_or(crate::domain::each::DEFAULT_PARALLEL)
+    }
+}
+
 /// A for-each step's `items_required`: `"all"` or a count.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(untagged)]

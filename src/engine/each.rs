@@ -64,18 +64,18 @@ pub(super) async fn left_open_item(
     Ok(Some((item_step(s, each, index), write)))
 }
 
-/// `runs`, a record's step runs, with the items of its steps parked on a
-/// call whose outcome is not known, when it is parked on one (what "it
-/// took effect" answers for, and refuses when there are several).
-pub async fn with_uncertain_items(
+/// The items of a record's steps parked on a call whose outcome is not
+/// known, when the record is parked on one (with its steps' runs, what
+/// "it took effect" answers for, and refuses when there are several);
+/// none otherwise.
+pub async fn uncertain_items_of(
     db: &crate::store::Db,
     rec: &crate::domain::Record,
-    mut runs: Vec<crate::domain::StepRun>,
 ) -> Result<Vec<crate::domain::StepRun>, crate::store::StoreError> {
-    if rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN) {
-        runs.extend(db.uncertain_items(rec.id).await?);
+    match rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN) {
+        true => db.uncertain_items(rec.id).await,
+        false => Ok(Vec::new()),
     }
-    Ok(runs)
 }
 
 /// The items of the record's steps for each item that a lost pass

@@ -13,7 +13,7 @@ mod committer;
 mod confirm;
 mod deliveries;
 mod each;
-pub use each::with_uncertain_items;
+pub use each::uncertain_items_of;
 mod enqueue;
 pub mod export;
 pub mod http;

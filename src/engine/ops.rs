@@ -279,8 +279,8 @@ impl<'a> Ops<'a> {
         let engine = self.engine.ok_or_else(|| {
             OpsError::refused("no_workers", "this node runs no workers to check the step")
         })?;
-        let runs = self.db.step_runs(rec.id).await?;
-        let runs = super::each::with_uncertain_items(self.db, &rec, runs).await?;
+        let mut runs = self.db.step_runs(rec.id).await?;
+        runs.extend(super::each::uncertain_items_of(self.db, &rec).await?);
         let run = uncertain_run(engine, &rec, &runs).await?;
         let Some(step) = engine.versions().step_of(&rec, &run.step).await else {
             return Err(OpsError::refused(

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use crate::config::pipeline::{ItemsRequired, StepConfig};
-use crate::domain::each::{DEFAULT_PARALLEL, Each, MAX_PARALLEL};
+use crate::domain::each::{Each, MAX_PARALLEL};
 use crate::domain::kind::Kind;
 
 /// The field at fault and why, for a step's key.
@@ -49,7 +49,7 @@ pub(super) fn compile(
         }
     }
     check_source(pointer, upstream).map_err(|m| ("for_each", m))?;
-    let max_parallel = s.max_parallel.unwrap_or(DEFAULT_PARALLEL);
+    let max_parallel = s.items_at_once();
     if !(1..=MAX_PARALLEL).contains(&max_parallel) {
         return Err((
             "max_parallel",

@@ -1404,14 +1404,9 @@ where
         }
     }
 
-    /// The step runs of a record whose row `tx` holds, as they stand:
-    /// its steps', and the runs of the items `items` names (not every
-    /// item of a step for each item).
-    async fn step_runs_locked(
-        tx: &mut Tx<DB>,
-        record_id: i64,
-        items: &[String],
-    ) -> StoreResult<Vec<StepRun>> {
+    /// The step runs of a record whose row `tx` holds, as they stand (its
+    /// steps', not its items').
+    async fn step_runs_locked(tx: &mut Tx<DB>, record_id: i64) -> StoreResult<Vec<StepRun>> {
         let sql = format!(
             "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 \
              AND item_of IS NULL ORDER BY step"
@@ -1420,21 +1415,7 @@ where
             .bind(record_id)
             .fetch_all(&mut **tx)
             .await?;
-        let mut runs = map_all(&rows, MapRow::step_run)?;
-        let items = items
-            .iter()
-            .filter(|s| crate::domain::each::item_of(s).is_some());
-        for item in items {
-            let sql =
-                format!("SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND step = $2");
-            let row = sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(record_id)
-                .bind(item.clone())
-                .fetch_optional(&mut **tx)
-                .await?;
-            runs.extend(row.as_ref().map(MapRow::step_run).transpose()?);
-        }
-        Ok(runs)
+        map_all(&rows, MapRow::step_run)
     }
 
     /// An action on a record locked in `tx`: an operator's (`act`), or the
@@ -1452,7 +1433,7 @@ where
         condition: Option<&ParkUntil>,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
-        let runs = Self::step_runs_locked(tx, rec.id, &req.steps).await?;
+        let runs = Self::step_runs_locked(tx, rec.id).await?;
         let plan = action::plan(rec, &runs, req, condition)?;
         if let Some(new) = &plan.input {
             sqlx::query("UPDATE records SET input = $1 WHERE id = $2")

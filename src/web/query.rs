@@ -238,10 +238,19 @@ pub async fn offered(
     Vec<crate::domain::OperatorAction>,
     Option<crate::domain::StepRun>,
 ) {
-    // With the items parked on a call whose outcome is not known.
-    let items = crate::engine::with_uncertain_items(&state.db, rec, runs.to_vec()).await;
-    let uncertain = match (&state.engine, items) {
-        (Some(engine), Ok(runs)) => crate::engine::uncertain_run(engine, rec, &runs).await.ok(),
+    // With the items parked on a call whose outcome is not known (the
+    // runs copied only when there are some).
+    let uncertain = match (
+        &state.engine,
+        crate::engine::uncertain_items_of(&state.db, rec).await,
+    ) {
+        (Some(engine), Ok(items)) if items.is_empty() => {
+            crate::engine::uncertain_run(engine, rec, runs).await.ok()
+        }
+        (Some(engine), Ok(items)) => {
+            let all = [runs, items.as_slice()].concat();
+            crate::engine::uncertain_run(engine, rec, &all).await.ok()
+        }
         _ => None,
     };
     let undoable = match &state.engine {

@@ -19,6 +19,17 @@ use serde_json::{Value, json};
 use crate::engine::{drive_at_rest, manual_engine};
 use crate::helpers::TestDb;
 
+/// Enqueues one record of `pipeline`; its id.
+async fn enqueue(
+    engine: &ballast::engine::Engine,
+    pipeline: &str,
+    key: Option<&str>,
+    input: Value,
+) -> i64 {
+    let e = Enqueue::new(pipeline, key, input);
+    engine.enqueue(e).await.unwrap().record.id
+}
+
 /// What the provider saw.
 #[derive(Default)]
 struct Seen {
@@ -206,12 +217,7 @@ async fn items_fan_out_within_their_cap_and_come_back_in_order(backend: Backend)
     let (url, p) = provider().await;
     p.seen.lock().unwrap().flaky.insert(4);
     let (engine, clock) = manual_engine(&t.db, config(&url), "n1").await;
-    let id = engine
-        .enqueue(Enqueue::new("fan", Some("r1"), json!({})))
-        .await
-        .unwrap()
-        .record
-        .id;
+    let id = enqueue(&engine, "fan", Some("r1"), json!({})).await;
     drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
 
     let r = t.db.get_record(id).await.unwrap().unwrap();
@@ -296,18 +302,8 @@ async fn some_items_may_fail_and_a_retry_runs_only_the_failed(backend: Backend) 
     let config = config(&url);
     let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
     let items = json!({ "items": [0, 1, 2, 3, 4] });
-    let some = engine
-        .enqueue(Enqueue::new("some", Some("s1"), items.clone()))
-        .await
-        .unwrap()
-        .record
-        .id;
-    let all = engine
-        .enqueue(Enqueue::new("all", Some("a1"), items))
-        .await
-        .unwrap()
-        .record
-        .id;
+    let some = enqueue(&engine, "some", Some("s1"), items.clone()).await;
+    let all = enqueue(&engine, "all", Some("a1"), items).await;
     drive_at_rest(&engine, &clock, 2, 1_000, 60_000).await;
 
     // Three of five succeeded: enough; the failed ones are null.
@@ -394,16 +390,13 @@ async fn an_uncertain_item_is_settled_by_an_operator(backend: Backend) {
     p.seen.lock().unwrap().hanging.extend([1, 2]);
     let config = config(&url);
     let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
-    let id = engine
-        .enqueue(Enqueue::new(
-            "once",
-            Some("u1"),
-            json!({ "items": [0, 1, 2, 3] }),
-        ))
-        .await
-        .unwrap()
-        .record
-        .id;
+    let id = enqueue(
+        &engine,
+        "once",
+        Some("u1"),
+        json!({ "items": [0, 1, 2, 3] }),
+    )
+    .await;
     drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
     let r = t.db.get_record(id).await.unwrap().unwrap();
     assert_eq!(
@@ -467,16 +460,13 @@ async fn items_a_dead_node_left_are_neither_lost_nor_resent(backend: Backend) {
     let (url, p) = provider().await;
     let config = config(&url);
     let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
-    let id = engine
-        .enqueue(Enqueue::new(
-            "once",
-            Some("d1"),
-            json!({ "items": [0, 1, 2, 3] }),
-        ))
-        .await
-        .unwrap()
-        .record
-        .id;
+    let id = enqueue(
+        &engine,
+        "once",
+        Some("d1"),
+        json!({ "items": [0, 1, 2, 3] }),
+    )
+    .await;
     let now = ballast::domain::Clock::now_ms(&clock);
     let held =
         t.db.claim_due(&ballast::store::ClaimRequest {

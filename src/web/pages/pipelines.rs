@@ -164,12 +164,10 @@ fn view(
                 name: s.name.clone(),
                 provider: s.provider.clone(),
                 child: s.pipeline.clone().unwrap_or_default(),
-                each: s.for_each.as_ref().map(|_| {
-                    let at_once = s
-                        .max_parallel
-                        .unwrap_or(crate::domain::each::DEFAULT_PARALLEL);
-                    format!("for each ×{at_once}")
-                }),
+                each: s
+                    .for_each
+                    .as_ref()
+                    .map(|_| format!("for each ×{}", s.items_at_once())),
                 undo: s.undo.is_some(),
                 kind: crate::pipeline::kinds::registered(s.kind).label,
                 needs: needs_text(&s.needs, &s.needs_any),
