@@ -36,7 +36,12 @@
 //!   (in-process provider; polls every 10 minutes): peak RSS of this process
 //!   while 100,000 are taken to `waiting`.
 //!
-//! `-- --only A,backlog,I,B,B1000,C,D,E,F` and `-- --backend sqlite|postgres` run a
+//! - W0 (only when named in `--only`): 1,000,000 records (100,000 with
+//!   --quick) asleep or waiting, and what a `ballast serve` node and the
+//!   database spend per second while they wait, against an empty database
+//!   (`support/resting.rs`).
+//!
+//! `-- --only A,backlog,I,B,B1000,C,D,E,F,W0` and `-- --backend sqlite|postgres` run a
 //! part (to profile one figure), `-- --runs N` N runs per figure;
 //! `-- --pg-profile` prints, for each A run on PostgreSQL, where PostgreSQL
 //! spent its time per record in its batch enqueue and in its processing
@@ -70,6 +75,9 @@ mod seed;
 
 #[path = "support/pgprofile.rs"]
 mod pgprofile;
+
+#[path = "support/resting.rs"]
+mod resting;
 
 /// `--pg-profile`: A on PostgreSQL prints where PostgreSQL spent its time
 /// per record, enqueueing in batches and processing (see
@@ -470,30 +478,12 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
     }
     let mut children = Vec::new();
     for i in 0..nodes {
-        let port = free_port()?;
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
-            .current_dir(dir.path())
-            .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
-            .env("BALLAST_ADMIN_PASSWORD", "bench-nodes-admin-pw")
-            .env("BALLAST_LOG", "warn")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .ok()?;
-        children.push(KillOnDrop(child));
-        let ready = format!("http://127.0.0.1:{port}/readyz");
-        let mut up = false;
-        for _ in 0..300 {
-            if reqwest::get(&ready).await.is_ok_and(|r| r.status() == 200) {
-                up = true;
-                break;
+        match serve_node(dir.path()).await {
+            Some(node) => children.push(node),
+            None => {
+                println!("N  node {i} did not come up");
+                return None;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        if !up {
-            println!("N  node {i} did not come up");
-            return None;
         }
     }
     let mut conn = sqlx::PgConnection::connect(&fresh.url).await.ok()?;
@@ -532,6 +522,31 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
     Some((n as f64 / took, stats.max_per_second, stats.max_in_flight))
 }
 
+/// A `ballast serve` process on the configuration in `dir`, once it
+/// answers `/readyz` (within 30 s); killed when dropped.
+async fn serve_node(dir: &std::path::Path) -> Option<KillOnDrop> {
+    let port = free_port()?;
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ballast"))
+        .current_dir(dir)
+        .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
+        .env("BALLAST_ADMIN_PASSWORD", "bench-nodes-admin-pw")
+        .env("BALLAST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let node = KillOnDrop(child);
+    let ready = format!("http://127.0.0.1:{port}/readyz");
+    for _ in 0..300 {
+        if reqwest::get(&ready).await.is_ok_and(|r| r.status() == 200) {
+            return Some(node);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
 /// N's concurrency cap per node (the cluster's is this times the nodes,
 /// exactly their need) and its rate limit per second (for the cluster).
 const N_CAP_PER_NODE: u32 = 20;
@@ -554,17 +569,7 @@ fn now_ms() -> i64 {
 
 /// This process's CPU time (user + system), in seconds.
 fn cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 after ')'.
-    (ticks(11) + ticks(12)) / 100.0
+    resting::cpu_of(std::process::id())
 }
 
 struct Run {
@@ -1008,6 +1013,13 @@ impl Filter {
         self.only
             .as_ref()
             .is_none_or(|o| o.iter().any(|s| s == scenario))
+    }
+
+    /// Named in `--only`: the scenarios too long for every run (W0).
+    fn names(&self, scenario: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_some_and(|o| o.iter().any(|s| s == scenario))
     }
 
     fn wants_backend(&self, backend: Backend) -> bool {
@@ -1815,6 +1827,10 @@ fn main() {
                     }
                     None => println!("E  failed"),
                 }
+            }
+            if filter.names("W0") {
+                let window = Duration::from_secs(if quick { 20 } else { 60 });
+                resting::report(backend, n_e as usize, runs, window).await;
             }
         }
     });

@@ -1,5 +1,6 @@
 //! `ballast serve --demo`: three chaos simulators mounted in-process, four
-//! providers and two pipelines that look like real work, and a generator
+//! providers and three pipelines (and a child pipeline) that look like
+//! real work, and a generator
 //! that enqueues records at a steady rate, so the dashboard shows every
 //! kind of outcome within a minute — retries, rate-limit deferrals, parked
 //! records with readable reasons, a breaker opening during a scheduled
@@ -185,8 +186,10 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
 /// `identity-check` record; each of the applicant's documents scanned
 /// (a step for each item, two at once); a branch on the credit limit (an analyst's
 /// approval above 5,000, a short timer below); the join; an account opened
-/// (undone if a later step fails); a durable timer; a welcome that may
-/// fail (one attempt, and the people API fails some calls).
+/// (undone if a later step fails: a card declined, one applicant in eight);
+/// a signal that the account was funded (30 s, then on without it); a
+/// durable timer; a welcome that may fail (one attempt, and the people API
+/// fails some calls).
 const ONBOARDING: &str = r#"
 [pipelines.identity-check]
 description = "Checks one applicant's documents (started by onboarding)."
@@ -200,7 +203,7 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
 outputs = { check = "/id" }
 
 [pipelines.onboarding]
-description = "Opens an account: identity check, an analyst's approval above 5,000, a welcome 20 s later; undone on failure."
+description = "Opens an account: identity check, an analyst's approval above 5,000, a card, a funding signal, a welcome 20 s later; undone on failure."
 on_failure = "undo"
 
 [[pipelines.onboarding.steps]]
@@ -241,10 +244,25 @@ outputs = { account = "/id" }
 undo = { request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id }}-close", "amount": 0, "account": {{ output.account | tojson }}}' } }
 
 [[pipelines.onboarding.steps]]
+name = "issue-card"
+provider = "crm"
+needs = ["open-account"]
+retry = { max_attempts = 1 }
+request = { method = "POST", path = "/v1/{{ 'cards' if input.card is defined and input.card == 'declined' else 'charge' }}", body = '{"ref": "{{ record.id }}-card", "amount": 0}' }
+
+[[pipelines.onboarding.steps]]
+name = "funded"
+kind = "signal"
+needs = ["issue-card"]
+timeout = "30s"
+on_timeout = "continue"
+timeout_output = { funded = false }
+
+[[pipelines.onboarding.steps]]
 name = "welcome-later"
 kind = "sleep"
 for = "20s"
-needs = ["open-account"]
+needs = ["funded"]
 
 [[pipelines.onboarding.steps]]
 name = "welcome"
@@ -373,6 +391,9 @@ pub async fn generate(
                     "email": format!("applicant{n}@{company}.example"),
                     "limit": (n * 1_337) % 10_000,
                     "documents": (0..2 + n % 4).map(|d| format!("doc-{key}-{d}")).collect::<Vec<_>>(),
+                    // One applicant in eight has a card declined: the
+                    // account opened for them is closed again (undo).
+                    "card": if (n / 5) % 8 == 3 { "declined" } else { "ok" },
                 }),
             )
         } else if n % 3 == 0 {

@@ -118,13 +118,25 @@ pub fn ready<'p>(
     has_deliveries: &dyn Fn(&str) -> bool,
     started: &dyn Fn(&str) -> bool,
 ) -> Vec<&'p Step> {
+    // Once a required step failed, only jobs already out are followed
+    // (an undo waits for them); nothing new starts.
+    let failed = required_failed(steps, states).is_some();
     steps
         .iter()
         .filter(|s| !started(&s.name))
+        .filter(|s| !failed || states.get(&s.name).is_some_and(job_out))
         .filter(|s| {
             is_runnable(s, states, now) || (has_deliveries(&s.name) && unblocked(s, states))
         })
         .collect()
+}
+
+/// Whether `w`'s call may still take effect: a job submitted whose end is
+/// not yet known (the next poll, a poll retried, or its callback tells),
+/// or a call whose outcome is not known, waiting for its lookup.
+pub fn job_out(w: &StepWrite) -> bool {
+    let uncertain = w.error_code.as_deref() == Some(super::OUTCOME_UNCERTAIN);
+    !is_done(w.state) && (w.job_id.is_some() || uncertain)
 }
 
 /// Whether a pass may start more steps after one finished: not once the

@@ -63,6 +63,20 @@ pub fn to_run(pipeline: &Pipeline, states: &HashMap<String, StepWrite>) -> Vec<S
     done.into_iter().map(|(u, _)| u.name.clone()).collect()
 }
 
+/// The steps with an undo call whose job is still out: an undo after a
+/// failure waits for them, so that one that then succeeds is undone too.
+pub fn still_out<'s>(
+    pipeline: &Pipeline,
+    states: &'s HashMap<String, StepWrite>,
+) -> Vec<&'s StepWrite> {
+    pipeline
+        .undo
+        .iter()
+        .filter_map(|u| states.get(u.undoes.as_deref()?))
+        .filter(|w| super::pass::job_out(w))
+        .collect()
+}
+
 /// The undo as a pipeline of its own: the undo steps that have runs,
 /// in the order [`to_run`] gives them (their runs' order is kept by the
 /// steps they undo), each needing the one before, so that a pass runs
@@ -152,6 +166,25 @@ mod tests {
     fn names_round_trip() {
         assert_eq!(undone_step(&name_of("charge")), Some("charge"));
         assert_eq!(undone_step("charge"), None);
+    }
+
+    #[test]
+    fn calls_that_may_still_take_effect_are_out() {
+        use crate::domain::pass::job_out;
+        let mut w = StepWrite::pending("book");
+        assert!(!job_out(&w), "not sent");
+        w.state = StepState::Waiting;
+        w.job_id = Some("job-1".into());
+        assert!(job_out(&w), "a job submitted, not ended");
+        w.state = StepState::Retrying;
+        assert!(job_out(&w), "its poll retried");
+        w.state = StepState::Succeeded;
+        assert!(!job_out(&w), "ended");
+        let mut w = StepWrite::pending("book");
+        w.state = StepState::Retrying;
+        assert!(!job_out(&w), "a call that failed took no effect");
+        w.error_code = Some(crate::domain::OUTCOME_UNCERTAIN.into());
+        assert!(job_out(&w), "an uncertain call waiting for its lookup");
     }
 
     #[test]

@@ -176,7 +176,7 @@ impl Confirmations {
             rec,
             step_def,
             write,
-            &ctx,
+            &std::sync::Arc::new(ctx),
             templates,
             Vec::new(),
             stopping,

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::pass::{PendingStep, step_call};
 use super::step::StepOutput;
@@ -266,21 +266,19 @@ fn start<'b>(
 ) -> impl std::future::Future<Output = StepOutput> + 'b {
     let index = item_of(&s.name).map_or(0, |(_, index)| index);
     let item = usize::try_from(index).ok().and_then(|k| list.get(k));
-    let mut ctx = call.ctx.clone();
-    if let Some(obj) = ctx.as_object_mut() {
-        obj.insert("item".into(), item.cloned().unwrap_or(Value::Null));
-        obj.insert("item_index".into(), json!(index));
-    }
-    let pending = step_call(
+    // The pass's context is shared, not copied: an item holds only its
+    // own value while it runs.
+    let mut pending = step_call(
         call.engine,
         call.record,
         s,
         write,
-        &ctx,
+        &call.ctx,
         &call.templates,
         Vec::new(),
         call.stopping,
     );
+    pending.call.item = Some((item.cloned().unwrap_or(Value::Null), index));
     pending.with_now(at)
 }
 

@@ -343,12 +343,34 @@ fn undo_first(
     states: &HashMap<String, StepWrite>,
     now: UnixMs,
 ) -> (crate::domain::pass::Verdict, Option<(Vec<String>, String)>) {
+    let failed = v.step.clone().unwrap_or_default();
+    let why = v.reason.clone().unwrap_or_default();
+    let out = crate::domain::undo::still_out(whole, states);
+    if !out.is_empty() {
+        let jobs: Vec<String> = out.iter().map(|w| format!("`{}`", w.step)).collect();
+        let waits = crate::domain::pass::Verdict {
+            result: WorkResult::Waiting,
+            // Due at the earliest of every call it follows meanwhile.
+            next_run_at: states
+                .values()
+                .filter(|w| crate::domain::pass::job_out(w))
+                .filter_map(|w| w.next_run_at)
+                .min(),
+            step: v.step,
+            error_code: Some("undo_waits".into()),
+            reason: Some(format!(
+                "`{failed}` failed ({why}); the undo waits for the call of {} to end, so \
+                 that its effect is undone too",
+                jobs.join(", ")
+            )),
+            park_until: None,
+        };
+        return (waits, None);
+    }
     let names = crate::domain::undo::to_run(whole, states);
     if names.is_empty() {
         return (v, None);
     }
-    let failed = v.step.clone().unwrap_or_default();
-    let why = v.reason.clone().unwrap_or_default();
     let undoing = crate::domain::pass::Verdict {
         result: WorkResult::Advanced,
         next_run_at: Some(now),
@@ -503,7 +525,7 @@ impl Pass<'_> {
         let mut may_start = true;
         loop {
             if !wave.is_empty() {
-                let ctx = step::context(rec, states);
+                let ctx = Arc::new(step::context(rec, states));
                 for s in wave.drain(..) {
                     started.insert(s.name.clone());
                     let write = states[&s.name].clone();
@@ -735,7 +757,7 @@ pub(super) fn step_call<'a>(
     rec: &'a Record,
     s: &'a Step,
     write: StepWrite,
-    ctx: &serde_json::Value,
+    ctx: &Arc<serde_json::Value>,
     templates: &Arc<Templates>,
     callbacks: Vec<PendingCallback>,
     stopping: &'a Stopping,
@@ -747,6 +769,7 @@ pub(super) fn step_call<'a>(
             step: s,
             write,
             ctx: ctx.clone(),
+            item: None,
             templates: templates.clone(),
             node: &i.opts.node_id,
             installation: &i.installation,

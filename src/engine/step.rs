@@ -203,7 +203,11 @@ pub struct StepCall<'a> {
     pub record: &'a Record,
     pub step: &'a Step,
     pub write: StepWrite,
-    pub ctx: Value,
+    /// The pass's context, shared by its steps (and a step's items).
+    pub ctx: std::sync::Arc<Value>,
+    /// An item's value and index (a step for each item): its templates
+    /// see them as `item` and `item_index`.
+    pub item: Option<(Value, i64)>,
     pub templates: std::sync::Arc<Templates>,
     pub node: &'a str,
     pub installation: &'a str,
@@ -1265,6 +1269,10 @@ impl StepCall<'_> {
             .map(|s| ctx["steps"][s]["output"].clone());
         if let Some(obj) = ctx.as_object_mut() {
             obj.insert("key".into(), json!(key));
+            if let Some((item, index)) = &self.item {
+                obj.insert("item".into(), item.clone());
+                obj.insert("item_index".into(), json!(index));
+            }
             if let Some(job) = &write.job_id {
                 obj.insert("job_id".into(), json!(job));
             }

@@ -75,13 +75,18 @@ async fn queue_heads(conn: &mut SqliteConnection) -> StoreResult<Vec<(String, St
     // Pipeline names are never empty, so ('', '') comes before every queue.
     let (mut pipeline, mut group) = (String::new(), String::new());
     loop {
+        // Past the whole queue in one seek: SQLite seeks `(a, b) > (x, y)`
+        // to the first (x, y) entry and steps over every record of that
+        // queue; with the due time at its greatest it seeks past them
+        // (a waiting million cost a claim a scan of the index otherwise).
         let next: Option<(String, String, UnixMs)> = sqlx::query_as(
             "SELECT pipeline, group_key, next_run_at FROM records \
-             WHERE next_run_at IS NOT NULL AND (pipeline, group_key) > ($1, $2) \
+             WHERE next_run_at IS NOT NULL AND (pipeline, group_key, next_run_at) > ($1, $2, $3) \
              ORDER BY pipeline, group_key, next_run_at LIMIT 1",
         )
         .bind(&pipeline)
         .bind(&group)
+        .bind(i64::MAX)
         .fetch_optional(&mut *conn)
         .await?;
         match next {

@@ -312,6 +312,96 @@ async fn postgres_an_approval_past_its_timeout() {
     an_approval_past_its_timeout(Backend::Postgres).await;
 }
 
+/// Past its timeout a signal step parks, fails, or goes on with its
+/// timeout output (which a condition then branches on); a signal that
+/// came in time is its output, whatever the timeout.
+async fn a_signal_past_its_timeout(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "signal-timeout").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let mut outcomes = Vec::new();
+    for (i, on_timeout) in [
+        r#"on_timeout = "park""#,
+        r#"on_timeout = "fail""#,
+        r#"on_timeout = "continue"
+timeout_output = { decision = "approved", by = "timeout" }"#,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let review = format!("kind = \"signal\"\ntimeout = \"2h\"\n{on_timeout}");
+        let config = config(&kyc(&sim.base_url(), &review));
+        let start = crate::helpers::wall_ms() + i as i64;
+        let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+        let id = engine
+            .enqueue(Enqueue::new("kyc", Some(&format!("quiet-{i}")), json!({})))
+            .await
+            .unwrap()
+            .record
+            .id;
+        drain(&engine).await;
+        let rec = t.db.get_record(id).await.unwrap().unwrap();
+        assert_eq!(
+            (rec.state, rec.next_run_at, rec.error_code.as_deref()),
+            (
+                RecordState::Waiting,
+                Some(start + 2 * HOUR_MS),
+                Some("awaiting_signal")
+            )
+        );
+        clock.advance((2 * HOUR_MS - 1) as u64);
+        assert_eq!(drain(&engine).await, 0, "not due before its timeout");
+        clock.advance(1);
+        drain(&engine).await;
+        let rec = t.db.get_record(id).await.unwrap().unwrap();
+        let runs = t.db.step_runs(id).await.unwrap();
+        let opened = runs
+            .iter()
+            .any(|r| r.step == "open" && r.state == StepState::Succeeded);
+        outcomes.push((
+            rec.state,
+            rec.error_code.clone(),
+            run(&runs, "review").output.clone(),
+            opened,
+        ));
+    }
+    assert_eq!(
+        outcomes,
+        [
+            (
+                RecordState::Parked,
+                Some("signal_timed_out".to_owned()),
+                None,
+                false
+            ),
+            (
+                RecordState::Failed,
+                Some("signal_timed_out".to_owned()),
+                None,
+                false
+            ),
+            (
+                RecordState::Succeeded,
+                None,
+                Some(json!({ "decision": "approved", "by": "timeout" })),
+                true
+            ),
+        ]
+    );
+    sim.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_signal_past_its_timeout() {
+    a_signal_past_its_timeout(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_signal_past_its_timeout() {
+    a_signal_past_its_timeout(Backend::Postgres).await;
+}
+
 /// A signal and an approval through the API: the signal's body is the
 /// step's output; sent again under its id it changes nothing; a second
 /// signal is refused; a viewer may not signal.

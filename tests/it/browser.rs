@@ -786,6 +786,40 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
         started.elapsed().as_secs_f64()
     );
     shot(c, "demo-overview").await;
+    // The onboarding pipeline's workflow features within a few minutes: a
+    // record waiting for an analyst, one for its funding signal, and an
+    // account closed again by its undo after a declined card.
+    for (filter, says) in [
+        (
+            "state=waiting&error_code=awaiting_approval",
+            "awaiting_approval",
+        ),
+        (
+            "state=waiting&error_code=awaiting_signal",
+            "awaiting_signal",
+        ),
+        (
+            "state=failed&error_code=undone",
+            "undo of open-account made",
+        ),
+    ] {
+        let url = format!("{base}/records?pipeline=onboarding&{filter}");
+        wait::until(says, Duration::from_secs(120), async || {
+            c.goto(&url).await.unwrap();
+            let listed = text_of(c, "#records-list").await;
+            if listed.contains(says) {
+                Ok(())
+            } else {
+                Err(listed)
+            }
+        })
+        .await;
+    }
+    println!(
+        "demo: an approval, a signal and an undo after {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    c.goto(&format!("{base}/")).await.unwrap();
     // The demo's schedule, listed with its next run.
     let schedules = text_of(c, "#schedules").await;
     assert!(
@@ -1197,8 +1231,17 @@ when = "steps.review.output.decision == 'approved'"
     wait_text(c, "#record-state", "waiting").await;
     assert!(text_of(c, ".graph").await.contains("awaits approval"));
     shot(c, "record-awaiting-approval").await;
-    // No comment, no decision: the browser holds the form back.
+    // No comment, no decision: the browser holds the form back (the
+    // comment is required and missing, so the click sends nothing).
     click(c, "#decide button[data-action=approve]").await;
+    let missing = c
+        .execute(
+            "return document.querySelector('#decide input[name=reason]').validity.valueMissing;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(missing, json!(true), "the comment is required");
     assert_eq!(
         app.t.db.get_record(id).await.unwrap().unwrap().state,
         ballast::domain::RecordState::Waiting

@@ -548,3 +548,246 @@ async fn sqlite_a_running_child_is_cancelled_when_its_pass_ends() {
 async fn postgres_a_running_child_is_cancelled_when_its_pass_ends() {
     a_running_child_is_cancelled_when_its_pass_ends(Backend::Postgres).await;
 }
+
+/// Issue 48 item 10, "a parent and child through a kill": `ballast serve`
+/// killed with SIGKILL at random points of its work over `order` records
+/// that pay, run a `verify` child (one check of their own), then ship,
+/// against a provider that ignores idempotency keys (`at_most_once` with a
+/// lookup), and restarted until every record is at rest. Every parent has
+/// at most one child, every child is linked to its parent, a parent that
+/// succeeded took its child's output, one whose child parked says so, and
+/// no job of either is charged twice or missing from the history.
+async fn a_parent_and_its_child_survive_kills(backend: Backend) {
+    use crate::faults::{Serve, due_now, full_run, kill_while_working};
+    let (n, kills) = if full_run() { (400, 10) } else { (45, 3) };
+    assert_eq!(n % kills, 0, "records arrive in equal parts");
+    let Some(t) = TestDb::migrated(backend, "children_kills").await else {
+        return;
+    };
+    let mut profile = Profile::chaos_scaled(50, 0.02);
+    profile.p_job_never = 0.0;
+    profile.ignore_keys = true;
+    profile.p_reset_after_effect = 0.03;
+    profile.p_stall_after_effect = 0.01;
+    let sim = SimHandle::spawn(profile).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("ballast.toml"),
+        format!(
+            "[database]\nurl = \"{}\"\n[engine]\nlease = \"2s\"\n{}{}",
+            t.url,
+            crate::engine::sim_provider_toml(&sim.base_url(), "at_most_once = true"),
+            family_toml(),
+        ),
+    )
+    .unwrap();
+    let env = [("BALLAST_ADMIN_PASSWORD", "children-kill-admin-pw")];
+    let mut rng = fastrand::Rng::with_seed(50);
+    let part = n / kills;
+    for round in 0..kills {
+        let records = due_now(
+            "order",
+            "o-",
+            round * part..(round + 1) * part,
+            |i| json!({ "amount": i }),
+        );
+        t.db.create_records(records, crate::helpers::wall_ms())
+            .await
+            .unwrap();
+        let node = Serve::start(dir.path(), &env).await;
+        kill_while_working(node, &t.db, &sim, &mut rng).await;
+    }
+    let last = Serve::start(dir.path(), &env).await;
+    let limit = Duration::from_secs(if full_run() { 900 } else { 300 });
+    crate::wait::until("every family at rest", limit, async || {
+        family_at_rest(&t.db, n).await
+    })
+    .await;
+    last.stop().await;
+    crate::helpers::assert_counters_match(&t.db).await;
+
+    let mut arrived = std::collections::HashMap::<String, usize>::new();
+    let mut charged = std::collections::HashMap::<String, usize>::new();
+    for a in sim.arrivals() {
+        let reference = a.client_reference.expect("every submit carries its key");
+        *charged.entry(reference.clone()).or_default() += usize::from(a.effect);
+        *arrived.entry(reference).or_default() += 1;
+    }
+    let all = crate::helpers::all_records(&t.db, None).await;
+    let (mut holes, mut jobs) = (0, 0);
+    // Every key a call reached the provider with is a stored run's.
+    let mut keys = std::collections::HashSet::new();
+    let mut by_state = std::collections::BTreeMap::<String, usize>::new();
+    for r in &all {
+        assert!(r.lease_owner.is_none(), "record {} still leased", r.id);
+        assert!(
+            t.db.open_intents(r.id).await.unwrap().is_empty(),
+            "record {} at rest with a call left open",
+            r.id
+        );
+        let attempts = t.db.attempts(r.id).await.unwrap();
+        for run in t.db.step_runs(r.id).await.unwrap() {
+            if run.step == "kyc" {
+                continue;
+            }
+            keys.insert(run.idempotency_key.clone());
+            let submits = attempts
+                .iter()
+                .filter(|a| a.step == run.step)
+                .filter(|a| a.request.as_ref().is_some_and(|q| q.method == "POST"))
+                .count();
+            let calls = arrived.get(&run.idempotency_key).copied().unwrap_or(0);
+            holes += calls.saturating_sub(submits);
+            let charges = charged.get(&run.idempotency_key).copied().unwrap_or(0);
+            assert!(
+                charges <= 1,
+                "{} {} charged {charges} times",
+                r.id,
+                run.step
+            );
+            if run.state == StepState::Succeeded {
+                jobs += 1;
+                assert_eq!(charges, 1, "{} {} succeeded uncharged", r.id, run.step);
+            }
+        }
+        *by_state
+            .entry(format!("{} {}", r.pipeline, r.state))
+            .or_default() += 1;
+        if r.pipeline == "order" {
+            family_agrees(&t.db, r).await;
+        } else {
+            let parent = r.parent_id.expect("every child linked to its parent");
+            assert_eq!(r.parent_step.as_deref(), Some("kyc"));
+            let p = record(&t.db, parent).await;
+            assert_eq!(p.pipeline, "order", "child {} of {parent}", r.id);
+        }
+    }
+    let ledger = sim.ledger();
+    println!(
+        "{} parent and child kill -9 loop: {n} parents, {kills} kills: {by_state:?}; {jobs} jobs \
+         done, {} submits reached the provider, {} double charges, {holes} calls with no attempt",
+        backend.as_str(),
+        arrived.values().sum::<usize>(),
+        ledger.double_charges,
+    );
+    assert_eq!(ledger.double_charges, 0, "0 double charges");
+    assert_eq!(
+        holes, 0,
+        "every call that reached the provider is in the history"
+    );
+    let strays: Vec<&String> = arrived.keys().filter(|k| !keys.contains(*k)).collect();
+    assert!(
+        strays.is_empty(),
+        "calls under no stored run's key: {strays:?}"
+    );
+    let parents_done = by_state.get("order succeeded").copied().unwrap_or(0);
+    assert!(parents_done > 0, "some parents succeeded: {by_state:?}");
+}
+
+/// `order` pays, runs a `verify` child, then ships; `verify` checks. Every
+/// call is a keyless job found again by its client reference.
+fn family_toml() -> String {
+    let job = |pipeline: &str, name: &str, needs: &str| {
+        format!(
+            r#"
+[[pipelines.{pipeline}.steps]]
+name = "{name}"
+provider = "sim"
+kind = "submit_poll"
+needs = [{needs}]
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"client_reference": "{{{{ key }}}}", "amount": {{{{ input.amount }}}}}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "50ms", deadline = "20s" }}
+lookup = {{ path = "/v1/jobs?client_reference={{{{ key | urlencode }}}}", job_id = "/data/0/id" }}
+outputs = {{ url = "/result/url" }}
+"#
+        )
+    };
+    format!(
+        r#"{}
+[[pipelines.order.steps]]
+name = "kyc"
+kind = "pipeline"
+pipeline = "verify"
+needs = ["pay"]
+input = '{{"amount": {{{{ input.amount }}}}}}'
+{}{}"#,
+        job("order", "pay", ""),
+        job("order", "ship", r#""kyc""#),
+        job("verify", "check", ""),
+    )
+}
+
+/// Every child at rest, and every parent at rest or waiting on a child
+/// that parked (which only a person moves on); else those that are not,
+/// by pipeline, state and code.
+async fn family_at_rest(db: &Db, parents: i64) -> Result<(), String> {
+    let all = crate::helpers::all_records(db, None).await;
+    let settled = |r: &Record| {
+        r.state.is_at_rest()
+            || (r.pipeline == "order"
+                && r.state == RecordState::Waiting
+                && r.error_code.as_deref() == Some("child_parked"))
+    };
+    let orders = all.iter().filter(|r| r.pipeline == "order").count();
+    // By pipeline, state and code: how many, and one of them.
+    let mut unsettled = std::collections::BTreeMap::<String, (usize, i64)>::new();
+    for r in all.iter().filter(|r| !settled(r)) {
+        let code = r.error_code.as_deref().unwrap_or("-");
+        let seen = format!("{} {} {code}", r.pipeline, r.state);
+        unsettled.entry(seen).or_insert((0, r.id)).0 += 1;
+    }
+    if orders as i64 == parents && unsettled.is_empty() {
+        return Ok(());
+    }
+    Err(format!("{orders} parents; not at rest: {unsettled:?}"))
+}
+
+/// A parent at rest agrees with its one child (if it got that far).
+async fn family_agrees(db: &Db, parent: &Record) {
+    let children = db.children(parent.id).await.unwrap();
+    assert!(children.len() <= 1, "never a second child: {children:?}");
+    let runs = db.step_runs(parent.id).await.unwrap();
+    let kyc = runs.iter().find(|r| r.step == "kyc");
+    let Some(child) = children.first() else {
+        assert!(
+            kyc.is_none_or(|k| k.job_id.is_none()),
+            "record {} names a child it does not have: {kyc:?}",
+            parent.id
+        );
+        return;
+    };
+    let kyc = kyc.expect("a parent with a child has its step");
+    assert_eq!(
+        kyc.job_id,
+        Some(child.id.to_string()),
+        "parent {}",
+        parent.id
+    );
+    match parent.state {
+        RecordState::Succeeded => {
+            assert_eq!(child.state, RecordState::Succeeded);
+            let check = run(&db.step_runs(child.id).await.unwrap(), "check").clone();
+            assert_eq!(kyc.output, Some(json!({ "check": check.output.unwrap() })));
+        }
+        RecordState::Waiting => assert_eq!(child.state, RecordState::Parked),
+        _ => assert!(
+            child.state.is_at_rest(),
+            "parent {} {} with child {} {}",
+            parent.id,
+            parent.state,
+            child.id,
+            child.state
+        ),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_parent_and_its_child_survive_kills() {
+    a_parent_and_its_child_survive_kills(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_parent_and_its_child_survive_kills() {
+    a_parent_and_its_child_survive_kills(Backend::Postgres).await;
+}

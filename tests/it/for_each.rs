@@ -754,7 +754,22 @@ outputs = { url = "/result/url" }
     }
     let last = Serve::start(dir.path(), &env).await;
     let limit = std::time::Duration::from_secs(if full_run() { 900 } else { 300 });
-    crate::engine::wait_at_rest(&t.db, n, limit).await;
+    let settled = crate::wait::until("every record at rest", limit, async || {
+        let all = crate::helpers::all_records(&t.db, None).await;
+        let busy: Vec<String> = all
+            .iter()
+            .filter(|r| !r.state.is_at_rest())
+            .map(|r| {
+                format!(
+                    "{} {} {:?} next {:?}: {:?}",
+                    r.id, r.state, r.error_code, r.next_run_at, r.reason
+                )
+            })
+            .collect();
+        if busy.is_empty() { Ok(()) } else { Err(busy) }
+    });
+    settled.await;
+    crate::engine::wait_at_rest(&t.db, n, std::time::Duration::from_secs(10)).await;
     last.stop().await;
     let audit = crate::helpers::audit_at_rest(&t.db).await;
 
@@ -766,6 +781,8 @@ outputs = { url = "/result/url" }
         *arrived.entry(reference).or_default() += 1;
     }
     let (mut holes, mut items_done, mut uncertain) = (0, 0, 0);
+    // Every key a call reached the provider with is an item's.
+    let mut keys = std::collections::HashSet::new();
     // Calls a kill caught in flight (read back from their intents), and
     // lookups that settled them.
     let (mut caught, mut lookups) = (0, 0);
@@ -793,6 +810,7 @@ outputs = { url = "/result/url" }
             })
             .count();
         let items = t.db.item_runs(r.id, "render", 0, 100).await.unwrap();
+        keys.extend(items.iter().map(|i| i.idempotency_key.clone()));
         for item in &items {
             let submits = attempts
                 .iter()
@@ -844,6 +862,11 @@ outputs = { url = "/result/url" }
     assert_eq!(
         holes, 0,
         "every call that reached the provider is in the history"
+    );
+    let strays: Vec<&String> = arrived.keys().filter(|k| !keys.contains(*k)).collect();
+    assert!(
+        strays.is_empty(),
+        "calls under no stored item's key: {strays:?}"
     );
     assert!(audit.ok > 0, "some records succeeded");
 }

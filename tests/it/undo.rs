@@ -23,14 +23,28 @@ struct Shop {
     url: String,
     calls: Arc<Mutex<Vec<(String, Value)>>>,
     refunds_fail: Arc<AtomicBool>,
+    /// `/book` makes a job; `GET /jobs/ID` says it runs until this is set.
+    jobs_done: Arc<AtomicBool>,
 }
 
 impl Shop {
     async fn spawn() -> Shop {
         let calls: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
         let refunds_fail = Arc::new(AtomicBool::new(false));
+        let jobs_done = Arc::new(AtomicBool::new(false));
         let (c, f) = (calls.clone(), refunds_fail.clone());
+        let (jc, done) = (calls.clone(), jobs_done.clone());
         let app = axum::Router::new().route(
+            "/jobs/{id}",
+            axum::routing::get(move |axum::extract::Path(id): axum::extract::Path<String>| {
+                let (c, done) = (jc.clone(), done.clone());
+                async move {
+                    c.lock().unwrap().push(("poll".into(), json!({ "id": id })));
+                    let status = if done.load(Ordering::SeqCst) { "succeeded" } else { "running" };
+                    axum::Json(json!({ "status": status, "id": id }))
+                }
+            }),
+        ).route(
             "/{route}",
             axum::routing::post(
                 move |axum::extract::Path(route): axum::extract::Path<String>,
@@ -40,6 +54,7 @@ impl Shop {
                         c.lock().unwrap().push((route.clone(), body.clone()));
                         let ok = json!({ "status": "succeeded", "id": format!("{route}-{}", body["ref"].as_str().unwrap_or("")) });
                         match route.as_str() {
+                            "book" => (axum::http::StatusCode::OK, axum::Json(json!({ "status": "running", "id": "job-1" }))),
                             "ship" => (axum::http::StatusCode::UNPROCESSABLE_ENTITY, axum::Json(json!({ "status": "refused" }))),
                             "refund" if f.load(Ordering::SeqCst) => {
                                 (axum::http::StatusCode::INTERNAL_SERVER_ERROR, axum::Json(json!({ "status": "down" })))
@@ -54,6 +69,7 @@ impl Shop {
             url: crate::helpers::serve_router(app).await,
             calls,
             refunds_fail,
+            jobs_done,
         }
     }
 
@@ -81,7 +97,16 @@ impl Shop {
 /// undoes on failure; `hold` charges and then waits for an approval, and
 /// undoes only when an operator says so.
 fn shop_config(url: &str) -> Arc<Config> {
-    let text = format!(
+    let text = shop_toml(url);
+    let config = Config::parse(&text, Path::new("undo.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    ballast::pipeline::compile(&config).unwrap();
+    Arc::new(config)
+}
+
+/// [`shop_config`]'s text, and a `nap` pipeline that sleeps a day.
+fn shop_toml(url: &str) -> String {
+    format!(
         r#"
 [providers.shop]
 base_url = "{url}"
@@ -91,8 +116,32 @@ retry = {{ max_attempts = 2, base = "1s", cap = "1s", deadline = "1h" }}
 when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
 outcome = "success"
 [[providers.shop.rules]]
+when = {{ status = "2xx", field = "/status", equals = "running" }}
+outcome = "pending"
+[[providers.shop.rules]]
 when = {{ status = "422" }}
 outcome = "fail"
+
+[pipelines.trip]
+on_failure = "undo"
+[[pipelines.trip.steps]]
+name = "book"
+provider = "shop"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/book", body = '{{"ref": "b{{{{ record.id }}}}"}}' }}
+job_id = "/id"
+poll = {{ path = "/jobs/{{{{ job_id }}}}", every = "1s", deadline = "1h" }}
+outputs = {{ booking = "/id" }}
+undo = {{ request = {{ method = "POST", path = "/unbook", body = '{{"ref": "u{{{{ record.id }}}}", "booking": {{{{ output.booking | tojson }}}}}}' }} }}
+[[pipelines.trip.steps]]
+name = "ship"
+provider = "shop"
+request = {{ method = "POST", path = "/ship", body = '{{"ref": "p{{{{ record.id }}}}"}}' }}
+[[pipelines.trip.steps]]
+name = "notify"
+provider = "shop"
+needs = ["book"]
+request = {{ method = "POST", path = "/notify", body = '{{"ref": "n{{{{ record.id }}}}"}}' }}
 
 [pipelines.order]
 on_failure = "undo"
@@ -125,12 +174,13 @@ undo = {{ request = {{ method = "POST", path = "/refund", body = '{{"ref": "r{{{
 name = "review"
 kind = "approval"
 needs = ["charge"]
+
+[[pipelines.nap.steps]]
+name = "later"
+kind = "sleep"
+for = "24h"
 "#
-    );
-    let config = Config::parse(&text, Path::new("undo.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    ballast::pipeline::compile(&config).unwrap();
-    Arc::new(config)
+    )
 }
 
 async fn record(db: &Db, id: i64) -> Record {
@@ -200,6 +250,149 @@ async fn sqlite_a_failure_undoes_the_succeeded_steps_last_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_failure_undoes_the_succeeded_steps_last_first() {
     a_failure_undoes_the_succeeded_steps_last_first(Backend::Postgres).await;
+}
+
+/// A required step fails while a sibling's job is out: the undo waits
+/// for that job to end (following it, starting nothing new), then undoes
+/// it too, once.
+async fn an_undo_waits_for_a_job_still_out(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "undo_waits").await else {
+        return;
+    };
+    let shop = Shop::spawn().await;
+    let config = shop_config(&shop.url);
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config, "n1", start).await;
+    let e = Enqueue::new("trip", Some("t1"), json!({}));
+    let id = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+    let r = record(&t.db, id).await;
+    assert_eq!(r.state, RecordState::Waiting, "{:?}", r.reason);
+    assert_eq!(r.error_code.as_deref(), Some("undo_waits"));
+    let said = r.reason.clone().unwrap_or_default();
+    assert!(
+        said.contains("`ship` failed") && said.contains("`book`"),
+        "{said}"
+    );
+    // The job runs on: it is followed, and nothing else starts.
+    clock.advance(1_000);
+    drain(&engine).await;
+    assert_eq!(
+        record(&t.db, id).await.error_code.as_deref(),
+        Some("undo_waits")
+    );
+    shop.jobs_done.store(true, Ordering::SeqCst);
+    clock.advance(1_000);
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = record(&t.db, id).await;
+    assert_eq!(r.state, RecordState::Failed, "{:?}", r.reason);
+    assert_eq!(r.error_code.as_deref(), Some("undone"));
+    let routes = shop.routes();
+    let calls = |route: &str| routes.iter().filter(|r| *r == route).count();
+    assert_eq!(calls("unbook"), 1, "the booking undone once: {routes:?}");
+    assert_eq!(
+        calls("notify"),
+        0,
+        "nothing new after the failure: {routes:?}"
+    );
+    assert_eq!(shop.bodies("unbook")[0]["booking"], json!("job-1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_undo_waits_for_a_job_still_out() {
+    an_undo_waits_for_a_job_still_out(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_undo_waits_for_a_job_still_out() {
+    an_undo_waits_for_a_job_still_out(Backend::Postgres).await;
+}
+
+/// Undo and wake through the API, as an operator's token sends them: a
+/// cancelled record's charge refunded once (a second undo refused), a
+/// day's sleep ended at once; each audited with its reason.
+async fn undo_and_wake_through_the_api(backend: Backend) {
+    let shop = Shop::spawn().await;
+    let text = shop_toml(&shop.url);
+    let Some(app) = crate::web::WebApp::spawn(backend, "undo_api", &text).await else {
+        return;
+    };
+    let op = app.token(ballast::domain::Role::Operator).await;
+    let post = |path: String, body: Value| {
+        app.client
+            .post(app.url(&path))
+            .bearer_auth(&op)
+            .json(&body)
+            .send()
+    };
+    let enqueue = async |pipeline: &str| -> i64 {
+        let made: Value = post(
+            "/api/v1/records".into(),
+            json!({ "pipeline": pipeline, "key": format!("{pipeline}-1") }),
+        )
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+        made["record"]["id"].as_i64().unwrap()
+    };
+    let settles = async |id: i64, code: Option<&str>, state: RecordState| {
+        crate::wait::until(
+            "the record settles",
+            std::time::Duration::from_secs(20),
+            async || {
+                let r = record(&app.t.db, id).await;
+                match r.state == state && r.error_code.as_deref() == code {
+                    true => Ok(()),
+                    false => Err((r.state, r.error_code)),
+                }
+            },
+        )
+        .await;
+    };
+    let act = |id: i64, action: &str| {
+        let body = json!({ "action": action, "reason": format!("{action} through the API") });
+        post(format!("/api/v1/records/{id}/actions"), body)
+    };
+
+    let held = enqueue("hold").await;
+    settles(held, Some("awaiting_approval"), RecordState::Waiting).await;
+    assert_eq!(act(held, "cancel").await.unwrap().status(), 200);
+    let undone = act(held, "undo").await.unwrap();
+    assert_eq!(undone.status(), 200, "{:?}", undone.text().await);
+    settles(held, Some("undone"), RecordState::Failed).await;
+    assert_eq!(shop.bodies("refund").len(), 1, "refunded once");
+    let again = act(held, "undo").await.unwrap();
+    assert_eq!(again.status(), 400, "nothing left to undo");
+    let said: Value = again.json().await.unwrap();
+    assert_eq!(said["error"], "nothing_to_undo", "{said}");
+
+    let nap = enqueue("nap").await;
+    settles(nap, None, RecordState::Waiting).await;
+    let woken = act(nap, "wake").await.unwrap();
+    assert_eq!(woken.status(), 200, "{:?}", woken.text().await);
+    settles(nap, None, RecordState::Succeeded).await;
+    for (id, kind) in [(held, "undo"), (nap, "wake")] {
+        let events = app.t.db.record_events(id).await.unwrap();
+        let e = events.iter().find(|e| e.kind == kind).unwrap();
+        assert!(e.audit, "{kind} audited");
+        assert_eq!(
+            e.reason.as_deref(),
+            Some(&*format!("{kind} through the API"))
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_undo_and_wake_through_the_api() {
+    undo_and_wake_through_the_api(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_undo_and_wake_through_the_api() {
+    undo_and_wake_through_the_api(Backend::Postgres).await;
 }
 
 /// An operator undoes a cancelled record (audited, with a reason); an

@@ -766,6 +766,57 @@ mod tests {
     }
 
     #[test]
+    fn an_undo_waits_for_an_uncertain_call_to_be_settled() {
+        let mut rec = record(RecordState::Parked);
+        rec.error_code = Some(crate::domain::OUTCOME_UNCERTAIN.into());
+        let facts = Facts {
+            runs: &[],
+            uncertain: true,
+            undoable: true,
+        };
+        assert!(!offered(&rec, &facts).contains(&OperatorAction::Undo));
+        let mut req = request(OperatorAction::Undo);
+        req.steps = vec!["undo:charge".into()];
+        let refused = plan(&rec, &[], &req, None).unwrap_err();
+        assert_eq!(refused.code(), "outcome_uncertain");
+        rec.error_code = Some("attempts_exhausted".into());
+        assert!(plan(&rec, &[], &req, None).is_ok());
+        // Parked for another reason, with a call still uncertain: the
+        // same; cancelled, the call can no longer be settled.
+        let open = StepRun {
+            record_id: 7,
+            step: "render".into(),
+            provider: Some("p".into()),
+            state: StepState::Retrying,
+            generation: 0,
+            attempts: 1,
+            unknowns: 0,
+            idempotency_key: "k".into(),
+            job_id: None,
+            output: None,
+            error_code: Some(crate::domain::OUTCOME_UNCERTAIN.into()),
+            reason: None,
+            next_run_at: Some(5_000),
+            deadline_at: None,
+            started_at: Some(0),
+            finished_at: None,
+            updated_at: 0,
+            cause: None,
+        };
+        assert!(!offered(&rec, &facts).contains(&OperatorAction::Undo));
+        let refused = plan(&rec, std::slice::from_ref(&open), &req, None).unwrap_err();
+        assert_eq!(refused.code(), "outcome_uncertain");
+        rec.state = RecordState::Cancelled;
+        assert!(plan(&rec, &[open], &req, None).is_ok());
+        let settled = Facts {
+            uncertain: false,
+            ..facts
+        };
+        rec.state = RecordState::Parked;
+        assert!(offered(&rec, &settled).contains(&OperatorAction::Undo));
+    }
+
+    #[test]
     fn an_undo_is_offered_where_a_succeeded_step_has_one() {
         let facts = |undoable| Facts {
             runs: &[],
@@ -774,7 +825,10 @@ mod tests {
         };
         for state in RecordState::ALL {
             let by_table = transition(state, Trigger::Operator(OperatorAction::Undo)).is_ok();
-            let offered_with = offered(&record(state), &facts(true));
+            // Parked for a reason other than an uncertain call.
+            let mut rec = record(state);
+            rec.error_code = Some("attempts_exhausted".into());
+            let offered_with = offered(&rec, &facts(true));
             assert_eq!(
                 offered_with.contains(&OperatorAction::Undo),
                 by_table,

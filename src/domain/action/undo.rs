@@ -28,8 +28,8 @@ impl Rules for Undo {
         Ok(())
     }
 
-    fn offered(&self, _rec: &Record, facts: &Facts) -> bool {
-        facts.undoable
+    fn offered(&self, rec: &Record, facts: &Facts) -> bool {
+        facts.undoable && !(uncertain(rec) || (parked(rec) && facts.uncertain))
     }
 
     /// One record at a time: an undo makes calls of its own.
@@ -41,11 +41,22 @@ impl Rules for Undo {
     /// again under the record's lock).
     fn steps(
         &self,
-        _: &Record,
+        rec: &Record,
         runs: &[StepRun],
         req: &ActionRequest,
         _: bool,
     ) -> Result<StepChange, Refused> {
+        // A call whose outcome is not known may have taken effect: an
+        // undo now would leave that effect in place. A parked record can
+        // have it settled first ('it took effect' or a retry).
+        let open = runs.iter().any(super::took_effect::open_uncertain);
+        if uncertain(rec) || (parked(rec) && open) {
+            return invalid(
+                "outcome_uncertain",
+                "a call's outcome is not known: settle it first ('it took effect' or retry), \
+                 then undo",
+            );
+        }
         let done = |s: &String| {
             runs.iter()
                 .any(|r| &r.step == s && r.state == crate::domain::StepState::Succeeded)
@@ -64,4 +75,13 @@ impl Rules for Undo {
     fn detail(&self, _: &Record, req: &ActionRequest, _: Option<&ParkUntil>) -> Option<Value> {
         Some(json!({ "steps": req.steps }))
     }
+}
+
+/// Whether `rec` is parked on a call whose outcome is not known.
+fn uncertain(rec: &Record) -> bool {
+    parked(rec) && rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
+}
+
+fn parked(rec: &Record) -> bool {
+    rec.state == crate::domain::RecordState::Parked
 }

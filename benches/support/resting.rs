@@ -1,0 +1,403 @@
+//! W0 (`-- --only W0`): what records asleep or waiting cost while they
+//! wait. `n` records are taken by the engine itself to where they wait (a
+//! fifth each asleep for 30 days, waiting for an approval, waiting for a
+//! signal, and parents waiting on a child that waits for an approval), and
+//! the search indexer catches up (and on PostgreSQL a `VACUUM ANALYZE`
+//! does what autovacuum would soon do). Then a `ballast serve` process (every
+//! background loop on, as in production) is measured over a window on that
+//! database and on an empty one with the same configuration, interleaved:
+//! the node's CPU, records touched and events written in the window (both
+//! must be 0 with the records waiting), and on PostgreSQL the database's
+//! transactions, rows read and buffers per second (`pg_stat_database`), its
+//! statements per second (`pg_stat_statements`, when preloaded) and the
+//! CPU of the server's processes. The ideal: the figures with the records
+//! waiting equal the empty database's.
+
+use std::time::{Duration, Instant};
+
+use ballast::config::Config;
+use ballast::domain::RecordState;
+use ballast::engine::{Engine, EngineOptions, Enqueue};
+use ballast::store::Backend;
+use serde_json::json;
+use sqlx::{Connection, Row};
+use tokio_util::sync::CancellationToken;
+
+/// The pipelines the records wait in.
+fn pipelines() -> &'static str {
+    r#"
+[[pipelines.nap.steps]]
+name = "later"
+kind = "sleep"
+for = "720h"
+
+[[pipelines.review.steps]]
+name = "decide"
+kind = "approval"
+timeout = "720h"
+on_timeout = "park"
+
+[[pipelines.hook.steps]]
+name = "paid"
+kind = "signal"
+
+[[pipelines.family.steps]]
+name = "kyc"
+kind = "pipeline"
+pipeline = "review"
+"#
+}
+
+/// One measured window of a serve node.
+pub struct Window {
+    /// The node's CPU, seconds per second.
+    pub node_cpu: f64,
+    /// PostgreSQL's processes' CPU (the whole server), seconds per second.
+    pub db_cpu: Option<f64>,
+    /// Transactions committed or rolled back per second (PostgreSQL).
+    pub xacts: Option<f64>,
+    /// Rows read per second, by scans and by index (PostgreSQL).
+    pub rows: Option<f64>,
+    /// Shared buffers hit or read per second (PostgreSQL).
+    pub blocks: Option<f64>,
+    /// Statements per second, when `pg_stat_statements` is preloaded.
+    pub statements: Option<f64>,
+    /// Records updated and events written in the window.
+    pub touched: i64,
+    /// The statements that read the most buffers in the window (calls,
+    /// rows, buffers, text), when `pg_stat_statements` is preloaded.
+    pub top: Vec<String>,
+}
+
+/// Takes `n` records of the four pipelines to where they wait, with the
+/// engine tuned for throughput; then waits for the search indexer. The
+/// seconds it took.
+pub async fn seed_waiting(fresh: &super::Fresh, n: usize) -> Option<f64> {
+    let text = format!("[database]\nurl = \"{}\"\n{}", fresh.url, pipelines());
+    let config = Config::parse(&text, std::path::Path::new("w0.toml")).ok()?;
+    let mut opts = EngineOptions::new("w0-seed");
+    opts.max_in_flight = 1_000;
+    opts.batch = 500;
+    let engine = Engine::new(fresh.db.clone(), std::sync::Arc::new(config), opts)
+        .await
+        .ok()?;
+    let started = Instant::now();
+    let kinds = ["nap", "review", "hook", "family"];
+    let per_kind = n / 5;
+    for (k, pipeline) in kinds.iter().enumerate() {
+        let mut i = 0;
+        while i < per_kind {
+            let end = (i + ballast::store::MAX_BATCH).min(per_kind);
+            let items = (i..end)
+                .map(|j| Enqueue::new(*pipeline, Some(&format!("w{k}-{j}")), json!({ "n": j })))
+                .collect();
+            engine.enqueue_batch(items).await.ok()?;
+            i = end;
+        }
+    }
+    // Every parent has a child: `n` records in all.
+    let total = (per_kind * 5) as i64;
+    let stop = CancellationToken::new();
+    let runner = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(5)).await }
+    });
+    loop {
+        let counts = fresh.db.state_counts().await.ok()?;
+        let waiting: i64 = counts
+            .iter()
+            .filter(|c| c.state == RecordState::Waiting)
+            .map(|c| c.count)
+            .sum();
+        if waiting >= total && indexed(fresh).await? {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(3_600) {
+            eprintln!("W0: gave up seeding: {counts:?}");
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.cancel();
+    let _ = runner.await;
+    let took = started.elapsed().as_secs_f64();
+    if fresh.pg_name.is_some() {
+        // What autovacuum does within a minute of so many updates: until
+        // then the claim's probes visit the dead index entries the
+        // seeding's updates left (3,187 buffers a claim at 100,000).
+        let mut c = sqlx::PgConnection::connect(&fresh.url).await.ok()?;
+        sqlx::query("VACUUM ANALYZE").execute(&mut c).await.ok()?;
+    }
+    Some(took)
+}
+
+/// Whether the search indexer has read every event.
+async fn indexed(fresh: &super::Fresh) -> Option<bool> {
+    let sql = "SELECT (SELECT event_id FROM search_progress WHERE id = 1) >= \
+               (SELECT COALESCE(MAX(id), 0) FROM events)";
+    let done: bool = match fresh.db.backend() {
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&fresh.url).await.ok()?;
+            sqlx::query_scalar(sql).fetch_one(&mut c).await.ok()?
+        }
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&fresh.url).await.ok()?;
+            sqlx::query_scalar(sql).fetch_one(&mut c).await.ok()?
+        }
+    };
+    Some(done)
+}
+
+/// A `ballast serve` node on `fresh`'s database, measured over `window`
+/// after `warm_up` (its start-up: statistics, the first rollups).
+pub async fn serve_window(
+    fresh: &super::Fresh,
+    warm_up: Duration,
+    window: Duration,
+) -> Option<Window> {
+    let dir = tempfile::tempdir().ok()?;
+    let text = format!("[database]\nurl = \"{}\"\n{}", fresh.url, pipelines());
+    std::fs::write(dir.path().join("ballast.toml"), text).ok()?;
+    let Some(node) = super::serve_node(dir.path()).await else {
+        eprintln!("W0: the node did not come up");
+        return None;
+    };
+    let pid = node.0.id();
+    tokio::time::sleep(warm_up).await;
+    let pg = fresh.pg_name.is_some();
+    let before = if pg {
+        Some(pg_sample(fresh).await?)
+    } else {
+        None
+    };
+    if pg {
+        let mut c = sqlx::PgConnection::connect(&super::pg_admin()).await.ok()?;
+        // The view is read through the admin database: it needs the
+        // extension there (it counts every database's statements).
+        let _ = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&mut c)
+            .await;
+        let _ = sqlx::query("SELECT pg_stat_statements_reset()")
+            .execute(&mut c)
+            .await;
+    }
+    let (node0, db0) = (cpu_of(pid), pg.then(postgres_cpu));
+    let from = super::now_ms();
+    let started = Instant::now();
+    tokio::time::sleep(window).await;
+    let secs = started.elapsed().as_secs_f64();
+    let (node1, db1) = (cpu_of(pid), pg.then(postgres_cpu));
+    let after = if pg {
+        Some(pg_sample(fresh).await?)
+    } else {
+        None
+    };
+    drop(node);
+    let touched = touched_since(fresh, from).await?;
+    let top = if pg {
+        top_statements(fresh).await
+    } else {
+        Vec::new()
+    };
+    let per_s = |f: fn(&PgSample) -> Option<f64>| match (&before, &after) {
+        (Some(b), Some(a)) => Some((f(a)? - f(b)?) / secs),
+        _ => None,
+    };
+    Some(Window {
+        node_cpu: (node1 - node0) / secs,
+        db_cpu: db0.zip(db1).map(|(a, b)| (b - a) / secs),
+        xacts: per_s(|s| Some(s.xacts)),
+        rows: per_s(|s| Some(s.rows)),
+        blocks: per_s(|s| Some(s.blocks)),
+        statements: per_s(|s| s.statements),
+        touched,
+        top,
+    })
+}
+
+/// The five statements on `fresh`'s database that read the most buffers
+/// since the last reset.
+async fn top_statements(fresh: &super::Fresh) -> Vec<String> {
+    let Ok(mut c) = sqlx::PgConnection::connect(&super::pg_admin()).await else {
+        return Vec::new();
+    };
+    let rows = sqlx::query(
+        "SELECT s.calls, s.rows, s.shared_blks_hit + s.shared_blks_read AS blks, s.query
+           FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+          WHERE d.datname = $1 ORDER BY blks DESC LIMIT 5",
+    )
+    .bind(fresh.pg_name.as_deref().unwrap_or(""))
+    .fetch_all(&mut c)
+    .await
+    .unwrap_or_default();
+    rows.iter()
+        .map(|r| {
+            let query: String = r.get("query");
+            let query: String = query.split_whitespace().collect::<Vec<_>>().join(" ");
+            format!(
+                "{} calls, {} rows, {} buffers: {}",
+                r.get::<i64, _>("calls"),
+                r.get::<i64, _>("rows"),
+                r.get::<i64, _>("blks"),
+                query.chars().take(160).collect::<String>()
+            )
+        })
+        .collect()
+}
+
+/// PostgreSQL's counters for one database.
+struct PgSample {
+    xacts: f64,
+    rows: f64,
+    blocks: f64,
+    statements: Option<f64>,
+}
+
+async fn pg_sample(fresh: &super::Fresh) -> Option<PgSample> {
+    // The counters of a backend reach the statistics when its transaction
+    // ends, at most once a second: let them land.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let mut c = sqlx::PgConnection::connect(&super::pg_admin()).await.ok()?;
+    let name = fresh.pg_name.as_deref()?;
+    let row = sqlx::query(
+        "SELECT (xact_commit + xact_rollback)::float8 AS xacts,
+                (tup_returned + tup_fetched)::float8 AS rows,
+                (blks_hit + blks_read)::float8 AS blocks
+           FROM pg_stat_database WHERE datname = $1",
+    )
+    .bind(name)
+    .fetch_one(&mut c)
+    .await
+    .ok()?;
+    let statements = sqlx::query_scalar::<_, f64>(
+        "SELECT COALESCE(SUM(s.calls), 0)::float8 FROM pg_stat_statements s
+           JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1",
+    )
+    .bind(name)
+    .fetch_one(&mut c)
+    .await
+    .ok();
+    Some(PgSample {
+        xacts: row.get("xacts"),
+        rows: row.get("rows"),
+        blocks: row.get("blocks"),
+        statements,
+    })
+}
+
+/// Records updated and events written at or after `from`.
+async fn touched_since(fresh: &super::Fresh, from: i64) -> Option<i64> {
+    let sql = "SELECT (SELECT COUNT(*) FROM records WHERE updated_at >= $1) + \
+               (SELECT COUNT(*) FROM events WHERE at >= $1)";
+    match fresh.db.backend() {
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&fresh.url).await.ok()?;
+            sqlx::query_scalar(sql)
+                .bind(from)
+                .fetch_one(&mut c)
+                .await
+                .ok()
+        }
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&fresh.url).await.ok()?;
+            sqlx::query_scalar(sql)
+                .bind(from)
+                .fetch_one(&mut c)
+                .await
+                .ok()
+        }
+    }
+}
+
+/// CPU seconds (user + system) of process `pid`.
+pub fn cpu_of(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// CPU seconds of every PostgreSQL process on this machine (the server,
+/// its backends and background workers).
+fn postgres_cpu() -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim_end().starts_with("postgres"))
+        })
+        .map(cpu_of)
+        .sum()
+}
+
+/// W0 on `backend`: `n` records seeded waiting, then `runs` windows of a
+/// node on an empty database and on the seeded one, interleaved; prints
+/// each pair's medians.
+pub async fn report(backend: Backend, n: usize, runs: usize, window: Duration) {
+    let (Some(empty), Some(full)) = (super::fresh(backend).await, super::fresh(backend).await)
+    else {
+        println!("W0 failed: no database");
+        return;
+    };
+    let Some(seeded) = seed_waiting(&full, n).await else {
+        println!("W0 failed: not seeded");
+        return;
+    };
+    println!(
+        "{:<44} {:>22}",
+        format!("W0 {n} records taken to wait"),
+        format!("in {seeded:.0} s")
+    );
+    let warm_up = Duration::from_secs(15);
+    let (mut idle, mut waiting) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        idle.extend(serve_window(&empty, warm_up, window).await);
+        waiting.extend(serve_window(&full, warm_up, window).await);
+    }
+    for (name, ws) in [
+        ("empty database", &idle),
+        (&*format!("{n} waiting"), &waiting),
+    ] {
+        if ws.is_empty() {
+            println!("W0 {name}: no window measured");
+            continue;
+        }
+        let of = |f: fn(&Window) -> Option<f64>| {
+            let v: Vec<f64> = ws.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| super::median_spread_f(v, 3))
+        };
+        let touched: i64 = ws.iter().map(|w| w.touched).sum();
+        println!(
+            "{:<44} node CPU {} s/s; records and events touched {touched}",
+            format!("W0 {name}, {} window(s) of {}s", ws.len(), window.as_secs()),
+            of(|w| Some(w.node_cpu)).unwrap_or_default(),
+        );
+        if let Some(xacts) = of(|w| w.xacts) {
+            println!(
+                "{:<44} transactions {xacts}/s; statements {}/s; rows read {}/s; buffers {}/s; \
+                 server CPU {} s/s",
+                "",
+                of(|w| w.statements).unwrap_or_else(|| "(no pg_stat_statements)".into()),
+                of(|w| w.rows).unwrap_or_default(),
+                of(|w| w.blocks).unwrap_or_default(),
+                of(|w| w.db_cpu).unwrap_or_default(),
+            );
+        }
+        // The last window's statements that read the most.
+        for line in ws.last().map(|w| w.top.as_slice()).unwrap_or_default() {
+            println!("{:<44}   {line}", "");
+        }
+    }
+    empty.drop_now().await;
+    full.drop_now().await;
+}
