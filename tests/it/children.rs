@@ -599,10 +599,17 @@ async fn a_parent_and_its_child_survive_kills(backend: Backend) {
     }
     let last = Serve::start(dir.path(), &env).await;
     let limit = Duration::from_secs(if full_run() { 900 } else { 300 });
-    crate::wait::until("every family at rest", limit, async || {
+    let settled = crate::wait::until("every family at rest", limit * 2, async || {
         family_at_rest(&t.db, n).await
-    })
-    .await;
+    });
+    if tokio::time::timeout(limit, settled).await.is_err() {
+        // The stall's evidence: the records, the database's sessions, the log.
+        crate::faults::stall_report(&t, dir.path()).await;
+        panic!(
+            "not at rest after {limit:?}: {:?}",
+            family_at_rest(&t.db, n).await
+        );
+    }
     last.stop().await;
     crate::helpers::assert_counters_match(&t.db).await;
 

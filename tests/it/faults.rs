@@ -1236,7 +1236,7 @@ pub(crate) async fn kill_while_working(
 /// What the store looked like when a restarted process took no work:
 /// records by state, how many were due, the leases, and on PostgreSQL the
 /// database's busy sessions and the locks they wait for; then the log.
-async fn stall_report(t: &crate::helpers::TestDb, dir: &Path) {
+pub(crate) async fn stall_report(t: &crate::helpers::TestDb, dir: &Path) {
     let now = crate::helpers::wall_ms();
     let records = all_records(&t.db, None).await;
     let mut by_state = std::collections::BTreeMap::<String, usize>::new();

@@ -754,7 +754,9 @@ outputs = { url = "/result/url" }
     }
     let last = Serve::start(dir.path(), &env).await;
     let limit = std::time::Duration::from_secs(if full_run() { 900 } else { 300 });
-    let settled = crate::wait::until("every record at rest", limit, async || {
+    // Each record not at rest, when they do not all come to rest: the
+    // stall's evidence (the records, the database's sessions, the log).
+    let at_rest = async || {
         let all = crate::helpers::all_records(&t.db, None).await;
         let busy: Vec<String> = all
             .iter()
@@ -767,8 +769,13 @@ outputs = { url = "/result/url" }
             })
             .collect();
         if busy.is_empty() { Ok(()) } else { Err(busy) }
-    });
-    settled.await;
+    };
+    let settled = crate::wait::until("every record at rest", limit * 2, at_rest);
+    if tokio::time::timeout(limit, settled).await.is_err() {
+        crate::faults::stall_report(&t, dir.path()).await;
+        let busy = at_rest().await.err().unwrap_or_default();
+        panic!("not at rest after {limit:?}: {busy:#?}");
+    }
     crate::engine::wait_at_rest(&t.db, n, std::time::Duration::from_secs(10)).await;
     last.stop().await;
     let audit = crate::helpers::audit_at_rest(&t.db).await;
