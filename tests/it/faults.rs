@@ -1201,6 +1201,77 @@ async fn kill_loop(backend: ballast::store::Backend) {
     );
 }
 
+/// What reached a keyless provider, by client reference (a step's or an
+/// item's idempotency key), checked run by run against the history.
+#[derive(Default)]
+pub(crate) struct KeyLedger {
+    arrived: std::collections::HashMap<String, usize>,
+    charged: std::collections::HashMap<String, usize>,
+    /// Every run's key checked so far.
+    known: std::collections::HashSet<String>,
+    /// Calls that reached the provider and are no attempt of their run.
+    pub holes: usize,
+}
+
+impl KeyLedger {
+    pub(crate) fn of(sim: &ballast::sim::SimHandle) -> KeyLedger {
+        let mut l = KeyLedger::default();
+        for a in sim.arrivals() {
+            let reference = a.client_reference.expect("every submit carries its key");
+            *l.charged.entry(reference.clone()).or_default() += usize::from(a.effect);
+            *l.arrived.entry(reference).or_default() += 1;
+        }
+        l
+    }
+
+    /// Checks `run` (its submits among `attempts`): charged at most once,
+    /// exactly once if it succeeded; counts its holes.
+    pub(crate) fn check(
+        &mut self,
+        run: &ballast::domain::StepRun,
+        attempts: &[ballast::domain::Attempt],
+    ) {
+        let key = &run.idempotency_key;
+        self.known.insert(key.clone());
+        let submits = attempts
+            .iter()
+            .filter(|a| a.step == run.step)
+            .filter(|a| a.request.as_ref().is_some_and(|q| q.method == "POST"))
+            .count();
+        let calls = self.arrived.get(key).copied().unwrap_or(0);
+        self.holes += calls.saturating_sub(submits);
+        let charges = self.charged.get(key).copied().unwrap_or(0);
+        let what = format!("record {} {}", run.record_id, run.step);
+        assert!(charges <= 1, "{what} charged {charges} times");
+        if run.state == ballast::domain::StepState::Succeeded {
+            assert_eq!(charges, 1, "{what} succeeded, charged {charges} times");
+        }
+    }
+
+    /// Calls that reached the provider.
+    pub(crate) fn calls(&self) -> usize {
+        self.arrived.values().sum()
+    }
+
+    /// After every run was checked: no call reached the provider under a
+    /// key no stored run has, and none is missing from the history.
+    pub(crate) fn assert_whole(&self) {
+        assert_eq!(
+            self.holes, 0,
+            "every call that reached the provider is in the history"
+        );
+        let strays: Vec<&String> = self
+            .arrived
+            .keys()
+            .filter(|k| !self.known.contains(*k))
+            .collect();
+        assert!(
+            strays.is_empty(),
+            "calls under no stored run's key: {strays:?}"
+        );
+    }
+}
+
 /// SIGKILLs `node` at a random point of its work: once the simulator has
 /// taken a random 10–120 more calls from it (or 10 s have passed), and
 /// once it holds work if it comes to within 5 s (at that point it may hold

@@ -780,16 +780,8 @@ outputs = { url = "/result/url" }
     last.stop().await;
     let audit = crate::helpers::audit_at_rest(&t.db).await;
 
-    let mut arrived = std::collections::HashMap::<String, usize>::new();
-    let mut charged = std::collections::HashMap::<String, usize>::new();
-    for a in sim.arrivals() {
-        let reference = a.client_reference.expect("every submit carries its key");
-        *charged.entry(reference.clone()).or_default() += usize::from(a.effect);
-        *arrived.entry(reference).or_default() += 1;
-    }
-    let (mut holes, mut items_done, mut uncertain) = (0, 0, 0);
-    // Every key a call reached the provider with is an item's.
-    let mut keys = std::collections::HashSet::new();
+    let mut ledger = crate::faults::KeyLedger::of(&sim);
+    let (mut items_done, mut uncertain) = (0, 0);
     // Calls a kill caught in flight (read back from their intents), and
     // lookups that settled them.
     let (mut caught, mut lookups) = (0, 0);
@@ -817,21 +809,9 @@ outputs = { url = "/result/url" }
             })
             .count();
         let items = t.db.item_runs(r.id, "render", 0, 100).await.unwrap();
-        keys.extend(items.iter().map(|i| i.idempotency_key.clone()));
         for item in &items {
-            let submits = attempts
-                .iter()
-                .filter(|a| a.step == item.step)
-                .filter(|a| a.request.as_ref().is_some_and(|q| q.method == "POST"))
-                .count();
-            let calls = arrived.get(&item.idempotency_key).copied().unwrap_or(0);
-            holes += calls.saturating_sub(submits);
-            let charges = charged.get(&item.idempotency_key).copied().unwrap_or(0);
-            if item.state == StepState::Succeeded {
-                items_done += 1;
-                assert_eq!(charges, 1, "{} charged {charges} times", item.step);
-            }
-            assert!(charges <= 1, "{} charged {charges} times", item.step);
+            ledger.check(item, &attempts);
+            items_done += usize::from(item.state == StepState::Succeeded);
         }
         match r.state {
             RecordState::Succeeded => {
@@ -851,30 +831,22 @@ outputs = { url = "/result/url" }
             _ => {}
         }
     }
-    let ledger = sim.ledger();
     println!(
         "{} for-each kill -9 loop: {n} records of 50 items, {kills} kills: {} succeeded + {} \
          failed + {} parked ({uncertain} parked records); {items_done} items done, {} submits \
-         reached the provider, {} double charges, {holes} calls with no attempt; {caught} calls \
+         reached the provider, {} double charges, {} calls with no attempt; {caught} calls \
          read back after a kill, {lookups} lookups",
         backend.as_str(),
         audit.ok,
         audit.failed,
         audit.parked,
-        arrived.values().sum::<usize>(),
-        ledger.double_charges,
+        ledger.calls(),
+        sim.ledger().double_charges,
+        ledger.holes,
     );
     assert_eq!(audit.ok + audit.failed + audit.parked, n, "0 lost");
-    assert_eq!(ledger.double_charges, 0, "0 double charges");
-    assert_eq!(
-        holes, 0,
-        "every call that reached the provider is in the history"
-    );
-    let strays: Vec<&String> = arrived.keys().filter(|k| !keys.contains(*k)).collect();
-    assert!(
-        strays.is_empty(),
-        "calls under no stored item's key: {strays:?}"
-    );
+    assert_eq!(sim.ledger().double_charges, 0, "0 double charges");
+    ledger.assert_whole();
     assert!(audit.ok > 0, "some records succeeded");
 }
 
