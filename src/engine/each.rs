@@ -312,17 +312,11 @@ async fn run_items(
         }
     }
     let mut outs = Vec::new();
-    // New items start only in the first third of the lease: a pass that
-    // ran on past it would need every renewal on time (a late one under
-    // load loses the lease and drops the pass, again and again); the rest
-    // start in the next pass, due at once.
-    let budget = i64::try_from(i.opts.lease.as_millis() / 3).unwrap_or(i64::MAX);
     loop {
         while go_on
             && tally.open + i64::try_from(running.len()).unwrap_or(i64::MAX)
                 < i64::from(each.max_parallel)
             && tally.next < tally.total
-            && i.clock.now_ms() - call.now < budget
         {
             let Some(s) = steps.next() else { break };
             tally.next += 1;
