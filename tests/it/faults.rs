@@ -1355,6 +1355,37 @@ pub(crate) async fn stall_report(t: &crate::helpers::TestDb, dir: &Path) {
         .unwrap();
         eprintln!("stall: locks waited for {waits:?}");
     }
+    // The first records not at rest, step by step, with their items.
+    for r in records.iter().filter(|r| !r.state.is_at_rest()).take(3) {
+        for run in t.db.step_runs(r.id).await.unwrap_or_default() {
+            eprintln!(
+                "stall: record {} step {} {} next {:?} {:?}: {:?}",
+                r.id, run.step, run.state, run.next_run_at, run.error_code, run.reason
+            );
+            let items =
+                t.db.item_runs(r.id, &run.step, 0, 100)
+                    .await
+                    .unwrap_or_default();
+            for item in items.iter().filter(|i| {
+                !matches!(
+                    i.state,
+                    ballast::domain::StepState::Succeeded | ballast::domain::StepState::Failed
+                )
+            }) {
+                eprintln!(
+                    "stall:   item {} {} next {:?} job {:?} {:?}: {:?}",
+                    item.step,
+                    item.state,
+                    item.next_run_at,
+                    item.job_id,
+                    item.error_code,
+                    item.reason
+                );
+            }
+        }
+        let open = t.db.open_intents(r.id).await.unwrap_or_default();
+        eprintln!("stall: record {} open intents {}", r.id, open.len());
+    }
     let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
     let tail: Vec<_> = log.lines().rev().take(60).collect();
     for line in tail.into_iter().rev() {
