@@ -29,7 +29,7 @@ impl Rules for Undo {
     }
 
     fn offered(&self, rec: &Record, facts: &Facts) -> bool {
-        facts.undoable && !(uncertain(rec) || (parked(rec) && facts.uncertain))
+        facts.undoable && !held(rec, facts.uncertain)
     }
 
     /// One record at a time: an undo makes calls of its own.
@@ -49,8 +49,7 @@ impl Rules for Undo {
         // A call whose outcome is not known may have taken effect: an
         // undo now would leave that effect in place. A parked record can
         // have it settled first ('it took effect' or a retry).
-        let open = runs.iter().any(super::took_effect::open_uncertain);
-        if uncertain(rec) || (parked(rec) && open) {
+        if held(rec, runs.iter().any(super::took_effect::open_uncertain)) {
             return invalid(
                 "outcome_uncertain",
                 "a call's outcome is not known: settle it first ('it took effect' or retry), \
@@ -77,11 +76,10 @@ impl Rules for Undo {
     }
 }
 
-/// Whether `rec` is parked on a call whose outcome is not known.
-fn uncertain(rec: &Record) -> bool {
-    parked(rec) && rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN)
-}
-
-fn parked(rec: &Record) -> bool {
+/// Whether `rec` is parked on a call whose outcome is not known (its own
+/// code, or `open`: a run of it still uncertain), which an undo must wait
+/// for until someone settles it.
+fn held(rec: &Record, open: bool) -> bool {
     rec.state == crate::domain::RecordState::Parked
+        && (open || rec.error_code.as_deref() == Some(crate::domain::OUTCOME_UNCERTAIN))
 }
