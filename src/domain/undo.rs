@@ -77,6 +77,39 @@ pub fn still_out<'s>(
         .collect()
 }
 
+/// After required step `v.step` failed: the record waits (`undo_waits`)
+/// while a step with an undo call still has a call out, due at the
+/// earliest of every call it follows meanwhile; `None` to undo now.
+pub fn waits(
+    pipeline: &Pipeline,
+    v: &Verdict,
+    states: &HashMap<String, StepWrite>,
+) -> Option<Verdict> {
+    let out = still_out(pipeline, states);
+    if out.is_empty() {
+        return None;
+    }
+    let jobs: Vec<String> = out.iter().map(|w| format!("`{}`", w.step)).collect();
+    let failed = v.step.clone().unwrap_or_default();
+    let why = v.reason.clone().unwrap_or_default();
+    Some(Verdict {
+        result: WorkResult::Waiting,
+        next_run_at: states
+            .values()
+            .filter(|w| super::pass::job_out(w))
+            .filter_map(|w| w.next_run_at)
+            .min(),
+        step: v.step.clone(),
+        error_code: Some("undo_waits".into()),
+        reason: Some(format!(
+            "`{failed}` failed ({why}); the undo waits for the call of {} to end, so that \
+             its effect is undone too",
+            jobs.join(", ")
+        )),
+        park_until: None,
+    })
+}
+
 /// The undo as a pipeline of its own: the undo steps that have runs,
 /// in the order [`to_run`] gives them (their runs' order is kept by the
 /// steps they undo), each needing the one before, so that a pass runs

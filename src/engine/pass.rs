@@ -343,30 +343,11 @@ fn undo_first(
     states: &HashMap<String, StepWrite>,
     now: UnixMs,
 ) -> (crate::domain::pass::Verdict, Option<(Vec<String>, String)>) {
-    let failed = v.step.clone().unwrap_or_default();
-    let why = v.reason.clone().unwrap_or_default();
-    let out = crate::domain::undo::still_out(whole, states);
-    if !out.is_empty() {
-        let jobs: Vec<String> = out.iter().map(|w| format!("`{}`", w.step)).collect();
-        let waits = crate::domain::pass::Verdict {
-            result: WorkResult::Waiting,
-            // Due at the earliest of every call it follows meanwhile.
-            next_run_at: states
-                .values()
-                .filter(|w| crate::domain::pass::job_out(w))
-                .filter_map(|w| w.next_run_at)
-                .min(),
-            step: v.step,
-            error_code: Some("undo_waits".into()),
-            reason: Some(format!(
-                "`{failed}` failed ({why}); the undo waits for the call of {} to end, so \
-                 that its effect is undone too",
-                jobs.join(", ")
-            )),
-            park_until: None,
-        };
+    if let Some(waits) = crate::domain::undo::waits(whole, &v, states) {
         return (waits, None);
     }
+    let failed = v.step.clone().unwrap_or_default();
+    let why = v.reason.clone().unwrap_or_default();
     let names = crate::domain::undo::to_run(whole, states);
     if names.is_empty() {
         return (v, None);
