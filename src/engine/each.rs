@@ -299,13 +299,14 @@ async fn run_items(
     let mut steps = steps.iter();
     // No item runs for a step that can no longer succeed.
     let mut go_on = !tally.lost(each);
-    // Items already started run while fewer than `max_parallel` are
-    // under way (after a lost pass there may be more); the rest wait,
-    // counted as due.
+    // Items already started run, `max_parallel` at most in this pass;
+    // the rest wait, counted as due. Those not loaded do not count here:
+    // after a lost pass more than `max_parallel` may be unfinished, and
+    // counting them would leave every pass running none. (No new item
+    // starts until fewer than `max_parallel` are unfinished.)
     for w in todo {
         let Some(s) = steps.next() else { break };
-        let room = tally.open + i64::try_from(running.len()).unwrap_or(i64::MAX)
-            < i64::from(each.max_parallel);
+        let room = running.len() < usize::try_from(each.max_parallel).unwrap_or(usize::MAX);
         match go_on && room {
             true => running.push(start(call, list, s, w, call.now)),
             false => tally.add(&w, call.now),

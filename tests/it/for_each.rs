@@ -541,6 +541,89 @@ async fn postgres_items_a_dead_node_left_are_neither_lost_nor_resent() {
     items_a_dead_node_left_are_neither_lost_nor_resent(Backend::Postgres).await;
 }
 
+/// A dead node left more items started than `max_parallel` (twice the
+/// cap: calls written down, no reply kept, each looked up a call's
+/// timeout later, so all come due at once): the next passes run them
+/// all, `max_parallel` at a time (a pass once counted the due ones it
+/// had not loaded against the cap and ran none, again and again), and
+/// every item is submitted once.
+async fn more_items_left_started_than_the_cap_all_run(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "for_each_over_cap").await else {
+        return;
+    };
+    let sim = ballast::sim::SimHandle::spawn(ballast::sim::Profile::clean(49))
+        .await
+        .unwrap();
+    let provider = crate::engine::sim_provider_toml(&sim.base_url(), "at_most_once = true")
+        .replace(r#"timeout = "300ms""#, r#"timeout = "10s""#);
+    let text = format!(
+        r#"{provider}
+[[pipelines.jobs.steps]]
+name = "render"
+provider = "sim"
+kind = "submit_poll"
+for_each = "/input/items"
+max_parallel = 2
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"client_reference": "{{{{ key }}}}"}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "1s" }}
+lookup = {{ path = "/v1/jobs?client_reference={{{{ key | urlencode }}}}", job_id = "/data/0/id" }}
+"#
+    );
+    let config = Config::parse(&text, Path::new("over-cap.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let (engine, clock) = manual_engine(&t.db, Arc::new(config), "n1").await;
+    let items = json!({ "items": [0, 1, 2, 3, 4, 5] });
+    let id = enqueue(&engine, "jobs", Some("over"), items).await;
+    let now = ballast::domain::Clock::now_ms(&clock);
+    let held =
+        t.db.claim_due(&ballast::store::ClaimRequest {
+            owner: "ghost".into(),
+            now,
+            lease: std::time::Duration::from_secs(1),
+            limit: 1,
+            group_caps: Vec::new(),
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    let left: Vec<ballast::store::NewIntent> = (0..4)
+        .map(|n| ballast::store::NewIntent {
+            lease: held.lease().unwrap(),
+            record_id: id,
+            step: format!("render#{n}"),
+            provider: Some("sim".into()),
+            attempt_no: 1,
+            node: Some("ghost".into()),
+            sent_at: now,
+            request: None,
+        })
+        .collect();
+    let written = t.db.record_intents(&left).await.unwrap();
+    assert!(written.iter().all(Result::is_ok), "{written:?}");
+    // The ghost's lease runs out; its calls are looked up 10 s after they
+    // left, all four at once.
+    clock.advance(2_000);
+    drive_at_rest(&engine, &clock, 1, 1_000, 120_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    let items = t.db.item_runs(id, "render", 0, 10).await.unwrap();
+    assert_eq!(items.len(), 6, "{items:?}");
+    assert!(items.iter().all(|i| i.state == StepState::Succeeded));
+    let ledger = sim.ledger();
+    assert_eq!((ledger.effects, ledger.double_charges), (6, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_more_items_left_started_than_the_cap_all_run() {
+    more_items_left_started_than_the_cap_all_run(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_more_items_left_started_than_the_cap_all_run() {
+    more_items_left_started_than_the_cap_all_run(Backend::Postgres).await;
+}
+
 /// The record page says how far the items are, lists each with its
 /// attempts, and draws the step as a stack; so does the pipelines page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
