@@ -142,12 +142,14 @@ impl<'a> Ops<'a> {
             until,
             input,
             on_current,
+            failed_items,
         } = extra;
         let until = until.map(str::trim).filter(|t| !t.is_empty());
         let command = crate::domain::action::Command {
             reason: reason.is_some(),
             until: until.is_some(),
             on_current,
+            failed_items,
         };
         crate::domain::action::check_command(action, &command)?;
         let until = match until {
@@ -169,6 +171,7 @@ impl<'a> Ops<'a> {
             // The step it names (a decision's); a replay's and a retry's
             // are worked out from the pipeline.
             steps: step.map(|s| vec![s.to_owned()]).unwrap_or_default(),
+            failed_items,
             ..ActionRequest::new(id, action, actor, reason, self.clock.now_ms())
         };
         let rec = match self.engine {
@@ -569,6 +572,9 @@ pub struct ActExtra<'a> {
     /// `step` on as it defines them), the record pinned to it from now;
     /// otherwise on the version the record started with.
     pub on_current: bool,
+    /// For a replay from a step for each item: only its items that did
+    /// not succeed run again (those that did keep their results).
+    pub failed_items: bool,
 }
 
 /// An operator action on one record, through the transition table and
@@ -627,6 +633,20 @@ async fn act_on(
             engine.versions().compiled(&rec).await
         };
         let version = req.repin.or(rec.pipeline_version);
+        if req.failed_items
+            && compiled
+                .as_ref()
+                .and_then(|c| c.0.step(step))
+                .is_some_and(|s| s.each.is_none())
+        {
+            return Err(StoreError::Declined {
+                code: "items_need_each",
+                message: format!(
+                    "step `{step}` does not run for each item: replay it whole (without \
+                     only its failed items)"
+                ),
+            });
+        }
         let undone = undone_steps(i, record_id).await?;
         steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
             let which = version.map(|v| format!(" version {v}")).unwrap_or_default();

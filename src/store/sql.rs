@@ -866,11 +866,12 @@ where
     /// [`rerun_steps`](Self::rerun_steps); an undo that starts (undo
     /// steps among `steps`) also ends the record's confirmations: a
     /// result asked about again after its undo would look reversed.
+    /// `keep_items`: the first step keeps its items that succeeded.
     pub(crate) async fn run_again(
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
-        steps: &[String],
+        (steps, keep_items): (&[String], bool),
         now: UnixMs,
         cause: &str,
     ) -> StoreResult<()> {
@@ -883,7 +884,8 @@ where
                 .execute(&mut **tx)
                 .await?;
         }
-        Self::rerun_steps(tx, installation, record_id, steps, now, cause).await
+        let first = steps.first().filter(|_| keep_items).map(String::as_str);
+        Self::rerun_steps(tx, installation, record_id, (steps, first), now, cause).await
     }
 
     /// Keeps step `step`'s result as a version, replaced at `now` by
@@ -927,12 +929,14 @@ where
 
     /// Runs `steps` again, each a new generation (its result kept as a
     /// version). A step run again loses the run of its undo step (kept as
-    /// a version too): its new effect is not undone yet.
+    /// a version too): its new effect is not undone yet. A step for each
+    /// item starts its items afresh, but the one `keeps` names (a replay
+    /// of only the failed items) keeps those that succeeded.
     pub(crate) async fn rerun_steps(
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
-        steps: &[String],
+        (steps, keeps): (&[String], Option<&str>),
         now: UnixMs,
         cause: &str,
     ) -> StoreResult<()> {
@@ -951,12 +955,15 @@ where
         // as versions; an item's run is never run again on its own.
         let steps = steps.iter().filter(|s| item_of(s).is_none());
         for step in steps {
-            Self::keep_versions(tx, record_id, ("item_of", step), (now, cause, false)).await?;
-            sqlx::query("DELETE FROM step_runs WHERE record_id = $1 AND item_of = $2")
-                .bind(record_id)
-                .bind(step.clone())
-                .execute(&mut **tx)
-                .await?;
+            let keep_items = keeps == Some(step.as_str());
+            if !keep_items {
+                Self::keep_versions(tx, record_id, ("item_of", step), (now, cause, false)).await?;
+                sqlx::query("DELETE FROM step_runs WHERE record_id = $1 AND item_of = $2")
+                    .bind(record_id)
+                    .bind(step.clone())
+                    .execute(&mut **tx)
+                    .await?;
+            }
             Self::keep_version(tx, record_id, step, (now, cause, false)).await?;
             // The latest generation, kept as a run or (a retired undo run)
             // only as a version: a new one never takes an old one's key.
@@ -979,7 +986,70 @@ where
                 .bind(step.clone())
                 .execute(&mut **tx)
                 .await?;
+            if keep_items {
+                let gen_cause = (write.generation, cause);
+                Self::rerun_failed_items(tx, installation, record_id, step, gen_cause, now).await?;
+            }
         }
+        Ok(())
+    }
+
+    /// The items of `step` that did not succeed start again, each a
+    /// fresh run of `generation` (a new idempotency key; the old run kept
+    /// as a version, its evidence included); those that succeeded stay,
+    /// and the step's output is built again from them and the new ones.
+    async fn rerun_failed_items(
+        tx: &mut Tx<DB>,
+        installation: &str,
+        record_id: i64,
+        step: &str,
+        (generation, cause): (i32, &str),
+        now: UnixMs,
+    ) -> StoreResult<()> {
+        let not_succeeded = "record_id = $1 AND item_of = $2 AND state <> 'succeeded'";
+        let keep = format!(
+            "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
+               error_code, cause, started_at, finished_at, replaced_at, replaced_by) \
+             SELECT record_id, step, generation, state, output, job_id, error_code, cause, \
+               started_at, finished_at, $3, $4 \
+             FROM step_runs WHERE {not_succeeded} ON CONFLICT DO NOTHING"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(keep))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .bind(now)
+            .bind(cause)
+            .execute(&mut **tx)
+            .await?;
+        let read = format!("SELECT step, provider FROM step_runs WHERE {not_succeeded}");
+        let runs: Vec<(String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(read))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .fetch_all(&mut **tx)
+            .await?;
+        let fresh: Vec<crate::store::StepWrite> = runs
+            .into_iter()
+            .map(|(name, provider)| crate::store::StepWrite {
+                provider,
+                generation,
+                ..crate::store::StepWrite::pending(&name)
+            })
+            .collect();
+        for chunk in fresh.chunks(1_000) {
+            let rows: Vec<(i64, &crate::store::StepWrite, UnixMs)> =
+                chunk.iter().map(|w| (record_id, w, now)).collect();
+            Self::upsert_steps(tx, installation, &rows).await?;
+        }
+        sqlx::query(
+            "UPDATE step_runs SET cause = $1 \
+             WHERE record_id = $2 AND item_of = $3 AND generation = $4 AND state = 'pending'",
+        )
+        .bind(cause)
+        .bind(record_id)
+        .bind(step.to_owned())
+        .bind(i64::from(generation))
+        .execute(&mut **tx)
+        .await?;
         Ok(())
     }
 
@@ -1161,7 +1231,8 @@ where
         match steps {
             ReversedSteps::RunAgain => {
                 let cause = "rerun after reversal";
-                Self::rerun_steps(tx, installation, record_id, &req.steps, req.now, cause).await
+                let steps = (req.steps.as_slice(), None);
+                Self::rerun_steps(tx, installation, record_id, steps, req.now, cause).await
             }
             ReversedSteps::Mark => {
                 sqlx::query(
@@ -1261,7 +1332,7 @@ where
                 }
             }
         }
-        Self::rerun_steps(tx, installation, rec.id, &again, now, cause).await
+        Self::rerun_steps(tx, installation, rec.id, (&again, None), now, cause).await
     }
 
     /// Writes what an uncertain call of `step` did, as an operator found
@@ -1339,7 +1410,12 @@ where
                 let how = (req.steps.as_slice(), *new_input, cause.as_str());
                 Self::fresh_start(tx, installation, rec, how, req.now).await
             }
-            StepChange::RunAgain { steps, cause } => {
+            StepChange::RunAgain {
+                steps,
+                cause,
+                keep_items,
+            } => {
+                let steps = (steps.as_slice(), *keep_items);
                 Self::run_again(tx, installation, rec.id, steps, req.now, cause).await
             }
             StepChange::AcceptReversed => {

@@ -332,7 +332,8 @@ where
         }
         // After the confirmations: an undo that starts ends them.
         for (id, names, cause, now) in &then.reruns {
-            Self::run_again(&mut tx, &installation, *id, names, *now, cause).await?;
+            let steps = (*names, false);
+            Self::run_again(&mut tx, &installation, *id, steps, *now, cause).await?;
         }
         then.wakes.sort_unstable();
         then.wakes.dedup();

@@ -336,6 +336,9 @@ struct ActBody {
     /// pinned to it from now (otherwise on the one it started with).
     #[serde(default)]
     on_current_version: bool,
+    /// For `replay` from a step for each item: `"failed"` runs again only
+    /// its items that did not succeed; `"all"` (the default) every item.
+    items: Option<String>,
 }
 
 async fn act(
@@ -372,6 +375,16 @@ async fn act(
             .input
             .map(|new| crate::store::InputEdit { new, was: None }),
         on_current: body.on_current_version,
+        failed_items: match body.items.as_deref() {
+            None | Some("all") => false,
+            Some("failed") => true,
+            Some(other) => {
+                return Err(WebError::bad(
+                    "bad_items",
+                    format!("`items` is \"all\" or \"failed\", not {other:?}"),
+                ));
+            }
+        },
     };
     let record = state
         .ops()

@@ -288,6 +288,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             took: None,
             input: None,
             repin: None,
+            failed_items: false,
             signal: None,
         })
         .await
@@ -467,6 +468,7 @@ async fn the_dashboard_works_in_a_real_browser() {
             took: None,
             input: None,
             repin: None,
+            failed_items: false,
             signal: None,
         })
         .await
@@ -936,6 +938,7 @@ async fn two_versions(app: &WebApp) -> i64 {
                 took: None,
                 input: None,
                 repin: None,
+                failed_items: false,
                 signal: None,
             };
             app.t.db.act(&replay).await.unwrap();

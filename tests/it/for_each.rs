@@ -368,6 +368,88 @@ async fn some_items_may_fail_and_a_retry_runs_only_the_failed(backend: Backend) 
     assert_eq!(runs[0].output, Some(Value::Array(at)));
 }
 
+/// A replay from a step for each item may take only its failed items:
+/// those run again, each with a new idempotency key, those that
+/// succeeded are not sent again and keep their outputs, and the step's
+/// output is the whole list again; a plain replay runs every item.
+async fn a_replay_can_take_only_the_failed_items(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "for_each_replay_failed").await else {
+        return;
+    };
+    let (url, p) = provider().await;
+    p.started.send_replace(3);
+    p.seen.lock().unwrap().failing.extend([1, 2]);
+    let config = config(&url);
+    let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
+    let items = json!({ "items": [0, 1, 2, 3, 4] });
+    let id = enqueue(&engine, "some", Some("r1"), items).await;
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    let keys_before = p.seen.lock().unwrap().calls.clone();
+
+    p.seen.lock().unwrap().failing.clear();
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let only_failed = ActExtra {
+        step: Some("each"),
+        failed_items: true,
+        ..ActExtra::default()
+    };
+    let why = Some("provider mended".to_owned());
+    ops.act_with(id, OperatorAction::ReplayFrom, "ann", why, only_failed)
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let r = t.db.get_record(id).await.unwrap().unwrap();
+    assert_eq!(r.state, RecordState::Succeeded, "{r:?}");
+    {
+        let seen = p.seen.lock().unwrap();
+        for n in 0..5u64 {
+            let (before, now) = (&keys_before[&n], &seen.calls[&n]);
+            match n {
+                1 | 2 => {
+                    assert_eq!(now.len(), before.len() + 1, "item {n} sent again once");
+                    assert!(!before.contains(now.last().unwrap()), "item {n}: a new key");
+                }
+                _ => assert_eq!(now, before, "item {n} not sent again"),
+            }
+        }
+    }
+    let runs = t.db.step_runs(id).await.unwrap();
+    let all: Vec<Value> = (0..5).map(|n| json!({ "doubled": n * 2 })).collect();
+    assert_eq!(runs[0].output, Some(Value::Array(all)));
+    assert_eq!(
+        runs[0].reason.as_deref(),
+        Some("5 of 5 items done: 5 succeeded, 0 failed")
+    );
+
+    // A plain replay runs every item again.
+    let whole = ActExtra {
+        step: Some("each"),
+        ..ActExtra::default()
+    };
+    ops.act_with(id, OperatorAction::ReplayFrom, "ann", None, whole)
+        .await
+        .unwrap();
+    drive_at_rest(&engine, &clock, 1, 1_000, 60_000).await;
+    let seen = p.seen.lock().unwrap();
+    let counts: Vec<usize> = (0..5u64).map(|n| seen.calls[&n].len()).collect();
+    let expected: Vec<usize> = (0..5u64)
+        .map(|n| keys_before[&n].len() + 1 + usize::from(n == 1 || n == 2))
+        .collect();
+    assert_eq!(counts, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_replay_can_take_only_the_failed_items() {
+    a_replay_can_take_only_the_failed_items(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_replay_can_take_only_the_failed_items() {
+    a_replay_can_take_only_the_failed_items(Backend::Postgres).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_some_items_may_fail_and_a_retry_runs_only_the_failed() {
     some_items_may_fail_and_a_retry_runs_only_the_failed(Backend::Sqlite).await;
@@ -628,7 +710,7 @@ async fn postgres_more_items_left_started_than_the_cap_all_run() {
 /// attempts, and draws the step as a stack; so does the pipelines page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pages_show_the_items() {
-    let (url, _p) = provider().await;
+    let (url, p) = provider().await;
     let text = pipelines_toml(&url);
     let Some(app) = crate::web::WebApp::spawn(Backend::Sqlite, "for_each_pages", &text).await
     else {
@@ -648,18 +730,17 @@ async fn the_pages_show_the_items() {
         .unwrap();
     let id = made["record"]["id"].as_i64().unwrap();
     let db = app.t.db.clone();
-    crate::wait::until(
-        "the record succeeds",
-        std::time::Duration::from_secs(60),
-        async || {
+    let succeeds = async |what: &str| {
+        crate::wait::until(what, std::time::Duration::from_secs(60), async || {
             let r = db.get_record(id).await.unwrap().unwrap();
             match r.state {
                 RecordState::Succeeded => Ok(()),
                 _ => Err(r),
             }
-        },
-    )
-    .await;
+        })
+        .await;
+    };
+    succeeds("the record succeeds").await;
     app.user("v", ballast::domain::Role::Viewer).await;
     let login = app.login("v").await;
     let page = app.text(&format!("/records/{id}"), Some(&login)).await;
@@ -689,6 +770,68 @@ async fn the_pages_show_the_items() {
     let page = app.text("/pipelines", Some(&login)).await;
     assert!(page.contains("p · for each ×3 · request"), "{page}");
     assert!(page.contains("outline stack"), "{page}");
+
+    // An operator may replay only the failed items: offered on the page,
+    // refused with a clear code for a step that is not one for each
+    // item, or an `items` that is neither "all" nor "failed".
+    app.user("o", ballast::domain::Role::Operator).await;
+    let login = app.login("o").await;
+    let page = app.text(&format!("/records/{id}"), Some(&login)).await;
+    assert!(page.contains(r#"name="failed_items""#), "{page}");
+    let replay = async |body: Value| {
+        let reply = app
+            .client
+            .post(app.url(&format!("/api/v1/records/{id}/actions")))
+            .bearer_auth(&op)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = reply.status().as_u16();
+        (status, reply.json::<Value>().await.unwrap())
+    };
+    let base = json!({ "action": "replay", "reason": "again" });
+    let with = |extra: Value| {
+        let mut b = base.clone();
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let (status, e) = replay(with(json!({ "step": "each", "items": "most" }))).await;
+    assert_eq!(
+        (status, e["error"].as_str()),
+        (400, Some("bad_items")),
+        "{e}"
+    );
+    let (status, e) = replay(with(json!({ "step": "split", "items": "failed" }))).await;
+    assert_eq!(e["error"].as_str(), Some("items_need_each"), "{status} {e}");
+    let (status, e) = replay(json!({ "action": "retry", "items": "failed" })).await;
+    assert_eq!(
+        e["error"].as_str(),
+        Some("items_need_replay"),
+        "{status} {e}"
+    );
+    // Every item succeeded: none runs again, the merge after them does.
+    let (status, made) = replay(with(json!({ "step": "each", "items": "failed" }))).await;
+    assert_eq!(status, 200, "{made}");
+    succeeds("the replayed record succeeds").await;
+    let calls: Vec<usize> = p
+        .seen
+        .lock()
+        .unwrap()
+        .calls
+        .values()
+        .map(Vec::len)
+        .collect();
+    assert_eq!(calls, vec![1; 10], "no item sent again");
+    let events = db.record_events(id).await.unwrap();
+    let replayed = events.iter().rev().find(|e| e.audit).unwrap();
+    assert_eq!(
+        replayed.detail.as_ref().map(|d| &d["items"]),
+        Some(&json!("failed")),
+        "{replayed:?}"
+    );
     app.stop().await;
 }
 

@@ -851,6 +851,7 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         took: None,
         input: None,
         repin: None,
+        failed_items: false,
         signal: None,
     })
     .await
@@ -1329,6 +1330,7 @@ fn action(id: i64, a: OperatorAction, now: i64) -> ActionRequest {
         took: None,
         input: None,
         repin: None,
+        failed_items: false,
         signal: None,
     }
 }

@@ -328,6 +328,7 @@ impl WebApp {
             took: None,
             input: None,
             repin: None,
+            failed_items: false,
             signal: None,
         };
         self.t.db.act(&req).await.unwrap();
@@ -1328,6 +1329,7 @@ async fn provider_data_renders_as_inert_text() {
             took: None,
             input: None,
             repin: None,
+            failed_items: false,
             signal: None,
         };
         app.t.db.act(&req).await.unwrap();
@@ -3382,6 +3384,7 @@ async fn a_replay_on_the_page_may_move_a_record_to_the_current_version() {
         took: None,
         input: None,
         repin: None,
+        failed_items: false,
         signal: None,
     };
     db.act(&cancel).await.unwrap();

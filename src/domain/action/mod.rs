@@ -126,6 +126,9 @@ struct Takes {
     until: bool,
     /// Another pipeline version (`ActionRequest::repin`).
     repin: bool,
+    /// Only the items of a step for each item that did not succeed
+    /// (`ActionRequest::failed_items`).
+    failed_items: bool,
 }
 
 /// "a retry or a replay": the actions that take an option.
@@ -168,6 +171,10 @@ pub struct ActionRequest {
     /// the old and the new); `None` keeps its own. Refused with any other
     /// action.
     pub repin: Option<i64>,
+    /// For `ReplayFrom`: the step it starts from (a step for each item)
+    /// keeps its items that succeeded, and runs again only the others,
+    /// each a new generation. Refused with any other action.
+    pub failed_items: bool,
 }
 
 impl ActionRequest {
@@ -192,6 +199,7 @@ impl ActionRequest {
             input: None,
             signal: None,
             repin: None,
+            failed_items: false,
         }
     }
 }
@@ -243,8 +251,14 @@ pub enum StepChange {
     /// (with the steps after them the request names), and with a new
     /// input every unfinished step, run again under a new generation.
     FreshStart { new_input: bool, cause: String },
-    /// These steps run again, a new generation.
-    RunAgain { steps: Vec<String>, cause: String },
+    /// These steps run again, a new generation; with `keep_items`, the
+    /// first (a step for each item) keeps its items that succeeded and
+    /// only the others run again.
+    RunAgain {
+        steps: Vec<String>,
+        cause: String,
+        keep_items: bool,
+    },
     /// Reversed results are accepted: no longer marked to run again.
     AcceptReversed,
     /// The uncertain call of `step` made this job: the step follows it.
@@ -326,6 +340,8 @@ pub struct Command {
     pub until: bool,
     /// It asks to run on the current pipeline version.
     pub on_current: bool,
+    /// It asks to run only the failed items of a step for each item.
+    pub failed_items: bool,
 }
 
 /// Refuses a command whose options do not fit its action, or that lacks
@@ -338,6 +354,9 @@ pub fn check_command(action: OperatorAction, c: &Command) -> Result<(), Refused>
             "current_needs_replay",
             format!("only {who} runs a record on the current version, not {action}"),
         );
+    }
+    if c.failed_items && !r.takes().failed_items {
+        return items_need_replay(action);
     }
     if let Some(why) = r.own_command() {
         return invalid("details_required", why);
@@ -353,6 +372,15 @@ pub fn check_command(action: OperatorAction, c: &Command) -> Result<(), Refused>
         );
     }
     Ok(())
+}
+
+/// Only a replay runs only the failed items, not `action`.
+fn items_need_replay<T>(action: OperatorAction) -> Result<T, Refused> {
+    let who = takers(|t| t.failed_items);
+    invalid(
+        "items_need_replay",
+        format!("only {who} runs only the failed items of a step, not {action}"),
+    )
 }
 
 /// What can be refused before the record is read: a reason the database
@@ -380,6 +408,9 @@ pub fn plan(
             "current_needs_replay",
             format!("only {who} moves a record to another pipeline version, not {action}"),
         );
+    }
+    if req.failed_items && !r.takes().failed_items {
+        return items_need_replay(action);
     }
     if let Some(until) = &req.until {
         if !r.takes().until {
@@ -739,6 +770,15 @@ mod tests {
         assert_eq!(
             code(OperatorAction::Cancel, current),
             Err("current_needs_replay")
+        );
+        let failed_items = Command {
+            failed_items: true,
+            ..none
+        };
+        assert_eq!(code(OperatorAction::ReplayFrom, failed_items), Ok(()));
+        assert_eq!(
+            code(OperatorAction::Retry, failed_items),
+            Err("items_need_replay")
         );
         assert_eq!(
             code(OperatorAction::TookEffect, reason),

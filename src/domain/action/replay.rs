@@ -18,6 +18,7 @@ impl Rules for Replay {
             input: true,
             repin: true,
             until: false,
+            failed_items: true,
         }
     }
 
@@ -38,18 +39,21 @@ impl Rules for Replay {
         Ok(StepChange::RunAgain {
             steps: req.steps.clone(),
             cause: format!("replay by {}", req.actor),
+            keep_items: req.failed_items,
         })
     }
 
-    /// The steps run again, and the versions when it moves the record.
+    /// The steps run again, the versions when it moves the record, and
+    /// `"items": "failed"` when the first keeps its items that succeeded.
     fn detail(&self, rec: &Record, req: &ActionRequest, _: Option<&ParkUntil>) -> Option<Value> {
-        Some(match req.repin {
-            Some(to) => json!({
-                "steps": req.steps,
-                "version": { "from": rec.pipeline_version, "to": to },
-            }),
-            None => json!({ "steps": req.steps }),
-        })
+        let mut detail = json!({ "steps": req.steps });
+        if let Some(to) = req.repin {
+            detail["version"] = json!({ "from": rec.pipeline_version, "to": to });
+        }
+        if req.failed_items {
+            detail["items"] = json!("failed");
+        }
+        Some(detail)
     }
 
     /// The step it replays from.

@@ -67,6 +67,7 @@ impl Rules for Undo {
         Ok(StepChange::RunAgain {
             steps,
             cause: format!("undo by {}", req.actor),
+            keep_items: false,
         })
     }
 

@@ -1004,6 +1004,9 @@ struct ActForm {
     /// For `replay`: a ticked box (`on`) replays on the pipeline's
     /// current version.
     on_current: Option<String>,
+    /// For `replay` from a step for each item: a ticked box (`on`) runs
+    /// again only its items that did not succeed.
+    failed_items: Option<String>,
 }
 
 /// The input a retry or replay form gives: `None` when the textarea says
@@ -1077,6 +1080,7 @@ async fn act(
         until: until.as_deref(),
         input,
         on_current: form.on_current.as_deref() == Some("on"),
+        failed_items: form.failed_items.as_deref() == Some("on"),
     };
     state
         .ops()
