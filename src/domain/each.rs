@@ -114,6 +114,11 @@ pub struct Tally {
     /// Some unfinished item waits on a job; some backs off.
     pub waiting: bool,
     pub retrying: bool,
+    /// Some unfinished item waits with no time: on its child record
+    /// (`domain::child`), which wakes the record when it comes to rest;
+    /// and whether one of those children is parked.
+    pub held: bool,
+    pub child_parked: bool,
 }
 
 impl Tally {
@@ -125,10 +130,14 @@ impl Tally {
             StepState::Failed | StepState::Skipped => self.failed += 1,
             state => {
                 self.open += 1;
-                self.waiting |= state == StepState::Waiting;
                 self.retrying |= state == StepState::Retrying;
                 match w.next_run_at {
+                    None if held(w) => {
+                        self.held = true;
+                        self.child_parked |= w.error_code.as_deref() == Some(super::child::PARKED);
+                    }
                     Some(t) if t > now => {
+                        self.waiting |= state == StepState::Waiting;
                         self.later_at = Some(self.later_at.map_or(t, |l| l.min(t)));
                     }
                     _ => self.due_now = true,
@@ -162,6 +171,12 @@ impl Tally {
     }
 }
 
+/// Whether an item's run waits with no time: on its child record (only
+/// the child, coming to rest, tells it something new).
+pub fn held(w: &StepWrite) -> bool {
+    w.next_run_at.is_none() && super::child::holds(w.state, w.error_code.as_deref())
+}
+
 /// How many items must succeed, of `total`.
 fn required(each: &Each, total: i64) -> i64 {
     each.required.map_or(total, i64::from)
@@ -191,19 +206,32 @@ pub fn judge(each: &Each, mut w: StepWrite, t: &Tally, now: UnixMs) -> StepWrite
         w.finished_at = Some(now);
     } else {
         let now_due = t.due_now || t.may_start(each);
-        // Unfinished items all have a time; without one (never expected)
-        // the step looks again a minute on rather than at once.
+        // Unfinished items have a time or wait on their children (which
+        // wake the record); otherwise (never expected) the step looks
+        // again a minute on rather than at once.
         w.next_run_at = match now_due {
             true => Some(now),
+            false if t.held => t.later_at,
             false => t.later_at.or(Some(now + 60_000)),
         };
         w.state = if now_due {
             StepState::Pending
-        } else if t.waiting {
+        } else if t.waiting || t.held {
             StepState::Waiting
         } else {
             StepState::Retrying
         };
+        // Waiting on children: the step says so (a parked one first), and
+        // the record's commit looks for any that came to rest meanwhile.
+        if !now_due && t.held {
+            use super::child::{AWAITING, PARKED};
+            let (code, why) = match t.child_parked {
+                true => (PARKED, "waiting on a parked child"),
+                false => (AWAITING, "waiting for child records"),
+            };
+            w.error_code = Some(code.into());
+            w.reason = Some(format!("{why}: {}", t.said()));
+        }
     }
     w
 }
@@ -304,6 +332,36 @@ mod tests {
         assert_eq!(
             judge(&all, w, &tally(0, 0, 0, 0), 5).state,
             StepState::Succeeded
+        );
+    }
+
+    /// Items waiting on their child records hold the step with no time
+    /// (the children wake the record), saying so; a parked one first.
+    #[test]
+    fn items_on_children_hold_the_step_until_one_comes_to_rest() {
+        let e = each(2, None);
+        let mut on_child = StepWrite::pending("s#0");
+        on_child.state = StepState::Waiting;
+        on_child.error_code = Some(crate::domain::child::AWAITING.into());
+        let mut t = tally(3, 2, 0, 0);
+        t.open = 0;
+        t.add(&on_child, 5);
+        t.add(&on_child, 5);
+        assert!(t.held && !t.due_now, "{t:?}");
+        let w = judge(&e, StepWrite::pending("s"), &t, 5);
+        assert_eq!((w.state, w.next_run_at), (StepState::Waiting, None));
+        assert_eq!(w.error_code.as_deref(), Some("awaiting_child"));
+        let mut parked = on_child.clone();
+        parked.error_code = Some(crate::domain::child::PARKED.into());
+        t.add(&parked, 5);
+        let w = judge(&e, StepWrite::pending("s"), &t, 5);
+        assert_eq!(w.error_code.as_deref(), Some("child_parked"));
+        assert!(w.reason.unwrap().starts_with("waiting on a parked child: "));
+        // Another item due later: the step looks then.
+        t.later_at = Some(90);
+        assert_eq!(
+            judge(&e, StepWrite::pending("s"), &t, 5).next_run_at,
+            Some(90)
         );
     }
 

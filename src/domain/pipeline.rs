@@ -135,6 +135,8 @@ pub struct Shape {
     pub kind: String,
     /// A step for each item: how many items of a record run at once.
     pub each: Option<u32>,
+    /// It starts child records (each run's job id is its child's id).
+    pub children: bool,
 }
 
 impl From<&Step> for Shape {
@@ -146,6 +148,7 @@ impl From<&Step> for Shape {
             when: s.when.as_ref().map(|c| c.source.clone()),
             kind: s.kind.name().to_owned(),
             each: s.each.as_ref().map(|e| e.max_parallel),
+            children: s.kind.child().is_some(),
         }
     }
 }

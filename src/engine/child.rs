@@ -37,7 +37,11 @@ impl StepCall<'_> {
 
     async fn start_child(&self, spec: &ChildSpec) -> StepOutput {
         let input = match &spec.input {
-            None => self.record.input.clone(),
+            // For each item: the item; otherwise the parent's input.
+            None => match &self.item {
+                Some((item, _)) => item.clone(),
+                None => self.record.input.clone(),
+            },
             Some(id) => {
                 let (ctx, _) = self.context_of(&self.write);
                 let rendered = self.templates.render(id, &ctx).map_err(|e| e.to_string());
@@ -144,7 +148,9 @@ fn outputs_of(runs: &[crate::domain::StepRun]) -> Value {
 }
 
 /// The `pipeline` steps of a record waiting on a child that has news for
-/// them (it came to rest): they are ready in this pass.
+/// them (it came to rest): they are ready in this pass. A step for each
+/// item waiting on its items' children is ready whenever its record runs
+/// (its pass reads them: `engine::each`).
 pub(super) async fn with_news(
     i: &Inner,
     pipeline: &Pipeline,
@@ -155,6 +161,12 @@ pub(super) async fn with_news(
         let Some(w) = states.get(&s.name) else {
             continue;
         };
+        if s.each.is_some() {
+            if child::holds(w.state, w.error_code.as_deref()) {
+                ready.insert(s.name.clone());
+            }
+            continue;
+        }
         if let Some(state) = news_of(i, w).await {
             if child::has_news(w, state) {
                 ready.insert(s.name.clone());
@@ -165,7 +177,7 @@ pub(super) async fn with_news(
 }
 
 /// The state of the child `w` waits on, when it waits on one.
-async fn news_of(i: &Inner, w: &StepWrite) -> Option<RecordState> {
+pub(super) async fn news_of(i: &Inner, w: &StepWrite) -> Option<RecordState> {
     if !child::holds(w.state, w.error_code.as_deref()) {
         return None;
     }

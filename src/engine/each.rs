@@ -169,6 +169,30 @@ fn with_known(
     todo
 }
 
+/// The items of child step `s` waiting on their child records (at most
+/// `limit`, read after the due ones): those whose child came to rest
+/// since join `due`, to be run (the child read again); the rest are
+/// counted in `tally`, held.
+async fn with_news(
+    i: &super::Inner,
+    (record_id, s, limit): (i64, &Step, i64),
+    (tally, due): (&mut Tally, &mut Vec<crate::domain::StepRun>),
+    now: UnixMs,
+) -> Result<(), crate::store::StoreError> {
+    let held = i.db.held_items(record_id, &s.name, limit).await?;
+    // Counted unfinished by the store; counted again here.
+    tally.open -= i64::try_from(held.len()).unwrap_or(0);
+    for run in held {
+        let w = StepWrite::from(&run);
+        let news = super::child::news_of(i, &w).await;
+        match news.is_some_and(|state| crate::domain::child::has_news(&w, state)) {
+            true => due.push(run),
+            false => tally.add(&w, now),
+        }
+    }
+    Ok(())
+}
+
 /// The step's run failed with `code` before any item ran (its list is
 /// not one).
 fn failed(mut write: StepWrite, code: &str, reason: String, now: UnixMs) -> StepOutput {
@@ -204,13 +228,19 @@ pub(super) async fn run(p: PendingStep<'_>, each: &Each, known: Vec<StepWrite>) 
         Err((code, reason)) => return vec![failed(call.write.clone(), code, reason, now)],
     };
     let limit = i64::from(each.max_parallel);
-    let (mut tally, due) = match i.db.items(rec.id, &s.name, now, limit).await {
+    let (mut tally, mut due) = match i.db.items(rec.id, &s.name, now, limit).await {
         Ok(found) => found,
         Err(e) => {
             tracing::warn!(record.id = rec.id, error = %e, "cannot read the step's items");
             return put_off(call.write.clone(), "its items could not be read", now);
         }
     };
+    if s.kind.child().is_some() {
+        if let Err(e) = with_news(i, (rec.id, s, limit), (&mut tally, &mut due), now).await {
+            tracing::warn!(record.id = rec.id, error = %e, "cannot read the step's items");
+            return put_off(call.write.clone(), "its items could not be read", now);
+        }
+    }
     tally.total = i64::try_from(list.len()).unwrap_or(i64::MAX);
     let todo = with_known((s, call.write.generation), (&mut tally, due), known, now);
     let room = each.per_pass().saturating_sub(todo.len());

@@ -592,79 +592,7 @@ async fn act_on(
     let (record_id, action) = (req.record_id, req.action);
     let mut steps = std::mem::take(&mut req.steps);
     if action == crate::domain::OperatorAction::ReplayFrom {
-        let rec =
-            i.db.get_record(record_id)
-                .await?
-                .ok_or(StoreError::NotFound {
-                    what: "record",
-                    key: record_id.to_string(),
-                })?;
-        let Some(step) = step else {
-            return Err(StoreError::Invalid(
-                "replay needs a step to start from".into(),
-            ));
-        };
-        let compiled = if on_current {
-            let current = engine.versions().current(&rec.pipeline).ok_or_else(|| {
-                StoreError::Invalid(format!(
-                    "pipeline `{}` is not configured here: there is no current version",
-                    rec.pipeline
-                ))
-            })?;
-            // While nodes run different files, "current" depends on
-            // the node asked: a record could be moved backwards.
-            let nodes = i.db.list_nodes().await?;
-            let split = crate::domain::host::config_split(&nodes, i.clock.now_ms());
-            if !split.is_empty() {
-                let who: Vec<String> = split.iter().map(|(n, v)| format!("{n} runs {v}")).collect();
-                return Err(StoreError::Invalid(format!(
-                    "the nodes run different configurations ({}): reload them with the \
-                     same file, then replay on the current version",
-                    who.join(", ")
-                )));
-            }
-            if rec.pipeline_version != Some(current) {
-                req.repin = Some(current);
-            }
-            // The version and its steps read together (a reload
-            // between two reads could pair them wrongly).
-            engine.versions().pinned(current)
-        } else {
-            engine.versions().compiled(&rec).await
-        };
-        let version = req.repin.or(rec.pipeline_version);
-        if req.failed_items
-            && compiled
-                .as_ref()
-                .and_then(|c| c.0.step(step))
-                .is_some_and(|s| s.each.is_none())
-        {
-            return Err(StoreError::Declined {
-                code: "items_need_each",
-                message: format!(
-                    "step `{step}` does not run for each item: replay it whole (without \
-                     only its failed items)"
-                ),
-            });
-        }
-        let undone = undone_steps(i, record_id).await?;
-        steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
-            let which = version.map(|v| format!(" version {v}")).unwrap_or_default();
-            StoreError::Invalid(format!(
-                "pipeline `{}`{which} has no step `{step}`",
-                rec.pipeline
-            ))
-        })?;
-        // A replay that would leave an undone step as it is would go on on
-        // top of its undone effect.
-        if let Some(left) = undone.iter().find(|u| !steps.contains(u)) {
-            return Err(StoreError::Declined {
-                code: "replay_past_undone",
-                message: format!(
-                    "step `{left}` was undone: replay from it or an earlier step, so that it runs again"
-                ),
-            });
-        }
+        steps = replay_steps(engine, &mut req, step, on_current).await?;
     }
     if action == crate::domain::OperatorAction::Retry {
         steps = reversed_and_after(engine, record_id).await?;
@@ -683,6 +611,96 @@ async fn act_on(
         i.wake.notify_one();
     }
     Ok(after)
+}
+
+/// The steps a replay of `req`'s record runs: `step` and every step
+/// downstream of it, in the record's pinned pipeline or (`on_current`)
+/// the current one (`req.repin` then set). Refused for an unknown step,
+/// only the failed items of a step that has none, a replay that would
+/// leave an undone step as it is, and "current" while the nodes disagree
+/// on it.
+async fn replay_steps(
+    engine: &Engine,
+    req: &mut ActionRequest,
+    step: Option<&str>,
+    on_current: bool,
+) -> Result<Vec<String>, StoreError> {
+    let i = &engine.inner;
+    let record_id = req.record_id;
+    let rec =
+        i.db.get_record(record_id)
+            .await?
+            .ok_or(StoreError::NotFound {
+                what: "record",
+                key: record_id.to_string(),
+            })?;
+    let Some(step) = step else {
+        return Err(StoreError::Invalid(
+            "replay needs a step to start from".into(),
+        ));
+    };
+    let compiled = if on_current {
+        let current = engine.versions().current(&rec.pipeline).ok_or_else(|| {
+            StoreError::Invalid(format!(
+                "pipeline `{}` is not configured here: there is no current version",
+                rec.pipeline
+            ))
+        })?;
+        // While nodes run different files, "current" depends on
+        // the node asked: a record could be moved backwards.
+        let nodes = i.db.list_nodes().await?;
+        let split = crate::domain::host::config_split(&nodes, i.clock.now_ms());
+        if !split.is_empty() {
+            let who: Vec<String> = split.iter().map(|(n, v)| format!("{n} runs {v}")).collect();
+            return Err(StoreError::Invalid(format!(
+                "the nodes run different configurations ({}): reload them with the \
+                 same file, then replay on the current version",
+                who.join(", ")
+            )));
+        }
+        if rec.pipeline_version != Some(current) {
+            req.repin = Some(current);
+        }
+        // The version and its steps read together (a reload
+        // between two reads could pair them wrongly).
+        engine.versions().pinned(current)
+    } else {
+        engine.versions().compiled(&rec).await
+    };
+    let version = req.repin.or(rec.pipeline_version);
+    if req.failed_items
+        && compiled
+            .as_ref()
+            .and_then(|c| c.0.step(step))
+            .is_some_and(|s| s.each.is_none())
+    {
+        return Err(StoreError::Declined {
+            code: "items_need_each",
+            message: format!(
+                "step `{step}` does not run for each item: replay it whole (without \
+                 only its failed items)"
+            ),
+        });
+    }
+    let undone = undone_steps(i, record_id).await?;
+    let steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
+        let which = version.map(|v| format!(" version {v}")).unwrap_or_default();
+        StoreError::Invalid(format!(
+            "pipeline `{}`{which} has no step `{step}`",
+            rec.pipeline
+        ))
+    })?;
+    // A replay that would leave an undone step as it is would go on on
+    // top of its undone effect.
+    if let Some(left) = undone.iter().find(|u| !steps.contains(u)) {
+        return Err(StoreError::Declined {
+            code: "replay_past_undone",
+            message: format!(
+                "step `{left}` was undone: replay from it or an earlier step, so that it runs again"
+            ),
+        });
+    }
+    Ok(steps)
 }
 
 /// The steps a retry runs again for a record parked by a reversal: each

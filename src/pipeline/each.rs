@@ -35,7 +35,7 @@ pub(super) fn compile(
         return Err((
             "for_each",
             format!(
-                "a `{}` step cannot run once per item (only `request` and `submit_poll` steps can)",
+                "a `{}` step cannot run once per item (only `request`, `submit_poll` and `pipeline` steps can)",
                 kind.name()
             ),
         ));

@@ -72,6 +72,10 @@ pub trait Records: Send + Sync {
         now: UnixMs,
         limit: i64,
     ) -> StoreResult<(Tally, Vec<StepRun>)>;
+    /// A step's unfinished items that wait with no time (each on its
+    /// child record), in order, at most `limit`.
+    async fn held_items(&self, record_id: i64, step: &str, limit: i64)
+    -> StoreResult<Vec<StepRun>>;
     /// The outputs of a step's succeeded items, by index.
     async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>>;
     /// A record's unfinished items stopped on a call whose outcome is not
@@ -497,7 +501,9 @@ where
         now: UnixMs,
         limit: i64,
     ) -> StoreResult<(Tally, Vec<StepRun>)> {
-        let due = "(next_run_at IS NULL OR next_run_at <= $3)";
+        // An item waiting with no time waits on its child record: not due
+        // (the engine reads those with `held_items`).
+        let due = "(next_run_at <= $3 OR (next_run_at IS NULL AND state <> 'waiting'))";
         let count = |cond: &str| {
             format!("CAST(COALESCE(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END), 0) AS BIGINT)")
         };
@@ -542,8 +548,30 @@ where
             later_at: row.try_get(5)?,
             waiting: row.try_get::<i64, _>(6)? > 0,
             retrying: row.try_get::<i64, _>(7)? > 0,
+            // Counted as they are read (`held_items`).
+            held: false,
+            child_parked: false,
         };
         Ok((tally, runs))
+    }
+
+    async fn held_items(
+        &self,
+        record_id: i64,
+        step: &str,
+        limit: i64,
+    ) -> StoreResult<Vec<StepRun>> {
+        let sql = format!(
+            "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of = $2 \
+             AND state = 'waiting' AND next_run_at IS NULL ORDER BY item_no LIMIT $3"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(record_id)
+            .bind(step.to_owned())
+            .bind(limit)
+            .fetch_all(self.reader())
+            .await?;
+        map_all(&rows, MapRow::step_run)
     }
 
     async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>> {

@@ -67,6 +67,14 @@ outputs = {{ amount = "/amount" }}
 name = "review"
 kind = "approval"
 needs = ["verify"]
+
+[[pipelines.batch.steps]]
+name = "kycs"
+kind = "pipeline"
+pipeline = "kyc"
+for_each = "/input/people"
+max_parallel = 2
+items_required = 2
 "#
     )
 }
@@ -219,6 +227,144 @@ async fn a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it(backend: Bac
     );
 }
 
+/// The child of `parent`'s item `item` of step `kycs`.
+async fn child_of_item(db: &Db, parent: i64, item: usize) -> Record {
+    let step = format!("kycs#{item}");
+    let children = db.children(parent).await.unwrap();
+    let found = children
+        .into_iter()
+        .find(|c| c.parent_step.as_deref() == Some(&step));
+    found.unwrap_or_else(|| panic!("no child for {step}"))
+}
+
+/// A `pipeline` step for each item: one child per item (its input the
+/// item), at most `max_parallel` unfinished at once, each followed on its
+/// own (a parked one shows on the parent, a cancelled one fails its
+/// item), the step's output the children's outputs in item order.
+async fn a_child_for_each_item(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children_each").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = onboarding(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let people: Vec<Value> = ["a", "b", "c"]
+        .iter()
+        .zip(1..)
+        .map(|(who, amount)| json!({ "who": who, "amount": amount }))
+        .collect();
+    let e = Enqueue::new("batch", Some("abc"), json!({ "people": people }));
+    let parent = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+
+    // Two children (the cap), each waiting for its analyst; the parent
+    // waits on them, costing nothing meanwhile.
+    let children = t.db.children(parent).await.unwrap();
+    assert_eq!(children.len(), 2, "{children:?}");
+    assert_eq!(
+        (
+            child_of_item(&t.db, parent, 0).await.input.clone(),
+            child_of_item(&t.db, parent, 1).await.input.clone()
+        ),
+        (people[0].clone(), people[1].clone())
+    );
+    let p = record(&t.db, parent).await;
+    assert_eq!(
+        (p.state, p.error_code.as_deref()),
+        (RecordState::Waiting, Some("awaiting_child")),
+        "{:?}",
+        p.reason
+    );
+    let items = t.db.item_runs(parent, "kycs", 0, 10).await.unwrap();
+    assert_eq!(
+        items[0].job_id,
+        Some(child_of_item(&t.db, parent, 0).await.id.to_string())
+    );
+    clock.advance(7 * 24 * 3600 * 1000);
+    assert_eq!(drain(&engine).await, 0, "a wait costs no pass");
+
+    // Item 0's child parks: the parent says so, once.
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let act = async |item: usize, action: OperatorAction, extra: ActExtra<'_>| {
+        let child = child_of_item(&t.db, parent, item).await.id;
+        let reason = Some(format!("{action} item {item}'s child"));
+        ops.act_with(child, action, "ann", reason, extra)
+            .await
+            .unwrap();
+        drain(&engine).await;
+    };
+    act(0, OperatorAction::Park, ActExtra::default()).await;
+    let p = record(&t.db, parent).await;
+    assert_eq!(
+        p.error_code.as_deref(),
+        Some("child_parked"),
+        "{:?}",
+        p.reason
+    );
+    let said = p.reason.clone().unwrap_or_default();
+    assert!(said.contains("waiting on a parked child"), "{said}");
+    assert_eq!(drain(&engine).await, 0, "a parked child is news once");
+
+    // Item 1's child is approved: its item succeeds and item 2's child
+    // starts (one unfinished beside the parked one).
+    let review = || ActExtra {
+        step: Some("review"),
+        ..Default::default()
+    };
+    act(1, OperatorAction::Approve, review()).await;
+    let children = t.db.children(parent).await.unwrap();
+    assert_eq!(children.len(), 3, "{children:?}");
+    assert_eq!(child_of_item(&t.db, parent, 2).await.input, people[2]);
+    act(2, OperatorAction::Approve, review()).await;
+    let p = record(&t.db, parent).await;
+    assert_eq!(
+        p.state,
+        RecordState::Waiting,
+        "the parked child's item has not ended"
+    );
+
+    // Its child cancelled, item 0 fails; two of three was enough.
+    act(0, OperatorAction::Cancel, ActExtra::default()).await;
+    let p = record(&t.db, parent).await;
+    assert_eq!(p.state, RecordState::Succeeded, "{:?}", p.reason);
+    let step = run(&t.db.step_runs(parent).await.unwrap(), "kycs").clone();
+    let output = step.output.unwrap();
+    assert_eq!(output[0], Value::Null, "{output}");
+    assert_eq!(output[1]["verify"]["amount"], json!(2), "{output}");
+    assert_eq!(
+        output[2]["review"]["decision"],
+        json!("approved"),
+        "{output}"
+    );
+    let items = t.db.item_runs(parent, "kycs", 0, 10).await.unwrap();
+    assert_eq!(items[0].error_code.as_deref(), Some("child_cancelled"));
+    assert_eq!(
+        t.db.children(parent).await.unwrap().len(),
+        3,
+        "one child per item"
+    );
+    for who in ["a", "b", "c"] {
+        let reference = format!("verify-{who}");
+        let sent = sim
+            .arrivals()
+            .iter()
+            .filter(|a| a.client_reference.as_deref() == Some(&reference))
+            .count();
+        assert_eq!(sent, 1, "{reference}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_child_for_each_item() {
+    a_child_for_each_item(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_child_for_each_item() {
+    a_child_for_each_item(Backend::Postgres).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it() {
     a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it(Backend::Sqlite).await;
@@ -313,18 +459,24 @@ async fn parent_and_child_link_each_other(backend: Backend) {
         return;
     };
     let op = app.token(Role::Operator).await;
-    let made: Value = app
-        .client
-        .post(app.url("/api/v1/records"))
-        .bearer_auth(&op)
-        .json(&json!({ "pipeline": "onboard", "key": "cy", "input": { "amount": 3, "who": "cy" } }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let parent = made["record"]["id"].as_i64().unwrap();
+    let create = async |body: Value| -> i64 {
+        let made: Value = app
+            .client
+            .post(app.url("/api/v1/records"))
+            .bearer_auth(&op)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        made["record"]["id"].as_i64().unwrap()
+    };
+    let parent = create(
+        json!({ "pipeline": "onboard", "key": "cy", "input": { "amount": 3, "who": "cy" } }),
+    )
+    .await;
     let detail = async |id: i64| -> Value {
         let r = app.client.get(app.url(&format!("/api/v1/records/{id}")));
         r.bearer_auth(&op)
@@ -335,15 +487,19 @@ async fn parent_and_child_link_each_other(backend: Backend) {
             .await
             .unwrap()
     };
-    let what = format!("record {parent} waits on its child");
-    let found = crate::wait::until(&what, Duration::from_secs(30), async || {
-        let r = detail(parent).await;
-        match r["children"].as_array().map(Vec::len) {
-            Some(1) if r["record"]["error_code"] == "awaiting_child" => Ok(r),
-            _ => Err(r),
-        }
-    })
-    .await;
+    // The record, once it waits on `n` children.
+    let waits_on = async |id: i64, n: usize| -> Value {
+        let what = format!("record {id} waits on {n} children");
+        crate::wait::until(&what, Duration::from_secs(30), async || {
+            let r = detail(id).await;
+            match r["children"].as_array().map(Vec::len) {
+                Some(k) if k == n && r["record"]["error_code"] == "awaiting_child" => Ok(r),
+                _ => Err(r),
+            }
+        })
+        .await
+    };
+    let found = waits_on(parent, 1).await;
     let child = found["children"][0]["id"].as_i64().unwrap();
     assert_eq!(found["children"][0]["pipeline"], "kyc");
     assert_eq!(found["children"][0]["step"], "kyc");
@@ -363,6 +519,21 @@ async fn parent_and_child_link_each_other(backend: Backend) {
     assert!(
         page.contains(&format!(
             r#"<a href="/records/{parent}">record {parent}</a>, its step kyc"#
+        )),
+        "{page}"
+    );
+
+    // A child per item: each item's row links its child.
+    let people =
+        json!({ "people": [{ "who": "dee", "amount": 4 }, { "who": "eve", "amount": 5 }] });
+    let batch = create(json!({ "pipeline": "batch", "key": "dee", "input": people })).await;
+    let found = waits_on(batch, 2).await;
+    let kid = found["children"][0]["id"].as_i64().unwrap();
+    assert_eq!(found["children"][0]["step"], "kycs#0");
+    let page = app.text(&format!("/records/{batch}"), Some(&login)).await;
+    assert!(
+        page.contains(&format!(
+            r#"<td class="mono"><a href="/records/{kid}">record {kid}</a></td>"#
         )),
         "{page}"
     );

@@ -1,6 +1,7 @@
 //! `kind = "pipeline"`: the step starts one record of another pipeline
 //! (`pipeline = "NAME"`, its input from the `input` template, else the
-//! parent's), keyed from the parent so that a retry never starts a second,
+//! parent's; for each item, else the item), keyed from the parent so
+//! that a retry never starts a second,
 //! and waits for it holding no worker. The child's succeeded steps'
 //! outputs, by step name, are the step's output. The engine's side (the
 //! child enqueued, read, and its parent woken) is `engine::child`; the
@@ -45,6 +46,12 @@ impl Kind for Child {
 
     fn confirms(&self) -> Confirms {
         Confirms::Never("a child record's result is not asked again")
+    }
+
+    /// One child record per item (its input the item, unless `input`
+    /// says otherwise).
+    fn for_each(&self) -> bool {
+        true
     }
 }
 

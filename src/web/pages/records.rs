@@ -355,6 +355,8 @@ const ITEMS_SHOWN: i64 = 100;
 /// A page of the items of one step for each item.
 struct ItemsView {
     step: String,
+    /// Each item runs a child record (its job id), linked.
+    children: bool,
     /// How far they are (`7 of 10 items done: …`).
     said: String,
     rows: Vec<StepView>,
@@ -383,6 +385,7 @@ async fn item_views(
         let shown = rows.iter().take(ITEMS_SHOWN as usize);
         out.push(ItemsView {
             step: s.name.clone(),
+            children: s.children,
             said: run.reason.clone().unwrap_or_default(),
             rows: shown.map(|r| StepView::of(rec, r)).collect(),
             next: (rows.len() as i64 > ITEMS_SHOWN).then_some(from + ITEMS_SHOWN),
