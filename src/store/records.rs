@@ -95,6 +95,16 @@ pub trait Records: Send + Sync {
 /// A step run's state that has not ended, in SQL.
 const OPEN: &str = "state NOT IN ('succeeded', 'failed', 'skipped')";
 
+/// An item held on its child record (`domain::each::held`), in SQL: no
+/// time, and only the child, coming to rest, tells it something new.
+fn held() -> String {
+    use crate::domain::child::{AWAITING, PARKED};
+    format!(
+        "(state = 'waiting' AND next_run_at IS NULL \
+         AND COALESCE(error_code, '') IN ('{AWAITING}', '{PARKED}'))"
+    )
+}
+
 #[async_trait::async_trait]
 impl<DB> Records for SqlStore<DB>
 where
@@ -501,9 +511,12 @@ where
         now: UnixMs,
         limit: i64,
     ) -> StoreResult<(Tally, Vec<StepRun>)> {
-        // An item waiting with no time waits on its child record: not due
-        // (the engine reads those with `held_items`).
-        let due = "(next_run_at <= $3 OR (next_run_at IS NULL AND state <> 'waiting'))";
+        // An item held on its child record is not due (the engine reads
+        // those with `held_items`).
+        let due = format!(
+            "(next_run_at <= $3 OR (next_run_at IS NULL AND NOT {}))",
+            held()
+        );
         let count = |cond: &str| {
             format!("CAST(COALESCE(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END), 0) AS BIGINT)")
         };
@@ -563,7 +576,8 @@ where
     ) -> StoreResult<Vec<StepRun>> {
         let sql = format!(
             "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 AND item_of = $2 \
-             AND state = 'waiting' AND next_run_at IS NULL ORDER BY item_no LIMIT $3"
+             AND {} ORDER BY item_no LIMIT $3",
+            held()
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(record_id)
