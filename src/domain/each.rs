@@ -105,10 +105,16 @@ pub struct Tally {
     pub succeeded: i64,
     /// Failed (or skipped).
     pub failed: i64,
-    /// Started and not ended.
+    /// Not ended (fresh runs to start included).
     pub open: i64,
-    /// Some unfinished item is due now.
+    /// Of those, the started ones ([`started`]: a call made, a job or a
+    /// child): what `max_parallel` bounds.
+    pub started: i64,
+    /// Some started unfinished item is due now.
     pub due_now: bool,
+    /// Some item not started yet (made fresh by a retry or a replay) is
+    /// due: it starts once fewer than `max_parallel` have started.
+    pub fresh_due: bool,
     /// The earliest time an unfinished item is due, when later.
     pub later_at: Option<UnixMs>,
     /// Some unfinished item waits on a job; some backs off.
@@ -130,6 +136,7 @@ impl Tally {
             StepState::Failed | StepState::Skipped => self.failed += 1,
             state => {
                 self.open += 1;
+                self.started += i64::from(started(w.attempts, w.job_id.as_deref()));
                 self.retrying |= state == StepState::Retrying;
                 match w.next_run_at {
                     None if held(w) => {
@@ -140,7 +147,8 @@ impl Tally {
                         self.waiting |= state == StepState::Waiting;
                         self.later_at = Some(self.later_at.map_or(t, |l| l.min(t)));
                     }
-                    _ => self.due_now = true,
+                    _ if started(w.attempts, w.job_id.as_deref()) => self.due_now = true,
+                    _ => self.fresh_due = true,
                 }
             }
         }
@@ -169,6 +177,14 @@ impl Tally {
             self.failed
         )
     }
+}
+
+/// Whether an item's run has started: a call made (an attempt), or a job
+/// or child record it follows. A run not started (new, or made fresh by a
+/// retry or a replay) starts only while fewer than `max_parallel` of the
+/// step's items have.
+pub fn started(attempts: i32, job_id: Option<&str>) -> bool {
+    attempts > 0 || job_id.is_some()
 }
 
 /// Whether an item's run waits with no time: on its child record (only
@@ -205,7 +221,8 @@ pub fn judge(each: &Each, mut w: StepWrite, t: &Tally, now: UnixMs) -> StepWrite
         w.next_run_at = None;
         w.finished_at = Some(now);
     } else {
-        let now_due = t.due_now || t.may_start(each);
+        let room = t.started < i64::from(each.max_parallel);
+        let now_due = t.due_now || (t.fresh_due && room) || t.may_start(each);
         // Unfinished items have a time or wait on their children (which
         // wake the record); otherwise (never expected) the step looks
         // again a minute on rather than at once.
@@ -386,12 +403,33 @@ mod tests {
         assert_eq!(judge(&e, w, &t, 5).next_run_at, Some(5));
     }
 
+    /// Runs made fresh (a retry, a replay) wait for room: the step is not
+    /// due while `max_parallel` items have started, however many wait.
+    #[test]
+    fn fresh_runs_wait_for_room() {
+        let e = each(2, None);
+        let mut t = tally(5, 5, 0, 0);
+        t.open = 5;
+        t.started = 2;
+        t.fresh_due = true;
+        t.later_at = Some(90);
+        let w = judge(&e, StepWrite::pending("s"), &t, 5);
+        assert_eq!(w.next_run_at, Some(90), "no room: not due");
+        t.started = 1;
+        let w = judge(&e, StepWrite::pending("s"), &t, 5);
+        assert_eq!(w.next_run_at, Some(5), "room for one: due now");
+    }
+
     #[test]
     fn a_tally_counts_what_a_pass_left() {
         let mut t = Tally::default();
         let mut w = StepWrite::pending("s#0");
+        // Not started (made fresh): due once there is room.
         t.add(&w, 10);
-        assert!(t.due_now);
+        assert!(t.fresh_due && !t.due_now && t.started == 0);
+        w.attempts = 1;
+        t.add(&w, 10);
+        assert!(t.due_now && t.started == 1);
         w.state = StepState::Retrying;
         w.next_run_at = Some(50);
         t.add(&w, 10);
@@ -399,7 +437,7 @@ mod tests {
         t.add(&w, 10);
         assert_eq!(
             (t.open, t.succeeded, t.later_at, t.retrying),
-            (2, 1, Some(50), true)
+            (3, 1, Some(50), true)
         );
     }
 

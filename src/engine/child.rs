@@ -177,7 +177,7 @@ pub(super) async fn with_news(
 }
 
 /// The state of the child `w` waits on, when it waits on one.
-pub(super) async fn news_of(i: &Inner, w: &StepWrite) -> Option<RecordState> {
+async fn news_of(i: &Inner, w: &StepWrite) -> Option<RecordState> {
     if !child::holds(w.state, w.error_code.as_deref()) {
         return None;
     }

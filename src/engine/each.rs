@@ -160,8 +160,11 @@ fn with_known(
     }
     for (index, w) in known {
         if index < stored_next {
-            // Counted unfinished by the store; counted again here.
+            // Counted unfinished by the store; counted again here (as
+            // started or not: a start the store did not count is counted
+            // once, never twice).
             tally.open -= 1;
+            tally.started = (tally.started - 1).max(0);
         }
         take(w, tally);
     }
@@ -169,23 +172,32 @@ fn with_known(
     todo
 }
 
-/// The items of child step `s` waiting on their child records (at most
-/// `limit`, read after the due ones): those whose child came to rest
-/// since join `due`, to be run (the child read again); the rest are
-/// counted in `tally`, held.
+/// The items of child step `s` waiting on their child records, all of
+/// them (a child at rest wakes the record: the pass must find it; they
+/// are at most `max_parallel` but after a lost pass): those whose child
+/// came to rest since join `due`, to be run (the child read again); the
+/// rest are counted in `tally`, held. A child that cannot be read puts
+/// the step off (a wake would otherwise find it again at once).
 async fn with_news(
     i: &super::Inner,
-    (record_id, s, limit): (i64, &Step, i64),
+    (record_id, s): (i64, &Step),
     (tally, due): (&mut Tally, &mut Vec<crate::domain::StepRun>),
     now: UnixMs,
 ) -> Result<(), crate::store::StoreError> {
-    let held = i.db.held_items(record_id, &s.name, limit).await?;
-    // Counted unfinished by the store; counted again here.
-    tally.open -= i64::try_from(held.len()).unwrap_or(0);
+    let all = i64::try_from(crate::domain::each::MAX_ITEMS).unwrap_or(i64::MAX);
+    let held = i.db.held_items(record_id, &s.name, all).await?;
+    // Counted unfinished (and started) by the store; counted again here.
+    let n = i64::try_from(held.len()).unwrap_or(0);
+    tally.open -= n;
+    tally.started -= n;
     for run in held {
         let w = StepWrite::from(&run);
-        let news = super::child::news_of(i, &w).await;
-        match news.is_some_and(|state| crate::domain::child::has_news(&w, state)) {
+        let child = crate::domain::child::child_of(&w);
+        let state = match child {
+            Some(id) => i.db.get_record(id).await?.map(|r| r.state),
+            None => None,
+        };
+        match state.is_some_and(|state| crate::domain::child::has_news(&w, state)) {
             true => due.push(run),
             false => tally.add(&w, now),
         }
@@ -236,7 +248,7 @@ pub(super) async fn run(p: PendingStep<'_>, each: &Each, known: Vec<StepWrite>) 
         }
     };
     if s.kind.child().is_some() {
-        if let Err(e) = with_news(i, (rec.id, s, limit), (&mut tally, &mut due), now).await {
+        if let Err(e) = with_news(i, (rec.id, s), (&mut tally, &mut due), now).await {
             tracing::warn!(record.id = rec.id, error = %e, "cannot read the step's items");
             return put_off(call.write.clone(), "its items could not be read", now);
         }
@@ -329,14 +341,21 @@ async fn run_items(
     let mut steps = steps.iter();
     // No item runs for a step that can no longer succeed.
     let mut go_on = !tally.lost(each);
-    // Items already started run, `max_parallel` at most in this pass;
-    // the rest wait, counted as due. Those not loaded do not count here:
-    // after a lost pass more than `max_parallel` may be unfinished, and
-    // counting them would leave every pass running none. (No new item
-    // starts until fewer than `max_parallel` are unfinished.)
+    // Items already started run (their call, job or child is out
+    // anyway), `max_parallel` at most in this pass: after a lost pass more
+    // may be unfinished, and counting those not loaded would leave every
+    // pass running none. A run not started yet (made fresh by a retry or
+    // a replay) starts only while fewer than `max_parallel` have. The
+    // rest wait, counted as due. (No new item starts until fewer than
+    // `max_parallel` are unfinished.)
+    let cap = i64::from(each.max_parallel);
     for w in todo {
         let Some(s) = steps.next() else { break };
-        let room = running.len() < usize::try_from(each.max_parallel).unwrap_or(usize::MAX);
+        let under_way = i64::try_from(running.len()).unwrap_or(i64::MAX);
+        let room = match crate::domain::each::started(w.attempts, w.job_id.as_deref()) {
+            true => under_way < cap,
+            false => tally.started + under_way < cap,
+        };
         match go_on && room {
             true => running.push(start(call, list, s, w, call.now)),
             false => tally.add(&w, call.now),

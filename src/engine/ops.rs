@@ -682,6 +682,16 @@ async fn replay_steps(
             ),
         });
     }
+    // Only the failed items: not while one's call is uncertain (a new key
+    // would send it again); settled first, as an undo asks.
+    if req.failed_items && !i.db.uncertain_items(record_id).await?.is_empty() {
+        return Err(StoreError::Declined {
+            code: crate::domain::OUTCOME_UNCERTAIN,
+            message: "an item's call may have taken effect: settle it first ('it took effect' \
+                      or retry), then replay the failed items"
+                .into(),
+        });
+    }
     let undone = undone_steps(i, record_id).await?;
     let steps = compiled.and_then(|c| c.0.from_step(step)).ok_or_else(|| {
         let which = version.map(|v| format!(" version {v}")).unwrap_or_default();

@@ -93,11 +93,14 @@ pub trait Records: Send + Sync {
 }
 
 /// A step run's state that has not ended, in SQL.
-const OPEN: &str = "state NOT IN ('succeeded', 'failed', 'skipped')";
+pub(super) const OPEN: &str = "state NOT IN ('succeeded', 'failed', 'skipped')";
+
+/// An item's run that has started (`domain::each::started`), in SQL.
+const STARTED: &str = "(attempts > 0 OR job_id IS NOT NULL)";
 
 /// An item held on its child record (`domain::each::held`), in SQL: no
 /// time, and only the child, coming to rest, tells it something new.
-fn held() -> String {
+pub(super) fn held() -> String {
     use crate::domain::child::{AWAITING, PARKED};
     format!(
         "(state = 'waiting' AND next_run_at IS NULL \
@@ -522,14 +525,16 @@ where
         };
         let sql = format!(
             "SELECT CAST(COALESCE(MAX(item_no) + 1, 0) AS BIGINT), {}, {}, {}, {}, \
-               MIN(CASE WHEN {OPEN} AND next_run_at > $3 THEN next_run_at END), {}, {} \
+               MIN(CASE WHEN {OPEN} AND next_run_at > $3 THEN next_run_at END), {}, {}, {}, {} \
              FROM step_runs WHERE record_id = $1 AND item_of = $2",
             count("state = 'succeeded'"),
             count("state IN ('failed', 'skipped')"),
             count(OPEN),
-            count(&format!("{OPEN} AND {due}")),
+            count(&format!("{OPEN} AND {due} AND {STARTED}")),
             count("state = 'waiting' AND next_run_at > $3"),
             count("state = 'retrying' AND next_run_at > $3"),
+            count(&format!("{OPEN} AND {STARTED}")),
+            count(&format!("{OPEN} AND {due} AND NOT {STARTED}")),
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(record_id)
@@ -550,14 +555,22 @@ where
             .await?;
         let runs = map_all(&rows, MapRow::step_run)?;
         let loaded = i64::try_from(runs.len()).unwrap_or(i64::MAX);
+        let loaded_started = runs
+            .iter()
+            .filter(|r| crate::domain::each::started(r.attempts, r.job_id.as_deref()))
+            .count();
+        let loaded_started = i64::try_from(loaded_started).unwrap_or(0);
         let (open, due): (i64, i64) = (row.try_get(3)?, row.try_get(4)?);
+        let (started, due_fresh): (i64, i64) = (row.try_get(8)?, row.try_get(9)?);
         let tally = Tally {
             total: 0,
             next: row.try_get(0)?,
             succeeded: row.try_get(1)?,
             failed: row.try_get(2)?,
             open: open - loaded,
-            due_now: due > loaded,
+            started: started - loaded_started,
+            due_now: due > loaded_started,
+            fresh_due: due_fresh > loaded - loaded_started,
             later_at: row.try_get(5)?,
             waiting: row.try_get::<i64, _>(6)? > 0,
             retrying: row.try_get::<i64, _>(7)? > 0,

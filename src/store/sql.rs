@@ -994,10 +994,14 @@ where
         Ok(())
     }
 
-    /// The items of `step` that did not succeed start again, each a
-    /// fresh run of `generation` (a new idempotency key; the old run kept
-    /// as a version, its evidence included); those that succeeded stay,
-    /// and the step's output is built again from them and the new ones.
+    /// The items of `step` that ended without succeeding (failed or
+    /// skipped) or stopped with nothing more to wait for (no time, no
+    /// child: what parked the record) start again, each a fresh run of
+    /// `generation` (a new idempotency key; the old run kept as a
+    /// version, its evidence included); those that succeeded stay, and
+    /// those unfinished go on following their call, job or child (a new
+    /// key would send them again). The step's output is built again from
+    /// them all. (An uncertain call was refused before: settled first.)
     async fn rerun_failed_items(
         tx: &mut Tx<DB>,
         installation: &str,
@@ -1006,7 +1010,12 @@ where
         (generation, cause): (i32, &str),
         now: UnixMs,
     ) -> StoreResult<()> {
-        let not_succeeded = "record_id = $1 AND item_of = $2 AND state <> 'succeeded'";
+        let not_succeeded = format!(
+            "record_id = $1 AND item_of = $2 AND (state IN ('failed', 'skipped') \
+             OR ({} AND next_run_at IS NULL AND NOT {}))",
+            super::records::OPEN,
+            super::records::held()
+        );
         let keep = format!(
             "INSERT INTO step_versions (record_id, step, generation, state, output, job_id, \
                error_code, cause, started_at, finished_at, replaced_at, replaced_by) \

@@ -75,6 +75,13 @@ pipeline = "kyc"
 for_each = "/input/people"
 max_parallel = 2
 items_required = 2
+
+[[pipelines.batchall.steps]]
+name = "kycs"
+kind = "pipeline"
+pipeline = "kyc"
+for_each = "/input/people"
+max_parallel = 2
 "#
     )
 }
@@ -408,6 +415,167 @@ async fn sqlite_a_retry_reads_an_items_child_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_retry_reads_an_items_child_again() {
     a_retry_reads_an_items_child_again(Backend::Postgres).await;
+}
+
+/// The newest child of `parent`'s item `item` (a replay gives an item a
+/// new one).
+async fn newest_child_of_item(db: &Db, parent: i64, item: usize) -> Record {
+    let step = format!("kycs#{item}");
+    let children = db.children(parent).await.unwrap();
+    let mine = children
+        .into_iter()
+        .filter(|c| c.parent_step.as_deref() == Some(&step));
+    mine.max_by_key(|c| c.id)
+        .unwrap_or_else(|| panic!("no child for {step}"))
+}
+
+/// `parent`'s children not at rest, by their item.
+async fn unfinished_children(db: &Db, parent: i64) -> Vec<String> {
+    let children = db.children(parent).await.unwrap();
+    let running = children.into_iter().filter(|c| !c.state.is_at_rest());
+    running.filter_map(|c| c.parent_step).collect()
+}
+
+/// A replay of only the failed items starts their new children within
+/// `max_parallel` (a fresh run starts only while fewer have started), the
+/// parent never loops on children it does not read, and every item
+/// succeeds in the end.
+async fn a_replay_of_failed_items_keeps_the_cap(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children_each_replay").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = onboarding(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let people: Vec<Value> = (0..6)
+        .map(|n| json!({ "who": format!("p{n}"), "amount": n + 1 }))
+        .collect();
+    let e = Enqueue::new("batch", Some("six"), json!({ "people": people }));
+    let parent = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let act = async |item: usize, action: OperatorAction| {
+        let child = newest_child_of_item(&t.db, parent, item).await.id;
+        let extra = ActExtra {
+            step: (action == OperatorAction::Approve).then_some("review"),
+            ..Default::default()
+        };
+        let reason = Some(format!("{action}"));
+        ops.act_with(child, action, "ann", reason, extra)
+            .await
+            .unwrap();
+        drain(&engine).await;
+        let open = unfinished_children(&t.db, parent).await;
+        assert!(open.len() <= 2, "more children than max_parallel: {open:?}");
+    };
+    for item in 0..3 {
+        act(item, OperatorAction::Cancel).await;
+    }
+    for item in 3..6 {
+        act(item, OperatorAction::Approve).await;
+    }
+    assert_eq!(record(&t.db, parent).await.state, RecordState::Succeeded);
+
+    let only_failed = ActExtra {
+        step: Some("kycs"),
+        failed_items: true,
+        ..Default::default()
+    };
+    let why = Some("documents found".to_owned());
+    ops.act_with(parent, OperatorAction::ReplayFrom, "ann", why, only_failed)
+        .await
+        .unwrap();
+    drain(&engine).await;
+    assert_eq!(
+        unfinished_children(&t.db, parent).await,
+        ["kycs#0", "kycs#1"]
+    );
+    for item in 0..3 {
+        act(item, OperatorAction::Approve).await;
+    }
+    let p = record(&t.db, parent).await;
+    assert_eq!(p.state, RecordState::Succeeded, "{:?}", p.reason);
+    let output = run(&t.db.step_runs(parent).await.unwrap(), "kycs")
+        .output
+        .clone();
+    let output = output.unwrap();
+    let done = (0..6).filter(|n| output[n]["review"]["decision"] == "approved");
+    assert_eq!(done.count(), 6, "{output}");
+    assert_eq!(
+        t.db.children(parent).await.unwrap().len(),
+        9,
+        "three items twice"
+    );
+}
+
+/// A replay of only the failed items leaves an item whose child still
+/// runs alone (a new key would start a second child): only the failed
+/// item gets a new one.
+async fn a_replay_of_failed_items_leaves_unfinished_items_alone(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "children_each_replay_open").await else {
+        return;
+    };
+    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+    let config = onboarding(&sim.base_url());
+    let start = crate::helpers::wall_ms();
+    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+    let people = json!({ "people": [{ "who": "q0", "amount": 1 }, { "who": "q1", "amount": 2 }] });
+    let e = Enqueue::new("batchall", Some("two"), people);
+    let parent = engine.enqueue(e).await.unwrap().record.id;
+    drain(&engine).await;
+    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let first = newest_child_of_item(&t.db, parent, 0).await.id;
+    let reason = Some("wrong person".to_owned());
+    ops.act_with(
+        first,
+        OperatorAction::Cancel,
+        "ann",
+        reason,
+        ActExtra::default(),
+    )
+    .await
+    .unwrap();
+    drain(&engine).await;
+    let p = record(&t.db, parent).await;
+    assert_eq!(
+        (p.state, p.error_code.as_deref()),
+        (RecordState::Parked, Some("child_cancelled"))
+    );
+    let only_failed = ActExtra {
+        step: Some("kycs"),
+        failed_items: true,
+        ..Default::default()
+    };
+    let why = Some("the right person".to_owned());
+    ops.act_with(parent, OperatorAction::ReplayFrom, "ann", why, only_failed)
+        .await
+        .unwrap();
+    drain(&engine).await;
+    let mut open = unfinished_children(&t.db, parent).await;
+    open.sort();
+    assert_eq!(open, ["kycs#0", "kycs#1"], "one child each");
+    assert_eq!(t.db.children(parent).await.unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_replay_of_failed_items_keeps_the_cap() {
+    a_replay_of_failed_items_keeps_the_cap(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_replay_of_failed_items_keeps_the_cap() {
+    a_replay_of_failed_items_keeps_the_cap(Backend::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_replay_of_failed_items_leaves_unfinished_items_alone() {
+    a_replay_of_failed_items_leaves_unfinished_items_alone(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_replay_of_failed_items_leaves_unfinished_items_alone() {
+    a_replay_of_failed_items_leaves_unfinished_items_alone(Backend::Postgres).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

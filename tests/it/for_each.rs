@@ -423,6 +423,25 @@ async fn a_replay_can_take_only_the_failed_items(backend: Backend) {
         Some("5 of 5 items done: 5 succeeded, 0 failed")
     );
 
+    // Only the failed items of the same list: not with a new input.
+    let new_list = ActExtra {
+        step: Some("each"),
+        failed_items: true,
+        input: Some(ballast::store::InputEdit {
+            new: json!({ "items": [7, 8] }),
+            was: None,
+        }),
+        ..ActExtra::default()
+    };
+    let refused = ops
+        .act_with(id, OperatorAction::ReplayFrom, "ann", None, new_list)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        ballast::web::error::WebError::from(refused).code(),
+        "items_need_same_list"
+    );
+
     // A plain replay runs every item again.
     let whole = ActExtra {
         step: Some("each"),

@@ -427,6 +427,14 @@ pub fn plan(
     }
     let to = transition(rec.state, Trigger::Operator(action))?;
     let input = new_input(rec, req, r)?;
+    if req.failed_items && (input.is_some() || req.repin.is_some()) {
+        // The items kept are those of the list as it was.
+        return invalid(
+            "items_need_same_list",
+            "only the failed items of the same list: replay every item to run it with a new \
+             input or on another version",
+        );
+    }
     let steps = r.steps(rec, runs, req, input.is_some())?;
     let detail = with_input(r.detail(rec, req, condition), input.as_ref(), rec);
     Ok(Plan {
