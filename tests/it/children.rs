@@ -86,6 +86,33 @@ max_parallel = 2
     )
 }
 
+/// A test database, a clean simulator, the [`onboarding`] configuration
+/// and an engine on a clock the test moves.
+struct Onboarding {
+    t: TestDb,
+    sim: SimHandle,
+    config: Arc<Config>,
+    engine: ballast::engine::Engine,
+    clock: ballast::domain::ManualClock,
+}
+
+impl Onboarding {
+    async fn start(backend: Backend, name: &str) -> Option<Onboarding> {
+        let t = TestDb::migrated(backend, name).await?;
+        let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
+        let config = onboarding(&sim.base_url());
+        let start = crate::helpers::wall_ms();
+        let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
+        Some(Onboarding {
+            t,
+            sim,
+            config,
+            engine,
+            clock,
+        })
+    }
+}
+
 fn run<'r>(runs: &'r [StepRun], step: &str) -> &'r StepRun {
     runs.iter().find(|r| r.step == step).unwrap()
 }
@@ -102,13 +129,16 @@ async fn only_child(db: &Db, parent: i64) -> Record {
 }
 
 async fn a_parent_waits_for_its_child_and_takes_its_outputs(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "children").await else {
+    let Some(Onboarding {
+        t,
+        sim,
+        config,
+        engine,
+        clock,
+    }) = Onboarding::start(backend, "children").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = onboarding(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let e = Enqueue::new(
         "onboard",
         Some("ann"),
@@ -175,13 +205,16 @@ async fn postgres_a_parent_waits_for_its_child_and_takes_its_outputs() {
 }
 
 async fn a_parked_child_shows_on_its_parent_and_a_cancel_reaches_it(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "children_parked").await else {
+    let Some(Onboarding {
+        t,
+        config,
+        engine,
+        clock,
+        ..
+    }) = Onboarding::start(backend, "children_parked").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = onboarding(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let e = Enqueue::new("onboard", Some("bob"), json!({ "amount": 7, "who": "bob" }));
     let parent = engine.enqueue(e).await.unwrap().record.id;
     drain(&engine).await;
@@ -249,13 +282,16 @@ async fn child_of_item(db: &Db, parent: i64, item: usize) -> Record {
 /// own (a parked one shows on the parent, a cancelled one fails its
 /// item), the step's output the children's outputs in item order.
 async fn a_child_for_each_item(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "children_each").await else {
+    let Some(Onboarding {
+        t,
+        sim,
+        config,
+        engine,
+        clock,
+    }) = Onboarding::start(backend, "children_each").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = onboarding(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let people: Vec<Value> = ["a", "b", "c"]
         .iter()
         .zip(1..)
@@ -366,13 +402,16 @@ async fn a_child_for_each_item(backend: Backend) {
 /// again (the item keeps it: no second child) and fails as before, never
 /// looping on the item.
 async fn a_retry_reads_an_items_child_again(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "children_each_retry").await else {
+    let Some(Onboarding {
+        t,
+        config,
+        engine,
+        clock,
+        ..
+    }) = Onboarding::start(backend, "children_each_retry").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = onboarding(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let people = json!({ "people": [{ "who": "f", "amount": 1 }, { "who": "g", "amount": 2 }] });
     let e = Enqueue::new("batch", Some("fg"), people);
     let parent = engine.enqueue(e).await.unwrap().record.id;
@@ -429,11 +468,14 @@ async fn newest_child_of_item(db: &Db, parent: i64, item: usize) -> Record {
         .unwrap_or_else(|| panic!("no child for {step}"))
 }
 
-/// `parent`'s children not at rest, by their item.
+/// `parent`'s children not at rest, by their item, in item order (items
+/// start together: their children's ids need not be).
 async fn unfinished_children(db: &Db, parent: i64) -> Vec<String> {
     let children = db.children(parent).await.unwrap();
     let running = children.into_iter().filter(|c| !c.state.is_at_rest());
-    running.filter_map(|c| c.parent_step).collect()
+    let mut items: Vec<String> = running.filter_map(|c| c.parent_step).collect();
+    items.sort();
+    items
 }
 
 /// A replay of only the failed items starts their new children within
@@ -441,13 +483,16 @@ async fn unfinished_children(db: &Db, parent: i64) -> Vec<String> {
 /// parent never loops on children it does not read, and every item
 /// succeeds in the end.
 async fn a_replay_of_failed_items_keeps_the_cap(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "children_each_replay").await else {
+    let Some(Onboarding {
+        t,
+        config,
+        engine,
+        clock,
+        ..
+    }) = Onboarding::start(backend, "children_each_replay").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = onboarding(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let people: Vec<Value> = (0..6)
         .map(|n| json!({ "who": format!("p{n}"), "amount": n + 1 }))
         .collect();
@@ -513,13 +558,16 @@ async fn a_replay_of_failed_items_keeps_the_cap(backend: Backend) {
 /// runs alone (a new key would start a second child): only the failed
 /// item gets a new one.
 async fn a_replay_of_failed_items_leaves_unfinished_items_alone(backend: Backend) {
-    let Some(t) = TestDb::migrated(backend, "children_each_replay_open").await else {
+    let Some(Onboarding {
+        t,
+        config,
+        engine,
+        clock,
+        ..
+    }) = Onboarding::start(backend, "children_each_replay_open").await
+    else {
         return;
     };
-    let sim = SimHandle::spawn(Profile::clean(1)).await.unwrap();
-    let config = onboarding(&sim.base_url());
-    let start = crate::helpers::wall_ms();
-    let (engine, clock) = manual_engine_at(&t.db, config.clone(), "n1", start).await;
     let people = json!({ "people": [{ "who": "q0", "amount": 1 }, { "who": "q1", "amount": 2 }] });
     let e = Enqueue::new("batchall", Some("two"), people);
     let parent = engine.enqueue(e).await.unwrap().record.id;
@@ -552,8 +600,7 @@ async fn a_replay_of_failed_items_leaves_unfinished_items_alone(backend: Backend
         .await
         .unwrap();
     drain(&engine).await;
-    let mut open = unfinished_children(&t.db, parent).await;
-    open.sort();
+    let open = unfinished_children(&t.db, parent).await;
     assert_eq!(open, ["kycs#0", "kycs#1"], "one child each");
     assert_eq!(t.db.children(parent).await.unwrap().len(), 3);
 }
