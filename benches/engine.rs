@@ -21,6 +21,10 @@
 //!   engine, no database) sending the same calls, 1,000 at once, to the
 //!   same kind of simulator. `-- --sim-process` runs B's simulator as
 //!   `ballast sim` in its own process (for B, B1000 and the bare client).
+//! - I: one record whose step runs for each of 1,000 items against 1,000
+//!   one-step records making the same calls (rate, CPU), and one record of
+//!   10,000 items: peak RSS of this process for each (memory flat in the
+//!   number of items).
 //! - C: rate-limit fidelity. A provider limited to 200/s: calls per whole
 //!   second of the run as a fraction of the limit, and the most calls the
 //!   simulator saw in any one second.
@@ -1580,22 +1584,34 @@ fn main() {
                     kind: Kind::Items,
                     ..records.clone()
                 };
-                let (mut r, mut it) = (Vec::new(), Vec::new());
+                // And one record of 10,000 items: its peak RSS against the
+                // 1,000 items' (memory flat in the number of items).
+                let many = Setup {
+                    n: 10_000,
+                    ..items.clone()
+                };
+                let (mut r, mut it, mut it10k) = (Vec::new(), Vec::new(), Vec::new());
                 for _ in 0..runs {
                     r.extend(run_once(&records).await);
                     it.extend(run_once(&items).await);
+                    it10k.extend(run_once(&many).await);
                 }
                 for (rs, name) in [
                     (&it, "I  1,000 items of one record, in-process"),
+                    (&it10k, "   10,000 items of one record"),
                     (&r, "   1,000 one-step records, the same calls"),
                 ] {
                     if rs.is_empty() {
                         continue;
                     }
                     println!(
-                        "{name:<44} {:>22} {:>18}",
+                        "{name:<44} {:>22} {:>18} {:>18}",
                         median_spread(rs.iter().map(|r| r.processed_per_s).collect()),
                         median_spread_f(rs.iter().map(|r| r.cpu_per_1000).collect(), 2),
+                        format!(
+                            "{} MiB peak RSS",
+                            median_spread(rs.iter().map(|r| r.peak_rss_mib).collect())
+                        ),
                     );
                 }
                 if !r.is_empty() && !it.is_empty() {

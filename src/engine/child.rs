@@ -43,8 +43,7 @@ impl StepCall<'_> {
                 None => self.record.input.clone(),
             },
             Some(id) => {
-                let (ctx, _) = self.context_of(&self.write);
-                let rendered = self.templates.render(id, &ctx).map_err(|e| e.to_string());
+                let rendered = self.render(id, &self.write);
                 match rendered.and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string())) {
                     Ok(v) => v,
                     Err(why) => {

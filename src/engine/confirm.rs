@@ -176,7 +176,7 @@ impl Confirmations {
             rec,
             step_def,
             write,
-            &std::sync::Arc::new(ctx),
+            &std::sync::Arc::new(crate::pipeline::PassContext::new(ctx)),
             templates,
             Vec::new(),
             stopping,

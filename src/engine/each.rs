@@ -235,7 +235,7 @@ pub(super) async fn run(p: PendingStep<'_>, each: &Each, known: Vec<StepWrite>) 
     if let Some(d) = call.judged() {
         return vec![StepOutput::new(d)];
     }
-    let list = match items(each, &call.ctx) {
+    let list = match items(each, call.ctx.json()) {
         Ok(list) => list,
         Err((code, reason)) => return vec![failed(call.write.clone(), code, reason, now)],
     };

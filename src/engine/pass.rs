@@ -506,7 +506,9 @@ impl Pass<'_> {
         let mut may_start = true;
         loop {
             if !wave.is_empty() {
-                let ctx = Arc::new(step::context(rec, states));
+                let ctx = Arc::new(crate::pipeline::PassContext::new(step::context(
+                    rec, states,
+                )));
                 for s in wave.drain(..) {
                     started.insert(s.name.clone());
                     let write = states[&s.name].clone();
@@ -738,7 +740,7 @@ pub(super) fn step_call<'a>(
     rec: &'a Record,
     s: &'a Step,
     write: StepWrite,
-    ctx: &Arc<serde_json::Value>,
+    ctx: &Arc<crate::pipeline::PassContext>,
     templates: &Arc<Templates>,
     callbacks: Vec<PendingCallback>,
     stopping: &'a Stopping,

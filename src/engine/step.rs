@@ -204,7 +204,7 @@ pub struct StepCall<'a> {
     pub step: &'a Step,
     pub write: StepWrite,
     /// The pass's context, shared by its steps (and a step's items).
-    pub ctx: std::sync::Arc<Value>,
+    pub ctx: std::sync::Arc<crate::pipeline::PassContext>,
     /// An item's value and index (a step for each item): its templates
     /// see them as `item` and `item_index`.
     pub item: Option<(Value, i64)>,
@@ -417,10 +417,7 @@ impl StepCall<'_> {
         // A kind that calls no provider decides its pass alone.
         // What a call's templates see, `key` included (check-config lets
         // every template read it).
-        let render = |id: &str| {
-            let (ctx, _) = self.context_of(&self.write);
-            self.templates.render(id, &ctx).map_err(|e| e.to_string())
-        };
+        let render = |id: &str| self.render(id, &self.write);
         if let Some(d) = self
             .step
             .kind
@@ -1232,16 +1229,15 @@ impl StepCall<'_> {
         }
     }
 
-    /// What the step's templates see in the state `write`: the pass's
+    /// What the step's conditions read in the state `write`: the pass's
     /// context with the step's `key` (its idempotency key, also returned)
-    /// and, once it has one, its `job_id`.
+    /// and, once it has one, its `job_id` (as its templates see them).
     pub(super) fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
-        // Only the outputs of the steps upstream of this one: what
-        // check-config let it name (a subscript it cannot check, such as
-        // `steps["a-b"]`, sees no more than that, however the pass went),
-        // and only they are copied.
+        let (extra, key) = self.extra(write);
+        // Only the outputs of the steps upstream of this one (what its
+        // templates see), and only they are copied.
         let mut ctx = Map::new();
-        for (k, v) in self.ctx.as_object().into_iter().flatten() {
+        for (k, v) in self.ctx.json().as_object().into_iter().flatten() {
             let v = match (k.as_str(), v.as_object()) {
                 ("steps", Some(outputs)) => Value::Object(
                     outputs
@@ -1254,33 +1250,56 @@ impl StepCall<'_> {
             };
             ctx.insert(k.clone(), v);
         }
-        let mut ctx = Value::Object(ctx);
+        ctx.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
+        (Value::Object(ctx), key)
+    }
+
+    /// What the step's templates see in the state `write` (as
+    /// [`Self::context_of`], the pass's context not converted again), and
+    /// its key.
+    pub(super) fn view_of(&self, write: &StepWrite) -> (minijinja::Value, String) {
+        let (extra, key) = self.extra(write);
+        let extra = extra
+            .iter()
+            .map(|(k, v)| (*k, crate::pipeline::template::value_of(v)))
+            .collect();
+        (self.ctx.view(&self.step.upstream, extra), key)
+    }
+
+    /// Renders template `id` over the step's view in the state `write`.
+    pub(super) fn render(&self, id: &str, write: &StepWrite) -> Result<String, String> {
+        let (view, _) = self.view_of(write);
+        self.templates
+            .render_view(id, view)
+            .map_err(|e| e.to_string())
+    }
+
+    /// What the step sees beside the pass's context: its `key`, its item
+    /// and index (a step for each item), its `job_id` once it has one, and
+    /// an undo step the `output` of the step it undoes; and the key.
+    fn extra(&self, write: &StepWrite) -> (Vec<(&'static str, Value)>, String) {
         let key = idempotency_key(
             self.installation,
             self.record.id,
             &self.step.name,
             write.generation,
         );
-        // An undo step sees the output of the step it undoes.
-        let undone = self
-            .step
-            .undoes
-            .as_deref()
-            .map(|s| ctx["steps"][s]["output"].clone());
-        if let Some(obj) = ctx.as_object_mut() {
-            obj.insert("key".into(), json!(key));
-            if let Some((item, index)) = &self.item {
-                obj.insert("item".into(), item.clone());
-                obj.insert("item_index".into(), json!(index));
-            }
-            if let Some(job) = &write.job_id {
-                obj.insert("job_id".into(), json!(job));
-            }
-            if let Some(output) = undone {
-                obj.insert("output".into(), output);
-            }
+        let mut extra = vec![("key", json!(key))];
+        if let Some((item, index)) = &self.item {
+            extra.push(("item", item.clone()));
+            extra.push(("item_index", json!(index)));
         }
-        (ctx, key)
+        if let Some(job) = &write.job_id {
+            extra.push(("job_id", json!(job)));
+        }
+        if let Some(s) = self.step.undoes.as_deref() {
+            let done = match self.step.upstream.contains(s) {
+                true => self.ctx.json()["steps"][s]["output"].clone(),
+                false => Value::Null,
+            };
+            extra.push(("output", done));
+        }
+        (extra, key)
     }
 
     /// The call the plan makes: the poll request for a poll, the step's
@@ -1313,10 +1332,10 @@ impl StepCall<'_> {
         plan: &Planned,
         token: Option<&Secret>,
     ) -> Result<Call, Unbuildable> {
-        let (ctx, key) = self.context_of(&plan.write);
+        let (view, key) = self.view_of(&plan.write);
         let render = |id: &str| {
             self.templates
-                .render(id, &ctx)
+                .render_view(id, view.clone())
                 .map_err(|e| Unbuildable::template(format!("template: {e}")))
         };
         let path = render(&spec.path)?;

@@ -20,7 +20,7 @@ use crate::domain::kind::{Confirms, Kind};
 pub use crate::domain::pipeline::{
     CallbackSpec, Condition, Fallback, HttpMethod, Pipeline, PollSpec, RequestSpec, Step,
 };
-pub use template::{Judged, Quoting, TemplateError, Templates};
+pub use template::{Judged, PassContext, Quoting, TemplateError, Templates};
 
 /// Every pipeline of a configuration, with their templates.
 #[derive(Debug, Clone)]

@@ -257,6 +257,11 @@ impl Templates {
 
     /// Renders template `id` over `ctx` (a JSON object).
     pub fn render(&self, id: &str, ctx: &Value) -> Result<String, TemplateError> {
+        self.render_view(id, value_of(ctx))
+    }
+
+    /// Renders template `id` over `view` (a [`PassContext::view`]).
+    pub fn render_view(&self, id: &str, view: TplValue) -> Result<String, TemplateError> {
         let env = self
             .quoting
             .get(id)
@@ -265,8 +270,83 @@ impl Templates {
         let tpl = env
             .get_template(id)
             .map_err(|_| TemplateError::Missing(id.to_owned()))?;
-        tpl.render(TplValue::from(minijinja::value::Serde(ctx)))
+        tpl.render(view)
             .map_err(|e| TemplateError::Render(e.to_string()))
+    }
+}
+
+/// A JSON value as the templates see it.
+pub fn value_of(v: &Value) -> TplValue {
+    TplValue::from(minijinja::value::Serde(v))
+}
+
+/// A pass's context: the JSON its conditions read (`input`, `record`,
+/// `steps.<name>.output`) and, converted on first use and then shared,
+/// the same as the templates' values. Every call of the pass renders over
+/// views of it without converting the record's input again: a step for
+/// each of 10,000 items converted the whole context, its list included,
+/// for every template of every item.
+pub struct PassContext {
+    json: Value,
+    values: std::sync::OnceLock<Converted>,
+}
+
+/// The context's top-level values but `steps`, and each step's entry.
+struct Converted {
+    top: Vec<(String, TplValue)>,
+    steps: Vec<(String, TplValue)>,
+}
+
+impl PassContext {
+    pub fn new(json: Value) -> Self {
+        PassContext {
+            json,
+            values: std::sync::OnceLock::new(),
+        }
+    }
+
+    pub fn json(&self) -> &Value {
+        &self.json
+    }
+
+    fn converted(&self) -> &Converted {
+        self.values.get_or_init(|| {
+            let (mut top, mut steps) = (Vec::new(), Vec::new());
+            for (k, v) in self.json.as_object().into_iter().flatten() {
+                match (k.as_str(), v.as_object()) {
+                    ("steps", Some(outputs)) => {
+                        steps.extend(outputs.iter().map(|(name, o)| (name.clone(), value_of(o))));
+                    }
+                    _ => top.push((k.clone(), value_of(v))),
+                }
+            }
+            Converted { top, steps }
+        })
+    }
+
+    /// What one step's templates see: the context with only the outputs
+    /// of the steps `upstream` of it under `steps` (what check-config let
+    /// it name: a subscript it cannot check sees no more), and `extra`
+    /// (its key, item, job id …) beside them.
+    pub fn view(&self, upstream: &BTreeSet<String>, extra: Vec<(&str, TplValue)>) -> TplValue {
+        let c = self.converted();
+        let steps = c
+            .steps
+            .iter()
+            .filter(|(name, _)| upstream.contains(name))
+            .map(|(name, v)| (name.clone(), v.clone()));
+        let has_steps = self.json.get("steps").is_some_and(Value::is_object);
+        let steps = has_steps.then(|| {
+            let steps: std::collections::BTreeMap<String, TplValue> = steps.collect();
+            ("steps".to_owned(), TplValue::from(steps))
+        });
+        let entries = c
+            .top
+            .iter()
+            .cloned()
+            .chain(steps)
+            .chain(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
+        TplValue::from(entries.collect::<std::collections::BTreeMap<String, TplValue>>())
     }
 }
 
@@ -620,6 +700,45 @@ mod tests {
             if t.add("x", &src, &Scope { upstream: &up, job_id: true, output: true, quoting: Quoting::Json, item: false }).is_ok() {
                 let _ = t.render("x", &json!({ "input": {}, "steps": {}, "record": {}, "job_id": "j" }));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod view_tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A step's view of the pass's context renders as the JSON context it
+    /// stands for (only its upstream steps' outputs, its key beside).
+    #[test]
+    fn a_view_renders_as_the_context_it_stands_for() {
+        let ctx = json!({
+            "input": { "amount": 5, "items": [1, 2.5, "x"], "nested": { "a": null } },
+            "record": { "id": 7, "key": "k" },
+            "steps": { "a": { "output": { "x": "y" } }, "b": { "output": 1 } },
+        });
+        let whole = json!({
+            "input": ctx["input"],
+            "record": ctx["record"],
+            "steps": { "a": ctx["steps"]["a"] },
+            "key": "k1",
+        });
+        let pass = PassContext::new(ctx);
+        let up: BTreeSet<String> = ["a".to_owned()].into();
+        let env = Environment::new();
+        for t in [
+            "{{ input.amount }} {{ record.id }} {{ steps.a.output.x }} {{ key }}",
+            "{{ steps.b is defined }} {{ steps | length }} {{ input.items | length }}",
+            "{{ input | tojson }} {{ steps | tojson }} {{ input.nested }}",
+            "{% for k in steps %}{{ k }}{% endfor %} {{ input.items[1] }}",
+        ] {
+            let view = pass.view(&up, vec![("key", value_of(&json!("k1")))]);
+            assert_eq!(
+                env.render_str(t, view).unwrap(),
+                env.render_str(t, value_of(&whole)).unwrap(),
+                "{t}"
+            );
         }
     }
 }
