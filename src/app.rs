@@ -234,7 +234,9 @@ fn announce_bootstrap(bootstrap: Bootstrap) {
     match bootstrap {
         Bootstrap::NotNeeded => {}
         Bootstrap::Configured => {
-            tracing::info!("created user `admin` with the password from BALLAST_ADMIN_PASSWORD");
+            tracing::info!(
+                "created user `admin` with the password from BALLAST_ADMIN_PASSWORD (or its _FILE)"
+            );
         }
         Bootstrap::Generated(password) => {
             // Whatever the log filter: shown once.

@@ -72,23 +72,77 @@ const VARS: [(&str, Setter); 17] = [
     }),
 ];
 
-/// Applies each of [`VARS`] that `env` sets, in order: the names of those
-/// applied, or the first one that does not parse, named.
+/// The variables holding secrets, each of which may instead name a file
+/// holding it in its `_FILE` twin (`BALLAST_SECRET_KEY_FILE`): a relative
+/// path is read in systemd's `$CREDENTIALS_DIRECTORY` when set.
+const FILE_TWINS: [&str; 4] = [
+    "BALLAST_ADMIN_PASSWORD",
+    "BALLAST_SECRET_KEY",
+    "BALLAST_METRICS_TOKEN",
+    "BALLAST_DATABASE_URL",
+];
+
+/// Whether `var` is one of the server's secrets (or its `_FILE` twin),
+/// read at start only: a reload does not read them again (a file removed
+/// after the start, such as the first admin's password, refuses nothing).
+pub(super) fn start_only(var: &str) -> bool {
+    let var = var.strip_suffix("_FILE").unwrap_or(var);
+    FILE_TWINS.contains(&var)
+}
+
+/// Applies each of [`VARS`] that `env` sets (or its `_FILE` twin names),
+/// in order: the names of those applied, or the first one that does not
+/// parse (or cannot be read), named.
 pub(super) fn apply(
     config: &mut Config,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Vec<String>, ConfigError> {
     let mut applied = Vec::new();
     for (var, set) in &VARS {
-        if let Some(value) = env(var) {
-            set(config, &value).map_err(|message| ConfigError::Env {
-                var: (*var).to_owned(),
-                message,
-            })?;
-            applied.push((*var).to_owned());
-        }
+        let Some((name, value)) = value_of(var, env)? else {
+            continue;
+        };
+        set(config, &value).map_err(|message| ConfigError::Env {
+            var: name.clone(),
+            message,
+        })?;
+        applied.push(name);
     }
     Ok(applied)
+}
+
+/// `var`'s value and the variable that gave it: `var` itself, or the file
+/// its `_FILE` twin names (one of the two).
+fn value_of(
+    var: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<(String, String)>, ConfigError> {
+    let twin = FILE_TWINS.contains(&var).then(|| format!("{var}_FILE"));
+    let file = twin.as_deref().and_then(env);
+    match (env(var), file) {
+        (Some(_), Some(_)) => Err(ConfigError::Env {
+            var: var.to_owned(),
+            message: format!("set {var} or {var}_FILE, not both"),
+        }),
+        (Some(value), None) => Ok(Some((var.to_owned(), value))),
+        (None, None) => Ok(None),
+        (None, Some(path)) => {
+            let twin = format!("{var}_FILE");
+            let credentials = env(super::secret::CREDENTIALS_DIRECTORY);
+            let path = super::secret::anchored(
+                std::path::Path::new(&path),
+                credentials.as_deref().map(std::path::Path::new),
+                std::path::Path::new("."),
+            );
+            let value = super::secret::SecretRef::File(path)
+                .read(env, 1)
+                .map_err(|message| ConfigError::Env {
+                    var: twin.clone(),
+                    message,
+                })?;
+            Ok(Some((twin, value.expose().to_owned())))
+        }
+    }
 }
 
 /// `text` as a `T`, or "invalid WHAT `text`" and the `hint`.

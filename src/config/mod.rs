@@ -5,6 +5,7 @@ mod duration;
 mod env;
 pub mod pipeline;
 pub mod provider;
+pub mod secret;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -510,6 +511,25 @@ impl Config {
         Self::load_with(file, &|var| std::env::var(var).ok())
     }
 
+    /// [`load`](Self::load) for a reload: the server's secrets (and their
+    /// `_FILE` twins) are not read, the running ones stand (the caller
+    /// keeps the sections that change only at a restart).
+    pub fn load_for_reload(file: Option<&Path>) -> Result<Loaded, ConfigError> {
+        Self::load_with(file, &|var| {
+            (!env::start_only(var))
+                .then(|| std::env::var(var).ok())
+                .flatten()
+        })
+    }
+
+    /// Whether the database URL comes from `BALLAST_DATABASE_URL` (or its
+    /// `_FILE` twin), which a reload does not read.
+    pub fn database_url_from_env() -> bool {
+        ["BALLAST_DATABASE_URL", "BALLAST_DATABASE_URL_FILE"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some())
+    }
+
     /// [`load`](Self::load) with the environment given as a lookup, for tests.
     pub fn load_with(
         file: Option<&Path>,
@@ -529,6 +549,17 @@ impl Config {
             }
             None => Config::default(),
         };
+        let credentials = env(secret::CREDENTIALS_DIRECTORY).map(PathBuf::from);
+        let beside = path
+            .as_deref()
+            .and_then(Path::parent)
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+        // A provider's relative secret files: in systemd's credentials
+        // directory when set, else beside this file.
+        let dir = secret::SecretsDir(Some(credentials.unwrap_or(beside)));
+        for p in config.providers.values_mut() {
+            p.secrets_dir = dir.clone();
+        }
         let applied = env::apply(&mut config, env)?;
         config.validate(env)?;
         Ok(Loaded {

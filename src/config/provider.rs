@@ -8,7 +8,10 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{ConfigError, HumanDuration, parse_duration};
+use std::path::PathBuf;
+
+use super::secret::{SecretRef, SecretsDir};
+use super::{ConfigError, HumanDuration, Secret, parse_duration};
 use crate::domain::Outcome;
 use crate::domain::backoff::Backoff;
 use crate::domain::breaker::BreakerPolicy;
@@ -48,7 +51,7 @@ pub const MAX_REDIRECTS: u8 = 10;
 pub struct ProviderConfig {
     /// Scheme, host and optional path prefix, e.g. `https://api.example.com/v2`.
     pub base_url: String,
-    /// A header carrying a credential taken from the environment.
+    /// A header carrying a credential from a variable or a file.
     #[serde(default)]
     pub auth: Option<AuthConfig>,
     /// OAuth2 client credentials instead of a static header: a token
@@ -119,8 +122,16 @@ pub struct ProviderConfig {
     /// rotation).
     #[serde(default)]
     pub webhook_secrets_env: Vec<String>,
+    /// Files holding webhook signing secrets (beside those of
+    /// `webhook_secrets_env`); a relative path is read in
+    /// `$CREDENTIALS_DIRECTORY`, else beside the configuration file.
+    #[serde(default)]
+    pub webhook_secrets_file: Vec<PathBuf>,
+    /// Where its relative secret files are read (set at load).
+    #[serde(skip)]
+    pub secrets_dir: super::secret::SecretsDir,
     /// Secrets set by the program itself (the demo's simulator), never from
-    /// a file: operators name environment variables instead.
+    /// the configuration: operators name variables or files instead.
     #[serde(skip)]
     pub webhook_secrets_inline: Vec<crate::config::Secret>,
     /// The header carrying a webhook's signature (`t=<unix>,v1=<hex>`).
@@ -146,8 +157,12 @@ pub struct ProviderConfig {
 #[serde(deny_unknown_fields)]
 pub struct AuthConfig {
     pub header: String,
-    /// The environment variable holding the credential (never the credential).
-    pub value_env: String,
+    /// The environment variable holding the credential (never the
+    /// credential), or (`value_file`) the file holding it: one of the two.
+    #[serde(default)]
+    pub value_env: Option<String>,
+    #[serde(default)]
+    pub value_file: Option<PathBuf>,
     /// Written before the credential, e.g. `Bearer`.
     #[serde(default)]
     pub scheme: Option<String>,
@@ -163,9 +178,15 @@ pub struct OAuth2Config {
     /// `base_url`).
     pub token_url: String,
     /// Environment variables holding the client's id and secret (never the
-    /// values).
-    pub client_id_env: String,
-    pub client_secret_env: String,
+    /// values), or the files holding them (`*_file`): one of each pair.
+    #[serde(default)]
+    pub client_id_env: Option<String>,
+    #[serde(default)]
+    pub client_id_file: Option<PathBuf>,
+    #[serde(default)]
+    pub client_secret_env: Option<String>,
+    #[serde(default)]
+    pub client_secret_file: Option<PathBuf>,
     /// Scopes asked for, sent space-separated; none by default.
     #[serde(default)]
     pub scopes: Vec<String>,
@@ -188,9 +209,9 @@ pub struct OAuth2Config {
 }
 
 impl OAuth2Config {
-    /// Whether the token endpoint is an HTTP(S) URL, the token's header is
-    /// named and, unless set by the program, the client's variables are set.
-    fn check(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), FieldError> {
+    /// Whether the token endpoint is an HTTP(S) URL and the token's header
+    /// is named.
+    fn check(&self) -> Result<(), FieldError> {
         if !(self.token_url.starts_with("http://") || self.token_url.starts_with("https://")) {
             return Err((
                 "oauth2.token_url",
@@ -200,14 +221,119 @@ impl OAuth2Config {
         if self.header.trim().is_empty() {
             return Err(("oauth2.header", "must not be empty".into()));
         }
-        let named = [
-            ("oauth2.client_id_env", &self.client_id_env),
-            ("oauth2.client_secret_env", &self.client_secret_env),
-        ];
-        for (field, var) in named.iter().filter(|_| self.inline.is_none()) {
-            secret_var(env, var, 1).map_err(|m| (*field, m))?;
-        }
         Ok(())
+    }
+
+    /// The client's id and secret: set by the program, or read from their
+    /// variables or files.
+    fn read_client(
+        &self,
+        env: &dyn Fn(&str) -> Option<String>,
+        dir: &SecretsDir,
+    ) -> Result<(Secret, Secret), FieldError> {
+        if let Some(both) = &self.inline {
+            return Ok(both.clone());
+        }
+        let id = read_one(
+            (self.client_id_env.as_ref(), self.client_id_file.as_ref()),
+            ("oauth2.client_id_env", "oauth2.client_id_file"),
+            (env, dir),
+            1,
+        )?;
+        let secret = read_one(
+            (
+                self.client_secret_env.as_ref(),
+                self.client_secret_file.as_ref(),
+            ),
+            ("oauth2.client_secret_env", "oauth2.client_secret_file"),
+            (env, dir),
+            1,
+        )?;
+        Ok((id, secret))
+    }
+}
+
+/// How a variable is looked up (the process environment, or a test's).
+type EnvLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The secret one of a `*_env` and `*_file` pair names (`fields`, for the
+/// message), at least `min` bytes: a variable of `env`, or a file (a
+/// relative one in `dir`).
+fn read_one(
+    (var, file): (Option<&String>, Option<&PathBuf>),
+    fields: (&'static str, &'static str),
+    (env, dir): (EnvLookup<'_>, &SecretsDir),
+    min: usize,
+) -> Result<Secret, FieldError> {
+    match SecretRef::one_of(var, file, fields).map_err(|m| (fields.0, m))? {
+        SecretRef::Env(var) => SecretRef::Env(var)
+            .read(env, min)
+            .map_err(|m| (fields.0, m)),
+        SecretRef::File(path) => SecretRef::File(dir.file(&path))
+            .read(env, min)
+            .map_err(|m| (fields.1, m)),
+    }
+}
+
+/// A provider's secrets as read (at start and at each reload): its
+/// credential, its OAuth2 client, its webhook secrets. `Debug` says only
+/// which are there.
+#[derive(Clone, Default)]
+pub struct ProviderSecrets {
+    /// `auth`'s value (its scheme not included).
+    pub auth: Option<Secret>,
+    /// The OAuth2 client's id and secret.
+    pub client: Option<(Secret, Secret)>,
+    /// The webhook signing secrets, any of which verifies.
+    pub webhooks: Vec<Secret>,
+}
+
+impl fmt::Debug for ProviderSecrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProviderSecrets")
+            .field("auth", &self.auth.is_some())
+            .field("client", &self.client.is_some())
+            .field("webhooks", &self.webhooks.len())
+            .finish()
+    }
+}
+
+impl ProviderSecrets {
+    /// The raw credential, for scrubbing it from anything stored:
+    /// providers sometimes echo the key they were sent in an error body.
+    /// With OAuth2, the client secret (a token is added by the engine,
+    /// which holds it).
+    pub fn credential(&self) -> Option<&Secret> {
+        match &self.client {
+            Some((_, secret)) => Some(secret),
+            None => self.auth.as_ref(),
+        }
+    }
+
+    /// Whether `other` holds the same secrets (a reload applies a changed
+    /// one).
+    pub fn same(&self, other: &ProviderSecrets) -> bool {
+        let one = |a: &Secret, b: &Secret| a.expose() == b.expose();
+        let opt = |a: Option<&Secret>, b: Option<&Secret>| match (a, b) {
+            (Some(a), Some(b)) => one(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        opt(self.auth.as_ref(), other.auth.as_ref())
+            && opt(
+                self.client.as_ref().map(|c| &c.0),
+                other.client.as_ref().map(|c| &c.0),
+            )
+            && opt(
+                self.client.as_ref().map(|c| &c.1),
+                other.client.as_ref().map(|c| &c.1),
+            )
+            && self.webhooks.len() == other.webhooks.len()
+            && self
+                .webhooks
+                .iter()
+                .zip(&other.webhooks)
+                .all(|(a, b)| one(a, b))
     }
 }
 
@@ -608,14 +734,13 @@ impl ProviderConfig {
     }
 
     /// Whether the credentials are whole: one way to authenticate, its
-    /// header named and its secrets set, and the webhook secrets long
+    /// header named and its secrets readable, and the webhook secrets long
     /// enough to verify with.
     fn check_credentials(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), FieldError> {
         if let Some(auth) = &self.auth {
             if auth.header.trim().is_empty() {
                 return Err(("auth.header", "must not be empty".into()));
             }
-            secret_var(env, &auth.value_env, 1).map_err(|m| ("auth.value_env", m))?;
         }
         if let Some(o) = &self.oauth2 {
             if self.auth.is_some() {
@@ -624,12 +749,47 @@ impl ProviderConfig {
                     "a provider uses `auth` or `oauth2`, not both".into(),
                 ));
             }
-            o.check(env)?;
+            o.check()?;
         }
+        self.read_secrets(env).map(|_| ())
+    }
+
+    /// Reads the provider's secrets from their variables and files (the
+    /// engine does at start and at each reload); the first that cannot
+    /// be read, named by its field.
+    pub fn read_secrets(
+        &self,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<ProviderSecrets, FieldError> {
+        let dir = &self.secrets_dir;
+        let auth = match &self.auth {
+            Some(a) => Some(read_one(
+                (a.value_env.as_ref(), a.value_file.as_ref()),
+                ("auth.value_env", "auth.value_file"),
+                (env, dir),
+                1,
+            )?),
+            None => None,
+        };
+        let client = match &self.oauth2 {
+            Some(o) => Some(o.read_client(env, dir)?),
+            None => None,
+        };
+        let mut webhooks = Vec::new();
         for var in &self.webhook_secrets_env {
-            secret_var(env, var, MIN_VERIFYING_SECRET).map_err(|m| ("webhook_secrets_env", m))?;
+            let s = SecretRef::Env(var.clone()).read(env, MIN_VERIFYING_SECRET);
+            webhooks.push(s.map_err(|m| ("webhook_secrets_env", m))?);
         }
-        Ok(())
+        for path in &self.webhook_secrets_file {
+            let s = SecretRef::File(dir.file(path)).read(env, MIN_VERIFYING_SECRET);
+            webhooks.push(s.map_err(|m| ("webhook_secrets_file", m))?);
+        }
+        webhooks.extend(self.webhook_secrets_inline.iter().cloned());
+        Ok(ProviderSecrets {
+            auth,
+            client,
+            webhooks,
+        })
     }
 
     /// Whether calls can be made at all: a timeout, a concurrency and rate
@@ -660,23 +820,6 @@ impl ProviderConfig {
         Ok(())
     }
 
-    /// The raw credential, for scrubbing it from anything stored: providers
-    /// sometimes echo the key they were sent in an error body. With OAuth2,
-    /// the client secret (a token is added by the engine, which holds it).
-    pub fn credential(
-        &self,
-        env: &dyn Fn(&str) -> Option<String>,
-    ) -> Option<crate::config::Secret> {
-        if let Some(o) = &self.oauth2 {
-            if let Some((_, secret)) = &o.inline {
-                return Some(secret.clone());
-            }
-            return env(&o.client_secret_env).map(crate::config::Secret::new);
-        }
-        let auth = self.auth.as_ref()?;
-        env(&auth.value_env).map(crate::config::Secret::new)
-    }
-
     /// The header carrying this provider's credential, if it has one.
     pub fn credential_header(&self) -> Option<&str> {
         match (&self.auth, &self.oauth2) {
@@ -686,18 +829,15 @@ impl ProviderConfig {
         }
     }
 
-    /// The credential header, read from the environment at call time.
-    pub fn auth_header(
-        &self,
-        env: &dyn Fn(&str) -> Option<String>,
-    ) -> Option<(String, crate::config::Secret)> {
+    /// The credential header and its value (`secrets`, as read).
+    pub fn auth_header(&self, secrets: &ProviderSecrets) -> Option<(String, Secret)> {
         let auth = self.auth.as_ref()?;
-        let value = env(&auth.value_env)?;
+        let value = secrets.auth.as_ref()?.expose();
         let value = match &auth.scheme {
             Some(s) => format!("{s} {value}"),
-            None => value,
+            None => value.to_owned(),
         };
-        Some((auth.header.clone(), crate::config::Secret::new(value)))
+        Some((auth.header.clone(), Secret::new(value)))
     }
 }
 
@@ -714,17 +854,7 @@ pub fn secret_var(
     var: &str,
     min: usize,
 ) -> Result<(), String> {
-    match env(var) {
-        None => Err(format!("environment variable {var} is not set")),
-        Some(v) if v.trim().is_empty() => {
-            Err(format!("environment variable {var} is set but empty"))
-        }
-        Some(v) if v.len() < min => Err(format!(
-            "environment variable {var} holds {} bytes; this secret must be at least {min}",
-            v.len()
-        )),
-        Some(_) => Ok(()),
-    }
+    SecretRef::Env(var.to_owned()).read(env, min).map(|_| ())
 }
 
 #[cfg(test)]
@@ -853,7 +983,10 @@ outcome = "fail"
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert!(p.validate("acme", &env).is_ok());
-        let (h, v) = p.auth_header(&env).unwrap_or_else(|| panic!("no header"));
+        let secrets = p.read_secrets(&env).unwrap_or_else(|e| panic!("{e:?}"));
+        let (h, v) = p
+            .auth_header(&secrets)
+            .unwrap_or_else(|| panic!("no header"));
         assert_eq!((h.as_str(), v.expose()), ("Authorization", "Bearer t0k3n"));
         assert!(!format!("{v:?}").contains("t0k3n"));
         let missing = provider("auth = { header = \"X-Key\", value_env = \"NOPE\" }")
@@ -939,5 +1072,90 @@ outcome = "fail"
             err("auth = { header = \"X-Key\", value_env = \"SHORT\" }"),
             None
         );
+    }
+
+    /// Every `*_env` has a `*_file` twin, one of the two set; a secret
+    /// read from a file is the file's text without its last newline.
+    #[test]
+    fn secrets_are_read_from_files() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let put = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap_or_else(|e| panic!("{e}"));
+            p.display().to_string()
+        };
+        let (key, id, secret) = (
+            put("key", "k3y\n"),
+            put("id", "client\n"),
+            put("secret", "s3cret"),
+        );
+        let hook = put("hook", "sixteen-bytes!!!\n");
+        let short = put("short", "fifteen-bytes!!\n");
+        let none = |_: &str| None;
+        let read = |extra: &str| {
+            provider(extra)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .read_secrets(&none)
+        };
+        let s = read(&format!(
+            "auth = {{ header = \"X-Key\", value_file = \"{key}\" }}\nwebhook_secrets_file = [\"{hook}\"]"
+        ))
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(s.auth.as_ref().map(Secret::expose), Some("k3y"));
+        assert_eq!(s.credential().map(Secret::expose), Some("k3y"));
+        assert_eq!(
+            s.webhooks.iter().map(Secret::expose).collect::<Vec<_>>(),
+            ["sixteen-bytes!!!"]
+        );
+        let o = read(&format!(
+            "oauth2 = {{ token_url = \"https://a.example/t\", client_id_file = \"{id}\", client_secret_file = \"{secret}\" }}"
+        ))
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        let client = o.client.as_ref().map(|(i, s)| (i.expose(), s.expose()));
+        assert_eq!(client, Some(("client", "s3cret")));
+        assert_eq!(o.credential().map(Secret::expose), Some("s3cret"));
+        assert!(!format!("{o:?}").contains("s3cret"), "{o:?}");
+        for (extra, field, said) in [
+            (
+                format!(
+                    "auth = {{ header = \"X-Key\", value_env = \"K\", value_file = \"{key}\" }}"
+                ),
+                "auth.value_env",
+                "set `auth.value_env` or `auth.value_file`, not both".to_owned(),
+            ),
+            (
+                "auth = { header = \"X-Key\" }".to_owned(),
+                "auth.value_env",
+                "set `auth.value_env` or `auth.value_file`".to_owned(),
+            ),
+            (
+                format!("webhook_secrets_file = [\"{short}\"]"),
+                "webhook_secrets_file",
+                format!("file {short} holds 15 bytes; this secret must be at least 16"),
+            ),
+            (
+                "auth = { header = \"X-Key\", value_file = \"/nonexistent/k\" }".to_owned(),
+                "auth.value_file",
+                "cannot read file /nonexistent/k: No such file or directory (os error 2)"
+                    .to_owned(),
+            ),
+            (
+                format!(
+                    "oauth2 = {{ token_url = \"https://a.example/t\", client_id_file = \"{id}\" }}"
+                ),
+                "oauth2.client_secret_env",
+                "set `oauth2.client_secret_env` or `oauth2.client_secret_file`".to_owned(),
+            ),
+        ] {
+            let e = read(&extra).err();
+            assert_eq!(e, Some((field, said)), "{extra}");
+        }
+        // Two reads of the same files are the same secrets; a file
+        // changed is not.
+        let same = format!("auth = {{ header = \"X-Key\", value_file = \"{key}\" }}");
+        let before = read(&same).unwrap_or_else(|e| panic!("{e:?}"));
+        assert!(before.same(&read(&same).unwrap_or_else(|e| panic!("{e:?}"))));
+        put("key", "rotated");
+        assert!(!before.same(&read(&same).unwrap_or_else(|e| panic!("{e:?}"))));
     }
 }

@@ -30,28 +30,21 @@ pub enum Delivery {
 }
 
 impl Engine {
-    /// How `provider`'s webhooks are verified (secrets from the environment).
+    /// How `provider`'s webhooks are verified (its secrets as last read).
     pub fn webhook_settings(&self, provider: &str) -> Option<WebhookSettings> {
         let rt = self.inner.provider(provider)?;
         let secrets = rt
-            .config
-            .webhook_secrets_env
+            .secrets
+            .webhooks
             .iter()
-            .filter_map(|var| std::env::var(var).ok())
-            .chain(
-                rt.config
-                    .webhook_secrets_inline
-                    .iter()
-                    .map(|s| s.expose().to_owned()),
-            )
-            .map(String::into_bytes)
+            .map(|s| s.expose().as_bytes().to_vec())
             .collect();
         Some(WebhookSettings {
             signature_header: rt.config.webhook_signature_header.clone(),
             delivery_header: rt.config.webhook_delivery_header.clone(),
             tolerance_s: i64::try_from(rt.config.webhook_tolerance.0.as_secs()).unwrap_or(300),
             secrets,
-            credential: rt.config.credential(&|var| std::env::var(var).ok()),
+            credential: rt.secrets.credential().cloned(),
         })
     }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::Semaphore;
 
 use super::permits::ClusterLimits;
-use crate::config::provider::{ConcurrencyScope, ProviderConfig};
+use crate::config::provider::{ConcurrencyScope, ProviderConfig, ProviderSecrets};
 use crate::domain::UnixMs;
 use crate::domain::backoff::RetryBudget;
 use crate::domain::breaker::Breaker;
@@ -78,6 +78,9 @@ pub struct ProviderRuntime {
     pub in_process: Option<super::http::InProcess>,
     /// The provider's OAuth2 token on this node, when it uses one.
     pub token: Option<Arc<super::token::TokenSource>>,
+    /// Its secrets as read at start or at the reload that made this
+    /// runtime: calls made with it keep them to their end.
+    pub secrets: ProviderSecrets,
 }
 
 /// A provider's new settings, checked and built, not yet in use
@@ -87,6 +90,7 @@ pub struct Prepared {
     rules: Vec<Rule>,
     client: reqwest::Client,
     token: Option<Arc<super::token::TokenSource>>,
+    secrets: ProviderSecrets,
 }
 
 /// The longest a call started before a grant or probe lapsed may still be
@@ -106,8 +110,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl ProviderRuntime {
     pub fn new(name: &str, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
         let (rules, client) = Self::settings(name, config)?;
+        let secrets = Self::read_secrets(name, config)?;
         Ok(ProviderRuntime {
-            token: Self::token_source(name, config)?,
+            token: Self::token_source(config, &secrets),
+            secrets,
             name: name.to_owned(),
             rules,
             client,
@@ -157,18 +163,26 @@ impl ProviderRuntime {
             ));
         }
         let (rules, client) = Self::settings(name, config)?;
+        let secrets = Self::read_secrets(name, config)?;
         // A token stays valid for the same credentials asked the same way.
         let same = |c: &ProviderConfig| super::fingerprint(&(&c.oauth2, c.timeout));
-        let token = if same(config) == same(&self.config) {
+        let of_client = |s: &ProviderSecrets| ProviderSecrets {
+            client: s.client.clone(),
+            ..ProviderSecrets::default()
+        };
+        let token = if same(config) == same(&self.config)
+            && of_client(&secrets).same(&of_client(&self.secrets))
+        {
             self.token.clone()
         } else {
-            Self::token_source(name, config)?
+            Self::token_source(config, &secrets)
         };
         Ok(Prepared {
             config: config.clone(),
             rules,
             client,
             token,
+            secrets,
         })
     }
 
@@ -181,6 +195,7 @@ impl ProviderRuntime {
             rules,
             client,
             token,
+            secrets,
         } = new;
         let config = &config;
         let name = &self.name;
@@ -221,6 +236,7 @@ impl ProviderRuntime {
             published_throttle: self.published_throttle.clone(),
             in_process: self.in_process.clone(),
             token,
+            secrets,
         }
     }
 
@@ -243,16 +259,24 @@ impl ProviderRuntime {
         Ok((rules, client))
     }
 
+    /// The provider's OAuth2 token source, when it uses one.
     fn token_source(
-        name: &str,
         config: &ProviderConfig,
-    ) -> Result<Option<Arc<super::token::TokenSource>>, String> {
-        let Some(o) = &config.oauth2 else {
-            return Ok(None);
-        };
-        super::token::TokenSource::new(o, &|v| std::env::var(v).ok(), config.timeout.0)
-            .map(|t| Some(Arc::new(t)))
-            .ok_or_else(|| format!("provider {name}: the OAuth2 client id or secret is not set"))
+        secrets: &ProviderSecrets,
+    ) -> Option<Arc<super::token::TokenSource>> {
+        let (o, client) = (config.oauth2.as_ref()?, secrets.client.clone()?);
+        Some(Arc::new(super::token::TokenSource::new(
+            o,
+            client,
+            config.timeout.0,
+        )))
+    }
+
+    /// The provider's secrets read from their variables and files now.
+    pub fn read_secrets(name: &str, config: &ProviderConfig) -> Result<ProviderSecrets, String> {
+        config
+            .read_secrets(&|v| std::env::var(v).ok())
+            .map_err(|(field, m)| format!("provider {name}: `{field}`: {m}"))
     }
 
     /// Notes a pause to publish; false when one lasting as long or longer

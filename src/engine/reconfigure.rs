@@ -19,7 +19,8 @@ pub struct Reconfigured {
 
 /// A provider's settings as one comparable text: the configuration's
 /// `Debug` is derived (every field) and holds no secret (credentials are
-/// named by their environment variables; `Secret` prints redacted).
+/// named by their variables and files, read apart and compared apart;
+/// `Secret` prints redacted).
 pub fn fingerprint<T: std::fmt::Debug>(settings: &T) -> String {
     format!("{settings:?}")
 }
@@ -49,18 +50,34 @@ impl Engine {
         let version = config.version();
         let mut config = config;
         let mut changes = Vec::new();
+        let mut kept = std::collections::HashSet::new();
         for (name, p) in &old.config.providers {
             if !config.providers.contains_key(name) {
                 changes.push(format!(
                     "provider {name}: no longer in the file; kept until a restart"
                 ));
                 config.providers.insert(name.clone(), p.clone());
+                kept.insert(name.clone());
             }
         }
         let mut next = Vec::with_capacity(config.providers.len());
         for (name, p) in &config.providers {
             let n = match old.providers.get(name) {
-                Some(rt) if fingerprint(&rt.config) == fingerprint(p) => Next::Same(rt.clone()),
+                // Kept as it runs: its secrets not read again (their files
+                // may have gone with it).
+                Some(rt) if kept.contains(name) => Next::Same(rt.clone()),
+                Some(rt) if fingerprint(&rt.config) == fingerprint(p) => {
+                    // Its secrets read again: a rotated one is applied
+                    // (calls in flight keep the old).
+                    let secrets = ProviderRuntime::read_secrets(name, p);
+                    match secrets.map_err(EngineError::Config)?.same(&rt.secrets) {
+                        true => Next::Same(rt.clone()),
+                        false => {
+                            changes.push(format!("provider {name}: new secrets"));
+                            Next::Retuned(rt.clone(), rt.prepare(p).map_err(EngineError::Config)?)
+                        }
+                    }
+                }
                 Some(rt) => {
                     changes.push(format!("provider {name}: new settings"));
                     Next::Retuned(rt.clone(), rt.prepare(p).map_err(EngineError::Config)?)

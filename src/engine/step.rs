@@ -951,7 +951,7 @@ impl StepCall<'_> {
         token: Option<&Secret>,
         span: tracing::Span,
     ) -> (Exchange, SentRequest) {
-        let key = rt.config.credential(&|var| std::env::var(var).ok());
+        let key = rt.secrets.credential().cloned();
         let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
         let mut x = match &rt.in_process {
             Some(p) => span.in_scope(|| {
@@ -981,7 +981,7 @@ impl StepCall<'_> {
         attempt_no: i32,
         at: UnixMs,
     ) -> Result<i64, String> {
-        let key = rt.config.credential(&|var| std::env::var(var).ok());
+        let key = rt.secrets.credential().cloned();
         let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
         let Some(lease) = self.record.lease() else {
             return Err("the record is not leased".into());
@@ -1348,7 +1348,7 @@ impl StepCall<'_> {
             super::http::header_ok(name, &value).map_err(Unbuildable::invalid)?;
             headers.push((name.clone(), value));
         }
-        if let Some((h, v)) = rt.config.auth_header(&|var| std::env::var(var).ok()) {
+        if let Some((h, v)) = rt.config.auth_header(&rt.secrets) {
             headers.push((h, v.expose().to_owned()));
         }
         if let (Some(src), Some(t)) = (&rt.token, token) {

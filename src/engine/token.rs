@@ -88,28 +88,21 @@ impl std::fmt::Debug for TokenSource {
 }
 
 impl TokenSource {
-    /// `None` when the environment lacks the client's id or secret (the
-    /// configuration's validation says so first).
+    /// A token source for the client `(client_id, client_secret)` (the
+    /// provider's secrets as read).
     pub fn new(
         config: &OAuth2Config,
-        env: &dyn Fn(&str) -> Option<String>,
+        (client_id, client_secret): (Secret, Secret),
         timeout: Duration,
-    ) -> Option<TokenSource> {
-        let (client_id, client_secret) = match &config.inline {
-            Some(both) => both.clone(),
-            None => (
-                Secret::new(env(&config.client_id_env)?),
-                Secret::new(env(&config.client_secret_env)?),
-            ),
-        };
-        Some(TokenSource {
+    ) -> TokenSource {
+        TokenSource {
             config: config.clone(),
             client_id,
             client_secret,
             timeout,
             state: std::sync::Mutex::new(State::default()),
             fetching: Mutex::new(()),
-        })
+        }
     }
 
     /// The header the token goes in.

@@ -842,19 +842,26 @@ fn the_systemd_unit_verifies() {
     .unwrap()
     .replace("/usr/local/bin/ballast", env!("CARGO_BIN_EXE_ballast"));
     assert!(unit.contains("Type=notify") && unit.contains("WatchdogSec="));
-    let file = dir.path().join("ballast.service");
-    std::fs::write(&file, unit).unwrap();
-    let out = Command::new("systemd-analyze")
-        .arg("verify")
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(
-        !stderr(&out).contains("ballast.service"),
-        "no warning about the unit: {}",
-        stderr(&out)
-    );
+    // As shipped, and with its commented credentials example in force.
+    let with_credentials = unit
+        .replace("\n#LoadCredential=", "\nLoadCredential=")
+        .replace("\n#Environment=BALLAST", "\nEnvironment=BALLAST");
+    assert!(with_credentials.contains("\nLoadCredential=secret_key:"));
+    for unit in [unit, with_credentials] {
+        let file = dir.path().join("ballast.service");
+        std::fs::write(&file, unit).unwrap();
+        let out = Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("ballast.service"),
+            "no warning about the unit: {}",
+            stderr(&out)
+        );
+    }
 }
 
 /// Starts `ballast serve` in `dir` on `addr` (the default database there,

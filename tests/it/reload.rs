@@ -83,7 +83,7 @@ async fn enqueue(
 }
 
 /// An admin's API token, made through the store.
-async fn admin_token(db: &Db) -> String {
+pub(crate) async fn admin_token(db: &Db) -> String {
     let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
     db.create_api_token(
         &ballast::store::NewApiToken {
