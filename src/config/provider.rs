@@ -59,6 +59,10 @@ pub struct ProviderConfig {
     /// expires and once on a `401`.
     #[serde(default)]
     pub oauth2: Option<OAuth2Config>,
+    /// TLS beyond the built-in roots: a private CA, a client certificate
+    /// (mutual TLS).
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
     /// Per-attempt timeout for the whole exchange.
     #[serde(default = "defaults::timeout")]
     pub timeout: HumanDuration,
@@ -253,6 +257,73 @@ impl OAuth2Config {
     }
 }
 
+/// `tls = { ca_file = "bank-ca.pem", cert_file = "ballast.pem", key_file =
+/// "ballast.key" }`: files read as the secrets are (a relative path in
+/// `$CREDENTIALS_DIRECTORY`, else beside the configuration file; again at
+/// each reload).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificates trusted instead of the built-in roots (the
+    /// provider's private CA, as `curl --cacert` does).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// The client certificate (PEM, its chain after it) and its private
+    /// key (PEM, PKCS#8, SEC1 or RSA) for mutual TLS: both or neither.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+}
+
+impl TlsConfig {
+    /// The CA bundle and the client's certificate with its key, read and
+    /// checked: each must parse as PEM of its kind.
+    fn read(&self, dir: &SecretsDir) -> Result<(Option<String>, Option<Secret>), FieldError> {
+        let max = super::secret::MAX_CERTIFICATE_FILE;
+        let ca = match &self.ca_file {
+            Some(path) => {
+                let path = dir.file(path);
+                let pem = super::secret::read_text(&path, max).map_err(|m| ("tls.ca_file", m))?;
+                match reqwest::Certificate::from_pem_bundle(pem.as_bytes()) {
+                    Ok(certs) if !certs.is_empty() => Some(pem),
+                    _ => {
+                        let m = format!("file {} holds no PEM certificate", path.display());
+                        return Err(("tls.ca_file", m));
+                    }
+                }
+            }
+            None => None,
+        };
+        let identity = match (&self.cert_file, &self.key_file) {
+            (Some(cert), Some(key)) => {
+                let (cert, key) = (dir.file(cert), dir.file(key));
+                let c = super::secret::read_text(&cert, max).map_err(|m| ("tls.cert_file", m))?;
+                let k = super::secret::read_text(&key, MAX_KEY).map_err(|m| ("tls.key_file", m))?;
+                let both = format!("{c}\n{k}\n");
+                if let Err(e) = reqwest::Identity::from_pem(both.as_bytes()) {
+                    let m = format!(
+                        "{} and {} are not a PEM certificate and its private key: {e}",
+                        cert.display(),
+                        key.display()
+                    );
+                    return Err(("tls.key_file", m));
+                }
+                Some(Secret::new(both))
+            }
+            (None, None) => None,
+            _ => {
+                let m = "set `cert_file` and `key_file` together".to_owned();
+                return Err(("tls", m));
+            }
+        };
+        Ok((ca, identity))
+    }
+}
+
+/// The most a private key file may hold.
+const MAX_KEY: u64 = super::secret::MAX_SECRET_FILE;
+
 /// How a variable is looked up (the process environment, or a test's).
 type EnvLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
@@ -286,6 +357,11 @@ pub struct ProviderSecrets {
     pub client: Option<(Secret, Secret)>,
     /// The webhook signing secrets, any of which verifies.
     pub webhooks: Vec<Secret>,
+    /// The CA bundle trusted instead of the built-in roots (PEM).
+    pub tls_roots: Option<String>,
+    /// The client certificate and its private key (PEM, one after the
+    /// other), for mutual TLS.
+    pub tls_identity: Option<Secret>,
 }
 
 impl fmt::Debug for ProviderSecrets {
@@ -294,6 +370,8 @@ impl fmt::Debug for ProviderSecrets {
             .field("auth", &self.auth.is_some())
             .field("client", &self.client.is_some())
             .field("webhooks", &self.webhooks.len())
+            .field("tls_roots", &self.tls_roots.is_some())
+            .field("tls_identity", &self.tls_identity.is_some())
             .finish()
     }
 }
@@ -334,6 +412,8 @@ impl ProviderSecrets {
                 .iter()
                 .zip(&other.webhooks)
                 .all(|(a, b)| one(a, b))
+            && self.tls_roots == other.tls_roots
+            && opt(self.tls_identity.as_ref(), other.tls_identity.as_ref())
     }
 }
 
@@ -785,10 +865,16 @@ impl ProviderConfig {
             webhooks.push(s.map_err(|m| ("webhook_secrets_file", m))?);
         }
         webhooks.extend(self.webhook_secrets_inline.iter().cloned());
+        let (tls_roots, tls_identity) = match &self.tls {
+            Some(t) => t.read(dir)?,
+            None => (None, None),
+        };
         Ok(ProviderSecrets {
             auth,
             client,
             webhooks,
+            tls_roots,
+            tls_identity,
         })
     }
 

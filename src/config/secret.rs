@@ -65,30 +65,33 @@ impl SecretRef {
     }
 }
 
-/// A secret file's text without its one trailing newline. Only a regular
-/// file (symbolic links followed: Kubernetes mounts secrets so) of text is
-/// read: opening a FIFO would wait for a writer forever.
+/// A secret file's text without its one trailing newline (at most
+/// [`MAX_SECRET_FILE`] bytes).
 fn read_file(path: &Path) -> Result<String, String> {
+    read_text(path, MAX_SECRET_FILE)
+}
+
+/// The most a certificate file (a CA bundle) may hold.
+pub const MAX_CERTIFICATE_FILE: u64 = 4 * 1024 * 1024;
+
+/// A file's text without its one trailing newline, at most `max` bytes.
+/// Only a regular file (symbolic links followed: Kubernetes mounts
+/// secrets so) of text is read: opening a FIFO would wait for a writer
+/// forever.
+pub fn read_text(path: &Path, max: u64) -> Result<String, String> {
     let cannot = |e: std::io::Error| format!("cannot read file {}: {e}", path.display());
     let meta = std::fs::metadata(path).map_err(cannot)?;
     if !meta.is_file() {
         return Err(format!("{} is not a regular file", path.display()));
     }
-    let too_big = || {
-        format!(
-            "file {} holds more than {MAX_SECRET_FILE} bytes: not a secret",
-            path.display()
-        )
-    };
-    if meta.len() > MAX_SECRET_FILE {
+    let too_big = || format!("file {} holds more than {max} bytes", path.display());
+    if meta.len() > max {
         return Err(too_big());
     }
     let file = std::fs::File::open(path).map_err(cannot)?;
     let mut bytes = Vec::new();
-    file.take(MAX_SECRET_FILE + 1)
-        .read_to_end(&mut bytes)
-        .map_err(cannot)?;
-    if bytes.len() as u64 > MAX_SECRET_FILE {
+    file.take(max + 1).read_to_end(&mut bytes).map_err(cannot)?;
+    if bytes.len() as u64 > max {
         return Err(too_big());
     }
     let mut text = String::from_utf8(bytes)

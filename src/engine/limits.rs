@@ -109,8 +109,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl ProviderRuntime {
     pub fn new(name: &str, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
-        let (rules, client) = Self::settings(name, config)?;
         let secrets = Self::read_secrets(name, config)?;
+        let (rules, client) = Self::settings(name, config, &secrets)?;
         Ok(ProviderRuntime {
             token: Self::token_source(config, &secrets),
             secrets,
@@ -162,8 +162,8 @@ impl ProviderRuntime {
                 "provider {name}: `concurrency_scope` changes only at a restart"
             ));
         }
-        let (rules, client) = Self::settings(name, config)?;
         let secrets = Self::read_secrets(name, config)?;
+        let (rules, client) = Self::settings(name, config, &secrets)?;
         // A token stays valid for the same credentials asked the same way.
         let same = |c: &ProviderConfig| super::fingerprint(&(&c.oauth2, c.timeout));
         let of_client = |s: &ProviderSecrets| ProviderSecrets {
@@ -244,9 +244,22 @@ impl ProviderRuntime {
     fn settings(
         name: &str,
         config: &ProviderConfig,
+        secrets: &ProviderSecrets,
     ) -> Result<(Vec<Rule>, reqwest::Client), String> {
         let rules = config.compile_rules(name).map_err(|e| e.to_string())?;
-        let client = reqwest::Client::builder()
+        let cannot = |e: reqwest::Error| format!("provider {name}: cannot build HTTP client: {e}");
+        let mut builder = reqwest::Client::builder();
+        // A private CA trusted instead of the built-in roots; a client
+        // certificate (mutual TLS). Both checked when read.
+        if let Some(pem) = &secrets.tls_roots {
+            let roots = reqwest::Certificate::from_pem_bundle(pem.as_bytes()).map_err(cannot)?;
+            builder = builder.tls_certs_only(roots);
+        }
+        if let Some(pem) = &secrets.tls_identity {
+            let identity = reqwest::Identity::from_pem(pem.expose().as_bytes()).map_err(cannot)?;
+            builder = builder.identity(identity);
+        }
+        let client = builder
             .connect_timeout(config.connect_timeout.0)
             .user_agent(concat!("ballast/", env!("CARGO_PKG_VERSION")))
             .pool_max_idle_per_host(config.concurrency as usize)
@@ -255,7 +268,7 @@ impl ProviderRuntime {
             // answer would be taken for the call's): see `http::exchange`.
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| format!("provider {name}: cannot build HTTP client: {e}"))?;
+            .map_err(cannot)?;
         Ok((rules, client))
     }
 

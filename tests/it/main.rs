@@ -32,6 +32,7 @@ mod secrets;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
 mod store;
+mod tls;
 mod traces;
 mod undo;
 mod wait;
