@@ -126,10 +126,12 @@ impl Reloader {
             }
         };
         // As `check-config` reads and checks it.
-        let loaded = tokio::task::spawn_blocking(move || Config::load_for_reload(file.as_deref()))
-            .await
-            .map_err(|e| Refused(format!("cannot read the configuration: {e}")))?
-            .map_err(|e| Refused(e.to_string()))?;
+        let running = self.live.get();
+        let loaded =
+            tokio::task::spawn_blocking(move || Config::load_for_reload(file.as_deref(), &running))
+                .await
+                .map_err(|e| Refused(format!("cannot read the configuration: {e}")))?
+                .map_err(|e| Refused(e.to_string()))?;
         let mut new = loaded.config;
         if let Some(bind) = bind {
             new.server.bind = bind;
@@ -171,14 +173,8 @@ impl Reloader {
 /// Puts back in `new` the sections read only at start (what runs), and
 /// names those the file changed.
 fn keep_start_only(old: &Config, new: &mut Config) -> Vec<String> {
-    // The server's secrets were not read again (`load_for_reload`): the
-    // running ones stand, and their absence is no change.
-    new.server.secret_key = old.server.secret_key.clone();
-    new.server.admin_password = old.server.admin_password.clone();
-    new.server.metrics_token = old.server.metrics_token.clone();
-    if Config::database_url_from_env() {
-        new.database.url = old.database.url.clone();
-    }
+    // (The server's secrets were not read again: `load_for_reload` kept
+    // the running ones.)
     let mut changed = Vec::new();
     if fingerprint(&old.server) != fingerprint(&new.server) {
         changed.push("server".to_owned());

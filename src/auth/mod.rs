@@ -3,4 +3,5 @@
 
 pub mod password;
 pub mod secret;
+pub mod signing;
 pub mod webhook;

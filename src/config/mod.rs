@@ -511,29 +511,27 @@ impl Config {
         Self::load_with(file, &|var| std::env::var(var).ok())
     }
 
-    /// [`load`](Self::load) for a reload: the server's secrets (and their
-    /// `_FILE` twins) are not read, the running ones stand (the caller
-    /// keeps the sections that change only at a restart).
-    pub fn load_for_reload(file: Option<&Path>) -> Result<Loaded, ConfigError> {
-        Self::load_with(file, &|var| {
-            (!env::start_only(var))
-                .then(|| std::env::var(var).ok())
-                .flatten()
-        })
-    }
-
-    /// Whether the database URL comes from `BALLAST_DATABASE_URL` (or its
-    /// `_FILE` twin), which a reload does not read.
-    pub fn database_url_from_env() -> bool {
-        ["BALLAST_DATABASE_URL", "BALLAST_DATABASE_URL_FILE"]
-            .iter()
-            .any(|v| std::env::var_os(v).is_some())
+    /// [`load`](Self::load) for a reload of `running`: the server's
+    /// secrets (and their `_FILE` twins) are not read again, the running
+    /// ones stand (the caller keeps the sections that change only at a
+    /// restart); everything else is read and checked as at start.
+    pub fn load_for_reload(file: Option<&Path>, running: &Config) -> Result<Loaded, ConfigError> {
+        Self::load_inner(file, &|var| std::env::var(var).ok(), Some(running))
     }
 
     /// [`load`](Self::load) with the environment given as a lookup, for tests.
     pub fn load_with(
         file: Option<&Path>,
         env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Loaded, ConfigError> {
+        Self::load_inner(file, env, None)
+    }
+
+    /// [`load_with`](Self::load_with), for a reload when `running` is given.
+    fn load_inner(
+        file: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+        running: Option<&Config>,
     ) -> Result<Loaded, ConfigError> {
         let path = match file {
             Some(p) => Some(p.to_path_buf()),
@@ -560,7 +558,21 @@ impl Config {
         for p in config.providers.values_mut() {
             p.secrets_dir = dir.clone();
         }
-        let applied = env::apply(&mut config, env)?;
+        let applied = match running {
+            None => env::apply(&mut config, env)?,
+            Some(running) => {
+                let not_start_only = |v: &str| (!env::start_only(v)).then(|| env(v)).flatten();
+                let applied = env::apply(&mut config, &not_start_only)?;
+                config.server.secret_key = running.server.secret_key.clone();
+                config.server.admin_password = running.server.admin_password.clone();
+                config.server.metrics_token = running.server.metrics_token.clone();
+                let url_from_env = ["BALLAST_DATABASE_URL", "BALLAST_DATABASE_URL_FILE"];
+                if url_from_env.iter().any(|v| env(v).is_some()) {
+                    config.database.url = running.database.url.clone();
+                }
+                applied
+            }
+        };
         config.validate(env)?;
         Ok(Loaded {
             config,

@@ -63,6 +63,10 @@ pub struct ProviderConfig {
     /// (mutual TLS).
     #[serde(default)]
     pub tls: Option<TlsConfig>,
+    /// Each request signed with an HMAC over its timestamp, method, path
+    /// and body, in a header.
+    #[serde(default)]
+    pub signing: Option<SigningConfig>,
     /// Per-attempt timeout for the whole exchange.
     #[serde(default = "defaults::timeout")]
     pub timeout: HumanDuration,
@@ -285,13 +289,20 @@ impl TlsConfig {
             Some(path) => {
                 let path = dir.file(path);
                 let pem = super::secret::read_text(&path, max).map_err(|m| ("tls.ca_file", m))?;
-                match reqwest::Certificate::from_pem_bundle(pem.as_bytes()) {
-                    Ok(certs) if !certs.is_empty() => Some(pem),
+                let certs = match reqwest::Certificate::from_pem_bundle(pem.as_bytes()) {
+                    Ok(certs) if !certs.is_empty() => certs,
                     _ => {
                         let m = format!("file {} holds no PEM certificate", path.display());
                         return Err(("tls.ca_file", m));
                     }
+                };
+                // Parsed as the client will (a PEM block of junk passes
+                // the split above).
+                if let Err(e) = reqwest::Client::builder().tls_certs_only(certs).build() {
+                    let m = format!("file {}: {}", path.display(), error_chain(&e));
+                    return Err(("tls.ca_file", m));
                 }
+                Some(pem)
             }
             None => None,
         };
@@ -301,13 +312,18 @@ impl TlsConfig {
                 let c = super::secret::read_text(&cert, max).map_err(|m| ("tls.cert_file", m))?;
                 let k = super::secret::read_text(&key, MAX_KEY).map_err(|m| ("tls.key_file", m))?;
                 let both = format!("{c}\n{k}\n");
-                if let Err(e) = reqwest::Identity::from_pem(both.as_bytes()) {
+                // Read and matched as the client will: a certificate and
+                // the key it was made for.
+                let built = reqwest::Identity::from_pem(both.as_bytes())
+                    .and_then(|id| reqwest::Client::builder().identity(id).build());
+                if let Err(e) = built {
                     let m = format!(
-                        "{} and {} are not a PEM certificate and its private key: {e}",
+                        "{} and {} are not a PEM certificate and its private key: {}",
                         cert.display(),
-                        key.display()
+                        key.display(),
+                        error_chain(&e)
                     );
-                    return Err(("tls.key_file", m));
+                    return Err(("tls.cert_file", m));
                 }
                 Some(Secret::new(both))
             }
@@ -319,6 +335,39 @@ impl TlsConfig {
         };
         Ok((ca, identity))
     }
+}
+
+/// `signing = { scheme = "hmac-sha256", secret_env = "ACME_SIGNING_KEY",
+/// header = "X-Signature" }`: each request carries `t=<unix
+/// seconds>,v1=<hex>` in `header`, the HMAC of its timestamp, method, path
+/// with query and body, one per line (`auth::signing`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SigningConfig {
+    /// `"hmac-sha256"` (the default) or `"hmac-sha512"`.
+    #[serde(default)]
+    pub scheme: crate::auth::signing::HmacHash,
+    /// The signing key's variable or file: one of the two.
+    #[serde(default)]
+    pub secret_env: Option<String>,
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+    /// The header the signature goes in.
+    #[serde(default = "defaults::signature_header")]
+    pub header: String,
+}
+
+/// An error and its causes on one line (reqwest's builder errors say what
+/// rustls found only in their sources).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// The most a private key file may hold.
@@ -362,6 +411,8 @@ pub struct ProviderSecrets {
     /// The client certificate and its private key (PEM, one after the
     /// other), for mutual TLS.
     pub tls_identity: Option<Secret>,
+    /// The key requests are signed with.
+    pub signing: Option<Secret>,
 }
 
 impl fmt::Debug for ProviderSecrets {
@@ -372,6 +423,7 @@ impl fmt::Debug for ProviderSecrets {
             .field("webhooks", &self.webhooks.len())
             .field("tls_roots", &self.tls_roots.is_some())
             .field("tls_identity", &self.tls_identity.is_some())
+            .field("signing", &self.signing.is_some())
             .finish()
     }
 }
@@ -414,6 +466,7 @@ impl ProviderSecrets {
                 .all(|(a, b)| one(a, b))
             && self.tls_roots == other.tls_roots
             && opt(self.tls_identity.as_ref(), other.tls_identity.as_ref())
+            && opt(self.signing.as_ref(), other.signing.as_ref())
     }
 }
 
@@ -869,12 +922,27 @@ impl ProviderConfig {
             Some(t) => t.read(dir)?,
             None => (None, None),
         };
+        let signing = match &self.signing {
+            Some(s) => {
+                if s.header.trim().is_empty() {
+                    return Err(("signing.header", "must not be empty".into()));
+                }
+                Some(read_one(
+                    (s.secret_env.as_ref(), s.secret_file.as_ref()),
+                    ("signing.secret_env", "signing.secret_file"),
+                    (env, dir),
+                    1,
+                )?)
+            }
+            None => None,
+        };
         Ok(ProviderSecrets {
             auth,
             client,
             webhooks,
             tls_roots,
             tls_identity,
+            signing,
         })
     }
 

@@ -195,7 +195,7 @@ mod tests {
         );
         let big = file("f", &"x".repeat(MAX_SECRET_FILE as usize + 1));
         assert!(
-            err(&big, 1).ends_with("bytes: not a secret"),
+            err(&big, 1).ends_with(&format!("holds more than {MAX_SECRET_FILE} bytes")),
             "{}",
             err(&big, 1)
         );

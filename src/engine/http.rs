@@ -524,13 +524,17 @@ pub fn read_reply(
     (reply, excerpt(&shown, EXCERPT_MAX_BYTES).to_owned())
 }
 
-/// Maps a transport error to its class.
+/// Maps a transport error to its class, by what caused it: the error's
+/// own text names the URL, whose host or path may hold any word
+/// (`https://mtls.bank.example/certificates`).
 fn classify_error(e: &reqwest::Error) -> ReplyError {
-    let chain = error_chain(e).to_ascii_lowercase();
+    use std::error::Error;
+    let causes = e.source().map(error_chain).unwrap_or_default();
+    let causes = causes.to_ascii_lowercase();
+    let tls = ["certificate", "tls", "handshake", "alert"];
     if e.is_timeout() {
         ReplyError::Timeout
-    } else if chain.contains("certificate") || chain.contains("tls") || chain.contains("handshake")
-    {
+    } else if tls.iter().any(|w| causes.contains(w)) {
         ReplyError::Tls
     } else if e.is_connect() {
         ReplyError::Connect

@@ -1339,9 +1339,8 @@ impl StepCall<'_> {
                 .map_err(|e| Unbuildable::template(format!("template: {e}")))
         };
         let path = render(&spec.path)?;
-        let url = super::redirect::call_url(&rt.config.base_url, &path)
-            .map_err(Unbuildable::invalid)?
-            .to_string();
+        let url =
+            super::redirect::call_url(&rt.config.base_url, &path).map_err(Unbuildable::invalid)?;
         let mut headers = Vec::new();
         for (name, id) in &spec.headers {
             let value = render(id)?;
@@ -1376,9 +1375,24 @@ impl StepCall<'_> {
             let codings: Vec<&str> = rt.config.decode.iter().map(|c| c.as_str()).collect();
             headers.push(("Accept-Encoding".into(), codings.join(", ")));
         }
+        if let (Some(s), Some(secret)) = (&rt.config.signing, &rt.secrets.signing) {
+            let target = match url.query() {
+                Some(q) => format!("{}?{q}", url.path()),
+                None => url.path().to_owned(),
+            };
+            let request = (
+                spec.method.as_str(),
+                target.as_str(),
+                body.as_deref().unwrap_or(""),
+            );
+            let at_s = self.clock.now_ms().div_euclid(1000);
+            let signature =
+                crate::auth::signing::sign(s.scheme, secret.expose().as_bytes(), at_s, request);
+            headers.push((s.header.clone(), signature));
+        }
         Ok(Call {
             method: spec.method,
-            url,
+            url: url.to_string(),
             headers,
             body,
             timeout: self.step.call_timeout(rt.config.timeout.0),

@@ -1,4 +1,7 @@
-//! Issue 49 item 6: providers that need certificates. A provider behind
+//! Issue 49 item 6: providers that need certificates or signatures. A
+//! provider that verifies an HMAC over each request's timestamp, method,
+//! path and body takes Ballast's signed calls and refuses those signed
+//! with another key. A provider behind
 //! a TLS server that requires a client certificate from its own CA is
 //! called with the configured CA and client certificate; without the
 //! certificate, with one from another CA, or without the CA, no call
@@ -179,13 +182,36 @@ async fn a_provider_behind_mutual_tls_gets_the_client_certificate() {
         assert_ne!(s, RecordState::Succeeded, "{name}");
         let attempts = t.db.attempts(*id).await.unwrap();
         assert_eq!(attempts.len(), 1, "{name}: {attempts:?}");
+        // A refused handshake is a TLS failure, its reason kept.
+        assert_eq!(
+            attempts[0].error_code.as_deref(),
+            Some("tls_error"),
+            "{name}"
+        );
+        let said = attempts[0].excerpt.clone().unwrap_or_default();
+        let why = match *name {
+            "nocert" => "CertificateRequired",
+            "stranger" => "UnknownCA",
+            _ => "UnknownIssuer",
+        };
+        assert!(said.contains(why), "{name}: {said}");
     }
     // Only the call with the client certificate reached the provider;
     // the server refused the handshakes without one or with a stranger's
     // (and the client without the CA refused the server's).
     assert_eq!(*calls.lock().unwrap(), 1);
+    // The server notes a refusal when the client's alert reaches it, which
+    // may be after the attempt was kept.
+    crate::wait::until(
+        "three refused handshakes",
+        std::time::Duration::from_secs(30),
+        async || {
+            let r = refused.lock().unwrap().clone();
+            if r.len() >= 3 { Ok(()) } else { Err(r) }
+        },
+    )
+    .await;
     let refused = refused.lock().unwrap().clone();
-    assert!(refused.len() >= 3, "{refused:?}");
     assert!(
         refused
             .iter()
@@ -225,12 +251,23 @@ fn check_config_refuses_tls_files_that_are_not_what_they_say() {
     for (tls, said) in cases {
         assert_eq!(err(&tls), Some(said), "{tls}");
     }
-    let not_a_key = err(&format!(r#"cert_file = "{cert}", key_file = "{junk}""#)).unwrap();
-    assert!(
-        not_a_key.starts_with("config `providers.p.tls.key_file`: ")
-            && not_a_key.contains("are not a PEM certificate and its private key"),
-        "{not_a_key}"
-    );
+    // Not a key; a key that is not the certificate's (the usual mistake
+    // of a rotation).
+    let (stranger_key, other_ca) = (file("stranger.key"), file("other-ca.pem"));
+    for key in [&junk, &stranger_key] {
+        let e = err(&format!(r#"cert_file = "{cert}", key_file = "{key}""#)).unwrap();
+        assert!(
+            e.starts_with("config `providers.p.tls.cert_file`: ")
+                && e.contains("are not a PEM certificate and its private key"),
+            "{e}"
+        );
+    }
+    // A CA is not a client certificate without its key either.
+    let e = err(&format!(
+        r#"cert_file = "{other_ca}", key_file = "{stranger_key}""#
+    ))
+    .unwrap();
+    assert!(e.starts_with("config `providers.p.tls.cert_file`: "), "{e}");
     assert_eq!(
         err(&format!(
             r#"ca_file = "{ca}", cert_file = "{cert}", key_file = "{}""#,
@@ -238,4 +275,100 @@ fn check_config_refuses_tls_files_that_are_not_what_they_say() {
         )),
         None
     );
+}
+
+/// A provider that verifies each request's signature (its own HMAC code,
+/// not Ballast's): `X-Signature: t=<unix>,v1=<hex>` over the timestamp,
+/// method, path with query and body, one per line, with key `secret`.
+/// Answers 200 `succeeded` when it holds, else 401; keeps each verdict.
+async fn verifier(secret: &'static str) -> (String, Arc<Mutex<Vec<bool>>>) {
+    use hmac::{Hmac, KeyInit, Mac};
+    let verdicts = Arc::new(Mutex::new(Vec::new()));
+    let app = axum::Router::new().fallback({
+        let verdicts = verdicts.clone();
+        move |method: axum::http::Method,
+              uri: axum::http::Uri,
+              headers: axum::http::HeaderMap,
+              body: String| {
+            let verdicts = verdicts.clone();
+            async move {
+                let header = headers
+                    .get("x-signature")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                let (t, v1) = header
+                    .split_once(",v1=")
+                    .map(|(t, v)| (t.trim_start_matches("t="), v))
+                    .unwrap_or(("", ""));
+                let target = uri.path_and_query().map_or("", |p| p.as_str());
+                let mut mac =
+                    <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(secret.as_bytes()).unwrap();
+                mac.update(format!("{t}\n{method}\n{target}\n{body}").as_bytes());
+                let good = hex::decode(v1).is_ok_and(|sig| mac.verify_slice(&sig).is_ok())
+                    && t.parse::<i64>()
+                        .is_ok_and(|t| (t - crate::helpers::wall_ms() / 1000).abs() < 300);
+                verdicts.lock().unwrap().push(good);
+                match good {
+                    true => (
+                        axum::http::StatusCode::OK,
+                        axum::Json(json!({ "status": "succeeded" })),
+                    ),
+                    false => (
+                        axum::http::StatusCode::UNAUTHORIZED,
+                        axum::Json(json!({ "error": "bad signature" })),
+                    ),
+                }
+            }
+        }
+    });
+    (crate::helpers::serve_router(app).await, verdicts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_requests_verify_and_a_wrong_key_does_not() {
+    let (base, verdicts) = verifier("the-signing-key").await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("signing_key");
+    std::fs::write(&key, "the-signing-key\n").unwrap();
+    let signed = |name: &str, secret: &str| {
+        provider(name, &base, "")
+            .replace(
+                "retry = { max_attempts = 1 }",
+                &format!(
+                    "retry = {{ max_attempts = 1 }}\nsigning = {{ scheme = \"hmac-sha256\", {secret} }}"
+                ),
+            )
+            .replace("path = \"/v1/charge\"", "path = \"/v1/charge?ref={{ key }}\"")
+            .replace("body = '{}'", "body = '{\"amount\": 5}'")
+    };
+    let wrong = dir.path().join("wrong_key");
+    std::fs::write(&wrong, "another-key").unwrap();
+    let text = [
+        signed("good", &format!("secret_file = \"{}\"", key.display())),
+        signed("wrong", &format!("secret_file = \"{}\"", wrong.display())),
+    ]
+    .concat();
+    let config = Config::parse(&text, Path::new("signing.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let t = TestDb::migrated(Backend::Sqlite, "signing").await.unwrap();
+    let (engine, _clock) = crate::engine::manual_engine(&t.db, Arc::new(config), "sign").await;
+    let mut ids = Vec::new();
+    for name in ["good", "wrong"] {
+        let made = engine
+            .enqueue(Enqueue::new(name, Some(name), json!({})))
+            .await
+            .unwrap();
+        ids.push(made.record.id);
+    }
+    crate::engine::drain(&engine).await;
+    let state = async |id: i64| t.db.get_record(id).await.unwrap().unwrap().state;
+    assert_eq!(state(ids[0]).await, RecordState::Succeeded);
+    assert_ne!(state(ids[1]).await, RecordState::Succeeded);
+    let mut seen = verdicts.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, [false, true]);
+    // The signature is kept with the request, as sent.
+    let attempts = t.db.attempts(ids[0]).await.unwrap();
+    let sent = format!("{:?}", attempts[0].request);
+    assert!(sent.contains(r#"("x-signature", "[redacted]")"#), "{sent}");
 }
