@@ -15,6 +15,7 @@ use super::{ConfigError, HumanDuration, Secret, parse_duration};
 use crate::domain::Outcome;
 use crate::domain::backoff::Backoff;
 use crate::domain::breaker::BreakerPolicy;
+use crate::domain::request::error_chain;
 use crate::domain::rules::{FieldTest, ReplyError, Rule, StatusMatch, When, default_rules};
 
 /// Where a provider's concurrency cap holds.
@@ -312,15 +313,16 @@ impl TlsConfig {
                 let c = super::secret::read_text(&cert, max).map_err(|m| ("tls.cert_file", m))?;
                 let k = super::secret::read_text(&key, MAX_KEY).map_err(|m| ("tls.key_file", m))?;
                 let both = format!("{c}\n{k}\n");
-                // Read and matched as the client will: a certificate and
-                // the key it was made for.
-                let built = reqwest::Identity::from_pem(both.as_bytes())
-                    .and_then(|id| reqwest::Client::builder().identity(id).build());
-                if let Err(e) = built {
+                let pair = format!("{} and {}", cert.display(), key.display());
+                if let Err(e) = reqwest::Identity::from_pem(both.as_bytes()) {
+                    let m = format!("{pair} are not a PEM certificate and its private key: {e}");
+                    return Err(("tls.key_file", m));
+                }
+                // Matched as the client will (the certificate and the key
+                // it was made for), built as the engine builds it.
+                if let Err(e) = tls_builder(ca.as_deref(), Some(&both)).and_then(|b| b.build()) {
                     let m = format!(
-                        "{} and {} are not a PEM certificate and its private key: {}",
-                        cert.display(),
-                        key.display(),
+                        "{pair} are not a certificate and its private key: {}",
                         error_chain(&e)
                     );
                     return Err(("tls.cert_file", m));
@@ -357,17 +359,29 @@ pub struct SigningConfig {
     pub header: String,
 }
 
-/// An error and its causes on one line (reqwest's builder errors say what
-/// rustls found only in their sources).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
+/// Whether `name` can name an HTTP header.
+fn header_name(name: &str) -> Result<(), String> {
+    reqwest::header::HeaderName::from_bytes(name.as_bytes())
+        .map(|_| ())
+        .map_err(|_| format!("`{name}` is not a header name"))
+}
+
+/// A client builder trusting `roots` (PEM) instead of the built-in roots
+/// (those when `None`) and presenting `identity` (a PEM certificate and
+/// its key): the engine's clients are built on it, and the checks build
+/// the same.
+pub fn tls_builder(
+    roots: Option<&str>,
+    identity: Option<&str>,
+) -> Result<reqwest::ClientBuilder, reqwest::Error> {
+    let mut builder = reqwest::Client::builder();
+    if let Some(pem) = roots {
+        builder = builder.tls_certs_only(reqwest::Certificate::from_pem_bundle(pem.as_bytes())?);
     }
-    text
+    if let Some(pem) = identity {
+        builder = builder.identity(reqwest::Identity::from_pem(pem.as_bytes())?);
+    }
+    Ok(builder)
 }
 
 /// The most a private key file may hold.
@@ -874,6 +888,7 @@ impl ProviderConfig {
             if auth.header.trim().is_empty() {
                 return Err(("auth.header", "must not be empty".into()));
             }
+            header_name(&auth.header).map_err(|m| ("auth.header", m))?;
         }
         if let Some(o) = &self.oauth2 {
             if self.auth.is_some() {
@@ -924,8 +939,12 @@ impl ProviderConfig {
         };
         let signing = match &self.signing {
             Some(s) => {
-                if s.header.trim().is_empty() {
-                    return Err(("signing.header", "must not be empty".into()));
+                header_name(&s.header).map_err(|m| ("signing.header", m))?;
+                if self.follow_redirects > 0 {
+                    let m = "a signed provider's redirects cannot be followed (each hop would \
+                             need its own signature): set `follow_redirects = 0`"
+                        .to_owned();
+                    return Err(("signing", m));
                 }
                 Some(read_one(
                     (s.secret_env.as_ref(), s.secret_file.as_ref()),
@@ -981,6 +1000,16 @@ impl ProviderConfig {
             (None, Some(o)) => Some(&o.header),
             (None, None) => None,
         }
+    }
+
+    /// The headers whose values the history never keeps: the credential's
+    /// and the request signature's (whatever their names).
+    pub fn credential_headers(&self) -> Vec<&str> {
+        let signing = self.signing.as_ref().map(|s| s.header.as_str());
+        self.credential_header()
+            .into_iter()
+            .chain(signing)
+            .collect()
     }
 
     /// The credential header and its value (`secrets`, as read).

@@ -44,12 +44,14 @@ impl SentRequest {
     /// `out` as the history keeps it: `auth_header` names the provider's
     /// credential header (compared without case), `secrets` its current
     /// credentials.
-    pub fn of(out: &Outgoing<'_>, auth_header: Option<&str>, secrets: &[&str]) -> SentRequest {
+    pub fn of(out: &Outgoing<'_>, credential_headers: &[&str], secrets: &[&str]) -> SentRequest {
         let headers = out
             .headers
             .iter()
             .map(|(name, value)| {
-                let credential = auth_header.is_some_and(|h| h.eq_ignore_ascii_case(name))
+                let credential = credential_headers
+                    .iter()
+                    .any(|h| h.eq_ignore_ascii_case(name))
                     || is_credential_header(name);
                 let value = if credential {
                     REDACTED.to_owned()
@@ -192,6 +194,19 @@ fn redact_userinfo(base: &str) -> String {
     }
 }
 
+/// An error and its causes on one line (reqwest's errors say what went
+/// wrong underneath only in their sources).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,7 +234,7 @@ mod tests {
             headers: &headers,
             body: Some(r#"{"prompt":"hi","key":"sk-live-123456"}"#),
         };
-        let sent = SentRequest::of(&out, Some("x-provider-auth"), &["sk-live-123456"]);
+        let sent = SentRequest::of(&out, &["x-provider-auth"], &["sk-live-123456"]);
         assert_eq!(
             sent.headers,
             h(&[
@@ -271,7 +286,7 @@ mod tests {
             headers: &[],
             body: Some(&long),
         };
-        let sent = SentRequest::of(&out, None, &["sk-live-123456"]);
+        let sent = SentRequest::of(&out, &[], &["sk-live-123456"]);
         assert_eq!(sent.url, "https://api.example.com/v1/[redacted]/jobs");
         let body = sent.body.unwrap_or_default();
         assert_eq!(body.len(), EXCERPT_MAX_BYTES);

@@ -17,7 +17,7 @@ use serde_json::Value;
 use crate::config::provider::ContentEncoding;
 use crate::domain::backoff::parse_retry_after;
 use crate::domain::rules::{Reply, ReplyError};
-use crate::domain::{Clock, EXCERPT_MAX_BYTES, excerpt};
+use crate::domain::{Clock, EXCERPT_MAX_BYTES, excerpt, request};
 use crate::pipeline::HttpMethod;
 
 /// The longest `Retry-After` honoured.
@@ -248,7 +248,7 @@ impl Sending<'_> {
                     let msg = format!("no reply within {:?}", call.timeout);
                     return Err(self.failed(ReplyError::Timeout, msg));
                 }
-                Ok(Err(e)) => return Err(self.failed(classify_error(&e), error_chain(&e))),
+                Ok(Err(e)) => return Err(self.failed(classify_error(&e), request::error_chain(&e))),
                 Ok(Ok(r)) => r,
             };
             let status = resp.status().as_u16();
@@ -299,7 +299,7 @@ impl Sending<'_> {
                     body.extend_from_slice(&chunk);
                 }
                 Ok(Some(Err(e))) => {
-                    let mut x = self.failed(ReplyError::Reset, error_chain(&e));
+                    let mut x = self.failed(ReplyError::Reset, request::error_chain(&e));
                     x.excerpt = storable_excerpt(
                         &format!("{} [after: {}]", x.excerpt, String::from_utf8_lossy(&body)),
                         self.secrets,
@@ -529,7 +529,7 @@ pub fn read_reply(
 /// (`https://mtls.bank.example/certificates`).
 fn classify_error(e: &reqwest::Error) -> ReplyError {
     use std::error::Error;
-    let causes = e.source().map(error_chain).unwrap_or_default();
+    let causes = e.source().map(request::error_chain).unwrap_or_default();
     let causes = causes.to_ascii_lowercase();
     let tls = ["certificate", "tls", "handshake", "alert"];
     if e.is_timeout() {
@@ -541,18 +541,6 @@ fn classify_error(e: &reqwest::Error) -> ReplyError {
     } else {
         ReplyError::Reset
     }
-}
-
-/// The error and its sources on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

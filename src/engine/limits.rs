@@ -248,17 +248,11 @@ impl ProviderRuntime {
     ) -> Result<(Vec<Rule>, reqwest::Client), String> {
         let rules = config.compile_rules(name).map_err(|e| e.to_string())?;
         let cannot = |e: reqwest::Error| format!("provider {name}: cannot build HTTP client: {e}");
-        let mut builder = reqwest::Client::builder();
         // A private CA trusted instead of the built-in roots; a client
         // certificate (mutual TLS). Both checked when read.
-        if let Some(pem) = &secrets.tls_roots {
-            let roots = reqwest::Certificate::from_pem_bundle(pem.as_bytes()).map_err(cannot)?;
-            builder = builder.tls_certs_only(roots);
-        }
-        if let Some(pem) = &secrets.tls_identity {
-            let identity = reqwest::Identity::from_pem(pem.expose().as_bytes()).map_err(cannot)?;
-            builder = builder.identity(identity);
-        }
+        let identity = secrets.tls_identity.as_ref().map(|s| s.expose());
+        let builder = crate::config::provider::tls_builder(secrets.tls_roots.as_deref(), identity)
+            .map_err(cannot)?;
         let client = builder
             .connect_timeout(config.connect_timeout.0)
             .user_agent(concat!("ballast/", env!("CARGO_PKG_VERSION")))

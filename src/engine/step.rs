@@ -315,7 +315,7 @@ fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequ
         headers: &call.headers,
         body: call.body.as_deref(),
     };
-    SentRequest::of(&out, rt.config.credential_header(), secrets)
+    SentRequest::of(&out, &rt.config.credential_headers(), secrets)
 }
 
 impl StepCall<'_> {
@@ -1388,6 +1388,8 @@ impl StepCall<'_> {
             let at_s = self.clock.now_ms().div_euclid(1000);
             let signature =
                 crate::auth::signing::sign(s.scheme, secret.expose().as_bytes(), at_s, request);
+            // The signature, not a request's header of the same name.
+            headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&s.header));
             headers.push((s.header.clone(), signature));
         }
         Ok(Call {

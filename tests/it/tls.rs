@@ -254,14 +254,21 @@ fn check_config_refuses_tls_files_that_are_not_what_they_say() {
     // Not a key; a key that is not the certificate's (the usual mistake
     // of a rotation).
     let (stranger_key, other_ca) = (file("stranger.key"), file("other-ca.pem"));
-    for key in [&junk, &stranger_key] {
-        let e = err(&format!(r#"cert_file = "{cert}", key_file = "{key}""#)).unwrap();
-        assert!(
-            e.starts_with("config `providers.p.tls.cert_file`: ")
-                && e.contains("are not a PEM certificate and its private key"),
-            "{e}"
-        );
-    }
+    let e = err(&format!(r#"cert_file = "{cert}", key_file = "{junk}""#)).unwrap();
+    assert!(
+        e.starts_with("config `providers.p.tls.key_file`: ")
+            && e.contains("are not a PEM certificate and its private key"),
+        "{e}"
+    );
+    let e = err(&format!(
+        r#"cert_file = "{cert}", key_file = "{stranger_key}""#
+    ))
+    .unwrap();
+    assert!(
+        e.starts_with("config `providers.p.tls.cert_file`: ")
+            && e.contains("are not a certificate and its private key"),
+        "{e}"
+    );
     // A CA is not a client certificate without its key either.
     let e = err(&format!(
         r#"cert_file = "{other_ca}", key_file = "{stranger_key}""#
@@ -275,10 +282,30 @@ fn check_config_refuses_tls_files_that_are_not_what_they_say() {
         )),
         None
     );
+    // Signing: a header that cannot be one; redirects it cannot sign.
+    let signing = |extra: &str| {
+        let text = provider("p", "https://127.0.0.1:9", "").replace(
+            "retry = { max_attempts = 1 }",
+            &format!("retry = {{ max_attempts = 1 }}\n{extra}"),
+        );
+        let config = Config::parse(&text, Path::new("tls.toml")).unwrap();
+        config.validate(&|_| None).err().map(|e| e.to_string())
+    };
+    let key = format!("secret_file = \"{}\"", file("client.key"));
+    assert_eq!(
+        signing(&format!("signing = {{ header = \"X Sig\", {key} }}")),
+        Some("config `providers.p.signing.header`: `X Sig` is not a header name".into())
+    );
+    let redirects = signing(&format!("follow_redirects = 2\nsigning = {{ {key} }}")).unwrap();
+    assert!(
+        redirects.starts_with("config `providers.p.signing`: a signed provider's redirects"),
+        "{redirects}"
+    );
+    assert_eq!(signing(&format!("signing = {{ {key} }}")), None);
 }
 
 /// A provider that verifies each request's signature (its own HMAC code,
-/// not Ballast's): `X-Signature: t=<unix>,v1=<hex>` over the timestamp,
+/// not Ballast's): `X-Acme-Mac: t=<unix>,v1=<hex>` over the timestamp,
 /// method, path with query and body, one per line, with key `secret`.
 /// Answers 200 `succeeded` when it holds, else 401; keeps each verdict.
 async fn verifier(secret: &'static str) -> (String, Arc<Mutex<Vec<bool>>>) {
@@ -293,7 +320,7 @@ async fn verifier(secret: &'static str) -> (String, Arc<Mutex<Vec<bool>>>) {
             let verdicts = verdicts.clone();
             async move {
                 let header = headers
-                    .get("x-signature")
+                    .get("x-acme-mac")
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("");
                 let (t, v1) = header
@@ -335,11 +362,14 @@ async fn signed_requests_verify_and_a_wrong_key_does_not() {
             .replace(
                 "retry = { max_attempts = 1 }",
                 &format!(
-                    "retry = {{ max_attempts = 1 }}\nsigning = {{ scheme = \"hmac-sha256\", {secret} }}"
+                    "retry = {{ max_attempts = 1 }}\nsigning = {{ scheme = \"hmac-sha256\", header = \"X-Acme-Mac\", {secret} }}"
                 ),
             )
             .replace("path = \"/v1/charge\"", "path = \"/v1/charge?ref={{ key }}\"")
             .replace("body = '{}'", "body = '{\"amount\": 5}'")
+            // A header of the signature's name the request sets is
+            // replaced by the signature, not sent beside it.
+            .replace("path = \"/v1/charge?", "headers = { \"x-acme-mac\" = \"mine\" }, path = \"/v1/charge?")
     };
     let wrong = dir.path().join("wrong_key");
     std::fs::write(&wrong, "another-key").unwrap();
@@ -367,8 +397,10 @@ async fn signed_requests_verify_and_a_wrong_key_does_not() {
     let mut seen = verdicts.lock().unwrap().clone();
     seen.sort();
     assert_eq!(seen, [false, true]);
-    // The signature is kept with the request, as sent.
+    // The history keeps the signature's header, never its value (its
+    // name says nothing of a credential).
     let attempts = t.db.attempts(ids[0]).await.unwrap();
     let sent = format!("{:?}", attempts[0].request);
-    assert!(sent.contains(r#"("x-signature", "[redacted]")"#), "{sent}");
+    assert!(sent.contains(r#"("X-Acme-Mac", "[redacted]")"#), "{sent}");
+    assert_eq!(sent.to_lowercase().matches("acme-mac").count(), 1, "{sent}");
 }
