@@ -329,6 +329,10 @@ impl TlsConfig {
                 }
                 Some(Secret::new(both))
             }
+            (None, None) if ca.is_none() => {
+                let m = "set `ca_file`, or `cert_file` and `key_file`, or all three".to_owned();
+                return Err(("tls", m));
+            }
             (None, None) => None,
             _ => {
                 let m = "set `cert_file` and `key_file` together".to_owned();
@@ -934,6 +938,10 @@ impl ProviderConfig {
         }
         webhooks.extend(self.webhook_secrets_inline.iter().cloned());
         let (tls_roots, tls_identity) = match &self.tls {
+            Some(_) if !self.base_url.starts_with("https://") => {
+                let m = "applies to an https:// base_url only".to_owned();
+                return Err(("tls", m));
+            }
             Some(t) => t.read(dir)?,
             None => (None, None),
         };

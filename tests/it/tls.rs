@@ -247,10 +247,21 @@ fn check_config_refuses_tls_files_that_are_not_what_they_say() {
             format!(r#"ca_file = "{ca}", cert_file = "{cert}""#),
             "config `providers.p.tls`: set `cert_file` and `key_file` together".to_owned(),
         ),
+        (
+            " ".to_owned(),
+            "config `providers.p.tls`: set `ca_file`, or `cert_file` and `key_file`, or all three"
+                .to_owned(),
+        ),
     ];
     for (tls, said) in cases {
         assert_eq!(err(&tls), Some(said), "{tls}");
     }
+    let plain = provider("p", "http://127.0.0.1:9", &format!(r#"ca_file = "{ca}""#));
+    let plain = Config::parse(&plain, Path::new("tls.toml")).unwrap();
+    assert_eq!(
+        plain.validate(&|_| None).err().map(|e| e.to_string()),
+        Some("config `providers.p.tls`: applies to an https:// base_url only".to_owned())
+    );
     // Not a key; a key that is not the certificate's (the usual mistake
     // of a rotation).
     let (stranger_key, other_ca) = (file("stranger.key"), file("other-ca.pem"));
