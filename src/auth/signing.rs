@@ -32,22 +32,22 @@ pub fn sign(
     (method, path_and_query, body): (&str, &str, &str),
 ) -> String {
     let text = message(at_s, method, path_and_query, body);
-    // HMAC takes a key of any length: these cannot fail.
     let hex = match hash {
-        HmacHash::Sha256 => <Hmac<Sha256> as KeyInit>::new_from_slice(secret)
-            .map(|mut m| {
-                m.update(text.as_bytes());
-                hex::encode(m.finalize().into_bytes())
-            })
-            .unwrap_or_default(),
-        HmacHash::Sha512 => <Hmac<Sha512> as KeyInit>::new_from_slice(secret)
-            .map(|mut m| {
-                m.update(text.as_bytes());
-                hex::encode(m.finalize().into_bytes())
-            })
-            .unwrap_or_default(),
+        HmacHash::Sha256 => hex_mac::<Hmac<Sha256>>(secret, &text),
+        HmacHash::Sha512 => hex_mac::<Hmac<Sha512>>(secret, &text),
     };
     format!("t={at_s},v1={hex}")
+}
+
+/// The hex HMAC `M` of `text` under `secret`.
+fn hex_mac<M: Mac + KeyInit>(secret: &[u8], text: &str) -> String {
+    // HMAC takes a key of any length: this cannot fail.
+    <M as KeyInit>::new_from_slice(secret)
+        .map(|mut m| {
+            m.update(text.as_bytes());
+            hex::encode(m.finalize().into_bytes())
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -129,11 +129,11 @@ fn value_of(
         (None, Some(path)) => {
             let twin = format!("{var}_FILE");
             let credentials = env(super::secret::CREDENTIALS_DIRECTORY);
-            let path = super::secret::anchored(
-                std::path::Path::new(&path),
+            let dir = super::secret::SecretsDir::new(
                 credentials.as_deref().map(std::path::Path::new),
                 std::path::Path::new("."),
             );
+            let path = dir.file(std::path::Path::new(&path));
             let value = super::secret::SecretRef::File(path)
                 .read(env, 1)
                 .map_err(|message| ConfigError::Env {

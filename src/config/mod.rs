@@ -551,10 +551,10 @@ impl Config {
         let beside = path
             .as_deref()
             .and_then(Path::parent)
-            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+            .unwrap_or(Path::new("."));
         // A provider's relative secret files: in systemd's credentials
         // directory when set, else beside this file.
-        let dir = secret::SecretsDir(Some(credentials.unwrap_or(beside)));
+        let dir = secret::SecretsDir::new(credentials.as_deref(), beside);
         for p in config.providers.values_mut() {
             p.secrets_dir = dir.clone();
         }

@@ -283,27 +283,21 @@ pub struct TlsConfig {
 
 impl TlsConfig {
     /// The CA bundle and the client's certificate with its key, read and
-    /// checked: each must parse as PEM of its kind.
+    /// split: each must hold PEM of its kind ([`Self::check_built`] builds
+    /// them, when the configuration is checked).
     fn read(&self, dir: &SecretsDir) -> Result<(Option<String>, Option<Secret>), FieldError> {
         let max = super::secret::MAX_CERTIFICATE_FILE;
         let ca = match &self.ca_file {
             Some(path) => {
                 let path = dir.file(path);
                 let pem = super::secret::read_text(&path, max).map_err(|m| ("tls.ca_file", m))?;
-                let certs = match reqwest::Certificate::from_pem_bundle(pem.as_bytes()) {
-                    Ok(certs) if !certs.is_empty() => certs,
+                match reqwest::Certificate::from_pem_bundle(pem.as_bytes()) {
+                    Ok(certs) if !certs.is_empty() => Some(pem),
                     _ => {
                         let m = format!("file {} holds no PEM certificate", path.display());
                         return Err(("tls.ca_file", m));
                     }
-                };
-                // Parsed as the client will (a PEM block of junk passes
-                // the split above).
-                if let Err(e) = reqwest::Client::builder().tls_certs_only(certs).build() {
-                    let m = format!("file {}: {}", path.display(), error_chain(&e));
-                    return Err(("tls.ca_file", m));
                 }
-                Some(pem)
             }
             None => None,
         };
@@ -313,19 +307,10 @@ impl TlsConfig {
                 let c = super::secret::read_text(&cert, max).map_err(|m| ("tls.cert_file", m))?;
                 let k = super::secret::read_text(&key, MAX_KEY).map_err(|m| ("tls.key_file", m))?;
                 let both = format!("{c}\n{k}\n");
-                let pair = format!("{} and {}", cert.display(), key.display());
                 if let Err(e) = reqwest::Identity::from_pem(both.as_bytes()) {
+                    let pair = format!("{} and {}", cert.display(), key.display());
                     let m = format!("{pair} are not a PEM certificate and its private key: {e}");
                     return Err(("tls.key_file", m));
-                }
-                // Matched as the client will (the certificate and the key
-                // it was made for), built as the engine builds it.
-                if let Err(e) = tls_builder(ca.as_deref(), Some(&both)).and_then(|b| b.build()) {
-                    let m = format!(
-                        "{pair} are not a certificate and its private key: {}",
-                        error_chain(&e)
-                    );
-                    return Err(("tls.cert_file", m));
                 }
                 Some(Secret::new(both))
             }
@@ -340,6 +325,35 @@ impl TlsConfig {
             }
         };
         Ok((ca, identity))
+    }
+
+    /// The files as read (`secrets`) built as the engine builds its client:
+    /// the CA's certificates parsed (a PEM block of junk passes the split),
+    /// the certificate matched with its key. Done when the configuration is
+    /// checked (at start, by `check-config`, at each reload), not at every
+    /// read.
+    fn check_built(&self, dir: &SecretsDir, secrets: &ProviderSecrets) -> Result<(), FieldError> {
+        let roots = secrets.tls_roots.as_deref();
+        if let (Some(path), Some(_)) = (&self.ca_file, roots) {
+            if let Err(e) = tls_builder(roots, None).and_then(|b| b.build()) {
+                let m = format!("file {}: {}", dir.file(path).display(), error_chain(&e));
+                return Err(("tls.ca_file", m));
+            }
+        }
+        let identity = secrets.tls_identity.as_ref().map(Secret::expose);
+        if let (Some(cert), Some(key), Some(_)) = (&self.cert_file, &self.key_file, identity) {
+            if let Err(e) = tls_builder(roots, identity).and_then(|b| b.build()) {
+                let (cert, key) = (dir.file(cert), dir.file(key));
+                let m = format!(
+                    "{} and {} are not a certificate and its private key: {}",
+                    cert.display(),
+                    key.display(),
+                    error_chain(&e)
+                );
+                return Err(("tls.cert_file", m));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -461,30 +475,33 @@ impl ProviderSecrets {
     /// Whether `other` holds the same secrets (a reload applies a changed
     /// one).
     pub fn same(&self, other: &ProviderSecrets) -> bool {
-        let one = |a: &Secret, b: &Secret| a.expose() == b.expose();
-        let opt = |a: Option<&Secret>, b: Option<&Secret>| match (a, b) {
-            (Some(a), Some(b)) => one(a, b),
-            (None, None) => true,
-            _ => false,
-        };
-        opt(self.auth.as_ref(), other.auth.as_ref())
-            && opt(
-                self.client.as_ref().map(|c| &c.0),
-                other.client.as_ref().map(|c| &c.0),
-            )
-            && opt(
-                self.client.as_ref().map(|c| &c.1),
-                other.client.as_ref().map(|c| &c.1),
-            )
-            && self.webhooks.len() == other.webhooks.len()
-            && self
-                .webhooks
-                .iter()
-                .zip(&other.webhooks)
-                .all(|(a, b)| one(a, b))
-            && self.tls_roots == other.tls_roots
-            && opt(self.tls_identity.as_ref(), other.tls_identity.as_ref())
-            && opt(self.signing.as_ref(), other.signing.as_ref())
+        self.values() == other.values()
+    }
+
+    /// Whether `other` holds the same OAuth2 client (its token stays good).
+    pub fn same_client(&self, other: &ProviderSecrets) -> bool {
+        fn client(s: &ProviderSecrets) -> Option<[&str; 2]> {
+            s.client
+                .as_ref()
+                .map(|(id, key)| [id.expose(), key.expose()])
+        }
+        client(self) == client(other)
+    }
+
+    /// Every value, in one order (the webhook secrets last: a list of
+    /// another length is another list).
+    fn values(&self) -> Vec<Option<&str>> {
+        let client = self.client.as_ref();
+        let mut all = vec![
+            self.auth.as_ref().map(Secret::expose),
+            client.map(|c| c.0.expose()),
+            client.map(|c| c.1.expose()),
+            self.tls_roots.as_deref(),
+            self.tls_identity.as_ref().map(Secret::expose),
+            self.signing.as_ref().map(Secret::expose),
+        ];
+        all.extend(self.webhooks.iter().map(|w| Some(w.expose())));
+        all
     }
 }
 
@@ -903,7 +920,11 @@ impl ProviderConfig {
             }
             o.check()?;
         }
-        self.read_secrets(env).map(|_| ())
+        let secrets = self.read_secrets(env)?;
+        match &self.tls {
+            Some(t) => t.check_built(&self.secrets_dir, &secrets),
+            None => Ok(()),
+        }
     }
 
     /// Reads the provider's secrets from their variables and files (the
@@ -1001,23 +1022,17 @@ impl ProviderConfig {
         Ok(())
     }
 
-    /// The header carrying this provider's credential, if it has one.
-    pub fn credential_header(&self) -> Option<&str> {
-        match (&self.auth, &self.oauth2) {
-            (Some(a), _) => Some(&a.header),
-            (None, Some(o)) => Some(&o.header),
-            (None, None) => None,
-        }
-    }
-
     /// The headers whose values the history never keeps: the credential's
-    /// and the request signature's (whatever their names).
+    /// (`auth`, else `oauth2`'s) and the request signature's (whatever
+    /// their names).
     pub fn credential_headers(&self) -> Vec<&str> {
+        let credential = match (&self.auth, &self.oauth2) {
+            (Some(a), _) => Some(a.header.as_str()),
+            (None, Some(o)) => Some(o.header.as_str()),
+            (None, None) => None,
+        };
         let signing = self.signing.as_ref().map(|s| s.header.as_str());
-        self.credential_header()
-            .into_iter()
-            .chain(signing)
-            .collect()
+        credential.into_iter().chain(signing).collect()
     }
 
     /// The credential header and its value (`secrets`, as read).

@@ -104,25 +104,21 @@ pub fn read_text(path: &Path, max: u64) -> Result<String, String> {
     Ok(text)
 }
 
-/// Where a relative secret file is read: under `$CREDENTIALS_DIRECTORY`
-/// when systemd set it, else beside the configuration file (`beside`);
-/// an absolute path as it is.
-pub fn anchored(path: &Path, credentials: Option<&Path>, beside: &Path) -> PathBuf {
-    match (path.is_absolute(), credentials) {
-        (true, _) => path.to_path_buf(),
-        (false, Some(dir)) => dir.join(path),
-        (false, None) => beside.join(path),
-    }
-}
-
-/// The directory a provider's relative secret files are read in (set
-/// when the configuration is loaded: [`anchored`]'s choice). Not one of
-/// its settings: `Debug` prints none of it, so nodes whose files say the
-/// same agree on the configuration's version wherever their files are.
+/// The directory relative secret files are read in (set when the
+/// configuration is loaded; none: the working directory). Not one of a
+/// provider's settings: `Debug` prints none of it, so nodes whose files
+/// say the same agree on the configuration's version wherever their files
+/// are.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct SecretsDir(pub Option<PathBuf>);
 
 impl SecretsDir {
+    /// `$CREDENTIALS_DIRECTORY` when systemd set it (`credentials`), else
+    /// `beside` (the configuration file's directory).
+    pub fn new(credentials: Option<&Path>, beside: &Path) -> Self {
+        SecretsDir(Some(credentials.unwrap_or(beside).to_path_buf()))
+    }
+
     /// Where file `path` (as a setting names it) is read.
     pub fn file(&self, path: &Path) -> PathBuf {
         match &self.0 {
@@ -233,14 +229,9 @@ mod tests {
             Path::new("/run/credentials/ballast"),
             Path::new("/etc/ballast"),
         );
-        assert_eq!(
-            anchored(Path::new("acme"), Some(creds), conf),
-            creds.join("acme")
-        );
-        assert_eq!(anchored(Path::new("acme"), None, conf), conf.join("acme"));
-        assert_eq!(
-            anchored(Path::new("/srv/k"), Some(creds), conf),
-            PathBuf::from("/srv/k")
-        );
+        let anchored = |p: &str, credentials| SecretsDir::new(credentials, conf).file(Path::new(p));
+        assert_eq!(anchored("acme", Some(creds)), creds.join("acme"));
+        assert_eq!(anchored("acme", None), conf.join("acme"));
+        assert_eq!(anchored("/srv/k", Some(creds)), PathBuf::from("/srv/k"));
     }
 }

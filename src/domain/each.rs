@@ -135,8 +135,9 @@ impl Tally {
             StepState::Succeeded => self.succeeded += 1,
             StepState::Failed | StepState::Skipped => self.failed += 1,
             state => {
+                let begun = started(w.attempts, w.job_id.as_deref());
                 self.open += 1;
-                self.started += i64::from(started(w.attempts, w.job_id.as_deref()));
+                self.started += i64::from(begun);
                 self.retrying |= state == StepState::Retrying;
                 match w.next_run_at {
                     None if held(w) => {
@@ -147,7 +148,7 @@ impl Tally {
                         self.waiting |= state == StepState::Waiting;
                         self.later_at = Some(self.later_at.map_or(t, |l| l.min(t)));
                     }
-                    _ if started(w.attempts, w.job_id.as_deref()) => self.due_now = true,
+                    _ if begun => self.due_now = true,
                     _ => self.fresh_due = true,
                 }
             }

@@ -190,14 +190,21 @@ async fn with_news(
     let n = i64::try_from(held.len()).unwrap_or(0);
     tally.open -= n;
     tally.started -= n;
-    for run in held {
-        let w = StepWrite::from(&run);
-        let child = crate::domain::child::child_of(&w);
-        let state = match child {
-            Some(id) => i.db.get_record(id).await?.map(|r| r.state),
-            None => None,
-        };
-        match state.is_some_and(|state| crate::domain::child::has_news(&w, state)) {
+    // Their children, read in one statement.
+    let writes: Vec<StepWrite> = held.iter().map(StepWrite::from).collect();
+    let ids: Vec<i64> = writes
+        .iter()
+        .filter_map(crate::domain::child::child_of)
+        .collect();
+    let states: std::collections::HashMap<i64, crate::domain::RecordState> =
+        i.db.get_records(&ids)
+            .await?
+            .into_iter()
+            .map(|r| (r.id, r.state))
+            .collect();
+    for (run, w) in held.into_iter().zip(writes) {
+        let state = crate::domain::child::child_of(&w).and_then(|id| states.get(&id));
+        match state.is_some_and(|state| crate::domain::child::has_news(&w, *state)) {
             true => due.push(run),
             false => tally.add(&w, now),
         }

@@ -150,29 +150,28 @@ impl ProviderRuntime {
     /// every provider's `prepare` before any `retuned`.)
     #[cfg(test)]
     pub fn reconfigured(&self, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
-        Ok(self.retuned(self.prepare(config)?, now))
+        let secrets = Self::read_secrets(&self.name, config)?;
+        Ok(self.retuned(self.prepare(config, secrets)?, now))
     }
 
     /// The fallible part of [`reconfigured`](Self::reconfigured): the new
-    /// settings checked and built, nothing of the running state touched.
-    pub fn prepare(&self, config: &ProviderConfig) -> Result<Prepared, String> {
+    /// settings (with `secrets`, as read) checked and built, nothing of the
+    /// running state touched.
+    pub fn prepare(
+        &self,
+        config: &ProviderConfig,
+        secrets: ProviderSecrets,
+    ) -> Result<Prepared, String> {
         let name = &self.name;
         if config.concurrency_scope != self.config.concurrency_scope {
             return Err(format!(
                 "provider {name}: `concurrency_scope` changes only at a restart"
             ));
         }
-        let secrets = Self::read_secrets(name, config)?;
         let (rules, client) = Self::settings(name, config, &secrets)?;
         // A token stays valid for the same credentials asked the same way.
         let same = |c: &ProviderConfig| super::fingerprint(&(&c.oauth2, c.timeout));
-        let of_client = |s: &ProviderSecrets| ProviderSecrets {
-            client: s.client.clone(),
-            ..ProviderSecrets::default()
-        };
-        let token = if same(config) == same(&self.config)
-            && of_client(&secrets).same(&of_client(&self.secrets))
-        {
+        let token = if same(config) == same(&self.config) && secrets.same_client(&self.secrets) {
             self.token.clone()
         } else {
             Self::token_source(config, &secrets)

@@ -66,21 +66,24 @@ impl Engine {
                 // Kept as it runs: its secrets not read again (their files
                 // may have gone with it).
                 Some(rt) if kept.contains(name) => Next::Same(rt.clone()),
-                Some(rt) if fingerprint(&rt.config) == fingerprint(p) => {
-                    // Its secrets read again: a rotated one is applied
-                    // (calls in flight keep the old).
-                    let secrets = ProviderRuntime::read_secrets(name, p);
-                    match secrets.map_err(EngineError::Config)?.same(&rt.secrets) {
-                        true => Next::Same(rt.clone()),
-                        false => {
-                            changes.push(format!("provider {name}: new secrets"));
-                            Next::Retuned(rt.clone(), rt.prepare(p).map_err(EngineError::Config)?)
+                Some(rt) => {
+                    // Its secrets read again, once: a rotated one is
+                    // applied (calls in flight keep the old).
+                    let secrets =
+                        ProviderRuntime::read_secrets(name, p).map_err(EngineError::Config)?;
+                    let what = match fingerprint(&rt.config) == fingerprint(p) {
+                        false => Some("new settings"),
+                        true if secrets.same(&rt.secrets) => None,
+                        true => Some("new secrets"),
+                    };
+                    match what {
+                        None => Next::Same(rt.clone()),
+                        Some(what) => {
+                            changes.push(format!("provider {name}: {what}"));
+                            let prepared = rt.prepare(p, secrets).map_err(EngineError::Config)?;
+                            Next::Retuned(rt.clone(), prepared)
                         }
                     }
-                }
-                Some(rt) => {
-                    changes.push(format!("provider {name}: new settings"));
-                    Next::Retuned(rt.clone(), rt.prepare(p).map_err(EngineError::Config)?)
                 }
                 None => {
                     changes.push(format!("provider {name}: added"));

@@ -306,6 +306,13 @@ fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
+/// The values scrubbed from everything a call keeps: the provider's
+/// credential and the call's token.
+fn scrubbed<'s>(rt: &'s ProviderRuntime, token: Option<&'s Secret>) -> Vec<&'s str> {
+    let key = rt.secrets.credential();
+    key.into_iter().chain(token).map(Secret::expose).collect()
+}
+
 /// `call` as the history keeps it: credentials removed, `secrets`
 /// wherever they appear (`domain::request`).
 fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequest {
@@ -951,8 +958,7 @@ impl StepCall<'_> {
         token: Option<&Secret>,
         span: tracing::Span,
     ) -> (Exchange, SentRequest) {
-        let key = rt.secrets.credential().cloned();
-        let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
+        let secrets = scrubbed(rt, token);
         let mut x = match &rt.in_process {
             Some(p) => span.in_scope(|| {
                 super::http::exchange_in_process(p.0.as_ref(), call, &secrets, self.clock)
@@ -981,8 +987,7 @@ impl StepCall<'_> {
         attempt_no: i32,
         at: UnixMs,
     ) -> Result<i64, String> {
-        let key = rt.secrets.credential().cloned();
-        let secrets: Vec<&str> = key.iter().chain(token).map(|k| k.expose()).collect();
+        let secrets = scrubbed(rt, token);
         let Some(lease) = self.record.lease() else {
             return Err("the record is not leased".into());
         };
@@ -1234,24 +1239,7 @@ impl StepCall<'_> {
     /// and, once it has one, its `job_id` (as its templates see them).
     pub(super) fn context_of(&self, write: &StepWrite) -> (serde_json::Value, String) {
         let (extra, key) = self.extra(write);
-        // Only the outputs of the steps upstream of this one (what its
-        // templates see), and only they are copied.
-        let mut ctx = Map::new();
-        for (k, v) in self.ctx.json().as_object().into_iter().flatten() {
-            let v = match (k.as_str(), v.as_object()) {
-                ("steps", Some(outputs)) => Value::Object(
-                    outputs
-                        .iter()
-                        .filter(|(name, _)| self.step.upstream.contains(*name))
-                        .map(|(name, o)| (name.clone(), o.clone()))
-                        .collect(),
-                ),
-                _ => v.clone(),
-            };
-            ctx.insert(k.clone(), v);
-        }
-        ctx.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
-        (Value::Object(ctx), key)
+        (self.ctx.json_view(&self.step.upstream, extra), key)
     }
 
     /// What the step's templates see in the state `write` (as

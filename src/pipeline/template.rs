@@ -324,6 +324,27 @@ impl PassContext {
         })
     }
 
+    /// [`Self::view`] as JSON (what a step's condition reads and keeps):
+    /// only the outputs of the steps `upstream` are copied.
+    pub fn json_view(&self, upstream: &BTreeSet<String>, extra: Vec<(&str, Value)>) -> Value {
+        let mut ctx = serde_json::Map::new();
+        for (k, v) in self.json.as_object().into_iter().flatten() {
+            let v = match (k.as_str(), v.as_object()) {
+                ("steps", Some(outputs)) => Value::Object(
+                    outputs
+                        .iter()
+                        .filter(|(name, _)| upstream.contains(*name))
+                        .map(|(name, o)| (name.clone(), o.clone()))
+                        .collect(),
+                ),
+                _ => v.clone(),
+            };
+            ctx.insert(k.clone(), v);
+        }
+        ctx.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
+        Value::Object(ctx)
+    }
+
     /// What one step's templates see: the context with only the outputs
     /// of the steps `upstream` of it under `steps` (what check-config let
     /// it name: a subscript it cannot check sees no more), and `extra`

@@ -32,6 +32,8 @@ pub trait Records: Send + Sync {
     async fn create_records(&self, batch: Vec<NewRecord>, now: UnixMs)
     -> StoreResult<Vec<Created>>;
     async fn get_record(&self, id: i64) -> StoreResult<Option<Record>>;
+    /// The records of `ids` that exist, in one statement.
+    async fn get_records(&self, ids: &[i64]) -> StoreResult<Vec<Record>>;
     /// What a record's page shows has changed when this has: the record's
     /// row (`updated_at`, `next_run_at`) and its newest attempt, event and
     /// intent (a confirmation poll, a reversal keeping the state, a call
@@ -179,6 +181,10 @@ where
             .fetch_optional(self.reader())
             .await?;
         row.as_ref().map(MapRow::record).transpose()
+    }
+
+    async fn get_records(&self, ids: &[i64]) -> StoreResult<Vec<Record>> {
+        self.records_by_ids(ids).await
     }
 
     async fn record_version(&self, id: i64) -> StoreResult<Option<[i64; 5]>> {

@@ -111,6 +111,24 @@ impl Onboarding {
             clock,
         })
     }
+
+    /// Enqueues `input` on `pipeline` under `key`, then runs what is due:
+    /// the record's id.
+    async fn enqueue(&self, pipeline: &str, key: &str, input: Value) -> i64 {
+        let e = Enqueue::new(pipeline, Some(key), input);
+        let id = self.engine.enqueue(e).await.unwrap().record.id;
+        drain(&self.engine).await;
+        id
+    }
+
+    /// `action` on record `id` by `ann`, for `reason`, then what is due.
+    async fn act(&self, id: i64, action: OperatorAction, reason: &str, extra: ActExtra<'_>) {
+        let ops = Ops::new(&self.t.db, &self.config, Some(&self.engine), &self.clock);
+        ops.act_with(id, action, "ann", Some(reason.to_owned()), extra)
+            .await
+            .unwrap();
+        drain(&self.engine).await;
+    }
 }
 
 fn run<'r>(runs: &'r [StepRun], step: &str) -> &'r StepRun {
@@ -282,24 +300,16 @@ async fn child_of_item(db: &Db, parent: i64, item: usize) -> Record {
 /// own (a parked one shows on the parent, a cancelled one fails its
 /// item), the step's output the children's outputs in item order.
 async fn a_child_for_each_item(backend: Backend) {
-    let Some(Onboarding {
-        t,
-        sim,
-        config,
-        engine,
-        clock,
-    }) = Onboarding::start(backend, "children_each").await
-    else {
+    let Some(o) = Onboarding::start(backend, "children_each").await else {
         return;
     };
+    let (t, engine) = (&o.t, &o.engine);
     let people: Vec<Value> = ["a", "b", "c"]
         .iter()
         .zip(1..)
         .map(|(who, amount)| json!({ "who": who, "amount": amount }))
         .collect();
-    let e = Enqueue::new("batch", Some("abc"), json!({ "people": people }));
-    let parent = engine.enqueue(e).await.unwrap().record.id;
-    drain(&engine).await;
+    let parent = o.enqueue("batch", "abc", json!({ "people": people })).await;
 
     // Two children (the cap), each waiting for its analyst; the parent
     // waits on them, costing nothing meanwhile.
@@ -324,18 +334,14 @@ async fn a_child_for_each_item(backend: Backend) {
         items[0].job_id,
         Some(child_of_item(&t.db, parent, 0).await.id.to_string())
     );
-    clock.advance(7 * 24 * 3600 * 1000);
-    assert_eq!(drain(&engine).await, 0, "a wait costs no pass");
+    o.clock.advance(7 * 24 * 3600 * 1000);
+    assert_eq!(drain(engine).await, 0, "a wait costs no pass");
 
     // Item 0's child parks: the parent says so, once.
-    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
     let act = async |item: usize, action: OperatorAction, extra: ActExtra<'_>| {
         let child = child_of_item(&t.db, parent, item).await.id;
-        let reason = Some(format!("{action} item {item}'s child"));
-        ops.act_with(child, action, "ann", reason, extra)
-            .await
-            .unwrap();
-        drain(&engine).await;
+        let reason = format!("{action} item {item}'s child");
+        o.act(child, action, &reason, extra).await;
     };
     act(0, OperatorAction::Park, ActExtra::default()).await;
     let p = record(&t.db, parent).await;
@@ -347,7 +353,7 @@ async fn a_child_for_each_item(backend: Backend) {
     );
     let said = p.reason.clone().unwrap_or_default();
     assert!(said.contains("waiting on a parked child"), "{said}");
-    assert_eq!(drain(&engine).await, 0, "a parked child is news once");
+    assert_eq!(drain(engine).await, 0, "a parked child is news once");
 
     // Item 1's child is approved: its item succeeds and item 2's child
     // starts (one unfinished beside the parked one).
@@ -389,7 +395,8 @@ async fn a_child_for_each_item(backend: Backend) {
     );
     for who in ["a", "b", "c"] {
         let reference = format!("verify-{who}");
-        let sent = sim
+        let sent = o
+            .sim
             .arrivals()
             .iter()
             .filter(|a| a.client_reference.as_deref() == Some(&reference))
@@ -402,27 +409,15 @@ async fn a_child_for_each_item(backend: Backend) {
 /// again (the item keeps it: no second child) and fails as before, never
 /// looping on the item.
 async fn a_retry_reads_an_items_child_again(backend: Backend) {
-    let Some(Onboarding {
-        t,
-        config,
-        engine,
-        clock,
-        ..
-    }) = Onboarding::start(backend, "children_each_retry").await
-    else {
+    let Some(o) = Onboarding::start(backend, "children_each_retry").await else {
         return;
     };
+    let t = &o.t;
     let people = json!({ "people": [{ "who": "f", "amount": 1 }, { "who": "g", "amount": 2 }] });
-    let e = Enqueue::new("batch", Some("fg"), people);
-    let parent = engine.enqueue(e).await.unwrap().record.id;
-    drain(&engine).await;
-    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let parent = o.enqueue("batch", "fg", people).await;
     let act = async |id: i64, action: OperatorAction| {
-        let reason = Some(format!("{action}"));
-        ops.act_with(id, action, "ann", reason, ActExtra::default())
-            .await
-            .unwrap();
-        drain(&engine).await;
+        o.act(id, action, &format!("{action}"), ActExtra::default())
+            .await;
         record(&t.db, parent).await
     };
     let child = child_of_item(&t.db, parent, 0).await.id;
@@ -483,34 +478,21 @@ async fn unfinished_children(db: &Db, parent: i64) -> Vec<String> {
 /// parent never loops on children it does not read, and every item
 /// succeeds in the end.
 async fn a_replay_of_failed_items_keeps_the_cap(backend: Backend) {
-    let Some(Onboarding {
-        t,
-        config,
-        engine,
-        clock,
-        ..
-    }) = Onboarding::start(backend, "children_each_replay").await
-    else {
+    let Some(o) = Onboarding::start(backend, "children_each_replay").await else {
         return;
     };
+    let t = &o.t;
     let people: Vec<Value> = (0..6)
         .map(|n| json!({ "who": format!("p{n}"), "amount": n + 1 }))
         .collect();
-    let e = Enqueue::new("batch", Some("six"), json!({ "people": people }));
-    let parent = engine.enqueue(e).await.unwrap().record.id;
-    drain(&engine).await;
-    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let parent = o.enqueue("batch", "six", json!({ "people": people })).await;
     let act = async |item: usize, action: OperatorAction| {
         let child = newest_child_of_item(&t.db, parent, item).await.id;
         let extra = ActExtra {
             step: (action == OperatorAction::Approve).then_some("review"),
             ..Default::default()
         };
-        let reason = Some(format!("{action}"));
-        ops.act_with(child, action, "ann", reason, extra)
-            .await
-            .unwrap();
-        drain(&engine).await;
+        o.act(child, action, &format!("{action}"), extra).await;
         let open = unfinished_children(&t.db, parent).await;
         assert!(open.len() <= 2, "more children than max_parallel: {open:?}");
     };
@@ -527,11 +509,13 @@ async fn a_replay_of_failed_items_keeps_the_cap(backend: Backend) {
         failed_items: true,
         ..Default::default()
     };
-    let why = Some("documents found".to_owned());
-    ops.act_with(parent, OperatorAction::ReplayFrom, "ann", why, only_failed)
-        .await
-        .unwrap();
-    drain(&engine).await;
+    o.act(
+        parent,
+        OperatorAction::ReplayFrom,
+        "documents found",
+        only_failed,
+    )
+    .await;
     assert_eq!(
         unfinished_children(&t.db, parent).await,
         ["kycs#0", "kycs#1"]
@@ -558,33 +542,16 @@ async fn a_replay_of_failed_items_keeps_the_cap(backend: Backend) {
 /// runs alone (a new key would start a second child): only the failed
 /// item gets a new one.
 async fn a_replay_of_failed_items_leaves_unfinished_items_alone(backend: Backend) {
-    let Some(Onboarding {
-        t,
-        config,
-        engine,
-        clock,
-        ..
-    }) = Onboarding::start(backend, "children_each_replay_open").await
-    else {
+    let Some(o) = Onboarding::start(backend, "children_each_replay_open").await else {
         return;
     };
+    let t = &o.t;
     let people = json!({ "people": [{ "who": "q0", "amount": 1 }, { "who": "q1", "amount": 2 }] });
-    let e = Enqueue::new("batchall", Some("two"), people);
-    let parent = engine.enqueue(e).await.unwrap().record.id;
-    drain(&engine).await;
-    let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
+    let parent = o.enqueue("batchall", "two", people).await;
     let first = newest_child_of_item(&t.db, parent, 0).await.id;
-    let reason = Some("wrong person".to_owned());
-    ops.act_with(
-        first,
-        OperatorAction::Cancel,
-        "ann",
-        reason,
-        ActExtra::default(),
-    )
-    .await
-    .unwrap();
-    drain(&engine).await;
+    let nothing = ActExtra::default();
+    o.act(first, OperatorAction::Cancel, "wrong person", nothing)
+        .await;
     let p = record(&t.db, parent).await;
     assert_eq!(
         (p.state, p.error_code.as_deref()),
@@ -595,11 +562,13 @@ async fn a_replay_of_failed_items_leaves_unfinished_items_alone(backend: Backend
         failed_items: true,
         ..Default::default()
     };
-    let why = Some("the right person".to_owned());
-    ops.act_with(parent, OperatorAction::ReplayFrom, "ann", why, only_failed)
-        .await
-        .unwrap();
-    drain(&engine).await;
+    o.act(
+        parent,
+        OperatorAction::ReplayFrom,
+        "the right person",
+        only_failed,
+    )
+    .await;
     let open = unfinished_children(&t.db, parent).await;
     assert_eq!(open, ["kycs#0", "kycs#1"], "one child each");
     assert_eq!(t.db.children(parent).await.unwrap().len(), 3);

@@ -78,6 +78,9 @@ async fn reload(pid: &str, log: &mut crate::wait::Lines) -> String {
     .await
 }
 
+/// The webhook secret the configuration's `webhook_secrets_file` names.
+const HOOK_SECRET: &str = "a-webhook-secret-of-32-bytes!!!!\n";
+
 fn write(dir: &Path, name: &str, text: &str) {
     std::fs::write(dir.join(name), text).unwrap();
 }
@@ -97,11 +100,7 @@ fn check_config_reads_secrets_from_files() {
         &config("https://acme.example", "acme_key"),
     );
     write(dir.path(), "acme_key", "key-beside\n");
-    write(
-        dir.path(),
-        "hook_secret",
-        "a-webhook-secret-of-32-bytes!!!!\n",
-    );
+    write(dir.path(), "hook_secret", HOOK_SECRET);
     let out = ballast(dir.path(), &[], &["check-config"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!stdout(&out).contains("key-beside"), "{}", stdout(&out));
@@ -118,11 +117,7 @@ fn check_config_reads_secrets_from_files() {
         "{said}"
     );
     write(creds.path(), "acme_key", "key-credential");
-    write(
-        creds.path(),
-        "hook_secret",
-        "a-webhook-secret-of-32-bytes!!!!",
-    );
+    write(creds.path(), "hook_secret", HOOK_SECRET);
     write(
         creds.path(),
         "secret_key",
@@ -198,11 +193,7 @@ async fn a_reload_applies_a_rotated_secret_file() {
     let creds = tempfile::tempdir().unwrap();
     write(dir.path(), "ballast.toml", &config(&base, "acme_key"));
     write(creds.path(), "acme_key", "key-one\n");
-    write(
-        creds.path(),
-        "hook_secret",
-        "a-webhook-secret-of-32-bytes!!!!",
-    );
+    write(creds.path(), "hook_secret", HOOK_SECRET);
     write(
         creds.path(),
         "admin_password",
