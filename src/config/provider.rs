@@ -360,21 +360,137 @@ impl TlsConfig {
 /// `signing = { scheme = "hmac-sha256", secret_env = "ACME_SIGNING_KEY",
 /// header = "X-Signature" }`: each request carries `t=<unix
 /// seconds>,v1=<hex>` in `header`, the HMAC of its timestamp, method, path
-/// with query and body, one per line (`auth::signing`).
+/// with query and body, one per line (`auth::signing`). Or `scheme =
+/// "aws-sigv4"` with `region`, `service` and the access key id (and a
+/// session token for temporary credentials): AWS Signature Version 4, the
+/// secret access key as the secret.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SigningConfig {
-    /// `"hmac-sha256"` (the default) or `"hmac-sha512"`.
+    /// `"hmac-sha256"` (the default), `"hmac-sha512"` or `"aws-sigv4"`.
     #[serde(default)]
-    pub scheme: crate::auth::signing::HmacHash,
-    /// The signing key's variable or file: one of the two.
+    pub scheme: crate::auth::signing::Scheme,
+    /// The signing key's variable or file: one of the two (with AWS, the
+    /// secret access key).
     #[serde(default)]
     pub secret_env: Option<String>,
     #[serde(default)]
     pub secret_file: Option<PathBuf>,
-    /// The header the signature goes in.
-    #[serde(default = "defaults::signature_header")]
-    pub header: String,
+    /// The header the signature goes in (HMAC; `X-Signature` unless set).
+    #[serde(default)]
+    pub header: Option<String>,
+    /// AWS: the region and the service signed for (`eu-west-1`, `s3`).
+    #[serde(default)]
+    pub region: Option<String>,
+    #[serde(default)]
+    pub service: Option<String>,
+    /// AWS: the access key id's variable or file.
+    #[serde(default)]
+    pub access_key_id_env: Option<String>,
+    #[serde(default)]
+    pub access_key_id_file: Option<PathBuf>,
+    /// AWS: a temporary credential's session token, variable or file.
+    #[serde(default)]
+    pub session_token_env: Option<String>,
+    #[serde(default)]
+    pub session_token_file: Option<PathBuf>,
+}
+
+impl SigningConfig {
+    /// The header an HMAC signature goes in.
+    pub fn header(&self) -> &str {
+        self.header.as_deref().unwrap_or("x-signature")
+    }
+
+    /// Whether the scheme is AWS Signature Version 4.
+    pub fn aws(&self) -> bool {
+        self.scheme == crate::auth::signing::Scheme::AwsSigV4
+    }
+
+    /// The settings `scheme` does not take (the first set, for the
+    /// message).
+    fn misplaced(&self) -> Option<&'static str> {
+        let aws = [
+            ("region", self.region.is_some()),
+            ("service", self.service.is_some()),
+            ("access_key_id_env", self.access_key_id_env.is_some()),
+            ("access_key_id_file", self.access_key_id_file.is_some()),
+            ("session_token_env", self.session_token_env.is_some()),
+            ("session_token_file", self.session_token_file.is_some()),
+        ];
+        match self.aws() {
+            true => self.header.is_some().then_some("header"),
+            false => aws.into_iter().find(|(_, set)| *set).map(|(name, _)| name),
+        }
+    }
+
+    /// The secrets it signs with: the key and, for AWS, the access key id
+    /// and session token (the `signing.` fields named when one cannot be
+    /// read); after checking that the settings fit the scheme.
+    fn read(
+        &self,
+        (env, dir): (EnvLookup<'_>, &SecretsDir),
+    ) -> Result<(Secret, Option<AwsIdentity>), FieldError> {
+        if let Some(name) = self.misplaced() {
+            let m = format!("`{name}` does not apply to scheme {:?}", self.scheme);
+            return Err(("signing", m));
+        }
+        let secret = read_one(
+            (self.secret_env.as_ref(), self.secret_file.as_ref()),
+            ("signing.secret_env", "signing.secret_file"),
+            (env, dir),
+            1,
+        )?;
+        if !self.aws() {
+            header_name(self.header()).map_err(|m| ("signing.header", m))?;
+            return Ok((secret, None));
+        }
+        for (field, value) in [
+            ("signing.region", &self.region),
+            ("signing.service", &self.service),
+        ] {
+            let ok = value.as_deref().is_some_and(|v| {
+                !v.is_empty() && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            });
+            if !ok {
+                let m = "is required: letters, digits and `-` (`eu-west-1`, `s3`)".to_owned();
+                return Err((field, m));
+            }
+        }
+        let access_key_id = read_one(
+            (
+                self.access_key_id_env.as_ref(),
+                self.access_key_id_file.as_ref(),
+            ),
+            ("signing.access_key_id_env", "signing.access_key_id_file"),
+            (env, dir),
+            1,
+        )?;
+        let session_token = match (&self.session_token_env, &self.session_token_file) {
+            (None, None) => None,
+            (var, file) => Some(read_one(
+                (var.as_ref(), file.as_ref()),
+                ("signing.session_token_env", "signing.session_token_file"),
+                (env, dir),
+                1,
+            )?),
+        };
+        Ok((
+            secret,
+            Some(AwsIdentity {
+                access_key_id,
+                session_token,
+            }),
+        ))
+    }
+}
+
+/// An AWS access key id and, for temporary credentials, the session token
+/// (the secret access key is the signing secret).
+#[derive(Clone, PartialEq, Eq)]
+pub struct AwsIdentity {
+    pub access_key_id: Secret,
+    pub session_token: Option<Secret>,
 }
 
 /// Whether `name` can name an HTTP header.
@@ -445,6 +561,8 @@ pub struct ProviderSecrets {
     pub tls_identity: Option<Secret>,
     /// The key requests are signed with.
     pub signing: Option<Secret>,
+    /// With AWS signing, the access key id and session token.
+    pub aws: Option<AwsIdentity>,
 }
 
 impl fmt::Debug for ProviderSecrets {
@@ -456,6 +574,7 @@ impl fmt::Debug for ProviderSecrets {
             .field("tls_roots", &self.tls_roots.is_some())
             .field("tls_identity", &self.tls_identity.is_some())
             .field("signing", &self.signing.is_some())
+            .field("aws", &self.aws.is_some())
             .finish()
     }
 }
@@ -499,6 +618,10 @@ impl ProviderSecrets {
             self.tls_roots.as_deref(),
             self.tls_identity.as_ref().map(Secret::expose),
             self.signing.as_ref().map(Secret::expose),
+            self.aws.as_ref().map(|a| a.access_key_id.expose()),
+            self.aws
+                .as_ref()
+                .and_then(|a| a.session_token.as_ref().map(Secret::expose)),
         ];
         all.extend(self.webhooks.iter().map(|w| Some(w.expose())));
         all
@@ -966,23 +1089,24 @@ impl ProviderConfig {
             Some(t) => t.read(dir)?,
             None => (None, None),
         };
-        let signing = match &self.signing {
+        let (signing, aws) = match &self.signing {
             Some(s) => {
-                header_name(&s.header).map_err(|m| ("signing.header", m))?;
                 if self.follow_redirects > 0 {
                     let m = "a signed provider's redirects cannot be followed (each hop would \
                              need its own signature): set `follow_redirects = 0`"
                         .to_owned();
                     return Err(("signing", m));
                 }
-                Some(read_one(
-                    (s.secret_env.as_ref(), s.secret_file.as_ref()),
-                    ("signing.secret_env", "signing.secret_file"),
-                    (env, dir),
-                    1,
-                )?)
+                if s.aws() && (self.auth.is_some() || self.oauth2.is_some()) {
+                    let m = "AWS signing is the provider's credential (its `Authorization` \
+                             header): remove `auth` or `oauth2`"
+                        .to_owned();
+                    return Err(("signing", m));
+                }
+                let (secret, aws) = s.read((env, dir))?;
+                (Some(secret), aws)
             }
-            None => None,
+            None => (None, None),
         };
         Ok(ProviderSecrets {
             auth,
@@ -991,6 +1115,7 @@ impl ProviderConfig {
             tls_roots,
             tls_identity,
             signing,
+            aws,
         })
     }
 
@@ -1024,14 +1149,18 @@ impl ProviderConfig {
 
     /// The headers whose values the history never keeps: the credential's
     /// (`auth`, else `oauth2`'s) and the request signature's (whatever
-    /// their names).
+    /// their names; with AWS, `Authorization` and the session token).
     pub fn credential_headers(&self) -> Vec<&str> {
         let credential = match (&self.auth, &self.oauth2) {
             (Some(a), _) => Some(a.header.as_str()),
             (None, Some(o)) => Some(o.header.as_str()),
             (None, None) => None,
         };
-        let signing = self.signing.as_ref().map(|s| s.header.as_str());
+        let signing = match &self.signing {
+            Some(s) if s.aws() => vec!["authorization", "x-amz-security-token"],
+            Some(s) => vec![s.header()],
+            None => Vec::new(),
+        };
         credential.into_iter().chain(signing).collect()
     }
 

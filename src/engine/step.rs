@@ -325,6 +325,60 @@ fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequ
     SentRequest::of(&out, &rt.config.credential_headers(), secrets)
 }
 
+/// Signs the request `(method, url, body)` at `at_ms` as the provider
+/// asks (`signing`): its signature's headers replace any of the same
+/// names, so that what is sent is what was signed.
+fn sign(
+    rt: &ProviderRuntime,
+    at_ms: i64,
+    (method, url, body): (&str, &reqwest::Url, &str),
+    headers: &mut Vec<(String, String)>,
+) -> Result<(), String> {
+    use crate::auth::signing;
+    let (Some(config), Some(secret)) = (&rt.config.signing, &rt.secrets.signing) else {
+        return Ok(());
+    };
+    let signed = match (config.scheme.hmac(), &rt.secrets.aws) {
+        (Some(hash), _) => {
+            let target = match url.query() {
+                Some(q) => format!("{}?{q}", url.path()),
+                None => url.path().to_owned(),
+            };
+            let at_s = at_ms.div_euclid(1000);
+            let value = signing::sign(
+                hash,
+                secret.expose().as_bytes(),
+                at_s,
+                (method, &target, body),
+            );
+            vec![(config.header().to_owned(), value)]
+        }
+        (None, Some(identity)) => {
+            let keys = signing::AwsKeys {
+                access_key_id: identity.access_key_id.expose(),
+                secret_access_key: secret.expose(),
+                session_token: identity.session_token.as_ref().map(Secret::expose),
+            };
+            let scope = (
+                config.region.as_deref().unwrap_or_default(),
+                config.service.as_deref().unwrap_or_default(),
+            );
+            let request = signing::Request {
+                method,
+                url: url.as_str(),
+                headers,
+                body: body.as_bytes(),
+            };
+            signing::aws_sigv4(&keys, scope, at_ms, &request)?
+        }
+        // Read together (`read_secrets`): not one without the other.
+        (None, None) => return Err("AWS signing without its access key id".into()),
+    };
+    headers.retain(|(k, _)| !signed.iter().any(|(s, _)| s.eq_ignore_ascii_case(k)));
+    headers.extend(signed);
+    Ok(())
+}
+
 impl StepCall<'_> {
     /// Gives the step back, due now, without a call: the node is stopping.
     fn shutting_down(&self) -> StepOutput {
@@ -1363,23 +1417,9 @@ impl StepCall<'_> {
             let codings: Vec<&str> = rt.config.decode.iter().map(|c| c.as_str()).collect();
             headers.push(("Accept-Encoding".into(), codings.join(", ")));
         }
-        if let (Some(s), Some(secret)) = (&rt.config.signing, &rt.secrets.signing) {
-            let target = match url.query() {
-                Some(q) => format!("{}?{q}", url.path()),
-                None => url.path().to_owned(),
-            };
-            let request = (
-                spec.method.as_str(),
-                target.as_str(),
-                body.as_deref().unwrap_or(""),
-            );
-            let at_s = self.clock.now_ms().div_euclid(1000);
-            let signature =
-                crate::auth::signing::sign(s.scheme, secret.expose().as_bytes(), at_s, request);
-            // The signature, not a request's header of the same name.
-            headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&s.header));
-            headers.push((s.header.clone(), signature));
-        }
+        let at_ms = self.clock.now_ms();
+        let request = (spec.method.as_str(), &url, body.as_deref().unwrap_or(""));
+        sign(rt, at_ms, request, &mut headers).map_err(Unbuildable::invalid)?;
         Ok(Call {
             method: spec.method,
             url: url.to_string(),

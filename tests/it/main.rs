@@ -31,6 +31,7 @@ mod scale;
 mod secrets;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
+mod sigv4;
 mod store;
 mod tls;
 mod traces;

@@ -110,7 +110,7 @@ async fn server() -> (String, Arc<Mutex<usize>>, Arc<Mutex<Vec<String>>>) {
 
 /// Provider `name` at `base` with `tls` (none when empty), one attempt
 /// only, and pipeline `name` calling it once.
-fn provider(name: &str, base: &str, tls: &str) -> String {
+pub(crate) fn provider(name: &str, base: &str, tls: &str) -> String {
     let tls = match tls {
         "" => String::new(),
         t => format!("tls = {{ {t} }}"),
@@ -346,20 +346,26 @@ async fn verifier(secret: &'static str) -> (String, Arc<Mutex<Vec<bool>>>) {
                     && t.parse::<i64>()
                         .is_ok_and(|t| (t - crate::helpers::wall_ms() / 1000).abs() < 300);
                 verdicts.lock().unwrap().push(good);
-                match good {
-                    true => (
-                        axum::http::StatusCode::OK,
-                        axum::Json(json!({ "status": "succeeded" })),
-                    ),
-                    false => (
-                        axum::http::StatusCode::UNAUTHORIZED,
-                        axum::Json(json!({ "error": "bad signature" })),
-                    ),
-                }
+                verdict_reply(good)
             }
         }
     });
     (crate::helpers::serve_router(app).await, verdicts)
+}
+
+/// A verifying provider's answer: 200 `succeeded` to a request whose
+/// signature holds, else 401.
+pub(crate) fn verdict_reply(good: bool) -> (axum::http::StatusCode, axum::Json<serde_json::Value>) {
+    match good {
+        true => (
+            axum::http::StatusCode::OK,
+            axum::Json(json!({ "status": "succeeded" })),
+        ),
+        false => (
+            axum::http::StatusCode::UNAUTHORIZED,
+            axum::Json(json!({ "error": "bad signature" })),
+        ),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
