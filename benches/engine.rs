@@ -1206,6 +1206,7 @@ async fn pages_at_scale(
                 role: ballast::domain::Role::Viewer,
                 created_by: "bench".into(),
                 expires_at: None,
+                pipelines: ballast::domain::scope::Scope::all(),
             },
             ballast::domain::Clock::now_ms(&ballast::domain::SystemClock),
         )

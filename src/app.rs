@@ -100,6 +100,7 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Re
         username: "admin".into(),
         password_hash: hash,
         role: Role::Admin,
+        pipelines: crate::domain::scope::Scope::all(),
     };
     // Checked again with the creation, atomically: a `user add` or another
     // node's start-up since the first look leaves this one nothing to do.

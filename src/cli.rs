@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::password;
 use crate::config::{Config, Loaded};
+use crate::domain::scope::Scope;
 use crate::domain::{Clock, Role, SystemClock, time::format_ms};
 use crate::store::{Db, NewUser, StoreError, UserChange, migrate};
 
@@ -307,7 +308,15 @@ pub enum UserCommand {
         /// What the user may do.
         #[arg(long, default_value = "viewer", value_parser = ["viewer", "operator", "admin"])]
         role: String,
+        /// Limit the user to these pipelines: names or patterns (`lead-*`)
+        /// separated by commas (not for an admin). Default: every pipeline.
+        #[arg(long, default_value = "")]
+        pipelines: String,
     },
+    /// Limit a user to pipelines (names or patterns separated by commas;
+    /// `*` for every pipeline); ends their sessions and revokes the API
+    /// tokens they made.
+    Pipelines { username: String, pipelines: String },
     /// Set a user's password (prompted, or BALLAST_PASSWORD); ends their sessions.
     Passwd { username: String },
     /// List users.
@@ -1239,9 +1248,15 @@ async fn current_version(db: &Db) -> anyhow::Result<i64> {
 async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
     let now = SystemClock.now_ms();
     match action {
-        UserCommand::Add { username, role } => {
+        UserCommand::Add {
+            username,
+            role,
+            pipelines,
+        } => {
             let role: Role = role.parse().map_err(anyhow::Error::msg)?;
             crate::store::validate_username(&username)?;
+            let pipelines = Scope::parse(&pipelines).map_err(anyhow::Error::msg)?;
+            pipelines.check_role(role).map_err(anyhow::Error::msg)?;
             if db.user_by_name(&username).await?.is_some() {
                 bail!(
                     "user `{username}` already exists (use `ballast user passwd {username}` to change the password)"
@@ -1255,11 +1270,29 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
                         username,
                         password_hash: hash,
                         role,
+                        pipelines,
                     },
                     now,
                 )
                 .await?;
-            println!("added user {} with role {}", user.username, user.role);
+            println!(
+                "added user {} with role {} on {}",
+                user.username, user.role, user.pipelines
+            );
+        }
+        UserCommand::Pipelines {
+            username,
+            pipelines,
+        } => {
+            let user = find_user(db, &username).await?;
+            let scope = Scope::parse(&pipelines).map_err(anyhow::Error::msg)?;
+            let user = db
+                .update_user(user.id, &UserChange::Pipelines(scope), now)
+                .await?;
+            println!(
+                "{username} now sees {}; their sessions and tokens are ended",
+                user.pipelines
+            );
         }
         UserCommand::Passwd { username } => {
             let user = find_user(db, &username).await?;
@@ -1270,15 +1303,19 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
             println!("password changed for {username}; their sessions are ended");
         }
         UserCommand::List => {
-            println!("{:<24} {:<9} {:<9} CREATED", "USERNAME", "ROLE", "STATUS");
+            println!(
+                "{:<24} {:<9} {:<9} {:<20} PIPELINES",
+                "USERNAME", "ROLE", "STATUS", "CREATED"
+            );
             for u in db.list_users().await? {
                 let status = if u.disabled { "disabled" } else { "active" };
                 println!(
-                    "{:<24} {:<9} {:<9} {}",
+                    "{:<24} {:<9} {:<9} {:<20} {}",
                     u.username,
                     u.role,
                     status,
-                    format_ms(u.created_at)
+                    format_ms(u.created_at),
+                    u.pipelines
                 );
             }
         }

@@ -2,6 +2,7 @@
 //! with no enabled admin to manage it. The store asks with the admins it
 //! has locked, so two admins demoting each other at once cannot both pass.
 
+use super::scope::Scope;
 use super::{Role, User};
 
 /// A change of one user.
@@ -10,6 +11,8 @@ pub enum UserChange {
     Password(String),
     Role(Role),
     Disabled(bool),
+    /// The pipelines the user may see.
+    Pipelines(Scope),
 }
 
 /// A change refused whatever who asks.
@@ -17,6 +20,9 @@ pub enum UserChange {
 pub enum AccountRefusal {
     #[error("`{0}` is the last enabled admin: make another user an admin first")]
     LastAdmin(String),
+    /// A role with a scope it cannot have (`Scope::check_role`).
+    #[error("`{0}`: {1}")]
+    Scope(String, String),
 }
 
 impl AccountRefusal {
@@ -24,6 +30,7 @@ impl AccountRefusal {
     pub fn code(&self) -> &'static str {
         match self {
             AccountRefusal::LastAdmin(_) => "last_admin",
+            AccountRefusal::Scope(..) => "admin_scoped",
         }
     }
 }
@@ -35,11 +42,19 @@ pub fn check_change(
     user: &User,
     change: &UserChange,
 ) -> Result<(), AccountRefusal> {
+    let (role, scope) = match change {
+        UserChange::Role(role) => (*role, &user.pipelines),
+        UserChange::Pipelines(scope) => (user.role, scope),
+        _ => (user.role, &user.pipelines),
+    };
+    if let Err(m) = scope.check_role(role) {
+        return Err(AccountRefusal::Scope(user.username.clone(), m));
+    }
     let admin_now = user.role == Role::Admin && !user.disabled;
     let admin_after = match change {
         UserChange::Role(role) => *role == Role::Admin && !user.disabled,
         UserChange::Disabled(disabled) => user.role == Role::Admin && !disabled,
-        UserChange::Password(_) => admin_now,
+        UserChange::Password(_) | UserChange::Pipelines(_) => admin_now,
     };
     let others = enabled_admins.iter().any(|id| *id != user.id);
     if admin_now && !admin_after && !others {
@@ -62,6 +77,7 @@ mod tests {
             created_at: 0,
             updated_at: 0,
             theme: None,
+            pipelines: Scope::all(),
         }
     }
 
@@ -95,5 +111,24 @@ mod tests {
         let demote = UserChange::Role(Role::Viewer);
         assert_eq!(check_change(&[1], &disabled_admin, &demote), Ok(()));
         assert_eq!(AccountRefusal::LastAdmin("x".into()).code(), "last_admin");
+    }
+
+    #[test]
+    fn an_admin_is_never_limited_to_pipelines() {
+        let only_a = UserChange::Pipelines(Scope::parse("a").unwrap());
+        let admin = user(1, Role::Admin, false);
+        let refused = check_change(&[1, 2], &admin, &only_a).unwrap_err();
+        assert_eq!(refused.code(), "admin_scoped");
+        let mut scoped = user(3, Role::Viewer, false);
+        assert_eq!(check_change(&[1], &scoped, &only_a), Ok(()));
+        scoped.pipelines = Scope::parse("a").unwrap();
+        let promote = UserChange::Role(Role::Admin);
+        assert!(check_change(&[1], &scoped, &promote).is_err());
+        assert_eq!(
+            check_change(&[1], &scoped, &UserChange::Role(Role::Operator)),
+            Ok(())
+        );
+        let widen = UserChange::Pipelines(Scope::all());
+        assert_eq!(check_change(&[1], &scoped, &widen), Ok(()));
     }
 }

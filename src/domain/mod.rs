@@ -25,6 +25,7 @@ pub mod request;
 pub mod reversal;
 pub mod rules;
 pub mod schedule;
+pub mod scope;
 pub mod search;
 pub mod state;
 pub mod step;

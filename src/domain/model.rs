@@ -546,6 +546,17 @@ pub struct User {
     /// The dashboard's colour scheme this user chose (`light`, `dark`);
     /// `None` follows the system's.
     pub theme: Option<String>,
+    /// The pipelines the user may see (`domain::scope`).
+    #[serde(serialize_with = "scope_patterns")]
+    pub pipelines: super::scope::Scope,
+}
+
+/// A scope as JSON: its patterns (empty: every pipeline).
+fn scope_patterns<S: serde::Serializer>(
+    scope: &super::scope::Scope,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(scope.patterns())
 }
 
 impl fmt::Debug for User {
@@ -556,6 +567,7 @@ impl fmt::Debug for User {
             .field("password_hash", &"[redacted]")
             .field("role", &self.role)
             .field("disabled", &self.disabled)
+            .field("pipelines", &self.pipelines)
             .finish()
     }
 }
@@ -619,6 +631,9 @@ pub struct ApiToken {
     pub revoked_at: Option<UnixMs>,
     /// When it stops working, if ever.
     pub expires_at: Option<UnixMs>,
+    /// The pipelines it may see (`domain::scope`).
+    #[serde(serialize_with = "scope_patterns")]
+    pub pipelines: super::scope::Scope,
 }
 
 impl ApiToken {
@@ -856,6 +871,7 @@ mod tests {
             created_at: 0,
             updated_at: 0,
             theme: None,
+            pipelines: super::super::scope::Scope::all(),
         };
         assert!(!format!("{u:?}").contains("argon2id"));
     }

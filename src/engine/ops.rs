@@ -53,7 +53,7 @@ pub enum Selection {
     /// These ids (duplicates and unknown ids are dropped).
     Ids(Vec<i64>),
     /// Every record the filter matches (its page and cursor are ignored).
-    Matching(RecordFilter),
+    Matching(Box<RecordFilter>),
 }
 
 /// What a bulk command found and did.

@@ -18,6 +18,11 @@ pub(crate) fn needs_windows(f: &RecordFilter, running_apart: bool) -> bool {
     if running_apart && f.state == Some(RecordState::Running) {
         return false;
     }
+    // Many pipelines of a scope (`list_within`): no index serves them
+    // together.
+    if f.pipelines.is_some() {
+        return true;
+    }
     // "Parked with no condition" is a state.
     let state = f.state.is_some() || f.until == Some(UntilKind::Never);
     let set = [
@@ -96,6 +101,20 @@ pub(crate) fn push_record_filter<DB>(
                 .push_bind(v.clone());
         }
     }
+    match f.pipelines.as_deref() {
+        None => {}
+        Some([]) => {
+            qb.push(" AND 1 = 0");
+        }
+        Some(names) => {
+            qb.push(" AND pipeline IN (");
+            let mut list = qb.separated(", ");
+            for name in names {
+                list.push_bind(name.clone());
+            }
+            qb.push(")");
+        }
+    }
     // A state is written out, not bound: a plan for `state = $1` could use
     // no index that leaves running records out. The states are the
     // domain's own words. "Parked with no condition" is a state (below).
@@ -153,6 +172,59 @@ pub(crate) fn push_record_filter<DB>(
     }
 }
 
+/// The most pipelines of a scope listed one by one, each through its
+/// index, the lists merged (`list_within`); more are searched together in
+/// id windows.
+pub(crate) const MAX_MERGED: usize = 16;
+
+/// A list of the records `filter` selects among those of `within` (a
+/// caller's pipelines): for one pipeline or a few, the newest of each
+/// through its own index, merged in id order (each list's `next` bounds
+/// how far down the merged page is complete). For at most [`MAX_MERGED`]
+/// pipelines, or one asked for.
+pub(crate) async fn list_within<R>(
+    db: &R,
+    filter: &RecordFilter,
+    within: &[String],
+) -> crate::store::StoreResult<crate::store::Page<crate::domain::Record>>
+where
+    R: super::Records + ?Sized,
+{
+    use crate::store::Page;
+    let mut one = filter.clone();
+    one.pipelines = None;
+    if let Some(p) = &filter.pipeline {
+        return match within.contains(p) {
+            true => db.list_records(&one).await,
+            false => Ok(Page {
+                items: Vec::new(),
+                next: None,
+            }),
+        };
+    }
+    let limit = crate::store::page_limit(filter.limit) as usize;
+    let mut items = Vec::new();
+    // Every list is complete down to its `next` (exclusive of nothing
+    // below it): the merged page is complete down to the highest.
+    let mut floor: Option<i64> = None;
+    for p in within {
+        one.pipeline = Some(p.clone());
+        let page = db.list_records(&one).await?;
+        if let Some(n) = page.next {
+            floor = Some(floor.map_or(n, |f| f.max(n)));
+        }
+        items.extend(page.items);
+    }
+    items.retain(|r: &crate::domain::Record| floor.is_none_or(|f| r.id >= f));
+    items.sort_unstable_by_key(|r| std::cmp::Reverse(r.id));
+    if items.len() > limit {
+        items.truncate(limit);
+        let next = items.last().map(|r| r.id);
+        return Ok(Page { items, next });
+    }
+    Ok(Page { items, next: floor })
+}
+
 /// Appends ` WHERE …` for the audit log (operator actions only).
 /// `audit_predicate` is the backend's spelling of "audit is true" that its
 /// partial indexes were declared with.
@@ -171,6 +243,15 @@ pub(crate) fn push_audit_filter<DB>(
     }
     if let Some(kind) = &f.kind {
         qb.push(" AND kind = ").push_bind(kind.clone());
+    }
+    if let Some(names) = &f.pipelines {
+        qb.push(" AND EXISTS (SELECT 1 FROM records r WHERE r.id = events.record_id AND r.pipeline IN (");
+        let mut list = qb.separated(", ");
+        list.push("NULL");
+        for name in names {
+            list.push_bind(name.clone());
+        }
+        qb.push("))");
     }
     if let Some(before) = f.before {
         qb.push(" AND id < ").push_bind(before);

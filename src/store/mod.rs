@@ -245,6 +245,9 @@ pub struct Created {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RecordFilter {
     pub pipeline: Option<String>,
+    /// Only records of these pipelines (a caller limited to them); `None`:
+    /// any.
+    pub pipelines: Option<Vec<String>>,
     pub state: Option<RecordState>,
     pub provider: Option<String>,
     pub step: Option<String>,
@@ -284,6 +287,9 @@ pub struct AuditFilter {
     pub kind: Option<String>,
     pub before: Option<i64>,
     pub limit: u32,
+    /// Only actions on records of these pipelines (a caller limited to
+    /// them); `None`: every action.
+    pub pipelines: Option<Vec<String>>,
 }
 
 /// One page of a keyset-paginated list.
@@ -548,6 +554,8 @@ pub struct NewUser {
     pub username: String,
     pub password_hash: String,
     pub role: Role,
+    /// The pipelines the user may see.
+    pub pipelines: crate::domain::scope::Scope,
 }
 
 /// A node's heartbeat.
@@ -595,6 +603,8 @@ pub struct NewApiToken {
     pub created_by: String,
     /// When it stops working, if ever.
     pub expires_at: Option<UnixMs>,
+    /// The pipelines it may see.
+    pub pipelines: crate::domain::scope::Scope,
 }
 
 /// An hour in unix ms.

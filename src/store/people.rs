@@ -133,6 +133,7 @@ where
             UserChange::Password(_) => "password_hash",
             UserChange::Role(_) => "role",
             UserChange::Disabled(_) => "disabled",
+            UserChange::Pipelines(_) => "pipelines",
         };
         let sql = format!(
             "UPDATE users SET {set} = $1, updated_at = $2 WHERE id = $3 RETURNING {USER_COLUMNS}"
@@ -142,6 +143,7 @@ where
             UserChange::Password(hash) => query.bind(hash.clone()),
             UserChange::Role(role) => query.bind(role.as_str()),
             UserChange::Disabled(disabled) => query.bind(*disabled),
+            UserChange::Pipelines(scope) => query.bind(scope.stored()),
         };
         let row = query
             .bind(now)
@@ -161,7 +163,9 @@ where
         .execute(&mut *tx)
         .await?;
         // Tokens a user made carry at most the access they had: a
-        // user disabled or given another role loses them too.
+        // user disabled or given another role loses them too. (Tokens
+        // carry their own pipelines, and only admins, who see every
+        // pipeline, make them.)
         if matches!(change, UserChange::Role(_) | UserChange::Disabled(true)) {
             sqlx::query("UPDATE api_tokens SET revoked_at = $1 WHERE created_by = $2 AND revoked_at IS NULL")
                 .bind(now)
@@ -264,10 +268,13 @@ where
             ));
         }
         crate::store::refuse_nul("token name", Some(&t.name))?;
+        if let Err(m) = t.pipelines.check_role(t.role) {
+            return Err(StoreError::Invalid(m));
+        }
         let mut tx = self.begin_write().await?;
         let sql = format!(
-            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at, expires_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {API_TOKEN_COLUMNS}"
+            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at, expires_at, pipelines) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {API_TOKEN_COLUMNS}"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(t.name.clone())
@@ -277,13 +284,14 @@ where
             .bind(t.created_by.clone())
             .bind(now)
             .bind(t.expires_at)
+            .bind(t.pipelines.stored())
             .fetch_one(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "api token", &t.prefix))?;
         let token = row.api_token()?;
         let detail = serde_json::json!({
             "token_id": token.id, "name": token.name, "role": token.role.as_str(),
-            "expires_at": token.expires_at,
+            "expires_at": token.expires_at, "pipelines": token.pipelines.patterns(),
         });
         Self::insert_event(
             &mut tx,

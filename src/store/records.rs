@@ -247,7 +247,12 @@ where
     }
 
     async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
-        use crate::store::filter::{Part, needs_parts, needs_windows};
+        use crate::store::filter::{MAX_MERGED, Part, list_within, needs_parts, needs_windows};
+        if let Some(within) = &filter.pipelines {
+            if filter.pipeline.is_some() || within.len() <= MAX_MERGED {
+                return list_within(self, filter, within).await;
+            }
+        }
         let limit = page_limit(filter.limit);
         let query = |f: &RecordFilter, floor: Option<i64>, n: i64| {
             let mut qb = sqlx::QueryBuilder::<DB>::new("");

@@ -40,9 +40,8 @@ pub(crate) const INTENT_COLUMNS: &str =
 pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
 pub(crate) const USER_COLUMNS: &str =
-    "id, username, password_hash, role, disabled, created_at, updated_at, theme";
-pub(crate) const API_TOKEN_COLUMNS: &str =
-    "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at, expires_at";
+    "id, username, password_hash, role, disabled, created_at, updated_at, theme, pipelines";
+pub(crate) const API_TOKEN_COLUMNS: &str = "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at, expires_at, pipelines";
 pub(crate) const BREAKER_COLUMNS: &str =
     "breaker, breaker_changed_at, open_until, probes_out, probes_ok, probe_until";
 pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
@@ -261,6 +260,7 @@ where
             created_at: self.try_get("created_at")?,
             updated_at: self.try_get("updated_at")?,
             theme: self.try_get("theme")?,
+            pipelines: scope(self.try_get("pipelines")?),
         })
     }
 
@@ -275,6 +275,7 @@ where
             last_used_at: self.try_get("last_used_at")?,
             revoked_at: self.try_get("revoked_at")?,
             expires_at: self.try_get("expires_at")?,
+            pipelines: scope(self.try_get("pipelines")?),
         })
     }
 
@@ -412,4 +413,9 @@ where
 /// Maps every row with `f`.
 pub(crate) fn map_all<R, T>(rows: &[R], f: impl Fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
     rows.iter().map(f).collect()
+}
+
+/// A `pipelines` column's scope (NULL: every pipeline).
+fn scope(column: Option<String>) -> crate::domain::scope::Scope {
+    crate::domain::scope::Scope::from_stored(column.as_deref())
 }

@@ -182,6 +182,9 @@ where
         first_only: bool,
     ) -> StoreResult<Option<crate::domain::User>> {
         super::validate_username(&user.username)?;
+        if let Err(m) = user.pipelines.check_role(user.role) {
+            return Err(StoreError::Invalid(m));
+        }
         let mut tx = self.begin_write().await?;
         // SQLite's write transaction already excludes every other writer;
         // PostgreSQL's would not see an insert not yet committed.
@@ -189,8 +192,8 @@ where
             sqlx::query(lock).execute(&mut *tx).await?;
         }
         let sql = format!(
-            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at) \
-             SELECT $1, $2, $3, $4, $5, $5 WHERE $6 OR NOT EXISTS (SELECT 1 FROM users) \
+            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at, pipelines) \
+             SELECT $1, $2, $3, $4, $5, $5, $7 WHERE $6 OR NOT EXISTS (SELECT 1 FROM users) \
              RETURNING {}",
             super::rows::USER_COLUMNS
         );
@@ -201,6 +204,7 @@ where
             .bind(false)
             .bind(now)
             .bind(!first_only)
+            .bind(user.pipelines.stored())
             .fetch_optional(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "user", &user.username))?;

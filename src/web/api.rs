@@ -22,6 +22,7 @@ use crate::web::AppState;
 use super::auth::{Admin, ApiKey, Bearer, Operator, Viewer};
 use super::error::{WebError, WebResult};
 use super::query::ListQuery;
+use super::scope;
 use crate::engine::{Ops, Selection};
 
 /// The API's routes with two limits: per token (`api_per_second`, bursts of
@@ -139,7 +140,7 @@ async fn enqueue(
     let Value::Array(items) = body else {
         let body: EnqueueBody = serde_json::from_value(body)
             .map_err(|e| WebError::bad("invalid_body", e.to_string()))?;
-        let item = to_enqueue(&state, body, now)?;
+        let item = to_enqueue(&state, &caller, body, now)?;
         let mut created = engine.enqueue_batch(vec![item]).await?;
         let created = created
             .pop()
@@ -170,7 +171,8 @@ async fn enqueue(
     for (i, item) in items.into_iter().enumerate() {
         let body: EnqueueBody = serde_json::from_value(item)
             .map_err(|e| WebError::bad("invalid_body", format!("item {i}: {e}")))?;
-        batch.push(to_enqueue(&state, body, now).map_err(|e| e.prefixed(&format!("item {i}: ")))?);
+        let item = to_enqueue(&state, &caller, body, now);
+        batch.push(item.map_err(|e| e.prefixed(&format!("item {i}: ")))?);
     }
     let created = engine.enqueue_batch(batch).await?;
     let new = created.iter().filter(|c| c.created).count();
@@ -187,14 +189,16 @@ async fn enqueue(
     Ok((status, Json(json!({ "created": new, "items": items }))).into_response())
 }
 
-/// One enqueue request checked: a configured pipeline, a key and group
-/// that are allowed, a due time that parses.
+/// One enqueue request checked: a configured pipeline the caller sees (one
+/// it does not is unknown to it), a key and group that are allowed, a due
+/// time that parses.
 fn to_enqueue(
     state: &AppState,
+    caller: &super::auth::Caller,
     body: EnqueueBody,
     now: crate::domain::UnixMs,
 ) -> WebResult<crate::engine::Enqueue> {
-    if !state.config.get().pipelines.contains_key(&body.pipeline) {
+    if !state.config.get().pipelines.contains_key(&body.pipeline) || !caller.sees(&body.pipeline) {
         return Err(WebError::bad(
             "unknown_pipeline",
             format!("unknown pipeline `{}`", body.pipeline),
@@ -223,11 +227,12 @@ fn to_enqueue(
 }
 
 async fn list(
-    _caller: Bearer<Viewer>,
+    caller: Bearer<Viewer>,
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
 ) -> WebResult<Json<Value>> {
-    let page = state.db.list_records(&q.to_filter()?).await?;
+    let filter = scope::filter(&state, &caller, &q).await?;
+    let page = state.db.list_records(&filter).await?;
     Ok(Json(json!({ "items": page.items, "next": page.next })))
 }
 
@@ -239,20 +244,17 @@ async fn export(
     Query(q): Query<ListQuery>,
     Query(x): Query<crate::web::query::ExportQuery>,
 ) -> WebResult<Response> {
-    x.respond(&state.db, &q, state.clock.now_ms(), &caller.actor)
+    let filter = scope::filter(&state, &caller, &q).await?;
+    x.respond(&state.db, (&q, filter), state.clock.now_ms(), &caller.actor)
         .await
 }
 
 async fn get_one(
-    _caller: Bearer<Viewer>,
+    caller: Bearer<Viewer>,
     State(state): State<AppState>,
     Path(id): Path<i64>,
 ) -> WebResult<Json<Value>> {
-    let record = state
-        .db
-        .get_record(id)
-        .await?
-        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    let record = scope::record(&state, &caller, id).await?;
     let (steps, attempts, events, versions, sent, children) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
@@ -265,6 +267,7 @@ async fn get_one(
     // record: `parent_id`, `parent_step`).
     let children: Vec<Value> = children
         .iter()
+        .filter(|c| caller.sees(&c.pipeline))
         .map(|c| json!({ "id": c.id, "pipeline": c.pipeline, "state": c.state, "step": c.parent_step }))
         .collect();
     // By the names the act endpoint takes.
@@ -295,16 +298,12 @@ struct ItemsQuery {
 /// (state, attempts, error, output) from index `from`; `next` is the
 /// index to ask from for more.
 async fn items(
-    _caller: Bearer<Viewer>,
+    caller: Bearer<Viewer>,
     State(state): State<AppState>,
     Path((id, step)): Path<(i64, String)>,
     Query(q): Query<ItemsQuery>,
 ) -> WebResult<Json<Value>> {
-    state
-        .db
-        .get_record(id)
-        .await?
-        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    scope::record(&state, &caller, id).await?;
     let from = q
         .from
         .unwrap_or(0)
@@ -347,6 +346,7 @@ async fn act(
     Path(id): Path<i64>,
     ApiJson(body): ApiJson<ActBody>,
 ) -> WebResult<Json<Value>> {
+    scope::record(&state, &caller, id).await?;
     let action = Ops::parse_action(&body.action)?;
     let reason = body.reason.filter(|r| !r.trim().is_empty());
     if action == crate::domain::OperatorAction::TookEffect {
@@ -404,6 +404,7 @@ async fn signal(
     headers: axum::http::HeaderMap,
     ApiJson(body): ApiJson<Value>,
 ) -> WebResult<Json<Value>> {
+    scope::record(&state, &caller, id).await?;
     let signal_id = match headers.get("idempotency-key") {
         None => None,
         Some(v) => Some(v.to_str().map(str::to_owned).map_err(|_| {
@@ -503,7 +504,7 @@ async fn bulk(
             WebError::bad("reason_required", crate::domain::action::BULK_NEEDS_REASON)
         })?;
     let selection = match (body.filter, body.ids.is_empty()) {
-        (Some(f), true) => Selection::Matching(ListQuery::from(f).to_filter()?),
+        (Some(f), true) => Selection::Matching(Box::new(ListQuery::from(f).to_filter()?)),
         (None, false) => Selection::Ids(body.ids),
         (Some(_), false) => {
             return Err(WebError::bad(
@@ -520,7 +521,7 @@ async fn bulk(
     };
     let step = body.step.filter(|s| !s.is_empty());
     let what = (action, reason.as_str(), step.as_deref());
-    let outcome = super::query::bulk(&state, &caller.actor, selection, what, body.apply).await?;
+    let outcome = super::query::bulk(&state, &caller, selection, what, body.apply).await?;
     let failed: Vec<Value> = outcome
         .failed
         .into_iter()

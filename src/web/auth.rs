@@ -283,6 +283,8 @@ pub struct Caller {
     /// The session's CSRF token, for pages to embed.
     pub csrf: String,
     pub user: Option<User>,
+    /// The pipelines the caller may see (`web::scope`).
+    pub scope: crate::domain::scope::Scope,
 }
 
 impl Caller {
@@ -421,6 +423,7 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
         role: user.role,
         csrf: keys.csrf_token(&claims.sid),
         session_id: Some(claims.sid),
+        scope: user.pipelines.clone(),
         user: Some(user),
     })
 }
@@ -452,6 +455,7 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
         session_id: None,
         csrf: String::new(),
         user: None,
+        scope: found.pipelines,
     })
 }
 

@@ -178,8 +178,10 @@ async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Re
         .as_deref()
         .filter(|t| t.len() >= crate::auth::webhook::MIN_SECRET)
         .is_some_and(|t| bool::from(t.as_bytes().ct_eq(presented.as_bytes())));
-    if !by_config {
-        auth::token_caller(&headers, &state).await?;
+    // A token limited to pipelines gets no scrape: its breakdowns are by
+    // every pipeline.
+    if !by_config && !auth::token_caller(&headers, &state).await?.sees_all() {
+        return Err(WebError::Forbidden);
     }
     let handle = handle().ok_or_else(|| WebError::Internal("no metrics recorder".into()))?;
     // Without the database the cluster's gauges keep their last values,

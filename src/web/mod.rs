@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod pages;
 pub mod query;
 pub mod requests;
+pub mod scope;
 pub mod security;
 mod state;
 pub mod stats_view;

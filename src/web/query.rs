@@ -42,13 +42,14 @@ pub struct ExportQuery {
 }
 
 impl ExportQuery {
-    /// The export of the records `list` filters, as a streamed response
-    /// (a download named after its moment), audited as `actor`'s: inputs
-    /// and outputs in bulk leave the system.
+    /// The export of the records `list` filters (as `filter`, within
+    /// what the caller sees), as a streamed response (a download named
+    /// after its moment), audited as `actor`'s: inputs and outputs in bulk
+    /// leave the system.
     pub async fn respond(
         &self,
         db: &crate::store::Db,
-        list: &ListQuery,
+        (list, filter): (&ListQuery, RecordFilter),
         now: crate::domain::UnixMs,
         actor: &str,
     ) -> WebResult<axum::response::Response> {
@@ -61,7 +62,6 @@ impl ExportQuery {
             non_empty(&self.attempts).as_deref(),
             Some("1" | "true" | "yes" | "on")
         );
-        let filter = list.to_filter()?;
         crate::store::History::append_event(
             &**db,
             &crate::store::NewEvent {
@@ -134,6 +134,7 @@ impl ListQuery {
         };
         Ok(RecordFilter {
             pipeline: non_empty(&self.pipeline),
+            pipelines: None,
             state,
             provider: non_empty(&self.provider),
             step: non_empty(&self.step),
@@ -205,11 +206,22 @@ fn span(what: &str, from: &Option<String>, to: &Option<String>) -> WebResult<Tim
 /// it is applied, then `Ops::bulk` (a dry run unless `apply`).
 pub async fn bulk(
     state: &crate::web::AppState,
-    actor: &str,
+    caller: &crate::web::auth::Caller,
     selection: crate::engine::Selection,
     (action, reason, step): (crate::domain::OperatorAction, &str, Option<&str>),
     apply: bool,
 ) -> WebResult<crate::engine::BulkOutcome> {
+    use crate::engine::Selection;
+    let actor = caller.actor.as_str();
+    // Only records the caller sees: a filter within its pipelines, ids of
+    // other pipelines dropped as unknown ones are.
+    let selection = match selection {
+        Selection::Matching(mut filter) => {
+            filter.pipelines = crate::web::scope::visible(state, caller).await?;
+            Selection::Matching(filter)
+        }
+        Selection::Ids(ids) => Selection::Ids(crate::web::scope::ids(state, caller, ids).await?),
+    };
     let ops = state.ops();
     let targets = ops
         .select(

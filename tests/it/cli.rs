@@ -196,6 +196,47 @@ async fn user_add_stores_only_an_argon2id_hash(backend: Backend) {
         "{}",
         stderr(&missing)
     );
+    // Limited to pipelines: made so, listed so, widened again; never an
+    // admin.
+    let support = ["user", "add", "support", "--pipelines", "lead-*, kyc"];
+    let made = ballast(dir.path(), &env, &support);
+    assert!(made.status.success(), "{}", stderr(&made));
+    assert!(
+        stdout(&made).contains("on lead-*, kyc"),
+        "{}",
+        stdout(&made)
+    );
+    let listed = stdout(&ballast(dir.path(), &env, &["user", "list"]));
+    let line = listed
+        .lines()
+        .find(|l| l.starts_with("support"))
+        .unwrap_or_default();
+    assert!(line.ends_with("lead-*, kyc"), "{listed}");
+    let admin = [
+        "user",
+        "add",
+        "boss",
+        "--role",
+        "admin",
+        "--pipelines",
+        "kyc",
+    ];
+    let refused = ballast(dir.path(), &env, &admin);
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("an admin sees every pipeline"),
+        "{}",
+        stderr(&refused)
+    );
+    let widened = ballast(dir.path(), &env, &["user", "pipelines", "support", "*"]);
+    assert!(widened.status.success(), "{}", stderr(&widened));
+    assert!(
+        stdout(&widened).contains("now sees all pipelines"),
+        "{}",
+        stdout(&widened)
+    );
+    let user = t.db.user_by_name("support").await.unwrap().unwrap();
+    assert!(user.pipelines.is_all());
 }
 
 #[tokio::test]

@@ -28,6 +28,7 @@ mod per_step;
 mod pipelines;
 mod reload;
 mod scale;
+mod scopes;
 mod secrets;
 #[path = "../../benches/support/seed.rs"]
 mod seed;

@@ -1952,6 +1952,7 @@ async fn users_and_sessions(db: &Db) {
     let u = db
         .create_user(
             &NewUser {
+                pipelines: ballast::domain::scope::Scope::all(),
                 username: "alice".into(),
                 password_hash: "$argon2id$fake".into(),
                 role: Role::Operator,
@@ -1964,6 +1965,7 @@ async fn users_and_sessions(db: &Db) {
     let dup = db
         .create_user(
             &NewUser {
+                pipelines: ballast::domain::scope::Scope::all(),
                 username: "alice".into(),
                 password_hash: "x".into(),
                 role: Role::Viewer,
@@ -1976,6 +1978,7 @@ async fn users_and_sessions(db: &Db) {
     let bad = db
         .create_user(
             &NewUser {
+                pipelines: ballast::domain::scope::Scope::all(),
                 username: "Alice Smith".into(),
                 password_hash: "x".into(),
                 role: Role::Viewer,
@@ -2049,6 +2052,7 @@ async fn users_and_sessions(db: &Db) {
 async fn the_last_enabled_admin_stays_one(db: &Db) {
     let add = async |name: &str, role: Role| {
         let u = NewUser {
+            pipelines: ballast::domain::scope::Scope::all(),
             username: name.into(),
             password_hash: "$argon2id$fake".into(),
             role,
@@ -2111,6 +2115,7 @@ async fn the_last_enabled_admin_stays_one(db: &Db) {
 
 async fn the_first_user_is_made_only_while_there_is_none(db: &Db) {
     let user = |name: &str| NewUser {
+        pipelines: ballast::domain::scope::Scope::all(),
         username: name.into(),
         password_hash: "$argon2id$fake".into(),
         role: Role::Admin,
@@ -2301,6 +2306,7 @@ async fn installations_have_distinct_ids() {
 async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
     use ballast::store::NewApiToken;
     let new = |name: &str, hash: &str| NewApiToken {
+        pipelines: ballast::domain::scope::Scope::all(),
         name: name.into(),
         token_hash: hash.into(),
         prefix: "blt_abcd".into(),

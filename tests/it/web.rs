@@ -162,6 +162,7 @@ impl WebApp {
         }
         let hash = ballast::auth::password::hash(&password_of(name)).unwrap();
         let u = NewUser {
+            pipelines: ballast::domain::scope::Scope::all(),
             username: name.to_owned(),
             password_hash: hash,
             role,
@@ -278,6 +279,7 @@ impl WebApp {
             .db
             .create_api_token(
                 &ballast::store::NewApiToken {
+                    pipelines: ballast::domain::scope::Scope::all(),
                     name: format!("t-{}", role.as_str()),
                     token_hash: hash,
                     prefix,
@@ -903,6 +905,12 @@ async fn every_route_checks_the_role_server_side() {
             "POST",
             format!("/admin/users/{victim}/role"),
             vec![("role", "viewer")],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            format!("/admin/users/{victim}/pipelines"),
+            vec![("pipelines", "")],
             Role::Admin,
         ),
         (
@@ -1976,6 +1984,7 @@ async fn api_tokens_may_expire() {
     );
     // The page says when each expires, and which have.
     let gone = ballast::store::NewApiToken {
+        pipelines: ballast::domain::scope::Scope::all(),
         name: "gone".into(),
         token_hash: "h".into(),
         prefix: "blt_0000".into(),

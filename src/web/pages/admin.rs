@@ -1,5 +1,5 @@
-//! Admin pages: users (add, change role, disable, reset password) and API
-//! tokens (create — shown once —, list, revoke). Every change is audited;
+//! Admin pages: users (add, change role or pipelines, disable, reset
+//! password) and API tokens (create — shown once —, list, revoke). Every change is audited;
 //! user changes revoke the user's sessions in the same transaction.
 
 use askama::Template;
@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::auth::password;
 use crate::domain::Role;
+use crate::domain::scope::Scope;
 use crate::store::{NewApiToken, NewEvent, NewUser, UserChange};
 use crate::web::AppState;
 use crate::web::auth::{self, Admin, Authed};
@@ -23,6 +24,7 @@ pub fn router() -> Router<AppState> {
     Router::new()
         .route("/admin/users", get(users).post(add_user))
         .route("/admin/users/{id}/role", post(set_role))
+        .route("/admin/users/{id}/pipelines", post(set_pipelines))
         .route("/admin/users/{id}/disable", post(disable))
         .route("/admin/users/{id}/enable", post(enable))
         .route("/admin/users/{id}/password", post(reset_password))
@@ -37,6 +39,8 @@ struct UserView {
     username: String,
     role: &'static str,
     disabled: bool,
+    /// Its pipelines as written (empty: every pipeline).
+    pipelines: String,
 }
 
 #[derive(Template)]
@@ -58,6 +62,7 @@ async fn users(caller: Authed<Admin>, State(state): State<AppState>) -> WebResul
                 username: u.username.clone(),
                 role: u.role.as_str(),
                 disabled: u.disabled,
+                pipelines: u.pipelines.patterns().join(", "),
             })
             .collect(),
         roles: ROLES,
@@ -67,6 +72,16 @@ async fn users(caller: Authed<Admin>, State(state): State<AppState>) -> WebResul
 fn parse_role(s: &str) -> WebResult<Role> {
     s.parse::<Role>()
         .map_err(|_| WebError::bad("unknown_role", format!("unknown role `{s}`")))
+}
+
+/// A form's pipelines (names or patterns separated by commas; empty:
+/// every pipeline) for `role`.
+fn parse_scope(text: &str, role: Role) -> WebResult<Scope> {
+    let scope = Scope::parse(text).map_err(|m| WebError::bad("bad_pipelines", m))?;
+    scope
+        .check_role(role)
+        .map_err(|m| WebError::bad("admin_scoped", m))?;
+    Ok(scope)
 }
 
 async fn audit(
@@ -96,6 +111,9 @@ struct AddUser {
     username: String,
     role: String,
     password: String,
+    /// Names or patterns separated by commas; empty: every pipeline.
+    #[serde(default)]
+    pipelines: String,
 }
 
 async fn add_user(
@@ -104,6 +122,7 @@ async fn add_user(
     Form(f): Form<AddUser>,
 ) -> WebResult<Response> {
     let role = parse_role(&f.role)?;
+    let pipelines = parse_scope(&f.pipelines, role)?;
     password::check_policy(&f.password)
         .map_err(|e| WebError::bad("weak_password", e.to_string()))?;
     let hash = password::hash_blocking(f.password)
@@ -116,6 +135,7 @@ async fn add_user(
                 username: f.username.trim().to_owned(),
                 password_hash: hash,
                 role,
+                pipelines,
             },
             state.clock.now_ms(),
         )
@@ -124,7 +144,10 @@ async fn add_user(
         &state,
         &caller.actor,
         "user_added",
-        json!({ "user": user.username, "role": role.as_str() }),
+        json!({
+            "user": user.username, "role": role.as_str(),
+            "pipelines": user.pipelines.patterns(),
+        }),
     )
     .await?;
     Ok(Redirect::to("/admin/users").into_response())
@@ -165,6 +188,30 @@ async fn set_role(
         id,
         UserChange::Role(role),
         json!({ "role": role.as_str() }),
+    )
+    .await
+}
+
+#[derive(Deserialize)]
+struct PipelinesForm {
+    #[serde(default)]
+    pipelines: String,
+}
+
+async fn set_pipelines(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Form(f): Form<PipelinesForm>,
+) -> WebResult<Response> {
+    let scope = Scope::parse(&f.pipelines).map_err(|m| WebError::bad("bad_pipelines", m))?;
+    let what = json!({ "pipelines": scope.patterns() });
+    change(
+        &state,
+        &caller.actor,
+        id,
+        UserChange::Pipelines(scope),
+        what,
     )
     .await
 }
@@ -236,6 +283,8 @@ struct TokenView {
     name: String,
     prefix: String,
     role: &'static str,
+    /// The pipelines it may see, or "all".
+    pipelines: String,
     created: String,
     created_by: String,
     last_used: String,
@@ -275,6 +324,7 @@ async fn tokens_page(
                 name: t.name.clone(),
                 prefix: t.prefix.clone(),
                 role: t.role.as_str(),
+                pipelines: t.pipelines.to_string(),
                 created: when(t.created_at),
                 created_by: t.created_by.clone(),
                 last_used: when_opt(t.last_used_at),
@@ -305,6 +355,9 @@ struct TokenForm {
     /// Days until it expires; empty or absent: never.
     #[serde(default)]
     expires_in_days: String,
+    /// Names or patterns separated by commas; empty: every pipeline.
+    #[serde(default)]
+    pipelines: String,
 }
 
 /// When a token made at `now` to last `days` (a form's text) expires.
@@ -328,6 +381,7 @@ async fn create_token(
     Form(f): Form<TokenForm>,
 ) -> WebResult<Response> {
     let role = parse_role(&f.role)?;
+    let pipelines = parse_scope(&f.pipelines, role)?;
     let now = state.clock.now_ms();
     let expires_at = token_expiry(&f.expires_in_days, now)?;
     let (token, hash, prefix) =
@@ -343,6 +397,7 @@ async fn create_token(
                 role,
                 created_by: caller.actor.clone(),
                 expires_at,
+                pipelines,
             },
             now,
         )

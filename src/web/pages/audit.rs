@@ -86,6 +86,8 @@ async fn list(
         kind: clean(&q.kind),
         before: q.before,
         limit: 100,
+        // A caller limited to pipelines: actions on their records only.
+        pipelines: crate::web::scope::visible(&state, &caller).await?,
     };
     let page = state.db.audit_log(&filter).await?;
     let mut filters = form_urlencoded::Serializer::new(String::new());

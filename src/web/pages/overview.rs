@@ -15,6 +15,7 @@ use crate::web::AppState;
 use crate::web::auth::{Authed, Viewer};
 use crate::web::error::WebResult;
 use crate::web::htmx::is_htmx;
+use crate::web::scope;
 
 use super::{Nav, html, when};
 
@@ -137,7 +138,7 @@ async fn overview(
     headers: HeaderMap,
 ) -> WebResult<Response> {
     let now = state.clock.now_ms();
-    let (counts, per_provider, provider_states, nodes, rollups, schedule_rows) = tokio::try_join!(
+    let (mut counts, per_provider, provider_states, nodes, mut rollups, schedule_rows) = tokio::try_join!(
         state.db.state_counts(),
         state.db.provider_counts(),
         state.db.provider_states(),
@@ -146,14 +147,26 @@ async fn overview(
         state.db.schedules(),
     )?;
     let config = state.config.get();
+    // A caller limited to pipelines counts theirs only: by provider
+    // through the steps they are at.
+    let step_counts = match caller.sees_all() {
+        true => Vec::new(),
+        false => state.db.step_counts().await?,
+    };
+    let per_provider = scope::provider_counts(&config, &caller, per_provider, &step_counts);
+    counts.retain(|c| caller.sees(&c.pipeline));
+    rollups.retain(|r| caller.sees(&r.pipeline));
+    let shown = scope::providers(&config, &caller);
+    let shown = |name: &String| shown.as_ref().is_none_or(|s| s.contains(name));
     // Nodes heard from lately; a crashed node's row stays until it ages out.
     let horizon = now - 3 * crate::domain::host::HEARTBEAT_EVERY.as_millis() as i64;
     let live = nodes.iter().filter(|n| n.heartbeat_at > horizon).count();
-    let pipelines = table(config.pipelines.keys(), counts);
-    let by_provider = table(config.providers.keys(), per_provider);
+    let pipelines = table(config.pipelines.keys().filter(|p| caller.sees(p)), counts);
+    let by_provider = table(config.providers.keys().filter(|p| shown(p)), per_provider);
     let providers = config
         .providers
         .keys()
+        .filter(|p| shown(p))
         .map(|name| {
             let ps = provider_states.iter().find(|p| &p.provider == name);
             let live = state.engine.as_ref().and_then(|e| e.provider_live(name));
@@ -173,7 +186,10 @@ async fn overview(
         pipelines,
         by_provider,
         providers,
-        schedules: schedule_lines(&config, &schedule_rows, now),
+        schedules: schedule_lines(&config, &schedule_rows, now)
+            .into_iter()
+            .filter(|s| caller.sees(&s.pipeline))
+            .collect(),
         nodes: live,
         config_version: state.config.version(),
         config_split: crate::domain::host::config_split(&nodes, now),

@@ -273,7 +273,12 @@ async fn pipelines(
     let runs = step_runs(&rollups, now);
     let config = state.config.get();
     let mut pipelines = Vec::with_capacity(config.pipelines.len());
-    for (i, (name, p)) in config.pipelines.iter().enumerate() {
+    // A caller limited to pipelines sees theirs only.
+    let seen = config
+        .pipelines
+        .iter()
+        .filter(|(name, _)| caller.sees(name));
+    for (i, (name, p)) in seen.enumerate() {
         let mut v = view(name, p, i, &runs, &counts);
         let current = state
             .engine

@@ -53,9 +53,12 @@ async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<
     let shared = state.db.provider_states().await?;
     let now = state.clock.now_ms();
     let config = state.config.get();
+    // A caller limited to pipelines sees the providers they call.
+    let shown = crate::web::scope::providers(&config, caller);
     let providers = config
         .providers
         .iter()
+        .filter(|(name, _)| shown.as_ref().is_none_or(|s| s.contains(*name)))
         .map(|(name, cfg)| {
             let ps = shared.iter().find(|p| &p.provider == name);
             let live = state.engine.as_ref().and_then(|e| e.provider_live(name));

@@ -17,6 +17,7 @@ use crate::web::auth::{Authed, Operator, Viewer};
 use crate::web::error::{WebError, WebResult};
 use crate::web::htmx::is_htmx;
 use crate::web::query::{ListQuery, non_empty};
+use crate::web::scope;
 
 use super::{Nav, html, when, when_opt};
 use crate::web::fmt::millis;
@@ -122,14 +123,31 @@ async fn list(
     headers: HeaderMap,
     Query(q): Query<ListQuery>,
 ) -> WebResult<Response> {
-    let filter = q.to_filter()?;
+    let filter = scope::filter(&state, &caller, &q).await?;
     let page = state.db.list_records(&filter).await?;
     let t = RecordsPage {
         nav: Nav::new(&caller, "records"),
         filters: q.query_string(),
         f: q,
-        pipelines: state.config.get().pipelines.keys().cloned().collect(),
-        providers: state.config.get().providers.keys().cloned().collect(),
+        pipelines: state
+            .config
+            .get()
+            .pipelines
+            .keys()
+            .filter(|p| caller.sees(p))
+            .cloned()
+            .collect(),
+        providers: {
+            let config = state.config.get();
+            let shown = scope::providers(&config, &caller);
+            let shown = |p: &String| shown.as_ref().is_none_or(|s| s.contains(p));
+            config
+                .providers
+                .keys()
+                .filter(|p| shown(p))
+                .cloned()
+                .collect()
+        },
         states: RecordState::ALL.iter().map(|s| s.as_str()).collect(),
         untils: crate::domain::park::UntilKind::ALL
             .iter()
@@ -176,13 +194,19 @@ async fn search(
         return Ok(Redirect::to("/records").into_response());
     }
     let providers: Vec<String> = state.config.get().providers.keys().cloned().collect();
-    let named = state.db.find_records(&q, &providers).await?;
+    let mut named = state.db.find_records(&q, &providers).await?;
+    named.retain(|r| caller.sees(&r.pipeline));
     // The results' own refresh (htmx) stays on this page.
     let live = crate::web::htmx::is_htmx(&headers);
     if let ([one], false) = (named.as_slice(), live) {
         return Ok(Redirect::to(&format!("/records/{}", one.id)).into_response());
     }
-    let worded = state.db.search_records(&q, 50).await?;
+    // A caller limited to pipelines gets the newest 50 of its own among
+    // the newest matches (up to 500 read).
+    let read = if caller.sees_all() { 50 } else { 500 };
+    let mut worded = state.db.search_records(&q, read).await?;
+    worded.retain(|r| caller.sees(&r.pipeline));
+    worded.truncate(50);
     let page = SearchPage {
         nav: Nav::new(&caller, "records"),
         q,
@@ -203,7 +227,8 @@ async fn export(
     Query(q): Query<ListQuery>,
     Query(x): Query<crate::web::query::ExportQuery>,
 ) -> WebResult<Response> {
-    x.respond(&state.db, &q, state.clock.now_ms(), &caller.actor)
+    let filter = scope::filter(&state, &caller, &q).await?;
+    x.respond(&state.db, (&q, filter), state.clock.now_ms(), &caller.actor)
         .await
 }
 
@@ -231,7 +256,7 @@ async fn enqueue(
         .engine
         .as_ref()
         .ok_or_else(|| bad("no_workers", "this node has no pipelines configured".into()))?;
-    if !state.config.get().pipelines.contains_key(&form.pipeline) {
+    if !state.config.get().pipelines.contains_key(&form.pipeline) || !caller.sees(&form.pipeline) {
         return Err(bad(
             "unknown_pipeline",
             format!("unknown pipeline `{}`", form.pipeline),
@@ -844,11 +869,12 @@ async fn record_page_at(
     q: &DiffQuery,
     version: [i64; 5],
 ) -> WebResult<RecordPage> {
-    let rec = state
-        .db
-        .get_record(id)
-        .await?
-        .ok_or_else(|| WebError::NotFound(format!("record {id} not found")))?;
+    let rec = scope::record(state, caller, id).await?;
+    // A parent in a pipeline the caller does not see is not named.
+    let parent = match rec.parent_id {
+        Some(p) if !caller.sees_all() => scope::record(state, caller, p).await.ok().map(|r| r.id),
+        other => other,
+    };
     let (steps, attempts, events, replaced, open, children) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
@@ -899,10 +925,12 @@ async fn record_page_at(
     Ok(RecordPage {
         nav: Nav::new(caller, "records"),
         awaiting,
-        parent: rec
-            .parent_id
-            .map(|p| (p, rec.parent_step.clone().unwrap_or_default())),
-        children: children.iter().map(ChildView::of).collect(),
+        parent: parent.map(|p| (p, rec.parent_step.clone().unwrap_or_default())),
+        children: children
+            .iter()
+            .filter(|c| caller.sees(&c.pipeline))
+            .map(ChildView::of)
+            .collect(),
         pinned: pinned_version(rec.pipeline_version, current),
         newer: current
             .filter(|c| rec.pipeline_version.is_some_and(|v| v != *c))
@@ -962,6 +990,9 @@ async fn live(
     Path(id): Path<i64>,
     Query(q): Query<LiveQuery>,
 ) -> WebResult<Response> {
+    if !caller.sees_all() {
+        scope::record(&state, &caller, id).await?;
+    }
     let now = state
         .db
         .record_version(id)
@@ -1040,6 +1071,7 @@ async fn act(
     Path(id): Path<i64>,
     axum::Form(form): axum::Form<ActForm>,
 ) -> WebResult<Response> {
+    scope::record(&state, &caller, id).await?;
     let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason);
     let step = non_empty(&form.step);
@@ -1171,13 +1203,13 @@ async fn bulk(
     })?;
     let step = non_empty(&form.step);
     let selection = if form.all_matching.is_some() {
-        Selection::Matching(form.filter().to_filter()?)
+        Selection::Matching(Box::new(form.filter().to_filter()?))
     } else {
         Selection::Ids(form.ids.clone())
     };
     let apply = form.mode.as_deref() == Some("apply");
     let what = (action, reason.as_str(), step.as_deref());
-    let outcome = crate::web::query::bulk(&state, &caller.actor, selection, what, apply).await?;
+    let outcome = crate::web::query::bulk(&state, &caller, selection, what, apply).await?;
     let scope = if form.all_matching.is_some() {
         let q = form.filter().query_string();
         if q.is_empty() {
