@@ -1200,6 +1200,7 @@ async fn pages_at_scale(
         .db
         .create_api_token(
             &ballast::store::NewApiToken {
+                unmask: false,
                 name: "bench".into(),
                 token_hash: hash,
                 prefix,

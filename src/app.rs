@@ -101,6 +101,9 @@ pub async fn bootstrap_admin(db: &Db, configured: Option<&Secret>) -> anyhow::Re
         password_hash: hash,
         role: Role::Admin,
         pipelines: crate::domain::scope::Scope::all(),
+        // The installer's account: every permission (drop it on the Users
+        // page once others manage the data).
+        unmask: true,
     };
     // Checked again with the creation, atomically: a `user add` or another
     // node's start-up since the first look leaves this one nothing to do.

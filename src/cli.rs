@@ -312,6 +312,17 @@ pub enum UserCommand {
         /// separated by commas (not for an admin). Default: every pipeline.
         #[arg(long, default_value = "")]
         pipelines: String,
+        /// Show the user sensitive fields in clear (`sensitive` of
+        /// pipelines and providers); masked otherwise.
+        #[arg(long)]
+        unmask: bool,
+    },
+    /// Show a user sensitive fields in clear (`on`) or masked (`off`); ends
+    /// their sessions.
+    Unmask {
+        username: String,
+        #[arg(value_parser = ["on", "off"])]
+        setting: String,
     },
     /// Limit a user to pipelines (names or patterns separated by commas;
     /// `*` for every pipeline); ends their sessions and revokes the API
@@ -469,6 +480,8 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         filter,
         format,
         attempts,
+        // The command reads the database itself: in clear.
+        masking: None,
     };
     export_records(config, export, out.as_deref()).await
 }
@@ -1252,6 +1265,7 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
             username,
             role,
             pipelines,
+            unmask,
         } => {
             let role: Role = role.parse().map_err(anyhow::Error::msg)?;
             crate::store::validate_username(&username)?;
@@ -1271,6 +1285,7 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
                         password_hash: hash,
                         role,
                         pipelines,
+                        unmask,
                     },
                     now,
                 )
@@ -1279,6 +1294,14 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
                 "added user {} with role {} on {}",
                 user.username, user.role, user.pipelines
             );
+        }
+        UserCommand::Unmask { username, setting } => {
+            let user = find_user(db, &username).await?;
+            let on = setting == "on";
+            db.update_user(user.id, &UserChange::Unmask(on), now)
+                .await?;
+            let shown = if on { "in clear" } else { "masked" };
+            println!("{username} now sees sensitive fields {shown}; their sessions are ended");
         }
         UserCommand::Pipelines {
             username,

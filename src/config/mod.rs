@@ -6,6 +6,7 @@ mod env;
 pub mod pipeline;
 pub mod provider;
 pub mod secret;
+pub mod sensitive;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -616,6 +617,7 @@ impl Config {
     /// supplies the credentials that providers name.
     pub fn validate(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
         self.validate_core()?;
+        self.check_sensitive()?;
         for (name, p) in &self.providers {
             if !name
                 .bytes()

@@ -45,6 +45,13 @@ pub struct PipelineConfig {
     /// written into a pinned definition when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_failure: Option<OnFailure>,
+    /// Sensitive fields of its records (`/input/ssn`,
+    /// `/steps/kyc/output/url`; `domain::mask`): masked for callers
+    /// without `unmask`, in what attempts keep, and left out of search.
+    /// Read from the current configuration, not part of the pinned
+    /// definition.
+    #[serde(default, skip_serializing)]
+    pub sensitive: Vec<super::sensitive::SensitiveField>,
     pub steps: Vec<StepConfig>,
 }
 

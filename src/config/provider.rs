@@ -55,6 +55,11 @@ pub struct ProviderConfig {
     /// A header carrying a credential from a variable or a file.
     #[serde(default)]
     pub auth: Option<AuthConfig>,
+    /// Sensitive fields of its replies (JSON pointers, `*` for any key or
+    /// index): masked in the reply excerpts kept, and in the step outputs
+    /// taken from them (`config::sensitive`).
+    #[serde(default)]
+    pub sensitive: Vec<super::sensitive::SensitiveField>,
     /// OAuth2 client credentials instead of a static header: a token
     /// fetched, cached and shared by this node's calls, renewed before it
     /// expires and once on a `401`.

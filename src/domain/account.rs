@@ -13,6 +13,8 @@ pub enum UserChange {
     Disabled(bool),
     /// The pipelines the user may see.
     Pipelines(Scope),
+    /// Whether the user sees sensitive fields in clear.
+    Unmask(bool),
 }
 
 /// A change refused whatever who asks.
@@ -54,7 +56,7 @@ pub fn check_change(
     let admin_after = match change {
         UserChange::Role(role) => *role == Role::Admin && !user.disabled,
         UserChange::Disabled(disabled) => user.role == Role::Admin && !disabled,
-        UserChange::Password(_) | UserChange::Pipelines(_) => admin_now,
+        UserChange::Password(_) | UserChange::Pipelines(_) | UserChange::Unmask(_) => admin_now,
     };
     let others = enabled_admins.iter().any(|id| *id != user.id);
     if admin_now && !admin_after && !others {
@@ -78,6 +80,7 @@ mod tests {
             updated_at: 0,
             theme: None,
             pipelines: Scope::all(),
+            unmask: false,
         }
     }
 

@@ -16,6 +16,7 @@ pub mod fair;
 pub mod host;
 pub mod kind;
 pub mod login;
+pub mod mask;
 pub mod model;
 pub mod park;
 pub mod pass;

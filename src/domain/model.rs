@@ -384,7 +384,7 @@ fn redact_escaped(text: &str, secrets: &[&str]) -> Option<String> {
 
 /// The character at byte `i` of `text` read as the inside of a JSON string
 /// (an escape decoded), and how many bytes it took.
-fn json_char_at(text: &str, i: usize) -> (char, usize) {
+pub(crate) fn json_char_at(text: &str, i: usize) -> (char, usize) {
     let rest = &text[i..];
     let hex = |at: usize| {
         rest.get(at..at + 4)
@@ -549,6 +549,8 @@ pub struct User {
     /// The pipelines the user may see (`domain::scope`).
     #[serde(serialize_with = "scope_patterns")]
     pub pipelines: super::scope::Scope,
+    /// Sees sensitive fields in clear (`domain::mask`).
+    pub unmask: bool,
 }
 
 /// A scope as JSON: its patterns (empty: every pipeline).
@@ -634,6 +636,8 @@ pub struct ApiToken {
     /// The pipelines it may see (`domain::scope`).
     #[serde(serialize_with = "scope_patterns")]
     pub pipelines: super::scope::Scope,
+    /// Sees sensitive fields in clear (`domain::mask`).
+    pub unmask: bool,
 }
 
 impl ApiToken {
@@ -872,6 +876,7 @@ mod tests {
             updated_at: 0,
             theme: None,
             pipelines: super::super::scope::Scope::all(),
+            unmask: false,
         };
         assert!(!format!("{u:?}").contains("argon2id"));
     }

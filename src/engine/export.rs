@@ -10,6 +10,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use serde_json::{Value, json};
 
+use crate::domain::mask::Scrubber;
 use crate::domain::{Attempt, Record, StepRun, time::format_ms};
 use crate::store::{Db, RecordFilter, StoreError};
 
@@ -62,6 +63,36 @@ pub struct Export {
     pub format: Format,
     /// Each record's attempts too.
     pub attempts: bool,
+    /// Sensitive fields masked, by the rules of each record's pipeline
+    /// (`domain::mask`); `None`: in clear (an unmasked export).
+    pub masking: Option<std::sync::Arc<Masking>>,
+}
+
+/// What an export masks: each configured pipeline's sensitive fields, and
+/// for a pipeline the configuration does not know, everything.
+#[derive(Debug)]
+pub struct Masking {
+    pub by_pipeline: BTreeMap<String, Vec<crate::domain::mask::Rule>>,
+    pub unknown: Vec<crate::domain::mask::Rule>,
+}
+
+impl Masking {
+    /// The masking by `config`'s pipelines.
+    pub fn of(config: &crate::config::Config) -> Masking {
+        Masking {
+            by_pipeline: config
+                .pipelines
+                .keys()
+                .map(|p| (p.clone(), config.sensitive_rules(p)))
+                .collect(),
+            // No pipeline has an empty name: the rules of one not known.
+            unknown: config.sensitive_rules(""),
+        }
+    }
+
+    fn rules(&self, pipeline: &str) -> &[crate::domain::mask::Rule] {
+        self.by_pipeline.get(pipeline).unwrap_or(&self.unknown)
+    }
 }
 
 const CSV_COLUMNS: [&str; 16] = [
@@ -154,16 +185,44 @@ async fn page(
         }
     }
     for r in &page.items {
-        let steps = steps.remove(&r.id).unwrap_or_default();
-        let tried = export
+        let mut steps = steps.remove(&r.id).unwrap_or_default();
+        let mut tried = export
             .attempts
             .then(|| attempts.remove(&r.id).unwrap_or_default());
+        let rules = export.masking.as_ref().map(|m| m.rules(&r.pipeline));
+        let mut r = std::borrow::Cow::Borrowed(r);
+        if let Some(rules) = rules.filter(|rules| !rules.is_empty()) {
+            let r = r.to_mut();
+            let values = Scrubber::new(crate::domain::mask::record(rules, r, &mut steps));
+            r.reason = r.reason.as_deref().map(|t| values.clean(t));
+            for s in &mut steps {
+                s.reason = s.reason.as_deref().map(|t| values.clean(t));
+            }
+            for a in tried.iter_mut().flatten() {
+                scrub_attempt(a, &values);
+            }
+        }
+        let r = r.as_ref();
         match export.format {
             Format::Jsonl => jsonl_line(out, r, &steps, tried.as_deref()),
             Format::Csv => csv_record(out, r, &steps, tried.as_deref()),
         }
     }
     Ok(page.next)
+}
+
+/// An attempt's kept texts with `values` masked.
+fn scrub_attempt(a: &mut Attempt, values: &Scrubber) {
+    if let Some(e) = &a.excerpt {
+        a.excerpt = Some(values.clean(e));
+    }
+    if let Some(req) = &mut a.request {
+        req.url = values.clean(&req.url);
+        req.body = req.body.as_deref().map(|b| values.body(b));
+        for (_, v) in &mut req.headers {
+            *v = values.clean(v);
+        }
+    }
 }
 
 fn jsonl_line(out: &mut Vec<u8>, r: &Record, steps: &[StepRun], attempts: Option<&[Attempt]>) {

@@ -31,6 +31,7 @@ pub mod retention;
 mod run;
 pub mod schedule;
 pub mod search;
+mod sensitive;
 pub mod stats;
 mod step;
 mod supervisor;

@@ -103,6 +103,29 @@ impl Loop for SearchIndexer {
 }
 
 impl SearchIndexer {
+    /// Of `records`, those of pipelines with sensitive fields (or that
+    /// this node does not run): their documents leave out input and output
+    /// values (read only when some pipeline here has such fields).
+    async fn bare(&self, records: &[i64]) -> Result<Vec<i64>, StoreError> {
+        let config = self.engine.inner.config();
+        let sensitive: BTreeSet<&String> = config
+            .pipelines
+            .keys()
+            .filter(|p| !config.sensitive_rules(p).is_empty())
+            .collect();
+        if sensitive.is_empty() || records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let found = self.engine.inner.db.get_records(records).await?;
+        // A pipeline this node does not run has fields it cannot know.
+        let bare = |p: &String| sensitive.contains(p) || !config.pipelines.contains_key(p);
+        Ok(found
+            .into_iter()
+            .filter(|r| bare(&r.pipeline))
+            .map(|r| r.id)
+            .collect())
+    }
+
     /// The search indexer of `engine` (its state is the engine's: one per
     /// node).
     pub fn of(engine: &Engine) -> SearchIndexer {
@@ -164,7 +187,8 @@ impl SearchIndexer {
                 .collect();
             let settled = progress.settled();
             if !records.is_empty() || settled != state.stored {
-                turn.records += i.db.index_records(&records, settled).await?;
+                let bare = self.bare(&records).await?;
+                turn.records += i.db.index_records(&records, &bare, settled).await?;
                 state.stored = settled;
             }
             state.progress = Some(progress.clone());

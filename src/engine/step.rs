@@ -1027,8 +1027,50 @@ impl StepCall<'_> {
         }
         x.span = span;
         // The call as the history keeps it, credentials removed
-        // (`domain::request`), with the same secrets as the reply.
-        (x, kept_request(rt, call, &secrets))
+        // (`domain::request`), with the same secrets as the reply; and
+        // the record's sensitive values masked in both.
+        let masking = self.masking(rt);
+        let sent = self.kept(rt, call, &secrets, masking.as_ref());
+        if let Some(m) = &masking {
+            x.excerpt = m.excerpt(&x.reply, &x.excerpt);
+        }
+        (x, sent)
+    }
+
+    /// What this call's history is masked by (`engine::sensitive`), if
+    /// anything.
+    fn masking(&self, rt: &ProviderRuntime) -> Option<super::sensitive::Masking> {
+        let config = self.engine.config();
+        let at = (
+            self.record.pipeline.as_str(),
+            self.step.name.as_str(),
+            rt.name.as_str(),
+        );
+        super::sensitive::Masking::of(&config, at, &self.ctx)
+    }
+
+    /// `call` as the history keeps it: credentials removed, the record's
+    /// sensitive values masked (`masking`).
+    fn kept(
+        &self,
+        rt: &ProviderRuntime,
+        call: &Call,
+        secrets: &[&str],
+        masking: Option<&super::sensitive::Masking>,
+    ) -> SentRequest {
+        let Some(m) = masking else {
+            return kept_request(rt, call, secrets);
+        };
+        let (url, body) = m.outgoing(&call.url, call.body.as_deref());
+        let out = Outgoing {
+            method: call.method.as_str(),
+            url: &url,
+            headers: &call.headers,
+            body: body.as_deref(),
+        };
+        let mut sent = SentRequest::of(&out, &rt.config.credential_headers(), secrets);
+        m.headers(&mut sent);
+        sent
     }
 
     /// Writes the call down before it leaves (`at_most_once`): its intent's
@@ -1053,7 +1095,7 @@ impl StepCall<'_> {
             attempt_no,
             node: Some(self.node.to_owned()),
             sent_at: at,
-            request: Some(kept_request(rt, call, &secrets)),
+            request: Some(self.kept(rt, call, &secrets, self.masking(rt).as_ref())),
         };
         self.intents.write(intent).await
     }
@@ -1240,6 +1282,12 @@ impl StepCall<'_> {
             .collect();
         let (write, verdicts) =
             apply_deliveries(self.step, &self.write, &deliveries, &rt.rules, self.now);
+        let masking = self.masking(rt);
+        let kept = |body: &Value| match &masking {
+            Some(m) => m.delivery(body),
+            None => crate::domain::excerpt(&body.to_string(), crate::domain::EXCERPT_MAX_BYTES)
+                .to_owned(),
+        };
         let attempts = verdicts
             .iter()
             .zip(&self.callbacks)
@@ -1253,10 +1301,7 @@ impl StepCall<'_> {
                 http_status: None,
                 outcome: v.outcome,
                 error_code: v.error_code.clone(),
-                excerpt: Some(
-                    crate::domain::excerpt(&cb.body.to_string(), crate::domain::EXCERPT_MAX_BYTES)
-                        .to_owned(),
-                ),
+                excerpt: Some(kept(&cb.body)),
                 request: None,
             })
             .collect();

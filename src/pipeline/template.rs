@@ -18,17 +18,12 @@ use std::collections::{BTreeSet, HashMap};
 use minijinja::{
     AutoEscape, Environment, Error, Output, State, UndefinedBehavior, Value as TplValue,
 };
-use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+use percent_encoding::{AsciiSet, utf8_percent_encode};
 use serde_json::Value;
 
-/// Everything but RFC 3986's unreserved characters (ALPHA, DIGIT and
-/// `-._~`) is percent-encoded: a value is one path segment or one query
-/// value, whatever it holds.
-const COMPONENT: &AsciiSet = &NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
+/// Everything but RFC 3986's unreserved characters is percent-encoded: a
+/// value is one path segment or one query value, whatever it holds.
+const COMPONENT: &AsciiSet = crate::domain::mask::URL_COMPONENT;
 
 /// How a template's interpolated values are quoted: by where the rendered
 /// text goes.
@@ -289,6 +284,9 @@ pub fn value_of(v: &Value) -> TplValue {
 pub struct PassContext {
     json: Value,
     values: std::sync::OnceLock<Converted>,
+    /// The record's sensitive values, found once per pass (every item of a
+    /// step for each item shares them).
+    scrubber: std::sync::OnceLock<std::sync::Arc<crate::domain::mask::Scrubber>>,
 }
 
 /// The context's top-level values but `steps`, and each step's entry.
@@ -302,7 +300,23 @@ impl PassContext {
         PassContext {
             json,
             values: std::sync::OnceLock::new(),
+            scrubber: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The record's sensitive values by `rules` (its pipeline's, asked
+    /// the first time only), with their masks.
+    pub fn scrubber(
+        &self,
+        rules: impl FnOnce() -> Vec<crate::domain::mask::Rule>,
+    ) -> std::sync::Arc<crate::domain::mask::Scrubber> {
+        use crate::domain::mask;
+        self.scrubber
+            .get_or_init(|| {
+                let rules = rules();
+                std::sync::Arc::new(mask::Scrubber::new(mask::values(&self.json, &rules)))
+            })
+            .clone()
     }
 
     pub fn json(&self) -> &Value {

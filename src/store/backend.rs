@@ -140,10 +140,13 @@ pub trait SqlDb:
     /// purged meanwhile are skipped): the words of the key, reason, error
     /// code and input values, and of each step's output values, reason,
     /// error code and job id, the first 64 KiB of them (JSON keys are not
-    /// a record's words). Returns the documents written.
+    /// a record's words); of `bare` records (of pipelines with sensitive
+    /// fields) without input or output values. Returns the documents
+    /// written.
     fn index_in(
         tx: &mut Transaction<'static, Self>,
         records: &[i64],
+        bare: &[i64],
     ) -> impl Future<Output = StoreResult<u64>> + Send;
 
     /// Removes the search documents of records deleted in `tx`.

@@ -91,9 +91,10 @@ pub trait Housekeeping: Send + Sync {
         limit: u32,
     ) -> StoreResult<Vec<crate::domain::search::SeenEvent>>;
     /// Writes the search documents of `records` anew (those purged are
-    /// skipped) and moves the stored progress up to `settled`, in one
+    /// skipped; those also in `bare` without their input and output
+    /// values) and moves the stored progress up to `settled`, in one
     /// transaction; returns the documents written.
-    async fn index_records(&self, records: &[i64], settled: i64) -> StoreResult<u64>;
+    async fn index_records(&self, records: &[i64], bare: &[i64], settled: i64) -> StoreResult<u64>;
 }
 
 #[async_trait::async_trait]
@@ -502,12 +503,12 @@ where
         Ok(out)
     }
 
-    async fn index_records(&self, records: &[i64], settled: i64) -> StoreResult<u64> {
+    async fn index_records(&self, records: &[i64], bare: &[i64], settled: i64) -> StoreResult<u64> {
         let mut tx = self.begin_write().await?;
         let indexed = if records.is_empty() {
             0
         } else {
-            DB::index_in(&mut tx, records).await?
+            DB::index_in(&mut tx, records, bare).await?
         };
         // Only forward: a node that lost the lease mid-turn never moves it back.
         sqlx::query("UPDATE search_progress SET event_id = $1 WHERE id = 1 AND event_id < $1")

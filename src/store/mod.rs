@@ -556,6 +556,8 @@ pub struct NewUser {
     pub role: Role,
     /// The pipelines the user may see.
     pub pipelines: crate::domain::scope::Scope,
+    /// Sees sensitive fields in clear.
+    pub unmask: bool,
 }
 
 /// A node's heartbeat.
@@ -605,6 +607,8 @@ pub struct NewApiToken {
     pub expires_at: Option<UnixMs>,
     /// The pipelines it may see.
     pub pipelines: crate::domain::scope::Scope,
+    /// Sees sensitive fields in clear.
+    pub unmask: bool,
 }
 
 /// An hour in unix ms.

@@ -134,6 +134,7 @@ where
             UserChange::Role(_) => "role",
             UserChange::Disabled(_) => "disabled",
             UserChange::Pipelines(_) => "pipelines",
+            UserChange::Unmask(_) => "unmask",
         };
         let sql = format!(
             "UPDATE users SET {set} = $1, updated_at = $2 WHERE id = $3 RETURNING {USER_COLUMNS}"
@@ -144,6 +145,7 @@ where
             UserChange::Role(role) => query.bind(role.as_str()),
             UserChange::Disabled(disabled) => query.bind(*disabled),
             UserChange::Pipelines(scope) => query.bind(scope.stored()),
+            UserChange::Unmask(unmask) => query.bind(*unmask),
         };
         let row = query
             .bind(now)
@@ -273,8 +275,8 @@ where
         }
         let mut tx = self.begin_write().await?;
         let sql = format!(
-            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at, expires_at, pipelines) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {API_TOKEN_COLUMNS}"
+            "INSERT INTO api_tokens (name, token_hash, prefix, role, created_by, created_at, expires_at, pipelines, unmask) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING {API_TOKEN_COLUMNS}"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(t.name.clone())
@@ -285,6 +287,7 @@ where
             .bind(now)
             .bind(t.expires_at)
             .bind(t.pipelines.stored())
+            .bind(t.unmask)
             .fetch_one(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "api token", &t.prefix))?;
@@ -292,6 +295,7 @@ where
         let detail = serde_json::json!({
             "token_id": token.id, "name": token.name, "role": token.role.as_str(),
             "expires_at": token.expires_at, "pipelines": token.pipelines.patterns(),
+            "unmask": token.unmask,
         });
         Self::insert_event(
             &mut tx,

@@ -395,6 +395,7 @@ impl SqlDb for Postgres {
     async fn index_in(
         tx: &mut Transaction<'static, Postgres>,
         records: &[i64],
+        bare: &[i64],
     ) -> StoreResult<u64> {
         let sql = Self::statements().index_records.get(|| {
             let values = |doc: &str| {
@@ -416,13 +417,14 @@ impl SqlDb for Postgres {
                  ORDER BY r.id FOR KEY SHARE OF r \
                  ON CONFLICT (record_id) DO UPDATE SET doc = excluded.doc \
                  WHERE record_search.doc IS DISTINCT FROM excluded.doc",
-                input = values("r.input"),
-                output = values("s.output"),
+                input = bared(&values("r.input"), "r.id"),
+                output = bared(&values("s.output"), "r.id"),
                 in_ids = SqlStore::<Postgres>::in_ids(),
             )
         });
         let done = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(Json(records))
+            .bind(Json(bare))
             .execute(&mut **tx)
             .await?;
         Ok(done.rows_affected())
@@ -447,6 +449,14 @@ impl SqlDb for Postgres {
     ) -> Query<'q, Postgres, PgArguments> {
         query.bind(Json(value))
     }
+}
+
+/// `expr`, or NULL for a record (`id`) among the bare ones (`$2`): a
+/// search document without its input and output values.
+fn bared(expr: &str, id: &str) -> String {
+    format!(
+        "CASE WHEN {id} IN (SELECT CAST(value AS BIGINT) FROM jsonb_array_elements($2)) THEN NULL ELSE {expr} END"
+    )
 }
 
 #[cfg(test)]

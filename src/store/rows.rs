@@ -40,8 +40,8 @@ pub(crate) const INTENT_COLUMNS: &str =
 pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
 pub(crate) const USER_COLUMNS: &str =
-    "id, username, password_hash, role, disabled, created_at, updated_at, theme, pipelines";
-pub(crate) const API_TOKEN_COLUMNS: &str = "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at, expires_at, pipelines";
+    "id, username, password_hash, role, disabled, created_at, updated_at, theme, pipelines, unmask";
+pub(crate) const API_TOKEN_COLUMNS: &str = "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at, expires_at, pipelines, unmask";
 pub(crate) const BREAKER_COLUMNS: &str =
     "breaker, breaker_changed_at, open_until, probes_out, probes_ok, probe_until";
 pub(crate) const ROLLUP_COLUMNS: &str = "minute, node, pipeline, step, provider, calls, succeeded, \
@@ -261,6 +261,7 @@ where
             updated_at: self.try_get("updated_at")?,
             theme: self.try_get("theme")?,
             pipelines: scope(self.try_get("pipelines")?),
+            unmask: self.try_get("unmask")?,
         })
     }
 
@@ -276,6 +277,7 @@ where
             revoked_at: self.try_get("revoked_at")?,
             expires_at: self.try_get("expires_at")?,
             pipelines: scope(self.try_get("pipelines")?),
+            unmask: self.try_get("unmask")?,
         })
     }
 

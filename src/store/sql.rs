@@ -192,8 +192,8 @@ where
             sqlx::query(lock).execute(&mut *tx).await?;
         }
         let sql = format!(
-            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at, pipelines) \
-             SELECT $1, $2, $3, $4, $5, $5, $7 WHERE $6 OR NOT EXISTS (SELECT 1 FROM users) \
+            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at, pipelines, unmask) \
+             SELECT $1, $2, $3, $4, $5, $5, $7, $8 WHERE $6 OR NOT EXISTS (SELECT 1 FROM users) \
              RETURNING {}",
             super::rows::USER_COLUMNS
         );
@@ -205,6 +205,7 @@ where
             .bind(now)
             .bind(!first_only)
             .bind(user.pipelines.stored())
+            .bind(user.unmask)
             .fetch_optional(&mut *tx)
             .await
             .map_err(|e| conflict_or(e, "user", &user.username))?;

@@ -485,7 +485,11 @@ impl SqlDb for Sqlite {
 
     /// A contentless FTS5 table: the old document is deleted by rowid
     /// first, then the new one inserted.
-    async fn index_in(tx: &mut Transaction<'static, Sqlite>, records: &[i64]) -> StoreResult<u64> {
+    async fn index_in(
+        tx: &mut Transaction<'static, Sqlite>,
+        records: &[i64],
+        bare: &[i64],
+    ) -> StoreResult<u64> {
         Self::unindex_in(tx, records).await?;
         let sql = Self::statements().index_records.get(|| {
             let values = |doc: &str| {
@@ -500,13 +504,14 @@ impl SqlDb for Sqlite {
                      (SELECT group_concat(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
                       FROM step_runs s WHERE s.record_id = r.id AND s.item_of IS NULL)), 1, 65536) \
                  FROM records r WHERE r.id {in_ids}",
-                input = values("r.input"),
-                output = values("s.output"),
+                input = bared(&values("r.input"), "r.id"),
+                output = bared(&values("s.output"), "r.id"),
                 in_ids = SqlStore::<Sqlite>::in_ids(),
             )
         });
         let done = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(Json(records))
+            .bind(Json(bare))
             .execute(&mut **tx)
             .await?;
         Ok(done.rows_affected())
@@ -535,4 +540,12 @@ impl SqlDb for Sqlite {
     ) -> Query<'q, Sqlite, SqliteArguments> {
         query.bind(Json(value))
     }
+}
+
+/// `expr`, or NULL for a record (`id`) among the bare ones (`$2`): a
+/// search document without its input and output values.
+fn bared(expr: &str, id: &str) -> String {
+    format!(
+        "CASE WHEN {id} IN (SELECT CAST(value AS BIGINT) FROM jsonb_each($2)) THEN NULL ELSE {expr} END"
+    )
 }

@@ -142,9 +142,10 @@ async fn enqueue(
             .map_err(|e| WebError::bad("invalid_body", e.to_string()))?;
         let item = to_enqueue(&state, &caller, body, now)?;
         let mut created = engine.enqueue_batch(vec![item]).await?;
-        let created = created
+        let mut created = created
             .pop()
             .ok_or_else(|| WebError::Internal("nothing enqueued".into()))?;
+        super::mask::list(&state, &caller, std::slice::from_mut(&mut created.record));
         tracing::info!(record.id = created.record.id, actor = %caller.actor, created = created.created, "enqueued via API");
         let status = if created.created {
             StatusCode::CREATED
@@ -174,7 +175,10 @@ async fn enqueue(
         let item = to_enqueue(&state, &caller, body, now);
         batch.push(item.map_err(|e| e.prefixed(&format!("item {i}: ")))?);
     }
-    let created = engine.enqueue_batch(batch).await?;
+    let mut created = engine.enqueue_batch(batch).await?;
+    for c in &mut created {
+        super::mask::list(&state, &caller, std::slice::from_mut(&mut c.record));
+    }
     let new = created.iter().filter(|c| c.created).count();
     tracing::info!(records = created.len(), created = new, actor = %caller.actor, "enqueued a batch via API");
     let status = if new > 0 {
@@ -232,7 +236,8 @@ async fn list(
     Query(q): Query<ListQuery>,
 ) -> WebResult<Json<Value>> {
     let filter = scope::filter(&state, &caller, &q).await?;
-    let page = state.db.list_records(&filter).await?;
+    let mut page = state.db.list_records(&filter).await?;
+    super::mask::list(&state, &caller, &mut page.items);
     Ok(Json(json!({ "items": page.items, "next": page.next })))
 }
 
@@ -245,8 +250,7 @@ async fn export(
     Query(x): Query<crate::web::query::ExportQuery>,
 ) -> WebResult<Response> {
     let filter = scope::filter(&state, &caller, &q).await?;
-    x.respond(&state.db, (&q, filter), state.clock.now_ms(), &caller.actor)
-        .await
+    x.respond(&state, &caller, (&q, filter)).await
 }
 
 async fn get_one(
@@ -254,8 +258,8 @@ async fn get_one(
     State(state): State<AppState>,
     Path(id): Path<i64>,
 ) -> WebResult<Json<Value>> {
-    let record = scope::record(&state, &caller, id).await?;
-    let (steps, attempts, events, versions, sent, children) = tokio::try_join!(
+    let mut record = scope::record(&state, &caller, id).await?;
+    let (mut steps, mut attempts, mut events, mut versions, mut sent, children) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
         state.db.record_events(id),
@@ -273,6 +277,13 @@ async fn get_one(
     // By the names the act endpoint takes.
     let (offered, _) = crate::web::query::offered(&state, &record, &steps).await;
     let actions: Vec<&str> = offered.iter().map(|a| a.as_str()).collect();
+    // Sensitive fields masked for a caller without `unmask`.
+    if let Some(mut shown) = super::mask::Shown::of(&state, &caller, &record.pipeline) {
+        shown.record(&mut record, &mut steps, &mut versions);
+        shown.attempts(&mut attempts);
+        shown.intents(&mut sent);
+        shown.events(&mut events);
+    }
     Ok(Json(json!({
         "record": record,
         "actions": actions,
@@ -303,13 +314,18 @@ async fn items(
     Path((id, step)): Path<(i64, String)>,
     Query(q): Query<ItemsQuery>,
 ) -> WebResult<Json<Value>> {
-    scope::record(&state, &caller, id).await?;
+    let record = scope::record(&state, &caller, id).await?;
     let from = q
         .from
         .unwrap_or(0)
         .clamp(0, crate::domain::each::MAX_ITEMS as i64);
     let limit = q.limit.unwrap_or(100).clamp(1, 1_000);
     let mut items = state.db.item_runs(id, &step, from, limit + 1).await?;
+    if let Some(mut shown) = super::mask::Shown::of(&state, &caller, &record.pipeline) {
+        let (mut record, mut runs) = (record, state.db.step_runs(id).await?);
+        shown.record(&mut record, &mut runs, &mut []);
+        shown.items(&mut items);
+    }
     let next = (items.len() as i64 > limit).then_some(from + limit);
     items.truncate(limit as usize);
     Ok(Json(json!({ "items": items, "next": next })))
@@ -346,7 +362,10 @@ async fn act(
     Path(id): Path<i64>,
     ApiJson(body): ApiJson<ActBody>,
 ) -> WebResult<Json<Value>> {
-    scope::record(&state, &caller, id).await?;
+    let rec = scope::record(&state, &caller, id).await?;
+    if body.input.is_some() {
+        super::mask::may_edit(&state, &caller, &rec.pipeline)?;
+    }
     let action = Ops::parse_action(&body.action)?;
     let reason = body.reason.filter(|r| !r.trim().is_empty());
     if action == crate::domain::OperatorAction::TookEffect {
@@ -356,7 +375,7 @@ async fn act(
                 "only a replay runs a record on the current version",
             ));
         }
-        let record = state
+        let mut record = state
             .ops()
             .took_effect(
                 id,
@@ -366,6 +385,7 @@ async fn act(
                 body.output,
             )
             .await?;
+        super::mask::list(&state, &caller, std::slice::from_mut(&mut record));
         return Ok(Json(json!({ "record": record })));
     }
     let extra = crate::engine::ActExtra {
@@ -386,10 +406,11 @@ async fn act(
             }
         },
     };
-    let record = state
+    let mut record = state
         .ops()
         .act_with(id, action, &caller.actor, reason, extra)
         .await?;
+    super::mask::list(&state, &caller, std::slice::from_mut(&mut record));
     Ok(Json(json!({ "record": record })))
 }
 
@@ -411,7 +432,7 @@ async fn signal(
             WebError::bad("bad_signal_id", "the Idempotency-Key header is not text")
         })?),
     };
-    let taken = state
+    let mut taken = state
         .ops()
         .signal(id, &step, &caller.actor, body, signal_id)
         .await
@@ -426,6 +447,7 @@ async fn signal(
             },
             e => e,
         })?;
+    super::mask::list(&state, &caller, std::slice::from_mut(&mut taken.record));
     Ok(Json(
         json!({ "record": taken.record, "again": taken.again }),
     ))

@@ -285,6 +285,8 @@ pub struct Caller {
     pub user: Option<User>,
     /// The pipelines the caller may see (`web::scope`).
     pub scope: crate::domain::scope::Scope,
+    /// Sees sensitive fields in clear (`web::mask`).
+    pub unmask: bool,
 }
 
 impl Caller {
@@ -424,6 +426,7 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
         csrf: keys.csrf_token(&claims.sid),
         session_id: Some(claims.sid),
         scope: user.pipelines.clone(),
+        unmask: user.unmask,
         user: Some(user),
     })
 }
@@ -456,6 +459,7 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
         csrf: String::new(),
         user: None,
         scope: found.pipelines,
+        unmask: found.unmask,
     })
 }
 

@@ -17,6 +17,7 @@ mod health;
 mod hooks;
 pub mod htmx;
 pub mod lanes;
+pub mod mask;
 pub mod metrics;
 pub mod pages;
 pub mod query;

@@ -39,29 +39,61 @@ pub struct ExportQuery {
     pub format: Option<String>,
     /// `1`/`true`: each record's attempts too.
     pub attempts: Option<String>,
+    /// `1`/`true`: sensitive fields in clear (a caller with `unmask`, who
+    /// gives a `reason`); masked otherwise, whoever asks.
+    pub unmasked: Option<String>,
+    /// Why an unmasked export is made (kept in the audit log).
+    pub reason: Option<String>,
+}
+
+/// Whether a query flag is set (`1`, `true`, `yes`, `on`).
+fn flag(v: &Option<String>) -> bool {
+    matches!(non_empty(v).as_deref(), Some("1" | "true" | "yes" | "on"))
 }
 
 impl ExportQuery {
+    /// The rules each pipeline's records are masked by in this export, or
+    /// `None` for an unmasked one, which only a caller with `unmask` who
+    /// gives a reason may make.
+    fn masking(
+        &self,
+        state: &crate::web::AppState,
+        caller: &crate::web::auth::Caller,
+    ) -> WebResult<Option<std::sync::Arc<crate::engine::export::Masking>>> {
+        if flag(&self.unmasked) {
+            if !caller.unmask {
+                return Err(WebError::Forbidden);
+            }
+            if non_empty(&self.reason).is_none() {
+                return Err(WebError::bad(
+                    "reason_required",
+                    "an export with sensitive fields in clear needs a reason (it is audited)",
+                ));
+            }
+            return Ok(None);
+        }
+        let masking = crate::engine::export::Masking::of(&state.config.get());
+        Ok(Some(std::sync::Arc::new(masking)))
+    }
+
     /// The export of the records `list` filters (as `filter`, within
     /// what the caller sees), as a streamed response (a download named
-    /// after its moment), audited as `actor`'s: inputs and outputs in bulk
-    /// leave the system.
+    /// after its moment), audited as the caller's: inputs and outputs in
+    /// bulk leave the system.
     pub async fn respond(
         &self,
-        db: &crate::store::Db,
+        state: &crate::web::AppState,
+        caller: &crate::web::auth::Caller,
         (list, filter): (&ListQuery, RecordFilter),
-        now: crate::domain::UnixMs,
-        actor: &str,
     ) -> WebResult<axum::response::Response> {
+        let (db, now, actor) = (&state.db, state.clock.now_ms(), caller.actor.as_str());
+        let masking = self.masking(state, caller)?;
         use crate::engine::export::{Export, Format};
         use axum::http::header;
         use axum::response::IntoResponse;
         let format = Format::parse(non_empty(&self.format).as_deref().unwrap_or("jsonl"))
             .map_err(|e| WebError::bad("bad_format", e))?;
-        let attempts = matches!(
-            non_empty(&self.attempts).as_deref(),
-            Some("1" | "true" | "yes" | "on")
-        );
+        let attempts = flag(&self.attempts);
         crate::store::History::append_event(
             &**db,
             &crate::store::NewEvent {
@@ -71,11 +103,12 @@ impl ExportQuery {
                 actor: actor.to_owned(),
                 audit: true,
                 step: None,
-                reason: None,
+                reason: non_empty(&self.reason),
                 detail: Some(serde_json::json!({
                     "filter": list.query_string(),
                     "format": format.extension(),
                     "attempts": attempts,
+                    "unmasked": masking.is_none(),
                 })),
             },
         )
@@ -84,6 +117,7 @@ impl ExportQuery {
             filter,
             format,
             attempts,
+            masking,
         };
         let stamp: String = crate::domain::time::format_ms(now)
             .chars()

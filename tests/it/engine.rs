@@ -5377,7 +5377,7 @@ outcome = "fail"
         Backend::Sqlite => Vec::new(),
     };
     let settled = t.db.search_progress().await.unwrap();
-    let rewritten = t.db.index_records(&[k1, k2], settled).await.unwrap();
+    let rewritten = t.db.index_records(&[k1, k2], &[], settled).await.unwrap();
     match backend {
         Backend::Postgres => {
             assert_eq!(rewritten, 0);

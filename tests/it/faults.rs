@@ -356,6 +356,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
     let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
     db.create_api_token(
         &ballast::store::NewApiToken {
+            unmask: false,
             pipelines: ballast::domain::scope::Scope::all(),
             name: "sweep".into(),
             token_hash: hash,

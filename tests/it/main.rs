@@ -32,6 +32,7 @@ mod scopes;
 mod secrets;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
+mod sensitive;
 mod sigv4;
 mod store;
 mod tls;

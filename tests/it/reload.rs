@@ -87,6 +87,7 @@ pub(crate) async fn admin_token(db: &Db) -> String {
     let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
     db.create_api_token(
         &ballast::store::NewApiToken {
+            unmask: false,
             pipelines: ballast::domain::scope::Scope::all(),
             name: "reload".into(),
             token_hash: hash,

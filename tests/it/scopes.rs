@@ -49,6 +49,7 @@ async fn record(app: &WebApp, pipeline: &str, key: &str) -> i64 {
 
 async fn user(app: &WebApp, name: &str, role: Role, scope: &str) {
     let u = NewUser {
+        unmask: false,
         username: name.into(),
         password_hash: ballast::auth::password::hash(&password_of(name)).unwrap(),
         role,
@@ -64,6 +65,7 @@ async fn user(app: &WebApp, name: &str, role: Role, scope: &str) {
 async fn token(app: &WebApp, name: &str, role: Role, scope: &str) -> String {
     let (token, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
     let t = NewApiToken {
+        unmask: false,
         name: name.into(),
         token_hash: hash,
         prefix,
@@ -592,6 +594,7 @@ async fn down_disables_the_limited(backend: Backend) {
     let now = crate::helpers::wall_ms();
     for (name, scope) in [("limited", "a"), ("free", "")] {
         let u = NewUser {
+            unmask: false,
             username: name.into(),
             password_hash: "x".into(),
             role: Role::Viewer,
@@ -599,6 +602,7 @@ async fn down_disables_the_limited(backend: Backend) {
         };
         t.db.create_user(&u, now).await.unwrap();
         let tok = NewApiToken {
+            unmask: false,
             name: name.into(),
             token_hash: format!("hash-{name}"),
             prefix: format!("p-{name}"),

@@ -1952,6 +1952,7 @@ async fn users_and_sessions(db: &Db) {
     let u = db
         .create_user(
             &NewUser {
+                unmask: false,
                 pipelines: ballast::domain::scope::Scope::all(),
                 username: "alice".into(),
                 password_hash: "$argon2id$fake".into(),
@@ -1965,6 +1966,7 @@ async fn users_and_sessions(db: &Db) {
     let dup = db
         .create_user(
             &NewUser {
+                unmask: false,
                 pipelines: ballast::domain::scope::Scope::all(),
                 username: "alice".into(),
                 password_hash: "x".into(),
@@ -1978,6 +1980,7 @@ async fn users_and_sessions(db: &Db) {
     let bad = db
         .create_user(
             &NewUser {
+                unmask: false,
                 pipelines: ballast::domain::scope::Scope::all(),
                 username: "Alice Smith".into(),
                 password_hash: "x".into(),
@@ -2052,6 +2055,7 @@ async fn users_and_sessions(db: &Db) {
 async fn the_last_enabled_admin_stays_one(db: &Db) {
     let add = async |name: &str, role: Role| {
         let u = NewUser {
+            unmask: false,
             pipelines: ballast::domain::scope::Scope::all(),
             username: name.into(),
             password_hash: "$argon2id$fake".into(),
@@ -2115,6 +2119,7 @@ async fn the_last_enabled_admin_stays_one(db: &Db) {
 
 async fn the_first_user_is_made_only_while_there_is_none(db: &Db) {
     let user = |name: &str| NewUser {
+        unmask: false,
         pipelines: ballast::domain::scope::Scope::all(),
         username: name.into(),
         password_hash: "$argon2id$fake".into(),
@@ -2306,6 +2311,7 @@ async fn installations_have_distinct_ids() {
 async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
     use ballast::store::NewApiToken;
     let new = |name: &str, hash: &str| NewApiToken {
+        unmask: false,
         pipelines: ballast::domain::scope::Scope::all(),
         name: name.into(),
         token_hash: hash.into(),

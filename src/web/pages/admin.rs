@@ -25,6 +25,7 @@ pub fn router() -> Router<AppState> {
         .route("/admin/users", get(users).post(add_user))
         .route("/admin/users/{id}/role", post(set_role))
         .route("/admin/users/{id}/pipelines", post(set_pipelines))
+        .route("/admin/users/{id}/unmask", post(set_unmask))
         .route("/admin/users/{id}/disable", post(disable))
         .route("/admin/users/{id}/enable", post(enable))
         .route("/admin/users/{id}/password", post(reset_password))
@@ -41,6 +42,8 @@ struct UserView {
     disabled: bool,
     /// Its pipelines as written (empty: every pipeline).
     pipelines: String,
+    /// Sees sensitive fields in clear.
+    unmask: bool,
 }
 
 #[derive(Template)]
@@ -63,6 +66,7 @@ async fn users(caller: Authed<Admin>, State(state): State<AppState>) -> WebResul
                 role: u.role.as_str(),
                 disabled: u.disabled,
                 pipelines: u.pipelines.patterns().join(", "),
+                unmask: u.unmask,
             })
             .collect(),
         roles: ROLES,
@@ -114,6 +118,9 @@ struct AddUser {
     /// Names or patterns separated by commas; empty: every pipeline.
     #[serde(default)]
     pipelines: String,
+    /// `on`: sees sensitive fields in clear.
+    #[serde(default)]
+    unmask: Option<String>,
 }
 
 async fn add_user(
@@ -136,6 +143,7 @@ async fn add_user(
                 password_hash: hash,
                 role,
                 pipelines,
+                unmask: f.unmask.as_deref() == Some("on"),
             },
             state.clock.now_ms(),
         )
@@ -146,7 +154,7 @@ async fn add_user(
         "user_added",
         json!({
             "user": user.username, "role": role.as_str(),
-            "pipelines": user.pipelines.patterns(),
+            "pipelines": user.pipelines.patterns(), "unmask": user.unmask,
         }),
     )
     .await?;
@@ -214,6 +222,30 @@ async fn set_pipelines(
         what,
     )
     .await
+}
+
+#[derive(Deserialize)]
+struct UnmaskForm {
+    /// `on` or `off`.
+    unmask: String,
+}
+
+async fn set_unmask(
+    caller: Authed<Admin>,
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Form(f): Form<UnmaskForm>,
+) -> WebResult<Response> {
+    let on = match f.unmask.as_str() {
+        "on" => true,
+        "off" => false,
+        other => {
+            let m = format!("`unmask` is on or off, not `{other}`");
+            return Err(WebError::bad("bad_unmask", m));
+        }
+    };
+    let what = json!({ "unmask": on });
+    change(&state, &caller.actor, id, UserChange::Unmask(on), what).await
 }
 
 async fn disable(
@@ -285,6 +317,8 @@ struct TokenView {
     role: &'static str,
     /// The pipelines it may see, or "all".
     pipelines: String,
+    /// Sees sensitive fields in clear.
+    unmask: bool,
     created: String,
     created_by: String,
     last_used: String,
@@ -325,6 +359,7 @@ async fn tokens_page(
                 prefix: t.prefix.clone(),
                 role: t.role.as_str(),
                 pipelines: t.pipelines.to_string(),
+                unmask: t.unmask,
                 created: when(t.created_at),
                 created_by: t.created_by.clone(),
                 last_used: when_opt(t.last_used_at),
@@ -358,6 +393,9 @@ struct TokenForm {
     /// Names or patterns separated by commas; empty: every pipeline.
     #[serde(default)]
     pipelines: String,
+    /// `on`: sees sensitive fields in clear.
+    #[serde(default)]
+    unmask: Option<String>,
 }
 
 /// When a token made at `now` to last `days` (a form's text) expires.
@@ -398,6 +436,7 @@ async fn create_token(
                 created_by: caller.actor.clone(),
                 expires_at,
                 pipelines,
+                unmask: f.unmask.as_deref() == Some("on"),
             },
             now,
         )

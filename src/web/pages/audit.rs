@@ -89,7 +89,8 @@ async fn list(
         // A caller limited to pipelines: actions on their records only.
         pipelines: crate::web::scope::visible(&state, &caller).await?,
     };
-    let page = state.db.audit_log(&filter).await?;
+    let mut page = state.db.audit_log(&filter).await?;
+    crate::web::mask::event_details(&state, &caller, &mut page.items);
     let mut filters = form_urlencoded::Serializer::new(String::new());
     if let Some(a) = &filter.actor {
         filters.append_pair("actor", a);

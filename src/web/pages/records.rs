@@ -124,7 +124,8 @@ async fn list(
     Query(q): Query<ListQuery>,
 ) -> WebResult<Response> {
     let filter = scope::filter(&state, &caller, &q).await?;
-    let page = state.db.list_records(&filter).await?;
+    let mut page = state.db.list_records(&filter).await?;
+    crate::web::mask::list(&state, &caller, &mut page.items);
     let t = RecordsPage {
         nav: Nav::new(&caller, "records"),
         filters: q.query_string(),
@@ -207,6 +208,8 @@ async fn search(
     let mut worded = state.db.search_records(&q, read).await?;
     worded.retain(|r| caller.sees(&r.pipeline));
     worded.truncate(50);
+    crate::web::mask::list(&state, &caller, &mut named);
+    crate::web::mask::list(&state, &caller, &mut worded);
     let page = SearchPage {
         nav: Nav::new(&caller, "records"),
         q,
@@ -228,8 +231,7 @@ async fn export(
     Query(x): Query<crate::web::query::ExportQuery>,
 ) -> WebResult<Response> {
     let filter = scope::filter(&state, &caller, &q).await?;
-    x.respond(&state.db, (&q, filter), state.clock.now_ms(), &caller.actor)
-        .await
+    x.respond(&state, &caller, (&q, filter)).await
 }
 
 /// The records page's enqueue form (operators): one record, due now or
@@ -393,6 +395,7 @@ struct ItemsView {
 /// `shape` says which), a page of each from item `from`.
 async fn item_views(
     state: &AppState,
+    shown: Option<&crate::web::mask::Shown>,
     rec: &crate::domain::Record,
     (shape, steps): (&[crate::domain::pipeline::Shape], &[crate::domain::StepRun]),
     from: i64,
@@ -403,10 +406,13 @@ async fn item_views(
             continue;
         };
         let from = from.clamp(0, crate::domain::each::MAX_ITEMS as i64);
-        let rows = state
+        let mut rows = state
             .db
             .item_runs(rec.id, &s.name, from, ITEMS_SHOWN + 1)
             .await?;
+        if let Some(shown) = shown {
+            shown.items(&mut rows);
+        }
         let shown = rows.iter().take(ITEMS_SHOWN as usize);
         out.push(ItemsView {
             step: s.name.clone(),
@@ -552,6 +558,9 @@ impl EventView {
 )]
 struct RecordPage {
     nav: Nav,
+    /// Its sensitive fields are shown masked (the input cannot be edited
+    /// here then).
+    masked: bool,
     /// The pipeline version the record runs on, and how it stands to the
     /// one new records get.
     pinned: String,
@@ -875,7 +884,7 @@ async fn record_page_at(
         Some(p) if !caller.sees_all() => scope::record(state, caller, p).await.ok().map(|r| r.id),
         other => other,
     };
-    let (steps, attempts, events, replaced, open, children) = tokio::try_join!(
+    let (mut steps, mut attempts, mut events, mut replaced, mut open, children) = tokio::try_join!(
         state.db.step_runs(id),
         state.db.attempts(id),
         state.db.record_events(id),
@@ -883,6 +892,17 @@ async fn record_page_at(
         state.db.open_intents(id),
         state.db.children(id)
     )?;
+    // Sensitive fields masked for a caller without `unmask` (who then
+    // cannot edit the input: the page shows it masked).
+    let mut rec = rec;
+    let mut shown = crate::web::mask::Shown::of(state, caller, &rec.pipeline);
+    let masked = shown.is_some();
+    if let Some(s) = shown.as_mut() {
+        s.record(&mut rec, &mut steps, &mut replaced);
+        s.attempts(&mut attempts);
+        s.intents(&mut open);
+        s.events(&mut events);
+    }
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
     let shape = match &state.engine {
@@ -890,7 +910,8 @@ async fn record_page_at(
         None => Vec::new(),
     };
     let graph = step_graph(&rec, &shape, &steps);
-    let items = item_views(state, &rec, (&shape, &steps), q.items_from.unwrap_or(0)).await?;
+    let from = q.items_from.unwrap_or(0);
+    let items = item_views(state, shown.as_ref(), &rec, (&shape, &steps), from).await?;
     let order: Vec<String> = shape.iter().map(|s| s.name.clone()).collect();
     let lanes = crate::web::lanes::lanes(
         &order,
@@ -954,6 +975,7 @@ async fn record_page_at(
         diff,
         version: version_of(version),
         oob: false,
+        masked,
     })
 }
 
@@ -1071,7 +1093,7 @@ async fn act(
     Path(id): Path<i64>,
     axum::Form(form): axum::Form<ActForm>,
 ) -> WebResult<Response> {
-    scope::record(&state, &caller, id).await?;
+    let rec = scope::record(&state, &caller, id).await?;
     let action = Ops::parse_action(&form.action)?;
     let reason = non_empty(&form.reason);
     let step = non_empty(&form.step);
@@ -1110,6 +1132,9 @@ async fn act(
         other => other.map(str::to_owned),
     };
     let input = edited_input(form.input.as_deref(), form.input_was.as_deref())?;
+    if input.is_some() {
+        crate::web::mask::may_edit(&state, &caller, &rec.pipeline)?;
+    }
     let extra = crate::engine::ActExtra {
         step: step.as_deref(),
         until: until.as_deref(),
