@@ -4,6 +4,8 @@
 //! rules a pipeline's records are masked by, the providers' carried over
 //! to the step outputs taken from those reply fields (`domain::mask`).
 
+use std::collections::BTreeSet;
+
 use serde::{Deserialize, Serialize};
 
 use super::{Config, ConfigError};
@@ -38,22 +40,82 @@ fn rules(fields: &[SensitiveField]) -> Vec<Rule> {
 }
 
 impl Config {
-    /// What records of `pipeline` are masked by: its own fields, and the
-    /// step outputs its steps take from a provider's sensitive reply
-    /// fields (an output at or inside one is sensitive whole; one holding
-    /// one, at that place). A pipeline this configuration does not know
-    /// (a node that does not run it) is masked whole: its input and every
-    /// output.
+    /// What records of `pipeline` are masked by: its own fields; the input
+    /// fields of the pipelines that start it with their own input (a
+    /// `pipeline` step without an `input` template), however far up; the
+    /// step outputs its steps take from a provider's sensitive reply fields
+    /// (an output at or inside one is sensitive whole; one holding one, at
+    /// that place); and its children's sensitive outputs, which its
+    /// `pipeline` steps' outputs hold. A pipeline this configuration does
+    /// not know (a node that does not run it) is masked whole: its input
+    /// and every output.
     pub fn sensitive_rules(&self, pipeline: &str) -> Vec<Rule> {
-        let Some(p) = self.pipelines.get(pipeline) else {
+        if !self.pipelines.contains_key(pipeline) {
             let whole = |p: &str| Rule::parse(p, 0).ok();
             return ["/input", "/steps/*/output"]
                 .into_iter()
                 .filter_map(whole)
                 .collect();
+        }
+        let mut out = self.input_rules(pipeline, &mut BTreeSet::new());
+        out.extend(self.output_rules(pipeline, &mut BTreeSet::new()));
+        out
+    }
+
+    /// `pipeline`'s `/input` fields, its own and its parents'.
+    fn input_rules(&self, pipeline: &str, seen: &mut BTreeSet<String>) -> Vec<Rule> {
+        let Some(p) = self
+            .pipelines
+            .get(pipeline)
+            .filter(|_| seen.insert(pipeline.into()))
+        else {
+            return Vec::new();
         };
-        let mut out = rules(&p.sensitive);
+        let is_input = |r: &Rule| r.segments().first().is_some_and(|s| s == "input");
+        let mut out: Vec<Rule> = rules(&p.sensitive).into_iter().filter(is_input).collect();
+        for (name, parent) in &self.pipelines {
+            let starts = parent.steps.iter().any(|s| {
+                s.pipeline.as_deref() == Some(pipeline) && s.input.is_none() && s.for_each.is_none()
+            });
+            if starts {
+                out.extend(self.input_rules(name, &mut seen.clone()));
+            }
+        }
+        out
+    }
+
+    /// `pipeline`'s step-output fields: its own, those taken from its
+    /// providers' sensitive reply fields, and its children's.
+    fn output_rules(&self, pipeline: &str, seen: &mut BTreeSet<String>) -> Vec<Rule> {
+        let Some(p) = self
+            .pipelines
+            .get(pipeline)
+            .filter(|_| seen.insert(pipeline.into()))
+        else {
+            return Vec::new();
+        };
+        let is_output = |r: &Rule| r.segments().first().is_some_and(|s| s != "input");
+        let mut out: Vec<Rule> = rules(&p.sensitive).into_iter().filter(is_output).collect();
         for step in &p.steps {
+            // Where the step's output starts: a step for each item lists
+            // its items' outputs.
+            let mut base = vec!["steps".to_owned(), step.name.clone(), "output".into()];
+            if step.for_each.is_some() {
+                base.push("*".into());
+            }
+            if let Some(child) = &step.pipeline {
+                // A child's output is `{ <its step>: <that step's output> }`.
+                // (A path's own set: two steps may start one child.)
+                for r in self.output_rules(child, &mut seen.clone()) {
+                    let s = r.segments();
+                    if s.len() >= 3 && s[0] == "steps" && s[2] == "output" {
+                        let mut at = base.clone();
+                        at.push(s[1].clone());
+                        at.extend(s[3..].iter().cloned());
+                        out.push(r.at(at));
+                    }
+                }
+            }
             let Some(provider) = self.providers.get(&step.provider) else {
                 continue;
             };
@@ -62,11 +124,7 @@ impl Config {
                     let Ok(taken) = Rule::parse(pointer, 0) else {
                         continue;
                     };
-                    let mut at = vec!["steps".into(), step.name.clone(), "output".into()];
-                    // A step for each item: its output lists the items'.
-                    if step.for_each.is_some() {
-                        at.push("*".into());
-                    }
+                    let mut at = base.clone();
                     at.push(name.clone());
                     if starts_with(reply.segments(), taken.segments()) {
                         at.extend(reply.segments()[taken.segments().len()..].iter().cloned());
@@ -145,6 +203,22 @@ impl Config {
                     }
                     _ => false,
                 };
+                // A step for each item lists its items' outputs.
+                let each = |name: &str| {
+                    p.steps
+                        .iter()
+                        .any(|st| st.name == name && st.for_each.is_some())
+                };
+                if ok && s[0] == "steps" && each(&s[1]) && s.len() > 3 && s[3] != "*" {
+                    let m = format!(
+                        "{f:?}: step `{}` runs for each item and its output lists theirs: \
+                         write `/steps/{}/output/*/{}`",
+                        s[1],
+                        s[1],
+                        s[3..].join("/")
+                    );
+                    return Err(invalid(key(), m));
+                }
                 if !ok {
                     let m = format!(
                         "{f:?} names no field of a record: start with `/input/` or \
@@ -192,6 +266,41 @@ outputs = { doc = "/document_url", person = "/person", verdict = "/verdict" }
                 ("steps/check/output/doc".to_owned(), 3),
             ]
         );
+        // A child started with the parent's input has the parent's fields.
+        let family = format!(
+            "{text}\n[[pipelines.verify.steps]]\nname = \"more\"\nkind = \"pipeline\"\npipeline = \"child\"\n\
+             [[pipelines.child.steps]]\nname = \"c\"\nprovider = \"kyc\"\n\
+             request = {{ method = \"POST\", path = \"/c\", body = '{{}}' }}\n"
+        );
+        let config = Config::parse(&family, std::path::Path::new("s.toml")).unwrap();
+        let child: Vec<String> = config
+            .sensitive_rules("child")
+            .iter()
+            .map(|r| r.segments().join("/"))
+            .collect();
+        assert_eq!(child, ["input/ssn"]);
+        // However far down; and a child's sensitive outputs are its
+        // parent's step's.
+        let deeper = format!(
+            "{family}[[pipelines.child.steps]]\nname = \"grand\"\nkind = \"pipeline\"\npipeline = \"leaf\"\n\
+             [[pipelines.leaf.steps]]\nname = \"l\"\nprovider = \"kyc\"\n\
+             request = {{ method = \"POST\", path = \"/l\", body = '{{}}' }}\noutputs = {{ who = \"/person\" }}\n"
+        );
+        let config = Config::parse(&deeper, std::path::Path::new("s.toml")).unwrap();
+        let joined = |p: &str| -> Vec<String> {
+            config
+                .sensitive_rules(p)
+                .iter()
+                .map(|r| r.segments().join("/"))
+                .collect()
+        };
+        assert_eq!(joined("leaf"), ["input/ssn", "steps/l/output/who/ssn"]);
+        assert!(
+            joined("verify").contains(&"steps/more/output/grand/l/who/ssn".to_owned()),
+            "{:?}",
+            joined("verify")
+        );
+        let config = Config::parse(text, std::path::Path::new("s.toml")).unwrap();
         // Unknown here: masked whole.
         assert_eq!(config.sensitive_rules("nope").len(), 2);
         // A reply is masked where the pipeline's outputs come from.
@@ -222,5 +331,12 @@ outputs = { doc = "/document_url", person = "/person", verdict = "/verdict" }
         let bad = text.replace("/input/ssn", "/steps/nope/output/x");
         let config = Config::parse(&bad, std::path::Path::new("s.toml")).unwrap();
         assert!(config.check_sensitive().is_err());
+        // A step for each item: its output is a list.
+        let each = text
+            .replace("/input/ssn", "/steps/check/output/doc")
+            .replace("outputs = {", "for_each = \"/input/people\"\noutputs = {");
+        let config = Config::parse(&each, std::path::Path::new("s.toml")).unwrap();
+        let e = config.check_sensitive().unwrap_err().to_string();
+        assert!(e.contains("/steps/check/output/*/doc"), "{e}");
     }
 }

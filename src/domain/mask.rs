@@ -34,6 +34,9 @@ impl Rule {
     /// A rule from a JSON pointer (`/input/ssn`, `/people/*/ssn`; `~1` and
     /// `~0` escape `/` and `~`; `""` is the whole document).
     pub fn parse(pointer: &str, keep_last: usize) -> Result<Rule, String> {
+        if keep_last > 8 {
+            return Err(format!("`{pointer}`: keep at most the last 8 characters"));
+        }
         if pointer.is_empty() {
             // The whole document.
             return Ok(Rule {
@@ -191,8 +194,14 @@ pub fn values(root: &Value, rules: &[Rule]) -> Vec<(String, String)> {
     for r in rules {
         collect(root, &r.segments, r.keep_last, &mut found);
     }
-    let dots = |m: &str| m.chars().filter(|c| *c == DOT).count();
-    found.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| dots(&b.1).cmp(&dots(&a.1))));
+    dedup(found)
+}
+
+/// Values sorted by value, each once, with its most masked mask (the one
+/// that keeps the fewest characters in clear).
+fn dedup(mut found: Vec<(String, String)>) -> Vec<(String, String)> {
+    let clear = |m: &str| m.chars().filter(|c| *c != DOT && *c != '…').count();
+    found.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| clear(&a.1).cmp(&clear(&b.1))));
     found.dedup_by(|a, b| a.0 == b.0);
     found
 }
@@ -236,6 +245,14 @@ pub const URL_COMPONENT: &percent_encoding::AsciiSet = &percent_encoding::NON_AL
     .remove(b'_')
     .remove(b'~');
 
+/// What JavaScript's `encodeURIComponent` encodes.
+const JS_COMPONENT: &percent_encoding::AsciiSet = &URL_COMPONENT
+    .remove(b'!')
+    .remove(b'\'')
+    .remove(b'(')
+    .remove(b')')
+    .remove(b'*');
+
 /// The ways a value may be spelt in a request or a reply: as it is; inside
 /// a JSON string (serde's escapes, `\/`, and `\uXXXX` for every character
 /// not alphanumeric, as minijinja's `tojson` and Python write them);
@@ -244,8 +261,11 @@ pub const URL_COMPONENT: &percent_encoding::AsciiSet = &percent_encoding::NON_AL
 fn spellings(clear: &str) -> Vec<String> {
     let encoded = percent_encoding::utf8_percent_encode(clear, URL_COMPONENT).to_string();
     let slash_kept = encoded.replace("%2F", "/");
+    // JavaScript's encodeURIComponent leaves `!'()*` as they are.
+    let js = percent_encoding::utf8_percent_encode(clear, JS_COMPONENT).to_string();
     let mut all = vec![
         clear.to_owned(),
+        js,
         encoded.clone(),
         encoded.replace("%20", "+"),
         slash_kept.clone(),
@@ -290,6 +310,7 @@ pub struct Scrubber {
 impl Scrubber {
     /// The scrubber of `values` (as [`values`] gives them).
     pub fn new(values: Vec<(String, String)>) -> Scrubber {
+        let values = dedup(values);
         let mut patterns = Vec::new();
         let mut masks = Vec::new();
         for (clear, masked) in &values {
@@ -301,12 +322,14 @@ impl Scrubber {
                 masks.push(masked.clone());
             }
         }
-        let automaton = aho_corasick::AhoCorasick::builder()
-            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
-            .build(&patterns)
-            .ok()
-            .filter(|_| !patterns.is_empty())
-            .map(|a| (a, masks));
+        let automaton = match patterns.is_empty() {
+            true => None,
+            false => aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(&patterns)
+                .ok()
+                .map(|a| (a, masks)),
+        };
         Scrubber { values, automaton }
     }
 

@@ -35,6 +35,8 @@ impl Masking {
         (pipeline, step, provider): (&str, &str, &str),
         ctx: &PassContext,
     ) -> Option<Masking> {
+        // An item's call (`STEP#N`) by its step's fields.
+        let step = crate::domain::each::step_of(step);
         let reply = config.reply_rules(pipeline, step, provider);
         let values = ctx.scrubber(|| config.sensitive_rules(pipeline));
         (!reply.is_empty() || !values.is_empty()).then_some(Masking { values, reply })

@@ -41,14 +41,12 @@ impl Shown {
     pub fn record(&mut self, rec: &mut Record, runs: &mut [StepRun], versions: &mut [StepVersion]) {
         let mut found = mask::record(&self.rules, rec, runs);
         for v in versions.iter_mut() {
-            let rules = self.under(&v.step, false);
+            let rules = self.under(&v.step);
             if let Some(out) = v.output.as_mut() {
                 found.extend(mask::values(out, &rules));
                 mask::apply(out, &rules);
             }
         }
-        found.sort();
-        found.dedup_by(|a, b| a.0 == b.0);
         self.values = Arc::new(Scrubber::new(found));
         rec.reason = rec.reason.as_deref().map(|r| self.text(r));
         for r in runs.iter_mut() {
@@ -56,9 +54,14 @@ impl Shown {
         }
     }
 
-    /// The rules under `/steps/<step>/output`, rebased on the output (an
-    /// item's, with `item`: one element of the step's).
-    fn under(&self, step: &str, item: bool) -> Vec<Rule> {
+    /// The rules under `/steps/<step>/output`, rebased on the output of a
+    /// run named `name`: a step's, or an item's (`STEP#N`: one element of
+    /// the step's).
+    fn under(&self, name: &str) -> Vec<Rule> {
+        let (step, item) = match crate::domain::each::item_of(name) {
+            Some((step, _)) => (step, true),
+            None => (name, false),
+        };
         self.rules
             .iter()
             .filter_map(|r| {
@@ -80,7 +83,7 @@ impl Shown {
     /// Masks the outputs of a step's items.
     pub fn items(&self, items: &mut [StepRun]) {
         for i in items {
-            let rules = self.under(&i.step, true);
+            let rules = self.under(&i.step);
             if let Some(out) = i.output.as_mut() {
                 mask::apply(out, &rules);
                 self.values.json(out);
@@ -141,6 +144,12 @@ impl Shown {
                 }
             }
             if let Some(d) = e.detail.as_mut() {
+                // A delivery's or a reply's body: whatever fields it holds.
+                for key in ["callback", "reply"] {
+                    if let Some(v) = d.get_mut(key) {
+                        *v = mask::mask_value(v, 0);
+                    }
+                }
                 self.values.json(d);
             }
             e.reason = e.reason.as_deref().map(|r| self.text(r));
@@ -214,5 +223,34 @@ pub fn list(state: &AppState, caller: &Caller, records: &mut [Record]) {
             let values = Scrubber::new(mask::record(rules, r, &mut []));
             r.reason = r.reason.as_deref().map(|t| values.clean(t));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An item's run is named `STEP#N`: it is masked by its step's rules
+    /// on one element of the step's output.
+    #[test]
+    fn items_are_masked_by_their_steps_rules() {
+        let rules = ["/steps/each/output/*/ssn", "/steps/whole/output"]
+            .map(|p| Rule::parse(p, 0).unwrap())
+            .to_vec();
+        let shown = Shown {
+            rules,
+            values: Arc::new(Scrubber::new(Vec::new())),
+        };
+        let joined = |name: &str| -> Vec<String> {
+            shown
+                .under(name)
+                .iter()
+                .map(|r| r.segments().join("/"))
+                .collect()
+        };
+        assert_eq!(joined("each#3"), ["ssn"]);
+        assert_eq!(joined("each"), ["*/ssn"]);
+        assert_eq!(joined("whole#0"), [""]);
+        assert!(joined("other#1").is_empty());
     }
 }
