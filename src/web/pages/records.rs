@@ -871,14 +871,30 @@ impl StepView {
     }
 }
 
-async fn record_page_at(
+/// A record and its history as `caller` may see them (`shown_record`).
+struct Seen {
+    rec: Record,
+    /// Its parent, when the caller sees it.
+    parent: Option<i64>,
+    steps: Vec<crate::domain::StepRun>,
+    attempts: Vec<crate::domain::Attempt>,
+    events: Vec<crate::domain::Event>,
+    replaced: Vec<crate::domain::StepVersion>,
+    open: Vec<crate::domain::Intent>,
+    children: Vec<Record>,
+    /// How its sensitive fields were masked, when they were.
+    shown: Option<crate::web::mask::Shown>,
+}
+
+/// Record `id` and its history, read at once, within the caller's
+/// pipelines, its sensitive fields masked for a caller without `unmask`
+/// (who then cannot edit the input: the page shows it masked).
+async fn shown_record(
     state: &AppState,
     caller: &crate::web::auth::Caller,
     id: i64,
-    q: &DiffQuery,
-    version: [i64; 5],
-) -> WebResult<RecordPage> {
-    let rec = scope::record(state, caller, id).await?;
+) -> WebResult<Seen> {
+    let mut rec = scope::record(state, caller, id).await?;
     // A parent in a pipeline the caller does not see is not named.
     let parent = match rec.parent_id {
         Some(p) if !caller.sees_all() => scope::record(state, caller, p).await.ok().map(|r| r.id),
@@ -892,17 +908,45 @@ async fn record_page_at(
         state.db.open_intents(id),
         state.db.children(id)
     )?;
-    // Sensitive fields masked for a caller without `unmask` (who then
-    // cannot edit the input: the page shows it masked).
-    let mut rec = rec;
     let mut shown = crate::web::mask::Shown::of(state, caller, &rec.pipeline);
-    let masked = shown.is_some();
     if let Some(s) = shown.as_mut() {
         s.record(&mut rec, &mut steps, &mut replaced);
         s.attempts(&mut attempts);
         s.intents(&mut open);
         s.events(&mut events);
     }
+    Ok(Seen {
+        rec,
+        parent,
+        steps,
+        attempts,
+        events,
+        replaced,
+        open,
+        children,
+        shown,
+    })
+}
+
+async fn record_page_at(
+    state: &AppState,
+    caller: &crate::web::auth::Caller,
+    id: i64,
+    q: &DiffQuery,
+    version: [i64; 5],
+) -> WebResult<RecordPage> {
+    let Seen {
+        rec,
+        parent,
+        steps,
+        attempts,
+        events,
+        replaced,
+        open,
+        children,
+        shown,
+    } = shown_record(state, caller, id).await?;
+    let masked = shown.is_some();
     let all_versions = versions(&steps, &replaced);
     let diff = version_diff(&all_versions, q);
     let shape = match &state.engine {
