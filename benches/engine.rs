@@ -52,7 +52,8 @@
 //! (`support/pgprofile.rs`), and `-- --peer
 //! --pg-profile` the same for graphile-worker's A
 //! (`../shared/peers/graphile/run`); `-- --traces` exports every pass's spans
-//! over OTLP to a collector in the process (measure A with and without). Each figure is the median of the runs (3, or 1 with --quick) with the
+//! over OTLP to a collector in the process (measure A with and without);
+//! `-- --encrypt` seals every value at rest with a data key. Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
 // A benchmark measures real time: the clock rule of `src/` is not for it.
@@ -230,6 +231,21 @@ fn pg_sslmode() -> String {
         .to_owned()
 }
 
+/// `--encrypt`: the values records carry are sealed at rest with a data
+/// key (`[database.encryption]`), to measure what sealing costs.
+static ENCRYPT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// The bench database's data keys: one current key with `--encrypt`.
+fn bench_keyring() -> std::sync::Arc<ballast::auth::seal::Keyring> {
+    let ring = if ENCRYPT.get().copied().unwrap_or(false) {
+        ballast::auth::seal::Keyring::new(Some("bench"), [("bench".to_owned(), [7u8; 32])])
+            .expect("a bench key")
+    } else {
+        ballast::auth::seal::Keyring::default()
+    };
+    std::sync::Arc::new(ring)
+}
+
 async fn fresh(backend: Backend) -> Option<Fresh> {
     match backend {
         Backend::Sqlite => {
@@ -238,7 +254,11 @@ async fn fresh(backend: Backend) -> Option<Fresh> {
                 "sqlite://{}?mode=rwc",
                 dir.path().join("bench.db").display()
             );
-            let db = Db::connect(&url, &ConnectOptions::default()).await.ok()?;
+            let opts = ConnectOptions {
+                keyring: bench_keyring(),
+                ..ConnectOptions::default()
+            };
+            let db = Db::connect(&url, &opts).await.ok()?;
             migrate::up(&db, None).await.ok()?;
             Some(Fresh {
                 db,
@@ -258,6 +278,7 @@ async fn fresh(backend: Backend) -> Option<Fresh> {
             let url = pg_url(&name);
             let opts = ConnectOptions {
                 max_connections: 20,
+                keyring: bench_keyring(),
                 ..ConnectOptions::default()
             };
             let db = Db::connect(&url, &opts).await.ok()?;
@@ -1413,6 +1434,7 @@ fn main() {
     let quick = args.iter().any(|a| a == "--quick");
     let _ = PG_PROFILE.set(args.iter().any(|a| a == "--pg-profile"));
     let _ = SIM_PROCESS.set(args.iter().any(|a| a == "--sim-process"));
+    let _ = ENCRYPT.set(args.iter().any(|a| a == "--encrypt"));
     let filter = Filter::from_args(&args);
     // `--runs N`: runs per figure (3, or 1 with --quick).
     let runs = flag_value(&args, "--runs")

@@ -24,6 +24,7 @@ pub async fn connect(config: &Config) -> anyhow::Result<Db> {
         max_connections: config.database.max_connections,
         acquire_timeout: config.database.acquire_timeout.0,
         busy_timeout: config.database.busy_timeout.0,
+        keyring: config.database.encryption.keyring.clone(),
     };
     Db::connect(config.database.url.expose(), &opts)
         .await

@@ -90,10 +90,29 @@ pub enum Command {
     /// outputs (and attempts): the records page's filters, streamed, so a
     /// million records do not sit in memory.
     Export(ExportArgs),
+    /// Print an export of a database encrypted at rest with its sealed
+    /// values opened (with the configured data keys): the export as it
+    /// would have been made with --decrypt.
+    OpenExport {
+        /// The export file (.jsonl or .csv).
+        file: PathBuf,
+        /// jsonl or csv (by default, from the file's extension).
+        #[arg(long)]
+        format: Option<String>,
+    },
     /// Replace the generated session signing key (kept in the database) and
     /// end every session. Restart every node afterwards. Not needed when
     /// BALLAST_SECRET_KEY is set: change that variable instead.
     RotateSecret,
+    /// Re-seal every value kept encrypted at rest with the data key
+    /// `database.encryption.key` names (or write them in clear when it
+    /// names none), in batches while the nodes run; then retire the keys
+    /// no value uses. Reload every node with the new key first.
+    RotateDataKey {
+        /// Values per transaction.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        batch: u32,
+    },
     /// Enqueue one record; repeating it with the same --key returns the
     /// record already enqueued instead of creating another.
     Enqueue {
@@ -178,6 +197,10 @@ pub struct ExportArgs {
     /// Write to this new file instead of standard output.
     #[arg(long, short)]
     out: Option<std::path::PathBuf>,
+    /// Of a database encrypted at rest: values in clear (they are
+    /// written sealed otherwise; `ballast open-export` opens them).
+    #[arg(long)]
+    decrypt: bool,
 }
 
 /// `ballast sim`'s flags.
@@ -411,8 +434,10 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
         } => serve(config, file, bind, demo, demo_rate).await,
         Command::Reload { .. } => Ok(()),
         Command::RotateSecret => rotate_secret(&config).await,
+        Command::RotateDataKey { batch } => rotate_data_key(&config, batch).await,
         Command::Backup { file } => backup(&config, &file).await,
         Command::Export(args) => export(&config, args).await,
+        Command::OpenExport { file, format } => open_export(&config, &file, format.as_deref()),
         Command::Purge {
             pipeline,
             older_than,
@@ -460,6 +485,7 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         format,
         attempts,
         out,
+        decrypt,
     } = args;
     let state = state
         .map(|s| s.parse::<crate::domain::RecordState>())
@@ -482,8 +508,34 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         attempts,
         // The command reads the database itself: in clear.
         masking: None,
+        sealed: None,
     };
-    export_records(config, export, out.as_deref()).await
+    export_records(config, export, out.as_deref(), decrypt).await
+}
+
+/// `open-export`: the file with its sealed values opened, to standard output.
+fn open_export(
+    config: &Config,
+    file: &std::path::Path,
+    format: Option<&str>,
+) -> anyhow::Result<()> {
+    use crate::engine::export::Format;
+    let format = match format {
+        Some(f) => Format::parse(f),
+        None => Format::parse(
+            file.extension()
+                .and_then(|e| e.to_str())
+                .unwrap_or_default(),
+        ),
+    }
+    .map_err(|e| anyhow::anyhow!("--format: {e}"))?;
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read `{}`", file.display()))?;
+    let keys = &config.database.encryption.keyring;
+    let opened = crate::engine::export::open_export(&text, format, keys)
+        .with_context(|| format!("cannot open `{}`", file.display()))?;
+    std::io::Write::write_all(&mut std::io::stdout().lock(), opened.as_bytes())?;
+    Ok(())
 }
 
 /// `provider`: the action on the configured database, migrated first.
@@ -817,8 +869,9 @@ async fn purge(
 
 async fn export_records(
     config: &Config,
-    export: crate::engine::export::Export,
+    mut export: crate::engine::export::Export,
     out: Option<&std::path::Path>,
+    decrypt: bool,
 ) -> anyhow::Result<()> {
     use futures_util::StreamExt;
     use std::io::Write;
@@ -826,6 +879,9 @@ async fn export_records(
         anyhow::bail!("cannot create `{}`: it exists", path.display());
     }
     let db = crate::app::connect(config).await?;
+    // Its audit entry is sealed: with a key the database lists.
+    crate::store::admit_keys(&db, &db.keyring(), SystemClock.now_ms()).await?;
+    export.sealed = crate::engine::export::Export::sealing(&db, decrypt);
     db.append_event(&crate::store::NewEvent {
         record_id: None,
         at: SystemClock.now_ms(),
@@ -838,6 +894,7 @@ async fn export_records(
             "filter": format!("{:?}", export.filter),
             "format": export.format.extension(),
             "attempts": export.attempts,
+            "sealed": export.sealed.is_some(),
         })),
     })
     .await?;
@@ -966,6 +1023,63 @@ async fn check_backup(copy: &crate::store::Db) -> anyhow::Result<(i64, i64)> {
         anyhow::bail!("integrity check: {check}");
     }
     Ok((version, records))
+}
+
+/// `rotate-data-key`: every sealed value moved to the current data key,
+/// the figures per column printed, the run audited.
+async fn rotate_data_key(config: &Config, batch: u32) -> anyhow::Result<()> {
+    let db = crate::app::connect(config).await?;
+    migrate::up(&db, None)
+        .await
+        .context("cannot migrate the database")?;
+    let ring = db.keyring();
+    let target = ring
+        .current()
+        .unwrap_or("none: values are written in clear");
+    eprintln!("re-sealing with data key {target}");
+    let done = crate::engine::datakeys::rotate(&db, &SystemClock, batch, |pass, column, r| {
+        eprintln!(
+            "pass {pass}: {}: {} read, {} re-sealed, {} changed meanwhile",
+            column.name(),
+            r.scanned,
+            r.resealed,
+            r.raced
+        );
+    })
+    .await;
+    let detail = match &done {
+        Ok(d) => serde_json::json!({
+            "key": ring.current(),
+            "passes": d.passes,
+            "resealed": d.resealed,
+            "retired": d.retired,
+        }),
+        Err(e) => serde_json::json!({ "key": ring.current(), "refused": e.to_string() }),
+    };
+    db.append_event(&crate::store::NewEvent {
+        record_id: None,
+        at: SystemClock.now_ms(),
+        kind: "data_key_rotated".into(),
+        actor: cli_actor(),
+        audit: true,
+        step: None,
+        reason: None,
+        detail: Some(detail),
+    })
+    .await?;
+    db.close().await;
+    let done = done?;
+    println!(
+        "{} values re-sealed in {} passes; retired keys: {}",
+        done.resealed,
+        done.passes,
+        if done.retired.is_empty() {
+            "none".to_owned()
+        } else {
+            done.retired.join(", ")
+        }
+    );
+    Ok(())
 }
 
 async fn rotate_secret(config: &Config) -> anyhow::Result<()> {

@@ -138,7 +138,18 @@ impl Reloader {
         }
         crate::pipeline::compile(&new).map_err(|e| Refused(e.to_string()))?;
         let old = self.live.get();
+        // The data keys are read again and applied (a new current key, a
+        // rotated file), once the database shows they read what it holds.
+        let encryption = new.database.encryption.clone();
+        let ring = encryption.keyring.clone();
+        let listed = self
+            .db
+            .data_keys()
+            .await
+            .map_err(|e| Refused(e.to_string()))?;
+        crate::store::check_keys(&ring, &listed).map_err(Refused)?;
         let at_restart = keep_start_only(&old, &mut new);
+        new.database.encryption = encryption;
         let changes = match &self.engine {
             Some(engine) => {
                 let done = engine
@@ -162,6 +173,12 @@ impl Reloader {
                 changes
             }
         };
+        // Listed before any value is sealed with it (the rest applied: a
+        // failure here keeps the running keys and says so).
+        crate::store::note_current(&self.db, &ring, &listed, self.clock.now_ms())
+            .await
+            .map_err(|e| Refused(format!("the data keys were not applied: {e}")))?;
+        self.db.set_keyring(ring);
         Ok(Reloaded {
             version: self.live.version(),
             changes,
@@ -179,7 +196,12 @@ fn keep_start_only(old: &Config, new: &mut Config) -> Vec<String> {
     if fingerprint(&old.server) != fingerprint(&new.server) {
         changed.push("server".to_owned());
     }
-    if fingerprint(&old.database) != fingerprint(&new.database) {
+    let without_keys = |c: &Config| {
+        let mut d = c.database.clone();
+        d.encryption = Default::default();
+        fingerprint(&d)
+    };
+    if without_keys(old) != without_keys(new) {
         changed.push("database".to_owned());
     }
     if fingerprint(&old.engine) != fingerprint(&new.engine) {

@@ -2,6 +2,7 @@
 //! environment variables, strict about unknown keys, quiet about secrets.
 
 mod duration;
+pub mod encryption;
 mod env;
 pub mod pipeline;
 pub mod provider;
@@ -404,6 +405,8 @@ pub struct DatabaseConfig {
     /// lock before it fails ("database is locked").
     /// Env: `BALLAST_DATABASE_BUSY_TIMEOUT`.
     pub busy_timeout: HumanDuration,
+    /// `[database.encryption]`: values sealed at rest.
+    pub encryption: encryption::EncryptionConfig,
 }
 
 impl Default for DatabaseConfig {
@@ -413,6 +416,7 @@ impl Default for DatabaseConfig {
             max_connections: 10,
             acquire_timeout: HumanDuration::secs(10),
             busy_timeout: HumanDuration::secs(10),
+            encryption: Default::default(),
         }
     }
 }
@@ -559,6 +563,7 @@ impl Config {
         for p in config.providers.values_mut() {
             p.secrets_dir = dir.clone();
         }
+        config.database.encryption.load(env, &dir)?;
         let applied = match running {
             None => env::apply(&mut config, env)?,
             Some(running) => {

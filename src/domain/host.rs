@@ -56,6 +56,7 @@ mod tests {
             started_at: 0,
             heartbeat_at,
             draining: false,
+            data_key: None,
             config_version: version.map(str::to_owned),
         }
     }

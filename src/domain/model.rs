@@ -660,6 +660,8 @@ pub struct Node {
     pub draining: bool,
     /// The configuration it runs (`Config::version`), once it has said.
     pub config_version: Option<String>,
+    /// The data key it seals new values with (`""`: none), once it has said.
+    pub data_key: Option<String>,
 }
 
 /// A pipeline's cron schedule as the cluster has fired it.

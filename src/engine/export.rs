@@ -10,6 +10,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use serde_json::{Value, json};
 
+use crate::auth::seal::{Field, Keyring, SealError};
 use crate::domain::mask::Scrubber;
 use crate::domain::{Attempt, Record, StepRun, time::format_ms};
 use crate::store::{Db, RecordFilter, StoreError};
@@ -66,6 +67,19 @@ pub struct Export {
     /// Sensitive fields masked, by the rules of each record's pipeline
     /// (`domain::mask`); `None`: in clear (an unmasked export).
     pub masking: Option<std::sync::Arc<Masking>>,
+    /// The data keys of an encrypted database: inputs, outputs, excerpts
+    /// and requests are written sealed with the current one
+    /// ([`open_export`] opens them); `None`: in clear.
+    pub sealed: Option<std::sync::Arc<Keyring>>,
+}
+
+impl Export {
+    /// The keys to seal with when `db` seals values at rest and the export
+    /// was not asked in clear (`decrypt`).
+    pub fn sealing(db: &Db, decrypt: bool) -> Option<std::sync::Arc<Keyring>> {
+        let ring = db.keyring();
+        (!decrypt && ring.current().is_some()).then_some(ring)
+    }
 }
 
 /// What an export masks: each configured pipeline's sensitive fields, and
@@ -203,9 +217,10 @@ async fn page(
             }
         }
         let r = r.as_ref();
+        let seal = export.sealed.as_deref();
         match export.format {
-            Format::Jsonl => jsonl_line(out, r, &steps, tried.as_deref()),
-            Format::Csv => csv_record(out, r, &steps, tried.as_deref()),
+            Format::Jsonl => jsonl_line(out, r, &steps, tried.as_deref(), seal)?,
+            Format::Csv => csv_record(out, r, &steps, tried.as_deref(), seal)?,
         }
     }
     Ok(page.next)
@@ -225,17 +240,47 @@ fn scrub_attempt(a: &mut Attempt, values: &Scrubber) {
     }
 }
 
-fn jsonl_line(out: &mut Vec<u8>, r: &Record, steps: &[StepRun], attempts: Option<&[Attempt]>) {
+fn jsonl_line(
+    out: &mut Vec<u8>,
+    r: &Record,
+    steps: &[StepRun],
+    attempts: Option<&[Attempt]>,
+    seal: Option<&Keyring>,
+) -> Result<(), SealError> {
     let mut line = json!({ "record": r, "steps": steps });
     if let Some(a) = attempts {
         line["attempts"] = json!(a);
     }
+    if let Some(k) = seal {
+        for p in sealed_places(&line) {
+            if let Some(v) = line.pointer_mut(&p).filter(|v| !v.is_null()) {
+                *v = k.seal_json(Field::Export, v)?.into_owned();
+            }
+        }
+    }
     // A serialisable value into a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, &line);
     out.push(b'\n');
+    Ok(())
 }
 
-fn csv_record(out: &mut Vec<u8>, r: &Record, steps: &[StepRun], attempts: Option<&[Attempt]>) {
+fn csv_record(
+    out: &mut Vec<u8>,
+    r: &Record,
+    steps: &[StepRun],
+    attempts: Option<&[Attempt]>,
+    seal: Option<&Keyring>,
+) -> Result<(), SealError> {
+    // A JSON cell as its text, or sealed.
+    let cell = |v: &Value| -> Result<String, SealError> {
+        Ok(match seal {
+            Some(k) => match k.seal_json(Field::Export, v)?.into_owned() {
+                Value::String(s) => s,
+                other => other.to_string(),
+            },
+            None => v.to_string(),
+        })
+    };
     let opt = |v: &Option<String>| v.clone().unwrap_or_default();
     let time = |t: Option<i64>| t.map(format_ms).unwrap_or_default();
     let outputs: serde_json::Map<String, Value> = steps
@@ -258,11 +303,119 @@ fn csv_record(out: &mut Vec<u8>, r: &Record, steps: &[StepRun], attempts: Option
         format_ms(r.created_at),
         format_ms(r.updated_at),
         time(r.finished_at),
-        r.input.to_string(),
-        Value::Object(outputs).to_string(),
-        attempts.map(|a| json!(a).to_string()).unwrap_or_default(),
+        cell(&r.input)?,
+        cell(&Value::Object(outputs))?,
+        attempts
+            .map(|a| cell(&json!(a)))
+            .transpose()?
+            .unwrap_or_default(),
     ];
     csv_row(out, fields);
+    Ok(())
+}
+
+/// An export's text with the values [`Export::sealed`] sealed opened: as
+/// the export would have been in clear. Only where an export seals (a
+/// record's input, its steps' outputs, its attempts' excerpts and
+/// requests; in CSV, those columns): a field a provider filled that only
+/// looks sealed is left as it is.
+pub fn open_export(text: &str, format: Format, keys: &Keyring) -> Result<String, SealError> {
+    match format {
+        Format::Jsonl => {
+            let mut out = String::with_capacity(text.len());
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let mut v: Value = serde_json::from_str(line).map_err(|_| SealError::Malformed)?;
+                for p in sealed_places(&v) {
+                    if let Some(at) = v.pointer_mut(&p).filter(|at| at.is_string()) {
+                        *at = keys.open_json(Field::Export, std::mem::take(at))?;
+                    }
+                }
+                out.push_str(&v.to_string());
+                out.push('\n');
+            }
+            Ok(out)
+        }
+        Format::Csv => open_csv(text, keys),
+    }
+}
+
+/// Where a JSON Lines export seals: the pointers within `line`.
+fn sealed_places(line: &Value) -> Vec<String> {
+    let count = |k: &str| line[k].as_array().map_or(0, Vec::len);
+    let mut at = vec!["/record/input".to_owned()];
+    at.extend((0..count("steps")).map(|i| format!("/steps/{i}/output")));
+    for i in 0..count("attempts") {
+        at.push(format!("/attempts/{i}/excerpt"));
+        at.push(format!("/attempts/{i}/request"));
+    }
+    at
+}
+
+/// The CSV columns an export seals: input, outputs, attempts.
+const CSV_SEALED: std::ops::RangeInclusive<usize> = 13..=15;
+
+/// A CSV export with the sealed cells of [`CSV_SEALED`] opened (a sealed
+/// cell is never quoted: nothing in it needs quoting), each quoted as the
+/// export quotes a field; every other byte as it was.
+fn open_csv(text: &str, keys: &Keyring) -> Result<String, SealError> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(text.len());
+    let (mut i, mut column) = (0, 0);
+    while i < bytes.len() {
+        // At the start of a field.
+        let end = field_end(bytes, i);
+        let field = &text[i..end];
+        if CSV_SEALED.contains(&column) && crate::auth::seal::sealed_with(field).is_some() {
+            let opened = keys.open_json(Field::Export, Value::String(field.to_owned()))?;
+            csv_field(&mut out, &opened.to_string());
+        } else {
+            out.extend_from_slice(field.as_bytes());
+        }
+        i = end;
+        // The separator after it: a comma, or a line's end.
+        match bytes.get(i) {
+            Some(b',') => {
+                out.push(b',');
+                column += 1;
+                i += 1;
+            }
+            Some(_) => {
+                let eol = if bytes[i..].starts_with(b"\r\n") {
+                    2
+                } else {
+                    1
+                };
+                out.extend_from_slice(&bytes[i..i + eol]);
+                column = 0;
+                i += eol;
+            }
+            None => {}
+        }
+    }
+    String::from_utf8(out).map_err(|_| SealError::Malformed)
+}
+
+/// Where the CSV field starting at `i` ends: after its closing quote (a
+/// doubled quote inside is text), or at the next comma or line break.
+fn field_end(bytes: &[u8], mut i: usize) -> usize {
+    if bytes.get(i) == Some(&b'"') {
+        i += 1;
+        while i < bytes.len() {
+            if bytes[i] == b'"' {
+                if bytes.get(i + 1) == Some(&b'"') {
+                    i += 2;
+                    continue;
+                }
+                return i + 1;
+            }
+            i += 1;
+        }
+        return i;
+    }
+    while i < bytes.len() && !matches!(bytes[i], b',' | b'\r' | b'\n') {
+        i += 1;
+    }
+    i
 }
 
 /// One CSV row (RFC 4180): a field with a comma, quote or line break is
@@ -274,25 +427,30 @@ fn csv_row(out: &mut Vec<u8>, fields: impl IntoIterator<Item = String>) {
         if i > 0 {
             out.push(b',');
         }
-        let formula = field.starts_with(['=', '+', '-', '@', '\t', '\r']);
-        let quote = formula || field.contains([',', '"', '\n', '\r']);
-        if quote {
-            out.push(b'"');
-        }
-        if formula {
-            out.push(b'\'');
-        }
-        for b in field.bytes() {
-            if b == b'"' {
-                out.push(b'"');
-            }
-            out.push(b);
-        }
-        if quote {
-            out.push(b'"');
-        }
+        csv_field(out, &field);
     }
     out.extend_from_slice(b"\r\n");
+}
+
+/// One CSV field, quoted (and defused) as [`csv_row`] says.
+fn csv_field(out: &mut Vec<u8>, field: &str) {
+    let formula = field.starts_with(['=', '+', '-', '@', '\t', '\r']);
+    let quote = formula || field.contains([',', '"', '\n', '\r']);
+    if quote {
+        out.push(b'"');
+    }
+    if formula {
+        out.push(b'\'');
+    }
+    for b in field.bytes() {
+        if b == b'"' {
+            out.push(b'"');
+        }
+        out.push(b);
+    }
+    if quote {
+        out.push(b'"');
+    }
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 mod child;
 mod committer;
 mod confirm;
+pub mod datakeys;
 mod deliveries;
 mod each;
 pub use each::uncertain_items_of;

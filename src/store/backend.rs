@@ -108,6 +108,7 @@ pub trait SqlDb:
         _pools: &Self::Pools,
         _batch: &[crate::store::NewRecord],
         _now: crate::domain::UnixMs,
+        _keys: &crate::auth::seal::Keyring,
     ) -> impl Future<Output = StoreResult<Option<Vec<crate::domain::Record>>>> + Send {
         async { Ok(None) }
     }
@@ -119,6 +120,7 @@ pub trait SqlDb:
     fn claim_in(
         tx: &mut Transaction<'static, Self>,
         req: &ClaimRequest,
+        keys: &crate::auth::seal::Keyring,
     ) -> impl Future<Output = StoreResult<Claimed>> + Send;
 
     /// Each (pipeline, group) queue with records needing a worker, and when

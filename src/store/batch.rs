@@ -21,9 +21,12 @@
 //! one-element array holding the value, so that a JSON `null` value stays
 //! distinct from no value.
 
+use std::borrow::Cow;
+
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::auth::seal::{Field, Keyring, SealError};
 use crate::domain::park::ParkUntil;
 use crate::domain::{Record, UnixMs};
 use crate::store::{EventRow, NewAttempt, NewRecord, StepWrite};
@@ -103,7 +106,7 @@ pub(crate) fn insert(table: &str, cols: &[(&str, Ty)], dialect: Dialect, tail: &
 /// `null` for none or `[value]`, others as they are.
 macro_rules! cell {
     (Json, $v:expr) => {
-        $v.map(|v| [v])
+        $v.as_ref().map(|v| [v])
     };
     ($other:ident, $v:expr) => {
         $v
@@ -143,12 +146,12 @@ json_row!(EventJson, EVENT_COLS {
     to_state: Option<&'static str> => Text,
     step: Option<&'a str> => Text,
     reason: Option<&'a str> => Text,
-    detail: Option<&'a Value> => Json,
+    detail: Option<Cow<'a, Value>> => Json,
 });
 
-impl<'a> From<&EventRow<'a>> for EventJson<'a> {
-    fn from(e: &EventRow<'a>) -> Self {
-        EventJson {
+impl<'a> EventJson<'a> {
+    pub(crate) fn new(e: &EventRow<'a>, k: &Keyring) -> Result<Self, SealError> {
+        Ok(EventJson {
             record_id: e.record_id,
             at: e.at,
             kind: e.kind,
@@ -158,8 +161,11 @@ impl<'a> From<&EventRow<'a>> for EventJson<'a> {
             to_state: e.to.map(|s| s.as_str()),
             step: e.step,
             reason: e.reason,
-            detail: e.detail,
-        }
+            detail: e
+                .detail
+                .map(|d| k.seal_json(Field::Detail, d))
+                .transpose()?,
+        })
     }
 }
 
@@ -171,7 +177,7 @@ json_row!(StepJson, STEP_COLS {
     attempts: i32 => Int,
     idempotency_key: String => Text,
     job_id: Option<&'a str> => Text,
-    output: Option<&'a Value> => Json,
+    output: Option<Cow<'a, Value>> => Json,
     error_code: Option<&'a str> => Text,
     reason: Option<&'a str> => Text,
     next_run_at: Option<UnixMs> => Int,
@@ -186,9 +192,15 @@ json_row!(StepJson, STEP_COLS {
 });
 
 impl<'a> StepJson<'a> {
-    pub(crate) fn new(installation: &str, record_id: i64, s: &'a StepWrite, now: UnixMs) -> Self {
+    pub(crate) fn new(
+        installation: &str,
+        record_id: i64,
+        s: &'a StepWrite,
+        now: UnixMs,
+        k: &Keyring,
+    ) -> Result<Self, SealError> {
         let item = crate::domain::each::item_of(&s.step);
-        StepJson {
+        Ok(StepJson {
             record_id,
             step: &s.step,
             state: s.state.as_str(),
@@ -201,7 +213,11 @@ impl<'a> StepJson<'a> {
                 s.generation,
             ),
             job_id: s.job_id.as_deref(),
-            output: s.output.as_ref(),
+            output: s
+                .output
+                .as_ref()
+                .map(|o| k.seal_json(Field::Output, o))
+                .transpose()?,
             error_code: s.error_code.as_deref(),
             reason: s.reason.as_deref(),
             next_run_at: s.next_run_at,
@@ -213,8 +229,16 @@ impl<'a> StepJson<'a> {
             unknowns: s.unknowns,
             item_of: item.map(|(of, _)| of),
             item_no: item.map(|(_, no)| no),
-        }
+        })
     }
+}
+
+/// A request as stored: sealed when a key is current.
+fn seal_request(k: &Keyring, stored: String) -> Result<String, SealError> {
+    Ok(match k.seal_text(Field::Request, &stored)? {
+        Cow::Borrowed(_) => stored,
+        Cow::Owned(sealed) => sealed,
+    })
 }
 
 json_row!(AttemptJson, ATTEMPT_COLS {
@@ -228,13 +252,13 @@ json_row!(AttemptJson, ATTEMPT_COLS {
     http_status: Option<i32> => Int,
     outcome: &'static str => Text,
     error_code: Option<&'a str> => Text,
-    excerpt: Option<&'a str> => Text,
+    excerpt: Option<Cow<'a, str>> => Text,
     request: Option<String> => Text,
 });
 
 impl<'a> AttemptJson<'a> {
-    pub(crate) fn new(record_id: i64, a: &'a NewAttempt) -> Self {
-        AttemptJson {
+    pub(crate) fn new(record_id: i64, a: &'a NewAttempt, k: &Keyring) -> Result<Self, SealError> {
+        Ok(AttemptJson {
             record_id,
             step: &a.step,
             provider: a.provider.as_deref(),
@@ -248,9 +272,15 @@ impl<'a> AttemptJson<'a> {
             excerpt: a
                 .excerpt
                 .as_deref()
-                .map(|e| crate::domain::excerpt(e, crate::domain::EXCERPT_MAX_BYTES)),
-            request: a.request.as_ref().map(|r| r.to_stored()),
-        }
+                .map(|e| crate::domain::excerpt(e, crate::domain::EXCERPT_MAX_BYTES))
+                .map(|e| k.seal_text(Field::Excerpt, e))
+                .transpose()?,
+            request: a
+                .request
+                .as_ref()
+                .map(|r| seal_request(k, r.to_stored()))
+                .transpose()?,
+        })
     }
 }
 
@@ -266,19 +296,23 @@ json_row!(IntentJson, INTENT_COLS {
     lease_token: i64 => Int,
 });
 
-impl<'a> From<&'a crate::store::NewIntent> for IntentJson<'a> {
-    fn from(i: &'a crate::store::NewIntent) -> Self {
-        IntentJson {
+impl<'a> IntentJson<'a> {
+    pub(crate) fn new(i: &'a crate::store::NewIntent, k: &Keyring) -> Result<Self, SealError> {
+        Ok(IntentJson {
             record_id: i.record_id,
             step: &i.step,
             provider: i.provider.as_deref(),
             attempt_no: i.attempt_no,
             node: i.node.as_deref(),
             sent_at: i.sent_at,
-            request: i.request.as_ref().map(|r| r.to_stored()),
+            request: i
+                .request
+                .as_ref()
+                .map(|r| seal_request(k, r.to_stored()))
+                .transpose()?,
             lease_owner: &i.lease.owner,
             lease_token: i.lease.token,
-        }
+        })
     }
 }
 
@@ -331,25 +365,25 @@ json_row!(NewRecordJson, NEW_RECORD_COLS {
     external_key: Option<&'a str> => Text,
     group_key: &'a str => Text,
     state: &'static str => Text,
-    input: Option<&'a Value> => Json,
+    input: Option<Cow<'a, Value>> => Json,
     next_run_at: UnixMs => Int,
     created_at: UnixMs => Int,
     updated_at: UnixMs => Int,
 });
 
 impl<'a> NewRecordJson<'a> {
-    pub(crate) fn new(r: &'a NewRecord, now: UnixMs) -> Self {
-        NewRecordJson {
+    pub(crate) fn new(r: &'a NewRecord, now: UnixMs, k: &Keyring) -> Result<Self, SealError> {
+        Ok(NewRecordJson {
             pipeline: &r.pipeline,
             pipeline_version: r.pipeline_version,
             external_key: r.external_key.as_deref(),
             group_key: r.group.as_deref().unwrap_or(""),
             state: "pending",
-            input: Some(&r.input),
+            input: Some(k.seal_json(Field::Input, &r.input)?),
             next_run_at: r.run_at,
             created_at: now,
             updated_at: now,
-        }
+        })
     }
 }
 

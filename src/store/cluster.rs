@@ -153,11 +153,12 @@ where
         let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO nodes (id, hostname, pid, version, started_at, heartbeat_at, draining, \
-               config_version) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+               config_version, data_key) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
              ON CONFLICT (id) DO UPDATE SET hostname = excluded.hostname, pid = excluded.pid, \
                version = excluded.version, heartbeat_at = excluded.heartbeat_at, \
-               draining = excluded.draining, config_version = excluded.config_version",
+               draining = excluded.draining, config_version = excluded.config_version, \
+               data_key = excluded.data_key",
         )
         .bind(b.id.clone())
         .bind(b.hostname.clone())
@@ -167,6 +168,9 @@ where
         .bind(now)
         .bind(b.draining)
         .bind(b.config_version.clone())
+        // The key this node's store seals with: said by the store itself,
+        // so that it is the one in use, reloads included.
+        .bind(self.keyring().current().unwrap_or_default().to_owned())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -175,8 +179,8 @@ where
 
     async fn list_nodes(&self) -> StoreResult<Vec<Node>> {
         let rows = sqlx::query(
-            "SELECT id, hostname, pid, version, started_at, heartbeat_at, draining, config_version \
-             FROM nodes ORDER BY id",
+            "SELECT id, hostname, pid, version, started_at, heartbeat_at, draining, config_version, \
+             data_key FROM nodes ORDER BY id",
         )
         .fetch_all(self.reader())
         .await?;
@@ -262,7 +266,7 @@ where
             .await?;
         let state = row.provider_state()?;
         let detail = serde_json::json!({ "provider": provider });
-        Self::insert_event(
+        self.insert_event(
             &mut tx,
             &EventRow {
                 record_id: None,

@@ -7,7 +7,9 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
 
 use super::backend::{BindJson, SqlDb};
 use super::filter::push_audit_filter;
-use super::rows::{ATTEMPT_COLUMNS, EVENT_COLUMNS, MapRow, STEP_VERSION_COLUMNS, map_all};
+use super::rows::{
+    ATTEMPT_COLUMNS, EVENT_COLUMNS, MapRow, STEP_VERSION_COLUMNS, map_all, map_sealed,
+};
 use super::sql::SqlStore;
 use super::{AuditFilter, EventRow, NewEvent, Page, StoreResult, into_page, page_limit};
 use crate::domain::{
@@ -89,7 +91,7 @@ where
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::step_version)
+        map_sealed(&rows, &self.keyring(), MapRow::step_version)
     }
 
     async fn attempts(&self, record_id: i64) -> StoreResult<Vec<Attempt>> {
@@ -99,7 +101,7 @@ where
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::attempt)
+        map_sealed(&rows, &self.keyring(), MapRow::attempt)
     }
 
     async fn attempts_of(&self, record_ids: &[i64]) -> StoreResult<Vec<Attempt>> {
@@ -111,7 +113,7 @@ where
             .bind_json(record_ids)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::attempt)
+        map_sealed(&rows, &self.keyring(), MapRow::attempt)
     }
 
     async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
@@ -120,7 +122,7 @@ where
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::event)
+        map_sealed(&rows, &self.keyring(), MapRow::event)
     }
 
     async fn audit_log(&self, filter: &AuditFilter) -> StoreResult<Page<Event>> {
@@ -130,27 +132,32 @@ where
         qb.push(" ORDER BY id DESC LIMIT ")
             .push_bind(i64::from(limit) + 1);
         let rows = qb.build().fetch_all(self.reader()).await?;
-        Ok(into_page(map_all(&rows, MapRow::event)?, limit, |e| e.id))
+        Ok(into_page(
+            map_sealed(&rows, &self.keyring(), MapRow::event)?,
+            limit,
+            |e| e.id,
+        ))
     }
 
     async fn append_event(&self, e: &NewEvent) -> StoreResult<Event> {
         let mut tx = self.begin_write().await?;
-        let event = Self::insert_event(
-            &mut tx,
-            &EventRow {
-                record_id: e.record_id,
-                at: e.at,
-                kind: &e.kind,
-                actor: &e.actor,
-                audit: e.audit,
-                from: None,
-                to: None,
-                step: e.step.as_deref(),
-                reason: e.reason.as_deref(),
-                detail: e.detail.as_ref(),
-            },
-        )
-        .await?;
+        let event = self
+            .insert_event(
+                &mut tx,
+                &EventRow {
+                    record_id: e.record_id,
+                    at: e.at,
+                    kind: &e.kind,
+                    actor: &e.actor,
+                    audit: e.audit,
+                    from: None,
+                    to: None,
+                    step: e.step.as_deref(),
+                    reason: e.reason.as_deref(),
+                    detail: e.detail.as_ref(),
+                },
+            )
+            .await?;
         tx.commit().await?;
         Ok(event)
     }

@@ -10,7 +10,10 @@ use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::counts::CountDeltas;
 use super::rows::{MapRow, ROLLUP_COLUMNS, map_all};
 use super::sql::{Rollups, SqlStore};
-use super::{HOUR_MS, PurgeRun, Purged, ScheduleAdvance, StoreError, StoreResult};
+use super::{
+    DataKeyRow, HOUR_MS, PurgeRun, Purged, Resealed, ScheduleAdvance, SealedColumn, StoreError,
+    StoreResult,
+};
 use crate::domain::{RecordState, ScheduleRow, UnixMs};
 
 /// Housekeeping: retention, the search index, statistics, schedules and
@@ -20,6 +23,17 @@ pub trait Housekeeping: Send + Sync {
     /// Gives a delivery id back (its processing failed after the delivery
     /// was stored; the provider's retry must get through).
     async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()>;
+    /// The data keys values were ever sealed with (migration 27).
+    async fn data_keys(&self) -> StoreResult<Vec<DataKeyRow>>;
+    /// Lists `id` (with its check value) as a key values are sealed with,
+    /// no longer retired if it was.
+    async fn note_data_key(&self, id: &str, check_value: &str, now: UnixMs) -> StoreResult<()>;
+    /// Retires every listed key but `keep`: no value is sealed with them.
+    async fn retire_data_keys(&self, keep: Option<&str>, now: UnixMs) -> StoreResult<Vec<String>>;
+    /// Re-seals, with the current data key (or writes in clear, when there
+    /// is none), the values of `column` in one batch after `after` that
+    /// are not sealed with it; a value changed meanwhile is left.
+    async fn reseal(&self, column: SealedColumn, after: i64, limit: u32) -> StoreResult<Resealed>;
     /// Deletes the deliveries received before `before` that no step ever
     /// took (their job id matched none); returns how many.
     async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64>;
@@ -113,6 +127,56 @@ where
     for<'q> Json<Value>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
     for<'q> Option<Json<Value>>: Encode<'q, DB>,
 {
+    async fn data_keys(&self) -> StoreResult<Vec<DataKeyRow>> {
+        let rows: Vec<(String, String, i64, Option<i64>)> = sqlx::query_as(
+            "SELECT id, check_value, added_at, retired_at FROM data_keys ORDER BY id",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, check_value, added_at, retired_at)| DataKeyRow {
+                id,
+                check_value,
+                added_at,
+                retired_at,
+            })
+            .collect())
+    }
+
+    async fn note_data_key(&self, id: &str, check_value: &str, now: UnixMs) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO data_keys (id, check_value, added_at) VALUES ($1, $2, $3) \
+             ON CONFLICT (id) DO UPDATE SET retired_at = NULL",
+        )
+        .bind(id.to_owned())
+        .bind(check_value.to_owned())
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn retire_data_keys(&self, keep: Option<&str>, now: UnixMs) -> StoreResult<Vec<String>> {
+        let mut tx = self.begin_write().await?;
+        let gone: Vec<String> = sqlx::query_scalar(
+            "UPDATE data_keys SET retired_at = $1 \
+             WHERE retired_at IS NULL AND id <> COALESCE($2, '') RETURNING id",
+        )
+        .bind(now)
+        .bind(keep.map(str::to_owned))
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(gone)
+    }
+
+    async fn reseal(&self, column: SealedColumn, after: i64, limit: u32) -> StoreResult<Resealed> {
+        self.reseal_batch(column, after, limit).await
+    }
+
     async fn forget_delivery(&self, provider: &str, delivery_id: &str) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
         sqlx::query("DELETE FROM webhook_deliveries WHERE provider = $1 AND delivery_id = $2")
@@ -329,7 +393,7 @@ where
         .await?;
         purged.records = i64::try_from(deleted.rows_affected()).unwrap_or(i64::MAX);
         Self::apply_counts(&mut tx, &deltas).await?;
-        let event = Self::audit_purge(&mut tx, run, pipeline, &purged).await?;
+        let event = self.audit_purge(&mut tx, run, pipeline, &purged).await?;
         tx.commit().await?;
         Ok((purged, event))
     }
@@ -456,7 +520,7 @@ where
             stripped: n,
             ..Purged::default()
         };
-        let event = Self::audit_purge(&mut tx, run, pipeline, &batch).await?;
+        let event = self.audit_purge(&mut tx, run, pipeline, &batch).await?;
         tx.commit().await?;
         Ok((n, rows.len() >= limit as usize, event))
     }

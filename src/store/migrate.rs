@@ -129,7 +129,19 @@ fn applied_set(status: &[MigrationStatus]) -> Vec<i64> {
 /// Applies pending migrations up to `to` (all when `None`); returns the
 /// versions applied. Fails, changing nothing, when the database has a
 /// migration this binary does not know (it is newer than the binary).
+/// Migrated to the latest, the data keys are checked against the
+/// database (`admit_keys`): a node that could not read its values, or
+/// would seal with a key the database does not list, stops here.
 pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
+    let applied = up_to(db, to).await?;
+    if to.is_none_or(|t| t >= latest_version(db.backend())) {
+        use crate::domain::Clock;
+        super::admit_keys(db, &db.keyring(), crate::domain::SystemClock.now_ms()).await?;
+    }
+    Ok(applied)
+}
+
+async fn up_to(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
     let now = status(db).await?;
     if let Some(unknown) = now.iter().find(|m| m.applied && m.description.is_none()) {
         return Err(StoreError::NewerSchema {
@@ -153,11 +165,35 @@ pub async fn up(db: &Db, to: Option<i64>) -> StoreResult<Vec<i64>> {
     match (db, to) {
         (Db::Sqlite(s), None) => m.run(s.writer()).await?,
         (Db::Sqlite(s), Some(t)) => m.run_to(t, s.writer()).await?,
-        (Db::Postgres(s), None) => m.run(s.pool()).await?,
-        (Db::Postgres(s), Some(t)) => m.run_to(t, s.pool()).await?,
+        (Db::Postgres(s), _) => pg_migrate(s.pool(), m, Run::Up(to)).await?,
     }
     let after = applied_set(&status(db).await?);
     Ok(after.into_iter().filter(|v| !before.contains(v)).collect())
+}
+
+/// Which way [`pg_migrate`] goes.
+enum Run {
+    Up(Option<i64>),
+    Down(i64),
+}
+
+/// The migrator on PostgreSQL, on a connection of its own, closed after:
+/// when a migration fails, sqlx's migrator returns without releasing its
+/// advisory lock, which a connection given back to the pool would keep
+/// held, every later migration waiting on it (a refused down migration,
+/// such as 27's while a data key is in use, did).
+async fn pg_migrate(pool: &sqlx::PgPool, m: Migrator, run: Run) -> StoreResult<()> {
+    let own = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await?;
+    let done = match run {
+        Run::Up(None) => m.run(&own).await,
+        Run::Up(Some(t)) => m.run_to(t, &own).await,
+        Run::Down(t) => m.undo(&own, t).await,
+    };
+    own.close().await;
+    Ok(done?)
 }
 
 /// [`up`] on SQLite, whose sqlx migrator takes no lock: two processes
@@ -256,7 +292,7 @@ pub async fn down(db: &Db, to: i64) -> StoreResult<Vec<i64>> {
     let m = migrator(db.backend());
     match db {
         Db::Sqlite(s) => m.undo(s.writer(), to).await?,
-        Db::Postgres(s) => m.undo(s.pool(), to).await?,
+        Db::Postgres(s) => pg_migrate(s.pool(), m, Run::Down(to)).await?,
     }
     let after = applied_set(&status(db).await?);
     let mut reverted: Vec<i64> = before.into_iter().filter(|v| !after.contains(v)).collect();

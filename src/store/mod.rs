@@ -16,6 +16,7 @@ pub mod migrate;
 mod people;
 mod postgres;
 mod records;
+mod reseal;
 mod rows;
 mod sql;
 mod sqlite;
@@ -38,6 +39,7 @@ pub use housekeeping::Housekeeping;
 pub use people::People;
 pub use postgres::{Notice, PgStore};
 pub use records::Records;
+pub use reseal::{DataKeyRow, Resealed, SealedColumn, admit_keys, check_keys, note_current};
 pub(crate) use rows::NO_TIME;
 pub use sqlite::{SqliteStore, create_private, partial_beside, place_new};
 pub use work::Work;
@@ -67,6 +69,12 @@ pub enum StoreError {
     /// or someone edited the database by hand).
     #[error("unreadable stored value: {0}")]
     Corrupt(String),
+    /// A value sealed at rest that this node cannot open (`auth::seal`).
+    #[error(transparent)]
+    Sealed(#[from] crate::auth::seal::SealError),
+    /// The data keys configured cannot read what the database holds.
+    #[error("{0}")]
+    Keys(String),
     /// What is asked for cannot be done here now (another node may, or
     /// this one later): ask again.
     #[error("not now: {0}")]
@@ -122,6 +130,8 @@ impl StoreError {
             StoreError::Declined { code, .. } => code,
             StoreError::Refused(r) => r.code(),
             StoreError::Corrupt(_) => "corrupt_row",
+            StoreError::Sealed(_) => "sealed_value",
+            StoreError::Keys(_) => "data_keys",
             StoreError::NotNow(_) => "not_now",
             StoreError::Database(_) => "database_error",
             StoreError::Migrate(_) => "migration_error",
@@ -690,6 +700,8 @@ pub struct ConnectOptions {
     pub acquire_timeout: Duration,
     /// SQLite: how long a statement waits for another process's write lock.
     pub busy_timeout: Duration,
+    /// The data keys values are sealed with at rest (none: kept in clear).
+    pub keyring: std::sync::Arc<crate::auth::seal::Keyring>,
 }
 
 impl Default for ConnectOptions {
@@ -698,6 +710,7 @@ impl Default for ConnectOptions {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(10),
             busy_timeout: Duration::from_secs(10),
+            keyring: Default::default(),
         }
     }
 }
@@ -741,6 +754,22 @@ impl Db {
         match self {
             Db::Sqlite(_) => Backend::Sqlite,
             Db::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// The data keys values are sealed with from now on (a reload).
+    pub fn set_keyring(&self, ring: std::sync::Arc<crate::auth::seal::Keyring>) {
+        match self {
+            Db::Sqlite(s) => s.keys.set(ring),
+            Db::Postgres(s) => s.keys.set(ring),
+        }
+    }
+
+    /// The data keys as they are now.
+    pub fn keyring(&self) -> std::sync::Arc<crate::auth::seal::Keyring> {
+        match self {
+            Db::Sqlite(s) => s.keyring(),
+            Db::Postgres(s) => s.keyring(),
         }
     }
 

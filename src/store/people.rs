@@ -297,7 +297,7 @@ where
             "expires_at": token.expires_at, "pipelines": token.pipelines.patterns(),
             "unmask": token.unmask,
         });
-        Self::insert_event(
+        self.insert_event(
             &mut tx,
             &EventRow {
                 record_id: None,
@@ -357,7 +357,7 @@ where
             })?;
         let token = row.api_token()?;
         let detail = serde_json::json!({ "token_id": token.id, "name": token.name });
-        Self::insert_event(
+        self.insert_event(
             &mut tx,
             &EventRow {
                 record_id: None,

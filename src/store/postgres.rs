@@ -15,7 +15,7 @@ use sqlx::{Pool, Postgres, Row, Transaction};
 
 use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
-use super::rows::{MapRow, RECORD_COLUMNS, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, map_sealed};
 use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
 use crate::domain::{UnixMs, fair};
@@ -82,7 +82,7 @@ impl PgStore {
             .acquire_timeout(opts.acquire_timeout)
             .connect_with(options)
             .await?;
-        Ok(SqlStore::new(pool))
+        Ok(SqlStore::new(pool, opts.keyring.clone()))
     }
 
     pub(crate) fn pool(&self) -> &PgPool {
@@ -259,12 +259,13 @@ impl SqlDb for Postgres {
         pool: &PgPool,
         batch: &[crate::store::NewRecord],
         now: crate::domain::UnixMs,
+        keys: &crate::auth::seal::Keyring,
     ) -> StoreResult<Option<Vec<crate::domain::Record>>> {
         use super::batch;
         let rows: Vec<batch::NewRecordJson<'_>> = batch
             .iter()
-            .map(|r| batch::NewRecordJson::new(r, now))
-            .collect();
+            .map(|r| batch::NewRecordJson::new(r, now, keys))
+            .collect::<Result<_, _>>()?;
         let sql = "SELECT * FROM ballast_insert_records($1, $2, $3, $4)";
         let inserted = sqlx::query(sql)
             .bind(sqlx::types::Json(&rows))
@@ -275,7 +276,7 @@ impl SqlDb for Postgres {
             .await?;
         let records = inserted
             .iter()
-            .map(super::rows::MapRow::record)
+            .map(|r| r.record(keys))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Some(records))
     }
@@ -283,6 +284,7 @@ impl SqlDb for Postgres {
     async fn claim_in(
         tx: &mut Transaction<'static, Postgres>,
         req: &ClaimRequest,
+        keys: &crate::auth::seal::Keyring,
     ) -> StoreResult<Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
         if !req.group_caps.is_empty() {
@@ -318,7 +320,7 @@ impl SqlDb for Postgres {
             old_states.insert(id, row.try_get::<String, _>("old_state")?);
             due_at.insert(id, row.try_get::<i64, _>("old_due")?);
         }
-        let mut claimed = map_all(&rows, MapRow::record)?;
+        let mut claimed = map_sealed(&rows, keys, MapRow::record)?;
         // Due order within each queue, then round robin over the queues.
         claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
         let claimed = fair::interleave(claimed, |r| (r.pipeline.clone(), r.group.clone()));
@@ -398,10 +400,13 @@ impl SqlDb for Postgres {
         bare: &[i64],
     ) -> StoreResult<u64> {
         let sql = Self::statements().index_records.get(|| {
+            // A value sealed at rest (`auth::seal`, text beginning with
+            // U+0001) gives no words: its text is ciphertext.
             let values = |doc: &str| {
                 format!(
                     "(SELECT string_agg(v #>> '{{}}', ' ') FROM jsonb_path_query({doc}, \
-                     'strict $.** ? (@.type() == \"string\" || @.type() == \"number\")') v)"
+                     'strict $.** ? (@.type() == \"string\" || @.type() == \"number\")') v \
+                     WHERE left(v #>> '{{}}', 1) <> chr(1))"
                 )
             };
             format!(

@@ -10,7 +10,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
 use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::counts::CountDeltas;
 use super::filter::push_record_filter;
-use super::rows::{MapRow, RECORD_COLUMNS, STEP_COLUMNS, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, STEP_COLUMNS, map_sealed};
 use super::sql::SqlStore;
 use super::{
     ActionRequest, Created, EventRow, NewRecord, Page, RecordFilter, StoreError, StoreResult,
@@ -159,13 +159,17 @@ where
                 crate::store::MAX_BATCH
             )));
         }
-        if let Some(inserted) = DB::insert_records_at_once(&self.pools, &batch, now).await? {
+        if let Some(inserted) =
+            DB::insert_records_at_once(&self.pools, &batch, now, &self.keyring()).await?
+        {
             let slots = Self::match_inserted(&batch, inserted, None)?;
             return self.fill_repeats(&batch, slots).await;
         }
         let mut tx = self.begin_write().await?;
         let mut deltas = CountDeltas::default();
-        let slots = Self::insert_records(&mut tx, &batch, now, &mut deltas).await?;
+        let slots = self
+            .insert_records(&mut tx, &batch, now, &mut deltas)
+            .await?;
         Self::apply_counts(&mut tx, &deltas).await?;
         if slots.iter().any(Option::is_some) {
             DB::notify_work(&mut tx).await?;
@@ -180,7 +184,7 @@ where
             .bind(id)
             .fetch_optional(self.reader())
             .await?;
-        row.as_ref().map(MapRow::record).transpose()
+        row.as_ref().map(|r| r.record(&self.keyring())).transpose()
     }
 
     async fn get_records(&self, ids: &[i64]) -> StoreResult<Vec<Record>> {
@@ -279,7 +283,11 @@ where
                 .build()
                 .fetch_all(self.reader())
                 .await?;
-            return Ok(into_page(map_all(&rows, MapRow::record)?, limit, |r| r.id));
+            return Ok(into_page(
+                map_sealed(&rows, &self.keyring(), MapRow::record)?,
+                limit,
+                |r| r.id,
+            ));
         }
         // Several filters and no index for them together: search
         // windows of ids from the top down, at most LIST_SCAN_IDS ids
@@ -307,7 +315,7 @@ where
                 .build()
                 .fetch_all(self.reader())
                 .await?;
-            items.extend(map_all(&rows, MapRow::record)?);
+            items.extend(map_sealed(&rows, &self.keyring(), MapRow::record)?);
             if items.len() > limit as usize {
                 return Ok(into_page(items, limit, |r| r.id));
             }
@@ -332,7 +340,7 @@ where
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::step_run)
+        map_sealed(&rows, &self.keyring(), MapRow::step_run)
     }
 
     async fn step_runs_of(&self, record_ids: &[i64]) -> StoreResult<Vec<StepRun>> {
@@ -347,7 +355,7 @@ where
             .bind_json(record_ids)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::step_run)
+        map_sealed(&rows, &self.keyring(), MapRow::step_run)
     }
 
     async fn act(&self, req: &ActionRequest) -> StoreResult<Record> {
@@ -363,20 +371,22 @@ where
             .await?
             .flatten();
         if let Some(p) = parent {
-            Self::lock_records(&mut tx, &[p]).await?;
+            self.lock_records(&mut tx, &[p]).await?;
         }
-        let rec = Self::lock_found(&mut tx, req.record_id).await?;
+        let rec = self.lock_found(&mut tx, req.record_id).await?;
         let mut deltas = CountDeltas::default();
-        let moved =
-            match Self::act_locked(&mut tx, &installation, &rec, req, None, &mut deltas).await {
-                Ok(moved) => moved,
-                Err(refused) => {
-                    // Let go of the record's row now, not when the
-                    // connection is next used: a claim skips a locked row.
-                    let _ = tx.rollback().await;
-                    return Err(refused);
-                }
-            };
+        let moved = match self
+            .act_locked(&mut tx, &installation, &rec, req, None, &mut deltas)
+            .await
+        {
+            Ok(moved) => moved,
+            Err(refused) => {
+                // Let go of the record's row now, not when the
+                // connection is next used: a claim skips a locked row.
+                let _ = tx.rollback().await;
+                return Err(refused);
+            }
+        };
         Self::apply_counts(&mut tx, &deltas).await?;
         if moved.next_run_at.is_some() {
             DB::notify_work(&mut tx).await?;
@@ -419,7 +429,7 @@ where
         let mut tx = self.begin_write().await?;
         // Every candidate locked at once, in id order, then the counters
         // once at the end: the same order as every multi-row write.
-        let held = Self::lock_records(&mut tx, &ids).await?;
+        let held = self.lock_records(&mut tx, &ids).await?;
         let mut deltas = CountDeltas::default();
         let mut resumed = Vec::new();
         for id in ids {
@@ -430,15 +440,16 @@ where
             let Some((action, until)) = action::resume_due(rec, req.now, providers) else {
                 continue;
             };
-            let moved = Self::act_locked(
-                &mut tx,
-                &installation,
-                rec,
-                &action,
-                Some(&until),
-                &mut deltas,
-            )
-            .await?;
+            let moved = self
+                .act_locked(
+                    &mut tx,
+                    &installation,
+                    rec,
+                    &action,
+                    Some(&until),
+                    &mut deltas,
+                )
+                .await?;
             resumed.push(moved);
         }
         Self::apply_counts(&mut tx, &deltas).await?;
@@ -452,7 +463,7 @@ where
     async fn reverse(&self, req: &crate::store::ReverseRequest) -> StoreResult<Record> {
         let installation = self.installation_id().await?;
         let mut tx = self.begin_write().await?;
-        let rec = Self::lock_found(&mut tx, req.record_id).await?;
+        let rec = self.lock_found(&mut tx, req.record_id).await?;
         if !Self::reversal_applies(&mut tx, &rec, req).await? {
             return Ok(rec);
         }
@@ -470,28 +481,31 @@ where
             reason: Some(&req.reason),
             detail: Some(&detail),
         };
-        Self::reverse_steps(&mut tx, &installation, rec.id, req, decided.steps).await?;
+        self.reverse_steps(&mut tx, &installation, rec.id, req, decided.steps)
+            .await?;
         let rec = if decided.to == rec.state {
-            Self::insert_event(&mut tx, &event).await?;
+            self.insert_event(&mut tx, &event).await?;
             if decided.needs_human {
-                Self::park_for_a_human(&mut tx, rec.id, &req.reason, req.now).await?
+                self.park_for_a_human(&mut tx, rec.id, &req.reason, req.now)
+                    .await?
             } else {
                 rec
             }
         } else {
             let next = decided.wake.then_some(req.now);
             let mut deltas = CountDeltas::default();
-            let moved = Self::move_record(
-                &mut tx,
-                &rec,
-                (decided.to, None),
-                next,
-                req.now,
-                event,
-                Some(crate::domain::REVERSED),
-                &mut deltas,
-            )
-            .await?;
+            let moved = self
+                .move_record(
+                    &mut tx,
+                    &rec,
+                    (decided.to, None),
+                    next,
+                    req.now,
+                    event,
+                    Some(crate::domain::REVERSED),
+                    &mut deltas,
+                )
+                .await?;
             Self::apply_counts(&mut tx, &deltas).await?;
             moved
         };
@@ -564,7 +578,7 @@ where
             .bind(limit)
             .fetch_all(self.reader())
             .await?;
-        let runs = map_all(&rows, MapRow::step_run)?;
+        let runs = map_sealed(&rows, &self.keyring(), MapRow::step_run)?;
         let loaded = i64::try_from(runs.len()).unwrap_or(i64::MAX);
         let loaded_started = runs
             .iter()
@@ -609,7 +623,7 @@ where
             .bind(limit)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::step_run)
+        map_sealed(&rows, &self.keyring(), MapRow::step_run)
     }
 
     async fn item_outputs(&self, record_id: i64, step: &str) -> StoreResult<Vec<(i64, Value)>> {
@@ -621,8 +635,12 @@ where
         .bind(step.to_owned())
         .fetch_all(self.reader())
         .await?;
+        let keys = self.keyring();
         rows.iter()
-            .map(|r| Ok((r.try_get(0)?, r.json("output")?.unwrap_or(Value::Null))))
+            .map(|r| {
+                let output = r.sealed_json("output", crate::auth::seal::Field::Output, &keys)?;
+                Ok((r.try_get(0)?, output.unwrap_or(Value::Null)))
+            })
             .collect()
     }
 
@@ -637,7 +655,7 @@ where
             .bind(crate::domain::OUTCOME_UNCERTAIN)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::step_run)
+        map_sealed(&rows, &self.keyring(), MapRow::step_run)
     }
 
     async fn item_runs(
@@ -658,6 +676,6 @@ where
             .bind(limit)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::step_run)
+        map_sealed(&rows, &self.keyring(), MapRow::step_run)
     }
 }

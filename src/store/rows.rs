@@ -5,6 +5,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
+use crate::auth::seal::{Field, Keyring};
 use crate::domain::breaker::SharedBreaker;
 use crate::domain::permits::GrantRow;
 use crate::domain::{
@@ -56,22 +57,26 @@ pub(crate) const PROVIDER_COLUMNS: &str = "provider, breaker, breaker_changed_at
 pub trait MapRow {
     /// A nullable JSON column.
     fn json(&self, col: &str) -> StoreResult<Option<Value>>;
+    /// A nullable JSON column of values sealed at rest, opened with `k`.
+    fn sealed_json(&self, col: &str, field: Field, k: &Keyring) -> StoreResult<Option<Value>>;
+    /// A nullable text column of values sealed at rest, opened with `k`.
+    fn sealed_text(&self, col: &str, field: Field, k: &Keyring) -> StoreResult<Option<String>>;
     /// A nullable record-state column.
     fn opt_state(&self, col: &str) -> StoreResult<Option<RecordState>>;
     /// A `records` row, read with [`RECORD_COLUMNS`].
-    fn record(&self) -> StoreResult<Record>;
+    fn record(&self, k: &Keyring) -> StoreResult<Record>;
     /// A `step_runs` row, read with [`STEP_COLUMNS`].
-    fn step_run(&self) -> StoreResult<StepRun>;
+    fn step_run(&self, k: &Keyring) -> StoreResult<StepRun>;
     /// A `step_versions` row, read with [`STEP_VERSION_COLUMNS`].
-    fn step_version(&self) -> StoreResult<StepVersion>;
+    fn step_version(&self, k: &Keyring) -> StoreResult<StepVersion>;
     /// A `step_confirmations` row.
     fn confirmation(&self) -> StoreResult<crate::domain::confirm::Pending>;
     /// An `attempts` row, read with [`ATTEMPT_COLUMNS`].
-    fn attempt(&self) -> StoreResult<Attempt>;
+    fn attempt(&self, k: &Keyring) -> StoreResult<Attempt>;
     /// An `attempt_intents` row, read with [`INTENT_COLUMNS`].
-    fn intent(&self) -> StoreResult<crate::domain::Intent>;
+    fn intent(&self, k: &Keyring) -> StoreResult<crate::domain::Intent>;
     /// An `events` row, read with [`EVENT_COLUMNS`].
-    fn event(&self) -> StoreResult<Event>;
+    fn event(&self, k: &Keyring) -> StoreResult<Event>;
     /// A `users` row, read with [`USER_COLUMNS`].
     fn user(&self) -> StoreResult<User>;
     /// An `api_tokens` row, read with [`API_TOKEN_COLUMNS`].
@@ -111,13 +116,24 @@ where
         Ok(self.try_get::<Option<Json<Value>>, _>(col)?.map(|j| j.0))
     }
 
+    fn sealed_json(&self, col: &str, field: Field, k: &Keyring) -> StoreResult<Option<Value>> {
+        Ok(self.json(col)?.map(|v| k.open_json(field, v)).transpose()?)
+    }
+
+    fn sealed_text(&self, col: &str, field: Field, k: &Keyring) -> StoreResult<Option<String>> {
+        Ok(self
+            .try_get::<Option<String>, _>(col)?
+            .map(|t| k.open_text(field, t))
+            .transpose()?)
+    }
+
     fn opt_state(&self, col: &str) -> StoreResult<Option<RecordState>> {
         self.try_get::<Option<String>, _>(col)?
             .map(|s: String| parse::<RecordState>(&s, "record state"))
             .transpose()
     }
 
-    fn record(&self) -> StoreResult<Record> {
+    fn record(&self, k: &Keyring) -> StoreResult<Record> {
         Ok(Record {
             id: self.try_get("id")?,
             pipeline: self.try_get("pipeline")?,
@@ -125,7 +141,9 @@ where
             external_key: self.try_get("external_key")?,
             group: Some(self.try_get::<String, _>("group_key")?).filter(|g| !g.is_empty()),
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
-            input: self.json("input")?.unwrap_or(Value::Null),
+            input: self
+                .sealed_json("input", Field::Input, k)?
+                .unwrap_or(Value::Null),
             next_run_at: self
                 .try_get::<Option<crate::domain::UnixMs>, _>("next_run_at")?
                 .filter(|t| *t != NO_TIME),
@@ -148,7 +166,7 @@ where
         })
     }
 
-    fn step_run(&self) -> StoreResult<StepRun> {
+    fn step_run(&self, k: &Keyring) -> StoreResult<StepRun> {
         Ok(StepRun {
             record_id: self.try_get("record_id")?,
             step: self.try_get("step")?,
@@ -159,7 +177,7 @@ where
             unknowns: self.try_get("unknowns")?,
             idempotency_key: self.try_get("idempotency_key")?,
             job_id: self.try_get("job_id")?,
-            output: self.json("output")?,
+            output: self.sealed_json("output", Field::Output, k)?,
             error_code: self.try_get("error_code")?,
             reason: self.try_get("reason")?,
             next_run_at: self.try_get("next_run_at")?,
@@ -182,13 +200,13 @@ where
         })
     }
 
-    fn step_version(&self) -> StoreResult<StepVersion> {
+    fn step_version(&self, k: &Keyring) -> StoreResult<StepVersion> {
         Ok(StepVersion {
             record_id: self.try_get("record_id")?,
             step: self.try_get("step")?,
             generation: self.try_get("generation")?,
             state: parse(&self.try_get::<String, _>("state")?, "step state")?,
-            output: self.json("output")?,
+            output: self.sealed_json("output", Field::Output, k)?,
             job_id: self.try_get("job_id")?,
             error_code: self.try_get("error_code")?,
             cause: self.try_get("cause")?,
@@ -199,7 +217,7 @@ where
         })
     }
 
-    fn attempt(&self) -> StoreResult<Attempt> {
+    fn attempt(&self, k: &Keyring) -> StoreResult<Attempt> {
         Ok(Attempt {
             id: self.try_get("id")?,
             record_id: self.try_get("record_id")?,
@@ -212,14 +230,14 @@ where
             http_status: self.try_get("http_status")?,
             outcome: parse(&self.try_get::<String, _>("outcome")?, "outcome")?,
             error_code: self.try_get("error_code")?,
-            excerpt: self.try_get("excerpt")?,
+            excerpt: self.sealed_text("excerpt", Field::Excerpt, k)?,
             request: self
-                .try_get::<Option<String>, _>("request")?
+                .sealed_text("request", Field::Request, k)?
                 .and_then(|t| crate::domain::request::SentRequest::from_stored(&t)),
         })
     }
 
-    fn intent(&self) -> StoreResult<crate::domain::Intent> {
+    fn intent(&self, k: &Keyring) -> StoreResult<crate::domain::Intent> {
         Ok(crate::domain::Intent {
             id: self.try_get("id")?,
             record_id: self.try_get("record_id")?,
@@ -229,12 +247,12 @@ where
             node: self.try_get("node")?,
             sent_at: self.try_get("sent_at")?,
             request: self
-                .try_get::<Option<String>, _>("request")?
+                .sealed_text("request", Field::Request, k)?
                 .and_then(|t| crate::domain::request::SentRequest::from_stored(&t)),
         })
     }
 
-    fn event(&self) -> StoreResult<Event> {
+    fn event(&self, k: &Keyring) -> StoreResult<Event> {
         Ok(Event {
             id: self.try_get("id")?,
             record_id: self.try_get("record_id")?,
@@ -246,7 +264,7 @@ where
             to_state: self.opt_state("to_state")?,
             step: self.try_get("step")?,
             reason: self.try_get("reason")?,
-            detail: self.json("detail")?,
+            detail: self.sealed_json("detail", Field::Detail, k)?,
         })
     }
 
@@ -328,6 +346,7 @@ where
             heartbeat_at: self.try_get("heartbeat_at")?,
             draining: self.try_get("draining")?,
             config_version: self.try_get("config_version")?,
+            data_key: self.try_get("data_key")?,
         })
     }
 
@@ -415,6 +434,15 @@ where
 /// Maps every row with `f`.
 pub(crate) fn map_all<R, T>(rows: &[R], f: impl Fn(&R) -> StoreResult<T>) -> StoreResult<Vec<T>> {
     rows.iter().map(f).collect()
+}
+
+/// [`map_all`] for the rows whose values are sealed at rest, opened with `k`.
+pub(crate) fn map_sealed<R, T>(
+    rows: &[R],
+    k: &Keyring,
+    f: impl Fn(&R, &Keyring) -> StoreResult<T>,
+) -> StoreResult<Vec<T>> {
+    rows.iter().map(|r| f(r, k)).collect()
 }
 
 /// A `pipelines` column's scope (NULL: every pipeline).

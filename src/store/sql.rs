@@ -6,13 +6,15 @@
 use std::sync::Arc;
 
 use serde_json::Value;
+
+use crate::auth::seal::{Field, Keyring};
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
 
 use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::batch;
 use super::counts::CountDeltas;
-use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, map_all, map_sealed};
 use super::{ActionRequest, Created, EventRow, NewRecord, StepRollup, StoreError, StoreResult};
 use crate::domain::action::{self, Plan, StepChange};
 use crate::domain::park::ParkUntil;
@@ -28,15 +30,48 @@ pub struct SqlStore<DB: SqlDb> {
     pub(crate) pools: DB::Pools,
     /// This installation's id, read once.
     pub(crate) installation: Arc<tokio::sync::OnceCell<String>>,
+    /// The data keys values are sealed with at rest (`auth::seal`).
+    pub(crate) keys: Keys,
+}
+
+/// The data keys a store seals and opens values with, replaced whole when
+/// a reload reads them again.
+#[derive(Clone, Default)]
+pub(crate) struct Keys(Arc<std::sync::RwLock<Arc<Keyring>>>);
+
+impl Keys {
+    pub(crate) fn new(ring: Arc<Keyring>) -> Self {
+        Keys(Arc::new(std::sync::RwLock::new(ring)))
+    }
+
+    pub(crate) fn get(&self) -> Arc<Keyring> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(crate) fn set(&self, ring: Arc<Keyring>) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = ring;
+    }
 }
 
 impl<DB: SqlDb> SqlStore<DB> {
-    /// A store over `pools`.
-    pub(crate) fn new(pools: DB::Pools) -> Self {
+    /// A store over `pools`, sealing with `keys`.
+    pub(crate) fn new(pools: DB::Pools, keys: Arc<Keyring>) -> Self {
         SqlStore {
             pools,
             installation: Arc::default(),
+            keys: Keys::new(keys),
         }
+    }
+
+    /// The data keys as they are now.
+    pub(crate) fn keyring(&self) -> Arc<Keyring> {
+        self.keys.get()
     }
 
     pub(crate) fn reader(&self) -> &Pool<DB> {
@@ -55,6 +90,7 @@ impl<DB: SqlDb> Clone for SqlStore<DB> {
         SqlStore {
             pools: self.pools.clone(),
             installation: self.installation.clone(),
+            keys: self.keys.clone(),
         }
     }
 }
@@ -218,6 +254,7 @@ where
     /// or updates the run's entry: in the batch's transaction, so the
     /// entry says exactly what went. Nothing when the batch is empty.
     pub(crate) async fn audit_purge(
+        &self,
         tx: &mut Tx<DB>,
         run: &super::PurgeRun,
         pipeline: &str,
@@ -237,6 +274,10 @@ where
             .map_err(|e| StoreError::Invalid(format!("purge report: {e}")))?;
         match run.event {
             Some(id) => {
+                let detail = self
+                    .keyring()
+                    .seal_json(Field::Detail, &detail)?
+                    .into_owned();
                 sqlx::query("UPDATE events SET reason = $1, detail = $2 WHERE id = $3")
                     .bind(reason)
                     .bind(Json(detail))
@@ -246,22 +287,23 @@ where
                 Ok(Some(id))
             }
             None => {
-                let e = Self::insert_event(
-                    tx,
-                    &super::EventRow {
-                        record_id: None,
-                        at: run.at,
-                        kind: "purge",
-                        actor: &run.actor,
-                        audit: true,
-                        from: None,
-                        to: None,
-                        step: None,
-                        reason: Some(&reason),
-                        detail: Some(&detail),
-                    },
-                )
-                .await?;
+                let e = self
+                    .insert_event(
+                        tx,
+                        &super::EventRow {
+                            record_id: None,
+                            at: run.at,
+                            kind: "purge",
+                            actor: &run.actor,
+                            audit: true,
+                            from: None,
+                            to: None,
+                            step: None,
+                            reason: Some(&reason),
+                            detail: Some(&detail),
+                        },
+                    )
+                    .await?;
                 Ok(Some(e.id))
             }
         }
@@ -394,7 +436,7 @@ where
             .bind_json(ids)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::record)
+        map_sealed(&rows, &self.keyring(), MapRow::record)
     }
 
     /// `IN` a JSON array of ids bound as `$1`, through the key's index
@@ -481,15 +523,19 @@ where
 
     /// Appends one event inside the caller's transaction and
     /// returns it as stored.
-    pub(crate) async fn insert_event(tx: &mut Tx<DB>, e: &EventRow<'_>) -> StoreResult<Event> {
+    pub(crate) async fn insert_event(
+        &self,
+        tx: &mut Tx<DB>,
+        e: &EventRow<'_>,
+    ) -> StoreResult<Event> {
         let sql = DB::statements().insert_event.get(|| batch::insert("events", batch::EVENT_COLS, DB::DIALECT,
             "RETURNING id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail"
         ));
         let row = sqlx::query(sql)
-            .bind_json([batch::EventJson::from(e)])
+            .bind_json([batch::EventJson::new(e, &self.keyring())?])
             .fetch_one(&mut **tx)
             .await?;
-        row.event()
+        row.event(&self.keyring())
     }
 
     /// Makes sure `provider` has a row and locks it until the caller's
@@ -536,7 +582,11 @@ where
         map_all(&rows, MapRow::grant_row)
     }
 
-    pub(crate) async fn lock_record(tx: &mut Tx<DB>, id: i64) -> StoreResult<Option<Record>> {
+    pub(crate) async fn lock_record(
+        &self,
+        tx: &mut Tx<DB>,
+        id: i64,
+    ) -> StoreResult<Option<Record>> {
         let sql = format!(
             "SELECT {RECORD_COLUMNS} FROM records WHERE id = $1{}",
             DB::LOCK
@@ -545,12 +595,12 @@ where
             .bind(id)
             .fetch_optional(&mut **tx)
             .await?;
-        row.as_ref().map(MapRow::record).transpose()
+        row.as_ref().map(|r| r.record(&self.keyring())).transpose()
     }
 
     /// [`lock_record`](Self::lock_record), a missing record `NotFound`.
-    pub(crate) async fn lock_found(tx: &mut Tx<DB>, id: i64) -> StoreResult<Record> {
-        Self::lock_record(tx, id)
+    pub(crate) async fn lock_found(&self, tx: &mut Tx<DB>, id: i64) -> StoreResult<Record> {
+        self.lock_record(tx, id)
             .await?
             .ok_or_else(|| StoreError::NotFound {
                 what: "record",
@@ -559,18 +609,21 @@ where
     }
 
     pub(crate) async fn upsert_step(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
         s: &crate::store::StepWrite,
         now: UnixMs,
     ) -> StoreResult<()> {
-        Self::upsert_steps(tx, installation, &[(record_id, s, now)]).await
+        self.upsert_steps(tx, installation, &[(record_id, s, now)])
+            .await
     }
 
     /// Writes step runs in one upsert; one row per (record, step) in
     /// `steps`.
     pub(crate) async fn upsert_steps(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         steps: &[(i64, &crate::store::StepWrite, UnixMs)],
@@ -578,10 +631,13 @@ where
         if steps.is_empty() {
             return Ok(());
         }
+        let keys = self.keyring();
         let rows: Vec<batch::StepJson<'_>> = steps
             .iter()
-            .map(|(record_id, s, now)| batch::StepJson::new(installation, *record_id, s, *now))
-            .collect();
+            .map(|(record_id, s, now)| {
+                batch::StepJson::new(installation, *record_id, s, *now, &keys)
+            })
+            .collect::<Result<_, _>>()?;
         let sql = DB::statements().upsert_steps.get(|| batch::insert("step_runs", batch::STEP_COLS, DB::DIALECT,
             "ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
                unknowns = excluded.unknowns, \
@@ -598,16 +654,18 @@ where
 
     /// Appends attempts in one insert.
     pub(crate) async fn insert_attempts(
+        &self,
         tx: &mut Tx<DB>,
         attempts: &[(i64, &crate::store::NewAttempt)],
     ) -> StoreResult<()> {
         if attempts.is_empty() {
             return Ok(());
         }
+        let keys = self.keyring();
         let rows: Vec<batch::AttemptJson<'_>> = attempts
             .iter()
-            .map(|(record_id, a)| batch::AttemptJson::new(*record_id, a))
-            .collect();
+            .map(|(record_id, a)| batch::AttemptJson::new(*record_id, a, &keys))
+            .collect::<Result<_, _>>()?;
         let sql = DB::statements()
             .insert_attempts
             .get(|| batch::insert("attempts", batch::ATTEMPT_COLS, DB::DIALECT, ""));
@@ -617,11 +675,19 @@ where
 
     /// Appends events in one insert (callers that need the stored
     /// event back use `insert_event`).
-    pub(crate) async fn insert_events(tx: &mut Tx<DB>, events: &[EventRow<'_>]) -> StoreResult<()> {
+    pub(crate) async fn insert_events(
+        &self,
+        tx: &mut Tx<DB>,
+        events: &[EventRow<'_>],
+    ) -> StoreResult<()> {
         if events.is_empty() {
             return Ok(());
         }
-        let rows: Vec<batch::EventJson<'_>> = events.iter().map(batch::EventJson::from).collect();
+        let keys = self.keyring();
+        let rows: Vec<batch::EventJson<'_>> = events
+            .iter()
+            .map(|e| batch::EventJson::new(e, &keys))
+            .collect::<Result<_, _>>()?;
         let sql = DB::statements()
             .insert_events
             .get(|| batch::insert("events", batch::EVENT_COLS, DB::DIALECT, ""));
@@ -632,6 +698,7 @@ where
     /// Reads and (on PostgreSQL) locks records, in id order, so that
     /// two multi-row writers can never deadlock.
     pub(crate) async fn lock_records(
+        &self,
         tx: &mut Tx<DB>,
         ids: &[i64],
     ) -> StoreResult<std::collections::HashMap<i64, Record>> {
@@ -642,7 +709,7 @@ where
         let rows = sqlx::query(sql).bind_json(ids).fetch_all(&mut **tx).await?;
         let mut out = std::collections::HashMap::with_capacity(ids.len());
         for row in &rows {
-            let rec = MapRow::record(row)?;
+            let rec = MapRow::record(row, &self.keyring())?;
             out.insert(rec.id, rec);
         }
         Ok(out)
@@ -707,13 +774,15 @@ where
     /// each only if its worker still holds the record's lease: its id, or
     /// `LeaseLost`.
     pub(crate) async fn insert_intents(
+        &self,
         tx: &mut Tx<DB>,
         intents: &[&crate::store::NewIntent],
     ) -> StoreResult<Vec<StoreResult<i64>>> {
+        let keys = self.keyring();
         let rows: Vec<super::batch::IntentJson<'_>> = intents
             .iter()
-            .map(|i| super::batch::IntentJson::from(*i))
-            .collect();
+            .map(|i| super::batch::IntentJson::new(i, &keys))
+            .collect::<Result<_, _>>()?;
         // Fenced by the lease: a worker that lost it (a stalled node whose
         // record another claimed) writes nothing and so calls nothing; the
         // record's row is locked so that no claim moves it meanwhile.
@@ -873,6 +942,7 @@ where
     /// result asked about again after its undo would look reversed.
     /// `keep_items`: the first step keeps its items that succeeded.
     pub(crate) async fn run_again(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
@@ -890,7 +960,8 @@ where
                 .await?;
         }
         let first = steps.first().filter(|_| keep_items).map(String::as_str);
-        Self::rerun_steps(tx, installation, record_id, (steps, first), now, cause).await
+        self.rerun_steps(tx, installation, record_id, (steps, first), now, cause)
+            .await
     }
 
     /// Keeps step `step`'s result as a version, replaced at `now` by
@@ -938,6 +1009,7 @@ where
     /// item starts its items afresh, but the one `keeps` names (a replay
     /// of only the failed items) keeps those that succeeded.
     pub(crate) async fn rerun_steps(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
@@ -984,7 +1056,8 @@ where
             .await?;
             let mut write = crate::store::StepWrite::pending(step);
             write.generation = generation.map_or(0, |g| g + 1);
-            Self::upsert_step(tx, installation, record_id, &write, now).await?;
+            self.upsert_step(tx, installation, record_id, &write, now)
+                .await?;
             sqlx::query("UPDATE step_runs SET cause = $1 WHERE record_id = $2 AND step = $3")
                 .bind(cause)
                 .bind(record_id)
@@ -993,7 +1066,8 @@ where
                 .await?;
             if keep_items {
                 let gen_cause = (write.generation, cause);
-                Self::rerun_failed_items(tx, installation, record_id, step, gen_cause, now).await?;
+                self.rerun_failed_items(tx, installation, record_id, step, gen_cause, now)
+                    .await?;
             }
         }
         Ok(())
@@ -1008,6 +1082,7 @@ where
     /// key would send them again). The step's output is built again from
     /// them all. (An uncertain call was refused before: settled first.)
     async fn rerun_failed_items(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
@@ -1052,7 +1127,7 @@ where
         for chunk in fresh.chunks(1_000) {
             let rows: Vec<(i64, &crate::store::StepWrite, UnixMs)> =
                 chunk.iter().map(|w| (record_id, w, now)).collect();
-            Self::upsert_steps(tx, installation, &rows).await?;
+            self.upsert_steps(tx, installation, &rows).await?;
         }
         sqlx::query(
             "UPDATE step_runs SET cause = $1 \
@@ -1094,7 +1169,7 @@ where
                 .fetch_all(self.reader())
                 .await?;
             for row in &rows {
-                let rec = row.record()?;
+                let rec = row.record(&self.keyring())?;
                 stored.insert((rec.pipeline.clone(), rec.external_key.clone()), rec);
             }
         }
@@ -1168,15 +1243,17 @@ where
     /// the caller applies `deltas`, then fills the repeats
     /// ([`fill_repeats`](Self::fill_repeats)). In the order of `batch`.
     pub(crate) async fn insert_records(
+        &self,
         tx: &mut Tx<DB>,
         batch: &[NewRecord],
         now: UnixMs,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Vec<Option<Created>>> {
+        let keys = self.keyring();
         let rows: Vec<batch::NewRecordJson<'_>> = batch
             .iter()
-            .map(|r| batch::NewRecordJson::new(r, now))
-            .collect();
+            .map(|r| batch::NewRecordJson::new(r, now, &keys))
+            .collect::<Result<_, _>>()?;
         let sql = DB::statements().insert_records.get(|| {
             batch::insert(
                 "records",
@@ -1191,7 +1268,7 @@ where
             .bind_json(&rows)
             .fetch_all(&mut **tx)
             .await?;
-        let inserted = map_all(&inserted, MapRow::record)?;
+        let inserted = map_sealed(&inserted, &self.keyring(), MapRow::record)?;
         let out = Self::match_inserted(batch, inserted, Some(deltas))?;
         let events: Vec<EventRow<'_>> = out
             .iter()
@@ -1209,7 +1286,7 @@ where
                 detail: None,
             })
             .collect();
-        Self::insert_events(tx, &events).await?;
+        self.insert_events(tx, &events).await?;
         Ok(out)
     }
 
@@ -1236,6 +1313,7 @@ where
 
     /// Applies a reversal's decision to the record's steps.
     pub(crate) async fn reverse_steps(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         record_id: i64,
@@ -1246,7 +1324,8 @@ where
             ReversedSteps::RunAgain => {
                 let cause = "rerun after reversal";
                 let steps = (req.steps.as_slice(), None);
-                Self::rerun_steps(tx, installation, record_id, steps, req.now, cause).await
+                self.rerun_steps(tx, installation, record_id, steps, req.now, cause)
+                    .await
             }
             ReversedSteps::Mark => {
                 sqlx::query(
@@ -1268,6 +1347,7 @@ where
     /// A record parked until a condition and parked again by a reversal:
     /// it no longer resumes by itself, and says why it is parked now.
     pub(crate) async fn park_for_a_human(
+        &self,
         tx: &mut Tx<DB>,
         record_id: i64,
         reason: &str,
@@ -1285,7 +1365,7 @@ where
             .bind(record_id)
             .fetch_one(&mut **tx)
             .await?;
-        row.record()
+        row.record(&self.keyring())
     }
 
     /// A fresh attempt budget (and deadline) for every step of `rec` that
@@ -1299,6 +1379,7 @@ where
     /// too (a new request: a new idempotency key, a job made from the old
     /// input left behind).
     async fn fresh_start(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         rec: &Record,
@@ -1346,7 +1427,8 @@ where
                 }
             }
         }
-        Self::rerun_steps(tx, installation, rec.id, (&again, None), now, cause).await
+        self.rerun_steps(tx, installation, rec.id, (&again, None), now, cause)
+            .await
     }
 
     /// Writes what an uncertain call of `step` did, as an operator found
@@ -1354,33 +1436,35 @@ where
     /// outputs it took effect with (the step succeeds). Refused when the
     /// step has no such call any more.
     async fn took_effect_locked(
+        &self,
         tx: &mut Tx<DB>,
         rec: &Record,
         change: &StepChange,
         now: UnixMs,
     ) -> StoreResult<()> {
-        let (set, step) = match change {
-            StepChange::TookJob { step, job, reason } => (
-                sqlx::query(
-                    "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
+        let (set, step) =
+            match change {
+                StepChange::TookJob { step, job, reason } => (
+                    sqlx::query(
+                        "UPDATE step_runs SET job_id = $1, state = 'waiting', error_code = NULL, \
                      reason = $2, next_run_at = NULL, deadline_at = NULL, updated_at = $3 \
                      WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
                      AND state NOT IN ('succeeded', 'failed', 'skipped')",
-                )
-                .bind(job.clone())
-                .bind(reason.clone()),
-                step,
-            ),
-            StepChange::TookOutput {
-                step,
-                output,
-                confirm,
-                reason,
-            } => {
-                if let Some(p) = confirm {
-                    Self::put_confirmation(tx, p).await?;
-                }
-                (
+                    )
+                    .bind(job.clone())
+                    .bind(reason.clone()),
+                    step,
+                ),
+                StepChange::TookOutput {
+                    step,
+                    output,
+                    confirm,
+                    reason,
+                } => {
+                    if let Some(p) = confirm {
+                        Self::put_confirmation(tx, p).await?;
+                    }
+                    (
                     sqlx::query(
                         "UPDATE step_runs SET output = $1, state = 'succeeded', error_code = NULL, \
                          reason = $2, next_run_at = NULL, deadline_at = NULL, finished_at = $3, \
@@ -1388,13 +1472,15 @@ where
                          WHERE record_id = $4 AND step = $5 AND job_id IS NULL AND error_code = $6 \
                          AND state NOT IN ('succeeded', 'failed', 'skipped')",
                     )
-                    .bind(Json(output.clone()))
+                    .bind(Json(
+                        self.keyring().seal_json(Field::Output, output)?.into_owned(),
+                    ))
                     .bind(reason.clone()),
                     step,
                 )
-            }
-            _ => return Ok(()),
-        };
+                }
+                _ => return Ok(()),
+            };
         let done = set
             .bind(now)
             .bind(rec.id)
@@ -1412,6 +1498,7 @@ where
 
     /// Applies `plan`'s change to the steps of `rec`.
     async fn change_steps(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         rec: &Record,
@@ -1422,7 +1509,7 @@ where
             StepChange::Keep => Ok(()),
             StepChange::FreshStart { new_input, cause } => {
                 let how = (req.steps.as_slice(), *new_input, cause.as_str());
-                Self::fresh_start(tx, installation, rec, how, req.now).await
+                self.fresh_start(tx, installation, rec, how, req.now).await
             }
             StepChange::RunAgain {
                 steps,
@@ -1430,7 +1517,8 @@ where
                 keep_items,
             } => {
                 let steps = (steps.as_slice(), *keep_items);
-                Self::run_again(tx, installation, rec.id, steps, req.now, cause).await
+                self.run_again(tx, installation, rec.id, steps, req.now, cause)
+                    .await
             }
             StepChange::AcceptReversed => {
                 sqlx::query(
@@ -1445,7 +1533,7 @@ where
                 Ok(())
             }
             change @ (StepChange::TookJob { .. } | StepChange::TookOutput { .. }) => {
-                Self::took_effect_locked(tx, rec, change, req.now).await
+                self.took_effect_locked(tx, rec, change, req.now).await
             }
             StepChange::Decide {
                 step,
@@ -1460,7 +1548,11 @@ where
                      finished_at = $4, updated_at = $4 \
                      WHERE record_id = $5 AND step = $6 AND state = 'waiting'",
                 )
-                .bind(Json(output.clone()))
+                .bind(Json(
+                    self.keyring()
+                        .seal_json(Field::Output, output)?
+                        .into_owned(),
+                ))
                 .bind(job_id.clone())
                 .bind(reason.clone())
                 .bind(req.now)
@@ -1496,7 +1588,7 @@ where
 
     /// The step runs of a record whose row `tx` holds, as they stand (its
     /// steps', not its items').
-    async fn step_runs_locked(tx: &mut Tx<DB>, record_id: i64) -> StoreResult<Vec<StepRun>> {
+    async fn step_runs_locked(&self, tx: &mut Tx<DB>, record_id: i64) -> StoreResult<Vec<StepRun>> {
         let sql = format!(
             "SELECT {STEP_COLUMNS} FROM step_runs WHERE record_id = $1 \
              AND item_of IS NULL ORDER BY step"
@@ -1505,7 +1597,7 @@ where
             .bind(record_id)
             .fetch_all(&mut **tx)
             .await?;
-        map_all(&rows, MapRow::step_run)
+        map_sealed(&rows, &self.keyring(), MapRow::step_run)
     }
 
     /// An action on a record locked in `tx`: an operator's (`act`), or the
@@ -1516,6 +1608,7 @@ where
     /// after every record it locks: counter rows are taken last), before it
     /// wakes the workers and commits.
     pub(crate) async fn act_locked(
+        &self,
         tx: &mut Tx<DB>,
         installation: &str,
         rec: &Record,
@@ -1523,16 +1616,18 @@ where
         condition: Option<&ParkUntil>,
         deltas: &mut CountDeltas,
     ) -> StoreResult<Record> {
-        let runs = Self::step_runs_locked(tx, rec.id).await?;
+        let runs = self.step_runs_locked(tx, rec.id).await?;
         let plan = action::plan(rec, &runs, req, condition)?;
         if let Some(new) = &plan.input {
             sqlx::query("UPDATE records SET input = $1 WHERE id = $2")
-                .bind(Json(new.clone()))
+                .bind(Json(
+                    self.keyring().seal_json(Field::Input, new)?.into_owned(),
+                ))
                 .bind(rec.id)
                 .execute(&mut **tx)
                 .await?;
         }
-        Self::change_steps(tx, installation, rec, req, &plan).await?;
+        self.change_steps(tx, installation, rec, req, &plan).await?;
         if let Some(version) = plan.repin {
             sqlx::query("UPDATE records SET pipeline_version = $1 WHERE id = $2")
                 .bind(version)
@@ -1552,17 +1647,18 @@ where
             reason: req.reason.as_deref(),
             detail: plan.detail.as_ref(),
         };
-        let mut moved = Self::move_record(
-            tx,
-            rec,
-            (plan.to, plan.until.as_ref()),
-            plan.next_run_at,
-            req.now,
-            event,
-            plan.error_code.as_deref(),
-            deltas,
-        )
-        .await?;
+        let mut moved = self
+            .move_record(
+                tx,
+                rec,
+                (plan.to, plan.until.as_ref()),
+                plan.next_run_at,
+                req.now,
+                event,
+                plan.error_code.as_deref(),
+                deltas,
+            )
+            .await?;
         if plan.repin.is_some() {
             moved.pipeline_version = plan.repin;
         }
@@ -1573,6 +1669,7 @@ where
     /// the event; the caller applies `deltas`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn move_record(
+        &self,
         tx: &mut Tx<DB>,
         rec: &Record,
         (to, until): (RecordState, Option<&ParkUntil>),
@@ -1603,8 +1700,8 @@ where
             .bind(until_provider.map(str::to_owned))
             .fetch_one(&mut **tx)
             .await?;
-        Self::insert_event(tx, &event).await?;
-        let after = row.record()?;
+        self.insert_event(tx, &event).await?;
+        let after = row.record(&self.keyring())?;
         deltas.record_moved(rec, &after);
         Ok(after)
     }

@@ -20,7 +20,7 @@ use sqlx::{Pool, Sqlite, Transaction};
 
 use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
-use super::rows::{MapRow, RECORD_COLUMNS, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, map_sealed};
 use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreError, StoreResult};
 use crate::domain::{UnixMs, fair};
@@ -252,7 +252,10 @@ impl SqliteStore {
                 .connect_with(options)
                 .await?
         };
-        Ok(SqlStore::new(SqlitePools { writer, reader }))
+        Ok(SqlStore::new(
+            SqlitePools { writer, reader },
+            opts.keyring.clone(),
+        ))
     }
 
     pub(crate) fn writer(&self) -> &SqlitePool {
@@ -378,6 +381,7 @@ impl SqlDb for Sqlite {
     async fn claim_in(
         tx: &mut Transaction<'static, Sqlite>,
         req: &ClaimRequest,
+        keys: &crate::auth::seal::Keyring,
     ) -> StoreResult<Claimed> {
         let lease_until = req.now + i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX / 2);
         // The single writer: nothing moves between these reads and the
@@ -452,7 +456,7 @@ impl SqlDb for Sqlite {
             .bind(Json(&ids))
             .fetch_all(&mut **tx)
             .await?;
-        let mut claimed = map_all(&rows, MapRow::record)?;
+        let mut claimed = map_sealed(&rows, keys, MapRow::record)?;
         // Due order within each queue (as selected), then round robin over
         // the queues.
         let order: std::collections::HashMap<i64, usize> =
@@ -492,10 +496,13 @@ impl SqlDb for Sqlite {
     ) -> StoreResult<u64> {
         Self::unindex_in(tx, records).await?;
         let sql = Self::statements().index_records.get(|| {
+            // A value sealed at rest (`auth::seal`, text beginning with
+            // U+0001) gives no words: its text is ciphertext.
             let values = |doc: &str| {
                 format!(
                     "(SELECT group_concat(t.value, ' ') FROM json_tree(CASE WHEN json_valid({doc}) THEN {doc} END) t \
-                     WHERE t.type IN ('text', 'integer', 'real'))"
+                     WHERE t.type IN ('text', 'integer', 'real') \
+                     AND NOT (t.type = 'text' AND substr(t.value, 1, 1) = char(1)))"
                 )
             };
             format!(

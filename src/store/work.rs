@@ -8,10 +8,11 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
 
 use super::backend::{RowsAffected, SqlDb};
 use super::counts::CountDeltas;
-use super::rows::{MapRow, RECORD_COLUMNS, map_all};
+use super::rows::{MapRow, RECORD_COLUMNS, map_all, map_sealed};
 use super::sql::SqlStore;
 use super::{CallbackMatch, Cluster, NewAttempt, NewCallback, NewIntent, PendingCallback};
 use super::{ClaimRequest, Commit, EventRow, Lease, StoreError, StoreResult, node_actor};
+use crate::auth::seal::Field;
 use crate::domain::{Record, RecordState, Trigger, UnixMs, transition};
 
 /// Work: claims, leases, commits, callbacks, intents and confirmations.
@@ -152,11 +153,11 @@ where
             return Err(StoreError::Invalid("lease owner is empty".into()));
         }
         let mut tx = self.begin_write().await?;
-        let (claimed, old_states) = DB::claim_in(&mut tx, req).await?;
+        let (claimed, old_states) = DB::claim_in(&mut tx, req, &self.keyring()).await?;
         if !claimed.is_empty() {
             let actor = node_actor(&req.owner);
             let (events, deltas) = Self::claim_moves(&claimed, &old_states, req.now, &actor)?;
-            Self::insert_events(&mut tx, &events).await?;
+            self.insert_events(&mut tx, &events).await?;
             Self::apply_counts(&mut tx, &deltas).await?;
         }
         tx.commit().await?;
@@ -196,7 +197,7 @@ where
         let mut leases: Vec<&Lease> = leases.iter().collect();
         leases.sort_by_key(|l| l.record_id);
         for lease in leases {
-            let Some(rec) = Self::lock_record(&mut tx, lease.record_id).await? else {
+            let Some(rec) = self.lock_record(&mut tx, lease.record_id).await? else {
                 continue;
             };
             if rec.lease().as_ref() != Some(lease) {
@@ -216,7 +217,7 @@ where
                 reason: Some(crate::domain::SHUTDOWN_REASON),
                 detail: None,
             };
-            Self::move_record(
+            self.move_record(
                 &mut tx,
                 &rec,
                 (to, None),
@@ -261,7 +262,7 @@ where
         let locked = lock_set(&ids, commits);
         let mut then = Then::default();
         let mut tx = self.begin_write().await?;
-        let held = Self::lock_records(&mut tx, &locked).await?;
+        let held = self.lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
         let mut moved = Vec::with_capacity(commits.len());
         let mut steps = Vec::new();
@@ -313,8 +314,8 @@ where
             moved.push(after.clone());
             results.push(Ok(after));
         }
-        Self::upsert_steps(&mut tx, &installation, &steps).await?;
-        Self::insert_attempts(&mut tx, &attempts).await?;
+        self.upsert_steps(&mut tx, &installation, &steps).await?;
+        self.insert_attempts(&mut tx, &attempts).await?;
         for (record_id, id, now) in callbacks {
             sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
                 .bind(now)
@@ -325,7 +326,7 @@ where
         }
         Self::update_records(&mut tx, &moved).await?;
         Self::delete_intents(&mut tx, &intents).await?;
-        Self::insert_events(&mut tx, &events).await?;
+        self.insert_events(&mut tx, &events).await?;
         Self::apply_counts(&mut tx, &deltas).await?;
         for p in confirms {
             Self::put_confirmation(&mut tx, p).await?;
@@ -333,7 +334,8 @@ where
         // After the confirmations: an undo that starts ends them.
         for (id, names, cause, now) in &then.reruns {
             let steps = (*names, false);
-            Self::run_again(&mut tx, &installation, *id, steps, *now, cause).await?;
+            self.run_again(&mut tx, &installation, *id, steps, *now, cause)
+                .await?;
         }
         then.wakes.sort_unstable();
         then.wakes.dedup();
@@ -376,7 +378,7 @@ where
             .bind(parent)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::record)
+        map_sealed(&rows, &self.keyring(), MapRow::record)
     }
 
     async fn record_callback(
@@ -418,14 +420,18 @@ where
         .bind(found.as_ref().map(|f| f.0))
         .bind(found.as_ref().map(|f| f.1.clone()))
         .bind(cb.now)
-        .bind(Json(cb.body.clone()))
+        .bind(Json(
+            self.keyring()
+                .seal_json(Field::Callback, &cb.body)?
+                .into_owned(),
+        ))
         .fetch_one(&mut *tx)
         .await?;
         let Some((record_id, step, step_state)) = found else {
             tx.commit().await?;
             return Ok(None);
         };
-        let rec = Self::lock_found(&mut tx, record_id).await?;
+        let rec = self.lock_found(&mut tx, record_id).await?;
         if rec.state == RecordState::Waiting {
             sqlx::query("UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting'")
                 .bind(cb.now)
@@ -472,14 +478,16 @@ where
         .bind(job_id.to_owned())
         .fetch_all(self.reader())
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(id, body, received_at)| crate::store::PendingCallback {
-                id,
-                body: body.0,
-                received_at,
+        let keys = self.keyring();
+        rows.into_iter()
+            .map(|(id, body, received_at)| {
+                Ok(crate::store::PendingCallback {
+                    id,
+                    body: keys.open_json(Field::Callback, body.0)?,
+                    received_at,
+                })
             })
-            .collect())
+            .collect()
     }
 
     async fn record_intents(
@@ -520,7 +528,7 @@ where
         for (_, round) in &rounds {
             let part: Vec<&crate::store::NewIntent> =
                 round.iter().map(|&at| &intents[at]).collect();
-            let written = Self::insert_intents(&mut tx, &part).await?;
+            let written = self.insert_intents(&mut tx, &part).await?;
             for (&at, id) in round.iter().zip(written) {
                 ids[at] = id;
             }
@@ -538,7 +546,7 @@ where
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        map_all(&rows, MapRow::intent)
+        map_sealed(&rows, &self.keyring(), MapRow::intent)
     }
 
     async fn intent_providers(&self) -> StoreResult<Vec<String>> {
@@ -562,14 +570,14 @@ where
         // The record's row held while its attempts are written (attempts
         // have no foreign key on PostgreSQL: migration 19): none for a
         // record that is gone.
-        if Self::lock_record(&mut tx, record_id).await?.is_none() {
+        if self.lock_record(&mut tx, record_id).await?.is_none() {
             return Err(StoreError::NotFound {
                 what: "record",
                 key: record_id.to_string(),
             });
         }
         let rows: Vec<_> = attempts.iter().map(|a| (record_id, a)).collect();
-        Self::insert_attempts(&mut tx, &rows).await?;
+        self.insert_attempts(&mut tx, &rows).await?;
         Self::delete_intents(&mut tx, intents_done).await?;
         tx.commit().await?;
         Ok(())

@@ -42,7 +42,10 @@ pub struct ExportQuery {
     /// `1`/`true`: sensitive fields in clear (a caller with `unmask`, who
     /// gives a `reason`); masked otherwise, whoever asks.
     pub unmasked: Option<String>,
-    /// Why an unmasked export is made (kept in the audit log).
+    /// `1`/`true`: of a database encrypted at rest, values in clear (an
+    /// unmasked export is); sealed otherwise. Needs a `reason`.
+    pub decrypted: Option<String>,
+    /// Why an unmasked or decrypted export is made (kept in the audit log).
     pub reason: Option<String>,
 }
 
@@ -94,6 +97,17 @@ impl ExportQuery {
         let format = Format::parse(non_empty(&self.format).as_deref().unwrap_or("jsonl"))
             .map_err(|e| WebError::bad("bad_format", e))?;
         let attempts = flag(&self.attempts);
+        let decrypt = masking.is_none() || flag(&self.decrypted);
+        let sealed = Export::sealing(db, decrypt);
+        if decrypt && sealed.is_none() && db.keyring().current().is_some() {
+            // Asked in clear of an encrypted database: the reason is audited.
+            if non_empty(&self.reason).is_none() {
+                return Err(WebError::bad(
+                    "reason_required",
+                    "an export of an encrypted database in clear needs a reason (it is audited)",
+                ));
+            }
+        }
         crate::store::History::append_event(
             &**db,
             &crate::store::NewEvent {
@@ -109,6 +123,7 @@ impl ExportQuery {
                     "format": format.extension(),
                     "attempts": attempts,
                     "unmasked": masking.is_none(),
+                    "sealed": sealed.is_some(),
                 })),
             },
         )
@@ -118,6 +133,7 @@ impl ExportQuery {
             format,
             attempts,
             masking,
+            sealed,
         };
         let stamp: String = crate::domain::time::format_ms(now)
             .chars()

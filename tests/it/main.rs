@@ -17,6 +17,7 @@ mod children;
 mod cli;
 mod cluster;
 mod conditions;
+mod encryption;
 mod engine;
 mod faults;
 mod for_each;
