@@ -148,6 +148,11 @@ impl Reloader {
             .await
             .map_err(|e| Refused(e.to_string()))?;
         crate::store::check_keys(&ring, &listed).map_err(Refused)?;
+        // Listed before anything is applied (harmless if the rest is
+        // refused) and before any value is sealed with it.
+        crate::store::note_current(&self.db, &ring, self.clock.now_ms())
+            .await
+            .map_err(|e| Refused(e.to_string()))?;
         let at_restart = keep_start_only(&old, &mut new);
         new.database.encryption = encryption;
         let changes = match &self.engine {
@@ -173,11 +178,6 @@ impl Reloader {
                 changes
             }
         };
-        // Listed before any value is sealed with it (the rest applied: a
-        // failure here keeps the running keys and says so).
-        crate::store::note_current(&self.db, &ring, &listed, self.clock.now_ms())
-            .await
-            .map_err(|e| Refused(format!("the data keys were not applied: {e}")))?;
         self.db.set_keyring(ring);
         Ok(Reloaded {
             version: self.live.version(),

@@ -173,6 +173,16 @@ where
         .bind(self.keyring().current().unwrap_or_default().to_owned())
         .execute(&mut *tx)
         .await?;
+        // A key a node seals with is in use, whatever a rotation retired
+        // meanwhile (a node that reloaded late says so here).
+        if let Some(key) = self.keyring().current() {
+            sqlx::query(
+                "UPDATE data_keys SET retired_at = NULL WHERE id = $1 AND retired_at IS NOT NULL",
+            )
+            .bind(key.to_owned())
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         Ok(())
     }

@@ -148,7 +148,7 @@ where
         let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO data_keys (id, check_value, added_at) VALUES ($1, $2, $3) \
-             ON CONFLICT (id) DO UPDATE SET retired_at = NULL, check_value = excluded.check_value",
+             ON CONFLICT (id) DO UPDATE SET retired_at = NULL",
         )
         .bind(id.to_owned())
         .bind(check_value.to_owned())

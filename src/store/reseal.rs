@@ -125,7 +125,20 @@ fn at_row(column: SealedColumn, row: &Stored, e: seal::SealError) -> StoreError 
     } else {
         format!(" step {}", row.step)
     };
-    StoreError::Keys(format!("{} of row {}{step}: {e}", column.name(), row.id))
+    let row_name = match column {
+        SealedColumn::StepOutput | SealedColumn::StepVersionOutput => "record",
+        _ => "row",
+    };
+    let generation = if column == SealedColumn::StepVersionOutput {
+        format!(" generation {}", row.generation)
+    } else {
+        String::new()
+    };
+    StoreError::Keys(format!(
+        "{} of {row_name} {}{step}{generation}: {e}",
+        column.name(),
+        row.id
+    ))
 }
 
 /// The key a stored value (its text as the column holds it) is sealed
@@ -206,8 +219,13 @@ where
             }
         }
         if !unsearched.is_empty() {
+            unsearched.sort_unstable();
             unsearched.dedup();
-            DB::index_in(&mut tx, &unsearched, &[]).await?;
+            // Written bare (without input and output values): what a
+            // sealed record's document holds, whichever of its columns
+            // this pass has reached (and a sensitive pipeline's record is
+            // indexed bare anyway).
+            DB::index_in(&mut tx, &unsearched, &unsearched).await?;
         }
         tx.commit().await?;
         Ok(done)
@@ -328,12 +346,12 @@ where
 pub fn check_keys(ring: &Keyring, listed: &[DataKeyRow]) -> Result<(), String> {
     for row in listed {
         match ring.check(&row.id) {
-            // A retired id may come back with another key: nothing is
-            // sealed with the old one.
-            Some(check) if check != row.check_value && row.retired_at.is_none() => {
+            // Refused even once retired: a value a late writer sealed with
+            // the old key could never be opened again.
+            Some(check) if check != row.check_value => {
                 return Err(format!(
                     "data key `{}` is not the key this database's values were sealed with \
-                     under that id (its check value differs)",
+                     under that id (its check value differs; a new key takes a new id)",
                     row.id
                 ));
             }
@@ -358,23 +376,15 @@ pub fn check_keys(ring: &Keyring, listed: &[DataKeyRow]) -> Result<(), String> {
 pub async fn admit_keys(db: &super::Db, ring: &Keyring, now: UnixMs) -> StoreResult<()> {
     let listed = db.data_keys().await?;
     check_keys(ring, &listed).map_err(StoreError::Keys)?;
-    note_current(db, ring, &listed, now).await
+    note_current(db, ring, now).await
 }
 
-/// Lists `ring`'s current key (`listed`: the keys as read) unless it is
-/// listed and not retired.
-pub async fn note_current(
-    db: &super::Db,
-    ring: &Keyring,
-    listed: &[DataKeyRow],
-    now: UnixMs,
-) -> StoreResult<()> {
+/// Lists `ring`'s current key as in use (no longer retired), whatever a
+/// rotation did since the keys were read.
+pub async fn note_current(db: &super::Db, ring: &Keyring, now: UnixMs) -> StoreResult<()> {
     if let Some(id) = ring.current() {
-        let noted = listed.iter().any(|r| r.id == id && r.retired_at.is_none());
-        if !noted {
-            let check = ring.check(id).unwrap_or_default();
-            db.note_data_key(id, check, now).await?;
-        }
+        let check = ring.check(id).unwrap_or_default();
+        db.note_data_key(id, check, now).await?;
     }
     Ok(())
 }
