@@ -62,13 +62,21 @@ impl Config {
         out
     }
 
-    /// `pipeline`'s `/input` fields, its own and its parents'.
-    fn input_rules(&self, pipeline: &str, seen: &mut BTreeSet<String>) -> Vec<Rule> {
-        let Some(p) = self
-            .pipelines
+    /// `pipeline`'s settings, the first time a walk (`seen`) reaches it
+    /// (a cycle of child pipelines is walked once).
+    fn first_visit(
+        &self,
+        pipeline: &str,
+        seen: &mut BTreeSet<String>,
+    ) -> Option<&super::pipeline::PipelineConfig> {
+        self.pipelines
             .get(pipeline)
             .filter(|_| seen.insert(pipeline.into()))
-        else {
+    }
+
+    /// `pipeline`'s `/input` fields, its own and its parents'.
+    fn input_rules(&self, pipeline: &str, seen: &mut BTreeSet<String>) -> Vec<Rule> {
+        let Some(p) = self.first_visit(pipeline, seen) else {
             return Vec::new();
         };
         let is_input = |r: &Rule| r.segments().first().is_some_and(|s| s == "input");
@@ -87,11 +95,7 @@ impl Config {
     /// `pipeline`'s step-output fields: its own, those taken from its
     /// providers' sensitive reply fields, and its children's.
     fn output_rules(&self, pipeline: &str, seen: &mut BTreeSet<String>) -> Vec<Rule> {
-        let Some(p) = self
-            .pipelines
-            .get(pipeline)
-            .filter(|_| seen.insert(pipeline.into()))
-        else {
+        let Some(p) = self.first_visit(pipeline, seen) else {
             return Vec::new();
         };
         let is_output = |r: &Rule| r.segments().first().is_some_and(|s| s != "input");

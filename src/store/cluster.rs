@@ -150,6 +150,7 @@ where
     }
 
     async fn heartbeat(&self, b: &NodeBeat, now: UnixMs) -> StoreResult<()> {
+        let keys = self.keyring();
         let mut tx = self.begin_write().await?;
         sqlx::query(
             "INSERT INTO nodes (id, hostname, pid, version, started_at, heartbeat_at, draining, \
@@ -170,12 +171,12 @@ where
         .bind(b.config_version.clone())
         // The key this node's store seals with: said by the store itself,
         // so that it is the one in use, reloads included.
-        .bind(self.keyring().current().unwrap_or_default().to_owned())
+        .bind(keys.current().unwrap_or_default().to_owned())
         .execute(&mut *tx)
         .await?;
         // A key a node seals with is in use, whatever a rotation retired
         // meanwhile (a node that reloaded late says so here).
-        if let Some(key) = self.keyring().current() {
+        if let Some(key) = keys.current() {
             sqlx::query(
                 "UPDATE data_keys SET retired_at = NULL WHERE id = $1 AND retired_at IS NOT NULL",
             )

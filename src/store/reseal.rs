@@ -141,17 +141,6 @@ fn at_row(column: SealedColumn, row: &Stored, e: seal::SealError) -> StoreError 
     ))
 }
 
-/// The key a stored value (its text as the column holds it) is sealed
-/// with: `Some(None)` in clear, `None` for JSON text that does not parse.
-fn stored_key(text: &str, json: bool) -> Option<Option<String>> {
-    if json {
-        let v: Value = serde_json::from_str(text).ok()?;
-        Some(seal::json_sealed_with(&v).map(str::to_owned))
-    } else {
-        Some(seal::sealed_with(text).map(str::to_owned))
-    }
-}
-
 impl<DB: SqlDb> SqlStore<DB>
 where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -182,19 +171,22 @@ where
         // values sealed now that were in clear.
         let mut unsearched = Vec::new();
         for row in rows {
-            let Some(was) = stored_key(&row.text, json) else {
-                return Err(StoreError::Corrupt(format!(
-                    "{} of row {} is not JSON",
-                    column.name(),
-                    row.id
-                )));
-            };
+            // A JSON column's value, parsed once; a text column's is its text.
+            let stored: Option<Value> = json
+                .then(|| serde_json::from_str(&row.text))
+                .transpose()
+                .map_err(|e| {
+                StoreError::Corrupt(format!("{} of row {}: {e}", column.name(), row.id))
+            })?;
+            let was = match &stored {
+                Some(v) => seal::json_sealed_with(v),
+                None => seal::sealed_with(&row.text),
+            }
+            .map(str::to_owned);
             if was == current {
                 continue;
             }
-            let changed = if json {
-                let stored: Value = serde_json::from_str(&row.text)
-                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            let changed = if let Some(stored) = stored {
                 let plain = keys
                     .open_json(field, stored)
                     .map_err(|e| at_row(column, &row, e))?;
@@ -240,57 +232,50 @@ where
     ) -> StoreResult<(Vec<Stored>, Option<i64>)> {
         let (table, col, _, _, row_key) = column.shape();
         let text = format!("CAST({col} AS TEXT)");
-        if row_key == RowKey::Id {
+        // Every batch reads (row or record id, step, generation, text).
+        let (rows, next) = if row_key == RowKey::Id {
             let sql = format!(
-                "SELECT id, {text} FROM {table} WHERE id > $1 AND {col} IS NOT NULL \
-                 ORDER BY id LIMIT $2"
+                "SELECT id, CAST('' AS TEXT), CAST(0 AS BIGINT), {text} FROM {table} \
+                 WHERE id > $1 AND {col} IS NOT NULL ORDER BY id LIMIT $2"
             );
             let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(after)
                 .bind(limit)
                 .fetch_all(&mut **tx)
                 .await?;
-            let out = rows
-                .iter()
-                .map(|r| {
-                    Ok(Stored {
-                        id: r.try_get(0)?,
-                        step: String::new(),
-                        generation: 0,
-                        text: r.try_get(1)?,
-                    })
-                })
-                .collect::<Result<Vec<_>, sqlx::Error>>()?;
-            let next = (out.len() as i64 == limit)
-                .then(|| out.last().map(|s| s.id))
-                .flatten();
-            return Ok((out, next));
-        }
-        // Step rows: every row of the next `limit` records.
-        let ids: Vec<i64> =
-            sqlx::query_scalar("SELECT id FROM records WHERE id > $1 ORDER BY id LIMIT $2")
+            let next = (rows.len() as i64 == limit)
+                .then(|| rows.last().map(|r| r.try_get::<i64, _>(0)))
+                .flatten()
+                .transpose()?;
+            (rows, next)
+        } else {
+            // Step rows: every row of the next `limit` records.
+            let ids: Vec<i64> =
+                sqlx::query_scalar("SELECT id FROM records WHERE id > $1 ORDER BY id LIMIT $2")
+                    .bind(after)
+                    .bind(limit)
+                    .fetch_all(&mut **tx)
+                    .await?;
+            let Some(&last) = ids.last() else {
+                return Ok((Vec::new(), None));
+            };
+            let generation = if row_key == RowKey::Version {
+                "CAST(generation AS BIGINT)"
+            } else {
+                "CAST(0 AS BIGINT)"
+            };
+            let sql = format!(
+                "SELECT record_id, step, {generation}, {text} FROM {table} \
+                 WHERE record_id > $1 AND record_id <= $2 AND {col} IS NOT NULL \
+                 ORDER BY record_id, step"
+            );
+            let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(after)
-                .bind(limit)
+                .bind(last)
                 .fetch_all(&mut **tx)
                 .await?;
-        let Some(&last) = ids.last() else {
-            return Ok((Vec::new(), None));
+            (rows, (ids.len() as i64 == limit).then_some(last))
         };
-        let generation = if row_key == RowKey::Version {
-            "CAST(generation AS BIGINT)"
-        } else {
-            "CAST(0 AS BIGINT)"
-        };
-        let sql = format!(
-            "SELECT record_id, step, {generation}, {text} FROM {table} \
-             WHERE record_id > $1 AND record_id <= $2 AND {col} IS NOT NULL \
-             ORDER BY record_id, step"
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(after)
-            .bind(last)
-            .fetch_all(&mut **tx)
-            .await?;
         let out = rows
             .iter()
             .map(|r| {
@@ -302,7 +287,6 @@ where
                 })
             })
             .collect::<Result<Vec<_>, sqlx::Error>>()?;
-        let next = (ids.len() as i64 == limit).then_some(last);
         Ok((out, next))
     }
 

@@ -99,14 +99,13 @@ impl ExportQuery {
         let attempts = flag(&self.attempts);
         let decrypt = masking.is_none() || flag(&self.decrypted);
         let sealed = Export::sealing(db, decrypt);
-        if decrypt && sealed.is_none() && db.keyring().current().is_some() {
-            // Asked in clear of an encrypted database: the reason is audited.
-            if non_empty(&self.reason).is_none() {
-                return Err(WebError::bad(
-                    "reason_required",
-                    "an export of an encrypted database in clear needs a reason (it is audited)",
-                ));
-            }
+        // Asked in clear of an encrypted database: the reason is audited.
+        let encrypted = db.keyring().current().is_some();
+        if decrypt && encrypted && non_empty(&self.reason).is_none() {
+            return Err(WebError::bad(
+                "reason_required",
+                "an export of an encrypted database in clear needs a reason (it is audited)",
+            ));
         }
         crate::store::History::append_event(
             &**db,

@@ -58,6 +58,25 @@ outputs = {{ echo = "/echo", note = "/note" }}
     )
 }
 
+/// The text values `sql` selects, read over a connection of its own.
+async fn texts(url: &str, backend: Backend, sql: String) -> Vec<String> {
+    let sql = sqlx::AssertSqlSafe(sql);
+    match backend {
+        Backend::Sqlite => {
+            let pool = sqlx::SqlitePool::connect(url).await.unwrap();
+            let v = sqlx::query_scalar(sql).fetch_all(&pool).await.unwrap();
+            pool.close().await;
+            v
+        }
+        Backend::Postgres => {
+            let pool = sqlx::PgPool::connect(url).await.unwrap();
+            let v = sqlx::query_scalar(sql).fetch_all(&pool).await.unwrap();
+            pool.close().await;
+            v
+        }
+    }
+}
+
 /// Every stored value of every sealed column, as the column holds it.
 async fn raw(url: &str, backend: Backend) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -65,26 +84,7 @@ async fn raw(url: &str, backend: Backend) -> Vec<(String, String)> {
         let name = column.name();
         let (table, col) = name.split_once('.').unwrap();
         let sql = format!("SELECT CAST({col} AS TEXT) FROM {table} WHERE {col} IS NOT NULL");
-        let values: Vec<String> = match backend {
-            Backend::Sqlite => {
-                let pool = sqlx::SqlitePool::connect(url).await.unwrap();
-                let v = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(&pool)
-                    .await
-                    .unwrap();
-                pool.close().await;
-                v
-            }
-            Backend::Postgres => {
-                let pool = sqlx::PgPool::connect(url).await.unwrap();
-                let v = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(&pool)
-                    .await
-                    .unwrap();
-                pool.close().await;
-                v
-            }
-        };
+        let values = texts(url, backend, sql).await;
         out.extend(values.into_iter().map(|v| (name.clone(), v)));
     }
     out
@@ -93,25 +93,14 @@ async fn raw(url: &str, backend: Backend) -> Vec<(String, String)> {
 /// Waits until the search indexer has written the documents of every
 /// event so far.
 async fn indexed(url: &str, backend: Backend) {
-    let sql = "SELECT CAST((SELECT max(id) FROM events) - (SELECT event_id FROM search_progress) AS BIGINT)";
+    let sql = "SELECT CAST((SELECT max(id) FROM events) - (SELECT event_id FROM search_progress) AS TEXT)";
     crate::wait::until(
         "the search index catches up",
         Duration::from_secs(30),
         async || {
-            let behind: i64 = match backend {
-                Backend::Sqlite => {
-                    let pool = sqlx::SqlitePool::connect(url).await.unwrap();
-                    let v = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
-                    pool.close().await;
-                    v
-                }
-                Backend::Postgres => {
-                    let pool = sqlx::PgPool::connect(url).await.unwrap();
-                    let v = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
-                    pool.close().await;
-                    v
-                }
-            };
+            let behind: i64 = texts(url, backend, sql.to_owned()).await[0]
+                .parse()
+                .unwrap();
             if behind <= 0 { Ok(()) } else { Err(behind) }
         },
     )
