@@ -283,7 +283,7 @@ async fn assemble(
                 .context("cannot start the workers")?,
         )
     };
-    let web = crate::web::context(&config, db)
+    let web = crate::web::context(&config, db, clock.clone())
         .await
         .context("cannot set up the control plane")?;
     let live = crate::config::Live::new(config);

@@ -4,6 +4,7 @@
 mod duration;
 pub mod encryption;
 mod env;
+pub mod oidc;
 pub mod pipeline;
 pub mod provider;
 pub mod secret;
@@ -36,6 +37,8 @@ pub struct Config {
     pub pipelines: std::collections::BTreeMap<String, pipeline::PipelineConfig>,
     /// `[traces]`: OpenTelemetry export, off unless an endpoint is set.
     pub traces: TracesConfig,
+    /// `[oidc]`: single sign-on, off unless set.
+    pub oidc: Option<oidc::OidcConfig>,
 }
 
 /// The configuration a running node uses now: read by the control plane
@@ -564,6 +567,9 @@ impl Config {
             p.secrets_dir = dir.clone();
         }
         config.database.encryption.load(env, &dir)?;
+        if let Some(o) = &mut config.oidc {
+            o.load(env, &dir)?;
+        }
         let applied = match running {
             None => env::apply(&mut config, env)?,
             Some(running) => {
@@ -646,6 +652,9 @@ impl Config {
         self.server.validate_public_url()?;
         self.traces.validate()?;
         self.server.validate_sessions()?;
+        if let Some(o) = &self.oidc {
+            o.validate(&self.server)?;
+        }
         self.server.limits.validate()
     }
 

@@ -81,6 +81,7 @@ mod tests {
             theme: None,
             pipelines: Scope::all(),
             unmask: false,
+            signs_on: false,
         }
     }
 

@@ -551,6 +551,9 @@ pub struct User {
     pub pipelines: super::scope::Scope,
     /// Sees sensitive fields in clear (`domain::mask`).
     pub unmask: bool,
+    /// Made by single sign-on (an OpenID provider vouches for it; its
+    /// role and pipelines follow its groups at each sign-in).
+    pub signs_on: bool,
 }
 
 /// A scope as JSON: its patterns (empty: every pipeline).
@@ -879,6 +882,7 @@ mod tests {
             theme: None,
             pipelines: super::super::scope::Scope::all(),
             unmask: false,
+            signs_on: false,
         };
         assert!(!format!("{u:?}").contains("argon2id"));
     }

@@ -323,7 +323,7 @@ impl TokenSource {
                 .await
                 .map_err(|e| TokenError::Down(clean(&e.to_string())))?;
             let status = resp.status().as_u16();
-            let body = read_bounded(resp)
+            let body = read_bounded(resp, MAX_TOKEN_REPLY)
                 .await
                 .map_err(|e| TokenError::Down(clean(&e)))?;
             Ok::<_, TokenError>((status, body))
@@ -342,15 +342,16 @@ impl TokenSource {
     }
 }
 
-/// A reply's body, at most [`MAX_TOKEN_REPLY`] bytes.
-async fn read_bounded(resp: reqwest::Response) -> Result<Vec<u8>, String> {
+/// A reply's body, at most `max` bytes (the sign-on's calls read theirs
+/// so too).
+pub(crate) async fn read_bounded(resp: reqwest::Response, max: usize) -> Result<Vec<u8>, String> {
     use futures_util::StreamExt;
     let mut body = Vec::new();
     let mut stream = resp.bytes_stream();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| e.to_string())?;
-        if body.len() + chunk.len() > MAX_TOKEN_REPLY {
-            return Err(format!("token endpoint reply over {MAX_TOKEN_REPLY} bytes"));
+        if body.len() + chunk.len() > max {
+            return Err(format!("reply over {max} bytes"));
         }
         body.extend_from_slice(&chunk);
     }

@@ -570,6 +570,33 @@ pub struct NewUser {
     pub unmask: bool,
 }
 
+/// A sign-in at an OpenID provider under way (`sign_ons`), kept until its
+/// person comes back, and then taken (once).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingSignOn {
+    /// The hash of the `state` the provider returns (the browser's cookie
+    /// holds the state itself).
+    pub state_key: String,
+    pub nonce: String,
+    /// The PKCE code verifier.
+    pub verifier: String,
+    /// Where to go once signed in.
+    pub next: String,
+    pub created_at: UnixMs,
+}
+
+/// A person an OpenID provider vouched for, with what their groups grant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignOnUser {
+    pub issuer: String,
+    pub subject: String,
+    /// The name a new user is given.
+    pub username: String,
+    pub role: Role,
+    pub pipelines: crate::domain::scope::Scope,
+    pub unmask: bool,
+}
+
 /// A node's heartbeat.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeBeat {
@@ -833,6 +860,24 @@ pub(crate) struct EventRow<'a> {
     pub detail: Option<&'a Value>,
 }
 
+impl<'a> EventRow<'a> {
+    /// An audit entry about no record: `kind` by `actor` at `at`.
+    pub(crate) fn audit(kind: &'a str, actor: &'a str, at: UnixMs, detail: &'a Value) -> Self {
+        EventRow {
+            record_id: None,
+            at,
+            kind,
+            actor,
+            audit: true,
+            from: None,
+            to: None,
+            step: None,
+            reason: None,
+            detail: Some(detail),
+        }
+    }
+}
+
 /// The actor name written for a worker's events.
 pub(crate) fn node_actor(owner: &str) -> String {
     format!("node:{owner}")
@@ -858,18 +903,18 @@ pub(crate) fn into_page<T>(mut items: Vec<T>, limit: u32, id: impl Fn(&T) -> i64
     Page { items, next }
 }
 
-/// Usernames are lowercase ASCII letters, digits and `._-`, 1 to 64 long.
+/// Usernames are lowercase ASCII letters, digits and `._-@`, 1 to 64 long.
 pub fn validate_username(name: &str) -> StoreResult<()> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name
             .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-@".contains(&b));
     if ok {
         Ok(())
     } else {
         Err(StoreError::Invalid(format!(
-            "username `{name}` must be 1-64 characters of a-z, 0-9, `.`, `_` or `-`"
+            "username `{name}` must be 1-64 characters of a-z, 0-9, `.`, `_`, `-` or `@`"
         )))
     }
 }

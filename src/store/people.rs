@@ -9,7 +9,7 @@ use super::NewApiToken;
 use super::backend::{RowsAffected, SqlDb};
 use super::rows::{API_TOKEN_COLUMNS, MapRow, USER_COLUMNS, map_all};
 use super::sql::{SqlStore, conflict_or};
-use super::{EventRow, NewUser, StoreError, StoreResult, UserChange};
+use super::{EventRow, NewUser, PendingSignOn, SignOnUser, StoreError, StoreResult, UserChange};
 use crate::domain::ApiToken;
 use crate::domain::login::LoginFailures;
 use crate::domain::{Session, UnixMs, User};
@@ -72,6 +72,22 @@ pub trait People: Send + Sync {
     ) -> StoreResult<bool>;
     /// Forgets the failures of `username` (it logged in).
     async fn login_succeeded(&self, username: &str) -> StoreResult<()>;
+    /// Keeps a sign-in under way at an OpenID provider, and forgets those
+    /// begun before `forget_before` (never finished).
+    async fn begin_sign_on(
+        &self,
+        pending: &PendingSignOn,
+        forget_before: UnixMs,
+    ) -> StoreResult<()>;
+    /// Takes the sign-in whose state hashes to `state_key`: it is gone
+    /// after, so a second answer with the same state finds nothing.
+    async fn take_sign_on(&self, state_key: &str) -> StoreResult<Option<PendingSignOn>>;
+    /// The user `person` is, in one transaction: created on their first
+    /// sign-in (`user_added`, by `sign-on`), or given what their groups
+    /// grant now if that changed (`user_changed`; their sessions revoked,
+    /// and their tokens too if the role changed). A disabled user is
+    /// returned as it is. A name another user has is a `Conflict`.
+    async fn sign_on(&self, person: &SignOnUser, now: UnixMs) -> StoreResult<User>;
 }
 
 #[async_trait::async_trait]
@@ -297,22 +313,8 @@ where
             "expires_at": token.expires_at, "pipelines": token.pipelines.patterns(),
             "unmask": token.unmask,
         });
-        self.insert_event(
-            &mut tx,
-            &EventRow {
-                record_id: None,
-                at: now,
-                kind: "token_created",
-                actor: &t.created_by,
-                audit: true,
-                from: None,
-                to: None,
-                step: None,
-                reason: None,
-                detail: Some(&detail),
-            },
-        )
-        .await?;
+        let event = EventRow::audit("token_created", &t.created_by, now, &detail);
+        self.insert_event(&mut tx, &event).await?;
         tx.commit().await?;
         Ok(token)
     }
@@ -357,22 +359,8 @@ where
             })?;
         let token = row.api_token()?;
         let detail = serde_json::json!({ "token_id": token.id, "name": token.name });
-        self.insert_event(
-            &mut tx,
-            &EventRow {
-                record_id: None,
-                at: now,
-                kind: "token_revoked",
-                actor,
-                audit: true,
-                from: None,
-                to: None,
-                step: None,
-                reason: None,
-                detail: Some(&detail),
-            },
-        )
-        .await?;
+        let event = EventRow::audit("token_revoked", actor, now, &detail);
+        self.insert_event(&mut tx, &event).await?;
         tx.commit().await?;
         Ok(token)
     }
@@ -449,6 +437,98 @@ where
         .await?;
         tx.commit().await?;
         Ok(taken.rows_affected() == 1)
+    }
+
+    async fn begin_sign_on(
+        &self,
+        pending: &PendingSignOn,
+        forget_before: UnixMs,
+    ) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query("DELETE FROM sign_ons WHERE created_at < $1")
+            .bind(forget_before)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO sign_ons (state_key, nonce, verifier, next, created_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(pending.state_key.clone())
+        .bind(pending.nonce.clone())
+        .bind(pending.verifier.clone())
+        .bind(pending.next.clone())
+        .bind(pending.created_at)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| conflict_or(e, "sign-in", "state"))?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn take_sign_on(&self, state_key: &str) -> StoreResult<Option<PendingSignOn>> {
+        let mut tx = self.begin_write().await?;
+        let row = sqlx::query(
+            "DELETE FROM sign_ons WHERE state_key = $1 \
+             RETURNING state_key, nonce, verifier, next, created_at",
+        )
+        .bind(state_key.to_owned())
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        use sqlx::Row;
+        Ok(Some(PendingSignOn {
+            state_key: row.try_get(0)?,
+            nonce: row.try_get(1)?,
+            verifier: row.try_get(2)?,
+            next: row.try_get(3)?,
+            created_at: row.try_get(4)?,
+        }))
+    }
+
+    async fn sign_on(&self, person: &SignOnUser, now: UnixMs) -> StoreResult<User> {
+        if let Err(m) = person.pipelines.check_role(person.role) {
+            return Err(StoreError::Invalid(m));
+        }
+        let mut tx = self.begin_write().await?;
+        let sql = format!(
+            "SELECT {USER_COLUMNS} FROM users WHERE oidc_issuer = $1 AND oidc_subject = $2{}",
+            DB::LOCK
+        );
+        let found = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(person.issuer.clone())
+            .bind(person.subject.clone())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let found = found.as_ref().map(MapRow::user).transpose()?;
+        let (user, kind) = match found {
+            None => (
+                Self::insert_signed_on(&mut tx, person, now).await?,
+                "user_added",
+            ),
+            Some(u) if u.disabled => return Ok(u),
+            Some(u)
+                if (u.role, &u.pipelines, u.unmask)
+                    == (person.role, &person.pipelines, person.unmask) =>
+            {
+                return Ok(u);
+            }
+            Some(u) => (
+                Self::regrant(&mut tx, &u, person, now).await?,
+                "user_changed",
+            ),
+        };
+        let detail = serde_json::json!({
+            "user": user.username, "role": user.role.as_str(),
+            "pipelines": user.pipelines.patterns(), "unmask": user.unmask,
+            "issuer": person.issuer, "subject": person.subject,
+        });
+        let event = EventRow::audit(kind, "sign-on", now, &detail);
+        self.insert_event(&mut tx, &event).await?;
+        tx.commit().await?;
+        Ok(user)
     }
 
     async fn login_succeeded(&self, username: &str) -> StoreResult<()> {

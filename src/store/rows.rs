@@ -40,8 +40,7 @@ pub(crate) const INTENT_COLUMNS: &str =
     "id, record_id, step, provider, attempt_no, node, sent_at, request";
 pub(crate) const EVENT_COLUMNS: &str =
     "id, record_id, at, kind, actor, audit, from_state, to_state, step, reason, detail";
-pub(crate) const USER_COLUMNS: &str =
-    "id, username, password_hash, role, disabled, created_at, updated_at, theme, pipelines, unmask";
+pub(crate) const USER_COLUMNS: &str = "id, username, password_hash, role, disabled, created_at, updated_at, theme, pipelines, unmask, oidc_subject";
 pub(crate) const API_TOKEN_COLUMNS: &str = "id, name, prefix, role, created_by, created_at, last_used_at, revoked_at, expires_at, pipelines, unmask";
 pub(crate) const BREAKER_COLUMNS: &str =
     "breaker, breaker_changed_at, open_until, probes_out, probes_ok, probe_until";
@@ -280,6 +279,7 @@ where
             theme: self.try_get("theme")?,
             pipelines: scope(self.try_get("pipelines")?),
             unmask: self.try_get("unmask")?,
+            signs_on: self.try_get::<Option<String>, _>("oidc_subject")?.is_some(),
         })
     }
 

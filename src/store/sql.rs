@@ -250,6 +250,76 @@ where
         Ok(created)
     }
 
+    /// A user for `person`'s first sign-in, with a password no hash
+    /// matches (`!`: not a PHC string), in the caller's transaction.
+    pub(crate) async fn insert_signed_on(
+        tx: &mut Tx<DB>,
+        person: &super::SignOnUser,
+        now: crate::domain::UnixMs,
+    ) -> StoreResult<crate::domain::User> {
+        super::validate_username(&person.username)?;
+        let sql = format!(
+            "INSERT INTO users (username, password_hash, role, disabled, created_at, updated_at, \
+             pipelines, unmask, oidc_issuer, oidc_subject) \
+             VALUES ($1, '!', $2, $3, $4, $4, $5, $6, $7, $8) RETURNING {}",
+            super::rows::USER_COLUMNS
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(person.username.clone())
+            .bind(person.role.as_str())
+            .bind(false)
+            .bind(now)
+            .bind(person.pipelines.stored())
+            .bind(person.unmask)
+            .bind(person.issuer.clone())
+            .bind(person.subject.clone())
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(|e| conflict_or(e, "user", &person.username))?;
+        row.user()
+    }
+
+    /// Gives `user` what `person`'s groups grant now, in the caller's
+    /// transaction: their sessions are revoked, and, if the role changed,
+    /// the tokens they made.
+    pub(crate) async fn regrant(
+        tx: &mut Tx<DB>,
+        user: &crate::domain::User,
+        person: &super::SignOnUser,
+        now: crate::domain::UnixMs,
+    ) -> StoreResult<crate::domain::User> {
+        let sql = format!(
+            "UPDATE users SET role = $1, pipelines = $2, unmask = $3, updated_at = $4 \
+             WHERE id = $5 RETURNING {}",
+            super::rows::USER_COLUMNS
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(person.role.as_str())
+            .bind(person.pipelines.stored())
+            .bind(person.unmask)
+            .bind(now)
+            .bind(user.id)
+            .fetch_one(&mut **tx)
+            .await?;
+        sqlx::query(
+            "UPDATE sessions SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL",
+        )
+        .bind(now)
+        .bind(user.id)
+        .execute(&mut **tx)
+        .await?;
+        if person.role != user.role {
+            sqlx::query(
+                "UPDATE api_tokens SET revoked_at = $1 WHERE created_by = $2 AND revoked_at IS NULL",
+            )
+            .bind(now)
+            .bind(user.username.clone())
+            .execute(&mut **tx)
+            .await?;
+        }
+        row.user()
+    }
+
     /// Writes a purge run's audit entry with `batch` of `pipeline` added,
     /// or updates the run's entry: in the batch's transaction, so the
     /// entry says exactly what went. Nothing when the batch is empty.

@@ -372,8 +372,8 @@ impl<R: MinRole> FromRequestParts<AppState> for Bearer<R> {
     }
 }
 
-/// The session cookie's value, if any.
-fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
+/// The value of cookie `name`, if the request carries it.
+pub fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
     headers
         .get_all(header::COOKIE)
         .iter()

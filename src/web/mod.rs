@@ -19,6 +19,7 @@ pub mod htmx;
 pub mod lanes;
 pub mod mask;
 pub mod metrics;
+pub mod oidc;
 pub mod pages;
 pub mod query;
 pub mod requests;
@@ -45,19 +46,22 @@ pub struct WebContext {
     pub bulk_limiter: DefaultKeyedRateLimiter<String>,
     /// Password checks under way on this node, bounded.
     pub password_checks: crate::auth::password::Checks,
+    /// The single sign-on provider's client (its discovery and keys).
+    pub sign_on: crate::web::oidc::Client,
 }
 
 impl WebContext {
-    pub fn new(keys: AuthKeys, limits: &crate::config::WebLimits) -> Self {
+    pub fn new(keys: AuthKeys, limits: &crate::config::WebLimits) -> Result<Self, String> {
         let per_minute =
             std::num::NonZeroU32::new(limits.bulk_per_minute).unwrap_or(std::num::NonZeroU32::MIN);
-        WebContext {
+        Ok(WebContext {
+            sign_on: crate::web::oidc::Client::new()?,
             keys,
             bulk_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             password_checks: crate::auth::password::Checks::new(
                 usize::try_from(limits.password_checks).unwrap_or(usize::MAX),
             ),
-        }
+        })
     }
 }
 
@@ -205,10 +209,13 @@ pub fn new_session_secret() -> Result<String, crate::auth::secret::RandomError> 
 }
 
 /// Builds the shared web context: the signing secret from the configuration
-/// or the database, and the dummy hash for unknown users.
+/// or the database, and the dummy hash for unknown users; the sign-on
+/// provider's discovery is begun (a provider down now is tried again at
+/// the first sign-in, and said in the log).
 pub async fn context(
     config: &crate::config::Config,
     db: &crate::store::Db,
+    clock: Arc<dyn crate::domain::Clock>,
 ) -> anyhow::Result<Arc<WebContext>> {
     let secret = match &config.server.secret_key {
         Some(key) => key.expose().as_bytes().to_vec(),
@@ -223,5 +230,17 @@ pub async fn context(
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let keys = AuthKeys::new(&secret, &config.server, dummy).map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(Arc::new(WebContext::new(keys, &config.server.limits)))
+    let web = Arc::new(WebContext::new(keys, &config.server.limits).map_err(anyhow::Error::msg)?);
+    if let Some(oidc) = config.oidc.clone() {
+        let web = web.clone();
+        tokio::spawn(async move {
+            match web.sign_on.metadata(&oidc, clock.now_ms()).await {
+                Ok(_) => tracing::info!(issuer = %oidc.issuer, "sign-on provider discovered"),
+                Err(e) => {
+                    tracing::warn!(error = %e, issuer = %oidc.issuer, "sign-on provider not discovered yet; tried again at the first sign-in")
+                }
+            }
+        });
+    }
+    Ok(web)
 }

@@ -1929,6 +1929,79 @@ request = { path = "/sync" }
 /// the driver dropped (as at the end of every browser test, passed,
 /// failed or panicked): no process of chromedriver's group, Chromium and
 /// its helpers included, is left running.
+/// Single sign-on in a real browser, the provider on another site
+/// (`localhost`) than Ballast (`127.0.0.1`), as a company's is: its
+/// redirect back carries the sign-in's `SameSite=Lax` cookie, and the
+/// session's `SameSite=Strict` cookie reaches the page asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_sign_on_works_in_a_real_browser() {
+    let Some(d) = driver("sign-on").await else {
+        return;
+    };
+    let c = &d.client;
+    let accounts = json!({ "alice": ["ops"] });
+    let Some(idp) = crate::sign_on::Provider::start_on("localhost", accounts).await else {
+        return;
+    };
+    let Some(t) = crate::helpers::TestDb::new(Backend::Sqlite, "browser_sign_on").await else {
+        return;
+    };
+    let settings = crate::sign_on::settings(&idp.issuer, "label = \"Acme ID\"");
+    let app = WebApp::spawn_edited(t, &settings, true, crate::sign_on::with_secret).await;
+    c.goto(&app.url("/login?next=/records")).await.unwrap();
+    c.find(Locator::LinkText("Sign in with Acme ID"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    // The provider's own login form, then its consent.
+    let login = c
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("input[name=login]"))
+        .await
+        .unwrap();
+    assert!(
+        c.current_url()
+            .await
+            .unwrap()
+            .as_str()
+            .starts_with(&idp.issuer)
+    );
+    login.send_keys("alice").await.unwrap();
+    c.find(Locator::Css("input[name=password]"))
+        .await
+        .unwrap()
+        .send_keys("any")
+        .await
+        .unwrap();
+    click(c, "button[type=submit]").await;
+    c.wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::Css("input[name=prompt][value=consent]"))
+        .await
+        .unwrap();
+    click(c, "button[type=submit]").await;
+    let found = c
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(Locator::XPath("//h1[text()='Records']"))
+        .await;
+    let url = c.current_url().await.unwrap();
+    if found.is_err() {
+        let src = c.source().await.unwrap_or_default();
+        panic!(
+            "no records page after signing in: at {url}: {}",
+            &src[..src.len().min(1500)]
+        );
+    }
+    assert_eq!(url.as_str(), app.url("/records"));
+    assert!(text_of(c, "header.top").await.contains("alice"));
+    let alice = app.t.db.user_by_name("alice").await.unwrap().unwrap();
+    assert_eq!((alice.role, alice.signs_on), (Role::Operator, true));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_browser_outlives_its_test() {
     let Some(d) = driver("no browser left").await else {

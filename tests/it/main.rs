@@ -34,6 +34,7 @@ mod secrets;
 #[path = "../../benches/support/seed.rs"]
 mod seed;
 mod sensitive;
+mod sign_on;
 mod sigv4;
 mod store;
 mod tls;

@@ -84,6 +84,17 @@ impl WebApp {
         Some(Self::spawn_on_clock(t, extra, true, clock, |_| {}).await)
     }
 
+    /// [`spawn_clocked`](Self::spawn_clocked) with the configuration
+    /// changed by `edit`, as [`spawn_edited`](Self::spawn_edited).
+    pub async fn spawn_clocked_edited(
+        t: TestDb,
+        extra: &str,
+        clock: &ManualClock,
+        edit: impl FnOnce(&mut Config),
+    ) -> WebApp {
+        Self::spawn_on_clock(t, extra, true, Arc::new(clock.clone()), edit).await
+    }
+
     async fn spawn_on_clock(
         t: TestDb,
         extra: &str,
@@ -91,6 +102,10 @@ impl WebApp {
         clock: Arc<dyn Clock>,
         edit: impl FnOnce(&mut Config),
     ) -> WebApp {
+        // Bound first, so the configuration may name the address (`@ADDR@`).
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let extra = extra.replace("@ADDR@", &addr.to_string());
         let text = format!("[database]\nurl = \"{}\"\n{extra}", t.url);
         let mut config = Config::parse(&text, std::path::Path::new("web.toml")).unwrap();
         edit(&mut config);
@@ -103,8 +118,6 @@ impl WebApp {
             Some(ballast::config::Secret::new("metrics-token-0123456789"));
         crate::helpers::provide_hook_secret(&mut config);
         config.validate(&|v| std::env::var(v).ok()).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let (started, state) = tokio::sync::oneshot::channel();
         let mut server = tokio::spawn(ballast::app::run_on_clock(

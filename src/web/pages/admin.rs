@@ -13,7 +13,9 @@ use serde_json::json;
 use crate::auth::password;
 use crate::domain::Role;
 use crate::domain::scope::Scope;
-use crate::store::{NewApiToken, NewEvent, NewUser, UserChange};
+use crate::store::{NewApiToken, NewUser, UserChange};
+
+use super::audit;
 use crate::web::AppState;
 use crate::web::auth::{self, Admin, Authed};
 use crate::web::error::{WebError, WebResult};
@@ -44,6 +46,8 @@ struct UserView {
     pipelines: String,
     /// Sees sensitive fields in clear.
     unmask: bool,
+    /// Made by single sign-on.
+    signs_on: bool,
 }
 
 #[derive(Template)]
@@ -67,6 +71,7 @@ async fn users(caller: Authed<Admin>, State(state): State<AppState>) -> WebResul
                 disabled: u.disabled,
                 pipelines: u.pipelines.patterns().join(", "),
                 unmask: u.unmask,
+                signs_on: u.signs_on,
             })
             .collect(),
         roles: ROLES,
@@ -86,28 +91,6 @@ fn parse_scope(text: &str, role: Role) -> WebResult<Scope> {
         .check_role(role)
         .map_err(|m| WebError::bad("admin_scoped", m))?;
     Ok(scope)
-}
-
-async fn audit(
-    state: &AppState,
-    actor: &str,
-    kind: &str,
-    detail: serde_json::Value,
-) -> WebResult<()> {
-    state
-        .db
-        .append_event(&NewEvent {
-            record_id: None,
-            at: state.clock.now_ms(),
-            kind: kind.to_owned(),
-            actor: actor.to_owned(),
-            audit: true,
-            step: None,
-            reason: None,
-            detail: Some(detail),
-        })
-        .await?;
-    Ok(())
 }
 
 #[derive(Deserialize)]

@@ -52,7 +52,7 @@ struct AuditPage {
     first: bool,
 }
 
-const KINDS: [&str; 14] = [
+const KINDS: [&str; 15] = [
     "retry",
     "park",
     "resume",
@@ -65,6 +65,7 @@ const KINDS: [&str; 14] = [
     "user_changed",
     "token_created",
     "token_revoked",
+    "sign_on_refused",
     "reversed",
     "config_reload",
 ];

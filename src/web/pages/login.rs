@@ -11,7 +11,7 @@ use askama::Template;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use axum::{Form, Router};
 use serde::Deserialize;
 use tower_governor::GovernorLayer;
@@ -28,43 +28,88 @@ use crate::web::error::{WebError, WebResult};
 use super::{html, safe_next};
 
 pub fn router(state: &AppState) -> Router<AppState> {
-    let per_minute = u64::from(state.config.get().server.limits.logins_per_minute.max(1));
-    // A burst of `per_minute`, refilled evenly over the minute.
-    let limit = GovernorConfigBuilder::default()
-        .key_extractor(ClientIpKey {
-            trusted: state.web.keys.trusted_proxies.clone(),
-        })
-        .per_millisecond((60_000 / per_minute).max(1))
-        .burst_size(u32::try_from(per_minute).unwrap_or(u32::MAX))
-        .methods(vec![axum::http::Method::POST])
-        .finish()
-        .map(Arc::new);
-    let mut submit = post(submit);
-    if let Some(limit) = limit {
-        let limiter = limit.limiter().clone();
-        crate::web::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
-        submit = submit.layer(GovernorLayer::new(limit).error_handler(|_| {
-            let mut r = WebError::TooManyRequests(
-                "too many login attempts from your address; wait a minute".into(),
-            )
-            .into_response();
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
-            r
-        }));
-    }
+    let submit = per_address(
+        state,
+        post(submit),
+        Some(vec![axum::http::Method::POST]),
+        "too many login attempts from your address; wait a minute",
+    );
     Router::new()
         .route("/login", get(page).merge(submit))
         .route("/logout", post(logout))
         .route("/me/theme", post(theme))
 }
 
+/// `route` limited per client address (IPv6 by its /64) to
+/// `server.limits.logins_per_minute`, a burst of that many refilled
+/// evenly over the minute (for `methods` only, when given); past it 429
+/// with `message` and `Retry-After: 60`.
+pub(super) fn per_address(
+    state: &AppState,
+    route: MethodRouter<AppState>,
+    methods: Option<Vec<axum::http::Method>>,
+    message: &'static str,
+) -> MethodRouter<AppState> {
+    let per_minute = u64::from(state.config.get().server.limits.logins_per_minute.max(1));
+    let mut limit = GovernorConfigBuilder::default().key_extractor(ClientIpKey {
+        trusted: state.web.keys.trusted_proxies.clone(),
+    });
+    limit
+        .per_millisecond((60_000 / per_minute).max(1))
+        .burst_size(u32::try_from(per_minute).unwrap_or(u32::MAX));
+    if let Some(methods) = methods {
+        limit.methods(methods);
+    }
+    let Some(limit) = limit.finish().map(Arc::new) else {
+        return route;
+    };
+    let limiter = limit.limiter().clone();
+    crate::web::clean_every_minute(state.shutdown.clone(), move || limiter.retain_recent());
+    route.layer(GovernorLayer::new(limit).error_handler(move |_| {
+        let mut r = WebError::TooManyRequests(message.into()).into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("60"));
+        r
+    }))
+}
+
 #[derive(Template)]
 #[template(path = "pages/login.html")]
-struct LoginPage {
-    error: Option<String>,
-    next: String,
-    username: String,
+pub(super) struct LoginPage {
+    pub error: Option<String>,
+    pub next: String,
+    pub username: String,
+    /// The sign-on button's link and words, when sign-on is set.
+    pub sign_on: Option<(String, String)>,
+    /// Whether local passwords log in (the form is shown).
+    pub passwords: bool,
+}
+
+impl LoginPage {
+    /// The page for `next`, as the configuration sets it up now.
+    pub(super) fn new(state: &AppState, next: &str) -> LoginPage {
+        let config = state.config.get();
+        let oidc = config.oidc.as_ref();
+        let sign_on = oidc.map(|o| {
+            let next = form_urlencoded::byte_serialize(next.as_bytes()).collect::<String>();
+            (format!("/auth/oidc/start?next={next}"), o.label.clone())
+        });
+        LoginPage {
+            error: None,
+            next: next.to_owned(),
+            username: String::new(),
+            sign_on,
+            passwords: oidc.is_none_or(|o| o.local_passwords),
+        }
+    }
+
+    /// This page with `message`, answered with `status`.
+    pub(super) fn refusing(mut self, status: StatusCode, message: &str) -> WebResult<Response> {
+        self.error = Some(message.to_owned());
+        let mut r = html(&self)?;
+        *r.status_mut() = status;
+        Ok(r)
+    }
 }
 
 #[derive(Deserialize)]
@@ -72,12 +117,8 @@ struct NextQuery {
     next: Option<String>,
 }
 
-async fn page(Query(q): Query<NextQuery>) -> WebResult<Response> {
-    html(&LoginPage {
-        error: None,
-        next: safe_next(q.next.as_deref(), "/"),
-        username: String::new(),
-    })
+async fn page(State(state): State<AppState>, Query(q): Query<NextQuery>) -> WebResult<Response> {
+    html(&LoginPage::new(&state, &safe_next(q.next.as_deref(), "/")))
 }
 
 #[derive(Deserialize)]
@@ -88,21 +129,29 @@ struct LoginForm {
 }
 
 /// The login page again, with `message` and `status`.
-fn refused(status: StatusCode, message: &str, username: &str, next: &str) -> WebResult<Response> {
-    let mut r = html(&LoginPage {
-        error: Some(message.to_owned()),
-        next: next.to_owned(),
-        username: username.to_owned(),
-    })?;
-    *r.status_mut() = status;
-    Ok(r)
+fn refused(
+    state: &AppState,
+    status: StatusCode,
+    message: &str,
+    username: &str,
+    next: &str,
+) -> WebResult<Response> {
+    let mut page = LoginPage::new(state, next);
+    page.username = username.to_owned();
+    page.refusing(status, message)
 }
 
 /// 429 for a name that must wait `wait_ms` before its next check.
-fn too_many(wait_ms: i64, username: &str, next: &str) -> WebResult<Response> {
+fn too_many(state: &AppState, wait_ms: i64, username: &str, next: &str) -> WebResult<Response> {
     let secs = login::retry_after_secs(wait_ms);
     let message = format!("Too many failed logins for this account. Try again in {secs} s.");
-    let mut r = refused(StatusCode::TOO_MANY_REQUESTS, &message, username, next)?;
+    let mut r = refused(
+        state,
+        StatusCode::TOO_MANY_REQUESTS,
+        &message,
+        username,
+        next,
+    )?;
     retry_after(&mut r, secs);
     Ok(r)
 }
@@ -128,8 +177,17 @@ async fn submit(
 ) -> WebResult<Response> {
     let username = form.username.trim().to_ascii_lowercase();
     let next = safe_next(form.next.as_deref(), "/");
+    if state
+        .config
+        .get()
+        .oidc
+        .as_ref()
+        .is_some_and(|o| !o.local_passwords)
+    {
+        return refused(&state, StatusCode::FORBIDDEN, NO_PASSWORDS, "", &next);
+    }
     if username.is_empty() || username.len() > 64 || form.password.len() > password::MAX_LEN {
-        return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
+        return refused(&state, StatusCode::UNAUTHORIZED, WRONG, &username, &next);
     }
     let now = state.clock.now_ms();
     let policy = login_policy(&state);
@@ -152,13 +210,19 @@ async fn submit(
             None => None,
         };
         if let Some(wait) = wait {
-            return too_many(wait, &username, &next);
+            return too_many(&state, wait, &username, &next);
         }
     }
     let user = match check_password(&state, &username, form.password).await? {
         Checked::Matches(user) => user,
         Checked::Busy => {
-            let mut r = refused(StatusCode::SERVICE_UNAVAILABLE, BUSY, &username, &next)?;
+            let mut r = refused(
+                &state,
+                StatusCode::SERVICE_UNAVAILABLE,
+                BUSY,
+                &username,
+                &next,
+            )?;
             retry_after(&mut r, 1);
             return Ok(r);
         }
@@ -173,16 +237,20 @@ async fn submit(
                 count.await?.failures
             };
             tracing::warn!(user = %username.escape_debug(), failures, "failed login");
-            return refused(StatusCode::UNAUTHORIZED, WRONG, &username, &next);
+            return refused(&state, StatusCode::UNAUTHORIZED, WRONG, &username, &next);
         }
     };
     if seen.is_some() {
         state.db.login_succeeded(&username).await?;
     }
-    start_session(&state, &user, now, &next).await
+    let mut r = Redirect::to(&next).into_response();
+    start_session(&state, &user, now, &mut r).await?;
+    set_cookie(&mut r, &state.web.keys.device_cookie(&user.username, now)?)?;
+    Ok(r)
 }
 
 const WRONG: &str = "Unknown user or wrong password.";
+const NO_PASSWORDS: &str = "Password logins are turned off here: sign in with single sign-on.";
 const BUSY: &str = "Too many logins are being checked right now. Try again in a second.";
 
 /// What a password check found.
@@ -215,38 +283,38 @@ async fn check_password(state: &AppState, username: &str, password: String) -> W
     })
 }
 
-/// A new session for `user`, its cookie and this browser's device cookie,
-/// and the way on to `next`.
-async fn start_session(
+/// A new session for `user`, its cookie set on `r`.
+pub(super) async fn start_session(
     state: &AppState,
     user: &User,
     now: UnixMs,
-    next: &str,
-) -> WebResult<Response> {
+    r: &mut Response,
+) -> WebResult<()> {
     let keys = &state.web.keys;
     let (sid, session) = auth::new_session(user, now, keys.session_ttl_ms)
         .map_err(|e| WebError::Internal(e.to_string()))?;
     state.db.create_session(&session).await?;
     let token = keys.issue(&sid, &session)?;
     tracing::info!(user = %user.username, "logged in");
-    let mut r = Redirect::to(next).into_response();
-    set_cookie(&mut r, &keys.session_cookie(token))?;
-    set_cookie(&mut r, &keys.device_cookie(&user.username, now)?)?;
-    Ok(r)
+    set_cookie(r, &keys.session_cookie(token))
 }
 
-/// Ends the session server-side, so the token is dead even if kept.
+/// Ends the session server-side, so the token is dead even if kept (and,
+/// when set up so, the provider's too: `sign_on::after_logout`).
 async fn logout(
     State(state): State<AppState>,
     headers: axum::http::HeaderMap,
 ) -> WebResult<Response> {
+    let mut user = None;
     if let Ok(caller) = auth::session_caller(&headers, &state).await {
         if let Some(sid) = caller.session_id {
             let key = auth::session_key(&sid);
             state.db.revoke_session(&key, state.clock.now_ms()).await?;
         }
+        user = caller.user;
     }
-    let mut r = Redirect::to("/login").into_response();
+    let to = super::sign_on::after_logout(&state, user.as_ref()).await;
+    let mut r = Redirect::to(&to).into_response();
     set_cookie(&mut r, &state.web.keys.clear_cookie())?;
     Ok(r)
 }
@@ -294,7 +362,10 @@ async fn theme(
     Ok(Redirect::to(&back_to(&headers)).into_response())
 }
 
-fn set_cookie(r: &mut Response, cookie: &axum_extra::extract::cookie::Cookie<'_>) -> WebResult<()> {
+pub(super) fn set_cookie(
+    r: &mut Response,
+    cookie: &axum_extra::extract::cookie::Cookie<'_>,
+) -> WebResult<()> {
     let value = HeaderValue::from_str(&cookie.to_string())
         .map_err(|e| WebError::Internal(format!("cookie: {e}")))?;
     r.headers_mut().append(header::SET_COOKIE, value);

@@ -9,6 +9,7 @@ mod overview;
 mod pipelines;
 mod providers;
 pub mod records;
+mod sign_on;
 
 use askama::Template;
 use axum::Router;
@@ -24,6 +25,7 @@ use super::error::{ErrorInfo, WebResult};
 pub fn router(state: &AppState) -> Router<AppState> {
     Router::new()
         .merge(login::router(state))
+        .merge(sign_on::router(state))
         .merge(overview::router())
         .merge(records::router())
         .merge(providers::router())
@@ -85,6 +87,29 @@ impl Nav {
 }
 
 /// A rendered template as an HTML response.
+/// Writes an audit entry about no record: `kind` by `actor`, now.
+pub(super) async fn audit(
+    state: &AppState,
+    actor: &str,
+    kind: &str,
+    detail: serde_json::Value,
+) -> WebResult<()> {
+    state
+        .db
+        .append_event(&crate::store::NewEvent {
+            record_id: None,
+            at: state.clock.now_ms(),
+            kind: kind.to_owned(),
+            actor: actor.to_owned(),
+            audit: true,
+            step: None,
+            reason: None,
+            detail: Some(detail),
+        })
+        .await?;
+    Ok(())
+}
+
 pub fn html<T: Template>(t: &T) -> WebResult<Response> {
     Ok(Html(t.render()?).into_response())
 }

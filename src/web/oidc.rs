@@ -1,0 +1,651 @@
+//! OpenID Connect, the relying party's side: the authorization code flow
+//! with PKCE (RFC 7636, S256), the provider found by discovery, its ID
+//! tokens checked against its published keys. The pages that drive it are
+//! `web::pages::sign_on`; what a person's groups grant is
+//! `config::oidc::OidcConfig::grant`.
+//!
+//! Checked on every ID token: its signature (an asymmetric algorithm the
+//! provider lists, never `none` or a shared-secret one, by a key of its
+//! JWKS), its issuer (exactly the configured one), its audience (this
+//! client, and `azp` when there are several), its expiry and issue time
+//! against the node's clock, and its nonce (the one this sign-in sent).
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use jsonwebtoken::jwk::Jwk;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::config::oidc::OidcConfig;
+use crate::domain::UnixMs;
+
+/// How long a discovery document is used before it is fetched again.
+const METADATA_TTL_MS: i64 = 3_600_000;
+/// A key set is fetched again for an unknown key id at most this often.
+const JWKS_REFETCH_MS: i64 = 60_000;
+/// Clock skew allowed between the provider and this node.
+const LEEWAY_S: i64 = 60;
+/// The most any of the provider's replies may hold.
+const MAX_REPLY: usize = 512 * 1024;
+/// The most groups read from a token.
+const MAX_GROUPS: usize = 1_000;
+/// The signature algorithms an ID token may use: asymmetric ones only.
+const ALGORITHMS: [Algorithm; 9] = [
+    Algorithm::RS256,
+    Algorithm::RS384,
+    Algorithm::RS512,
+    Algorithm::PS256,
+    Algorithm::PS384,
+    Algorithm::PS512,
+    Algorithm::ES256,
+    Algorithm::ES384,
+    Algorithm::EdDSA,
+];
+
+/// What went wrong, said to the person signing in and in the log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OidcError {
+    #[error("the sign-on provider cannot be reached: {0}")]
+    Unreachable(String),
+    #[error("the sign-on provider's discovery document is not usable: {0}")]
+    Discovery(String),
+    #[error("the sign-on provider refused the sign-in: {0}")]
+    Refused(String),
+    #[error("the ID token is not valid: {0}")]
+    Token(String),
+}
+
+/// The parts of a provider's discovery document Ballast uses.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Metadata {
+    pub issuer: String,
+    pub authorization_endpoint: String,
+    pub token_endpoint: String,
+    pub jwks_uri: String,
+    #[serde(default)]
+    pub end_session_endpoint: Option<String>,
+    #[serde(default)]
+    pub id_token_signing_alg_values_supported: Vec<String>,
+    #[serde(default)]
+    pub code_challenge_methods_supported: Option<Vec<String>>,
+    #[serde(default)]
+    pub token_endpoint_auth_methods_supported: Option<Vec<String>>,
+}
+
+/// A provider's key set: the keys this build can read (one it cannot, an
+/// unknown curve say, is left out rather than failing the rest).
+pub struct Keys(Vec<Jwk>);
+
+impl<'de> Deserialize<'de> for Keys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Keys, D::Error> {
+        #[derive(Deserialize)]
+        struct Raw {
+            keys: Vec<Value>,
+        }
+        let raw = Raw::deserialize(d)?;
+        Ok(Keys(
+            raw.keys
+                .into_iter()
+                .filter_map(|k| serde_json::from_value(k).ok())
+                .collect(),
+        ))
+    }
+}
+
+/// A provider as last fetched.
+struct Discovered {
+    issuer: String,
+    metadata: Arc<Metadata>,
+    fetched_at: UnixMs,
+    jwks: Arc<Keys>,
+    jwks_at: UnixMs,
+}
+
+/// The node's client of the configured provider: its discovery document
+/// and keys, cached (fetched again after an hour, when the issuer changes
+/// with a reload, and for a key id not seen yet).
+pub struct Client {
+    http: reqwest::Client,
+    cache: tokio::sync::Mutex<Option<Discovered>>,
+}
+
+/// The person an ID token names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Person {
+    pub subject: String,
+    /// The name a new user is given (from the configured claim).
+    pub username: String,
+    pub groups: Vec<String>,
+}
+
+/// A fresh sign-in's secrets: state, nonce and PKCE verifier (each 256
+/// bits from the OS's CSPRNG, base64url).
+pub struct Fresh {
+    pub state: String,
+    pub nonce: String,
+    pub verifier: String,
+}
+
+impl Fresh {
+    pub fn new() -> Result<Fresh, crate::auth::secret::RandomError> {
+        let b64 = |b: [u8; 32]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+        Ok(Fresh {
+            state: b64(crate::auth::secret::bytes::<32>()?),
+            nonce: b64(crate::auth::secret::bytes::<32>()?),
+            verifier: b64(crate::auth::secret::bytes::<32>()?),
+        })
+    }
+}
+
+/// The S256 challenge of a PKCE verifier.
+pub fn challenge(verifier: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(Sha256::digest(verifier.as_bytes()))
+}
+
+/// How a state is kept in the store: its hash, so the table names no
+/// state a browser could bring back.
+pub fn state_key(state: &str) -> String {
+    hex::encode(Sha256::digest(state.as_bytes()))
+}
+
+impl Client {
+    pub fn new() -> Result<Client, String> {
+        let http = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(10))
+            .connect_timeout(std::time::Duration::from_secs(5))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| format!("sign-on client: {e}"))?;
+        Ok(Client {
+            http,
+            cache: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    /// The provider's discovery document, fetched if not cached for this
+    /// issuer within the hour (a failed refresh keeps the one it has).
+    pub async fn metadata(
+        &self,
+        cfg: &OidcConfig,
+        now: UnixMs,
+    ) -> Result<Arc<Metadata>, OidcError> {
+        let mut cache = self.cache.lock().await;
+        let cached = cache.as_ref().filter(|d| d.issuer == cfg.issuer);
+        if let Some(d) = cached.filter(|d| now - d.fetched_at < METADATA_TTL_MS) {
+            return Ok(d.metadata.clone());
+        }
+        match self.discover(cfg).await {
+            Ok((metadata, jwks)) => {
+                let metadata = Arc::new(metadata);
+                *cache = Some(Discovered {
+                    issuer: cfg.issuer.clone(),
+                    metadata: metadata.clone(),
+                    fetched_at: now,
+                    jwks: Arc::new(jwks),
+                    jwks_at: now,
+                });
+                Ok(metadata)
+            }
+            Err(e) => match cached {
+                Some(d) => {
+                    tracing::warn!(error = %e, "sign-on: could not refresh the provider's discovery document; the last one stands");
+                    Ok(d.metadata.clone())
+                }
+                None => Err(e),
+            },
+        }
+    }
+
+    /// Fetches and checks the discovery document and the key set.
+    async fn discover(&self, cfg: &OidcConfig) -> Result<(Metadata, Keys), OidcError> {
+        let url = format!(
+            "{}/.well-known/openid-configuration",
+            cfg.issuer.trim_end_matches('/')
+        );
+        let metadata: Metadata = self.get_json(&url).await?;
+        check_metadata(&metadata, &cfg.issuer)?;
+        let jwks = self.get_json(&metadata.jwks_uri).await?;
+        Ok((metadata, jwks))
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, url: &str) -> Result<T, OidcError> {
+        let resp = self
+            .http
+            .get(url)
+            .header(reqwest::header::ACCEPT, "application/json")
+            .send()
+            .await
+            .map_err(|e| OidcError::Unreachable(format!("{url}: {e}")))?;
+        let status = resp.status();
+        let body = crate::engine::token::read_bounded(resp, MAX_REPLY)
+            .await
+            .map_err(|e| OidcError::Unreachable(format!("{url}: {e}")))?;
+        if !status.is_success() {
+            return Err(OidcError::Discovery(format!("{url} answered {status}")));
+        }
+        serde_json::from_slice(&body)
+            .map_err(|e| OidcError::Discovery(format!("{url} is not what was expected: {e}")))
+    }
+
+    /// Exchanges `code` for the provider's tokens and returns the ID token.
+    pub async fn exchange(
+        &self,
+        (cfg, metadata): (&OidcConfig, &Metadata),
+        redirect: &str,
+        code: &str,
+        verifier: &str,
+    ) -> Result<String, OidcError> {
+        let mut form = vec![
+            ("grant_type", "authorization_code"),
+            ("code", code),
+            ("redirect_uri", redirect),
+            ("code_verifier", verifier),
+        ];
+        let mut req = self.http.post(&metadata.token_endpoint);
+        match &cfg.client_secret {
+            Some(secret) if secret_in_body(metadata) => {
+                form.push(("client_id", &cfg.client_id));
+                form.push(("client_secret", secret.expose()));
+            }
+            // RFC 6749 §2.3.1: both form-encoded, then HTTP Basic.
+            Some(secret) => {
+                let enc =
+                    |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+                req = req.basic_auth(enc(&cfg.client_id), Some(enc(secret.expose())));
+            }
+            None => form.push(("client_id", &cfg.client_id)),
+        }
+        let body = form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(form)
+            .finish();
+        let resp = req
+            .header(
+                reqwest::header::CONTENT_TYPE,
+                "application/x-www-form-urlencoded",
+            )
+            .header(reqwest::header::ACCEPT, "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| OidcError::Unreachable(format!("token endpoint: {e}")))?;
+        let status = resp.status();
+        let body = crate::engine::token::read_bounded(resp, MAX_REPLY)
+            .await
+            .map_err(|e| OidcError::Unreachable(format!("token endpoint: {e}")))?;
+        let reply: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        if !status.is_success() {
+            let said = |k: &str| {
+                reply
+                    .get(k)
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned()
+            };
+            let what = format!("{} {}", said("error"), said("error_description"));
+            let what = what.trim();
+            return Err(OidcError::Refused(format!(
+                "the token endpoint answered {status}{}{what}",
+                if what.is_empty() { "" } else { ": " }
+            )));
+        }
+        reply
+            .get("id_token")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| OidcError::Refused("the token endpoint returned no ID token".into()))
+    }
+
+    /// The person `id_token` names, once it is shown valid (see the
+    /// module's list) for this sign-in's `nonce` at `now`.
+    pub async fn verify(
+        &self,
+        cfg: &OidcConfig,
+        id_token: &str,
+        nonce: &str,
+        now: UnixMs,
+    ) -> Result<Person, OidcError> {
+        let header = jsonwebtoken::decode_header(id_token)
+            .map_err(|e| OidcError::Token(format!("unreadable: {e}")))?;
+        let metadata = self.metadata(cfg, now).await?;
+        let listed = &metadata.id_token_signing_alg_values_supported;
+        if !ALGORITHMS.contains(&header.alg)
+            || !(listed.is_empty() || listed.iter().any(|a| *a == format!("{:?}", header.alg)))
+        {
+            return Err(OidcError::Token(format!(
+                "signed with {:?}, which is not accepted",
+                header.alg
+            )));
+        }
+        let key = self
+            .key(cfg, header.kid.as_deref(), header.alg, now)
+            .await?;
+        let mut validation = Validation::new(header.alg);
+        validation.algorithms = vec![header.alg];
+        // Checked below against the node's clock and the configuration.
+        validation.validate_exp = false;
+        validation.validate_nbf = false;
+        validation.validate_aud = false;
+        validation.required_spec_claims = Default::default();
+        let claims = jsonwebtoken::decode::<Value>(id_token, &key, &validation)
+            .map_err(|e| OidcError::Token(format!("its signature does not verify: {e}")))?
+            .claims;
+        check_claims(cfg, &claims, nonce, now).map_err(OidcError::Token)
+    }
+
+    /// The provider's key for `kid` (or its one signing key when the token
+    /// names none), the key set fetched again for an id not seen in the
+    /// last minute (the provider rotated its keys).
+    async fn key(
+        &self,
+        cfg: &OidcConfig,
+        kid: Option<&str>,
+        alg: Algorithm,
+        now: UnixMs,
+    ) -> Result<DecodingKey, OidcError> {
+        let (jwks, jwks_at, uri) = {
+            let cache = self.cache.lock().await;
+            let d = cache
+                .as_ref()
+                .filter(|d| d.issuer == cfg.issuer)
+                .ok_or_else(|| OidcError::Discovery("not fetched yet".into()))?;
+            (d.jwks.clone(), d.jwks_at, d.metadata.jwks_uri.clone())
+        };
+        if let Some(jwk) = pick(&jwks, kid, alg)? {
+            return to_key(jwk);
+        }
+        if now - jwks_at < JWKS_REFETCH_MS {
+            return Err(OidcError::Token(format!(
+                "no key {kid:?} in the provider's key set"
+            )));
+        }
+        let fresh: Keys = self.get_json(&uri).await?;
+        let fresh = Arc::new(fresh);
+        if let Some(d) = self
+            .cache
+            .lock()
+            .await
+            .as_mut()
+            .filter(|d| d.issuer == cfg.issuer)
+        {
+            d.jwks = fresh.clone();
+            d.jwks_at = now;
+        }
+        match pick(&fresh, kid, alg)? {
+            Some(jwk) => to_key(jwk),
+            None => Err(OidcError::Token(format!(
+                "no key {kid:?} in the provider's key set"
+            ))),
+        }
+    }
+}
+
+/// Whether the client secret goes in the form: only when the provider
+/// lists `client_secret_post` and not `client_secret_basic` (the default).
+fn secret_in_body(metadata: &Metadata) -> bool {
+    metadata
+        .token_endpoint_auth_methods_supported
+        .as_ref()
+        .is_some_and(|m| {
+            m.iter().any(|x| x == "client_secret_post")
+                && !m.iter().any(|x| x == "client_secret_basic")
+        })
+}
+
+/// Checks a discovery document: the issuer it states is exactly the one
+/// configured (OpenID Connect Discovery §4.3), and S256 is offered when
+/// methods are listed.
+fn check_metadata(m: &Metadata, issuer: &str) -> Result<(), OidcError> {
+    if m.issuer != issuer {
+        return Err(OidcError::Discovery(format!(
+            "it names the issuer `{}`, not `{issuer}` as configured",
+            m.issuer
+        )));
+    }
+    if let Some(methods) = &m.code_challenge_methods_supported {
+        if !methods.iter().any(|x| x == "S256") {
+            return Err(OidcError::Discovery(
+                "it does not offer PKCE with S256".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The key of `jwks` for `kid`, or without a kid its one signing key of
+/// `alg`'s kind; a key whose stated algorithm is another is refused.
+fn pick<'a>(
+    jwks: &'a Keys,
+    kid: Option<&str>,
+    alg: Algorithm,
+) -> Result<Option<&'a Jwk>, OidcError> {
+    let signing = |k: &&Jwk| {
+        !matches!(
+            k.common.public_key_use,
+            Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
+        )
+    };
+    let found = match kid {
+        Some(kid) => jwks
+            .0
+            .iter()
+            .find(|k| k.common.key_id.as_deref() == Some(kid))
+            .filter(signing),
+        None => {
+            let fits: Vec<&Jwk> = jwks
+                .0
+                .iter()
+                .filter(signing)
+                .filter(|k| DecodingKey::from_jwk(k).is_ok_and(|d| d.family() == alg.family()))
+                .collect();
+            match fits.as_slice() {
+                [one] => Some(*one),
+                _ => None,
+            }
+        }
+    };
+    if let Some(stated) = found.and_then(|k| k.common.key_algorithm) {
+        if format!("{stated:?}") != format!("{alg:?}") {
+            return Err(OidcError::Token(format!(
+                "signed with {alg:?} by a key meant for {stated:?}"
+            )));
+        }
+    }
+    Ok(found)
+}
+
+fn to_key(jwk: &Jwk) -> Result<DecodingKey, OidcError> {
+    DecodingKey::from_jwk(jwk).map_err(|e| OidcError::Token(format!("the provider's key: {e}")))
+}
+
+/// Checks an ID token's claims (its signature already verified) and reads
+/// the person from them.
+pub fn check_claims(
+    cfg: &OidcConfig,
+    claims: &Value,
+    nonce: &str,
+    now: UnixMs,
+) -> Result<Person, String> {
+    let text = |k: &str| claims.get(k).and_then(Value::as_str);
+    let number = |k: &str| claims.get(k).and_then(Value::as_i64);
+    match text("iss") {
+        Some(iss) if iss == cfg.issuer => {}
+        other => {
+            return Err(format!(
+                "issued by {other:?}, not `{}` as configured",
+                cfg.issuer
+            ));
+        }
+    }
+    let audience: Vec<&str> = match claims.get("aud") {
+        Some(Value::String(a)) => vec![a.as_str()],
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    if !audience.contains(&cfg.client_id.as_str()) {
+        return Err(format!("meant for {audience:?}, not this client"));
+    }
+    let azp = text("azp");
+    if (audience.len() > 1 || azp.is_some()) && azp != Some(cfg.client_id.as_str()) {
+        return Err(format!("authorized for {azp:?}, not this client"));
+    }
+    let now_s = now.div_euclid(1000);
+    let exp = number("exp").ok_or("it has no expiry")?;
+    if now_s >= exp + LEEWAY_S {
+        return Err(format!("it expired {} s ago", now_s - exp));
+    }
+    let iat = number("iat").ok_or("it has no issue time")?;
+    if iat > now_s + LEEWAY_S || number("nbf").is_some_and(|nbf| nbf > now_s + LEEWAY_S) {
+        return Err("it is not valid yet (is a clock wrong?)".into());
+    }
+    if text("nonce") != Some(nonce) {
+        return Err("its nonce is not this sign-in's".into());
+    }
+    let subject = text("sub").filter(|s| !s.is_empty() && s.len() <= 255);
+    let subject = subject.ok_or("it names no subject")?.to_owned();
+    let groups = match claims.get(&cfg.groups_claim) {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .take(MAX_GROUPS)
+            .map(str::to_owned)
+            .collect(),
+        Some(Value::String(g)) => vec![g.clone()],
+        _ => Vec::new(),
+    };
+    let username = username(text(&cfg.username_claim), &subject);
+    Ok(Person {
+        subject,
+        username,
+        groups,
+    })
+}
+
+/// A user name made from a claim: lower case, characters a name cannot
+/// hold replaced by `-`, at most 64; from the subject's hash when nothing
+/// is left.
+pub fn username(claim: Option<&str>, subject: &str) -> String {
+    let made: String = claim
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .flat_map(char::to_lowercase)
+        .map(|c| match c {
+            'a'..='z' | '0'..='9' | '.' | '_' | '-' | '@' => c,
+            _ => '-',
+        })
+        .take(64)
+        .collect();
+    if made.trim_matches('-').is_empty() {
+        format!(
+            "sso-{}",
+            &hex::encode(Sha256::digest(subject.as_bytes()))[..12]
+        )
+    } else {
+        made
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cfg() -> OidcConfig {
+        toml::from_str(
+            r#"issuer = "https://id.example.com"
+               client_id = "ballast"
+               redirect_url = "https://b.example.com/auth/oidc/callback""#,
+        )
+        .unwrap()
+    }
+
+    const NOW: i64 = 1_800_000_000_000;
+
+    fn claims() -> Value {
+        json!({
+            "iss": "https://id.example.com", "aud": "ballast", "sub": "u-1",
+            "exp": NOW / 1000 + 60, "iat": NOW / 1000 - 5, "nonce": "n-1",
+            "preferred_username": "Alice.Smith@Example.com", "groups": ["ops", 7, "support"],
+        })
+    }
+
+    #[test]
+    fn a_valid_token_names_its_person() {
+        let p = check_claims(&cfg(), &claims(), "n-1", NOW).unwrap();
+        assert_eq!(p.subject, "u-1");
+        assert_eq!(p.username, "alice.smith@example.com");
+        assert_eq!(p.groups, ["ops", "support"]);
+    }
+
+    #[test]
+    fn every_claim_that_is_wrong_refuses_the_token() {
+        let refused = |edit: &dyn Fn(&mut Value), nonce: &str, now: i64| {
+            let mut c = claims();
+            edit(&mut c);
+            check_claims(&cfg(), &c, nonce, now).unwrap_err()
+        };
+        let keep = |_: &mut Value| {};
+        assert!(
+            refused(
+                &|c| c["iss"] = json!("https://evil.example.com"),
+                "n-1",
+                NOW
+            )
+            .contains("issued by")
+        );
+        assert!(refused(&|c| c["aud"] = json!("other"), "n-1", NOW).contains("meant for"));
+        assert!(
+            refused(&|c| c["aud"] = json!(["ballast", "other"]), "n-1", NOW)
+                .contains("authorized for")
+        );
+        check_claims(
+            &cfg(),
+            &{
+                let mut c = claims();
+                c["aud"] = json!(["ballast", "other"]);
+                c["azp"] = json!("ballast");
+                c
+            },
+            "n-1",
+            NOW,
+        )
+        .unwrap();
+        assert!(refused(&keep, "n-2", NOW).contains("nonce"));
+        let drop = |k: &'static str| {
+            move |c: &mut Value| {
+                c.as_object_mut().unwrap().remove(k);
+            }
+        };
+        assert!(refused(&drop("nonce"), "n-1", NOW).contains("nonce"));
+        assert!(refused(&keep, "n-1", NOW + 121_000).contains("expired"));
+        check_claims(&cfg(), &claims(), "n-1", NOW + 119_000).unwrap();
+        assert!(refused(&keep, "n-1", NOW - 120_000).contains("not valid yet"));
+        assert!(refused(&|c| c["sub"] = json!(""), "n-1", NOW).contains("subject"));
+        assert!(refused(&drop("exp"), "n-1", NOW).contains("expiry"));
+    }
+
+    #[test]
+    fn names_are_made_from_claims_or_the_subject() {
+        assert_eq!(username(Some("Bob"), "s"), "bob");
+        assert_eq!(username(Some("Zoë Müller"), "s"), "zo--m-ller");
+        let anon = username(None, "subject-1");
+        assert!(anon.starts_with("sso-") && anon.len() == 16, "{anon}");
+        assert_eq!(username(Some("   "), "subject-1"), anon);
+        assert_eq!(username(Some(&"x".repeat(100)), "s").len(), 64);
+    }
+
+    #[test]
+    fn pkce_challenges_follow_rfc_7636() {
+        // RFC 7636 appendix B.
+        assert_eq!(
+            challenge("dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk"),
+            "E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM"
+        );
+        let f = Fresh::new().unwrap();
+        assert_eq!(f.verifier.len(), 43);
+        assert_ne!(f.state, f.nonce);
+    }
+}
