@@ -326,7 +326,7 @@ pub enum UserCommand {
     /// Create a user. The password is prompted for, or read from
     /// BALLAST_PASSWORD when set (for scripts).
     Add {
-        /// Login name: 1-64 characters of a-z, 0-9, `.`, `_`, `-`.
+        /// Login name: 1-64 characters of a-z, 0-9, `.`, `_`, `-`, `@`.
         username: String,
         /// What the user may do.
         #[arg(long, default_value = "viewer", value_parser = ["viewer", "operator", "admin"])]

@@ -147,7 +147,7 @@ impl OidcConfig {
 
     /// Checks the settings against the server's (`public_url`).
     pub(super) fn validate(&self, server: &ServerConfig) -> Result<(), ConfigError> {
-        check_url("oidc.issuer", &self.issuer, false)?;
+        check_url("oidc.issuer", &self.issuer)?;
         if self.client_id.trim().is_empty() {
             return Err(invalid("oidc.client_id", "must not be empty".into()));
         }
@@ -158,7 +158,7 @@ impl OidcConfig {
                     .into(),
             )
         })?;
-        let url = check_url("oidc.redirect_url", &redirect, true)?;
+        let url = check_url("oidc.redirect_url", &redirect)?;
         if url.path() != CALLBACK_PATH || url.query().is_some() {
             return Err(invalid(
                 "oidc.redirect_url",
@@ -245,12 +245,14 @@ impl OidcConfig {
     }
 }
 
-/// An absolute http(s) URL without user or fragment; plain `http` only on
-/// a loopback host (a test provider, a provider on this machine), unless
-/// `any_http` (the redirect, which the person's browser follows).
-fn check_url(key: &str, text: &str, any_http: bool) -> Result<reqwest::Url, ConfigError> {
-    let url = reqwest::Url::parse(text)
-        .map_err(|e| invalid(key, format!("`{text}` is not a URL: {e}")))?;
+/// Whether `url` is https, or http on a loopback host (a test provider,
+/// one on this machine): what the provider's endpoints and the redirect
+/// must be, so codes, tokens and the client secret never cross a network
+/// in clear.
+pub fn safe_url(text: &str) -> bool {
+    let Ok(url) = reqwest::Url::parse(text) else {
+        return false;
+    };
     let host = url.host_str().unwrap_or_default();
     let loopback = host == "localhost"
         || host
@@ -258,12 +260,18 @@ fn check_url(key: &str, text: &str, any_http: bool) -> Result<reqwest::Url, Conf
             .trim_end_matches(']')
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback());
-    let scheme_ok = match url.scheme() {
-        "https" => true,
-        "http" => loopback || any_http,
+    match url.scheme() {
+        "https" => url.host().is_some(),
+        "http" => loopback,
         _ => false,
-    };
-    if !scheme_ok || url.host().is_none() {
+    }
+}
+
+/// An absolute URL without user or fragment that is [`safe_url`].
+fn check_url(key: &str, text: &str) -> Result<reqwest::Url, ConfigError> {
+    let url = reqwest::Url::parse(text)
+        .map_err(|e| invalid(key, format!("`{text}` is not a URL: {e}")))?;
+    if !safe_url(text) {
         return Err(invalid(
             key,
             format!("`{text}` must be an https:// URL (http:// only on localhost)"),

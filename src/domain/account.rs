@@ -25,6 +25,9 @@ pub enum AccountRefusal {
     /// A role with a scope it cannot have (`Scope::check_role`).
     #[error("`{0}`: {1}")]
     Scope(String, String),
+    /// A password for a user who signs on through the provider.
+    #[error("`{0}` signs on through the OpenID provider: it has no password here")]
+    SignsOn(String),
 }
 
 impl AccountRefusal {
@@ -33,6 +36,7 @@ impl AccountRefusal {
         match self {
             AccountRefusal::LastAdmin(_) => "last_admin",
             AccountRefusal::Scope(..) => "admin_scoped",
+            AccountRefusal::SignsOn(_) => "signs_on",
         }
     }
 }
@@ -44,6 +48,9 @@ pub fn check_change(
     user: &User,
     change: &UserChange,
 ) -> Result<(), AccountRefusal> {
+    if user.signs_on && matches!(change, UserChange::Password(_)) {
+        return Err(AccountRefusal::SignsOn(user.username.clone()));
+    }
     let (role, scope) = match change {
         UserChange::Role(role) => (*role, &user.pipelines),
         UserChange::Pipelines(scope) => (user.role, scope),

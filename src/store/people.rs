@@ -85,9 +85,19 @@ pub trait People: Send + Sync {
     /// The user `person` is, in one transaction: created on their first
     /// sign-in (`user_added`, by `sign-on`), or given what their groups
     /// grant now if that changed (`user_changed`; their sessions revoked,
-    /// and their tokens too if the role changed). A disabled user is
+    /// and their tokens too if the role changed; refused, `LastAdmin`,
+    /// when that would leave no enabled admin). A disabled user is
     /// returned as it is. A name another user has is a `Conflict`.
     async fn sign_on(&self, person: &SignOnUser, now: UnixMs) -> StoreResult<User>;
+    /// Ends the sessions of the user `issuer` and `subject` name, and
+    /// revokes the API tokens they made (their groups grant nothing now),
+    /// audited (`user_changed`) when there was any: the user, if any.
+    async fn revoke_signed_on(
+        &self,
+        issuer: &str,
+        subject: &str,
+        now: UnixMs,
+    ) -> StoreResult<Option<User>>;
 }
 
 #[async_trait::async_trait]
@@ -493,9 +503,10 @@ where
             return Err(StoreError::Invalid(m));
         }
         let mut tx = self.begin_write().await?;
+        // Not locked here: a change locks the admins, then the user
+        // (`regrant`), in the order every user change takes.
         let sql = format!(
-            "SELECT {USER_COLUMNS} FROM users WHERE oidc_issuer = $1 AND oidc_subject = $2{}",
-            DB::LOCK
+            "SELECT {USER_COLUMNS} FROM users WHERE oidc_issuer = $1 AND oidc_subject = $2"
         );
         let found = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(person.issuer.clone())
@@ -529,6 +540,53 @@ where
         self.insert_event(&mut tx, &event).await?;
         tx.commit().await?;
         Ok(user)
+    }
+
+    async fn revoke_signed_on(
+        &self,
+        issuer: &str,
+        subject: &str,
+        now: UnixMs,
+    ) -> StoreResult<Option<User>> {
+        let mut tx = self.begin_write().await?;
+        let sql = format!(
+            "SELECT {USER_COLUMNS} FROM users WHERE oidc_issuer = $1 AND oidc_subject = $2"
+        );
+        let found = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(issuer.to_owned())
+            .bind(subject.to_owned())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(user) = found.as_ref().map(MapRow::user).transpose()? else {
+            return Ok(None);
+        };
+        let sessions = sqlx::query(
+            "UPDATE sessions SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL",
+        )
+        .bind(now)
+        .bind(user.id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        let tokens = sqlx::query(
+            "UPDATE api_tokens SET revoked_at = $1 WHERE created_by = $2 AND revoked_at IS NULL",
+        )
+        .bind(now)
+        .bind(user.username.clone())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if sessions + tokens > 0 {
+            let detail = serde_json::json!({
+                "user": user.username, "access": "none: no group of theirs is mapped to a role",
+                "sessions_ended": sessions, "tokens_revoked": tokens,
+                "issuer": issuer, "subject": subject,
+            });
+            let event = EventRow::audit("user_changed", "sign-on", now, &detail);
+            self.insert_event(&mut tx, &event).await?;
+        }
+        tx.commit().await?;
+        Ok(Some(user))
     }
 
     async fn login_succeeded(&self, username: &str) -> StoreResult<()> {

@@ -180,6 +180,17 @@ where
         id: i64,
         change: &super::UserChange,
     ) -> StoreResult<()> {
+        let (admins, user) = Self::lock_admins_and(tx, id).await?;
+        crate::domain::account::check_change(&admins, &user, change)?;
+        Ok(())
+    }
+
+    /// Locks the enabled admins (their ids returned) and then user `id`
+    /// (returned as it is now), in the caller's transaction.
+    pub(crate) async fn lock_admins_and(
+        tx: &mut Tx<DB>,
+        id: i64,
+    ) -> StoreResult<(Vec<i64>, crate::domain::User)> {
         // The admins first, in id order, then the user: every change locks
         // in that order, so two of them wait for each other rather than
         // deadlock (a waiting one then reads the other's change).
@@ -205,8 +216,7 @@ where
                 key: id.to_string(),
             })?
             .user()?;
-        crate::domain::account::check_change(&admins, &user, change)?;
-        Ok(())
+        Ok((admins, user))
     }
 
     /// Creates `user`; with `first_only`, only while there is no user at
@@ -281,13 +291,20 @@ where
 
     /// Gives `user` what `person`'s groups grant now, in the caller's
     /// transaction: their sessions are revoked, and, if the role changed,
-    /// the tokens they made.
+    /// the tokens they made. Refused (`LastAdmin`) when it would leave no
+    /// enabled admin.
     pub(crate) async fn regrant(
         tx: &mut Tx<DB>,
         user: &crate::domain::User,
         person: &super::SignOnUser,
         now: crate::domain::UnixMs,
     ) -> StoreResult<crate::domain::User> {
+        // The last enabled admin stays one, whatever the provider says.
+        let (admins, mut locked) = Self::lock_admins_and(tx, user.id).await?;
+        let role_changes = locked.role != person.role;
+        locked.pipelines = person.pipelines.clone();
+        let change = super::UserChange::Role(person.role);
+        crate::domain::account::check_change(&admins, &locked, &change)?;
         let sql = format!(
             "UPDATE users SET role = $1, pipelines = $2, unmask = $3, updated_at = $4 \
              WHERE id = $5 RETURNING {}",
@@ -308,7 +325,7 @@ where
         .bind(user.id)
         .execute(&mut **tx)
         .await?;
-        if person.role != user.role {
+        if role_changes {
             sqlx::query(
                 "UPDATE api_tokens SET revoked_at = $1 WHERE created_by = $2 AND revoked_at IS NULL",
             )

@@ -24,6 +24,8 @@ use crate::domain::UnixMs;
 
 /// How long a discovery document is used before it is fetched again.
 const METADATA_TTL_MS: i64 = 3_600_000;
+/// How long a failure to discover the provider holds the next try back.
+const RETRY_MS: i64 = 10_000;
 /// A key set is fetched again for an unknown key id at most this often.
 const JWKS_REFETCH_MS: i64 = 60_000;
 /// Clock skew allowed between the provider and this node.
@@ -73,6 +75,10 @@ pub struct Metadata {
     pub code_challenge_methods_supported: Option<Vec<String>>,
     #[serde(default)]
     pub token_endpoint_auth_methods_supported: Option<Vec<String>>,
+    /// The provider names itself in its answers (RFC 9207): one that
+    /// does not is then refused.
+    #[serde(default)]
+    pub authorization_response_iss_parameter_supported: bool,
 }
 
 /// A provider's key set: the keys this build can read (one it cannot, an
@@ -104,12 +110,24 @@ struct Discovered {
     jwks_at: UnixMs,
 }
 
+/// What the client knows: the provider as last fetched, and the last
+/// failure to fetch it (for whom, when), which holds the next try back.
+#[derive(Default)]
+struct Cache {
+    found: Option<Discovered>,
+    failed: Option<(String, UnixMs, OidcError)>,
+}
+
 /// The node's client of the configured provider: its discovery document
 /// and keys, cached (fetched again after an hour, when the issuer changes
-/// with a reload, and for a key id not seen yet).
+/// with a reload, and for a key id not seen yet). One request fetches at
+/// a time, never holding the cache while it waits on the network (a
+/// cached answer never waits); after a failure the provider is left alone
+/// for [`RETRY_MS`], unless a cached document can stand in.
 pub struct Client {
     http: reqwest::Client,
-    cache: tokio::sync::Mutex<Option<Discovered>>,
+    cache: std::sync::Mutex<Cache>,
+    fetching: tokio::sync::Mutex<()>,
 }
 
 /// The person an ID token names.
@@ -161,8 +179,33 @@ impl Client {
             .map_err(|e| format!("sign-on client: {e}"))?;
         Ok(Client {
             http,
-            cache: tokio::sync::Mutex::new(None),
+            cache: std::sync::Mutex::new(Cache::default()),
+            fetching: tokio::sync::Mutex::new(()),
         })
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The cached document for `issuer` if fresh at `now`; else (`Err`)
+    /// what stands in while a fetch is held back: the stale document, or
+    /// the recent failure; `Ok(None)`: fetch it.
+    fn cached(&self, issuer: &str, now: UnixMs) -> Result<Option<Arc<Metadata>>, OidcError> {
+        let cache = self.cache();
+        let found = cache.found.as_ref().filter(|d| d.issuer == issuer);
+        if let Some(d) = found.filter(|d| now - d.fetched_at < METADATA_TTL_MS) {
+            return Ok(Some(d.metadata.clone()));
+        }
+        match &cache.failed {
+            Some((i, at, e)) if i == issuer && now - at < RETRY_MS => match found {
+                Some(d) => Ok(Some(d.metadata.clone())),
+                None => Err(e.clone()),
+            },
+            _ => Ok(None),
+        }
     }
 
     /// The provider's discovery document, fetched if not cached for this
@@ -172,30 +215,39 @@ impl Client {
         cfg: &OidcConfig,
         now: UnixMs,
     ) -> Result<Arc<Metadata>, OidcError> {
-        let mut cache = self.cache.lock().await;
-        let cached = cache.as_ref().filter(|d| d.issuer == cfg.issuer);
-        if let Some(d) = cached.filter(|d| now - d.fetched_at < METADATA_TTL_MS) {
-            return Ok(d.metadata.clone());
+        if let Some(m) = self.cached(&cfg.issuer, now)? {
+            return Ok(m);
         }
-        match self.discover(cfg).await {
+        let _one = self.fetching.lock().await;
+        // Another request may have fetched it (or failed) meanwhile.
+        if let Some(m) = self.cached(&cfg.issuer, now)? {
+            return Ok(m);
+        }
+        let fetched = self.discover(cfg).await;
+        let mut cache = self.cache();
+        match fetched {
             Ok((metadata, jwks)) => {
                 let metadata = Arc::new(metadata);
-                *cache = Some(Discovered {
+                cache.found = Some(Discovered {
                     issuer: cfg.issuer.clone(),
                     metadata: metadata.clone(),
                     fetched_at: now,
                     jwks: Arc::new(jwks),
                     jwks_at: now,
                 });
+                cache.failed = None;
                 Ok(metadata)
             }
-            Err(e) => match cached {
-                Some(d) => {
-                    tracing::warn!(error = %e, "sign-on: could not refresh the provider's discovery document; the last one stands");
-                    Ok(d.metadata.clone())
+            Err(e) => {
+                cache.failed = Some((cfg.issuer.clone(), now, e.clone()));
+                match cache.found.as_ref().filter(|d| d.issuer == cfg.issuer) {
+                    Some(d) => {
+                        tracing::warn!(error = %e, "sign-on: could not refresh the provider's discovery document; the last one stands");
+                        Ok(d.metadata.clone())
+                    }
+                    None => Err(e),
                 }
-                None => Err(e),
-            },
+            }
         }
     }
 
@@ -319,8 +371,8 @@ impl Client {
                 header.alg
             )));
         }
-        let key = self
-            .key(cfg, header.kid.as_deref(), header.alg, now)
+        let keys = self
+            .keys(cfg, header.kid.as_deref(), header.alg, now)
             .await?;
         let mut validation = Validation::new(header.alg);
         validation.algorithms = vec![header.alg];
@@ -329,55 +381,68 @@ impl Client {
         validation.validate_nbf = false;
         validation.validate_aud = false;
         validation.required_spec_claims = Default::default();
-        let claims = jsonwebtoken::decode::<Value>(id_token, &key, &validation)
-            .map_err(|e| OidcError::Token(format!("its signature does not verify: {e}")))?
-            .claims;
-        check_claims(cfg, &claims, nonce, now).map_err(OidcError::Token)
+        let mut failed = None;
+        for key in &keys {
+            match jsonwebtoken::decode::<Value>(id_token, key, &validation) {
+                Ok(d) => return check_claims(cfg, &d.claims, nonce, now).map_err(OidcError::Token),
+                Err(e) => failed = Some(e),
+            }
+        }
+        let e = failed.map_or_else(String::new, |e| e.to_string());
+        Err(OidcError::Token(format!(
+            "its signature does not verify: {e}"
+        )))
     }
 
-    /// The provider's key for `kid` (or its one signing key when the token
-    /// names none), the key set fetched again for an id not seen in the
-    /// last minute (the provider rotated its keys).
-    async fn key(
+    /// The provider's keys that may have signed a token naming `kid` with
+    /// `alg`, the key set fetched again (one request at a time, at most
+    /// once a minute) when none fits: the provider rotated its keys.
+    async fn keys(
         &self,
         cfg: &OidcConfig,
         kid: Option<&str>,
         alg: Algorithm,
         now: UnixMs,
-    ) -> Result<DecodingKey, OidcError> {
-        let (jwks, jwks_at, uri) = {
-            let cache = self.cache.lock().await;
-            let d = cache
+    ) -> Result<Vec<DecodingKey>, OidcError> {
+        let held = |c: &Cache| {
+            c.found
                 .as_ref()
                 .filter(|d| d.issuer == cfg.issuer)
-                .ok_or_else(|| OidcError::Discovery("not fetched yet".into()))?;
-            (d.jwks.clone(), d.jwks_at, d.metadata.jwks_uri.clone())
+                .map(|d| (d.jwks.clone(), d.jwks_at, d.metadata.jwks_uri.clone()))
+                .ok_or_else(|| OidcError::Discovery("not fetched yet".into()))
         };
-        if let Some(jwk) = pick(&jwks, kid, alg)? {
-            return to_key(jwk);
+        let (jwks, _, _) = held(&self.cache())?;
+        let keys = candidates(&jwks, kid, alg)?;
+        if !keys.is_empty() {
+            return Ok(keys);
         }
-        if now - jwks_at < JWKS_REFETCH_MS {
-            return Err(OidcError::Token(format!(
-                "no key {kid:?} in the provider's key set"
-            )));
+        let _one = self.fetching.lock().await;
+        let (jwks, jwks_at, uri) = held(&self.cache())?;
+        let keys = candidates(&jwks, kid, alg)?;
+        if !keys.is_empty() || now - jwks_at < JWKS_REFETCH_MS {
+            return match keys.is_empty() {
+                true => Err(OidcError::Token(format!(
+                    "no key {kid:?} in the provider's key set"
+                ))),
+                false => Ok(keys),
+            };
         }
-        let fresh: Keys = self.get_json(&uri).await?;
-        let fresh = Arc::new(fresh);
+        let fresh: Arc<Keys> = Arc::new(self.get_json(&uri).await?);
         if let Some(d) = self
-            .cache
-            .lock()
-            .await
+            .cache()
+            .found
             .as_mut()
             .filter(|d| d.issuer == cfg.issuer)
         {
             d.jwks = fresh.clone();
             d.jwks_at = now;
         }
-        match pick(&fresh, kid, alg)? {
-            Some(jwk) => to_key(jwk),
-            None => Err(OidcError::Token(format!(
+        let keys = candidates(&fresh, kid, alg)?;
+        match keys.is_empty() {
+            true => Err(OidcError::Token(format!(
                 "no key {kid:?} in the provider's key set"
             ))),
+            false => Ok(keys),
         }
     }
 }
@@ -404,6 +469,17 @@ fn check_metadata(m: &Metadata, issuer: &str) -> Result<(), OidcError> {
             m.issuer
         )));
     }
+    for (what, url) in [
+        ("authorization_endpoint", &m.authorization_endpoint),
+        ("token_endpoint", &m.token_endpoint),
+        ("jwks_uri", &m.jwks_uri),
+    ] {
+        if !crate::config::oidc::safe_url(url) {
+            return Err(OidcError::Discovery(format!(
+                "its {what} `{url}` is not an https:// URL (http:// only on localhost)"
+            )));
+        }
+    }
     if let Some(methods) = &m.code_challenge_methods_supported {
         if !methods.iter().any(|x| x == "S256") {
             return Err(OidcError::Discovery(
@@ -414,46 +490,53 @@ fn check_metadata(m: &Metadata, issuer: &str) -> Result<(), OidcError> {
     Ok(())
 }
 
-/// The key of `jwks` for `kid`, or without a kid its one signing key of
-/// `alg`'s kind; a key whose stated algorithm is another is refused.
-fn pick<'a>(
-    jwks: &'a Keys,
+/// The signing keys of `jwks` that may have made a signature with `alg`:
+/// the one named `kid`, or without a kid every key of `alg`'s kind
+/// (keys meant for encryption never); a key named whose stated algorithm
+/// is another is refused.
+fn candidates(
+    jwks: &Keys,
     kid: Option<&str>,
     alg: Algorithm,
-) -> Result<Option<&'a Jwk>, OidcError> {
-    let signing = |k: &&Jwk| {
+) -> Result<Vec<DecodingKey>, OidcError> {
+    let signing = jwks.0.iter().filter(|k| {
         !matches!(
             k.common.public_key_use,
             Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
         )
+    });
+    let found: Vec<&Jwk> = match kid {
+        Some(kid) => signing
+            .filter(|k| k.common.key_id.as_deref() == Some(kid))
+            .take(1)
+            .collect(),
+        None => signing.collect(),
     };
-    let found = match kid {
-        Some(kid) => jwks
-            .0
-            .iter()
-            .find(|k| k.common.key_id.as_deref() == Some(kid))
-            .filter(signing),
-        None => {
-            let fits: Vec<&Jwk> = jwks
-                .0
-                .iter()
-                .filter(signing)
-                .filter(|k| DecodingKey::from_jwk(k).is_ok_and(|d| d.family() == alg.family()))
-                .collect();
-            match fits.as_slice() {
-                [one] => Some(*one),
-                _ => None,
+    let mut keys = Vec::new();
+    for jwk in found {
+        let stated = jwk.common.key_algorithm.map(|a| format!("{a:?}"));
+        match stated {
+            Some(stated) if stated != format!("{alg:?}") => {
+                if kid.is_some() {
+                    return Err(OidcError::Token(format!(
+                        "signed with {alg:?} by a key meant for {stated}"
+                    )));
+                }
             }
-        }
-    };
-    if let Some(stated) = found.and_then(|k| k.common.key_algorithm) {
-        if format!("{stated:?}") != format!("{alg:?}") {
-            return Err(OidcError::Token(format!(
-                "signed with {alg:?} by a key meant for {stated:?}"
-            )));
+            _ => match to_key(jwk) {
+                Ok(key) if key.family() == alg.family() => keys.push(key),
+                Ok(_) if kid.is_some() => {
+                    return Err(OidcError::Token(format!(
+                        "signed with {alg:?} by a key of another kind"
+                    )));
+                }
+                Ok(_) => {}
+                Err(e) if kid.is_some() => return Err(e),
+                Err(_) => {}
+            },
         }
     }
-    Ok(found)
+    Ok(keys)
 }
 
 fn to_key(jwk: &Jwk) -> Result<DecodingKey, OidcError> {
@@ -635,6 +718,89 @@ mod tests {
         assert!(anon.starts_with("sso-") && anon.len() == 16, "{anon}");
         assert_eq!(username(Some("   "), "subject-1"), anon);
         assert_eq!(username(Some(&"x".repeat(100)), "s").len(), 64);
+    }
+
+    /// RFC 7517 appendix A.1's public keys, with `kid`, `use` and `alg` as given.
+    fn keys(list: &[(&str, Option<&str>, Option<&str>, &str)]) -> Keys {
+        let rsa_n = "0vx7agoebGcQSuuPiLJXZptN9nndrQmbXEps2aiAFbWhM78LhWx4cbbfAAtVT86zwu1RK7aPFFxuhDR1L6tSoc_BJECPebWKRXjBZCiFV4n3oknjhMstn64tZ_2W-5JsGY4Hc5n9yBXArwl93lqt7_RN5w6Cf0h4QyQ5v-65YGjQR0_FDW2QvzqY368QQMicAtaSqzs8KJZgnYb9c7d0zgdAZHzu6qMQvRL5hajrn1n91CbOpbISD08qNLyrdkt-bFTWhAI4vMQFh6WeZu0fM4lFd2NcRwr3XPksINHaQ-G_xBniIqbw0Ls1jF44-csFCur-kEgU8awapJzKnqDKgw";
+        let jwks: Vec<Value> = list
+            .iter()
+            .map(|(kid, usage, alg, kty)| {
+                let mut k = match *kty {
+                    "RSA" => json!({ "kty": "RSA", "n": rsa_n, "e": "AQAB" }),
+                    _ => json!({
+                        "kty": "EC", "crv": "P-256",
+                        "x": "MKBCTNIcKUSDii11ySs3526iDZ8AiTo7Tu6KPAqv7D4",
+                        "y": "4Etl6SRW2YiLUrN5vfvVHuhp7x8PxltmWWlbbM4IFyM",
+                    }),
+                };
+                k["kid"] = json!(kid);
+                if let Some(u) = usage {
+                    k["use"] = json!(u);
+                }
+                if let Some(a) = alg {
+                    k["alg"] = json!(a);
+                }
+                k
+            })
+            .collect();
+        serde_json::from_value(json!({ "keys": jwks })).unwrap()
+    }
+
+    #[test]
+    fn keys_are_picked_for_signing_by_id_and_kind() {
+        let rs = Algorithm::RS256;
+        // A key meant for encryption under the same id hides nothing.
+        let set = keys(&[
+            ("k1", Some("enc"), None, "RSA"),
+            ("k1", Some("sig"), None, "RSA"),
+        ]);
+        assert_eq!(candidates(&set, Some("k1"), rs).unwrap().len(), 1);
+        let only_enc = keys(&[("k1", Some("enc"), None, "RSA")]);
+        assert!(candidates(&only_enc, Some("k1"), rs).unwrap().is_empty());
+        // A named key stated for another algorithm, or of another kind.
+        let es = keys(&[("k1", None, Some("ES256"), "RSA"), ("k2", None, None, "EC")]);
+        let err = |kid| candidates(&es, Some(kid), rs).err().unwrap().to_string();
+        assert!(err("k1").contains("meant for ES256"), "{}", err("k1"));
+        assert!(err("k2").contains("another kind"), "{}", err("k2"));
+        assert!(
+            candidates(&es, Some("k3"), rs).unwrap().is_empty(),
+            "an unknown id: none"
+        );
+        // No id: every signing key of the kind is tried.
+        let two = keys(&[
+            ("a", None, None, "RSA"),
+            ("b", Some("sig"), None, "RSA"),
+            ("c", None, None, "EC"),
+        ]);
+        assert_eq!(candidates(&two, None, rs).unwrap().len(), 2);
+        assert_eq!(candidates(&two, None, Algorithm::ES256).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn discovery_documents_must_name_the_issuer_and_use_https() {
+        let doc = |issuer: &str, token: &str| -> Metadata {
+            serde_json::from_value(json!({
+                "issuer": issuer, "authorization_endpoint": "https://id.example.com/auth",
+                "token_endpoint": token, "jwks_uri": "https://id.example.com/jwks",
+            }))
+            .unwrap()
+        };
+        let at = "https://id.example.com";
+        check_metadata(&doc(at, "https://id.example.com/token"), at).unwrap();
+        let e = check_metadata(
+            &doc("https://evil.example.com", "https://id.example.com/token"),
+            at,
+        );
+        assert!(
+            e.unwrap_err()
+                .to_string()
+                .contains("not `https://id.example.com`")
+        );
+        let e = check_metadata(&doc(at, "http://id.example.com/token"), at);
+        assert!(e.unwrap_err().to_string().contains("token_endpoint"));
+        let local = "http://127.0.0.1:9000";
+        check_metadata(&doc(local, "http://127.0.0.1:9000/token"), local).unwrap();
     }
 
     #[test]

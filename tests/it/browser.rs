@@ -1925,10 +1925,6 @@ request = { path = "/sync" }
     app.stop().await;
 }
 
-/// No browser outlives its test: a session opened and a page loaded, then
-/// the driver dropped (as at the end of every browser test, passed,
-/// failed or panicked): no process of chromedriver's group, Chromium and
-/// its helpers included, is left running.
 /// Single sign-on in a real browser, the provider on another site
 /// (`localhost`) than Ballast (`127.0.0.1`), as a company's is: its
 /// redirect back carries the sign-in's `SameSite=Lax` cookie, and the
@@ -2000,8 +1996,13 @@ async fn single_sign_on_works_in_a_real_browser() {
     assert!(text_of(c, "header.top").await.contains("alice"));
     let alice = app.t.db.user_by_name("alice").await.unwrap().unwrap();
     assert_eq!((alice.role, alice.signs_on), (Role::Operator, true));
+    app.stop().await;
 }
 
+/// No browser outlives its test: a session opened and a page loaded, then
+/// the driver dropped (as at the end of every browser test, passed,
+/// failed or panicked): no process of chromedriver's group, Chromium and
+/// its helpers included, is left running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_browser_outlives_its_test() {
     let Some(d) = driver("no browser left").await else {

@@ -101,7 +101,11 @@ impl Provider {
                 .read_line(&mut line)
                 .map(|_| line)
         };
-        let line = tokio::task::spawn_blocking(read).await.unwrap().unwrap();
+        let line = tokio::time::timeout(Duration::from_secs(60), tokio::task::spawn_blocking(read))
+            .await
+            .expect("the provider says where it listens within a minute")
+            .unwrap()
+            .unwrap();
         let said: serde_json::Value = serde_json::from_str(&line).unwrap();
         Some(Provider {
             issuer: said["issuer"].as_str().unwrap().to_owned(),
@@ -133,6 +137,9 @@ role = "operator"
 group = "support-a"
 role = "viewer"
 pipelines = ["a"]
+[[oidc.roles]]
+group = "admins"
+role = "admin"
 "#
     )
 }
@@ -268,6 +275,18 @@ impl Browser {
         }
         panic!("the provider never sent the browser back");
     }
+}
+
+/// `url` without its `iss` parameter.
+fn without_iss(url: &str) -> String {
+    let mut url = reqwest::Url::parse(url).unwrap();
+    let kept: Vec<(String, String)> = url
+        .query_pairs()
+        .filter(|(k, _)| k != "iss")
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    url.query_pairs_mut().clear().extend_pairs(kept);
+    url.into()
 }
 
 fn location(r: &reqwest::Response) -> String {
@@ -414,6 +433,118 @@ async fn postgres_sign_on_creates_users_from_their_groups() {
     sign_on_creates_users_from_their_groups(Backend::Postgres).await;
 }
 
+/// A token `user` made, as the tokens page would: its id.
+async fn token_of(app: &WebApp, user: &str) -> i64 {
+    let (_, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
+    let t = ballast::store::NewApiToken {
+        name: format!("{user}'s"),
+        token_hash: hash,
+        prefix,
+        role: Role::Admin,
+        created_by: user.to_owned(),
+        expires_at: None,
+        pipelines: ballast::domain::scope::Scope::all(),
+        unmask: false,
+    };
+    app.t.db.create_api_token(&t, wall_ms()).await.unwrap().id
+}
+
+async fn token_revoked(app: &WebApp, id: i64) -> bool {
+    let tokens = app.t.db.list_api_tokens().await.unwrap();
+    tokens
+        .iter()
+        .find(|t| t.id == id)
+        .unwrap()
+        .revoked_at
+        .is_some()
+}
+
+#[tokio::test]
+async fn access_taken_away_at_the_provider_ends_here_but_never_the_last_admin() {
+    let accounts = serde_json::json!({ "dana": ["admins"], "carol": ["ops"] });
+    let Some((idp, app)) = both(accounts, "sign_on_taken_away", "").await else {
+        return;
+    };
+    let (_, r) = sign_in(&app, "dana").await;
+    let dana_session = session_cookie(r.headers()).unwrap();
+    let dana = app.t.db.user_by_name("dana").await.unwrap().unwrap();
+    assert_eq!(dana.role, Role::Admin);
+    let token = token_of(&app, "dana").await;
+    // A password for her is refused: she signs on.
+    let hash = ballast::auth::password::hash("a-long-enough-password").unwrap();
+    let change = ballast::store::UserChange::Password(hash);
+    let err = app
+        .t
+        .db
+        .update_user(dana.id, &change, wall_ms())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("signs on"), "{err}");
+
+    // Her groups now grant nothing: refused, and her session and the
+    // tokens she made end with it.
+    idp.set_groups(serde_json::json!({ "dana": ["marketing"] }));
+    let (_, r) = sign_in(&app, "dana").await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    let home = app
+        .client
+        .get(app.url("/"))
+        .header("cookie", &dana_session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(home.status(), StatusCode::SEE_OTHER, "her session ended");
+    assert!(token_revoked(&app, token).await, "her token was revoked");
+    let changed = audited(&app, "user_changed").await;
+    assert!(
+        changed
+            .iter()
+            .any(|d| d["user"] == "dana" && d["tokens_revoked"] == 1),
+        "{changed:?}"
+    );
+
+    // The last enabled admin stays one whatever the provider says.
+    idp.set_groups(serde_json::json!({ "dana": ["admins"] }));
+    assert_eq!(sign_in(&app, "dana").await.1.status(), StatusCode::OK);
+    let admin = app.t.db.user_by_name("admin").await.unwrap().unwrap();
+    let off = ballast::store::UserChange::Disabled(true);
+    app.t
+        .db
+        .update_user(admin.id, &off, wall_ms())
+        .await
+        .unwrap();
+    idp.set_groups(serde_json::json!({ "dana": ["ops"], "carol": ["ops"] }));
+    let (_, r) = sign_in(&app, "dana").await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert!(r.text().await.unwrap().contains("last enabled admin"));
+    let dana = app.t.db.user_by_name("dana").await.unwrap().unwrap();
+    assert_eq!(dana.role, Role::Admin);
+
+    // A person whose name a local user has gets another: people are known
+    // by issuer and subject.
+    app.user("carol", Role::Viewer).await;
+    let (_, r) = sign_in(&app, "carol").await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let carol2 = app
+        .t
+        .db
+        .user_by_name("carol-2")
+        .await
+        .unwrap()
+        .expect("carol-2");
+    assert!(carol2.signs_on && carol2.role == Role::Operator);
+    let local = app.t.db.user_by_name("carol").await.unwrap().unwrap();
+    assert!(
+        !local.signs_on && local.role == Role::Viewer,
+        "the local carol is untouched"
+    );
+    assert_eq!(sign_in(&app, "carol").await.1.status(), StatusCode::OK);
+    assert!(
+        app.t.db.user_by_name("carol-3").await.unwrap().is_none(),
+        "found again, not made again"
+    );
+}
+
 #[tokio::test]
 async fn sign_on_refuses_a_replayed_state_and_a_foreign_browser() {
     let Some((_idp, app)) = both(
@@ -460,6 +591,12 @@ async fn sign_on_refuses_a_replayed_state_and_a_foreign_browser() {
         1,
         "the replay, not the foreign browser: {refused:?}"
     );
+    // An answer without the `iss` the provider says it sends.
+    let mut browser = Browser::default();
+    let back = browser.sign_in_until_back(&app, "alice", &|u| u).await;
+    let r = browser.send(&without_iss(&back), None).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert!(r.text().await.unwrap().contains("does not name its issuer"));
     assert!(refused[0]["reason"].as_str().unwrap().contains("replayed"));
 }
 
@@ -541,6 +678,9 @@ async fn sign_on_refuses_tokens_of_another_issuer() {
                 let mut doc: serde_json::Value =
                     reqwest::get(url).await.unwrap().json().await.unwrap();
                 doc["issuer"] = format!("http://{host}").into();
+                // As an impersonator would, lest its answers be refused
+                // for lacking `iss` before the ID token is looked at.
+                doc["authorization_response_iss_parameter_supported"] = false.into();
                 axum::Json(doc)
             }
         }),
@@ -559,14 +699,7 @@ async fn sign_on_refuses_tokens_of_another_issuer() {
     // Without the answer's `iss`, the ID token's own issuer is caught.
     let mut browser = Browser::default();
     let back = browser.sign_in_until_back(&app, "alice", &|u| u).await;
-    let mut url = reqwest::Url::parse(&back).unwrap();
-    let kept: Vec<(String, String)> = url
-        .query_pairs()
-        .filter(|(k, _)| k != "iss")
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect();
-    url.query_pairs_mut().clear().extend_pairs(kept);
-    let r = browser.send(url.as_str(), None).await;
+    let r = browser.send(&without_iss(&back), None).await;
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
     let page = r.text().await.unwrap();
     assert!(

@@ -264,7 +264,8 @@ enum Checked {
 }
 
 /// Checks `password` for `username`: always one argon2 verification,
-/// against a dummy hash when the user is unknown or disabled, so timing
+/// against a dummy hash when the user is unknown, disabled or signs on
+/// through the provider, so timing
 /// does not tell which names exist; none when the node's checks are all
 /// taken (`server.limits.password_checks`).
 async fn check_password(state: &AppState, username: &str, password: String) -> WebResult<Checked> {
@@ -272,13 +273,16 @@ async fn check_password(state: &AppState, username: &str, password: String) -> W
     let Some(slot) = state.web.password_checks.try_slot() else {
         return Ok(Checked::Busy);
     };
+    // A user who signs on has no password: checked against the dummy
+    // too, so its name costs what any other does.
+    let usable = |u: &User| !u.disabled && !u.signs_on;
     let hash = match &user {
-        Some(u) if !u.disabled => u.password_hash.clone(),
+        Some(u) if usable(u) => u.password_hash.clone(),
         _ => state.web.keys.dummy_hash.clone(),
     };
     let matches = slot.verify(password, hash).await;
     Ok(match user {
-        Some(u) if matches && !u.disabled => Checked::Matches(u),
+        Some(u) if matches && usable(&u) => Checked::Matches(u),
         _ => Checked::Wrong,
     })
 }

@@ -86,7 +86,6 @@ impl Nav {
     }
 }
 
-/// A rendered template as an HTML response.
 /// Writes an audit entry about no record: `kind` by `actor`, now.
 pub(super) async fn audit(
     state: &AppState,
@@ -110,6 +109,7 @@ pub(super) async fn audit(
     Ok(())
 }
 
+/// A rendered template as an HTML response.
 pub fn html<T: Template>(t: &T) -> WebResult<Response> {
     Ok(Html(t.render()?).into_response())
 }

@@ -43,9 +43,16 @@ pub fn router(state: &AppState) -> Router<AppState> {
         None,
         "too many sign-ins from your address; wait a minute",
     );
+    // Each answer may take a row and write an audit entry: limited alike.
+    let answer = per_address(
+        state,
+        get(callback),
+        None,
+        "too many sign-ins from your address; wait a minute",
+    );
     Router::new()
         .route("/auth/oidc/start", begin)
-        .route(crate::config::oidc::CALLBACK_PATH, get(callback))
+        .route(crate::config::oidc::CALLBACK_PATH, answer)
 }
 
 #[derive(Deserialize)]
@@ -90,10 +97,11 @@ async fn start(State(state): State<AppState>, Query(q): Query<StartQuery>) -> We
     let metadata = match state.web.sign_on.metadata(cfg, now).await {
         Ok(m) => m,
         Err(e) => {
+            // The details are for the log, not for whoever asks.
             tracing::warn!(error = %e, "sign-on unavailable");
-            let message = format!("Single sign-on is unavailable right now ({e}).");
+            let message = "Single sign-on is unavailable right now. Try again in a minute.";
             return LoginPage::new(&state, &next)
-                .refusing(StatusCode::SERVICE_UNAVAILABLE, &message);
+                .refusing(StatusCode::SERVICE_UNAVAILABLE, message);
         }
     };
     let fresh = Fresh::new().map_err(|e| WebError::Internal(e.to_string()))?;
@@ -178,8 +186,14 @@ impl From<OidcError> for Refusal {
             OidcError::Refused(_) | OidcError::Token(_) => StatusCode::UNAUTHORIZED,
         };
         let reason = e.to_string();
-        Refusal::new(status, format!("Sign-in refused: {reason}."))
-            .audited(json!({ "reason": reason }))
+        // A provider's addresses and errors are for the log and the audit.
+        let message = match status {
+            StatusCode::BAD_GATEWAY => {
+                "Single sign-on is unavailable right now. Try again in a minute.".to_owned()
+            }
+            _ => format!("Sign-in refused: {reason}."),
+        };
+        Refusal::new(status, message).audited(json!({ "reason": reason }))
     }
 }
 
@@ -277,32 +291,9 @@ async fn finish(
     pending: PendingSignOn,
     now: UnixMs,
 ) -> Result<User, Refusal> {
-    if let Some(error) = &q.error {
-        let said = q.error_description.as_deref().unwrap_or_default();
-        let reason = format!("the provider answered {error} {said}")
-            .trim()
-            .to_owned();
-        let message = format!("Sign-in refused: {reason}.");
-        return Err(
-            Refusal::new(StatusCode::UNAUTHORIZED, message).audited(json!({ "reason": reason }))
-        );
-    }
-    // RFC 9207: an answer naming another issuer is another provider's.
-    if let Some(iss) = q.iss.as_deref().filter(|i| *i != cfg.issuer) {
-        let reason = format!("the answer came from issuer `{iss}`, not `{}`", cfg.issuer);
-        let message = format!("Sign-in refused: {reason}.");
-        return Err(
-            Refusal::new(StatusCode::BAD_REQUEST, message).audited(json!({ "reason": reason }))
-        );
-    }
-    let code = q.code.as_deref().ok_or_else(|| {
-        Refusal::new(
-            StatusCode::BAD_REQUEST,
-            "The provider's answer carries no code.",
-        )
-    })?;
     let client = &state.web.sign_on;
     let metadata = client.metadata(cfg, now).await?;
+    let code = check_answer(q, cfg, &metadata)?;
     let redirect = redirect_url(config, cfg)?;
     let id_token = client
         .exchange((cfg, &metadata), &redirect, code, &pending.verifier)
@@ -310,14 +301,22 @@ async fn finish(
     let person = client.verify(cfg, &id_token, &pending.nonce, now).await?;
     let who =
         json!({ "subject": person.subject, "user": person.username, "groups": person.groups });
+    let refused = |status, message: &str, reason: &str| {
+        let mut detail = who.clone();
+        detail["reason"] = json!(reason);
+        Refusal::new(status, message).audited(detail)
+    };
     let Some(granted) = cfg.grant(&person.groups) else {
-        let mut detail = who;
-        detail["reason"] = json!("no group of theirs is mapped to a role");
-        return Err(Refusal::new(
+        // Access taken away at the provider ends what it left here.
+        state
+            .db
+            .revoke_signed_on(&cfg.issuer, &person.subject, now)
+            .await?;
+        return Err(refused(
             StatusCode::FORBIDDEN,
             "Your groups grant no access to Ballast. Ask an administrator.",
-        )
-        .audited(detail));
+            "no group of theirs is mapped to a role",
+        ));
     };
     let signing_on = SignOnUser {
         issuer: cfg.issuer.clone(),
@@ -327,35 +326,86 @@ async fn finish(
         pipelines: granted.pipelines,
         unmask: granted.unmask,
     };
-    let user = match state.db.sign_on(&signing_on, now).await {
-        // The same person's first sign-in in two tabs: the other made it.
-        Err(StoreError::Conflict { .. }) => state.db.sign_on(&signing_on, now).await,
-        other => other,
-    };
-    let user = match user {
+    let user = match signed_on(state, signing_on, now).await {
         Ok(u) => u,
-        Err(StoreError::Conflict { .. }) => {
-            let mut detail = who;
-            detail["reason"] = json!("another user has this name");
-            return Err(Refusal::new(
-                StatusCode::CONFLICT,
-                format!(
-                    "Another user is named {}: an administrator must rename or remove it first.",
-                    person.username
-                ),
-            )
-            .audited(detail));
+        Err(StoreError::Refused(r)) => {
+            let message = format!("Sign-in refused: {r}.");
+            return Err(refused(StatusCode::FORBIDDEN, &message, &r.to_string()));
         }
         Err(e) => return Err(e.into()),
     };
     if user.disabled {
-        let mut detail = who;
-        detail["reason"] = json!("the user is disabled");
-        return Err(
-            Refusal::new(StatusCode::FORBIDDEN, "Your user is disabled here.").audited(detail),
-        );
+        let message = "Your user is disabled here.";
+        return Err(refused(
+            StatusCode::FORBIDDEN,
+            message,
+            "the user is disabled",
+        ));
     }
     Ok(user)
+}
+
+/// The code of an answer that is a success, from the configured issuer
+/// (RFC 9207: an answer naming another is another provider's; one naming
+/// none is refused when the provider says it names itself).
+fn check_answer<'q>(
+    q: &'q CallbackQuery,
+    cfg: &OidcConfig,
+    metadata: &oidc::Metadata,
+) -> Result<&'q str, Refusal> {
+    let refused = |status, reason: String| {
+        let message = format!("Sign-in refused: {reason}.");
+        Refusal::new(status, message).audited(json!({ "reason": reason }))
+    };
+    if let Some(error) = &q.error {
+        let said = q.error_description.as_deref().unwrap_or_default();
+        let reason = format!("the provider answered {error} {said}")
+            .trim()
+            .to_owned();
+        return Err(refused(StatusCode::UNAUTHORIZED, reason));
+    }
+    match q.iss.as_deref() {
+        Some(iss) if iss != cfg.issuer => {
+            let reason = format!("the answer came from issuer `{iss}`, not `{}`", cfg.issuer);
+            return Err(refused(StatusCode::BAD_REQUEST, reason));
+        }
+        None if metadata.authorization_response_iss_parameter_supported => {
+            let reason = "the answer does not name its issuer, as the provider says it does";
+            return Err(refused(StatusCode::BAD_REQUEST, reason.into()));
+        }
+        _ => {}
+    }
+    q.code.as_deref().ok_or_else(|| {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "The provider's answer carries no code.",
+        )
+    })
+}
+
+/// The user `person` is. A name another user has is followed by `-2`,
+/// `-3` …: users are known by issuer and subject, names are labels. (The
+/// same person's first sign-in in two tabs: the second finds the first's
+/// user.)
+async fn signed_on(
+    state: &AppState,
+    mut person: SignOnUser,
+    now: UnixMs,
+) -> Result<User, StoreError> {
+    let base = person.username.clone();
+    let mut last = None;
+    for n in 1..=20 {
+        if n > 1 {
+            let suffix = format!("-{n}");
+            let keep = base.len().min(64 - suffix.len());
+            person.username = format!("{}{suffix}", &base[..keep]);
+        }
+        match state.db.sign_on(&person, now).await {
+            Err(e @ StoreError::Conflict { .. }) => last = Some(e),
+            other => return other,
+        }
+    }
+    Err(last.unwrap_or_else(|| StoreError::Invalid("no name left".into())))
 }
 
 #[derive(Template)]
