@@ -1435,6 +1435,10 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
         }
         UserCommand::Passwd { username } => {
             let user = find_user(db, &username).await?;
+            if user.signs_on {
+                let refusal = crate::domain::account::AccountRefusal::SignsOn(username);
+                return Err(crate::store::StoreError::from(refusal).into());
+            }
             let pw = read_new_password(&username)?;
             let hash = password::hash_blocking(pw).await?;
             db.update_user(user.id, &UserChange::Password(hash), now)

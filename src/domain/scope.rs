@@ -43,6 +43,17 @@ impl Scope {
         }
     }
 
+    /// No pipeline: what a user whose groups no longer grant anything
+    /// keeps (stored as the one empty pattern, which no pipeline has).
+    pub fn none() -> Scope {
+        Scope(vec![String::new()])
+    }
+
+    /// Whether it is [`none`](Self::none).
+    pub fn is_none(&self) -> bool {
+        self.0.len() == 1 && self.0[0].is_empty()
+    }
+
     /// Whether it is every pipeline.
     pub fn is_all(&self) -> bool {
         self.0.is_empty()
@@ -113,9 +124,10 @@ impl Scope {
 
 impl fmt::Display for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.is_all() {
-            true => f.write_str("all pipelines"),
-            false => f.write_str(&self.0.join(", ")),
+        match (self.is_all(), self.is_none()) {
+            (true, _) => f.write_str("all pipelines"),
+            (_, true) => f.write_str("no pipeline"),
+            _ => f.write_str(&self.0.join(", ")),
         }
     }
 }

@@ -89,9 +89,11 @@ pub trait People: Send + Sync {
     /// when that would leave no enabled admin). A disabled user is
     /// returned as it is. A name another user has is a `Conflict`.
     async fn sign_on(&self, person: &SignOnUser, now: UnixMs) -> StoreResult<User>;
-    /// Ends the sessions of the user `issuer` and `subject` name, and
-    /// revokes the API tokens they made (their groups grant nothing now),
-    /// audited (`user_changed`) when there was any: the user, if any.
+    /// Takes every access from the user `issuer` and `subject` name (their
+    /// groups grant nothing now): a viewer of no pipeline, their sessions
+    /// ended and, if they were more than a viewer, the API tokens they
+    /// made revoked (`user_changed`); refused, `LastAdmin`, for the last
+    /// enabled admin. The user, if any.
     async fn revoke_signed_on(
         &self,
         issuer: &str,
@@ -560,31 +562,24 @@ where
         let Some(user) = found.as_ref().map(MapRow::user).transpose()? else {
             return Ok(None);
         };
-        let sessions = sqlx::query(
-            "UPDATE sessions SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL",
-        )
-        .bind(now)
-        .bind(user.id)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        let tokens = sqlx::query(
-            "UPDATE api_tokens SET revoked_at = $1 WHERE created_by = $2 AND revoked_at IS NULL",
-        )
-        .bind(now)
-        .bind(user.username.clone())
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if sessions + tokens > 0 {
-            let detail = serde_json::json!({
-                "user": user.username, "access": "none: no group of theirs is mapped to a role",
-                "sessions_ended": sessions, "tokens_revoked": tokens,
-                "issuer": issuer, "subject": subject,
-            });
-            let event = EventRow::audit("user_changed", "sign-on", now, &detail);
-            self.insert_event(&mut tx, &event).await?;
+        let nothing = SignOnUser {
+            issuer: issuer.to_owned(),
+            subject: subject.to_owned(),
+            username: user.username.clone(),
+            role: crate::domain::Role::Viewer,
+            pipelines: crate::domain::scope::Scope::none(),
+            unmask: false,
+        };
+        if (user.role, &user.pipelines, user.unmask) == (nothing.role, &nothing.pipelines, false) {
+            return Ok(Some(user));
         }
+        let user = Self::regrant(&mut tx, &user, &nothing, now).await?;
+        let detail = serde_json::json!({
+            "user": user.username, "role": user.role.as_str(), "pipelines": "none",
+            "why": "no group of theirs is mapped to a role", "issuer": issuer, "subject": subject,
+        });
+        let event = EventRow::audit("user_changed", "sign-on", now, &detail);
+        self.insert_event(&mut tx, &event).await?;
         tx.commit().await?;
         Ok(Some(user))
     }

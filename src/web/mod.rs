@@ -51,11 +51,15 @@ pub struct WebContext {
 }
 
 impl WebContext {
-    pub fn new(keys: AuthKeys, limits: &crate::config::WebLimits) -> Result<Self, String> {
+    pub fn new(
+        keys: AuthKeys,
+        limits: &crate::config::WebLimits,
+        clock: Arc<dyn crate::domain::Clock>,
+    ) -> Result<Self, String> {
         let per_minute =
             std::num::NonZeroU32::new(limits.bulk_per_minute).unwrap_or(std::num::NonZeroU32::MIN);
         Ok(WebContext {
-            sign_on: crate::web::oidc::Client::new()?,
+            sign_on: crate::web::oidc::Client::new(clock)?,
             keys,
             bulk_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             password_checks: crate::auth::password::Checks::new(
@@ -230,11 +234,12 @@ pub async fn context(
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let keys = AuthKeys::new(&secret, &config.server, dummy).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let web = Arc::new(WebContext::new(keys, &config.server.limits).map_err(anyhow::Error::msg)?);
+    let web =
+        Arc::new(WebContext::new(keys, &config.server.limits, clock).map_err(anyhow::Error::msg)?);
     if let Some(oidc) = config.oidc.clone() {
         let web = web.clone();
         tokio::spawn(async move {
-            match web.sign_on.metadata(&oidc, clock.now_ms()).await {
+            match web.sign_on.metadata(&oidc).await {
                 Ok(_) => tracing::info!(issuer = %oidc.issuer, "sign-on provider discovered"),
                 Err(e) => {
                     tracing::warn!(error = %e, issuer = %oidc.issuer, "sign-on provider not discovered yet; tried again at the first sign-in")

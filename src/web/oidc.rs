@@ -20,7 +20,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::config::oidc::OidcConfig;
-use crate::domain::UnixMs;
+use crate::domain::{Clock, UnixMs};
 
 /// How long a discovery document is used before it is fetched again.
 const METADATA_TTL_MS: i64 = 3_600_000;
@@ -128,6 +128,9 @@ pub struct Client {
     http: reqwest::Client,
     cache: std::sync::Mutex<Cache>,
     fetching: tokio::sync::Mutex<()>,
+    /// The node's clock: what is cached and what failed is stamped when
+    /// it happened (a fetch may take its whole timeout).
+    clock: Arc<dyn Clock>,
 }
 
 /// The person an ID token names.
@@ -170,7 +173,7 @@ pub fn state_key(state: &str) -> String {
 }
 
 impl Client {
-    pub fn new() -> Result<Client, String> {
+    pub fn new(clock: Arc<dyn Clock>) -> Result<Client, String> {
         let http = reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(10))
             .connect_timeout(std::time::Duration::from_secs(5))
@@ -181,6 +184,7 @@ impl Client {
             http,
             cache: std::sync::Mutex::new(Cache::default()),
             fetching: tokio::sync::Mutex::new(()),
+            clock,
         })
     }
 
@@ -190,40 +194,56 @@ impl Client {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The cached document for `issuer` if fresh at `now`; else (`Err`)
-    /// what stands in while a fetch is held back: the stale document, or
-    /// the recent failure; `Ok(None)`: fetch it.
-    fn cached(&self, issuer: &str, now: UnixMs) -> Result<Option<Arc<Metadata>>, OidcError> {
+    /// What the cache answers for `issuer` now: the document if fresh;
+    /// the stale one (`Ok(Some)` too) while another request fetches or a
+    /// failure holds fetching back; the recent failure when there is no
+    /// document; `Ok(None)`: fetch it.
+    fn cached(
+        &self,
+        issuer: &str,
+        fetch_running: bool,
+    ) -> Result<Option<Arc<Metadata>>, OidcError> {
+        let now = self.clock.now_ms();
         let cache = self.cache();
         let found = cache.found.as_ref().filter(|d| d.issuer == issuer);
         if let Some(d) = found.filter(|d| now - d.fetched_at < METADATA_TTL_MS) {
             return Ok(Some(d.metadata.clone()));
         }
-        match &cache.failed {
-            Some((i, at, e)) if i == issuer && now - at < RETRY_MS => match found {
-                Some(d) => Ok(Some(d.metadata.clone())),
-                None => Err(e.clone()),
-            },
+        let failed = cache
+            .failed
+            .as_ref()
+            .filter(|(i, at, _)| i == issuer && now - at < RETRY_MS);
+        match (found, failed) {
+            (Some(d), Some(_)) => Ok(Some(d.metadata.clone())),
+            (Some(d), None) if fetch_running => Ok(Some(d.metadata.clone())),
+            (None, Some((_, _, e))) => Err(e.clone()),
             _ => Ok(None),
         }
     }
 
     /// The provider's discovery document, fetched if not cached for this
-    /// issuer within the hour (a failed refresh keeps the one it has).
-    pub async fn metadata(
-        &self,
-        cfg: &OidcConfig,
-        now: UnixMs,
-    ) -> Result<Arc<Metadata>, OidcError> {
-        if let Some(m) = self.cached(&cfg.issuer, now)? {
+    /// issuer within the hour (a failed refresh keeps the one it has). One
+    /// request fetches; the others take the stale document meanwhile, or
+    /// wait for the first one's when there is none.
+    pub async fn metadata(&self, cfg: &OidcConfig) -> Result<Arc<Metadata>, OidcError> {
+        if let Some(m) = self.cached(&cfg.issuer, false)? {
             return Ok(m);
         }
-        let _one = self.fetching.lock().await;
+        let _one = match self.fetching.try_lock() {
+            Ok(one) => one,
+            Err(_) => {
+                if let Some(m) = self.cached(&cfg.issuer, true)? {
+                    return Ok(m);
+                }
+                self.fetching.lock().await
+            }
+        };
         // Another request may have fetched it (or failed) meanwhile.
-        if let Some(m) = self.cached(&cfg.issuer, now)? {
+        if let Some(m) = self.cached(&cfg.issuer, false)? {
             return Ok(m);
         }
         let fetched = self.discover(cfg).await;
+        let now = self.clock.now_ms();
         let mut cache = self.cache();
         match fetched {
             Ok((metadata, jwks)) => {
@@ -359,9 +379,11 @@ impl Client {
         nonce: &str,
         now: UnixMs,
     ) -> Result<Person, OidcError> {
-        let header = jsonwebtoken::decode_header(id_token)
-            .map_err(|e| OidcError::Token(format!("unreadable: {e}")))?;
-        let metadata = self.metadata(cfg, now).await?;
+        let header = jsonwebtoken::decode_header(id_token).map_err(|e| {
+            tracing::warn!(error = %e, "sign-on: an unreadable ID token");
+            OidcError::Token("it cannot be read".into())
+        })?;
+        let metadata = self.metadata(cfg).await?;
         let listed = &metadata.id_token_signing_alg_values_supported;
         if !ALGORITHMS.contains(&header.alg)
             || !(listed.is_empty() || listed.iter().any(|a| *a == format!("{:?}", header.alg)))
@@ -371,9 +393,6 @@ impl Client {
                 header.alg
             )));
         }
-        let keys = self
-            .keys(cfg, header.kid.as_deref(), header.alg, now)
-            .await?;
         let mut validation = Validation::new(header.alg);
         validation.algorithms = vec![header.alg];
         // Checked below against the node's clock and the configuration.
@@ -381,28 +400,37 @@ impl Client {
         validation.validate_nbf = false;
         validation.validate_aud = false;
         validation.required_spec_claims = Default::default();
-        let mut failed = None;
-        for key in &keys {
-            match jsonwebtoken::decode::<Value>(id_token, key, &validation) {
-                Ok(d) => return check_claims(cfg, &d.claims, nonce, now).map_err(OidcError::Token),
-                Err(e) => failed = Some(e),
+        let kid = header.kid.as_deref();
+        // The keys held first; then, if none verifies, the key set fetched
+        // again (the provider may have rotated, with or without a kid).
+        for fresh in [false, true] {
+            let keys = self.keys(cfg, kid, header.alg, fresh).await?;
+            for key in &keys {
+                match jsonwebtoken::decode::<Value>(id_token, key, &validation) {
+                    Ok(d) => {
+                        return check_claims(cfg, &d.claims, nonce, now).map_err(OidcError::Token);
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "sign-on: a key did not verify the ID token")
+                    }
+                }
             }
         }
-        let e = failed.map_or_else(String::new, |e| e.to_string());
-        Err(OidcError::Token(format!(
-            "its signature does not verify: {e}"
-        )))
+        Err(OidcError::Token(
+            "its signature does not verify with the provider's keys".into(),
+        ))
     }
 
     /// The provider's keys that may have signed a token naming `kid` with
-    /// `alg`, the key set fetched again (one request at a time, at most
-    /// once a minute) when none fits: the provider rotated its keys.
+    /// `alg`: those held, or (`fresh`) those of the key set fetched again,
+    /// one request at a time and at most once a minute (an error when it
+    /// may not be fetched yet or has none that fits).
     async fn keys(
         &self,
         cfg: &OidcConfig,
         kid: Option<&str>,
         alg: Algorithm,
-        now: UnixMs,
+        fresh: bool,
     ) -> Result<Vec<DecodingKey>, OidcError> {
         let held = |c: &Cache| {
             c.found
@@ -411,37 +439,34 @@ impl Client {
                 .map(|d| (d.jwks.clone(), d.jwks_at, d.metadata.jwks_uri.clone()))
                 .ok_or_else(|| OidcError::Discovery("not fetched yet".into()))
         };
-        let (jwks, _, _) = held(&self.cache())?;
-        let keys = candidates(&jwks, kid, alg)?;
-        if !keys.is_empty() {
-            return Ok(keys);
+        let none = || {
+            OidcError::Token(format!(
+                "no key of the provider's verifies it (key id {kid:?})"
+            ))
+        };
+        if !fresh {
+            let (jwks, _, _) = held(&self.cache())?;
+            return candidates(&jwks, kid, alg);
         }
         let _one = self.fetching.lock().await;
-        let (jwks, jwks_at, uri) = held(&self.cache())?;
-        let keys = candidates(&jwks, kid, alg)?;
-        if !keys.is_empty() || now - jwks_at < JWKS_REFETCH_MS {
-            return match keys.is_empty() {
-                true => Err(OidcError::Token(format!(
-                    "no key {kid:?} in the provider's key set"
-                ))),
-                false => Ok(keys),
-            };
+        let (_, jwks_at, uri) = held(&self.cache())?;
+        if self.clock.now_ms() - jwks_at < JWKS_REFETCH_MS {
+            return Err(none());
         }
-        let fresh: Arc<Keys> = Arc::new(self.get_json(&uri).await?);
-        if let Some(d) = self
-            .cache()
-            .found
-            .as_mut()
-            .filter(|d| d.issuer == cfg.issuer)
-        {
-            d.jwks = fresh.clone();
-            d.jwks_at = now;
-        }
+        let fetched = self.get_json::<Keys>(&uri).await;
+        let now = self.clock.now_ms();
+        let mut cache = self.cache();
+        let Some(d) = cache.found.as_mut().filter(|d| d.issuer == cfg.issuer) else {
+            return Err(none());
+        };
+        // Tried now, whatever came of it: the next try waits a minute.
+        d.jwks_at = now;
+        let fresh = Arc::new(fetched?);
+        d.jwks = fresh.clone();
+        drop(cache);
         let keys = candidates(&fresh, kid, alg)?;
         match keys.is_empty() {
-            true => Err(OidcError::Token(format!(
-                "no key {kid:?} in the provider's key set"
-            ))),
+            true => Err(none()),
             false => Ok(keys),
         }
     }
@@ -469,11 +494,16 @@ fn check_metadata(m: &Metadata, issuer: &str) -> Result<(), OidcError> {
             m.issuer
         )));
     }
+    let end = m.end_session_endpoint.as_ref();
     for (what, url) in [
-        ("authorization_endpoint", &m.authorization_endpoint),
-        ("token_endpoint", &m.token_endpoint),
-        ("jwks_uri", &m.jwks_uri),
-    ] {
+        ("authorization_endpoint", Some(&m.authorization_endpoint)),
+        ("token_endpoint", Some(&m.token_endpoint)),
+        ("jwks_uri", Some(&m.jwks_uri)),
+        ("end_session_endpoint", end),
+    ]
+    .into_iter()
+    .filter_map(|(what, url)| Some((what, url?)))
+    {
         if !crate::config::oidc::safe_url(url) {
             return Err(OidcError::Discovery(format!(
                 "its {what} `{url}` is not an https:// URL (http:// only on localhost)"
@@ -491,56 +521,46 @@ fn check_metadata(m: &Metadata, issuer: &str) -> Result<(), OidcError> {
 }
 
 /// The signing keys of `jwks` that may have made a signature with `alg`:
-/// the one named `kid`, or without a kid every key of `alg`'s kind
-/// (keys meant for encryption never); a key named whose stated algorithm
-/// is another is refused.
+/// those named `kid`, or without a kid every key of `alg`'s kind (keys
+/// meant for encryption never, nor keys stated for another algorithm);
+/// refused when keys are named `kid` but none of them fits.
 fn candidates(
     jwks: &Keys,
     kid: Option<&str>,
     alg: Algorithm,
 ) -> Result<Vec<DecodingKey>, OidcError> {
-    let signing = jwks.0.iter().filter(|k| {
-        !matches!(
-            k.common.public_key_use,
-            Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
-        )
-    });
-    let found: Vec<&Jwk> = match kid {
-        Some(kid) => signing
-            .filter(|k| k.common.key_id.as_deref() == Some(kid))
-            .take(1)
-            .collect(),
-        None => signing.collect(),
-    };
+    let named: Vec<&Jwk> = jwks
+        .0
+        .iter()
+        .filter(|k| {
+            !matches!(
+                k.common.public_key_use,
+                Some(jsonwebtoken::jwk::PublicKeyUse::Encryption)
+            )
+        })
+        .filter(|k| kid.is_none() || k.common.key_id.as_deref() == kid)
+        .collect();
     let mut keys = Vec::new();
-    for jwk in found {
+    let mut refused = None;
+    for jwk in &named {
         let stated = jwk.common.key_algorithm.map(|a| format!("{a:?}"));
-        match stated {
-            Some(stated) if stated != format!("{alg:?}") => {
-                if kid.is_some() {
-                    return Err(OidcError::Token(format!(
-                        "signed with {alg:?} by a key meant for {stated}"
-                    )));
-                }
+        if let Some(stated) = stated.filter(|s| *s != format!("{alg:?}")) {
+            refused = Some(format!("signed with {alg:?} by a key meant for {stated}"));
+            continue;
+        }
+        match DecodingKey::from_jwk(jwk) {
+            Ok(key) if key.family() == alg.family() => keys.push(key),
+            Ok(_) => refused = Some(format!("signed with {alg:?} by a key of another kind")),
+            Err(e) => {
+                tracing::warn!(error = %e, "sign-on: a key of the provider's cannot be read");
+                refused = Some("signed by a key that cannot be read".into());
             }
-            _ => match to_key(jwk) {
-                Ok(key) if key.family() == alg.family() => keys.push(key),
-                Ok(_) if kid.is_some() => {
-                    return Err(OidcError::Token(format!(
-                        "signed with {alg:?} by a key of another kind"
-                    )));
-                }
-                Ok(_) => {}
-                Err(e) if kid.is_some() => return Err(e),
-                Err(_) => {}
-            },
         }
     }
-    Ok(keys)
-}
-
-fn to_key(jwk: &Jwk) -> Result<DecodingKey, OidcError> {
-    DecodingKey::from_jwk(jwk).map_err(|e| OidcError::Token(format!("the provider's key: {e}")))
+    match (keys.is_empty(), kid, refused) {
+        (true, Some(_), Some(why)) => Err(OidcError::Token(why)),
+        _ => Ok(keys),
+    }
 }
 
 /// Checks an ID token's claims (its signature already verified) and reads

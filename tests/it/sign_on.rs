@@ -495,11 +495,16 @@ async fn access_taken_away_at_the_provider_ends_here_but_never_the_last_admin() 
         .unwrap();
     assert_eq!(home.status(), StatusCode::SEE_OTHER, "her session ended");
     assert!(token_revoked(&app, token).await, "her token was revoked");
+    let dana = app.t.db.user_by_name("dana").await.unwrap().unwrap();
+    assert!(
+        dana.role == Role::Viewer && dana.pipelines.is_none(),
+        "{dana:?}"
+    );
     let changed = audited(&app, "user_changed").await;
     assert!(
         changed
             .iter()
-            .any(|d| d["user"] == "dana" && d["tokens_revoked"] == 1),
+            .any(|d| d["user"] == "dana" && d["pipelines"] == "none"),
         "{changed:?}"
     );
 
@@ -519,6 +524,20 @@ async fn access_taken_away_at_the_provider_ends_here_but_never_the_last_admin() 
     assert!(r.text().await.unwrap().contains("last enabled admin"));
     let dana = app.t.db.user_by_name("dana").await.unwrap().unwrap();
     assert_eq!(dana.role, Role::Admin);
+    // Nor does losing every group take the last admin's role.
+    idp.set_groups(serde_json::json!({ "dana": ["marketing"], "carol": ["ops"] }));
+    let (_, r) = sign_in(&app, "dana").await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    let dana = app.t.db.user_by_name("dana").await.unwrap().unwrap();
+    assert_eq!(dana.role, Role::Admin);
+    let refused = audited(&app, "sign_on_refused").await;
+    assert!(
+        refused[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("last enabled admin"),
+        "{refused:?}"
+    );
 
     // A person whose name a local user has gets another: people are known
     // by issuer and subject.

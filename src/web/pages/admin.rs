@@ -278,6 +278,11 @@ async fn reset_password(
     Path(id): Path<i64>,
     Form(f): Form<PasswordForm>,
 ) -> WebResult<Response> {
+    // Refused before any hash is made (the store refuses it too).
+    if let Some(u) = state.db.user_by_id(id).await?.filter(|u| u.signs_on) {
+        let refusal = crate::domain::account::AccountRefusal::SignsOn(u.username);
+        return Err(crate::store::StoreError::from(refusal).into());
+    }
     password::check_policy(&f.password)
         .map_err(|e| WebError::bad("weak_password", e.to_string()))?;
     let hash = password::hash_blocking(f.password)

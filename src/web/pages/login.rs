@@ -28,7 +28,7 @@ use crate::web::error::{WebError, WebResult};
 use super::{html, safe_next};
 
 pub fn router(state: &AppState) -> Router<AppState> {
-    let submit = per_address(
+    let submit = like_logins(
         state,
         post(submit),
         Some(vec![axum::http::Method::POST]),
@@ -44,7 +44,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
 /// `server.limits.logins_per_minute`, a burst of that many refilled
 /// evenly over the minute (for `methods` only, when given); past it 429
 /// with `message` and `Retry-After: 60`.
-pub(super) fn per_address(
+pub(super) fn like_logins(
     state: &AppState,
     route: MethodRouter<AppState>,
     methods: Option<Vec<axum::http::Method>>,

@@ -26,7 +26,7 @@ use crate::web::AppState;
 use crate::web::error::{WebError, WebResult};
 use crate::web::oidc::{self, Fresh, OidcError};
 
-use super::login::{LoginPage, per_address, set_cookie, start_session};
+use super::login::{LoginPage, like_logins, set_cookie, start_session};
 use super::{html, safe_next};
 
 /// How long a sign-in may take at the provider.
@@ -37,14 +37,14 @@ const PLAIN_COOKIE: &str = "ballast_sign_on";
 
 pub fn router(state: &AppState) -> Router<AppState> {
     // Each start writes a row: limited per client address as logins are.
-    let begin = per_address(
+    let begin = like_logins(
         state,
         get(start),
         None,
         "too many sign-ins from your address; wait a minute",
     );
     // Each answer may take a row and write an audit entry: limited alike.
-    let answer = per_address(
+    let answer = like_logins(
         state,
         get(callback),
         None,
@@ -94,7 +94,7 @@ async fn start(State(state): State<AppState>, Query(q): Query<StartQuery>) -> We
     let cfg = configured(&config)?;
     let next = safe_next(q.next.as_deref(), "/");
     let now = state.clock.now_ms();
-    let metadata = match state.web.sign_on.metadata(cfg, now).await {
+    let metadata = match state.web.sign_on.metadata(cfg).await {
         Ok(m) => m,
         Err(e) => {
             // The details are for the log, not for whoever asks.
@@ -186,12 +186,16 @@ impl From<OidcError> for Refusal {
             OidcError::Refused(_) | OidcError::Token(_) => StatusCode::UNAUTHORIZED,
         };
         let reason = e.to_string();
-        // A provider's addresses and errors are for the log and the audit.
-        let message = match status {
-            StatusCode::BAD_GATEWAY => {
+        // A provider's addresses and words are for the log and the audit;
+        // the person reads what Ballast itself found.
+        let message = match &e {
+            OidcError::Unreachable(_) | OidcError::Discovery(_) => {
                 "Single sign-on is unavailable right now. Try again in a minute.".to_owned()
             }
-            _ => format!("Sign-in refused: {reason}."),
+            OidcError::Refused(_) => "Sign-in refused by the provider. Sign in again.".to_owned(),
+            OidcError::Token(found) => {
+                format!("Sign-in refused: the ID token is not valid: {found}.")
+            }
         };
         Refusal::new(status, message).audited(json!({ "reason": reason }))
     }
@@ -292,7 +296,7 @@ async fn finish(
     now: UnixMs,
 ) -> Result<User, Refusal> {
     let client = &state.web.sign_on;
-    let metadata = client.metadata(cfg, now).await?;
+    let metadata = client.metadata(cfg).await?;
     let code = check_answer(q, cfg, &metadata)?;
     let redirect = redirect_url(config, cfg)?;
     let id_token = client
@@ -307,15 +311,23 @@ async fn finish(
         Refusal::new(status, message).audited(detail)
     };
     let Some(granted) = cfg.grant(&person.groups) else {
-        // Access taken away at the provider ends what it left here.
-        state
+        // Access taken away at the provider ends what it left here (but
+        // the last enabled admin stays one).
+        let why = match state
             .db
             .revoke_signed_on(&cfg.issuer, &person.subject, now)
-            .await?;
+            .await
+        {
+            Ok(_) => "no group of theirs is mapped to a role",
+            Err(StoreError::Refused(_)) => {
+                "no group of theirs is mapped to a role; kept as the last enabled admin"
+            }
+            Err(e) => return Err(e.into()),
+        };
         return Err(refused(
             StatusCode::FORBIDDEN,
             "Your groups grant no access to Ballast. Ask an administrator.",
-            "no group of theirs is mapped to a role",
+            why,
         ));
     };
     let signing_on = SignOnUser {
@@ -331,6 +343,10 @@ async fn finish(
         Err(StoreError::Refused(r)) => {
             let message = format!("Sign-in refused: {r}.");
             return Err(refused(StatusCode::FORBIDDEN, &message, &r.to_string()));
+        }
+        Err(StoreError::Conflict { .. }) => {
+            let message = "Sign-in refused: every name made from yours is taken here.";
+            return Err(refused(StatusCode::CONFLICT, message, "no free name"));
         }
         Err(e) => return Err(e.into()),
     };
@@ -362,7 +378,10 @@ fn check_answer<'q>(
         let reason = format!("the provider answered {error} {said}")
             .trim()
             .to_owned();
-        return Err(refused(StatusCode::UNAUTHORIZED, reason));
+        let message = "Sign-in refused by the provider. Sign in again.";
+        return Err(
+            Refusal::new(StatusCode::UNAUTHORIZED, message).audited(json!({ "reason": reason }))
+        );
     }
     match q.iss.as_deref() {
         Some(iss) if iss != cfg.issuer => {
@@ -441,8 +460,7 @@ pub(super) async fn after_logout(state: &AppState, user: Option<&User>) -> Strin
     if !user.is_some_and(|u| u.signs_on) {
         return "/login".into();
     }
-    let now = state.clock.now_ms();
-    let end = match state.web.sign_on.metadata(cfg, now).await {
+    let end = match state.web.sign_on.metadata(cfg).await {
         Ok(m) => m.end_session_endpoint.clone(),
         Err(e) => {
             tracing::warn!(error = %e, "logout: the provider's session is left as it is");
