@@ -37,7 +37,10 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
                 .map_err(|e| e.to_string())
                 .and_then(|b| b.install_recorder().map_err(|e| e.to_string()));
             match installed {
-                Ok(h) => Some(h),
+                Ok(h) => {
+                    describe();
+                    Some(h)
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "metrics recorder not installed");
                     None
@@ -45,6 +48,61 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
             }
         })
         .as_ref()
+}
+
+/// The HELP text of every family this process reports (`promtool check
+/// metrics` is clean over a scrape: `web::metrics_explain_themselves`).
+/// Units are in the names (`_seconds`); counters end in `_total`.
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!(
+        "ballast_records",
+        "Records by pipeline and state, cluster-wide (every node reports the same: aggregate with max)."
+    );
+    describe_gauge!(
+        "ballast_oldest_due_seconds",
+        "How long the oldest record due has waited for a worker, by pipeline (0 when none is due)."
+    );
+    describe_gauge!(
+        "ballast_provider_breaker",
+        "1 for the state the provider's circuit breaker is in (closed, open, half_open), 0 for the others."
+    );
+    describe_gauge!(
+        "ballast_provider_paused",
+        "1 while an operator pauses the provider, else 0."
+    );
+    describe_gauge!(
+        "ballast_provider_throttled_seconds",
+        "What is left of the pause the provider asked for (Retry-After, a 429), in seconds."
+    );
+    describe_counter!(
+        "ballast_attempts_total",
+        "Provider calls made by this node, by provider, step and outcome."
+    );
+    describe_histogram!(
+        "ballast_attempt_duration_seconds",
+        "How long this node's provider calls took, in seconds, by provider and step."
+    );
+    describe_counter!(
+        "ballast_deferrals_total",
+        "Steps this node held back without spending an attempt, by provider and reason."
+    );
+    describe_counter!(
+        "ballast_records_finished_total",
+        "Records this node brought to a final state, by pipeline and state."
+    );
+    describe_counter!(
+        "ballast_records_resumed_total",
+        "Parked records this node resumed because their condition came to hold."
+    );
+    describe_counter!(
+        "ballast_schedule_fired_total",
+        "Cron ticks this node fired (one node per tick), by pipeline."
+    );
+    describe_counter!(
+        "ballast_oauth2_tokens_total",
+        "OAuth2 client-credentials tokens this node asked for, by result."
+    );
 }
 
 /// Every pipeline this process has reported a gauge for: each scrape

@@ -2338,6 +2338,204 @@ async fn metrics_need_a_token() {
     app.stop().await;
 }
 
+/// Prometheus's `promtool`, or `None` (with a line saying so) where it is
+/// not installed; under CI it must be.
+fn promtool() -> Option<&'static str> {
+    let there = std::process::Command::new("promtool")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !there {
+        assert!(
+            !crate::helpers::in_ci(),
+            "CI installs promtool (Debian's prometheus)"
+        );
+        println!("SKIP: promtool is not installed here (apt-get install prometheus)");
+    }
+    there.then_some("promtool")
+}
+
+/// Every family `/metrics` serves says what it is (HELP), and promtool's
+/// linter finds nothing in a scrape taken after a record ran (so the
+/// call counters and the histogram are in it); every family the code
+/// reports is described.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_explain_themselves() {
+    let Some(promtool) = promtool() else {
+        return;
+    };
+    let ok = axum::Router::new().fallback(|| async { axum::Json(json!({ "ok": true })) });
+    let base = crate::helpers::serve_router(ok).await;
+    let extra = format!(
+        r#"
+[providers.p]
+base_url = "{base}"
+[[providers.p.rules]]
+when = {{ status = "2xx" }}
+outcome = "success"
+[[pipelines.pay.steps]]
+name = "fetch"
+provider = "p"
+request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
+"#
+    );
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "metrics-help", &extra).await else {
+        return;
+    };
+    let new = NewRecord {
+        pipeline: "pay".into(),
+        group: None,
+        pipeline_version: None,
+        external_key: Some("m-1".into()),
+        input: json!({}),
+        run_at: crate::helpers::wall_ms(),
+    };
+    let id = app
+        .t
+        .db
+        .create_record(new, crate::helpers::wall_ms())
+        .await
+        .unwrap()
+        .record
+        .id;
+    crate::wait::until("the record succeeds", Duration::from_secs(60), async || {
+        let r = app.t.db.get_record(id).await.unwrap().unwrap();
+        match r.state {
+            ballast::domain::RecordState::Succeeded => Ok(()),
+            _ => Err((r.state, r.reason)),
+        }
+    })
+    .await;
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .bearer_auth("metrics-token-0123456789")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let families = |prefix: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(prefix))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(str::to_owned)
+            .collect()
+    };
+    let typed = families("# TYPE ");
+    for must in [
+        "ballast_records",
+        "ballast_attempts_total",
+        "ballast_attempt_duration_seconds",
+        "ballast_records_finished_total",
+    ] {
+        assert!(typed.iter().any(|t| t == must), "{must} is served: {text}");
+    }
+    let helped = families("# HELP ");
+    for t in &typed {
+        assert!(helped.contains(t), "{t} has no HELP: {text}");
+    }
+    let mut check = std::process::Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    check
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = check.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {said}"
+    );
+    // Every family the code reports (counters, histograms, the scrape's
+    // gauges) is described.
+    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/web/metrics.rs"))
+        .unwrap();
+    let described: Vec<&str> = src
+        .split("describe_")
+        .skip(1)
+        .filter_map(|d| d.split('"').nth(1))
+        .collect();
+    let mut reported = Vec::new();
+    for dir in ["src/engine", "src/web", "src/store"] {
+        for e in
+            std::fs::read_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir)).unwrap()
+        {
+            let code = std::fs::read_to_string(e.unwrap().path()).unwrap_or_default();
+            for piece in code.split("!(").skip(1) {
+                if let Some(name) = piece
+                    .trim_start()
+                    .strip_prefix('"')
+                    .and_then(|p| p.split('"').next())
+                {
+                    if name.starts_with("ballast_") && !name.contains(' ') {
+                        reported.push(name.to_owned());
+                    }
+                }
+            }
+            for piece in code.split("gauges.push((").skip(1) {
+                if let Some(name) = piece
+                    .trim_start()
+                    .strip_prefix('"')
+                    .and_then(|p| p.split('"').next())
+                {
+                    reported.push(name.to_owned());
+                }
+            }
+        }
+    }
+    reported.sort();
+    reported.dedup();
+    assert!(reported.len() >= 10, "{reported:?}");
+    for r in &reported {
+        assert!(
+            described.contains(&r.as_str()),
+            "{r} is reported but not described"
+        );
+    }
+    app.stop().await;
+}
+
+/// The shipped alert rules load, and fire as their unit tests say
+/// (`deploy/prometheus-alerts.test.yml`, `promtool test rules`).
+#[test]
+fn the_shipped_alert_rules_pass_promtool() {
+    let Some(promtool) = promtool() else {
+        return;
+    };
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    for args in [
+        ["check", "rules", "prometheus-alerts.yml"],
+        ["test", "rules", "prometheus-alerts.test.yml"],
+    ] {
+        let out = std::process::Command::new(promtool)
+            .args(args)
+            .current_dir(&deploy)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_api_is_rate_limited_per_token() {
     let extra = "[server.limits]\napi_per_second = 1\n";
