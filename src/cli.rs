@@ -185,6 +185,9 @@ pub struct ExportArgs {
     step: Option<String>,
     #[arg(long)]
     error_code: Option<String>,
+    /// Records of this group (given at enqueue).
+    #[arg(long)]
+    group: Option<String>,
     /// Records whose external key starts with this.
     #[arg(long)]
     key_prefix: Option<String>,
@@ -481,6 +484,7 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         provider,
         step,
         error_code,
+        group,
         key_prefix,
         format,
         attempts,
@@ -497,6 +501,7 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         provider,
         step,
         error_code,
+        group,
         key_prefix,
         ..Default::default()
     };

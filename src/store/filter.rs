@@ -35,11 +35,13 @@ pub(crate) fn needs_windows(f: &RecordFilter, running_apart: bool) -> bool {
         matches!(f.until, Some(UntilKind::Time | UntilKind::Provider)),
     ];
     let n = set.iter().filter(|b| **b).count();
-    // No index orders records by id among those with a condition, or
-    // those in a span of time.
+    // No index orders records by id among those with a condition, in a
+    // span of time, or of a group (a group is a queue: its index orders
+    // by due time).
     if matches!(f.until, Some(UntilKind::Time | UntilKind::Provider))
         || f.created.is_set()
         || f.updated.is_set()
+        || f.group.is_some()
     {
         return true;
     }
@@ -94,6 +96,7 @@ pub(crate) fn push_record_filter<DB>(
         ("provider", &f.provider),
         ("step", &f.step),
         ("error_code", &f.error_code),
+        ("group_key", &f.group),
     ];
     for (column, value) in eq {
         if let Some(v) = value {

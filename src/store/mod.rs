@@ -262,6 +262,8 @@ pub struct RecordFilter {
     pub provider: Option<String>,
     pub step: Option<String>,
     pub error_code: Option<String>,
+    /// Only records of this group (the fair-share group given at enqueue).
+    pub group: Option<String>,
     /// Prefix of the external key.
     pub key_prefix: Option<String>,
     /// Parked records by their resume condition (`Never`: parked with

@@ -17,6 +17,8 @@ pub struct ListQuery {
     pub provider: Option<String>,
     pub step: Option<String>,
     pub error_code: Option<String>,
+    /// The group records were enqueued in.
+    pub group: Option<String>,
     /// External key prefix.
     pub q: Option<String>,
     /// Parked records by resume condition: `time`, `provider`, `never`.
@@ -188,6 +190,7 @@ impl ListQuery {
             provider: non_empty(&self.provider),
             step: non_empty(&self.step),
             error_code: non_empty(&self.error_code),
+            group: non_empty(&self.group),
             key_prefix: non_empty(&self.q),
             until,
             created: span("created", &self.created_from, &self.created_to)?,
@@ -206,6 +209,7 @@ impl ListQuery {
             ("provider", &self.provider),
             ("step", &self.step),
             ("error_code", &self.error_code),
+            ("group", &self.group),
             ("q", &self.q),
             ("until", &self.until),
             ("created_from", &self.created_from),

@@ -313,9 +313,14 @@ impl WebApp {
 
     /// A record with no pipeline behind it, in `pending`.
     pub async fn record(&self, key: &str) -> i64 {
+        self.record_in(key, None).await
+    }
+
+    /// [`record`](Self::record) in `group`.
+    pub async fn record_in(&self, key: &str, group: Option<&str>) -> i64 {
         let new = NewRecord {
             pipeline: "manual".into(),
-            group: None,
+            group: group.map(str::to_owned),
             pipeline_version: None,
             external_key: Some(key.into()),
             input: json!({ "lead": key }),
