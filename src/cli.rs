@@ -1379,6 +1379,22 @@ async fn current_version(db: &Db) -> anyhow::Result<i64> {
         .unwrap_or(0))
 }
 
+/// `user passwd`: a new password, asked for (twice); refused for a user
+/// who signs on at the OpenID provider before anything is asked.
+async fn set_password(db: &Db, username: &str, now: crate::domain::UnixMs) -> anyhow::Result<()> {
+    let user = find_user(db, username).await?;
+    if user.signs_on {
+        let refusal = crate::domain::account::AccountRefusal::SignsOn(username.to_owned());
+        return Err(crate::store::StoreError::from(refusal).into());
+    }
+    let pw = read_new_password(username)?;
+    let hash = password::hash_blocking(pw).await?;
+    db.update_user(user.id, &UserChange::Password(hash), now)
+        .await?;
+    println!("password changed for {username}; their sessions are ended");
+    Ok(())
+}
+
 async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
     let now = SystemClock.now_ms();
     match action {
@@ -1438,18 +1454,7 @@ async fn user_command(db: &Db, action: UserCommand) -> anyhow::Result<()> {
                 user.pipelines
             );
         }
-        UserCommand::Passwd { username } => {
-            let user = find_user(db, &username).await?;
-            if user.signs_on {
-                let refusal = crate::domain::account::AccountRefusal::SignsOn(username);
-                return Err(crate::store::StoreError::from(refusal).into());
-            }
-            let pw = read_new_password(&username)?;
-            let hash = password::hash_blocking(pw).await?;
-            db.update_user(user.id, &UserChange::Password(hash), now)
-                .await?;
-            println!("password changed for {username}; their sessions are ended");
-        }
+        UserCommand::Passwd { username } => set_password(db, &username, now).await?,
         UserCommand::List => {
             println!(
                 "{:<24} {:<9} {:<9} {:<20} PIPELINES",

@@ -40,6 +40,11 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .route("/records/{id}/actions", post(act))
         .route("/records/{id}/items/{step}", get(items))
         .route("/records/{id}/signals/{step}", post(signal))
+        .route("/providers", get(providers))
+        .route("/providers/{name}/pause", post(pause_provider))
+        .route("/providers/{name}/resume", post(resume_provider))
+        .route("/providers/{name}/reset-breaker", post(reset_breaker))
+        .route("/audit", get(audit))
         .route("/reload", post(reload));
     let refuse = |_| {
         let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
@@ -101,6 +106,108 @@ struct EnqueueBody {
     run_at: Option<String>,
     /// Due this long from now (`90s`, `2h`), not now.
     delay: Option<String>,
+}
+
+/// `GET /api/v1/providers`: every provider the caller may see, as the
+/// providers page shows it (`web::providers::ProviderStatus`).
+async fn providers(
+    caller: Bearer<Viewer>,
+    State(state): State<AppState>,
+) -> WebResult<Json<Value>> {
+    let items = super::providers::statuses(&state, &caller).await?;
+    Ok(Json(json!({ "items": items })))
+}
+
+/// The provider `name` as the caller sees it after a change.
+async fn provider_after(
+    state: &AppState,
+    caller: &super::auth::Caller,
+    name: &str,
+) -> WebResult<Json<Value>> {
+    let all = super::providers::statuses(state, caller).await?;
+    let found = all.into_iter().find(|p| p.name == name);
+    let found = found.ok_or_else(|| WebError::NotFound(format!("no provider {name}")))?;
+    Ok(Json(json!(found)))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PauseBody {
+    reason: Option<String>,
+}
+
+/// `POST /api/v1/providers/{name}/pause` (admins, as on the page):
+/// every node holds its calls until resumed; audited.
+async fn pause_provider(
+    caller: Bearer<Admin>,
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> WebResult<Json<Value>> {
+    // The body is optional: none, or `{"reason": "…"}`.
+    let body: PauseBody = match body.is_empty() {
+        true => PauseBody::default(),
+        false => serde_json::from_slice(&body)
+            .map_err(|e| WebError::bad("invalid_body", format!("the body: {e}")))?,
+    };
+    let reason = body.reason.filter(|r| !r.trim().is_empty());
+    state
+        .ops()
+        .pause_provider(&name, true, &caller.actor, reason)
+        .await?;
+    provider_after(&state, &caller, &name).await
+}
+
+/// `POST /api/v1/providers/{name}/resume` (admins); audited.
+async fn resume_provider(
+    caller: Bearer<Admin>,
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> WebResult<Json<Value>> {
+    state
+        .ops()
+        .pause_provider(&name, false, &caller.actor, None)
+        .await?;
+    provider_after(&state, &caller, &name).await
+}
+
+/// `POST /api/v1/providers/{name}/reset-breaker` (admins): closes the
+/// breaker here and in the shared state; audited.
+async fn reset_breaker(
+    caller: Bearer<Admin>,
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> WebResult<Json<Value>> {
+    state.ops().reset_breaker(&name, &caller.actor).await?;
+    provider_after(&state, &caller, &name).await
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuditQuery {
+    actor: Option<String>,
+    kind: Option<String>,
+    before: Option<i64>,
+    limit: Option<u32>,
+}
+
+/// `GET /api/v1/audit?actor=&kind=&before=&limit=`: the audit log, newest
+/// first, keyset-paged (`next` is the next page's `before`); a caller
+/// limited to pipelines reads the actions on their records only.
+async fn audit(
+    caller: Bearer<Viewer>,
+    State(state): State<AppState>,
+    Query(q): Query<AuditQuery>,
+) -> WebResult<Json<Value>> {
+    let filter = crate::store::AuditFilter {
+        actor: super::query::non_empty(&q.actor),
+        kind: super::query::non_empty(&q.kind),
+        before: q.before,
+        limit: q.limit.unwrap_or(100).min(crate::store::MAX_PAGE),
+        pipelines: None,
+    };
+    let page = super::query::audit_log(&state, &caller, filter).await?;
+    Ok(Json(json!({ "items": page.items, "next": page.next })))
 }
 
 /// `POST /api/v1/reload` (admins): this node reads its configuration file

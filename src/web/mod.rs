@@ -21,6 +21,7 @@ pub mod mask;
 pub mod metrics;
 pub mod oidc;
 pub mod pages;
+pub mod providers;
 pub mod query;
 pub mod requests;
 pub mod scope;

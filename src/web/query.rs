@@ -158,6 +158,20 @@ impl ExportQuery {
     }
 }
 
+/// The audit log as `caller` may read it: `filter`'s page, only actions
+/// on records of its pipelines when it is limited to some, details
+/// masked for it (the audit page and `GET /api/v1/audit`).
+pub async fn audit_log(
+    state: &crate::web::AppState,
+    caller: &crate::web::auth::Caller,
+    mut filter: crate::store::AuditFilter,
+) -> WebResult<crate::store::Page<crate::domain::Event>> {
+    filter.pipelines = crate::web::scope::visible(state, caller).await?;
+    let mut page = state.db.audit_log(&filter).await?;
+    crate::web::mask::event_details(state, caller, &mut page.items);
+    Ok(page)
+}
+
 pub fn non_empty(v: &Option<String>) -> Option<String> {
     v.as_deref()
         .map(str::trim)

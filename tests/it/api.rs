@@ -802,6 +802,121 @@ async fn postgres_records_are_selected_by_group() {
     records_are_selected_by_group(Backend::Postgres).await;
 }
 
+/// The providers and the audit log through the API, as the dashboard
+/// shows them: a provider paused and resumed by an admin token, each
+/// change in the audit log, which pages by `before`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn providers_and_the_audit_log_through_the_api() {
+    let extra = "[providers.acme]\nbase_url = \"http://user:pw-s3cret@127.0.0.1:9\"\nrate_limits = [\"5/s\"]\n";
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "api_providers", extra).await else {
+        return;
+    };
+    let admin = app.token(Role::Admin).await;
+    let viewer = app.token(Role::Viewer).await;
+    let call = |method: reqwest::Method, path: &str, token: &str, body: Option<Value>| {
+        let mut req = app.client.request(method, app.url(path)).bearer_auth(token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move { req.send().await.unwrap() }
+    };
+    let list: Value = call(reqwest::Method::GET, "/api/v1/providers", &viewer, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let acme = &list["items"][0];
+    assert_eq!(
+        (acme["name"].as_str(), acme["breaker"].as_str()),
+        (Some("acme"), Some("closed"))
+    );
+    assert_eq!(acme["paused"], false);
+    assert_eq!(acme["rate_limits"], json!(["5/1s"]), "{acme}");
+    assert!(!list.to_string().contains("s3cret"), "{list}");
+    let pause = "/api/v1/providers/acme/pause";
+    let r = call(reqwest::Method::POST, pause, &viewer, Some(json!({}))).await;
+    assert_eq!(r.status(), 403);
+    let r = call(
+        reqwest::Method::POST,
+        pause,
+        &admin,
+        Some(json!({"reason": "maintenance"})),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let paused: Value = r.json().await.unwrap();
+    assert_eq!(
+        (paused["paused"].clone(), paused["paused_reason"].clone()),
+        (json!(true), json!("maintenance"))
+    );
+    assert!(
+        app.t
+            .db
+            .provider_states()
+            .await
+            .unwrap()
+            .iter()
+            .any(|p| p.provider == "acme" && p.paused)
+    );
+    let r = call(
+        reqwest::Method::POST,
+        "/api/v1/providers/acme/resume",
+        &admin,
+        None,
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["paused"], false);
+    let r = call(
+        reqwest::Method::POST,
+        "/api/v1/providers/nope/pause",
+        &admin,
+        None,
+    )
+    .await;
+    assert_eq!(r.status(), 404, "an unknown provider");
+    // The audit log: both changes, newest first, one per page.
+    let page: Value = call(
+        reqwest::Method::GET,
+        "/api/v1/audit?kind=provider_resumed",
+        &viewer,
+        None,
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
+    let first: Value = call(reqwest::Method::GET, "/api/v1/audit?limit=1", &viewer, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(first["items"][0]["kind"], "provider_resumed", "{first}");
+    let before = first["next"].as_i64().expect("a next page");
+    let second: Value = call(
+        reqwest::Method::GET,
+        &format!("/api/v1/audit?limit=1&before={before}"),
+        &viewer,
+        None,
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(second["items"][0]["kind"], "provider_paused", "{second}");
+    assert_eq!(second["items"][0]["reason"], "maintenance", "{second}");
+    let r = call(
+        reqwest::Method::GET,
+        "/api/v1/audit?kind=x&sort=up",
+        &viewer,
+        None,
+    )
+    .await;
+    assert_eq!(r.status(), 400, "an unknown parameter is refused");
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_actions_through_the_api() {
     let Some(app) = WebApp::spawn(

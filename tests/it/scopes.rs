@@ -246,6 +246,29 @@ async fn api_matrix(app: &WebApp, token: &str, (round, a, b): (&str, i64, i64), 
     )
     .await;
     not_found(s);
+    // The providers its pipelines call, and the audit log's actions on
+    // its records only.
+    let (s, providers) = api(app, token, "GET", "/providers", None).await;
+    assert_eq!(s, 200);
+    let names: Vec<&str> = providers["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert!(names.contains(&"crm"), "{providers}");
+    assert_eq!(names.contains(&"kyc"), sees_b, "{providers}");
+    let (s, audit) = api(app, token, "GET", "/audit?limit=500", None).await;
+    assert_eq!(s, 200);
+    let on = |id: i64| {
+        audit["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["record_id"] == id)
+    };
+    assert!(on(a), "{audit}");
+    assert_eq!(on(b), sees_b, "{audit}");
 }
 
 /// What one dashboard operator gets across the pages (as

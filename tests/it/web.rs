@@ -1044,6 +1044,26 @@ async fn every_route_checks_the_role_server_side() {
             Role::Operator,
         ),
         ("GET", "/metrics".into(), None, Role::Viewer),
+        ("GET", "/api/v1/providers".into(), None, Role::Viewer),
+        ("GET", "/api/v1/audit".into(), None, Role::Viewer),
+        (
+            "POST",
+            "/api/v1/providers/none/pause".into(),
+            Some(json!({"reason": "r"})),
+            Role::Admin,
+        ),
+        (
+            "POST",
+            "/api/v1/providers/none/resume".into(),
+            Some(json!({})),
+            Role::Admin,
+        ),
+        (
+            "POST",
+            "/api/v1/providers/none/reset-breaker".into(),
+            Some(json!({})),
+            Role::Admin,
+        ),
     ];
     for (method, path, body, min) in &api {
         for who in [

@@ -50,50 +50,46 @@ struct ProvidersPage {
 }
 
 async fn page(state: &AppState, caller: &crate::web::auth::Caller) -> WebResult<ProvidersPage> {
-    let shared = state.db.provider_states().await?;
-    let now = state.clock.now_ms();
-    let config = state.config.get();
-    // A caller limited to pipelines sees the providers they call.
-    let shown = crate::web::scope::providers(&config, caller);
-    let providers = config
-        .providers
-        .iter()
-        .filter(|(name, _)| shown.as_ref().is_none_or(|s| s.contains(*name)))
-        .map(|(name, cfg)| {
-            let ps = shared.iter().find(|p| &p.provider == name);
-            let live = state.engine.as_ref().and_then(|e| e.provider_live(name));
-            ProviderView {
-                name: name.clone(),
-                base_url: crate::domain::request::redact_url(&cfg.base_url),
-                breaker: ps.map_or("closed", |p| p.breaker.as_str()),
-                breaker_since: ps.map(|p| when(p.breaker_changed_at)).unwrap_or_default(),
-                open_until: when_opt(ps.and_then(|p| p.open_until)),
-                paused: ps.is_some_and(|p| p.paused),
-                paused_by: ps.and_then(|p| p.paused_by.clone()).unwrap_or_default(),
-                paused_reason: ps.and_then(|p| p.paused_reason.clone()).unwrap_or_default(),
-                throttled_until: when_opt(ps.and_then(|p| p.throttled_until).filter(|u| *u > now)),
-                limits: if cfg.rate_limits.is_empty() {
-                    "none".into()
-                } else {
-                    cfg.rate_limits
+    let providers = crate::web::providers::statuses(state, caller)
+        .await?
+        .into_iter()
+        .map(|p| ProviderView {
+            breaker_since: p.breaker_since.map(when).unwrap_or_default(),
+            open_until: when_opt(p.open_until),
+            paused_by: p.paused_by.unwrap_or_default(),
+            paused_reason: p.paused_reason.unwrap_or_default(),
+            throttled_until: when_opt(p.throttled_until),
+            limits: match p.rate_limits.is_empty() {
+                true => "none".into(),
+                false => p.rate_limits.join(", "),
+            },
+            in_flight: p.node.as_ref().map_or(0, |l| l.in_flight),
+            recent_calls: p
+                .node
+                .as_ref()
+                .map(|l| {
+                    l.limits
                         .iter()
-                        .map(|l| format!("{l:?}"))
+                        .map(|u| format!("{} of {}", u.used, u.limit))
                         .collect::<Vec<_>>()
                         .join(", ")
-                },
-                concurrency: cfg.concurrency,
-                in_flight: live.as_ref().map_or(0, |l| l.in_flight),
-                recent_calls: live.as_ref().map(|l| l.limit_use()).unwrap_or_default(),
-                window: live
-                    .as_ref()
-                    .map(|l| {
-                        format!(
-                            "{} calls, {} failed, {} slow",
-                            l.window_calls, l.window_failed, l.window_slow
-                        )
-                    })
-                    .unwrap_or_default(),
-            }
+                })
+                .unwrap_or_default(),
+            window: p
+                .node
+                .as_ref()
+                .map(|l| {
+                    format!(
+                        "{} calls, {} failed, {} slow",
+                        l.window_calls, l.window_failed, l.window_slow
+                    )
+                })
+                .unwrap_or_default(),
+            name: p.name,
+            base_url: p.base_url,
+            breaker: p.breaker,
+            paused: p.paused,
+            concurrency: p.concurrency,
         })
         .collect();
     Ok(ProvidersPage {
