@@ -63,6 +63,11 @@ pub fn check_group(group: Option<&str>) -> Result<(), StoreError> {
         Some(g) if g.chars().count() > MAX_GROUP_LEN => Err(StoreError::Invalid(format!(
             "group is longer than {MAX_GROUP_LEN} characters"
         ))),
+        // A filter by group is an exact match: a group that only spaces
+        // tell from another could not be told apart when selected.
+        Some(g) if g.trim() != g => Err(StoreError::Invalid(
+            "group begins or ends with a space".into(),
+        )),
         _ => Ok(()),
     }
 }

@@ -203,7 +203,11 @@ async fn audit(
         actor: super::query::non_empty(&q.actor),
         kind: super::query::non_empty(&q.kind),
         before: q.before,
-        limit: q.limit.unwrap_or(100).min(crate::store::MAX_PAGE),
+        limit: q
+            .limit
+            .filter(|l| *l > 0)
+            .unwrap_or(100)
+            .min(crate::store::MAX_PAGE),
         pipelines: None,
     };
     let page = super::query::audit_log(&state, &caller, filter).await?;

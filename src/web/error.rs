@@ -131,6 +131,12 @@ impl From<crate::engine::OpsError> for WebError {
     fn from(e: crate::engine::OpsError) -> Self {
         use crate::engine::OpsError;
         match e {
+            // A node without workers cannot do it; another node may: the
+            // request itself is sound.
+            OpsError::Refused {
+                code: code @ "no_workers",
+                message,
+            } => WebError::Conflict { code, message },
             OpsError::Refused { code, message } => WebError::bad(code, message),
             OpsError::UnknownProvider { name, .. } => {
                 WebError::NotFound(format!("provider `{name}` not found"))

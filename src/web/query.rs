@@ -204,7 +204,9 @@ impl ListQuery {
             provider: non_empty(&self.provider),
             step: non_empty(&self.step),
             error_code: non_empty(&self.error_code),
-            group: non_empty(&self.group),
+            // Exact (not trimmed): a group never has spaces around it, and
+            // a selection must not widen to every group by losing one.
+            group: self.group.clone().filter(|g| !g.is_empty()),
             key_prefix: non_empty(&self.q),
             until,
             created: span("created", &self.created_from, &self.created_to)?,

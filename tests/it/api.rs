@@ -686,14 +686,15 @@ request = {{ method = "POST", path = "/v1/x", body = '{{"ref": "{{{{ record.id }
     app.stop().await;
 }
 
-/// Issue 21 item 4: bulk actions through the API, with the page's rules: a
-/// dry run unless asked to apply, a reason, ids or a filter (not both, not
-/// neither), the cap, the per-user limit, operators only.
 /// `group` selects records in the list, a bulk action's filter and an
 /// export, through the API, beside another filter and alone (searched in
 /// id windows: no index orders a group by id).
 async fn records_are_selected_by_group(backend: Backend) {
-    let Some(app) = WebApp::spawn(backend, "api_groups", "").await else {
+    // A pipeline for the API's enqueue (its records come due in an hour).
+    let manual = "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n\
+                  [[pipelines.manual.steps]]\nname = \"s\"\nprovider = \"p\"\n\
+                  request = { method = \"POST\", path = \"/v1\" }\n";
+    let Some(app) = WebApp::spawn(backend, "api_groups", manual).await else {
         return;
     };
     let op = app.token(Role::Operator).await;
@@ -759,6 +760,32 @@ async fn records_are_selected_by_group(backend: Backend) {
     let mut allowed: Vec<i64> = serde_json::from_value(r["allowed_ids"].clone()).unwrap();
     allowed.sort();
     assert_eq!(allowed, ids["tenant-b"][..2], "{r}");
+    // A group is matched exactly: one with spaces around it is refused at
+    // enqueue, and a filter that is only spaces selects nothing rather
+    // than every group.
+    let padded = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .json(&json!({"pipeline": "manual", "key": "g-pad", "group": " ", "input": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(padded.status(), 400);
+    let said = padded.text().await.unwrap();
+    assert!(said.contains("begins or ends with a space"), "{said}");
+    let spaces: Value = app
+        .client
+        .post(app.url("/api/v1/records/bulk"))
+        .bearer_auth(&op)
+        .json(&json!({"action": "resume", "reason": "r", "filter": {"group": " ", "state": "parked"}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(spaces["matched"], 0, "{spaces}");
     // An export of a group.
     let text = get("/api/v1/records/export?group=tenant-a".into())
         .await
@@ -917,6 +944,9 @@ async fn providers_and_the_audit_log_through_the_api() {
     app.stop().await;
 }
 
+/// Issue 21 item 4: bulk actions through the API, with the page's rules: a
+/// dry run unless asked to apply, a reason, ids or a filter (not both, not
+/// neither), the cap, the per-user limit, operators only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_actions_through_the_api() {
     let Some(app) = WebApp::spawn(

@@ -2485,51 +2485,54 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
         out.status.success() && said.trim().is_empty(),
         "promtool check metrics: {said}"
     );
-    // Every family the code reports (counters, histograms, the scrape's
-    // gauges) is described.
-    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/web/metrics.rs"))
-        .unwrap();
-    let described: Vec<&str> = src
-        .split("describe_")
-        .skip(1)
-        .filter_map(|d| d.split('"').nth(1))
-        .collect();
-    let mut reported = Vec::new();
-    for dir in ["src/engine", "src/web", "src/store"] {
-        for e in
-            std::fs::read_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir)).unwrap()
-        {
-            let code = std::fs::read_to_string(e.unwrap().path()).unwrap_or_default();
-            for piece in code.split("!(").skip(1) {
-                if let Some(name) = piece
-                    .trim_start()
-                    .strip_prefix('"')
-                    .and_then(|p| p.split('"').next())
-                {
-                    if name.starts_with("ballast_") && !name.contains(' ') {
-                        reported.push(name.to_owned());
-                    }
-                }
+    // Every family the code reports anywhere in `src/` (counters,
+    // histograms, the scrape's gauges) is described.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = vec![root];
+    let mut code = String::new();
+    while let Some(path) = files.pop() {
+        match std::fs::read_dir(&path) {
+            Ok(dir) => files.extend(dir.map(|e| e.unwrap().path())),
+            Err(_) if path.extension().is_some_and(|e| e == "rs") => {
+                code.push_str(&std::fs::read_to_string(&path).unwrap());
             }
-            for piece in code.split("gauges.push((").skip(1) {
+            Err(_) => {}
+        }
+    }
+    // The first string literal after each of `openers`.
+    let names_after = |openers: &[&str]| -> Vec<String> {
+        let mut names = Vec::new();
+        for opener in openers {
+            for piece in code.split(opener).skip(1) {
                 if let Some(name) = piece
                     .trim_start()
                     .strip_prefix('"')
                     .and_then(|p| p.split('"').next())
                 {
-                    reported.push(name.to_owned());
+                    names.push(name.to_owned());
                 }
             }
         }
-    }
-    reported.sort();
-    reported.dedup();
-    assert!(reported.len() >= 10, "{reported:?}");
+        names.sort();
+        names.dedup();
+        names
+    };
+    let described = names_after(&[
+        "describe_counter!(",
+        "describe_gauge!(",
+        "describe_histogram!(",
+    ]);
+    let reported: Vec<String> =
+        names_after(&["counter!(", "gauge!(", "histogram!(", "gauges.push(("])
+            .into_iter()
+            .filter(|n| n.starts_with("ballast_"))
+            .collect();
+    assert!(
+        reported.len() >= 10 && described.len() >= 10,
+        "{reported:?} {described:?}"
+    );
     for r in &reported {
-        assert!(
-            described.contains(&r.as_str()),
-            "{r} is reported but not described"
-        );
+        assert!(described.contains(r), "{r} is reported but not described");
     }
     app.stop().await;
 }
