@@ -45,6 +45,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .route("/providers/{name}/resume", post(resume_provider))
         .route("/providers/{name}/reset-breaker", post(reset_breaker))
         .route("/audit", get(audit))
+        .route("/search", get(search))
         .route("/reload", post(reload));
     let refuse = |_| {
         let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
@@ -212,6 +213,31 @@ async fn audit(
     };
     let page = super::query::audit_log(&state, &caller, filter).await?;
     Ok(Json(json!({ "items": page.items, "next": page.next })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SearchQuery {
+    q: String,
+}
+
+/// `GET /api/v1/search?q=`: what the search box finds: `named`, the
+/// records `q` names (an id, a key in any pipeline, a provider's job
+/// id), and `matches`, the newest 50 holding every word of it.
+async fn search(
+    caller: Bearer<Viewer>,
+    State(state): State<AppState>,
+    Query(q): Query<SearchQuery>,
+) -> WebResult<Json<Value>> {
+    let q = q.q.trim();
+    if q.is_empty() {
+        return Err(WebError::bad(
+            "bad_query",
+            "`q` is empty: say what to look for",
+        ));
+    }
+    let (named, matches) = super::query::search(&state, &caller, q).await?;
+    Ok(Json(json!({ "named": named, "matches": matches })))
 }
 
 /// `POST /api/v1/reload` (admins): this node reads its configuration file

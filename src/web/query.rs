@@ -172,6 +172,28 @@ pub async fn audit_log(
     Ok(page)
 }
 
+/// What the search box finds for `q` as `caller` may see it (the search
+/// page and `GET /api/v1/search`): the records `q` names (an id, a key, a
+/// job id), and the newest 50 holding every word of it; masked for it.
+pub async fn search(
+    state: &crate::web::AppState,
+    caller: &crate::web::auth::Caller,
+    q: &str,
+) -> WebResult<(Vec<crate::domain::Record>, Vec<crate::domain::Record>)> {
+    let providers: Vec<String> = state.config.get().providers.keys().cloned().collect();
+    let mut named = state.db.find_records(q, &providers).await?;
+    named.retain(|r| caller.sees(&r.pipeline));
+    // A caller limited to pipelines gets the newest 50 of its own among
+    // the newest matches (up to 500 read).
+    let read = if caller.sees_all() { 50 } else { 500 };
+    let mut worded = state.db.search_records(q, read).await?;
+    worded.retain(|r| caller.sees(&r.pipeline));
+    worded.truncate(50);
+    crate::web::mask::list(state, caller, &mut named);
+    crate::web::mask::list(state, caller, &mut worded);
+    Ok((named, worded))
+}
+
 pub fn non_empty(v: &Option<String>) -> Option<String> {
     v.as_deref()
         .map(str::trim)

@@ -269,6 +269,27 @@ async fn api_matrix(app: &WebApp, token: &str, (round, a, b): (&str, i64, i64), 
     };
     assert!(on(a), "{audit}");
     assert_eq!(on(b), sees_b, "{audit}");
+    // The search box's answers: by key and by id.
+    for q in [format!("{round}-b"), b.to_string()] {
+        let (s, found) = api(app, token, "GET", &format!("/search?q={q}"), None).await;
+        assert_eq!(s, 200);
+        let named: Vec<i64> = found["named"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|r| r["id"].as_i64())
+            .collect();
+        assert_eq!(named.contains(&b), sees_b, "{q}: {found}");
+    }
+    let (_, mine) = api(app, token, "GET", &format!("/search?q={round}-a"), None).await;
+    assert!(
+        mine["named"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["id"] == a),
+        "{mine}"
+    );
 }
 
 /// What one dashboard operator gets across the pages (as

@@ -1046,6 +1046,7 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", "/metrics".into(), None, Role::Viewer),
         ("GET", "/api/v1/providers".into(), None, Role::Viewer),
         ("GET", "/api/v1/audit".into(), None, Role::Viewer),
+        ("GET", "/api/v1/search?q=x".into(), None, Role::Viewer),
         (
             "POST",
             "/api/v1/providers/none/pause".into(),

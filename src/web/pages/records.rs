@@ -194,22 +194,12 @@ async fn search(
     if q.is_empty() {
         return Ok(Redirect::to("/records").into_response());
     }
-    let providers: Vec<String> = state.config.get().providers.keys().cloned().collect();
-    let mut named = state.db.find_records(&q, &providers).await?;
-    named.retain(|r| caller.sees(&r.pipeline));
+    let (named, worded) = crate::web::query::search(&state, &caller, &q).await?;
     // The results' own refresh (htmx) stays on this page.
     let live = crate::web::htmx::is_htmx(&headers);
     if let ([one], false) = (named.as_slice(), live) {
         return Ok(Redirect::to(&format!("/records/{}", one.id)).into_response());
     }
-    // A caller limited to pipelines gets the newest 50 of its own among
-    // the newest matches (up to 500 read).
-    let read = if caller.sees_all() { 50 } else { 500 };
-    let mut worded = state.db.search_records(&q, read).await?;
-    worded.retain(|r| caller.sees(&r.pipeline));
-    worded.truncate(50);
-    crate::web::mask::list(&state, &caller, &mut named);
-    crate::web::mask::list(&state, &caller, &mut worded);
     let page = SearchPage {
         nav: Nav::new(&caller, "records"),
         q,
