@@ -46,6 +46,8 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .route("/providers/{name}/reset-breaker", post(reset_breaker))
         .route("/audit", get(audit))
         .route("/search", get(search))
+        .route("/users", get(users))
+        .route("/tokens", get(tokens))
         .route("/reload", post(reload));
     let refuse = |_| {
         let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
@@ -238,6 +240,18 @@ async fn search(
     }
     let (named, matches) = super::query::search(&state, &caller, q).await?;
     Ok(Json(json!({ "named": named, "matches": matches })))
+}
+
+/// `GET /api/v1/users` (admins): every user, as the users page lists them
+/// (never a password hash).
+async fn users(_caller: Bearer<Admin>, State(state): State<AppState>) -> WebResult<Json<Value>> {
+    Ok(Json(json!({ "items": state.db.list_users().await? })))
+}
+
+/// `GET /api/v1/tokens` (admins): every API token, as the tokens page
+/// lists them: its prefix, never its secret or hash; when last used.
+async fn tokens(_caller: Bearer<Admin>, State(state): State<AppState>) -> WebResult<Json<Value>> {
+    Ok(Json(json!({ "items": state.db.list_api_tokens().await? })))
 }
 
 /// `POST /api/v1/reload` (admins): this node reads its configuration file

@@ -933,6 +933,37 @@ async fn providers_and_the_audit_log_through_the_api() {
     .unwrap();
     assert_eq!(second["items"][0]["kind"], "provider_paused", "{second}");
     assert_eq!(second["items"][0]["reason"], "maintenance", "{second}");
+    // Users and tokens, for admins: no hash, no secret.
+    let users: Value = call(reqwest::Method::GET, "/api/v1/users", &admin, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        users["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|u| u["username"] == "admin"),
+        "{users}"
+    );
+    assert!(!users.to_string().contains("argon2"), "{users}");
+    let tokens: Value = call(reqwest::Method::GET, "/api/v1/tokens", &admin, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let listed = tokens["items"].as_array().unwrap();
+    assert_eq!(listed.len(), 2, "{tokens}");
+    assert!(
+        listed.iter().all(|t| t["last_used_at"].is_number()),
+        "both were used: {tokens}"
+    );
+    assert!(
+        !tokens.to_string().contains(&admin[8..]),
+        "no secret: {tokens}"
+    );
+    assert!(!tokens.to_string().contains("token_hash"), "{tokens}");
     let r = call(
         reqwest::Method::GET,
         "/api/v1/audit?kind=x&sort=up",

@@ -1047,6 +1047,8 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", "/api/v1/providers".into(), None, Role::Viewer),
         ("GET", "/api/v1/audit".into(), None, Role::Viewer),
         ("GET", "/api/v1/search?q=x".into(), None, Role::Viewer),
+        ("GET", "/api/v1/users".into(), None, Role::Admin),
+        ("GET", "/api/v1/tokens".into(), None, Role::Admin),
         (
             "POST",
             "/api/v1/providers/none/pause".into(),
