@@ -161,6 +161,9 @@ pub enum Command {
         /// bash, zsh, fish, elvish or powershell.
         shell: clap_complete::Shell,
     },
+    /// Print the API's OpenAPI 3.1 document, as a node serves it at
+    /// `/api/v1/openapi.json` (to generate a client without a node).
+    Openapi,
     /// Print the manual page (roff) to standard output, or with `--dir`
     /// write one page per command there (`ballast.1`, `ballast-serve.1` …).
     Man {
@@ -383,6 +386,14 @@ impl Cli {
                         .and_then(|()| std::io::Write::flush(&mut out)),
                 )
             }
+            Command::Openapi => {
+                let mut out = std::io::stdout().lock();
+                Some(
+                    std::io::Write::write_all(&mut out, crate::web::openapi().as_bytes())
+                        .and_then(|()| std::io::Write::write_all(&mut out, b"\n"))
+                        .and_then(|()| std::io::Write::flush(&mut out)),
+                )
+            }
             Command::Man { dir: Some(dir) } => Some(clap_mangen::generate_to(cmd, dir)),
             Command::Man { dir: None } => {
                 let mut out = std::io::stdout().lock();
@@ -469,7 +480,7 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
         }
         Command::Provider { action } => manage_providers(&config, action).await,
         Command::Sim(args) => sim(args).await,
-        Command::Completions { .. } | Command::Man { .. } => Ok(()),
+        Command::Completions { .. } | Command::Openapi | Command::Man { .. } => Ok(()),
         Command::Migrate { action } => manage_migrations(&config, action).await,
         Command::User { action } => manage_users(&config, action).await,
     }

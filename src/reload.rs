@@ -27,7 +27,7 @@ pub enum Source {
 }
 
 /// What a reload did.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 pub struct Reloaded {
     /// The version now running (`Config::version`).
     pub version: String,

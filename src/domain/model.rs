@@ -15,7 +15,7 @@ use super::time::UnixMs;
 macro_rules! named_enum {
     ($(#[$meta:meta])* pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal,)+ }) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
         #[serde(rename_all = "snake_case")]
         pub enum $name { $($(#[$vmeta])* $variant,)+ }
 
@@ -97,7 +97,7 @@ named_enum! {
 }
 
 /// One unit of work travelling through one pipeline.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Record {
     pub id: i64,
     pub pipeline: String,
@@ -138,7 +138,7 @@ pub struct Record {
 }
 
 /// One step of one record.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct StepRun {
     pub record_id: i64,
     pub step: String,
@@ -166,7 +166,7 @@ pub struct StepRun {
 }
 
 /// A step's result replaced by a later generation, kept as it was.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct StepVersion {
     pub record_id: i64,
     pub step: String,
@@ -261,7 +261,7 @@ pub fn idempotency_key(installation: &str, record_id: i64, step: &str, generatio
 }
 
 /// One HTTP exchange (or transport failure) for one step of one record.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Attempt {
     pub id: i64,
     pub record_id: i64,
@@ -286,7 +286,7 @@ pub struct Attempt {
 /// open when its record's next pass starts went out from a node that
 /// stopped before it recorded the reply: whether it took effect is not
 /// known.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Intent {
     pub id: i64,
     pub record_id: i64,
@@ -512,7 +512,7 @@ pub const SHUTDOWN_REASON: &str = "node shutting down";
 pub const SYSTEM_ACTOR: &str = "system";
 
 /// One state transition or operator action, kept forever.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Event {
     pub id: i64,
     pub record_id: Option<i64>,
@@ -533,11 +533,12 @@ pub struct Event {
 
 /// A control-plane user. The hash never leaves the store except for
 /// verification, and is never printed.
-#[derive(Clone, PartialEq, Serialize)]
+#[derive(Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct User {
     pub id: i64,
     pub username: String,
     #[serde(skip)]
+    #[schema(ignore)]
     pub password_hash: String,
     pub role: Role,
     pub disabled: bool,
@@ -548,6 +549,7 @@ pub struct User {
     pub theme: Option<String>,
     /// The pipelines the user may see (`domain::scope`).
     #[serde(serialize_with = "scope_patterns")]
+    #[schema(value_type = Vec<String>)]
     pub pipelines: super::scope::Scope,
     /// Sees sensitive fields in clear (`domain::mask`).
     pub unmask: bool,
@@ -623,7 +625,7 @@ impl Session {
 
 /// A bearer token for the JSON API and metrics. The token itself is shown
 /// once at creation; only its SHA-256 is stored.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ApiToken {
     pub id: i64,
     pub name: String,
@@ -638,6 +640,7 @@ pub struct ApiToken {
     pub expires_at: Option<UnixMs>,
     /// The pipelines it may see (`domain::scope`).
     #[serde(serialize_with = "scope_patterns")]
+    #[schema(value_type = Vec<String>)]
     pub pipelines: super::scope::Scope,
     /// Sees sensitive fields in clear (`domain::mask`).
     pub unmask: bool,

@@ -12,7 +12,7 @@ use super::model::{BreakerState, ProviderState};
 use super::time::{UnixMs, format_ms};
 
 /// When a parked record resumes by itself.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ParkUntil {
     /// At this moment.

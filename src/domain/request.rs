@@ -22,10 +22,12 @@ use super::{EXCERPT_MAX_BYTES, excerpt};
 pub const REDACTED: &str = "[redacted]";
 
 /// One request as it left, credentials removed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SentRequest {
     pub method: String,
     pub url: String,
+    /// Each header as `[name, value]`.
+    #[schema(value_type = Vec<Vec<String>>)]
     pub headers: Vec<(String, String)>,
     /// At most [`EXCERPT_MAX_BYTES`] of the body, `None` when there was none.
     #[serde(default, skip_serializing_if = "Option::is_none")]

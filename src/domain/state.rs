@@ -11,7 +11,19 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 /// Where a record is in its life (docs/operations.md, "Record states").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum RecordState {
     /// Due at `next_run_at`, waiting for a worker.
@@ -157,7 +169,7 @@ impl ReversalPolicy {
 }
 
 /// The actions an operator can take on a record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OperatorAction {
     /// Due now, with a fresh attempt budget for the current step.
@@ -169,6 +181,8 @@ pub enum OperatorAction {
     /// Stop for good.
     Cancel,
     /// Re-run a chosen step and everything after it (may pay again).
+    /// Named `replay` where people and the API name it ([`Self::as_str`]).
+    #[schema(rename = "replay")]
     ReplayFrom,
     /// A call whose outcome was not known did take effect: continue with
     /// the job the provider made (an operator checked), nothing sent again.

@@ -303,11 +303,13 @@ where
                 max.unwrap_or(0) + 1
             }
         };
-        let stop = (top - LIST_SCAN_IDS).max(1);
+        // Saturating: `before` is the caller's, any i64 (one at or below
+        // 1 finds nothing: the loop's first window is its last).
+        let stop = top.saturating_sub(LIST_SCAN_IDS).max(1);
         let mut upper = top;
         let mut items: Vec<Record> = Vec::new();
         loop {
-            let lower = (upper - LIST_WINDOW_IDS).max(stop);
+            let lower = upper.saturating_sub(LIST_WINDOW_IDS).max(stop);
             let mut f = filter.clone();
             f.before = Some(upper);
             let want = i64::from(limit) + 1 - items.len() as i64;

@@ -3,9 +3,9 @@
 //! into an HTML page or an htmx fragment, the API layer into JSON.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::Serialize;
 
 use crate::store::StoreError;
 
@@ -159,9 +159,11 @@ impl IntoResponse for WebError {
             code: self.code(),
             message: self.to_string(),
         };
+        let problem = Problem::new(status, info.code, &info.message);
         let mut response = (
             status,
-            Json(json!({ "error": info.code, "message": info.message })),
+            [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))],
+            Json(problem),
         )
             .into_response();
         response.extensions_mut().insert(info);
@@ -175,6 +177,50 @@ impl IntoResponse for WebError {
 }
 
 pub type WebResult<T> = Result<T, WebError>;
+
+/// The media type of an error's body (RFC 9457).
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An error as RFC 9457 problem details: every refusal of `/api/v1` (and
+/// of the dashboard, to a client that reads JSON) has this shape.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Problem {
+    /// `about:blank`: the problem is what `status` and `code` say.
+    #[serde(rename = "type")]
+    #[schema(example = "about:blank")]
+    pub kind: &'static str,
+    /// The status's reason phrase (`Conflict`).
+    pub title: &'static str,
+    /// The HTTP status, as sent.
+    #[schema(minimum = 400, maximum = 599)]
+    pub status: u16,
+    /// What went wrong, for people; may change between releases.
+    pub detail: String,
+    /// What went wrong, for programs: a stable snake_case code
+    /// (`invalid_group`, `record_busy`, `rate_limited`).
+    #[schema(example = "invalid_group")]
+    pub code: &'static str,
+    /// The same as `code`, as API version 1 has always named it.
+    #[schema(deprecated)]
+    pub error: &'static str,
+    /// The same as `detail`, as API version 1 has always named it.
+    #[schema(deprecated)]
+    pub message: String,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, code: &'static str, detail: &str) -> Self {
+        Problem {
+            kind: "about:blank",
+            title: status.canonical_reason().unwrap_or("Error"),
+            status: status.as_u16(),
+            detail: detail.to_owned(),
+            code,
+            error: code,
+            message: detail.to_owned(),
+        }
+    }
+}
 
 /// What an internal error really was, for the log only: attached to the
 /// response, logged with the request's line.

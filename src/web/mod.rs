@@ -8,6 +8,7 @@
 //! - `/hooks/*`: rate-limited per address before any lookup or signature check.
 
 mod api;
+pub use api::served as openapi;
 mod assets;
 pub mod auth;
 pub mod error;

@@ -10,7 +10,7 @@ use crate::web::auth::Caller;
 use crate::web::error::WebResult;
 
 /// One provider as a caller may see it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ProviderStatus {
     pub name: String,
     /// Its base URL, credentials in it redacted.
@@ -33,7 +33,7 @@ pub struct ProviderStatus {
 }
 
 /// A provider's use on this node.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct NodeUse {
     pub in_flight: usize,
     /// Each limit with the calls it counts now.
@@ -44,7 +44,7 @@ pub struct NodeUse {
     pub window_slow: usize,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct LimitUse {
     pub limit: String,
     pub used: usize,

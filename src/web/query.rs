@@ -10,18 +10,26 @@ use crate::web::error::{WebError, WebResult};
 
 /// The list's filters, as the form and the API send them. Empty fields
 /// mean "any".
-#[derive(Debug, Default, Deserialize, Clone)]
+#[derive(Debug, Default, Deserialize, Clone, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// A pipeline's name.
     pub pipeline: Option<String>,
+    /// A record state.
+    #[param(schema_with = record_states)]
     pub state: Option<String>,
+    /// The provider of the step the record is at.
     pub provider: Option<String>,
+    /// The step the record is at.
     pub step: Option<String>,
+    /// The stable code of the record's last failure.
     pub error_code: Option<String>,
     /// The group records were enqueued in.
     pub group: Option<String>,
     /// External key prefix.
     pub q: Option<String>,
     /// Parked records by resume condition: `time`, `provider`, `never`.
+    #[param(schema_with = park_conditions)]
     pub until: Option<String>,
     /// Created from / until, UTC (`2026-12-02`, `2026-12-02T09:30`, RFC
     /// 3339); a bare date as the end takes in that whole day.
@@ -30,14 +38,36 @@ pub struct ListQuery {
     /// Last changed from / until, likewise.
     pub updated_from: Option<String>,
     pub updated_to: Option<String>,
+    /// The page after this record id: the last page's `next`.
     pub before: Option<i64>,
+    /// How many (50 when unset; more than 500 are taken as 500).
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295_i64)]
     pub limit: Option<u32>,
 }
 
+/// One of `names`, or empty for any.
+fn any_of(names: impl IntoIterator<Item = &'static str>) -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some(names.into_iter().chain([""])))
+        .build()
+}
+
+fn record_states() -> utoipa::openapi::schema::Object {
+    any_of(crate::domain::RecordState::ALL.map(|s| s.as_str()))
+}
+
+fn park_conditions() -> utoipa::openapi::schema::Object {
+    any_of(crate::domain::park::UntilKind::ALL.map(|k| k.as_str()))
+}
+
 /// An export's own options beside the list's filters.
-#[derive(Debug, Default, Deserialize, Clone)]
+#[derive(Debug, Default, Deserialize, Clone, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ExportQuery {
     /// `jsonl` (the default) or `csv`.
+    #[param(schema_with = export_formats)]
     pub format: Option<String>,
     /// `1`/`true`: each record's attempts too.
     pub attempts: Option<String>,
@@ -49,6 +79,10 @@ pub struct ExportQuery {
     pub decrypted: Option<String>,
     /// Why an unmasked or decrypted export is made (kept in the audit log).
     pub reason: Option<String>,
+}
+
+fn export_formats() -> utoipa::openapi::schema::Object {
+    any_of(["jsonl", "csv"])
 }
 
 /// Whether a query flag is set (`1`, `true`, `yes`, `on`).

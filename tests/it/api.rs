@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use crate::wait;
 use crate::web::WebApp;
 
-fn pipeline(base_url: &str) -> String {
+pub(crate) fn pipeline(base_url: &str) -> String {
     format!(
         r#"
 [providers.sim]

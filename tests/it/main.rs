@@ -25,6 +25,7 @@ mod fuzz;
 mod helpers;
 mod http;
 mod migrations;
+mod openapi;
 mod per_step;
 mod pipelines;
 mod reload;

@@ -50,6 +50,24 @@ async fn sparse_filters_page_through(backend: Backend) {
         (n + LIST_SCAN_IDS - 1) / LIST_SCAN_IDS,
         "the rest, then the end"
     );
+    // A cursor is the caller's: at either end of i64 it searches what is
+    // below it within the budget, and never overflows.
+    for (before, next) in [
+        (i64::MIN, None),
+        (0, None),
+        (i64::MAX, Some(i64::MAX - LIST_SCAN_IDS)),
+    ] {
+        let filter = RecordFilter {
+            before: Some(before),
+            state: Some(RecordState::Parked),
+            provider: Some("prov1".into()),
+            limit: 1,
+            ..Default::default()
+        };
+        let page = t.db.list_records(&filter).await.unwrap();
+        assert!(page.items.is_empty(), "before {before}");
+        assert_eq!(page.next, next, "before {before}");
+    }
 
     let sparse = RecordFilter {
         state: Some(RecordState::Parked),
