@@ -389,7 +389,9 @@ impl Cli {
             Command::Openapi => {
                 let mut out = std::io::stdout().lock();
                 Some(
-                    std::io::Write::write_all(&mut out, crate::web::openapi().as_bytes())
+                    crate::web::openapi()
+                        .map_err(std::io::Error::other)
+                        .and_then(|doc| std::io::Write::write_all(&mut out, doc.as_bytes()))
                         .and_then(|()| std::io::Write::write_all(&mut out, b"\n"))
                         .and_then(|()| std::io::Write::flush(&mut out)),
                 )

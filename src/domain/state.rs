@@ -169,7 +169,7 @@ impl ReversalPolicy {
 }
 
 /// The actions an operator can take on a record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OperatorAction {
     /// Due now, with a fresh attempt budget for the current step.
@@ -181,8 +181,6 @@ pub enum OperatorAction {
     /// Stop for good.
     Cancel,
     /// Re-run a chosen step and everything after it (may pay again).
-    /// Named `replay` where people and the API name it ([`Self::as_str`]).
-    #[schema(rename = "replay")]
     ReplayFrom,
     /// A call whose outcome was not known did take effect: continue with
     /// the job the provider made (an operator checked), nothing sent again.

@@ -36,6 +36,9 @@ pub enum WebError {
     TooManyRequests(String),
     #[error("the request body is too large")]
     TooLarge,
+    /// A route that does not take this method.
+    #[error("this route does not take that method")]
+    MethodNotAllowed,
     /// Could not be done now; the same request may be sent again.
     #[error("{0}")]
     NotNow(String),
@@ -80,6 +83,7 @@ impl WebError {
             WebError::Conflict { .. } => StatusCode::CONFLICT,
             WebError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             WebError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            WebError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             WebError::NotNow(_) => StatusCode::SERVICE_UNAVAILABLE,
             WebError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -95,6 +99,7 @@ impl WebError {
             WebError::BadRequest { code, .. } | WebError::Conflict { code, .. } => code,
             WebError::TooManyRequests(_) => "rate_limited",
             WebError::TooLarge => "body_too_large",
+            WebError::MethodNotAllowed => "method_not_allowed",
             WebError::NotNow(_) => "not_now",
             WebError::Internal(_) => "internal_error",
         }
@@ -181,8 +186,8 @@ pub type WebResult<T> = Result<T, WebError>;
 /// The media type of an error's body (RFC 9457).
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// An error as RFC 9457 problem details: every refusal of `/api/v1` (and
-/// of the dashboard, to a client that reads JSON) has this shape.
+/// An error as RFC 9457 problem details: every refusal of `/api/v1` has
+/// this shape (the dashboard turns it into a page, `security::page_errors`).
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Problem {
     /// `about:blank`: the problem is what `status` and `code` say.

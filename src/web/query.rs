@@ -82,7 +82,7 @@ pub struct ExportQuery {
 }
 
 fn export_formats() -> utoipa::openapi::schema::Object {
-    any_of(["jsonl", "csv"])
+    any_of(["jsonl", "ndjson", "json", "csv"])
 }
 
 /// Whether a query flag is set (`1`, `true`, `yes`, `on`).

@@ -112,6 +112,15 @@ fn here(row: &str) -> BTreeMap<String, i64> {
         .collect()
 }
 
+/// The bucket bound the API gives quantile `q` of `took`, from the raw
+/// durations.
+fn quantile_bound(mut took: Vec<i64>, q: f64) -> i64 {
+    took.sort_unstable();
+    let want = (q * took.len() as f64).ceil() as usize;
+    let ms = took[want.max(1) - 1];
+    *RUN_BUCKETS_MS.iter().find(|b| ms <= **b).unwrap()
+}
+
 /// The bucket label the page gives quantile `q` of `took`, computed the
 /// same way from the raw durations.
 fn quantile_label(mut took: Vec<i64>, q: f64) -> String {
@@ -257,6 +266,65 @@ async fn the_pipelines_page_draws_steps_with_figures_matching_a_recount() {
             "records at {step} now"
         );
     }
+    // The API gives the same figures as numbers.
+    let token = app.token(Role::Viewer).await;
+    let api: Value = app
+        .client
+        .get(app.url("/api/v1/pipelines"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let fan = api["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "fan")
+        .unwrap();
+    assert_eq!(fan["unstarted"], json!({}), "{fan}");
+    for step in ["a", "b", "c"] {
+        let s = fan["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == step)
+            .unwrap();
+        let [ok, failed, parked] = ended[step];
+        for window in ["last_hour", "last_day"] {
+            let f = &s[window];
+            let got = json!([f["succeeded"], f["failed"], f["parked"]]);
+            assert_eq!(got, json!([ok, failed, parked]), "{step} {window}: {f}");
+            let lengths: i64 = f["lengths"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b["runs"].as_i64().unwrap())
+                .sum();
+            assert_eq!(lengths, ok + failed + parked, "{step} {window}: {f}");
+            for (q, key) in [(0.5, "p50_ms"), (0.95, "p95_ms")] {
+                assert_eq!(
+                    f[key],
+                    json!(quantile_bound(took[step].clone(), q)),
+                    "{step} {window} {key}"
+                );
+            }
+        }
+        assert_eq!(
+            s["records"],
+            json!(at_steps.get(step).cloned().unwrap_or_default()),
+            "{step}"
+        );
+    }
+    let versions = fan["versions"].as_array().unwrap();
+    assert_eq!(
+        versions.iter().filter(|v| v["current"] == true).count(),
+        1,
+        "{versions:?}"
+    );
+
     // The clock moves 500 ms at a time, so a retried run lasts that at
     // least: a parked run's length counts from its first call.
     assert!(took["c"].iter().max() >= Some(&500), "{:?}", took["c"]);

@@ -258,6 +258,17 @@ async fn api_matrix(app: &WebApp, token: &str, (round, a, b): (&str, i64, i64), 
         .collect();
     assert!(names.contains(&"crm"), "{providers}");
     assert_eq!(names.contains(&"kyc"), sees_b, "{providers}");
+    // Its pipelines' figures, not the others'.
+    let (s, pipelines) = api(app, token, "GET", "/pipelines", None).await;
+    assert_eq!(s, 200);
+    let names: Vec<&str> = pipelines["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert!(names.contains(&"lead-enrichment"), "{pipelines}");
+    assert_eq!(names.contains(&"verify-customer"), sees_b, "{pipelines}");
     let (s, audit) = api(app, token, "GET", "/audit?limit=500", None).await;
     assert_eq!(s, 200);
     let on = |id: i64| {

@@ -1045,6 +1045,7 @@ async fn every_route_checks_the_role_server_side() {
         ),
         ("GET", "/metrics".into(), None, Role::Viewer),
         ("GET", "/api/v1/providers".into(), None, Role::Viewer),
+        ("GET", "/api/v1/pipelines".into(), None, Role::Viewer),
         ("GET", "/api/v1/audit".into(), None, Role::Viewer),
         ("GET", "/api/v1/search?q=x".into(), None, Role::Viewer),
         ("GET", "/api/v1/users".into(), None, Role::Admin),

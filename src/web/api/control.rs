@@ -36,9 +36,11 @@ struct Items<T> {
     items: Vec<T>,
 }
 
-/// `GET /api/v1/providers`: every provider the caller may see, as the
-/// providers page shows it (those its pipelines call, for a token limited
-/// to pipelines).
+/// Every provider.
+///
+/// Each provider the token may see (those its pipelines call, for a token
+/// limited to pipelines), as the providers page shows it: breaker, pause,
+/// throttle, limits and this node's use.
 #[utoipa::path(
     get,
     path = "/providers",
@@ -75,8 +77,9 @@ struct PauseBody {
     reason: Option<String>,
 }
 
-/// `POST /api/v1/providers/{name}/pause` (admins, as on the page):
-/// every node holds its calls until resumed; audited.
+/// Pause a provider.
+///
+/// Every node holds its calls until it is resumed; audited. Admins.
 #[utoipa::path(
     post,
     path = "/providers/{name}/pause",
@@ -108,7 +111,9 @@ async fn pause_provider(
     provider_after(&state, &caller, &name).await
 }
 
-/// `POST /api/v1/providers/{name}/resume` (admins); audited.
+/// Resume a paused provider.
+///
+/// Audited. Admins.
 #[utoipa::path(
     post,
     path = "/providers/{name}/resume",
@@ -130,8 +135,10 @@ async fn resume_provider(
     provider_after(&state, &caller, &name).await
 }
 
-/// `POST /api/v1/providers/{name}/reset-breaker` (admins): closes the
-/// breaker here and in the shared state; audited.
+/// Reset a provider's breaker.
+///
+/// Closes the breaker on this node and in the state the nodes share;
+/// audited. Admins.
 #[utoipa::path(
     post,
     path = "/providers/{name}/reset-breaker",
@@ -173,8 +180,11 @@ struct AuditPage {
     next: Option<i64>,
 }
 
-/// `GET /api/v1/audit`: the audit log, newest first, keyset-paged; a
-/// caller limited to pipelines reads the actions on their records only.
+/// The audit log.
+///
+/// Operators' and admins' actions, newest first, keyset-paged (`next` is
+/// the next page's `before`). A token limited to pipelines reads the
+/// actions on their records only.
 #[utoipa::path(
     get,
     path = "/audit",
@@ -226,7 +236,11 @@ struct Found {
     matches: Vec<Record>,
 }
 
-/// `GET /api/v1/search?q=`: what the search box finds.
+/// Search records.
+///
+/// What the search box finds: `named`, the records `q` names (an id, a key
+/// in any pipeline, a provider's job id), and `matches`, the newest 50
+/// holding every word of it.
 #[utoipa::path(
     get,
     path = "/search",
@@ -252,8 +266,10 @@ async fn search(
     Ok(Json(Found { named, matches }))
 }
 
-/// `GET /api/v1/users` (admins): every user, as the users page lists them
-/// (never a password hash).
+/// List users.
+///
+/// Every user, as the users page lists them (never a password hash).
+/// Admins.
 #[utoipa::path(
     get,
     path = "/users",
@@ -271,8 +287,10 @@ async fn users(
     }))
 }
 
-/// `GET /api/v1/tokens` (admins): every API token, as the tokens page
-/// lists them: its prefix, never its secret or hash; when last used.
+/// List API tokens.
+///
+/// Every API token, as the tokens page lists them: its prefix, never its
+/// secret or hash, and when it was last used. Admins.
 #[utoipa::path(
     get,
     path = "/tokens",
@@ -290,9 +308,11 @@ async fn tokens(
     }))
 }
 
-/// `POST /api/v1/reload` (admins): this node reads its configuration file
-/// again, as SIGHUP makes it: what changed, or 409 `config_refused` with
-/// why (the running configuration kept).
+/// Reload the configuration.
+///
+/// This node reads its configuration file again, as SIGHUP makes it: what
+/// changed, or 409 `config_refused` and why (the running configuration is
+/// kept). Admins.
 #[utoipa::path(
     post,
     path = "/reload",

@@ -129,12 +129,10 @@ pub(super) fn document() -> Document {
 
 /// The document as `/api/v1/openapi.json` serves it (and `ballast
 /// openapi` prints it), made once per router.
-pub fn served() -> Arc<str> {
-    let mut doc = serde_json::to_value(document()).unwrap_or_default();
+pub fn served() -> Result<Arc<str>, serde_json::Error> {
+    let mut doc = serde_json::to_value(document())?;
     name_moments(&mut doc);
-    serde_json::to_string_pretty(&doc)
-        .unwrap_or_default()
-        .into()
+    Ok(serde_json::to_string_pretty(&doc)?.into())
 }
 
 /// Every moment is a [`UnixMs`](crate::domain::UnixMs), an alias the

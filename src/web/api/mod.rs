@@ -2,10 +2,12 @@
 //! the same action rules as the dashboard. Rate-limited per token. Every
 //! route is registered from its `#[utoipa::path]` annotation, so the OpenAPI
 //! document served at `/api/v1/openapi.json` is the routing itself; errors
-//! are RFC 9457 problem details ([`Problem`]) with stable codes.
+//! are RFC 9457 problem details ([`Problem`](super::error::Problem)) with
+//! stable codes.
 
 mod control;
 mod doc;
+mod pipelines;
 mod records;
 
 use std::sync::Arc;
@@ -33,7 +35,9 @@ pub use doc::served;
 /// Every route of the API with what it takes and answers: the one list
 /// the router and the document are both made from.
 fn routes() -> OpenApiRouter<AppState> {
-    records::routes().merge(control::routes())
+    records::routes()
+        .merge(control::routes())
+        .merge(pipelines::routes())
 }
 
 /// The API's routes with two limits: per token (`api_per_second`, bursts of
@@ -44,18 +48,22 @@ pub fn router(state: &AppState) -> Router<AppState> {
     let trusted: Arc<[std::net::IpAddr]> = state.web.keys.trusted_proxies.clone();
     let per_second = u64::from(limits.api_per_second.max(1));
     let (routes, _) = routes().split_for_parts();
-    let served: Arc<str> = doc::served();
+    let served = doc::served().map_err(|e| e.to_string());
     let mut routes = routes
         .route(
             "/openapi.json",
             get(move || async move {
-                (
-                    [(header::CONTENT_TYPE, "application/json")],
-                    served.to_string(),
-                )
+                match served {
+                    Ok(doc) => Ok((
+                        [(header::CONTENT_TYPE, "application/json")],
+                        doc.to_string(),
+                    )),
+                    Err(e) => Err(WebError::Internal(format!("the OpenAPI document: {e}"))),
+                }
             }),
         )
-        .fallback(|| async { WebError::NotFound("no such API route".into()) });
+        .fallback(|| async { WebError::NotFound("no such API route".into()) })
+        .method_not_allowed_fallback(|| async { WebError::MethodNotAllowed });
     let refuse = |_| {
         let mut r = WebError::TooManyRequests("API rate limit exceeded".into()).into_response();
         r.headers_mut()
@@ -117,7 +125,8 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 }
 
 /// `Path` whose rejections are API errors: a segment that is not what the
-/// route takes (an id that is not a number) names nothing here, so 404.
+/// route takes (an id that is not a number) names nothing here, so 404; a
+/// route without the parameters its handler reads is a bug here, so 500.
 pub struct ApiPath<T>(pub T);
 
 impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath<T> {
@@ -127,8 +136,11 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
         Path::<T>::from_request_parts(parts, state)
             .await
             .map(|Path(v)| ApiPath(v))
-            .map_err(|e: PathRejection| {
-                WebError::NotFound(format!("no such API route: {}", e.body_text()))
+            .map_err(|e: PathRejection| match e {
+                PathRejection::FailedToDeserializePathParams(e) => {
+                    WebError::NotFound(format!("no such API route: {}", e.body_text()))
+                }
+                other => WebError::Internal(other.body_text()),
             })
     }
 }

@@ -60,8 +60,30 @@ pub(super) struct EnqueueBody {
 // so that a bad item's error names the item and what is wrong with it.
 enum EnqueueRequest {
     One(EnqueueBody),
-    Many(Vec<EnqueueBody>),
+    Many(EnqueueBatch),
 }
+
+/// 1 to 1,000 records, enqueued all or none.
+#[derive(Deserialize, ToSchema)]
+#[allow(dead_code)] // As `EnqueueRequest`.
+#[schema(min_items = 1, max_items = 1000)]
+struct EnqueueBatch(Vec<EnqueueBody>);
+
+/// Operator actions by the names the API takes and answers
+/// ([`OperatorAction::as_str`]: `replay`, where the stored trigger's serde
+/// name is `replay_from`). The API never serialises the enum itself.
+impl utoipa::PartialSchema for OperatorAction {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .description(Some("An operator action on a record."))
+            .enum_values(Some(OperatorAction::ALL.map(OperatorAction::as_str)))
+            .into()
+    }
+}
+
+impl ToSchema for OperatorAction {}
 
 /// A record enqueued, or found by its key.
 #[derive(Serialize, ToSchema)]
@@ -87,10 +109,12 @@ enum EnqueueAnswer {
     Batch(EnqueuedBatch),
 }
 
-/// `POST /api/v1/records`: one record (an object), or up to
-/// [`MAX_BATCH`](crate::store::MAX_BATCH) at once (a list of the same
-/// objects: all or none, in one statement on PostgreSQL). 201 when a
-/// record was created, 200 when every key named one already stored.
+/// Enqueue records.
+///
+/// One record (an object), or up to 1,000 at once (a list of the same
+/// objects: all or none). 201 when a record was created, 200 when every key
+/// named a record already stored; a bad item of a list is named by its
+/// position. Operators.
 #[utoipa::path(
     post,
     path = "/records",
@@ -216,8 +240,10 @@ struct RecordPage {
     next: Option<i64>,
 }
 
-/// `GET /api/v1/records?<filters>`: the records the filters select that
-/// the token may see, newest first, keyset-paged.
+/// List records.
+///
+/// The records the filters select that the token may see, newest first,
+/// keyset-paged (`next` is the next page's `before`).
 #[utoipa::path(
     get,
     path = "/records",
@@ -241,8 +267,11 @@ async fn list(
     }))
 }
 
-/// `GET /api/v1/records/export?format=jsonl|csv&attempts=1&<filters>`:
-/// every record the filters select, streamed (operators).
+/// Export records.
+///
+/// Every record the filters select, streamed as JSON lines (`format=jsonl`,
+/// the default) or CSV, with each record's attempts when `attempts=1`.
+/// Operators.
 #[utoipa::path(
     get,
     path = "/records/export",
@@ -292,8 +321,10 @@ struct RecordView {
     children: Vec<Child>,
 }
 
-/// `GET /api/v1/records/{id}`: the record, its steps, attempts, events
-/// and the actions its state allows.
+/// Read a record.
+///
+/// The record with its steps, replaced step results, attempts, open
+/// intents, events and children, and the actions its state allows now.
 #[utoipa::path(
     get,
     path = "/records/{id}",
@@ -368,9 +399,10 @@ struct ItemPage {
     next: Option<i64>,
 }
 
-/// `GET /api/v1/records/{id}/items/{step}`: the items of a record's step
-/// for each item, in order: each item's run (state, attempts, error,
-/// output) from index `from`.
+/// Read a step's items.
+///
+/// The items of a record's step for each item, in order from index `from`:
+/// each item's run (state, attempts, error, output).
 #[utoipa::path(
     get,
     path = "/records/{id}/items/{step}",
@@ -415,7 +447,7 @@ struct ActBody {
     action: String,
     /// Why (kept in the audit log; required to park).
     reason: Option<String>,
-    /// For `replay_from`: the step the replay starts from.
+    /// For `replay`: the step the replay starts from.
     step: Option<String>,
     /// For `park`: `never`, `provider`, a duration (`2h`) or a UTC time.
     until: Option<String>,
@@ -424,14 +456,14 @@ struct ActBody {
     /// For `took_effect`: the step's outputs as the provider has them (a
     /// request step).
     output: Option<Value>,
-    /// For `retry` and `replay_from`: the record's input from now on (the
+    /// For `retry` and `replay`: the record's input from now on (the
     /// audit entry keeps the old and the new).
     input: Option<Value>,
-    /// For `replay_from`: on the pipeline's current version, the record
+    /// For `replay`: on the pipeline's current version, the record
     /// pinned to it from now (otherwise on the one it started with).
     #[serde(default)]
     on_current_version: bool,
-    /// For `replay_from` a step for each item: `failed` runs again only
+    /// For `replay` a step for each item: `failed` runs again only
     /// its items that did not succeed; `all` (the default) every item.
     #[schema(pattern = "^(all|failed)$")]
     items: Option<String>,
@@ -447,8 +479,9 @@ struct Acted {
     again: Option<bool>,
 }
 
-/// `POST /api/v1/records/{id}/actions` (operators): one action, by the
-/// dashboard's rules, audited.
+/// Act on a record.
+///
+/// One operator action, by the dashboard's rules; audited. Operators.
 #[utoipa::path(
     post,
     path = "/records/{id}/actions",
@@ -519,10 +552,11 @@ async fn act(
     }))
 }
 
-/// `POST /api/v1/records/{id}/signals/{step}` (operators): ends the
-/// step's wait for a signal, its JSON body the step's output. An
-/// `Idempotency-Key` header names the signal: sent again once taken, it
-/// changes nothing and answers 200 with `"again": true`.
+/// Signal a waiting step.
+///
+/// Ends a step's wait for a signal; the JSON body becomes the step's
+/// output. An `Idempotency-Key` header names the signal: sent again once
+/// taken, it changes nothing and answers 200 with `again: true`. Operators.
 #[utoipa::path(
     post,
     path = "/records/{id}/signals/{step}",
@@ -662,8 +696,12 @@ struct BulkReport {
     failed: Vec<BulkFailure>,
 }
 
-/// `POST /api/v1/records/bulk` (operators): each record acted on is
-/// audited as a single action is.
+/// Act on many records.
+///
+/// The records are `ids`, or every record `filter` matches (`{}`: every
+/// record), up to the configured cap; a dry run (what would be done) unless
+/// `apply` is true. Each record acted on is audited as a single action is.
+/// Operators.
 #[utoipa::path(
     post,
     path = "/records/bulk",
