@@ -401,3 +401,24 @@ pub async fn offered(
     };
     (crate::domain::action::offered(rec, &facts), uncertain)
 }
+
+/// A pipeline's newest `n` pinned definitions, each with whether new
+/// records start on it here (the pipelines page and the API).
+pub async fn pipeline_versions(
+    state: &crate::web::AppState,
+    name: &str,
+    n: i64,
+) -> WebResult<Vec<(crate::domain::PipelineVersion, bool)>> {
+    let current = state
+        .engine
+        .as_ref()
+        .and_then(|e| e.versions().current(name));
+    let versions = state.db.pipeline_versions(Some(name), n).await?;
+    Ok(versions
+        .into_iter()
+        .map(|v| {
+            let now = Some(v.id) == current;
+            (v, now)
+        })
+        .collect())
+}

@@ -257,20 +257,14 @@ async fn pipelines(
         .filter(|(name, _)| caller.sees(name))
     {
         let mut one = pipeline(name, p, &runs, &counts);
-        let current = state
-            .engine
-            .as_ref()
-            .and_then(|e| e.versions().current(name));
-        one.versions = state
-            .db
-            .pipeline_versions(Some(name), VERSIONS_LISTED)
+        one.versions = crate::web::query::pipeline_versions(&state, name, VERSIONS_LISTED)
             .await?
             .into_iter()
-            .map(|v| Version {
+            .map(|(v, current)| Version {
                 id: v.id,
                 hash: v.hash,
                 created_at: v.created_at,
-                current: Some(v.id) == current,
+                current,
             })
             .collect();
         items.push(one);

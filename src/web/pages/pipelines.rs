@@ -280,20 +280,14 @@ async fn pipelines(
         .filter(|(name, _)| caller.sees(name));
     for (i, (name, p)) in seen.enumerate() {
         let mut v = view(name, p, i, &runs, &counts);
-        let current = state
-            .engine
-            .as_ref()
-            .and_then(|e| e.versions().current(name));
-        v.versions = state
-            .db
-            .pipeline_versions(Some(name), VERSIONS_SHOWN)
+        v.versions = crate::web::query::pipeline_versions(&state, name, VERSIONS_SHOWN)
             .await?
             .into_iter()
-            .map(|pv| VersionRow {
+            .map(|(pv, current)| VersionRow {
                 id: pv.id,
                 hash: pv.hash.chars().take(12).collect(),
                 since: when(pv.created_at),
-                current: Some(pv.id) == current,
+                current,
             })
             .collect();
         pipelines.push(v);
