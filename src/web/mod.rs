@@ -22,6 +22,7 @@ pub mod mask;
 pub mod metrics;
 pub mod oidc;
 pub mod pages;
+pub mod people;
 pub mod providers;
 pub mod query;
 pub mod requests;

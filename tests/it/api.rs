@@ -975,6 +975,142 @@ async fn providers_and_the_audit_log_through_the_api() {
     app.stop().await;
 }
 
+/// Users and tokens are changed through the API as on the admin pages
+/// (`web::people`): a user added, its role, pipelines and unmask changed,
+/// a weak password refused, disabled and enabled; the last admin kept; a
+/// token made (its secret answered once), used and revoked; all audited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_and_tokens_are_managed_through_the_api() {
+    let Some(app) = WebApp::spawn(Backend::Sqlite, "api_people", "").await else {
+        return;
+    };
+    let admin = app.token(Role::Admin).await;
+    let call = |method: reqwest::Method, path: &str, token: &str, body: Option<Value>| {
+        let mut req = app.client.request(method, app.url(path)).bearer_auth(token);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        async move {
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let post = reqwest::Method::POST;
+    let (s, user) = call(
+        post.clone(),
+        "/api/v1/users",
+        &admin,
+        Some(json!({"username": "support", "password": crate::web::password_of("support"), "role": "viewer", "pipelines": ["leads"]})),
+    )
+    .await;
+    assert_eq!(s, 201, "{user}");
+    assert_eq!(user["pipelines"], json!(["leads"]), "{user}");
+    let id = user["id"].as_i64().unwrap();
+    let at = |what: &str| format!("/api/v1/users/{id}/{what}");
+    let (s, changed) = call(
+        post.clone(),
+        &at("role"),
+        &admin,
+        Some(json!({"role": "operator"})),
+    )
+    .await;
+    assert_eq!(
+        (s, &changed["role"]),
+        (200, &json!("operator")),
+        "{changed}"
+    );
+    let (s, changed) = call(
+        post.clone(),
+        &at("pipelines"),
+        &admin,
+        Some(json!({"pipelines": []})),
+    )
+    .await;
+    assert_eq!((s, &changed["pipelines"]), (200, &json!([])), "{changed}");
+    let (s, changed) = call(
+        post.clone(),
+        &at("unmask"),
+        &admin,
+        Some(json!({"unmask": true})),
+    )
+    .await;
+    assert_eq!((s, &changed["unmask"]), (200, &json!(true)), "{changed}");
+    let (s, weak) = call(
+        post.clone(),
+        &at("password"),
+        &admin,
+        Some(json!({"password": "short"})),
+    )
+    .await;
+    assert_eq!((s, &weak["code"]), (400, &json!("weak_password")), "{weak}");
+    let (s, off) = call(post.clone(), &at("disable"), &admin, None).await;
+    assert_eq!((s, &off["disabled"]), (200, &json!(true)), "{off}");
+    let (s, on) = call(post.clone(), &at("enable"), &admin, None).await;
+    assert_eq!((s, &on["disabled"]), (200, &json!(false)), "{on}");
+    // The last enabled admin stays one, whoever asks.
+    let first = app.t.db.user_by_name("admin").await.unwrap().unwrap();
+    let (s, kept) = call(
+        post.clone(),
+        &format!("/api/v1/users/{}/disable", first.id),
+        &admin,
+        None,
+    )
+    .await;
+    assert_eq!(s, 409, "{kept}");
+    // A token: its secret once, then only its prefix; it works until revoked.
+    let (s, made) = call(
+        post.clone(),
+        "/api/v1/tokens",
+        &admin,
+        Some(json!({"name": "ci", "role": "viewer", "expires_in_days": 30})),
+    )
+    .await;
+    assert_eq!(s, 201, "{made}");
+    let secret = made["token"].as_str().unwrap().to_owned();
+    assert!(made["item"]["expires_at"].is_number(), "{made}");
+    let (s, _) = call(reqwest::Method::GET, "/api/v1/records", &secret, None).await;
+    assert_eq!(s, 200);
+    let (_, listed) = call(reqwest::Method::GET, "/api/v1/tokens", &admin, None).await;
+    assert!(!listed.to_string().contains(&secret), "{listed}");
+    let revoke = format!("/api/v1/tokens/{}/revoke", made["item"]["id"]);
+    let (s, revoked) = call(post.clone(), &revoke, &admin, None).await;
+    assert_eq!(s, 200, "{revoked}");
+    assert!(revoked["revoked_at"].is_number(), "{revoked}");
+    let (s, _) = call(reqwest::Method::GET, "/api/v1/records", &secret, None).await;
+    assert_eq!(s, 401);
+    let (s, bad) = call(
+        post.clone(),
+        "/api/v1/tokens",
+        &admin,
+        Some(json!({"name": "x", "role": "admin", "pipelines": ["leads"]})),
+    )
+    .await;
+    assert_eq!((s, &bad["code"]), (400, &json!("admin_scoped")), "{bad}");
+    // Each change is in the audit log, by the token that made it.
+    let (_, audit) = call(reqwest::Method::GET, "/api/v1/audit?limit=50", &admin, None).await;
+    let kinds: Vec<&str> = audit["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    for kind in [
+        "user_added",
+        "user_changed",
+        "token_created",
+        "token_revoked",
+    ] {
+        assert!(kinds.contains(&kind), "{kind} in {kinds:?}");
+    }
+    let changes = kinds.iter().filter(|k| **k == "user_changed").count();
+    assert_eq!(
+        changes, 5,
+        "role, pipelines, unmask, disable, enable: {kinds:?}"
+    );
+    app.stop().await;
+}
+
 /// Issue 21 item 4: bulk actions through the API, with the page's rules: a
 /// dry run unless asked to apply, a reason, ids or a filter (not both, not
 /// neither), the cap, the per-user limit, operators only.

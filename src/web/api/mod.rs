@@ -7,6 +7,7 @@
 
 mod control;
 mod doc;
+mod people;
 mod pipelines;
 mod records;
 
@@ -38,6 +39,7 @@ fn routes() -> OpenApiRouter<AppState> {
     records::routes()
         .merge(control::routes())
         .merge(pipelines::routes())
+        .merge(people::routes())
 }
 
 /// The API's routes with two limits: per token (`api_per_second`, bursts of

@@ -1,6 +1,6 @@
 //! Admin pages: users (add, change role or pipelines, disable, reset
-//! password) and API tokens (create — shown once —, list, revoke). Every change is audited;
-//! user changes revoke the user's sessions in the same transaction.
+//! password) and API tokens (create — shown once —, list, revoke), each
+//! change made by `web::people` as the API makes it.
 
 use askama::Template;
 use axum::extract::{Path, State};
@@ -10,15 +10,13 @@ use axum::{Form, Router};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::auth::password;
-use crate::domain::Role;
 use crate::domain::scope::Scope;
-use crate::store::{NewApiToken, NewUser, UserChange};
+use crate::store::UserChange;
 
-use super::audit;
 use crate::web::AppState;
-use crate::web::auth::{self, Admin, Authed};
+use crate::web::auth::{Admin, Authed};
 use crate::web::error::{WebError, WebResult};
+use crate::web::people;
 
 use super::{Nav, html, when, when_opt};
 
@@ -78,21 +76,6 @@ async fn users(caller: Authed<Admin>, State(state): State<AppState>) -> WebResul
     })
 }
 
-fn parse_role(s: &str) -> WebResult<Role> {
-    s.parse::<Role>()
-        .map_err(|_| WebError::bad("unknown_role", format!("unknown role `{s}`")))
-}
-
-/// A form's pipelines (names or patterns separated by commas; empty:
-/// every pipeline) for `role`.
-fn parse_scope(text: &str, role: Role) -> WebResult<Scope> {
-    let scope = Scope::parse(text).map_err(|m| WebError::bad("bad_pipelines", m))?;
-    scope
-        .check_role(role)
-        .map_err(|m| WebError::bad("admin_scoped", m))?;
-    Ok(scope)
-}
-
 #[derive(Deserialize)]
 struct AddUser {
     username: String,
@@ -111,36 +94,14 @@ async fn add_user(
     State(state): State<AppState>,
     Form(f): Form<AddUser>,
 ) -> WebResult<Response> {
-    let role = parse_role(&f.role)?;
-    let pipelines = parse_scope(&f.pipelines, role)?;
-    password::check_policy(&f.password)
-        .map_err(|e| WebError::bad("weak_password", e.to_string()))?;
-    let hash = password::hash_blocking(f.password)
-        .await
-        .map_err(|e| WebError::Internal(e.to_string()))?;
-    let user = state
-        .db
-        .create_user(
-            &NewUser {
-                username: f.username.trim().to_owned(),
-                password_hash: hash,
-                role,
-                pipelines,
-                unmask: f.unmask.as_deref() == Some("on"),
-            },
-            state.clock.now_ms(),
-        )
-        .await?;
-    audit(
-        &state,
-        &caller.actor,
-        "user_added",
-        json!({
-            "user": user.username, "role": role.as_str(),
-            "pipelines": user.pipelines.patterns(), "unmask": user.unmask,
-        }),
-    )
-    .await?;
+    let spec = people::UserSpec {
+        username: f.username,
+        password: f.password,
+        role: f.role,
+        pipelines: f.pipelines,
+        unmask: f.unmask.as_deref() == Some("on"),
+    };
+    people::add_user(&state, &caller.actor, spec).await?;
     Ok(Redirect::to("/admin/users").into_response())
 }
 
@@ -151,13 +112,7 @@ async fn change(
     change: UserChange,
     what: serde_json::Value,
 ) -> WebResult<Response> {
-    let user = state
-        .db
-        .update_user(id, &change, state.clock.now_ms())
-        .await?;
-    let mut detail = what;
-    detail["user"] = json!(user.username);
-    audit(state, actor, "user_changed", detail).await?;
+    people::change_user(state, actor, id, change, what).await?;
     Ok(Redirect::to("/admin/users").into_response())
 }
 
@@ -172,7 +127,7 @@ async fn set_role(
     Path(id): Path<i64>,
     Form(f): Form<RoleForm>,
 ) -> WebResult<Response> {
-    let role = parse_role(&f.role)?;
+    let role = people::parse_role(&f.role)?;
     change(
         &state,
         &caller.actor,
@@ -278,24 +233,8 @@ async fn reset_password(
     Path(id): Path<i64>,
     Form(f): Form<PasswordForm>,
 ) -> WebResult<Response> {
-    // Refused before any hash is made (the store refuses it too).
-    if let Some(u) = state.db.user_by_id(id).await?.filter(|u| u.signs_on) {
-        let refusal = crate::domain::account::AccountRefusal::SignsOn(u.username);
-        return Err(crate::store::StoreError::from(refusal).into());
-    }
-    password::check_policy(&f.password)
-        .map_err(|e| WebError::bad("weak_password", e.to_string()))?;
-    let hash = password::hash_blocking(f.password)
-        .await
-        .map_err(|e| WebError::Internal(e.to_string()))?;
-    change(
-        &state,
-        &caller.actor,
-        id,
-        UserChange::Password(hash),
-        json!({ "password": "reset" }),
-    )
-    .await
+    people::set_password(&state, &caller.actor, id, f.password).await?;
+    Ok(Redirect::to("/admin/users").into_response())
 }
 
 struct TokenView {
@@ -386,50 +325,20 @@ struct TokenForm {
     unmask: Option<String>,
 }
 
-/// When a token made at `now` to last `days` (a form's text) expires.
-fn token_expiry(days: &str, now: crate::domain::UnixMs) -> WebResult<Option<i64>> {
-    let days = days.trim();
-    if days.is_empty() || days == "never" {
-        return Ok(None);
-    }
-    match days.parse::<i64>() {
-        Ok(d @ 1..=3650) => Ok(Some(now.saturating_add(d * 86_400_000))),
-        _ => Err(WebError::bad(
-            "bad_token_expiry",
-            format!("a token lasts 1 to 3650 days, or never; not `{days}`"),
-        )),
-    }
-}
-
 async fn create_token(
     caller: Authed<Admin>,
     State(state): State<AppState>,
     Form(f): Form<TokenForm>,
 ) -> WebResult<Response> {
-    let role = parse_role(&f.role)?;
-    let pipelines = parse_scope(&f.pipelines, role)?;
-    let now = state.clock.now_ms();
-    let expires_at = token_expiry(&f.expires_in_days, now)?;
-    let (token, hash, prefix) =
-        auth::new_api_token().map_err(|e| WebError::Internal(e.to_string()))?;
-    let name = f.name.trim().to_owned();
-    state
-        .db
-        .create_api_token(
-            &NewApiToken {
-                name: name.clone(),
-                token_hash: hash,
-                prefix,
-                role,
-                created_by: caller.actor.clone(),
-                expires_at,
-                pipelines,
-                unmask: f.unmask.as_deref() == Some("on"),
-            },
-            now,
-        )
-        .await?;
-    let mut r = tokens_page(&state, &caller, Some((name, token))).await?;
+    let spec = people::TokenSpec {
+        name: f.name,
+        role: f.role,
+        expires_in_days: f.expires_in_days,
+        pipelines: f.pipelines,
+        unmask: f.unmask.as_deref() == Some("on"),
+    };
+    let (secret, token) = people::create_token(&state, &caller.actor, spec).await?;
+    let mut r = tokens_page(&state, &caller, Some((token.name, secret))).await?;
     *r.status_mut() = axum::http::StatusCode::CREATED;
     Ok(r)
 }

@@ -86,28 +86,7 @@ impl Nav {
     }
 }
 
-/// Writes an audit entry about no record: `kind` by `actor`, now.
-pub(super) async fn audit(
-    state: &AppState,
-    actor: &str,
-    kind: &str,
-    detail: serde_json::Value,
-) -> WebResult<()> {
-    state
-        .db
-        .append_event(&crate::store::NewEvent {
-            record_id: None,
-            at: state.clock.now_ms(),
-            kind: kind.to_owned(),
-            actor: actor.to_owned(),
-            audit: true,
-            step: None,
-            reason: None,
-            detail: Some(detail),
-        })
-        .await?;
-    Ok(())
-}
+pub(super) use crate::web::people::audit;
 
 /// A rendered template as an HTML response.
 pub fn html<T: Template>(t: &T) -> WebResult<Response> {
