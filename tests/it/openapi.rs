@@ -34,12 +34,17 @@ fn tool(name: &str) -> Option<PathBuf> {
 
 /// A node with the API tests' pipeline and a record in it.
 async fn node(test: &str) -> Option<(SimHandle, WebApp, i64)> {
+    node_on(Backend::Sqlite, test).await
+}
+
+/// [`node`] on `backend`.
+async fn node_on(backend: Backend, test: &str) -> Option<(SimHandle, WebApp, i64)> {
     let sim = SimHandle::spawn(Profile::clean(3)).await.unwrap();
     let extra = format!(
         "{}\n[server.limits]\napi_per_second = 100000\nbulk_per_minute = 100000\n",
         crate::api::pipeline(&sim.base_url())
     );
-    let Some(app) = WebApp::spawn(Backend::Sqlite, test, &extra).await else {
+    let Some(app) = WebApp::spawn(backend, test, &extra).await else {
         sim.stop();
         return None;
     };
@@ -263,17 +268,26 @@ async fn each_operation_needs_the_role_its_document_names() {
     sim.stop();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_tester_finds_no_fault_in_a_live_node_sqlite() {
+    api_tester(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_tester_finds_no_fault_in_a_live_node_postgres() {
+    api_tester(Backend::Postgres).await;
+}
+
 /// Schemathesis, stateful (it follows what one answer gives to the next
 /// call: a record made, then read and acted on), with an admin token,
 /// against a live node: no 5xx, every status, content type, header and
 /// body as the document says. Its seed is fixed, so a failure replays;
 /// `BALLAST_SCHEMATHESIS_SEED` picks another.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_api_tester_finds_no_fault_in_a_live_node() {
+async fn api_tester(backend: Backend) {
     let Some(tester) = tool("schemathesis") else {
         return;
     };
-    let Some((sim, app, id)) = node("openapi_tester").await else {
+    let Some((sim, app, id)) = node_on(backend, "openapi_tester").await else {
         return;
     };
     let admin = app.token(Role::Admin).await;
