@@ -1227,6 +1227,7 @@ async fn pages_at_scale(
                 prefix,
                 role: ballast::domain::Role::Viewer,
                 created_by: "bench".into(),
+                actor: "bench".into(),
                 expires_at: None,
                 pipelines: ballast::domain::scope::Scope::all(),
             },

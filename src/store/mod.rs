@@ -641,7 +641,12 @@ pub struct NewApiToken {
     pub token_hash: String,
     pub prefix: String,
     pub role: Role,
+    /// The user it belongs to: a change to that user (a role, disabled,
+    /// pipelines) revokes it.
     pub created_by: String,
+    /// Who made it, for the audit log: that user, or a token of theirs
+    /// (`token:NAME`).
+    pub actor: String,
     /// When it stops working, if ever.
     pub expires_at: Option<UnixMs>,
     /// The pipelines it may see.

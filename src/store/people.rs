@@ -325,7 +325,7 @@ where
             "expires_at": token.expires_at, "pipelines": token.pipelines.patterns(),
             "unmask": token.unmask,
         });
-        let event = EventRow::audit("token_created", &t.created_by, now, &detail);
+        let event = EventRow::audit("token_created", &t.actor, now, &detail);
         self.insert_event(&mut tx, &event).await?;
         tx.commit().await?;
         Ok(token)

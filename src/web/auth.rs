@@ -283,6 +283,10 @@ pub struct Caller {
     /// The session's CSRF token, for pages to embed.
     pub csrf: String,
     pub user: Option<User>,
+    /// The user answerable for what it does: itself, or the user who made
+    /// the token (the tokens a token makes belong to that user too, so a
+    /// change to the user revokes them all).
+    pub owner: String,
     /// The pipelines the caller may see (`web::scope`).
     pub scope: crate::domain::scope::Scope,
     /// Sees sensitive fields in clear (`web::mask`).
@@ -422,6 +426,7 @@ pub async fn session_caller(headers: &HeaderMap, state: &AppState) -> Result<Cal
         .ok_or(WebError::Unauthenticated)?;
     Ok(Caller {
         actor: user.username.clone(),
+        owner: user.username.clone(),
         role: user.role,
         csrf: keys.csrf_token(&claims.sid),
         session_id: Some(claims.sid),
@@ -454,6 +459,7 @@ pub async fn token_caller(headers: &HeaderMap, state: &AppState) -> Result<Calle
     }
     Ok(Caller {
         actor: format!("token:{}", found.name),
+        owner: found.created_by,
         role: found.role,
         session_id: None,
         csrf: String::new(),

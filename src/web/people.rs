@@ -11,6 +11,7 @@ use crate::domain::scope::Scope;
 use crate::domain::{ApiToken, Role, UnixMs, User};
 use crate::store::{NewApiToken, NewUser, StoreError};
 use crate::web::AppState;
+use crate::web::auth::Caller;
 use crate::web::error::{WebError, WebResult};
 
 /// Writes an audit entry about no record: `kind` by `actor`, now.
@@ -157,11 +158,11 @@ fn token_expiry(days: &str, now: UnixMs) -> WebResult<Option<i64>> {
     }
 }
 
-/// Creates a token (audited by the store): its secret, shown this once,
-/// and the token as lists show it.
+/// Creates a token (audited by the store) for `caller`'s owner: its
+/// secret, shown this once, and the token as lists show it.
 pub async fn create_token(
     state: &AppState,
-    actor: &str,
+    caller: &Caller,
     spec: TokenSpec,
 ) -> WebResult<(String, ApiToken)> {
     let role = parse_role(&spec.role)?;
@@ -178,7 +179,8 @@ pub async fn create_token(
                 token_hash: hash,
                 prefix,
                 role,
-                created_by: actor.to_owned(),
+                created_by: caller.owner.clone(),
+                actor: caller.actor.clone(),
                 expires_at,
                 pipelines,
                 unmask: spec.unmask,

@@ -1036,6 +1036,26 @@ async fn users_and_tokens_are_managed_through_the_api() {
     )
     .await;
     assert_eq!((s, &changed["unmask"]), (200, &json!(true)), "{changed}");
+    let (s, blank) = call(
+        post.clone(),
+        &at("pipelines"),
+        &admin,
+        Some(json!({"pipelines": [" "]})),
+    )
+    .await;
+    assert_eq!(
+        (s, &blank["code"]),
+        (400, &json!("bad_pipelines")),
+        "a blank is not every pipeline: {blank}"
+    );
+    let (s, _) = call(
+        post.clone(),
+        &at("password"),
+        &admin,
+        Some(json!({"password": crate::web::password_of("new")})),
+    )
+    .await;
+    assert_eq!(s, 200);
     let (s, weak) = call(
         post.clone(),
         &at("password"),
@@ -1087,6 +1107,49 @@ async fn users_and_tokens_are_managed_through_the_api() {
     )
     .await;
     assert_eq!((s, &bad["code"]), (400, &json!("admin_scoped")), "{bad}");
+    // A token made by a token belongs to the user the first belongs to: a
+    // change to that user revokes both.
+    let (s, _) = call(
+        post.clone(),
+        &at("role"),
+        &admin,
+        Some(json!({"role": "admin"})),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let (parent, hash, prefix) = ballast::web::auth::new_api_token().unwrap();
+    let spec = ballast::store::NewApiToken {
+        name: "support-ci".into(),
+        token_hash: hash,
+        prefix,
+        role: Role::Admin,
+        created_by: "support".into(),
+        actor: "support".into(),
+        expires_at: None,
+        pipelines: ballast::domain::scope::Scope::all(),
+        unmask: false,
+    };
+    app.t
+        .db
+        .create_api_token(&spec, crate::helpers::wall_ms())
+        .await
+        .unwrap();
+    let (s, child) = call(
+        post.clone(),
+        "/api/v1/tokens",
+        &parent,
+        Some(json!({"name": "child", "role": "viewer"})),
+    )
+    .await;
+    assert_eq!(s, 201, "{child}");
+    assert_eq!(child["item"]["created_by"], "support", "{child}");
+    let child = child["token"].as_str().unwrap().to_owned();
+    let (s, _) = call(post.clone(), &at("disable"), &admin, None).await;
+    assert_eq!(s, 200);
+    for (who, token) in [("parent", &parent), ("child", &child)] {
+        let (s, _) = call(reqwest::Method::GET, "/api/v1/records", token, None).await;
+        assert_eq!(s, 401, "{who} revoked with its user");
+    }
     // Each change is in the audit log, by the token that made it.
     let (_, audit) = call(reqwest::Method::GET, "/api/v1/audit?limit=50", &admin, None).await;
     let kinds: Vec<&str> = audit["items"]
@@ -1105,8 +1168,23 @@ async fn users_and_tokens_are_managed_through_the_api() {
     }
     let changes = kinds.iter().filter(|k| **k == "user_changed").count();
     assert_eq!(
-        changes, 5,
-        "role, pipelines, unmask, disable, enable: {kinds:?}"
+        changes, 8,
+        "role, pipelines, unmask, password, disable, enable, role, disable: {kinds:?}"
+    );
+    let by = |kind: &str| -> Vec<String> {
+        let items = audit["items"].as_array().unwrap().iter();
+        items
+            .filter(|e| e["kind"] == kind)
+            .map(|e| e["actor"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(
+        by("user_added").iter().all(|a| a == "token:t-admin"),
+        "{audit}"
+    );
+    assert!(
+        by("token_created").contains(&"token:support-ci".to_owned()),
+        "the token that made it: {audit}"
     );
     app.stop().await;
 }

@@ -363,6 +363,7 @@ callback = {{ job_id = "/job_id", deadline = "2s" }}
             prefix,
             role: Role::Admin,
             created_by: "test".into(),
+            actor: "test".into(),
             expires_at: None,
         },
         crate::helpers::wall_ms(),

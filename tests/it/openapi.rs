@@ -338,6 +338,20 @@ async fn api_tester(backend: Backend) {
         run.status.success(),
         "schemathesis found faults (seed {seed}):\n{said}"
     );
+    // Its token still worked at the end (it may revoke others, disable or
+    // change users; a run whose own token went would test nothing after).
+    let still = app
+        .client
+        .get(app.url("/api/v1/users"))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        still.status(),
+        200,
+        "the tester's token was lost during its run"
+    );
     let summary = said
         .lines()
         .skip_while(|l| !l.contains("WARNINGS") && !l.contains("SUMMARY"));
@@ -361,7 +375,7 @@ async fn a_generated_python_client_works() {
     let (text, _) = fetch_document(&app).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("openapi.json"), &text).unwrap();
-    // No formatter after generating (ruff is not among the tools).
+    // No formatter after generating: the code is run, not read.
     std::fs::write(dir.path().join("generator.yaml"), "post_hooks: []\n").unwrap();
     let generated = std::process::Command::new(generator)
         .args([

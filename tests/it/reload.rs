@@ -94,6 +94,7 @@ pub(crate) async fn admin_token(db: &Db) -> String {
             prefix,
             role: ballast::domain::Role::Admin,
             created_by: "test".into(),
+            actor: "test".into(),
             expires_at: None,
         },
         crate::helpers::wall_ms(),

@@ -71,6 +71,7 @@ async fn token(app: &WebApp, name: &str, role: Role, scope: &str) -> String {
         prefix,
         role,
         created_by: "test".into(),
+        actor: "test".into(),
         expires_at: None,
         pipelines: Scope::parse(scope).unwrap(),
     };
@@ -663,6 +664,7 @@ async fn down_disables_the_limited(backend: Backend) {
             prefix: format!("p-{name}"),
             role: Role::Viewer,
             created_by: "test".into(),
+            actor: "test".into(),
             expires_at: None,
             pipelines: Scope::parse(scope).unwrap(),
         };

@@ -66,6 +66,7 @@ async fn token(app: &WebApp, name: &str, unmask: bool) -> String {
         prefix,
         role: Role::Operator,
         created_by: "test".into(),
+        actor: "test".into(),
         expires_at: None,
         pipelines: Scope::all(),
         unmask,

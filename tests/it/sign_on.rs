@@ -442,6 +442,7 @@ async fn token_of(app: &WebApp, user: &str) -> i64 {
         prefix,
         role: Role::Admin,
         created_by: user.to_owned(),
+        actor: user.into(),
         expires_at: None,
         pipelines: ballast::domain::scope::Scope::all(),
         unmask: false,

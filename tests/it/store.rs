@@ -2318,6 +2318,7 @@ async fn api_tokens_are_stored_hashed_and_revocable(db: &Db) {
         prefix: "blt_abcd".into(),
         role: Role::Operator,
         created_by: "admin".into(),
+        actor: "admin".into(),
         expires_at: None,
     };
     let t = db.create_api_token(&new("ci", "h1"), T0).await.unwrap();

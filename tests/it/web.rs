@@ -302,6 +302,7 @@ impl WebApp {
                     prefix,
                     role,
                     created_by: "test".into(),
+                    actor: "test".into(),
                     expires_at: None,
                 },
                 crate::helpers::wall_ms(),
@@ -2043,6 +2044,7 @@ async fn api_tokens_may_expire() {
         prefix: "blt_0000".into(),
         role: Role::Viewer,
         created_by: "test".into(),
+        actor: "test".into(),
         expires_at: Some(clock.now_ms() - 1),
     };
     app.t

@@ -20,6 +20,19 @@ use crate::web::auth::{Admin, Bearer};
 use crate::web::error::WebResult;
 use crate::web::people;
 
+/// A list of pipelines as `web::people` reads them (comma-separated),
+/// each a name or pattern: a blank one (which would read as "every
+/// pipeline") or one with a comma in it is refused, not widened.
+fn pipelines(list: Vec<String>) -> WebResult<String> {
+    if let Some(bad) = list.iter().find(|p| p.trim().is_empty() || p.contains(',')) {
+        return Err(crate::web::error::WebError::bad(
+            "bad_pipelines",
+            format!("{bad:?} is not a pipeline name or pattern"),
+        ));
+    }
+    Ok(list.join(","))
+}
+
 pub(super) fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(add_user))
@@ -38,7 +51,9 @@ pub(super) fn routes() -> OpenApiRouter<AppState> {
 #[serde(deny_unknown_fields)]
 struct NewUserBody {
     username: String,
-    /// Within the password policy.
+    /// Within the password policy (12 characters or more, not a common
+    /// one).
+    #[schema(min_length = 12)]
     password: String,
     #[schema(value_type = crate::domain::Role)]
     role: String,
@@ -71,7 +86,7 @@ async fn add_user(
         username: b.username,
         password: b.password,
         role: b.role,
-        pipelines: b.pipelines.join(","),
+        pipelines: pipelines(b.pipelines)?,
         unmask: b.unmask,
     };
     let user = people::add_user(&state, &caller.actor, spec).await?;
@@ -87,7 +102,8 @@ struct RoleBody {
 
 /// Change a user's role.
 ///
-/// Its sessions end; the last enabled admin stays one. Audited. Admins.
+/// Its sessions end and the tokens it made are revoked; the last enabled
+/// admin stays one. Audited. Admins.
 #[utoipa::path(
     post,
     path = "/users/{id}/role",
@@ -119,7 +135,8 @@ struct PipelinesBody {
 
 /// Limit a user to pipelines.
 ///
-/// Its sessions end. Audited. Admins.
+/// Its sessions end (its tokens keep their own pipelines). Audited.
+/// Admins.
 #[utoipa::path(
     post,
     path = "/users/{id}/pipelines",
@@ -136,7 +153,7 @@ async fn set_pipelines(
     ApiPath(id): ApiPath<i64>,
     ApiJson(b): ApiJson<PipelinesBody>,
 ) -> WebResult<Json<User>> {
-    let scope = crate::domain::scope::Scope::parse(&b.pipelines.join(","))
+    let scope = crate::domain::scope::Scope::parse(&pipelines(b.pipelines)?)
         .map_err(|m| crate::web::error::WebError::bad("bad_pipelines", m))?;
     let what = json!({ "pipelines": scope.patterns() });
     let change = UserChange::Pipelines(scope);
@@ -181,7 +198,9 @@ async fn set_unmask(
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct PasswordBody {
-    /// Within the password policy.
+    /// Within the password policy (12 characters or more, not a common
+    /// one).
+    #[schema(min_length = 12)]
     password: String,
 }
 
@@ -212,7 +231,8 @@ async fn set_password(
 
 /// Disable a user.
 ///
-/// Its sessions end; the last enabled admin stays one. Audited. Admins.
+/// Its sessions end and the tokens it made are revoked; the last enabled
+/// admin stays one. Audited. Admins.
 #[utoipa::path(
     post,
     path = "/users/{id}/disable",
@@ -286,7 +306,8 @@ struct CreatedToken {
 
 /// Create an API token.
 ///
-/// Its secret is in this answer only. Audited. Admins.
+/// Its secret is in this answer only. It belongs to the user the calling
+/// token belongs to (a change to that user revokes both). Audited. Admins.
 #[utoipa::path(
     post,
     path = "/tokens",
@@ -305,10 +326,10 @@ async fn create_token(
         name: b.name,
         role: b.role,
         expires_in_days: b.expires_in_days.map(|d| d.to_string()).unwrap_or_default(),
-        pipelines: b.pipelines.join(","),
+        pipelines: pipelines(b.pipelines)?,
         unmask: b.unmask,
     };
-    let (token, item) = people::create_token(&state, &caller.actor, spec).await?;
+    let (token, item) = people::create_token(&state, &caller, spec).await?;
     Ok((StatusCode::CREATED, Json(CreatedToken { token, item })))
 }
 

@@ -337,7 +337,7 @@ async fn create_token(
         pipelines: f.pipelines,
         unmask: f.unmask.as_deref() == Some("on"),
     };
-    let (secret, token) = people::create_token(&state, &caller.actor, spec).await?;
+    let (secret, token) = people::create_token(&state, &caller, spec).await?;
     let mut r = tokens_page(&state, &caller, Some((token.name, secret))).await?;
     *r.status_mut() = axum::http::StatusCode::CREATED;
     Ok(r)
