@@ -137,13 +137,26 @@ impl Drop for TestDb {
     }
 }
 
-/// A port nobody listens on (yet).
+/// A port nobody listens on (yet), for a child process to bind later.
+/// Taken below the kernel's ephemeral range (32768 and up here), where no
+/// outgoing connection's source port or `bind(0)` lands: the tests make
+/// thousands of connections (the API tester), and a port picked from that
+/// range could be a connection's by the time the child binds it. Each
+/// call of this process tries the next port from a random start.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    const LOW: u16 = 20_000;
+    const SPAN: u16 = 12_000;
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let start = fastrand::u16(0..SPAN);
+    for _ in 0..SPAN {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = LOW + (start.wrapping_add(n) % SPAN);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// Minimal HTTP/1.1 GET on loopback: (status, body).
