@@ -83,10 +83,7 @@ async fn driver(test: &str) -> Option<Driver> {
         );
         return None;
     }
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = crate::helpers::free_port();
     // A process group of its own: the browsers it starts are in it too,
     // and go with it (Driver's drop).
     let mut child = std::os::unix::process::CommandExt::process_group(
@@ -671,11 +668,7 @@ async fn the_demo_shows_every_outcome_within_a_minute() {
     };
     let c = &d.client;
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::helpers::free_port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
         .current_dir(dir.path())
         .args([
