@@ -58,29 +58,32 @@ impl Window {
     }
 }
 
-/// The bucket of `bounds` holding quantile `q` of `counts`, as "≤ N ms"
-/// ("> N" past the last bound, "—" for no counts).
-fn quantile(counts: &[i64], bounds: &[i64], q: f64) -> String {
+/// The index of the bucket holding quantile `q` of `counts`, `None` for
+/// no counts (the pages' labels and the API's figures alike).
+pub fn quantile_bucket(counts: &[i64], q: f64) -> Option<usize> {
     let total: i64 = counts.iter().sum();
     if total == 0 {
-        return "—".into();
+        return None;
     }
     let want = (q * total as f64).ceil() as i64;
     let mut seen = 0;
-    for (i, n) in counts.iter().enumerate() {
+    counts.iter().position(|n| {
         seen += n;
-        if seen >= want {
-            return match bounds.get(i) {
-                Some(&b) if b == i64::MAX => match bounds.len().checked_sub(2).map(|j| bounds[j]) {
-                    Some(last) => format!("> {}", super::fmt::millis(last)),
-                    None => "—".into(),
-                },
-                Some(&b) => format!("≤ {}", super::fmt::millis(b)),
-                None => "—".into(),
-            };
-        }
+        seen >= want
+    })
+}
+
+/// The bucket of `bounds` holding quantile `q` of `counts`, as "≤ N ms"
+/// ("> N" past the last bound, "—" for no counts).
+fn quantile(counts: &[i64], bounds: &[i64], q: f64) -> String {
+    match quantile_bucket(counts, q).and_then(|i| bounds.get(i)) {
+        Some(&b) if b == i64::MAX => match bounds.len().checked_sub(2).map(|j| bounds[j]) {
+            Some(last) => format!("> {}", super::fmt::millis(last)),
+            None => "—".into(),
+        },
+        Some(&b) => format!("≤ {}", super::fmt::millis(b)),
+        None => "—".into(),
     }
-    "—".into()
 }
 
 /// Step runs (every attempt and poll of one step of one record) that

@@ -120,9 +120,9 @@ fn add_problems(op: &mut Operation, changes: bool) {
 }
 
 /// The whole document.
-pub(super) fn document() -> Document {
+pub(super) fn document(routes: Document) -> Document {
     let mut doc = Base::openapi();
-    doc.merge(super::routes().into_openapi());
+    doc.merge(routes);
     Shared.modify(&mut doc);
     doc
 }
@@ -130,7 +130,12 @@ pub(super) fn document() -> Document {
 /// The document as `/api/v1/openapi.json` serves it (and `ballast
 /// openapi` prints it), made once per router.
 pub fn served() -> Result<Arc<str>, serde_json::Error> {
-    let mut doc = serde_json::to_value(document())?;
+    render(super::routes().into_openapi())
+}
+
+/// The document of `routes` (the paths the router was built from) as JSON.
+pub(super) fn render(routes: Document) -> Result<Arc<str>, serde_json::Error> {
+    let mut doc = serde_json::to_value(document(routes))?;
     name_moments(&mut doc);
     Ok(serde_json::to_string_pretty(&doc)?.into())
 }

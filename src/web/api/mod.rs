@@ -49,8 +49,9 @@ pub fn router(state: &AppState) -> Router<AppState> {
     let limits: &WebLimits = &state.config.get().server.limits;
     let trusted: Arc<[std::net::IpAddr]> = state.web.keys.trusted_proxies.clone();
     let per_second = u64::from(limits.api_per_second.max(1));
-    let (routes, _) = routes().split_for_parts();
-    let served = doc::served().map_err(|e| e.to_string());
+    // The router and its document from one list of routes, built once.
+    let (routes, paths) = routes().split_for_parts();
+    let served = doc::render(paths).map_err(|e| e.to_string());
     let mut routes = routes
         .route(
             "/openapi.json",

@@ -127,15 +127,7 @@ struct Version {
 impl Figures {
     fn of(runs: &Runs) -> Self {
         let bound = |i: usize| RUN_BUCKETS_MS.get(i).copied().filter(|b| *b != i64::MAX);
-        let quantile = |q: f64| {
-            let total: i64 = runs.latency.iter().sum();
-            let want = (q * total as f64).ceil() as i64;
-            let mut seen = 0;
-            runs.latency.iter().position(|n| {
-                seen += n;
-                total > 0 && seen >= want
-            })
-        };
+        let quantile = |q: f64| crate::web::stats_view::quantile_bucket(&runs.latency, q);
         Figures {
             succeeded: runs.succeeded,
             failed: runs.failed,
