@@ -488,6 +488,7 @@ request = { method = "POST", path = "/v1/charge", body = '{"ref": "{{ record.id 
         .map(|i| NewRecord {
             pipeline: "one".into(),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(format!("n-{i}")),
             input: json!({}),

@@ -125,6 +125,10 @@ pub enum Command {
         /// the workers fairly, and its `group_concurrency` caps each.
         #[arg(long)]
         group: Option<String>,
+        /// 0 to 9 (5 when left out): within its pipeline and group, a
+        /// record of higher priority is claimed first.
+        #[arg(long, value_parser = clap::value_parser!(u8).range(0..=9))]
+        priority: Option<u8>,
         /// The record's input, a JSON value.
         #[arg(long, default_value = "{}")]
         input: String,
@@ -191,6 +195,9 @@ pub struct ExportArgs {
     /// Records of this group (given at enqueue).
     #[arg(long)]
     group: Option<String>,
+    /// Records of this priority (0 to 9).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=9))]
+    priority: Option<u8>,
     /// Records whose external key starts with this.
     #[arg(long)]
     key_prefix: Option<String>,
@@ -463,6 +470,7 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
             pipeline,
             key,
             group,
+            priority,
             input,
             run_at,
             delay,
@@ -474,7 +482,7 @@ pub async fn run(cli: Cli, loaded: Loaded) -> anyhow::Result<()> {
             enqueue(
                 config,
                 &pipeline,
-                (key.as_deref(), group.as_deref()),
+                (key.as_deref(), group.as_deref(), priority),
                 &input,
                 when,
             )
@@ -498,6 +506,7 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         step,
         error_code,
         group,
+        priority,
         key_prefix,
         format,
         attempts,
@@ -515,6 +524,7 @@ async fn export(config: &Config, args: ExportArgs) -> anyhow::Result<()> {
         step,
         error_code,
         group,
+        priority,
         key_prefix,
         ..Default::default()
     };
@@ -1135,7 +1145,7 @@ struct When<'a> {
 async fn enqueue(
     config: Config,
     pipeline: &str,
-    (key, group): (Option<&str>, Option<&str>),
+    (key, group, priority): (Option<&str>, Option<&str>, Option<u8>),
     input: &str,
     when: When<'_>,
 ) -> anyhow::Result<()> {
@@ -1167,6 +1177,7 @@ async fn enqueue(
         .enqueue(
             crate::engine::Enqueue::new(pipeline, key, input)
                 .in_group(group)
+                .with_priority(priority)
                 .at(run_at),
         )
         .await;

@@ -77,7 +77,8 @@ pub struct UndoConfig {
     pub request: RequestConfig,
 }
 
-/// `schedule = { cron = "0 */6 * * *", input = { … }, missed = "skip" }`:
+/// `schedule = { cron = "0 */6 * * *", input = { … }, missed = "skip",
+/// priority = 7 }`:
 /// a record with `input` at every tick of `cron` (UTC), fired once across
 /// every node and keyed by its tick.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -90,6 +91,9 @@ pub struct ScheduleConfig {
     /// none does.
     #[serde(default)]
     pub missed: crate::domain::schedule::Missed,
+    /// Each record's priority, 0 to 9 (unset: 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
 }
 
 fn empty_object() -> serde_json::Value {
@@ -206,6 +210,10 @@ pub struct StepConfig {
     /// unset, the child gets the parent's input.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<String>,
+    /// `kind = "pipeline"`: the child record's priority, 0 to 9; unset,
+    /// the parent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
     /// Output name → JSON pointer into the final reply.
     #[serde(default)]
     pub outputs: BTreeMap<String, String>,

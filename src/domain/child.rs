@@ -15,12 +15,14 @@ pub const AWAITING: &str = "awaiting_child";
 /// says so ("waiting on a parked child").
 pub const PARKED: &str = "child_parked";
 
-/// A `pipeline` step as compiled: the pipeline its child runs and the id
-/// of the template giving the child's input (`None`: the parent's input).
+/// A `pipeline` step as compiled: the pipeline its child runs, the id
+/// of the template giving the child's input (`None`: the parent's input)
+/// and the child's priority (`None`: the parent's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChildSpec {
     pub pipeline: String,
     pub input: Option<String>,
+    pub priority: Option<u8>,
 }
 
 /// The key a step's child is enqueued under: the same for every pass and

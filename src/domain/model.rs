@@ -96,6 +96,11 @@ named_enum! {
     }
 }
 
+/// The priority of a record enqueued without one.
+pub const DEFAULT_PRIORITY: u8 = 5;
+/// The highest priority (claimed first within its queue); 0 is the lowest.
+pub const MAX_PRIORITY: u8 = 9;
+
 /// One unit of work travelling through one pipeline.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Record {
@@ -108,6 +113,10 @@ pub struct Record {
     /// The group given at enqueue (a tenant, say): claims share the
     /// workers fairly between (pipeline, group) queues (`domain::fair`).
     pub group: Option<String>,
+    /// 0 to 9, given at enqueue (5 when none was): within its queue a
+    /// claim takes the highest first, then the oldest due.
+    #[schema(minimum = 0, maximum = 9)]
+    pub priority: u8,
     pub state: RecordState,
     pub input: Value,
     /// When the record next needs a worker: due time, or lease expiry while

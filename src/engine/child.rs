@@ -66,6 +66,7 @@ impl StepCall<'_> {
         // it makes it due.
         let e = Enqueue::new(spec.pipeline.clone(), Some(&key), input)
             .in_group(self.record.group.as_deref())
+            .with_priority(Some(spec.priority.unwrap_or(self.record.priority)))
             .at(crate::store::NO_TIME);
         let created = match super::enqueue::enqueue_in(self.engine, e).await {
             Ok(c) => c.record,

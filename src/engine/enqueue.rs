@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::{Engine, Inner, lock};
-use crate::domain::UnixMs;
+use crate::domain::{DEFAULT_PRIORITY, MAX_PRIORITY, UnixMs};
 use crate::store::{Created, NewRecord, StoreError};
 
 /// A record to enqueue ([`Engine::enqueue`], [`Engine::enqueue_batch`]).
@@ -16,6 +16,8 @@ pub struct Enqueue {
     /// caps each. A repeated key returns the record it named, whatever its
     /// group.
     pub group: Option<String>,
+    /// 0 to 9 (9 first within its queue); `None`: 5.
+    pub priority: Option<u8>,
     /// Makes it idempotent: the same key returns the same record.
     pub key: Option<String>,
     pub input: Value,
@@ -31,6 +33,7 @@ impl Enqueue {
         Enqueue {
             pipeline: pipeline.into(),
             group: None,
+            priority: None,
             key: key.map(str::to_owned),
             input,
             run_at: None,
@@ -41,6 +44,25 @@ impl Enqueue {
     pub fn in_group(mut self, group: Option<&str>) -> Enqueue {
         self.group = group.map(str::to_owned);
         self
+    }
+
+    /// At `priority` (none: the default).
+    pub fn with_priority(mut self, priority: Option<u8>) -> Enqueue {
+        self.priority = priority;
+        self
+    }
+
+    /// The row to write: pinned to `version`, due at its time or `now`.
+    fn into_record(self, version: i64, now: UnixMs) -> NewRecord {
+        NewRecord {
+            pipeline: self.pipeline,
+            pipeline_version: Some(version),
+            external_key: self.key,
+            group: self.group,
+            priority: self.priority.unwrap_or(DEFAULT_PRIORITY),
+            input: self.input,
+            run_at: self.run_at.unwrap_or(now),
+        }
     }
 
     /// Due at `run_at` instead of now.
@@ -72,6 +94,16 @@ pub fn check_group(group: Option<&str>) -> Result<(), StoreError> {
     }
 }
 
+/// A priority is 0 to 9.
+pub fn check_priority(priority: Option<u8>) -> Result<(), StoreError> {
+    match priority {
+        Some(p) if p > MAX_PRIORITY => Err(StoreError::Invalid(format!(
+            "priority {p} is out of range (0 to {MAX_PRIORITY}, 9 first)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl Engine {
     /// Enqueues a record, idempotent on (pipeline, external key), pinned to
     /// its pipeline's current version, and wakes the workers if it is new.
@@ -91,18 +123,12 @@ impl Engine {
             let current = lock(&self.inner.current);
             for (i, item) in items.into_iter().enumerate() {
                 check_group(item.group.as_deref())
+                    .and_then(|()| check_priority(item.priority))
                     .map_err(|e| StoreError::Invalid(format!("item {i}: {e}")))?;
                 let version = current.get(&item.pipeline).copied().ok_or_else(|| {
                     StoreError::Invalid(format!("item {i}: unknown pipeline `{}`", item.pipeline))
                 })?;
-                batch.push(NewRecord {
-                    pipeline: item.pipeline,
-                    pipeline_version: Some(version),
-                    external_key: item.key,
-                    group: item.group,
-                    input: item.input,
-                    run_at: item.run_at.unwrap_or(now),
-                });
+                batch.push(item.into_record(version, now));
             }
         }
         insert(&self.inner, batch, now).await
@@ -121,8 +147,8 @@ async fn insert(i: &Inner, batch: Vec<NewRecord>, now: UnixMs) -> Result<Vec<Cre
 /// [`Engine::enqueue`] on the engine's insides (a `pipeline` step starts
 /// its child through it).
 pub(super) async fn enqueue_in(i: &Inner, item: Enqueue) -> Result<Created, StoreError> {
-    let run_at = item.run_at.unwrap_or_else(|| i.clock.now_ms());
     check_group(item.group.as_deref())?;
+    check_priority(item.priority)?;
     let version = lock(&i.current).get(&item.pipeline).copied();
     let Some(version) = version else {
         return Err(StoreError::Invalid(format!(
@@ -131,14 +157,7 @@ pub(super) async fn enqueue_in(i: &Inner, item: Enqueue) -> Result<Created, Stor
         )));
     };
     let now = i.clock.now_ms();
-    let batch = vec![NewRecord {
-        pipeline: item.pipeline,
-        pipeline_version: Some(version),
-        external_key: item.key,
-        group: item.group,
-        input: item.input,
-        run_at,
-    }];
+    let batch = vec![item.into_record(version, now)];
     let mut created = insert(i, batch, now).await?;
     created
         .pop()

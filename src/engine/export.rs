@@ -109,7 +109,7 @@ impl Masking {
     }
 }
 
-const CSV_COLUMNS: [&str; 16] = [
+const CSV_COLUMNS: [&str; 17] = [
     "id",
     "pipeline",
     "pipeline_version",
@@ -126,6 +126,7 @@ const CSV_COLUMNS: [&str; 16] = [
     "input",
     "outputs",
     "attempts",
+    "priority",
 ];
 
 /// The export as a stream of chunks, one per page of records (the CSV
@@ -309,6 +310,7 @@ fn csv_record(
             .map(|a| cell(&json!(a)))
             .transpose()?
             .unwrap_or_default(),
+        r.priority.to_string(),
     ];
     csv_row(out, fields);
     Ok(())

@@ -56,7 +56,7 @@ use limits::ProviderRuntime;
 
 pub use confirm::Confirmations;
 pub use deliveries::Delivery;
-pub use enqueue::{Enqueue, MAX_GROUP_LEN, check_group};
+pub use enqueue::{Enqueue, MAX_GROUP_LEN, check_group, check_priority};
 pub use ops::{ActExtra, BulkOutcome, Ops, OpsError, Selection, SignalTaken, uncertain_run};
 pub use reconfigure::{Reconfigured, fingerprint};
 pub use resume::Resumer;

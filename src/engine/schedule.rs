@@ -25,6 +25,7 @@ pub(super) struct Scheduled {
     cron: Cron,
     input: Value,
     missed: Missed,
+    priority: Option<u8>,
 }
 
 /// The configuration's schedules (already checked by `pipeline::compile`).
@@ -38,6 +39,7 @@ pub(super) fn scheduled(config: &Config) -> Result<Vec<Scheduled>, EngineError> 
                     .map_err(|e| EngineError::Config(format!("pipelines.{name}.schedule: {e}")))?,
                 input: s.input.clone(),
                 missed: s.missed,
+                priority: s.priority,
             });
         }
     }
@@ -120,7 +122,9 @@ impl Scheduler {
             for &t in &p.fire {
                 // Due at its tick: a node whose clock runs ahead fires
                 // early, but the record waits for its time.
-                let item = Enqueue::new(&s.pipeline, Some(&tick_key(t)), s.input.clone()).at(t);
+                let item = Enqueue::new(&s.pipeline, Some(&tick_key(t)), s.input.clone())
+                    .with_priority(s.priority)
+                    .at(t);
                 let c = self.engine.enqueue(item).await?;
                 if c.created {
                     fired.created += 1;

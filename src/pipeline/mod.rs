@@ -219,6 +219,15 @@ fn compile_one(
                 "must be a table (the record's input)".into(),
             ));
         }
+        if let Some(p) = schedule
+            .priority
+            .filter(|p| *p > crate::domain::MAX_PRIORITY)
+        {
+            return Err(invalid(
+                format!("{key}.priority"),
+                format!("priority {p} is out of range (0 to 9, 9 first)"),
+            ));
+        }
     }
     let by_name = check_steps(name, p, config)?;
     let order = dependency_order(name, p, &by_name)?;
@@ -813,8 +822,13 @@ request = { path = "/notes", body = '{"text": "ready: {{ steps.submit.output.vid
         assert!(e.contains("missed") || e.contains("sometimes"), "{e}");
         let e = err(&with(r#"{ cron = "@hourly", when = "now" }"#));
         assert!(e.contains("when"), "{e}");
+        let e = err(&with(r#"{ cron = "@hourly", priority = 10 }"#));
+        assert!(
+            e.contains("pipelines.render_video.schedule.priority") && e.contains("out of range"),
+            "{e}"
+        );
         let scheduled = load(&with(
-            r#"{ cron = "@hourly", input = { a = 1 }, missed = "skip" }"#,
+            r#"{ cron = "@hourly", input = { a = 1 }, missed = "skip", priority = 9 }"#,
         ))
         .unwrap();
         let plain = load(GOOD).unwrap();

@@ -369,6 +369,7 @@ json_row!(NewRecordJson, NEW_RECORD_COLS {
     next_run_at: UnixMs => Int,
     created_at: UnixMs => Int,
     updated_at: UnixMs => Int,
+    priority: i64 => Int,
 });
 
 impl<'a> NewRecordJson<'a> {
@@ -383,6 +384,7 @@ impl<'a> NewRecordJson<'a> {
             next_run_at: r.run_at,
             created_at: now,
             updated_at: now,
+            priority: i64::from(r.priority),
         })
     }
 }

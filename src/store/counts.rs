@@ -180,6 +180,7 @@ mod tests {
             pipeline_version: None,
             external_key: None,
             group: None,
+            priority: crate::domain::DEFAULT_PRIORITY,
             state,
             input: serde_json::Value::Null,
             next_run_at: None,

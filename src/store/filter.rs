@@ -36,12 +36,13 @@ pub(crate) fn needs_windows(f: &RecordFilter, running_apart: bool) -> bool {
     ];
     let n = set.iter().filter(|b| **b).count();
     // No index orders records by id among those with a condition, in a
-    // span of time, or of a group (a group is a queue: its index orders
-    // by due time).
+    // span of time, of a group or of a priority (a group's and a
+    // priority's index is the queues', which orders by due time).
     if matches!(f.until, Some(UntilKind::Time | UntilKind::Provider))
         || f.created.is_set()
         || f.updated.is_set()
         || f.group.is_some()
+        || f.priority.is_some()
     {
         return true;
     }
@@ -103,6 +104,9 @@ pub(crate) fn push_record_filter<DB>(
             qb.push(format_args!(" AND {column} = "))
                 .push_bind(v.clone());
         }
+    }
+    if let Some(p) = f.priority {
+        qb.push(" AND priority = ").push_bind(i64::from(p));
     }
     match f.pipelines.as_deref() {
         None => {}

@@ -238,6 +238,8 @@ pub struct NewRecord {
     /// Its group (a tenant, say), or none: the queue it is claimed from
     /// is (pipeline, group).
     pub group: Option<String>,
+    /// 0 to 9: within its queue, higher is claimed first.
+    pub priority: u8,
     pub input: Value,
     /// When the record becomes due.
     pub run_at: UnixMs,
@@ -264,6 +266,8 @@ pub struct RecordFilter {
     pub error_code: Option<String>,
     /// Only records of this group (the fair-share group given at enqueue).
     pub group: Option<String>,
+    /// Only records of this priority.
+    pub priority: Option<u8>,
     /// Prefix of the external key.
     pub key_prefix: Option<String>,
     /// Parked records by their resume condition (`Never`: parked with

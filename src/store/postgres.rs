@@ -150,27 +150,36 @@ async fn notify(tx: &mut Transaction<'static, Postgres>, channel: &str) -> Store
 /// The advisory lock claims take while some pipeline caps its groups.
 const GROUP_CAPS_LOCK: i64 = 0x6261_6c6c_6173_7401;
 
-/// The (pipeline, group) queues with records needing a worker: a loose
-/// scan of `records_queue_due`, one index probe per queue (finished
-/// records are not in the index, so queues of finished work cost nothing).
-const QUEUES: &str = "WITH RECURSIVE queues(pipeline, group_key) AS ( \
-       (SELECT pipeline, group_key FROM records WHERE next_run_at IS NOT NULL \
-        ORDER BY pipeline, group_key LIMIT 1) \
+/// The levels of the (pipeline, group) queues with records needing a
+/// worker, each (pipeline, group, priority) present with its earliest due
+/// time (`first`): a loose scan of `records_queue_levels`, one index probe
+/// per level (finished records are not in the index, so queues of finished
+/// work cost nothing; a queue whose records all have one priority costs
+/// one probe).
+const LEVELS: &str = "WITH RECURSIVE levels(pipeline, group_key, priority, first) AS ( \
+       (SELECT pipeline, group_key, priority, next_run_at FROM records WHERE next_run_at IS NOT NULL \
+        ORDER BY pipeline, group_key, priority, next_run_at LIMIT 1) \
      UNION ALL \
-       SELECT n.pipeline, n.group_key FROM queues q CROSS JOIN LATERAL ( \
-         SELECT r.pipeline, r.group_key FROM records r \
-         WHERE r.next_run_at IS NOT NULL AND (r.pipeline, r.group_key) > (q.pipeline, q.group_key) \
-         ORDER BY r.pipeline, r.group_key LIMIT 1) n)";
+       SELECT n.pipeline, n.group_key, n.priority, n.next_run_at FROM levels q CROSS JOIN LATERAL ( \
+         SELECT r.pipeline, r.group_key, r.priority, r.next_run_at FROM records r \
+         WHERE r.next_run_at IS NOT NULL \
+           AND (r.pipeline, r.group_key, r.priority) > (q.pipeline, q.group_key, q.priority) \
+         ORDER BY r.pipeline, r.group_key, r.priority, r.next_run_at LIMIT 1) n)";
 
-/// The claim. `ready`: the queues with due work, each with its `room` when
-/// its pipeline caps groups (the cap less the group's unexpired leases,
-/// counted once over the capped pipelines' running records, which are
-/// few). `cut`: the open queues in a random turn, no more of them than the
-/// batch. Each gives `batch / n` of its oldest due records, one more for
-/// the first `batch mod n` in turn (never past its room), skipping rows
-/// other claims hold; so the statement locks only rows it takes. (A queue
-/// with less than its quota leaves the rest of the batch unclaimed; the
-/// engine claims again at once.)
+/// The claim. `ready`: the queues with due work, each with its due
+/// levels, highest first, and its `room` when its pipeline caps groups
+/// (the cap less the group's unexpired leases, counted once over the
+/// capped pipelines' running records, which are few). `cut`: the open
+/// queues in a random turn, no more of them than the batch, each with its
+/// `quota`: `batch / n`, one more for the first `batch mod n` in turn,
+/// never past its room. Each gives its quota of due records, highest
+/// priority first and oldest due within a level: its due levels are read
+/// in turn, each in due order, skipping rows other claims hold, and the
+/// reading stops at the quota, so the statement locks only rows it takes
+/// and reads no level below the one that fills it. Priority orders work
+/// within a queue only: the share between queues is the same whatever
+/// their priorities. (A queue with less than its quota leaves the rest of
+/// the batch unclaimed; the engine claims again at once.)
 /// $1 now, $2 batch, $3 owner, $4 lease end, $5/$6 capped pipelines and caps.
 const CLAIM_DUE: &str = "\
      caps AS (SELECT * FROM unnest($5::text[], $6::bigint[]) AS c(pipeline, cap)), \
@@ -179,29 +188,35 @@ const CLAIM_DUE: &str = "\
        WHERE r.state = 'running' AND r.lease_until > $1 AND r.pipeline = ANY($5::text[]) \
        GROUP BY r.pipeline, r.group_key), \
      ready AS ( \
-       SELECT q.pipeline, q.group_key, c.cap - COALESCE(u.n, 0) AS room \
-       FROM queues q \
-       CROSS JOIN LATERAL ( \
-         SELECT r.next_run_at FROM records r \
-         WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.next_run_at IS NOT NULL \
-         ORDER BY r.next_run_at LIMIT 1) f \
+       SELECT q.pipeline, q.group_key, q.levels, c.cap - COALESCE(u.n, 0) AS room \
+       FROM ( \
+         SELECT pipeline, group_key, array_agg(priority ORDER BY priority DESC) AS levels \
+         FROM levels WHERE first <= $1 GROUP BY pipeline, group_key) q \
        LEFT JOIN caps c ON c.pipeline = q.pipeline \
-       LEFT JOIN running u ON u.pipeline = q.pipeline AND u.group_key = q.group_key \
-       WHERE f.next_run_at <= $1), \
-     cut AS ( \
+       LEFT JOIN running u ON u.pipeline = q.pipeline AND u.group_key = q.group_key), \
+     open AS ( \
        SELECT * FROM ( \
-         SELECT pipeline, group_key, room, row_number() OVER (ORDER BY random()) AS turn \
+         SELECT pipeline, group_key, levels, room, row_number() OVER (ORDER BY random()) AS turn \
          FROM ready WHERE room IS NULL OR room > 0) o \
        WHERE turn <= $2), \
-     share AS (SELECT GREATEST(count(*), 1) AS n FROM cut), \
+     share AS (SELECT GREATEST(count(*), 1) AS n FROM open), \
+     cut AS ( \
+       SELECT q.pipeline, q.group_key, q.levels, \
+         LEAST(COALESCE(q.room, $2), $2 / s.n + CASE WHEN q.turn <= $2 % s.n THEN 1 ELSE 0 END) AS quota \
+       FROM open q CROSS JOIN share s), \
      due AS ( \
-       SELECT d.due_id, d.old_state, d.old_due FROM cut q CROSS JOIN share s CROSS JOIN LATERAL ( \
-         SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due FROM records r \
-         WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key \
-           AND r.next_run_at IS NOT NULL AND r.next_run_at <= $1 \
-         ORDER BY r.next_run_at, r.id \
-         LIMIT LEAST(COALESCE(q.room, $2), $2 / s.n + CASE WHEN q.turn <= $2 % s.n THEN 1 ELSE 0 END) \
-         FOR NO KEY UPDATE SKIP LOCKED) d) \
+       SELECT d.due_id, d.old_state, d.old_due FROM cut q CROSS JOIN LATERAL ( \
+         SELECT x.* FROM ( \
+           SELECT l.priority FROM unnest(q.levels) WITH ORDINALITY AS l(priority, turn) \
+           ORDER BY l.turn) lv \
+         CROSS JOIN LATERAL ( \
+           SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due FROM records r \
+           WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.priority = lv.priority \
+             AND r.next_run_at IS NOT NULL AND r.next_run_at <= $1 \
+           ORDER BY r.next_run_at, r.id \
+           LIMIT q.quota \
+           FOR NO KEY UPDATE SKIP LOCKED) x \
+         LIMIT q.quota) d) \
      UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
        lease_token = records.lease_token + 1, updated_at = $1 \
      FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due))";
@@ -302,7 +317,7 @@ impl SqlDb for Postgres {
             .map(|(p, cap)| (p.clone(), i64::from(*cap)))
             .unzip();
         let sql = Self::statements().claim.get(|| {
-            format!("{QUEUES}, {CLAIM_DUE} RETURNING {RECORD_COLUMNS}, old_state, old_due")
+            format!("{LEVELS}, {CLAIM_DUE} RETURNING {RECORD_COLUMNS}, old_state, old_due")
         });
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(req.now)
@@ -321,18 +336,19 @@ impl SqlDb for Postgres {
             due_at.insert(id, row.try_get::<i64, _>("old_due")?);
         }
         let mut claimed = map_sealed(&rows, keys, MapRow::record)?;
-        // Due order within each queue, then round robin over the queues.
-        claimed.sort_by_key(|r| (due_at.get(&r.id).copied(), r.id));
+        // Priority then due order within each queue, then round robin
+        // over the queues.
+        claimed.sort_by_key(|r| {
+            let due = due_at.get(&r.id).copied();
+            (std::cmp::Reverse(r.priority), due, r.id)
+        });
         let claimed = fair::interleave(claimed, |r| (r.pipeline.clone(), r.group.clone()));
         Ok((claimed, old_states))
     }
 
     async fn queue_heads_in(pool: &PgPool) -> StoreResult<Vec<(String, String, UnixMs)>> {
         let sql = format!(
-            "{QUEUES} SELECT q.pipeline, q.group_key, f.next_run_at FROM queues q CROSS JOIN LATERAL ( \
-               SELECT r.next_run_at FROM records r \
-               WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.next_run_at IS NOT NULL \
-               ORDER BY r.next_run_at LIMIT 1) f"
+            "{LEVELS} SELECT pipeline, group_key, min(first) FROM levels GROUP BY pipeline, group_key"
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .fetch_all(pool)
@@ -468,21 +484,30 @@ fn bared(expr: &str, id: &str) -> String {
 mod tests {
     use super::super::batch;
 
-    /// `ballast_insert_records` (migration 21) reads the rows that
-    /// `NewRecordJson` writes: the same columns, cells in the same order.
+    /// `ballast_insert_records` (migration 29, which replaced migration
+    /// 21's) reads the rows that `NewRecordJson` writes: the same columns,
+    /// cells in the same order; the priority, which a node of the previous
+    /// version does not send, defaults.
     #[test]
     fn the_enqueue_function_reads_the_rows_rust_writes() {
-        let up = include_str!("../../migrations/postgres/0021_enqueue_function.up.sql");
+        let up = include_str!("../../migrations/postgres/0029_priority.up.sql");
+        let last = batch::NEW_RECORD_COLS.len() - 1;
+        assert_eq!(batch::NEW_RECORD_COLS[last].0, "priority");
+        let cell = format!("CAST(value->>{last} AS BIGINT)");
         let insert = batch::insert(
             "records",
             batch::NEW_RECORD_COLS,
             batch::Dialect::Postgres,
             "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING *",
         )
-        .replace("$1", "p_rows");
+        .replace("$1", "p_rows")
+        .replace(
+            &cell,
+            &format!("COALESCE({cell}, {})", crate::domain::DEFAULT_PRIORITY),
+        );
         assert!(
             up.contains(&insert),
-            "migration 21 no longer matches batch::NEW_RECORD_COLS: a new migration must \
+            "migration 29 no longer matches batch::NEW_RECORD_COLS: a new migration must \
              replace ballast_insert_records with the statement below, and this test read \
              that migration\n{insert}"
         );

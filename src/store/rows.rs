@@ -27,7 +27,7 @@ pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> StoreResult
 }
 
 /// The column lists the mappers below expect, in one place.
-pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, group_key, state, input, \
+pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, group_key, priority, state, input, \
      next_run_at, lease_owner, lease_until, lease_token, step, provider, error_code, reason, \
      created_at, updated_at, finished_at, park_until_at, park_until_provider, parent_id, parent_step";
 pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
@@ -107,6 +107,7 @@ where
     for<'a> &'a str: ColumnIndex<R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i16: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> Json<Value>: Decode<'r, R::Database> + Type<R::Database>,
@@ -139,6 +140,8 @@ where
             pipeline_version: self.try_get("pipeline_version")?,
             external_key: self.try_get("external_key")?,
             group: Some(self.try_get::<String, _>("group_key")?).filter(|g| !g.is_empty()),
+            priority: u8::try_from(self.try_get::<i16, _>("priority")?)
+                .map_err(|_| StoreError::Corrupt("record priority out of range".into()))?,
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
             input: self
                 .sealed_json("input", Field::Input, k)?

@@ -47,56 +47,100 @@ async fn capped_leases(
     Ok(rows.into_iter().map(|(p, g, n)| ((p, g), n)).collect())
 }
 
-/// Up to `take` of a queue's due records, oldest first, with their states.
+/// The due levels of one queue, highest first.
+type Levels = Vec<i64>;
+
+/// Up to `take` of a queue's due records with their states: from its due
+/// `levels` in turn (highest priority first), each oldest first, reading
+/// no level below the one that fills the take.
 async fn due_in_queue(
     conn: &mut SqliteConnection,
-    pipeline: &str,
-    group: &str,
+    (pipeline, group, levels): (&str, &str, &[i64]),
     now: UnixMs,
     take: u32,
 ) -> StoreResult<Vec<(i64, String)>> {
-    Ok(sqlx::query_as(
-        "SELECT id, state FROM records WHERE pipeline = $1 AND group_key = $2 \
-         AND next_run_at IS NOT NULL AND next_run_at <= $3 ORDER BY next_run_at, id LIMIT $4",
-    )
-    .bind(pipeline)
-    .bind(group)
-    .bind(now)
-    .bind(i64::from(take))
-    .fetch_all(conn)
-    .await?)
+    let mut due: Vec<(i64, String)> = Vec::new();
+    for level in levels {
+        let left = i64::from(take) - i64::try_from(due.len()).unwrap_or(i64::MAX);
+        if left <= 0 {
+            break;
+        }
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, state FROM records WHERE pipeline = $1 AND group_key = $2 AND priority = $3 \
+             AND next_run_at IS NOT NULL AND next_run_at <= $4 ORDER BY next_run_at, id LIMIT $5",
+        )
+        .bind(pipeline)
+        .bind(group)
+        .bind(level)
+        .bind(now)
+        .bind(left)
+        .fetch_all(&mut *conn)
+        .await?;
+        due.extend(rows);
+    }
+    Ok(due)
 }
 
-/// Each (pipeline, group) queue with records needing a worker, and when
-/// its earliest is due: a loose scan of `records_queue_due`, one probe per
-/// queue (finished records are not in the index).
-async fn queue_heads(conn: &mut SqliteConnection) -> StoreResult<Vec<(String, String, UnixMs)>> {
-    let mut heads: Vec<(String, String, UnixMs)> = Vec::new();
-    // Pipeline names are never empty, so ('', '') comes before every queue.
-    let (mut pipeline, mut group) = (String::new(), String::new());
+/// Each level of the (pipeline, group) queues with records needing a
+/// worker, (pipeline, group, priority), and when its earliest is due: a
+/// loose scan of `records_queue_levels`, one probe per level (finished
+/// records are not in the index), in index order.
+async fn queue_levels(
+    conn: &mut SqliteConnection,
+) -> StoreResult<Vec<(String, String, i64, UnixMs)>> {
+    let mut levels: Vec<(String, String, i64, UnixMs)> = Vec::new();
+    // Pipeline names are never empty, so ('', '', 0) comes before every
+    // level.
+    let (mut pipeline, mut group, mut priority) = (String::new(), String::new(), 0);
     loop {
-        // Past the whole queue in one seek: SQLite seeks `(a, b) > (x, y)`
-        // to the first (x, y) entry and steps over every record of that
-        // queue; with the due time at its greatest it seeks past them
-        // (a waiting million cost a claim a scan of the index otherwise).
-        let next: Option<(String, String, UnixMs)> = sqlx::query_as(
-            "SELECT pipeline, group_key, next_run_at FROM records \
-             WHERE next_run_at IS NOT NULL AND (pipeline, group_key, next_run_at) > ($1, $2, $3) \
-             ORDER BY pipeline, group_key, next_run_at LIMIT 1",
+        // Past the whole level in one seek: SQLite seeks `(a, b, c, d) >
+        // (x, y, z, w)` to the first (x, y, z) entry and steps over every
+        // record of that level; with the due time at its greatest it seeks
+        // past them (a waiting million cost a claim a scan of the index
+        // otherwise).
+        let next: Option<(String, String, i64, UnixMs)> = sqlx::query_as(
+            "SELECT pipeline, group_key, priority, next_run_at FROM records \
+             WHERE next_run_at IS NOT NULL \
+               AND (pipeline, group_key, priority, next_run_at) > ($1, $2, $3, $4) \
+             ORDER BY pipeline, group_key, priority, next_run_at LIMIT 1",
         )
         .bind(&pipeline)
         .bind(&group)
+        .bind(priority)
         .bind(i64::MAX)
         .fetch_optional(&mut *conn)
         .await?;
         match next {
-            Some(head) => {
-                (pipeline, group) = (head.0.clone(), head.1.clone());
-                heads.push(head);
+            Some(level) => {
+                (pipeline, group, priority) = (level.0.clone(), level.1.clone(), level.2);
+                levels.push(level);
             }
-            None => return Ok(heads),
+            None => return Ok(levels),
         }
     }
+}
+
+/// Each (pipeline, group) queue with records needing a worker: when its
+/// earliest is due, and its levels due by `now`, highest first.
+async fn queue_heads(
+    conn: &mut SqliteConnection,
+    now: UnixMs,
+) -> StoreResult<Vec<(String, String, UnixMs, Levels)>> {
+    let mut heads: Vec<(String, String, UnixMs, Levels)> = Vec::new();
+    // In index order: a queue's levels are neighbours, lowest first.
+    for (pipeline, group, priority, first) in queue_levels(conn).await? {
+        let same = matches!(heads.last(), Some((p, g, _, _)) if *p == pipeline && *g == group);
+        if !same {
+            heads.push((pipeline, group, first, Vec::new()));
+        }
+        if let Some(head) = heads.last_mut() {
+            head.2 = head.2.min(first);
+            if first <= now {
+                head.3.insert(0, priority);
+            }
+        }
+    }
+    Ok(heads)
 }
 
 /// Moves a finished file `from` to `to`, refusing to replace a file made
@@ -389,7 +433,7 @@ impl SqlDb for Sqlite {
         // and `fair::take` shares the batch between them.
         let leased = capped_leases(tx, req).await?;
         let mut open = Vec::new();
-        for (pipeline, group, first) in queue_heads(tx).await? {
+        for (pipeline, group, first, levels) in queue_heads(tx, req.now).await? {
             if first > req.now {
                 continue;
             }
@@ -404,7 +448,7 @@ impl SqlDb for Sqlite {
             if room == Some(0) {
                 continue;
             }
-            open.push((pipeline, group, room));
+            open.push((pipeline, group, levels, room));
         }
         // Each queue's share of the batch first; then, if short queues
         // left part of it, the queues that gave their whole share give
@@ -415,14 +459,15 @@ impl SqlDb for Sqlite {
             .div_ceil(u32::try_from(open.len()).unwrap_or(u32::MAX).max(1));
         let within = |room: Option<u32>, n: u32| room.map_or(n, |r| r.min(n));
         let mut queues = Vec::with_capacity(open.len());
-        for (pipeline, group, room) in &open {
-            let due = due_in_queue(tx, pipeline, group, req.now, within(*room, share)).await?;
+        for (pipeline, group, levels, room) in &open {
+            let queue = (pipeline.as_str(), group.as_str(), levels.as_slice());
+            let due = due_in_queue(tx, queue, req.now, within(*room, share)).await?;
             queues.push(fair::Queue { due, room: *room });
         }
         let got: usize = queues.iter().map(|q| q.due.len()).sum();
         let missing = (req.limit as usize).saturating_sub(got);
         if missing > 0 {
-            for ((pipeline, group, room), q) in open.iter().zip(queues.iter_mut()) {
+            for ((pipeline, group, levels, room), q) in open.iter().zip(queues.iter_mut()) {
                 let had = q.due.len();
                 // A queue short of its share has given all it has.
                 if had < within(*room, share) as usize {
@@ -430,7 +475,8 @@ impl SqlDb for Sqlite {
                 }
                 let take = within(*room, u32::try_from(had + missing).unwrap_or(u32::MAX));
                 if take as usize > had {
-                    q.due = due_in_queue(tx, pipeline, group, req.now, take).await?;
+                    let queue = (pipeline.as_str(), group.as_str(), levels.as_slice());
+                    q.due = due_in_queue(tx, queue, req.now, take).await?;
                 }
             }
         }
@@ -457,8 +503,8 @@ impl SqlDb for Sqlite {
             .fetch_all(&mut **tx)
             .await?;
         let mut claimed = map_sealed(&rows, keys, MapRow::record)?;
-        // Due order within each queue (as selected), then round robin over
-        // the queues.
+        // Priority then due order within each queue (as selected), then
+        // round robin over the queues.
         let order: std::collections::HashMap<i64, usize> =
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         claimed.sort_by_key(|r| order.get(&r.id).copied());
@@ -468,7 +514,11 @@ impl SqlDb for Sqlite {
 
     async fn queue_heads_in(pools: &SqlitePools) -> StoreResult<Vec<(String, String, UnixMs)>> {
         let mut conn = pools.reader.acquire().await?;
-        queue_heads(&mut conn).await
+        let heads = queue_heads(&mut conn, i64::MIN).await?;
+        Ok(heads
+            .into_iter()
+            .map(|(p, g, first, _)| (p, g, first))
+            .collect())
     }
 
     /// FTS5 walks a word's entries newest first and stops at the limit,

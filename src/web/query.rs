@@ -26,6 +26,9 @@ pub struct ListQuery {
     pub error_code: Option<String>,
     /// The group records were enqueued in.
     pub group: Option<String>,
+    /// A priority, 0 to 9.
+    #[param(schema_with = priorities)]
+    pub priority: Option<String>,
     /// External key prefix.
     pub q: Option<String>,
     /// Parked records by resume condition: `time`, `provider`, `never`.
@@ -56,6 +59,11 @@ fn any_of(names: impl IntoIterator<Item = &'static str>) -> utoipa::openapi::sch
 
 fn record_states() -> utoipa::openapi::schema::Object {
     any_of(crate::domain::RecordState::ALL.map(|s| s.as_str()))
+}
+
+fn priorities() -> utoipa::openapi::schema::Object {
+    const LEVELS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    any_of(LEVELS)
 }
 
 fn park_conditions() -> utoipa::openapi::schema::Object {
@@ -253,6 +261,17 @@ impl ListQuery {
             })?),
             None => None,
         };
+        let priority = match non_empty(&self.priority) {
+            Some(p) => Some(
+                p.parse::<u8>()
+                    .ok()
+                    .filter(|p| *p <= crate::domain::MAX_PRIORITY)
+                    .ok_or_else(|| {
+                        WebError::bad("bad_filter", format!("priority `{p}` is not 0 to 9"))
+                    })?,
+            ),
+            None => None,
+        };
         Ok(RecordFilter {
             pipeline: non_empty(&self.pipeline),
             pipelines: None,
@@ -263,6 +282,7 @@ impl ListQuery {
             // Exact (not trimmed): a group never has spaces around it, and
             // a selection must not widen to every group by losing one.
             group: self.group.clone().filter(|g| !g.is_empty()),
+            priority,
             key_prefix: non_empty(&self.q),
             until,
             created: span("created", &self.created_from, &self.created_to)?,
@@ -282,6 +302,7 @@ impl ListQuery {
             ("step", &self.step),
             ("error_code", &self.error_code),
             ("group", &self.group),
+            ("priority", &self.priority),
             ("q", &self.q),
             ("until", &self.until),
             ("created_from", &self.created_from),

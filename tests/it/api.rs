@@ -829,6 +829,112 @@ async fn postgres_records_are_selected_by_group() {
     records_are_selected_by_group(Backend::Postgres).await;
 }
 
+/// Priority through the API (issue 50 item 6): given at enqueue (one or
+/// a batch), 5 when left out, refused out of 0 to 9 with nothing made;
+/// a filter of the list, a bulk action and an export.
+async fn records_are_enqueued_and_selected_by_priority(backend: Backend) {
+    let manual = "[providers.p]\nbase_url = \"http://127.0.0.1:9\"\n\
+                  [[pipelines.manual.steps]]\nname = \"s\"\nprovider = \"p\"\n\
+                  request = { method = \"POST\", path = \"/v1\" }\n";
+    let Some(app) = WebApp::spawn(backend, "api_priority", manual).await else {
+        return;
+    };
+    let op = app.token(Role::Operator).await;
+    let post = |path: &str, body: Value| {
+        let req = app.client.post(app.url(path)).bearer_auth(&op).json(&body);
+        async move { req.send().await.unwrap() }
+    };
+    let get = |path: String| {
+        let req = app.client.get(app.url(&path)).bearer_auth(&op);
+        async move { req.send().await.unwrap() }
+    };
+    // Due in an hour: nothing runs them meanwhile.
+    let one = |key: &str, priority: Value| json!({"pipeline": "manual", "key": key, "priority": priority, "delay": "1h"});
+    let r = post("/api/v1/records", one("urgent", json!(8))).await;
+    assert_eq!(r.status(), 201);
+    let urgent: Value = r.json().await.unwrap();
+    assert_eq!(urgent["record"]["priority"], 8, "{urgent}");
+    let r = post(
+        "/api/v1/records",
+        json!({"pipeline": "manual", "key": "plain", "delay": "1h"}),
+    )
+    .await;
+    let plain: Value = r.json().await.unwrap();
+    assert_eq!(plain["record"]["priority"], 5, "{plain}");
+    let r = post(
+        "/api/v1/records",
+        json!([one("b-0", json!(0)), one("b-1", json!(8))]),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    for (body, says) in [
+        (one("bad", json!(10)), "out of range"),
+        (one("bad", json!(-1)), ""),
+        (one("bad", json!("high")), ""),
+        (
+            json!([one("bad-0", json!(1)), one("bad-1", json!(12))]),
+            "item 1",
+        ),
+    ] {
+        let r = post("/api/v1/records", body.clone()).await;
+        assert_eq!(r.status(), 400, "{body}");
+        let text = r.text().await.unwrap();
+        assert!(text.contains(says), "{body}: {text}");
+    }
+    let made = crate::helpers::record_total(&app.t.db).await;
+    assert_eq!(made, 4, "nothing made by a refused enqueue");
+    let keys = |v: &Value| -> Vec<String> {
+        let mut k: Vec<String> = v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["external_key"].as_str().unwrap().to_owned())
+            .collect();
+        k.sort();
+        k
+    };
+    let page: Value = get("/api/v1/records?priority=8".into())
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(keys(&page), vec!["b-1", "urgent"], "{page}");
+    let r = get("/api/v1/records?priority=10".into()).await;
+    assert_eq!(r.status(), 400);
+    let problem: Value = r.json().await.unwrap();
+    assert_eq!(problem["code"], "bad_filter", "{problem}");
+    let r: Value = post(
+        "/api/v1/records/bulk",
+        json!({"action": "park", "reason": "r", "filter": {"priority": "0"}}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(r["matched"], 1, "{r}");
+    let text = get("/api/v1/records/export?priority=5".into())
+        .await
+        .text()
+        .await
+        .unwrap();
+    let exported: Vec<String> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["record"]["external_key"].to_string())
+        .collect();
+    assert_eq!(exported, vec!["\"plain\""]);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_records_are_enqueued_and_selected_by_priority() {
+    records_are_enqueued_and_selected_by_priority(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_records_are_enqueued_and_selected_by_priority() {
+    records_are_enqueued_and_selected_by_priority(Backend::Postgres).await;
+}
+
 /// The providers and the audit log through the API, as the dashboard
 /// shows them: a provider paused and resumed by an admin token, each
 /// change in the audit log, which pages by `before`.

@@ -1640,6 +1640,7 @@ async fn search_and_audit_update_themselves() {
     let other = ballast::store::NewRecord {
         pipeline: "other".into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: Some("zebra".into()),
         input: json!({}),

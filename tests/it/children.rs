@@ -75,6 +75,7 @@ pipeline = "kyc"
 for_each = "/input/people"
 max_parallel = 2
 items_required = 2
+priority = 2
 
 [[pipelines.batchall.steps]]
 name = "kycs"
@@ -161,7 +162,8 @@ async fn a_parent_waits_for_its_child_and_takes_its_outputs(backend: Backend) {
         "onboard",
         Some("ann"),
         json!({ "amount": 40, "who": "ann" }),
-    );
+    )
+    .with_priority(Some(8));
     let parent = engine.enqueue(e).await.unwrap().record.id;
     drain(&engine).await;
 
@@ -175,6 +177,7 @@ async fn a_parent_waits_for_its_child_and_takes_its_outputs(backend: Backend) {
     assert_eq!(child.parent_id, Some(parent));
     assert_eq!(child.parent_step.as_deref(), Some("kyc"));
     assert_eq!(child.input, json!({ "amount": 40, "who": "ann" }));
+    assert_eq!(child.priority, 8, "a child takes its parent's priority");
     assert_eq!(child.state, RecordState::Waiting);
     assert_eq!(child.error_code.as_deref(), Some("awaiting_approval"));
     let kyc = run(&t.db.step_runs(parent).await.unwrap(), "kyc").clone();
@@ -315,6 +318,10 @@ async fn a_child_for_each_item(backend: Backend) {
     // waits on them, costing nothing meanwhile.
     let children = t.db.children(parent).await.unwrap();
     assert_eq!(children.len(), 2, "{children:?}");
+    assert!(
+        children.iter().all(|c| c.priority == 2),
+        "the step's priority, not the parent's"
+    );
     assert_eq!(
         (
             child_of_item(&t.db, parent, 0).await.input.clone(),
@@ -639,6 +646,9 @@ for = "1h"
             .map(|e| e.to_string())
             .unwrap_or_default()
     };
+    // A priority belongs to a child step alone.
+    let sleepy = whole(&format!("{leaf}priority = 3\n"));
+    assert!(sleepy.contains("takes no `priority`"), "{sleepy}");
     // Five levels below `p0` are allowed; six are not.
     let chain = |levels: usize| {
         let mut text = String::from(leaf);
@@ -677,6 +687,10 @@ for = "1h"
         (
             format!("{}job_id = \"/id\"", pipeline("a", "leaf")),
             "takes no `job_id`",
+        ),
+        (
+            format!("{}priority = 10", pipeline("a", "leaf")),
+            "priority 10 is out of range",
         ),
     ];
     for (body, expected) in cases {
@@ -841,6 +855,7 @@ async fn a_child_and_its_parent_never_miss_each_other(backend: Backend) {
             pipeline_version: None,
             external_key: Some(key),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             input: json!({}),
             run_at: now,
         };

@@ -1309,6 +1309,25 @@ fn enqueue_is_idempotent_on_the_key() {
         "{}",
         stderr(&unknown)
     );
+    // A priority, 0 to 9; out of range, refused by the parser.
+    let urgent = ballast(
+        dir.path(),
+        &[],
+        &["enqueue", "orders", "--key", "o-2", "--priority", "9"],
+    );
+    assert!(urgent.status.success(), "{}", stderr(&urgent));
+    let high = ballast(dir.path(), &[], &["enqueue", "orders", "--priority", "10"]);
+    assert!(!high.status.success());
+    assert!(stderr(&high).contains("--priority"), "{}", stderr(&high));
+    let export = ballast(dir.path(), &[], &["export", "--priority", "9"]);
+    assert!(export.status.success(), "{}", stderr(&export));
+    let lines: Vec<serde_json::Value> = stdout(&export)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{}", stdout(&export));
+    assert_eq!(lines[0]["record"]["external_key"], "o-2");
+    assert_eq!(lines[0]["record"]["priority"], 9);
 }
 
 /// Issue 20 item 4 from the command line: `--delay` and `--run-at`; both
@@ -1548,6 +1567,7 @@ async fn a_backup_taken_under_load_restores_every_committed_record() {
                     pipeline_version: None,
                     external_key: Some(format!("b-{i}")),
                     group: None,
+                    priority: ballast::domain::DEFAULT_PRIORITY,
                     input: serde_json::json!({ "i": i, "pad": "x".repeat(200) }),
                     run_at: now,
                 };
@@ -1686,6 +1706,7 @@ async fn purge_shows_then_removes_finished_records() {
             pipeline_version: None,
             external_key: Some(format!("o-{i}")),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             input: serde_json::json!({}),
             run_at: if i == 7 { now + 3_600_000 } else { at },
         };
@@ -1767,6 +1788,7 @@ async fn export_streams_with_flat_memory() {
                     pipeline_version: None,
                     external_key: Some(format!("x-{i}")),
                     group: None,
+                    priority: ballast::domain::DEFAULT_PRIORITY,
                     input: serde_json::json!({ "i": i, "note": "some words of input to carry" }),
                     run_at: now + 3_600_000,
                 })

@@ -47,6 +47,7 @@ async fn three_serve_processes_hold_a_provider_as_one() {
         .map(|i| NewRecord {
             pipeline: "pay".into(),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(format!("r-{i}")),
             input: json!({}),

@@ -455,6 +455,7 @@ async fn the_commands_keep_exports_and_backups_sealed_and_rotate_keys() {
             pipeline_version: None,
             external_key: Some(format!("k-{i}")),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             input: json!({ "secret": SECRET, "i": i }),
             run_at: now + 3_600_000,
         })
@@ -525,6 +526,7 @@ async fn turned_on(backend: Backend) {
                 pipeline_version: None,
                 external_key: Some("plain-one".into()),
                 group: None,
+                priority: ballast::domain::DEFAULT_PRIORITY,
                 input: json!({ "secret": SECRET }),
                 run_at: now + 3_600_000,
             }],

@@ -95,6 +95,7 @@ pub(crate) fn due_now(
         .map(|i| ballast::store::NewRecord {
             pipeline: pipeline.into(),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(format!("{prefix}{i}")),
             input: input(i),

@@ -232,6 +232,16 @@ fn parse_response(response: &str) -> (u16, String) {
     (status, body)
 }
 
+/// How many records there are, by the state counters.
+pub async fn record_total(db: &Db) -> i64 {
+    db.state_counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.count)
+        .sum()
+}
+
 /// Every record (in `state`, when given), newest first, all pages.
 pub async fn all_records(
     db: &Db,

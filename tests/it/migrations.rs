@@ -40,6 +40,7 @@ async fn up_down_up(backend: Backend) {
     let rec = NewRecord {
         pipeline: "p".into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: None,
         input: serde_json::json!({}),

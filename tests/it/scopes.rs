@@ -37,6 +37,7 @@ async fn record(app: &WebApp, pipeline: &str, key: &str) -> i64 {
     let new = NewRecord {
         pipeline: pipeline.into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: Some(key.into()),
         input: json!({ "customer": key }),
@@ -487,6 +488,7 @@ async fn paging_within(backend: Backend) {
         batch.push(NewRecord {
             pipeline,
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(format!("k{i}")),
             input: json!({}),

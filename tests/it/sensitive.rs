@@ -240,6 +240,7 @@ async fn fields(backend: Backend) {
     let gone = ballast::store::NewRecord {
         pipeline: "gone".into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: Some("g".into()),
         input: json!({ "card": "4111111111111111" }),

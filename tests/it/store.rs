@@ -70,6 +70,7 @@ conformance!(
     the_cluster_breaker_hands_out_one_probe,
     permits_are_leased_within_the_limit,
     claims_share_the_batch_between_queues,
+    priority_orders_a_queue_not_the_share,
     a_group_cap_holds_for_concurrent_claimers,
     replaced_results_are_kept_as_versions,
     confirmations_are_held_and_settled,
@@ -659,6 +660,7 @@ fn new_record(pipeline: &str, key: Option<&str>, run_at: i64) -> NewRecord {
     NewRecord {
         pipeline: pipeline.to_owned(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: key.map(str::to_owned),
         input: json!({ "key": key, "n": 1 }),
@@ -901,6 +903,89 @@ async fn claims_share_the_batch_between_queues(db: &Db) {
         "the rest of the backlog went in one claim"
     );
     assert_eq!(db.next_due_at().await.unwrap(), Some(T0 + 10_000));
+    assert_counts_consistent(db).await;
+}
+
+/// Priority (issue 50 item 6): within a (pipeline, group) queue a claim
+/// takes the highest priority first, then the oldest due; the share
+/// between queues does not change (a queue of urgent records takes no
+/// more than its share from another); records not yet due wait whatever
+/// their priority; a filter finds a priority.
+async fn priority_orders_a_queue_not_the_share(db: &Db) {
+    let at = |group: &str, key: String, run_at: i64, priority: u8| NewRecord {
+        priority,
+        ..grouped("p", Some(group), key, run_at)
+    };
+    // Queue p/x: an old backlog at the default, newer urgent records, a
+    // few at the lowest, and urgent ones not yet due.
+    let mut x: Vec<NewRecord> = (0..40).map(|i| at("x", format!("x{i}"), T0, 5)).collect();
+    x.extend((0..5).map(|i| at("x", format!("hi{i}"), T0 + 50 - i, 9)));
+    x.extend((0..3).map(|i| at("x", format!("lo{i}"), T0, 0)));
+    x.extend((0..30).map(|i| at("x", format!("later{i}"), T0 + 10_000, 9)));
+    db.create_records(x, T0).await.unwrap();
+    // Queue p/y: its own work, all at the lowest priority.
+    let y: Vec<NewRecord> = (0..10)
+        .map(|i| at("y", format!("y{i}"), T0 + 1, 0))
+        .collect();
+    db.create_records(y, T0).await.unwrap();
+    let key = |r: &ballast::domain::Record| r.external_key.clone().unwrap();
+    let of = |got: &[ballast::domain::Record], g: &str| -> Vec<String> {
+        got.iter()
+            .filter(|r| r.group.as_deref() == Some(g))
+            .map(key)
+            .collect()
+    };
+    let got = db.claim_due(&claim("w1", T0 + 100, 10)).await.unwrap();
+    // Half the batch each: x's urgent records first (due order among
+    // them), and y's share, low as it is.
+    assert_eq!(of(&got, "x"), vec!["hi4", "hi3", "hi2", "hi1", "hi0"]);
+    assert_eq!(
+        of(&got, "y").len(),
+        5,
+        "{:?}",
+        got.iter().map(key).collect::<Vec<_>>()
+    );
+    assert!(
+        got.iter()
+            .filter(|r| r.group.as_deref() == Some("x"))
+            .all(|r| r.priority == 9)
+    );
+    // Then x's backlog at the default, oldest first, before its lowest.
+    let got = db.claim_due(&claim("w1", T0 + 100, 10)).await.unwrap();
+    assert_eq!(of(&got, "x"), vec!["x0", "x1", "x2", "x3", "x4"]);
+    assert_eq!(of(&got, "y").len(), 5);
+    let got = db.claim_due(&claim("w1", T0 + 100, 36)).await.unwrap();
+    let xs = of(&got, "x");
+    assert_eq!(xs.len(), 36);
+    assert_eq!(xs[34], "x39");
+    assert_eq!(xs[35], "lo0", "the lowest after the rest: {xs:?}");
+    let rest = db.claim_due(&claim("w1", T0 + 100, 100)).await.unwrap();
+    assert_eq!(rest.iter().map(key).collect::<Vec<_>>(), vec!["lo1", "lo2"]);
+    assert!(rest.iter().all(|r| r.priority == 0));
+    // Urgent but not due: nothing until its time, then it goes.
+    assert!(
+        db.claim_due(&claim("w1", T0 + 9_999, 100))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let later = db.claim_due(&claim("w1", T0 + 10_000, 100)).await.unwrap();
+    assert_eq!(later.len(), 30);
+    // The priority is kept and filtered on.
+    let page = db
+        .list_records(&ballast::store::RecordFilter {
+            priority: Some(0),
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut low: Vec<String> = page.items.iter().map(key).collect();
+    low.sort();
+    let mut want: Vec<String> = (0..3).map(|i| format!("lo{i}")).collect();
+    want.extend((0..10).map(|i| format!("y{i}")));
+    want.sort();
+    assert_eq!(low, want);
     assert_counts_consistent(db).await;
 }
 

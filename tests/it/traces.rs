@@ -98,6 +98,7 @@ async fn run_records(t: &TestDb, n: usize, tag: &str) -> Vec<i64> {
         .map(|i| NewRecord {
             pipeline: "pay".into(),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(format!("{tag}-{i}")),
             input: json!({}),

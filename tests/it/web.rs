@@ -322,6 +322,7 @@ impl WebApp {
         let new = NewRecord {
             pipeline: "manual".into(),
             group: group.map(str::to_owned),
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(key.into()),
             input: json!({ "lead": key }),
@@ -2261,6 +2262,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     let new = NewRecord {
         pipeline: "pay".into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: Some("p-1".into()),
         input: json!({}),
@@ -2416,6 +2418,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     let new = NewRecord {
         pipeline: "pay".into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: Some("m-1".into()),
         input: json!({}),
@@ -2801,6 +2804,7 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
     let record = |pipeline: &str, key: String, run_at: i64| NewRecord {
         pipeline: pipeline.into(),
         group: None,
+        priority: ballast::domain::DEFAULT_PRIORITY,
         pipeline_version: None,
         external_key: Some(key),
         input: json!({}),
@@ -2988,6 +2992,7 @@ async fn an_operator_enqueues_for_later_from_the_records_page() {
                 ("input", r#"{"amount": 5}"#),
                 ("run_at", ""),
                 ("delay", "2h"),
+                ("priority", "7"),
             ],
         )
         .await;
@@ -2997,6 +3002,9 @@ async fn an_operator_enqueues_for_later_from_the_records_page() {
     let rec = app.t.db.get_record(id).await.unwrap().unwrap();
     let after = crate::helpers::wall_ms();
     assert_eq!(rec.input, json!({ "amount": 5 }));
+    assert_eq!(rec.priority, 7);
+    let page = app.get(&to, Some(&op)).await.text().await.unwrap();
+    assert!(page.contains(r#"id="record-priority">7<"#), "{page}");
     let due = rec.next_run_at.unwrap();
     assert!(
         (before + 7_200_000..=after + 7_200_000).contains(&due),
@@ -3018,6 +3026,22 @@ async fn an_operator_enqueues_for_later_from_the_records_page() {
         .unwrap();
     let rec = app.t.db.get_record(id).await.unwrap().unwrap();
     assert_eq!(rec.next_run_at, Some(at_ms));
+    assert_eq!(rec.priority, ballast::domain::DEFAULT_PRIORITY);
+    // The list shows a priority other than the default, and filters by it.
+    let list = app
+        .get("/records?priority=7", Some(&op))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        list.contains(">o-later<") && !list.contains(">o-at<"),
+        "{list}"
+    );
+    assert!(
+        list.contains(r#"title="priority">priority 7</small>"#),
+        "{list}"
+    );
     for (form, says) in [
         (vec![("input", "{oops")], "not JSON"),
         (
@@ -3026,6 +3050,8 @@ async fn an_operator_enqueues_for_later_from_the_records_page() {
         ),
         (vec![("delay", "soon")], "invalid duration"),
         (vec![("run_at", "noon")], "invalid time"),
+        (vec![("priority", "12")], "out of range"),
+        (vec![("priority", "high")], "not 0 to 9"),
     ] {
         let mut fields = vec![("pipeline", "orders"), ("key", "o-bad")];
         fields.extend(form);
@@ -3034,15 +3060,7 @@ async fn an_operator_enqueues_for_later_from_the_records_page() {
         let body = r.text().await.unwrap();
         assert!(body.contains(says), "{fields:?}: {body}");
     }
-    let made: i64 = app
-        .t
-        .db
-        .state_counts()
-        .await
-        .unwrap()
-        .iter()
-        .map(|c| c.count)
-        .sum();
+    let made = crate::helpers::record_total(&app.t.db).await;
     assert_eq!(made, 2, "nothing created by a refused enqueue");
     let viewer = app.login("v").await;
     let r = app
@@ -3070,6 +3088,7 @@ async fn export_streams_every_selected_record(backend: Backend) {
             .map(|i| NewRecord {
                 pipeline: "manual".into(),
                 group: None,
+                priority: ballast::domain::DEFAULT_PRIORITY,
                 pipeline_version: None,
                 external_key: Some(format!("e-{i}")),
                 input: json!({ "i": i }),
@@ -3261,6 +3280,7 @@ async fn the_search_box_finds_a_record_by_id_key_or_job_id(backend: Backend) {
             NewRecord {
                 pipeline: "second".into(),
                 group: None,
+                priority: ballast::domain::DEFAULT_PRIORITY,
                 pipeline_version: None,
                 external_key: Some("lead-2".into()),
                 input: json!({}),
@@ -3371,6 +3391,7 @@ async fn the_records_list_filters_by_created_and_updated_dates(backend: Backend)
         let new = NewRecord {
             pipeline: "manual".into(),
             group: None,
+            priority: ballast::domain::DEFAULT_PRIORITY,
             pipeline_version: None,
             external_key: Some(key.into()),
             input: json!({}),
@@ -3640,6 +3661,7 @@ async fn a_replay_on_the_page_may_move_a_record_to_the_current_version() {
                 pipeline_version: Some(old),
                 external_key: Some("old-1".into()),
                 group: None,
+                priority: ballast::domain::DEFAULT_PRIORITY,
                 input: json!({}),
                 run_at: now + 86_400_000,
             }],

@@ -201,6 +201,7 @@ mod tests {
             pipeline_version: Some(1),
             external_key: None,
             group: None,
+            priority: crate::domain::DEFAULT_PRIORITY,
             state: crate::domain::RecordState::Waiting,
             input: json!({}),
             next_run_at: None,

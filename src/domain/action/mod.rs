@@ -507,6 +507,7 @@ mod tests {
             pipeline_version: Some(1),
             external_key: None,
             group: None,
+            priority: crate::domain::DEFAULT_PRIORITY,
             state,
             input: json!({ "a": 1 }),
             next_run_at: None,

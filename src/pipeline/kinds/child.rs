@@ -1,7 +1,7 @@
 //! `kind = "pipeline"`: the step starts one record of another pipeline
 //! (`pipeline = "NAME"`, its input from the `input` template, else the
-//! parent's; for each item, else the item), keyed from the parent so
-//! that a retry never starts a second,
+//! parent's; for each item, else the item; at `priority`, else the
+//! parent's), keyed from the parent so that a retry never starts a second,
 //! and waits for it holding no worker. The child's succeeded steps'
 //! outputs, by step name, are the step's output. The engine's side (the
 //! child enqueued, read, and its parent woken) is `engine::child`; the
@@ -18,7 +18,7 @@ use crate::pipeline::{StepTemplates, invalid};
 
 pub(super) const REGISTERED: Registered = Registered {
     name: "pipeline",
-    fields: &["pipeline", "input"],
+    fields: &["pipeline", "input", "priority"],
     label: "child pipeline",
     compile,
 };
@@ -69,5 +69,15 @@ fn compile(s: &StepConfig, t: &mut StepTemplates<'_>) -> Result<Arc<dyn Kind>, C
         Some(source) => Some(t.add("input", source, false, false)?),
         None => None,
     };
-    Ok(Arc::new(Child(ChildSpec { pipeline, input })))
+    if let Some(p) = s.priority.filter(|p| *p > crate::domain::MAX_PRIORITY) {
+        return Err(invalid(
+            t.key("priority"),
+            format!("priority {p} is out of range (0 to 9, 9 first)"),
+        ));
+    }
+    Ok(Arc::new(Child(ChildSpec {
+        pipeline,
+        input,
+        priority: s.priority,
+    })))
 }

@@ -44,6 +44,10 @@ pub(super) struct EnqueueBody {
     /// The record's group (a tenant, say): claims share the workers fairly
     /// between groups.
     group: Option<String>,
+    /// 0 to 9, 5 when left out: within its pipeline and group, a record of
+    /// higher priority is claimed first (other groups keep their share).
+    #[schema(minimum = 0, maximum = 9)]
+    priority: Option<u8>,
     /// The pipeline's input.
     #[serde(default)]
     input: Value,
@@ -214,6 +218,8 @@ fn to_enqueue(
     }
     crate::engine::check_group(body.group.as_deref())
         .map_err(|e| WebError::bad("invalid_group", e.to_string()))?;
+    crate::engine::check_priority(body.priority)
+        .map_err(|e| WebError::bad("invalid_priority", e.to_string()))?;
     let delay = body
         .delay
         .as_deref()
@@ -225,6 +231,7 @@ fn to_enqueue(
     Ok(crate::engine::Enqueue {
         pipeline: body.pipeline,
         group: body.group,
+        priority: body.priority,
         key: body.key,
         input: body.input,
         run_at: Some(run_at),
@@ -643,6 +650,7 @@ struct BulkFilter {
     step: Option<String>,
     error_code: Option<String>,
     group: Option<String>,
+    priority: Option<String>,
     q: Option<String>,
     until: Option<String>,
     created_from: Option<String>,
@@ -660,6 +668,7 @@ impl From<BulkFilter> for ListQuery {
             step: f.step,
             error_code: f.error_code,
             group: f.group,
+            priority: f.priority,
             q: f.q,
             until: f.until,
             created_from: f.created_from,

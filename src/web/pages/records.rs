@@ -39,6 +39,7 @@ pub struct RecordRow {
     pub pipeline: String,
     pub key: String,
     pub group: String,
+    pub priority: u8,
     pub state: &'static str,
     pub step: String,
     pub provider: String,
@@ -61,6 +62,7 @@ impl From<&Record> for RecordRow {
             pipeline: r.pipeline.clone(),
             key: r.external_key.clone().unwrap_or_default(),
             group: r.group.clone().unwrap_or_default(),
+            priority: r.priority,
             state: r.state.as_str(),
             step: r.step.clone().unwrap_or_default(),
             provider: r.provider.clone().unwrap_or_default(),
@@ -114,6 +116,15 @@ impl RecordsPage {
 
     fn val(&self, field: &Option<String>) -> String {
         field.clone().unwrap_or_default()
+    }
+
+    /// The priorities, highest first, for the filter and the enqueue form.
+    fn priorities(&self) -> Vec<u8> {
+        (0..=crate::domain::MAX_PRIORITY).rev().collect()
+    }
+
+    fn is_default_priority(&self, p: impl std::borrow::Borrow<u8>) -> bool {
+        *p.borrow() == crate::domain::DEFAULT_PRIORITY
     }
 }
 
@@ -231,6 +242,8 @@ struct EnqueueForm {
     pipeline: String,
     key: Option<String>,
     group: Option<String>,
+    /// 0 to 9; empty: the default.
+    priority: Option<String>,
     input: Option<String>,
     /// A `datetime-local` value, read as UTC.
     run_at: Option<String>,
@@ -273,10 +286,19 @@ async fn enqueue(
     let group = non_empty(&form.group);
     crate::engine::check_group(group.as_deref())
         .map_err(|e| bad("invalid_group", e.to_string()))?;
+    let priority = match non_empty(&form.priority) {
+        Some(p) => Some(
+            p.parse::<u8>()
+                .map_err(|_| bad("invalid_priority", format!("priority `{p}` is not 0 to 9")))?,
+        ),
+        None => None,
+    };
+    crate::engine::check_priority(priority).map_err(|e| bad("invalid_priority", e.to_string()))?;
     let created = engine
         .enqueue(
             crate::engine::Enqueue::new(&form.pipeline, key.as_deref(), input)
                 .in_group(group.as_deref())
+                .with_priority(priority)
                 .at(due),
         )
         .await?;
@@ -1207,6 +1229,7 @@ struct BulkForm {
     filter_step: Option<String>,
     error_code: Option<String>,
     group: Option<String>,
+    priority: Option<String>,
     q: Option<String>,
     until: Option<String>,
     created_from: Option<String>,
@@ -1224,6 +1247,7 @@ impl BulkForm {
             step: self.filter_step.clone(),
             error_code: self.error_code.clone(),
             group: self.group.clone(),
+            priority: self.priority.clone(),
             q: self.q.clone(),
             until: self.until.clone(),
             created_from: self.created_from.clone(),
