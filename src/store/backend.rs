@@ -124,8 +124,9 @@ pub trait SqlDb:
     ) -> impl Future<Output = StoreResult<Claimed>> + Send;
 
     /// Each (pipeline, group) queue with records needing a worker, and when
-    /// its earliest is due, found through `records_queue_due` one queue at
-    /// a time (the idle engine's wake-up, the oldest-due metric).
+    /// its earliest is due, found through `records_queue_levels` one level
+    /// (pipeline, group, priority) at a time (the idle engine's wake-up,
+    /// the oldest-due metric).
     fn queue_heads_in(
         pools: &Self::Pools,
     ) -> impl Future<Output = StoreResult<Vec<(String, String, crate::domain::UnixMs)>>> + Send;
@@ -221,6 +222,7 @@ pub struct Statements {
     pub(crate) step_counts: Cached,
     pub(crate) insert_event: Cached,
     pub(crate) insert_events: Cached,
+    pub(crate) insert_records_at_once: Cached,
     pub(crate) upsert_steps: Cached,
     pub(crate) insert_attempts: Cached,
     pub(crate) lock_records: Cached,
@@ -240,6 +242,7 @@ impl Statements {
             step_counts: Cached::new(),
             insert_event: Cached::new(),
             insert_events: Cached::new(),
+            insert_records_at_once: Cached::new(),
             upsert_steps: Cached::new(),
             insert_attempts: Cached::new(),
             lock_records: Cached::new(),

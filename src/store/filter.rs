@@ -36,8 +36,8 @@ pub(crate) fn needs_windows(f: &RecordFilter, running_apart: bool) -> bool {
     ];
     let n = set.iter().filter(|b| **b).count();
     // No index orders records by id among those with a condition, in a
-    // span of time, of a group or of a priority (a group's and a
-    // priority's index is the queues', which orders by due time).
+    // span of time, of a group (its index is the queues', which orders by
+    // priority and due time) or of a priority (no index leads with it).
     if matches!(f.until, Some(UntilKind::Time | UntilKind::Provider))
         || f.created.is_set()
         || f.updated.is_set()

@@ -281,8 +281,14 @@ impl SqlDb for Postgres {
             .iter()
             .map(|r| batch::NewRecordJson::new(r, now, keys))
             .collect::<Result<_, _>>()?;
-        let sql = "SELECT * FROM ballast_insert_records($1, $2, $3, $4)";
-        let inserted = sqlx::query(sql)
+        // Its columns named, not `*`: a later migration that adds a column
+        // to `records` (and so to the function's rows) then leaves this
+        // version's prepared statement valid (with `*`, PostgreSQL refuses
+        // to run it again: "cached plan must not change result type").
+        let sql = Self::statements()
+            .insert_records_at_once
+            .get(|| format!("SELECT {RECORD_COLUMNS} FROM ballast_insert_records($1, $2, $3, $4)"));
+        let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(sqlx::types::Json(&rows))
             .bind(crate::domain::SYSTEM_ACTOR)
             .bind(Self::counter_shard())

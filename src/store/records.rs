@@ -141,6 +141,15 @@ where
         if batch.iter().any(|n| n.pipeline.is_empty()) {
             return Err(StoreError::Invalid("pipeline name is empty".into()));
         }
+        if let Some(n) = batch
+            .iter()
+            .find(|n| n.priority > crate::domain::MAX_PRIORITY)
+        {
+            return Err(StoreError::Invalid(format!(
+                "priority {} is out of range (0 to 9)",
+                n.priority
+            )));
+        }
         // Refused on both backends alike (PostgreSQL cannot store it).
         let nul = |s: &str| s.contains('\0');
         if batch.iter().any(|n| {

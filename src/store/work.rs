@@ -31,7 +31,8 @@ pub trait Work: Send + Sync {
     ) -> StoreResult<Vec<(String, UnixMs)>>;
     /// Leases up to `limit` due records (and records whose lease expired),
     /// an even share from each (pipeline, group) queue with due work, each
-    /// queue's oldest due first, within the request's group caps. Two
+    /// queue's highest priority first and then its oldest due, within the
+    /// request's group caps. Two
     /// claimers never get the same record.
     async fn claim_due(&self, req: &ClaimRequest) -> StoreResult<Vec<Record>>;
     /// Pushes the expiry of held leases to `until`; returns the ids still held.

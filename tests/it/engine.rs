@@ -2916,7 +2916,7 @@ async fn backlog_during_late_arrivals(
 /// here), plus what `x` gets alone while `y`'s records wait out the rate
 /// limit (deferred, they are not due, and a claim then serves only `x`).
 /// Stated: at most 3 × 100 + 50 + 32 = 382 of `x` finish between `y`'s
-/// enqueue and `y`'s last success (seen: 139 to 230). In due order it is
+/// enqueue and `y`'s last success (seen: 139 to 232). In due order it is
 /// every record of `x` left, about 9,800.
 async fn a_backlog_does_not_starve_another_group(backend: Backend) {
     let x = |i: usize| {
@@ -4941,7 +4941,7 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
         return;
     };
     let toml = format!(
-        "[pipelines.pay]\nschedule = {{ cron = \"0 * * * * *\", input = {{ kind = \"tick\" }} }}\n{}",
+        "[pipelines.pay]\nschedule = {{ cron = \"0 * * * * *\", input = {{ kind = \"tick\" }}, priority = 7 }}\n{}",
         single_step_toml("http://127.0.0.1:9", "")
     );
     let config = Arc::new(Config::parse(&toml, Path::new("schedule.toml")).unwrap());
@@ -4987,6 +4987,7 @@ async fn schedules_fire_each_tick_once_across_nodes(backend: Backend) {
             .into_iter()
             .map(|r| {
                 assert_eq!(r.input, json!({"kind": "tick"}));
+                assert_eq!(r.priority, 7, "the schedule's priority");
                 r.external_key.unwrap()
             })
             .collect();

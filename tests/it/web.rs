@@ -3042,6 +3042,28 @@ async fn an_operator_enqueues_for_later_from_the_records_page() {
         list.contains(r#"title="priority">priority 7</small>"#),
         "{list}"
     );
+    assert!(
+        list.contains(r#"name="priority" value="7""#),
+        "the bulk form's filter"
+    );
+    // A bulk action over every record of that priority names it alone.
+    let r = app
+        .post(
+            "/records/bulk",
+            Some(&op),
+            &[
+                ("action", "cancel"),
+                ("reason", "r"),
+                ("all_matching", "1"),
+                ("priority", "7"),
+            ],
+        )
+        .await;
+    let preview = r.text().await.unwrap();
+    assert!(
+        preview.contains(r#"<strong id="bulk-count">1</strong> of 1 selected"#),
+        "{preview}"
+    );
     for (form, says) in [
         (vec![("input", "{oops")], "not JSON"),
         (
