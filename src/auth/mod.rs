@@ -2,6 +2,7 @@
 //! and the request extractors join as the control plane grows.
 
 pub mod password;
+pub mod presets;
 pub mod seal;
 pub mod secret;
 pub mod signing;

@@ -68,25 +68,49 @@ pub fn verify(
     let Some(timestamp) = timestamp else {
         return Err(SignatureError::Malformed);
     };
-    if signatures.is_empty() || signatures.len() > 8 {
+    check_window(signatures.len(), timestamp, now_s, tolerance_s)?;
+    let macs = secrets
+        .iter()
+        .filter(|s| s.len() >= MIN_SECRET)
+        .filter_map(|secret| mac(secret, timestamp, body));
+    matches_any(macs, &signatures)
+}
+
+/// Whether any of `macs` (one per secret, each over the signed content
+/// once, however many signatures were sent) equals any of `signatures`,
+/// compared in constant time.
+pub(crate) fn matches_any(
+    macs: impl Iterator<Item = Hmac<Sha256>>,
+    signatures: &[Vec<u8>],
+) -> Result<(), SignatureError> {
+    use subtle::ConstantTimeEq;
+    for m in macs {
+        let tag = m.finalize().into_bytes();
+        let hit = signatures
+            .iter()
+            .any(|sig| sig.len() == tag.len() && bool::from(sig.as_slice().ct_eq(tag.as_slice())));
+        if hit {
+            return Ok(());
+        }
+    }
+    Err(SignatureError::Mismatch)
+}
+
+/// A signed delivery's first checks, before any MAC: one to eight
+/// signatures, and a timestamp within `tolerance_s` of `now_s`.
+pub(crate) fn check_window(
+    signatures: usize,
+    timestamp: i64,
+    now_s: i64,
+    tolerance_s: i64,
+) -> Result<(), SignatureError> {
+    if signatures == 0 || signatures > 8 {
         return Err(SignatureError::Malformed);
     }
     if now_s.abs_diff(timestamp) > tolerance_s.unsigned_abs() {
         return Err(SignatureError::Stale);
     }
-    let ok = secrets
-        .iter()
-        .filter(|s| s.len() >= MIN_SECRET)
-        .any(|secret| {
-            signatures.iter().any(|sig| {
-                mac(secret, timestamp, body).is_some_and(|m| m.verify_slice(sig).is_ok())
-            })
-        });
-    if ok {
-        Ok(())
-    } else {
-        Err(SignatureError::Mismatch)
-    }
+    Ok(())
 }
 
 /// The header's timestamp and signatures.

@@ -9,6 +9,7 @@ pub mod pipeline;
 pub mod provider;
 pub mod secret;
 pub mod sensitive;
+pub mod trigger;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -39,6 +40,8 @@ pub struct Config {
     pub traces: TracesConfig,
     /// `[oidc]`: single sign-on, off unless set.
     pub oidc: Option<oidc::OidcConfig>,
+    /// `[triggers.NAME]`: incoming events that start records.
+    pub triggers: std::collections::BTreeMap<String, trigger::TriggerConfig>,
 }
 
 /// The configuration a running node uses now: read by the control plane
@@ -570,6 +573,9 @@ impl Config {
         if let Some(o) = &mut config.oidc {
             o.load(env, &dir)?;
         }
+        for t in config.triggers.values_mut() {
+            t.secrets_dir = dir.clone();
+        }
         let applied = match running {
             None => env::apply(&mut config, env)?,
             Some(running) => {
@@ -640,6 +646,9 @@ impl Config {
                 });
             }
             p.validate(name, env)?;
+        }
+        for (name, t) in &self.triggers {
+            t.validate(name, &self.pipelines, env)?;
         }
         Ok(())
     }

@@ -32,6 +32,7 @@ pub mod state;
 pub mod step;
 pub mod time;
 pub mod token;
+pub mod trigger;
 pub mod undo;
 
 pub use model::*;

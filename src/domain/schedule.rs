@@ -179,6 +179,12 @@ pub fn check_key(key: &str) -> Result<(), String> {
             "keys starting `{TICK_PREFIX}` are kept for cron schedules"
         ));
     }
+    if key.starts_with(crate::domain::trigger::KEY_PREFIX) {
+        return Err(format!(
+            "keys starting `{}` are kept for triggers",
+            crate::domain::trigger::KEY_PREFIX
+        ));
+    }
     Ok(())
 }
 

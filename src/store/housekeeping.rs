@@ -12,7 +12,7 @@ use super::rows::{MapRow, ROLLUP_COLUMNS, map_all};
 use super::sql::{Rollups, SqlStore};
 use super::{
     DataKeyRow, HOUR_MS, PurgeRun, Purged, Resealed, ScheduleAdvance, SealedColumn, StoreError,
-    StoreResult,
+    StoreResult, TriggerDelivery,
 };
 use crate::domain::{RecordState, ScheduleRow, UnixMs};
 
@@ -37,6 +37,15 @@ pub trait Housekeeping: Send + Sync {
     /// Deletes the deliveries received before `before` that no step ever
     /// took (their job id matched none); returns how many.
     async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64>;
+    /// Keeps a trigger's delivery and its verdict (its `id` is assigned).
+    async fn record_trigger_delivery(&self, d: &TriggerDelivery) -> StoreResult<()>;
+    /// The newest `limit` deliveries of `trigger` (of every trigger when
+    /// `None`), newest first.
+    async fn trigger_deliveries(
+        &self,
+        trigger: Option<&str>,
+        limit: u32,
+    ) -> StoreResult<Vec<TriggerDelivery>>;
     /// Writes (replaces) this node's rows for the given minutes.
     async fn save_rollups(&self, rows: &[StepRollup]) -> StoreResult<()>;
     /// Every node's rows from `since` on: minute rows, and hour rows (with
@@ -48,8 +57,8 @@ pub trait Housekeeping: Send + Sync {
     /// locked as they are read, so a second compaction waits and then finds
     /// them gone.
     async fn compact_rollups(&self, before: UnixMs) -> StoreResult<u64>;
-    /// Deletes rollups, delivery ids and login counters older than
-    /// `before`; returns how many rows.
+    /// Deletes rollups, delivery ids, trigger deliveries and login
+    /// counters older than `before`; returns how many rows.
     async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64>;
     /// Every schedule's row, by pipeline.
     async fn schedules(&self) -> StoreResult<Vec<ScheduleRow>>;
@@ -188,6 +197,59 @@ where
         Ok(())
     }
 
+    async fn record_trigger_delivery(&self, d: &TriggerDelivery) -> StoreResult<()> {
+        let mut tx = self.begin_write().await?;
+        sqlx::query(
+            "INSERT INTO trigger_deliveries (trigger, pipeline, received_at, verdict, status, \
+             event_id, event_type, record_id, detail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(d.trigger.clone())
+        .bind(d.pipeline.clone())
+        .bind(d.received_at)
+        .bind(d.verdict.clone())
+        .bind(i64::from(d.status))
+        .bind(d.event_id.clone())
+        .bind(d.event_type.clone())
+        .bind(d.record_id)
+        .bind(d.detail.clone())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn trigger_deliveries(
+        &self,
+        trigger: Option<&str>,
+        limit: u32,
+    ) -> StoreResult<Vec<TriggerDelivery>> {
+        const COLUMNS: &str = "id, trigger, pipeline, received_at, verdict, status, event_id, \
+                               event_type, record_id, detail";
+        // Two statements, so that a trigger's is read through its index.
+        let rows = match trigger {
+            Some(t) => {
+                let sql = format!(
+                    "SELECT {COLUMNS} FROM trigger_deliveries WHERE trigger = $1 \
+                     ORDER BY id DESC LIMIT $2"
+                );
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(t.to_owned())
+                    .bind(i64::from(limit))
+                    .fetch_all(self.reader())
+                    .await?
+            }
+            None => {
+                let sql =
+                    format!("SELECT {COLUMNS} FROM trigger_deliveries ORDER BY id DESC LIMIT $1");
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(i64::from(limit))
+                    .fetch_all(self.reader())
+                    .await?
+            }
+        };
+        map_all(&rows, MapRow::trigger_delivery)
+    }
+
     async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64> {
         let mut tx = self.begin_write().await?;
         // `callbacks_pending` leads with `record_id`: an orphan never had one.
@@ -268,8 +330,13 @@ where
             .bind(before)
             .execute(&mut *tx)
             .await?;
+        let d = sqlx::query("DELETE FROM trigger_deliveries WHERE received_at < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
-        Ok(a.rows_affected() + hours.rows_affected() + b.rows_affected() + c.rows_affected())
+        let rows = [a, hours, b, c, d].map(|r| r.rows_affected());
+        Ok(rows.iter().sum())
     }
 
     async fn schedules(&self) -> StoreResult<Vec<ScheduleRow>> {

@@ -227,6 +227,30 @@ impl PurgeRun {
     }
 }
 
+/// One delivery to a trigger (`POST /triggers/NAME`), with its verdict
+/// (`domain::trigger::Verdict` by code).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+pub struct TriggerDelivery {
+    pub id: i64,
+    pub trigger: String,
+    /// The pipeline the trigger enqueued into then (who may see it).
+    pub pipeline: String,
+    pub received_at: UnixMs,
+    /// Its verdict's code: `enqueued`, `duplicate`, `ignored`,
+    /// `bad_signature`, `stale_signature`, `bad_signature_header`,
+    /// `body_not_json`, `no_event_id`, `unmapped_event`, `event_refused`,
+    /// `unavailable`.
+    pub verdict: String,
+    /// The HTTP status it was answered.
+    pub status: u16,
+    pub event_id: Option<String>,
+    pub event_type: Option<String>,
+    /// The record it made or named.
+    pub record_id: Option<i64>,
+    /// Why it was refused, when it was.
+    pub detail: Option<String>,
+}
+
 /// A record to enqueue.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewRecord {

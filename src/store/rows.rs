@@ -99,6 +99,7 @@ pub trait MapRow {
     /// A row of `(pipeline, state, n)`.
     fn state_count(&self) -> StoreResult<StateCount>;
     fn step_count(&self) -> StoreResult<StepCount>;
+    fn trigger_delivery(&self) -> StoreResult<crate::store::TriggerDelivery>;
 }
 
 impl<R> MapRow for R
@@ -430,6 +431,21 @@ where
             step: self.try_get("step")?,
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
             count: self.try_get("n")?,
+        })
+    }
+
+    fn trigger_delivery(&self) -> StoreResult<crate::store::TriggerDelivery> {
+        Ok(crate::store::TriggerDelivery {
+            id: self.try_get("id")?,
+            trigger: self.try_get("trigger")?,
+            pipeline: self.try_get("pipeline")?,
+            received_at: self.try_get("received_at")?,
+            verdict: self.try_get("verdict")?,
+            status: u16::try_from(self.try_get::<i32, _>("status")?).unwrap_or(0),
+            event_id: self.try_get("event_id")?,
+            event_type: self.try_get("event_type")?,
+            record_id: self.try_get("record_id")?,
+            detail: self.try_get("detail")?,
         })
     }
 }

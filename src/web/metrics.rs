@@ -96,6 +96,10 @@ fn describe() {
         "Parked records this node resumed because their condition came to hold."
     );
     describe_counter!(
+        "ballast_trigger_deliveries_total",
+        "Deliveries to this node's triggers, by trigger and verdict (enqueued, duplicate, ignored, or why it was refused)."
+    );
+    describe_counter!(
         "ballast_schedule_fired_total",
         "Cron ticks this node fired (one node per tick), by pipeline."
     );

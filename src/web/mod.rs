@@ -1,11 +1,13 @@
 //! The HTTP control plane: one router per area, merged here with the layers
 //! every response passes through.
 //!
-//! - open: `/healthz`, `/readyz`, `/login`, `/static/*`, signed `/hooks/*`;
+//! - open: `/healthz`, `/readyz`, `/login`, `/static/*`, signed `/hooks/*`
+//!   and `/triggers/*`;
 //! - dashboard pages and fragments: a session cookie, CSRF on every write;
 //! - `/api/v1`: bearer API tokens, rate-limited per token and per address;
 //! - `/metrics`: the metrics token or an API token, rate-limited per address;
-//! - `/hooks/*`: rate-limited per address before any lookup or signature check.
+//! - `/hooks/*`, `/triggers/*`: rate-limited per address before any lookup
+//!   or signature check.
 
 mod api;
 pub use api::served as openapi;
@@ -30,6 +32,7 @@ pub mod scope;
 pub mod security;
 mod state;
 pub mod stats_view;
+mod triggers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,6 +84,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(health::router())
         .merge(hooks::router(&state))
+        .merge(triggers::router(&state))
         .merge(assets::router())
         .merge(metrics::router(&state))
         .merge(dashboard)

@@ -1880,6 +1880,7 @@ request = { path = "/sync" }
             "/pipelines".to_owned(),
             "/providers".to_owned(),
             "/audit".to_owned(),
+            "/triggers".to_owned(),
             "/search?q=lead".to_owned(),
             "/records/999999999".to_owned(),
         ];

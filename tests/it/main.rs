@@ -40,6 +40,7 @@ mod sigv4;
 mod store;
 mod tls;
 mod traces;
+mod triggers;
 mod undo;
 mod wait;
 mod web;

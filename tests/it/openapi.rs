@@ -227,6 +227,15 @@ async fn each_operation_needs_the_role_its_document_names() {
     let mut checked = 0;
     for (path, item) in doc["paths"].as_object().unwrap() {
         for (method, op) in item.as_object().unwrap() {
+            if method == "servers" {
+                continue;
+            }
+            // A trigger is authenticated by its sender's signature alone
+            // (`triggers::*`), and says so: no security requirement.
+            if op["security"] == json!([{}]) {
+                assert_eq!(path, "/triggers/{name}", "{method} {path} needs no token");
+                continue;
+            }
             let needs = op["security"][0]["bearer"][0]
                 .as_str()
                 .unwrap_or_else(|| panic!("{method} {path} names no role"));

@@ -48,7 +48,7 @@ async fn record(app: &WebApp, pipeline: &str, key: &str) -> i64 {
     id
 }
 
-async fn user(app: &WebApp, name: &str, role: Role, scope: &str) {
+pub(crate) async fn user(app: &WebApp, name: &str, role: Role, scope: &str) {
     let u = NewUser {
         unmask: false,
         username: name.into(),

@@ -228,6 +228,19 @@ impl WebApp {
         req.send().await.unwrap()
     }
 
+    /// `/metrics` as Prometheus scrapes it (with the metrics token).
+    pub async fn metrics(&self) -> String {
+        self.client
+            .get(self.url("/metrics"))
+            .bearer_auth("metrics-token-0123456789")
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// The page at `path`, as text.
     pub async fn text(&self, path: &str, login: Option<&Login>) -> String {
         self.get(path, login).await.text().await.unwrap()
@@ -870,6 +883,7 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", "/providers".into(), vec![], Role::Viewer),
         ("GET", "/pipelines".into(), vec![], Role::Viewer),
         ("GET", "/audit".into(), vec![], Role::Viewer),
+        ("GET", "/triggers".into(), vec![], Role::Viewer),
         ("GET", "/search?q=m-1".into(), vec![], Role::Viewer),
         (
             "POST",
@@ -2440,16 +2454,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
         }
     })
     .await;
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .bearer_auth("metrics-token-0123456789")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics().await;
     let families = |prefix: &str| -> Vec<String> {
         text.lines()
             .filter_map(|l| l.strip_prefix(prefix))

@@ -124,6 +124,25 @@ pub(super) fn document(routes: Document) -> Document {
     let mut doc = Base::openapi();
     doc.merge(routes);
     Shared.modify(&mut doc);
+    doc.merge(triggers());
+    doc
+}
+
+/// `POST /triggers/{name}`, beside the API: served from the root (its
+/// path's own server), authenticated by the sender's signature alone.
+#[derive(OpenApi)]
+#[openapi(
+    paths(crate::web::triggers::receive),
+    components(schemas(crate::web::triggers::Taken)),
+    tags((name = "triggers", description = "Events other systems send, each starting a record (`[triggers.NAME]`)."))
+)]
+struct Triggers;
+
+fn triggers() -> Document {
+    let mut doc = Triggers::openapi();
+    for item in doc.paths.paths.values_mut() {
+        item.servers = Some(vec![Server::new("/")]);
+    }
     doc
 }
 

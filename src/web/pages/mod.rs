@@ -10,6 +10,7 @@ mod pipelines;
 mod providers;
 pub mod records;
 mod sign_on;
+mod triggers;
 
 use askama::Template;
 use axum::Router;
@@ -31,6 +32,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .merge(providers::router())
         .merge(pipelines::router())
         .merge(audit::router())
+        .merge(triggers::router())
         .merge(admin::router())
 }
 

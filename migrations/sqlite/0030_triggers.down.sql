@@ -1,0 +1,1 @@
+DROP TABLE trigger_deliveries;
