@@ -193,6 +193,9 @@ impl TriggerConfig {
             let m = "`accept` and `ignore` need the event's type: set `type`";
             return Err(invalid(&key("type"), m.into()));
         }
+        if self.tolerance.0 < std::time::Duration::from_secs(1) {
+            return Err(invalid(&key("tolerance"), "must be at least 1s".into()));
+        }
         if let Some(p) = self.priority.filter(|p| *p > crate::domain::MAX_PRIORITY) {
             let m = format!("priority {p} is out of range (0 to 9, 9 first)");
             return Err(invalid(&key("priority"), m));
@@ -204,8 +207,9 @@ impl TriggerConfig {
         ];
         match self.preset {
             Preset::Hmac => {
-                if self.header.as_deref().is_none_or(str::is_empty) {
-                    let m = "an `hmac` trigger names its signature `header`";
+                let header = self.header.as_deref().unwrap_or("");
+                if header.is_empty() || Source::parse(&format!("header:{header}")).is_err() {
+                    let m = "an `hmac` trigger names its signature `header` (`X-Signature`)";
                     return Err(invalid(&key("header"), m.into()));
                 }
                 if let Some(e) = self
@@ -286,6 +290,11 @@ mod tests {
                 "not a JSON pointer",
             ),
             ("preset = \"stripe\"\npriority = 10", "out of range"),
+            ("preset = \"stripe\"\ntolerance = \"0s\"", "at least 1s"),
+            (
+                "preset = \"hmac\"\nid = \"/id\"\nheader = \"X Sig\"",
+                "triggers.t.header",
+            ),
             (
                 "preset = \"stripe\"\nsecrets_env = [\"T_SHORT\"]",
                 "at least 16",

@@ -33,6 +33,18 @@ impl Preset {
         }
     }
 
+    /// What its signature header looks like, for a refusal's message.
+    pub fn expects(self) -> &'static str {
+        match self {
+            Preset::Stripe => "Stripe-Signature: t=<unix seconds>,v1=<hex>",
+            Preset::Github => "X-Hub-Signature-256: sha256=<hex>",
+            Preset::StandardWebhooks => {
+                "webhook-id, webhook-timestamp (unix seconds) and webhook-signature: v1,<base64>"
+            }
+            Preset::Hmac => "the configured header: the HMAC-SHA256 of the body",
+        }
+    }
+
     /// Where its events' ids are, unless configured.
     pub fn id_source(self) -> Option<Source> {
         match self {

@@ -284,8 +284,16 @@ async fn authentic(
         .iter()
         .map(|s| s.expose().as_bytes().to_vec())
         .collect();
-    verify(t, &secrets, h, body, now_s)
-        .map_err(|e| Outcome::refused(signature_verdict(e), e.to_string()))
+    verify(t, &secrets, h, body, now_s).map_err(|e| {
+        let why = match e {
+            SignatureError::Malformed => format!(
+                "the signature is missing or malformed (expected {})",
+                t.preset.expects()
+            ),
+            other => other.to_string(),
+        };
+        Outcome::refused(signature_verdict(e), why)
+    })
 }
 
 /// Enqueues the record: its id and whether it is new; a refusal's verdict

@@ -194,6 +194,31 @@ async fn triggers_start_records_from_signed_events(backend: Backend) {
     assert_eq!(rec.priority, ballast::domain::DEFAULT_PRIORITY);
     let (s, v) = post(&app, "gh", &gh("issues", "d-2"), push).await;
     assert_eq!((s, &v["code"]), (422, &json!("unmapped_event")), "{v}");
+    // Each preset refuses what its secrets did not sign: the body changed
+    // under GitHub's signature; a Standard Webhooks id changed under its
+    // signature; an HMAC by another secret. The message says what the
+    // preset expects when the header is missing.
+    let (s, v) = post(
+        &app,
+        "gh",
+        &gh("push", "d-3"),
+        br#"{"repository":{"name":"web"}}"#,
+    )
+    .await;
+    assert_eq!((s, &v["code"]), (401, &json!("bad_signature")), "{v}");
+    let (s, v) = post(&app, "gh", &[], push).await;
+    assert_eq!(
+        (s, &v["code"]),
+        (401, &json!("bad_signature_header")),
+        "{v}"
+    );
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("X-Hub-Signature-256"),
+        "{v}"
+    );
     // Standard Webhooks.
     let body = br#"{"type":"user.created","data":{"id":7}}"#;
     let sent = |id: &str, at: i64| {
@@ -208,6 +233,10 @@ async fn triggers_start_records_from_signed_events(backend: Backend) {
     };
     let (s, v) = post(&app, "std", &sent("msg_1", now_s), body).await;
     assert_eq!(s, 201, "{v}");
+    let mut forged = sent("msg_1", now_s);
+    forged[0].1 = "msg_9".into();
+    let (s, v) = post(&app, "std", &forged, body).await;
+    assert_eq!((s, &v["code"]), (401, &json!("bad_signature")), "{v}");
     let (s, v) = post(&app, "std", &sent("msg_2", now_s - 3_600), body).await;
     assert_eq!((s, &v["code"]), (401, &json!("stale_signature")), "{v}");
     // A generic HMAC in base64; an event without the id it names.
@@ -223,6 +252,24 @@ async fn triggers_start_records_from_signed_events(backend: Backend) {
     let no_id = br#"{"n":2}"#;
     let (s, v) = post(&app, "custom", &hmac(no_id), no_id).await;
     assert_eq!((s, &v["code"]), (400, &json!("no_event_id")), "{v}");
+    let other = vec![(
+        "X-Signature",
+        presets::body_sign(OLD.as_bytes(), with_id, "", Encoding::Base64),
+    )];
+    let (s, v) = post(&app, "custom", &other, with_id).await;
+    assert_eq!((s, &v["code"]), (401, &json!("bad_signature")), "{v}");
+    // Nobody else may take a trigger's key.
+    let op = app.token(Role::Operator).await;
+    let r = app
+        .client
+        .post(app.url("/api/v1/records"))
+        .bearer_auth(&op)
+        .json(&json!({"pipeline": "fulfil", "key": "trigger:stripe:evt_2"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("kept for triggers"));
     let (s, v) = post(&app, "nowhere", &[], b"{}").await;
     assert_eq!((s, &v["code"]), (404, &json!("unknown_trigger")), "{v}");
     // Four records, no more.
