@@ -196,10 +196,7 @@ impl TriggerConfig {
         if self.tolerance.0 < std::time::Duration::from_secs(1) {
             return Err(invalid(&key("tolerance"), "must be at least 1s".into()));
         }
-        if let Some(p) = self.priority.filter(|p| *p > crate::domain::MAX_PRIORITY) {
-            let m = format!("priority {p} is out of range (0 to 9, 9 first)");
-            return Err(invalid(&key("priority"), m));
-        }
+        crate::domain::check_priority(self.priority).map_err(|m| invalid(&key("priority"), m))?;
         let hmac_only = [
             ("header", self.header.is_some()),
             ("encoding", self.encoding.is_some()),

@@ -101,6 +101,17 @@ pub const DEFAULT_PRIORITY: u8 = 5;
 /// The highest priority (claimed first within its queue); 0 is the lowest.
 pub const MAX_PRIORITY: u8 = 9;
 
+/// A priority is 0 to 9, where it is given (enqueue, configuration,
+/// store): the one rule and its one message.
+pub fn check_priority(priority: Option<u8>) -> Result<(), String> {
+    match priority {
+        Some(p) if p > MAX_PRIORITY => Err(format!(
+            "priority {p} is out of range (0 to {MAX_PRIORITY}, 9 first)"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// One unit of work travelling through one pipeline.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Record {

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::{Engine, Inner, lock};
-use crate::domain::{DEFAULT_PRIORITY, MAX_PRIORITY, UnixMs};
+use crate::domain::{DEFAULT_PRIORITY, UnixMs};
 use crate::store::{Created, NewRecord, StoreError};
 
 /// A record to enqueue ([`Engine::enqueue`], [`Engine::enqueue_batch`]).
@@ -96,12 +96,7 @@ pub fn check_group(group: Option<&str>) -> Result<(), StoreError> {
 
 /// A priority is 0 to 9.
 pub fn check_priority(priority: Option<u8>) -> Result<(), StoreError> {
-    match priority {
-        Some(p) if p > MAX_PRIORITY => Err(StoreError::Invalid(format!(
-            "priority {p} is out of range (0 to {MAX_PRIORITY}, 9 first)"
-        ))),
-        _ => Ok(()),
-    }
+    crate::domain::check_priority(priority).map_err(StoreError::Invalid)
 }
 
 impl Engine {

@@ -219,15 +219,8 @@ fn compile_one(
                 "must be a table (the record's input)".into(),
             ));
         }
-        if let Some(p) = schedule
-            .priority
-            .filter(|p| *p > crate::domain::MAX_PRIORITY)
-        {
-            return Err(invalid(
-                format!("{key}.priority"),
-                format!("priority {p} is out of range (0 to 9, 9 first)"),
-            ));
-        }
+        crate::domain::check_priority(schedule.priority)
+            .map_err(|m| invalid(format!("{key}.priority"), m))?;
     }
     let by_name = check_steps(name, p, config)?;
     let order = dependency_order(name, p, &by_name)?;

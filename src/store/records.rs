@@ -141,14 +141,8 @@ where
         if batch.iter().any(|n| n.pipeline.is_empty()) {
             return Err(StoreError::Invalid("pipeline name is empty".into()));
         }
-        if let Some(n) = batch
-            .iter()
-            .find(|n| n.priority > crate::domain::MAX_PRIORITY)
-        {
-            return Err(StoreError::Invalid(format!(
-                "priority {} is out of range (0 to 9)",
-                n.priority
-            )));
+        for n in &batch {
+            crate::domain::check_priority(Some(n.priority)).map_err(StoreError::Invalid)?;
         }
         // Refused on both backends alike (PostgreSQL cannot store it).
         let nul = |s: &str| s.contains('\0');

@@ -164,13 +164,7 @@ impl IntoResponse for WebError {
             code: self.code(),
             message: self.to_string(),
         };
-        let problem = Problem::new(status, info.code, &info.message);
-        let mut response = (
-            status,
-            [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))],
-            Json(problem),
-        )
-            .into_response();
+        let mut response = Problem::new(status, info.code, &info.message).into_response();
         response.extensions_mut().insert(info);
         if let WebError::Internal(detail) = self {
             // The client sees an opaque message; the detail goes into the
@@ -224,6 +218,19 @@ impl Problem {
             error: code,
             message: detail.to_owned(),
         }
+    }
+}
+
+/// A problem as sent: its status, `application/problem+json`, the body.
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (
+            status,
+            [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))],
+            Json(self),
+        )
+            .into_response()
     }
 }
 

@@ -7,7 +7,7 @@
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
@@ -106,13 +106,13 @@ pub async fn receive(
                 StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
                 _ => "unreadable_body",
             };
-            return problem(Problem::new(e.status(), code, &e.body_text()));
+            return Problem::new(e.status(), code, &e.body_text()).into_response();
         }
     };
     let config = state.config.get();
     let Some(t) = config.triggers.get(&name) else {
         let p = Problem::new(StatusCode::NOT_FOUND, "unknown_trigger", "no such trigger");
-        return problem(p);
+        return p.into_response();
     };
     let received_at = state.clock.now_ms();
     let outcome = take(&state, &name, t, &headers, &body, received_at).await;
@@ -145,16 +145,6 @@ pub async fn receive(
     answer(&outcome)
 }
 
-fn problem(p: Problem) -> Response {
-    let status = StatusCode::from_u16(p.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut r = (status, Json(p)).into_response();
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/problem+json"),
-    );
-    r
-}
-
 fn answer(o: &Outcome) -> Response {
     let status = StatusCode::from_u16(o.verdict.status()).unwrap_or(StatusCode::OK);
     if status.is_success() {
@@ -165,7 +155,7 @@ fn answer(o: &Outcome) -> Response {
         return (status, Json(taken)).into_response();
     }
     let detail = o.detail.as_deref().unwrap_or("");
-    problem(Problem::new(status, o.verdict.code(), detail))
+    Problem::new(status, o.verdict.code(), detail).into_response()
 }
 
 /// Verifies, reads and routes a delivery, and enqueues its record.
@@ -193,7 +183,8 @@ async fn take(
     // store) become U+FFFD.
     crate::domain::scrub_json(&mut event, &[]);
     let event_type = t.type_source().and_then(|s| s.read(&event, &h));
-    let event_id = t.id_source().and_then(|s| s.read(&event, &h));
+    let id_source = t.id_source();
+    let event_id = id_source.as_ref().and_then(|s| s.read(&event, &h));
     let mut o = Outcome {
         verdict: trigger::route(&t.accept, &t.ignore, event_type.as_deref().unwrap_or("")),
         event_id,
@@ -230,7 +221,7 @@ async fn take(
     let group = group.and_then(|g| g.read(&event, &h));
     // Named by what the sender signed: an id from an unsigned header
     // could be changed on a captured delivery sent again.
-    let signed = t.id_source().is_some_and(|s| trigger::signs(t.preset, &s));
+    let signed = id_source.is_some_and(|s| trigger::signs(t.preset, &s));
     let key = if signed {
         trigger::record_key(name, &id)
     } else {

@@ -153,16 +153,6 @@ async fn fed_all(feeder: tokio::task::JoinHandle<Fed>) -> i64 {
     fed.taken
 }
 
-/// Every record in the store, by the counters.
-async fn total_records(db: &Db) -> i64 {
-    db.state_counts()
-        .await
-        .unwrap()
-        .iter()
-        .map(|c| c.count)
-        .sum()
-}
-
 /// Counts `needle` in `haystack` (bytes).
 fn occurrences(haystack: &[u8], needle: &[u8]) -> usize {
     haystack
@@ -2102,7 +2092,7 @@ async fn postgres_database_faults() {
     feeding.cancel();
     let fed = feeder.await.unwrap();
     // A batch refused last may have landed all the same.
-    let n = total_records(&db).await;
+    let n = crate::helpers::record_total(&db).await;
     assert!(
         (fed.taken..=fed.taken + rate / 10).contains(&n),
         "{n} records for {} taken",

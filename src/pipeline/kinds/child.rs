@@ -69,12 +69,7 @@ fn compile(s: &StepConfig, t: &mut StepTemplates<'_>) -> Result<Arc<dyn Kind>, C
         Some(source) => Some(t.add("input", source, false, false)?),
         None => None,
     };
-    if let Some(p) = s.priority.filter(|p| *p > crate::domain::MAX_PRIORITY) {
-        return Err(invalid(
-            t.key("priority"),
-            format!("priority {p} is out of range (0 to 9, 9 first)"),
-        ));
-    }
+    crate::domain::check_priority(s.priority).map_err(|m| invalid(t.key("priority"), m))?;
     Ok(Arc::new(Child(ChildSpec {
         pipeline,
         input,
