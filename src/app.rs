@@ -26,9 +26,11 @@ pub async fn connect(config: &Config) -> anyhow::Result<Db> {
         busy_timeout: config.database.busy_timeout.0,
         keyring: config.database.encryption.keyring.clone(),
     };
-    Db::connect(config.database.url.expose(), &opts)
+    let db = Db::connect(config.database.url.expose(), &opts)
         .await
-        .with_context(|| format!("cannot open database {}", config.database.url))
+        .with_context(|| format!("cannot open database {}", config.database.url))?;
+    db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
+    Ok(db)
 }
 
 /// Tells systemd how start-up and shutdown go, when it started this process

@@ -179,6 +179,8 @@ impl Reloader {
             }
         };
         self.db.set_keyring(ring);
+        let filters = self.live.get().notify.iter().map(|n| n.filter()).collect();
+        self.db.set_notify_filters(filters);
         Ok(Reloaded {
             version: self.live.version(),
             changes,

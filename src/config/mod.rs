@@ -4,6 +4,7 @@
 mod duration;
 pub mod encryption;
 mod env;
+pub mod notify;
 pub mod oidc;
 pub mod pipeline;
 pub mod provider;
@@ -42,6 +43,8 @@ pub struct Config {
     pub oidc: Option<oidc::OidcConfig>,
     /// `[triggers.NAME]`: incoming events that start records.
     pub triggers: std::collections::BTreeMap<String, trigger::TriggerConfig>,
+    /// `[[notify]]`: subscriptions to Ballast's own events.
+    pub notify: Vec<notify::NotifyConfig>,
 }
 
 /// The configuration a running node uses now: read by the control plane
@@ -576,6 +579,9 @@ impl Config {
         for t in config.triggers.values_mut() {
             t.secrets_dir = dir.clone();
         }
+        for n in &mut config.notify {
+            n.secrets_dir = dir.clone();
+        }
         let applied = match running {
             None => env::apply(&mut config, env)?,
             Some(running) => {
@@ -650,6 +656,7 @@ impl Config {
         for (name, t) in &self.triggers {
             t.validate(name, &self.pipelines, env)?;
         }
+        notify::validate_all(&self.notify, &self.providers, env)?;
         Ok(())
     }
 

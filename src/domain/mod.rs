@@ -18,6 +18,7 @@ pub mod kind;
 pub mod login;
 pub mod mask;
 pub mod model;
+pub mod notify;
 pub mod park;
 pub mod pass;
 pub mod permits;

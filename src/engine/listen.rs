@@ -7,7 +7,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Engine;
 use super::supervisor::Loop;
-use crate::store::{Db, Notice, PgStore};
+use crate::store::{Db, PgStore, Wakeup};
 
 /// The listener of a node on PostgreSQL.
 pub(super) struct Listener {
@@ -32,9 +32,9 @@ impl Loop for Listener {
     async fn run(self, shutdown: CancellationToken) {
         let i = &self.engine.inner;
         let on = |n| match n {
-            Notice::Work => i.wake.notify_one(),
+            Wakeup::Work => i.wake.notify_one(),
             // Another node changed a provider's shared state.
-            Notice::Providers => i.providers_changed.notify_one(),
+            Wakeup::Providers => i.providers_changed.notify_one(),
         };
         self.pg.listen(on, shutdown).await
     }

@@ -538,6 +538,33 @@ impl<'a> Ops<'a> {
         Ok(reset_breaker(engine, name, actor).await?)
     }
 
+    /// Sends a notice again (one delivered or given up), due now, after
+    /// those of its subject before it; audited.
+    pub async fn redeliver_notice(
+        &self,
+        id: i64,
+        actor: &str,
+    ) -> Result<crate::store::Notice, OpsError> {
+        let now = self.clock.now_ms();
+        Ok(self.db.redeliver_notice(id, actor, now).await?)
+    }
+
+    /// Turns a configured `[[notify]]` subscription on (its failing spell
+    /// forgotten; what it missed is sent) or off, for every node; audited.
+    pub async fn turn_subscription(
+        &self,
+        name: &str,
+        on: bool,
+        actor: &str,
+    ) -> Result<crate::store::SubscriptionState, OpsError> {
+        if !self.config.notify.iter().any(|n| n.name == name) {
+            let m = format!("no subscription `{name}` is configured");
+            return Err(OpsError::refused("unknown_subscription", m));
+        }
+        let now = self.clock.now_ms();
+        Ok(self.db.turn_subscription(name, on, actor, now).await?)
+    }
+
     fn known(&self, name: &str) -> Result<(), OpsError> {
         if self.config.providers.contains_key(name) {
             return Ok(());

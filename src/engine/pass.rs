@@ -71,7 +71,7 @@ struct Progress {
     /// asked for it.
     park: Option<Park>,
     park_at: Option<(String, Option<String>)>,
-    breaker: Vec<(String, step::BreakerNews)>,
+    breaker: Vec<(String, super::gate::BreakerNews)>,
     throttled: Vec<(String, UnixMs)>,
     stopped: bool,
     /// The pass's last attempt: (step, provider, error code).

@@ -15,12 +15,11 @@ use std::time::Duration;
 use serde_json::{Map, Value, json};
 use tracing::Instrument as _;
 
+use super::gate::{BreakerNews, Flight, Gate, Granted, Heard, Held, Probe, heard, ms};
 use super::http::{Call, Exchange, exchange};
 use super::limits::ProviderRuntime;
-use super::permits::{Short, Taken, Why};
 use super::token::NoToken;
 use crate::config::Secret;
-use crate::domain::breaker::{Admit, ProbeGrant, SharedOp};
 use crate::domain::request::{Outgoing, SentRequest};
 use crate::domain::rules::{Reply, classify};
 use crate::domain::step::{
@@ -30,118 +29,6 @@ use crate::domain::step::{
 use crate::domain::{Clock, Outcome, Record, StepState, UnixMs, idempotency_key};
 use crate::pipeline::{RequestSpec, Step, Templates};
 use crate::store::{Db, NewAttempt, StepWrite};
-
-/// A call's place in the provider's limits: its rate permits and its
-/// count in flight, given back on drop, whether it finished, failed
-/// before sending, or its pass was dropped mid-call.
-struct Flight<'a> {
-    rt: &'a ProviderRuntime,
-    clock: &'a dyn Clock,
-    taken: Taken,
-    sent: bool,
-}
-
-impl Drop for Flight<'_> {
-    fn drop(&mut self) {
-        self.rt.limiter().complete();
-        let now = self.clock.now_ms();
-        self.rt.cluster.complete(&self.taken, self.sent, now);
-    }
-}
-
-/// A concurrency slot; given back on drop, down to the slots this node
-/// holds of the cluster's cap.
-struct Slot<'a> {
-    rt: &'a ProviderRuntime,
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        if let Some(permit) = self.permit.take() {
-            self.rt.cluster.give_back(permit);
-        }
-    }
-}
-
-/// What a call may tell the breaker, and, for a half-open probe of the
-/// cluster's, the claim to give back if it never gets a verdict.
-struct Probe<'a> {
-    rt: &'a ProviderRuntime,
-    /// `Some(round)` for a cluster probe not yet answered.
-    round: Option<UnixMs>,
-    db: &'a Db,
-    clock: &'a dyn Clock,
-    judged: bool,
-}
-
-/// What a call taught the cluster's breaker, published by the pass.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum BreakerNews {
-    /// This node's window tripped: open the cluster's breaker until then.
-    Tripped { until: UnixMs },
-    /// A half-open probe's answer.
-    Probed { ok: bool, round: UnixMs },
-}
-
-impl<'a> Probe<'a> {
-    fn new(
-        rt: &'a ProviderRuntime,
-        db: &'a Db,
-        clock: &'a dyn Clock,
-        round: Option<UnixMs>,
-    ) -> Self {
-        Probe {
-            rt,
-            round,
-            db,
-            clock,
-            judged: false,
-        }
-    }
-
-    /// Records the call's verdict: news for the cluster when this node's
-    /// window tripped or the call was a probe.
-    fn record(mut self, failed: bool, took: Duration, now: UnixMs) -> Option<BreakerNews> {
-        self.judged = true;
-        if let Some(round) = self.round {
-            // A slow answer is no proof of health either.
-            let slow = took >= self.rt.breaker().policy().slow_call;
-            let ok = !failed && !slow;
-            return Some(BreakerNews::Probed { ok, round });
-        }
-        let mut b = self.rt.breaker();
-        let tripped = b.record(failed, took, now);
-        tripped.then(|| BreakerNews::Tripped {
-            until: b.open_until().unwrap_or(now),
-        })
-    }
-}
-
-impl Drop for Probe<'_> {
-    /// A probe never made (or only throttled) goes back to the cluster at
-    /// once, instead of holding its place until it is given up for lost.
-    fn drop(&mut self) {
-        let Some(round) = self.round.filter(|_| !self.judged) else {
-            return;
-        };
-        let (db, name, now) = (self.db.clone(), self.rt.name.clone(), self.clock.now_ms());
-        tokio::spawn(async move {
-            let op = crate::domain::breaker::SharedOp::Release { round };
-            if let Err(e) = db.breaker_op(&name, op, None, now).await {
-                tracing::warn!(provider.name = %name, error = %e, "could not give a probe back; it lapses");
-            }
-        });
-    }
-}
-
-/// What the gates granted a call: its concurrency slot, its place in the
-/// rate limits, and its breaker permit, each given back on drop.
-struct Granted<'a> {
-    _slot: Slot<'a>,
-    flight: Flight<'a>,
-    probe: Probe<'a>,
-}
 
 /// Template context: `input`, `record`, and each succeeded step's output.
 pub fn context(rec: &Record, states: &HashMap<String, StepWrite>) -> Value {
@@ -258,57 +145,13 @@ struct Sent {
     refused: Option<NewAttempt>,
 }
 
-/// What one reply tells every call to its provider, whichever call it
-/// answered (a step's call, a poll, a lookup, a confirmation): the pause a
-/// throttled reply asks for, and the breaker's news. The caller publishes
-/// both to the cluster.
-#[derive(Debug, Default)]
-pub struct Heard {
-    pub throttled: Option<(String, UnixMs)>,
-    pub breaker: Option<(String, BreakerNews)>,
-}
-
-/// Hears a reply of `outcome` (`failed`: it counts against the provider's
-/// health) to a call admitted as `probe`: a throttled reply pauses the
-/// provider here at once (the other nodes once it is published) until its
-/// `Retry-After`, or the provider's base backoff, and says nothing of its
-/// health (a half-open probe goes back, still to be made); any other
-/// reply is the breaker's to judge.
-fn heard(
-    rt: &ProviderRuntime,
-    (outcome, failed): (Outcome, bool),
-    x: &Exchange,
-    probe: Probe<'_>,
-    after: UnixMs,
-) -> Heard {
-    if outcome == Outcome::Throttled {
-        drop(probe);
-        let base = rt.config.retry.policy().backoff.base;
-        let until = after + ms(x.retry_after.unwrap_or(base));
-        rt.limiter().pause_until(until);
-        return Heard {
-            throttled: Some((rt.name.clone(), until)),
-            breaker: None,
-        };
-    }
-    let news = probe.record(failed, x.took, after);
-    Heard {
-        throttled: None,
-        breaker: news.map(|n| (rt.name.clone(), n)),
-    }
-}
-
 /// The error code of a `401` answered to a call whose OAuth2 token was
 /// then renewed (and the call sent again).
 pub const TOKEN_REFUSED: &str = "token_expired";
 
-fn ms(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
-}
-
 /// The values scrubbed from everything a call keeps: the provider's
 /// credential and the call's token.
-fn scrubbed<'s>(rt: &'s ProviderRuntime, token: Option<&'s Secret>) -> Vec<&'s str> {
+pub(super) fn scrubbed<'s>(rt: &'s ProviderRuntime, token: Option<&'s Secret>) -> Vec<&'s str> {
     let key = rt.secrets.credential();
     key.into_iter().chain(token).map(Secret::expose).collect()
 }
@@ -325,10 +168,44 @@ fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequ
     SentRequest::of(&out, &rt.config.credential_headers(), secrets)
 }
 
+/// Adds the provider's credential (or OAuth2 `token`) to a call's
+/// `headers`.
+pub(super) fn credentials(
+    rt: &ProviderRuntime,
+    token: Option<&Secret>,
+    headers: &mut Vec<(String, String)>,
+) {
+    if let Some((h, v)) = rt.config.auth_header(&rt.secrets) {
+        headers.push((h, v.expose().to_owned()));
+    }
+    if let (Some(src), Some(t)) = (&rt.token, token) {
+        headers.push((src.header().to_owned(), format!("Bearer {}", t.expose())));
+    }
+}
+
+/// Adds to a call's `headers` what the client would add by itself
+/// (written here, so that the request kept is the request sent):
+/// `User-Agent`, `Accept`, `Content-Type` for a body, `Accept-Encoding`.
+pub(super) fn usual_headers(rt: &ProviderRuntime, headers: &mut Vec<(String, String)>, body: bool) {
+    let agent = concat!("ballast/", env!("CARGO_PKG_VERSION"));
+    for (name, value) in [("User-Agent", agent), ("Accept", "*/*")] {
+        if !super::http::names(headers, name) {
+            headers.push((name.into(), value.into()));
+        }
+    }
+    if body && !super::http::names(headers, "content-type") {
+        headers.push(("Content-Type".into(), "application/json".into()));
+    }
+    if !rt.config.decode.is_empty() && !super::http::names(headers, "accept-encoding") {
+        let codings: Vec<&str> = rt.config.decode.iter().map(|c| c.as_str()).collect();
+        headers.push(("Accept-Encoding".into(), codings.join(", ")));
+    }
+}
+
 /// Signs the request `(method, url, body)` at `at_ms` as the provider
 /// asks (`signing`): its signature's headers replace any of the same
 /// names, so that what is sent is what was signed.
-fn sign(
+pub(super) fn sign(
     rt: &ProviderRuntime,
     at_ms: i64,
     (method, url, body): (&str, &reqwest::Url, &str),
@@ -765,210 +642,38 @@ impl StepCall<'_> {
         }
     }
 
-    /// The gates a call passes, in order: an operator pause, a concurrency
-    /// slot, the rate limit, the breaker, shutdown, the retry budget. A
-    /// gate that says no defers the step (no attempt spent).
-    ///
-    /// The slot comes first, so that everything after it is decided just
-    /// before the call goes out, not while queued behind other calls.
-    /// Waiting for a slot or the rate limit is bounded: a record that
-    /// cannot be served soon goes back to the queue instead of sitting on
-    /// a lease while others could take it.
+    /// The gates (`engine::gate`) as this call passes them; a call held
+    /// back is deferred (no attempt spent), or waits out the breaker as
+    /// the provider's `on_outage` says.
     async fn gate<'r>(
         &'r self,
         rt: &'r ProviderRuntime,
         plan: &Planned,
     ) -> Result<Granted<'r>, StepOutput> {
-        if rt.is_paused() {
-            return Err(self.deferred(self.now + 5_000, "provider paused by an operator"));
-        }
-        let wait_until = self.clock.now_ms() + ms(self.max_wait);
-        let slot = self.slot(rt).await?;
-        let taken = self.rate_limit(rt, wait_until).await?;
-        // From here on the call counts against the limits until its guard
-        // drops, even if this pass is cancelled mid-call (lease lost).
-        let flight = Flight {
-            rt,
+        let first = !plan.is_retry && !plan.polling;
+        self.gates()
+            .enter(rt, (plan.is_retry, first))
+            .await
+            .map_err(|h| self.held(rt, h))
+    }
+
+    fn gates(&self) -> Gate<'_> {
+        Gate {
             clock: self.clock,
-            taken,
-            sent: false,
-        };
-        let admit = rt.breaker().admit(self.clock.now_ms());
-        let probe = match admit {
-            Admit::Call => Probe::new(rt, self.db, self.clock, None),
-            Admit::Wait(until) => return Err(self.outage(rt, until)),
-            Admit::Probe => self.claim_probe(rt).await?,
-        };
-        if self.stopping.is_set() {
-            return Err(self.shutting_down());
-        }
-        // The waits above may have outlasted the slots' holding (a slow
-        // database): no call on a slot the cluster may have given away.
-        if !rt.cluster.slot_valid(self.clock.now_ms()) {
-            let at = self.clock.now_ms() + 50;
-            return Err(self.deferred(at, "provider concurrency cap reached"));
-        }
-        if plan.is_retry && !rt.budget().try_retry(self.clock.now_ms()) {
-            let at = self.clock.now_ms() + 1_000;
-            return Err(self.deferred(at, "provider retry budget exhausted"));
-        }
-        if !plan.is_retry && !plan.polling {
-            rt.budget().on_call(self.now);
-        }
-        Ok(Granted {
-            _slot: slot,
-            flight,
-            probe,
-        })
-    }
-
-    /// Asks the cluster for a half-open probe: this call is one, or the
-    /// breaker closed meanwhile (call as usual), or the step waits.
-    async fn claim_probe<'r>(&'r self, rt: &'r ProviderRuntime) -> Result<Probe<'r>, StepOutput> {
-        let now = self.clock.now_ms();
-        let policy = *rt.breaker().policy();
-        // A probe unanswered this long was lost with its node.
-        let lost_after = super::limits::lapse_ms(&rt.config);
-        let op = SharedOp::ClaimProbe {
-            probes: policy.probes,
-            lost_after,
-        };
-        match self.db.breaker_op(&rt.name, op, None, now).await {
-            Ok((shared, grant)) => {
-                rt.breaker().adopt(&shared, now);
-                match grant {
-                    Some(ProbeGrant::Probe { round }) => {
-                        Ok(Probe::new(rt, self.db, self.clock, Some(round)))
-                    }
-                    Some(ProbeGrant::Closed) => {
-                        rt.breaker().reset(now);
-                        Ok(Probe::new(rt, self.db, self.clock, None))
-                    }
-                    Some(ProbeGrant::Wait(until)) => {
-                        Err(self.deferred(until, "provider circuit breaker half-open; probes out"))
-                    }
-                    None => Err(self.outage(rt, now + 1_000)),
-                }
-            }
-            Err(e) => {
-                tracing::warn!(record.id = self.record.id, provider.name = %rt.name, error = %e, "cannot claim a breaker probe");
-                Err(self.deferred(now + 1_000, "provider circuit breaker half-open"))
-            }
+            db: self.db,
+            node: self.node,
+            stopping: self.stopping,
+            max_wait: self.max_wait,
+            now: self.now,
+            record: Some(self.record.id),
         }
     }
 
-    /// A concurrency slot: taken at once if free; otherwise (asking the
-    /// cluster for more slots, for a cluster-wide cap) waited for within
-    /// `max_wait`, listening for shutdown; else the step is deferred.
-    async fn slot<'r>(&'r self, rt: &'r ProviderRuntime) -> Result<Slot<'r>, StepOutput> {
-        let now = self.clock.now_ms();
-        rt.cluster.lapse_slots(now, &rt.concurrency);
-        if let Ok(permit) = rt.concurrency.clone().try_acquire_owned() {
-            rt.cluster.took_slot(&rt.concurrency);
-            let slot = Slot {
-                rt,
-                permit: Some(permit),
-            };
-            if rt.cluster.renewal_due(now) {
-                self.lease(rt, Why::Renew).await?;
-            }
-            return Ok(slot);
-        }
-        let _waiting = rt.cluster.waiting_for_slot(&rt.concurrency);
-        let give_up = self.clock.instant() + self.max_wait;
-        loop {
-            self.lease(rt, Why::More).await?;
-            // Asks again every SLOTS_ASK_EVERY while it waits: slots another
-            // node gives up are found without waiting for the sync.
-            let step = self.clock.instant() + super::permits::SLOTS_ASK_EVERY;
-            let acquire = rt.concurrency.clone().acquire_owned();
-            let slot = tokio::select! {
-                slot = tokio::time::timeout_at(step.min(give_up), acquire) => slot,
-                () = self.stopping.wait() => return Err(self.shutting_down()),
-            };
-            match slot {
-                Ok(Ok(permit)) => {
-                    return Ok(Slot {
-                        rt,
-                        permit: Some(permit),
-                    });
-                }
-                _ if self.clock.instant() < give_up => {}
-                _ => {
-                    let at = self.clock.now_ms() + 50;
-                    return Err(self.deferred(at, "provider concurrency cap reached"));
-                }
-            }
-        }
-    }
-
-    /// One lease request to the cluster (`ClusterLimits::lease`), bounded
-    /// like the other waits of the gate: by `max_wait`, and by shutdown
-    /// (then the step goes back). False when it failed or took too long.
-    async fn lease(&self, rt: &ProviderRuntime, why: Why) -> Result<bool, StepOutput> {
-        let leased = rt.cluster.lease(
-            self.db,
-            &rt.name,
-            self.node,
-            self.clock,
-            why,
-            &rt.concurrency,
-        );
-        tokio::select! {
-            r = tokio::time::timeout(self.max_wait, leased) => match r {
-                Ok(Ok(())) => Ok(true),
-                Ok(Err(e)) => {
-                    tracing::warn!(record.id = self.record.id, provider.name = %rt.name, error = %e, "cannot lease provider permits");
-                    Ok(false)
-                }
-                Err(_) => Ok(false),
-            },
-            () = self.stopping.wait() => Err(self.shutting_down()),
-        }
-    }
-
-    /// Takes the call's rate permits (leasing more from the cluster when a
-    /// window has none) outside the provider's "slow down" pause, waiting
-    /// while that is possible before `wait_until` (the clock's
-    /// milliseconds); otherwise defers the step to when it may be.
-    async fn rate_limit(
-        &self,
-        rt: &ProviderRuntime,
-        wait_until: UnixMs,
-    ) -> Result<Taken, StepOutput> {
-        let mut leases = 0;
-        loop {
-            let t = self.clock.now_ms();
-            let at = match rt.cluster.try_take(t) {
-                Ok(taken) => match rt.limiter().try_acquire(t) {
-                    Ok(()) => return Ok(taken),
-                    Err(at) => {
-                        rt.cluster.complete(&taken, false, t);
-                        at
-                    }
-                },
-                // A few requests, then the step goes back to the queue (a
-                // grant used up by this node's other calls at once).
-                Err(Short::Lease) if leases < 3 => {
-                    leases += 1;
-                    if !self.lease(rt, Why::More).await? {
-                        return Err(self.deferred(t + 1_000, "provider rate limit"));
-                    }
-                    continue;
-                }
-                Err(Short::Lease) => t + 10,
-                Err(Short::Until(at)) => at,
-            };
-            let wait = (at - t).max(1);
-            if t + wait > wait_until {
-                return Err(self.deferred(at, "provider rate limit"));
-            }
-            // Time is the point here: the limit frees a place at `at`.
-            tokio::select! {
-                () = self.clock.sleep_until(t + wait) => {}
-                () = self.stopping.wait() => return Err(self.shutting_down()),
-            }
-            leases = 0;
+    fn held(&self, rt: &ProviderRuntime, h: Held) -> StepOutput {
+        match h {
+            Held::Stopping => self.shutting_down(),
+            Held::Deferred(at, why) => self.deferred(at, why),
+            Held::Outage(until) => self.outage(rt, until),
         }
     }
 
@@ -1179,7 +884,11 @@ impl StepCall<'_> {
             .await
             .map_err(|no| self.no_token(&no))?;
         let wait_until = self.clock.now_ms() + ms(self.max_wait);
-        let taken = self.rate_limit(rt, wait_until).await?;
+        let taken = self
+            .gates()
+            .rate_limit(rt, wait_until)
+            .await
+            .map_err(|h| self.held(rt, h))?;
         let flight = Flight {
             rt,
             clock: self.clock,
@@ -1434,12 +1143,7 @@ impl StepCall<'_> {
             super::http::header_ok(name, &value).map_err(Unbuildable::invalid)?;
             headers.push((name.clone(), value));
         }
-        if let Some((h, v)) = rt.config.auth_header(&rt.secrets) {
-            headers.push((h, v.expose().to_owned()));
-        }
-        if let (Some(src), Some(t)) = (&rt.token, token) {
-            headers.push((src.header().to_owned(), format!("Bearer {}", t.expose())));
-        }
+        credentials(rt, token, &mut headers);
         if spec.method != crate::pipeline::HttpMethod::Get {
             headers.push(("Idempotency-Key".into(), key));
         }
@@ -1447,21 +1151,7 @@ impl StepCall<'_> {
             Some(id) => Some(render(id)?),
             None => None,
         };
-        // What the client would add by itself, written here so that the
-        // request kept is the request sent.
-        let agent = concat!("ballast/", env!("CARGO_PKG_VERSION"));
-        for (name, value) in [("User-Agent", agent), ("Accept", "*/*")] {
-            if !super::http::names(&headers, name) {
-                headers.push((name.into(), value.into()));
-            }
-        }
-        if body.is_some() && !super::http::names(&headers, "content-type") {
-            headers.push(("Content-Type".into(), "application/json".into()));
-        }
-        if !rt.config.decode.is_empty() && !super::http::names(&headers, "accept-encoding") {
-            let codings: Vec<&str> = rt.config.decode.iter().map(|c| c.as_str()).collect();
-            headers.push(("Accept-Encoding".into(), codings.join(", ")));
-        }
+        usual_headers(rt, &mut headers, body.is_some());
         let at_ms = self.clock.now_ms();
         let request = (spec.method.as_str(), &url, body.as_deref().unwrap_or(""));
         sign(rt, at_ms, request, &mut headers).map_err(Unbuildable::invalid)?;

@@ -16,6 +16,7 @@ use super::Engine;
 use super::confirm::Confirmations;
 use super::leases::LeaseKeeper;
 use super::listen::Listener;
+use super::notify::Notifier;
 use super::resume::Resumer;
 use super::retention::Purger;
 use super::schedule::Scheduler;
@@ -85,6 +86,7 @@ impl Supervisor {
         s.spawn(Scheduler::of(engine));
         s.spawn(Purger::of(engine));
         s.spawn(SearchIndexer::of(engine));
+        s.spawn(Notifier::of(engine));
         if let Some(listener) = Listener::of(engine) {
             s.spawn(listener);
         }

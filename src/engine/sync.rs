@@ -8,8 +8,8 @@
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use super::gate::{BreakerNews, Heard};
 use super::limits::ProviderRuntime;
-use super::step::{BreakerNews, Heard};
 use super::supervisor::Loop;
 use super::{Engine, Inner};
 use crate::domain::breaker::{SharedBreaker, SharedOp};

@@ -231,6 +231,7 @@ pub struct Statements {
     pub(crate) step_runs_of: Cached,
     pub(crate) claim: Cached,
     pub(crate) index_records: Cached,
+    pub(crate) insert_notices: Cached,
 }
 
 impl Statements {
@@ -251,6 +252,7 @@ impl Statements {
             step_runs_of: Cached::new(),
             claim: Cached::new(),
             index_records: Cached::new(),
+            insert_notices: Cached::new(),
         }
     }
 }

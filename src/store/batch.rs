@@ -169,6 +169,22 @@ impl<'a> EventJson<'a> {
     }
 }
 
+json_row!(
+    /// A notice for the outbox (`store::notices`).
+    NoticeJson, NOTICE_COLS {
+    subscription: &'a str => Text,
+    message_id: String => Text,
+    topic: &'static str => Text,
+    subject: String => Text,
+    record_id: Option<i64> => Int,
+    pipeline: Option<&'a str> => Text,
+    group_key: Option<&'a str> => Text,
+    provider: Option<&'a str> => Text,
+    at: UnixMs => Int,
+    data: Option<Value> => Json,
+    next_at: Option<UnixMs> => Int,
+});
+
 json_row!(StepJson, STEP_COLS {
     record_id: i64 => Int,
     step: &'a str => Text,

@@ -11,6 +11,7 @@ use super::rows::{BREAKER_COLUMNS, MapRow, PROVIDER_COLUMNS, map_all};
 use super::sql::SqlStore;
 use super::{EventRow, NodeBeat, PermitRequest, Permits, StoreResult};
 use crate::domain::breaker::{ProbeGrant, SharedBreaker, SharedOp};
+use crate::domain::notify;
 use crate::domain::{Node, ProviderState, UnixMs};
 
 /// The cluster: installation facts, nodes, providers' shared state and
@@ -260,6 +261,14 @@ where
     ) -> StoreResult<ProviderState> {
         crate::store::refuse_nul("reason", reason)?;
         let mut tx = self.begin_write().await?;
+        Self::lock_provider(&mut tx, provider, now).await?;
+        let sql = format!("SELECT {PROVIDER_COLUMNS} FROM providers WHERE provider = $1");
+        let was = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(provider.to_owned())
+            .fetch_one(&mut *tx)
+            .await?
+            .provider_state()?
+            .paused;
         let sql = format!(
             "INSERT INTO providers (provider, breaker, breaker_changed_at, paused, paused_by, paused_reason, updated_at) \
              VALUES ($1, 'closed', $5, $2, $3, $4, $5) \
@@ -277,6 +286,24 @@ where
             .await?;
         let state = row.provider_state()?;
         let detail = serde_json::json!({ "provider": provider });
+        let change = notify::Change {
+            kind: if paused {
+                "provider_paused"
+            } else {
+                "provider_resumed"
+            },
+            actor,
+            from: None,
+            to: None,
+            step: None,
+            reason,
+        };
+        // A pause of a paused provider (a new reason) is no news.
+        if was != paused {
+            let topic = notify::pause_topic(paused);
+            self.notice_provider(&mut tx, topic, provider, &change, now)
+                .await?;
+        }
         self.insert_event(
             &mut tx,
             &EventRow {
@@ -435,6 +462,18 @@ where
         }
         if after.state != before.state || after.open_until != before.open_until {
             DB::notify_providers(&mut tx).await?;
+        }
+        if let Some(topic) = notify::breaker_topic(before.state, after.state) {
+            let change = notify::Change {
+                kind: topic.as_str(),
+                actor: "system",
+                from: None,
+                to: None,
+                step: None,
+                reason: None,
+            };
+            self.notice_provider(&mut tx, topic, provider, &change, now)
+                .await?;
         }
         tx.commit().await?;
         Ok((after, grant))

@@ -57,8 +57,9 @@ pub trait Housekeeping: Send + Sync {
     /// locked as they are read, so a second compaction waits and then finds
     /// them gone.
     async fn compact_rollups(&self, before: UnixMs) -> StoreResult<u64>;
-    /// Deletes rollups, delivery ids, trigger deliveries and login
-    /// counters older than `before`; returns how many rows.
+    /// Deletes rollups, delivery ids, trigger deliveries, notices (by
+    /// their change and last delivery) and login counters older than
+    /// `before`; returns how many rows.
     async fn purge_stats(&self, before: UnixMs) -> StoreResult<u64>;
     /// Every schedule's row, by pipeline.
     async fn schedules(&self) -> StoreResult<Vec<ScheduleRow>>;
@@ -334,8 +335,14 @@ where
             .bind(before)
             .execute(&mut *tx)
             .await?;
+        // Notices changed and last sent before then (one still pending
+        // that long: its subscription is off or gone).
+        let e = sqlx::query("DELETE FROM notices WHERE at < $1 AND COALESCE(last_at, at) < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
-        let rows = [a, hours, b, c, d].map(|r| r.rows_affected());
+        let rows = [a, hours, b, c, d, e].map(|r| r.rows_affected());
         Ok(rows.iter().sum())
     }
 

@@ -13,6 +13,7 @@ mod filter;
 mod history;
 mod housekeeping;
 pub mod migrate;
+mod notices;
 mod people;
 mod postgres;
 mod records;
@@ -36,8 +37,11 @@ use crate::domain::{
 pub use cluster::Cluster;
 pub use history::History;
 pub use housekeeping::Housekeeping;
+pub use notices::{
+    Notice, NoticeFilter, NoticeOutcome, NoticeSettle, Notices, Settled, SubscriptionState,
+};
 pub use people::People;
-pub use postgres::{Notice, PgStore};
+pub use postgres::{PgStore, Wakeup};
 pub use records::Records;
 pub use reseal::{DataKeyRow, Resealed, SealedColumn, admit_keys, check_keys, note_current};
 pub(crate) use rows::NO_TIME;
@@ -751,9 +755,9 @@ pub fn add_counts(into: &mut Vec<i64>, from: &[i64]) {
 /// both backends ([`SqlStore`](sql::SqlStore) over [`SqlDb`](backend::SqlDb))
 /// and checked by one conformance suite against both. [`Db`] derefs to it,
 /// so `db.claim_due(..)` needs no import.
-pub trait Store: Records + History + Work + Cluster + People + Housekeeping {}
+pub trait Store: Records + History + Work + Cluster + People + Housekeeping + Notices {}
 
-impl<T> Store for T where T: Records + History + Work + Cluster + People + Housekeeping {}
+impl<T> Store for T where T: Records + History + Work + Cluster + People + Housekeeping + Notices {}
 
 /// Connection settings shared by both backends.
 #[derive(Debug, Clone)]
@@ -824,6 +828,15 @@ impl Db {
         match self {
             Db::Sqlite(s) => s.keys.set(ring),
             Db::Postgres(s) => s.keys.set(ring),
+        }
+    }
+
+    /// What the `[[notify]]` subscriptions want, from now on (start and
+    /// reload).
+    pub fn set_notify_filters(&self, filters: Vec<crate::domain::notify::Filter>) {
+        match self {
+            Db::Sqlite(s) => s.filters.set(filters),
+            Db::Postgres(s) => s.filters.set(filters),
         }
     }
 

@@ -26,7 +26,7 @@ const PROVIDERS_CHANNEL: &str = "ballast_providers";
 
 /// What a notification on one of Ballast's channels says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Notice {
+pub enum Wakeup {
     /// There is due work.
     Work,
     /// A provider was paused or resumed, throttled, or its breaker moved.
@@ -92,11 +92,11 @@ impl PgStore {
     /// Waits for notifications from any node (work, provider changes);
     /// each one calls `on`. Reconnects after errors until `stop`. Once
     /// listening (at first and after each reconnect) it calls
-    /// `on(Notice::Work)` and `on(Notice::Providers)`: what changed before
+    /// `on(Wakeup::Work)` and `on(Wakeup::Providers)`: what changed before
     /// it listened is looked at again.
     pub async fn listen(
         &self,
-        on: impl Fn(Notice) + Send,
+        on: impl Fn(Wakeup) + Send,
         stop: tokio_util::sync::CancellationToken,
     ) {
         loop {
@@ -115,14 +115,14 @@ impl PgStore {
                     }
                 }
             };
-            on(Notice::Providers);
-            on(Notice::Work);
+            on(Wakeup::Providers);
+            on(Wakeup::Work);
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
                     n = listener.recv() => match n {
-                        Ok(n) if n.channel() == PROVIDERS_CHANNEL => on(Notice::Providers),
-                        Ok(_) => on(Notice::Work),
+                        Ok(n) if n.channel() == PROVIDERS_CHANNEL => on(Wakeup::Providers),
+                        Ok(_) => on(Wakeup::Work),
                         Err(e) => {
                             tracing::warn!(error = %e, "work notifications interrupted");
                             break;

@@ -100,6 +100,13 @@ pub trait MapRow {
     fn state_count(&self) -> StoreResult<StateCount>;
     fn step_count(&self) -> StoreResult<StepCount>;
     fn trigger_delivery(&self) -> StoreResult<crate::store::TriggerDelivery>;
+    /// A `notices` row.
+    fn notice(&self) -> StoreResult<crate::store::Notice>;
+    /// A `notify_subscriptions` row.
+    fn subscription_state(&self) -> StoreResult<crate::store::SubscriptionState>;
+    /// A record as a notice's subject (`id, external_key, pipeline,
+    /// group_key, priority`), with its `error_code`.
+    fn notice_subject(&self) -> StoreResult<(crate::domain::notify::Subject, Option<String>)>;
 }
 
 impl<R> MapRow for R
@@ -447,6 +454,51 @@ where
             record_id: self.try_get("record_id")?,
             detail: self.try_get("detail")?,
         })
+    }
+
+    fn notice(&self) -> StoreResult<crate::store::Notice> {
+        Ok(crate::store::Notice {
+            id: self.try_get("id")?,
+            subscription: self.try_get("subscription")?,
+            message_id: self.try_get("message_id")?,
+            topic: self.try_get("topic")?,
+            subject: self.try_get("subject")?,
+            record_id: self.try_get("record_id")?,
+            pipeline: self.try_get("pipeline")?,
+            group: self.try_get("group_key")?,
+            provider: self.try_get("provider")?,
+            at: self.try_get("at")?,
+            data: self.try_get::<Json<Value>, _>("data")?.0,
+            state: self.try_get("state")?,
+            attempts: self.try_get("attempts")?,
+            lease_token: self.try_get("lease_token")?,
+            next_at: self.try_get("next_at")?,
+            last_at: self.try_get("last_at")?,
+            status: self.try_get("status")?,
+            reply: self.try_get("reply")?,
+        })
+    }
+
+    fn subscription_state(&self) -> StoreResult<crate::store::SubscriptionState> {
+        Ok(crate::store::SubscriptionState {
+            name: self.try_get("name")?,
+            failing_since: self.try_get("failing_since")?,
+            disabled_at: self.try_get("disabled_at")?,
+            disabled_reason: self.try_get("disabled_reason")?,
+        })
+    }
+
+    fn notice_subject(&self) -> StoreResult<(crate::domain::notify::Subject, Option<String>)> {
+        let group: String = self.try_get("group_key")?;
+        let subject = crate::domain::notify::Subject::Record {
+            id: self.try_get("id")?,
+            key: self.try_get("external_key")?,
+            pipeline: self.try_get("pipeline")?,
+            group: Some(group).filter(|g| !g.is_empty()),
+            priority: u8::try_from(self.try_get::<i16, _>("priority")?)
+                .map_err(|_| StoreError::Corrupt("record priority out of range".into()))?,
+        };
+        Ok((subject, self.try_get("error_code")?))
     }
 }
 

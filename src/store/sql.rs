@@ -32,6 +32,29 @@ pub struct SqlStore<DB: SqlDb> {
     pub(crate) installation: Arc<tokio::sync::OnceCell<String>>,
     /// The data keys values are sealed with at rest (`auth::seal`).
     pub(crate) keys: Keys,
+    /// What the `[[notify]]` subscriptions want: changes they want are
+    /// written to the outbox in their own transaction.
+    pub(crate) filters: Filters,
+}
+
+/// The subscriptions' filters, replaced whole by a reload.
+#[derive(Clone, Default)]
+pub(crate) struct Filters(Arc<std::sync::RwLock<Arc<Vec<crate::domain::notify::Filter>>>>);
+
+impl Filters {
+    pub(crate) fn get(&self) -> Arc<Vec<crate::domain::notify::Filter>> {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub(crate) fn set(&self, filters: Vec<crate::domain::notify::Filter>) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(filters);
+    }
 }
 
 /// The data keys a store seals and opens values with, replaced whole when
@@ -66,6 +89,7 @@ impl<DB: SqlDb> SqlStore<DB> {
             pools,
             installation: Arc::default(),
             keys: Keys::new(keys),
+            filters: Filters::default(),
         }
     }
 
@@ -91,6 +115,7 @@ impl<DB: SqlDb> Clone for SqlStore<DB> {
             pools: self.pools.clone(),
             installation: self.installation.clone(),
             keys: self.keys.clone(),
+            filters: self.filters.clone(),
         }
     }
 }
@@ -609,7 +634,7 @@ where
     }
 
     /// Appends one event inside the caller's transaction and
-    /// returns it as stored.
+    /// returns it as stored; the notices it makes with it.
     pub(crate) async fn insert_event(
         &self,
         tx: &mut Tx<DB>,
@@ -622,6 +647,7 @@ where
             .bind_json([batch::EventJson::new(e, &self.keyring())?])
             .fetch_one(&mut **tx)
             .await?;
+        self.notice_events(tx, std::slice::from_ref(e)).await?;
         row.event(&self.keyring())
     }
 
@@ -761,7 +787,7 @@ where
     }
 
     /// Appends events in one insert (callers that need the stored
-    /// event back use `insert_event`).
+    /// event back use `insert_event`), and the notices they make.
     pub(crate) async fn insert_events(
         &self,
         tx: &mut Tx<DB>,
@@ -779,7 +805,7 @@ where
             .insert_events
             .get(|| batch::insert("events", batch::EVENT_COLS, DB::DIALECT, ""));
         sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
-        Ok(())
+        self.notice_events(tx, events).await
     }
 
     /// Reads and (on PostgreSQL) locks records, in id order, so that

@@ -100,6 +100,10 @@ fn describe() {
         "Deliveries to this node's triggers, by trigger and verdict (enqueued, duplicate, ignored, or why it was refused)."
     );
     describe_counter!(
+        "ballast_notices_total",
+        "Notifications this node sent or held back, by subscription and outcome (delivered, failed, given_up, throttled, held)."
+    );
+    describe_counter!(
         "ballast_schedule_fired_total",
         "Cron ticks this node fired (one node per tick), by pipeline."
     );

@@ -22,6 +22,7 @@ pub mod htmx;
 pub mod lanes;
 pub mod mask;
 pub mod metrics;
+pub mod notices;
 pub mod oidc;
 pub mod pages;
 pub mod people;

@@ -1084,12 +1084,14 @@ async fn kill_loop(backend: ballast::store::Backend) {
     profile.p_job_never = 0.0;
     let sim = ballast::sim::SimHandle::spawn(profile).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
+    let subscriber = Subscriber::spawn().await;
     std::fs::write(
         dir.path().join("ballast.toml"),
         format!(
-            "[database]\nurl = \"{}\"\n[engine]\nlease = \"2s\"\n{}",
+            "[database]\nurl = \"{}\"\n[engine]\nlease = \"2s\"\n{}\n{}",
             t.url,
-            crate::engine::chain_toml(&sim.base_url())
+            crate::engine::chain_toml(&sim.base_url()),
+            subscriber.toml(dir.path())
         ),
     )
     .unwrap();
@@ -1161,7 +1163,15 @@ async fn kill_loop(backend: ballast::store::Backend) {
     let limit = Duration::from_secs(if full_run() { 900 } else { 300 });
     crate::engine::wait_at_rest(&t.db, n, limit).await;
     let took = started.elapsed();
+    // Every notice of the outbox delivered (the last process sends what
+    // its predecessors were killed before sending).
+    let drained = async || match subscriber.pending(&t.db).await {
+        0 => Some(()),
+        _ => None,
+    };
+    crate::helpers::poll_until("notices delivered", Duration::from_secs(120), drained).await;
     last.stop().await;
+    let heard = subscriber.report(&t.db).await;
 
     let crate::helpers::Audit {
         ok,
@@ -1185,14 +1195,143 @@ async fn kill_loop(backend: ballast::store::Backend) {
         ledger.double_charges,
         sim.stats().requests,
     );
+    println!("{} kill -9 loop, notifications: {heard}", backend.as_str());
     assert_eq!(ok + failed + parked, n, "0 lost");
     assert_eq!(ledger.double_charges, 0, "0 double charges");
+    assert_eq!(
+        heard.records, n,
+        "every record's final state notified: {heard}"
+    );
+    assert_eq!(heard.lost, 0, "0 notices lost: {heard}");
     assert!(holding > 0, "no kill landed while the process held work");
     assert!(taken_over > 0, "no lease was taken over");
     assert!(
         worst <= Duration::from_secs(7),
         "work resumed {worst:?} after a restart (lease 2 s + 5 s)"
     );
+}
+
+/// A subscriber to the kill loop's notifications (`[[notify]]`): counts
+/// what arrives by webhook id, every request answered 200.
+struct Subscriber {
+    url: String,
+    got: Arc<std::sync::Mutex<Arrivals>>,
+}
+
+/// webhook-id → (times it arrived, record id, event type).
+type Arrivals = std::collections::HashMap<String, (usize, i64, String)>;
+
+/// What a [`Subscriber`] heard against the outbox.
+struct Heard {
+    /// Notices in the outbox, and arrivals (repeats included).
+    notices: usize,
+    arrivals: usize,
+    /// Notices delivered more than once (at least once, not exactly).
+    repeated: usize,
+    /// Notices the outbox holds that never arrived.
+    lost: usize,
+    /// Records whose final state (succeeded, failed, parked) arrived.
+    records: i64,
+}
+
+impl std::fmt::Display for Heard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} notices, {} arrivals, {} delivered more than once, {} lost; final state of {} records heard",
+            self.notices, self.arrivals, self.repeated, self.lost, self.records
+        )
+    }
+}
+
+impl Subscriber {
+    async fn spawn() -> Subscriber {
+        let got = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let take = {
+            let got = got.clone();
+            move |headers: HeaderMap, axum::Json(body): axum::Json<Value>| {
+                let got = got.clone();
+                async move {
+                    let id = headers
+                        .get("webhook-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned();
+                    let record = body["data"]["record"]["id"].as_i64().unwrap_or(0);
+                    let ty = body["type"].as_str().unwrap_or("").to_owned();
+                    let mut got = got.lock().unwrap();
+                    got.entry(id).or_insert((0, record, ty)).0 += 1;
+                    StatusCode::NO_CONTENT
+                }
+            }
+        };
+        let app = axum::Router::new().route("/hooks", axum::routing::post(take));
+        let url = crate::helpers::serve_router(app).await;
+        Subscriber { url, got }
+    }
+
+    /// The subscriber as a provider and a subscription to records' final
+    /// states, its secret in `dir`.
+    fn toml(&self, dir: &Path) -> String {
+        let secret = dir.join("whsec");
+        std::fs::write(&secret, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        format!(
+            "[providers.subscriber]\nbase_url = \"{}\"\n\
+             [[notify]]\nname = \"finals\"\nprovider = \"subscriber\"\npath = \"/hooks\"\n\
+             events = [\"record.succeeded\", \"record.failed\", \"record.parked\", \"record.outcome_uncertain\"]\n\
+             secret_file = {:?}\n",
+            self.url,
+            secret.display().to_string()
+        )
+    }
+
+    async fn all_notices(db: &Db) -> Vec<ballast::store::Notice> {
+        let mut out = Vec::new();
+        let mut before = None;
+        loop {
+            let f = ballast::store::NoticeFilter {
+                before,
+                limit: 500,
+                ..Default::default()
+            };
+            let page = db.notices(&f).await.unwrap();
+            out.extend(page.items);
+            match page.next {
+                Some(n) => before = Some(n),
+                None => return out,
+            }
+        }
+    }
+
+    async fn pending(&self, db: &Db) -> usize {
+        let f = ballast::store::NoticeFilter {
+            state: Some("pending".into()),
+            limit: 1,
+            ..Default::default()
+        };
+        db.notices(&f).await.unwrap().items.len()
+    }
+
+    async fn report(&self, db: &Db) -> Heard {
+        let notices = Self::all_notices(db).await;
+        let got = self.got.lock().unwrap();
+        let lost = notices
+            .iter()
+            .filter(|n| !got.contains_key(&n.message_id))
+            .count();
+        let records: std::collections::BTreeSet<i64> = got
+            .values()
+            .map(|(_, r, _)| *r)
+            .filter(|r| *r > 0)
+            .collect();
+        Heard {
+            notices: notices.len(),
+            arrivals: got.values().map(|(n, _, _)| n).sum(),
+            repeated: got.values().filter(|(n, _, _)| *n > 1).count(),
+            lost,
+            records: i64::try_from(records.len()).unwrap_or(i64::MAX),
+        }
+    }
 }
 
 /// What reached a keyless provider, by client reference (a step's or an

@@ -25,6 +25,7 @@ mod fuzz;
 mod helpers;
 mod http;
 mod migrations;
+mod notify;
 mod openapi;
 mod per_step;
 mod pipelines;

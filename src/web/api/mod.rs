@@ -7,6 +7,7 @@
 
 mod control;
 mod doc;
+mod notify;
 mod people;
 mod pipelines;
 mod records;
@@ -40,6 +41,7 @@ fn routes() -> OpenApiRouter<AppState> {
         .merge(control::routes())
         .merge(pipelines::routes())
         .merge(people::routes())
+        .merge(notify::routes())
 }
 
 /// The API's routes with two limits: per token (`api_per_second`, bursts of

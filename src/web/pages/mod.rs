@@ -5,6 +5,7 @@
 mod admin;
 mod audit;
 mod login;
+mod notify;
 mod overview;
 mod pipelines;
 mod providers;
@@ -33,6 +34,7 @@ pub fn router(state: &AppState) -> Router<AppState> {
         .merge(pipelines::router())
         .merge(audit::router())
         .merge(triggers::router())
+        .merge(notify::router())
         .merge(admin::router())
 }
 

@@ -1,0 +1,2 @@
+DROP TABLE notify_subscriptions;
+DROP TABLE notices;

@@ -1,0 +1,317 @@
+//! The notifier: on every node, delivers the outbox's due notices
+//! (`store::notices`) to each `[[notify]]` subscription, through the same
+//! gates as any call to its provider (`engine::gate`: pause, concurrency,
+//! rate limits, breaker), signed per Standard Webhooks with the notice's
+//! id as `webhook-id` on every attempt. A 2xx delivers it; a reply the
+//! provider's rules call a throttle holds it (no attempt spent) and
+//! pauses the provider; anything else counts against the provider's
+//! breaker and is retried with its backoff until `retry_for`, then given
+//! up. A subscription failing for
+//! `disable_after` is turned off by the store, audited.
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use super::gate::{Gate, Held, heard, ms};
+use super::http::Call;
+use super::limits::ProviderRuntime;
+use super::supervisor::{Loop, Stop};
+use super::{Engine, Stopping};
+use crate::config::Secret;
+use crate::config::notify::{Format, NotifyConfig};
+use crate::domain::breaker::Admit;
+use crate::domain::{Outcome, UnixMs};
+use crate::store::{Notice, NoticeOutcome, NoticeSettle, StoreError};
+
+/// How often a node looks for notices due.
+const EVERY_MS: i64 = 1_000;
+/// How many of a subscription's notices one node sends at once.
+const BATCH: u32 = 50;
+
+/// The notifier of one node.
+pub struct Notifier {
+    engine: Engine,
+}
+
+impl Loop for Notifier {
+    const STOP: Stop = Stop::Finish("notifications");
+
+    async fn run(self, shutdown: CancellationToken) {
+        let i = &self.engine.inner;
+        let stopping = Arc::new(Stopping::default());
+        let stop_on = stopping.clone();
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            token.cancelled().await;
+            stop_on.stop();
+        });
+        loop {
+            let now = i.clock.now_ms();
+            let again = match self.deliver_due(&stopping).await {
+                Ok(full) => full,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot deliver notifications; retrying shortly");
+                    false
+                }
+            };
+            if shutdown.is_cancelled() {
+                break;
+            }
+            if again {
+                continue;
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = i.clock.sleep_until(now + EVERY_MS) => {}
+            }
+        }
+    }
+}
+
+impl Notifier {
+    pub fn of(engine: &Engine) -> Notifier {
+        Notifier {
+            engine: engine.clone(),
+        }
+    }
+
+    /// Sends each subscription's notices due now (those turned off, or
+    /// whose provider is paused or its breaker open, wait). True when a
+    /// subscription had a full batch (more may be due).
+    pub async fn deliver_due(&self, stopping: &Stopping) -> Result<bool, StoreError> {
+        let i = &self.engine.inner;
+        let setup = i.setup();
+        if setup.config.notify.is_empty() {
+            return Ok(false);
+        }
+        let off = i.db.subscription_states().await?;
+        // Each subscription on its own: a slow subscriber holds up no other.
+        let rounds = setup.config.notify.iter().filter_map(|sub| {
+            let turned_off = off
+                .iter()
+                .any(|s| s.name == sub.name && s.disabled_at.is_some());
+            let rt = setup.providers.get(&sub.provider)?;
+            (!turned_off).then(|| self.deliver_to(sub, rt, stopping))
+        });
+        let mut full = false;
+        for round in futures_util::future::join_all(rounds).await {
+            full |= round?;
+        }
+        Ok(full)
+    }
+
+    /// Sends `sub`'s notices due now, unless its provider is paused or its
+    /// breaker open; as many at once as the provider's concurrency. True
+    /// when that many were due (more may be).
+    async fn deliver_to(
+        &self,
+        sub: &NotifyConfig,
+        rt: &ProviderRuntime,
+        stopping: &Stopping,
+    ) -> Result<bool, StoreError> {
+        let i = &self.engine.inner;
+        let now = i.clock.now_ms();
+        let held = rt.is_paused() || matches!(rt.breaker().admit(now), Admit::Wait(_));
+        if held || stopping.is_set() {
+            return Ok(false);
+        }
+        let secret = match read_secret(sub).await {
+            Ok(s) => s,
+            Err(why) => {
+                tracing::error!(subscription = %sub.name, error = %why, "a subscription cannot read its secret");
+                return Ok(false);
+            }
+        };
+        // A delivery under way holds its notice this long: then another
+        // node may send it (at least once).
+        let lease = 2 * ms(rt.config.timeout.0) + 5_000;
+        let batch = BATCH.min(rt.config.concurrency.max(1));
+        let due =
+            i.db.claim_notices(&sub.name, now, now + lease, batch)
+                .await?;
+        let sends = due
+            .iter()
+            .map(|n| self.deliver(sub, rt, secret.as_ref(), n, stopping));
+        let outcomes = futures_util::future::join_all(sends).await;
+        self.settle(sub, &due, outcomes).await?;
+        Ok(due.len() == batch as usize)
+    }
+
+    /// Writes what became of a round's deliveries, in one transaction.
+    async fn settle(
+        &self,
+        sub: &NotifyConfig,
+        due: &[Notice],
+        outcomes: Vec<NoticeOutcome>,
+    ) -> Result<(), StoreError> {
+        let i = &self.engine.inner;
+        let now = i.clock.now_ms();
+        let mut settles = Vec::with_capacity(due.len());
+        for (n, outcome) in due.iter().zip(outcomes) {
+            let verdict = match &outcome {
+                NoticeOutcome::Delivered { .. } => "delivered",
+                NoticeOutcome::Deferred { .. } => "held",
+                NoticeOutcome::Throttled { .. } => "throttled",
+                NoticeOutcome::Failed {
+                    retry_at: Some(_), ..
+                } => "failed",
+                NoticeOutcome::Failed { retry_at: None, .. } => "given_up",
+            };
+            metrics::counter!("ballast_notices_total", "subscription" => sub.name.clone(), "outcome" => verdict)
+                .increment(1);
+            settles.push(NoticeSettle {
+                id: n.id,
+                lease_token: n.lease_token,
+                subscription: sub.name.clone(),
+                outcome,
+                now,
+                disable_after_ms: ms(sub.disable_after.0),
+            });
+        }
+        let done = i.db.settle_notices(&settles).await?;
+        if done.lost > 0 {
+            tracing::info!(subscription = %sub.name, notices = done.lost, "notices' leases lapsed before their deliveries were settled; they go again");
+        }
+        if done.disabled {
+            tracing::warn!(subscription = %sub.name, "subscription turned off: its deliveries have failed for disable_after");
+        }
+        Ok(())
+    }
+
+    /// One delivery of `n`: through the gates, sent, judged by the
+    /// provider's rules.
+    async fn deliver(
+        &self,
+        sub: &NotifyConfig,
+        rt: &ProviderRuntime,
+        secret: Option<&Secret>,
+        n: &Notice,
+        stopping: &Stopping,
+    ) -> NoticeOutcome {
+        let i = &self.engine.inner;
+        let now = i.clock.now_ms();
+        let gate = Gate {
+            clock: i.clock.as_ref(),
+            db: &i.db,
+            node: &i.opts.node_id,
+            stopping,
+            max_wait: std::time::Duration::from_millis(500),
+            now,
+            record: n.record_id,
+        };
+        let mut granted = match gate.enter(rt, (n.attempts > 0, n.attempts == 0)).await {
+            Ok(g) => g,
+            Err(Held::Deferred(at, _) | Held::Outage(at)) => return NoticeOutcome::Deferred { at },
+            Err(Held::Stopping) => return NoticeOutcome::Deferred { at: now },
+        };
+        let call = match call_of(sub, rt, secret, n, i.clock.now_ms()) {
+            Ok(c) => c,
+            // The subscriber's URL or signature cannot be made: nothing
+            // left; retried (an operator may fix the provider).
+            Err(why) => return failed(sub, rt, n, (None, why), now),
+        };
+        granted.flight.sent = true;
+        // What the subscriber echoes of the credential or the signing
+        // secret is not kept.
+        let mut secrets = super::step::scrubbed(rt, None);
+        secrets.extend(secret.map(Secret::expose));
+        let x = super::http::exchange(&rt.client, &call, &secrets, i.clock.as_ref()).await;
+        let after = i.clock.now_ms();
+        // A subscriber acknowledges with any 2xx (Standard Webhooks); the
+        // provider's rules judge the rest (a throttle, a failure).
+        let outcome = match x.http_status {
+            Some(200..=299) => Outcome::Success,
+            _ => crate::domain::rules::classify(&rt.rules, &x.reply).outcome,
+        };
+        let failed_call = matches!(outcome, Outcome::Retry | Outcome::Unknown);
+        let h = heard(rt, (outcome, failed_call), &x, granted.probe, after);
+        let paused = h.throttled.as_ref().map(|t| t.1);
+        super::sync::publish_heard(i, h).await;
+        match (outcome, paused) {
+            (Outcome::Success, _) => NoticeOutcome::Delivered {
+                status: x.http_status.unwrap_or(0),
+                reply: x.excerpt,
+            },
+            (Outcome::Throttled, Some(until)) => NoticeOutcome::Throttled {
+                at: until,
+                status: x.http_status,
+                reply: x.excerpt,
+            },
+            _ => failed(sub, rt, n, (x.http_status, x.excerpt), after),
+        }
+    }
+}
+
+/// A delivery that failed: due again after the provider's backoff, or
+/// given up once the notice is `retry_for` old.
+fn failed(
+    sub: &NotifyConfig,
+    rt: &ProviderRuntime,
+    n: &Notice,
+    (status, reply): (Option<u16>, String),
+    now: UnixMs,
+) -> NoticeOutcome {
+    let retry = u32::try_from(n.attempts + 1).unwrap_or(u32::MAX);
+    let wait = rt.config.retry.backoff().wait(retry, fastrand::f64(), None);
+    let at = now + ms(wait).max(1);
+    let retry_at = (at - n.at < ms(sub.retry_for.0)).then_some(at);
+    NoticeOutcome::Failed {
+        status,
+        reply,
+        retry_at,
+    }
+}
+
+/// The request that delivers `n`: a `POST` of its body (Standard Webhooks
+/// or Slack) to the provider's `base_url` and the subscription's `path`,
+/// with the provider's headers and signature, and, with a secret, the
+/// Standard Webhooks headers signed at `at_ms`.
+fn call_of(
+    sub: &NotifyConfig,
+    rt: &ProviderRuntime,
+    secret: Option<&Secret>,
+    n: &Notice,
+    at_ms: UnixMs,
+) -> Result<Call, String> {
+    let url = super::redirect::call_url(&rt.config.base_url, &sub.path)?;
+    let body = match sub.format {
+        Format::StandardWebhooks => crate::domain::notify::body(&n.topic, n.at, &n.data),
+        Format::Slack => crate::domain::notify::slack_body(&n.topic, n.at, &n.data),
+    };
+    let body = body.to_string();
+    let mut headers = Vec::new();
+    if let Some(s) = secret {
+        let ts = at_ms.div_euclid(1000);
+        let sig = crate::auth::presets::standard_sign(
+            s.expose().as_bytes(),
+            &n.message_id,
+            ts,
+            body.as_bytes(),
+        );
+        headers.push(("webhook-id".to_owned(), n.message_id.clone()));
+        headers.push(("webhook-timestamp".to_owned(), ts.to_string()));
+        headers.push(("webhook-signature".to_owned(), sig));
+    }
+    super::step::credentials(rt, None, &mut headers);
+    super::step::usual_headers(rt, &mut headers, true);
+    super::step::sign(rt, at_ms, ("POST", &url, &body), &mut headers)?;
+    Ok(Call {
+        method: crate::pipeline::HttpMethod::Post,
+        url: url.to_string(),
+        headers,
+        body: Some(body),
+        timeout: rt.config.timeout.0,
+        max_body: rt.config.max_body,
+        follow: None,
+        decode: rt.config.decode.clone(),
+    })
+}
+
+/// The subscription's secret, read off the runtime (it may be a file).
+async fn read_secret(sub: &NotifyConfig) -> Result<Option<Secret>, String> {
+    let reading = sub.clone();
+    tokio::task::spawn_blocking(move || reading.read_secret(&|v| std::env::var(v).ok()))
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()))
+}
