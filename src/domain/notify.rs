@@ -116,11 +116,14 @@ pub fn record_topic(
     }
 }
 
-/// What a change of a provider's shared breaker reports.
+/// What a change of a provider's shared breaker reports: opened from
+/// closed (not again after each failed probe), and closed.
 pub fn breaker_topic(before: BreakerState, after: BreakerState) -> Option<Topic> {
-    match (before == after, after) {
-        (false, BreakerState::Open) => Some(Topic::ProviderBreakerOpened),
-        (false, BreakerState::Closed) => Some(Topic::ProviderBreakerClosed),
+    match (before, after) {
+        (BreakerState::Closed, BreakerState::Open) => Some(Topic::ProviderBreakerOpened),
+        (BreakerState::Open | BreakerState::HalfOpen, BreakerState::Closed) => {
+            Some(Topic::ProviderBreakerClosed)
+        }
         _ => None,
     }
 }
@@ -371,7 +374,8 @@ mod tests {
         );
         assert_eq!(
             breaker_topic(HalfOpen, Open),
-            Some(Topic::ProviderBreakerOpened)
+            None,
+            "a failed probe is no news"
         );
         assert_eq!(
             breaker_topic(HalfOpen, Closed),

@@ -95,10 +95,20 @@ impl Notifier {
             (!turned_off).then(|| self.deliver_to(sub, rt, stopping))
         });
         let mut full = false;
+        let mut failed = None;
         for round in futures_util::future::join_all(rounds).await {
-            full |= round?;
+            match round {
+                Ok(f) => full |= f,
+                Err(e) => {
+                    tracing::warn!(error = %e, "a subscription's round failed");
+                    failed = Some(e);
+                }
+            }
         }
-        Ok(full)
+        match failed {
+            Some(e) if !full => Err(e),
+            _ => Ok(full),
+        }
     }
 
     /// Sends `sub`'s notices due now, unless its provider is paused or its
@@ -134,8 +144,12 @@ impl Notifier {
             .iter()
             .map(|n| self.deliver(sub, rt, secret.as_ref(), n, stopping));
         let outcomes = futures_util::future::join_all(sends).await;
+        // A round whose every notice the limits held is no sign of more.
+        let sent = outcomes
+            .iter()
+            .any(|o| !matches!(o, NoticeOutcome::Deferred { .. }));
         self.settle(sub, &due, outcomes).await?;
-        Ok(due.len() == batch as usize)
+        Ok(sent && due.len() == batch as usize)
     }
 
     /// Writes what became of a round's deliveries, in one transaction.
@@ -209,7 +223,7 @@ impl Notifier {
             Ok(c) => c,
             // The subscriber's URL or signature cannot be made: nothing
             // left; retried (an operator may fix the provider).
-            Err(why) => return failed(sub, rt, n, (None, why), now),
+            Err(why) => return failed(sub, rt, n, (None, why, None), now),
         };
         granted.flight.sent = true;
         // What the subscriber echoes of the credential or the signing
@@ -233,12 +247,21 @@ impl Notifier {
                 status: x.http_status.unwrap_or(0),
                 reply: x.excerpt,
             },
-            (Outcome::Throttled, Some(until)) => NoticeOutcome::Throttled {
-                at: until,
+            // A subscriber that only ever says "slow down" gives up its
+            // notices too, at `retry_for`.
+            (Outcome::Throttled, Some(until)) if !past_retry_for(sub, n, until) => {
+                NoticeOutcome::Throttled {
+                    at: until,
+                    status: x.http_status,
+                    reply: x.excerpt,
+                }
+            }
+            (Outcome::Throttled, _) => NoticeOutcome::Failed {
                 status: x.http_status,
                 reply: x.excerpt,
+                retry_at: None,
             },
-            _ => failed(sub, rt, n, (x.http_status, x.excerpt), after),
+            _ => failed(sub, rt, n, (x.http_status, x.excerpt, x.retry_after), after),
         }
     }
 }
@@ -249,18 +272,28 @@ fn failed(
     sub: &NotifyConfig,
     rt: &ProviderRuntime,
     n: &Notice,
-    (status, reply): (Option<u16>, String),
+    (status, reply, retry_after): (Option<u16>, String, Option<std::time::Duration>),
     now: UnixMs,
 ) -> NoticeOutcome {
     let retry = u32::try_from(n.attempts + 1).unwrap_or(u32::MAX);
-    let wait = rt.config.retry.backoff().wait(retry, fastrand::f64(), None);
+    let wait = rt
+        .config
+        .retry
+        .backoff()
+        .wait(retry, fastrand::f64(), retry_after);
     let at = now + ms(wait).max(1);
-    let retry_at = (at - n.at < ms(sub.retry_for.0)).then_some(at);
+    let retry_at = (!past_retry_for(sub, n, at)).then_some(at);
     NoticeOutcome::Failed {
         status,
         reply,
         retry_at,
     }
+}
+
+/// Whether `n` is `retry_for` old at `at` (from its change, or from its
+/// last redelivery or its subscription turned on again).
+fn past_retry_for(sub: &NotifyConfig, n: &Notice, at: UnixMs) -> bool {
+    at - n.since.unwrap_or(n.at) >= ms(sub.retry_for.0)
 }
 
 /// The request that delivers `n`: a `POST` of its body (Standard Webhooks

@@ -37,6 +37,9 @@ pub struct Notice {
     pub provider: Option<String>,
     /// When the change happened.
     pub at: UnixMs,
+    /// When its `retry_for` began, where not at `at`: its last
+    /// redelivery, or its subscription turned on again.
+    pub since: Option<UnixMs>,
     /// The body's `data`.
     pub data: Value,
     /// `pending`, `delivered` or `failed` (given up).
@@ -122,7 +125,7 @@ pub struct NoticeFilter {
 }
 
 const NOTICE_COLUMNS: &str = "id, subscription, message_id, topic, subject, record_id, pipeline, group_key, \
-     provider, at, data, state, attempts, lease_token, next_at, last_at, status, reply";
+     provider, at, since, data, state, attempts, lease_token, next_at, last_at, status, reply";
 
 /// A subscription's (`$1`) notices due at `$2` that are heads: the oldest
 /// pending one of their subject (one leased by another node still is:
@@ -338,6 +341,16 @@ where
         .bind(now)
         .fetch_one(&mut *tx)
         .await?;
+        if on {
+            // What it missed gets its whole `retry_for` from now.
+            sqlx::query(
+                "UPDATE notices SET since = $2 WHERE subscription = $1 AND state = 'pending'",
+            )
+            .bind(name.to_owned())
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
         let detail = serde_json::json!({ "subscription": name });
         let kind = if on {
             "notify_enabled"
@@ -368,7 +381,8 @@ where
             });
         }
         let sql = format!(
-            "UPDATE notices SET state = 'pending', next_at = $1, lease_token = lease_token + 1 \
+            "UPDATE notices SET state = 'pending', next_at = $1, since = $1, \
+               lease_token = lease_token + 1 \
              WHERE id = $2 AND state <> 'pending' RETURNING {NOTICE_COLUMNS}"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))

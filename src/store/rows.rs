@@ -468,6 +468,7 @@ where
             group: self.try_get("group_key")?,
             provider: self.try_get("provider")?,
             at: self.try_get("at")?,
+            since: self.try_get("since")?,
             data: self.try_get::<Json<Value>, _>("data")?.0,
             state: self.try_get("state")?,
             attempts: self.try_get("attempts")?,

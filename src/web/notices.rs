@@ -58,7 +58,13 @@ pub async fn subscriptions(
                     crate::config::notify::Format::Slack => "slack",
                 },
                 events: n.events.clone(),
-                pipelines: n.pipelines.clone(),
+                // A caller limited to pipelines is not told of others.
+                pipelines: n
+                    .pipelines
+                    .iter()
+                    .filter(|p| caller.sees(p))
+                    .cloned()
+                    .collect(),
                 groups: n.groups.clone(),
                 providers: n.providers.clone(),
                 on: s.is_none_or(|s| s.disabled_at.is_none()),

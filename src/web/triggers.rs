@@ -89,7 +89,7 @@ impl Outcome {
         (status = 413, description = "The body is over 1 MiB", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A type the trigger neither accepts nor ignores, or an event no record can be made of", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "Too many deliveries from this address: see `Retry-After`", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "The database failed: send it again", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The database failed: send it again (after `Retry-After` seconds)", body = Problem, content_type = "application/problem+json"),
     ),
     security(())
 )]
@@ -155,7 +155,14 @@ fn answer(o: &Outcome) -> Response {
         return (status, Json(taken)).into_response();
     }
     let detail = o.detail.as_deref().unwrap_or("");
-    Problem::new(status, o.verdict.code(), detail).into_response()
+    let mut r = Problem::new(status, o.verdict.code(), detail).into_response();
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        // The sender's retry will get through: soon, not at once.
+        let after = axum::http::HeaderValue::from_static("5");
+        r.headers_mut()
+            .insert(axum::http::header::RETRY_AFTER, after);
+    }
+    r
 }
 
 /// Verifies, reads and routes a delivery, and enqueues its record.

@@ -1826,6 +1826,14 @@ provider = "crm"
 needs = ["lookup"]
 required = false
 request = { path = "/sync" }
+[providers.hooks]
+base_url = "http://127.0.0.1:9"
+[[notify]]
+name = "ops"
+provider = "hooks"
+path = "/hooks"
+format = "slack"
+events = ["record.*"]
 "#;
     let Some(app) = WebApp::spawn(Backend::Sqlite, "axe", config).await else {
         return;
@@ -1881,6 +1889,7 @@ request = { path = "/sync" }
             "/providers".to_owned(),
             "/audit".to_owned(),
             "/triggers".to_owned(),
+            "/notifications".to_owned(),
             "/search?q=lead".to_owned(),
             "/records/999999999".to_owned(),
         ];

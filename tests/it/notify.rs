@@ -138,6 +138,7 @@ path = "/slack"
 format = "slack"
 events = ["record.parked"]
 pipelines = ["hold"]
+retry_for = "1h"
 "#
     );
     let config = Config::parse(&text, Path::new("notify.toml")).unwrap();
@@ -413,31 +414,49 @@ async fn notifications_reach_subscribers(backend: Backend) {
         (Some(third), "delivered")
     );
 
-    // Given up after `retry_for`; an operator sends it again.
+    // Given up after `retry_for` (the chat subscription's hour, failing
+    // all along: its `disable_after` is days); an operator sends it again.
     sub.status.store(500, Ordering::SeqCst);
-    let fourth = enqueue_paid(&engine, "p4").await;
+    let h3 = engine
+        .enqueue(Enqueue::new("hold", Some("h3"), json!({})))
+        .await
+        .unwrap()
+        .record
+        .id;
+    drain(&engine).await;
+    act(h3, OperatorAction::Park, "stuck").await;
     for _ in 0..7 {
         deliver_all(&notifier).await;
         clock.advance(10 * MINUTE);
-        // Turned on again each time, so that it keeps failing without
-        // being turned off.
-        t.db.turn_subscription("ops", true, "ann", clock_ms(&clock))
-            .await
-            .unwrap();
     }
-    let last = notices(&t.db, "ops").await.pop().unwrap();
+    let last = notices(&t.db, "chat").await.pop().unwrap();
     assert_eq!(
         (last.record_id, last.state.as_str()),
-        (Some(fourth), "failed")
+        (Some(h3), "failed"),
+        "{last:?}"
     );
-    sub.status.store(200, Ordering::SeqCst);
+    let chat = t.db.subscription_states().await.unwrap();
+    let chat = chat.iter().find(|s| s.name == "chat").unwrap();
+    assert!(chat.disabled_at.is_none() && chat.failing_since.is_some());
     let redone =
         t.db.redeliver_notice(last.id, "ann", clock_ms(&clock))
             .await
             .unwrap();
     assert_eq!(redone.state, "pending");
+    // Sent again, it has a `retry_for` of its own: a failure now is
+    // retried, not given up at once.
+    sub.status.store(500, Ordering::SeqCst);
     deliver_all(&notifier).await;
-    let last = notices(&t.db, "ops").await.pop().unwrap();
+    let last = notices(&t.db, "chat").await.pop().unwrap();
+    assert_eq!(
+        (last.state.as_str(), last.since),
+        ("pending", redone.since),
+        "{last:?}"
+    );
+    sub.status.store(200, Ordering::SeqCst);
+    clock.advance(2_000);
+    deliver_all(&notifier).await;
+    let last = notices(&t.db, "chat").await.pop().unwrap();
     assert_eq!(last.state, "delivered");
     assert_eq!(
         t.db.redeliver_notice(i64::MAX, "ann", 0)

@@ -341,6 +341,28 @@ async fn triggers_start_records_from_signed_events(backend: Backend) {
         !page.contains("trigger-stripe") && !page.contains("evt_1"),
         "{page}"
     );
+    // Its secret's file gone: unavailable, and when to send it again.
+    std::fs::remove_file(dir.path().join("whsec")).unwrap();
+    let body = br#"{"type":"user.created","data":{"id":8}}"#;
+    let at = crate::helpers::wall_ms() / 1000;
+    let mut req = app
+        .client
+        .post(app.url("/triggers/std"))
+        .header("content-type", "application/json")
+        .body(body.to_vec());
+    for (h, v) in [
+        ("webhook-id", "msg_3".to_owned()),
+        ("webhook-timestamp", at.to_string()),
+        (
+            "webhook-signature",
+            presets::standard_sign(WHSEC.as_bytes(), "msg_3", at, body),
+        ),
+    ] {
+        req = req.header(h, v);
+    }
+    let r = req.send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    assert_eq!(r.headers()["retry-after"], "5");
     app.stop().await;
 }
 

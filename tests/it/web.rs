@@ -884,7 +884,26 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", "/pipelines".into(), vec![], Role::Viewer),
         ("GET", "/audit".into(), vec![], Role::Viewer),
         ("GET", "/triggers".into(), vec![], Role::Viewer),
+        ("GET", "/notifications".into(), vec![], Role::Viewer),
         ("GET", "/search?q=m-1".into(), vec![], Role::Viewer),
+        (
+            "POST",
+            "/notifications/999/redeliver".into(),
+            vec![],
+            Role::Operator,
+        ),
+        (
+            "POST",
+            "/notifications/subscriptions/none/disable".into(),
+            vec![],
+            Role::Admin,
+        ),
+        (
+            "POST",
+            "/notifications/subscriptions/none/enable".into(),
+            vec![],
+            Role::Admin,
+        ),
         (
             "POST",
             format!("/records/{r}/actions"),
@@ -1064,6 +1083,25 @@ async fn every_route_checks_the_role_server_side() {
         ("GET", "/api/v1/pipelines".into(), None, Role::Viewer),
         ("GET", "/api/v1/audit".into(), None, Role::Viewer),
         ("GET", "/api/v1/search?q=x".into(), None, Role::Viewer),
+        ("GET", "/api/v1/notifications".into(), None, Role::Viewer),
+        (
+            "GET",
+            "/api/v1/notifications/subscriptions".into(),
+            None,
+            Role::Viewer,
+        ),
+        (
+            "POST",
+            "/api/v1/notifications/999/redeliver".into(),
+            Some(json!({})),
+            Role::Operator,
+        ),
+        (
+            "POST",
+            "/api/v1/notifications/subscriptions/none/enable".into(),
+            Some(json!({})),
+            Role::Admin,
+        ),
         ("GET", "/api/v1/users".into(), None, Role::Admin),
         ("GET", "/api/v1/tokens".into(), None, Role::Admin),
         (

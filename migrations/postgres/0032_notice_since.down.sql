@@ -1,0 +1,1 @@
+ALTER TABLE notices DROP COLUMN since;
