@@ -126,13 +126,6 @@ impl Notifier {
         if held || stopping.is_set() {
             return Ok(false);
         }
-        let secret = match read_secret(sub).await {
-            Ok(s) => s,
-            Err(why) => {
-                tracing::error!(subscription = %sub.name, error = %why, "a subscription cannot read its secret");
-                return Ok(false);
-            }
-        };
         // A delivery under way holds its notice this long: then another
         // node may send it (at least once).
         let lease = 2 * ms(rt.config.timeout.0) + 5_000;
@@ -140,6 +133,19 @@ impl Notifier {
         let due =
             i.db.claim_notices(&sub.name, now, now + lease, batch)
                 .await?;
+        if due.is_empty() {
+            return Ok(false);
+        }
+        // Read when there is something to sign (it may be a file).
+        let secret = match read_secret(sub).await {
+            Ok(s) => s,
+            Err(why) => {
+                tracing::error!(subscription = %sub.name, error = %why, "a subscription cannot read its secret");
+                let later = NoticeOutcome::Deferred { at: now + EVERY_MS };
+                self.settle(sub, &due, vec![later; due.len()]).await?;
+                return Ok(false);
+            }
+        };
         let sends = due
             .iter()
             .map(|n| self.deliver(sub, rt, secret.as_ref(), n, stopping));

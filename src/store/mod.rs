@@ -835,8 +835,8 @@ impl Db {
     /// reload).
     pub fn set_notify_filters(&self, filters: Vec<crate::domain::notify::Filter>) {
         match self {
-            Db::Sqlite(s) => s.filters.set(filters),
-            Db::Postgres(s) => s.filters.set(filters),
+            Db::Sqlite(s) => s.filters.set(std::sync::Arc::new(filters)),
+            Db::Postgres(s) => s.filters.set(std::sync::Arc::new(filters)),
         }
     }
 

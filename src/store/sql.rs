@@ -37,50 +37,47 @@ pub struct SqlStore<DB: SqlDb> {
     pub(crate) filters: Filters,
 }
 
-/// The subscriptions' filters, replaced whole by a reload.
-#[derive(Clone, Default)]
-pub(crate) struct Filters(Arc<std::sync::RwLock<Arc<Vec<crate::domain::notify::Filter>>>>);
+/// A value the store reads on every use and a reload replaces whole
+/// (the data keys, the subscriptions' filters).
+pub(crate) struct Swap<T>(Arc<std::sync::RwLock<Arc<T>>>);
 
-impl Filters {
-    pub(crate) fn get(&self) -> Arc<Vec<crate::domain::notify::Filter>> {
+impl<T> Clone for Swap<T> {
+    fn clone(&self) -> Self {
+        Swap(self.0.clone())
+    }
+}
+
+impl<T: Default> Default for Swap<T> {
+    fn default() -> Self {
+        Swap::new(Arc::default())
+    }
+}
+
+impl<T> Swap<T> {
+    pub(crate) fn new(value: Arc<T>) -> Self {
+        Swap(Arc::new(std::sync::RwLock::new(value)))
+    }
+
+    pub(crate) fn get(&self) -> Arc<T> {
         self.0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
-    pub(crate) fn set(&self, filters: Vec<crate::domain::notify::Filter>) {
+    pub(crate) fn set(&self, value: Arc<T>) {
         *self
             .0
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(filters);
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = value;
     }
 }
 
-/// The data keys a store seals and opens values with, replaced whole when
-/// a reload reads them again.
-#[derive(Clone, Default)]
-pub(crate) struct Keys(Arc<std::sync::RwLock<Arc<Keyring>>>);
+/// The data keys a store seals and opens values with.
+pub(crate) type Keys = Swap<Keyring>;
 
-impl Keys {
-    pub(crate) fn new(ring: Arc<Keyring>) -> Self {
-        Keys(Arc::new(std::sync::RwLock::new(ring)))
-    }
-
-    pub(crate) fn get(&self) -> Arc<Keyring> {
-        self.0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    pub(crate) fn set(&self, ring: Arc<Keyring>) {
-        *self
-            .0
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = ring;
-    }
-}
+/// What the `[[notify]]` subscriptions want.
+pub(crate) type Filters = Swap<Vec<crate::domain::notify::Filter>>;
 
 impl<DB: SqlDb> SqlStore<DB> {
     /// A store over `pools`, sealing with `keys`.
