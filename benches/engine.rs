@@ -53,7 +53,8 @@
 //! --pg-profile` the same for graphile-worker's A
 //! (`../shared/peers/graphile/run`); `-- --traces` exports every pass's spans
 //! over OTLP to a collector in the process (measure A with and without);
-//! `-- --encrypt` seals every value at rest with a data key. Each figure is the median of the runs (3, or 1 with --quick) with the
+//! `-- --encrypt` seals every value at rest with a data key; `-- --groups N`
+//! spreads the one-step runs' records over N groups. Each figure is the median of the runs (3, or 1 with --quick) with the
 //! spread. Durable commits throughout (SQLite WAL + synchronous=FULL,
 //! PostgreSQL defaults). The machine is shared: compare ratios in one run.
 // A benchmark measures real time: the clock rule of `src/` is not for it.
@@ -234,6 +235,20 @@ fn pg_sslmode() -> String {
 /// `--encrypt`: the values records carry are sealed at rest with a data
 /// key (`[database.encryption]`), to measure what sealing costs.
 static ENCRYPT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// `-- --groups N`: the one-step runs' records spread over N groups (record
+/// k in `g{k % N}`), as tenants' would be; none by default.
+static GROUPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Record `k`'s enqueue in the one-step runs (grouped with `--groups`).
+fn one_step(pipeline: &str, k: usize) -> Enqueue {
+    let group = match GROUPS.get().copied().unwrap_or(0) {
+        0 => None,
+        n => Some(format!("g{}", k % n)),
+    };
+    Enqueue::new(pipeline, Some(&format!("k{k}")), json!({ "amount": k }))
+        .in_group(group.as_deref())
+}
 
 /// The bench database's data keys: one current key with `--encrypt`.
 fn bench_keyring() -> std::sync::Arc<ballast::auth::seal::Keyring> {
@@ -713,14 +728,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     let half = if single_enqueue { n / 2 } else { 0 };
     let started = Instant::now();
     for i in 0..half {
-        engine
-            .enqueue(Enqueue::new(
-                pipeline,
-                Some(&format!("k{i}")),
-                json!({ "amount": i }),
-            ))
-            .await
-            .ok()?;
+        engine.enqueue(one_step(pipeline, i)).await.ok()?;
     }
     let enqueue_per_s = half as f64 / started.elapsed().as_secs_f64().max(1e-9);
     let profiling = pg_profiling(setup);
@@ -745,9 +753,7 @@ async fn run_once(setup: &Setup) -> Option<Run> {
     };
     while i < n {
         let end = (i + ENQUEUE_BATCH).min(n);
-        let items = (i..end)
-            .map(|k| Enqueue::new(pipeline, Some(&format!("k{k}")), json!({ "amount": k })))
-            .collect();
+        let items = (i..end).map(|k| one_step(pipeline, k)).collect();
         engine.enqueue_batch(items).await.ok()?;
         i = end;
     }
@@ -1437,6 +1443,9 @@ fn main() {
     let _ = PG_PROFILE.set(args.iter().any(|a| a == "--pg-profile"));
     let _ = SIM_PROCESS.set(args.iter().any(|a| a == "--sim-process"));
     let _ = ENCRYPT.set(args.iter().any(|a| a == "--encrypt"));
+    if let Some(n) = flag_value(&args, "--groups") {
+        let _ = GROUPS.set(n.parse().expect("--groups N"));
+    }
     let filter = Filter::from_args(&args);
     // `--runs N`: runs per figure (3, or 1 with --quick).
     let runs = flag_value(&args, "--runs")

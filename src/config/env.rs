@@ -11,7 +11,7 @@ type Setter = fn(&mut Config, &str) -> Result<(), String>;
 /// Every variable, in the order applied (the first that does not parse is
 /// the one reported, and `check-config` lists them in this order). Each
 /// reads its text, then places it.
-const VARS: [(&str, Setter); 17] = [
+const VARS: [(&str, Setter); 18] = [
     ("BALLAST_ADMIN_PASSWORD", |c, v| {
         admin_password(v).map(|p| c.server.admin_password = Some(p))
     }),
@@ -44,6 +44,9 @@ const VARS: [(&str, Setter); 17] = [
     }),
     ("BALLAST_SERVER_SHUTDOWN_GRACE", |c, v| {
         duration(v).map(|d| c.server.shutdown_grace = d)
+    }),
+    ("BALLAST_SERVER_METRICS_GROUPS", |c, v| {
+        parsed(v, "number", "").map(|n| c.server.metrics_groups = n)
     }),
     ("BALLAST_DATABASE_URL", |c, v| {
         c.database.url = DatabaseUrl::new(v);

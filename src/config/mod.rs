@@ -244,6 +244,12 @@ pub struct ServerConfig {
     /// Environment only: `BALLAST_METRICS_TOKEN`.
     #[serde(skip)]
     pub metrics_token: Option<Secret>,
+    /// How many groups of each pipeline `/metrics` names in
+    /// `ballast_group_records` (those with the most records at work; the
+    /// rest are summed in `ballast_group_records_other`), at most
+    /// [`MAX_METRICS_GROUPS`]; 0 leaves both families out.
+    /// Env: `BALLAST_SERVER_METRICS_GROUPS`.
+    pub metrics_groups: u32,
     /// `[server.limits]`: how much one client can do.
     pub limits: WebLimits,
 }
@@ -261,6 +267,7 @@ impl Default for ServerConfig {
             secret_key: None,
             admin_password: None,
             metrics_token: None,
+            metrics_groups: 20,
             limits: WebLimits::default(),
         }
     }
@@ -768,6 +775,12 @@ impl ServerConfig {
                 ));
             }
         }
+        if self.metrics_groups > MAX_METRICS_GROUPS {
+            return Err(invalid(
+                "server.metrics_groups",
+                format!("must be at most {MAX_METRICS_GROUPS}"),
+            ));
+        }
         if let Some(token) = &self.metrics_token {
             if token.expose().trim().len() < crate::auth::webhook::MIN_SECRET {
                 return Err(invalid(
@@ -782,6 +795,10 @@ impl ServerConfig {
         Ok(())
     }
 }
+
+/// The most groups per pipeline `server.metrics_groups` may ask
+/// `/metrics` to name: each is five series (one per state not final).
+pub const MAX_METRICS_GROUPS: u32 = 200;
 
 /// The error for the setting at `key` (dotted, as in the file).
 fn invalid(key: &str, message: String) -> ConfigError {

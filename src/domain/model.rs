@@ -769,6 +769,16 @@ pub struct StepCount {
     pub count: i64,
 }
 
+/// How many records of one group of a pipeline are in one state that is
+/// not final (groups are counted while they have work).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct GroupCount {
+    pub pipeline: String,
+    pub group: String,
+    pub state: RecordState,
+    pub count: i64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,6 +26,9 @@ use crate::store::{Notice, NoticeOutcome, NoticeSettle, StoreError};
 
 /// How often a node looks for notices due.
 const EVERY_MS: i64 = 1_000;
+/// How long the notices of a subscription that cannot read its secret
+/// wait before it tries again.
+const SECRET_AGAIN_MS: i64 = 30_000;
 /// How many of a subscription's notices one node sends at once.
 const BATCH: u32 = 50;
 
@@ -141,7 +144,11 @@ impl Notifier {
             Ok(s) => s,
             Err(why) => {
                 tracing::error!(subscription = %sub.name, error = %why, "a subscription cannot read its secret");
-                let later = NoticeOutcome::Deferred { at: now + EVERY_MS };
+                // Looked for again in a while, not every round: the
+                // error is logged each time.
+                let later = NoticeOutcome::Deferred {
+                    at: now + SECRET_AGAIN_MS,
+                };
                 self.settle(sub, &due, vec![later; due.len()]).await?;
                 return Ok(false);
             }
@@ -168,6 +175,7 @@ impl Notifier {
         let i = &self.engine.inner;
         let now = i.clock.now_ms();
         let mut settles = Vec::with_capacity(due.len());
+        let mut verdicts = Vec::with_capacity(due.len());
         for (n, outcome) in due.iter().zip(outcomes) {
             let verdict = match &outcome {
                 NoticeOutcome::Delivered { .. } => "delivered",
@@ -178,8 +186,7 @@ impl Notifier {
                 } => "failed",
                 NoticeOutcome::Failed { retry_at: None, .. } => "given_up",
             };
-            metrics::counter!("ballast_notices_total", "subscription" => sub.name.clone(), "outcome" => verdict)
-                .increment(1);
+            verdicts.push(verdict);
             settles.push(NoticeSettle {
                 id: n.id,
                 lease_token: n.lease_token,
@@ -190,6 +197,12 @@ impl Notifier {
             });
         }
         let done = i.db.settle_notices(&settles).await?;
+        // Counted once the round is written (a round whose settles failed
+        // goes again; a notice whose lease lapsed meanwhile counts too).
+        for verdict in verdicts {
+            metrics::counter!("ballast_notices_total", "subscription" => sub.name.clone(), "outcome" => verdict)
+                .increment(1);
+        }
         if done.lost > 0 {
             tracing::info!(subscription = %sub.name, notices = done.lost, "notices' leases lapsed before their deliveries were settled; they go again");
         }
@@ -225,18 +238,10 @@ impl Notifier {
             Err(Held::Deferred(at, _) | Held::Outage(at)) => return NoticeOutcome::Deferred { at },
             Err(Held::Stopping) => return NoticeOutcome::Deferred { at: now },
         };
-        let call = match call_of(sub, rt, secret, n, i.clock.now_ms()) {
-            Ok(c) => c,
-            // The subscriber's URL or signature cannot be made: nothing
-            // left; retried (an operator may fix the provider).
-            Err(why) => return failed(sub, rt, n, (None, why, None), now),
+        let x = match self.send(sub, rt, secret, n, &mut granted.flight).await {
+            Ok(x) => x,
+            Err(held) => return held,
         };
-        granted.flight.sent = true;
-        // What the subscriber echoes of the credential or the signing
-        // secret is not kept.
-        let mut secrets = super::step::scrubbed(rt, None);
-        secrets.extend(secret.map(Secret::expose));
-        let x = super::http::exchange(&rt.client, &call, &secrets, i.clock.as_ref()).await;
         let after = i.clock.now_ms();
         // A subscriber acknowledges with any 2xx (Standard Webhooks); the
         // provider's rules judge the rest (a throttle, a failure).
@@ -272,6 +277,68 @@ impl Notifier {
     }
 }
 
+impl Notifier {
+    /// Sends `n` (its gates passed): with an OAuth2 subscriber's token,
+    /// taken as a step's call takes it (without one the notice waits for
+    /// the endpoint, no attempt spent), and, when the subscriber refuses
+    /// the token (`401`), once more with a renewed one, the refusal not
+    /// counted against it (as a step's call does). The reply, or what
+    /// became of the notice without one.
+    async fn send(
+        &self,
+        sub: &NotifyConfig,
+        rt: &ProviderRuntime,
+        secret: Option<&Secret>,
+        n: &Notice,
+        flight: &mut super::gate::Flight<'_>,
+    ) -> Result<super::http::Exchange, NoticeOutcome> {
+        let clock = self.engine.inner.clock.as_ref();
+        let now = clock.now_ms();
+        let mut sent = token(rt, clock).await?;
+        let mut renewed = false;
+        loop {
+            // The subscriber's URL or signature cannot be made: nothing
+            // left; retried (an operator may fix the provider).
+            let call = call_of(sub, rt, (secret, sent.as_ref()), n, clock.now_ms())
+                .map_err(|why| failed(sub, rt, n, (None, why, None), now))?;
+            flight.sent = true;
+            // What the subscriber echoes of the credential, the token or
+            // the signing secret is not kept.
+            let mut secrets = super::step::scrubbed(rt, sent.as_ref());
+            secrets.extend(secret.map(Secret::expose));
+            let x = super::http::exchange(&rt.client, &call, &secrets, clock).await;
+            let (Some(src), Some(t)) = (&rt.token, &sent) else {
+                return Ok(x);
+            };
+            match x.http_status {
+                Some(401) => src.refused(t, clock),
+                Some(_) => src.accepted(t),
+                None => {}
+            }
+            if renewed || x.http_status != Some(401) {
+                return Ok(x);
+            }
+            renewed = true;
+            sent = token(rt, clock).await?;
+        }
+    }
+}
+
+/// The provider's OAuth2 token, when it takes one; without it, the notice
+/// waits until the token endpoint may answer.
+async fn token(
+    rt: &ProviderRuntime,
+    clock: &dyn crate::domain::Clock,
+) -> Result<Option<Secret>, NoticeOutcome> {
+    match &rt.token {
+        Some(src) => match src.get(&rt.client, clock).await {
+            Ok(t) => Ok(Some(t)),
+            Err(no) => Err(NoticeOutcome::Deferred { at: no.until }),
+        },
+        None => Ok(None),
+    }
+}
+
 /// A delivery that failed: due again after the provider's backoff, or
 /// given up once the notice is `retry_for` old.
 fn failed(
@@ -304,12 +371,13 @@ fn past_retry_for(sub: &NotifyConfig, n: &Notice, at: UnixMs) -> bool {
 
 /// The request that delivers `n`: a `POST` of its body (Standard Webhooks
 /// or Slack) to the provider's `base_url` and the subscription's `path`,
-/// with the provider's headers and signature, and, with a secret, the
-/// Standard Webhooks headers signed at `at_ms`.
+/// with the provider's headers (its credential or OAuth2 `token`) and
+/// signature, and, with a `secret`, the Standard Webhooks headers signed
+/// at `at_ms`.
 fn call_of(
     sub: &NotifyConfig,
     rt: &ProviderRuntime,
-    secret: Option<&Secret>,
+    (secret, token): (Option<&Secret>, Option<&Secret>),
     n: &Notice,
     at_ms: UnixMs,
 ) -> Result<Call, String> {
@@ -332,7 +400,7 @@ fn call_of(
         headers.push(("webhook-timestamp".to_owned(), ts.to_string()));
         headers.push(("webhook-signature".to_owned(), sig));
     }
-    super::step::credentials(rt, None, &mut headers);
+    super::step::credentials(rt, token, &mut headers);
     super::step::usual_headers(rt, &mut headers, true);
     super::step::sign(rt, at_ms, ("POST", &url, &body), &mut headers)?;
     Ok(Call {

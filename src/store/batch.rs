@@ -416,6 +416,16 @@ json_row!(
 });
 
 json_row!(
+    /// A per-group counter delta (records of a group in a state not final).
+    GroupCountJson, GROUP_COUNT_COLS {
+    pipeline: &'a str => Text,
+    group_key: &'a str => Text,
+    state: &'a str => Text,
+    shard: i32 => Int,
+    n: i64 => Int,
+});
+
+json_row!(
     /// A per-step counter delta.
     StepCountJson, STEP_COUNT_COLS {
     pipeline: &'a str => Text,

@@ -1,6 +1,7 @@
-//! Per-(pipeline, state), per-(provider, state) and per-(pipeline, step,
-//! state) counter deltas, gathered during a transaction and applied at its
-//! end, so dashboards never `COUNT(*)` the records table.
+//! Per-(pipeline, state), per-(provider, state), per-(pipeline, step,
+//! state) and per-(pipeline, group, open state) counter deltas, gathered
+//! during a transaction and applied at its end, so dashboards and
+//! `/metrics` never `COUNT(*)` the records table.
 
 use std::collections::BTreeMap;
 
@@ -14,7 +15,31 @@ pub(crate) struct CountDeltas(
     BTreeMap<(String, RecordState), i64>,
     BTreeMap<(String, RecordState), i64>,
     BTreeMap<(String, String, RecordState), i64>,
+    BTreeMap<(String, String, RecordState), i64>,
 );
+
+/// The key of a group counter: records of a group in a state not final.
+/// Records without a group, and finished ones, have none: a pipeline that
+/// uses no groups writes no group counter, and the table holds the groups
+/// with work rather than every group that ever had a record.
+fn group_key(
+    pipeline: &str,
+    group: Option<&str>,
+    state: RecordState,
+) -> Option<(String, String, RecordState)> {
+    match group {
+        Some(g) if !state.is_terminal() => Some((pipeline.to_owned(), g.to_owned(), state)),
+        _ => None,
+    }
+}
+
+/// Where a deleted record was: its group, provider and step, if any.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Where<'a> {
+    pub group: Option<&'a str>,
+    pub provider: Option<&'a str>,
+    pub step: Option<&'a str>,
+}
 
 /// The step a record counts under: the one it is at, or `''` before any.
 pub(crate) fn step_key(step: Option<&str>) -> &str {
@@ -63,9 +88,28 @@ impl CountDeltas {
         shift(&mut self.2, from.map(key), to.map(key));
     }
 
+    /// A record of `pipeline` and `group` moved from `from` (`None`: it is
+    /// new, or deleted) to `to`.
+    fn group_moved(
+        &mut self,
+        pipeline: &str,
+        group: Option<&str>,
+        from: Option<RecordState>,
+        to: Option<RecordState>,
+    ) {
+        let key = |s| group_key(pipeline, group, s);
+        shift(&mut self.3, from.and_then(key), to.and_then(key));
+    }
+
     /// `before` became `after` (same record): every counter.
     pub(crate) fn record_moved(&mut self, before: &Record, after: &Record) {
         self.moved(&after.pipeline, Some(before.state), after.state);
+        self.group_moved(
+            &after.pipeline,
+            after.group.as_deref(),
+            Some(before.state),
+            Some(after.state),
+        );
         self.provider_moved(
             before.provider.as_deref().map(|p| (p, before.state)),
             after.provider.as_deref().map(|p| (p, after.state)),
@@ -81,6 +125,7 @@ impl CountDeltas {
     /// `to`: every counter.
     pub(crate) fn state_moved(&mut self, rec: &Record, from: RecordState, to: RecordState) {
         self.moved(&rec.pipeline, Some(from), to);
+        self.group_moved(&rec.pipeline, rec.group.as_deref(), Some(from), Some(to));
         self.provider_moved(
             rec.provider.as_deref().map(|p| (p, from)),
             rec.provider.as_deref().map(|p| (p, to)),
@@ -89,9 +134,10 @@ impl CountDeltas {
         self.step_moved(&rec.pipeline, Some((step, from)), Some((step, to)));
     }
 
-    /// A new record of `pipeline`, pending at no step yet.
-    pub(crate) fn inserted(&mut self, pipeline: &str) {
+    /// A new record of `pipeline` and `group`, pending at no step yet.
+    pub(crate) fn inserted(&mut self, pipeline: &str, group: Option<&str>) {
         self.moved(pipeline, None, RecordState::Pending);
+        self.group_moved(pipeline, group, None, Some(RecordState::Pending));
         self.step_moved(pipeline, None, Some(("", RecordState::Pending)));
     }
 
@@ -101,6 +147,14 @@ impl CountDeltas {
             .iter()
             .filter(|(_, n)| **n != 0)
             .map(|((p, st, s), n)| (p.as_str(), st.as_str(), *s, *n))
+    }
+
+    /// The non-zero per-group deltas, in a stable order.
+    pub(crate) fn group_nonzero(&self) -> impl Iterator<Item = (&str, &str, RecordState, i64)> {
+        self.3
+            .iter()
+            .filter(|(_, n)| **n != 0)
+            .map(|((p, g, s), n)| (p.as_str(), g.as_str(), *s, *n))
     }
 
     /// The non-zero per-provider deltas, in a stable order.
@@ -122,16 +176,16 @@ impl CountDeltas {
         *self.0.entry((pipeline.to_owned(), to)).or_default() += 1;
     }
 
-    /// A record of `pipeline` in `state` (at `provider` and `step`, if it
-    /// has them) was deleted.
-    pub(crate) fn removed(
-        &mut self,
-        pipeline: &str,
-        state: RecordState,
-        provider: Option<&str>,
-        step: Option<&str>,
-    ) {
+    /// A record of `pipeline` in `state` (of `group`, at `provider` and
+    /// `step`, if it has them) was deleted.
+    pub(crate) fn removed(&mut self, pipeline: &str, state: RecordState, at: Where<'_>) {
+        let Where {
+            group,
+            provider,
+            step,
+        } = at;
         *self.0.entry((pipeline.to_owned(), state)).or_default() -= 1;
+        self.group_moved(pipeline, group, Some(state), None);
         if let Some(p) = provider {
             *self.1.entry((p.to_owned(), state)).or_default() -= 1;
         }
@@ -150,6 +204,33 @@ impl CountDeltas {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(state: RecordState) -> Record {
+        Record {
+            id: 1,
+            pipeline: "p".into(),
+            pipeline_version: None,
+            external_key: None,
+            group: None,
+            priority: crate::domain::DEFAULT_PRIORITY,
+            state,
+            input: serde_json::Value::Null,
+            next_run_at: None,
+            lease_owner: None,
+            lease_until: None,
+            lease_token: 0,
+            step: None,
+            provider: None,
+            error_code: None,
+            reason: None,
+            created_at: 0,
+            updated_at: 0,
+            finished_at: None,
+            park_until: None,
+            parent_id: None,
+            parent_step: None,
+        }
+    }
 
     #[test]
     fn moves_net_out() {
@@ -175,31 +256,11 @@ mod tests {
     #[test]
     fn steps_follow_the_record() {
         let rec = |step: Option<&str>, state| Record {
-            id: 1,
-            pipeline: "p".into(),
-            pipeline_version: None,
-            external_key: None,
-            group: None,
-            priority: crate::domain::DEFAULT_PRIORITY,
-            state,
-            input: serde_json::Value::Null,
-            next_run_at: None,
-            lease_owner: None,
-            lease_until: None,
-            lease_token: 0,
             step: step.map(str::to_owned),
-            provider: None,
-            error_code: None,
-            reason: None,
-            created_at: 0,
-            updated_at: 0,
-            finished_at: None,
-            park_until: None,
-            parent_id: None,
-            parent_step: None,
+            ..record(state)
         };
         let mut d = CountDeltas::default();
-        d.inserted("p");
+        d.inserted("p", None);
         let new = rec(None, RecordState::Pending);
         let at_a = rec(Some("a"), RecordState::Running);
         d.record_moved(&new, &at_a);
@@ -208,7 +269,50 @@ mod tests {
         d.state_moved(&at_b, RecordState::Pending, RecordState::Parked);
         let v: Vec<_> = d.step_nonzero().collect();
         assert_eq!(v, vec![("p", "b", RecordState::Parked, 1)]);
-        d.removed("p", RecordState::Parked, None, Some("b"));
+        let at = Where {
+            step: Some("b"),
+            ..Where::default()
+        };
+        d.removed("p", RecordState::Parked, at);
         assert_eq!(d.step_nonzero().count(), 0);
+    }
+
+    #[test]
+    fn groups_count_open_records_only() {
+        let rec = |group: Option<&str>, state| Record {
+            group: group.map(str::to_owned),
+            state,
+            ..record(state)
+        };
+        let mut d = CountDeltas::default();
+        d.inserted("p", Some("t1"));
+        d.inserted("p", None);
+        let pending = rec(Some("t1"), RecordState::Pending);
+        let running = rec(Some("t1"), RecordState::Running);
+        d.record_moved(&pending, &running);
+        let v: Vec<_> = d.group_nonzero().collect();
+        assert_eq!(v, vec![("p", "t1", RecordState::Running, 1)]);
+        // Finishing leaves the group's counters: nothing is kept per group
+        // for finished records.
+        d.state_moved(&running, RecordState::Running, RecordState::Succeeded);
+        assert_eq!(d.group_nonzero().count(), 0);
+        d.removed(
+            "p",
+            RecordState::Parked,
+            Where {
+                group: Some("t2"),
+                ..Where::default()
+            },
+        );
+        d.removed(
+            "p",
+            RecordState::Succeeded,
+            Where {
+                group: Some("t2"),
+                ..Where::default()
+            },
+        );
+        let v: Vec<_> = d.group_nonzero().collect();
+        assert_eq!(v, vec![("p", "t2", RecordState::Parked, -1)]);
     }
 }

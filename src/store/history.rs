@@ -13,7 +13,7 @@ use super::rows::{
 use super::sql::SqlStore;
 use super::{AuditFilter, EventRow, NewEvent, Page, StoreResult, into_page, page_limit};
 use crate::domain::{
-    Attempt, Event, PipelineVersion, Record, StateCount, StepCount, StepVersion, UnixMs,
+    Attempt, Event, GroupCount, PipelineVersion, Record, StateCount, StepCount, StepVersion, UnixMs,
 };
 
 /// History: attempts, events, the audit log, pinned pipeline versions and
@@ -61,6 +61,11 @@ pub trait History: Send + Sync {
     async fn step_counts(&self) -> StoreResult<Vec<StepCount>>;
     /// The same by scanning; for repair and tests only.
     async fn recount_steps(&self) -> StoreResult<Vec<StepCount>>;
+    /// Records of a group per (pipeline, group, state not final), from
+    /// maintained counters, non-zero ones only.
+    async fn group_counts(&self) -> StoreResult<Vec<GroupCount>>;
+    /// The same by scanning; for repair and tests only.
+    async fn recount_groups(&self) -> StoreResult<Vec<GroupCount>>;
     /// Records holding every word of `q` (see `domain::search`), newest
     /// first, at most `limit`: as far as the search indexer has come.
     async fn search_records(&self, q: &str, limit: u32) -> StoreResult<Vec<Record>>;
@@ -280,6 +285,27 @@ where
         .fetch_all(self.reader())
         .await?;
         map_all(&rows, MapRow::step_count)
+    }
+
+    async fn group_counts(&self) -> StoreResult<Vec<GroupCount>> {
+        let rows = sqlx::query(
+            "SELECT pipeline, group_key, state, CAST(SUM(n) AS BIGINT) AS n FROM group_counts \
+             GROUP BY pipeline, group_key, state HAVING SUM(n) <> 0",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::group_count)
+    }
+
+    async fn recount_groups(&self) -> StoreResult<Vec<GroupCount>> {
+        let rows = sqlx::query(
+            "SELECT pipeline, group_key, state, COUNT(*) AS n FROM records \
+             WHERE group_key <> '' AND state IN ('pending', 'running', 'waiting', 'retrying', 'parked') \
+             GROUP BY pipeline, group_key, state",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::group_count)
     }
 
     async fn search_records(&self, q: &str, limit: u32) -> StoreResult<Vec<Record>> {

@@ -7,7 +7,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
 
 use super::StepRollup;
 use super::backend::{BindJson, RowsAffected, SqlDb};
-use super::counts::CountDeltas;
+use super::counts::{CountDeltas, Where};
 use super::rows::{MapRow, ROLLUP_COLUMNS, map_all};
 use super::sql::{Rollups, SqlStore};
 use super::{
@@ -37,6 +37,12 @@ pub trait Housekeeping: Send + Sync {
     /// Deletes the deliveries received before `before` that no step ever
     /// took (their job id matched none); returns how many.
     async fn purge_orphan_deliveries(&self, before: UnixMs) -> StoreResult<u64>;
+    /// Deletes the group counter rows of up to `limit` (pipeline, group,
+    /// state) keys whose rows add up to nothing (a group whose records all
+    /// finished), so that the table holds the groups with work. Rows
+    /// another transaction is moving are left for the next call; returns
+    /// the rows deleted.
+    async fn forget_idle_groups(&self, limit: u32) -> StoreResult<u64>;
     /// Keeps a trigger's delivery and its verdict (its `id` is assigned).
     async fn record_trigger_delivery(&self, d: &TriggerDelivery) -> StoreResult<()>;
     /// The newest `limit` deliveries of `trigger` (of every trigger when
@@ -264,6 +270,92 @@ where
         Ok(gone.rows_affected())
     }
 
+    async fn forget_idle_groups(&self, limit: u32) -> StoreResult<u64> {
+        use super::batch::{self, GROUP_COUNT_COLS, GroupCountJson};
+        let mut tx = self.begin_write().await?;
+        let idle = sqlx::query(
+            "SELECT pipeline, group_key, state FROM group_counts \
+             GROUP BY pipeline, group_key, state HAVING SUM(n) = 0 LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let idle: Vec<(String, String, String)> = idle
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect::<StoreResult<_>>()?;
+        if idle.is_empty() {
+            tx.rollback().await?;
+            return Ok(0);
+        }
+        // Rows a writer holds are skipped, never waited for (no deadlock
+        // with a writer taking its rows in another order): deleting any
+        // set of rows whose values add up to nothing leaves every count
+        // as it is, whatever the other rows of the key hold.
+        let lock = match DB::DIALECT {
+            batch::Dialect::Postgres => " FOR UPDATE OF g SKIP LOCKED",
+            batch::Dialect::Sqlite => "",
+        };
+        let keys: Vec<GroupCountJson<'_>> = idle
+            .iter()
+            .map(|(pipeline, group_key, state)| GroupCountJson {
+                pipeline,
+                group_key,
+                state,
+                shard: 0,
+                n: 0,
+            })
+            .collect();
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "WITH v AS (SELECT {} FROM {}) \
+             SELECT g.pipeline, g.group_key, g.state, CAST(g.shard AS BIGINT), g.n FROM group_counts g \
+             JOIN v ON g.pipeline = v.pipeline AND g.group_key = v.group_key AND g.state = v.state{lock}",
+            batch::select_as(GROUP_COUNT_COLS, DB::DIALECT),
+            DB::DIALECT.rows()
+        )))
+        .bind_json(&keys)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut held: std::collections::BTreeMap<(String, String, String), Vec<(i32, i64)>> =
+            std::collections::BTreeMap::new();
+        for r in &rows {
+            let key = (r.try_get(0)?, r.try_get(1)?, r.try_get(2)?);
+            let shard: i64 = r.try_get(3)?;
+            held.entry(key)
+                .or_default()
+                .push((i32::try_from(shard).unwrap_or_default(), r.try_get(4)?));
+        }
+        let gone: Vec<GroupCountJson<'_>> = held
+            .iter()
+            .filter(|(_, shards)| shards.iter().map(|(_, n)| n).sum::<i64>() == 0)
+            .flat_map(|((pipeline, group_key, state), shards)| {
+                shards.iter().map(move |(shard, _)| GroupCountJson {
+                    pipeline,
+                    group_key,
+                    state,
+                    shard: *shard,
+                    n: 0,
+                })
+            })
+            .collect();
+        if gone.is_empty() {
+            // Let go of the rows locked at once.
+            tx.rollback().await?;
+            return Ok(0);
+        }
+        let deleted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DELETE FROM group_counts WHERE (pipeline, group_key, state, shard) IN \
+             (SELECT {} FROM {})",
+            batch::select(&GROUP_COUNT_COLS[..4], DB::DIALECT),
+            DB::DIALECT.rows()
+        )))
+        .bind_json(&gone)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(deleted.rows_affected())
+    }
+
     async fn save_rollups(&self, rows: &[crate::store::StepRollup]) -> StoreResult<()> {
         if rows.is_empty() {
             return Ok(());
@@ -403,7 +495,7 @@ where
             super::batch::Dialect::Sqlite => "",
         };
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT id, state, provider, step FROM records r \
+            "SELECT id, state, provider, step, group_key FROM records r \
              WHERE pipeline = $1 AND finished_at IS NOT NULL AND finished_at < $2 \
              AND NOT EXISTS (SELECT 1 FROM step_confirmations c WHERE c.record_id = r.id) \
              ORDER BY finished_at, id LIMIT $3{lock}"
@@ -424,10 +516,16 @@ where
             let state: String = row.try_get(1)?;
             let provider: Option<String> = row.try_get(2)?;
             let step: Option<String> = row.try_get(3)?;
+            let group: String = row.try_get(4)?;
             let parsed: RecordState = state
                 .parse()
                 .map_err(|_| StoreError::Corrupt(format!("record {id} has state `{state}`")))?;
-            deltas.removed(pipeline, parsed, provider.as_deref(), step.as_deref());
+            let at = Where {
+                group: Some(group.as_str()).filter(|g| !g.is_empty()),
+                provider: provider.as_deref(),
+                step: step.as_deref(),
+            };
+            deltas.removed(pipeline, parsed, at);
             *purged.by_state.entry(state).or_default() += 1;
             ids.push(id);
         }

@@ -99,6 +99,8 @@ pub trait MapRow {
     /// A row of `(pipeline, state, n)`.
     fn state_count(&self) -> StoreResult<StateCount>;
     fn step_count(&self) -> StoreResult<StepCount>;
+    /// A `group_counts` sum (`pipeline, group_key, state, n`).
+    fn group_count(&self) -> StoreResult<crate::domain::GroupCount>;
     fn trigger_delivery(&self) -> StoreResult<crate::store::TriggerDelivery>;
     /// A `notices` row.
     fn notice(&self) -> StoreResult<crate::store::Notice>;
@@ -436,6 +438,15 @@ where
         Ok(StepCount {
             pipeline: self.try_get("pipeline")?,
             step: self.try_get("step")?,
+            state: parse(&self.try_get::<String, _>("state")?, "record state")?,
+            count: self.try_get("n")?,
+        })
+    }
+
+    fn group_count(&self) -> StoreResult<crate::domain::GroupCount> {
+        Ok(crate::domain::GroupCount {
+            pipeline: self.try_get("pipeline")?,
+            group: self.try_get("group_key")?,
             state: parse(&self.try_get::<String, _>("state")?, "record state")?,
             count: self.try_get("n")?,
         })

@@ -561,38 +561,32 @@ where
 
     /// Adds counter deltas inside the caller's transaction: one
     /// upsert per counter table (the deltas are unique per key, so
-    /// no row is touched twice by one statement).
+    /// no row is touched twice by one statement), the tables always in
+    /// this order, as in `ballast_insert_records` (no deadlock between
+    /// two writers taking counter rows in opposite orders).
     pub(crate) async fn apply_counts(tx: &mut Tx<DB>, deltas: &CountDeltas) -> StoreResult<()> {
         let shard = DB::counter_shard();
-        let tables = [
-            (
-                DB::statements()
-                    .record_counts
-                    .get(|| Self::counts_sql("record_counts", "pipeline")),
-                deltas.nonzero().collect::<Vec<_>>(),
-            ),
-            (
-                DB::statements()
-                    .provider_counts
-                    .get(|| Self::counts_sql("provider_counts", "provider")),
-                deltas.provider_nonzero().collect::<Vec<_>>(),
-            ),
-        ];
-        for (sql, rows) in tables {
-            if rows.is_empty() {
-                continue;
-            }
-            let rows: Vec<batch::CountJson<'_>> = rows
-                .iter()
-                .map(|(name, state, n)| batch::CountJson {
-                    name,
-                    state: state.as_str(),
-                    shard,
-                    n: *n,
-                })
-                .collect();
-            sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        fn named<'a>(
+            rows: impl Iterator<Item = (&'a str, RecordState, i64)>,
+            shard: i32,
+        ) -> Vec<batch::CountJson<'a>> {
+            rows.map(|(name, state, n)| batch::CountJson {
+                name,
+                state: state.as_str(),
+                shard,
+                n,
+            })
+            .collect()
         }
+        let statements = DB::statements();
+        let sql = statements
+            .record_counts
+            .get(|| Self::counts_sql("record_counts", "pipeline"));
+        Self::add_counts(tx, sql, &named(deltas.nonzero(), shard)).await?;
+        let sql = statements
+            .provider_counts
+            .get(|| Self::counts_sql("provider_counts", "provider"));
+        Self::add_counts(tx, sql, &named(deltas.provider_nonzero(), shard)).await?;
         let steps: Vec<batch::StepCountJson<'_>> = deltas
             .step_nonzero()
             .map(|(pipeline, step, state, n)| batch::StepCountJson {
@@ -603,19 +597,44 @@ where
                 n,
             })
             .collect();
-        if !steps.is_empty() {
-            let sql = DB::statements().step_counts.get(|| {
-                batch::insert(
-                    "step_counts",
-                    batch::STEP_COUNT_COLS,
-                    DB::DIALECT,
-                    "ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n",
-                )
-            });
-            sqlx::query(sql)
-                .bind_json(&steps)
-                .execute(&mut **tx)
-                .await?;
+        let sql = statements.step_counts.get(|| {
+            batch::insert(
+                "step_counts",
+                batch::STEP_COUNT_COLS,
+                DB::DIALECT,
+                "ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n",
+            )
+        });
+        Self::add_counts(tx, sql, &steps).await?;
+        let groups: Vec<batch::GroupCountJson<'_>> = deltas
+            .group_nonzero()
+            .map(|(pipeline, group_key, state, n)| batch::GroupCountJson {
+                pipeline,
+                group_key,
+                state: state.as_str(),
+                shard,
+                n,
+            })
+            .collect();
+        let sql = statements.group_counts.get(|| {
+            batch::insert(
+                "group_counts",
+                batch::GROUP_COUNT_COLS,
+                DB::DIALECT,
+                "ON CONFLICT (pipeline, group_key, state, shard) DO UPDATE SET n = group_counts.n + excluded.n",
+            )
+        });
+        Self::add_counts(tx, sql, &groups).await
+    }
+
+    /// One counter table's upsert of `rows`; nothing when there are none.
+    async fn add_counts<R: serde::Serialize>(
+        tx: &mut Tx<DB>,
+        sql: &'static str,
+        rows: &[R],
+    ) -> StoreResult<()> {
+        if !rows.is_empty() {
+            sqlx::query(sql).bind_json(rows).execute(&mut **tx).await?;
         }
         Ok(())
     }
@@ -1331,7 +1350,7 @@ where
             if next_is_this {
                 if let Some(record) = inserted.next() {
                     if let Some(d) = deltas.as_deref_mut() {
-                        d.inserted(&record.pipeline);
+                        d.inserted(&record.pipeline, record.group.as_deref());
                     }
                     *slot = Some(Created {
                         record,

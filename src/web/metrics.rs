@@ -2,7 +2,7 @@
 //! API token. The recorder is process-wide (the `metrics` crate's design),
 //! installed once on first use.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, OnceLock};
 
 use axum::Router;
@@ -202,6 +202,129 @@ async fn cluster_gauges(state: &AppState) -> Result<Vec<Gauge>, WebError> {
     Ok(gauges)
 }
 
+/// `ballast_group_records{pipeline, group, state}`: records of a group in
+/// each state not final, for the `server.metrics_groups` groups of each
+/// pipeline with the most such records; the rest summed per pipeline in
+/// `ballast_group_records_other{pipeline, state}` (a family of its own: no
+/// group's name can be taken for the sum). Rendered here rather than by
+/// the recorder, which keeps every series it was ever given: a group that
+/// leaves the top, or finishes its work, is gone from the next scrape.
+/// Without the database, the last figures read.
+async fn group_family(state: &AppState) -> String {
+    static LAST: Mutex<String> = Mutex::new(String::new());
+    let limit = state.config.get().server.metrics_groups as usize;
+    if limit == 0 {
+        return String::new();
+    }
+    let text = match state.db.group_counts().await {
+        Ok(counts) => render_groups(&top_groups(counts, limit)),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics: the groups' figures could not be read");
+            return LAST.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        }
+    };
+    text.clone_into(&mut LAST.lock().unwrap_or_else(|e| e.into_inner()));
+    text
+}
+
+/// A group as `/metrics` shows it: by name, or among the pipeline's others.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Shown {
+    Named(String),
+    Others,
+}
+
+/// Records per (pipeline, group shown, state): the `limit` groups of each
+/// pipeline with the most records at work by name, the others summed; every
+/// state not final for each, 0 where none.
+fn top_groups(
+    counts: Vec<crate::domain::GroupCount>,
+    limit: usize,
+) -> BTreeMap<(String, Shown, crate::domain::RecordState), i64> {
+    let mut totals: BTreeMap<(String, String), i64> = BTreeMap::new();
+    for c in &counts {
+        *totals
+            .entry((c.pipeline.clone(), c.group.clone()))
+            .or_default() += c.count;
+    }
+    let mut ranked: Vec<(&(String, String), &i64)> = totals.iter().collect();
+    // Most records first, then by name: the same set from every node.
+    ranked.sort_by(|(a, n), (b, m)| m.cmp(n).then_with(|| a.cmp(b)));
+    let mut named: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut shown: BTreeMap<(String, String), Shown> = BTreeMap::new();
+    for ((pipeline, group), _) in ranked {
+        let seen = named.entry(pipeline).or_default();
+        let as_shown = match *seen < limit {
+            true => Shown::Named(group.clone()),
+            false => Shown::Others,
+        };
+        *seen += 1;
+        shown.insert((pipeline.clone(), group.clone()), as_shown);
+    }
+    let mut out = BTreeMap::new();
+    for ((pipeline, _), as_shown) in &shown {
+        for st in crate::domain::RecordState::ALL
+            .into_iter()
+            .filter(|s| !s.is_terminal())
+        {
+            out.insert((pipeline.clone(), as_shown.clone(), st), 0);
+        }
+    }
+    for c in counts {
+        if let Some(as_shown) = shown.get(&(c.pipeline.clone(), c.group)) {
+            *out.entry((c.pipeline, as_shown.clone(), c.state))
+                .or_default() += c.count;
+        }
+    }
+    out
+}
+
+/// The two families in Prometheus' text format, each with its HELP and
+/// TYPE; nothing of one without series.
+fn render_groups(figures: &BTreeMap<(String, Shown, crate::domain::RecordState), i64>) -> String {
+    use std::fmt::Write as _;
+    let mut named = String::new();
+    let mut others = String::new();
+    for ((pipeline, as_shown, st), n) in figures {
+        let (pipeline, state) = (escape_label(pipeline), st.as_str());
+        let _ = match as_shown {
+            Shown::Named(group) => writeln!(
+                named,
+                "ballast_group_records{{pipeline=\"{pipeline}\",group=\"{}\",state=\"{state}\"}} {n}",
+                escape_label(group)
+            ),
+            Shown::Others => writeln!(
+                others,
+                "ballast_group_records_other{{pipeline=\"{pipeline}\",state=\"{state}\"}} {n}"
+            ),
+        };
+    }
+    let mut text = String::new();
+    if !named.is_empty() {
+        text.push_str(
+            "# HELP ballast_group_records Records of a group not finished, by pipeline, group and state, cluster-wide (aggregate with max), for the server.metrics_groups groups of each pipeline with the most.\n\
+             # TYPE ballast_group_records gauge\n",
+        );
+        text.push_str(&named);
+    }
+    if !others.is_empty() {
+        text.push_str(
+            "# HELP ballast_group_records_other Records not finished of a pipeline's groups past the server.metrics_groups it names, summed, by pipeline and state, cluster-wide (aggregate with max).\n\
+             # TYPE ballast_group_records_other gauge\n",
+        );
+        text.push_str(&others);
+    }
+    text
+}
+
+/// A label value as the text format writes it: `\`, `"` and line feeds
+/// escaped.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// One gauge's name, labels and value, read from the store.
 type Gauge = (&'static str, Vec<(&'static str, String)>, f64);
 
@@ -259,10 +382,90 @@ async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Re
             |e| tracing::warn!(error = %e, "metrics: the cluster's gauges could not be read"),
         )
         .ok();
-    let mut r = set_and_render(handle, gauges).into_response();
+    let groups = group_family(&state).await;
+    let mut text = set_and_render(handle, gauges);
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(&groups);
+    let mut r = text.into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4"),
     );
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{GroupCount, RecordState};
+
+    fn count(pipeline: &str, group: &str, state: RecordState, n: i64) -> GroupCount {
+        GroupCount {
+            pipeline: pipeline.into(),
+            group: group.into(),
+            state,
+            count: n,
+        }
+    }
+
+    #[test]
+    fn the_biggest_groups_are_named_per_pipeline() {
+        let counts = vec![
+            count("p", "b", RecordState::Pending, 2),
+            count("p", "a", RecordState::Parked, 2),
+            count("p", "c", RecordState::Running, 1),
+            count("p", "d", RecordState::Pending, 1),
+            count("q", "z", RecordState::Waiting, 1),
+        ];
+        let top = top_groups(counts, 1);
+        let named = |g: &str| Shown::Named(g.to_owned());
+        let shown: BTreeSet<(&str, Shown)> = top
+            .keys()
+            .map(|(p, g, _)| (p.as_str(), g.clone()))
+            .collect();
+        // A tie goes by name: every node names the same group.
+        assert_eq!(
+            shown,
+            BTreeSet::from([("p", named("a")), ("p", Shown::Others), ("q", named("z"))])
+        );
+        let at = |p: &str, g: Shown, s| top[&(p.to_owned(), g, s)];
+        assert_eq!(at("p", Shown::Others, RecordState::Pending), 3);
+        assert_eq!(at("p", Shown::Others, RecordState::Running), 1);
+        assert_eq!(at("p", named("a"), RecordState::Parked), 2);
+        assert_eq!(at("p", named("a"), RecordState::Pending), 0);
+        // Five states not final per group shown.
+        assert_eq!(top.len(), 3 * 5);
+        let text = render_groups(&top);
+        let families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .collect();
+        assert_eq!(
+            families,
+            [
+                "ballast_group_records gauge",
+                "ballast_group_records_other gauge"
+            ]
+        );
+        assert!(
+            text.contains("\nballast_group_records_other{pipeline=\"p\",state=\"pending\"} 3\n"),
+            "{text}"
+        );
+        // Each family's lines together, after its HELP and TYPE.
+        let first_other = text.find("ballast_group_records_other{").unwrap();
+        assert!(
+            !text[first_other..].contains("ballast_group_records{"),
+            "{text}"
+        );
+        assert!(render_groups(&BTreeMap::new()).is_empty());
+        let only_named = top_groups(vec![count("q", "z", RecordState::Waiting, 1)], 1);
+        assert!(!render_groups(&only_named).contains("_other"));
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
 }

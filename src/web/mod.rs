@@ -155,8 +155,8 @@ const KEEP_MS: i64 = crate::engine::stats::KEEP_MS;
 /// Background upkeep of the control plane: every minute, idle rate-limit
 /// keys are forgotten and the statistics' minute rows more than 61
 /// minutes old are folded into hour rows; expired sessions, old statistics,
-/// delivery ids, login counters and deliveries no step took (after the
-/// longest callback deadline) are purged hourly (every node does both;
+/// delivery ids, login counters, deliveries no step took (after the
+/// longest callback deadline) and idle groups' counters are purged hourly (every node does both;
 /// the compaction is safe run at once, the deletes are idempotent).
 pub async fn housekeeping(state: AppState) {
     let mut minutes: u64 = 0;
@@ -183,6 +183,7 @@ pub async fn housekeeping(state: AppState) {
             if let Err(e) = state.db.purge_orphan_deliveries(orphans).await {
                 tracing::warn!(error = %e, "could not purge deliveries no step took");
             }
+            forget_idle_groups(&state).await;
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(60)) => {}
@@ -190,6 +191,23 @@ pub async fn housekeeping(state: AppState) {
         }
         minutes += 1;
         state.web.bulk_limiter.retain_recent();
+    }
+}
+
+/// Drops the counters of groups that have no work left, a batch at a
+/// time until none is left, one fails, or 100 batches went (busy groups'
+/// keys add up to nothing again and again: the rest waits an hour).
+async fn forget_idle_groups(state: &AppState) {
+    const BATCH: u32 = 1000;
+    for _ in 0..100 {
+        match state.db.forget_idle_groups(BATCH).await {
+            Ok(n) if n > 0 => {}
+            Ok(_) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not forget idle groups' counters");
+                break;
+            }
+        }
     }
 }
 

@@ -2848,6 +2848,19 @@ async fn backlog_during_late_arrivals(
             .sum::<i64>()
     };
     let (stop, run) = run_in_background(&engine);
+    // Housekeeping deletes idle groups' counter rows all along, beside the
+    // writers moving them (it must never change a count).
+    let forgetting = {
+        let (db, stop) = (t.db.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut forgotten = 0;
+            while !stop.is_cancelled() {
+                forgotten += db.forget_idle_groups(1_000).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            forgotten
+        })
+    };
     // The backlog is under way (its claims fill the calls in flight)
     // before the late records come.
     crate::helpers::poll_until("backlog under way", Duration::from_secs(60), || async {
@@ -2873,6 +2886,14 @@ async fn backlog_during_late_arrivals(
     .await;
     stop.cancel();
     run.await.unwrap();
+    let forgotten = forgetting.await.unwrap();
+    // Thousands of claims and commits of two groups' records kept every
+    // counter, per group too, with the rows, while idle keys were deleted.
+    crate::helpers::assert_counters_match(&t.db).await;
+    println!(
+        "{}: {forgotten} group counter rows forgotten meanwhile",
+        backend.as_str()
+    );
     let done = crate::helpers::all_records(&t.db, Some(RecordState::Succeeded)).await;
     let is_late = |r: &&ballast::domain::Record| late_ids.contains(&r.id);
     let from = done
@@ -3268,23 +3289,23 @@ request = {{ method = "POST", path = "{path}", body = '{{}}' }}
 /// wants the latest token granted and echoes the header it got (as
 /// careless providers do), in success and in its 401.
 #[derive(Default)]
-struct TokenProvider {
+pub(crate) struct TokenProvider {
     /// The token the charge accepts; "" accepts none.
-    valid: String,
-    granted: Vec<String>,
-    down: bool,
-    charges: usize,
+    pub(crate) valid: String,
+    pub(crate) granted: Vec<String>,
+    pub(crate) down: bool,
+    pub(crate) charges: usize,
     /// Refuses every token, fresh or not (a client the provider does not
     /// take, whatever its token endpoint grants).
-    refuse_all: bool,
-    refused: usize,
+    pub(crate) refuse_all: bool,
+    pub(crate) refused: usize,
     /// The first token dies after this many charges.
-    dies_after: Option<usize>,
+    pub(crate) dies_after: Option<usize>,
 }
 
 /// The `Authorization` a client sends a token endpoint: RFC 6749 §2.3.1,
 /// each part form-encoded, then HTTP Basic.
-fn client_basic(id: &str, secret: &str) -> String {
+pub(crate) fn client_basic(id: &str, secret: &str) -> String {
     let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
     reqwest::Client::new()
         .get("http://x/")
@@ -3297,7 +3318,10 @@ fn client_basic(id: &str, secret: &str) -> String {
         .to_owned()
 }
 
-async fn oauth2_provider(state: Arc<std::sync::Mutex<TokenProvider>>, basic: String) -> String {
+pub(crate) async fn oauth2_provider(
+    state: Arc<std::sync::Mutex<TokenProvider>>,
+    basic: String,
+) -> String {
     use axum::http::{HeaderMap, StatusCode};
     use axum::response::IntoResponse;
     let auth = |h: &HeaderMap| {

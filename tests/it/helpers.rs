@@ -479,6 +479,11 @@ pub async fn assert_counters_match(db: &Db) {
     recounted.retain(|c| c.count != 0);
     recounted.sort();
     assert_eq!(steps, recounted, "counters by step against the rows");
+    let mut groups = db.group_counts().await.unwrap();
+    groups.sort();
+    let mut recounted = db.recount_groups().await.unwrap();
+    recounted.sort();
+    assert_eq!(groups, recounted, "counters by group against the rows");
 }
 
 /// The webhook secret tests sign with. Tests may not set environment

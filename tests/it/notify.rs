@@ -92,10 +92,10 @@ impl Subscriber {
     }
 }
 
-fn config(url: &str, dir: &Path) -> Arc<Config> {
-    let secret = dir.join("whsec");
-    std::fs::write(&secret, WHSEC).unwrap();
-    let text = format!(
+/// A provider `sim` at `url` whose `/v1/charge` succeeds, and a pipeline
+/// `pay` calling it: records whose notices the tests want.
+fn paid_via_sim(url: &str) -> String {
+    format!(
         r#"
 [providers.sim]
 base_url = "{url}"
@@ -105,6 +105,22 @@ timeout = "30s"
 when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
 outcome = "success"
 
+[[pipelines.pay.steps]]
+name = "charge"
+provider = "sim"
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
+"#
+    )
+}
+
+fn config(url: &str, dir: &Path) -> Arc<Config> {
+    let secret = dir.join("whsec");
+    std::fs::write(&secret, WHSEC).unwrap();
+    let paid = paid_via_sim(url);
+    let text = format!(
+        r#"
+{paid}
+
 [providers.hooks]
 base_url = "{url}"
 timeout = "30s"
@@ -112,10 +128,6 @@ retry = {{ base = "1s", cap = "1s", budget = 1.0, budget_floor = 1000.0 }}
 # Failing on purpose here: its breaker is a test of its own.
 breaker = {{ window = 500, min_calls = 500 }}
 
-[[pipelines.pay.steps]]
-name = "charge"
-provider = "sim"
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
 
 [[pipelines.hold.steps]]
 name = "wait"
@@ -458,6 +470,35 @@ async fn notifications_reach_subscribers(backend: Backend) {
     deliver_all(&notifier).await;
     let last = notices(&t.db, "chat").await.pop().unwrap();
     assert_eq!(last.state, "delivered");
+
+    // A secret the subscription cannot read holds its notices, nothing
+    // sent and no attempt counted, and is looked for again 30 s later.
+    // (`ops` was turned off again by the hour of failures above.)
+    t.db.turn_subscription("ops", true, "ann", clock_ms(&clock))
+        .await
+        .unwrap();
+    let secret = dir.path().join("whsec");
+    std::fs::remove_file(&secret).unwrap();
+    let before = sub.taken().len();
+    enqueue_paid(&engine, "p-unsigned").await;
+    deliver_all(&notifier).await;
+    assert_eq!(sub.taken().len(), before);
+    let held = notices(&t.db, "ops").await.pop().unwrap();
+    assert_eq!(
+        (held.state.as_str(), held.attempts),
+        ("pending", 0),
+        "{held:?}"
+    );
+    std::fs::write(&secret, WHSEC).unwrap();
+    clock.advance(20_000);
+    deliver_all(&notifier).await;
+    assert_eq!(sub.taken().len(), before);
+    clock.advance(11_000);
+    deliver_all(&notifier).await;
+    let sent = notices(&t.db, "ops").await.pop().unwrap();
+    assert_eq!((sent.id, sent.state.as_str()), (held.id, "delivered"));
+    let signed = sub.taken().into_iter().rfind(|g| g.path == "/hooks");
+    verified(&signed.unwrap(), clock_s(&clock));
     assert_eq!(
         t.db.redeliver_notice(i64::MAX, "ann", 0)
             .await
@@ -497,15 +538,10 @@ async fn a_failing_subscriber_opens_its_breaker(backend: Backend) {
     };
     let sub = Subscriber::spawn().await;
     let url = &sub.url;
+    let paid = paid_via_sim(url);
     let text = format!(
         r#"
-[providers.sim]
-base_url = "{url}"
-timeout = "30s"
-
-[[providers.sim.rules]]
-when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
-outcome = "success"
+{paid}
 
 [providers.strict]
 base_url = "{url}"
@@ -513,10 +549,6 @@ timeout = "30s"
 retry = {{ base = "1s", cap = "1s", budget = 1.0, budget_floor = 1000.0 }}
 breaker = {{ window = 4, min_calls = 2, failure_rate = 0.5, open_for = "1m", probes = 1 }}
 
-[[pipelines.pay.steps]]
-name = "charge"
-provider = "sim"
-request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
 
 [[notify]]
 name = "strict"
@@ -582,6 +614,90 @@ providers = ["strict"]
     let watched = at("/watch");
     assert_eq!(watched.len(), 2, "{watched:?}");
     assert!(watched[1].starts_with("Provider `strict`: provider.breaker_closed"));
+}
+
+/// A subscriber that takes OAuth2 client-credentials tokens gets one on
+/// every delivery, as a step's call would: a `401` drops it and the
+/// delivery is sent again at once with a new one (the refusal not
+/// counted); the reply kept has it scrubbed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oauth2_subscriber_gets_its_token() {
+    use crate::engine::{TokenProvider, client_basic, oauth2_provider};
+    let Some(t) = TestDb::migrated(Backend::Sqlite, "notify_oauth2").await else {
+        return;
+    };
+    let sub = Subscriber::spawn().await;
+    let state = Arc::new(Mutex::new(TokenProvider::default()));
+    let basic = client_basic("ballast", env!("CARGO_MANIFEST_DIR"));
+    let base = oauth2_provider(state.clone(), basic).await;
+    let url = &sub.url;
+    let paid = paid_via_sim(url);
+    let text = format!(
+        r#"
+{paid}
+
+[providers.crm]
+base_url = "{base}"
+timeout = "30s"
+oauth2 = {{ token_url = "{base}/oauth/token", client_id_env = "CARGO_PKG_NAME", client_secret_env = "CARGO_MANIFEST_DIR" }}
+retry = {{ base = "1s", cap = "1s", budget = 1.0, budget_floor = 1000.0 }}
+
+
+[[notify]]
+name = "crm"
+provider = "crm"
+path = "/v1/charge"
+format = "slack"
+events = ["record.succeeded"]
+"#
+    );
+    let config = Config::parse(&text, Path::new("oauth2.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let config = Arc::new(config);
+    t.db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
+    let (engine, _) = manual_engine(&t.db, config, "n1").await;
+    let notifier = Notifier::of(&engine);
+    enqueue_paid(&engine, "o1").await;
+    deliver_all(&notifier).await;
+    let sent = notices(&t.db, "crm").await;
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].state, "delivered", "{:?}", sent[0]);
+    assert_eq!(state.lock().unwrap().granted.len(), 1);
+    assert_eq!(state.lock().unwrap().charges, 1);
+    // The token dies: the delivery refused is sent again at once with a
+    // new one, the refusal not counted against the notice.
+    state.lock().unwrap().valid.clear();
+    enqueue_paid(&engine, "o2").await;
+    deliver_all(&notifier).await;
+    let second = notices(&t.db, "crm").await.pop().unwrap();
+    assert_eq!(
+        (second.state.as_str(), second.attempts),
+        ("delivered", 1),
+        "{second:?}"
+    );
+    {
+        let s = state.lock().unwrap();
+        assert_eq!((s.granted.len(), s.charges, s.refused), (2, 2, 1));
+    }
+    // A subscriber that refuses every token: refused again after the
+    // renewal, the delivery fails (and is retried), the token scrubbed
+    // from the reply kept.
+    state.lock().unwrap().refuse_all = true;
+    enqueue_paid(&engine, "o3").await;
+    deliver_all(&notifier).await;
+    let third = notices(&t.db, "crm").await.pop().unwrap();
+    assert_eq!(
+        (third.state.as_str(), third.attempts, third.status),
+        ("pending", 1, Some(401)),
+        "{third:?}"
+    );
+    let reply = third.reply.clone().unwrap_or_default();
+    let s = state.lock().unwrap();
+    assert!(reply.contains("invalid_token"), "{reply}");
+    for token in &s.granted {
+        assert!(!reply.contains(token.as_str()), "{reply}");
+    }
+    assert_eq!((s.granted.len(), s.refused), (3, 3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -769,6 +885,21 @@ secret_file = {:?}
     assert_eq!(post(off, app.login("admin").await).await, 303);
     let (_, subs) = api("get", "/notifications/subscriptions", &viewer).await;
     assert_eq!(subs["items"][0]["on"], false);
+    // An action keeps the page it was taken on: its forms carry the
+    // page's filters, and it comes back to them.
+    let admin = app.login("admin").await;
+    let filtered = "subscription=ops&state=delivered";
+    let page = app
+        .text(&format!("/notifications?{filtered}"), Some(&admin))
+        .await;
+    let on = format!("/notifications/subscriptions/ops/enable?{filtered}");
+    assert!(page.contains(&on.replace('&', "&#38;")), "{page}");
+    let r = app.post(&on, Some(&admin), &[("csrf", &admin.csrf)]).await;
+    assert_eq!(r.status(), 303);
+    assert_eq!(
+        r.headers()["location"],
+        format!("/notifications?{filtered}").as_str()
+    );
     crate::scopes::user(&app, "otto", Role::Viewer, "other").await;
     let otto = app.login("otto").await;
     let page = app.text("/notifications", Some(&otto)).await;

@@ -688,6 +688,15 @@ async fn assert_counts_consistent(db: &Db) {
         db.recount_providers().await.unwrap(),
         "per-provider counters"
     );
+    let sorted = |mut v: Vec<ballast::domain::GroupCount>| {
+        v.sort();
+        v
+    };
+    assert_eq!(
+        sorted(db.group_counts().await.unwrap()),
+        sorted(db.recount_groups().await.unwrap()),
+        "per-group counters"
+    );
 }
 
 async fn create_and_read_back(db: &Db) {
@@ -1849,9 +1858,9 @@ async fn counters_match_a_recount_after_random_operations(db: &Db) {
             0..=2 => {
                 let key = format!("k{}", rng.u32(0..150));
                 let p = pipelines[rng.usize(0..pipelines.len())];
-                db.create_record(new_record(p, Some(&key), now + rng.i64(0..5_000)), now)
-                    .await
-                    .unwrap();
+                let mut new = new_record(p, Some(&key), now + rng.i64(0..5_000));
+                new.group = [None, Some("t1"), Some("t2")][rng.usize(0..3)].map(str::to_owned);
+                db.create_record(new, now).await.unwrap();
             }
             3..=4 => {
                 let got = db

@@ -2440,6 +2440,161 @@ fn promtool() -> Option<&'static str> {
     there.then_some("promtool")
 }
 
+/// `promtool check metrics` finds nothing in `text`.
+fn promtool_check(promtool: &str, text: &str) {
+    let mut check = std::process::Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    check
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = check.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {said}"
+    );
+}
+
+/// `ballast_group_records`: records of a group at work per (pipeline,
+/// group, state), from the maintained counters (which agree with the
+/// rows), the `server.metrics_groups` biggest groups of each pipeline
+/// named and the rest summed in `ballast_group_records_other`, names
+/// escaped (promtool reads the scrape), a finished group gone from the
+/// next scrape, and its counters' rows deleted by housekeeping.
+async fn metrics_break_down_by_group(backend: Backend) {
+    let Some(t) = TestDb::new(backend, "metrics_groups").await else {
+        return;
+    };
+    let app = WebApp::spawn_edited(t, "", true, |c| c.server.metrics_groups = 2).await;
+    let now = crate::helpers::wall_ms();
+    let record = |pipeline: &str, group: Option<&str>, key: String| NewRecord {
+        pipeline: pipeline.into(),
+        group: group.map(str::to_owned),
+        priority: ballast::domain::DEFAULT_PRIORITY,
+        pipeline_version: None,
+        external_key: Some(key),
+        input: json!({}),
+        run_at: now + 3_600_000,
+    };
+    let quote = "qu\"o\\te";
+    let mut batch = Vec::new();
+    for (pipeline, group, n) in [
+        ("gm-a", Some("big"), 3),
+        ("gm-a", Some(quote), 2),
+        ("gm-a", Some("tiny"), 1),
+        ("gm-a", Some("small"), 1),
+        ("gm-a", None, 2),
+        ("gm-b", Some("solo"), 1),
+    ] {
+        for i in 0..n {
+            batch.push(record(pipeline, group, format!("{group:?}-{i}")));
+        }
+    }
+    // Through each backend's batch enqueue (PostgreSQL's is a function
+    // of its own, counting in SQL).
+    let made = app.t.db.create_records(batch, now).await.unwrap();
+    let id = |group: &str| -> Vec<i64> {
+        made.iter()
+            .filter(|c| c.record.group.as_deref() == Some(group))
+            .map(|c| c.record.id)
+            .collect()
+    };
+    app.park(id("big")[0]).await;
+    app.act(id("small")[0], OperatorAction::Cancel).await;
+    crate::helpers::assert_counters_match(&app.t.db).await;
+    let text = app.metrics().await;
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("ballast_group_records"))
+        .collect();
+    let line = |pipeline: &str, group: &str, state: &str, n: i64| match group {
+        "" => {
+            format!("ballast_group_records_other{{pipeline=\"{pipeline}\",state=\"{state}\"}} {n}")
+        }
+        _ => format!(
+            "ballast_group_records{{pipeline=\"{pipeline}\",group=\"{group}\",state=\"{state}\"}} {n}"
+        ),
+    };
+    let mut wanted = Vec::new();
+    // ("": the pipeline's groups past the two named, summed.)
+    for (pipeline, group, pending, parked) in [
+        ("gm-a", "", 1, 0),
+        ("gm-a", "big", 2, 1),
+        ("gm-a", r#"qu\"o\\te"#, 2, 0),
+        ("gm-b", "solo", 1, 0),
+    ] {
+        for (state, n) in [
+            ("pending", pending),
+            ("running", 0),
+            ("waiting", 0),
+            ("retrying", 0),
+            ("parked", parked),
+        ] {
+            wanted.push(line(pipeline, group, state, n));
+        }
+    }
+    let mut got: Vec<String> = series.iter().map(|s| (*s).to_owned()).collect();
+    got.sort();
+    wanted.sort();
+    assert_eq!(got, wanted, "{text}");
+    if let Some(promtool) = promtool() {
+        promtool_check(promtool, &text);
+    }
+
+    // Every record finished: the family is gone, and housekeeping deletes
+    // the counters' rows (each key's shards add up to nothing).
+    for c in &made {
+        let r = app.t.db.get_record(c.record.id).await.unwrap().unwrap();
+        if !r.state.is_terminal() {
+            app.act(r.id, OperatorAction::Cancel).await;
+        }
+    }
+    crate::helpers::assert_counters_match(&app.t.db).await;
+    let text = app.metrics().await;
+    assert!(!text.contains("ballast_group_records"), "{text}");
+    let forgotten = app.t.db.forget_idle_groups(2).await.unwrap();
+    assert!(forgotten >= 2, "{forgotten}");
+    while app.t.db.forget_idle_groups(2).await.unwrap() > 0 {}
+    assert!(app.t.db.group_counts().await.unwrap().is_empty());
+    // A group with work again is counted from nothing.
+    let again = app
+        .t
+        .db
+        .create_records(vec![record("gm-b", Some("solo"), "again".into())], now)
+        .await
+        .unwrap();
+    assert_eq!(again.len(), 1);
+    crate::helpers::assert_counters_match(&app.t.db).await;
+    assert!(
+        app.metrics()
+            .await
+            .contains(&line("gm-b", "solo", "pending", 1))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_metrics_break_down_by_group() {
+    metrics_break_down_by_group(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_metrics_break_down_by_group() {
+    metrics_break_down_by_group(Backend::Postgres).await;
+}
+
 /// Every family `/metrics` serves says what it is (HELP), and promtool's
 /// linter finds nothing in a scrape taken after a record ran (so the
 /// call counters and the histogram are in it); every family the code
@@ -2479,7 +2634,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     let id = app
         .t
         .db
-        .create_record(new, crate::helpers::wall_ms())
+        .create_record(new.clone(), crate::helpers::wall_ms())
         .await
         .unwrap()
         .record
@@ -2492,6 +2647,17 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
         }
     })
     .await;
+    // A record of a group at work (in a pipeline no node runs), for the
+    // groups' families.
+    let mut grouped = new.clone();
+    grouped.pipeline = "idle".into();
+    grouped.group = Some("tenant-1".into());
+    grouped.external_key = Some("m-2".into());
+    app.t
+        .db
+        .create_record(grouped, crate::helpers::wall_ms())
+        .await
+        .unwrap();
     let text = app.metrics().await;
     let families = |prefix: &str| -> Vec<String> {
         text.lines()
@@ -2506,6 +2672,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
         "ballast_attempts_total",
         "ballast_attempt_duration_seconds",
         "ballast_records_finished_total",
+        "ballast_group_records",
     ] {
         assert!(typed.iter().any(|t| t == must), "{must} is served: {text}");
     }
@@ -2513,30 +2680,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{}}' }}
     for t in &typed {
         assert!(helped.contains(t), "{t} has no HELP: {text}");
     }
-    let mut check = std::process::Command::new(promtool)
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    check
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = check.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && said.trim().is_empty(),
-        "promtool check metrics: {said}"
-    );
+    promtool_check(promtool, &text);
     // Every family the code reports anywhere in `src/` (counters,
     // histograms, the scrape's gauges) is described.
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");

@@ -58,6 +58,11 @@ struct NotificationsPage {
     state: String,
     /// The next page's `before`.
     next: Option<i64>,
+    /// This page's `before`: an older page does not refresh itself.
+    before: Option<i64>,
+    /// This page's query (its filters and `before`), which its actions
+    /// carry, so that what they render is this page again.
+    query: String,
 }
 
 struct SubscriptionView {
@@ -73,6 +78,19 @@ struct ListQuery {
     subscription: Option<String>,
     state: Option<String>,
     before: Option<i64>,
+}
+
+impl ListQuery {
+    /// The query string that asks for this page again.
+    fn encoded(&self) -> String {
+        let mut q = form_urlencoded::Serializer::new(String::new());
+        q.append_pair("subscription", self.subscription.as_deref().unwrap_or(""));
+        q.append_pair("state", self.state.as_deref().unwrap_or(""));
+        if let Some(b) = self.before {
+            q.append_pair("before", &b.to_string());
+        }
+        q.finish()
+    }
 }
 
 async fn page(state: &AppState, caller: &Caller, q: &ListQuery) -> WebResult<NotificationsPage> {
@@ -139,6 +157,8 @@ async fn page(state: &AppState, caller: &Caller, q: &ListQuery) -> WebResult<Not
         subscription: subscription.unwrap_or_default(),
         state: wanted.unwrap_or_default(),
         next: found.next,
+        before: q.before,
+        query: q.encoded(),
     })
 }
 
@@ -155,16 +175,19 @@ async fn list(
     html(&t)
 }
 
+/// The page an action was taken on, again: its list for htmx, else a
+/// redirect to it.
 async fn after_change(
     state: &AppState,
     caller: &Caller,
     headers: &HeaderMap,
+    q: &ListQuery,
 ) -> WebResult<Response> {
     if is_htmx(headers) {
-        let t = page(state, caller, &ListQuery::default()).await?;
+        let t = page(state, caller, q).await?;
         return html(&t.as_list());
     }
-    Ok(Redirect::to("/notifications").into_response())
+    Ok(Redirect::to(&format!("/notifications?{}", q.encoded())).into_response())
 }
 
 async fn redeliver(
@@ -172,9 +195,10 @@ async fn redeliver(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<i64>,
+    Query(q): Query<ListQuery>,
 ) -> WebResult<Response> {
     crate::web::notices::redeliver(&state, &caller, id).await?;
-    after_change(&state, &caller, &headers).await
+    after_change(&state, &caller, &headers, &q).await
 }
 
 async fn enable(
@@ -182,9 +206,10 @@ async fn enable(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(name): Path<String>,
+    Query(q): Query<ListQuery>,
 ) -> WebResult<Response> {
     crate::web::notices::turn(&state, &caller, &name, true).await?;
-    after_change(&state, &caller, &headers).await
+    after_change(&state, &caller, &headers, &q).await
 }
 
 async fn disable(
@@ -192,7 +217,8 @@ async fn disable(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(name): Path<String>,
+    Query(q): Query<ListQuery>,
 ) -> WebResult<Response> {
     crate::web::notices::turn(&state, &caller, &name, false).await?;
-    after_change(&state, &caller, &headers).await
+    after_change(&state, &caller, &headers, &q).await
 }

@@ -1,0 +1,17 @@
+-- The enqueue function of migration 29 (no group counters), then the table.
+CREATE OR REPLACE FUNCTION ballast_insert_records(p_rows jsonb, p_actor text, p_shard integer, p_channel text)
+RETURNS SETOF records
+LANGUAGE plpgsql
+SET plan_cache_mode = auto
+AS $fn$
+BEGIN
+  RETURN QUERY
+  WITH ins AS (INSERT INTO records (pipeline, pipeline_version, external_key, group_key, state, input, next_run_at, created_at, updated_at, priority) SELECT value->>0, CAST(value->>1 AS BIGINT), value->>2, value->>3, value->>4, value #> '{5,0}', CAST(value->>6 AS BIGINT), CAST(value->>7 AS BIGINT), CAST(value->>8 AS BIGINT), COALESCE(CAST(value->>9 AS BIGINT), 5) FROM jsonb_array_elements(p_rows) WITH ORDINALITY AS j(value, key) WHERE true ORDER BY key ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING *),
+  ev AS (INSERT INTO events (record_id, at, kind, actor, audit, to_state) SELECT id, created_at, 'created', p_actor, FALSE, 'pending' FROM ins ORDER BY id),
+  rc AS (INSERT INTO record_counts (pipeline, state, shard, n) SELECT pipeline, 'pending', p_shard, count(*) FROM ins GROUP BY pipeline ORDER BY pipeline COLLATE "C" ON CONFLICT (pipeline, state, shard) DO UPDATE SET n = record_counts.n + excluded.n RETURNING 1),
+  sc AS (INSERT INTO step_counts (pipeline, step, state, shard, n) SELECT pipeline, '', 'pending', p_shard, count(*) FROM ins CROSS JOIN (SELECT count(*) FROM rc) AS rc_first GROUP BY pipeline ORDER BY pipeline COLLATE "C" ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n),
+  wake AS (SELECT pg_notify(p_channel, '') FROM (SELECT 1 FROM ins LIMIT 1) one)
+  SELECT ins.* FROM ins LEFT JOIN wake ON TRUE;
+END
+$fn$;
+DROP TABLE group_counts;
