@@ -3002,6 +3002,10 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
         .collect();
     batch.push(record("g-quiet", "later".into(), now + 3_600_000));
     batch.push(record("g-leads", "to-park".into(), now + 3_600_000));
+    batch.push(NewRecord {
+        group: Some("g-tenant".into()),
+        ..record("g-grouped", "grouped".into(), now + 3_600_000)
+    });
     let made = app.t.db.create_records(batch, now).await.unwrap();
     // (Names of this test's own: the recorder is the process's, and other
     // tests scrape it too.)
@@ -3082,7 +3086,15 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
         "ballast_attempts_total",
         "ballast_deferrals_total",
         "ballast_attempt_duration_seconds_bucket",
+        "ballast_group_records",
+        "ballast_group_records_other",
     ];
+    assert!(
+        text.contains(
+            "\nballast_group_records{pipeline=\"g-grouped\",group=\"g-tenant\",state=\"pending\"} 1\n"
+        ),
+        "{text}"
+    );
     // The parked record resumed and one attempt timed: the next scrape
     // says 0 parked (not the last count) and has the histogram's buckets.
     app.act(made[4].record.id, OperatorAction::Resume).await;
