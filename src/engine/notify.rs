@@ -22,7 +22,7 @@ use crate::config::Secret;
 use crate::config::notify::{Format, NotifyConfig};
 use crate::domain::breaker::Admit;
 use crate::domain::{Outcome, UnixMs};
-use crate::store::{Notice, NoticeOutcome, NoticeSettle, StoreError};
+use crate::store::{Notice, NoticeOutcome, NoticeRound, NoticeSettle, StoreError};
 
 /// How often a node looks for notices due.
 const EVERY_MS: i64 = 1_000;
@@ -190,13 +190,16 @@ impl Notifier {
             settles.push(NoticeSettle {
                 id: n.id,
                 lease_token: n.lease_token,
-                subscription: sub.name.clone(),
                 outcome,
-                now,
-                disable_after_ms: ms(sub.disable_after.0),
             });
         }
-        let done = i.db.settle_notices(&settles).await?;
+        let round = NoticeRound {
+            subscription: sub.name.clone(),
+            now,
+            disable_after_ms: ms(sub.disable_after.0),
+            settles,
+        };
+        let done = i.db.settle_notices(&round).await?;
         // Counted once the round is written (a round whose settles failed
         // goes again; a notice whose lease lapsed meanwhile counts too).
         for verdict in verdicts {

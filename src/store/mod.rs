@@ -38,7 +38,8 @@ pub use cluster::Cluster;
 pub use history::History;
 pub use housekeeping::Housekeeping;
 pub use notices::{
-    Notice, NoticeFilter, NoticeOutcome, NoticeSettle, Notices, Settled, SubscriptionState,
+    Notice, NoticeFilter, NoticeOutcome, NoticeRound, NoticeSettle, Notices, Settled,
+    SubscriptionState,
 };
 pub use people::People;
 pub use postgres::{PgStore, Wakeup};

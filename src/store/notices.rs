@@ -84,11 +84,17 @@ pub enum NoticeOutcome {
 pub struct NoticeSettle {
     pub id: i64,
     pub lease_token: i64,
-    pub subscription: String,
     pub outcome: NoticeOutcome,
+}
+
+/// One round of a subscription's deliveries, settled at `now`.
+#[derive(Debug, Clone)]
+pub struct NoticeRound {
+    pub subscription: String,
     pub now: UnixMs,
     /// The subscription's `disable_after`, in ms.
     pub disable_after_ms: i64,
+    pub settles: Vec<NoticeSettle>,
 }
 
 /// What a settle did.
@@ -154,7 +160,7 @@ pub trait Notices: Send + Sync {
     /// Writes the outcomes of one subscription's deliveries, and its
     /// failing spell (ended by one taken, else carried on by one refused;
     /// turned off after `disable_after`, audited), in one transaction.
-    async fn settle_notices(&self, settles: &[NoticeSettle]) -> StoreResult<Settled>;
+    async fn settle_notices(&self, round: &NoticeRound) -> StoreResult<Settled>;
     async fn notices(&self, f: &NoticeFilter) -> StoreResult<Page<Notice>>;
     async fn subscription_states(&self) -> StoreResult<Vec<SubscriptionState>>;
     /// Turns a subscription on (its failing spell forgotten) or off, by
@@ -234,24 +240,19 @@ where
         Ok(out)
     }
 
-    async fn settle_notices(&self, settles: &[NoticeSettle]) -> StoreResult<Settled> {
-        let Some(first) = settles.first() else {
+    async fn settle_notices(&self, round: &NoticeRound) -> StoreResult<Settled> {
+        if round.settles.is_empty() {
             return Ok(Settled {
                 lost: 0,
                 disabled: false,
             });
-        };
+        }
         let mut tx = self.begin_write().await?;
         let mut lost = 0;
         // Whether a delivery was taken, or only refused, in this round.
         let mut sent_ok = None;
-        for s in settles {
-            if s.subscription != first.subscription {
-                return Err(StoreError::Invalid(
-                    "one subscription's notices at a time".into(),
-                ));
-            }
-            if Self::settle_one(&mut tx, s).await? {
+        for s in &round.settles {
+            if Self::settle_one(&mut tx, s, round.now).await? {
                 match &s.outcome {
                     NoticeOutcome::Delivered { .. } => sent_ok = Some(true),
                     NoticeOutcome::Failed { .. } => sent_ok = Some(sent_ok.unwrap_or(false)),
@@ -262,7 +263,7 @@ where
             }
         }
         let disabled = match sent_ok {
-            Some(ok) => self.note_spell(&mut tx, first, ok).await?,
+            Some(ok) => self.note_spell(&mut tx, round, ok).await?,
             None => false,
         };
         tx.commit().await?;
@@ -437,7 +438,7 @@ where
     /// audited, once it has lasted `disable_after`. True when turned off now.
     /// Writes one delivery's outcome under the lease it was claimed with:
     /// false when that lease was lost.
-    async fn settle_one(tx: &mut Tx<DB>, s: &NoticeSettle) -> StoreResult<bool> {
+    async fn settle_one(tx: &mut Tx<DB>, s: &NoticeSettle, now: UnixMs) -> StoreResult<bool> {
         // (state, due, an attempt spent, what the subscriber answered)
         let (state, next_at, sent, heard) = match &s.outcome {
             NoticeOutcome::Delivered { status, reply } => {
@@ -471,7 +472,7 @@ where
         .bind(state)
         .bind(next_at)
         .bind(i64::from(sent))
-        .bind(s.now)
+        .bind(now)
         .bind(status.map(i64::from))
         .bind(reply.map(|r| crate::domain::trigger::cut(r, REPLY_KEPT)))
         .bind(s.id)
@@ -482,7 +483,7 @@ where
         Ok(done.rows_affected() == 1)
     }
 
-    async fn note_spell(&self, tx: &mut Tx<DB>, s: &NoticeSettle, ok: bool) -> StoreResult<bool> {
+    async fn note_spell(&self, tx: &mut Tx<DB>, s: &NoticeRound, ok: bool) -> StoreResult<bool> {
         sqlx::query(
             "INSERT INTO notify_subscriptions (name, updated_at) VALUES ($1, $2) \
              ON CONFLICT (name) DO NOTHING",
