@@ -108,6 +108,34 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ProviderRuntime {
+    /// The provider's OAuth2 token, when it takes one (`None` when it does
+    /// not); the endpoint's error, and until when, when there is none.
+    pub(super) async fn token_now(
+        &self,
+        clock: &dyn crate::domain::Clock,
+    ) -> Result<Option<crate::config::Secret>, super::token::NoToken> {
+        match &self.token {
+            Some(src) => src.get(&self.client, clock).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// What a reply to a call with `token` says of the token: taken (any
+    /// status but `401`), or refused (a `401`: dropped, and counted when
+    /// the provider never took it; see `TokenSource::renew`).
+    pub(super) fn judge_token(
+        &self,
+        token: Option<&crate::config::Secret>,
+        status: Option<u16>,
+        clock: &dyn crate::domain::Clock,
+    ) {
+        match (&self.token, token, status) {
+            (Some(src), Some(t), Some(401)) => src.refused(t, clock),
+            (Some(src), Some(t), Some(_)) => src.accepted(t),
+            _ => {}
+        }
+    }
+
     pub fn new(name: &str, config: &ProviderConfig, now: UnixMs) -> Result<Self, String> {
         let secrets = Self::read_secrets(name, config)?;
         let (rules, client) = Self::settings(name, config, &secrets)?;

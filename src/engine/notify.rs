@@ -297,7 +297,9 @@ impl Notifier {
     ) -> Result<super::http::Exchange, NoticeOutcome> {
         let clock = self.engine.inner.clock.as_ref();
         let now = clock.now_ms();
-        let mut sent = token(rt, clock).await?;
+        // Without a token, the notice waits until the endpoint may answer.
+        let held = |no: super::token::NoToken| NoticeOutcome::Deferred { at: no.until };
+        let mut sent = rt.token_now(clock).await.map_err(held)?;
         let mut renewed = false;
         loop {
             // The subscriber's URL or signature cannot be made: nothing
@@ -310,35 +312,13 @@ impl Notifier {
             let mut secrets = super::step::scrubbed(rt, sent.as_ref());
             secrets.extend(secret.map(Secret::expose));
             let x = super::http::exchange(&rt.client, &call, &secrets, clock).await;
-            let (Some(src), Some(t)) = (&rt.token, &sent) else {
-                return Ok(x);
-            };
-            match x.http_status {
-                Some(401) => src.refused(t, clock),
-                Some(_) => src.accepted(t),
-                None => {}
-            }
-            if renewed || x.http_status != Some(401) {
+            rt.judge_token(sent.as_ref(), x.http_status, clock);
+            if renewed || sent.is_none() || x.http_status != Some(401) {
                 return Ok(x);
             }
             renewed = true;
-            sent = token(rt, clock).await?;
+            sent = rt.token_now(clock).await.map_err(held)?;
         }
-    }
-}
-
-/// The provider's OAuth2 token, when it takes one; without it, the notice
-/// waits until the token endpoint may answer.
-async fn token(
-    rt: &ProviderRuntime,
-    clock: &dyn crate::domain::Clock,
-) -> Result<Option<Secret>, NoticeOutcome> {
-    match &rt.token {
-        Some(src) => match src.get(&rt.client, clock).await {
-            Ok(t) => Ok(Some(t)),
-            Err(no) => Err(NoticeOutcome::Deferred { at: no.until }),
-        },
-        None => Ok(None),
     }
 }
 

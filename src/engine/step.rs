@@ -485,7 +485,7 @@ impl StepCall<'_> {
             token,
             refused,
         } = sent;
-        self.judge_token(rt, token.as_ref(), x.http_status);
+        rt.judge_token(token.as_ref(), x.http_status, self.clock);
         let policy = self.step.retry_policy(rt.config.retry.policy());
         let after = self.clock.now_ms();
         let c = classify(&rt.rules, &x.reply);
@@ -621,7 +621,7 @@ impl StepCall<'_> {
         let (x, sent) = self.exchange(rt, &call, token.as_ref(), span).await;
         // A 401 drops the token (the next ask gets another); it is never a
         // reversal (`domain::confirm::said`).
-        self.judge_token(rt, token.as_ref(), x.http_status);
+        rt.judge_token(token.as_ref(), x.http_status, self.clock);
         let c = classify(&rt.rules, &x.reply);
         self.count(rt, c.outcome, x.took);
         // Heard as any call is: a throttled reply pauses the provider, a
@@ -809,13 +809,9 @@ impl StepCall<'_> {
     /// is deferred until the endpoint may answer (no attempt spent), with
     /// the endpoint's error code.
     async fn token(&self, rt: &ProviderRuntime) -> Result<Option<Secret>, StepOutput> {
-        let Some(src) = &rt.token else {
-            return Ok(None);
-        };
-        match src.get(&rt.client, self.clock).await {
-            Ok(t) => Ok(Some(t)),
-            Err(no) => Err(self.no_token(&no)),
-        }
+        rt.token_now(self.clock)
+            .await
+            .map_err(|no| self.no_token(&no))
     }
 
     /// The step deferred, before anything is asked of the provider (its
@@ -851,17 +847,6 @@ impl StepCall<'_> {
         out.write.error_code = Some(no.error.code().to_owned());
         out.write.reason = Some(format!("no OAuth2 token: {}", no.error.detail()));
         out
-    }
-
-    /// What a reply to a call with `token` says of the token: taken (any
-    /// status but `401`), or refused (a `401`: dropped, and counted when
-    /// the provider never took it; see `TokenSource::renew`).
-    fn judge_token(&self, rt: &ProviderRuntime, token: Option<&Secret>, status: Option<u16>) {
-        match (&rt.token, token, status) {
-            (Some(src), Some(t), Some(401)) => src.refused(t, self.clock),
-            (Some(src), Some(t), Some(_)) => src.accepted(t),
-            _ => {}
-        }
     }
 
     /// After a `401` to a call with `refused`: a renewed token (or the one

@@ -206,30 +206,7 @@ mod tests {
     use super::*;
 
     fn record(state: RecordState) -> Record {
-        Record {
-            id: 1,
-            pipeline: "p".into(),
-            pipeline_version: None,
-            external_key: None,
-            group: None,
-            priority: crate::domain::DEFAULT_PRIORITY,
-            state,
-            input: serde_json::Value::Null,
-            next_run_at: None,
-            lease_owner: None,
-            lease_until: None,
-            lease_token: 0,
-            step: None,
-            provider: None,
-            error_code: None,
-            reason: None,
-            created_at: 0,
-            updated_at: 0,
-            finished_at: None,
-            park_until: None,
-            parent_id: None,
-            parent_step: None,
-        }
+        Record::sample(state)
     }
 
     #[test]

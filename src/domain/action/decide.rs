@@ -196,28 +196,9 @@ mod tests {
 
     fn record() -> Record {
         Record {
-            id: 1,
-            pipeline: "p".into(),
             pipeline_version: Some(1),
-            external_key: None,
-            group: None,
-            priority: crate::domain::DEFAULT_PRIORITY,
-            state: crate::domain::RecordState::Waiting,
             input: json!({}),
-            next_run_at: None,
-            lease_owner: None,
-            lease_until: None,
-            lease_token: 0,
-            step: None,
-            provider: None,
-            error_code: None,
-            reason: None,
-            created_at: 0,
-            updated_at: 0,
-            finished_at: None,
-            park_until: None,
-            parent_id: None,
-            parent_step: None,
+            ..Record::sample(crate::domain::RecordState::Waiting)
         }
     }
 }

@@ -503,27 +503,11 @@ mod tests {
     fn record(state: RecordState) -> Record {
         Record {
             id: 7,
-            pipeline: "p".into(),
             pipeline_version: Some(1),
-            external_key: None,
-            group: None,
-            priority: crate::domain::DEFAULT_PRIORITY,
-            state,
             input: json!({ "a": 1 }),
-            next_run_at: None,
-            lease_owner: None,
-            lease_until: None,
-            lease_token: 0,
             step: Some("charge".into()),
-            provider: None,
             error_code: Some(OUTCOME_UNCERTAIN.into()),
-            reason: None,
-            created_at: 0,
-            updated_at: 0,
-            finished_at: None,
-            park_until: None,
-            parent_id: None,
-            parent_step: None,
+            ..Record::sample(state)
         }
     }
 
