@@ -44,8 +44,14 @@
 //!   --quick) asleep or waiting, and what a `ballast serve` node and the
 //!   database spend per second while they wait, against an empty database
 //!   (`support/resting.rs`).
+//! - W (only when named): the same records at rest and 100,000 more
+//!   (10,000 with --quick) whose submitted jobs never finish, polled
+//!   every 30 s by a `ballast serve` node: polls per second against the
+//!   ideal (100,000 / 30 s), the node's and the database's CPU,
+//!   statements per second and per poll, and the records at rest touched
+//!   (0 is the target).
 //!
-//! `-- --only A,backlog,I,B,B1000,C,D,E,F,W0` and `-- --backend sqlite|postgres` run a
+//! `-- --only A,backlog,I,B,B1000,C,D,E,F,W0,W` and `-- --backend sqlite|postgres` run a
 //! part (to profile one figure), `-- --runs N` N runs per figure;
 //! `-- --pg-profile` prints, for each A run on PostgreSQL, where PostgreSQL
 //! spent its time per record in its batch enqueue and in its processing
@@ -1047,7 +1053,7 @@ impl Filter {
             .is_none_or(|o| o.iter().any(|s| s == scenario))
     }
 
-    /// Named in `--only`: the scenarios too long for every run (W0).
+    /// Named in `--only`: the scenarios too long for every run (W0, W).
     fn names(&self, scenario: &str) -> bool {
         self.only
             .as_ref()
@@ -1882,6 +1888,12 @@ fn main() {
             if filter.names("W0") {
                 let window = Duration::from_secs(if quick { 20 } else { 60 });
                 resting::report(backend, n_e as usize, runs, window).await;
+            }
+            if filter.names("W") {
+                // Whole polling periods: each window sees every job polled.
+                let window = Duration::from_secs(resting::POLL_EVERY_S * if quick { 1 } else { 2 });
+                let pollers = n_e as usize / 10;
+                resting::report_w(backend, n_e as usize, pollers, runs, window).await;
             }
         }
     });

@@ -23,9 +23,15 @@ use serde_json::json;
 use sqlx::{Connection, Row};
 use tokio_util::sync::CancellationToken;
 
-/// The pipelines the records wait in.
-fn pipelines() -> &'static str {
-    r#"
+/// How often W's submitted jobs are polled.
+pub const POLL_EVERY_S: u64 = 30;
+
+/// The pipelines the records wait in; with `jobs` (W), a provider there
+/// and a pipeline whose one step submits a job that never finishes and
+/// polls it every [`POLL_EVERY_S`] seconds.
+fn pipelines(jobs: Option<&str>) -> String {
+    let mut text = String::from(
+        r#"
 [[pipelines.nap.steps]]
 name = "later"
 kind = "sleep"
@@ -45,7 +51,89 @@ kind = "signal"
 name = "kyc"
 kind = "pipeline"
 pipeline = "review"
+"#,
+    );
+    if let Some(url) = jobs {
+        text.push_str(&format!(
+            r#"
+[providers.jobs]
+base_url = "{url}"
+timeout = "10s"
+[[providers.jobs.rules]]
+when = {{ status = "2xx", field = "/status", equals = "running" }}
+outcome = "pending"
+
+[[pipelines.poll.steps]]
+name = "render"
+provider = "jobs"
+kind = "submit_poll"
+request = {{ method = "POST", path = "/v1/jobs", body = '{{"ref": "{{{{ record.id }}}}"}}' }}
+job_id = "/id"
+poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "{POLL_EVERY_S}s", deadline = "720h" }}
 "#
+        ));
+    }
+    text
+}
+
+/// W's provider: every job it is given runs for ever; it counts the polls.
+pub struct Jobs {
+    pub url: String,
+    pub polls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Jobs submitted.
+    made: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// This process's share of the work is the provider's: its CPU is
+    /// reported apart from the node's.
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl Jobs {
+    pub async fn start() -> Option<Jobs> {
+        use axum::routing::{get, post};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let polls = std::sync::Arc::new(AtomicU64::new(0));
+        let made = std::sync::Arc::new(AtomicU64::new(0));
+        let app = axum::Router::new()
+            .route(
+                "/v1/jobs",
+                post({
+                    let made = made.clone();
+                    move || async move {
+                        let id = made.fetch_add(1, Ordering::Relaxed);
+                        axum::Json(json!({ "id": format!("j{id}"), "status": "running" }))
+                    }
+                }),
+            )
+            .route(
+                "/v1/jobs/{id}",
+                get({
+                    let polls = polls.clone();
+                    move |axum::extract::Path(id): axum::extract::Path<String>| async move {
+                        polls.fetch_add(1, Ordering::Relaxed);
+                        axum::Json(json!({ "id": id, "status": "running" }))
+                    }
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.ok()?;
+        let url = format!("http://{}", listener.local_addr().ok()?);
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Some(Jobs {
+            url,
+            polls,
+            made,
+            _server: server,
+        })
+    }
+
+    fn polls(&self) -> u64 {
+        self.polls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn made(&self) -> u64 {
+        self.made.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// One measured window of a serve node.
@@ -62,18 +150,32 @@ pub struct Window {
     pub blocks: Option<f64>,
     /// Statements per second, when `pg_stat_statements` is preloaded.
     pub statements: Option<f64>,
-    /// Records updated and events written in the window.
+    /// Records updated and events written in the window, of the records
+    /// at rest (W's polling records left out).
     pub touched: i64,
+    /// W: polls the provider answered per second.
+    pub polls: Option<f64>,
+    /// The bench process's CPU, seconds per second (W: the provider's).
+    pub bench_cpu: f64,
     /// The statements that read the most buffers in the window (calls,
     /// rows, buffers, text), when `pg_stat_statements` is preloaded.
     pub top: Vec<String>,
 }
 
-/// Takes `n` records of the four pipelines to where they wait, with the
-/// engine tuned for throughput; then waits for the search indexer. The
-/// seconds it took.
-pub async fn seed_waiting(fresh: &super::Fresh, n: usize) -> Option<f64> {
-    let text = format!("[database]\nurl = \"{}\"\n{}", fresh.url, pipelines());
+/// Takes `n` records of the four pipelines to where they wait, and with
+/// `pollers` (W) that many records to polling `jobs`, with the engine
+/// tuned for throughput; then waits for the search indexer. The seconds
+/// it took.
+pub async fn seed_waiting(
+    fresh: &super::Fresh,
+    n: usize,
+    pollers: Option<(&Jobs, usize)>,
+) -> Option<f64> {
+    let text = format!(
+        "[database]\nurl = \"{}\"\n{}",
+        fresh.url,
+        pipelines(pollers.map(|(j, _)| j.url.as_str()))
+    );
     let config = Config::parse(&text, std::path::Path::new("w0.toml")).ok()?;
     let mut opts = EngineOptions::new("w0-seed");
     opts.max_in_flight = 1_000;
@@ -82,38 +184,55 @@ pub async fn seed_waiting(fresh: &super::Fresh, n: usize) -> Option<f64> {
         .await
         .ok()?;
     let started = Instant::now();
-    let kinds = ["nap", "review", "hook", "family"];
     let per_kind = n / 5;
-    for (k, pipeline) in kinds.iter().enumerate() {
-        let mut i = 0;
-        while i < per_kind {
-            let end = (i + ballast::store::MAX_BATCH).min(per_kind);
-            let items = (i..end)
-                .map(|j| Enqueue::new(*pipeline, Some(&format!("w{k}-{j}")), json!({ "n": j })))
-                .collect();
-            engine.enqueue_batch(items).await.ok()?;
-            i = end;
-        }
+    let resting = [
+        ("nap", per_kind),
+        ("review", per_kind),
+        ("hook", per_kind),
+        ("family", per_kind),
+    ];
+    for (k, (pipeline, count)) in resting.iter().enumerate() {
+        enqueue_n(&engine, pipeline, k, *count).await?;
     }
-    // Every parent has a child: `n` records in all.
-    let total = (per_kind * 5) as i64;
     let stop = CancellationToken::new();
     let runner = tokio::spawn({
         let (engine, stop) = (engine.clone(), stop.clone());
         async move { engine.run(stop, Duration::from_secs(5)).await }
     });
+    // Every parent has a child: `n` records in all, at rest. Then W's
+    // pollers: once each has its job, some are being polled at any
+    // moment (the seeding engine polls them too), so they are counted
+    // waiting or running.
+    let at_rest = (per_kind * 5) as i64;
+    let count = |counts: &[ballast::domain::StateCount], states: &[RecordState]| -> i64 {
+        counts
+            .iter()
+            .filter(|c| states.contains(&c.state))
+            .map(|c| c.count)
+            .sum()
+    };
+    let mut polling = false;
     loop {
         let counts = fresh.db.state_counts().await.ok()?;
-        let waiting: i64 = counts
-            .iter()
-            .filter(|c| c.state == RecordState::Waiting)
-            .map(|c| c.count)
-            .sum();
-        if waiting >= total && indexed(fresh).await? {
-            break;
+        let waiting = count(&counts, &[RecordState::Waiting]);
+        let busy = count(&counts, &[RecordState::Waiting, RecordState::Running]);
+        match pollers {
+            Some((_, m)) if waiting >= at_rest && !polling && indexed(fresh).await? => {
+                enqueue_n(&engine, "poll", resting.len(), m).await?;
+                engine.wake();
+                polling = true;
+            }
+            // The indexer reads events 5 s old, and the pollers write
+            // events without a pause: it has caught up with those at
+            // rest (before the pollers), and keeps up with the polls.
+            Some((jobs, m)) if polling && jobs.made() >= m as u64 && busy >= at_rest + m as i64 => {
+                break;
+            }
+            None if waiting >= at_rest && indexed(fresh).await? => break,
+            _ => {}
         }
         if started.elapsed() > Duration::from_secs(3_600) {
-            eprintln!("W0: gave up seeding: {counts:?}");
+            eprintln!("W/W0: gave up seeding: {counts:?}");
             return None;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -129,6 +248,20 @@ pub async fn seed_waiting(fresh: &super::Fresh, n: usize) -> Option<f64> {
         sqlx::query("VACUUM ANALYZE").execute(&mut c).await.ok()?;
     }
     Some(took)
+}
+
+/// Enqueues `count` records of `pipeline` in batches (keys `w{k}-{j}`).
+async fn enqueue_n(engine: &Engine, pipeline: &str, k: usize, count: usize) -> Option<()> {
+    let mut i = 0;
+    while i < count {
+        let end = (i + ballast::store::MAX_BATCH).min(count);
+        let items = (i..end)
+            .map(|j| Enqueue::new(pipeline, Some(&format!("w{k}-{j}")), json!({ "n": j })))
+            .collect();
+        engine.enqueue_batch(items).await.ok()?;
+        i = end;
+    }
+    Some(())
 }
 
 /// Whether the search indexer has read every event.
@@ -154,9 +287,14 @@ pub async fn serve_window(
     fresh: &super::Fresh,
     warm_up: Duration,
     window: Duration,
+    jobs: Option<&Jobs>,
 ) -> Option<Window> {
     let dir = tempfile::tempdir().ok()?;
-    let text = format!("[database]\nurl = \"{}\"\n{}", fresh.url, pipelines());
+    let text = format!(
+        "[database]\nurl = \"{}\"\n{}",
+        fresh.url,
+        pipelines(jobs.map(|j| j.url.as_str()))
+    );
     std::fs::write(dir.path().join("ballast.toml"), text).ok()?;
     let Some(node) = super::serve_node(dir.path()).await else {
         eprintln!("W0: the node did not come up");
@@ -182,11 +320,18 @@ pub async fn serve_window(
             .await;
     }
     let (node0, db0) = (cpu_of(pid), pg.then(postgres_cpu));
+    let bench0 = cpu_of(std::process::id());
+    let polls0 = jobs.map(Jobs::polls);
     let from = super::now_ms();
     let started = Instant::now();
     tokio::time::sleep(window).await;
     let secs = started.elapsed().as_secs_f64();
     let (node1, db1) = (cpu_of(pid), pg.then(postgres_cpu));
+    let bench_cpu = (cpu_of(std::process::id()) - bench0) / secs;
+    let polls = jobs
+        .map(Jobs::polls)
+        .zip(polls0)
+        .map(|(b, a)| (b - a) as f64 / secs);
     let after = if pg {
         Some(pg_sample(fresh).await?)
     } else {
@@ -211,6 +356,8 @@ pub async fn serve_window(
         blocks: per_s(|s| Some(s.blocks)),
         statements: per_s(|s| s.statements),
         touched,
+        polls,
+        bench_cpu,
         top,
     })
 }
@@ -285,10 +432,12 @@ async fn pg_sample(fresh: &super::Fresh) -> Option<PgSample> {
     })
 }
 
-/// Records updated and events written at or after `from`.
+/// Records updated and events written at or after `from`, but for W's
+/// polling records (pipeline `poll`), which are at work.
 async fn touched_since(fresh: &super::Fresh, from: i64) -> Option<i64> {
-    let sql = "SELECT (SELECT COUNT(*) FROM records WHERE updated_at >= $1) + \
-               (SELECT COUNT(*) FROM events WHERE at >= $1)";
+    let sql = "SELECT (SELECT COUNT(*) FROM records WHERE updated_at >= $1 AND pipeline <> 'poll') + \
+               (SELECT COUNT(*) FROM events WHERE at >= $1 AND (record_id IS NULL OR record_id NOT IN \
+                  (SELECT id FROM records WHERE pipeline = 'poll')))";
     match fresh.db.backend() {
         Backend::Sqlite => {
             let mut c = sqlx::SqliteConnection::connect(&fresh.url).await.ok()?;
@@ -349,7 +498,7 @@ pub async fn report(backend: Backend, n: usize, runs: usize, window: Duration) {
         println!("W0 failed: no database");
         return;
     };
-    let Some(seeded) = seed_waiting(&full, n).await else {
+    let Some(seeded) = seed_waiting(&full, n, None).await else {
         println!("W0 failed: not seeded");
         return;
     };
@@ -361,8 +510,8 @@ pub async fn report(backend: Backend, n: usize, runs: usize, window: Duration) {
     let warm_up = Duration::from_secs(15);
     let (mut idle, mut waiting) = (Vec::new(), Vec::new());
     for _ in 0..runs {
-        idle.extend(serve_window(&empty, warm_up, window).await);
-        waiting.extend(serve_window(&full, warm_up, window).await);
+        idle.extend(serve_window(&empty, warm_up, window, None).await);
+        waiting.extend(serve_window(&full, warm_up, window, None).await);
     }
     for (name, ws) in [
         ("empty database", &idle),
@@ -400,4 +549,74 @@ pub async fn report(backend: Backend, n: usize, runs: usize, window: Duration) {
     }
     empty.drop_now().await;
     full.drop_now().await;
+}
+
+/// W on `backend`: `n` records at rest as in W0 and `m` records whose job
+/// never finishes, polled every [`POLL_EVERY_S`] seconds by a `ballast
+/// serve` node (default settings, every loop on); `runs` windows, each of
+/// a node started afresh and measured after a warm-up longer than one
+/// polling period (a node's start finds the polls that fell due while
+/// none ran). Prints the polls per second against the ideal (`m` / the
+/// period), the node's and (PostgreSQL) the server's CPU, statements per
+/// second and per poll, and what the records at rest cost (0 touched).
+pub async fn report_w(backend: Backend, n: usize, m: usize, runs: usize, window: Duration) {
+    let (Some(jobs), Some(fresh)) = (Jobs::start().await, super::fresh(backend).await) else {
+        println!("W failed: no provider or no database");
+        return;
+    };
+    let Some(seeded) = seed_waiting(&fresh, n, Some((&jobs, m))).await else {
+        println!("W failed: not seeded");
+        return;
+    };
+    println!(
+        "{:<44} {:>22}",
+        format!("W  {n} at rest, {m} polling every {POLL_EVERY_S} s"),
+        format!("taken to wait in {seeded:.0} s")
+    );
+    let warm_up = Duration::from_secs(POLL_EVERY_S + 15);
+    let ws: Vec<Window> = {
+        let mut ws = Vec::new();
+        for _ in 0..runs {
+            ws.extend(serve_window(&fresh, warm_up, window, Some(&jobs)).await);
+        }
+        ws
+    };
+    if ws.is_empty() {
+        println!("W failed: no window measured");
+        fresh.drop_now().await;
+        return;
+    }
+    let of = |f: &dyn Fn(&Window) -> Option<f64>| {
+        let v: Vec<f64> = ws.iter().filter_map(f).collect();
+        (!v.is_empty()).then(|| super::median_spread_f(v, 3))
+    };
+    let ideal = m as f64 / POLL_EVERY_S as f64;
+    let touched: i64 = ws.iter().map(|w| w.touched).sum();
+    let label = format!(
+        "W  {}, {} window(s) of {}s",
+        backend.as_str(),
+        ws.len(),
+        window.as_secs()
+    );
+    println!(
+        "{label:<44} polls {}/s, {} of the ideal {ideal:.0}/s; node CPU {} s/s; \
+         bench process (the provider) {} s/s; records at rest touched {touched}",
+        of(&|w| w.polls).unwrap_or_default(),
+        of(&|w| w.polls.map(|p| p / ideal)).unwrap_or_default(),
+        of(&|w| Some(w.node_cpu)).unwrap_or_default(),
+        of(&|w| Some(w.bench_cpu)).unwrap_or_default(),
+    );
+    if let Some(statements) = of(&|w| w.statements) {
+        println!(
+            "{:<44} statements {statements}/s, {} a poll; transactions {}/s; server CPU {} s/s",
+            "",
+            of(&|w| w.statements.zip(w.polls).map(|(s, p)| s / p.max(1.0))).unwrap_or_default(),
+            of(&|w| w.xacts).unwrap_or_default(),
+            of(&|w| w.db_cpu).unwrap_or_default(),
+        );
+    }
+    for line in ws.last().map(|w| w.top.as_slice()).unwrap_or_default() {
+        println!("{:<44}   {line}", "");
+    }
+    fresh.drop_now().await;
 }
