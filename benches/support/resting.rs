@@ -303,11 +303,8 @@ pub async fn serve_window(
     let pid = node.0.id();
     tokio::time::sleep(warm_up).await;
     let pg = fresh.pg_name.is_some();
-    let before = if pg {
-        Some(pg_sample(fresh).await?)
-    } else {
-        None
-    };
+    // Reset before the first sample: the statements counted are the
+    // window's (a reset after it made the difference negative).
     if pg {
         let mut c = sqlx::PgConnection::connect(&super::pg_admin()).await.ok()?;
         // The view is read through the admin database: it needs the
@@ -319,6 +316,11 @@ pub async fn serve_window(
             .execute(&mut c)
             .await;
     }
+    let before = if pg {
+        Some(pg_sample(fresh).await?)
+    } else {
+        None
+    };
     let (node0, db0) = (cpu_of(pid), pg.then(postgres_cpu));
     let bench0 = cpu_of(std::process::id());
     let polls0 = jobs.map(Jobs::polls);
