@@ -77,13 +77,14 @@ poll = {{ path = "/v1/jobs/{{{{ job_id }}}}", every = "{POLL_EVERY_S}s", deadlin
 }
 
 /// W's provider: every job it is given runs for ever; it counts the polls.
+/// It runs in the bench process, whose CPU is reported apart from the
+/// node's.
 pub struct Jobs {
     pub url: String,
-    pub polls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Polls answered.
+    polls: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Jobs submitted.
     made: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// This process's share of the work is the provider's: its CPU is
-    /// reported apart from the node's.
     _server: tokio::task::JoinHandle<()>,
 }
 
@@ -523,10 +524,7 @@ pub async fn report(backend: Backend, n: usize, runs: usize, window: Duration) {
             println!("W0 {name}: no window measured");
             continue;
         }
-        let of = |f: fn(&Window) -> Option<f64>| {
-            let v: Vec<f64> = ws.iter().filter_map(f).collect();
-            (!v.is_empty()).then(|| super::median_spread_f(v, 3))
-        };
+        let of = |f: fn(&Window) -> Option<f64>| median_of(ws, f);
         let touched: i64 = ws.iter().map(|w| w.touched).sum();
         println!(
             "{:<44} node CPU {} s/s; records and events touched {touched}",
@@ -544,10 +542,7 @@ pub async fn report(backend: Backend, n: usize, runs: usize, window: Duration) {
                 of(|w| w.db_cpu).unwrap_or_default(),
             );
         }
-        // The last window's statements that read the most.
-        for line in ws.last().map(|w| w.top.as_slice()).unwrap_or_default() {
-            println!("{:<44}   {line}", "");
-        }
+        print_top(ws);
     }
     empty.drop_now().await;
     full.drop_now().await;
@@ -576,22 +571,16 @@ pub async fn report_w(backend: Backend, n: usize, m: usize, runs: usize, window:
         format!("taken to wait in {seeded:.0} s")
     );
     let warm_up = Duration::from_secs(POLL_EVERY_S + 15);
-    let ws: Vec<Window> = {
-        let mut ws = Vec::new();
-        for _ in 0..runs {
-            ws.extend(serve_window(&fresh, warm_up, window, Some(&jobs)).await);
-        }
-        ws
-    };
+    let mut ws = Vec::new();
+    for _ in 0..runs {
+        ws.extend(serve_window(&fresh, warm_up, window, Some(&jobs)).await);
+    }
     if ws.is_empty() {
         println!("W failed: no window measured");
         fresh.drop_now().await;
         return;
     }
-    let of = |f: &dyn Fn(&Window) -> Option<f64>| {
-        let v: Vec<f64> = ws.iter().filter_map(f).collect();
-        (!v.is_empty()).then(|| super::median_spread_f(v, 3))
-    };
+    let of = |f: &dyn Fn(&Window) -> Option<f64>| median_of(&ws, f);
     let ideal = m as f64 / POLL_EVERY_S as f64;
     let touched: i64 = ws.iter().map(|w| w.touched).sum();
     let label = format!(
@@ -617,8 +606,19 @@ pub async fn report_w(backend: Backend, n: usize, m: usize, runs: usize, window:
             of(&|w| w.db_cpu).unwrap_or_default(),
         );
     }
+    print_top(&ws);
+    fresh.drop_now().await;
+}
+
+/// The median of a figure over the windows that have it, with its spread.
+fn median_of(ws: &[Window], f: impl Fn(&Window) -> Option<f64>) -> Option<String> {
+    let v: Vec<f64> = ws.iter().filter_map(f).collect();
+    (!v.is_empty()).then(|| super::median_spread_f(v, 3))
+}
+
+/// The last window's statements that read the most.
+fn print_top(ws: &[Window]) {
     for line in ws.last().map(|w| w.top.as_slice()).unwrap_or_default() {
         println!("{:<44}   {line}", "");
     }
-    fresh.drop_now().await;
 }
