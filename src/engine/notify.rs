@@ -17,7 +17,7 @@ use super::gate::{Gate, Held, heard, ms};
 use super::http::Call;
 use super::limits::ProviderRuntime;
 use super::supervisor::{Loop, Stop};
-use super::{Engine, Stopping};
+use super::{Engine, Setup, Stopping};
 use crate::config::Secret;
 use crate::config::notify::{Format, NotifyConfig};
 use crate::domain::breaker::Admit;
@@ -33,6 +33,7 @@ const SECRET_AGAIN_MS: i64 = 30_000;
 const BATCH: u32 = 50;
 
 /// The notifier of one node.
+#[derive(Clone)]
 pub struct Notifier {
     engine: Engine,
 }
@@ -40,6 +41,11 @@ pub struct Notifier {
 impl Loop for Notifier {
     const STOP: Stop = Stop::Finish("notifications");
 
+    /// Each subscription's round runs on its own task: a subscriber slow
+    /// to answer (up to its provider's timeout) delays its own next round
+    /// only. A round that found a full batch starts the next at once; the
+    /// others wait for the next second. Rounds under way when the node
+    /// stops settle before the loop ends.
     async fn run(self, shutdown: CancellationToken) {
         let i = &self.engine.inner;
         let stopping = Arc::new(Stopping::default());
@@ -49,24 +55,55 @@ impl Loop for Notifier {
             token.cancelled().await;
             stop_on.stop();
         });
+        let mut rounds = Rounds::default();
+        let mut tick = i.clock.now_ms();
         loop {
-            let now = i.clock.now_ms();
-            let again = match self.deliver_due(&stopping).await {
-                Ok(full) => full,
-                Err(e) => {
+            if i.clock.now_ms() >= tick {
+                tick = i.clock.now_ms() + EVERY_MS;
+                if let Err(e) = self.start_rounds(&mut rounds, &stopping).await {
                     tracing::warn!(error = %e, "cannot deliver notifications; retrying shortly");
-                    false
                 }
-            };
-            if shutdown.is_cancelled() {
-                break;
-            }
-            if again {
-                continue;
             }
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                () = i.clock.sleep_until(now + EVERY_MS) => {}
+                Some(done) = rounds.tasks.join_next_with_id() => {
+                    if rounds.ended(done) {
+                        tick = i.clock.now_ms();
+                    }
+                }
+                () = i.clock.sleep_until(tick) => {}
+            }
+        }
+        while let Some(done) = rounds.tasks.join_next_with_id().await {
+            rounds.ended(done);
+        }
+    }
+}
+
+/// The subscriptions' rounds under way on one node, one at most each.
+#[derive(Default)]
+struct Rounds {
+    tasks: tokio::task::JoinSet<Result<bool, StoreError>>,
+    names: std::collections::HashMap<tokio::task::Id, String>,
+}
+
+impl Rounds {
+    /// Forgets a round that ended; true when it found a full batch (more
+    /// may be due).
+    fn ended(
+        &mut self,
+        done: Result<(tokio::task::Id, Result<bool, StoreError>), tokio::task::JoinError>,
+    ) -> bool {
+        let (id, result) = match done {
+            Ok((id, result)) => (id, result.map_err(|e| e.to_string())),
+            Err(e) => (e.id(), Err(e.to_string())),
+        };
+        let name = self.names.remove(&id).unwrap_or_default();
+        match result {
+            Ok(full) => full,
+            Err(e) => {
+                tracing::warn!(subscription = %name, error = %e, "a subscription's round failed");
+                false
             }
         }
     }
@@ -80,23 +117,15 @@ impl Notifier {
     }
 
     /// Sends each subscription's notices due now (those turned off, or
-    /// whose provider is paused or its breaker open, wait). True when a
+    /// whose provider is paused or its breaker open, wait), and returns
+    /// when every subscription's round has ended. True when a
     /// subscription had a full batch (more may be due).
     pub async fn deliver_due(&self, stopping: &Stopping) -> Result<bool, StoreError> {
-        let i = &self.engine.inner;
-        let setup = i.setup();
-        if setup.config.notify.is_empty() {
-            return Ok(false);
-        }
-        let off = i.db.subscription_states().await?;
-        // Each subscription on its own: a slow subscriber holds up no other.
-        let rounds = setup.config.notify.iter().filter_map(|sub| {
-            let turned_off = off
-                .iter()
-                .any(|s| s.name == sub.name && s.disabled_at.is_some());
-            let rt = setup.providers.get(&sub.provider)?;
-            (!turned_off).then(|| self.deliver_to(sub, rt, stopping))
-        });
+        let setup = self.engine.inner.setup();
+        let serving = self.serving(&setup).await?;
+        let rounds = serving
+            .into_iter()
+            .map(|(sub, rt)| self.deliver_to(sub, rt, stopping));
         let mut full = false;
         let mut failed = None;
         for round in futures_util::future::join_all(rounds).await {
@@ -112,6 +141,56 @@ impl Notifier {
             Some(e) if !full => Err(e),
             _ => Ok(full),
         }
+    }
+
+    /// The subscriptions to serve now: configured, with their provider,
+    /// and not turned off.
+    async fn serving<'a>(
+        &self,
+        setup: &'a Setup,
+    ) -> Result<Vec<(&'a NotifyConfig, &'a ProviderRuntime)>, StoreError> {
+        if setup.config.notify.is_empty() {
+            return Ok(Vec::new());
+        }
+        let off = self.engine.inner.db.subscription_states().await?;
+        Ok(setup
+            .config
+            .notify
+            .iter()
+            .filter(|sub| {
+                !off.iter()
+                    .any(|s| s.name == sub.name && s.disabled_at.is_some())
+            })
+            .filter_map(|sub| Some((sub, &**setup.providers.get(&sub.provider)?)))
+            .collect())
+    }
+
+    /// Starts a round for each subscription to serve that has none under
+    /// way.
+    async fn start_rounds(
+        &self,
+        rounds: &mut Rounds,
+        stopping: &Arc<Stopping>,
+    ) -> Result<(), StoreError> {
+        let setup = self.engine.inner.setup();
+        for (sub, _) in self.serving(&setup).await? {
+            if rounds.names.values().any(|n| *n == sub.name) {
+                continue;
+            }
+            let (me, setup, name) = (self.clone(), setup.clone(), sub.name.clone());
+            let stopping = stopping.clone();
+            let task = rounds.tasks.spawn(async move {
+                let Some(sub) = setup.config.notify.iter().find(|s| s.name == name) else {
+                    return Ok(false);
+                };
+                let Some(rt) = setup.providers.get(&sub.provider) else {
+                    return Ok(false);
+                };
+                me.deliver_to(sub, rt, &stopping).await
+            });
+            rounds.names.insert(task.id(), sub.name.clone());
+        }
+        Ok(())
     }
 
     /// Sends `sub`'s notices due now, unless its provider is paused or its

@@ -700,6 +700,120 @@ events = ["record.succeeded"]
     assert_eq!((s.granted.len(), s.refused), (3, 3));
 }
 
+/// A subscriber slow to answer holds up its own subscription only: while
+/// one delivery to it waits for a reply, the node's notifier (its real
+/// loop, on the test's clock) keeps delivering another subscription's
+/// notices second after second; once the slow one answers, its backlog
+/// goes too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_subscriber_holds_up_no_other() {
+    use axum::routing::post;
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+    let Some(t) = TestDb::migrated(Backend::Sqlite, "notify_slow").await else {
+        return;
+    };
+    let sub = Subscriber::spawn().await;
+    // The slow subscriber answers only once the test lets it.
+    let (held, answer) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    let slow = {
+        let (held, answer) = (held.clone(), answer.clone());
+        move || {
+            let (held, answer) = (held.clone(), answer.clone());
+            async move {
+                held.fetch_add(1, Ordering::SeqCst);
+                let _ = answer.acquire().await;
+                "ok"
+            }
+        }
+    };
+    let slow_url =
+        crate::helpers::serve_router(axum::Router::new().route("/slow", post(slow))).await;
+    let url = &sub.url;
+    let paid = paid_via_sim(url);
+    let text = format!(
+        r#"
+{paid}
+
+[providers.quick]
+base_url = "{url}"
+timeout = "60s"
+
+[providers.sluggish]
+base_url = "{slow_url}"
+timeout = "60s"
+
+[[notify]]
+name = "quick"
+provider = "quick"
+path = "/watch"
+format = "slack"
+events = ["record.succeeded"]
+
+[[notify]]
+name = "sluggish"
+provider = "sluggish"
+path = "/slow"
+format = "slack"
+events = ["record.succeeded"]
+"#
+    );
+    let config = Config::parse(&text, Path::new("slow.toml")).unwrap();
+    config.validate(&|_| None).unwrap();
+    let config = Arc::new(config);
+    t.db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
+    let (engine, clock) = manual_engine(&t.db, config, "n1").await;
+    let (stop, running) = crate::engine::run_in_background(&engine);
+    let quick_got = || sub.taken().iter().filter(|g| g.path == "/watch").count();
+    // Each check moves the clock a second: the notifier's next round.
+    let tick = || clock.advance(1_000);
+    enqueue_paid(&engine, "s1").await;
+    crate::helpers::poll_until(
+        "both subscribers sent s1",
+        Duration::from_secs(30),
+        async || {
+            tick();
+            (quick_got() == 1 && held.load(Ordering::SeqCst) == 1).then_some(())
+        },
+    )
+    .await;
+    // The slow one still holds s1's delivery: s2 and s3 reach the quick
+    // one all the same.
+    enqueue_paid(&engine, "s2").await;
+    enqueue_paid(&engine, "s3").await;
+    crate::helpers::poll_until(
+        "the quick subscriber sent s2 and s3",
+        Duration::from_secs(30),
+        async || {
+            tick();
+            (quick_got() == 3).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        held.load(Ordering::SeqCst),
+        1,
+        "the slow subscription's next round waits for its reply"
+    );
+    // It answers: its backlog goes.
+    answer.add_permits(100);
+    crate::helpers::poll_until(
+        "the slow subscriber's backlog delivered",
+        Duration::from_secs(30),
+        async || {
+            tick();
+            let sent = notices(&t.db, "sluggish").await;
+            (sent.len() == 3 && sent.iter().all(|n| n.state == "delivered")).then_some(())
+        },
+    )
+    .await;
+    stop.cancel();
+    running.await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_failing_subscriber_opens_its_breaker() {
     a_failing_subscriber_opens_its_breaker(Backend::Sqlite).await;
