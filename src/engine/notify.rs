@@ -9,8 +9,6 @@
 //! up. A subscription failing for
 //! `disable_after` is turned off by the store, audited.
 
-use std::sync::Arc;
-
 use tokio_util::sync::CancellationToken;
 
 use super::gate::{Gate, Held, heard, ms};
@@ -33,7 +31,6 @@ const SECRET_AGAIN_MS: i64 = 30_000;
 const BATCH: u32 = 50;
 
 /// The notifier of one node.
-#[derive(Clone)]
 pub struct Notifier {
     engine: Engine,
 }
@@ -41,71 +38,60 @@ pub struct Notifier {
 impl Loop for Notifier {
     const STOP: Stop = Stop::Finish("notifications");
 
-    /// Each subscription's round runs on its own task: a subscriber slow
-    /// to answer (up to its provider's timeout) delays its own next round
-    /// only. A round that found a full batch starts the next at once; the
-    /// others wait for the next second. Rounds under way when the node
+    /// Each subscription's round runs on its own: a subscriber slow to
+    /// answer (up to its provider's timeout) delays its own next round
+    /// only. A round that found a full batch starts that subscription's
+    /// next at once; the rest come each second. The rounds run in this
+    /// loop's task (no task outlives it); those under way when the node
     /// stops settle before the loop ends.
     async fn run(self, shutdown: CancellationToken) {
         let i = &self.engine.inner;
-        let stopping = Arc::new(Stopping::default());
-        let stop_on = stopping.clone();
-        let token = shutdown.clone();
-        tokio::spawn(async move {
-            token.cancelled().await;
-            stop_on.stop();
-        });
+        let stopping = Stopping::default();
         let mut rounds = Rounds::default();
         let mut tick = i.clock.now_ms();
         loop {
-            if i.clock.now_ms() >= tick {
-                tick = i.clock.now_ms() + EVERY_MS;
-                if let Err(e) = self.start_rounds(&mut rounds, &stopping).await {
-                    tracing::warn!(error = %e, "cannot deliver notifications; retrying shortly");
-                }
+            let now = i.clock.now_ms();
+            // A clock set back is no reason to wait that long.
+            if tick > now + EVERY_MS {
+                tick = now;
             }
-            tokio::select! {
+            if now >= tick {
+                tick = now + EVERY_MS;
+                self.start_rounds(&mut rounds, &stopping, None).await;
+            }
+            let ended = tokio::select! {
+                biased;
                 () = shutdown.cancelled() => break,
-                Some(done) = rounds.tasks.join_next_with_id() => {
-                    if rounds.ended(done) {
-                        tick = i.clock.now_ms();
-                    }
-                }
-                () = i.clock.sleep_until(tick) => {}
+                Some(ended) = rounds.next() => Some(ended),
+                () = i.clock.sleep_until(tick) => None,
+            };
+            if let Some((name, true)) = ended {
+                self.start_rounds(&mut rounds, &stopping, Some(&name)).await;
             }
         }
-        while let Some(done) = rounds.tasks.join_next_with_id().await {
-            rounds.ended(done);
-        }
+        // Gates stop waiting; deliveries under way are settled.
+        stopping.stop();
+        while rounds.next().await.is_some() {}
     }
 }
 
+/// One subscription's round: its name, and whether it found a full batch.
+type Round<'a> = std::pin::Pin<Box<dyn Future<Output = (String, bool)> + Send + 'a>>;
+
 /// The subscriptions' rounds under way on one node, one at most each.
 #[derive(Default)]
-struct Rounds {
-    tasks: tokio::task::JoinSet<Result<bool, StoreError>>,
-    names: std::collections::HashMap<tokio::task::Id, String>,
+struct Rounds<'a> {
+    under_way: futures_util::stream::FuturesUnordered<Round<'a>>,
+    names: std::collections::HashSet<String>,
 }
 
-impl Rounds {
-    /// Forgets a round that ended; true when it found a full batch (more
-    /// may be due).
-    fn ended(
-        &mut self,
-        done: Result<(tokio::task::Id, Result<bool, StoreError>), tokio::task::JoinError>,
-    ) -> bool {
-        let (id, result) = match done {
-            Ok((id, result)) => (id, result.map_err(|e| e.to_string())),
-            Err(e) => (e.id(), Err(e.to_string())),
-        };
-        let name = self.names.remove(&id).unwrap_or_default();
-        match result {
-            Ok(full) => full,
-            Err(e) => {
-                tracing::warn!(subscription = %name, error = %e, "a subscription's round failed");
-                false
-            }
-        }
+impl<'a> Rounds<'a> {
+    /// The next round to end, forgotten.
+    async fn next(&mut self) -> Option<(String, bool)> {
+        use futures_util::StreamExt;
+        let (name, full) = self.under_way.next().await?;
+        self.names.remove(&name);
+        Some((name, full))
     }
 }
 
@@ -119,7 +105,9 @@ impl Notifier {
     /// Sends each subscription's notices due now (those turned off, or
     /// whose provider is paused or its breaker open, wait), and returns
     /// when every subscription's round has ended. True when a
-    /// subscription had a full batch (more may be due).
+    /// subscription had a full batch (more may be due). For tests and
+    /// tools on a node whose own loop does not run (the store keeps each
+    /// record's notices in order either way).
     pub async fn deliver_due(&self, stopping: &Stopping) -> Result<bool, StoreError> {
         let setup = self.engine.inner.setup();
         let serving = self.serving(&setup).await?;
@@ -165,32 +153,42 @@ impl Notifier {
             .collect())
     }
 
-    /// Starts a round for each subscription to serve that has none under
-    /// way.
-    async fn start_rounds(
-        &self,
-        rounds: &mut Rounds,
-        stopping: &Arc<Stopping>,
-    ) -> Result<(), StoreError> {
+    /// Starts a round for each subscription to serve (or for `only`) that
+    /// has none under way.
+    async fn start_rounds<'a>(
+        &'a self,
+        rounds: &mut Rounds<'a>,
+        stopping: &'a Stopping,
+        only: Option<&str>,
+    ) {
         let setup = self.engine.inner.setup();
-        for (sub, _) in self.serving(&setup).await? {
-            if rounds.names.values().any(|n| *n == sub.name) {
+        let serving = match self.serving(&setup).await {
+            Ok(serving) => serving,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot deliver notifications; retrying shortly");
+                return;
+            }
+        };
+        for (sub, _) in serving {
+            if only.is_some_and(|n| n != sub.name) || rounds.names.contains(&sub.name) {
                 continue;
             }
-            let (me, setup, name) = (self.clone(), setup.clone(), sub.name.clone());
-            let stopping = stopping.clone();
-            let task = rounds.tasks.spawn(async move {
-                let Some(sub) = setup.config.notify.iter().find(|s| s.name == name) else {
-                    return Ok(false);
+            let (setup, name) = (setup.clone(), sub.name.clone());
+            rounds.names.insert(name.clone());
+            rounds.under_way.push(Box::pin(async move {
+                let sub = setup.config.notify.iter().find(|s| s.name == name);
+                let rt = sub.and_then(|sub| Some((sub, setup.providers.get(&sub.provider)?)));
+                let full = match rt {
+                    Some((sub, rt)) => self.deliver_to(sub, rt, stopping).await,
+                    None => Ok(false),
                 };
-                let Some(rt) = setup.providers.get(&sub.provider) else {
-                    return Ok(false);
-                };
-                me.deliver_to(sub, rt, &stopping).await
-            });
-            rounds.names.insert(task.id(), sub.name.clone());
+                let full = full.unwrap_or_else(|e| {
+                    tracing::warn!(subscription = %name, error = %e, "a subscription's round failed");
+                    false
+                });
+                (name, full)
+            }));
         }
-        Ok(())
     }
 
     /// Sends `sub`'s notices due now, unless its provider is paused or its

@@ -76,11 +76,9 @@ async fn driver(test: &str) -> Option<Driver> {
             !in_ci(),
             "CI=true and {CHROMIUM} or {CHROMEDRIVER} is missing"
         );
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIP {test}: no {CHROMIUM} / {CHROMEDRIVER} (apt-get install chromium chromium-driver)"
-        );
+        crate::helpers::skip(&format!(
+            "{test}: no {CHROMIUM} / {CHROMEDRIVER} (apt-get install chromium chromium-driver)"
+        ));
         return None;
     }
     let port = crate::helpers::free_port();

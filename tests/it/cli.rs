@@ -608,7 +608,7 @@ async fn json_logs_carry_each_request_once_with_its_id() {
         }
         Err(_) => {
             assert!(!crate::helpers::in_ci(), "CI installs jq");
-            println!("SKIP jq: not installed (each line is still parsed below)");
+            crate::helpers::skip("jq: not installed (each line is still parsed below)");
         }
     }
     // A configuration error, before anything else is set up, is JSON too.
@@ -753,7 +753,7 @@ fn have(program: &str) -> bool {
             std::env::var("CI").as_deref() != Ok("true"),
             "{program} is missing under CI (.ci/run installs it)"
         );
-        println!("SKIP: {program} is not installed here");
+        crate::helpers::skip(&format!("{program} is not installed here"));
     }
     found
 }
@@ -872,7 +872,7 @@ fn the_systemd_unit_verifies() {
         .is_err()
     {
         assert!(!crate::helpers::in_ci(), "CI installs systemd-analyze");
-        println!("SKIP: systemd-analyze is not installed here");
+        crate::helpers::skip("systemd-analyze is not installed here");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -1109,7 +1109,7 @@ async fn startup_errors_say_what_to_do() {
         }
         (true, false) => {
             assert!(!crate::helpers::in_ci(), "CI runs as root, with setpriv");
-            println!("SKIP the unwritable file: root without setpriv (util-linux)");
+            crate::helpers::skip("the unwritable file: root without setpriv (util-linux)");
             None
         }
         (false, _) => {

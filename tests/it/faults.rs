@@ -1971,10 +1971,8 @@ impl PrivatePg {
                 !crate::helpers::in_ci(),
                 "CI=true and no PostgreSQL server binaries under /usr/lib/postgresql"
             );
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIP database faults: no PostgreSQL server binaries under /usr/lib/postgresql"
+            crate::helpers::skip(
+                "database faults: no PostgreSQL server binaries under /usr/lib/postgresql",
             );
             return None;
         };

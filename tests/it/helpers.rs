@@ -17,6 +17,14 @@ pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
+/// Says that a part of a test did not run here, and why: straight to the
+/// process's stderr, since libtest captures `println!` and `eprintln!` of
+/// passing tests and a skip must be seen.
+pub fn skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIP {why}");
+}
+
 /// `admin` with its database name replaced by `name`.
 pub fn with_database(admin: &str, name: &str) -> String {
     let (base, query) = match admin.split_once('?') {
@@ -60,13 +68,7 @@ impl TestDb {
         let mut conn = match sqlx::PgConnection::connect(&admin).await {
             Ok(c) => c,
             Err(e) if !in_ci() => {
-                // Straight to the process's stderr: libtest captures
-                // `println!` of passing tests, and a skip must be seen.
-                use std::io::Write;
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "SKIP {test}: PostgreSQL unreachable at {admin}: {e}"
-                );
+                skip(&format!("{test}: PostgreSQL unreachable at {admin}: {e}"));
                 return None;
             }
             Err(e) => panic!("CI=true and PostgreSQL is unreachable at {admin}: {e}"),

@@ -703,8 +703,8 @@ events = ["record.succeeded"]
 /// A subscriber slow to answer holds up its own subscription only: while
 /// one delivery to it waits for a reply, the node's notifier (its real
 /// loop, on the test's clock) keeps delivering another subscription's
-/// notices second after second; once the slow one answers, its backlog
-/// goes too.
+/// notices, a full round's next at once; once the slow one answers, its
+/// backlog goes too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_subscriber_holds_up_no_other() {
     use axum::routing::post;
@@ -741,6 +741,7 @@ async fn a_slow_subscriber_holds_up_no_other() {
 [providers.quick]
 base_url = "{url}"
 timeout = "60s"
+concurrency = 1
 
 [providers.sluggish]
 base_url = "{slow_url}"
@@ -781,16 +782,15 @@ events = ["record.succeeded"]
     )
     .await;
     // The slow one still holds s1's delivery: s2 and s3 reach the quick
-    // one all the same.
+    // one all the same, in one second of the clock (its concurrency is
+    // one: a full round starts its next at once).
     enqueue_paid(&engine, "s2").await;
     enqueue_paid(&engine, "s3").await;
+    tick();
     crate::helpers::poll_until(
         "the quick subscriber sent s2 and s3",
         Duration::from_secs(30),
-        async || {
-            tick();
-            (quick_got() == 3).then_some(())
-        },
+        async || (quick_got() == 3).then_some(()),
     )
     .await;
     assert_eq!(

@@ -24,10 +24,10 @@ fn tool(name: &str) -> Option<PathBuf> {
             !crate::helpers::in_ci(),
             "CI installs {name} (tests/api/requirements.txt)"
         );
-        println!(
-            "SKIP: {name} is not installed here (python3 -m venv tests/api/.venv && \
+        crate::helpers::skip(&format!(
+            "{name} is not installed here (python3 -m venv tests/api/.venv && \
              tests/api/.venv/bin/pip install -r tests/api/requirements.txt)"
-        );
+        ));
     }
     there.then_some(path)
 }

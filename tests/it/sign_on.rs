@@ -33,7 +33,7 @@ async fn installed() -> bool {
                 .is_ok_and(|o| o.status.success());
             if !node {
                 assert!(!in_ci(), "CI machines have Node.js");
-                println!("SKIP: Node.js is not installed here");
+                crate::helpers::skip("Node.js is not installed here");
                 return false;
             }
             if dir().join("node_modules/oidc-provider").exists() {
@@ -49,7 +49,7 @@ async fn installed() -> bool {
             let ok = tokio::task::spawn_blocking(npm).await.unwrap();
             assert!(ok || !in_ci(), "npm ci in tests/oidc failed");
             if !ok {
-                println!("SKIP: cannot install tests/oidc's packages (npm ci failed)");
+                crate::helpers::skip("cannot install tests/oidc's packages (npm ci failed)");
             }
             ok
         })

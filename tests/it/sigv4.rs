@@ -26,7 +26,7 @@ fn botocore() -> bool {
         .is_ok_and(|s| s.success());
     if !ok {
         assert!(!crate::helpers::in_ci(), "CI installs python3's botocore");
-        println!("SKIP: python3 with botocore is not installed here");
+        crate::helpers::skip("python3 with botocore is not installed here");
     }
     ok
 }

@@ -2435,7 +2435,7 @@ fn promtool() -> Option<&'static str> {
             !crate::helpers::in_ci(),
             "CI installs promtool (Debian's prometheus)"
         );
-        println!("SKIP: promtool is not installed here (apt-get install prometheus)");
+        crate::helpers::skip("promtool is not installed here (apt-get install prometheus)");
     }
     there.then_some("promtool")
 }
@@ -3158,7 +3158,7 @@ async fn metrics_carry_what_alerts_need_and_the_shipped_rules_use_them() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         ),
-        Err(_) => println!("SKIP promtool check: promtool is not installed"),
+        Err(_) => crate::helpers::skip("promtool check: promtool is not installed"),
     }
     app.stop().await;
 }
