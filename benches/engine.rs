@@ -210,6 +210,25 @@ fn pg_admin() -> String {
     })
 }
 
+/// The server's settings that move the figures, printed above them: a
+/// server without autovacuum (a CI image's setting) keeps every dead row
+/// and index entry a benchmark leaves, which no production server does.
+async fn pg_server() -> String {
+    const SETTINGS: &str = "SELECT string_agg(name || ' ' || current_setting(name), ', ' \
+         ORDER BY name) FROM pg_settings WHERE name IN ('server_version', 'autovacuum', \
+         'autovacuum_naptime', 'shared_buffers', 'synchronous_commit', 'shared_preload_libraries')";
+    let settings = async {
+        let mut conn = sqlx::PgConnection::connect(&pg_admin()).await?;
+        sqlx::query_scalar::<_, String>(SETTINGS)
+            .fetch_one(&mut conn)
+            .await
+    };
+    match settings.await {
+        Ok(s) => format!("server: {s}"),
+        Err(e) => format!("server: settings unreadable: {e}"),
+    }
+}
+
 /// The admin URL split: the server without a database, and the
 /// parameters after `?` (empty when none).
 fn pg_parts() -> (String, String) {
@@ -1516,6 +1535,9 @@ fn main() {
                 }
             }
             println!("\n{} ", backend.as_str());
+            if matches!(backend, Backend::Postgres) {
+                println!("{}", pg_server().await);
+            }
             println!(
                 "{:<44} {:>22} {:>18} {:>18} {:>20}",
                 "scenario", "records/s", "CPU s / 1000", "enqueue/s (single)", "enqueue/s (batch)"
