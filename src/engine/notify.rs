@@ -9,6 +9,8 @@
 //! up. A subscription failing for
 //! `disable_after` is turned off by the store, audited.
 
+use std::sync::Arc;
+
 use tokio_util::sync::CancellationToken;
 
 use super::gate::{Gate, Held, heard, ms};
@@ -136,7 +138,7 @@ impl Notifier {
     async fn serving<'a>(
         &self,
         setup: &'a Setup,
-    ) -> Result<Vec<(&'a NotifyConfig, &'a ProviderRuntime)>, StoreError> {
+    ) -> Result<Vec<(&'a NotifyConfig, &'a Arc<ProviderRuntime>)>, StoreError> {
         if setup.config.notify.is_empty() {
             return Ok(Vec::new());
         }
@@ -149,12 +151,13 @@ impl Notifier {
                 !off.iter()
                     .any(|s| s.name == sub.name && s.disabled_at.is_some())
             })
-            .filter_map(|sub| Some((sub, &**setup.providers.get(&sub.provider)?)))
+            .filter_map(|sub| Some((sub, setup.providers.get(&sub.provider)?)))
             .collect())
     }
 
     /// Starts a round for each subscription to serve (or for `only`) that
-    /// has none under way.
+    /// has none under way. The round keeps the subscription and provider
+    /// it started with (a reload meanwhile applies to the next).
     async fn start_rounds<'a>(
         &'a self,
         rounds: &mut Rounds<'a>,
@@ -169,24 +172,20 @@ impl Notifier {
                 return;
             }
         };
-        for (sub, _) in serving {
-            if only.is_some_and(|n| n != sub.name) || rounds.names.contains(&sub.name) {
+        for (sub, rt) in serving {
+            if only.is_some_and(|n| n != sub.name) || !rounds.names.insert(sub.name.clone()) {
                 continue;
             }
-            let (setup, name) = (setup.clone(), sub.name.clone());
-            rounds.names.insert(name.clone());
+            let (sub, rt) = (sub.clone(), rt.clone());
             rounds.under_way.push(Box::pin(async move {
-                let sub = setup.config.notify.iter().find(|s| s.name == name);
-                let rt = sub.and_then(|sub| Some((sub, setup.providers.get(&sub.provider)?)));
-                let full = match rt {
-                    Some((sub, rt)) => self.deliver_to(sub, rt, stopping).await,
-                    None => Ok(false),
-                };
-                let full = full.unwrap_or_else(|e| {
-                    tracing::warn!(subscription = %name, error = %e, "a subscription's round failed");
-                    false
-                });
-                (name, full)
+                let full = self
+                    .deliver_to(&sub, &rt, stopping)
+                    .await
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(subscription = %sub.name, error = %e, "a subscription's round failed");
+                        false
+                    });
+                (sub.name, full)
             }));
         }
     }

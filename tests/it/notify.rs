@@ -113,11 +113,13 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{{{{ record
     )
 }
 
-fn config(url: &str, dir: &Path) -> Arc<Config> {
+/// The first test's configuration: two subscriptions to `url`, one
+/// signed with a secret written under `dir`.
+fn config(url: &str, dir: &Path) -> String {
     let secret = dir.join("whsec");
     std::fs::write(&secret, WHSEC).unwrap();
     let paid = paid_via_sim(url);
-    let text = format!(
+    format!(
         r#"
 {paid}
 
@@ -152,10 +154,26 @@ events = ["record.parked"]
 pipelines = ["hold"]
 retry_for = "1h"
 "#
-    );
-    let config = Config::parse(&text, Path::new("notify.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    Arc::new(config)
+    )
+}
+
+/// `text` as a node's configuration (its variables read from the test's
+/// environment), checked; the store told its subscriptions' filters; an
+/// engine on the test's clock.
+async fn engine_of(
+    db: &ballast::store::Db,
+    text: &str,
+) -> (
+    Arc<Config>,
+    ballast::engine::Engine,
+    ballast::domain::ManualClock,
+) {
+    let config = Config::parse(text, Path::new("notify.toml")).unwrap();
+    config.validate(&|v| std::env::var(v).ok()).unwrap();
+    let config = Arc::new(config);
+    db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
+    let (engine, clock) = manual_engine(db, config.clone(), "n1").await;
+    (config, engine, clock)
 }
 
 /// Runs the notifier round after round: each sends the oldest pending
@@ -193,9 +211,7 @@ async fn notifications_reach_subscribers(backend: Backend) {
     };
     let dir = tempfile::tempdir().unwrap();
     let sub = Subscriber::spawn().await;
-    let config = config(&sub.url, dir.path());
-    t.db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
-    let (engine, clock) = manual_engine(&t.db, config.clone(), "n1").await;
+    let (config, engine, clock) = engine_of(&t.db, &config(&sub.url, dir.path())).await;
     let ops = Ops::new(&t.db, &config, Some(&engine), &clock);
     let notifier = Notifier::of(&engine);
 
@@ -566,11 +582,7 @@ events = ["provider.breaker_*"]
 providers = ["strict"]
 "#
     );
-    let config = Config::parse(&text, Path::new("breaker.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    let config = Arc::new(config);
-    t.db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
-    let (engine, clock) = manual_engine(&t.db, config, "n1").await;
+    let (_, engine, clock) = engine_of(&t.db, &text).await;
     let notifier = Notifier::of(&engine);
     sub.status.store(500, Ordering::SeqCst);
     for key in ["b1", "b2", "b3"] {
@@ -651,11 +663,7 @@ format = "slack"
 events = ["record.succeeded"]
 "#
     );
-    let config = Config::parse(&text, Path::new("oauth2.toml")).unwrap();
-    config.validate(&|v| std::env::var(v).ok()).unwrap();
-    let config = Arc::new(config);
-    t.db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
-    let (engine, _) = manual_engine(&t.db, config, "n1").await;
+    let (_, engine, _) = engine_of(&t.db, &text).await;
     let notifier = Notifier::of(&engine);
     enqueue_paid(&engine, "o1").await;
     deliver_all(&notifier).await;
@@ -762,11 +770,7 @@ format = "slack"
 events = ["record.succeeded"]
 "#
     );
-    let config = Config::parse(&text, Path::new("slow.toml")).unwrap();
-    config.validate(&|_| None).unwrap();
-    let config = Arc::new(config);
-    t.db.set_notify_filters(config.notify.iter().map(|n| n.filter()).collect());
-    let (engine, clock) = manual_engine(&t.db, config, "n1").await;
+    let (_, engine, clock) = engine_of(&t.db, &text).await;
     let (stop, running) = crate::engine::run_in_background(&engine);
     let quick_got = || sub.taken().iter().filter(|g| g.path == "/watch").count();
     // Each check moves the clock a second: the notifier's next round.
