@@ -3,8 +3,10 @@
 //! after it, divided by the records processed. Needs `pg_stat_statements`
 //! in `shared_preload_libraries` (the figures say so when it is missing).
 //!
-//! - statements: calls, rows, execution time, WAL bytes and buffers per
-//!   statement (`pg_stat_statements`, top level only);
+//! - statements: calls, rows, execution and planning time, WAL bytes and
+//!   buffers per statement (`pg_stat_statements`, top level only; planning
+//!   is counted only with `pg_stat_statements.track_planning = on`, and
+//!   the report says when it is off);
 //! - tables: rows inserted, updated (and how many of those were HOT: no
 //!   index touched), deleted (`pg_stat_user_tables`), and index entries
 //!   written: each insert and each non-HOT update writes one entry in every
@@ -76,6 +78,7 @@ pub async fn report(url: &str, n: usize, skip: &[&str]) -> Result<String, sqlx::
     let mut out = String::new();
     let statements = sqlx::query(
         "SELECT s.query, s.calls, s.rows, s.total_exec_time, s.wal_bytes::float8 AS wal,
+                s.plans, s.total_plan_time,
                 s.shared_blks_hit + s.shared_blks_read AS blks, s.shared_blks_dirtied AS dirtied
            FROM pg_stat_statements s
            JOIN pg_database d ON d.oid = s.dbid
@@ -99,7 +102,10 @@ pub async fn report(url: &str, n: usize, skip: &[&str]) -> Result<String, sqlx::
         })
         .collect();
     let (mut calls, mut rows, mut ms, mut wal, mut blks) = (0i64, 0i64, 0f64, 0f64, 0i64);
+    let (mut plans, mut plan_ms) = (0i64, 0f64);
     for r in &kept {
+        plans += r.get::<i64, _>("plans");
+        plan_ms += r.get::<f64, _>("total_plan_time");
         calls += r.get::<i64, _>("calls");
         rows += r.get::<i64, _>("rows");
         ms += r.get::<f64, _>("total_exec_time");
@@ -116,10 +122,29 @@ pub async fn report(url: &str, n: usize, skip: &[&str]) -> Result<String, sqlx::
         wal / n,
         blks as f64 / n
     );
+    let tracked: bool = sqlx::query_scalar(
+        "SELECT coalesce(current_setting('pg_stat_statements.track_planning', true), 'off') = 'on'",
+    )
+    .fetch_one(&mut c)
+    .await
+    .unwrap_or(false);
+    let _ = if tracked {
+        writeln!(
+            out,
+            "  planning: {:.1} µs per record, {:.2} plans per statement executed",
+            plan_ms * 1000.0 / n,
+            plans as f64 / calls.max(1) as f64
+        )
+    } else {
+        writeln!(
+            out,
+            "  planning: not counted (pg_stat_statements.track_planning is off)"
+        )
+    };
     let _ = writeln!(
         out,
-        "  {:>8} {:>9} {:>8} {:>9} {:>8}  statement (top 12 by time)",
-        "calls/rec", "rows/call", "µs/rec", "WAL B/rec", "blk/call"
+        "  {:>8} {:>9} {:>8} {:>8} {:>9} {:>8}  statement (top 12 by time)",
+        "calls/rec", "rows/call", "µs/rec", "plan µs", "WAL B/rec", "blk/call"
     );
     for r in kept.iter().take(12) {
         let q: String = r.get("query");
@@ -128,10 +153,15 @@ pub async fn report(url: &str, n: usize, skip: &[&str]) -> Result<String, sqlx::
         let short: String = one_line.chars().take(110).collect();
         let _ = writeln!(
             out,
-            "  {:>9.3} {:>9.1} {:>8.1} {:>9.0} {:>8.1}  {short}",
+            "  {:>9.3} {:>9.1} {:>8.1} {:>8} {:>9.0} {:>8.1}  {short}",
             calls as f64 / n,
             r.get::<i64, _>("rows") as f64 / calls.max(1) as f64,
             r.get::<f64, _>("total_exec_time") * 1000.0 / n,
+            if tracked {
+                format!("{:.1}", r.get::<f64, _>("total_plan_time") * 1000.0 / n)
+            } else {
+                "-".to_owned()
+            },
             r.get::<f64, _>("wal") / n,
             r.get::<i64, _>("blks") as f64 / calls.max(1) as f64,
         );

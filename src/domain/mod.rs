@@ -8,6 +8,7 @@ pub mod awaiting;
 pub mod backoff;
 pub mod breaker;
 pub mod child;
+pub mod claimed;
 pub mod condition;
 pub mod confirm;
 pub mod diff;

@@ -155,6 +155,9 @@ pub struct Record {
     /// kind `pipeline`); `None` for a record enqueued otherwise.
     pub parent_id: Option<i64>,
     pub parent_step: Option<String>,
+    /// When its latest pass was claimed (none before the first): the
+    /// claim writes no event of its own (see `domain::claimed`).
+    pub claimed_at: Option<UnixMs>,
 }
 
 /// A record of pipeline `p` in `state` and nothing else, for unit tests
@@ -185,6 +188,7 @@ impl Record {
             park_until: None,
             parent_id: None,
             parent_step: None,
+            claimed_at: None,
         }
     }
 }
@@ -566,6 +570,9 @@ pub const SYSTEM_ACTOR: &str = "system";
 /// One state transition or operator action, kept forever.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Event {
+    /// A `claimed` event put back from the event that ended its pass (or
+    /// from the record, for the pass under way: `domain::claimed`) carries
+    /// the id of that event (or of the record's last).
     pub id: i64,
     pub record_id: Option<i64>,
     pub at: UnixMs,

@@ -115,8 +115,10 @@ pub trait SqlDb:
 
     /// Leases due records inside the caller's transaction, a fair share
     /// from each (pipeline, group) queue (`domain::fair`): returns them in
-    /// hand-out order, with the state each was taken from. The caller writes the
-    /// claim's events and counter moves.
+    /// hand-out order, with what each was taken from ([`Taken`](super::Taken)),
+    /// and sets each one's `claimed_at`. The caller writes the counter moves
+    /// and the `lease_expired` events of lapsed leases (a claim writes no
+    /// event of its own).
     fn claim_in(
         tx: &mut Transaction<'static, Self>,
         req: &ClaimRequest,

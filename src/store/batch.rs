@@ -147,6 +147,8 @@ json_row!(EventJson, EVENT_COLS {
     step: Option<&'a str> => Text,
     reason: Option<&'a str> => Text,
     detail: Option<Cow<'a, Value>> => Json,
+    claimed_at: Option<UnixMs> => Int,
+    claimed_by: Option<&'a str> => Text,
 });
 
 impl<'a> EventJson<'a> {
@@ -165,6 +167,8 @@ impl<'a> EventJson<'a> {
                 .detail
                 .map(|d| k.seal_json(Field::Detail, d))
                 .transpose()?,
+            claimed_at: e.claimed_at,
+            claimed_by: e.claimed_by,
         })
     }
 }

@@ -321,6 +321,8 @@ where
                 step: None,
                 reason,
                 detail: Some(&detail),
+                claimed_at: None,
+                claimed_by: None,
             },
         )
         .await?;

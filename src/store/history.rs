@@ -122,12 +122,37 @@ where
     }
 
     async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM events WHERE record_id = $1 ORDER BY id");
+        use crate::domain::claimed::{Folded, unfold};
+        use sqlx::Row;
+        // The pass under way, if any: its claim is in the record. Read
+        // before the events, so that a pass ending in between shows its
+        // end (with its claim) and not a claim with no end.
+        let lease: Option<(String, UnixMs)> = sqlx::query_as(
+            "SELECT lease_owner, claimed_at FROM records \
+             WHERE id = $1 AND state = 'running' AND lease_owner IS NOT NULL \
+               AND claimed_at IS NOT NULL",
+        )
+        .bind(record_id)
+        .fetch_optional(self.reader())
+        .await?;
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS}, claimed_at, claimed_by FROM events WHERE record_id = $1 ORDER BY id"
+        );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        map_sealed(&rows, &self.keyring(), MapRow::event)
+        let events = map_sealed(&rows, &self.keyring(), MapRow::event)?;
+        // The two columns read after EVENT_COLUMNS.
+        let claimed_at = EVENT_COLUMNS.split(',').count();
+        let mut folded = Vec::with_capacity(events.len());
+        for (event, row) in events.into_iter().zip(&rows) {
+            let at: Option<UnixMs> = row.try_get(claimed_at)?;
+            let by: Option<String> = row.try_get(claimed_at + 1)?;
+            folded.push((event, at.map(|at| Folded { at, by })));
+        }
+        let under_way = lease.as_ref().map(|(o, at)| (o.as_str(), *at));
+        Ok(unfold(record_id, folded, under_way))
     }
 
     async fn audit_log(&self, filter: &AuditFilter) -> StoreResult<Page<Event>> {
@@ -160,6 +185,8 @@ where
                     step: e.step.as_deref(),
                     reason: e.reason.as_deref(),
                     detail: e.detail.as_ref(),
+                    claimed_at: None,
+                    claimed_by: None,
                 },
             )
             .await?;

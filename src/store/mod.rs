@@ -386,8 +386,18 @@ pub struct ClaimRequest {
 }
 
 /// Records a claim leased, in hand-out order (round robin over their
-/// queues, each queue's in due order), and the state each was taken from.
-pub(crate) type Claimed = (Vec<Record>, std::collections::HashMap<i64, String>);
+/// queues, each queue's in due order), and what each was taken from.
+pub(crate) type Claimed = (Vec<Record>, std::collections::HashMap<i64, Taken>);
+
+/// What a claimed record was taken from: its state, and, for a lapsed
+/// lease (taken from `running`), who had claimed that pass and when
+/// (none for a pass an older version claimed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Taken {
+    pub state: String,
+    pub owner: Option<String>,
+    pub at: Option<UnixMs>,
+}
 
 /// Proof that a worker holds a record: its writes are refused without it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -907,6 +917,13 @@ pub(crate) struct EventRow<'a> {
     pub step: Option<&'a str>,
     pub reason: Option<&'a str>,
     pub detail: Option<&'a Value>,
+    /// On an event that ends a pass (it leaves `running`): when the pass
+    /// was claimed, which has no row of its own (migration 34).
+    pub claimed_at: Option<UnixMs>,
+    /// The lease owner (node id) that claimed it, when not the event's
+    /// actor (a lapsed lease, whose `lease_expired` the next claimer
+    /// writes).
+    pub claimed_by: Option<&'a str>,
 }
 
 impl<'a> EventRow<'a> {
@@ -923,14 +940,13 @@ impl<'a> EventRow<'a> {
             step: None,
             reason: None,
             detail: Some(detail),
+            claimed_at: None,
+            claimed_by: None,
         }
     }
 }
 
-/// The actor name written for a worker's events.
-pub(crate) fn node_actor(owner: &str) -> String {
-    format!("node:{owner}")
-}
+pub(crate) use crate::domain::claimed::node_actor;
 
 /// Clamps a requested page size to `1..=MAX_PAGE` (0 means the default, 50).
 pub(crate) fn page_limit(limit: u32) -> u32 {

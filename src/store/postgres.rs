@@ -17,7 +17,7 @@ use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
 use super::rows::{MapRow, RECORD_COLUMNS, map_sealed};
 use super::sql::SqlStore;
-use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult};
+use super::{ClaimRequest, Claimed, ConnectOptions, StoreResult, Taken};
 use crate::domain::{UnixMs, fair};
 /// The LISTEN/NOTIFY channel that says "there is due work".
 const WORK_CHANNEL: &str = "ballast_work";
@@ -205,12 +205,13 @@ const CLAIM_DUE: &str = "\
          LEAST(COALESCE(q.room, $2), $2 / s.n + CASE WHEN q.turn <= $2 % s.n THEN 1 ELSE 0 END) AS quota \
        FROM open q CROSS JOIN share s), \
      due AS ( \
-       SELECT d.due_id, d.old_state, d.old_due FROM cut q CROSS JOIN LATERAL ( \
+       SELECT d.due_id, d.old_state, d.old_due, d.old_owner, d.old_at FROM cut q CROSS JOIN LATERAL ( \
          SELECT x.* FROM ( \
            SELECT l.priority FROM unnest(q.levels) WITH ORDINALITY AS l(priority, turn) \
            ORDER BY l.turn) lv \
          CROSS JOIN LATERAL ( \
-           SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due FROM records r \
+           SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due, \
+             r.lease_owner AS old_owner, r.claimed_at AS old_at FROM records r \
            WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.priority = lv.priority \
              AND r.next_run_at IS NOT NULL AND r.next_run_at <= $1 \
            ORDER BY r.next_run_at, r.id \
@@ -218,7 +219,7 @@ const CLAIM_DUE: &str = "\
            FOR NO KEY UPDATE SKIP LOCKED) x \
          LIMIT q.quota) d) \
      UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
-       lease_token = records.lease_token + 1, updated_at = $1 \
+       lease_token = records.lease_token + 1, updated_at = $1, claimed_at = $1 \
      FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due))";
 
 // `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
@@ -323,7 +324,7 @@ impl SqlDb for Postgres {
             .map(|(p, cap)| (p.clone(), i64::from(*cap)))
             .unzip();
         let sql = Self::statements().claim.get(|| {
-            format!("{LEVELS}, {CLAIM_DUE} RETURNING {RECORD_COLUMNS}, old_state, old_due")
+            format!("{LEVELS}, {CLAIM_DUE} RETURNING {RECORD_COLUMNS}, old_state, old_due, old_owner, old_at")
         });
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(req.now)
@@ -334,11 +335,16 @@ impl SqlDb for Postgres {
             .bind(caps)
             .fetch_all(&mut **tx)
             .await?;
-        let mut old_states = HashMap::with_capacity(rows.len());
+        let mut taken_from = HashMap::with_capacity(rows.len());
         let mut due_at = HashMap::with_capacity(rows.len());
         for row in &rows {
             let id: i64 = row.try_get("id")?;
-            old_states.insert(id, row.try_get::<String, _>("old_state")?);
+            let taken = Taken {
+                state: row.try_get("old_state")?,
+                owner: row.try_get("old_owner")?,
+                at: row.try_get("old_at")?,
+            };
+            taken_from.insert(id, taken);
             due_at.insert(id, row.try_get::<i64, _>("old_due")?);
         }
         let mut claimed = map_sealed(&rows, keys, MapRow::record)?;
@@ -349,7 +355,7 @@ impl SqlDb for Postgres {
             (std::cmp::Reverse(r.priority), due, r.id)
         });
         let claimed = fair::interleave(claimed, |r| (r.pipeline.clone(), r.group.clone()));
-        Ok((claimed, old_states))
+        Ok((claimed, taken_from))
     }
 
     async fn queue_heads_in(pool: &PgPool) -> StoreResult<Vec<(String, String, UnixMs)>> {

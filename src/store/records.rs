@@ -485,6 +485,8 @@ where
             step: Some(&req.step),
             reason: Some(&req.reason),
             detail: Some(&detail),
+            claimed_at: None,
+            claimed_by: None,
         };
         self.reverse_steps(&mut tx, &installation, rec.id, req, decided.steps)
             .await?;

@@ -29,7 +29,7 @@ pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> StoreResult
 /// The column lists the mappers below expect, in one place.
 pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, group_key, priority, state, input, \
      next_run_at, lease_owner, lease_until, lease_token, step, provider, error_code, reason, \
-     created_at, updated_at, finished_at, park_until_at, park_until_provider, parent_id, parent_step";
+     created_at, updated_at, finished_at, park_until_at, park_until_provider, parent_id, parent_step, claimed_at";
 pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
      job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, cause";
 pub(crate) const STEP_VERSION_COLUMNS: &str = "record_id, step, generation, state, output, job_id, error_code, cause, \
@@ -175,6 +175,7 @@ where
             ),
             parent_id: self.try_get("parent_id")?,
             parent_step: self.try_get("parent_step")?,
+            claimed_at: self.try_get("claimed_at")?,
         })
     }
 

@@ -410,6 +410,8 @@ where
                             step: None,
                             reason: Some(&reason),
                             detail: Some(&detail),
+                            claimed_at: None,
+                            claimed_by: None,
                         },
                     )
                     .await?;
@@ -999,31 +1001,34 @@ where
         Ok(())
     }
 
-    /// The events and counter moves of a claim: `old_states` maps
-    /// each claimed id to the state it was taken from. A record
-    /// taken from `running` had an expired lease, recorded first.
+    /// The events and counter moves of a claim: `taken` maps each
+    /// claimed id to what it was taken from. A claim writes no event of
+    /// its own: the event that ends the pass keeps when it was claimed
+    /// (migration 34). A record taken from `running` had a lease that ran
+    /// out: its `lease_expired` keeps that lapsed pass's claim.
     pub(crate) fn claim_moves<'e>(
         claimed: &[Record],
-        old_states: &std::collections::HashMap<i64, String>,
+        taken: &'e std::collections::HashMap<i64, crate::store::Taken>,
         now: UnixMs,
         actor: &'e str,
     ) -> StoreResult<(Vec<EventRow<'e>>, CountDeltas)> {
-        let mut events = Vec::with_capacity(claimed.len());
+        let mut events = Vec::new();
         let mut deltas = CountDeltas::default();
         for rec in claimed {
-            let old = old_states.get(&rec.id).map_or("", String::as_str);
-            let old: RecordState = crate::store::rows::parse(old, "record state")?;
+            let Some(was) = taken.get(&rec.id) else {
+                return Err(StoreError::Invalid(format!(
+                    "record {} was claimed from no known state",
+                    rec.id
+                )));
+            };
+            let old: RecordState = crate::store::rows::parse(&was.state, "record state")?;
             let mut from = old;
-            let mut steps = vec![Trigger::Claim];
             if old == RecordState::Running {
-                steps.insert(0, Trigger::LeaseExpired);
-            }
-            for trigger in steps {
-                let to = transition(from, trigger)?;
+                let to = transition(from, Trigger::LeaseExpired)?;
                 events.push(EventRow {
                     record_id: Some(rec.id),
                     at: now,
-                    kind: trigger.kind(),
+                    kind: Trigger::LeaseExpired.kind(),
                     actor,
                     audit: false,
                     from: Some(from),
@@ -1031,10 +1036,13 @@ where
                     step: None,
                     reason: None,
                     detail: None,
+                    claimed_at: was.at,
+                    claimed_by: was.owner.as_deref(),
                 });
                 from = to;
             }
-            deltas.state_moved(rec, old, from);
+            let to = transition(from, Trigger::Claim)?;
+            deltas.state_moved(rec, old, to);
         }
         Ok((events, deltas))
     }
@@ -1413,6 +1421,8 @@ where
                 step: None,
                 reason: None,
                 detail: None,
+                claimed_at: None,
+                claimed_by: None,
             })
             .collect();
         self.insert_events(tx, &events).await?;
@@ -1775,6 +1785,8 @@ where
             step: plan.event_step.as_deref(),
             reason: req.reason.as_deref(),
             detail: plan.detail.as_ref(),
+            claimed_at: None,
+            claimed_by: None,
         };
         let mut moved = self
             .move_record(

@@ -22,7 +22,7 @@ use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
 use super::rows::{MapRow, RECORD_COLUMNS, map_sealed};
 use super::sql::SqlStore;
-use super::{ClaimRequest, Claimed, ConnectOptions, StoreError, StoreResult};
+use super::{ClaimRequest, Claimed, ConnectOptions, StoreError, StoreResult, Taken};
 use crate::domain::{UnixMs, fair};
 
 /// The unexpired leases of each group of the pipelines that cap their
@@ -58,15 +58,15 @@ async fn due_in_queue(
     (pipeline, group, levels): (&str, &str, &[i64]),
     now: UnixMs,
     take: u32,
-) -> StoreResult<Vec<(i64, String)>> {
-    let mut due: Vec<(i64, String)> = Vec::new();
+) -> StoreResult<Vec<(i64, Taken)>> {
+    let mut due: Vec<(i64, Taken)> = Vec::new();
     for level in levels {
         let left = i64::from(take) - i64::try_from(due.len()).unwrap_or(i64::MAX);
         if left <= 0 {
             break;
         }
-        let rows: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT id, state FROM records WHERE pipeline = $1 AND group_key = $2 AND priority = $3 \
+        let rows: Vec<(i64, String, Option<String>, Option<i64>)> = sqlx::query_as(
+            "SELECT id, state, lease_owner, claimed_at FROM records WHERE pipeline = $1 AND group_key = $2 AND priority = $3 \
              AND next_run_at IS NOT NULL AND next_run_at <= $4 ORDER BY next_run_at, id LIMIT $5",
         )
         .bind(pipeline)
@@ -76,7 +76,10 @@ async fn due_in_queue(
         .bind(left)
         .fetch_all(&mut *conn)
         .await?;
-        due.extend(rows);
+        due.extend(
+            rows.into_iter()
+                .map(|(id, state, owner, at)| (id, Taken { state, owner, at })),
+        );
     }
     Ok(due)
 }
@@ -489,10 +492,10 @@ impl SqlDb for Sqlite {
             return Ok(Default::default());
         }
         let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
-        let old_states: std::collections::HashMap<i64, String> = due.into_iter().collect();
+        let taken_from: std::collections::HashMap<i64, Taken> = due.into_iter().collect();
         let sql = Self::statements().claim.get(|| format!(
             "UPDATE records SET state = 'running', lease_owner = $1, lease_until = $2, next_run_at = $2, \
-             lease_token = lease_token + 1, updated_at = $3 \
+             lease_token = lease_token + 1, updated_at = $3, claimed_at = $3 \
              WHERE id IN (SELECT value FROM json_each($4)) RETURNING {RECORD_COLUMNS}"
         ));
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -509,7 +512,7 @@ impl SqlDb for Sqlite {
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         claimed.sort_by_key(|r| order.get(&r.id).copied());
         let claimed = fair::interleave(claimed, |r| (r.pipeline.clone(), r.group.clone()));
-        Ok((claimed, old_states))
+        Ok((claimed, taken_from))
     }
 
     async fn queue_heads_in(pools: &SqlitePools) -> StoreResult<Vec<(String, String, UnixMs)>> {

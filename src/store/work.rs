@@ -154,10 +154,10 @@ where
             return Err(StoreError::Invalid("lease owner is empty".into()));
         }
         let mut tx = self.begin_write().await?;
-        let (claimed, old_states) = DB::claim_in(&mut tx, req, &self.keyring()).await?;
+        let (claimed, taken) = DB::claim_in(&mut tx, req, &self.keyring()).await?;
         if !claimed.is_empty() {
             let actor = node_actor(&req.owner);
-            let (events, deltas) = Self::claim_moves(&claimed, &old_states, req.now, &actor)?;
+            let (events, deltas) = Self::claim_moves(&claimed, &taken, req.now, &actor)?;
             self.insert_events(&mut tx, &events).await?;
             Self::apply_counts(&mut tx, &deltas).await?;
         }
@@ -217,6 +217,8 @@ where
                 step: None,
                 reason: Some(crate::domain::SHUTDOWN_REASON),
                 detail: None,
+                claimed_at: rec.claimed_at,
+                claimed_by: None,
             };
             self.move_record(
                 &mut tx,
@@ -291,18 +293,7 @@ where
                 }
             };
             if let (Some(result), Some(to)) = (c.result, to) {
-                events.push(EventRow {
-                    record_id: Some(rec.id),
-                    at: c.now,
-                    kind: Trigger::Worked(result).kind(),
-                    actor,
-                    audit: false,
-                    from: Some(rec.state),
-                    to: Some(to),
-                    step: c.step.as_deref(),
-                    reason: c.reason.as_deref(),
-                    detail: None,
-                });
+                events.push(worked(c, rec, (result, to), actor));
             }
             // The step (and so the provider) may have changed too.
             deltas.record_moved(rec, &after);
@@ -689,6 +680,30 @@ impl<'c> Then<'c> {
         if let Some((names, cause)) = &c.rerun {
             self.reruns.push((after.id, names, cause, c.now));
         }
+    }
+}
+
+/// The event of a pass's result, with the pass's claim folded in (the
+/// claim's time is in the record's `claimed_at`).
+fn worked<'c>(
+    c: &'c Commit,
+    rec: &Record,
+    (result, to): (crate::domain::WorkResult, RecordState),
+    actor: &'c str,
+) -> EventRow<'c> {
+    EventRow {
+        record_id: Some(rec.id),
+        at: c.now,
+        kind: Trigger::Worked(result).kind(),
+        actor,
+        audit: false,
+        from: Some(rec.state),
+        to: Some(to),
+        step: c.step.as_deref(),
+        reason: c.reason.as_deref(),
+        detail: None,
+        claimed_at: rec.claimed_at,
+        claimed_by: None,
     }
 }
 

@@ -3145,3 +3145,107 @@ async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
     assert_eq!(step_runs.len(), n as usize - 1);
     assert_counts_consistent(db).await;
 }
+
+/// A claim writes no event row (migration 34): the event that ends the
+/// pass keeps when it was claimed, and a record's events put each claim
+/// back, with its node and time, lapsed passes and the pass under way
+/// included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_is_folded_into_its_pass_end() {
+    for backend in [
+        ballast::store::Backend::Sqlite,
+        ballast::store::Backend::Postgres,
+    ] {
+        let Some(t) = crate::helpers::TestDb::migrated(backend, "claims_folded").await else {
+            continue;
+        };
+        let db = &t.db;
+        let rec = db
+            .create_record(new_record("p", Some("x"), T0), T0)
+            .await
+            .unwrap()
+            .record;
+        let a = db.claim_due(&claim("a", T0 + 5, 10)).await.unwrap();
+        let seen = |events: Vec<ballast::domain::Event>| -> Vec<(String, String, i64)> {
+            events
+                .into_iter()
+                .map(|e| (e.kind, e.actor, e.at))
+                .collect()
+        };
+        let s = |v: &str| v.to_owned();
+        assert_eq!(
+            seen(db.record_events(rec.id).await.unwrap()),
+            vec![
+                (s("created"), s("system"), T0),
+                (s("claimed"), s("node:a"), T0 + 5)
+            ],
+            "{backend:?}: the pass under way"
+        );
+        assert_eq!(
+            stored_events(&t, rec.id).await,
+            1,
+            "{backend:?}: no row for the claim"
+        );
+        // a's lease runs out; b takes the record over and finishes it.
+        let b = db.claim_due(&claim("b", T0 + 30_005, 10)).await.unwrap();
+        assert_eq!(b[0].lease_token, a[0].lease_token + 1);
+        db.commit(&Commit::new(
+            b[0].lease().unwrap(),
+            T0 + 30_100,
+            Some(WorkResult::Completed),
+        ))
+        .await
+        .unwrap();
+        let events = db.record_events(rec.id).await.unwrap();
+        let froms: Vec<Option<RecordState>> = events.iter().map(|e| e.from_state).collect();
+        assert_eq!(
+            seen(events),
+            vec![
+                (s("created"), s("system"), T0),
+                (s("claimed"), s("node:a"), T0 + 5),
+                (s("lease_expired"), s("node:b"), T0 + 30_005),
+                (s("claimed"), s("node:b"), T0 + 30_005),
+                (s("completed"), s("node:b"), T0 + 30_100),
+            ],
+            "{backend:?}"
+        );
+        use RecordState::*;
+        assert_eq!(
+            froms,
+            vec![
+                None,
+                Some(Pending),
+                Some(Running),
+                Some(Pending),
+                Some(Running)
+            ]
+        );
+        assert_eq!(
+            stored_events(&t, rec.id).await,
+            3,
+            "{backend:?}: created, lease_expired, completed"
+        );
+        assert_counts_consistent(db).await;
+    }
+}
+
+/// The rows `events` holds for a record, read past the store.
+async fn stored_events(t: &crate::helpers::TestDb, record_id: i64) -> i64 {
+    use sqlx::Connection;
+    let sql = "SELECT COUNT(*) FROM events WHERE record_id = $1";
+    if t.pg_name().is_some() {
+        let mut c = sqlx::PgConnection::connect(&t.url).await.unwrap();
+        sqlx::query_scalar(sql)
+            .bind(record_id)
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    } else {
+        let mut c = sqlx::SqliteConnection::connect(&t.url).await.unwrap();
+        sqlx::query_scalar(sql)
+            .bind(record_id)
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    }
+}
