@@ -39,18 +39,20 @@ pub fn unfold(
     under_way: Option<(&str, UnixMs)>,
 ) -> Vec<Event> {
     let mut out: Vec<Event> = Vec::with_capacity(events.len() * 2 + 1);
-    let mut ended = Vec::new();
+    let mut last_folded = None;
     for (event, folded) in events {
         if let Some(f) = folded {
             let actor =
                 f.by.as_deref()
                     .map_or_else(|| event.actor.clone(), node_actor);
             put_back(&mut out, (event.id, event.record_id), f.at, actor);
-            ended.push(f.at);
+            last_folded = Some(f.at);
         }
         out.push(event);
     }
-    if let Some((owner, at)) = under_way.filter(|(_, at)| !ended.contains(at)) {
+    // The lease is read first: a pass that ended before the events were
+    // read has its claim folded into the last event that carries one.
+    if let Some((owner, at)) = under_way.filter(|(_, at)| last_folded != Some(*at)) {
         let id = out.last().map_or(0, |e| e.id);
         put_back(&mut out, (id, Some(record_id)), at, node_actor(owner));
     }

@@ -920,9 +920,9 @@ pub(crate) struct EventRow<'a> {
     /// On an event that ends a pass (it leaves `running`): when the pass
     /// was claimed, which has no row of its own (migration 34).
     pub claimed_at: Option<UnixMs>,
-    /// The lease owner (node id) that claimed it, when not the event's
-    /// actor (a lapsed lease, whose `lease_expired` the next claimer
-    /// writes).
+    /// The lease owner (node id) that claimed it, on a `lease_expired`
+    /// (which the next claimer writes, as its actor); none elsewhere,
+    /// where the event's actor claimed.
     pub claimed_by: Option<&'a str>,
 }
 

@@ -3166,6 +3166,16 @@ async fn a_claim_is_folded_into_its_pass_end() {
             .unwrap()
             .record;
         let a = db.claim_due(&claim("a", T0 + 5, 10)).await.unwrap();
+        // A checkpoint mid-pass (the record stays running) moves
+        // `updated_at`, not the claim's time.
+        let mid = db
+            .commit(&Commit::new(a[0].lease().unwrap(), T0 + 10, None))
+            .await
+            .unwrap();
+        assert_eq!(
+            (mid.state, mid.updated_at, mid.claimed_at),
+            (RecordState::Running, T0 + 10, Some(T0 + 5))
+        );
         let seen = |events: Vec<ballast::domain::Event>| -> Vec<(String, String, i64)> {
             events
                 .into_iter()
@@ -3189,6 +3199,9 @@ async fn a_claim_is_folded_into_its_pass_end() {
         // a's lease runs out; b takes the record over and finishes it.
         let b = db.claim_due(&claim("b", T0 + 30_005, 10)).await.unwrap();
         assert_eq!(b[0].lease_token, a[0].lease_token + 1);
+        db.commit(&Commit::new(b[0].lease().unwrap(), T0 + 30_050, None))
+            .await
+            .unwrap();
         db.commit(&Commit::new(
             b[0].lease().unwrap(),
             T0 + 30_100,
