@@ -105,6 +105,7 @@ fn put_back(out: &mut Vec<Event>, (id, record_id): (i64, Option<i64>), at: UnixM
 mod tests {
     use super::*;
     use RecordState::*;
+    use proptest::prelude::*;
 
     fn ev(id: i64, kind: &str, actor: &str, from: Option<RecordState>, to: RecordState) -> Event {
         Event {
@@ -285,5 +286,189 @@ mod tests {
             (alone[0].record_id, alone[0].actor.as_str()),
             (Some(7), "node:a")
         );
+    }
+
+    /// How a generated pass ends.
+    #[derive(Debug, Clone, Copy)]
+    enum End {
+        Worked(RecordState),
+        Released,
+        /// Its lease runs out; the next pass's claim finds it.
+        Lapsed,
+    }
+
+    fn any_pass() -> impl Strategy<Value = Pass> {
+        let end = prop_oneof![
+            proptest::sample::select(vec![Pending, Retrying, Waiting, Succeeded, Failed, Parked])
+                .prop_map(End::Worked),
+            Just(End::Released),
+            Just(End::Lapsed),
+        ];
+        (
+            0u8..3,
+            0i64..50,
+            any::<bool>(),
+            any::<bool>(),
+            end,
+            1i64..50,
+        )
+    }
+
+    fn row(
+        kind: &str,
+        actor: String,
+        at: i64,
+        from: Option<RecordState>,
+        to: Option<RecordState>,
+    ) -> Event {
+        Event {
+            id: 0,
+            record_id: Some(7),
+            at,
+            kind: kind.to_owned(),
+            actor,
+            audit: false,
+            from_state: from,
+            to_state: to,
+            step: None,
+            reason: None,
+            detail: None,
+        }
+    }
+
+    type Shown = Vec<(
+        String,
+        String,
+        i64,
+        Option<RecordState>,
+        Option<RecordState>,
+    )>;
+
+    fn shown(events: &[Event]) -> Shown {
+        events
+            .iter()
+            .map(|e| {
+                (
+                    e.kind.clone(),
+                    e.actor.clone(),
+                    e.at,
+                    e.from_state,
+                    e.to_state,
+                )
+            })
+            .collect()
+    }
+
+    /// A generated pass: node, gap before its claim, a recorded reversal,
+    /// an unconfirmed result, its end, its length.
+    type Pass = (u8, i64, bool, bool, End, i64);
+
+    /// The history as stored with claim rows, the same with each claim
+    /// folded, and the pass under way (its node and claim time).
+    type BothWays = (
+        Vec<Event>,
+        Vec<(Event, Option<Folded>)>,
+        Option<(String, UnixMs)>,
+    );
+
+    /// A record's passes written both ways: with a `claimed` row per
+    /// claim (as before migration 34) and with each claim folded.
+    fn both_ways(passes: &[Pass], under_way: bool) -> BothWays {
+        let mut stored = vec![row("created", "system".into(), 0, None, Some(Pending))];
+        let mut folded = vec![(stored[0].clone(), None)];
+        let (mut now, mut state) = (0, Pending);
+        let mut lapsed: Option<(String, i64)> = None;
+        let mut current = None;
+        for (i, &(node, gap, reversal, unconfirmed, end, length)) in passes.iter().enumerate() {
+            let node = format!("n{node}");
+            now += gap;
+            if let Some((owner, claimed)) = lapsed.take() {
+                let expired = row(
+                    "lease_expired",
+                    node_actor(&node),
+                    now,
+                    Some(Running),
+                    Some(Pending),
+                );
+                stored.push(expired.clone());
+                folded.push((
+                    expired,
+                    Some(Folded {
+                        at: claimed,
+                        by: Some(owner),
+                    }),
+                ));
+                state = Pending;
+            }
+            let claimed = now;
+            stored.push(row(
+                KIND,
+                node_actor(&node),
+                claimed,
+                Some(state),
+                Some(Running),
+            ));
+            let mut during = Vec::new();
+            if reversal {
+                now += 1;
+                during.push(row(
+                    "reversed",
+                    "system".into(),
+                    now,
+                    Some(Running),
+                    Some(Running),
+                ));
+            }
+            if unconfirmed {
+                now += 1;
+                during.push(row("unconfirmed", "system".into(), now, None, None));
+            }
+            for e in during {
+                stored.push(e.clone());
+                folded.push((e, None));
+            }
+            now += length;
+            let last = i + 1 == passes.len();
+            if last && under_way {
+                current = Some((node, claimed));
+                break;
+            }
+            let done = |kind: &str, to| row(kind, node_actor(&node), now, Some(Running), Some(to));
+            let ended = match end {
+                End::Worked(to) if !last || matches!(to, Succeeded | Failed | Parked) => {
+                    done("worked", to)
+                }
+                End::Worked(_) | End::Released => done("released", Pending),
+                End::Lapsed if last => done("released", Pending),
+                End::Lapsed => {
+                    lapsed = Some((node, claimed));
+                    continue;
+                }
+            };
+            state = ended.to_state.unwrap_or(Pending);
+            stored.push(ended.clone());
+            folded.push((
+                ended,
+                Some(Folded {
+                    at: claimed,
+                    by: None,
+                }),
+            ));
+        }
+        (stored, folded, current)
+    }
+
+    proptest! {
+        /// Folding each claim into the event that ended its pass and
+        /// unfolding gives back the history as an older version stored it.
+        #[test]
+        fn unfolding_gives_back_every_claim_where_it_was(
+            passes in proptest::collection::vec(any_pass(), 1..8),
+            under_way in any::<bool>(),
+        ) {
+            let (stored, folded, current) = both_ways(&passes, under_way);
+            let lease = current.as_ref().map(|(o, at)| (o.as_str(), *at));
+            prop_assert_eq!(shown(&unfold(7, folded, lease)), shown(&stored));
+        }
     }
 }
