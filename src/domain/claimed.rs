@@ -110,16 +110,7 @@ mod tests {
     fn ev(id: i64, kind: &str, actor: &str, from: Option<RecordState>, to: RecordState) -> Event {
         Event {
             id,
-            record_id: Some(7),
-            at: id * 10,
-            kind: kind.to_owned(),
-            actor: actor.to_owned(),
-            audit: false,
-            from_state: from,
-            to_state: Some(to),
-            step: None,
-            reason: None,
-            detail: None,
+            ..row(kind, actor.to_owned(), id * 10, from, Some(to))
         }
     }
 
