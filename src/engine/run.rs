@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 
 use super::supervisor::Supervisor;
 use super::{Engine, Inner, Stopping, lock};
-use crate::domain::{Record, StepRun};
+use crate::domain::{Record, StepRun, UnixMs};
 use crate::store::{ClaimRequest, Db, Lease, StoreError};
 
 /// How stale a SQLite node's view of other processes' provider changes
@@ -19,7 +19,7 @@ use crate::store::{ClaimRequest, Db, Lease, StoreError};
 const PROVIDERS_READ_EVERY_MS: i64 = 100;
 
 /// How long an idle engine waits before claiming again when work is due
-/// that its last claim could not take (see `idle_sleep`).
+/// that its last claim could not take (see `idle_wait`).
 const DUE_BUT_TAKEN: Duration = Duration::from_millis(200);
 
 /// The most records one claim takes when more slots than a batch are free.
@@ -205,6 +205,8 @@ struct Dispatch<'a> {
     /// at once.
     ready: VecDeque<Claimed>,
     claiming: Option<ClaimFuture<'a>>,
+    /// The clock when the claim under way (or the last) was started.
+    claimed_from: UnixMs,
     /// Set after a claim that leaves nothing to start: the next claim
     /// waits for a wake-up, a freed slot (a pass started) or this instant.
     waiting: Option<tokio::time::Instant>,
@@ -219,6 +221,7 @@ impl<'a> Dispatch<'a> {
             batch: engine.inner.opts.batch.max(1) as usize,
             ready: VecDeque::new(),
             claiming: None,
+            claimed_from: 0,
             waiting: None,
         }
     }
@@ -262,6 +265,7 @@ impl<'a> Dispatch<'a> {
             && self.ready.len() < target.div_ceil(2)
         {
             let want = (target - self.ready.len()) as u32;
+            self.claimed_from = i.clock.now_ms();
             self.claiming = Some(Box::pin(self.engine.claim(want)));
         }
     }
@@ -316,7 +320,13 @@ impl<'a> Dispatch<'a> {
             // With work buffered, a freed slot is the signal: no need to
             // ask the database when work is due.
             let sleep = if self.ready.is_empty() {
-                idle_sleep(i).await
+                let next_due = i.db.next_due_at().await.ok().flatten();
+                idle_wait(
+                    next_due,
+                    self.claimed_from,
+                    i.clock.now_ms(),
+                    i.opts.idle_max,
+                )
             } else {
                 i.opts.idle_max
             };
@@ -363,22 +373,30 @@ impl<'a> Dispatch<'a> {
     }
 }
 
-/// Until the earliest due record, within `[10ms, idle_max]`, after a
-/// claim that found nothing to take. A record already due then is one
-/// the claim could not take: its group is at its cap (a lease of the
-/// group ending on this node wakes the engine; on another node, this
-/// wait bounds how late it is seen) or another node's claim holds it
-/// this moment. Either way asking again at once would only spin.
-async fn idle_sleep(i: &Inner) -> Duration {
-    let max = i.opts.idle_max;
-    match i.db.next_due_at().await {
-        Ok(Some(at)) if at <= i.clock.now_ms() => DUE_BUT_TAKEN.min(max),
-        Ok(Some(at)) => {
-            let wait = (at - i.clock.now_ms()).max(10);
-            Duration::from_millis(wait as u64).min(max)
+/// How long to wait after a claim that found nothing to take, started at
+/// `claimed_from`, given the earliest due time the store knows
+/// (`next_due`, none when it cannot say) and the clock now: until that
+/// record is due, within `[10ms, max]`. A record due when the claim
+/// started is one it could not take: its group is at its cap (a lease of
+/// the group ending on this node wakes the engine; on another node, this
+/// wait bounds how late it is seen) or another node's claim holds it this
+/// moment; asking again at once would only spin. One that fell due while
+/// the claim ran (a claim behind SQLite's writer takes tens of
+/// milliseconds) was not there to take: it waits 10 ms, not that longer
+/// wait.
+fn idle_wait(
+    next_due: Option<UnixMs>,
+    claimed_from: UnixMs,
+    now: UnixMs,
+    max: Duration,
+) -> Duration {
+    match next_due {
+        Some(at) if at <= claimed_from => DUE_BUT_TAKEN.min(max),
+        Some(at) => {
+            let wait = u64::try_from((at - now).max(10)).unwrap_or(10);
+            Duration::from_millis(wait).min(max)
         }
-        Ok(None) => max,
-        Err(_) => max,
+        None => max,
     }
 }
 
@@ -405,5 +423,54 @@ mod tests {
         // A limit shorter than three turns waits for three.
         assert!(turned(s(102), s(100), Duration::from_millis(500)));
         assert!(!turned(s(103), s(100), Duration::from_millis(500)));
+    }
+
+    const MAX: Duration = Duration::from_secs(2);
+
+    #[test]
+    fn after_an_empty_claim_what_falls_due_is_awaited_and_what_was_left_is_not_spun_on() {
+        let ms = Duration::from_millis;
+        // Due when the claim started, and not taken: the longer wait.
+        assert_eq!(idle_wait(Some(990), 1_000, 1_040, MAX), DUE_BUT_TAKEN);
+        assert_eq!(idle_wait(Some(1_000), 1_000, 1_040, MAX), DUE_BUT_TAKEN);
+        // Fell due while the claim ran (40 ms here): 10 ms, not 200.
+        assert_eq!(idle_wait(Some(1_001), 1_000, 1_040, MAX), ms(10));
+        assert_eq!(idle_wait(Some(1_039), 1_000, 1_040, MAX), ms(10));
+        // Due later: until then, at least 10 ms.
+        assert_eq!(idle_wait(Some(1_045), 1_000, 1_040, MAX), ms(10));
+        assert_eq!(idle_wait(Some(1_540), 1_000, 1_040, MAX), ms(500));
+        // Nothing due (or no answer), or due past the longest wait.
+        assert_eq!(idle_wait(None, 1_000, 1_040, MAX), MAX);
+        assert_eq!(idle_wait(Some(60_000), 1_000, 1_040, MAX), MAX);
+        // A shorter longest wait bounds the others.
+        assert_eq!(idle_wait(Some(990), 1_000, 1_040, ms(50)), ms(50));
+    }
+
+    proptest::proptest! {
+        /// After an empty claim, a record that was not due when the claim
+        /// started is asked for again by the later of its due time and 10
+        /// ms from now (within the longest wait), never before it is due;
+        /// one that was due and not taken is not asked for again sooner
+        /// than DUE_BUT_TAKEN (within the longest wait).
+        #[test]
+        fn an_empty_claim_waits_for_the_next_due_record_and_never_spins(
+            claimed_from in 0i64..10_000,
+            took in 0i64..300,
+            due in proptest::option::of(-1_000i64..20_000),
+            max_ms in 10u64..5_000,
+        ) {
+            let (now, max) = (claimed_from + took, Duration::from_millis(max_ms));
+            let wait = idle_wait(due, claimed_from, now, max);
+            proptest::prop_assert!(wait <= max);
+            let asked_at = now + i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+            match due {
+                Some(at) if at > claimed_from => {
+                    proptest::prop_assert!(asked_at <= at.max(now + 10));
+                    proptest::prop_assert!(asked_at >= at.min(now + max_ms as i64));
+                }
+                Some(_) => proptest::prop_assert_eq!(wait, DUE_BUT_TAKEN.min(max)),
+                None => proptest::prop_assert_eq!(wait, max),
+            }
+        }
     }
 }
