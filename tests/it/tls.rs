@@ -182,12 +182,20 @@ async fn a_provider_behind_mutual_tls_gets_the_client_certificate() {
         assert_ne!(s, RecordState::Succeeded, "{name}");
         let attempts = t.db.attempts(*id).await.unwrap();
         assert_eq!(attempts.len(), 1, "{name}: {attempts:?}");
+        let code = attempts[0].error_code.as_deref();
+        // In TLS 1.3 a client the server refuses (no certificate, or a
+        // stranger's) has finished its side of the handshake and sent its
+        // request before the refusal reaches it; the server then closes
+        // with that request unread, and the reset this sends may overtake
+        // its alert (seen about one run in six under load, without a
+        // certificate). The client has then only the reset to go on: the
+        // server's own record below says why it refused. The client's
+        // own refusal (no CA) is always a TLS failure.
+        if *name != "noca" && code == Some("connection_reset") {
+            continue;
+        }
         // A refused handshake is a TLS failure, its reason kept.
-        assert_eq!(
-            attempts[0].error_code.as_deref(),
-            Some("tls_error"),
-            "{name}"
-        );
+        assert_eq!(code, Some("tls_error"), "{name}");
         let said = attempts[0].excerpt.clone().unwrap_or_default();
         let why = match *name {
             "nocert" => "CertificateRequired",
