@@ -45,7 +45,8 @@ impl Engine {
     /// Claims one batch and processes it to completion; returns how many
     /// records it handled. Tests drive the engine with this until it is idle.
     pub async fn execute_next(&self) -> Result<usize, StoreError> {
-        let claimed = self.claim(self.inner.opts.batch).await?;
+        let now = self.inner.clock.now_ms();
+        let claimed = self.claim(self.inner.opts.batch, now).await?;
         let n = claimed.len();
         let mut tasks = tokio::task::JoinSet::new();
         let running = Arc::new(Stopping::default());
@@ -57,9 +58,10 @@ impl Engine {
         Ok(n)
     }
 
-    /// Claims up to `limit` due records and reads their step runs in one
-    /// query (a record whose runs could not be read reads them in its pass).
-    async fn claim(&self, limit: u32) -> Result<Vec<Claimed>, StoreError> {
+    /// Claims up to `limit` records due at `now` and reads their step
+    /// runs in one query (a record whose runs could not be read reads them
+    /// in its pass).
+    async fn claim(&self, limit: u32, now: UnixMs) -> Result<Vec<Claimed>, StoreError> {
         let i = &self.inner;
         // Another process on the same SQLite file cannot notify this one:
         // its pauses and breaker changes are read here, at most every
@@ -74,7 +76,7 @@ impl Engine {
         }
         let req = ClaimRequest {
             owner: i.opts.node_id.clone(),
-            now: i.clock.now_ms(),
+            now,
             lease: i.opts.lease,
             limit,
             group_caps: i.setup().group_caps.clone(),
@@ -205,7 +207,7 @@ struct Dispatch<'a> {
     /// at once.
     ready: VecDeque<Claimed>,
     claiming: Option<ClaimFuture<'a>>,
-    /// The clock when the claim under way (or the last) was started.
+    /// The time the claim under way (or the last) took records due at.
     claimed_from: UnixMs,
     /// Set after a claim that leaves nothing to start: the next claim
     /// waits for a wake-up, a freed slot (a pass started) or this instant.
@@ -266,7 +268,8 @@ impl<'a> Dispatch<'a> {
         {
             let want = (target - self.ready.len()) as u32;
             self.claimed_from = i.clock.now_ms();
-            self.claiming = Some(Box::pin(self.engine.claim(want)));
+            let claim = self.engine.claim(want, self.claimed_from);
+            self.claiming = Some(Box::pin(claim));
         }
     }
 
@@ -373,11 +376,11 @@ impl<'a> Dispatch<'a> {
     }
 }
 
-/// How long to wait after a claim that found nothing to take, started at
-/// `claimed_from`, given the earliest due time the store knows
-/// (`next_due`, none when it cannot say) and the clock now: until that
-/// record is due, within `[10ms, max]`. A record due when the claim
-/// started is one it could not take: its group is at its cap (a lease of
+/// How long to wait after a claim of the records due at `claimed_from`
+/// that found nothing to take, given the earliest due time the store
+/// knows (`next_due`, none when it cannot say) and the clock now: until
+/// that record is due, within `[10ms, max]`. A record due at
+/// `claimed_from` is one the claim could not take: its group is at its cap (a lease of
 /// the group ending on this node wakes the engine; on another node, this
 /// wait bounds how late it is seen) or another node's claim holds it this
 /// moment; asking again at once would only spin. One that fell due while
@@ -456,10 +459,12 @@ mod tests {
         fn an_empty_claim_waits_for_the_next_due_record_and_never_spins(
             claimed_from in 0i64..10_000,
             took in 0i64..300,
-            due in proptest::option::of(-1_000i64..20_000),
+            due in proptest::option::of(-300i64..900),
             max_ms in 10u64..5_000,
         ) {
             let (now, max) = (claimed_from + took, Duration::from_millis(max_ms));
+            // Around the claim: before it, while it ran, and after.
+            let due = due.map(|d| claimed_from + d);
             let wait = idle_wait(due, claimed_from, now, max);
             proptest::prop_assert!(wait <= max);
             let asked_at = now + i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
@@ -467,6 +472,9 @@ mod tests {
                 Some(at) if at > claimed_from => {
                     proptest::prop_assert!(asked_at <= at.max(now + 10));
                     proptest::prop_assert!(asked_at >= at.min(now + max_ms as i64));
+                    // Never sooner than 10 ms: a claim at once would find
+                    // what fell due meanwhile, or spin on it.
+                    proptest::prop_assert!(wait >= Duration::from_millis(10));
                 }
                 Some(_) => proptest::prop_assert_eq!(wait, DUE_BUT_TAKEN.min(max)),
                 None => proptest::prop_assert_eq!(wait, max),
