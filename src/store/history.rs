@@ -122,8 +122,7 @@ where
     }
 
     async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
-        use crate::domain::claimed::{Folded, unfold};
-        use sqlx::Row;
+        use crate::domain::claimed::unfold;
         // The pass under way, if any: its claim is in the record. Read
         // before the events, so that a pass ending in between shows its
         // end (with its claim) and not a claim with no end.
@@ -142,15 +141,7 @@ where
             .bind(record_id)
             .fetch_all(self.reader())
             .await?;
-        let events = map_sealed(&rows, &self.keyring(), MapRow::event)?;
-        // The two columns read after EVENT_COLUMNS.
-        let claimed_at = EVENT_COLUMNS.split(',').count();
-        let mut folded = Vec::with_capacity(events.len());
-        for (event, row) in events.into_iter().zip(&rows) {
-            let at: Option<UnixMs> = row.try_get(claimed_at)?;
-            let by: Option<String> = row.try_get(claimed_at + 1)?;
-            folded.push((event, at.map(|at| Folded { at, by })));
-        }
+        let folded = map_sealed(&rows, &self.keyring(), MapRow::folded_event)?;
         let under_way = lease.as_ref().map(|(o, at)| (o.as_str(), *at));
         Ok(unfold(record_id, folded, under_way))
     }

@@ -7,6 +7,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::auth::seal::{Field, Keyring};
 use crate::domain::breaker::SharedBreaker;
+use crate::domain::claimed::Folded;
 use crate::domain::permits::GrantRow;
 use crate::domain::{
     ApiToken, Attempt, Event, Node, PipelineVersion, ProviderState, Record, RecordState,
@@ -76,6 +77,9 @@ pub trait MapRow {
     fn intent(&self, k: &Keyring) -> StoreResult<crate::domain::Intent>;
     /// An `events` row, read with [`EVENT_COLUMNS`].
     fn event(&self, k: &Keyring) -> StoreResult<Event>;
+    /// An `events` row read with [`EVENT_COLUMNS`], `claimed_at` and
+    /// `claimed_by`, with the claim folded into it (migration 34).
+    fn folded_event(&self, k: &Keyring) -> StoreResult<(Event, Option<Folded>)>;
     /// A `users` row, read with [`USER_COLUMNS`].
     fn user(&self) -> StoreResult<User>;
     /// An `api_tokens` row, read with [`API_TOKEN_COLUMNS`].
@@ -279,6 +283,12 @@ where
             reason: self.try_get("reason")?,
             detail: self.sealed_json("detail", Field::Detail, k)?,
         })
+    }
+
+    fn folded_event(&self, k: &Keyring) -> StoreResult<(Event, Option<Folded>)> {
+        let at: Option<crate::domain::UnixMs> = self.try_get("claimed_at")?;
+        let by: Option<String> = self.try_get("claimed_by")?;
+        Ok((self.event(k)?, at.map(|at| Folded { at, by })))
     }
 
     fn user(&self) -> StoreResult<User> {

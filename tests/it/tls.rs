@@ -183,6 +183,7 @@ async fn a_provider_behind_mutual_tls_gets_the_client_certificate() {
         let attempts = t.db.attempts(*id).await.unwrap();
         assert_eq!(attempts.len(), 1, "{name}: {attempts:?}");
         let code = attempts[0].error_code.as_deref();
+        let said = attempts[0].excerpt.clone().unwrap_or_default();
         // In TLS 1.3 a client the server refuses (no certificate, or a
         // stranger's) has finished its side of the handshake and sent its
         // request before the refusal reaches it; the server then closes
@@ -193,7 +194,6 @@ async fn a_provider_behind_mutual_tls_gets_the_client_certificate() {
         // record below says why it refused. The client's own refusal (no
         // CA) is always a TLS failure.
         if *name != "noca" && code == Some("connection_reset") {
-            let said = attempts[0].excerpt.clone().unwrap_or_default();
             let reset = ["reset", "connection closed", "broken pipe"];
             assert!(
                 reset.iter().any(|w| said.to_ascii_lowercase().contains(w)),
@@ -203,7 +203,6 @@ async fn a_provider_behind_mutual_tls_gets_the_client_certificate() {
         }
         // A refused handshake is a TLS failure, its reason kept.
         assert_eq!(code, Some("tls_error"), "{name}");
-        let said = attempts[0].excerpt.clone().unwrap_or_default();
         let why = match *name {
             "nocert" => "CertificateRequired",
             "stranger" => "UnknownCA",
