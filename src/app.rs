@@ -176,7 +176,9 @@ pub async fn run_on_clock(
     // long migration may come first), and read as a reload once serving.
     #[cfg(unix)]
     let hangups = hangups();
-    // Metrics are recorded from the start, not from the first scrape.
+    // Metrics are recorded from the start, not from the first scrape; and
+    // before `assemble`: provider runtimes keep the handles they register
+    // (`engine::call_metrics`), which count into the recorder of the time.
     let _ = crate::web::metrics::handle();
     let db = ready_database(&config).await?;
     let grace = config.server.shutdown_grace.0;

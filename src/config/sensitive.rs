@@ -40,6 +40,17 @@ fn rules(fields: &[SensitiveField]) -> Vec<Rule> {
 }
 
 impl Config {
+    /// Whether nothing of `pipeline`'s records is masked: it is known and
+    /// no pipeline or provider names a sensitive field (so
+    /// [`sensitive_rules`](Self::sensitive_rules) and
+    /// [`reply_rules`](Self::reply_rules) are empty for it), found without
+    /// building either: what every call asks first.
+    pub fn masks_nothing(&self, pipeline: &str) -> bool {
+        self.pipelines.contains_key(pipeline)
+            && self.pipelines.values().all(|p| p.sensitive.is_empty())
+            && self.providers.values().all(|p| p.sensitive.is_empty())
+    }
+
     /// What records of `pipeline` are masked by: its own fields; the input
     /// fields of the pipelines that start it with their own input (a
     /// `pipeline` step without an `input` template), however far up; the
@@ -239,6 +250,59 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `masks_nothing` (every call's first question) says so only where
+    /// the rules it spares building are empty; a sensitive field of any
+    /// pipeline or provider, or a pipeline not known here, is a no.
+    #[test]
+    fn masks_nothing_only_where_every_rule_is_empty() {
+        let plain = r#"
+[providers.kyc]
+base_url = "http://k.example"
+[pipelines.verify]
+[[pipelines.verify.steps]]
+name = "check"
+provider = "kyc"
+request = { method = "POST", path = "/c", body = '{}' }
+outputs = { person = "/person" }
+"#;
+        let with = |provider: &str, pipeline: &str| {
+            let text = plain
+                .replace(
+                    "[pipelines.verify]\n",
+                    &format!("[pipelines.verify]\n{pipeline}"),
+                )
+                .replace(
+                    "base_url = \"http://k.example\"\n",
+                    &format!("base_url = \"http://k.example\"\n{provider}"),
+                );
+            Config::parse(&text, std::path::Path::new("s.toml")).unwrap()
+        };
+        let none = with("", "");
+        assert!(none.masks_nothing("verify"));
+        assert!(none.sensitive_rules("verify").is_empty());
+        assert!(none.reply_rules("verify", "check", "kyc").is_empty());
+        assert!(
+            !none.masks_nothing("elsewhere"),
+            "unknown here: masked whole"
+        );
+        // Another pipeline's field is enough (a parent's input may be its
+        // child's): no short cut, the rules decide.
+        let mut other = with("", "");
+        let mut elsewhere = other.pipelines["verify"].clone();
+        elsewhere.sensitive = vec![SensitiveField::Pointer("/input/ssn".into())];
+        other.pipelines.insert("other".into(), elsewhere);
+        assert!(!other.masks_nothing("verify"));
+        for config in [
+            with("sensitive = [\"/person/ssn\"]\n", ""),
+            with("", "sensitive = [\"/input/ssn\"]\n"),
+        ] {
+            assert!(!config.masks_nothing("verify"));
+            let rules = config.sensitive_rules("verify").len()
+                + config.reply_rules("verify", "check", "kyc").len();
+            assert!(rules > 0);
+        }
+    }
 
     #[test]
     fn a_providers_sensitive_reply_fields_follow_the_outputs_taken_from_them() {

@@ -24,6 +24,7 @@ pub mod park;
 pub mod pass;
 pub mod permits;
 pub mod pipeline;
+pub mod pointer;
 pub mod request;
 pub mod reversal;
 pub mod rules;

@@ -90,32 +90,48 @@ fn clean(text: &str, secrets: &[&str]) -> String {
     super::storable_text(text, secrets).unwrap_or_else(|| text.to_owned())
 }
 
+/// Header names that carry a credential, whole (any case).
+const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "apikey",
+    "x-apikey",
+];
+
+/// Parts of a header name that say it carries a credential.
+const CREDENTIAL_HEADER_PARTS: &[&str] = &[
+    "token",
+    "secret",
+    "password",
+    "session",
+    "signature",
+    "api-key",
+    "apikey",
+    "subscription-key",
+];
+
 /// Whether a header's name says it carries a credential.
 pub fn is_credential_header(name: &str) -> bool {
-    let n = name.to_ascii_lowercase();
-    if n == "idempotency-key" {
+    // Any case, compared in place: asked of every header of every call.
+    if name.eq_ignore_ascii_case("idempotency-key") {
         return false;
     }
-    const EXACT: &[&str] = &[
-        "authorization",
-        "proxy-authorization",
-        "cookie",
-        "x-api-key",
-        "api-key",
-        "apikey",
-        "x-apikey",
-    ];
-    const PARTS: &[&str] = &[
-        "token",
-        "secret",
-        "password",
-        "session",
-        "signature",
-        "api-key",
-        "apikey",
-        "subscription-key",
-    ];
-    EXACT.contains(&n.as_str()) || PARTS.iter().any(|p| n.contains(p))
+    CREDENTIAL_HEADERS
+        .iter()
+        .any(|e| name.eq_ignore_ascii_case(e))
+        || CREDENTIAL_HEADER_PARTS
+            .iter()
+            .any(|p| contains_ignore_ascii_case(name, p))
+}
+
+/// Whether `hay` holds `needle` (lower case ASCII) in any case.
+fn contains_ignore_ascii_case(hay: &str, needle: &str) -> bool {
+    hay.as_bytes()
+        .windows(needle.len())
+        .any(|w| w.eq_ignore_ascii_case(needle.as_bytes()))
 }
 
 /// Whether a query parameter's name says it carries a credential.
@@ -293,6 +309,20 @@ mod tests {
         let body = sent.body.unwrap_or_default();
         assert_eq!(body.len(), EXCERPT_MAX_BYTES);
         assert!(!body.contains("sk-live"));
+    }
+
+    proptest::proptest! {
+        /// Compared in place, a name is read as it was lower-cased first.
+        #[test]
+        fn header_names_read_in_place_as_lower_cased(
+            name in "(?i)(x-|idempotency-key|api-?key|token|secret|cookie|[a-zA-Zé_-]){0,5}",
+        ) {
+            let n = name.to_ascii_lowercase();
+            let was = n != "idempotency-key"
+                && (CREDENTIAL_HEADERS.contains(&n.as_str())
+                    || CREDENTIAL_HEADER_PARTS.iter().any(|p| n.contains(p)));
+            proptest::prop_assert_eq!(is_credential_header(&name), was, "{}", name);
+        }
     }
 
     #[test]

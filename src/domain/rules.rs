@@ -236,7 +236,7 @@ impl When {
             return false;
         }
         if let Some((pointer, test)) = &self.field {
-            let found = json.and_then(|j| j.pointer(pointer));
+            let found = json.and_then(|j| super::pointer::get(j, pointer));
             let ok = match test {
                 FieldTest::Exists(want) => found.is_some() == *want,
                 FieldTest::Equals(v) => found == Some(v),

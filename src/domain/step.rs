@@ -508,7 +508,7 @@ pub fn extract_outputs(
     let mut out = Map::new();
     for (name, pointer) in outputs {
         let v = json
-            .and_then(|j| j.pointer(pointer))
+            .and_then(|j| super::pointer::get(j, pointer))
             .ok_or_else(|| name.clone())?;
         out.insert(name.clone(), v.clone());
     }
@@ -517,10 +517,11 @@ pub fn extract_outputs(
 
 /// The job id at `pointer` in a submit reply, as text.
 pub fn job_id_in(json: Option<&Value>, pointer: &str) -> Option<String> {
-    json.and_then(|j| j.pointer(pointer)).map(|id| match id {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    })
+    json.and_then(|j| super::pointer::get(j, pointer))
+        .map(|id| match id {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
 }
 
 /// What a lookup's reply says at its `job_id` pointer.

@@ -27,7 +27,8 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 #[derive(Debug, Clone)]
 pub struct Call {
     pub method: HttpMethod,
-    pub url: String,
+    /// Parsed once, as built: the client sends it without parsing it again.
+    pub url: reqwest::Url,
     /// Every header sent (`User-Agent`, `Accept`, `Content-Type` and
     /// `Accept-Encoding` included; the client adds only `Host`,
     /// `Content-Length` and the like), so the request the history keeps is
@@ -236,7 +237,7 @@ impl Sending<'_> {
         let method = reqwest_method(call.method);
         let mut url = call.url.clone();
         loop {
-            let mut req = client.request(method.clone(), &url);
+            let mut req = client.request(method.clone(), url.clone());
             for (k, v) in &call.headers {
                 req = req.header(k, v);
             }
@@ -257,7 +258,7 @@ impl Sending<'_> {
                 .get(reqwest::header::LOCATION)
                 .map(|v| v.as_bytes());
             let next = super::redirect::next_hop(
-                &url,
+                url.as_str(),
                 status,
                 location,
                 self.hops.len(),
@@ -265,11 +266,11 @@ impl Sending<'_> {
             );
             match next {
                 Some(next) => {
-                    let to = super::redirect::shown(&url, next.as_str().as_bytes());
+                    let to = super::redirect::shown(url.as_str(), next.as_str().as_bytes());
                     self.hops.push(format!("{status} -> {to}"));
-                    url = next.to_string();
+                    url = next;
                 }
-                None => return Ok((resp, url)),
+                None => return Ok((resp, url.into())),
             }
         }
     }

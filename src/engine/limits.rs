@@ -74,6 +74,12 @@ pub struct ProviderRuntime {
     paused: Arc<Mutex<bool>>,
     /// The latest "slow down" pause this node has published to the others.
     published_throttle: Arc<std::sync::atomic::AtomicI64>,
+    /// Its calls' metric handles.
+    pub(crate) calls: Arc<super::call_metrics::CallMetrics>,
+    /// `config.base_url` parsed (`None`: it is no URL, and every call
+    /// says so). Made with `config` by every constructor; `config` is
+    /// never changed in place (a reload makes a new runtime).
+    base: Option<reqwest::Url>,
     /// Answers calls in-process instead of over HTTP (benchmarks).
     pub in_process: Option<super::http::InProcess>,
     /// The provider's OAuth2 token on this node, when it uses one.
@@ -108,6 +114,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ProviderRuntime {
+    /// The URL of a call to `path` (as rendered) on this provider
+    /// ([`call_url`](super::redirect::call_url), its base parsed once).
+    pub(super) fn call_url(&self, path: &str) -> Result<reqwest::Url, String> {
+        match &self.base {
+            Some(base) => super::redirect::call_url_under(base, &self.config.base_url, path),
+            None => super::redirect::call_url(&self.config.base_url, path),
+        }
+    }
+
     /// The provider's OAuth2 token, when it takes one (`None` when it does
     /// not); the endpoint's error, and until when, when there is none.
     pub(super) async fn token_now(
@@ -164,6 +179,8 @@ impl ProviderRuntime {
             ))),
             paused: Arc::default(),
             published_throttle: Arc::default(),
+            calls: Arc::default(),
+            base: reqwest::Url::parse(&config.base_url).ok(),
             config: config.clone(),
             in_process: None,
         })
@@ -261,6 +278,8 @@ impl ProviderRuntime {
             budget: self.budget.clone(),
             paused: self.paused.clone(),
             published_throttle: self.published_throttle.clone(),
+            calls: self.calls.clone(),
+            base: reqwest::Url::parse(&config.base_url).ok(),
             in_process: self.in_process.clone(),
             token,
             secrets,
@@ -352,6 +371,32 @@ mod tests {
         );
         let config = crate::config::Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
         config.providers["p"].clone()
+    }
+
+    /// A reload's runtime calls under its own base URL (parsed again with
+    /// it) and keeps counting into the same metric handles.
+    #[test]
+    fn a_reload_calls_under_the_new_base_url_with_the_same_handles() {
+        let with_base = |base: &str| {
+            let text = format!("[providers.p]\nbase_url = \"{base}\"\n");
+            let config =
+                crate::config::Config::parse(&text, std::path::Path::new("t.toml")).unwrap();
+            config.providers["p"].clone()
+        };
+        let rt = ProviderRuntime::new("p", &with_base("http://a.example/v1"), 0).unwrap();
+        assert_eq!(rt.call_url("/x").unwrap().as_str(), "http://a.example/v1/x");
+        let moved = rt
+            .reconfigured(&with_base("https://b.example/v2/"), 0)
+            .unwrap();
+        assert_eq!(
+            moved.call_url("x").unwrap().as_str(),
+            "https://b.example/v2/x"
+        );
+        assert!(
+            moved.call_url("/../v1/x").is_err(),
+            "not under the new base"
+        );
+        assert!(Arc::ptr_eq(&moved.calls, &rt.calls));
     }
 
     /// A node's cap retuned under calls in flight: fewer slots take the

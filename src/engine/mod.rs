@@ -8,6 +8,7 @@
 //! return how many records were handled. [`Engine::run`] repeats it,
 //! sleeping until new work is signalled or the earliest record is due.
 
+mod call_metrics;
 mod child;
 mod committer;
 mod confirm;

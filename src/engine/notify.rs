@@ -440,7 +440,7 @@ fn call_of(
     n: &Notice,
     at_ms: UnixMs,
 ) -> Result<Call, String> {
-    let url = super::redirect::call_url(&rt.config.base_url, &sub.path)?;
+    let url = rt.call_url(&sub.path)?;
     let body = match sub.format {
         Format::StandardWebhooks => crate::domain::notify::body(&n.topic, n.at, &n.data),
         Format::Slack => crate::domain::notify::slack_body(&n.topic, n.at, &n.data),
@@ -464,7 +464,7 @@ fn call_of(
     super::step::sign(rt, at_ms, ("POST", &url, &body), &mut headers)?;
     Ok(Call {
         method: crate::pipeline::HttpMethod::Post,
-        url: url.to_string(),
+        url,
         headers,
         body: Some(body),
         timeout: rt.config.timeout.0,

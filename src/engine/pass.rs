@@ -105,7 +105,8 @@ impl Progress {
         states.insert(out.write.step.clone(), out.write);
     }
 
-    /// A commit of everything so far.
+    /// A commit of everything so far (a checkpoint): the pass keeps what
+    /// it holds, for its last commit should this one not land.
     fn commit(
         &self,
         lease: Lease,
@@ -113,7 +114,32 @@ impl Progress {
         result: Option<WorkResult>,
         states: &HashMap<String, StepWrite>,
     ) -> Commit {
-        let mut c = Commit::new(lease, now, result);
+        let mut c = self.commit_of_steps(Commit::new(lease, now, result), states);
+        c.attempts = self.attempts.clone();
+        c.callbacks_done = self.callbacks_done.clone();
+        c.confirms = self.confirms.clone();
+        c.intents_done = self.intents_done.clone();
+        c
+    }
+
+    /// The pass's last commit: what it holds moves into it (not copied).
+    fn last_commit(
+        &mut self,
+        lease: Lease,
+        now: UnixMs,
+        result: WorkResult,
+        states: &HashMap<String, StepWrite>,
+    ) -> Commit {
+        let mut c = self.commit_of_steps(Commit::new(lease, now, Some(result)), states);
+        c.attempts = std::mem::take(&mut self.attempts);
+        c.callbacks_done = std::mem::take(&mut self.callbacks_done);
+        c.confirms = std::mem::take(&mut self.confirms);
+        c.intents_done = std::mem::take(&mut self.intents_done);
+        c
+    }
+
+    /// `c` with the steps the pass changed and where the record is.
+    fn commit_of_steps(&self, mut c: Commit, states: &HashMap<String, StepWrite>) -> Commit {
         let mut changed = self.changed.clone();
         changed.sort();
         changed.dedup();
@@ -121,10 +147,7 @@ impl Progress {
             .iter()
             .filter_map(|n| states.get(n).cloned())
             .collect();
-        c.attempts = self.attempts.clone();
-        c.callbacks_done = self.callbacks_done.clone();
-        c.confirms = self.confirms.clone();
-        c.intents_done = self.intents_done.clone();
+        let result = c.result;
         // A record is at a step (an item's step, for an item: the item
         // itself is found by its state).
         let at = |step: &str| Some(crate::domain::each::step_of(step).to_owned());
@@ -289,10 +312,8 @@ async fn committed(i: &Inner, rec: &Record, commit: &Commit, after: &Record) {
         );
         metrics::counter!(
             "ballast_records_finished_total",
-            &[
-                ("pipeline", after.pipeline.clone()),
-                ("state", after.state.as_str().to_owned()),
-            ]
+            "pipeline" => after.pipeline.clone(),
+            "state" => after.state.as_str(),
         )
         .increment(1);
     }
@@ -439,7 +460,7 @@ impl Pass<'_> {
         } else if v.result == WorkResult::Failed && whole.undo_on_failure {
             (v, rerun) = undo_first(&whole, v, &states, now);
         }
-        let mut commit = progress.commit(self.lease.clone(), now, Some(v.result), &states);
+        let mut commit = progress.last_commit(self.lease.clone(), now, v.result, &states);
         commit.rerun = rerun;
         commit.next_run_at = v.next_run_at;
         if v.step.is_some() {

@@ -55,12 +55,17 @@ pub fn under(url: &Url, base: &Url) -> bool {
 /// where the base points).
 pub fn call_url(base_url: &str, path: &str) -> Result<Url, String> {
     let base = Url::parse(base_url).map_err(|e| format!("base_url is not a URL: {e}"))?;
+    call_url_under(&base, base_url, path)
+}
+
+/// [`call_url`] with the base already parsed (`base` is `base_url`'s).
+pub fn call_url_under(base: &Url, base_url: &str, path: &str) -> Result<Url, String> {
     let joined = match path.strip_prefix('/') {
         Some(_) => format!("{}{path}", base_url.trim_end_matches('/')),
         None => format!("{}/{path}", base_url.trim_end_matches('/')),
     };
     let url = Url::parse(&joined).map_err(|e| format!("the path does not make a URL: {e}"))?;
-    if under(&url, &base) {
+    if under(&url, base) {
         Ok(url)
     } else {
         let to = shown(base_url, joined.as_bytes());

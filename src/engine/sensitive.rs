@@ -35,6 +35,9 @@ impl Masking {
         (pipeline, step, provider): (&str, &str, &str),
         ctx: &PassContext,
     ) -> Option<Masking> {
+        if config.masks_nothing(pipeline) {
+            return None;
+        }
         // An item's call (`STEP#N`) by its step's fields.
         let step = crate::domain::each::step_of(step);
         let reply = config.reply_rules(pipeline, step, provider);

@@ -11,9 +11,10 @@
 //! failed write left unsaved are given up after [`GIVE_UP_MS`], well
 //! before the housekeeping folds their minute into its hour.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
+
+use indexmap::IndexMap;
 
 use crate::domain::{Outcome, RecordState, UnixMs};
 use crate::store::{Db, NewAttempt, StepRollup};
@@ -64,6 +65,17 @@ pub const KEEP_MS: i64 = 8 * 24 * 3600 * 1000;
 
 type Key = (UnixMs, String, String, String);
 
+/// A [`Key`] borrowed (minute, pipeline, step, provider): a row is found
+/// without building its key (it hashes as the key does).
+#[derive(Hash)]
+struct KeyRef<'a>(UnixMs, &'a str, &'a str, &'a str);
+
+impl indexmap::Equivalent<Key> for KeyRef<'_> {
+    fn equivalent(&self, k: &Key) -> bool {
+        self.0 == k.0 && self.1 == k.1 && self.2 == k.2 && self.3 == k.3
+    }
+}
+
 /// How long rows whose writes failed are retried before they are given
 /// up (minute rows are folded into hours 61 minutes at the earliest).
 pub const GIVE_UP_MS: i64 = 30 * 60_000;
@@ -81,7 +93,7 @@ pub struct StatsRecorder {
 /// The rows held, each with whether it changed since it was written.
 #[derive(Default)]
 struct Held {
-    rows: HashMap<Key, (StepRollup, bool)>,
+    rows: IndexMap<Key, (StepRollup, bool)>,
     /// Every minute from this one on has its row held (if it has one); an
     /// older minute's row may have been written and forgotten.
     from: UnixMs,
@@ -118,7 +130,7 @@ impl StatsRecorder {
         StatsRecorder {
             node: node.to_owned(),
             held: Mutex::new(Held {
-                rows: HashMap::new(),
+                rows: IndexMap::new(),
                 from: UnixMs::MIN,
             }),
         }
@@ -137,6 +149,11 @@ impl StatsRecorder {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let at = minute(at).max(held.from);
+        if let Some((row, dirty)) = held.rows.get_mut(&KeyRef(at, pipeline, step, provider)) {
+            f(row);
+            *dirty = true;
+            return;
+        }
         let key = (
             at,
             pipeline.to_owned(),
@@ -247,12 +264,7 @@ impl StatsRecorder {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         for r in rows {
-            let key = (
-                r.minute,
-                r.pipeline.clone(),
-                r.step.clone(),
-                r.provider.clone(),
-            );
+            let key = KeyRef(r.minute, &r.pipeline, &r.step, &r.provider);
             if let Some((_, d)) = held.rows.get_mut(&key) {
                 *d = true;
             }
@@ -335,6 +347,19 @@ impl super::supervisor::Loop for StatsFlusher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row is found by its borrowed key (no key built per count): the
+    /// two hash alike and compare field by field.
+    #[test]
+    fn a_row_is_found_by_its_borrowed_key() {
+        let mut rows: IndexMap<Key, u32> = IndexMap::new();
+        rows.insert((60_000, "p".into(), "s".into(), "v".into()), 1);
+        rows.insert((60_000, "p".into(), "sv".into(), "".into()), 2);
+        assert_eq!(rows.get(&KeyRef(60_000, "p", "s", "v")), Some(&1));
+        assert_eq!(rows.get(&KeyRef(60_000, "p", "sv", "")), Some(&2));
+        assert_eq!(rows.get(&KeyRef(60_000, "p", "s", "")), None);
+        assert_eq!(rows.get(&KeyRef(0, "p", "s", "v")), None);
+    }
 
     #[test]
     fn buckets_cover_every_latency() {

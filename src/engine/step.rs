@@ -161,7 +161,7 @@ pub(super) fn scrubbed<'s>(rt: &'s ProviderRuntime, token: Option<&'s Secret>) -
 fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequest {
     let out = Outgoing {
         method: call.method.as_str(),
-        url: &call.url,
+        url: call.url.as_str(),
         headers: &call.headers,
         body: call.body.as_deref(),
     };
@@ -682,7 +682,7 @@ impl StepCall<'_> {
     /// the pipeline sets one itself), before anything keeps the request:
     /// its intent and its attempt hold the header that left.
     fn traced(&self, rt: &ProviderRuntime, mut call: Call, attempt: i32) -> (Call, tracing::Span) {
-        let (host, port) = super::http::host_port(&call.url);
+        let (host, port) = super::http::host_port(call.url.as_str());
         let span = tracing::debug_span!(
             "call",
             otel.kind = "client",
@@ -766,7 +766,7 @@ impl StepCall<'_> {
         let Some(m) = masking else {
             return kept_request(rt, call, secrets);
         };
-        let (url, body) = m.outgoing(&call.url, call.body.as_deref());
+        let (url, body) = m.outgoing(call.url.as_str(), call.body.as_deref());
         let out = Outgoing {
             method: call.method.as_str(),
             url: &url,
@@ -904,20 +904,7 @@ impl StepCall<'_> {
     }
 
     fn count(&self, rt: &ProviderRuntime, outcome: Outcome, took: Duration) {
-        let labels = [
-            ("provider", rt.name.clone()),
-            ("step", self.step.name.clone()),
-        ];
-        metrics::counter!(
-            "ballast_attempts_total",
-            &[
-                ("provider", rt.name.clone()),
-                ("step", self.step.name.clone()),
-                ("outcome", outcome.as_str().to_owned()),
-            ]
-        )
-        .increment(1);
-        metrics::histogram!("ballast_attempt_duration_seconds", &labels).record(took.as_secs_f64());
+        rt.calls.count(&rt.name, &self.step.name, outcome, took);
     }
 
     fn move_budget(&self, rt: &ProviderRuntime, budget: BudgetMove, at: UnixMs) {
@@ -1120,8 +1107,7 @@ impl StepCall<'_> {
                 .map_err(|e| Unbuildable::template(format!("template: {e}")))
         };
         let path = render(&spec.path)?;
-        let url =
-            super::redirect::call_url(&rt.config.base_url, &path).map_err(Unbuildable::invalid)?;
+        let url = rt.call_url(&path).map_err(Unbuildable::invalid)?;
         let mut headers = Vec::new();
         for (name, id) in &spec.headers {
             let value = render(id)?;
@@ -1142,7 +1128,7 @@ impl StepCall<'_> {
         sign(rt, at_ms, request, &mut headers).map_err(Unbuildable::invalid)?;
         Ok(Call {
             method: spec.method,
-            url: url.to_string(),
+            url,
             headers,
             body,
             timeout: self.step.call_timeout(rt.config.timeout.0),

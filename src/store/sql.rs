@@ -977,12 +977,14 @@ where
 
     /// Writes the worker-owned columns of records whose rows the
     /// transaction holds, in one statement.
-    pub(crate) async fn update_records(tx: &mut Tx<DB>, records: &[Record]) -> StoreResult<()> {
+    pub(crate) async fn update_records(tx: &mut Tx<DB>, records: &[&Record]) -> StoreResult<()> {
         if records.is_empty() {
             return Ok(());
         }
-        let rows: Vec<batch::RecordUpdateJson<'_>> =
-            records.iter().map(batch::RecordUpdateJson::from).collect();
+        let rows: Vec<batch::RecordUpdateJson<'_>> = records
+            .iter()
+            .map(|r| batch::RecordUpdateJson::from(*r))
+            .collect();
         let sql = DB::statements().update_records.get(|| {
             format!(
                 "WITH v AS (SELECT {} FROM {}) \

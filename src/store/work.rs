@@ -267,7 +267,6 @@ where
         let mut tx = self.begin_write().await?;
         let held = self.lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
-        let mut moved = Vec::with_capacity(commits.len());
         let mut steps = Vec::new();
         let mut attempts = Vec::new();
         let mut callbacks = Vec::new();
@@ -303,7 +302,6 @@ where
             confirms.extend(c.confirms.iter());
             intents.extend(c.intents_done.iter().copied());
             then.note(c, &after);
-            moved.push(after.clone());
             results.push(Ok(after));
         }
         self.upsert_steps(&mut tx, &installation, &steps).await?;
@@ -316,6 +314,8 @@ where
                 .execute(&mut *tx)
                 .await?;
         }
+        // Every record a commit moved is an `Ok` among the results.
+        let moved: Vec<&Record> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
         Self::update_records(&mut tx, &moved).await?;
         Self::delete_intents(&mut tx, &intents).await?;
         self.insert_events(&mut tx, &events).await?;

@@ -2807,7 +2807,7 @@ async fn a_throttling_reply_cut_short_is_still_throttled() {
     ] {
         let call = Call {
             method: ballast::pipeline::HttpMethod::Post,
-            url: format!("http://{addr}{path}"),
+            url: format!("http://{addr}{path}").parse().unwrap(),
             headers: Vec::new(),
             body: Some("{}".into()),
             timeout: Duration::from_secs(5),
