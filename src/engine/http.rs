@@ -164,11 +164,11 @@ pub async fn exchange(
         deadline: started + call.timeout,
         hops: Vec::new(),
     };
-    let (resp, url) = match sending.follow(client).await {
+    let resp = match sending.follow(client).await {
         Ok(sent) => sent,
         Err(failed) => return failed,
     };
-    let head = Head::read(&resp, &url, clock);
+    let head = Head::read(&resp, clock);
     let (body, body_error) = match sending.read_body(resp, &head).await {
         Ok(read) => read,
         Err(failed) => return failed,
@@ -228,16 +228,14 @@ impl Sending<'_> {
     }
 
     /// Sends the call, following the redirects it may: the response that
-    /// is not followed and the URL it came from, or the failed exchange.
-    async fn follow(
-        &mut self,
-        client: &reqwest::Client,
-    ) -> Result<(reqwest::Response, String), Exchange> {
+    /// is not followed (its URL the one it came from: the client itself
+    /// follows none), or the failed exchange.
+    async fn follow(&mut self, client: &reqwest::Client) -> Result<reqwest::Response, Exchange> {
         let call = self.call;
         let method = reqwest_method(call.method);
         let mut url = call.url.clone();
         loop {
-            let mut req = client.request(method.clone(), url.clone());
+            let mut req = client.request(method.clone(), url);
             for (k, v) in &call.headers {
                 req = req.header(k, v);
             }
@@ -258,7 +256,7 @@ impl Sending<'_> {
                 .get(reqwest::header::LOCATION)
                 .map(|v| v.as_bytes());
             let next = super::redirect::next_hop(
-                url.as_str(),
+                resp.url().as_str(),
                 status,
                 location,
                 self.hops.len(),
@@ -266,11 +264,11 @@ impl Sending<'_> {
             );
             match next {
                 Some(next) => {
-                    let to = super::redirect::shown(url.as_str(), next.as_str().as_bytes());
+                    let to = super::redirect::shown(resp.url().as_str(), next.as_str().as_bytes());
                     self.hops.push(format!("{status} -> {to}"));
                     url = next;
                 }
-                None => return Ok((resp, url.into())),
+                None => return Ok(resp),
             }
         }
     }
@@ -334,13 +332,14 @@ struct Head {
 }
 
 impl Head {
-    /// The status and headers of `resp`, which came from `url`.
-    fn read(resp: &reqwest::Response, url: &str, clock: &dyn Clock) -> Head {
+    /// The status and headers of `resp` (a `Location` read against the
+    /// URL it came from).
+    fn read(resp: &reqwest::Response, clock: &dyn Clock) -> Head {
         let status = resp.status().as_u16();
         let location = crate::domain::rules::is_redirect(status)
             .then(|| resp.headers().get(reqwest::header::LOCATION))
             .flatten()
-            .map(|v| super::redirect::shown(url, v.as_bytes()));
+            .map(|v| super::redirect::shown(resp.url().as_str(), v.as_bytes()));
         let retry_after = resp
             .headers()
             .get(reqwest::header::RETRY_AFTER)
