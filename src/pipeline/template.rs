@@ -362,26 +362,90 @@ impl PassContext {
     /// What one step's templates see: the context with only the outputs
     /// of the steps `upstream` of it under `steps` (what check-config let
     /// it name: a subscript it cannot check sees no more), and `extra`
-    /// (its key, item, job id …) beside them.
-    pub fn view(&self, upstream: &BTreeSet<String>, extra: Vec<(&str, TplValue)>) -> TplValue {
-        let c = self.converted();
-        let steps = c
-            .steps
-            .iter()
-            .filter(|(name, _)| upstream.contains(name))
-            .map(|(name, v)| (name.clone(), v.clone()));
+    /// (its key, item, job id …) beside them. Nothing of the context is
+    /// copied: the view looks its values up as a template reads them.
+    pub fn view(
+        self: &std::sync::Arc<Self>,
+        upstream: &BTreeSet<String>,
+        extra: Vec<(&'static str, TplValue)>,
+    ) -> TplValue {
         let has_steps = self.json.get("steps").is_some_and(Value::is_object);
         let steps = has_steps.then(|| {
-            let steps: std::collections::BTreeMap<String, TplValue> = steps.collect();
-            ("steps".to_owned(), TplValue::from(steps))
+            (self.converted().steps.iter().enumerate())
+                .filter(|(_, (name, _))| upstream.contains(name))
+                .map(|(n, _)| n)
+                .collect()
         });
-        let entries = c
-            .top
-            .iter()
-            .cloned()
+        TplValue::from_object(View {
+            ctx: self.clone(),
+            steps,
+            steps_value: std::sync::OnceLock::new(),
+            extra,
+        })
+    }
+}
+
+/// One step's view of a pass's context ([`PassContext::view`]): `extra`,
+/// then `steps` (the upstream steps' entries, by their place in the
+/// context's; a map of them made on first use), then the context's other top-level values.
+#[derive(Debug)]
+struct View {
+    ctx: std::sync::Arc<PassContext>,
+    /// `None` when the context has no `steps`.
+    steps: Option<Vec<usize>>,
+    steps_value: std::sync::OnceLock<TplValue>,
+    extra: Vec<(&'static str, TplValue)>,
+}
+
+impl std::fmt::Debug for PassContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PassContext").finish_non_exhaustive()
+    }
+}
+
+impl View {
+    /// Every key, in order (as a map of them would have them).
+    fn keys(&self) -> Vec<&str> {
+        let top = self.ctx.converted().top.iter().map(|(k, _)| k.as_str());
+        let steps = self.steps.as_ref().map(|_| "steps");
+        let mut keys: Vec<&str> = (self.extra.iter().map(|(k, _)| *k))
             .chain(steps)
-            .chain(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
-        TplValue::from(entries.collect::<std::collections::BTreeMap<String, TplValue>>())
+            .chain(top)
+            .collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys
+    }
+}
+
+impl minijinja::value::Object for View {
+    fn get_value(self: &std::sync::Arc<Self>, key: &TplValue) -> Option<TplValue> {
+        self.get_value_by_str(key.as_str()?)
+    }
+
+    fn get_value_by_str(self: &std::sync::Arc<Self>, key: &str) -> Option<TplValue> {
+        if let Some((_, v)) = self.extra.iter().find(|(k, _)| *k == key) {
+            return Some(v.clone());
+        }
+        if key == "steps" {
+            let seen = self.steps.as_ref()?;
+            let value = self.steps_value.get_or_init(|| {
+                let all = &self.ctx.converted().steps;
+                TplValue::from(
+                    seen.iter()
+                        .map(|n| (all[*n].0.clone(), all[*n].1.clone()))
+                        .collect::<std::collections::BTreeMap<String, TplValue>>(),
+                )
+            });
+            return Some(value.clone());
+        }
+        let top = &self.ctx.converted().top;
+        top.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        let keys = self.keys().into_iter().map(TplValue::from).collect();
+        minijinja::value::Enumerator::Values(keys)
     }
 }
 
@@ -759,21 +823,42 @@ mod view_tests {
             "steps": { "a": ctx["steps"]["a"] },
             "key": "k1",
         });
-        let pass = PassContext::new(ctx);
+        let pass = std::sync::Arc::new(PassContext::new(ctx));
         let up: BTreeSet<String> = ["a".to_owned()].into();
-        let env = Environment::new();
-        for t in [
-            "{{ input.amount }} {{ record.id }} {{ steps.a.output.x }} {{ key }}",
-            "{{ steps.b is defined }} {{ steps | length }} {{ input.items | length }}",
-            "{{ input | tojson }} {{ steps | tojson }} {{ input.nested }}",
-            "{% for k in steps %}{{ k }}{% endfor %} {{ input.items[1] }}",
-        ] {
-            let view = pass.view(&up, vec![("key", value_of(&json!("k1")))]);
-            assert_eq!(
-                env.render_str(t, view).unwrap(),
-                env.render_str(t, value_of(&whole)).unwrap(),
-                "{t}"
-            );
+        let mut strict = Environment::new();
+        strict.set_undefined_behavior(UndefinedBehavior::Strict);
+        for env in [Environment::new(), strict] {
+            for t in [
+                "{{ input.amount }} {{ record.id }} {{ steps.a.output.x }} {{ key }}",
+                "{{ steps.b is defined }} {{ steps | length }} {{ input.items | length }}",
+                "{{ input | tojson }} {{ steps | tojson }} {{ input.nested }}",
+                "{% for k in steps %}{{ k }}{% endfor %} {{ input.items[1] }}",
+                "{% for k, v in steps | items %}{{ k }}={{ v.output.x }}{% endfor %}",
+                "{{ record | tojson }} {{ nothing is defined }} {{ steps.a is defined }}",
+                "{{ nothing }}",
+                "{{ steps.b.output }}",
+            ] {
+                let view = pass.view(&up, vec![("key", value_of(&json!("k1")))]);
+                assert_eq!(
+                    env.render_str(t, view).map_err(|e| e.kind()),
+                    env.render_str(t, value_of(&whole)).map_err(|e| e.kind()),
+                    "{t}"
+                );
+            }
         }
+    }
+
+    /// A context without `steps` shows none, whatever is upstream.
+    #[test]
+    fn a_view_of_a_context_without_steps_has_none() {
+        let whole = json!({ "input": { "a": 1 } });
+        let pass = std::sync::Arc::new(PassContext::new(whole.clone()));
+        let up: BTreeSet<String> = ["a".to_owned()].into();
+        let view = pass.view(&up, Vec::new());
+        let env = Environment::new();
+        let t = "{{ steps is defined }} {{ input.a }}";
+        let rendered = env.render_str(t, view).unwrap();
+        assert_eq!(rendered, env.render_str(t, value_of(&whole)).unwrap());
+        assert!(rendered.ends_with(" 1"), "{rendered}");
     }
 }

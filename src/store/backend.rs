@@ -164,6 +164,12 @@ pub trait SqlDb:
     /// generic function would be shared by both backends).
     fn statements() -> &'static Statements;
 
+    /// Runs `writes` inside `tx`, in the order they were added.
+    fn run_writes(
+        tx: &mut Transaction<'static, Self>,
+        writes: &Writes,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+
     /// Binds `value` as a JSON parameter. `Json<T>` is encodable for every
     /// serialisable `T` on each backend, which a where-clause cannot say
     /// for all `T` at once; each backend binds it in its own terms.
@@ -202,6 +208,79 @@ impl<'q, DB: SqlDb> BindJson for Query<'q, DB, DB::Arguments> {
     }
 }
 
+/// Statements of one transaction that return nothing, each reading its
+/// rows from one JSON parameter, `$1` (`batch.rs`): gathered, then run in
+/// the order added by [`SqlDb::run_writes`]. SQLite gets them as one
+/// request to its writer's thread, where one statement at a time cost a
+/// request and a reply each: one text of several statements, each part's
+/// `$1` renumbered, a part with no rows run over none, so that a caller's
+/// text is always the same and its statements are prepared once and kept
+/// (sqlx runs several statements of one query on SQLite only, a use it
+/// calls deprecated: `store::*_x` tests fail should it stop). PostgreSQL
+/// runs them one by one, skipping those with no rows.
+#[derive(Default)]
+pub struct Writes(Vec<(&'static str, Option<Box<serde_json::value::RawValue>>)>);
+
+impl Writes {
+    /// Adds `sql` over `rows` (none: a part run over none on SQLite).
+    pub(crate) fn add<T: Serialize>(&mut self, sql: &'static str, rows: &[T]) -> StoreResult<()> {
+        let rows = match rows.is_empty() {
+            true => None,
+            false => Some(
+                serde_json::value::to_raw_value(rows)
+                    .map_err(|e| super::StoreError::Database(sqlx::Error::Encode(Box::new(e))))?,
+            ),
+        };
+        self.0.push((sql, rows));
+        Ok(())
+    }
+
+    /// Each statement with its rows (`None`: none), in order.
+    pub(crate) fn parts(
+        &self,
+    ) -> impl Iterator<Item = (&'static str, Option<&serde_json::value::RawValue>)> {
+        self.0.iter().map(|(sql, rows)| (*sql, rows.as_deref()))
+    }
+
+    /// Whether no part has rows.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.0.iter().all(|(_, rows)| rows.is_none())
+    }
+
+    /// The statements as one text, the `k`th (from 1) reading `$k`.
+    pub(crate) fn joined(&self) -> String {
+        let mut text = String::new();
+        for (k, (sql, _)) in self.0.iter().enumerate() {
+            if k > 0 {
+                text.push_str(";\n");
+            }
+            renumbered(sql, k + 1, &mut text);
+        }
+        text
+    }
+}
+
+/// `sql` with its parameter `$1` written `$k` (a `$1` followed by a digit
+/// is another parameter, kept).
+fn renumbered(sql: &str, k: usize, out: &mut String) {
+    use std::fmt::Write;
+    let mut rest = sql;
+    let mut found = false;
+    while let Some(at) = rest.find("$1") {
+        out.push_str(&rest[..at]);
+        rest = &rest[at + 2..];
+        if rest.starts_with(|c: char| c.is_ascii_digit()) {
+            out.push_str("$1");
+        } else {
+            found = true;
+            let _ = write!(out, "${k}");
+        }
+    }
+    // A part that read no `$1` would leave the next one's rows unread.
+    debug_assert!(found, "a write reads no `$1`: {sql}");
+    out.push_str(rest);
+}
+
 /// A statement text built on first use, then reused: the hot statements
 /// (batches, counters, claims) are not formatted again on every call.
 pub struct Cached(OnceLock<String>);
@@ -230,11 +309,14 @@ pub struct Statements {
     pub(crate) insert_attempts: Cached,
     pub(crate) lock_records: Cached,
     pub(crate) update_records: Cached,
+    pub(crate) update_records_in_place: Cached,
     pub(crate) insert_records: Cached,
     pub(crate) step_runs_of: Cached,
     pub(crate) claim: Cached,
     pub(crate) index_records: Cached,
     pub(crate) insert_notices: Cached,
+    pub(crate) delete_intents: Cached,
+    pub(crate) callbacks_done: Cached,
 }
 
 impl Statements {
@@ -252,11 +334,54 @@ impl Statements {
             insert_attempts: Cached::new(),
             lock_records: Cached::new(),
             update_records: Cached::new(),
+            update_records_in_place: Cached::new(),
             insert_records: Cached::new(),
             step_runs_of: Cached::new(),
             claim: Cached::new(),
             index_records: Cached::new(),
             insert_notices: Cached::new(),
+            delete_intents: Cached::new(),
+            callbacks_done: Cached::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Writes;
+
+    /// Each statement reads its own parameter in the joined text; a part
+    /// with no rows keeps its place (and its number), with no rows.
+    #[test]
+    fn writes_join_with_each_part_on_its_own_parameter() {
+        let mut w = Writes::default();
+        w.add("INSERT INTO a SELECT value->>0 FROM jsonb_each($1)", &[1])
+            .unwrap();
+        assert!(!w.is_idle());
+        w.add::<i64>(
+            "DELETE FROM b WHERE id IN (SELECT value FROM jsonb_each($1))",
+            &[],
+        )
+        .unwrap();
+        w.add(
+            "UPDATE c SET x = value->'$[0]' FROM jsonb_each($1) WHERE $12 = $1",
+            &["x"],
+        )
+        .unwrap();
+        assert_eq!(
+            w.joined(),
+            "INSERT INTO a SELECT value->>0 FROM jsonb_each($1);\n\
+             DELETE FROM b WHERE id IN (SELECT value FROM jsonb_each($2));\n\
+             UPDATE c SET x = value->'$[0]' FROM jsonb_each($3) WHERE $12 = $3"
+        );
+        let rows: Vec<Option<&str>> = w.parts().map(|(_, rows)| rows.map(|r| r.get())).collect();
+        assert_eq!(rows, [Some("[1]"), None, Some("[\"x\"]")]);
+        let mut idle = Writes::default();
+        idle.add::<i64>(
+            "DELETE FROM b WHERE id IN (SELECT value FROM jsonb_each($1))",
+            &[],
+        )
+        .unwrap();
+        assert!(idle.is_idle());
     }
 }

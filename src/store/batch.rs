@@ -337,7 +337,7 @@ impl<'a> IntentJson<'a> {
 }
 
 json_row!(
-    /// The worker-owned columns of a record, as `update_records` writes them.
+    /// The worker-owned columns of a record, as `records_write` writes them.
     RecordUpdateJson, RECORD_UPDATE_COLS {
     id: i64 => Int,
     state: &'static str => Text,
@@ -353,6 +353,17 @@ json_row!(
     park_until_at: Option<UnixMs> => Int,
     park_until_provider: Option<&'a str> => Text,
 });
+
+/// Whether a commit moving a record from `before` to `after` leaves its
+/// step, provider, error code, finish and park as they were: the columns
+/// of the records' indexes that only some moves change.
+pub(crate) fn in_place(before: &Record, after: &Record) -> bool {
+    before.step == after.step
+        && before.provider == after.provider
+        && before.error_code == after.error_code
+        && before.finished_at == after.finished_at
+        && before.park_until == after.park_until
+}
 
 impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
     fn from(r: &'a Record) -> Self {

@@ -482,6 +482,20 @@ impl SqlDb for Postgres {
     ) -> Query<'q, Postgres, PgArguments> {
         query.bind(Json(value))
     }
+
+    /// One statement after another (a prepared statement holds one),
+    /// those with no rows skipped.
+    async fn run_writes(
+        tx: &mut Transaction<'static, Postgres>,
+        writes: &super::backend::Writes,
+    ) -> StoreResult<()> {
+        for (sql, rows) in writes.parts() {
+            if let Some(rows) = rows {
+                sqlx::query(sql).bind(rows).execute(&mut **tx).await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `expr`, or NULL for a record (`id`) among the bare ones (`$2`): a

@@ -11,7 +11,7 @@ use crate::auth::seal::{Field, Keyring};
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
 
-use super::backend::{BindJson, RowsAffected, SqlDb};
+use super::backend::{BindJson, RowsAffected, SqlDb, Writes};
 use super::batch;
 use super::counts::CountDeltas;
 use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, map_all, map_sealed};
@@ -567,6 +567,13 @@ where
     /// this order, as in `ballast_insert_records` (no deadlock between
     /// two writers taking counter rows in opposite orders).
     pub(crate) async fn apply_counts(tx: &mut Tx<DB>, deltas: &CountDeltas) -> StoreResult<()> {
+        let mut writes = Writes::default();
+        Self::counts_write(deltas, &mut writes)?;
+        DB::run_writes(tx, &writes).await
+    }
+
+    /// [`apply_counts`](Self::apply_counts)' statements, added to `writes`.
+    pub(crate) fn counts_write(deltas: &CountDeltas, writes: &mut Writes) -> StoreResult<()> {
         let shard = DB::counter_shard();
         fn named<'a>(
             rows: impl Iterator<Item = (&'a str, RecordState, i64)>,
@@ -584,11 +591,11 @@ where
         let sql = statements
             .record_counts
             .get(|| Self::counts_sql("record_counts", "pipeline"));
-        Self::add_counts(tx, sql, &named(deltas.nonzero(), shard)).await?;
+        writes.add(sql, &named(deltas.nonzero(), shard))?;
         let sql = statements
             .provider_counts
             .get(|| Self::counts_sql("provider_counts", "provider"));
-        Self::add_counts(tx, sql, &named(deltas.provider_nonzero(), shard)).await?;
+        writes.add(sql, &named(deltas.provider_nonzero(), shard))?;
         let steps: Vec<batch::StepCountJson<'_>> = deltas
             .step_nonzero()
             .map(|(pipeline, step, state, n)| batch::StepCountJson {
@@ -607,7 +614,7 @@ where
                 "ON CONFLICT (pipeline, step, state, shard) DO UPDATE SET n = step_counts.n + excluded.n",
             )
         });
-        Self::add_counts(tx, sql, &steps).await?;
+        writes.add(sql, &steps)?;
         let groups: Vec<batch::GroupCountJson<'_>> = deltas
             .group_nonzero()
             .map(|(pipeline, group_key, state, n)| batch::GroupCountJson {
@@ -626,19 +633,7 @@ where
                 "ON CONFLICT (pipeline, group_key, state, shard) DO UPDATE SET n = group_counts.n + excluded.n",
             )
         });
-        Self::add_counts(tx, sql, &groups).await
-    }
-
-    /// One counter table's upsert of `rows`; nothing when there are none.
-    async fn add_counts<R: serde::Serialize>(
-        tx: &mut Tx<DB>,
-        sql: &'static str,
-        rows: &[R],
-    ) -> StoreResult<()> {
-        if !rows.is_empty() {
-            sqlx::query(sql).bind_json(rows).execute(&mut **tx).await?;
-        }
-        Ok(())
+        writes.add(sql, &groups)
     }
 
     /// The counter upsert into `table`, whose key column is `key`.
@@ -759,9 +754,18 @@ where
         installation: &str,
         steps: &[(i64, &crate::store::StepWrite, UnixMs)],
     ) -> StoreResult<()> {
-        if steps.is_empty() {
-            return Ok(());
-        }
+        let mut writes = Writes::default();
+        self.steps_write(installation, steps, &mut writes)?;
+        DB::run_writes(tx, &writes).await
+    }
+
+    /// [`upsert_steps`](Self::upsert_steps)' statement, added to `writes`.
+    pub(crate) fn steps_write(
+        &self,
+        installation: &str,
+        steps: &[(i64, &crate::store::StepWrite, UnixMs)],
+        writes: &mut Writes,
+    ) -> StoreResult<()> {
         let keys = self.keyring();
         let rows: Vec<batch::StepJson<'_>> = steps
             .iter()
@@ -779,19 +783,15 @@ where
                started_at = excluded.started_at, finished_at = excluded.finished_at, \
                updated_at = excluded.updated_at"
         ));
-        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
-        Ok(())
+        writes.add(sql, &rows)
     }
 
-    /// Appends attempts in one insert.
-    pub(crate) async fn insert_attempts(
+    /// Appends attempts in one insert, added to `writes`.
+    pub(crate) fn attempts_write(
         &self,
-        tx: &mut Tx<DB>,
         attempts: &[(i64, &crate::store::NewAttempt)],
+        writes: &mut Writes,
     ) -> StoreResult<()> {
-        if attempts.is_empty() {
-            return Ok(());
-        }
         let keys = self.keyring();
         let rows: Vec<batch::AttemptJson<'_>> = attempts
             .iter()
@@ -800,8 +800,7 @@ where
         let sql = DB::statements()
             .insert_attempts
             .get(|| batch::insert("attempts", batch::ATTEMPT_COLS, DB::DIALECT, ""));
-        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
-        Ok(())
+        writes.add(sql, &rows)
     }
 
     /// Appends events in one insert (callers that need the stored
@@ -811,9 +810,19 @@ where
         tx: &mut Tx<DB>,
         events: &[EventRow<'_>],
     ) -> StoreResult<()> {
-        if events.is_empty() {
-            return Ok(());
-        }
+        let mut writes = Writes::default();
+        self.events_write(events, &mut writes)?;
+        DB::run_writes(tx, &writes).await?;
+        self.notice_events(tx, events).await
+    }
+
+    /// [`insert_events`](Self::insert_events)' statement (not the notices
+    /// they make), added to `writes`.
+    pub(crate) fn events_write(
+        &self,
+        events: &[EventRow<'_>],
+        writes: &mut Writes,
+    ) -> StoreResult<()> {
         let keys = self.keyring();
         let rows: Vec<batch::EventJson<'_>> = events
             .iter()
@@ -822,8 +831,7 @@ where
         let sql = DB::statements()
             .insert_events
             .get(|| batch::insert("events", batch::EVENT_COLS, DB::DIALECT, ""));
-        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
-        self.notice_events(tx, events).await
+        writes.add(sql, &rows)
     }
 
     /// Reads and (on PostgreSQL) locks records, in id order, so that
@@ -900,7 +908,6 @@ where
         Ok(())
     }
 
-    /// Deletes intents (their attempts are kept in the same transaction).
     /// Writes `intents` (no two with the same record, step and attempt),
     /// each only if its worker still holds the record's lease: its id, or
     /// `LeaseLost`.
@@ -958,49 +965,95 @@ where
             .collect())
     }
 
-    pub(crate) async fn delete_intents(tx: &mut Tx<DB>, ids: &[i64]) -> StoreResult<()> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let sql = format!(
-            "DELETE FROM attempt_intents WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{}",
-            DB::ANY_OF.0,
-            DB::DIALECT.rows(),
-            DB::ANY_OF.1
-        );
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind_json(ids)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
+    /// Deletes intents (their attempts are kept in the same transaction):
+    /// one statement added to `writes`.
+    pub(crate) fn intents_write(ids: &[i64], writes: &mut Writes) -> StoreResult<()> {
+        let sql = DB::statements().delete_intents.get(|| {
+            format!(
+                "DELETE FROM attempt_intents WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{}",
+                DB::ANY_OF.0,
+                DB::DIALECT.rows(),
+                DB::ANY_OF.1
+            )
+        });
+        writes.add(sql, ids)
+    }
+
+    /// Marks webhook deliveries `(record, delivery, at)` processed, as
+    /// applied to their record, added to `writes`.
+    pub(crate) fn callbacks_write(
+        done: &[(i64, i64, UnixMs)],
+        writes: &mut Writes,
+    ) -> StoreResult<()> {
+        let sql = DB::statements().callbacks_done.get(|| {
+            format!(
+                "WITH v AS (SELECT CAST(value->>0 AS BIGINT) AS record_id, \
+                   CAST(value->>1 AS BIGINT) AS id, CAST(value->>2 AS BIGINT) AS at FROM {}) \
+                 UPDATE callbacks SET processed_at = v.at, record_id = v.record_id \
+                 FROM v WHERE callbacks.id = v.id{}",
+                DB::DIALECT.rows(),
+                // As `UPDATE_KEY` does for records.
+                match DB::DIALECT {
+                    batch::Dialect::Postgres => " AND callbacks.id = ANY(ARRAY(SELECT id FROM v))",
+                    batch::Dialect::Sqlite => "",
+                }
+            )
+        });
+        writes.add(sql, done)
     }
 
     /// Writes the worker-owned columns of records whose rows the
-    /// transaction holds, in one statement.
-    pub(crate) async fn update_records(tx: &mut Tx<DB>, records: &[&Record]) -> StoreResult<()> {
-        if records.is_empty() {
-            return Ok(());
+    /// transaction holds, each `(before, after)`, in statements added to
+    /// `writes`. On SQLite, a record whose step, provider, error code,
+    /// finish and park are unchanged (a poll, a wait) has only its other
+    /// columns set: SQLite rewrites the entries of every index on a column
+    /// a statement sets, changed or not (about a third of such an update's
+    /// cost, with its step and provider indexed); a PostgreSQL update
+    /// writes every index anyway, so there one statement takes all.
+    pub(crate) fn records_write(
+        records: &[(&Record, &Record)],
+        writes: &mut Writes,
+    ) -> StoreResult<()> {
+        let split = matches!(DB::DIALECT, batch::Dialect::Sqlite);
+        let (mut in_place, mut moved) = (Vec::new(), Vec::with_capacity(records.len()));
+        for (before, after) in records {
+            let row = batch::RecordUpdateJson::from(*after);
+            match split && batch::in_place(before, after) {
+                true => in_place.push(row),
+                false => moved.push(row),
+            }
         }
-        let rows: Vec<batch::RecordUpdateJson<'_>> = records
-            .iter()
-            .map(|r| batch::RecordUpdateJson::from(*r))
-            .collect();
-        let sql = DB::statements().update_records.get(|| {
-            format!(
-                "WITH v AS (SELECT {} FROM {}) \
-             UPDATE records SET state = v.state, next_run_at = v.next_run_at, \
-               lease_owner = v.lease_owner, lease_until = v.lease_until, step = v.step, \
-               provider = v.provider, error_code = v.error_code, reason = v.reason, \
-               updated_at = v.updated_at, finished_at = v.finished_at, \
-               park_until_at = v.park_until_at, park_until_provider = v.park_until_provider \
-             FROM v WHERE records.id = v.id{}",
-                batch::select_as(batch::RECORD_UPDATE_COLS, DB::DIALECT),
-                DB::DIALECT.rows(),
-                DB::UPDATE_KEY
+        let statements = DB::statements();
+        let sql = statements.update_records.get(|| {
+            Self::update_sql(
+                "step = v.step, provider = v.provider, error_code = v.error_code, \
+                 finished_at = v.finished_at, park_until_at = v.park_until_at, \
+                 park_until_provider = v.park_until_provider, ",
             )
         });
-        sqlx::query(sql).bind_json(&rows).execute(&mut **tx).await?;
+        writes.add(sql, &moved)?;
+        if split {
+            let sql = statements
+                .update_records_in_place
+                .get(|| Self::update_sql(""));
+            writes.add(sql, &in_place)?;
+        }
         Ok(())
+    }
+
+    /// The batched record update, setting `more` beside the columns every
+    /// pass's commit changes.
+    fn update_sql(more: &str) -> String {
+        format!(
+            "WITH v AS (SELECT {} FROM {}) \
+             UPDATE records SET {more}state = v.state, next_run_at = v.next_run_at, \
+               lease_owner = v.lease_owner, lease_until = v.lease_until, reason = v.reason, \
+               updated_at = v.updated_at \
+             FROM v WHERE records.id = v.id{}",
+            batch::select_as(batch::RECORD_UPDATE_COLS, DB::DIALECT),
+            DB::DIALECT.rows(),
+            DB::UPDATE_KEY
+        )
     }
 
     /// The events and counter moves of a claim: `taken` maps each

@@ -600,6 +600,24 @@ impl SqlDb for Sqlite {
     ) -> Query<'q, Sqlite, SqliteArguments> {
         query.bind(Json(value))
     }
+
+    /// One request to the writer's thread for every statement (its rows
+    /// bound as text, which SQLite's JSON functions read as such); none
+    /// when no statement has rows.
+    async fn run_writes(
+        tx: &mut Transaction<'static, Sqlite>,
+        writes: &super::backend::Writes,
+    ) -> StoreResult<()> {
+        if writes.is_idle() {
+            return Ok(());
+        }
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(writes.joined()));
+        for (_, rows) in writes.parts() {
+            query = query.bind(rows.map_or("[]", |r| r.get()));
+        }
+        query.execute(&mut **tx).await?;
+        Ok(())
+    }
 }
 
 /// `expr`, or NULL for a record (`id`) among the bare ones (`$2`): a

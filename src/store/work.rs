@@ -6,7 +6,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
 
-use super::backend::{RowsAffected, SqlDb};
+use super::backend::{RowsAffected, SqlDb, Writes};
 use super::counts::CountDeltas;
 use super::rows::{MapRow, RECORD_COLUMNS, map_all, map_sealed};
 use super::sql::SqlStore;
@@ -158,8 +158,11 @@ where
         if !claimed.is_empty() {
             let actor = node_actor(&req.owner);
             let (events, deltas) = Self::claim_moves(&claimed, &taken, req.now, &actor)?;
-            self.insert_events(&mut tx, &events).await?;
-            Self::apply_counts(&mut tx, &deltas).await?;
+            let mut writes = Writes::default();
+            self.events_write(&events, &mut writes)?;
+            Self::counts_write(&deltas, &mut writes)?;
+            DB::run_writes(&mut tx, &writes).await?;
+            self.notice_events(&mut tx, &events).await?;
         }
         tx.commit().await?;
         Ok(claimed)
@@ -304,22 +307,23 @@ where
             then.note(c, &after);
             results.push(Ok(after));
         }
-        self.upsert_steps(&mut tx, &installation, &steps).await?;
-        self.insert_attempts(&mut tx, &attempts).await?;
-        for (record_id, id, now) in callbacks {
-            sqlx::query("UPDATE callbacks SET processed_at = $1, record_id = $2 WHERE id = $3")
-                .bind(now)
-                .bind(record_id)
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
-        }
         // Every record a commit moved is an `Ok` among the results.
-        let moved: Vec<&Record> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-        Self::update_records(&mut tx, &moved).await?;
-        Self::delete_intents(&mut tx, &intents).await?;
-        self.insert_events(&mut tx, &events).await?;
-        Self::apply_counts(&mut tx, &deltas).await?;
+        let moved: Vec<(&Record, &Record)> = (results.iter())
+            .filter_map(|r| r.as_ref().ok())
+            .filter_map(|after| Some((held.get(&after.id)?, after)))
+            .collect();
+        // The group's writes in one go (one request on SQLite), the
+        // counter rows last.
+        let mut writes = Writes::default();
+        self.steps_write(&installation, &steps, &mut writes)?;
+        self.attempts_write(&attempts, &mut writes)?;
+        Self::callbacks_write(&callbacks, &mut writes)?;
+        Self::records_write(&moved, &mut writes)?;
+        Self::intents_write(&intents, &mut writes)?;
+        self.events_write(&events, &mut writes)?;
+        Self::counts_write(&deltas, &mut writes)?;
+        DB::run_writes(&mut tx, &writes).await?;
+        self.notice_events(&mut tx, &events).await?;
         for p in confirms {
             Self::put_confirmation(&mut tx, p).await?;
         }
@@ -569,8 +573,10 @@ where
             });
         }
         let rows: Vec<_> = attempts.iter().map(|a| (record_id, a)).collect();
-        self.insert_attempts(&mut tx, &rows).await?;
-        Self::delete_intents(&mut tx, intents_done).await?;
+        let mut writes = Writes::default();
+        self.attempts_write(&rows, &mut writes)?;
+        Self::intents_write(intents_done, &mut writes)?;
+        DB::run_writes(&mut tx, &writes).await?;
         tx.commit().await?;
         Ok(())
     }

@@ -46,6 +46,7 @@ conformance!(
     concurrent_claimers_never_share_a_record,
     expired_lease_is_reclaimable_and_unexpired_is_not,
     commit_writes_steps_attempts_and_transition,
+    a_commit_in_place_writes_what_it_returns,
     checkpoint_keeps_the_lease,
     release_gives_work_back_without_spending_attempts,
     extend_leases_reports_what_is_held,
@@ -1200,6 +1201,89 @@ fn sent_request(step: &str, no: i32) -> ballast::domain::request::SentRequest {
         ],
         body: Some(format!("{{\"attempt\": {no}}}")),
     }
+}
+
+/// A commit that leaves the step, provider, error code, finish and park
+/// as they were (a retry of the same step: on SQLite, the narrower
+/// update) stores what it returns, and the lists and the queue find the
+/// record where it now is; one beside it in the same group that moves on
+/// is written whole.
+async fn a_commit_in_place_writes_what_it_returns(db: &Db) {
+    for n in ["a", "b"] {
+        db.create_record(new_record("p", Some(n), T0), T0)
+            .await
+            .unwrap();
+    }
+    let commit = |r: &ballast::domain::Record, now: i64, reason: &str| {
+        let mut c = Commit::new(r.lease().unwrap(), now, Some(WorkResult::RetryScheduled));
+        c.next_run_at = Some(now + 1_000);
+        c.step = Some("fetch".into());
+        c.provider = Some("prov".into());
+        c.error_code = Some("provider_5xx".into());
+        c.reason = Some(reason.into());
+        c
+    };
+    let claimed = db.claim_due(&claim("w1", T0, 2)).await.unwrap();
+    let firsts: Vec<Commit> = claimed
+        .iter()
+        .map(|r| commit(r, T0 + 10, "first"))
+        .collect();
+    for done in db.commit_many(&firsts).await.unwrap() {
+        assert_eq!(done.unwrap().step.as_deref(), Some("fetch"));
+    }
+    let now = T0 + 1_010;
+    let mut again = db.claim_due(&claim("w1", now, 2)).await.unwrap();
+    again.sort_by_key(|r| r.id);
+    let same = commit(&again[0], now + 5, "second");
+    let mut on = Commit::new(
+        again[1].lease().unwrap(),
+        now + 5,
+        Some(WorkResult::Completed),
+    );
+    on.step = Some("store".into());
+    on.provider = Some("other".into());
+    let results = db.commit_many(&[same, on]).await.unwrap();
+    for returned in results {
+        let returned = returned.unwrap();
+        assert_eq!(db.get_record(returned.id).await.unwrap().unwrap(), returned);
+    }
+    let stored = db.get_record(again[0].id).await.unwrap().unwrap();
+    assert_eq!(
+        (
+            stored.state,
+            stored.next_run_at,
+            stored.lease_owner.as_deref()
+        ),
+        (RecordState::Retrying, Some(now + 1_005), None)
+    );
+    assert_eq!(stored.reason.as_deref(), Some("second"));
+    let listed = |f: RecordFilter| async move {
+        let page = db.list_records(&f).await.unwrap();
+        page.items.iter().map(|r| r.id).collect::<Vec<_>>()
+    };
+    let retrying = RecordFilter {
+        state: Some(RecordState::Retrying),
+        step: Some("fetch".into()),
+        provider: Some("prov".into()),
+        ..Default::default()
+    };
+    assert_eq!(listed(retrying).await, [again[0].id]);
+    let finished = RecordFilter {
+        state: Some(RecordState::Succeeded),
+        step: Some("store".into()),
+        provider: Some("other".into()),
+        ..Default::default()
+    };
+    assert_eq!(listed(finished).await, [again[1].id]);
+    assert!(
+        db.claim_due(&claim("w1", now + 1_004, 2))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let due = db.claim_due(&claim("w1", now + 1_005, 2)).await.unwrap();
+    assert_eq!(due.iter().map(|r| r.id).collect::<Vec<_>>(), [again[0].id]);
+    assert_counts_consistent(db).await;
 }
 
 async fn commit_writes_steps_attempts_and_transition(db: &Db) {
