@@ -1205,16 +1205,18 @@ fn sent_request(step: &str, no: i32) -> ballast::domain::request::SentRequest {
 
 /// A commit that leaves the step, provider, error code, finish and park
 /// as they were (a retry of the same step: on SQLite, the narrower
-/// update) stores what it returns, and the lists and the queue find the
-/// record where it now is; one beside it in the same group that moves on
-/// is written whole.
+/// update) stores what it returns, and so does each commit in the same
+/// group that changes exactly one of those (which must be written whole);
+/// the lists and the queue find each record where it now is.
 async fn a_commit_in_place_writes_what_it_returns(db: &Db) {
-    for n in ["a", "b"] {
-        db.create_record(new_record("p", Some(n), T0), T0)
+    use ballast::domain::park::ParkUntil;
+    let keys = ["same", "error", "finish", "step", "provider", "park"];
+    for key in keys {
+        db.create_record(new_record("p", Some(key), T0), T0)
             .await
             .unwrap();
     }
-    let commit = |r: &ballast::domain::Record, now: i64, reason: &str| {
+    let retry = |r: &ballast::domain::Record, now: i64, reason: &str| {
         let mut c = Commit::new(r.lease().unwrap(), now, Some(WorkResult::RetryScheduled));
         c.next_run_at = Some(now + 1_000);
         c.step = Some("fetch".into());
@@ -1223,29 +1225,29 @@ async fn a_commit_in_place_writes_what_it_returns(db: &Db) {
         c.reason = Some(reason.into());
         c
     };
-    let claimed = db.claim_due(&claim("w1", T0, 2)).await.unwrap();
-    let firsts: Vec<Commit> = claimed
-        .iter()
-        .map(|r| commit(r, T0 + 10, "first"))
-        .collect();
+    let claimed = db.claim_due(&claim("w1", T0, 6)).await.unwrap();
+    let firsts: Vec<Commit> = claimed.iter().map(|r| retry(r, T0 + 10, "first")).collect();
     for done in db.commit_many(&firsts).await.unwrap() {
         assert_eq!(done.unwrap().step.as_deref(), Some("fetch"));
     }
     let now = T0 + 1_010;
-    let mut again = db.claim_due(&claim("w1", now, 2)).await.unwrap();
-    again.sort_by_key(|r| r.id);
-    let same = commit(&again[0], now + 5, "second");
-    let mut on = Commit::new(
-        again[1].lease().unwrap(),
-        now + 5,
-        Some(WorkResult::Completed),
-    );
-    on.step = Some("store".into());
-    on.provider = Some("other".into());
-    let results = db.commit_many(&[same, on]).await.unwrap();
-    for returned in results {
+    let mut again = db.claim_due(&claim("w1", now, 6)).await.unwrap();
+    again.sort_by_key(|r| {
+        keys.iter()
+            .position(|k| r.external_key.as_deref() == Some(*k))
+    });
+    let mut commits: Vec<Commit> = again.iter().map(|r| retry(r, now + 5, "second")).collect();
+    commits[1].error_code = Some("provider_429".into());
+    commits[2].result = Some(WorkResult::Completed);
+    commits[3].step = Some("store".into());
+    commits[4].provider = Some("other".into());
+    commits[5].result = Some(WorkResult::Parked);
+    commits[5].park_until = Some(ParkUntil::Time { at: now + 60_000 });
+    let results = db.commit_many(&commits).await.unwrap();
+    for (returned, key) in results.into_iter().zip(keys) {
         let returned = returned.unwrap();
-        assert_eq!(db.get_record(returned.id).await.unwrap().unwrap(), returned);
+        let stored = db.get_record(returned.id).await.unwrap().unwrap();
+        assert_eq!(stored, returned, "{key}");
     }
     let stored = db.get_record(again[0].id).await.unwrap().unwrap();
     assert_eq!(
@@ -1257,32 +1259,45 @@ async fn a_commit_in_place_writes_what_it_returns(db: &Db) {
         (RecordState::Retrying, Some(now + 1_005), None)
     );
     assert_eq!(stored.reason.as_deref(), Some("second"));
+    let finished = db.get_record(again[2].id).await.unwrap().unwrap();
+    assert_eq!(
+        (finished.state, finished.finished_at),
+        (RecordState::Succeeded, Some(now + 5))
+    );
     let listed = |f: RecordFilter| async move {
         let page = db.list_records(&f).await.unwrap();
-        page.items.iter().map(|r| r.id).collect::<Vec<_>>()
+        let mut ids: Vec<i64> = page.items.iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        ids
     };
-    let retrying = RecordFilter {
+    let fetching = RecordFilter {
         state: Some(RecordState::Retrying),
         step: Some("fetch".into()),
         provider: Some("prov".into()),
+        error_code: Some("provider_5xx".into()),
         ..Default::default()
     };
-    assert_eq!(listed(retrying).await, [again[0].id]);
-    let finished = RecordFilter {
-        state: Some(RecordState::Succeeded),
-        step: Some("store".into()),
-        provider: Some("other".into()),
+    assert_eq!(listed(fetching).await, [again[0].id]);
+    let elsewhere = RecordFilter {
+        state: Some(RecordState::Retrying),
         ..Default::default()
     };
-    assert_eq!(listed(finished).await, [again[1].id]);
+    let mut moved: Vec<i64> = [0, 1, 3, 4].iter().map(|n| again[*n].id).collect();
+    moved.sort_unstable();
+    assert_eq!(listed(elsewhere).await, moved);
+    let parked = RecordFilter {
+        until: Some(ballast::domain::park::UntilKind::Time),
+        ..Default::default()
+    };
+    assert_eq!(listed(parked).await, [again[5].id]);
     assert!(
-        db.claim_due(&claim("w1", now + 1_004, 2))
+        db.claim_due(&claim("w1", now + 1_004, 6))
             .await
             .unwrap()
             .is_empty()
     );
-    let due = db.claim_due(&claim("w1", now + 1_005, 2)).await.unwrap();
-    assert_eq!(due.iter().map(|r| r.id).collect::<Vec<_>>(), [again[0].id]);
+    let due = db.claim_due(&claim("w1", now + 1_005, 6)).await.unwrap();
+    assert_eq!(due.len(), 4);
     assert_counts_consistent(db).await;
 }
 
