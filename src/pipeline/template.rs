@@ -289,10 +289,18 @@ pub struct PassContext {
     scrubber: std::sync::OnceLock<std::sync::Arc<crate::domain::mask::Scrubber>>,
 }
 
+impl std::fmt::Debug for PassContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PassContext").finish_non_exhaustive()
+    }
+}
+
 /// The context's top-level values but `steps`, and each step's entry.
 struct Converted {
     top: Vec<(String, TplValue)>,
     steps: Vec<(String, TplValue)>,
+    /// Whether the context has `steps` (an object).
+    has_steps: bool,
 }
 
 impl PassContext {
@@ -325,16 +333,21 @@ impl PassContext {
 
     fn converted(&self) -> &Converted {
         self.values.get_or_init(|| {
-            let (mut top, mut steps) = (Vec::new(), Vec::new());
+            let (mut top, mut steps, mut has_steps) = (Vec::new(), Vec::new(), false);
             for (k, v) in self.json.as_object().into_iter().flatten() {
                 match (k.as_str(), v.as_object()) {
                     ("steps", Some(outputs)) => {
+                        has_steps = true;
                         steps.extend(outputs.iter().map(|(name, o)| (name.clone(), value_of(o))));
                     }
                     _ => top.push((k.clone(), value_of(v))),
                 }
             }
-            Converted { top, steps }
+            Converted {
+                top,
+                steps,
+                has_steps,
+            }
         })
     }
 
@@ -369,9 +382,9 @@ impl PassContext {
         upstream: &BTreeSet<String>,
         extra: Vec<(&'static str, TplValue)>,
     ) -> TplValue {
-        let has_steps = self.json.get("steps").is_some_and(Value::is_object);
-        let steps = has_steps.then(|| {
-            (self.converted().steps.iter().enumerate())
+        let c = self.converted();
+        let steps = c.has_steps.then(|| {
+            (c.steps.iter().enumerate())
                 .filter(|(_, (name, _))| upstream.contains(name))
                 .map(|(n, _)| n)
                 .collect()
@@ -387,7 +400,8 @@ impl PassContext {
 
 /// One step's view of a pass's context ([`PassContext::view`]): `extra`,
 /// then `steps` (the upstream steps' entries, by their place in the
-/// context's; a map of them made on first use), then the context's other top-level values.
+/// context's; a map of them made on first use), then the context's other
+/// top-level values.
 #[derive(Debug)]
 struct View {
     ctx: std::sync::Arc<PassContext>,
@@ -395,12 +409,6 @@ struct View {
     steps: Option<Vec<usize>>,
     steps_value: std::sync::OnceLock<TplValue>,
     extra: Vec<(&'static str, TplValue)>,
-}
-
-impl std::fmt::Debug for PassContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PassContext").finish_non_exhaustive()
-    }
 }
 
 impl View {
