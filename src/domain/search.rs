@@ -14,6 +14,18 @@ use std::collections::BTreeMap;
 
 use super::UnixMs;
 
+/// A search document's digest, kept beside it where the index cannot give
+/// the document back (SQLite's contentless FTS5 table), so that a document
+/// whose words did not change is not written again: the first eight bytes
+/// of its SHA-256.
+pub fn digest(doc: &str) -> i64 {
+    use sha2::Digest;
+    let hash = sha2::Sha256::digest(doc.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&hash[..8]);
+    i64::from_be_bytes(first)
+}
+
 /// Words of a query beyond this many are ignored.
 pub const MAX_WORDS: usize = 8;
 /// A word's characters beyond this many are ignored.
@@ -223,6 +235,19 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The digest is the first eight bytes of SHA-256, the same for the
+    /// same text and different for another (so a document's digest stays
+    /// comparable across versions of this binary).
+    #[test]
+    fn a_documents_digest_is_its_sha256_head() {
+        assert_eq!(
+            digest(""),
+            i64::from_be_bytes(*b"\xe3\xb0\xc4\x42\x98\xfc\x1c\x14")
+        );
+        assert_eq!(digest("lisbon ana"), digest("lisbon ana"));
+        assert_ne!(digest("lisbon ana"), digest("lisbon ana "));
+    }
 
     #[test]
     fn words_are_quoted_for_each_backend() {

@@ -16,7 +16,7 @@ use sqlx::sqlite::{
     SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::types::Json;
-use sqlx::{Pool, Sqlite, Transaction};
+use sqlx::{Pool, Row, Sqlite, Transaction};
 
 use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
@@ -540,14 +540,16 @@ impl SqlDb for Sqlite {
         .await?)
     }
 
-    /// A contentless FTS5 table: the old document is deleted by rowid
-    /// first, then the new one inserted.
+    /// A contentless FTS5 table keeps no document to compare with, so
+    /// each document's digest is kept beside it (`search_digests`): the
+    /// documents are made and read back, and only those whose digest
+    /// changed are written (the old one deleted by rowid first, then the
+    /// new one inserted), in one request.
     async fn index_in(
         tx: &mut Transaction<'static, Sqlite>,
         records: &[i64],
         bare: &[i64],
     ) -> StoreResult<u64> {
-        Self::unindex_in(tx, records).await?;
         let sql = Self::statements().index_records.get(|| {
             // A value sealed at rest (`auth::seal`, text beginning with
             // U+0001) gives no words: its text is ciphertext.
@@ -559,34 +561,66 @@ impl SqlDb for Sqlite {
                 )
             };
             format!(
-                "INSERT INTO record_search (rowid, body) \
-                 SELECT r.id, substr(concat_ws(' ', r.external_key, r.reason, r.error_code, {input}, \
+                "SELECT r.id, substr(concat_ws(' ', r.external_key, r.reason, r.error_code, {input}, \
                      (SELECT group_concat(concat_ws(' ', s.reason, s.error_code, s.job_id, {output}), ' ') \
-                      FROM step_runs s WHERE s.record_id = r.id AND s.item_of IS NULL)), 1, 65536) \
+                      FROM step_runs s WHERE s.record_id = r.id AND s.item_of IS NULL)), 1, 65536), \
+                   (SELECT d.digest FROM search_digests d WHERE d.record_id = r.id) \
                  FROM records r WHERE r.id {in_ids}",
                 input = bared(&values("r.input"), "r.id"),
                 output = bared(&values("s.output"), "r.id"),
                 in_ids = SqlStore::<Sqlite>::in_ids(),
             )
         });
-        let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+        let made = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(Json(records))
             .bind(Json(bare))
-            .execute(&mut **tx)
+            .fetch_all(&mut **tx)
             .await?;
-        Ok(done.rows_affected())
+        let mut changed = Vec::new();
+        for row in &made {
+            let (id, doc, kept): (i64, String, Option<i64>) =
+                (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+            let digest = crate::domain::search::digest(&doc);
+            if kept != Some(digest) {
+                changed.push((id, doc, digest));
+            }
+        }
+        if changed.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<i64> = changed.iter().map(|c| c.0).collect();
+        let docs: Vec<(i64, &str)> = changed.iter().map(|c| (c.0, c.1.as_str())).collect();
+        let digests: Vec<(i64, i64)> = changed.iter().map(|c| (c.0, c.2)).collect();
+        let mut writes = super::backend::Writes::default();
+        writes.add(
+            "DELETE FROM record_search WHERE rowid IN (SELECT CAST(value AS BIGINT) FROM json_each($1))",
+            &ids,
+        )?;
+        writes.add(
+            "INSERT INTO record_search (rowid, body) SELECT value ->> 0, value ->> 1 FROM json_each($1)",
+            &docs,
+        )?;
+        writes.add(
+            "INSERT INTO search_digests (record_id, digest) \
+             SELECT value ->> 0, value ->> 1 FROM json_each($1) WHERE true \
+             ON CONFLICT (record_id) DO UPDATE SET digest = excluded.digest",
+            &digests,
+        )?;
+        Self::run_writes(tx, &writes).await?;
+        Ok(changed.len() as u64)
     }
 
     async fn unindex_in(tx: &mut Transaction<'static, Sqlite>, records: &[i64]) -> StoreResult<()> {
-        let sql = format!(
-            "DELETE FROM record_search WHERE rowid {}",
-            SqlStore::<Sqlite>::in_ids()
-        );
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(Json(records))
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
+        let mut writes = super::backend::Writes::default();
+        writes.add(
+            "DELETE FROM record_search WHERE rowid IN (SELECT CAST(value AS BIGINT) FROM json_each($1))",
+            records,
+        )?;
+        writes.add(
+            "DELETE FROM search_digests WHERE record_id IN (SELECT CAST(value AS BIGINT) FROM json_each($1))",
+            records,
+        )?;
+        Self::run_writes(tx, &writes).await
     }
 
     fn statements() -> &'static Statements {

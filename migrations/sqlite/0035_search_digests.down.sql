@@ -1,0 +1,2 @@
+-- An older version rewrites every document it indexes.
+DROP TABLE search_digests;
