@@ -141,13 +141,14 @@ pub trait SqlDb:
         limit: i64,
     ) -> impl Future<Output = StoreResult<Vec<i64>>> + Send;
 
-    /// Writes the search documents of `records` anew inside `tx`, only
-    /// those whose text changed (those purged meanwhile are skipped): the
-    /// words of the key, reason, error code and input values, and of each
-    /// step's output values, reason, error code and job id, the first 64
-    /// KiB of them (JSON keys are not a record's words); of `bare` records
-    /// (of pipelines with sensitive fields) without input or output
-    /// values. Returns the documents written.
+    /// Writes the search documents of `records` anew inside `tx` where
+    /// they changed (PostgreSQL compares the words, SQLite the text's
+    /// digest; those purged meanwhile are skipped): the words of the key,
+    /// reason, error code and input values, and of each step's output
+    /// values, reason, error code and job id, the first 64 KiB of them
+    /// (JSON keys are not a record's words); of `bare` records (of
+    /// pipelines with sensitive fields) without input or output values.
+    /// Returns the documents written.
     fn index_in(
         tx: &mut Transaction<'static, Self>,
         records: &[i64],

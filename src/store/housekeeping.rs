@@ -120,10 +120,10 @@ pub trait Housekeeping: Send + Sync {
         gaps: &[i64],
         limit: u32,
     ) -> StoreResult<Vec<crate::domain::search::SeenEvent>>;
-    /// Writes the search documents of `records` anew (those purged are
-    /// skipped; those also in `bare` without their input and output
-    /// values) and moves the stored progress up to `settled`, in one
-    /// transaction; returns the documents written.
+    /// Writes the search documents of `records` anew where they changed
+    /// (those purged are skipped; those also in `bare` without their
+    /// input and output values) and moves the stored progress up to
+    /// `settled`, in one transaction; returns the documents written.
     async fn index_records(&self, records: &[i64], bare: &[i64], settled: i64) -> StoreResult<u64>;
 }
 

@@ -542,9 +542,12 @@ impl SqlDb for Sqlite {
 
     /// A contentless FTS5 table keeps no document to compare with, so
     /// each document's digest is kept beside it (`search_digests`): the
-    /// documents are made and read back, and only those whose digest
-    /// changed are written (the old one deleted by rowid first, then the
-    /// new one inserted), in one request.
+    /// documents are made and read back with their digests, and only
+    /// those whose text changed, or that have no digest (indexed by an
+    /// older version, or never), are written: the old one deleted by
+    /// rowid, the new one inserted and its digest kept, in one request.
+    /// A digest says what the index holds for its record: whatever clears
+    /// `record_search` must clear `search_digests` with it.
     async fn index_in(
         tx: &mut Transaction<'static, Sqlite>,
         records: &[i64],
@@ -578,10 +581,14 @@ impl SqlDb for Sqlite {
             .await?;
         let mut changed = Vec::new();
         for row in &made {
-            let (id, doc, kept): (i64, String, Option<i64>) =
+            // Read as bytes: text that is not UTF-8 (written by hand) is
+            // indexed as far as it reads, and stops no batch.
+            let (id, doc, kept): (i64, Vec<u8>, Option<i64>) =
                 (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
             let digest = crate::domain::search::digest(&doc);
             if kept != Some(digest) {
+                let doc = String::from_utf8(doc)
+                    .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
                 changed.push((id, doc, digest));
             }
         }
