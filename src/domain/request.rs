@@ -34,42 +34,49 @@ pub struct SentRequest {
     pub body: Option<String>,
 }
 
-/// The parts of a request, before anything is removed.
+/// The parts of a request, before anything is removed: its headers and
+/// body taken over (the call has been sent), to be kept as they are where
+/// nothing in them is removed.
 pub struct Outgoing<'a> {
     pub method: &'a str,
     pub url: &'a str,
-    pub headers: &'a [(String, String)],
-    pub body: Option<&'a str>,
+    pub headers: Vec<(String, String)>,
+    pub body: Option<String>,
 }
 
 impl SentRequest {
     /// `out` as the history keeps it: `auth_header` names the provider's
     /// credential header (compared without case), `secrets` its current
     /// credentials.
-    pub fn of(out: &Outgoing<'_>, credential_headers: &[&str], secrets: &[&str]) -> SentRequest {
-        let headers = out
-            .headers
-            .iter()
-            .map(|(name, value)| {
-                let credential = credential_headers
-                    .iter()
-                    .any(|h| h.eq_ignore_ascii_case(name))
-                    || is_credential_header(name);
-                let value = if credential {
-                    REDACTED.to_owned()
-                } else {
-                    clean(value, secrets)
-                };
-                (name.clone(), value)
-            })
-            .collect();
+    pub fn of(out: Outgoing<'_>, credential_headers: &[&str], secrets: &[&str]) -> SentRequest {
+        let mut headers = out.headers;
+        for (name, value) in &mut headers {
+            let credential = credential_headers
+                .iter()
+                .any(|h| h.eq_ignore_ascii_case(name))
+                || is_credential_header(name);
+            if credential {
+                *value = REDACTED.to_owned();
+            } else {
+                clean(value, secrets);
+            }
+        }
+        let mut url = redact_url(out.url);
+        clean(&mut url, secrets);
+        let body = out.body.map(|mut b| {
+            clean(&mut b, secrets);
+            let cut = excerpt(&b, EXCERPT_MAX_BYTES).len();
+            if cut < b.len() {
+                b.truncate(cut);
+                b.shrink_to_fit();
+            }
+            b
+        });
         SentRequest {
             method: out.method.to_owned(),
-            url: clean(&redact_url(out.url), secrets),
+            url,
             headers,
-            body: out
-                .body
-                .map(|b| excerpt(&clean(b, secrets), EXCERPT_MAX_BYTES).to_owned()),
+            body,
         }
     }
 
@@ -85,9 +92,12 @@ impl SentRequest {
     }
 }
 
-/// `text` with secrets and NUL characters replaced (as replies are).
-fn clean(text: &str, secrets: &[&str]) -> String {
-    super::storable_text(text, secrets).unwrap_or_else(|| text.to_owned())
+/// Replaces secrets and NUL characters in `text` (as in replies); a text
+/// with none is left as it is.
+fn clean(text: &mut String, secrets: &[&str]) {
+    if let Some(cleaned) = super::storable_text(text, secrets) {
+        *text = cleaned;
+    }
 }
 
 /// Header names that carry a credential, whole (any case).
@@ -249,10 +259,10 @@ mod tests {
         let out = Outgoing {
             method: "POST",
             url: "https://api.example.com/v1/jobs",
-            headers: &headers,
-            body: Some(r#"{"prompt":"hi","key":"sk-live-123456"}"#),
+            headers,
+            body: Some(r#"{"prompt":"hi","key":"sk-live-123456"}"#.to_owned()),
         };
-        let sent = SentRequest::of(&out, &["x-provider-auth"], &["sk-live-123456"]);
+        let sent = SentRequest::of(out, &["x-provider-auth"], &["sk-live-123456"]);
         assert_eq!(
             sent.headers,
             h(&[
@@ -301,10 +311,10 @@ mod tests {
         let out = Outgoing {
             method: "GET",
             url: "https://api.example.com/v1/sk-live-123456/jobs",
-            headers: &[],
-            body: Some(&long),
+            headers: Vec::new(),
+            body: Some(long),
         };
-        let sent = SentRequest::of(&out, &[], &["sk-live-123456"]);
+        let sent = SentRequest::of(out, &[], &["sk-live-123456"]);
         assert_eq!(sent.url, "https://api.example.com/v1/[redacted]/jobs");
         let body = sent.body.unwrap_or_default();
         assert_eq!(body.len(), EXCERPT_MAX_BYTES);

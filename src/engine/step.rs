@@ -158,14 +158,14 @@ pub(super) fn scrubbed<'s>(rt: &'s ProviderRuntime, token: Option<&'s Secret>) -
 
 /// `call` as the history keeps it: credentials removed, `secrets`
 /// wherever they appear (`domain::request`).
-fn kept_request(rt: &ProviderRuntime, call: &Call, secrets: &[&str]) -> SentRequest {
+fn kept_request(rt: &ProviderRuntime, call: Call, secrets: &[&str]) -> SentRequest {
     let out = Outgoing {
         method: call.method.as_str(),
         url: call.url.as_str(),
-        headers: &call.headers,
-        body: call.body.as_deref(),
+        headers: call.headers,
+        body: call.body,
     };
-    SentRequest::of(&out, &rt.config.credential_headers(), secrets)
+    SentRequest::of(out, &rt.config.credential_headers(), secrets)
 }
 
 /// Adds the provider's credential (or OAuth2 `token`) to a call's
@@ -325,7 +325,7 @@ impl StepCall<'_> {
         // From here the call may reach the provider, even if this pass is
         // cancelled: it counts as sent.
         granted.flight.sent = true;
-        let first = self.exchange(rt, &call, token.as_ref(), span).await;
+        let first = self.exchange(rt, call, token.as_ref(), span).await;
         let sent = match self
             .renewed_if_refused(rt, &plan, token, (first, started, attempt_no))
             .await
@@ -618,7 +618,7 @@ impl StepCall<'_> {
         let number = (self.write.attempts.max(1), self.clock.now_ms());
         let (call, span) = self.traced(rt, call, number.0);
         granted.flight.sent = true;
-        let (x, sent) = self.exchange(rt, &call, token.as_ref(), span).await;
+        let (x, sent) = self.exchange(rt, call, token.as_ref(), span).await;
         // A 401 drops the token (the next ask gets another); it is never a
         // reversal (`domain::confirm::said`).
         rt.judge_token(token.as_ref(), x.http_status, self.clock);
@@ -709,21 +709,23 @@ impl StepCall<'_> {
     /// One exchange, within `span` ([`traced`](Self::traced)). A provider
     /// may echo the credential it was sent (in an error, in a field a step
     /// keeps as output), or send NUL characters: the reply comes back
-    /// storable, so the key reaches no output, job id, excerpt or log.
+    /// storable, so the key reaches no output, job id, excerpt or log. The
+    /// call is then kept as the request sent, its headers and body taken
+    /// over.
     async fn exchange(
         &self,
         rt: &ProviderRuntime,
-        call: &Call,
+        call: Call,
         token: Option<&Secret>,
         span: tracing::Span,
     ) -> (Exchange, SentRequest) {
         let secrets = scrubbed(rt, token);
         let mut x = match &rt.in_process {
             Some(p) => span.in_scope(|| {
-                super::http::exchange_in_process(p.0.as_ref(), call, &secrets, self.clock)
+                super::http::exchange_in_process(p.0.as_ref(), &call, &secrets, self.clock)
             }),
             None => {
-                let sent = exchange(&rt.client, call, &secrets, self.clock);
+                let sent = exchange(&rt.client, &call, &secrets, self.clock);
                 sent.instrument(span.clone()).await
             }
         };
@@ -759,7 +761,7 @@ impl StepCall<'_> {
     fn kept(
         &self,
         rt: &ProviderRuntime,
-        call: &Call,
+        call: Call,
         secrets: &[&str],
         masking: Option<&super::sensitive::Masking>,
     ) -> SentRequest {
@@ -770,10 +772,10 @@ impl StepCall<'_> {
         let out = Outgoing {
             method: call.method.as_str(),
             url: &url,
-            headers: &call.headers,
-            body: body.as_deref(),
+            headers: call.headers,
+            body,
         };
-        let mut sent = SentRequest::of(&out, &rt.config.credential_headers(), secrets);
+        let mut sent = SentRequest::of(out, &rt.config.credential_headers(), secrets);
         m.headers(&mut sent);
         sent
     }
@@ -800,7 +802,8 @@ impl StepCall<'_> {
             attempt_no,
             node: Some(self.node.to_owned()),
             sent_at: at,
-            request: Some(self.kept(rt, call, &secrets, self.masking(rt).as_ref())),
+            // The call is still to be sent: kept from a copy.
+            request: Some(self.kept(rt, call.clone(), &secrets, self.masking(rt).as_ref())),
         };
         self.intents.write(intent).await
     }
@@ -885,7 +888,7 @@ impl StepCall<'_> {
         })?;
         let (call, span) = self.traced(rt, call, plan.write.attempts.max(1));
         let at = self.clock.now_ms();
-        let (x, sent) = self.exchange(rt, &call, Some(&token), span).await;
+        let (x, sent) = self.exchange(rt, call, Some(&token), span).await;
         Ok((x, sent, at, token, flight))
     }
 
