@@ -35,8 +35,8 @@ pub struct SentRequest {
 }
 
 /// The parts of a request, before anything is removed: its headers and
-/// body taken over (the call has been sent), to be kept as they are where
-/// nothing in them is removed.
+/// body owned (taken over from a call sent, or copied from one about to
+/// be), so that what needs no change is kept without a copy.
 pub struct Outgoing<'a> {
     pub method: &'a str,
     pub url: &'a str,
@@ -45,9 +45,11 @@ pub struct Outgoing<'a> {
 }
 
 impl SentRequest {
-    /// `out` as the history keeps it: `auth_header` names the provider's
-    /// credential header (compared without case), `secrets` its current
-    /// credentials.
+    /// `out` as the history keeps it: `credential_headers` names the
+    /// provider's credential headers (compared without case), `secrets`
+    /// its current credentials. A header value, the URL or the body with
+    /// something to remove is replaced by a cleaned copy; the body, cleaned
+    /// whole first, is then cut to its excerpt.
     pub fn of(out: Outgoing<'_>, credential_headers: &[&str], secrets: &[&str]) -> SentRequest {
         let mut headers = out.headers;
         for (name, value) in &mut headers {
@@ -319,6 +321,35 @@ mod tests {
         let body = sent.body.unwrap_or_default();
         assert_eq!(body.len(), EXCERPT_MAX_BYTES);
         assert!(!body.contains("sk-live"));
+    }
+
+    /// The body is cleaned whole before it is cut: a secret across the cut
+    /// leaves no piece of it, and the cut falls on a character's boundary.
+    /// A NUL becomes U+FFFD in a header, the URL and the body.
+    #[test]
+    fn a_body_is_cleaned_before_it_is_cut() {
+        let key = "sk-live-123456";
+        let across = format!("{}{key}", "a".repeat(EXCERPT_MAX_BYTES - 7));
+        let kept = |body: String, headers: Vec<(String, String)>| {
+            let out = Outgoing {
+                method: "POST",
+                url: "https://api.example.com/v1/\0",
+                headers,
+                body: Some(body),
+            };
+            SentRequest::of(out, &[], &[key])
+        };
+        let body = kept(across, Vec::new()).body.unwrap_or_default();
+        assert_eq!(body.len(), EXCERPT_MAX_BYTES);
+        assert!(!body.contains("sk-live"), "{}", &body[body.len() - 12..]);
+        let wide = format!("a{}", "é".repeat(EXCERPT_MAX_BYTES));
+        let body = kept(wide.clone(), Vec::new()).body.unwrap_or_default();
+        assert_eq!(body.len(), EXCERPT_MAX_BYTES - 1);
+        assert!(wide.starts_with(&body));
+        let sent = kept("x\0y".into(), h(&[("X-Note", "a\0b")]));
+        assert_eq!(sent.headers, h(&[("X-Note", "a\u{FFFD}b")]));
+        assert_eq!(sent.url, "https://api.example.com/v1/\u{FFFD}");
+        assert_eq!(sent.body.as_deref(), Some("x\u{FFFD}y"));
     }
 
     proptest::proptest! {

@@ -156,18 +156,6 @@ pub(super) fn scrubbed<'s>(rt: &'s ProviderRuntime, token: Option<&'s Secret>) -
     key.into_iter().chain(token).map(Secret::expose).collect()
 }
 
-/// `call` as the history keeps it: credentials removed, `secrets`
-/// wherever they appear (`domain::request`).
-fn kept_request(rt: &ProviderRuntime, call: Call, secrets: &[&str]) -> SentRequest {
-    let out = Outgoing {
-        method: call.method.as_str(),
-        url: call.url.as_str(),
-        headers: call.headers,
-        body: call.body,
-    };
-    SentRequest::of(out, &rt.config.credential_headers(), secrets)
-}
-
 /// Adds the provider's credential (or OAuth2 `token`) to a call's
 /// `headers`.
 pub(super) fn credentials(
@@ -737,7 +725,13 @@ impl StepCall<'_> {
         // (`domain::request`), with the same secrets as the reply; and
         // the record's sensitive values masked in both.
         let masking = self.masking(rt);
-        let sent = self.kept(rt, call, &secrets, masking.as_ref());
+        let out = Outgoing {
+            method: call.method.as_str(),
+            url: call.url.as_str(),
+            headers: call.headers,
+            body: call.body,
+        };
+        let sent = self.kept(rt, out, &secrets, masking.as_ref());
         if let Some(m) = &masking {
             x.excerpt = m.excerpt(&x.reply, &x.excerpt);
         }
@@ -756,26 +750,28 @@ impl StepCall<'_> {
         super::sensitive::Masking::of(&config, at, &self.ctx)
     }
 
-    /// `call` as the history keeps it: credentials removed, the record's
-    /// sensitive values masked (`masking`).
+    /// A call as the history keeps it (`out`, its headers and body taken
+    /// over): credentials removed, `secrets` wherever they appear
+    /// (`domain::request`), the record's sensitive values masked
+    /// (`masking`).
     fn kept(
         &self,
         rt: &ProviderRuntime,
-        call: Call,
+        out: Outgoing<'_>,
         secrets: &[&str],
         masking: Option<&super::sensitive::Masking>,
     ) -> SentRequest {
+        let credential_headers = rt.config.credential_headers();
         let Some(m) = masking else {
-            return kept_request(rt, call, secrets);
+            return SentRequest::of(out, &credential_headers, secrets);
         };
-        let (url, body) = m.outgoing(call.url.as_str(), call.body.as_deref());
+        let (url, body) = m.outgoing(out.url, out.body.as_deref());
         let out = Outgoing {
-            method: call.method.as_str(),
             url: &url,
-            headers: call.headers,
             body,
+            ..out
         };
-        let mut sent = SentRequest::of(out, &rt.config.credential_headers(), secrets);
+        let mut sent = SentRequest::of(out, &credential_headers, secrets);
         m.headers(&mut sent);
         sent
     }
@@ -794,6 +790,13 @@ impl StepCall<'_> {
         let Some(lease) = self.record.lease() else {
             return Err("the record is not leased".into());
         };
+        // The call is still to be sent: its headers and body copied.
+        let out = Outgoing {
+            method: call.method.as_str(),
+            url: call.url.as_str(),
+            headers: call.headers.clone(),
+            body: call.body.clone(),
+        };
         let intent = crate::store::NewIntent {
             lease,
             record_id: self.record.id,
@@ -802,8 +805,7 @@ impl StepCall<'_> {
             attempt_no,
             node: Some(self.node.to_owned()),
             sent_at: at,
-            // The call is still to be sent: kept from a copy.
-            request: Some(self.kept(rt, call.clone(), &secrets, self.masking(rt).as_ref())),
+            request: Some(self.kept(rt, out, &secrets, self.masking(rt).as_ref())),
         };
         self.intents.write(intent).await
     }
