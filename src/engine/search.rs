@@ -2,10 +2,10 @@
 //! up to date behind the commits, so claims and commits never wait for
 //! it. One node at a time (the `search-index` task lease) reads `events`
 //! in id order; every record that had an event gets its document made
-//! anew and written when it changed, a batch per transaction. Events are read once they are five
-//! seconds old (`domain::search::LAG_MS`), so a record that comes and goes
-//! within seconds is indexed once: it is searchable by its words about six
-//! seconds after it changed.
+//! anew and written when it changed, a batch per transaction. Events are
+//! read once they are five seconds old (`domain::search::LAG_MS`), so a
+//! record that comes and goes within seconds is indexed once: it is
+//! searchable by its words about six seconds after it changed.
 
 use std::collections::BTreeSet;
 

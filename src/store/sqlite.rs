@@ -579,7 +579,7 @@ impl SqlDb for Sqlite {
             .bind(Json(bare))
             .fetch_all(&mut **tx)
             .await?;
-        let mut changed = Vec::new();
+        let (mut ids, mut docs, mut digests) = (Vec::new(), Vec::new(), Vec::new());
         for row in &made {
             // Read as bytes: text that is not UTF-8 (written by hand) is
             // indexed as far as it reads, and stops no batch.
@@ -589,20 +589,16 @@ impl SqlDb for Sqlite {
             if kept != Some(digest) {
                 let doc = String::from_utf8(doc)
                     .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-                changed.push((id, doc, digest));
+                ids.push(id);
+                docs.push((id, doc));
+                digests.push((id, digest));
             }
         }
-        if changed.is_empty() {
+        if ids.is_empty() {
             return Ok(0);
         }
-        let ids: Vec<i64> = changed.iter().map(|c| c.0).collect();
-        let docs: Vec<(i64, &str)> = changed.iter().map(|c| (c.0, c.1.as_str())).collect();
-        let digests: Vec<(i64, i64)> = changed.iter().map(|c| (c.0, c.2)).collect();
         let mut writes = super::backend::Writes::default();
-        writes.add(
-            "DELETE FROM record_search WHERE rowid IN (SELECT CAST(value AS BIGINT) FROM json_each($1))",
-            &ids,
-        )?;
+        writes.add(UNINDEX_DOCUMENTS, &ids)?;
         writes.add(
             "INSERT INTO record_search (rowid, body) SELECT value ->> 0, value ->> 1 FROM json_each($1)",
             &docs,
@@ -614,15 +610,12 @@ impl SqlDb for Sqlite {
             &digests,
         )?;
         Self::run_writes(tx, &writes).await?;
-        Ok(changed.len() as u64)
+        Ok(ids.len() as u64)
     }
 
     async fn unindex_in(tx: &mut Transaction<'static, Sqlite>, records: &[i64]) -> StoreResult<()> {
         let mut writes = super::backend::Writes::default();
-        writes.add(
-            "DELETE FROM record_search WHERE rowid IN (SELECT CAST(value AS BIGINT) FROM json_each($1))",
-            records,
-        )?;
+        writes.add(UNINDEX_DOCUMENTS, records)?;
         writes.add(
             "DELETE FROM search_digests WHERE record_id IN (SELECT CAST(value AS BIGINT) FROM json_each($1))",
             records,
@@ -660,6 +653,11 @@ impl SqlDb for Sqlite {
         Ok(())
     }
 }
+
+/// Deletes the search documents of the records in `$1` (their digests
+/// stay: a rewrite keeps its own, a purge deletes them beside).
+const UNINDEX_DOCUMENTS: &str =
+    "DELETE FROM record_search WHERE rowid IN (SELECT CAST(value AS BIGINT) FROM json_each($1))";
 
 /// `expr`, or NULL for a record (`id`) among the bare ones (`$2`): a
 /// search document without its input and output values.

@@ -5448,14 +5448,8 @@ outcome = "fail"
     // anew all the same, its old one deleted (else its old words would
     // still find it).
     if backend == Backend::Sqlite {
-        let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
-        let dropped = sqlx::query("DELETE FROM search_digests WHERE record_id = $1")
-            .bind(held)
-            .execute(&pool)
-            .await
-            .unwrap();
-        assert_eq!(dropped.rows_affected(), 1);
-        pool.close().await;
+        let sql = format!("DELETE FROM search_digests WHERE record_id = {held}");
+        assert_eq!(t.execute(&sql).await, 1);
     }
     ops.act(
         held,
@@ -5503,29 +5497,13 @@ outcome = "fail"
     // each time: its digest follows it (a digest kept from before would
     // take the change back for no change and leave the other words).
     let set_reason = async |reason: Option<&str>| {
-        let sql = "UPDATE records SET reason = $1 WHERE id = $2";
-        match backend {
-            Backend::Sqlite => {
-                let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
-                sqlx::query(sql)
-                    .bind(reason)
-                    .bind(k1)
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-                pool.close().await;
-            }
-            Backend::Postgres => {
-                let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
-                sqlx::query(sql)
-                    .bind(reason)
-                    .bind(k1)
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-                pool.close().await;
-            }
-        }
+        let text = reason.map_or("NULL".to_owned(), |r| {
+            format!("'{}'", r.replace('\'', "''"))
+        });
+        t.execute(&format!(
+            "UPDATE records SET reason = {text} WHERE id = {k1}"
+        ))
+        .await;
     };
     let reason = t.db.get_record(k1).await.unwrap().unwrap().reason;
     set_reason(Some("zanzibar")).await;

@@ -109,6 +109,26 @@ impl TestDb {
         migrate::up(&t.db, None).await.unwrap();
         Some(t)
     }
+
+    /// Runs `sql` on this database outside the store, on a connection of
+    /// its own; the rows it changed.
+    pub async fn execute(&self, sql: &str) -> u64 {
+        let sql = sqlx::AssertSqlSafe(sql.to_owned());
+        match &self.db {
+            Db::Sqlite(_) => {
+                let pool = sqlx::SqlitePool::connect(&self.url).await.unwrap();
+                let done = sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+                pool.close().await;
+                done.rows_affected()
+            }
+            Db::Postgres(_) => {
+                let pool = sqlx::PgPool::connect(&self.url).await.unwrap();
+                let done = sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+                pool.close().await;
+                done.rows_affected()
+            }
+        }
+    }
 }
 
 impl Drop for TestDb {

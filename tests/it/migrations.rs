@@ -8,17 +8,9 @@ use crate::helpers::TestDb;
 /// Runs one statement on `t` outside the store: `sqlite` or `postgres`.
 async fn execute(t: &TestDb, sqlite: &'static str, postgres: &'static str) {
     match &t.db {
-        ballast::store::Db::Sqlite(_) => {
-            let pool = sqlx::SqlitePool::connect(&t.url).await.unwrap();
-            sqlx::query(sqlite).execute(&pool).await.unwrap();
-            pool.close().await;
-        }
-        ballast::store::Db::Postgres(_) => {
-            let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
-            sqlx::query(postgres).execute(&pool).await.unwrap();
-            pool.close().await;
-        }
-    }
+        ballast::store::Db::Sqlite(_) => t.execute(sqlite).await,
+        ballast::store::Db::Postgres(_) => t.execute(postgres).await,
+    };
 }
 
 async fn up_down_up(backend: Backend) {
