@@ -112,6 +112,82 @@ async fn step_counts_are_backfilled(backend: Backend) {
     );
 }
 
+/// Migration 36 moves a running record's lease out of the record and
+/// back: going up, the record is stored `pending`, due when its lease
+/// ends, and read as running with its owner, token, end and claim time;
+/// the next lease's token is past every older one; an older node's claim
+/// (storing `running`) is refused on PostgreSQL; going down puts the
+/// leases back into their records.
+async fn leases_move_out_of_records_and_back(backend: Backend) {
+    use ballast::domain::RecordState;
+    let Some(t) = TestDb::new(backend, "leases_move").await else {
+        return;
+    };
+    migrate::up(&t.db, Some(35)).await.unwrap();
+    let rows = "INSERT INTO records (pipeline, external_key, state, input, next_run_at, lease_owner, \
+                lease_until, lease_token, created_at, updated_at, claimed_at) VALUES \
+                ('p', 'run', 'running', '{}', 90000, 'old', 90000, 7, 1, 2, 60000), \
+                ('p', 'due', 'pending', '{}', 5, NULL, NULL, 3, 1, 1, NULL)";
+    execute(&t, rows, rows).await;
+    migrate::up(&t.db, None).await.unwrap();
+    let run = t.db.get_record(1).await.unwrap().unwrap();
+    assert_eq!(
+        (
+            run.state,
+            run.lease_owner.as_deref(),
+            run.lease_token,
+            run.lease_until,
+            run.next_run_at,
+            run.claimed_at
+        ),
+        (
+            RecordState::Running,
+            Some("old"),
+            7,
+            Some(90_000),
+            Some(90_000),
+            Some(60_000)
+        )
+    );
+    let stored = "SELECT COUNT(*) FROM records WHERE state = 'pending' AND lease_owner IS NULL";
+    assert_eq!(t.count(stored).await, 2);
+    let claim = |owner: &str, now| ballast::store::ClaimRequest {
+        owner: owner.to_owned(),
+        now,
+        lease: std::time::Duration::from_secs(30),
+        limit: 10,
+        group_caps: Vec::new(),
+    };
+    let got = t.db.claim_due(&claim("new", 100)).await.unwrap();
+    assert_eq!(got.iter().map(|r| r.id).collect::<Vec<_>>(), vec![2]);
+    assert!(got[0].lease_token > 7, "{}", got[0].lease_token);
+    // The older node's lease ends (and the newer one's): both are taken
+    // over, each with a new token.
+    let again = t.db.claim_due(&claim("new", 90_001)).await.unwrap();
+    assert_eq!(again.iter().map(|r| r.id).collect::<Vec<_>>(), vec![2, 1]);
+    assert!(again.iter().all(|r| r.lease_token > got[0].lease_token));
+    let older_claim = "UPDATE records SET state = 'running', lease_owner = 'old', \
+                       lease_until = 200000 WHERE id = 2";
+    if t.pg_name().is_some() {
+        let refused = t.try_execute(older_claim).await.unwrap_err();
+        assert!(refused.contains("records_never_running"), "{refused}");
+    }
+    migrate::down(&t.db, 35).await.unwrap();
+    let back = "SELECT COUNT(*) FROM records WHERE state = 'running' AND lease_owner = 'new' \
+                AND next_run_at = lease_until AND lease_token > 7";
+    assert_eq!(t.count(back).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_leases_move_out_of_records_and_back() {
+    leases_move_out_of_records_and_back(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_leases_move_out_of_records_and_back() {
+    leases_move_out_of_records_and_back(Backend::Postgres).await;
+}
+
 /// Going down past migration 17 keeps the folded hours' figures: each
 /// hour row goes back as one minute row, beside a minute row of the same
 /// hour written after the fold.

@@ -796,8 +796,10 @@ async fn claim_takes_due_records_in_order(db: &Db) {
         assert_eq!(r.state, RecordState::Running);
         assert_eq!(r.lease_owner.as_deref(), Some("w1"));
         assert_eq!(r.lease_until, Some(T0 + 100 + 30_000));
-        assert_eq!(r.lease_token, 1);
+        assert!(r.lease_token > 0);
     }
+    // Each lease its own token (one sequence for every lease).
+    assert_ne!(got[0].lease_token, got[1].lease_token);
     assert!(
         db.claim_due(&claim("w2", T0 + 100, 10))
             .await
@@ -3245,6 +3247,243 @@ async fn group_commit_writes_each_pass_and_refuses_only_stale_ones(db: &Db) {
     assert_counts_consistent(db).await;
 }
 
+/// A claim writes a lease, not the record (migration 36): the records'
+/// rows stay as stored, one lease per record taken, read as running (its
+/// list, its page); a leased record keeps its place at the head of its
+/// queue, yet the idle engine's next due time is the next record not
+/// leased, or a lease's end; a commit ending a pass removes its lease,
+/// a checkpoint keeps it; and a lease whose row another transaction holds
+/// is neither waited for nor reported lost when kept alive (PostgreSQL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_writes_a_lease_and_leaves_the_record() {
+    for backend in [
+        ballast::store::Backend::Sqlite,
+        ballast::store::Backend::Postgres,
+    ] {
+        let Some(t) = crate::helpers::TestDb::migrated(backend, "claim_lease").await else {
+            continue;
+        };
+        let db = &t.db;
+        for (key, due) in [("a", T0), ("b", T0 + 1), ("c", T0 + 2), ("d", T0 + 50_000)] {
+            db.create_record(new_record("p", Some(key), due), T0)
+                .await
+                .unwrap();
+        }
+        let untouched = format!(
+            "SELECT COUNT(*) FROM records WHERE state = 'pending' AND updated_at = {T0} \
+             AND lease_owner IS NULL AND claimed_at IS NULL"
+        );
+        let leases = "SELECT COUNT(*) FROM leases";
+        let got = db.claim_due(&claim("w", T0 + 5, 2)).await.unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!((t.count(&untouched).await, t.count(leases).await), (4, 2));
+        let read = db.get_record(got[0].id).await.unwrap().unwrap();
+        assert_eq!(read, got[0], "{backend:?}: read as claimed");
+        assert_eq!(read.lease_until, Some(T0 + 5 + 30_000));
+        let ids = |state| {
+            let f = RecordFilter {
+                state: Some(state),
+                ..Default::default()
+            };
+            async move {
+                let mut ids: Vec<i64> = crate::helpers::listed(db, &f)
+                    .await
+                    .iter()
+                    .map(|r| r.id)
+                    .collect();
+                ids.sort_unstable();
+                ids
+            }
+        };
+        assert_eq!(ids(RecordState::Running).await, vec![1, 2]);
+        assert_eq!(ids(RecordState::Pending).await, vec![3, 4]);
+        // `c` is due, past the leased records at its queue's head.
+        assert_eq!(db.next_due_at().await.unwrap(), Some(T0 + 2));
+        let rest = db.claim_due(&claim("w", T0 + 5, 10)).await.unwrap();
+        assert_eq!(rest.iter().map(|r| r.id).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(db.next_due_at().await.unwrap(), Some(T0 + 5 + 30_000));
+        // A checkpoint keeps the lease and the stored state; the end of
+        // the pass removes the lease and writes the record.
+        let mid = db
+            .commit(&Commit::new(got[0].lease().unwrap(), T0 + 10, None))
+            .await
+            .unwrap();
+        assert_eq!(
+            (mid.state, t.count(leases).await),
+            (RecordState::Running, 3)
+        );
+        let mut done = Commit::new(got[0].lease().unwrap(), T0 + 20, None);
+        done.result = Some(WorkResult::Completed);
+        let after = db.commit(&done).await.unwrap();
+        assert_eq!(
+            (after.state, after.lease_owner.as_deref()),
+            (RecordState::Succeeded, None)
+        );
+        assert_eq!(t.count(leases).await, 2);
+        assert_eq!(db.get_record(after.id).await.unwrap().unwrap(), after);
+        if t.pg_name().is_some() {
+            // Another transaction holds `b`'s lease row (as a commit
+            // ending it would): keeping the leases alive does not wait
+            // for it, and counts it held.
+            use sqlx::Connection;
+            let mut other = sqlx::PgConnection::connect(&t.url).await.unwrap();
+            let mut held = other.begin().await.unwrap();
+            sqlx::query("SELECT 1 FROM leases WHERE record_id = 2 FOR UPDATE")
+                .execute(&mut *held)
+                .await
+                .unwrap();
+            let leases: Vec<_> = [&got[1], &rest[0]]
+                .iter()
+                .map(|r| r.lease().unwrap())
+                .collect();
+            let mut kept = db.extend_leases(&leases, T0 + 60_000).await.unwrap();
+            kept.sort_unstable();
+            assert_eq!(kept, vec![2, 3]);
+            held.rollback().await.unwrap();
+            let ends = format!("SELECT COUNT(*) FROM leases WHERE until = {}", T0 + 60_000);
+            assert_eq!(
+                t.count(&ends).await,
+                1,
+                "the lease not held elsewhere moved"
+            );
+        }
+        assert_counts_consistent(db).await;
+    }
+}
+
+/// PostgreSQL: a claim locks a record's row and writes a lease, not the
+/// record; a write that waited for that row lock reads the lease as the
+/// claim left it, not as it was when the write's statement began: an
+/// operator's cancel that waited behind a claim finds the record running
+/// (and is refused); a lapsed pass's commit, and its intent, that waited
+/// behind the claim taking the lease over are refused as lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_that_waited_for_a_claim_sees_its_lease() {
+    use sqlx::Connection;
+    let Some(t) =
+        crate::helpers::TestDb::migrated(ballast::store::Backend::Postgres, "waited_claim").await
+    else {
+        return;
+    };
+    let db = t.db.clone();
+    let a = db
+        .create_record(new_record("p", Some("a"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    let b = db
+        .create_record(new_record("p", Some("b"), T0), T0)
+        .await
+        .unwrap()
+        .record;
+    // A claim under way (as `claim_due` does): the row locked, a lease
+    // written, not yet committed.
+    let mut other = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let waiting = "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()";
+    {
+        let mut tx = other.begin().await.unwrap();
+        sqlx::query("SELECT id FROM records WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(a.id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO leases (record_id, owner, until, token, claimed_at, pipeline, group_key) \
+             VALUES ($1, 'w', {}, nextval('lease_tokens'), {T0}, 'p', '')",
+            T0 + 30_000
+        )))
+        .bind(a.id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        let acting = tokio::spawn({
+            let db = db.clone();
+            async move { db.act(&action(a.id, OperatorAction::Cancel, T0 + 1)).await }
+        });
+        crate::wait::until(
+            "the cancel waits for the claim",
+            Duration::from_secs(30),
+            async || match t.count(waiting).await {
+                1 => Ok(()),
+                n => Err(n),
+            },
+        )
+        .await;
+        tx.commit().await.unwrap();
+        let refused = acting.await.unwrap();
+        assert!(
+            refused.is_err(),
+            "a running record is not cancelled: {refused:?}"
+        );
+        let now = db.get_record(a.id).await.unwrap().unwrap();
+        assert_eq!(now.state, RecordState::Running);
+    }
+    // `b`'s pass lapses; a claim takes its lease over while the lapsed
+    // pass commits and writes an intent.
+    let lapsed = db.claim_due(&claim("w1", T0, 1)).await.unwrap();
+    assert_eq!(lapsed[0].id, b.id);
+    let lease = lapsed[0].lease().unwrap();
+    let mut tx = other.begin().await.unwrap();
+    sqlx::query("SELECT id FROM records WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(b.id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE leases SET owner = 'w2', token = nextval('lease_tokens'), until = {} WHERE record_id = $1",
+        T0 + 90_000
+    )))
+    .bind(b.id)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let mut done = Commit::new(lease.clone(), T0 + 40_000, None);
+    done.result = Some(WorkResult::Completed);
+    let committing = tokio::spawn({
+        let db = db.clone();
+        async move { db.commit(&done).await }
+    });
+    let intending = tokio::spawn({
+        let db = db.clone();
+        let intent = ballast::store::NewIntent {
+            lease,
+            record_id: b.id,
+            step: "s".into(),
+            provider: None,
+            attempt_no: 1,
+            node: None,
+            sent_at: T0 + 40_000,
+            request: None,
+        };
+        async move { db.record_intents(&[intent]).await }
+    });
+    crate::wait::until(
+        "the lapsed pass waits for the claim",
+        Duration::from_secs(30),
+        async || match t.count(waiting).await {
+            2 => Ok(()),
+            n => Err(n),
+        },
+    )
+    .await;
+    tx.commit().await.unwrap();
+    let committed = committing.await.unwrap();
+    assert!(
+        matches!(committed, Err(StoreError::LeaseLost { .. })),
+        "{committed:?}"
+    );
+    let intended = intending.await.unwrap().unwrap();
+    assert!(
+        matches!(intended[0], Err(StoreError::LeaseLost { .. })),
+        "{intended:?}"
+    );
+    let now = db.get_record(b.id).await.unwrap().unwrap();
+    assert_eq!(
+        (now.state, now.lease_owner.as_deref()),
+        (RecordState::Running, Some("w2"))
+    );
+}
+
 /// A claim writes no event row (migration 34): the event that ends the
 /// pass keeps when it was claimed, and a record's events put each claim
 /// back, with its node and time, lapsed passes and the pass under way
@@ -3297,7 +3536,7 @@ async fn a_claim_is_folded_into_its_pass_end() {
         );
         // a's lease runs out; b takes the record over and finishes it.
         let b = db.claim_due(&claim("b", T0 + 30_005, 10)).await.unwrap();
-        assert_eq!(b[0].lease_token, a[0].lease_token + 1);
+        assert!(b[0].lease_token > a[0].lease_token);
         db.commit(&Commit::new(b[0].lease().unwrap(), T0 + 30_050, None))
             .await
             .unwrap();
