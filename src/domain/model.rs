@@ -155,9 +155,8 @@ pub struct Record {
     /// kind `pipeline`); `None` for a record enqueued otherwise.
     pub parent_id: Option<i64>,
     pub parent_step: Option<String>,
-    /// When its pass under way was claimed (its lease's; none while it
-    /// has no lease): the claim writes no event of its own (see
-    /// `domain::claimed`).
+    /// When its latest pass was claimed (none before the first): the
+    /// claim writes no event of its own (see `domain::claimed`).
     pub claimed_at: Option<UnixMs>,
 }
 

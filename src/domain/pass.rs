@@ -331,8 +331,6 @@ pub fn after_commit(
     };
     after.lease_owner = None;
     after.lease_until = None;
-    after.lease_token = 0;
-    after.claimed_at = None;
     after.finished_at = to.is_terminal().then_some(c.now);
     after.park_until = c.park_until.filter(|_| to == RecordState::Parked).cloned();
     Ok((after, Some(to)))

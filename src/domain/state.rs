@@ -28,9 +28,7 @@ use serde::{Deserialize, Serialize};
 pub enum RecordState {
     /// Due at `next_run_at`, waiting for a worker.
     Pending,
-    /// Leased by a worker until `lease_until`. Not stored: a record is
-    /// running while it has a lease, its stored state the one it was
-    /// claimed from (migration 36).
+    /// Leased by a worker until `lease_until`.
     Running,
     /// A provider job is in flight; due again at the next poll or the
     /// callback deadline.

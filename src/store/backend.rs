@@ -44,13 +44,6 @@ pub trait SqlDb:
     /// excludes every other writer (see `postgres.rs` for which lock).
     const LOCK: &'static str;
 
-    /// [`LOCK`](Self::LOCK) for a read of `records` joined to its lease,
-    /// `leases l`: both rows locked, so that a read that waited for them
-    /// sees the lease as it is after the wait, not as the statement began
-    /// (on PostgreSQL a row that was locked, not changed, is not read
-    /// again: a lease another transaction wrote meanwhile would go unseen).
-    const LOCK_LEASE: &'static str;
-
     /// Taken in a write transaction before it asks whether there is any
     /// user and creates the first: PostgreSQL's `users` table lock, which
     /// waits for an insert not yet committed and makes the next wait;
@@ -75,11 +68,10 @@ pub trait SqlDb:
     /// scan the JSON rows once per record.
     const UPDATE_KEY: &'static str;
 
-    /// Appended to every list's conditions: on PostgreSQL the listing
-    /// indexes leave out records stored as running (migration 20), which
-    /// no record is since migration 36, and a query must say so in its
-    /// text for a plan to use them. SQLite's are whole.
-    const LISTING: &'static str;
+    /// Whether the listing indexes leave running records out (PostgreSQL,
+    /// migration 20), so that a list with no state asked reads resting and
+    /// running records apart (`store/filter.rs`). SQLite's are whole.
+    const LISTS_IN_PARTS: bool;
 
     /// The pool for reads outside a write transaction.
     fn reader(pools: &Self::Pools) -> &Pool<Self>;
@@ -325,10 +317,6 @@ pub struct Statements {
     pub(crate) index_records: Cached,
     pub(crate) insert_notices: Cached,
     pub(crate) delete_intents: Cached,
-    pub(crate) delete_leases: Cached,
-    pub(crate) insert_leases: Cached,
-    pub(crate) leases_of: Cached,
-    pub(crate) count_leases: Cached,
     pub(crate) callbacks_done: Cached,
 }
 
@@ -354,10 +342,6 @@ impl Statements {
             index_records: Cached::new(),
             insert_notices: Cached::new(),
             delete_intents: Cached::new(),
-            delete_leases: Cached::new(),
-            insert_leases: Cached::new(),
-            leases_of: Cached::new(),
-            count_leases: Cached::new(),
             callbacks_done: Cached::new(),
         }
     }

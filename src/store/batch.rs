@@ -340,10 +340,10 @@ json_row!(
     /// The worker-owned columns of a record, as `records_write` writes them.
     RecordUpdateJson, RECORD_UPDATE_COLS {
     id: i64 => Int,
-    // None for a record still leased (a checkpoint): its stored state and
-    // due time stay (running is not stored, migration 36).
-    state: Option<&'static str> => Text,
+    state: &'static str => Text,
     next_run_at: Option<UnixMs> => Int,
+    lease_owner: Option<&'a str> => Text,
+    lease_until: Option<UnixMs> => Int,
     step: Option<&'a str> => Text,
     provider: Option<&'a str> => Text,
     error_code: Option<&'a str> => Text,
@@ -369,13 +369,15 @@ impl<'a> From<&'a Record> for RecordUpdateJson<'a> {
     fn from(r: &'a Record) -> Self {
         RecordUpdateJson {
             id: r.id,
-            state: (r.state != crate::domain::RecordState::Running).then(|| r.state.as_str()),
+            state: r.state.as_str(),
             // A record waiting with no time (for a person) keeps a time
             // no clock reaches: the schema wants one for a scheduled state.
             next_run_at: match (r.state, r.next_run_at) {
                 (crate::domain::RecordState::Waiting, None) => Some(super::rows::NO_TIME),
                 (_, at) => at,
             },
+            lease_owner: r.lease_owner.as_deref(),
+            lease_until: r.lease_until,
             step: r.step.as_deref(),
             provider: r.provider.as_deref(),
             error_code: r.error_code.as_deref(),

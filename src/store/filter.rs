@@ -8,13 +8,14 @@ use crate::domain::park::UntilKind;
 
 /// True when no single index serves the filter, so a search that matches
 /// little could walk a whole index: such lists are searched in id windows.
-/// `planned`: the backend's planner weighs the leases' size (PostgreSQL).
-pub(crate) fn needs_windows(f: &RecordFilter, planned: bool) -> bool {
-    // Running records are the leased ones, few (the calls in flight): any
-    // filter over them reads the leases whole. (SQLite's planner, without
-    // statistics, could prefer a provider's index to the leases and walk
-    // every record of the provider: there they are windowed.)
-    if planned && f.state == Some(RecordState::Running) {
+/// `running_apart`: the backend keeps running records in an index of their
+/// own (`SqlDb::LISTS_IN_PARTS`).
+pub(crate) fn needs_windows(f: &RecordFilter, running_apart: bool) -> bool {
+    // Running records are few (the calls in flight): where they have their
+    // own index, any filter over them reads it whole. (SQLite's planner,
+    // without statistics, could prefer a provider's index to the state's
+    // and walk every record of the provider: there they are windowed.)
+    if running_apart && f.state == Some(RecordState::Running) {
         return false;
     }
     // Many pipelines of a scope (`list_within`): no index serves them
@@ -50,14 +51,41 @@ pub(crate) fn needs_windows(f: &RecordFilter, planned: bool) -> bool {
     n >= 2 && !pipeline_state
 }
 
+/// Which records one of a list's queries reads. On PostgreSQL the listing
+/// indexes leave running records out (migration 20) and `records_running`
+/// holds them: a query says which side it reads in its text, so that any
+/// plan, a generic one too, can use those indexes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// Every record (a query served by the primary key, or by a state).
+    All,
+    /// Records not running.
+    Resting,
+    /// Running records.
+    Running,
+}
+
+/// Whether a list is read in two parts, resting and running records,
+/// merged (where the backend's listing indexes leave running records out):
+/// when one of those indexes serves it, whole or in id windows, and no
+/// state is asked.
+pub(crate) fn needs_parts(f: &RecordFilter) -> bool {
+    let indexed = f.pipeline.is_some()
+        || f.provider.is_some()
+        || f.step.is_some()
+        || f.error_code.is_some()
+        || f.key_prefix.is_some();
+    indexed && f.state.is_none() && f.until.is_none()
+}
+
 /// Appends ` WHERE …` for a records filter (no ORDER BY / LIMIT); `floor`
-/// bounds the ids searched from below (inclusive); `listing` is the
-/// backend's [`LISTING`](super::backend::SqlDb::LISTING).
+/// bounds the ids searched from below (inclusive); `part` says which
+/// records the query reads.
 pub(crate) fn push_record_filter<DB>(
     qb: &mut QueryBuilder<DB>,
     f: &RecordFilter,
     floor: Option<i64>,
-    listing: &str,
+    part: Part,
 ) where
     DB: Database,
     for<'q> String: Encode<'q, DB> + Type<DB>,
@@ -94,7 +122,27 @@ pub(crate) fn push_record_filter<DB>(
             qb.push(")");
         }
     }
-    push_state(qb, f.state, listing);
+    // A state is written out, not bound: a plan for `state = $1` could use
+    // no index that leaves running records out. The states are the
+    // domain's own words. "Parked with no condition" is a state (below).
+    let part = match f.state {
+        Some(RecordState::Running) => Part::Running,
+        Some(state) => {
+            qb.push(format_args!(" AND state = '{}'", state.as_str()));
+            Part::Resting
+        }
+        None if f.until == Some(UntilKind::Never) => Part::Resting,
+        None => part,
+    };
+    match part {
+        Part::All => {}
+        Part::Resting => {
+            qb.push(" AND state <> 'running'");
+        }
+        Part::Running => {
+            qb.push(" AND state = 'running'");
+        }
+    }
     match f.until {
         Some(UntilKind::Time) => {
             qb.push(" AND park_until_at IS NOT NULL");
@@ -128,38 +176,6 @@ pub(crate) fn push_record_filter<DB>(
     }
     if let Some(floor) = floor {
         qb.push(" AND id >= ").push_bind(floor);
-    }
-}
-
-/// Appends the condition on a record's state (and the backend's `listing`).
-fn push_state<DB: Database>(qb: &mut QueryBuilder<DB>, state: Option<RecordState>, listing: &str) {
-    // A state is written out, not bound: a plan for `state = $1` could use
-    // no partial index. The states are the domain's own words. Running is
-    // not stored: a record is running while it has a lease, and a record
-    // of the states claims take from is in that state only while it has
-    // none (migration 36): running records are read from the leases (few),
-    // the others each checked by a probe of the leases' key (never a scan
-    // of `leases`, which holds dead rows until vacuumed). "Parked with no
-    // condition" is a state (in `push_record_filter`).
-    qb.push(listing);
-    match state {
-        Some(RecordState::Running) => {
-            qb.push(format_args!(
-                " AND id IN (SELECT record_id FROM leases) AND {}",
-                super::rows::CLAIMABLE
-            ));
-        }
-        Some(state) if state.is_scheduled() => {
-            qb.push(format_args!(
-                " AND state = '{}' AND {}",
-                state.as_str(),
-                super::rows::UNLEASED
-            ));
-        }
-        Some(state) => {
-            qb.push(format_args!(" AND state = '{}'", state.as_str()));
-        }
-        None => {}
     }
 }
 

@@ -8,7 +8,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
 use super::backend::{BindJson, SqlDb};
 use super::filter::push_audit_filter;
 use super::rows::{
-    ATTEMPT_COLUMNS, EVENT_COLUMNS, MapRow, STATE_NOW, STEP_VERSION_COLUMNS, map_all, map_sealed,
+    ATTEMPT_COLUMNS, EVENT_COLUMNS, MapRow, STEP_VERSION_COLUMNS, map_all, map_sealed,
 };
 use super::sql::SqlStore;
 use super::{AuditFilter, EventRow, NewEvent, Page, StoreResult, into_page, page_limit};
@@ -123,14 +123,17 @@ where
 
     async fn record_events(&self, record_id: i64) -> StoreResult<Vec<Event>> {
         use crate::domain::claimed::unfold;
-        // The pass under way, if any: its claim is in its lease. Read
+        // The pass under way, if any: its claim is in the record. Read
         // before the events, so that a pass ending in between shows its
         // end (with its claim) and not a claim with no end.
-        let lease: Option<(String, UnixMs)> =
-            sqlx::query_as("SELECT owner, claimed_at FROM leases WHERE record_id = $1")
-                .bind(record_id)
-                .fetch_optional(self.reader())
-                .await?;
+        let lease: Option<(String, UnixMs)> = sqlx::query_as(
+            "SELECT lease_owner, claimed_at FROM records \
+             WHERE id = $1 AND state = 'running' AND lease_owner IS NOT NULL \
+               AND claimed_at IS NOT NULL",
+        )
+        .bind(record_id)
+        .fetch_optional(self.reader())
+        .await?;
         let sql = format!(
             "SELECT {EVENT_COLUMNS}, claimed_at, claimed_by FROM events WHERE record_id = $1 ORDER BY id"
         );
@@ -248,12 +251,11 @@ where
     }
 
     async fn recount_states(&self) -> StoreResult<Vec<StateCount>> {
-        let sql = format!(
-            "SELECT pipeline, {STATE_NOW} AS state, COUNT(*) AS n FROM records GROUP BY 1, 2"
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .fetch_all(self.reader())
-            .await?;
+        let rows = sqlx::query(
+            "SELECT pipeline, state, COUNT(*) AS n FROM records GROUP BY pipeline, state",
+        )
+        .fetch_all(self.reader())
+        .await?;
         let mut counts = map_all(&rows, MapRow::state_count)?;
         counts.sort();
         Ok(counts)
@@ -272,13 +274,12 @@ where
     }
 
     async fn recount_providers(&self) -> StoreResult<Vec<StateCount>> {
-        let sql = format!(
-            "SELECT provider AS pipeline, {STATE_NOW} AS state, COUNT(*) AS n FROM records \
-             WHERE provider IS NOT NULL GROUP BY 1, 2"
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .fetch_all(self.reader())
-            .await?;
+        let rows = sqlx::query(
+            "SELECT provider AS pipeline, state, COUNT(*) AS n FROM records \
+             WHERE provider IS NOT NULL GROUP BY provider, state",
+        )
+        .fetch_all(self.reader())
+        .await?;
         let mut counts = map_all(&rows, MapRow::state_count)?;
         counts.sort();
         Ok(counts)
@@ -291,22 +292,17 @@ where
         )
         .fetch_all(self.reader())
         .await?;
-        let mut counts = map_all(&rows, MapRow::step_count)?;
-        counts.sort();
-        Ok(counts)
+        map_all(&rows, MapRow::step_count)
     }
 
     async fn recount_steps(&self) -> StoreResult<Vec<StepCount>> {
-        let sql = format!(
-            "SELECT pipeline, COALESCE(step, '') AS step, {STATE_NOW} AS state, COUNT(*) AS n \
-             FROM records GROUP BY 1, 2, 3"
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .fetch_all(self.reader())
-            .await?;
-        let mut counts = map_all(&rows, MapRow::step_count)?;
-        counts.sort();
-        Ok(counts)
+        let rows = sqlx::query(
+            "SELECT pipeline, COALESCE(step, '') AS step, state, COUNT(*) AS n FROM records \
+             GROUP BY pipeline, COALESCE(step, ''), state",
+        )
+        .fetch_all(self.reader())
+        .await?;
+        map_all(&rows, MapRow::step_count)
     }
 
     async fn group_counts(&self) -> StoreResult<Vec<GroupCount>> {
@@ -320,14 +316,13 @@ where
     }
 
     async fn recount_groups(&self) -> StoreResult<Vec<GroupCount>> {
-        let sql = format!(
-            "SELECT pipeline, group_key, {STATE_NOW} AS state, COUNT(*) AS n FROM records \
-             WHERE group_key <> '' AND state IN ('pending', 'waiting', 'retrying', 'parked') \
-             GROUP BY 1, 2, 3"
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .fetch_all(self.reader())
-            .await?;
+        let rows = sqlx::query(
+            "SELECT pipeline, group_key, state, COUNT(*) AS n FROM records \
+             WHERE group_key <> '' AND state IN ('pending', 'running', 'waiting', 'retrying', 'parked') \
+             GROUP BY pipeline, group_key, state",
+        )
+        .fetch_all(self.reader())
+        .await?;
         map_all(&rows, MapRow::group_count)
     }
 

@@ -549,9 +549,7 @@ where
         // path's checks cost too much: migration 19): deleted here. Versions,
         // confirmations, intents and callbacks go with their record (ON
         // DELETE CASCADE).
-        // A lease left on a finished record (an older node's action during
-        // an upgrade to migration 36) goes with it.
-        for table in ["attempts", "step_runs", "leases"] {
+        for table in ["attempts", "step_runs"] {
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DELETE FROM {table} WHERE record_id {in_ids}"
             )))

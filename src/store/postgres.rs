@@ -155,27 +155,21 @@ const GROUP_CAPS_LOCK: i64 = 0x6261_6c6c_6173_7401;
 /// time (`first`): a loose scan of `records_queue_levels`, one index probe
 /// per level (finished records are not in the index, so queues of finished
 /// work cost nothing; a queue whose records all have one priority costs
-/// one probe). A leased record keeps its place in its queue (a claim
-/// writes no record): records whose lease lasts past $1 are stepped over,
-/// each by a probe of the leases' key (not a scan of `leases`, whose rows
-/// come and go with every pass and which holds dead ones until vacuumed),
-/// and a level of such records only is not found.
+/// one probe).
 const LEVELS: &str = "WITH RECURSIVE levels(pipeline, group_key, priority, first) AS ( \
        (SELECT pipeline, group_key, priority, next_run_at FROM records WHERE next_run_at IS NOT NULL \
-          AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.record_id = records.id AND l.until > $1) \
         ORDER BY pipeline, group_key, priority, next_run_at LIMIT 1) \
      UNION ALL \
        SELECT n.pipeline, n.group_key, n.priority, n.next_run_at FROM levels q CROSS JOIN LATERAL ( \
          SELECT r.pipeline, r.group_key, r.priority, r.next_run_at FROM records r \
          WHERE r.next_run_at IS NOT NULL \
            AND (r.pipeline, r.group_key, r.priority) > (q.pipeline, q.group_key, q.priority) \
-           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.record_id = r.id AND l.until > $1) \
          ORDER BY r.pipeline, r.group_key, r.priority, r.next_run_at LIMIT 1) n)";
 
 /// The claim. `ready`: the queues with due work, each with its due
 /// levels, highest first, and its `room` when its pipeline caps groups
 /// (the cap less the group's unexpired leases, counted once over the
-/// capped pipelines' leases, which are few). `cut`: the open
+/// capped pipelines' running records, which are few). `cut`: the open
 /// queues in a random turn, no more of them than the batch, each with its
 /// `quota`: `batch / n`, one more for the first `batch mod n` in turn,
 /// never past its room. Each gives its quota of due records, highest
@@ -185,25 +179,14 @@ const LEVELS: &str = "WITH RECURSIVE levels(pipeline, group_key, priority, first
 /// and reads no level below the one that fills it. Priority orders work
 /// within a queue only: the share between queues is the same whatever
 /// their priorities. (A queue with less than its quota leaves the rest of
-/// the batch unclaimed; the engine claims again at once.) A leased record
-/// keeps its place in its queue (the claim writes no record): the reading
-/// steps over those whose lease has not ended (as `LEVELS` does).
-/// `taken`: a lease for each record
-/// taken (its row locked first, as every writer that ends a lease locks
-/// it), a lapsed lease taken over; the lease row is the fence, so a
-/// record another claim leased meanwhile is not returned. A record is
-/// taken from `running` when its lease was taken over (the upsert updated
-/// a row: `xmax` set), else from its stored state as locked (the latest:
-/// a lapsed lease seen in the statement's snapshot may have been ended
-/// since by its pass's own late commit). `lapsed` gives the lapsed lease's
-/// owner and claim time (the `lease_expired` event).
+/// the batch unclaimed; the engine claims again at once.)
 /// $1 now, $2 batch, $3 owner, $4 lease end, $5/$6 capped pipelines and caps.
 const CLAIM_DUE: &str = "\
      caps AS (SELECT * FROM unnest($5::text[], $6::bigint[]) AS c(pipeline, cap)), \
      running AS ( \
-       SELECT l.pipeline, l.group_key, count(*) AS n FROM leases l \
-       WHERE l.until > $1 AND l.pipeline = ANY($5::text[]) \
-       GROUP BY l.pipeline, l.group_key), \
+       SELECT r.pipeline, r.group_key, count(*) AS n FROM records r \
+       WHERE r.state = 'running' AND r.lease_until > $1 AND r.pipeline = ANY($5::text[]) \
+       GROUP BY r.pipeline, r.group_key), \
      ready AS ( \
        SELECT q.pipeline, q.group_key, q.levels, c.cap - COALESCE(u.n, 0) AS room \
        FROM ( \
@@ -222,47 +205,22 @@ const CLAIM_DUE: &str = "\
          LEAST(COALESCE(q.room, $2), $2 / s.n + CASE WHEN q.turn <= $2 % s.n THEN 1 ELSE 0 END) AS quota \
        FROM open q CROSS JOIN share s), \
      due AS ( \
-       SELECT d.* FROM cut q CROSS JOIN LATERAL ( \
+       SELECT d.due_id, d.old_state, d.old_due, d.old_owner, d.old_at FROM cut q CROSS JOIN LATERAL ( \
          SELECT x.* FROM ( \
            SELECT l.priority FROM unnest(q.levels) WITH ORDINALITY AS l(priority, turn) \
            ORDER BY l.turn) lv \
          CROSS JOIN LATERAL ( \
-           SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due, r.pipeline, \
-             r.pipeline_version, r.external_key, r.group_key, r.priority, r.input, r.step, r.provider, \
-             r.error_code, r.reason, r.created_at, r.updated_at, r.finished_at, r.park_until_at, \
-             r.park_until_provider, r.parent_id, r.parent_step FROM records r \
+           SELECT r.id AS due_id, r.state AS old_state, r.next_run_at AS old_due, \
+             r.lease_owner AS old_owner, r.claimed_at AS old_at FROM records r \
            WHERE r.pipeline = q.pipeline AND r.group_key = q.group_key AND r.priority = lv.priority \
              AND r.next_run_at IS NOT NULL AND r.next_run_at <= $1 \
-             AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.record_id = r.id AND l.until > $1) \
            ORDER BY r.next_run_at, r.id \
            LIMIT q.quota \
            FOR NO KEY UPDATE SKIP LOCKED) x \
-         LIMIT q.quota) d), \
-     lapsed AS ( \
-       SELECT record_id, owner, claimed_at FROM leases \
-       WHERE record_id = ANY(ARRAY(SELECT due_id FROM due))), \
-     taken AS ( \
-       INSERT INTO leases (record_id, owner, until, token, claimed_at, pipeline, group_key) \
-       SELECT due_id, $3, $4, nextval('lease_tokens'), $1, pipeline, group_key FROM due \
-       ORDER BY due_id \
-       ON CONFLICT (record_id) DO UPDATE SET owner = excluded.owner, until = excluded.until, \
-         token = excluded.token, claimed_at = excluded.claimed_at \
-       WHERE leases.until <= $1 \
-       RETURNING record_id, owner, until, token, claimed_at, xmax::text <> '0' AS took_over) \
-     SELECT {CLAIMED_COLUMNS}, \
-       CASE WHEN t.took_over THEN 'running' ELSE d.old_state END AS old_state, d.old_due, \
-       CASE WHEN t.took_over THEN p.owner END AS old_owner, \
-       CASE WHEN t.took_over THEN p.claimed_at END AS old_at \
-     FROM due d JOIN taken t ON t.record_id = d.due_id LEFT JOIN lapsed p ON p.record_id = d.due_id";
-
-/// The claimed records' columns (`LEASED_COLUMNS`): each row as it was
-/// locked (the latest, where a statement's own snapshot could be older),
-/// the lease the one the claim took.
-const CLAIMED_COLUMNS: &str = "d.due_id AS id, d.pipeline, d.pipeline_version, d.external_key, d.group_key, \
-     d.priority, d.old_state AS state, d.input, d.old_due AS next_run_at, t.owner AS lease_owner, \
-     t.until AS lease_until, t.token AS lease_token, d.step, d.provider, d.error_code, d.reason, \
-     d.created_at, d.updated_at, d.finished_at, d.park_until_at, d.park_until_provider, d.parent_id, \
-     d.parent_step, t.claimed_at";
+         LIMIT q.quota) d) \
+     UPDATE records SET state = 'running', lease_owner = $3, lease_until = $4, next_run_at = $4, \
+       lease_token = records.lease_token + 1, updated_at = $1, claimed_at = $1 \
+     FROM due WHERE records.id = due.due_id AND records.id = ANY(ARRAY(SELECT due_id FROM due))";
 
 // `FOR NO KEY UPDATE`, not `FOR UPDATE`: inserting an event, attempt or step
 // run that references a record must not wait behind a lock on that record.
@@ -275,14 +233,13 @@ impl SqlDb for Postgres {
     type Pools = PgPool;
 
     const LOCK: &'static str = " FOR NO KEY UPDATE";
-    const LOCK_LEASE: &'static str = " FOR NO KEY UPDATE OF records, l";
     // Conflicts with the row-exclusive lock of any insert and with itself.
     const LOCK_USERS: Option<&'static str> = Some("LOCK TABLE users IN SHARE ROW EXCLUSIVE MODE");
     const AUDIT: &'static str = "audit";
     const DIALECT: Dialect = Dialect::Postgres;
     const ANY_OF: (&'static str, &'static str) = ("= ANY(ARRAY(", "))");
     const UPDATE_KEY: &'static str = " AND records.id = ANY(ARRAY(SELECT id FROM v))";
-    const LISTING: &'static str = " AND state <> 'running'";
+    const LISTS_IN_PARTS: bool = true;
 
     fn reader(pool: &PgPool) -> &Pool<Postgres> {
         pool
@@ -367,10 +324,7 @@ impl SqlDb for Postgres {
             .map(|(p, cap)| (p.clone(), i64::from(*cap)))
             .unzip();
         let sql = Self::statements().claim.get(|| {
-            format!(
-                "{LEVELS}, {}",
-                CLAIM_DUE.replace("{CLAIMED_COLUMNS}", CLAIMED_COLUMNS)
-            )
+            format!("{LEVELS}, {CLAIM_DUE} RETURNING {RECORD_COLUMNS}, old_state, old_due, old_owner, old_at")
         });
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(req.now)
@@ -405,18 +359,10 @@ impl SqlDb for Postgres {
     }
 
     async fn queue_heads_in(pool: &PgPool) -> StoreResult<Vec<(String, String, UnixMs)>> {
-        // A leased record is due when its lease ends: the queues'
-        // unleased heads (every lease counted: $1 before any time), and
-        // their leases' earliest ends.
         let sql = format!(
-            "{LEVELS} SELECT pipeline, group_key, min(first) FROM ( \
-               SELECT pipeline, group_key, first FROM levels \
-               UNION ALL SELECT l.pipeline, l.group_key, l.until FROM leases l \
-                 JOIN records r ON r.id = l.record_id WHERE r.next_run_at IS NOT NULL) h \
-             GROUP BY pipeline, group_key"
+            "{LEVELS} SELECT pipeline, group_key, min(first) FROM levels GROUP BY pipeline, group_key"
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(i64::MIN)
             .fetch_all(pool)
             .await?)
     }

@@ -10,7 +10,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Row, Type};
 use super::backend::{BindJson, RowsAffected, SqlDb};
 use super::counts::CountDeltas;
 use super::filter::push_record_filter;
-use super::rows::{LEASED_COLUMNS, LEASED_RECORDS, MapRow, STEP_COLUMNS, UNLEASED, map_sealed};
+use super::rows::{MapRow, RECORD_COLUMNS, STEP_COLUMNS, map_sealed};
 use super::sql::SqlStore;
 use super::{
     ActionRequest, Created, EventRow, NewRecord, Page, RecordFilter, StoreError, StoreResult,
@@ -35,8 +35,7 @@ pub trait Records: Send + Sync {
     /// The records of `ids` that exist, in one statement.
     async fn get_records(&self, ids: &[i64]) -> StoreResult<Vec<Record>>;
     /// What a record's page shows has changed when this has: the record's
-    /// row (`updated_at`, `next_run_at`, or its lease's end while it has
-    /// one: a claim writes no record) and its newest attempt, event and
+    /// row (`updated_at`, `next_run_at`) and its newest attempt, event and
     /// intent (a confirmation poll, a reversal keeping the state, a call
     /// written down before it leaves touch no `updated_at`). One statement
     /// of indexed probes, for a page watching the record; `None` when there
@@ -183,7 +182,7 @@ where
     }
 
     async fn get_record(&self, id: i64) -> StoreResult<Option<Record>> {
-        let sql = format!("SELECT {LEASED_COLUMNS} FROM {LEASED_RECORDS} WHERE id = $1");
+        let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE id = $1");
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(id)
             .fetch_optional(self.reader())
@@ -197,8 +196,7 @@ where
 
     async fn record_version(&self, id: i64) -> StoreResult<Option<[i64; 5]>> {
         let row = sqlx::query(
-            "SELECT r.updated_at, \
-                    COALESCE((SELECT l.until FROM leases l WHERE l.record_id = r.id), r.next_run_at, 0), \
+            "SELECT r.updated_at, COALESCE(r.next_run_at, 0), \
                     COALESCE((SELECT MAX(a.id) FROM attempts a WHERE a.record_id = r.id), 0), \
                     COALESCE((SELECT MAX(e.id) FROM events e WHERE e.record_id = r.id), 0), \
                     COALESCE((SELECT MAX(i.id) FROM attempt_intents i WHERE i.record_id = r.id), 0) \
@@ -229,14 +227,16 @@ where
                 ids.insert(id);
             }
         }
-        let sql = format!(
-            "SELECT id FROM records WHERE external_key = $1{} LIMIT 50",
-            DB::LISTING
-        );
-        let keyed: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-            .bind(q.to_owned())
-            .fetch_all(self.reader())
-            .await?;
+        // Resting and running records apart, each through its index
+        // (migration 20).
+        let keyed: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM records WHERE external_key = $1 AND state <> 'running' \
+             UNION ALL SELECT id FROM records WHERE external_key = $1 AND state = 'running' \
+             LIMIT 50",
+        )
+        .bind(q.to_owned())
+        .fetch_all(self.reader())
+        .await?;
         ids.extend(keyed);
         for p in providers {
             let jobs: Vec<i64> = sqlx::query_scalar(
@@ -254,7 +254,7 @@ where
     }
 
     async fn list_records(&self, filter: &RecordFilter) -> StoreResult<Page<Record>> {
-        use crate::store::filter::{MAX_MERGED, list_within, needs_windows};
+        use crate::store::filter::{MAX_MERGED, Part, list_within, needs_parts, needs_windows};
         if let Some(within) = &filter.pipelines {
             if filter.pipeline.is_some() || within.len() <= MAX_MERGED {
                 return list_within(self, filter, within).await;
@@ -263,17 +263,25 @@ where
         let limit = page_limit(filter.limit);
         let query = |f: &RecordFilter, floor: Option<i64>, n: i64| {
             let mut qb = sqlx::QueryBuilder::<DB>::new("");
-            qb.push(format_args!(
-                "SELECT {LEASED_COLUMNS} FROM {LEASED_RECORDS}"
-            ));
-            push_record_filter(&mut qb, f, floor, DB::LISTING);
-            qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
+            let one = |qb: &mut sqlx::QueryBuilder<DB>, part: Part| {
+                qb.push(format_args!("SELECT {RECORD_COLUMNS} FROM records"));
+                push_record_filter(qb, f, floor, part);
+                qb.push(" ORDER BY id DESC LIMIT ").push_bind(n);
+            };
+            if DB::LISTS_IN_PARTS && needs_parts(f) {
+                // The newest `n` resting and the newest `n` running,
+                // each through its index, merged.
+                qb.push("SELECT * FROM (");
+                one(&mut qb, Part::Resting);
+                qb.push(") resting UNION ALL SELECT * FROM (");
+                one(&mut qb, Part::Running);
+                qb.push(") running ORDER BY id DESC LIMIT ").push_bind(n);
+            } else {
+                one(&mut qb, Part::All);
+            }
             qb
         };
-        if !needs_windows(
-            filter,
-            matches!(DB::DIALECT, super::batch::Dialect::Postgres),
-        ) {
+        if !needs_windows(filter, DB::LISTS_IN_PARTS) {
             let rows = query(filter, None, i64::from(limit) + 1)
                 .build()
                 .fetch_all(self.reader())
@@ -517,15 +525,13 @@ where
 
     async fn wake_record(&self, record_id: i64, now: UnixMs) -> StoreResult<()> {
         let mut tx = self.begin_write().await?;
-        let sql = format!(
-            "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' \
-             AND next_run_at > $1 AND {UNLEASED}"
-        );
-        let done = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(now)
-            .bind(record_id)
-            .execute(&mut *tx)
-            .await?;
+        let done = sqlx::query(
+            "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND next_run_at > $1",
+        )
+        .bind(now)
+        .bind(record_id)
+        .execute(&mut *tx)
+        .await?;
         if done.rows_affected() > 0 {
             DB::notify_work(&mut tx).await?;
         }

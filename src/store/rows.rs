@@ -27,56 +27,10 @@ pub(crate) fn parse<T: std::str::FromStr>(text: &str, what: &str) -> StoreResult
         .map_err(|_| StoreError::Corrupt(format!("{what} `{text}`")))
 }
 
-/// A lease's owner, end, token and claim time.
-pub(crate) type Lease = (String, crate::domain::UnixMs, i64, crate::domain::UnixMs);
-
-/// `rec` (read with no lease) with its lease.
-pub(crate) fn lease_onto(rec: &mut Record, (owner, until, token, at): Lease) {
-    rec.lease_owner = Some(owner);
-    rec.lease_until = Some(until);
-    rec.lease_token = token;
-    rec.claimed_at = Some(at);
-    derive_running(rec);
-}
-
-/// Running is not stored: a record is running while it has a lease (and
-/// a state claims take from), due again when the lease ends.
-fn derive_running(rec: &mut Record) {
-    if rec.lease_owner.is_some() && rec.state.is_scheduled() {
-        rec.state = RecordState::Running;
-        rec.next_run_at = rec.lease_until;
-    }
-}
-
-/// The column lists the mappers below expect, in one place. A record as
-/// stored, with no lease: what a write returns (no record is leased after
-/// a write of this version; the record's own lease columns are an older
-/// version's, migration 36).
+/// The column lists the mappers below expect, in one place.
 pub(crate) const RECORD_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, group_key, priority, state, input, \
-     next_run_at, CAST(NULL AS TEXT) AS lease_owner, CAST(NULL AS BIGINT) AS lease_until, \
-     CAST(0 AS BIGINT) AS lease_token, step, provider, error_code, reason, \
-     created_at, updated_at, finished_at, park_until_at, park_until_provider, parent_id, parent_step, \
-     CAST(NULL AS BIGINT) AS claimed_at";
-/// Records as the engine and the pages see them: each with its lease, if
-/// it has one (migration 36). Read with [`LEASED_COLUMNS`]; a write's
-/// `RETURNING` uses [`RECORD_COLUMNS`].
-pub(crate) const LEASED_RECORDS: &str = "records LEFT JOIN (SELECT record_id, owner AS l_owner, \
-     until AS l_until, token AS l_token, claimed_at AS l_at FROM leases) l ON l.record_id = records.id";
-/// A condition on `records`: the record has no lease (is not running).
-pub(crate) const UNLEASED: &str =
-    "NOT EXISTS (SELECT 1 FROM leases WHERE leases.record_id = records.id)";
-/// The states a claim takes records from, stored while they are leased,
-/// in SQL on `records`.
-pub(crate) const CLAIMABLE: &str = "state IN ('pending', 'waiting', 'retrying')";
-/// A record's state as the pages show it, in SQL on `records`: running
-/// while it has a lease (and a state claims take from).
-pub(crate) const STATE_NOW: &str = "CASE WHEN state IN ('pending', 'waiting', 'retrying') \
-     AND id IN (SELECT record_id FROM leases) THEN 'running' ELSE state END";
-/// [`RECORD_COLUMNS`] with the lease's columns in place of the record's.
-pub(crate) const LEASED_COLUMNS: &str = "id, pipeline, pipeline_version, external_key, group_key, priority, state, input, \
-     next_run_at, l_owner AS lease_owner, l_until AS lease_until, COALESCE(l_token, 0) AS lease_token, step, provider, \
-     error_code, reason, created_at, updated_at, finished_at, park_until_at, park_until_provider, parent_id, \
-     parent_step, l_at AS claimed_at";
+     next_run_at, lease_owner, lease_until, lease_token, step, provider, error_code, reason, \
+     created_at, updated_at, finished_at, park_until_at, park_until_provider, parent_id, parent_step, claimed_at";
 pub(crate) const STEP_COLUMNS: &str = "record_id, step, provider, state, generation, attempts, unknowns, idempotency_key, \
      job_id, output, error_code, reason, next_run_at, deadline_at, started_at, finished_at, updated_at, cause";
 pub(crate) const STEP_VERSION_COLUMNS: &str = "record_id, step, generation, state, output, job_id, error_code, cause, \
@@ -111,8 +65,6 @@ pub trait MapRow {
     fn opt_state(&self, col: &str) -> StoreResult<Option<RecordState>>;
     /// A `records` row, read with [`RECORD_COLUMNS`].
     fn record(&self, k: &Keyring) -> StoreResult<Record>;
-    /// A `leases` row: its record, and (owner, until, token, claimed at).
-    fn lease(&self) -> StoreResult<(i64, Lease)>;
     /// A `step_runs` row, read with [`STEP_COLUMNS`].
     fn step_run(&self, k: &Keyring) -> StoreResult<StepRun>;
     /// A `step_versions` row, read with [`STEP_VERSION_COLUMNS`].
@@ -196,7 +148,7 @@ where
     }
 
     fn record(&self, k: &Keyring) -> StoreResult<Record> {
-        let mut rec = Record {
+        Ok(Record {
             id: self.try_get("id")?,
             pipeline: self.try_get("pipeline")?,
             pipeline_version: self.try_get("pipeline_version")?,
@@ -228,21 +180,7 @@ where
             parent_id: self.try_get("parent_id")?,
             parent_step: self.try_get("parent_step")?,
             claimed_at: self.try_get("claimed_at")?,
-        };
-        derive_running(&mut rec);
-        Ok(rec)
-    }
-
-    fn lease(&self) -> StoreResult<(i64, Lease)> {
-        Ok((
-            self.try_get("record_id")?,
-            (
-                self.try_get("owner")?,
-                self.try_get("until")?,
-                self.try_get("token")?,
-                self.try_get("claimed_at")?,
-            ),
-        ))
+        })
     }
 
     fn step_run(&self, k: &Keyring) -> StoreResult<StepRun> {

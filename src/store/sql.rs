@@ -14,10 +14,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, Pool, Transaction, Type};
 use super::backend::{BindJson, RowsAffected, SqlDb, Writes};
 use super::batch;
 use super::counts::CountDeltas;
-use super::rows::{
-    LEASED_COLUMNS, LEASED_RECORDS, MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, UNLEASED,
-    map_all, map_sealed,
-};
+use super::rows::{MapRow, RECORD_COLUMNS, ROLLUP_COLUMNS, STEP_COLUMNS, map_all, map_sealed};
 use super::{ActionRequest, Created, EventRow, NewRecord, StepRollup, StoreError, StoreResult};
 use crate::domain::action::{self, Plan, StepChange};
 use crate::domain::park::ParkUntil;
@@ -543,7 +540,7 @@ where
             return Ok(Vec::new());
         }
         let sql = format!(
-            "SELECT {LEASED_COLUMNS} FROM {LEASED_RECORDS} WHERE id {} ORDER BY id DESC",
+            "SELECT {RECORD_COLUMNS} FROM records WHERE id {} ORDER BY id DESC",
             Self::in_ids()
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -716,7 +713,15 @@ where
         tx: &mut Tx<DB>,
         id: i64,
     ) -> StoreResult<Option<Record>> {
-        Ok(self.lock_records(tx, &[id]).await?.remove(&id))
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM records WHERE id = $1{}",
+            DB::LOCK
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?;
+        row.as_ref().map(|r| r.record(&self.keyring())).transpose()
     }
 
     /// [`lock_record`](Self::lock_record), a missing record `NotFound`.
@@ -830,19 +835,13 @@ where
     }
 
     /// Reads and (on PostgreSQL) locks records, in id order, so that
-    /// two multi-row writers can never deadlock; then reads their leases,
-    /// in a statement of their own: one that had to wait for a row a claim
-    /// held sees the lease that claim wrote (a claim locks the record's
-    /// row, writes no record, and every writer that ends a lease holds the
-    /// row too; read in the locking statement, the leases would be as they
-    /// were when it began).
+    /// two multi-row writers can never deadlock.
     pub(crate) async fn lock_records(
         &self,
         tx: &mut Tx<DB>,
         ids: &[i64],
     ) -> StoreResult<std::collections::HashMap<i64, Record>> {
-        let statements = DB::statements();
-        let sql = statements.lock_records.get(|| format!(
+        let sql = DB::statements().lock_records.get(|| format!(
             "SELECT {RECORD_COLUMNS} FROM records WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{} ORDER BY id{}",
             DB::ANY_OF.0, DB::DIALECT.rows(), DB::ANY_OF.1, DB::LOCK
         ));
@@ -852,19 +851,6 @@ where
             let rec = MapRow::record(row, &self.keyring())?;
             out.insert(rec.id, rec);
         }
-        let sql = statements.leases_of.get(|| {
-            format!(
-                "SELECT record_id, owner, until, token, claimed_at FROM leases WHERE record_id {}",
-                Self::in_ids()
-            )
-        });
-        let rows = sqlx::query(sql).bind_json(ids).fetch_all(&mut **tx).await?;
-        for row in &rows {
-            let (id, lease) = MapRow::lease(row)?;
-            if let Some(rec) = out.get_mut(&id) {
-                super::rows::lease_onto(rec, lease);
-            }
-        }
         Ok(out)
     }
 
@@ -873,14 +859,13 @@ where
     pub(crate) async fn wake_all(tx: &mut Tx<DB>, ids: &[i64], now: UnixMs) -> StoreResult<()> {
         let mut woke = false;
         for id in ids {
-            let sql = format!(
-                "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND {UNLEASED}"
-            );
-            let done = sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(now)
-                .bind(*id)
-                .execute(&mut **tx)
-                .await?;
+            let done = sqlx::query(
+                "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting'",
+            )
+            .bind(now)
+            .bind(*id)
+            .execute(&mut **tx)
+            .await?;
             woke |= done.rows_affected() > 0;
         }
         if woke {
@@ -901,21 +886,20 @@ where
         use crate::domain::child::{AWAITING, PARKED};
         let mut woke = false;
         for id in ids {
-            let sql = format!(
-                "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND {UNLEASED} AND EXISTS (\
+            let done = sqlx::query(
+                "UPDATE records SET next_run_at = $1 WHERE id = $2 AND state = 'waiting' AND EXISTS (\
                    SELECT 1 FROM records c JOIN step_runs s \
                      ON s.record_id = $2 AND s.job_id = CAST(c.id AS TEXT) \
                    WHERE c.parent_id = $2 AND s.state = 'waiting' AND (\
                      (s.error_code = $3 AND c.state IN ('succeeded', 'failed', 'parked', 'cancelled')) \
-                     OR (s.error_code = $4 AND c.state IN ('succeeded', 'failed', 'cancelled'))))"
-            );
-            let done = sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(now)
-                .bind(*id)
-                .bind(AWAITING)
-                .bind(PARKED)
-                .execute(&mut **tx)
-                .await?;
+                     OR (s.error_code = $4 AND c.state IN ('succeeded', 'failed', 'cancelled'))))",
+            )
+            .bind(now)
+            .bind(*id)
+            .bind(AWAITING)
+            .bind(PARKED)
+            .execute(&mut **tx)
+            .await?;
             woke |= done.rows_affected() > 0;
         }
         if woke {
@@ -939,20 +923,17 @@ where
             .collect::<Result<_, _>>()?;
         // Fenced by the lease: a worker that lost it (a stalled node whose
         // record another claimed) writes nothing and so calls nothing; the
-        // record's row and its lease's are locked so that no claim takes
-        // the record over meanwhile (and a lease taken over while this
-        // waited for them is read as it is after).
+        // record's row is locked so that no claim moves it meanwhile.
         let sql = format!(
             "WITH v AS (SELECT {} FROM {}) \
              INSERT INTO attempt_intents (record_id, step, provider, attempt_no, node, sent_at, request) \
              SELECT v.record_id, v.step, v.provider, v.attempt_no, v.node, v.sent_at, v.request FROM v \
-             WHERE EXISTS (SELECT 1 FROM records JOIN leases l ON l.record_id = records.id \
-               WHERE records.id = v.record_id AND l.owner = v.lease_owner AND l.token = v.lease_token \
-               AND records.state IN ('pending', 'waiting', 'retrying'){}) \
+             WHERE EXISTS (SELECT 1 FROM records r WHERE r.id = v.record_id AND r.state = 'running' \
+               AND r.lease_owner = v.lease_owner AND r.lease_token = v.lease_token{}) \
              RETURNING id, record_id, step, attempt_no",
             super::batch::select_as(super::batch::INTENT_COLS, DB::DIALECT),
             DB::DIALECT.rows(),
-            DB::LOCK_LEASE
+            DB::LOCK
         );
         let returned = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind_json(&rows)
@@ -1057,22 +1038,7 @@ where
                 .get(|| Self::update_sql(""));
             writes.add(sql, &in_place)?;
         }
-        // The leases these writes end: the transaction holds each record's
-        // row and found its lease the worker's (every writer that takes a
-        // lease away holds the record's row first).
-        let ended: Vec<i64> = (records.iter())
-            .filter(|(before, after)| before.lease_owner.is_some() && after.lease_owner.is_none())
-            .map(|(before, _)| before.id)
-            .collect();
-        let sql = statements.delete_leases.get(|| {
-            format!(
-                "DELETE FROM leases WHERE record_id {}SELECT CAST(value AS BIGINT) FROM {}{}",
-                DB::ANY_OF.0,
-                DB::DIALECT.rows(),
-                DB::ANY_OF.1
-            )
-        });
-        writes.add(sql, &ended)
+        Ok(())
     }
 
     /// The batched record update, setting `more` beside the columns every
@@ -1080,9 +1046,9 @@ where
     fn update_sql(more: &str) -> String {
         format!(
             "WITH v AS (SELECT {} FROM {}) \
-             UPDATE records SET {more}state = COALESCE(v.state, records.state), \
-               next_run_at = CASE WHEN v.state IS NULL THEN records.next_run_at ELSE v.next_run_at END, \
-               reason = v.reason, updated_at = v.updated_at \
+             UPDATE records SET {more}state = v.state, next_run_at = v.next_run_at, \
+               lease_owner = v.lease_owner, lease_until = v.lease_until, reason = v.reason, \
+               updated_at = v.updated_at \
              FROM v WHERE records.id = v.id{}",
             batch::select_as(batch::RECORD_UPDATE_COLS, DB::DIALECT),
             DB::DIALECT.rows(),
@@ -1386,7 +1352,7 @@ where
         let mut stored = std::collections::HashMap::new();
         if !keys.is_empty() {
             let sql = format!(
-                "SELECT {LEASED_COLUMNS} FROM {LEASED_RECORDS} WHERE (pipeline, external_key) IN \
+                "SELECT {RECORD_COLUMNS} FROM records WHERE (pipeline, external_key) IN \
                  (SELECT value->>0, value->>1 FROM {})",
                 DB::DIALECT.rows()
             );
@@ -1930,12 +1896,6 @@ where
             .bind(until_provider.map(str::to_owned))
             .fetch_one(&mut **tx)
             .await?;
-        if rec.lease_owner.is_some() {
-            sqlx::query("DELETE FROM leases WHERE record_id = $1")
-                .bind(rec.id)
-                .execute(&mut **tx)
-                .await?;
-        }
         self.insert_event(tx, &event).await?;
         let after = row.record(&self.keyring())?;
         deltas.record_moved(rec, &after);

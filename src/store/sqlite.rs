@@ -20,13 +20,13 @@ use sqlx::{Pool, Row, Sqlite, Transaction};
 
 use super::backend::{SqlDb, Statements};
 use super::batch::Dialect;
-use super::rows::{LEASED_COLUMNS, LEASED_RECORDS, MapRow, map_sealed};
+use super::rows::{MapRow, RECORD_COLUMNS, map_sealed};
 use super::sql::SqlStore;
 use super::{ClaimRequest, Claimed, ConnectOptions, StoreError, StoreResult, Taken};
 use crate::domain::{UnixMs, fair};
 
 /// The unexpired leases of each group of the pipelines that cap their
-/// groups, counted once over their leases (which are few).
+/// groups, counted once over their running records (which are few).
 async fn capped_leases(
     tx: &mut SqliteConnection,
     req: &ClaimRequest,
@@ -36,8 +36,9 @@ async fn capped_leases(
     }
     let capped: Vec<&str> = req.group_caps.iter().map(|(p, _)| p.as_str()).collect();
     let rows: Vec<(String, String, i64)> = sqlx::query_as(
-        "SELECT pipeline, group_key, count(*) FROM leases WHERE until > $1 \
-         AND pipeline IN (SELECT value FROM json_each($2)) GROUP BY pipeline, group_key",
+        "SELECT pipeline, group_key, count(*) FROM records WHERE state = 'running' \
+         AND lease_until > $1 AND pipeline IN (SELECT value FROM json_each($2)) \
+         GROUP BY pipeline, group_key",
     )
     .bind(req.now)
     .bind(Json(&capped))
@@ -51,10 +52,7 @@ type Levels = Vec<i64>;
 
 /// Up to `take` of a queue's due records with their states: from its due
 /// `levels` in turn (highest priority first), each oldest first, reading
-/// no level below the one that fills the take. A leased record keeps its
-/// place in its queue: those whose lease has not ended are stepped over;
-/// one whose lease lapsed is taken from `running`, with that lease's owner
-/// and claim time (its `lease_expired` event).
+/// no level below the one that fills the take.
 async fn due_in_queue(
     conn: &mut SqliteConnection,
     (pipeline, group, levels): (&str, &str, &[i64]),
@@ -68,12 +66,8 @@ async fn due_in_queue(
             break;
         }
         let rows: Vec<(i64, String, Option<String>, Option<i64>)> = sqlx::query_as(
-            "SELECT r.id, r.state, l.owner, l.claimed_at FROM records r \
-             LEFT JOIN leases l ON l.record_id = r.id \
-             WHERE r.pipeline = $1 AND r.group_key = $2 AND r.priority = $3 \
-             AND r.next_run_at IS NOT NULL AND r.next_run_at <= $4 \
-             AND r.id NOT IN (SELECT record_id FROM leases WHERE until > $4) \
-             ORDER BY r.next_run_at, r.id LIMIT $5",
+            "SELECT id, state, lease_owner, claimed_at FROM records WHERE pipeline = $1 AND group_key = $2 AND priority = $3 \
+             AND next_run_at IS NOT NULL AND next_run_at <= $4 ORDER BY next_run_at, id LIMIT $5",
         )
         .bind(pipeline)
         .bind(group)
@@ -82,35 +76,20 @@ async fn due_in_queue(
         .bind(left)
         .fetch_all(&mut *conn)
         .await?;
-        due.extend(rows.into_iter().map(|(id, state, owner, at)| {
-            let state = match owner {
-                Some(_) => crate::domain::RecordState::Running.as_str().to_owned(),
-                None => state,
-            };
-            (id, Taken { state, owner, at })
-        }));
+        due.extend(
+            rows.into_iter()
+                .map(|(id, state, owner, at)| (id, Taken { state, owner, at })),
+        );
     }
     Ok(due)
 }
 
-/// The first record past ($1, $2, $3, $4) in queue order with no lease
-/// lasting past $5.
-const LEVEL_AFTER: &str = "SELECT pipeline, group_key, priority, next_run_at FROM records \
-     WHERE next_run_at IS NOT NULL \
-       AND (pipeline, group_key, priority, next_run_at) > ($1, $2, $3, $4) \
-       AND id NOT IN (SELECT record_id FROM leases WHERE until > $5) \
-     ORDER BY pipeline, group_key, priority, next_run_at LIMIT 1";
-
 /// Each level of the (pipeline, group) queues with records needing a
 /// worker, (pipeline, group, priority), and when its earliest is due: a
 /// loose scan of `records_queue_levels`, one probe per level (finished
-/// records are not in the index), in index order. A leased record keeps
-/// its place in its queue (a claim writes no record): records whose lease
-/// lasts past `now` are stepped over, and a level of such records only is
-/// not found.
+/// records are not in the index), in index order.
 async fn queue_levels(
     conn: &mut SqliteConnection,
-    now: UnixMs,
 ) -> StoreResult<Vec<(String, String, i64, UnixMs)>> {
     let mut levels: Vec<(String, String, i64, UnixMs)> = Vec::new();
     // Pipeline names are never empty, so ('', '', 0) comes before every
@@ -122,14 +101,18 @@ async fn queue_levels(
         // record of that level; with the due time at its greatest it seeks
         // past them (a waiting million cost a claim a scan of the index
         // otherwise).
-        let next: Option<(String, String, i64, UnixMs)> = sqlx::query_as(LEVEL_AFTER)
-            .bind(&pipeline)
-            .bind(&group)
-            .bind(priority)
-            .bind(i64::MAX)
-            .bind(now)
-            .fetch_optional(&mut *conn)
-            .await?;
+        let next: Option<(String, String, i64, UnixMs)> = sqlx::query_as(
+            "SELECT pipeline, group_key, priority, next_run_at FROM records \
+             WHERE next_run_at IS NOT NULL \
+               AND (pipeline, group_key, priority, next_run_at) > ($1, $2, $3, $4) \
+             ORDER BY pipeline, group_key, priority, next_run_at LIMIT 1",
+        )
+        .bind(&pipeline)
+        .bind(&group)
+        .bind(priority)
+        .bind(i64::MAX)
+        .fetch_optional(&mut *conn)
+        .await?;
         match next {
             Some(level) => {
                 (pipeline, group, priority) = (level.0.clone(), level.1.clone(), level.2);
@@ -140,45 +123,6 @@ async fn queue_levels(
     }
 }
 
-/// Leases the records of `ids` to `owner` until `until`, claimed at
-/// `now` (a lapsed lease taken over), each token the next of
-/// `lease_tokens`, in one request; then reads the records as leased.
-async fn lease_records(
-    tx: &mut Transaction<'static, Sqlite>,
-    ids: &[i64],
-    owner: &str,
-    (until, now): (UnixMs, UnixMs),
-) -> StoreResult<Vec<sqlx::sqlite::SqliteRow>> {
-    let leases: Vec<(i64, &str, UnixMs, UnixMs)> =
-        ids.iter().map(|id| (*id, owner, until, now)).collect();
-    let statements = Sqlite::statements();
-    let lease = statements.insert_leases.get(|| {
-        "INSERT INTO leases (record_id, owner, until, token, claimed_at, pipeline, group_key) \
-         SELECT r.id, value->>1, value->>2, (SELECT last FROM lease_tokens) + key + 1, value->>3, \
-           r.pipeline, r.group_key \
-         FROM jsonb_each($1) JOIN records r ON r.id = value->>0 WHERE true \
-         ON CONFLICT (record_id) DO UPDATE SET owner = excluded.owner, until = excluded.until, \
-           token = excluded.token, claimed_at = excluded.claimed_at"
-            .to_owned()
-    });
-    let count = statements.count_leases.get(|| {
-        "UPDATE lease_tokens SET last = last + (SELECT count(*) FROM jsonb_each($1))".to_owned()
-    });
-    let mut writes = super::backend::Writes::default();
-    writes.add(lease, &leases)?;
-    writes.add(count, ids)?;
-    Sqlite::run_writes(tx, &writes).await?;
-    let sql = statements.claim.get(|| {
-        format!(
-            "SELECT {LEASED_COLUMNS} FROM {LEASED_RECORDS} WHERE id IN (SELECT value FROM json_each($1))"
-        )
-    });
-    Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(Json(ids))
-        .fetch_all(&mut **tx)
-        .await?)
-}
-
 /// Each (pipeline, group) queue with records needing a worker: when its
 /// earliest is due, and its levels due by `now`, highest first.
 async fn queue_heads(
@@ -187,7 +131,7 @@ async fn queue_heads(
 ) -> StoreResult<Vec<(String, String, UnixMs, Levels)>> {
     let mut heads: Vec<(String, String, UnixMs, Levels)> = Vec::new();
     // In index order: a queue's levels are neighbours, lowest first.
-    for (pipeline, group, priority, first) in queue_levels(conn, now).await? {
+    for (pipeline, group, priority, first) in queue_levels(conn).await? {
         let same = matches!(heads.last(), Some((p, g, _, _)) if *p == pipeline && *g == group);
         if !same {
             heads.push((pipeline, group, first, Vec::new()));
@@ -447,13 +391,12 @@ impl SqlDb for Sqlite {
     type Pools = SqlitePools;
 
     const LOCK: &'static str = "";
-    const LOCK_LEASE: &'static str = "";
     const LOCK_USERS: Option<&'static str> = None;
     const AUDIT: &'static str = "audit = 1";
     const DIALECT: Dialect = Dialect::Sqlite;
     const ANY_OF: (&'static str, &'static str) = ("IN (", ")");
     const UPDATE_KEY: &'static str = "";
-    const LISTING: &'static str = "";
+    const LISTS_IN_PARTS: bool = false;
 
     fn reader(pools: &SqlitePools) -> &Pool<Sqlite> {
         &pools.reader
@@ -550,7 +493,18 @@ impl SqlDb for Sqlite {
         }
         let ids: Vec<i64> = due.iter().map(|(id, _)| *id).collect();
         let taken_from: std::collections::HashMap<i64, Taken> = due.into_iter().collect();
-        let rows = lease_records(tx, &ids, &req.owner, (lease_until, req.now)).await?;
+        let sql = Self::statements().claim.get(|| format!(
+            "UPDATE records SET state = 'running', lease_owner = $1, lease_until = $2, next_run_at = $2, \
+             lease_token = lease_token + 1, updated_at = $3, claimed_at = $3 \
+             WHERE id IN (SELECT value FROM json_each($4)) RETURNING {RECORD_COLUMNS}"
+        ));
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(req.owner.clone())
+            .bind(lease_until)
+            .bind(req.now)
+            .bind(Json(&ids))
+            .fetch_all(&mut **tx)
+            .await?;
         let mut claimed = map_sealed(&rows, keys, MapRow::record)?;
         // Priority then due order within each queue (as selected), then
         // round robin over the queues.
@@ -561,22 +515,13 @@ impl SqlDb for Sqlite {
         Ok((claimed, taken_from))
     }
 
-    /// A leased record is due when its lease ends: the queues' unleased
-    /// heads, and their leases' earliest ends.
     async fn queue_heads_in(pools: &SqlitePools) -> StoreResult<Vec<(String, String, UnixMs)>> {
         let mut conn = pools.reader.acquire().await?;
-        let mut heads: Vec<(String, String, UnixMs)> = sqlx::query_as(
-            "SELECT l.pipeline, l.group_key, min(l.until) FROM leases l \
-             JOIN records r ON r.id = l.record_id WHERE r.next_run_at IS NOT NULL \
-             GROUP BY l.pipeline, l.group_key",
-        )
-        .fetch_all(&mut *conn)
-        .await?;
-        // Every lease counted: `now` before any time.
-        for (pipeline, group, _, first) in queue_levels(&mut conn, i64::MIN).await? {
-            heads.push((pipeline, group, first));
-        }
-        Ok(heads)
+        let heads = queue_heads(&mut conn, i64::MIN).await?;
+        Ok(heads
+            .into_iter()
+            .map(|(p, g, first, _)| (p, g, first))
+            .collect())
     }
 
     /// FTS5 walks a word's entries newest first and stops at the limit,

@@ -6,9 +6,9 @@ use serde_json::Value;
 use sqlx::types::Json;
 use sqlx::{ColumnIndex, Decode, Encode, Executor, Type};
 
-use super::backend::{BindJson, RowsAffected, SqlDb, Writes};
+use super::backend::{RowsAffected, SqlDb, Writes};
 use super::counts::CountDeltas;
-use super::rows::{LEASED_COLUMNS, LEASED_RECORDS, MapRow, map_all, map_sealed};
+use super::rows::{MapRow, RECORD_COLUMNS, map_all, map_sealed};
 use super::sql::SqlStore;
 use super::{CallbackMatch, Cluster, NewAttempt, NewCallback, NewIntent, PendingCallback};
 use super::{ClaimRequest, Commit, EventRow, Lease, StoreError, StoreResult, node_actor};
@@ -169,53 +169,27 @@ where
     }
 
     async fn extend_leases(&self, leases: &[Lease], until: UnixMs) -> StoreResult<Vec<i64>> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
         let mut tx = self.begin_write().await?;
-        // The leases still the worker's, then their ends moved: an update
-        // of the lease rows alone (HOT on PostgreSQL: nothing indexed
-        // changes), the records untouched. A lease row another transaction
-        // holds is being ended (a commit, a release, an action) or taken
-        // over once lapsed: it is left alone, never waited for (so that no
-        // two writers wait on each other), and counted held this time.
-        let rows: Vec<(i64, &str, i64)> = leases
-            .iter()
-            .map(|l| (l.record_id, l.owner.as_str(), l.token))
-            .collect();
-        let sql = format!(
-            "SELECT l.record_id FROM leases l JOIN (SELECT CAST(value->>0 AS BIGINT) AS id, \
-               value->>1 AS owner, CAST(value->>2 AS BIGINT) AS token FROM {}) v \
-               ON l.record_id = v.id AND l.owner = v.owner AND l.token = v.token",
-            DB::DIALECT.rows()
-        );
-        let held = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind_json(&rows)
-            .fetch_all(&mut *tx)
-            .await?
-            .iter()
-            .map(|r| sqlx::Row::try_get::<i64, _>(r, 0))
-            .collect::<Result<Vec<i64>, _>>()?;
-        // The owner and token checked again on the row updated: a lease
-        // taken over since the read above is not moved (and is found lost
-        // next time).
-        let skip = match DB::DIALECT {
-            super::batch::Dialect::Postgres => " FOR NO KEY UPDATE SKIP LOCKED",
-            super::batch::Dialect::Sqlite => "",
-        };
-        let sql = format!(
-            "WITH v AS (SELECT CAST(value->>0 AS BIGINT) AS id, value->>1 AS owner, \
-               CAST(value->>2 AS BIGINT) AS token FROM {}) \
-             UPDATE leases SET until = $2 FROM v \
-             WHERE leases.record_id = v.id AND leases.owner = v.owner AND leases.token = v.token \
-               AND leases.record_id IN (SELECT record_id FROM leases WHERE record_id IN (SELECT id FROM v){skip})",
-            DB::DIALECT.rows()
-        );
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind_json(&rows)
+        let mut held = Vec::with_capacity(leases.len());
+        // Rows are locked in id order in every multi-row write, so two
+        // of them can never deadlock on PostgreSQL.
+        let mut leases: Vec<&Lease> = leases.iter().collect();
+        leases.sort_by_key(|l| l.record_id);
+        for lease in leases {
+            let done = sqlx::query(
+                "UPDATE records SET lease_until = $1, next_run_at = $1 \
+                 WHERE id = $2 AND state = 'running' AND lease_owner = $3 AND lease_token = $4",
+            )
             .bind(until)
+            .bind(lease.record_id)
+            .bind(lease.owner.clone())
+            .bind(lease.token)
             .execute(&mut *tx)
             .await?;
+            if done.rows_affected() == 1 {
+                held.push(lease.record_id);
+            }
+        }
         tx.commit().await?;
         Ok(held)
     }
@@ -230,7 +204,7 @@ where
             let Some(rec) = self.lock_record(&mut tx, lease.record_id).await? else {
                 continue;
             };
-            if rec.state != RecordState::Running || rec.lease().as_ref() != Some(lease) {
+            if rec.lease().as_ref() != Some(lease) {
                 continue;
             }
             let to = transition(rec.state, Trigger::Release)?;
@@ -304,9 +278,10 @@ where
         let mut events = Vec::with_capacity(commits.len());
         let mut deltas = CountDeltas::default();
         for (c, actor) in commits.iter().zip(&actors) {
-            let Some(rec) = held.get(&c.lease.record_id).filter(|r| {
-                r.state == RecordState::Running && r.lease().as_ref() == Some(&c.lease)
-            }) else {
+            let Some(rec) = held
+                .get(&c.lease.record_id)
+                .filter(|r| r.lease().as_ref() == Some(&c.lease))
+            else {
                 results.push(Err(StoreError::LeaseLost {
                     record_id: c.lease.record_id,
                 }));
@@ -394,9 +369,7 @@ where
     }
 
     async fn children(&self, parent: i64) -> StoreResult<Vec<Record>> {
-        let sql = format!(
-            "SELECT {LEASED_COLUMNS} FROM {LEASED_RECORDS} WHERE parent_id = $1 ORDER BY id"
-        );
+        let sql = format!("SELECT {RECORD_COLUMNS} FROM records WHERE parent_id = $1 ORDER BY id");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(parent)
             .fetch_all(self.reader())
@@ -717,7 +690,7 @@ impl<'c> Then<'c> {
 }
 
 /// The event of a pass's result, with the pass's claim folded in (the
-/// claim's time is in its lease's `claimed_at`).
+/// claim's time is in the record's `claimed_at`).
 fn worked<'c>(
     c: &'c Commit,
     rec: &Record,

@@ -113,44 +113,19 @@ impl TestDb {
     /// Runs `sql` on this database outside the store, on a connection of
     /// its own; the rows it changed.
     pub async fn execute(&self, sql: &str) -> u64 {
-        self.try_execute(sql).await.unwrap()
-    }
-
-    /// [`execute`](Self::execute), the database's refusal as its message.
-    pub async fn try_execute(&self, sql: &str) -> Result<u64, String> {
-        let sql = sqlx::AssertSqlSafe(sql.to_owned());
-        let done = match &self.db {
-            Db::Sqlite(_) => {
-                let pool = sqlx::SqlitePool::connect(&self.url).await.unwrap();
-                let done = sqlx::raw_sql(sql).execute(&pool).await;
-                pool.close().await;
-                done.map(|d| d.rows_affected())
-            }
-            Db::Postgres(_) => {
-                let pool = sqlx::PgPool::connect(&self.url).await.unwrap();
-                let done = sqlx::raw_sql(sql).execute(&pool).await;
-                pool.close().await;
-                done.map(|d| d.rows_affected())
-            }
-        };
-        done.map_err(|e| e.to_string())
-    }
-
-    /// The one BIGINT `sql` selects, read outside the store.
-    pub async fn count(&self, sql: &str) -> i64 {
         let sql = sqlx::AssertSqlSafe(sql.to_owned());
         match &self.db {
             Db::Sqlite(_) => {
                 let pool = sqlx::SqlitePool::connect(&self.url).await.unwrap();
-                let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+                let done = sqlx::raw_sql(sql).execute(&pool).await.unwrap();
                 pool.close().await;
-                n
+                done.rows_affected()
             }
             Db::Postgres(_) => {
                 let pool = sqlx::PgPool::connect(&self.url).await.unwrap();
-                let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+                let done = sqlx::raw_sql(sql).execute(&pool).await.unwrap();
                 pool.close().await;
-                n
+                done.rows_affected()
             }
         }
     }
