@@ -510,13 +510,13 @@ fn bared(expr: &str, id: &str) -> String {
 mod tests {
     use super::super::batch;
 
-    /// `ballast_insert_records` (migration 33, which replaced migration
-    /// 29's, which replaced 21's) reads the rows that `NewRecordJson` writes: the same columns,
-    /// cells in the same order; the priority, which a node of the previous
-    /// version does not send, defaults.
+    /// `ballast_insert_records` (migration 36, which replaced migration
+    /// 33's, 29's and 21's) reads the rows that `NewRecordJson` writes: the
+    /// same columns, cells in the same order; the priority, which a node of
+    /// an older version may not send, defaults.
     #[test]
     fn the_enqueue_function_reads_the_rows_rust_writes() {
-        let up = include_str!("../../migrations/postgres/0033_group_counts.up.sql");
+        let up = include_str!("../../migrations/postgres/0036_keyless_records.up.sql");
         let last = batch::NEW_RECORD_COLS.len() - 1;
         assert_eq!(batch::NEW_RECORD_COLS[last].0, "priority");
         let cell = format!("CAST(value->>{last} AS BIGINT)");
@@ -524,7 +524,7 @@ mod tests {
             "records",
             batch::NEW_RECORD_COLS,
             batch::Dialect::Postgres,
-            "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING *",
+            "ON CONFLICT (pipeline, external_key) WHERE external_key IS NOT NULL DO NOTHING RETURNING *",
         )
         .replace("$1", "p_rows")
         .replace(
@@ -533,7 +533,7 @@ mod tests {
         );
         assert!(
             up.contains(&insert),
-            "migration 33 no longer matches batch::NEW_RECORD_COLS: a new migration must \
+            "migration 36 no longer matches batch::NEW_RECORD_COLS: a new migration must \
              replace ballast_insert_records with the statement below, and this test read \
              that migration\n{insert}"
         );

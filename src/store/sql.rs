@@ -1351,9 +1351,11 @@ where
             .collect();
         let mut stored = std::collections::HashMap::new();
         if !keys.is_empty() {
+            // A repeat has a key; saying so lets PostgreSQL read its key
+            // index, which holds keyed records only (migration 36).
             let sql = format!(
-                "SELECT {RECORD_COLUMNS} FROM records WHERE (pipeline, external_key) IN \
-                 (SELECT value->>0, value->>1 FROM {})",
+                "SELECT {RECORD_COLUMNS} FROM records WHERE external_key IS NOT NULL \
+                 AND (pipeline, external_key) IN (SELECT value->>0, value->>1 FROM {})",
                 DB::DIALECT.rows()
             );
             let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -1452,7 +1454,14 @@ where
                 batch::NEW_RECORD_COLS,
                 DB::DIALECT,
                 &format!(
-                    "ON CONFLICT (pipeline, external_key) DO NOTHING RETURNING {RECORD_COLUMNS}"
+                    "ON CONFLICT (pipeline, external_key){} DO NOTHING RETURNING {RECORD_COLUMNS}",
+                    // PostgreSQL's key index holds keyed records only
+                    // (migration 36; its enqueue goes through
+                    // `ballast_insert_records`, which says the same).
+                    match DB::DIALECT {
+                        batch::Dialect::Postgres => " WHERE external_key IS NOT NULL",
+                        batch::Dialect::Sqlite => "",
+                    }
                 ),
             )
         });

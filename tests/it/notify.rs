@@ -790,6 +790,14 @@ events = ["record.succeeded"]
     // one: a full round starts its next at once).
     enqueue_paid(&engine, "s2").await;
     enqueue_paid(&engine, "s3").await;
+    // Their notices queued first (the passes run on the engine's own
+    // time): a round that began before them would leave them to the next.
+    crate::helpers::poll_until(
+        "s2 and s3 succeeded, their notices queued",
+        Duration::from_secs(30),
+        async || (notices(&t.db, "quick").await.len() == 3).then_some(()),
+    )
+    .await;
     tick();
     crate::helpers::poll_until(
         "the quick subscriber sent s2 and s3",
