@@ -57,6 +57,19 @@ impl Dialect {
             Dialect::Postgres => "jsonb_array_elements($1) WITH ORDINALITY AS j(value, key)",
         }
     }
+
+    /// An enqueue's conflict target, a repeated key inserting nothing:
+    /// PostgreSQL's key index holds keyed records only (migration 36, whose
+    /// `ballast_insert_records` says the same), SQLite's constraint every
+    /// record.
+    pub(crate) const fn on_key_conflict(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "ON CONFLICT (pipeline, external_key) DO NOTHING",
+            Dialect::Postgres => {
+                "ON CONFLICT (pipeline, external_key) WHERE external_key IS NOT NULL DO NOTHING"
+            }
+        }
+    }
 }
 
 fn expr(i: usize, ty: Ty, dialect: Dialect) -> String {

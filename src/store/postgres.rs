@@ -524,7 +524,7 @@ mod tests {
             "records",
             batch::NEW_RECORD_COLS,
             batch::Dialect::Postgres,
-            "ON CONFLICT (pipeline, external_key) WHERE external_key IS NOT NULL DO NOTHING RETURNING *",
+            &format!("{} RETURNING *", batch::Dialect::Postgres.on_key_conflict()),
         )
         .replace("$1", "p_rows")
         .replace(

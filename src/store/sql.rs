@@ -1454,14 +1454,8 @@ where
                 batch::NEW_RECORD_COLS,
                 DB::DIALECT,
                 &format!(
-                    "ON CONFLICT (pipeline, external_key){} DO NOTHING RETURNING {RECORD_COLUMNS}",
-                    // PostgreSQL's key index holds keyed records only
-                    // (migration 36; its enqueue goes through
-                    // `ballast_insert_records`, which says the same).
-                    match DB::DIALECT {
-                        batch::Dialect::Postgres => " WHERE external_key IS NOT NULL",
-                        batch::Dialect::Sqlite => "",
-                    }
+                    "{} RETURNING {RECORD_COLUMNS}",
+                    DB::DIALECT.on_key_conflict()
                 ),
             )
         });
