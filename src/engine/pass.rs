@@ -76,6 +76,12 @@ struct Progress {
     stopped: bool,
     /// The pass's last attempt: (step, provider, error code).
     last: Option<(String, Option<String>, Option<String>)>,
+    /// The steps whose run may be stored: read with the claim (or by the
+    /// pass), or written by a checkpoint (tried: one whose outcome is not
+    /// known may have landed). Any other step's run is new: none is
+    /// written under another's lease, and an operator acts on no running
+    /// record.
+    stored: HashSet<String>,
 }
 
 impl Progress {
@@ -105,20 +111,22 @@ impl Progress {
         states.insert(out.write.step.clone(), out.write);
     }
 
-    /// A commit of everything so far (a checkpoint): the pass keeps what
-    /// it holds, for its last commit should this one not land.
-    fn commit(
-        &self,
+    /// A commit of everything so far, with no result (a checkpoint): the
+    /// pass keeps what it holds, for its last commit should this one not
+    /// land. The steps it writes count as stored from now on, whatever
+    /// comes back (a commit whose outcome is not known may have landed).
+    fn checkpoint(
+        &mut self,
         lease: Lease,
         now: UnixMs,
-        result: Option<WorkResult>,
         states: &HashMap<String, StepWrite>,
     ) -> Commit {
-        let mut c = self.commit_of_steps(Commit::new(lease, now, result), states);
+        let mut c = self.commit_of_steps(Commit::new(lease, now, None), states);
         c.attempts = self.attempts.clone();
         c.callbacks_done = self.callbacks_done.clone();
         c.confirms = self.confirms.clone();
         c.intents_done = self.intents_done.clone();
+        self.stored.extend(c.new_steps.iter().cloned());
         c
     }
 
@@ -146,6 +154,12 @@ impl Progress {
         c.steps = changed
             .iter()
             .filter_map(|n| states.get(n).cloned())
+            .collect();
+        // An item's run is read on its own (not with the claim): never
+        // taken for new.
+        c.new_steps = changed
+            .into_iter()
+            .filter(|n| !self.stored.contains(n) && crate::domain::each::item_of(n).is_none())
             .collect();
         let result = c.result;
         // A record is at a step (an item's step, for an item: the item
@@ -408,8 +422,8 @@ impl Pass<'_> {
             Ok(c) => c,
             Err(not) => return Some(self.not_here(not, now).await),
         };
-        let mut states = match self.step_states(&pipeline, runs).await {
-            Ok(states) => states,
+        let (mut states, stored) = match self.step_states(&pipeline, runs).await {
+            Ok(read) => read,
             Err(e) => {
                 tracing::warn!(record.id = rec.id, error = %e, "cannot read steps; deferring");
                 return Some(deferred(self.lease.clone(), now, 1000));
@@ -424,6 +438,7 @@ impl Pass<'_> {
         };
         let mut progress = Progress {
             changed: skip_blocked(&pipeline.steps, &mut states, now),
+            stored,
             ..Progress::default()
         };
         // Calls an earlier pass left open (its node stopped mid-call): it
@@ -665,18 +680,20 @@ impl Pass<'_> {
     }
 
     /// The record's steps as they stand: read with the claim (`runs`) or
-    /// now, and a fresh pending run for each step not started yet.
+    /// now, and a fresh pending run for each step not started yet; and
+    /// the steps whose run was read (stored).
     async fn step_states(
         &self,
         pipeline: &Pipeline,
         runs: Option<Vec<StepRun>>,
-    ) -> Result<HashMap<String, StepWrite>, StoreError> {
+    ) -> Result<(HashMap<String, StepWrite>, HashSet<String>), StoreError> {
         let runs = match runs {
             Some(runs) => runs,
             None => self.i.db.step_runs(self.rec.id).await?,
         };
         let runs: HashMap<String, StepRun> =
             runs.into_iter().map(|s| (s.step.clone(), s)).collect();
+        let stored = runs.keys().cloned().collect();
         let mut states: HashMap<String, StepWrite> = pipeline
             .steps
             .iter()
@@ -696,7 +713,7 @@ impl Pass<'_> {
                 states.insert(u.name.clone(), StepWrite::from(run));
             }
         }
-        Ok(states)
+        Ok((states, stored))
     }
 
     /// Deliveries waiting for the record's waiting callback steps (they
@@ -735,7 +752,7 @@ impl Pass<'_> {
         progress: &mut Progress,
     ) -> bool {
         let (i, rec) = (self.i, self.rec);
-        let c = progress.commit(self.lease.clone(), i.clock.now_ms(), None, states);
+        let c = progress.checkpoint(self.lease.clone(), i.clock.now_ms(), states);
         match i.committer.commit(c).await {
             Some((c, Ok(_))) => {
                 i.stats.attempts(&rec.pipeline, &c.attempts);
@@ -835,5 +852,42 @@ impl<'a> PendingStep<'a> {
             .await;
         span.record("outcome", out.write.state.as_str());
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease() -> Lease {
+        Lease {
+            record_id: 1,
+            owner: "n".into(),
+            token: 1,
+        }
+    }
+
+    #[test]
+    fn a_commit_names_as_new_only_steps_with_no_run_stored_and_no_items() {
+        let item = crate::domain::each::item_name("each", 3);
+        let names = ["read", "fresh", item.as_str(), "unread"];
+        let states: HashMap<String, StepWrite> = names
+            .iter()
+            .map(|n| (n.to_string(), StepWrite::pending(n)))
+            .collect();
+        let mut progress = Progress {
+            changed: names.iter().map(|n| n.to_string()).collect(),
+            stored: HashSet::from(["read".to_owned()]),
+            ..Progress::default()
+        };
+        let c = progress.checkpoint(lease(), 5, &states);
+        assert_eq!(c.steps.len(), 4);
+        let mut new = c.new_steps.clone();
+        new.sort();
+        assert_eq!(new, ["fresh", "unread"]);
+        // Once a checkpoint has (or may have) written them, they are not new.
+        let last = progress.last_commit(lease(), 6, WorkResult::Completed, &states);
+        assert!(last.new_steps.is_empty());
+        assert_eq!(last.steps.len(), 4);
     }
 }

@@ -468,6 +468,15 @@ pub struct Commit {
     pub error_code: Option<String>,
     pub reason: Option<String>,
     pub steps: Vec<StepWrite>,
+    /// Steps among `steps` whose run is not stored (the pass read none
+    /// under its lease and has written none since): on PostgreSQL inserted
+    /// as new rows, not upserted (no speculative insertion; SQLite's upsert
+    /// costs what its insert does, and upserts them). Naming none is
+    /// always right. A step named here whose run is stored fails the
+    /// group's transaction (the committer then writes its commits one by
+    /// one, and this one fails alone: a checkpoint's pass goes on, a last
+    /// commit's lease runs out and the record's runs are read again).
+    pub new_steps: Vec<String>,
     pub attempts: Vec<NewAttempt>,
     /// Webhook deliveries this pass applied, marked processed with it.
     pub callbacks_done: Vec<i64>,
@@ -517,6 +526,7 @@ impl Commit {
             error_code: None,
             reason: None,
             steps: Vec::new(),
+            new_steps: Vec::new(),
             attempts: Vec::new(),
             callbacks_done: Vec::new(),
             confirms: Vec::new(),

@@ -755,15 +755,19 @@ where
         steps: &[(i64, &crate::store::StepWrite, UnixMs)],
     ) -> StoreResult<()> {
         let mut writes = Writes::default();
-        self.steps_write(installation, steps, &mut writes)?;
+        self.steps_write(installation, steps, false, &mut writes)?;
         DB::run_writes(tx, &writes).await
     }
 
-    /// [`upsert_steps`](Self::upsert_steps)' statement, added to `writes`.
+    /// Step runs in one statement, added to `writes`: an upsert, or for
+    /// runs not stored yet (`new`, `Commit::new_steps`) a plain insert,
+    /// with no conflict to look for (on PostgreSQL an upsert's speculative
+    /// insertion costs more).
     pub(crate) fn steps_write(
         &self,
         installation: &str,
         steps: &[(i64, &crate::store::StepWrite, UnixMs)],
+        new: bool,
         writes: &mut Writes,
     ) -> StoreResult<()> {
         let keys = self.keyring();
@@ -773,7 +777,13 @@ where
                 batch::StepJson::new(installation, *record_id, s, *now, &keys)
             })
             .collect::<Result<_, _>>()?;
-        let sql = DB::statements().upsert_steps.get(|| batch::insert("step_runs", batch::STEP_COLS, DB::DIALECT,
+        let statements = DB::statements();
+        if new {
+            let sql = (statements.insert_steps)
+                .get(|| batch::insert("step_runs", batch::STEP_COLS, DB::DIALECT, ""));
+            return writes.add(sql, &rows);
+        }
+        let sql = statements.upsert_steps.get(|| batch::insert("step_runs", batch::STEP_COLS, DB::DIALECT,
             "ON CONFLICT (record_id, step) DO UPDATE SET state = excluded.state, provider = excluded.provider, \
                unknowns = excluded.unknowns, \
                generation = excluded.generation, attempts = excluded.attempts, \

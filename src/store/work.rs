@@ -270,7 +270,7 @@ where
         let mut tx = self.begin_write().await?;
         let held = self.lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
-        let mut steps = Vec::new();
+        let (mut steps, mut new_steps) = (Vec::new(), Vec::new());
         let mut attempts = Vec::new();
         let mut callbacks = Vec::new();
         let mut confirms = Vec::new();
@@ -299,7 +299,13 @@ where
             }
             // The step (and so the provider) may have changed too.
             deltas.record_moved(rec, &after);
-            steps.extend(c.steps.iter().map(|s| (rec.id, s, c.now)));
+            for s in &c.steps {
+                let plain = matches!(DB::DIALECT, super::batch::Dialect::Postgres);
+                match plain && c.new_steps.contains(&s.step) {
+                    true => new_steps.push((rec.id, s, c.now)),
+                    false => steps.push((rec.id, s, c.now)),
+                }
+            }
             attempts.extend(c.attempts.iter().map(|a| (rec.id, a)));
             callbacks.extend(c.callbacks_done.iter().map(|id| (rec.id, *id, c.now)));
             confirms.extend(c.confirms.iter());
@@ -315,7 +321,10 @@ where
         // The group's writes in one go (one request on SQLite), the
         // counter rows last.
         let mut writes = Writes::default();
-        self.steps_write(&installation, &steps, &mut writes)?;
+        if !new_steps.is_empty() {
+            self.steps_write(&installation, &new_steps, true, &mut writes)?;
+        }
+        self.steps_write(&installation, &steps, false, &mut writes)?;
         self.attempts_write(&attempts, &mut writes)?;
         Self::callbacks_write(&callbacks, &mut writes)?;
         Self::records_write(&moved, &mut writes)?;

@@ -47,6 +47,7 @@ conformance!(
     expired_lease_is_reclaimable_and_unexpired_is_not,
     commit_writes_steps_attempts_and_transition,
     a_commit_in_place_writes_what_it_returns,
+    new_step_runs_are_inserted_and_a_stored_one_named_new_fails_the_group,
     checkpoint_keeps_the_lease,
     release_gives_work_back_without_spending_attempts,
     extend_leases_reports_what_is_held,
@@ -1200,6 +1201,89 @@ fn sent_request(step: &str, no: i32) -> ballast::domain::request::SentRequest {
             ("X-Note".into(), "\"é\"".into()),
         ],
         body: Some(format!("{{\"attempt\": {no}}}")),
+    }
+}
+
+/// A commit's `new_steps` are inserted as new rows beside the others'
+/// upsert. On PostgreSQL one naming a step whose run is stored fails the
+/// group's transaction, a rightly named neighbour's writes with it, every
+/// lease still held (`Commit::new_steps`); SQLite upserts them all.
+async fn new_step_runs_are_inserted_and_a_stored_one_named_new_fails_the_group(db: &Db) {
+    for key in ["a", "b"] {
+        db.create_record(new_record("p", Some(key), T0), T0)
+            .await
+            .unwrap();
+    }
+    let claimed = db.claim_due(&claim("w1", T0, 2)).await.unwrap();
+    let step = |name: &str, state| StepWrite {
+        state,
+        ..StepWrite::pending(name)
+    };
+    let checkpoint = |r: &ballast::domain::Record, now: i64, new: &[&str]| {
+        let mut c = Commit::new(r.lease().unwrap(), now, None);
+        c.steps = vec![
+            step("fetch", StepState::Running),
+            step("store", StepState::Pending),
+        ];
+        c.new_steps = new.iter().map(|n| n.to_string()).collect();
+        c
+    };
+    let first: Vec<Commit> = (claimed.iter())
+        .map(|r| checkpoint(r, T0 + 1, &["fetch", "store"]))
+        .collect();
+    for done in db.commit_many(&first).await.unwrap() {
+        done.unwrap();
+    }
+    let runs = |r: &ballast::domain::Record| {
+        let id = r.id;
+        async move {
+            let mut seen: Vec<(String, StepState)> = (db.step_runs(id).await.unwrap().iter())
+                .map(|s| (s.step.clone(), s.state))
+                .collect();
+            seen.sort_by(|a, b| a.0.cmp(&b.0));
+            seen
+        }
+    };
+    let then = |fetch: StepState, notify: bool| {
+        let mut want = vec![("fetch".to_owned(), fetch)];
+        if notify {
+            want.push(("notify".to_owned(), StepState::Pending));
+        }
+        want.push(("store".to_owned(), StepState::Pending));
+        want
+    };
+    // The second names "fetch", stored now, as new; the first does not.
+    let next = |r: &ballast::domain::Record, now: i64, new: &[&str]| {
+        let mut c = checkpoint(r, now, new);
+        c.steps[0].state = StepState::Succeeded;
+        c.steps.push(step("notify", StepState::Pending));
+        c
+    };
+    let group = vec![
+        next(&claimed[0], T0 + 2, &["notify"]),
+        next(&claimed[1], T0 + 2, &["fetch", "notify"]),
+    ];
+    let out = db.commit_many(&group).await;
+    if db.backend() == ballast::store::Backend::Postgres {
+        assert!(out.is_err());
+        for r in &claimed {
+            assert_eq!(runs(r).await, then(StepState::Running, false));
+        }
+    } else {
+        for done in out.unwrap() {
+            done.unwrap();
+        }
+    }
+    // Named rightly, the group lands (again on SQLite): leases still held.
+    let right = vec![
+        next(&claimed[0], T0 + 3, &[]),
+        next(&claimed[1], T0 + 3, &[]),
+    ];
+    for done in db.commit_many(&right).await.unwrap() {
+        done.unwrap();
+    }
+    for r in &claimed {
+        assert_eq!(runs(r).await, then(StepState::Succeeded, true));
     }
 }
 
