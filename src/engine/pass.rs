@@ -602,6 +602,11 @@ impl Pass<'_> {
         now: UnixMs,
     ) -> Result<(), StoreError> {
         let (i, rec) = (self.i, self.rec);
+        // Intents are written only under a lease: a record on its first
+        // lease (token 1; only a claim moves it) has none.
+        if rec.lease_token <= 1 {
+            return Ok(());
+        }
         let setup = i.setup();
         let at_most_once = |s: &Step| {
             setup
