@@ -9,21 +9,24 @@ use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::domain::Clock;
 use crate::store::{Db, NewIntent, StoreError};
 
 /// The most intents written in one transaction.
 const BATCH_MAX: usize = 1_000;
 
-/// Batches written at once on PostgreSQL, which commits them side by
-/// side. Each batch locks its records' rows in id order, as a group commit
-/// does, so two batches never wait on each other in a circle. SQLite's one
-/// writer would take them in turn: there one batch at a time gathers more.
+/// Batches written at most at once on PostgreSQL, which commits them side
+/// by side (fewer where the pool is small: a third of its connections,
+/// three at the default ten, the rest left to claims, commits and leases). Each batch locks its
+/// records' rows in id order, as a group commit does, so two batches
+/// never wait on each other in a circle. SQLite's one writer would take
+/// them in turn: there one batch at a time gathers more.
 const WRITERS: usize = 4;
 
 /// How many batches `db` writes at once.
 fn writers(db: &Db) -> usize {
     match db.backend() {
-        crate::store::Backend::Postgres => WRITERS,
+        crate::store::Backend::Postgres => (db.max_connections() as usize / 3).clamp(1, WRITERS),
         crate::store::Backend::Sqlite => 1,
     }
 }
@@ -40,11 +43,11 @@ pub(crate) struct IntentWriter {
 }
 
 impl IntentWriter {
-    pub(crate) fn spawn(db: Db) -> Self {
+    pub(crate) fn spawn(db: Db, clock: Arc<dyn Clock>) -> Self {
         let (asks, rx) = mpsc::unbounded_channel();
         tokio::spawn(run(rx, writers(&db), move |batch| {
-            let db = db.clone();
-            async move { write(&db, batch).await }
+            let (db, clock) = (db.clone(), clock.clone());
+            async move { write(&db, batch, clock.as_ref()).await }
         }));
         IntentWriter { asks }
     }
@@ -91,10 +94,16 @@ where
 }
 
 /// Writes one batch and answers each of its calls.
-async fn write(db: &Db, batch: Vec<Ask>) {
+async fn write(db: &Db, batch: Vec<Ask>, clock: &dyn Clock) {
     let intents: Vec<NewIntent> = batch.iter().map(|a| a.intent.clone()).collect();
+    let started = clock.instant();
     let written: Result<Vec<Result<i64, StoreError>>, StoreError> =
         db.record_intents(&intents).await;
+    tracing::debug!(
+        intents = intents.len(),
+        took_us = (clock.instant() - started).as_micros() as u64,
+        "intents written"
+    );
     match written {
         Ok(ids) => {
             for (ask, id) in batch.into_iter().zip(ids) {

@@ -338,7 +338,7 @@ impl Engine {
         let committing = Semaphore::new(opts.max_in_flight.max(1));
         let opts_node = opts.node_id.clone();
         let committer = committer::Committer::spawn(db.clone(), clock.clone());
-        let intents = intents::IntentWriter::spawn(db.clone());
+        let intents = intents::IntentWriter::spawn(db.clone(), clock.clone());
         let left_open = Mutex::new(db.intent_providers().await?.into_iter().collect());
         let born = clock.instant();
         Ok(Engine {

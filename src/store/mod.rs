@@ -844,6 +844,15 @@ impl Db {
         }
     }
 
+    /// The most connections the pool reads through (on PostgreSQL, every
+    /// statement's; SQLite writes through one more of its own).
+    pub fn max_connections(&self) -> u32 {
+        match self {
+            Db::Sqlite(s) => s.reader().options().get_max_connections(),
+            Db::Postgres(s) => s.reader().options().get_max_connections(),
+        }
+    }
+
     /// The data keys values are sealed with from now on (a reload).
     pub fn set_keyring(&self, ring: std::sync::Arc<crate::auth::seal::Keyring>) {
         match self {

@@ -522,6 +522,15 @@ where
             }
         }
         let mut tx = self.begin_write().await?;
+        if rounds.len() > 1 {
+            // A round locks only the rows whose lease it finds held, so
+            // rounds in turn could lock a lower id after a higher one:
+            // every row first, in id order (as a group commit does).
+            let mut held: Vec<i64> = intents.iter().map(|i| i.record_id).collect();
+            held.sort_unstable();
+            held.dedup();
+            self.lock_records(&mut tx, &held).await?;
+        }
         let mut ids: Vec<StoreResult<i64>> = intents
             .iter()
             .map(|i| {
