@@ -17,10 +17,10 @@ const BATCH_MAX: usize = 1_000;
 
 /// Batches written at most at once on PostgreSQL, which commits them side
 /// by side (fewer where the pool is small: a third of its connections,
-/// three at the default ten, the rest left to claims, commits and leases). Each batch locks its
-/// records' rows in id order, as a group commit does, so two batches
-/// never wait on each other in a circle. SQLite's one writer would take
-/// them in turn: there one batch at a time gathers more.
+/// three at the default ten, the rest left to claims, commits and leases).
+/// Each batch locks its records' rows in id order, as a group commit does,
+/// so two batches never wait on each other in a circle. SQLite's one
+/// writer would take them in turn: there one batch at a time gathers more.
 const WRITERS: usize = 4;
 
 /// How many batches `db` writes at once.

@@ -270,6 +270,9 @@ where
         let mut tx = self.begin_write().await?;
         let held = self.lock_records(&mut tx, &locked).await?;
         let mut results = Vec::with_capacity(commits.len());
+        // New step runs go in plainly where an upsert costs more
+        // (PostgreSQL's speculative insertion), upserted on SQLite.
+        let plain_new_steps = matches!(DB::DIALECT, super::batch::Dialect::Postgres);
         let (mut steps, mut new_steps) = (Vec::new(), Vec::new());
         let mut attempts = Vec::new();
         let mut callbacks = Vec::new();
@@ -300,8 +303,7 @@ where
             // The step (and so the provider) may have changed too.
             deltas.record_moved(rec, &after);
             for s in &c.steps {
-                let plain = matches!(DB::DIALECT, super::batch::Dialect::Postgres);
-                match plain && c.new_steps.contains(&s.step) {
+                match plain_new_steps && c.new_steps.contains(&s.step) {
                     true => new_steps.push((rec.id, s, c.now)),
                     false => steps.push((rec.id, s, c.now)),
                 }
