@@ -135,10 +135,23 @@ fn forget(busy: &mut HashSet<i64>, done: Result<Vec<i64>, JoinError>, idle: bool
 
 /// Writes one group and answers each of its passes.
 async fn write(db: &Db, group: Vec<Job>, clock: &dyn Clock) {
-    let (commits, waiters): (Vec<Commit>, Vec<_>) =
+    let (mut commits, waiters): (Vec<Commit>, Vec<_>) =
         group.into_iter().map(|j| (j.commit, j.done)).unzip();
     let started = clock.instant();
-    let results = match db.commit_many(&commits).await {
+    let mut first = db.commit_many(&commits).await;
+    // A step run named new that is stored (`Commit::new_steps`): the
+    // group again, upserting every run, so that no pass loses its replies.
+    if let Err(e) = &first
+        && e.is_key_taken()
+        && commits.iter().any(|c| !c.new_steps.is_empty())
+    {
+        tracing::error!(error = %e, group = commits.len(), "a step run named new was stored; writing the group again as upserts");
+        for c in &mut commits {
+            c.new_steps.clear();
+        }
+        first = db.commit_many(&commits).await;
+    }
+    let results = match first {
         Ok(results) => results,
         Err(e) if commits.len() == 1 => vec![Err(e)],
         Err(e) => {

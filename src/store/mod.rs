@@ -143,6 +143,12 @@ impl StoreError {
             StoreError::NewerSchema { .. } => "schema_too_new",
         }
     }
+
+    /// Whether the database refused a row whose key is taken (a unique
+    /// constraint).
+    pub fn is_key_taken(&self) -> bool {
+        matches!(self, StoreError::Database(sqlx::Error::Database(d)) if d.is_unique_violation())
+    }
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -473,9 +479,9 @@ pub struct Commit {
     /// as new rows, not upserted (no speculative insertion; SQLite's upsert
     /// costs what its insert does, and upserts them). Naming none is
     /// always right. A step named here whose run is stored fails the
-    /// group's transaction (the committer then writes its commits one by
-    /// one, and this one fails alone: a checkpoint's pass goes on, a last
-    /// commit's lease runs out and the record's runs are read again).
+    /// group's transaction on the run's key; the committer then writes the
+    /// group again naming none (and logs an error: a run was written that
+    /// the pass did not know of), so no pass loses its replies.
     pub new_steps: Vec<String>,
     pub attempts: Vec<NewAttempt>,
     /// Webhook deliveries this pass applied, marked processed with it.

@@ -1782,6 +1782,66 @@ async fn postgres_a_waiting_claim_neither_blocks_dispatch_nor_strands_records() 
     a_waiting_claim_neither_blocks_dispatch_nor_strands_records(Backend::Postgres).await;
 }
 
+/// A step's run stored behind a pass's back (no writer does so today:
+/// only the lease's holder writes a running record's runs) costs the pass
+/// nothing: it named the run new (none was stored at its claim), its
+/// group's insert fails on the run's key (PostgreSQL; SQLite upserts), and
+/// the committer writes the group again as upserts, the reply and its
+/// attempt kept, the call made once.
+async fn a_stored_run_named_new_is_written_again_as_an_upsert(backend: Backend) {
+    let Some(t) = TestDb::migrated(backend, "namednew").await else {
+        return;
+    };
+    let mut gate = crate::helpers::Gate::spawn().await;
+    let config = single_step_patient(&gate.url, "");
+    let engine = Engine::new(t.db.clone(), config, options("namednew"))
+        .await
+        .unwrap();
+    let item = Enqueue::new("pay", Some("a"), json!({}));
+    let id = engine.enqueue_batch(vec![item]).await.unwrap()[0].record.id;
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let (engine, stop) = (engine.clone(), stop.clone());
+        async move { engine.run(stop, Duration::from_secs(5)).await }
+    });
+    let bound = Duration::from_secs(20);
+    let call = gate.next(bound, "the charge").await;
+    // The pass read no run at its claim and wrote none before its call.
+    assert!(t.db.step_runs(id).await.unwrap().is_empty());
+    t.execute(&format!(
+        "INSERT INTO step_runs (record_id, step, state, idempotency_key, updated_at) \
+         VALUES ({id}, 'charge', 'pending', 'stray', 0)"
+    ))
+    .await;
+    call.release();
+    let done = crate::helpers::poll_until("the record succeeded", bound, || async {
+        let r = t.db.get_record(id).await.unwrap()?;
+        (r.state == RecordState::Succeeded).then_some(r)
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(15), run)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!gate.has_waiting(), "the charge was made again");
+    assert_eq!(t.db.attempts(id).await.unwrap().len(), 1, "{done:?}");
+    let runs = t.db.step_runs(id).await.unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].state, ballast::domain::StepState::Succeeded);
+    assert_ne!(runs[0].idempotency_key, "stray");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_stored_run_named_new_is_written_again_as_an_upsert() {
+    a_stored_run_named_new_is_written_again_as_an_upsert(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_stored_run_named_new_is_written_again_as_an_upsert() {
+    a_stored_run_named_new_is_written_again_as_an_upsert(Backend::Postgres).await;
+}
+
 /// Past the grace period, a pass still in a call keeps its lease: giving
 /// the record back at once would let another node call again while this
 /// call may still land. Records not started go back at once; the calls in
