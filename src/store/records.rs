@@ -376,7 +376,7 @@ where
             .await?
             .flatten();
         if let Some(p) = parent {
-            self.lock_records(&mut tx, &[p]).await?;
+            Self::lock_ids(&mut tx, &[p]).await?;
         }
         let rec = self.lock_found(&mut tx, req.record_id).await?;
         let mut deltas = CountDeltas::default();

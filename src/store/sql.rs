@@ -851,10 +851,9 @@ where
         tx: &mut Tx<DB>,
         ids: &[i64],
     ) -> StoreResult<std::collections::HashMap<i64, Record>> {
-        let sql = DB::statements().lock_records.get(|| format!(
-            "SELECT {RECORD_COLUMNS} FROM records WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{} ORDER BY id{}",
-            DB::ANY_OF.0, DB::DIALECT.rows(), DB::ANY_OF.1, DB::LOCK
-        ));
+        let sql = DB::statements()
+            .lock_records
+            .get(|| Self::lock_sql(RECORD_COLUMNS));
         let rows = sqlx::query(sql).bind_json(ids).fetch_all(&mut **tx).await?;
         let mut out = std::collections::HashMap::with_capacity(ids.len());
         for row in &rows {
@@ -862,6 +861,27 @@ where
             out.insert(rec.id, rec);
         }
         Ok(out)
+    }
+
+    /// Locks the records of `ids` in id order and reads nothing back: a
+    /// lock taken for its order alone, where [`Self::lock_records`] would
+    /// decode (and open the sealed input of) every row.
+    pub(crate) async fn lock_ids(tx: &mut Tx<DB>, ids: &[i64]) -> StoreResult<()> {
+        let sql = DB::statements().lock_ids.get(|| Self::lock_sql("id"));
+        sqlx::query(sql).bind_json(ids).fetch_all(&mut **tx).await?;
+        Ok(())
+    }
+
+    /// `columns` of the records of the ids in `$1` (a JSON array), their
+    /// rows locked in id order.
+    fn lock_sql(columns: &str) -> String {
+        format!(
+            "SELECT {columns} FROM records WHERE id {}SELECT CAST(value AS BIGINT) FROM {}{} ORDER BY id{}",
+            DB::ANY_OF.0,
+            DB::DIALECT.rows(),
+            DB::ANY_OF.1,
+            DB::LOCK
+        )
     }
 
     /// Makes the records of `ids` that are waiting due at `now`, and tells

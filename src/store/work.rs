@@ -531,7 +531,7 @@ where
             let mut held: Vec<i64> = intents.iter().map(|i| i.record_id).collect();
             held.sort_unstable();
             held.dedup();
-            self.lock_records(&mut tx, &held).await?;
+            Self::lock_ids(&mut tx, &held).await?;
         }
         let mut ids: Vec<StoreResult<i64>> = intents
             .iter()
