@@ -46,9 +46,9 @@ impl Committer {
     /// keys keeping it from paying twice.
     pub(crate) async fn commit(&self, commit: Commit) -> Option<Outcome> {
         let (done, wait) = oneshot::channel();
-        if let Err(mpsc::error::SendError(job)) = self.jobs.send(Job { commit, done }) {
+        if let Err(mpsc::error::SendError(mut job)) = self.jobs.send(Job { commit, done }) {
             // The task is gone (runtime shutting down): commit directly.
-            let result = self.db.commit(&job.commit).await;
+            let result = commit_alone(&self.db, &mut job.commit).await;
             return Some((job.commit, result));
         }
         wait.await.ok()
@@ -133,33 +133,46 @@ fn forget(busy: &mut HashSet<i64>, done: Result<Vec<i64>, JoinError>, idle: bool
     }
 }
 
+/// Writes `commits` in one transaction (every write of the committer goes
+/// through here). `Commit::new_steps` is a hint (naming none is always
+/// right): a group that fails on a run's key while some commit named runs
+/// new is written again naming none, so that no pass loses its replies.
+async fn commit_group(db: &Db, commits: &mut [Commit]) -> StoreResult<Vec<StoreResult<Record>>> {
+    match db.commit_many(commits).await {
+        Err(e) if e.is_key_taken() && commits.iter().any(|c| !c.new_steps.is_empty()) => {
+            tracing::error!(error = %e, group = commits.len(), "a step run named new was stored; writing the group again as upserts");
+            for c in commits.iter_mut() {
+                c.new_steps.clear();
+            }
+            db.commit_many(commits).await
+        }
+        written => written,
+    }
+}
+
+/// `c` alone, through [`commit_group`].
+async fn commit_alone(db: &Db, c: &mut Commit) -> StoreResult<Record> {
+    let record_id = c.lease.record_id;
+    let mut results = commit_group(db, std::slice::from_mut(c)).await?;
+    results
+        .pop()
+        .unwrap_or(Err(crate::store::StoreError::LeaseLost { record_id }))
+}
+
 /// Writes one group and answers each of its passes.
 async fn write(db: &Db, group: Vec<Job>, clock: &dyn Clock) {
     let (mut commits, waiters): (Vec<Commit>, Vec<_>) =
         group.into_iter().map(|j| (j.commit, j.done)).unzip();
     let started = clock.instant();
-    let mut first = db.commit_many(&commits).await;
-    // A step run named new that is stored (`Commit::new_steps`): the
-    // group again, upserting every run, so that no pass loses its replies.
-    if let Err(e) = &first
-        && e.is_key_taken()
-        && commits.iter().any(|c| !c.new_steps.is_empty())
-    {
-        tracing::error!(error = %e, group = commits.len(), "a step run named new was stored; writing the group again as upserts");
-        for c in &mut commits {
-            c.new_steps.clear();
-        }
-        first = db.commit_many(&commits).await;
-    }
-    let results = match first {
+    let results = match commit_group(db, &mut commits).await {
         Ok(results) => results,
         Err(e) if commits.len() == 1 => vec![Err(e)],
         Err(e) => {
             // One bad pass must not sink the others: one by one.
             tracing::warn!(error = %e, group = commits.len(), "group commit failed; committing one by one");
             let mut each = Vec::with_capacity(commits.len());
-            for c in &commits {
-                each.push(db.commit(c).await);
+            for c in &mut commits {
+                each.push(commit_alone(db, c).await);
             }
             each
         }
