@@ -59,7 +59,7 @@ impl Loop for Notifier {
             }
             if now >= tick {
                 tick = now + EVERY_MS;
-                self.start_rounds(&mut rounds, &stopping, None).await;
+                self.start_rounds(&mut rounds, &stopping, None);
             }
             let ended = tokio::select! {
                 biased;
@@ -68,7 +68,7 @@ impl Loop for Notifier {
                 () = i.clock.sleep_until(tick) => None,
             };
             if let Some((name, true)) = ended {
-                self.start_rounds(&mut rounds, &stopping, Some(&name)).await;
+                self.start_rounds(&mut rounds, &stopping, Some(&name));
             }
         }
         // Gates stop waiting; deliveries under way are settled.
@@ -112,10 +112,7 @@ impl Notifier {
     /// record's notices in order either way).
     pub async fn deliver_due(&self, stopping: &Stopping) -> Result<bool, StoreError> {
         let setup = self.engine.inner.setup();
-        let serving = self.serving(&setup).await?;
-        let rounds = serving
-            .into_iter()
-            .map(|(sub, rt)| self.deliver_to(sub, rt, stopping));
+        let rounds = configured(&setup).map(|(sub, rt)| self.round(sub, rt, stopping));
         let mut full = false;
         let mut failed = None;
         for round in futures_util::future::join_all(rounds).await {
@@ -133,53 +130,45 @@ impl Notifier {
         }
     }
 
-    /// The subscriptions to serve now: configured, with their provider,
-    /// and not turned off.
-    async fn serving<'a>(
+    /// One round of `sub`: nothing while it is turned off, else its
+    /// notices due now. Whether it is off is read in the round, so a slow
+    /// read delays this subscription's round only, never the deliveries
+    /// of the others under way.
+    async fn round(
         &self,
-        setup: &'a Setup,
-    ) -> Result<Vec<(&'a NotifyConfig, &'a Arc<ProviderRuntime>)>, StoreError> {
-        if setup.config.notify.is_empty() {
-            return Ok(Vec::new());
-        }
-        let off = self.engine.inner.db.subscription_states().await?;
-        Ok(setup
-            .config
-            .notify
+        sub: &NotifyConfig,
+        rt: &ProviderRuntime,
+        stopping: &Stopping,
+    ) -> Result<bool, StoreError> {
+        let states = self.engine.inner.db.subscription_states().await?;
+        if states
             .iter()
-            .filter(|sub| {
-                !off.iter()
-                    .any(|s| s.name == sub.name && s.disabled_at.is_some())
-            })
-            .filter_map(|sub| Some((sub, setup.providers.get(&sub.provider)?)))
-            .collect())
+            .any(|s| s.name == sub.name && s.disabled_at.is_some())
+        {
+            return Ok(false);
+        }
+        self.deliver_to(sub, rt, stopping).await
     }
 
-    /// Starts a round for each subscription to serve (or for `only`) that
-    /// has none under way. The round keeps the subscription and provider
-    /// it started with (a reload meanwhile applies to the next).
-    async fn start_rounds<'a>(
+    /// Starts a round for each configured subscription (or for `only`)
+    /// that has none under way. The round keeps the subscription and
+    /// provider it started with (a reload meanwhile applies to the next).
+    /// Reads nothing: the rounds under way are not polled while this runs.
+    fn start_rounds<'a>(
         &'a self,
         rounds: &mut Rounds<'a>,
         stopping: &'a Stopping,
         only: Option<&str>,
     ) {
         let setup = self.engine.inner.setup();
-        let serving = match self.serving(&setup).await {
-            Ok(serving) => serving,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot deliver notifications; retrying shortly");
-                return;
-            }
-        };
-        for (sub, rt) in serving {
+        for (sub, rt) in configured(&setup) {
             if only.is_some_and(|n| n != sub.name) || !rounds.names.insert(sub.name.clone()) {
                 continue;
             }
             let (sub, rt) = (sub.clone(), rt.clone());
             rounds.under_way.push(Box::pin(async move {
                 let full = self
-                    .deliver_to(&sub, &rt, stopping)
+                    .round(&sub, &rt, stopping)
                     .await
                     .unwrap_or_else(|e| {
                         tracing::warn!(subscription = %sub.name, error = %e, "a subscription's round failed");
@@ -400,6 +389,15 @@ impl Notifier {
 
 /// A delivery that failed: due again after the provider's backoff, or
 /// given up once the notice is `retry_for` old.
+/// The configured subscriptions, each with its provider.
+fn configured(setup: &Setup) -> impl Iterator<Item = (&NotifyConfig, &Arc<ProviderRuntime>)> {
+    setup
+        .config
+        .notify
+        .iter()
+        .filter_map(|sub| Some((sub, setup.providers.get(&sub.provider)?)))
+}
+
 fn failed(
     sub: &NotifyConfig,
     rt: &ProviderRuntime,
