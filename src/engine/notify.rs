@@ -112,7 +112,7 @@ impl Notifier {
     /// record's notices in order either way).
     pub async fn deliver_due(&self, stopping: &Stopping) -> Result<bool, StoreError> {
         let setup = self.engine.inner.setup();
-        let rounds = configured(&setup).map(|(sub, rt)| self.round(sub, rt, stopping));
+        let rounds = configured(&setup).map(|(sub, rt)| self.deliver_to(sub, rt, stopping));
         let mut full = false;
         let mut failed = None;
         for round in futures_util::future::join_all(rounds).await {
@@ -128,26 +128,6 @@ impl Notifier {
             Some(e) if !full => Err(e),
             _ => Ok(full),
         }
-    }
-
-    /// One round of `sub`: nothing while it is turned off, else its
-    /// notices due now. Whether it is off is read in the round, so a slow
-    /// read delays this subscription's round only, never the deliveries
-    /// of the others under way.
-    async fn round(
-        &self,
-        sub: &NotifyConfig,
-        rt: &ProviderRuntime,
-        stopping: &Stopping,
-    ) -> Result<bool, StoreError> {
-        let states = self.engine.inner.db.subscription_states().await?;
-        if states
-            .iter()
-            .any(|s| s.name == sub.name && s.disabled_at.is_some())
-        {
-            return Ok(false);
-        }
-        self.deliver_to(sub, rt, stopping).await
     }
 
     /// Starts a round for each configured subscription (or for `only`)
@@ -168,7 +148,7 @@ impl Notifier {
             let (sub, rt) = (sub.clone(), rt.clone());
             rounds.under_way.push(Box::pin(async move {
                 let full = self
-                    .round(&sub, &rt, stopping)
+                    .deliver_to(&sub, &rt, stopping)
                     .await
                     .unwrap_or_else(|e| {
                         tracing::warn!(subscription = %sub.name, error = %e, "a subscription's round failed");
@@ -180,8 +160,9 @@ impl Notifier {
     }
 
     /// Sends `sub`'s notices due now, unless its provider is paused or its
-    /// breaker open; as many at once as the provider's concurrency. True
-    /// when that many were due (more may be).
+    /// breaker open (or `sub` is turned off: the claim takes none); as many
+    /// at once as the provider's concurrency. True when that many were due
+    /// (more may be).
     async fn deliver_to(
         &self,
         sub: &NotifyConfig,
@@ -387,8 +368,6 @@ impl Notifier {
     }
 }
 
-/// A delivery that failed: due again after the provider's backoff, or
-/// given up once the notice is `retry_for` old.
 /// The configured subscriptions, each with its provider.
 fn configured(setup: &Setup) -> impl Iterator<Item = (&NotifyConfig, &Arc<ProviderRuntime>)> {
     setup
@@ -398,6 +377,8 @@ fn configured(setup: &Setup) -> impl Iterator<Item = (&NotifyConfig, &Arc<Provid
         .filter_map(|sub| Some((sub, setup.providers.get(&sub.provider)?)))
 }
 
+/// A delivery that failed: due again after the provider's backoff, or
+/// given up once the notice is `retry_for` old.
 fn failed(
     sub: &NotifyConfig,
     rt: &ProviderRuntime,

@@ -138,18 +138,21 @@ const NOTICE_COLUMNS: &str = "id, subscription, message_id, topic, subject, reco
 /// its subject waits). The head test is a probe of `notices_heads` per
 /// row read in due order (a correlated subquery: PostgreSQL does not turn
 /// it into a join over every pending notice, as it did `NOT EXISTS`),
-/// so a claim reads about as many rows as it takes.
+/// so a claim reads about as many rows as it takes. None while the
+/// subscription is turned off (a test made once per statement).
 const HEADS_DUE: &str = "SELECT n.id FROM notices n WHERE n.subscription = $1 \
      AND n.state = 'pending' AND n.next_at <= $2 AND n.id = (SELECT min(o.id) FROM notices o \
        WHERE o.subscription = n.subscription AND o.subject = n.subject \
-         AND o.state = 'pending')";
+         AND o.state = 'pending') \
+     AND NOT EXISTS (SELECT 1 FROM notify_subscriptions s WHERE s.name = $1 \
+       AND s.disabled_at IS NOT NULL)";
 
 /// The outbox of notifications.
 #[async_trait::async_trait]
 pub trait Notices: Send + Sync {
     /// Leases up to `limit` of `subscription`'s notices due at `now`, each
     /// the oldest pending one of its subject, until `until`: returned with
-    /// their new lease tokens.
+    /// their new lease tokens. None while the subscription is turned off.
     async fn claim_notices(
         &self,
         subscription: &str,
