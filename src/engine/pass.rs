@@ -540,6 +540,8 @@ impl Pass<'_> {
         };
         let mut wave_at = now;
         let mut may_start = true;
+        // Steps that ended while a checkpoint was being written.
+        let mut finished = std::collections::VecDeque::new();
         loop {
             if !wave.is_empty() {
                 let ctx = Arc::new(crate::pipeline::PassContext::new(step::context(
@@ -554,7 +556,11 @@ impl Pass<'_> {
                     running.push(started_step(call, states, wave_at));
                 }
             }
-            let Some(outs) = running.next().await else {
+            let next = match finished.pop_front() {
+                Some(outs) => Some(outs),
+                None => running.next().await,
+            };
+            let Some(outs) = next else {
                 break;
             };
             let mut ended = false;
@@ -569,7 +575,8 @@ impl Pass<'_> {
             // Only a success (or a skip) while siblings are still out
             // starts more in this pass; otherwise the verdict reschedules
             // the record.
-            let more = ended && may_start && !running.is_empty() && !self.stopping.is_set();
+            let out = !running.is_empty() || !finished.is_empty();
+            let more = ended && may_start && out && !self.stopping.is_set();
             if !more || !may_start_more(&pipeline.steps, states, progress.park.as_ref()) {
                 continue;
             }
@@ -581,7 +588,11 @@ impl Pass<'_> {
                 &has_deliveries,
                 &is_started,
             );
-            if !wave.is_empty() && !self.checkpoint(states, progress).await {
+            if !wave.is_empty()
+                && !self
+                    .checkpoint_beside(states, progress, &mut running, &mut finished)
+                    .await
+            {
                 // Not committed: nothing that needs the step may start.
                 wave.clear();
                 may_start = false;
@@ -751,6 +762,28 @@ impl Pass<'_> {
     /// Commits what the pass has done so far, keeping the lease; true when
     /// it landed. On failure the uncommitted attempts stay for the final
     /// commit (which a lost lease turns into kept history).
+    /// [`Self::checkpoint`], while the steps under way go on: a slow
+    /// commit does not hold up a sibling's call (its slot taken, its
+    /// request sent, a redirect followed or its body read before the
+    /// deadline). What they end meanwhile is kept in `finished`, in order.
+    async fn checkpoint_beside<'f>(
+        &self,
+        states: &HashMap<String, StepWrite>,
+        progress: &mut Progress,
+        running: &mut FuturesUnordered<futures_util::future::BoxFuture<'f, Vec<StepOutput>>>,
+        finished: &mut std::collections::VecDeque<Vec<StepOutput>>,
+    ) -> bool {
+        let committed = self.checkpoint(states, progress);
+        tokio::pin!(committed);
+        loop {
+            tokio::select! {
+                biased;
+                ok = &mut committed => return ok,
+                Some(outs) = running.next(), if !running.is_empty() => finished.push_back(outs),
+            }
+        }
+    }
+
     async fn checkpoint(
         &self,
         states: &HashMap<String, StepWrite>,

@@ -2307,6 +2307,110 @@ async fn postgres_a_step_starts_when_its_needs_are_met() {
     a_step_starts_when_its_needs_are_met(Backend::Postgres).await;
 }
 
+/// A checkpoint holds up no sibling still out: `a` ends while its sibling
+/// `b` waits for its provider's one slot, the checkpoint before `c` (which
+/// needs `a`) waits on the record's row (locked here), the slot frees, and
+/// `b`'s call goes out meanwhile. Before, the pass polled only the
+/// checkpoint: `b` kept its slot unused and its call unsent (and a reply
+/// under way sat unread, its redirect unfollowed, its body's rest read
+/// past the deadline). PostgreSQL only: a row lock stalls that one commit
+/// and nothing else (SQLite's one writer would stall every write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_checkpoint_holds_up_no_sibling() {
+    use sqlx::Connection as _;
+    let Some(t) = TestDb::migrated(Backend::Postgres, "beside").await else {
+        return;
+    };
+    let (mut p, mut q) = (
+        crate::helpers::Gate::spawn().await,
+        crate::helpers::Gate::spawn().await,
+    );
+    let provider = |name: &str, url: &str, extra: &str| {
+        format!(
+            r#"
+[providers.{name}]
+base_url = "{url}"
+timeout = "30s"
+{extra}
+[[providers.{name}.rules]]
+when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
+outcome = "success"
+"#
+        )
+    };
+    let step = |pipeline: &str, name: &str, provider: &str, extra: &str| {
+        format!(
+            r#"
+[[pipelines.{pipeline}.steps]]
+name = "{name}"
+provider = "{provider}"
+{extra}
+request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' }}
+"#
+        )
+    };
+    let text = [
+        provider("p", &p.url, "concurrency = 1"),
+        provider("q", &q.url, ""),
+        step("solo", "x", "p", ""),
+        step("fan", "a", "q", ""),
+        step("fan", "b", "p", ""),
+        step("fan", "c", "q", "needs = [\"a\"]"),
+    ]
+    .concat();
+    let mut opts = options("beside");
+    // A call waits for a slot a quarter of the lease: ample for the test.
+    opts.lease = Duration::from_secs(40);
+    let engine = Engine::new(t.db.clone(), parsed(&text), opts)
+        .await
+        .unwrap();
+    let (stop, run) = run_in_background(&engine);
+    let bound = Duration::from_secs(20);
+    let solo = Enqueue::new("solo", Some("x"), json!({}));
+    engine.enqueue(solo).await.unwrap();
+    let x = p.next(bound, "x, holding p's one slot").await;
+    let fan = Enqueue::new("fan", Some("f"), json!({}));
+    let id = engine.enqueue(fan).await.unwrap().record.id;
+    let a = q.next(bound, "a").await;
+    let mut lock = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut lock).await.unwrap();
+    sqlx::query("SELECT id FROM records WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .fetch_one(&mut lock)
+        .await
+        .unwrap();
+    a.release();
+    let mut watch = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let watch = tokio::sync::Mutex::new(&mut watch);
+    crate::helpers::poll_until("the checkpoint waiting on the row", bound, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND query LIKE '%FOR NO KEY UPDATE%'",
+        )
+        .fetch_one(&mut **watch.lock().await)
+        .await
+        .unwrap();
+        (waiting > 0).then_some(())
+    })
+    .await;
+    x.release();
+    let b = p.next(bound, "b, while the checkpoint waits").await;
+    sqlx::raw_sql("ROLLBACK").execute(&mut lock).await.unwrap();
+    b.release();
+    q.next(bound, "c, after the checkpoint").await.release();
+    crate::helpers::poll_until("the fan record succeeded", bound, || async {
+        let r = t.db.get_record(id).await.unwrap()?;
+        (r.state == RecordState::Succeeded).then_some(())
+    })
+    .await;
+    stop.cancel();
+    run.await.unwrap();
+    let attempts = t.db.attempts(id).await.unwrap();
+    let mut steps: Vec<&str> = attempts.iter().map(|a| a.step.as_str()).collect();
+    steps.sort_unstable();
+    assert_eq!(steps, ["a", "b", "c"]);
+}
+
 /// A provider that fails (500) until healed; healed, each call to
 /// `POST /v1/charge` is held until the test lets it answer (while `hold`
 /// is set) and then succeeds. Counts the calls that reach it.
