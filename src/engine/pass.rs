@@ -3,7 +3,7 @@
 //! in a checkpoint), and hand the record's verdict to the committer. What
 //! the steps' states mean for the record is `domain::pass`'s decision.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use futures_util::StreamExt;
@@ -541,7 +541,7 @@ impl Pass<'_> {
         let mut wave_at = now;
         let mut may_start = true;
         // Steps that ended while a checkpoint was being written.
-        let mut finished = std::collections::VecDeque::new();
+        let mut finished = VecDeque::new();
         loop {
             if !wave.is_empty() {
                 let ctx = Arc::new(crate::pipeline::PassContext::new(step::context(
@@ -759,9 +759,6 @@ impl Pass<'_> {
         found_all
     }
 
-    /// Commits what the pass has done so far, keeping the lease; true when
-    /// it landed. On failure the uncommitted attempts stay for the final
-    /// commit (which a lost lease turns into kept history).
     /// [`Self::checkpoint`], while the steps under way go on: a slow
     /// commit does not hold up a sibling's call (its slot taken, its
     /// request sent, a redirect followed or its body read before the
@@ -771,7 +768,7 @@ impl Pass<'_> {
         states: &HashMap<String, StepWrite>,
         progress: &mut Progress,
         running: &mut FuturesUnordered<futures_util::future::BoxFuture<'f, Vec<StepOutput>>>,
-        finished: &mut std::collections::VecDeque<Vec<StepOutput>>,
+        finished: &mut VecDeque<Vec<StepOutput>>,
     ) -> bool {
         let committed = self.checkpoint(states, progress);
         tokio::pin!(committed);
@@ -784,6 +781,9 @@ impl Pass<'_> {
         }
     }
 
+    /// Commits what the pass has done so far, keeping the lease; true when
+    /// it landed. On failure the uncommitted attempts stay for the final
+    /// commit (which a lost lease turns into kept history).
     async fn checkpoint(
         &self,
         states: &HashMap<String, StepWrite>,

@@ -2373,6 +2373,10 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' 
     let id = engine.enqueue(fan).await.unwrap().record.id;
     let a = q.next(bound, "a").await;
     let mut lock = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut lock)
+        .await
+        .unwrap();
     sqlx::raw_sql("BEGIN").execute(&mut lock).await.unwrap();
     sqlx::query("SELECT id FROM records WHERE id = $1 FOR UPDATE")
         .bind(id)
@@ -2383,10 +2387,12 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' 
     let mut watch = sqlx::PgConnection::connect(&t.url).await.unwrap();
     let watch = tokio::sync::Mutex::new(&mut watch);
     crate::helpers::poll_until("the checkpoint waiting on the row", bound, || async {
+        // The commit's lock read (claims skip locked rows; renewals update).
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND wait_event_type = 'Lock' AND query LIKE '%FOR NO KEY UPDATE%'",
+             AND $1 = ANY(pg_blocking_pids(pid)) AND query LIKE '%FOR NO KEY UPDATE%'",
         )
+        .bind(holder)
         .fetch_one(&mut **watch.lock().await)
         .await
         .unwrap();
