@@ -543,7 +543,8 @@ impl Pass<'_> {
         // Steps that ended while a checkpoint was being written.
         let mut finished = VecDeque::new();
         loop {
-            if !wave.is_empty() {
+            // A wave waits for the steps that ended during its checkpoint.
+            if !wave.is_empty() && finished.is_empty() {
                 let ctx = Arc::new(crate::pipeline::PassContext::new(step::context(
                     rec, states,
                 )));
@@ -577,7 +578,12 @@ impl Pass<'_> {
             // the record.
             let out = !running.is_empty() || !finished.is_empty();
             let more = ended && may_start && out && !self.stopping.is_set();
-            if !more || !may_start_more(&pipeline.steps, states, progress.park.as_ref()) {
+            let may = may_start_more(&pipeline.steps, states, progress.park.as_ref());
+            if !may {
+                // Nor does a wave waiting for it start.
+                wave.clear();
+            }
+            if !more || !may {
                 continue;
             }
             let is_started = |n: &str| started.contains(n);

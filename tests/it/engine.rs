@@ -2313,10 +2313,11 @@ async fn postgres_a_step_starts_when_its_needs_are_met() {
 /// `b`'s call goes out meanwhile. Before, the pass polled only the
 /// checkpoint: `b` kept its slot unused and its call unsent (and a reply
 /// under way sat unread, its redirect unfollowed, its body's rest read
-/// past the deadline). PostgreSQL only: a row lock stalls that one commit
-/// and nothing else (SQLite's one writer would stall every write).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_checkpoint_holds_up_no_sibling() {
+/// past the deadline). When `b` fails the record while the checkpoint
+/// waits, `c` is never called: its wave waits for the steps that ended
+/// meanwhile. PostgreSQL only: a row lock stalls that one commit and
+/// nothing else (SQLite's one writer would stall every write).
+async fn a_checkpoint_holds_up_no_sibling(b_fails: bool) {
     use sqlx::Connection as _;
     let Some(t) = TestDb::migrated(Backend::Postgres, "beside").await else {
         return;
@@ -2333,9 +2334,13 @@ base_url = "{url}"
 timeout = "30s"
 {extra}
 [[providers.{name}.rules]]
+when = {{ status = "2xx", field = "/id", equals = "ch_b" }}
+outcome = "{b}"
+[[providers.{name}.rules]]
 when = {{ status = "2xx", field = "/status", equals = "succeeded" }}
 outcome = "success"
-"#
+"#,
+            b = if b_fails { "fail" } else { "success" }
         )
     };
     let step = |pipeline: &str, name: &str, provider: &str, extra: &str| {
@@ -2366,8 +2371,8 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' 
         .unwrap();
     let (stop, run) = run_in_background(&engine);
     let bound = Duration::from_secs(20);
-    let solo = Enqueue::new("solo", Some("x"), json!({}));
-    engine.enqueue(solo).await.unwrap();
+    let solo = |key: &str| Enqueue::new("solo", Some(key), json!({}));
+    engine.enqueue(solo("x")).await.unwrap();
     let x = p.next(bound, "x, holding p's one slot").await;
     let fan = Enqueue::new("fan", Some("f"), json!({}));
     let id = engine.enqueue(fan).await.unwrap().record.id;
@@ -2401,20 +2406,42 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' 
     .await;
     x.release();
     let b = p.next(bound, "b, while the checkpoint waits").await;
-    sqlx::raw_sql("ROLLBACK").execute(&mut lock).await.unwrap();
     b.release();
-    q.next(bound, "c, after the checkpoint").await.release();
-    crate::helpers::poll_until("the fan record succeeded", bound, || async {
+    if b_fails {
+        // `b` has ended (its slot is free for `y`) before the checkpoint lands.
+        engine.enqueue(solo("y")).await.unwrap();
+        p.next(bound, "y, once b's slot is free").await.release();
+    }
+    sqlx::raw_sql("ROLLBACK").execute(&mut lock).await.unwrap();
+    let (state, steps) = match b_fails {
+        false => {
+            q.next(bound, "c, after the checkpoint").await.release();
+            (RecordState::Succeeded, vec!["a", "b", "c"])
+        }
+        true => (RecordState::Failed, vec!["a", "b"]),
+    };
+    crate::helpers::poll_until("the fan record ended", bound, || async {
         let r = t.db.get_record(id).await.unwrap()?;
-        (r.state == RecordState::Succeeded).then_some(())
+        (r.state == state).then_some(())
     })
     .await;
     stop.cancel();
     run.await.unwrap();
+    assert!(!q.has_waiting(), "c was called");
     let attempts = t.db.attempts(id).await.unwrap();
-    let mut steps: Vec<&str> = attempts.iter().map(|a| a.step.as_str()).collect();
-    steps.sort_unstable();
-    assert_eq!(steps, ["a", "b", "c"]);
+    let mut made: Vec<&str> = attempts.iter().map(|a| a.step.as_str()).collect();
+    made.sort_unstable();
+    assert_eq!(made, steps);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_checkpoint_holds_up_no_sibling() {
+    a_checkpoint_holds_up_no_sibling(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_sibling_failing_during_a_checkpoint_stops_its_wave() {
+    a_checkpoint_holds_up_no_sibling(true).await;
 }
 
 /// A provider that fails (500) until healed; healed, each call to
