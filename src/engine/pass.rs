@@ -576,7 +576,8 @@ impl Pass<'_> {
             // Only a success (or a skip) while siblings are still out
             // starts more in this pass; otherwise the verdict reschedules
             // the record.
-            let out = !running.is_empty() || !finished.is_empty();
+            // Out: running, ended during the checkpoint, or a wave waiting.
+            let out = !running.is_empty() || !finished.is_empty() || !wave.is_empty();
             let more = ended && may_start && out && !self.stopping.is_set();
             let may = may_start_more(&pipeline.steps, states, progress.park.as_ref());
             if !may {

@@ -2315,7 +2315,8 @@ async fn postgres_a_step_starts_when_its_needs_are_met() {
 /// under way sat unread, its redirect unfollowed, its body's rest read
 /// past the deadline). When `b` fails the record while the checkpoint
 /// waits, `c` is never called: its wave waits for the steps that ended
-/// meanwhile. PostgreSQL only: a row lock stalls that one commit and
+/// meanwhile; when `b` succeeds then, `d` (which needs it) starts beside
+/// `c` in the same pass. PostgreSQL only: a row lock stalls that one commit and
 /// nothing else (SQLite's one writer would stall every write).
 async fn a_checkpoint_holds_up_no_sibling(b_fails: bool) {
     use sqlx::Connection as _;
@@ -2361,6 +2362,7 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' 
         step("fan", "a", "q", ""),
         step("fan", "b", "p", ""),
         step("fan", "c", "q", "needs = [\"a\"]"),
+        step("fan", "d", "q", "needs = [\"b\"]"),
     ]
     .concat();
     let mut opts = options("beside");
@@ -2407,16 +2409,19 @@ request = {{ method = "POST", path = "/v1/charge", body = '{{"ref": "{name}"}}' 
     x.release();
     let b = p.next(bound, "b, while the checkpoint waits").await;
     b.release();
-    if b_fails {
-        // `b` has ended (its slot is free for `y`) before the checkpoint lands.
-        engine.enqueue(solo("y")).await.unwrap();
-        p.next(bound, "y, once b's slot is free").await.release();
-    }
+    // `b` has ended (its slot is free for `y`) before the checkpoint lands.
+    engine.enqueue(solo("y")).await.unwrap();
+    p.next(bound, "y, once b's slot is free").await.release();
     sqlx::raw_sql("ROLLBACK").execute(&mut lock).await.unwrap();
     let (state, steps) = match b_fails {
         false => {
-            q.next(bound, "c, after the checkpoint").await.release();
-            (RecordState::Succeeded, vec!["a", "b", "c"])
+            // `b` ended last while `c`'s wave waited: `d` (after `b`) starts
+            // in this pass too, both out at once.
+            let c = q.next(bound, "c, after the checkpoint").await;
+            let d = q.next(bound, "d, beside c").await;
+            c.release();
+            d.release();
+            (RecordState::Succeeded, vec!["a", "b", "c", "d"])
         }
         true => (RecordState::Failed, vec!["a", "b"]),
     };
