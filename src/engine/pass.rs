@@ -573,18 +573,17 @@ impl Pass<'_> {
             wave_at = i.clock.now_ms();
             let skipped = skip_blocked(&pipeline.steps, states, wave_at);
             progress.changed.extend(skipped);
-            // Only a success (or a skip) while siblings are still out
-            // starts more in this pass; otherwise the verdict reschedules
-            // the record.
-            // Out: running, ended during the checkpoint, or a wave waiting.
-            let out = !running.is_empty() || !finished.is_empty() || !wave.is_empty();
-            let more = ended && may_start && out && !self.stopping.is_set();
-            let may = may_start_more(&pipeline.steps, states, progress.park.as_ref());
-            if !may {
-                // Nor does a wave waiting for it start.
+            // Once the record parks or fails, no step starts (a waiting
+            // wave included). Only a success (or a skip) while siblings are
+            // still out (running, ended during the checkpoint, or in a
+            // waiting wave) starts more in this pass; otherwise the verdict
+            // reschedules the record.
+            if !may_start_more(&pipeline.steps, states, progress.park.as_ref()) {
                 wave.clear();
+                continue;
             }
-            if !more || !may {
+            let out = !running.is_empty() || !finished.is_empty() || !wave.is_empty();
+            if !(ended && may_start && out && !self.stopping.is_set()) {
                 continue;
             }
             let is_started = |n: &str| started.contains(n);
